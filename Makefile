@@ -1,0 +1,33 @@
+# The two set-up commands of the README: `make demo` (install + main job) and `make test`
+# (install + test suite). Both are idempotent and install into ./.venv.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Use a local wheel directory when the machine has one (it holds the CPU torch build).
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PIP := $(BIN)/python -m pip install -q $(FIND_LINKS) -c constraints.txt
+
+.PHONY: install demo test data lint
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+install: $(BIN)/python
+	$(PIP) -e ".[torch,test,plot,dev]"
+
+# Fashion-MNIST from Debian's package, when apt is there and the files are not.
+data:
+	@test -d /usr/share/datasets/fashion-mnist || \
+	  (command -v apt-get >/dev/null && (apt-get install -y dataset-fashion-mnist || \
+	   (apt-get update && apt-get install -y dataset-fashion-mnist))) || \
+	  echo "note: Fashion-MNIST not installed; pass --data-dir or see docs"
+
+demo: install data
+	$(BIN)/minips local --preset demo
+
+test: install data
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check minips tests scripts
+	$(BIN)/mypy minips
