@@ -1,0 +1,240 @@
+"""`minips` command line: server, group, worker, evaluator, local, plot.
+
+The CLI only parses flags into the config dataclasses of ``minips.config`` and calls one entry
+point per role; it holds no logic of its own. torch is imported lazily (workers, the evaluator and
+`local`), so `minips server` and `minips group` run on machines without it. The shared secret comes
+from the environment (MINIPS_TOKEN), never from a flag, so it does not show in `ps`.
+
+Run settings resolve in this order: RunConfig defaults, then ``--preset``, then explicit flags.
+Errors the user can fix (bad flag, unreachable address, wrong secret) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from minips.config import (
+    PRESETS,
+    GroupConfig,
+    LaunchConfig,
+    RunConfig,
+    ServerConfig,
+    WorkerConfig,
+    parse_address,
+    parse_slowdowns,
+)
+from minips.errors import MiniPSError
+
+__all__ = ["main", "build_parser", "run_config_from_args"]
+
+TOKEN_ENV = "MINIPS_TOKEN"
+
+# (flag, RunConfig field, type, help) for the run settings shared by `local` and `server`.
+RUN_FLAGS: list[tuple[str, str, Any, str]] = [
+    ("--model", "model", str, "model name (lenet5, resnet9, resnet18, vgg19, ...)"),
+    ("--dataset", "dataset", str, "data set (fashion-mnist, mnist, cifar10)"),
+    ("--data-dir", "data_dir", str, "directory of the data set files"),
+    ("--mode", "mode", str, "bsp | ssp | asp | gssp"),
+    ("--compressor", "compressor", str, "none | fp16 | topk | dgc | randomk | gdtopk | losscomp"),
+    ("--ratio", "ratio", float, "kept fraction of gradient coordinates (0..1]"),
+    ("--workers", "workers", int, "number of workers"),
+    ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
+    ("--staleness", "staleness", int, "SSP bound, clocks"),
+    ("--sync-every", "sync_every", int, "pushes between group <-> global exchanges"),
+    ("--batch-size", "batch_size", int, "samples per worker step"),
+    ("--lr", "lr", float, "learning rate"),
+    ("--momentum", "momentum", float, "SGD momentum"),
+    ("--weight-decay", "weight_decay", float, "L2 weight decay"),
+    ("--seed", "seed", int, "random seed"),
+    ("--epochs", "epochs", float, "budget: epochs over the training set (0 = none)"),
+    ("--wall-s", "wall_s", float, "budget: seconds of training (0 = none)"),
+    ("--max-steps", "max_steps", int, "cap on each worker's pushes (0 = none)"),
+    ("--base-step", "base_step_s", float, "emulated base step time, seconds"),
+    ("--eval-every", "eval_every_s", float, "evaluator period, seconds"),
+    ("--eval-limit", "eval_limit", int, "test samples per evaluation (0 = all)"),
+    ("--alpha", "gdtopk_alpha", float, "GDTopK ratio exponent"),
+    ("--direction", "gdtopk_direction", str, "GDTopK: slower-more | slower-less"),
+]
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), help="named set of defaults")
+    for flag, dest, typ, help_ in RUN_FLAGS:
+        p.add_argument(flag, dest=dest, type=typ, default=None,
+                       help=f"{help_} (default {getattr(RunConfig(), dest)})")
+
+
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
+    """RunConfig defaults, overridden by the preset, overridden by explicit flags."""
+    preset = PRESETS.get(getattr(args, "preset", None) or "", {})
+    values: dict[str, Any] = dict(preset.get("run", {}))
+    for _, dest, _, _ in RUN_FLAGS:
+        if getattr(args, dest, None) is not None:
+            values[dest] = getattr(args, dest)
+    return RunConfig(**values).validate()
+
+
+def _add_tls(p: argparse.ArgumentParser, *, server: bool, client: bool) -> None:
+    if server:
+        p.add_argument("--tls-cert", help="PEM certificate; enables TLS")
+        p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    if client:
+        p.add_argument("--tls-ca", help="CA file to verify the server; enables TLS")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `minips` argument parser with one sub-command per role."""
+    p = argparse.ArgumentParser(prog="minips", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    loc = sub.add_parser("local", help="a whole cluster on this machine")
+    _add_run_flags(loc)
+    loc.add_argument("--slowdown", type=parse_slowdowns, help="factors F per worker: 1,1,2x2,4")
+    loc.add_argument("--bandwidth", type=float, default=0.0, help="link cap, bytes/s (0 = none)")
+    loc.add_argument("--latency", type=float, default=0.0, help="added latency per send, s")
+    loc.add_argument("--out", default="runs", help="parent directory of the run directory")
+    loc.add_argument("--name", help="run directory name (default: time-mode-compressor)")
+    loc.add_argument("--timeout", type=float, default=0.0, help="hard stop, s (0 = budget+margin)")
+    loc.add_argument("--no-progress", action="store_true", help="no progress line")
+    loc.add_argument("--no-eval", action="store_true", help="do not start the evaluator")
+    loc.add_argument("--no-plot", action="store_true", help="do not draw PNGs at the end")
+
+    srv = sub.add_parser("server", help="the global server (numpy only)")
+    _add_run_flags(srv)
+    srv.add_argument("--host", default="0.0.0.0", help="listen address")
+    srv.add_argument("--port", type=int, default=7070, help="listen port (0 = any free)")
+    srv.add_argument("--run-dir", default="runs/server", help="metrics and final weights")
+    srv.add_argument("--init", help=".npy initial flat weights (default: from the first worker)")
+    srv.add_argument("--external-groups", type=int, default=0,
+                     help="group servers that connect as `minips group` (0 = in-process)")
+    srv.add_argument("--advertise", help="address workers use to reach in-process group servers")
+    srv.add_argument("--ready-file", help="write 'host port' here once listening")
+    srv.add_argument("--calib-timeout", type=float, default=60.0, help="grouping deadline, s")
+    srv.add_argument("--eval", action="store_true", help="also start an evaluator process")
+    _add_tls(srv, server=True, client=False)
+
+    grp = sub.add_parser("group", help="a group server near its workers (numpy only)")
+    grp.add_argument("--connect", required=True, help="global server HOST:PORT")
+    grp.add_argument("--listen", default="0.0.0.0:7071", help="HOST:PORT for workers")
+    grp.add_argument("--advertise", help="HOST workers use to reach this group server")
+    grp.add_argument("--run-dir", default="runs/group", help="metrics directory")
+    _add_tls(grp, server=True, client=True)
+
+    for name, help_ in (("worker", "a training worker (PyTorch)"),
+                        ("evaluator", "pulls the global weights and measures test accuracy")):
+        w = sub.add_parser(name, help=help_)
+        w.add_argument("--connect", required=True, help="global server HOST:PORT")
+        w.add_argument("--id", type=int, default=-1, help="worker id (-1 = assigned)")
+        w.add_argument("--slowdown", type=float, default=1.0, help="emulated factor F")
+        w.add_argument("--bandwidth", type=float, default=0.0, help="link cap, bytes/s")
+        w.add_argument("--latency", type=float, default=0.0, help="added latency per send, s")
+        w.add_argument("--run-dir", default=f"runs/{name}", help="metrics directory")
+        w.add_argument("--data-dir", help="data set directory on this machine")
+        w.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+        w.add_argument("--timeout", type=float, default=10.0, help="connect timeout, s")
+        _add_tls(w, server=False, client=True)
+
+    plt = sub.add_parser("plot", help="PNG charts from run directories")
+    plt.add_argument("run_dirs", nargs="+", help="run directories to draw")
+    plt.add_argument("--out", help="where to write the PNGs (default: the first run dir)")
+    return p
+
+
+def _token() -> str:
+    return os.environ.get(TOKEN_ENV, "")
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    from minips.launch import run_local
+
+    preset = PRESETS.get(args.preset or "", {})
+    run = run_config_from_args(args)
+    slowdowns = args.slowdown if args.slowdown is not None else list(preset.get("slowdowns", []))
+    if args.workers is None and args.slowdown:
+        run = dataclasses.replace(run, workers=len(slowdowns))
+    cfg = LaunchConfig(run=run, slowdowns=slowdowns, bandwidth_bps=args.bandwidth,
+                       latency_s=args.latency, out_dir=args.out, name=args.name,
+                       progress=not args.no_progress, evaluator=not args.no_eval,
+                       plot=not args.no_plot, timeout_s=args.timeout)
+    summary = run_local(cfg)
+    return 0 if summary.get("status", "done") == "done" else 1
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from minips.server import run_server
+
+    cfg = ServerConfig(run=run_config_from_args(args), host=args.host, port=args.port,
+                       token=_token(), tls_cert=args.tls_cert, tls_key=args.tls_key,
+                       run_dir=args.run_dir, init_path=args.init,
+                       external_groups=args.external_groups, advertise_host=args.advertise,
+                       calib_timeout_s=args.calib_timeout, ready_file=args.ready_file)
+    run_server(cfg, spawn_evaluator=args.eval)
+    return 0
+
+
+def _cmd_group(args: argparse.Namespace) -> int:
+    from minips.group import run_group_process
+
+    shost, sport = parse_address(args.connect)
+    host, port = parse_address(args.listen, 7071)
+    cfg = GroupConfig(server_host=shost, server_port=sport, host=host, port=port,
+                      advertise_host=args.advertise, token=_token(), tls_cert=args.tls_cert,
+                      tls_key=args.tls_key, tls_ca=args.tls_ca, run_dir=args.run_dir)
+    run_group_process(cfg)
+    return 0
+
+
+def _worker_config(args: argparse.Namespace) -> WorkerConfig:
+    host, port = parse_address(args.connect)
+    return WorkerConfig(server_host=host, server_port=port, token=_token(), tls_ca=args.tls_ca,
+                        worker_id=args.id, slowdown=args.slowdown, bandwidth_bps=args.bandwidth,
+                        latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
+                        torch_threads=args.threads, connect_timeout_s=args.timeout)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from minips.worker import run_worker
+
+    run_worker(_worker_config(args))
+    return 0
+
+
+def _cmd_evaluator(args: argparse.Namespace) -> int:
+    from minips.worker import run_evaluator
+
+    run_evaluator(_worker_config(args))
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from minips.plot import plot_runs
+
+    for path in plot_runs(args.run_dirs, out_dir=args.out):
+        print(path)
+    return 0
+
+
+COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
+            "worker": _cmd_worker, "evaluator": _cmd_evaluator, "plot": _cmd_plot}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `minips` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("minips: interrupted", file=sys.stderr)
+        return 130
+    except (MiniPSError, ConnectionError, OSError) as exc:
+        print(f"minips {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

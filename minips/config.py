@@ -1,0 +1,220 @@
+"""Configuration: one dataclass per role, filled by the CLI, checked once in ``validate()``.
+
+``RunConfig`` holds what every role of one training run must agree on (model, data, optimizer,
+mode, compressor, budget). The global server owns it and sends it to every client in
+WELCOME.info (``to_info`` / ``from_info``), so a worker or group server needs nothing but the
+global server's address and the shared secret. The other dataclasses hold what is local to one
+process (addresses, emulated slowness, files).
+
+Invariants: ``validate()`` raises ``ConfigError`` naming the field; ``from_info(to_info(c)) == c``.
+Units are in each field's comment; times are seconds, sizes bytes, rates bytes per second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from minips.errors import ConfigError
+
+__all__ = [
+    "MODES",
+    "PRESETS",
+    "RunConfig",
+    "ServerConfig",
+    "GroupConfig",
+    "WorkerConfig",
+    "LaunchConfig",
+    "parse_address",
+    "parse_slowdowns",
+]
+
+MODES = ("bsp", "ssp", "asp", "gssp")
+
+
+@dataclass
+class RunConfig:
+    """Settings shared by every role of one run; travels in WELCOME.info."""
+
+    model: str = "lenet5"  # models.build_model name
+    dataset: str = "fashion-mnist"  # data.load_dataset name
+    data_dir: str | None = None  # directory of the data files; None = the loader's default
+    batch_size: int = 64  # samples per worker step
+    lr: float = 0.05  # SGD learning rate, applied by the group servers
+    momentum: float = 0.9  # SGD momentum (group servers keep the velocity)
+    weight_decay: float = 5e-4  # L2 coefficient added to the gradient
+    mode: str = "gssp"  # bsp | ssp | asp | gssp
+    staleness: int = 3  # SSP bound s in clocks (bsp forces 0, asp has none)
+    groups: int = 0  # GSSP group count k; 0 = chosen from the gaps between step times
+    max_groups: int = 4  # upper bound on k when it is chosen automatically
+    sync_every: int = 4  # a group server exchanges with the global one every this many pushes
+    compressor: str = "none"  # sparse.make_compressor name
+    ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
+    compressor_opts: dict[str, Any] = field(default_factory=dict)  # extra compressor kwargs
+    gdtopk_alpha: float = 1.0  # exponent of the per-group ratio policy
+    gdtopk_direction: str = "slower-more"  # slower groups upload more (released code's choice)
+    seed: int = 0  # model init, data order, compressor sampling
+    workers: int = 4  # number of workers the global server waits for before grouping
+    base_step_s: float = 0.04  # emulated base step time; a step takes max(compute, F x this)
+    calib_steps: int = 3  # steps timed before a worker reports its speed
+    epochs: float = 0.0  # budget: epochs over the training set, all workers together; 0 = none
+    wall_s: float = 0.0  # budget: seconds of training; 0 = none
+    max_steps: int = 0  # per-worker cap on pushes; 0 = none (reference tests)
+    eval_every_s: float = 5.0  # evaluator pull period
+    eval_limit: int = 0  # test samples the evaluator uses; 0 = the whole test set
+    lease_s: float = 10.0  # a worker silent for this long no longer holds its group back
+    t0: float = 0.0  # unix time the run started (set by the global server)
+
+    def validate(self) -> RunConfig:
+        """Check value ranges; return self so calls chain."""
+        _check(self.mode in MODES, "mode", self.mode, f"one of {MODES}")
+        _check(self.batch_size > 0, "batch_size", self.batch_size, "> 0")
+        _check(self.lr > 0, "lr", self.lr, "> 0")
+        _check(0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
+        _check(self.staleness >= 0, "staleness", self.staleness, ">= 0")
+        _check(self.groups >= 0, "groups", self.groups, ">= 0")
+        _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
+        _check(0 < self.ratio <= 1, "ratio", self.ratio, "in (0, 1]")
+        _check(self.workers >= 1, "workers", self.workers, ">= 1")
+        _check(self.base_step_s >= 0, "base_step_s", self.base_step_s, ">= 0")
+        _check(self.epochs >= 0 and self.wall_s >= 0, "budget", (self.epochs, self.wall_s), ">= 0")
+        return self
+
+    @property
+    def staleness_bound(self) -> int | None:
+        """The SSP bound this mode uses: 0 for BSP, None (unbounded) for ASP."""
+        return {"bsp": 0, "asp": None}.get(self.mode, self.staleness)
+
+    @property
+    def fixed_groups(self) -> int:
+        """Group count: 1 for the single-group modes, ``groups`` (0 = auto) for GSSP."""
+        return self.groups if self.mode == "gssp" else 1
+
+    def to_info(self) -> dict[str, Any]:
+        """Plain map for WELCOME.info and config.json."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any]) -> RunConfig:
+        """Inverse of ``to_info``; unknown keys (from a newer server) are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in info.items() if k in names})
+
+
+@dataclass
+class ServerConfig:
+    """The global server process."""
+
+    run: RunConfig = field(default_factory=RunConfig)  # the run it serves
+    host: str = "127.0.0.1"  # listen address
+    port: int = 7070  # listen port; 0 = any free port
+    token: str = ""  # shared secret (MINIPS_TOKEN)
+    tls_cert: str | None = None  # PEM certificate file; None = plain TCP
+    tls_key: str | None = None  # PEM key file for tls_cert
+    run_dir: str = "runs/server"  # where metrics, config.json and final weights go
+    init_path: str | None = None  # .npy initial flat weights; None = take them from a worker
+    external_groups: int = 0  # group servers expected as separate processes; 0 = in-process
+    group_host: str = "127.0.0.1"  # listen address of in-process group servers
+    advertise_host: str | None = None  # address told to workers; None = group_host
+    calib_timeout_s: float = 60.0  # group the workers that reported after this long
+    ready_file: str | None = None  # write "host port" here once listening (launcher)
+    linger_s: float = 15.0  # after the budget, wait this long for the final evaluator pull
+
+
+@dataclass
+class GroupConfig:
+    """A group server running as its own process (`minips group`)."""
+
+    server_host: str = "127.0.0.1"  # global server address
+    server_port: int = 7070  # global server port
+    host: str = "0.0.0.0"  # listen address for this group's workers
+    port: int = 7071  # listen port; 0 = any free port
+    advertise_host: str | None = None  # address told to workers; None = host (or 127.0.0.1)
+    token: str = ""  # shared secret (MINIPS_TOKEN)
+    tls_cert: str | None = None  # PEM certificate to serve workers with
+    tls_key: str | None = None  # key for tls_cert
+    tls_ca: str | None = None  # CA file to verify the global server; None = plain TCP
+    run_dir: str = "runs/group"  # metrics directory
+    connect_timeout_s: float = 10.0  # give up on an unreachable global server after this
+
+
+@dataclass
+class WorkerConfig:
+    """One worker (or evaluator) process."""
+
+    server_host: str = "127.0.0.1"  # global server address
+    server_port: int = 7070  # global server port
+    token: str = ""  # shared secret (MINIPS_TOKEN)
+    tls_ca: str | None = None  # CA file to verify servers with; None = plain TCP
+    worker_id: int = -1  # requested id; -1 = the server picks the next free one
+    slowdown: float = 1.0  # emulated factor F: a step takes at least F x base_step_s
+    bandwidth_bps: float = 0.0  # emulated link rate on sends, bytes/s; 0 = unlimited
+    latency_s: float = 0.0  # emulated one-way latency added to every send
+    run_dir: str = "runs/worker"  # metrics directory
+    data_dir: str | None = None  # overrides the run's data_dir on this machine
+    torch_threads: int = 1  # intra-op threads; 1 keeps many workers off each other's cores
+    connect_timeout_s: float = 10.0  # give up on an unreachable server after this
+
+
+# Presets are named partial configs; CLI flags given explicitly override them.
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {
+        "run": {"model": "lenet5", "dataset": "fashion-mnist", "mode": "gssp",
+                "compressor": "gdtopk", "workers": 8, "epochs": 3.0, "wall_s": 150.0,
+                "staleness": 3, "sync_every": 4, "base_step_s": 0.04},
+        "slowdowns": [1, 1, 1.5, 1.5, 2, 2, 4, 4],
+    },
+}
+
+
+@dataclass
+class LaunchConfig:
+    """`minips local`: a whole cluster of processes on this machine."""
+
+    run: RunConfig = field(default_factory=RunConfig)  # the run's settings
+    slowdowns: list[float] = field(default_factory=list)  # factor F per worker; [] = all 1.0
+    bandwidth_bps: float = 0.0  # emulated link rate of every worker, bytes/s; 0 = unlimited
+    latency_s: float = 0.0  # emulated one-way latency of every worker
+    out_dir: str = "runs"  # parent of the run directory
+    name: str | None = None  # run directory name; None = mode-compressor-time
+    progress: bool = True  # draw the one-line progress display
+    evaluator: bool = True  # start the evaluator process
+    plot: bool = True  # draw the PNGs at the end
+    timeout_s: float = 0.0  # hard stop of the whole cluster; 0 = budget + a margin
+    grace_s: float = 5.0  # SIGTERM to SIGKILL delay when stopping children
+
+    def factors(self) -> list[float]:
+        """Slowdown factor of each of the run's workers (missing ones are 1.0)."""
+        given = list(self.slowdowns)[: self.run.workers]
+        return given + [1.0] * (self.run.workers - len(given))
+
+
+def parse_address(text: str, default_port: int = 7070) -> tuple[str, int]:
+    """'host:port', 'host' or ':port' → (host, port); raises ConfigError when malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, str(default_port)
+    try:
+        return host or "127.0.0.1", int(port)
+    except ValueError:
+        raise ConfigError(f"bad address {text!r}, expected HOST:PORT") from None
+
+
+def parse_slowdowns(text: str) -> list[float]:
+    """'1,1,2x2,4' → [1, 1, 2, 2, 4]; 'FxN' repeats F N times."""
+    out: list[float] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        factor, _, count = part.partition("x")
+        try:
+            out += [float(factor)] * int(count or 1)
+        except ValueError:
+            raise ConfigError(f"bad slowdown {part!r}, expected F or FxN") from None
+    if any(f <= 0 for f in out):
+        raise ConfigError(f"slowdown factors must be > 0, got {out}")
+    return out
+
+
+def _check(ok: bool, name: str, got: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"config field {name} = {got!r}, expected {expected}")
