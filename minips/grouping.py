@@ -1,0 +1,259 @@
+"""Grouping workers by speed: exact 1-D k-means on log step time, choice of k, regrouping.
+
+Plain numpy, no I/O and no clock: the global server passes in the step times it measured.
+
+- ``cluster_1d(values, k)``: the optimal split of the sorted log step times into ``k`` contiguous
+  clusters (least within-cluster squared error, found exactly by dynamic programming). Equal
+  values always land in the same cluster; group 0 is the fastest (smallest step time).
+- ``choose_k(values, max_k)``: the smallest k whose clusters are all *tight* — in every cluster
+  the slowest worker is at most ``max_ratio`` times slower than the fastest — so a group is
+  split exactly at the gaps that are wider than that tolerance. Near-equal speeds give k = 1.
+- ``assign_groups(step_times, k)``: ``{worker: group}`` from the two above.
+- ``Regrouper``: re-runs the grouping as step times drift, with hysteresis (smoothing, a margin
+  and a patience count) so that noise never makes a worker bounce between groups.
+- ``nearest_group(step_time, group_times)``: where a late joiner goes without regrouping.
+
+Logs are used because speed differences are ratios: 1 s vs 2 s is the same gap as 2 s vs 4 s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minips.errors import ConfigError
+
+__all__ = [
+    "cluster_1d",
+    "choose_k",
+    "assign_groups",
+    "group_times",
+    "nearest_group",
+    "Regrouper",
+    "DEFAULT_MAX_RATIO",
+]
+
+# Workers whose step times differ by at most 25% share a group. The reproduce profile
+# {1, 1, 1.5, 1.5, 2, 2, 4, 4} has its closest distinct speeds 2/1.5 = 1.33 apart: 4 groups.
+DEFAULT_MAX_RATIO = 1.25
+
+
+def _log_times(values: Sequence[float] | np.ndarray) -> np.ndarray:
+    x = np.asarray(values, dtype=np.float64)  # (n,) seconds per step
+    if x.ndim != 1 or x.size == 0:
+        raise ConfigError(f"need a non-empty 1-D list of step times, got shape {x.shape}")
+    if not np.all(np.isfinite(x)) or np.any(x <= 0):
+        raise ConfigError(f"step times must be finite and > 0, got {x.tolist()}")
+    return np.log(x)
+
+
+def _split_points(x: np.ndarray, w: np.ndarray, k: int) -> list[int]:
+    """Start index of each of the k clusters of sorted ``x`` (weights ``w``), least squared error.
+
+    ``x`` (m,) float64 sorted distinct; ``w`` (m,) counts. DP over prefix sums, O(k m^2).
+    """
+    m = x.size
+    s0 = np.concatenate([[0.0], np.cumsum(w)])  # (m+1,) prefix weight
+    s1 = np.concatenate([[0.0], np.cumsum(w * x)])
+    s2 = np.concatenate([[0.0], np.cumsum(w * x * x)])
+
+    def sse(i: np.ndarray, j: int) -> np.ndarray:  # error of clusters x[i:j] for each i
+        n, t = s0[j] - s0[i], s1[j] - s1[i]
+        return s2[j] - s2[i] - t * t / n
+
+    cost = np.full((k + 1, m + 1), np.inf)  # cost[c, j]: best error of x[:j] in c clusters
+    start = np.zeros((k + 1, m + 1), dtype=np.int64)  # where the last of those c clusters starts
+    cost[0, 0] = 0.0
+    for c in range(1, k + 1):
+        for j in range(c, m + 1):
+            i = np.arange(c - 1, j)  # the last cluster is x[i:j], non-empty
+            total = cost[c - 1, i] + sse(i, j)
+            best = int(np.argmin(total))  # first minimum: deterministic tie-break
+            cost[c, j], start[c, j] = total[best], i[best]
+    starts, j = [], m
+    for c in range(k, 0, -1):
+        j = int(start[c, j])
+        starts.append(j)
+    return starts[::-1]
+
+
+def cluster_1d(values: Sequence[float] | np.ndarray, k: int) -> np.ndarray:
+    """Labels ``(n,) int64`` of the optimal k-means split of log(values); 0 = smallest values.
+
+    Fewer than ``k`` labels are used when there are fewer distinct values than ``k``.
+    """
+    if k < 1:
+        raise ConfigError(f"k must be >= 1, got {k}")
+    x = _log_times(values)
+    distinct, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    k = min(k, distinct.size)
+    starts = _split_points(distinct, counts.astype(np.float64), k)
+    label_of_distinct = np.searchsorted(np.asarray(starts), np.arange(distinct.size), "right") - 1
+    return label_of_distinct[inverse.reshape(-1)].astype(np.int64)
+
+
+def _max_spread(x: np.ndarray, labels: np.ndarray) -> float:
+    """Widest cluster, as max - min of log values (log of the slowest/fastest ratio)."""
+    return max(float(np.ptp(x[labels == g])) for g in np.unique(labels))
+
+
+def choose_k(
+    values: Sequence[float] | np.ndarray, max_k: int = 4, *, max_ratio: float = DEFAULT_MAX_RATIO
+) -> int:
+    """Smallest k <= max_k whose clusters all stay within ``max_ratio`` (slowest / fastest).
+
+    When even ``max_k`` clusters are wider than that (speeds spread evenly, no clear gaps),
+    ``max_k`` is returned: it keeps the spread inside each group as small as allowed.
+    """
+    if max_ratio < 1:
+        raise ConfigError(f"max_ratio must be >= 1, got {max_ratio}")
+    x = _log_times(values)
+    top = min(max_k, np.unique(x).size)
+    for k in range(1, top + 1):
+        if _max_spread(x, cluster_1d(values, k)) <= math.log(max_ratio) + 1e-12:
+            return k
+    return max(top, 1)
+
+
+def assign_groups(
+    step_times: Mapping[int, float],
+    k: int | None = None,
+    max_k: int = 4,
+    *,
+    max_ratio: float = DEFAULT_MAX_RATIO,
+) -> dict[int, int]:
+    """``{worker: group}`` for the measured step times; ``k=None`` lets ``choose_k`` decide."""
+    workers = sorted(step_times)
+    if not workers:
+        return {}
+    times = [step_times[w] for w in workers]
+    if k is None:
+        k = choose_k(times, max_k, max_ratio=max_ratio)
+    labels = cluster_1d(times, k)
+    return {w: int(g) for w, g in zip(workers, labels, strict=True)}
+
+
+def group_times(step_times: Mapping[int, float], assignment: Mapping[int, int]) -> dict[int, float]:
+    """Typical step time of each group: the geometric mean of its members' step times."""
+    logs: dict[int, list[float]] = {}
+    for w, g in assignment.items():
+        if w in step_times:
+            logs.setdefault(g, []).append(math.log(step_times[w]))
+    return {g: math.exp(sum(v) / len(v)) for g, v in sorted(logs.items())}
+
+
+def nearest_group(step_time: float, group_times: Mapping[int, float]) -> int:
+    """The group whose typical step time is closest in log; ties go to the faster group."""
+    if not group_times:
+        raise ConfigError("no groups to choose from")
+    x = math.log(step_time)
+    # Distances are rounded so that a time exactly between two groups goes to the faster one.
+    return min(group_times, key=lambda g: (round(abs(x - math.log(group_times[g])), 9),
+                                           group_times[g], g))
+
+
+def _partition(assignment: Mapping[int, int]) -> set[frozenset[int]]:
+    members: dict[int, set[int]] = {}
+    for w, g in assignment.items():
+        members.setdefault(g, set()).add(w)
+    return {frozenset(m) for m in members.values()}
+
+
+@dataclass
+class Regrouper:
+    """Grouping that follows drifting speeds without flapping.
+
+    Each ``update(step_times)`` folds the new times into a per-worker moving average (in log).
+    The first call forms the groups. Later calls return a new ``{worker: group}`` only when the
+    current groups have been *out of shape* for ``patience`` consecutive updates, where out of
+    shape means, beyond ``margin`` (log units; 0.1 is about 10%):
+
+    - misplaced: a worker is nearer another group's centre (median log time) than its own;
+    - too wide (k chosen automatically, fewer than ``max_k`` groups): a group spans more than
+      ``max_ratio``;
+    - mergeable (k chosen automatically): two neighbouring groups together span less than it.
+
+    Otherwise it returns None. Workers missing from ``step_times`` are dropped; new ones are
+    placed with ``nearest_group`` (call ``place`` to learn their group at once).
+    """
+
+    k: int | None = None  # fixed number of groups; None = choose_k
+    max_k: int = 4  # most groups choose_k may form
+    max_ratio: float = DEFAULT_MAX_RATIO  # slowest / fastest allowed inside a group
+    margin: float = 0.1  # hysteresis, in log step time
+    patience: int = 5  # consecutive out-of-shape updates before regrouping
+    smoothing: float = 0.3  # weight of a new measurement in the moving average
+    assignment: dict[int, int] = field(default_factory=dict)
+    _log: dict[int, float] = field(default_factory=dict, repr=False)  # smoothed log step time
+    _streak: int = field(default=0, repr=False)
+
+    def update(self, step_times: Mapping[int, float]) -> dict[int, int] | None:
+        """Feed the latest step times; a new assignment when a regroup is due, else None."""
+        self._forget(step_times)
+        self._observe(step_times)
+        if not self._log:
+            return None
+        if not self.assignment:
+            self.assignment = assign_groups(self.smoothed(), self.k, self.max_k,
+                                            max_ratio=self.max_ratio)
+            return dict(self.assignment)
+        for w in self._log.keys() - self.assignment.keys():
+            self.assignment[w] = nearest_group(self.smoothed()[w], self.group_times())
+        self._streak = self._streak + 1 if self._out_of_shape() else 0
+        if self._streak < self.patience:
+            return None
+        self._streak = 0
+        candidate = assign_groups(self.smoothed(), self.k, self.max_k, max_ratio=self.max_ratio)
+        if _partition(candidate) == _partition(self.assignment):
+            return None
+        self.assignment = candidate
+        return dict(candidate)
+
+    def place(self, w: int, step_time: float) -> int:
+        """Put a late joiner into the nearest existing group (no regroup) and return it."""
+        self._observe({w: step_time})
+        self.assignment[w] = nearest_group(step_time, self.group_times()) if self.assignment else 0
+        return self.assignment[w]
+
+    def smoothed(self) -> dict[int, float]:
+        """The moving-average step time of every known worker, in seconds."""
+        return {w: math.exp(x) for w, x in self._log.items()}
+
+    def group_times(self) -> dict[int, float]:
+        """Typical (geometric mean) smoothed step time of each current group."""
+        return group_times(self.smoothed(), self.assignment)
+
+    def _forget(self, step_times: Mapping[int, float]) -> None:
+        for w in list(self._log):
+            if w not in step_times:
+                del self._log[w]
+                self.assignment.pop(w, None)
+
+    def _observe(self, step_times: Mapping[int, float]) -> None:
+        for w, t in step_times.items():
+            x = math.log(t)
+            old = self._log.get(w, x)
+            self._log[w] = old + self.smoothing * (x - old)
+
+    def _out_of_shape(self) -> bool:
+        members: dict[int, list[float]] = {}
+        for w, g in self.assignment.items():
+            members.setdefault(g, []).append(self._log[w])
+        centre = {g: float(np.median(v)) for g, v in members.items()}
+        for w, g in self.assignment.items():
+            own = abs(self._log[w] - centre[g])
+            if any(own - abs(self._log[w] - c) > self.margin for h, c in centre.items() if h != g):
+                return True
+        return self.k is None and self._wrong_count(members, centre)
+
+    def _wrong_count(self, members: dict[int, list[float]], centre: dict[int, float]) -> bool:
+        tol = math.log(self.max_ratio)
+        order = sorted(centre, key=lambda g: centre[g])  # fastest group first
+        spans = [(min(members[g]), max(members[g])) for g in order]  # log (fastest, slowest)
+        if len(spans) < self.max_k and any(hi - lo > tol + self.margin for lo, hi in spans):
+            return True
+        pairs = zip(spans[:-1], spans[1:], strict=True)
+        return any(slow[1] - fast[0] < tol - self.margin for fast, slow in pairs)

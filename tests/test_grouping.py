@@ -1,0 +1,159 @@
+"""Tests of minips.grouping: exact 1-D clustering, choice of k, regrouping with hysteresis."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from minips.errors import ConfigError
+from minips.grouping import (
+    Regrouper,
+    assign_groups,
+    choose_k,
+    cluster_1d,
+    group_times,
+    nearest_group,
+)
+
+
+def _brute_force_sse(values, k):
+    """Least within-cluster squared error of log(values) over every contiguous split."""
+    x = np.sort(np.log(values))
+    best = math.inf
+    for cuts in itertools.combinations(range(1, len(x)), k - 1):
+        parts = np.split(x, cuts)
+        best = min(best, sum(float(((p - p.mean()) ** 2).sum()) for p in parts))
+    return best
+
+
+def _sse(values, labels):
+    x = np.log(values)
+    return sum(float(((x[labels == g] - x[labels == g].mean()) ** 2).sum()) for g in set(labels))
+
+
+def test_obvious_groups_k3():
+    speeds = [1, 1, 1, 1, 2, 2, 4, 4]
+    assert cluster_1d(speeds, 3).tolist() == [0, 0, 0, 0, 1, 1, 2, 2]
+    steps = {10 + i: s for i, s in enumerate([4, 1, 2, 1, 4, 1, 2, 1])}
+    assert assign_groups(steps, k=3) == {10: 2, 11: 0, 12: 1, 13: 0, 14: 2, 15: 0, 16: 1, 17: 0}
+
+
+def test_cluster_1d_is_optimal_against_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        values = rng.lognormal(0.0, 0.8, size=int(rng.integers(3, 9)))
+        for k in (1, 2, 3):
+            labels = cluster_1d(values, k)
+            assert _sse(values, labels) == pytest.approx(_brute_force_sse(values, k), abs=1e-9)
+            # groups are numbered from fastest to slowest
+            means = [values[labels == g].mean() for g in range(labels.max() + 1)]
+            assert means == sorted(means)
+
+
+def test_cluster_1d_never_splits_equal_values_and_caps_k():
+    assert cluster_1d([3.0, 3.0, 3.0], 3).tolist() == [0, 0, 0]
+    assert cluster_1d([1.0, 2.0, 1.0, 2.0], 4).tolist() == [0, 1, 0, 1]
+    assert cluster_1d([5.0], 2).tolist() == [0]
+
+
+def test_choose_k():
+    assert choose_k([1, 1, 1.5, 1.5, 2, 2, 4, 4], max_k=4) == 4
+    assert choose_k([1, 1, 1, 1, 2, 2, 4, 4], max_k=4) == 3
+    assert choose_k([1.0, 1.03, 0.98, 1.1, 1.05, 0.97, 1.01, 1.08], max_k=4) == 1
+    assert choose_k([1, 1, 1.5, 1.5, 2, 2, 4, 4], max_k=2) == 2  # capped
+    # Evenly spread speeds have no clear gap: use as many groups as allowed.
+    assert choose_k(np.geomspace(1, 4, 16), max_k=4) == 4
+    # Groups of 4 over 16 workers, as in the paper's set-up.
+    assert choose_k([1] * 4 + [1.6] * 4 + [2.5] * 4 + [4] * 4, max_k=4) == 4
+
+
+def test_assign_groups_gssp_profile_forms_four_pairs():
+    steps = dict(enumerate([1, 1, 1.5, 1.5, 2, 2, 4, 4]))
+    groups = assign_groups(steps, k=None, max_k=4)
+    assert groups == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3}
+    assert assign_groups({}, None) == {}
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError):
+        cluster_1d([1.0, 0.0], 2)
+    with pytest.raises(ConfigError):
+        cluster_1d([1.0, float("nan")], 1)
+    with pytest.raises(ConfigError):
+        cluster_1d([1.0], 0)
+    with pytest.raises(ConfigError):
+        nearest_group(1.0, {})
+
+
+def test_nearest_group_and_group_times():
+    gt = group_times({0: 1.0, 1: 4.0, 2: 2.0, 3: 2.0}, {0: 0, 1: 0, 2: 1, 3: 1})
+    assert gt == pytest.approx({0: 2.0, 1: 2.0})
+    groups = {0: 1.0, 1: 2.0, 2: 4.0}
+    assert nearest_group(1.3, groups) == 0
+    assert nearest_group(3.5, groups) == 2
+    assert nearest_group(math.sqrt(2), groups) == 0  # exactly between in log: the faster one
+
+
+def _noisy(rng, base, sigma):
+    return {w: t * float(rng.lognormal(0.0, sigma)) for w, t in base.items()}
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_regrouper_does_not_flap_under_noise(k):
+    rng = np.random.default_rng(1234)
+    base = dict(enumerate([1, 1, 1, 1, 2, 2, 4, 4]))
+    r = Regrouper(k=k)
+    first = r.update(_noisy(rng, base, 0.02))  # calibration: the mean of a few steps
+    assert first == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 2, 7: 2}
+    changes = [r.update(_noisy(rng, base, 0.1)) for _ in range(500)]
+    assert changes.count(None) == 500
+
+
+def test_regrouper_does_not_flap_at_the_tolerance_boundary():
+    # Speeds 1.25x apart sit right on choose_k's tolerance: noise alone would flip k between
+    # 1 and 2 at every update; the hysteresis keeps whatever was chosen first.
+    rng = np.random.default_rng(7)
+    base = dict(enumerate([1, 1, 1, 1.25, 1.25, 1.25]))
+    r = Regrouper()
+    r.update(_noisy(rng, base, 0.05))
+    flips = sum(
+        choose_k(list(_noisy(rng, base, 0.05).values())) != choose_k(list(base.values()))
+        for _ in range(200)
+    )
+    assert flips > 20  # the raw rule does flap here
+    assert all(r.update(_noisy(rng, base, 0.05)) is None for _ in range(500))
+
+
+def test_regrouper_follows_a_lasting_drift_after_patience():
+    rng = np.random.default_rng(5)
+    base = dict(enumerate([1, 1, 1, 1, 2, 2, 4, 4]))
+    r = Regrouper(k=3)
+    r.update(base)
+    base[0] = 4.0  # worker 0's machine becomes busy for good
+    results = [r.update(_noisy(rng, base, 0.03)) for _ in range(30)]
+    changed = [i for i, a in enumerate(results) if a is not None]
+    assert len(changed) == 1 and changed[0] >= r.patience - 1  # after `patience` updates, once
+    assert results[changed[0]] == {0: 2, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 2, 7: 2}
+
+
+def test_regrouper_auto_k_merges_groups_that_converge():
+    base = dict(enumerate([1, 1, 4, 4]))
+    r = Regrouper(k=None, patience=2, smoothing=1.0)
+    assert r.update(base) == {0: 0, 1: 0, 2: 1, 3: 1}
+    same = {w: 1.0 for w in base}
+    assert r.update(same) is None
+    assert r.update(same) == {0: 0, 1: 0, 2: 0, 3: 0}
+
+
+def test_regrouper_late_joiner_and_leaver():
+    r = Regrouper(k=2)
+    r.update({0: 1.0, 1: 1.0, 2: 3.0, 3: 3.0})
+    assert r.place(4, 2.5) == 1
+    assert r.update({0: 1.0, 1: 1.0, 2: 3.0, 3: 3.0, 4: 2.6}) is None
+    assert r.update({0: 1.0, 2: 3.0, 3: 3.0, 4: 2.6}) is None  # 1 left: dropped, no regroup
+    assert set(r.assignment) == {0, 2, 3, 4}
+    assert r.update({0: 1.0, 2: 3.0, 3: 3.0, 4: 2.6, 5: 1.1}) is None
+    assert r.assignment[5] == 0
