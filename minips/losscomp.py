@@ -1,0 +1,149 @@
+"""LossComp, loss-voted compression: our reconstruction (the method's own text is not public).
+
+The worker calls ``observe_loss(loss_t)`` with the loss of step t (computed on weights that
+already contain the updates sent at steps < t), then ``compress(grad_t)``. State per worker:
+``votes`` v (n,) float32, the index sets sent at the last ``credit_lag`` steps, two moving
+averages of the loss, and a byte budget. The exact rules, with the defaults:
+
+1. Loss statistics. ``fast = EMA(loss, beta_fast=0.9)``, ``slow = EMA(loss, beta_slow=0.99)``
+   (both start at the first loss), ``noise = sqrt(EMA((loss - fast)^2, 0.99))``.
+2. Credit. ``z = clip((fast_before - loss) / noise, -3, 3)``: how far this loss came in below the
+   recent average, in units of the loss noise (a drop is a positive vote). Every coordinate sent
+   in the last ``credit_lag=1`` steps gets ``v[i] += z``.
+3. Decay. Before crediting, all votes are multiplied by ``exp(-1 / W)``, W = ``vote_window=1``
+   epoch in steps (steps per epoch measured from ``set_epoch``; ``steps_per_epoch=200`` until
+   then). Done lazily with one global scale, so a step costs O(k), not O(n).
+4. Selection. ``score = |acc| * (1 + vote_weight * clip(v / (vote_scale * rms), -1, 1))`` with
+   ``vote_weight=0.3``, ``vote_scale=2`` and ``rms`` the root mean square of the votes of the last
+   sent set; exactly the k best scores are sent (``acc`` = residual + gradient, error feedback
+   as in every compressor). So a good record raises a coordinate's chance by up to 30% and a
+   bad one lowers it by up to 30%; a coordinate never sent keeps a neutral score.
+5. Kept fraction. ``trend = (slow - fast) / noise`` is > 0 while the loss falls, about 0 when it
+   stalls and < 0 when it rises. ``ratio_t = target * 2 ** -clip(trend / trend_ref, -1, 1) *
+   2 ** clip(-debt / budget_horizon, -1, 1)``, clamped to ``target * [min_mult=0.25,
+   max_mult=4]``, with ``trend_ref=0.5``, ``budget_horizon=200`` steps and ``debt`` = sum over
+   past steps of ``(kept_t - target) / target``. The first factor shrinks the fraction (down to
+   half) while the loss falls steadily and grows it (up to double) when it stalls or rises; the
+   second is an integral controller that pays back over- or under-spending, so the average kept
+   fraction tracks ``ratio`` (the target), which makes comparisons at matched bytes fair.
+
+Without any ``observe_loss`` call LossComp is exactly Top-K with error feedback at ``ratio``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from minips.compressors import TopKCompressor
+from minips.errors import ConfigError
+
+__all__ = ["LossCompCompressor"]
+
+RENORM_BELOW = 1e-12  # fold the lazy decay scale into the votes before float32 loses range
+Z_CLIP = 3.0  # a single step's vote is at most this many noise units
+
+
+class LossCompCompressor(TopKCompressor):
+    """``losscomp``: top-k on magnitude x vote factor, with a loss-trend kept fraction."""
+
+    name = "losscomp"
+
+    def __init__(self, size: int, *, ratio: float = 0.01, vote_weight: float = 0.3,
+                 vote_scale: float = 2.0, vote_window: float = 1.0, steps_per_epoch: int = 200,
+                 credit_lag: int = 1, beta_fast: float = 0.9, beta_slow: float = 0.99,
+                 trend_ref: float = 0.5, budget_horizon: float = 200.0, min_mult: float = 0.25,
+                 max_mult: float = 4.0, **kw: Any) -> None:
+        super().__init__(size, ratio=ratio, **kw)
+        if not (0.0 <= vote_weight < 1.0 and vote_scale > 0 and vote_window > 0
+                and credit_lag >= 1 and 0 < min_mult <= 1.0 <= max_mult):
+            raise ConfigError("losscomp: bad vote or ratio parameters")
+        self.p = dict(vote_weight=vote_weight, vote_scale=vote_scale, vote_window=vote_window,
+                      beta_fast=beta_fast, beta_slow=beta_slow, trend_ref=trend_ref,
+                      budget_horizon=budget_horizon, min_mult=min_mult, max_mult=max_mult)
+        self.default_spe = steps_per_epoch
+        self.votes = np.zeros(size, np.float32)  # (n,) true votes = votes * vote_gain
+        self.vote_gain = 1.0  # lazy decay: one scalar instead of an O(n) multiply per step
+        self.sent: deque[np.ndarray] = deque(maxlen=credit_lag)  # recent index sets, int64
+        self.fast = self.slow = self.noise2 = math.nan
+        self.steps = 0  # observe_loss calls
+        self.debt = 0.0  # sum of (kept - target) / target over past compress calls
+        self._factor = np.empty(size, np.float32)  # (n,) scratch for the vote factor
+
+    # ------------------------------------------------------------------ loss -> votes
+
+    def observe_loss(self, loss: float) -> None:
+        loss = float(loss)
+        if not math.isfinite(loss):
+            return  # a NaN loss says nothing about which coordinates helped
+        if math.isnan(self.fast):
+            self.fast = self.slow = loss
+            self.noise2 = 0.0
+            return
+        z = self._update_stats(loss)
+        self._decay_votes()
+        for idx in self.sent:
+            self.votes[idx] += np.float32(z / self.vote_gain)
+        self.steps += 1
+
+    def _update_stats(self, loss: float) -> float:
+        """Update the loss averages; return this step's vote z (clipped noise units)."""
+        p = self.p
+        dev = loss - self.fast
+        self.noise2 = 0.99 * self.noise2 + 0.01 * dev * dev
+        noise = math.sqrt(self.noise2) + 1e-12
+        self.fast += (1.0 - p["beta_fast"]) * dev
+        self.slow += (1.0 - p["beta_slow"]) * (loss - self.slow)
+        return max(-Z_CLIP, min(Z_CLIP, -dev / noise))
+
+    def _decay_votes(self) -> None:
+        spe = self.steps / self.epoch if self.epoch >= 0.05 else self.default_spe
+        self.vote_gain *= math.exp(-1.0 / max(1.0, self.p["vote_window"] * spe))
+        if self.vote_gain < RENORM_BELOW:
+            self.votes *= np.float32(self.vote_gain)
+            self.vote_gain = 1.0
+
+    def vote_values(self) -> np.ndarray:
+        """(n,) float32 current (decayed) votes; a copy, for inspection and tests."""
+        return self.votes * np.float32(self.vote_gain)
+
+    # ------------------------------------------------------------------ ratio
+
+    def trend(self) -> float:
+        """(slow - fast) / noise: > 0 while the loss falls, ~0 on a plateau, < 0 when it rises."""
+        if math.isnan(self.fast) or self.noise2 <= 0.0:
+            return 0.0
+        return (self.slow - self.fast) / math.sqrt(self.noise2)
+
+    def current_ratio(self) -> float:
+        p = self.p
+        t = max(-1.0, min(1.0, self.trend() / p["trend_ref"]))
+        b = max(-1.0, min(1.0, -self.debt / p["budget_horizon"]))
+        mult = min(p["max_mult"], max(p["min_mult"], 2.0 ** (b - t)))
+        return min(1.0, self.ratio * mult)
+
+    # ------------------------------------------------------------------ selection
+
+    def _select(self, acc: np.ndarray, k: int) -> np.ndarray:
+        score = np.abs(acc, out=self._score)  # (n,) float32
+        if self.sent and self.p["vote_weight"] > 0.0:
+            last = self.votes[self.sent[-1]]
+            rms = float(np.sqrt(np.mean(np.square(last, dtype=np.float64)))) if last.size else 0.0
+            if rms > 0.0:
+                score *= self._vote_factor(rms)
+        idx = self.selector.select(score, k)
+        self.sent.append(idx)
+        self.debt += (idx.size / self.size - self.ratio) / self.ratio
+        return idx
+
+    def _vote_factor(self, rms_stored: float) -> np.ndarray:
+        """(n,) float32: 1 + vote_weight * clip(v / (vote_scale * rms), -1, 1)."""
+        f = self._factor
+        np.multiply(self.votes, np.float32(1.0 / (self.p["vote_scale"] * rms_stored)), out=f)
+        np.clip(f, -1.0, 1.0, out=f)
+        f *= np.float32(self.p["vote_weight"])
+        f += np.float32(1.0)
+        return f
