@@ -1,0 +1,108 @@
+"""SGD with momentum and weight decay on a flat float32 vector, in numpy (servers have no torch).
+
+The update is exactly ``torch.optim.SGD`` with ``dampening=0`` (tests/test_optim.py checks it
+against torch on the same sequence of gradients)::
+
+    d = g + weight_decay * w
+    v = momentum * v + d                      (v starts at 0, so the first v is d)
+    w = w - lr * (d + momentum * v)           if nesterov
+    w = w - lr * v                            otherwise
+
+A gradient is either dense, ``(n,) float32``, or sparse: any object with ``indices`` ``(k,)``
+integer, ``values`` ``(k,)`` float and ``size == n`` (``sparse.SparseGrad`` fits; this module does
+not import it). A sparse gradient means zeros elsewhere, so weight decay and momentum still touch
+every coordinate, as they would in torch. Repeated indices are summed.
+
+The state is plain arrays and numbers (``state_dict`` / ``load_state_dict``) so a checkpoint can
+store it without pickling.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from minips.errors import ConfigError
+
+__all__ = ["SGD", "SparseLike"]
+
+
+class SparseLike(Protocol):
+    """What ``SGD.step`` needs of a sparse gradient."""
+
+    indices: np.ndarray  # (k,) integer coordinates
+    values: np.ndarray  # (k,) gradient values there
+    size: int  # n, the length of the dense vector
+
+
+class SGD:
+    """Momentum SGD on one flat parameter vector of length ``size`` (see the module docstring)."""
+
+    def __init__(self, size: int, lr: float, momentum: float = 0.9, weight_decay: float = 5e-4,
+                 nesterov: bool = False) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ConfigError(f"lr, momentum, weight_decay must be >= 0, got "
+                              f"{lr}, {momentum}, {weight_decay}")
+        if nesterov and momentum <= 0:
+            raise ConfigError("nesterov needs momentum > 0 (as in torch)")
+        self.size = int(size)
+        self.lr = float(lr)  # may be changed between steps (a schedule)
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
+        self.nesterov = bool(nesterov)
+        self.velocity = np.zeros(self.size, dtype=np.float32)  # (n,) momentum buffer v
+        self.steps = 0  # updates applied so far
+        self._d = np.empty(self.size, dtype=np.float32)  # (n,) scratch: g + wd * w
+
+    def step(self, weights: np.ndarray, grad: np.ndarray | SparseLike) -> None:
+        """Apply one update to ``weights`` ``(n,) float32`` in place."""
+        if weights.shape != (self.size,) or weights.dtype != np.float32:
+            raise ConfigError(f"weights must be ({self.size},) float32, "
+                              f"got {weights.shape} {weights.dtype}")
+        d = self._decayed_grad(weights, grad)  # (n,) float32, aliases self._d
+        if self.momentum == 0:
+            weights -= self.lr * d
+        else:
+            v = self.velocity
+            v *= self.momentum
+            v += d
+            if self.nesterov:
+                d += self.momentum * v
+                weights -= self.lr * d
+            else:
+                weights -= np.multiply(v, self.lr, out=d)  # reuse the scratch: no (n,) temporary
+        self.steps += 1
+
+    def _decayed_grad(self, weights: np.ndarray, grad: np.ndarray | SparseLike) -> np.ndarray:
+        d = np.multiply(weights, self.weight_decay, out=self._d)  # (n,) float32
+        if isinstance(grad, np.ndarray):
+            if grad.shape != (self.size,):
+                raise ConfigError(f"dense gradient must be ({self.size},), got {grad.shape}")
+            d += grad
+            return d
+        if int(grad.size) != self.size:
+            raise ConfigError(f"sparse gradient size {grad.size} != {self.size}")
+        idx = np.asarray(grad.indices, dtype=np.int64)  # (k,)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.size):
+            raise ConfigError(f"sparse gradient index out of range [0, {self.size})")
+        np.add.at(d, idx, np.asarray(grad.values, dtype=np.float32))  # sums repeated indices
+        return d
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer state as plain values and one ``(n,) float32`` array (a copy)."""
+        return {"size": self.size, "lr": self.lr, "momentum": self.momentum,
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov,
+                "steps": self.steps, "velocity": self.velocity.copy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; a different vector size is a ``ConfigError``."""
+        velocity = np.asarray(state["velocity"], dtype=np.float32)
+        if int(state["size"]) != self.size or velocity.shape != (self.size,):
+            raise ConfigError(f"optimizer state is for size {state['size']}, not {self.size}")
+        self.lr = float(state["lr"])
+        self.momentum = float(state["momentum"])
+        self.weight_decay = float(state["weight_decay"])
+        self.nesterov = bool(state["nesterov"])
+        self.steps = int(state["steps"])
+        self.velocity = velocity.copy()
