@@ -1,0 +1,544 @@
+"""Data sets for minips workers: real loaders, download-and-verify, sharding, batch order.
+
+Real sets: MNIST and Fashion-MNIST from IDX files (gzip or raw), CIFAR-10 from its binary batches.
+Files are looked for in ``data_dir`` (when given), then ``~/.cache/minips/<name>`` (or
+``$MINIPS_CACHE_DIR/<name>``), then system directories (Fashion-MNIST: Debian's
+/usr/share/datasets/fashion-mnist). Missing files are downloaded into ``data_dir`` (or the cache)
+and refused unless their SHA-256 matches the pinned digest. If no real data can be had, a
+synthetic stand-in of the same shape is returned, announced with a WARNING and recorded in
+``meta["synthetic"]``; ``synthetic=True`` asks for it directly.
+
+Invariants:
+- ``Dataset.x`` is float32 (N, C, H, W), normalised per channel as ``(pixel/255 - mean) / std``;
+  ``Dataset.y`` is int64 (N,). 28x28 sets are zero-padded (pixel 0, before normalising) to
+  ``pad_to`` = 32 by default, the input LeNet-5 expects; ``pad_to=None`` keeps 28x28.
+- The "translation" set (the seq2seq task, generated in code) is the one exception:
+  ``x`` int64 (N, SRC_LEN) source tokens, ``y`` int64 (N, TGT_LEN) target tokens, see below.
+- Shards from ``shard_indices`` are disjoint, cover 0..n-1 and depend only on their arguments.
+- Batch order: ``iterate_batches(ds, idx, b, seed, epoch)`` permutes the shard ``idx`` with
+  ``numpy.random.default_rng([seed, epoch])`` and yields consecutive slices of ``b`` samples,
+  dropping the last partial batch, so every step sees exactly ``b`` samples. A worker's step k
+  uses its own epoch-local stream: epoch 0's batches, then epoch 1's, ... (``batch_stream``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import logging
+import os
+import tarfile
+import urllib.request
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minips.errors import ConfigError, DataError
+
+__all__ = [
+    "Dataset",
+    "DATASET_NAMES",
+    "load_dataset",
+    "download",
+    "fetch_file",
+    "read_idx",
+    "read_cifar_batch",
+    "cache_dir",
+    "make_synthetic_images",
+    "make_translation",
+    "shard_indices",
+    "num_batches",
+    "iterate_batches",
+    "batch_stream",
+    "PAD",
+    "BOS",
+    "EOS",
+]
+
+log = logging.getLogger(__name__)
+
+DOWNLOAD_TIMEOUT_S = 30.0  # per socket operation: an unreachable network fails fast
+MAX_DOWNLOAD_BYTES = 256 * 2**20  # largest pinned file is the 170 MB CIFAR-10 archive
+CHUNK_BYTES = 1 << 20  # download read size
+
+
+@dataclass
+class Dataset:
+    """Samples of one split: ``x`` (N, C, H, W) float32, ``y`` (N,) int64, ``meta`` dict."""
+
+    x: np.ndarray
+    y: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def subset(self, indices: np.ndarray) -> Dataset:
+        """A copy holding only ``indices`` (e.g. a worker's shard, to free the rest)."""
+        return Dataset(self.x[indices], self.y[indices], dict(self.meta, subset=len(indices)))
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How one real data set is stored, normalised and downloaded."""
+
+    kind: str  # "idx" or "cifar"
+    shape: tuple[int, int, int]  # (C, H, W) as stored
+    mean: tuple[float, ...]  # per channel, of pixel/255 over the training set
+    std: tuple[float, ...]
+    files: dict[str, tuple[str, ...]]  # split -> file names (IDX names without .gz)
+    url: str  # base URL of the pinned files
+    sha256: dict[str, str]  # downloaded file name -> digest
+    system_dirs: tuple[str, ...] = ()
+
+
+_IDX_FILES: dict[str, tuple[str, ...]] = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+_SPECS: dict[str, _Spec] = {
+    "fashion-mnist": _Spec(
+        "idx", (1, 28, 28), (0.2860,), (0.3530,), _IDX_FILES,
+        "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+        {
+            "train-images-idx3-ubyte.gz": "b0564c3eedabfbf835052cff8503ea422014ce006caf5b757f851416ee8300c7",  # noqa: E501
+            "train-labels-idx1-ubyte.gz": "0ae29f65d86684f32d1b9c85147786c547b9c6aebcaf235f0400a0cce308b056",  # noqa: E501
+            "t10k-images-idx3-ubyte.gz": "cc1d090a38ace84dfa1aa66e3ada7c336ef481a96936906477e6dd344da56eaa",  # noqa: E501
+            "t10k-labels-idx1-ubyte.gz": "8d3605d196f4be44669e46906da9733c8131fef761fdbfec72c424d5222f1a05",  # noqa: E501
+        },
+        ("/usr/share/datasets/fashion-mnist",),
+    ),
+    "mnist": _Spec(
+        "idx", (1, 28, 28), (0.1307,), (0.3081,), _IDX_FILES,
+        "https://ossci-datasets.s3.amazonaws.com/mnist/",
+        {
+            "train-images-idx3-ubyte.gz": "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",  # noqa: E501
+            "train-labels-idx1-ubyte.gz": "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",  # noqa: E501
+            "t10k-images-idx3-ubyte.gz": "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",  # noqa: E501
+            "t10k-labels-idx1-ubyte.gz": "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",  # noqa: E501
+        },
+        ("/usr/share/datasets/mnist",),
+    ),
+    "cifar10": _Spec(
+        "cifar", (3, 32, 32), (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616),
+        {"train": tuple(f"data_batch_{i}.bin" for i in range(1, 6)), "test": ("test_batch.bin",)},
+        "https://www.cs.toronto.edu/~kriz/",
+        {"cifar-10-binary.tar.gz": "c4a38c50a1bc5f3a1c5537f2155ab9d68f9f25eb1ed8d9ddda3db29a59bca1dd"},  # noqa: E501
+    ),
+}
+_CIFAR_SUBDIR = "cifar-10-batches-bin"  # the archive's top folder; also searched for
+DATASET_NAMES = ("fashion-mnist", "mnist", "cifar10", "synthetic", "translation")
+
+
+# ---------------------------------------------------------------- file formats
+
+_IDX_DTYPE = 0x08  # unsigned byte: the only element type MNIST-format files use
+
+
+def _read_bytes(path: Path) -> bytes:
+    """File contents, gunzipped when the file starts with the gzip magic."""
+    raw = path.read_bytes()
+    if raw[:2] != b"\x1f\x8b":
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (EOFError, OSError, zlib.error) as exc:
+        raise DataError(f"{path}: corrupt or truncated gzip data ({exc})") from exc
+
+
+def read_idx(path: str | Path, ndim: int) -> np.ndarray:
+    """Decode an IDX file (gzip or raw) of unsigned bytes with ``ndim`` dimensions -> uint8."""
+    path = Path(path)
+    data = _read_bytes(path)
+    if len(data) < 4 or data[:2] != b"\0\0" or data[2] != _IDX_DTYPE or data[3] != ndim:
+        raise DataError(
+            f"{path}: not an IDX file of {ndim}-D unsigned bytes "
+            f"(header {data[:4].hex() or 'empty'}, expected 0000080{ndim})"
+        )
+    head = 4 + 4 * ndim
+    if len(data) < head:
+        raise DataError(f"{path}: truncated IDX header ({len(data)} of {head} bytes)")
+    dims = tuple(int(d) for d in np.frombuffer(data, ">u4", ndim, 4))
+    need = head + int(np.prod(dims))
+    if len(data) != need:
+        raise DataError(f"{path}: IDX dims {dims} need {need} bytes, file has {len(data)}")
+    return np.frombuffer(data, np.uint8, offset=head).reshape(dims)
+
+
+_CIFAR_RECORD = 1 + 3 * 32 * 32  # label byte, then R, G, B planes of 32x32 row-major
+
+
+def read_cifar_batch(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Decode one CIFAR-10 binary batch -> (images (N, 3, 32, 32) uint8, labels (N,) uint8)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if not raw or len(raw) % _CIFAR_RECORD:
+        raise DataError(
+            f"{path}: size {len(raw)} is not a positive multiple of the "
+            f"{_CIFAR_RECORD}-byte CIFAR-10 record (truncated or not a CIFAR-10 batch)"
+        )
+    rec = np.frombuffer(raw, np.uint8).reshape(-1, _CIFAR_RECORD)
+    labels = rec[:, 0]
+    if labels.max() > 9:
+        raise DataError(f"{path}: label {int(labels.max())} outside 0..9 (corrupt record)")
+    return rec[:, 1:].reshape(-1, 3, 32, 32), labels
+
+
+# ---------------------------------------------------------------- locating and downloading
+
+
+def cache_dir(name: str) -> Path:
+    """Where downloads for ``name`` go: ``$MINIPS_CACHE_DIR/<name>`` or ~/.cache/minips/<name>."""
+    root = os.environ.get("MINIPS_CACHE_DIR") or Path.home() / ".cache" / "minips"
+    return Path(root) / name
+
+
+def _split_paths(spec: _Spec, split: str, folder: Path) -> list[Path] | None:
+    """Paths of a split's files in ``folder`` (IDX: .gz or raw), or None if any is missing."""
+    if spec.kind == "cifar" and not (folder / spec.files[split][0]).exists():
+        folder = folder / _CIFAR_SUBDIR
+    found = []
+    for fname in spec.files[split]:
+        options = [folder / (fname + ".gz"), folder / fname] if spec.kind == "idx" else [
+            folder / fname]
+        hit = next((p for p in options if p.is_file()), None)
+        if hit is None:
+            return None
+        found.append(hit)
+    return found
+
+
+def _search_dirs(name: str, spec: _Spec, data_dir: str | Path | None) -> list[Path]:
+    dirs = [Path(data_dir)] if data_dir is not None else []
+    return dirs + [cache_dir(name)] + [Path(d) for d in spec.system_dirs]
+
+
+def fetch_file(url: str, dest: Path, sha256: str, *, timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
+    """Download ``url`` to ``dest``, keeping it only if its SHA-256 is ``sha256``."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(dest.name + ".part")
+    digest = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp, open(part, "wb") as out:
+            total = 0
+            while chunk := resp.read(CHUNK_BYTES):
+                total += len(chunk)
+                if total > MAX_DOWNLOAD_BYTES:
+                    raise DataError(f"{url}: larger than {MAX_DOWNLOAD_BYTES} bytes, refused")
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() != sha256:
+            raise DataError(
+                f"{url}: SHA-256 mismatch, file refused (expected {sha256}, "
+                f"got {digest.hexdigest()})"
+            )
+        part.replace(dest)
+    finally:
+        part.unlink(missing_ok=True)
+    return dest
+
+
+def _extract_cifar(archive: Path, dest: Path) -> None:
+    """Copy only the known batch files out of the archive (never trust member paths)."""
+    wanted = {f"{_CIFAR_SUBDIR}/{f}" for f in (*_SPECS["cifar10"].files["train"], "test_batch.bin")}
+    (dest / _CIFAR_SUBDIR).mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar.getmembers():
+                src = tar.extractfile(member) if member.name in wanted else None
+                if src is not None:
+                    (dest / member.name).write_bytes(src.read())
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        raise DataError(f"{archive}: corrupt CIFAR-10 archive ({exc})") from exc
+
+
+def download(
+    name: str,
+    dest: str | Path,
+    *,
+    mirror: str | None = None,
+    checksums: dict[str, str] | None = None,
+) -> Path:
+    """Fetch the pinned files of ``name`` into ``dest``, verifying each SHA-256.
+
+    ``mirror`` replaces the official base URL (e.g. a local HTTP server); ``checksums``
+    replaces the pinned digests (tests serving their own files). Returns ``dest``.
+    """
+    spec = _spec(name)
+    dest = Path(dest)
+    for fname, digest in (checksums or spec.sha256).items():
+        url = (mirror or spec.url).rstrip("/") + "/" + fname
+        log.info("downloading %s -> %s", url, dest / fname)
+        fetch_file(url, dest / fname, digest)
+        if fname.endswith(".tar.gz"):
+            _extract_cifar(dest / fname, dest)
+            (dest / fname).unlink()
+    return dest
+
+
+def _spec(name: str) -> _Spec:
+    if name not in _SPECS:
+        raise ConfigError(f"unknown data set {name!r}; known: {', '.join(DATASET_NAMES)}")
+    return _SPECS[name]
+
+
+def _find_or_download(
+    name: str, split: str, data_dir: str | Path | None, do_download: bool, mirror: str | None
+) -> list[Path]:
+    spec = _spec(name)
+    dirs = _search_dirs(name, spec, data_dir)
+    for folder in dirs:
+        if (paths := _split_paths(spec, split, folder)) is not None:
+            return paths
+    target = dirs[0]
+    why = "downloads disabled"
+    if do_download:
+        try:
+            download(name, target, mirror=mirror or os.environ.get("MINIPS_DATA_MIRROR"))
+            if (paths := _split_paths(spec, split, target)) is not None:
+                return paths
+            why = "download did not produce the files"
+        except (OSError, DataError) as exc:
+            why = f"download from {mirror or spec.url} failed: {exc}"
+    names = ", ".join(sorted(spec.sha256)) + (" (gzip or raw IDX)" if spec.kind == "idx" else "")
+    raise DataError(
+        f"{name}: no {split} files found in {', '.join(map(str, dirs))}; {why}. "
+        f"Put {names} into {target} (or pass --data-dir DIR)."
+    )
+
+
+# ---------------------------------------------------------------- decoding and normalising
+
+
+def _normalise(u8: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """uint8 (N, C, H, W) -> float32 (pixel/255 - mean) / std per channel, in place on the copy."""
+    x = u8.astype(np.float32)  # (N, C, H, W) float32, one allocation
+    for c, (m, s) in enumerate(zip(mean, std, strict=True)):
+        x[:, c] *= np.float32(1.0 / (255.0 * s))
+        x[:, c] -= np.float32(m / s)
+    return x
+
+
+def _pad(u8: np.ndarray, pad_to: int | None) -> np.ndarray:
+    """Zero-pad (N, C, H, W) images centred to pad_to x pad_to (no-op when already that big)."""
+    h, w = u8.shape[-2:]
+    if pad_to is None or (h >= pad_to and w >= pad_to):
+        return u8
+    top, left = (pad_to - h) // 2, (pad_to - w) // 2
+    widths = ((0, 0), (0, 0), (top, pad_to - h - top), (left, pad_to - w - left))
+    return np.pad(u8, widths)
+
+
+def _decode(spec: _Spec, paths: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+    """Files of one split -> (images (N, C, H, W) uint8, labels (N,) int64), checked."""
+    if spec.kind == "idx":
+        images, labels = read_idx(paths[0], 3)[:, None], read_idx(paths[1], 1)
+        if len(images) != len(labels):
+            raise DataError(f"{paths[0]}: {len(images)} images but {paths[1]} has {len(labels)}")
+        if images.shape[1:] != spec.shape or labels.max(initial=0) > 9:
+            raise DataError(f"{paths[0]}: images {images.shape[1:]} / labels not as expected")
+    else:
+        parts = [read_cifar_batch(p) for p in paths]
+        images = np.concatenate([p[0] for p in parts])
+        labels = np.concatenate([p[1] for p in parts])
+    return images, labels.astype(np.int64)
+
+
+def _load_real(name: str, split: str, data_dir: str | Path | None, download: bool,
+               mirror: str | None, pad_to: int | None) -> Dataset:
+    spec = _spec(name)
+    paths = _find_or_download(name, split, data_dir, download, mirror)
+    images, labels = _decode(spec, paths)
+    x = _normalise(_pad(images, pad_to), spec.mean, spec.std)
+    meta = {"name": name, "split": split, "source": str(paths[0].parent), "synthetic": False,
+            "num_classes": 10}
+    return Dataset(x, labels, meta)
+
+
+# ---------------------------------------------------------------- synthetic data
+
+_SYNTH_SIZES = {"train": 10_000, "test": 2_000}  # stand-in sizes: quick to make and to learn
+_SYNTH_SEEDS = {"train": 1, "test": 2}  # different samples, same class templates
+
+
+def make_synthetic_images(
+    n: int, shape: tuple[int, int, int], num_classes: int = 10, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Learnable stand-in images: a fixed smooth template per class plus noise.
+
+    Returns (x (n, C, H, W) float32, roughly zero mean / unit variance, y (n,) int64).
+    Templates depend only on ``shape`` and ``num_classes``; ``seed`` picks the samples.
+    """
+    c, h, w = shape
+    trng = np.random.default_rng(12345)
+    coarse = trng.standard_normal((num_classes, c, 4, 4)).astype(np.float32)
+    # nearest-neighbour upsampling of a 4x4 pattern -> smooth (num_classes, C, H, W) templates
+    rows, cols = np.arange(h) * 4 // h, np.arange(w) * 4 // w
+    templates = coarse[:, :, rows][:, :, :, cols]
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, num_classes, n).astype(np.int64)
+    x = templates[y] + 1.5 * rng.standard_normal((n, c, h, w), dtype=np.float32)
+    return x / np.float32(1.8), y
+
+
+def _synthetic_stand_in(name: str, split: str, pad_to: int | None, reason: str) -> Dataset:
+    shape = _SPECS[name].shape if name in _SPECS else (1, 28, 28)
+    if pad_to is not None and shape[1] < pad_to:
+        shape = (shape[0], pad_to, pad_to)
+    x, y = make_synthetic_images(_SYNTH_SIZES[split], shape, 10, _SYNTH_SEEDS[split])
+    meta = {"name": name, "split": split, "source": "synthetic", "synthetic": True,
+            "num_classes": 10, "synthetic_reason": reason}
+    return Dataset(x, y, meta)
+
+
+# The seq2seq task. Source sentences are 3..SRC_LEN words over WORDS word ids; the
+# "translation" maps each word through a fixed bijection and reverses the word order, so the
+# decoder must attend to a position that moves with every output step.
+PAD, BOS, EOS = 0, 1, 2  # token ids shared by both vocabularies
+WORDS = 24  # word ids are 3 .. 3 + WORDS - 1
+VOCAB = 3 + WORDS  # size of the source and of the target vocabulary
+SRC_LEN, TGT_LEN = 10, 12  # padded lengths; target = BOS + up to 10 words + EOS
+_TRANSLATION_SIZES = {"train": 20_000, "test": 2_000}
+
+
+def make_translation(n: int, seed: int, exclude: set[bytes] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` sentence pairs -> (src (n, SRC_LEN) int64, tgt (n, TGT_LEN) int64), PAD-padded.
+
+    Pairs whose source is in ``exclude`` (``src_row.tobytes()``) are skipped, which keeps the
+    test split disjoint from the training split.
+    """
+    lexicon = 3 + np.random.default_rng(777).permutation(WORDS)  # word id -> target word id
+    rng = np.random.default_rng(seed)
+    src = np.zeros((n, SRC_LEN), np.int64)
+    tgt = np.zeros((n, TGT_LEN), np.int64)
+    i = 0
+    while i < n:
+        length = int(rng.integers(3, SRC_LEN + 1))
+        words = rng.integers(0, WORDS, length)
+        src[i, :length] = 3 + words
+        if exclude is not None and src[i].tobytes() in exclude:
+            src[i] = PAD
+            continue
+        tgt[i, 0], tgt[i, 1:length + 1], tgt[i, length + 1] = BOS, lexicon[words[::-1]], EOS
+        i += 1
+    return src, tgt
+
+
+def _translation(split: str) -> Dataset:
+    train_src, train_tgt = make_translation(_TRANSLATION_SIZES["train"], seed=11)
+    if split == "train":
+        src, tgt = train_src, train_tgt
+    else:
+        seen = {row.tobytes() for row in train_src}
+        src, tgt = make_translation(_TRANSLATION_SIZES["test"], seed=12, exclude=seen)
+    meta = {"name": "translation", "split": split, "source": "generated", "synthetic": True,
+            "src_vocab": VOCAB, "tgt_vocab": VOCAB, "pad": PAD}
+    return Dataset(src, tgt, meta)
+
+
+# ---------------------------------------------------------------- public loader
+
+
+def load_dataset(
+    name: str,
+    split: str,
+    data_dir: str | Path | None = None,
+    *,
+    download: bool = True,
+    synthetic: bool = False,
+    pad_to: int | None = 32,
+    mirror: str | None = None,
+    fallback: bool = True,
+) -> Dataset:
+    """Load ``split`` ("train" or "test") of data set ``name`` (see ``DATASET_NAMES``).
+
+    ``synthetic=True`` returns the stand-in without looking for files. Otherwise real files are
+    found or downloaded (module docstring); if that fails, ``fallback=True`` returns the
+    stand-in with a loud WARNING, ``fallback=False`` raises the ``DataError`` that says which
+    files to put where. "translation" is always generated; "synthetic" always synthetic.
+    """
+    if split not in ("train", "test"):
+        raise ConfigError(f"split must be 'train' or 'test', got {split!r}")
+    if name == "translation":
+        return _translation(split)
+    if name == "synthetic" or synthetic:
+        if name not in ("synthetic", *_SPECS):
+            _spec(name)  # raises ConfigError naming the known sets
+        log.warning("%s/%s: using SYNTHETIC data, as asked", name, split)
+        return _synthetic_stand_in(name, split, pad_to, "asked for")
+    try:
+        return _load_real(name, split, data_dir, download, mirror, pad_to)
+    except DataError as exc:
+        if not fallback:
+            raise
+        log.warning("!" * 72 + "\n!!! NO REAL DATA for %s/%s: %s\n!!! Training on a SYNTHETIC "
+                    "stand-in; results say nothing about %s.\n" + "!" * 72,
+                    name, split, exc, name)
+        return _synthetic_stand_in(name, split, pad_to, str(exc))
+
+
+# ---------------------------------------------------------------- sharding and batch order
+
+
+def _shard_bounds(n: int, num_workers: int, weights: Sequence[float] | None) -> np.ndarray:
+    """(num_workers + 1,) int64 cut points 0 = b0 <= b1 <= ... = n, sized by ``weights``."""
+    w = np.ones(num_workers) if weights is None else np.asarray(weights, np.float64)
+    if w.shape != (num_workers,) or not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ConfigError(f"weights must be {num_workers} positive numbers, got {weights!r}")
+    cuts = np.rint(np.cumsum(w) / w.sum() * n).astype(np.int64)
+    return np.concatenate([[0], cuts[:-1], [n]])
+
+
+def shard_indices(
+    n: int, worker_id: int, num_workers: int, seed: int, weights: Sequence[float] | None = None
+) -> np.ndarray:
+    """Worker ``worker_id``'s shard of samples 0..n-1 -> (m,) int64, sorted.
+
+    One permutation from ``seed`` is cut into ``num_workers`` consecutive pieces, piece sizes
+    proportional to ``weights`` (e.g. measured speeds; equal when None), so shards are disjoint
+    and together cover every sample.
+    """
+    if not 0 <= worker_id < num_workers:
+        raise ConfigError(f"worker_id {worker_id} not in 0..{num_workers - 1}")
+    perm = np.random.default_rng(seed).permutation(n)
+    bounds = _shard_bounds(n, num_workers, weights)
+    return np.sort(perm[bounds[worker_id]:bounds[worker_id + 1]]).astype(np.int64)
+
+
+def num_batches(shard_size: int, batch_size: int) -> int:
+    """Batches per epoch of a shard (the last partial batch is dropped)."""
+    return shard_size // batch_size
+
+
+def iterate_batches(
+    ds: Dataset, indices: np.ndarray, batch_size: int, seed: int, epoch: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield (x (b, ...) , y (b, ...)) batches of one epoch over ``indices``, in a fixed order.
+
+    The order is ``indices[default_rng([seed, epoch]).permutation(len(indices))]`` cut into
+    consecutive slices of ``batch_size``; the last partial slice is dropped.
+    """
+    if batch_size <= 0:
+        raise ConfigError(f"batch_size must be positive, got {batch_size}")
+    order = indices[np.random.default_rng([seed, epoch]).permutation(len(indices))]
+    for start in range(0, num_batches(len(order), batch_size) * batch_size, batch_size):
+        idx = order[start:start + batch_size]  # (b,) int64
+        yield ds.x[idx], ds.y[idx]
+
+
+def batch_stream(
+    ds: Dataset, indices: np.ndarray, batch_size: int, seed: int, start_epoch: int = 0
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Endless (epoch, x, y): epoch ``start_epoch``'s batches, then the next epoch's, ..."""
+    if num_batches(len(indices), batch_size) == 0:
+        raise ConfigError(f"shard of {len(indices)} samples has no full batch of {batch_size}")
+    epoch = start_epoch
+    while True:
+        for xb, yb in iterate_batches(ds, indices, batch_size, seed, epoch):
+            yield epoch, xb, yb
+        epoch += 1
