@@ -1,0 +1,127 @@
+"""Tests of minips.metrics: JSON-lines writer, run directory and summarize on a hand-made run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minips.metrics import JsonlWriter, RunDir, load_run, read_jsonl, summarize
+
+CONFIG = {"mode": "gssp", "compressor": "gdtopk", "model": "lenet5", "dataset": "fashion-mnist",
+          "workers": 2, "groups": 0, "seed": 0, "t0": 1000.0}
+
+
+def _lines(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _push(w, g, t, clock, staleness, wait):
+    return {"t": t, "worker": w, "group": g, "clock": clock, "loss": 2.0 - 0.1 * clock,
+            "step_time": 0.1 * (w + 1), "wait_s": wait, "waited_for": [], "staleness": staleness,
+            "bytes_raw": 4000, "bytes_wire": 100, "samples": 64, "kept_fraction": 0.01}
+
+
+def make_run(root: Path) -> Path:
+    """A small hand-written GSSP run: 2 workers in 2 groups, 4 evals, a killed worker file."""
+    (root / "config.json").write_text(json.dumps(CONFIG))
+    _lines(root / "eval.jsonl", [
+        {"t": 1.0, "version": 1, "samples": 128, "accuracy": 0.40, "loss": 1.9,
+         "bytes_up": 200, "bytes_down": 5000},
+        {"t": 3.0, "version": 5, "samples": 640, "accuracy": 0.72, "loss": 0.9,
+         "bytes_up": 1000, "bytes_down": 20000},
+        {"t": 5.0, "version": 9, "samples": 1152, "accuracy": 0.81, "loss": 0.6,
+         "bytes_up": 1800, "bytes_down": 40000},
+        {"t": 6.0, "version": 10, "samples": 1280, "accuracy": 0.79, "loss": 0.65,
+         "bytes_up": 2000, "bytes_down": 44000},
+    ])
+    _lines(root / "worker-0.jsonl", [_push(0, 0, 0.5 * c, c, 0, 0.0) for c in range(1, 11)])
+    _lines(root / "worker-1.jsonl", [_push(1, 1, 1.0 * c, c, 1, 0.2) for c in range(1, 6)])
+    with open(root / "worker-1.jsonl", "a") as f:
+        f.write('{"t": 5.5, "worker": 1, "clo')  # the process was killed mid-line
+    _lines(root / "group-0.jsonl", [{"t": 2.0, "group": 0, "version": 4, "pushes": 4,
+                                     "min_clock": 4, "max_clock": 4, "bytes_in": 400,
+                                     "bytes_out": 9000}])
+    _lines(root / "group-1.jsonl", [{"t": 2.0, "group": 1, "version": 2, "pushes": 2,
+                                     "min_clock": 2, "max_clock": 2, "bytes_in": 200,
+                                     "bytes_out": 7000}])
+    _lines(root / "global.jsonl", [{"t": 0.2, "event": "groups", "assignment": {"0": 0, "1": 1}},
+                                   {"t": 4.0, "event": "regroup"},
+                                   {"t": 6.5, "event": "done"}])
+    return root
+
+
+def test_summarize_hand_written_run(tmp_path):
+    s = summarize(make_run(tmp_path), targets=[0.5, 0.8, 0.9])
+    assert (s["mode"], s["compressor"], s["workers"], s["groups"]) == ("gssp", "gdtopk", 2, 2)
+    assert s["final_accuracy"] == 0.79 and s["best_accuracy"] == 0.81
+    assert s["final_loss"] == 0.65
+    assert s["wall_s"] == 6.5  # the "done" event
+    assert (s["samples"], s["bytes_up"], s["bytes_down"]) == (1280, 2000, 44000)
+    assert s["time_to_accuracy"] == {"0.50": 3.0, "0.80": 5.0, "0.90": None}
+    assert s["steps"] == 15  # the truncated line is skipped
+    assert s["mean_staleness"] == pytest.approx(5 / 15)
+    assert s["max_staleness"] == 1
+    assert s["mean_wait_s"] == pytest.approx(0.2 * 5 / 15)
+    assert s["mean_kept_fraction"] == pytest.approx(0.01)
+    assert s["bytes_raw"] == 15 * 4000 and s["regroups"] == 1 and s["eval_points"] == 4
+    assert s["samples_per_s"] == pytest.approx(1280 / 6.5)
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk == s
+
+
+def test_summarize_tolerates_missing_files(tmp_path):
+    (tmp_path / "worker-3.jsonl").write_text(json.dumps(_push(3, 0, 2.0, 1, 0, 0.5)) + "\n{bad")
+    s = summarize(tmp_path)
+    assert s["mode"] is None and s["final_accuracy"] is None and s["best_accuracy"] is None
+    assert s["workers"] == 1 and s["groups"] == 1 and s["wall_s"] == 2.0
+    # Without the evaluator's totals, traffic comes from the workers' own counts.
+    assert (s["samples"], s["bytes_up"], s["bytes_down"]) == (64, 100, None)
+    assert all(v is None for v in s["time_to_accuracy"].values())
+    (tmp_path / "empty").mkdir()
+    assert summarize(tmp_path / "empty", write=False)["steps"] == 0
+    assert not (tmp_path / "empty" / "summary.json").exists()
+    with pytest.raises(FileNotFoundError):
+        summarize(tmp_path / "nope")
+
+
+def test_summarize_ignores_nan_and_targets_from_config(tmp_path):
+    RunDir(tmp_path).write_config({"mode": "bsp", "targets": [0.3]})
+    _lines(tmp_path / "eval.jsonl", [{"t": 1.0, "accuracy": float("nan")},
+                                     {"t": 2.0, "accuracy": 0.35}])
+    s = summarize(tmp_path)
+    assert s["time_to_accuracy"] == {"0.30": 2.0} and s["best_accuracy"] == 0.35
+
+
+def test_jsonl_writer_adds_t_flushes_each_line_and_converts_numpy(tmp_path):
+    now = [1010.0]
+    w = JsonlWriter(tmp_path / "sub" / "worker-1.jsonl", t0=1000.0, clock=lambda: now[0])
+    w.write({"loss": np.float32(0.5), "clock": np.int64(3), "waited_for": np.array([1, 2])})
+    # Visible to a reader before close: the line was flushed.
+    assert read_jsonl(tmp_path / "sub" / "worker-1.jsonl") == [
+        {"t": 10.0, "loss": 0.5, "clock": 3, "waited_for": [1, 2]}]
+    now[0] = 1012.5
+    w.write({"t": 99.0, "x": 1})  # an explicit t is kept
+    w.write({"x": 2})
+    w.close()
+    assert [r["t"] for r in read_jsonl(w.path)] == [10.0, 99.0, 12.5]
+    with pytest.raises(ValueError):
+        w.write({"x": 3})
+    with pytest.raises(TypeError):
+        with JsonlWriter(tmp_path / "bad.jsonl") as bad:
+            bad.write({"x": object()})
+
+
+def test_run_dir_shares_t0_through_config(tmp_path):
+    server = RunDir(tmp_path / "run", t0=1234.5)
+    server.write_config({"mode": "ssp", "staleness": 3})
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["t0"] == 1234.5
+    worker = RunDir(tmp_path / "run")  # another process opening the same directory
+    assert worker.t0 == 1234.5
+    with worker.writer("worker-2") as w:
+        w.write({"clock": 1})
+    assert worker.file("eval") == tmp_path / "run" / "eval.jsonl"
+    run = load_run(tmp_path / "run")
+    assert list(run.workers) == [2] and run.config["staleness"] == 3 and run.label == "ssp"
