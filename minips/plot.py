@@ -1,0 +1,119 @@
+"""PNG charts from run directories (matplotlib, Agg backend, imported only when drawing).
+
+``plot_runs(run_dirs, out_dir)`` reads each run with ``metrics.load_run`` and writes:
+
+- ``accuracy_vs_time.png``: test accuracy against wall time, one line per run, labelled
+  ``mode/compressor``;
+- ``accuracy_vs_bytes.png``: test accuracy against the bytes workers uploaded (log axis when
+  the runs span more than 100x, as dense and sparse runs do);
+- ``<run>-workers.png`` for each run: every worker's clock and staleness over time, which
+  shows who waited for whom and how far apart the groups drifted.
+
+A chart with nothing to draw is not written. Figures are built with ``matplotlib.figure.Figure``
+(no pyplot global state), small (dpi 100), so a server process can draw without a display.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from minips.metrics import Run, load_run
+
+__all__ = ["plot_runs", "DPI"]
+
+DPI = 100  # keeps a chart around 30-80 KB
+SIZE = (7.0, 4.5)  # inches
+
+
+def _figure(rows: int = 1, height: float = SIZE[1]) -> tuple[Any, list[Any]]:
+    from matplotlib.figure import Figure  # lazy: servers never need matplotlib
+
+    fig = Figure(figsize=(SIZE[0], height), layout="constrained")
+    axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+    return fig, list(axes)
+
+
+def _labels(runs: Sequence[Run]) -> list[str]:
+    """``mode/compressor`` per run, with the directory name added where two would clash."""
+    plain = [r.label for r in runs]
+    return [f"{lab} ({r.path.name})" if plain.count(lab) > 1 else lab
+            for lab, r in zip(plain, runs, strict=True)]
+
+
+def _series(records: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    """The (x, y) pairs of records that have both as numbers."""
+    pairs = [(r.get(x), r.get(y)) for r in records]
+    ok = [(a, b) for a, b in pairs if isinstance(a, (int, float)) and isinstance(b, (int, float))]
+    return [float(a) for a, _ in ok], [float(b) for _, b in ok]
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI)
+    return path
+
+
+def _accuracy_chart(runs: Sequence[Run], x: str, xlabel: str, path: Path) -> Path | None:
+    fig, (ax,) = _figure()
+    drawn: list[float] = []
+    for run, label in zip(runs, _labels(runs), strict=True):
+        xs, ys = _series(run.eval, x, "accuracy")
+        if x.startswith("bytes"):
+            xs = [v / 1e6 for v in xs]  # MB
+        if xs:
+            ax.plot(xs, ys, marker=".", label=label)
+            drawn += xs
+    if not drawn:
+        return None
+    positive = [v for v in drawn if v > 0]
+    if positive and max(positive) > 100 * min(positive):
+        ax.set_xscale("log")
+    ax.set(xlabel=xlabel, ylabel="test accuracy", title=f"Accuracy vs {xlabel.split(' (')[0]}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def _workers_chart(run: Run, label: str, path: Path) -> Path | None:
+    if not any(run.workers.values()):
+        return None
+    fig, (ax_clock, ax_stale) = _figure(rows=2, height=6.0)
+    for w, records in sorted(run.workers.items(), key=lambda kv: str(kv[0])):
+        group = next((r.get("group") for r in records if r.get("group") is not None), None)
+        name = f"w{w}" + (f" (g{group})" if group is not None else "")
+        ax_clock.plot(*_series(records, "t", "clock"), label=name, lw=1.2)
+        ax_stale.plot(*_series(records, "t", "staleness"), lw=1.0, drawstyle="steps-post")
+    ax_clock.set(ylabel="clock (pushes)", title=f"Workers of {label}")
+    ax_stale.set(ylabel="staleness (steps)", xlabel="wall time (s)")
+    for ax in (ax_clock, ax_stale):
+        ax.grid(alpha=0.3)
+    ax_clock.legend(fontsize="x-small", ncol=4)
+    return _save(fig, path)
+
+
+def _unique_names(runs: Sequence[Run]) -> list[str]:
+    names = [r.path.resolve().name or "run" for r in runs]
+    return [f"{i}-{n}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def plot_runs(run_dirs: Iterable[str | os.PathLike[str]],
+              out_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Draw the charts of the module docstring; return the paths of the PNGs written.
+
+    ``out_dir`` defaults to the first run directory; it is created if needed.
+    """
+    runs = [load_run(d) for d in run_dirs]
+    if not runs:
+        return []
+    out = Path(out_dir) if out_dir is not None else runs[0].path
+    out.mkdir(parents=True, exist_ok=True)
+    written = [
+        _accuracy_chart(runs, "t", "wall time (s)", out / "accuracy_vs_time.png"),
+        _accuracy_chart(runs, "bytes_up", "bytes uploaded (MB)", out / "accuracy_vs_bytes.png"),
+    ]
+    labels = _labels(runs)
+    for run, label, name in zip(runs, labels, _unique_names(runs), strict=True):
+        written.append(_workers_chart(run, label, out / f"{name}-workers.png"))
+    return [p for p in written if p is not None]

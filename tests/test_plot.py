@@ -1,0 +1,68 @@
+"""Tests of minips.plot: PNG charts from run directories written with minips.metrics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minips.metrics import RunDir
+from minips.plot import plot_runs
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _make_run(path: Path, mode: str, compressor: str, bytes_per_push: int) -> Path:
+    """A tiny run written through the metrics API: 3 workers, 2 groups, 5 evaluations."""
+    rd = RunDir(path, t0=0.0)
+    rd.write_config({"mode": mode, "compressor": compressor, "workers": 3})
+    with rd.writer("eval") as ev:
+        for i in range(1, 6):
+            ev.write({"t": 2.0 * i, "version": i, "samples": 640 * i, "accuracy": 0.5 + 0.07 * i,
+                      "loss": 1.0 / i, "bytes_up": bytes_per_push * 10 * i,
+                      "bytes_down": 10**6 * i})
+    for w in range(3):
+        with rd.writer(f"worker-{w}") as wr:
+            for c in range(1, 4 * (3 - w)):
+                wr.write({"t": c * 0.8 * (w + 1), "worker": w, "group": min(w, 1), "clock": c,
+                          "staleness": w % 2, "wait_s": 0.0, "bytes_wire": bytes_per_push})
+    return path
+
+
+def _is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.timeout(120)
+def test_plot_runs_writes_small_pngs(tmp_path):
+    dense = _make_run(tmp_path / "bsp", "bsp", "none", 400_000)
+    sparse = _make_run(tmp_path / "gssp", "gssp", "gdtopk", 3_000)
+    paths = plot_runs([dense, sparse], tmp_path / "charts")
+    names = sorted(p.name for p in paths)
+    assert names == ["accuracy_vs_bytes.png", "accuracy_vs_time.png",
+                     "bsp-workers.png", "gssp-workers.png"]
+    for p in paths:
+        assert p.parent == tmp_path / "charts" and _is_png(p)
+        assert 5_000 < p.stat().st_size < 300_000
+
+
+@pytest.mark.timeout(120)
+def test_plot_defaults_to_first_run_dir_and_skips_empty_charts(tmp_path):
+    run = _make_run(tmp_path / "a", "ssp", "topk", 1000)
+    empty = tmp_path / "b"
+    empty.mkdir()
+    paths = plot_runs([run, empty])
+    assert {p.name for p in paths} == {"accuracy_vs_time.png", "accuracy_vs_bytes.png",
+                                       "a-workers.png"}
+    assert all(p.parent == run for p in paths)
+    assert plot_runs([empty], tmp_path / "out") == []
+    assert plot_runs([]) == []
+
+
+def test_importing_plot_does_not_import_matplotlib():
+    code = "import sys, minips.plot, minips.metrics; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip() == "False"
