@@ -282,7 +282,7 @@ class Push(Message):
     samples: int = _f(_int(), 0)
     encoding: str = _f(_text(MAX_NAME))  # meaning of buffers, defined by sparse.py
     codec: dict[str, Any] = _f(_map, factory=dict)
-    buffers: tuple[memoryview, ...] = _f(_buffers, ())
+    buffers: tuple[Any, ...] = _f(_buffers, ())  # bytes-like; held as flat memoryviews
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,7 +305,7 @@ class Weights(Message):
     version: int = _f(_int())
     encoding: str = _f(_text(MAX_NAME))
     codec: dict[str, Any] = _f(_map, factory=dict)
-    buffers: tuple[memoryview, ...] = _f(_buffers, ())
+    buffers: tuple[Any, ...] = _f(_buffers, ())  # bytes-like; held as flat memoryviews
     done: bool = _f(_bool, False)
     info: dict[str, Any] = _f(_map, factory=dict)
 

@@ -1,0 +1,375 @@
+"""Tests for minips.protocol: round trips of every message, decoding in pieces, limits, state
+machine and handshake, all without sockets."""
+
+from __future__ import annotations
+
+import struct
+
+import lz4.block
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minips import protocol as p
+from minips.errors import AuthError, LimitExceeded, LocalProtocolError, RemoteProtocolError
+
+# ---------------------------------------------------------------------------------------------
+# Strategies: one per message class, drawing every field from its valid range.
+
+ids = st.integers(-1, 2**63 - 1)
+uints = st.integers(0, 2**63 - 1)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+names = st.text(max_size=p.MAX_NAME)
+texts = st.text(max_size=200)
+nonces = st.binary(min_size=p.NONCE_BYTES, max_size=p.NONCE_BYTES)
+macs = st.one_of(st.just(b""), st.binary(min_size=p.MAC_BYTES, max_size=p.MAC_BYTES))
+prims = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), finite, texts,
+                  st.binary(max_size=64))
+trees = st.recursive(prims, lambda c: st.one_of(st.lists(c, max_size=4),
+                                                st.dictionaries(texts, c, max_size=4)),
+                     max_leaves=12)
+maps = st.dictionaries(names, trees, max_size=6)
+buffers = st.lists(st.binary(max_size=300), max_size=4).map(tuple)
+
+STRATEGIES = {
+    p.Hello: st.builds(p.Hello, version=st.integers(0, 255), role=st.sampled_from(p.ROLES),
+                       worker_id=ids, nonce=nonces, capabilities=st.lists(names, max_size=5),
+                       address=texts, group=ids),
+    p.Challenge: st.builds(p.Challenge, nonce=nonces),
+    p.Auth: st.builds(p.Auth, mac=macs),
+    p.Welcome: st.builds(p.Welcome, worker_id=ids, mac=macs, info=maps),
+    p.Refuse: st.builds(p.Refuse, code=names, reason=texts),
+    p.Assign: st.builds(p.Assign, group=uints, address=texts, ratio=st.floats(0, 1),
+                        staleness=ids),
+    p.Stats: st.builds(p.Stats, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
+                       samples=uints),
+    p.Push: st.builds(p.Push, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
+                      samples=uints, encoding=names, codec=maps, buffers=buffers),
+    p.Ack: st.builds(p.Ack, clock=uints, version=uints),
+    p.Pull: st.builds(p.Pull, clock=uints, since=ids),
+    p.Weights: st.builds(p.Weights, version=uints, encoding=names, codec=maps, buffers=buffers,
+                         done=st.booleans(), info=maps),
+    p.Heartbeat: st.builds(p.Heartbeat, seq=uints),
+    p.Leave: st.builds(p.Leave, reason=texts),
+    p.Error: st.builds(p.Error, code=names, reason=texts),
+}
+any_message = st.one_of(*STRATEGIES.values())
+
+
+def frame(msg: p.Message, **kw: object) -> bytes:
+    return b"".join(bytes(b) for b in p.encode(msg, **kw))  # type: ignore[arg-type]
+
+
+def test_every_kind_has_a_strategy() -> None:
+    assert set(STRATEGIES) == set(p.MESSAGE_TYPES.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(msg=any_message, compress=st.booleans())
+def test_round_trip_every_kind(msg: p.Message, compress: bool) -> None:
+    assert p.FrameDecoder().feed(frame(msg, compress=compress)) == [msg]
+
+
+@settings(max_examples=60, deadline=None)
+@given(msgs=st.lists(any_message, min_size=1, max_size=5))
+def test_decode_whole_bytewise_and_with_trailing_bytes(msgs: list[p.Message]) -> None:
+    data = b"".join(frame(m) for m in msgs)
+    assert p.FrameDecoder().feed(data) == msgs
+    dec = p.FrameDecoder()
+    got = [m for i in range(len(data)) for m in dec.feed(data[i:i + 1])]
+    assert got == msgs and not dec.in_frame
+    dec = p.FrameDecoder()
+    assert dec.feed(data + data[:7]) == msgs  # the start of a next frame waits for more
+    assert dec.in_frame
+    assert dec.feed(data[7:]) == msgs
+
+
+def test_large_buffers_round_trip_and_compress() -> None:
+    weights = np.arange(300_000, dtype=np.float32)  # 1.2 MB, over the direct-receive size
+    zeros = np.zeros(100_000, dtype=np.float32)  # compresses to almost nothing
+    msg = p.Weights(version=3, encoding="dense", buffers=(weights, zeros))
+    plain, packed = frame(msg), frame(msg, compress=True)
+    assert len(packed) < len(plain) - 390_000
+    for data in (plain, packed):
+        (got,) = p.FrameDecoder().feed(data)
+        assert isinstance(got, p.Weights)
+        assert np.array_equal(np.frombuffer(got.buffers[0], np.float32), weights)
+        assert not np.frombuffer(got.buffers[1], np.float32).any()
+
+
+def test_custom_alloc_receives_into_preallocated_array() -> None:
+    weights = np.linspace(0, 1, 50_000, dtype=np.float32)
+    target = np.empty_like(weights)
+    calls = []
+
+    def alloc(kind: p.Kind, index: int, nbytes: int) -> memoryview:
+        calls.append((kind, index, nbytes))
+        return target.data.cast("B")
+
+    dec = p.FrameDecoder(alloc=alloc)
+    data = frame(p.Weights(version=1, encoding="dense", buffers=(weights,)))
+    for i in range(0, len(data), 70_001):  # the zero-copy pair, in uneven chunks
+        chunk = data[i:i + 70_001]
+        got: list[p.Message] = []
+        while chunk:
+            room = dec.get_buffer()
+            n = min(len(room), len(chunk))
+            room[:n], chunk = chunk[:n], chunk[n:]
+            got += dec.buffer_updated(n)
+    assert calls == [(p.Kind.WEIGHTS, 0, weights.nbytes)] and isinstance(got[0], p.Weights)
+    assert np.array_equal(target, weights)
+    assert np.shares_memory(np.frombuffer(got[0].buffers[0], np.uint8), target)
+
+
+def test_alloc_must_return_a_big_enough_writable_buffer() -> None:
+    dec = p.FrameDecoder(alloc=lambda kind, i, n: b"x" * n)
+    with pytest.raises(LocalProtocolError):
+        dec.feed(frame(p.Push(clock=0, encoding="d", buffers=(b"abc",))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Field validation
+
+
+@pytest.mark.parametrize("make", [
+    lambda: p.Ack(clock=-1),
+    lambda: p.Ack(clock=True),
+    lambda: p.Ack(clock=2**63),
+    lambda: p.Stats(clock=0, step_time=float("nan"), loss=0.0),
+    lambda: p.Stats(clock=0, step_time=-1.0, loss=0.0),
+    lambda: p.Assign(group=0, address="", ratio=1.5, staleness=0),
+    lambda: p.Hello(role="boss", nonce=bytes(32)),
+    lambda: p.Hello(nonce=bytes(31)),
+    lambda: p.Leave(reason="x" * (p.MAX_TEXT + 1)),
+    lambda: p.Welcome(worker_id=0, mac=b"", info={1: 2}),  # type: ignore[dict-item]
+    lambda: p.Welcome(worker_id=0, mac=b"", info={"a": object()}),
+    lambda: p.Push(clock=0, encoding="d", buffers=(np.zeros((4, 4))[:, 0],)),
+    lambda: p.Push(clock=0, encoding="d", buffers=(b"",) * (p.MAX_BUFFERS + 1)),
+    lambda: p.Weights(version=0, encoding="d", done=1),  # type: ignore[arg-type]
+])
+def test_invalid_fields_are_local_errors(make: object) -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        make()  # type: ignore[operator]
+    assert info.value.expected is not None
+
+
+def test_buffers_are_flat_views_without_copy() -> None:
+    arr = np.ones((3, 4), dtype=np.float32)
+    msg = p.Push(clock=0, encoding="dense", buffers=(arr,))
+    assert msg.buffers[0].nbytes == 48 and msg.buffers[0].format == "B"
+    assert np.shares_memory(np.frombuffer(msg.buffers[0], np.uint8), arr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed frames and limits
+
+
+def raw_frame(kind: int, meta: object, *, version: int = p.PROTOCOL_VERSION, magic: bytes = p.MAGIC,
+              entries: tuple[tuple[int, int, int], ...] = (), body: bytes = b"", flags: int = 0,
+              body_len: int | None = None) -> bytes:
+    packed = msgpack.packb(meta, use_bin_type=True)
+    table = b"".join(p.TABLE_ENTRY.pack(*e) for e in entries)
+    blen = len(body) if body_len is None else body_len
+    return p.PREFIX.pack(magic, version, kind, len(entries), flags, len(packed), blen) + table \
+        + packed + body
+
+
+ACK = {"clock": 1, "version": 2}
+PUSH = {"clock": 1, "step_time": 0.0, "loss": 0.0, "samples": 0, "encoding": "d", "codec": {}}
+
+
+def test_raw_frame_helper_matches_encoder() -> None:
+    assert raw_frame(p.Kind.ACK, ACK) == frame(p.Ack(clock=1, version=2))
+
+
+@pytest.mark.parametrize("data, what", [
+    (raw_frame(p.Kind.ACK, ACK, magic=b"HTTP"), "magic"),
+    (raw_frame(99, ACK), "kind"),
+    (raw_frame(p.Kind.ACK, ACK, version=2), "version"),
+    (raw_frame(p.Kind.ACK, ACK, flags=1), "flags"),
+    (raw_frame(p.Kind.ACK, {"clock": 1}), "keys"),
+    (raw_frame(p.Kind.ACK, {**ACK, "extra": 0}), "keys"),
+    (raw_frame(p.Kind.ACK, {"clock": "1", "version": 2}), "ACK"),
+    (raw_frame(p.Kind.ACK, [1, 2]), "not a map"),
+    (raw_frame(p.Kind.ACK, ACK, entries=((0, 3, 3),), body=b"abc"), "no buffers"),
+    (raw_frame(p.Kind.PUSH, PUSH, entries=((2, 3, 3),), body=b"abc"), "codec"),
+    (raw_frame(p.Kind.PUSH, PUSH, entries=((0, 3, 4),), body=b"abc"), "raw"),
+    (raw_frame(p.Kind.PUSH, PUSH, entries=((0, 3, 3),), body=b"abcd"), "add up"),
+    (raw_frame(p.Kind.PUSH, PUSH, entries=((1, 3, 100),), body=b"abc"), "lz4"),
+    (raw_frame(p.Kind.HEARTBEAT, {"seq": 0}) [:-1] + b"\xc1", "msgpack"),
+])
+def test_malformed_frames_are_remote_errors(data: bytes, what: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=what):
+        p.FrameDecoder().feed(data)
+
+
+def test_lz4_output_must_match_announced_size() -> None:
+    packed = lz4.block.compress(bytes(10_000), store_size=False)
+    data = raw_frame(p.Kind.PUSH, PUSH, entries=((1, len(packed), 5_000),), body=packed)
+    with pytest.raises(RemoteProtocolError, match="lz4"):
+        p.FrameDecoder().feed(data)
+
+
+def test_hello_refuse_error_decode_in_any_version() -> None:
+    hello = p.Hello(version=7, nonce=bytes(32))
+    assert p.FrameDecoder().feed(frame(hello)) == [hello]
+    refuse = raw_frame(p.Kind.REFUSE, {"code": "version", "reason": "no"}, version=9)
+    assert p.FrameDecoder().feed(refuse) == [p.Refuse(code="version", reason="no")]
+
+
+def test_decoder_stays_failed_and_returns_messages_before_the_error() -> None:
+    dec = p.FrameDecoder()
+    good = frame(p.Heartbeat(seq=1))
+    assert dec.feed(good + b"GARBAGE-GARBAGE-") == [p.Heartbeat(seq=1)]
+    assert isinstance(dec.error, RemoteProtocolError)
+    with pytest.raises(RemoteProtocolError):
+        dec.feed(good)
+
+
+def never_alloc(kind: p.Kind, index: int, nbytes: int) -> memoryview:
+    raise AssertionError("allocated before the limit check")
+
+
+BIG = p.Push(clock=0, encoding="d", buffers=(bytes(5000), bytes(5000)))
+
+
+@pytest.mark.parametrize("limits, data", [
+    (p.Limits(max_frame_bytes=9000), frame(BIG)),
+    (p.Limits(max_buffers=1), frame(BIG)),
+    (p.Limits(max_meta_bytes=10), frame(BIG)),
+    (p.Limits(max_raw_bytes=9000), frame(BIG, compress=True)),
+    (p.Limits(max_str_len=10), frame(p.Leave(reason="x" * 11))),
+    (p.Limits(max_bin_len=16), frame(p.Challenge(nonce=bytes(32)))),
+    (p.Limits(max_array_len=2), frame(p.Welcome(worker_id=0, mac=b"", info={"a": [1, 2, 3]}))),
+    (p.Limits(max_map_len=2), frame(p.Welcome(worker_id=0, mac=b"", info={}))),
+])
+def test_every_limit_is_checked_before_allocation(limits: p.Limits, data: bytes) -> None:
+    dec = p.FrameDecoder(limits=limits, alloc=never_alloc)
+    with pytest.raises(RemoteProtocolError):
+        dec.feed(data)
+
+
+def test_limit_errors_carry_limit_and_value() -> None:
+    dec = p.FrameDecoder(limits=p.Limits(max_frame_bytes=9000))
+    with pytest.raises(LimitExceeded) as info:
+        dec.feed(frame(BIG)[:p.PREFIX.size])  # the prefix alone is enough to refuse
+    assert info.value.expected == 9000 and info.value.got > 9000
+
+
+def test_huge_lengths_in_prefix_are_refused_at_once() -> None:
+    prefix = struct.pack("<4sBBBBII", p.MAGIC, 1, p.Kind.PUSH, 1, 0, 10, 2**32 - 1)
+    with pytest.raises(LimitExceeded):
+        p.FrameDecoder(alloc=never_alloc).feed(prefix)
+
+
+def test_encoder_refuses_frames_over_its_limits() -> None:
+    with pytest.raises(LocalProtocolError):
+        p.encode(BIG, limits=p.Limits(max_frame_bytes=9000))
+
+
+# ---------------------------------------------------------------------------------------------
+# Connection state machine
+
+
+def handshake_pair(token: str | None = "secret") -> tuple[p.Connection, p.Connection]:
+    client, server = p.Connection(p.Side.CLIENT), p.Connection(p.Side.SERVER)
+    ch, sh = p.ClientHandshake(token, role="worker"), p.ServerHandshake(token)
+
+    def deliver(src: p.Connection, dst: p.Connection, msg: p.Message) -> p.Message:
+        (got,) = dst.receive(b"".join(bytes(b) for b in src.send(msg)))
+        return got
+
+    hello = deliver(client, server, ch.hello)
+    challenge = sh.on_hello(hello)  # type: ignore[arg-type]
+    auth = ch.on_challenge(deliver(server, client, challenge))  # type: ignore[arg-type]
+    assert sh.on_auth(deliver(client, server, auth)) is None  # type: ignore[arg-type]
+    welcome = deliver(server, client, sh.welcome(3, {"mode": "bsp"}))
+    assert ch.on_reply(welcome).info == {"mode": "bsp"}
+    return client, server
+
+
+def test_states_walk_through_the_handshake_to_open() -> None:
+    client, server = handshake_pair()
+    assert client.state == server.state == p.State.OPEN
+    assert server.receive(frame(p.Pull(clock=0))) == [p.Pull(clock=0)]
+
+
+def test_nothing_but_hello_before_the_handshake() -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        p.Connection(p.Side.CLIENT).send(p.Pull(clock=0))
+    assert info.value.expected == ["ERROR", "HELLO"]
+    with pytest.raises(RemoteProtocolError):
+        p.Connection(p.Side.SERVER).receive(frame(p.Push(clock=0, encoding="d")))
+
+
+def test_no_hello_after_the_handshake_and_directions_are_enforced() -> None:
+    client, server = handshake_pair()
+    with pytest.raises(RemoteProtocolError):
+        server.receive(frame(p.Hello(nonce=bytes(32))))
+    with pytest.raises(LocalProtocolError):
+        client.send(p.Ack(clock=0))  # ACK goes server -> client only
+
+
+def test_error_closes_the_connection() -> None:
+    client, server = handshake_pair()
+    server.receive(b"".join(bytes(b) for b in client.send(p.Error(code="x", reason="bye"))))
+    assert client.state == server.state == p.State.CLOSED
+    with pytest.raises(LocalProtocolError):
+        client.send(p.Heartbeat())
+
+
+# ---------------------------------------------------------------------------------------------
+# Handshake MACs
+
+
+def test_server_without_token_accepts_client_without_token() -> None:
+    client, server = handshake_pair(token=None)
+    assert client.state == p.State.OPEN
+
+
+def test_wrong_and_missing_tokens_are_refused_with_reasons() -> None:
+    for client_token, reason in (("guess", "wrong token"), (None, "missing token")):
+        ch, sh = p.ClientHandshake(client_token), p.ServerHandshake("secret")
+        ch.on_challenge(sh.on_hello(ch.hello))  # type: ignore[arg-type]
+        refuse = sh.on_auth(ch.on_challenge(p.Challenge(nonce=sh.nonce)))
+        assert refuse is not None and reason in refuse.reason
+        with pytest.raises(AuthError, match=reason):
+            ch.on_reply(refuse)
+
+
+def test_version_mismatch_is_refused_with_reason() -> None:
+    ch, sh = p.ClientHandshake("s", version=2), p.ServerHandshake("s")
+    refuse = sh.on_hello(ch.hello)
+    assert isinstance(refuse, p.Refuse) and "server speaks 1, client sent 2" in refuse.reason
+
+
+def test_replayed_auth_fails_against_a_fresh_server_nonce() -> None:
+    ch, first = p.ClientHandshake("secret"), p.ServerHandshake("secret")
+    first.on_hello(ch.hello)
+    recorded = ch.on_challenge(p.Challenge(nonce=first.nonce))
+    assert first.on_auth(recorded) is None
+    second = p.ServerHandshake("secret")  # an eavesdropper replays HELLO then AUTH
+    second.on_hello(ch.hello)
+    refuse = second.on_auth(recorded)
+    assert refuse is not None and "wrong token" in refuse.reason
+
+
+def test_client_checks_the_server_proof() -> None:
+    ch, impostor = p.ClientHandshake("secret"), p.ServerHandshake("other")
+    ch.on_challenge(impostor.on_hello(ch.hello))  # type: ignore[arg-type]
+    with pytest.raises(AuthError, match="prove"):
+        ch.on_reply(impostor.welcome(0, {}))
+
+
+def test_mac_is_hmac_sha256_of_the_documented_transcript() -> None:
+    import hashlib
+    import hmac
+
+    hello = p.Hello(role="worker", worker_id=5, nonce=bytes(range(32)))
+    server_nonce = bytes(range(32, 64))
+    transcript = (b"minips-client-v1\x00" + bytes([1, 6]) + b"worker" + struct.pack("<q", 5)
+                  + hello.nonce + server_nonce)
+    want = hmac.new(b"k", transcript, hashlib.sha256).digest()
+    assert p.make_mac("k", p.CLIENT_LABEL, hello, server_nonce) == want
