@@ -5,11 +5,16 @@ already contain the updates sent at steps < t), then ``compress(grad_t)``. State
 ``votes`` v (n,) float32, the index sets sent at the last ``credit_lag`` steps, two moving
 averages of the loss, and a byte budget. The exact rules, with the defaults:
 
-1. Loss statistics. ``fast = EMA(loss, beta_fast=0.9)``, ``slow = EMA(loss, beta_slow=0.99)``
-   (both start at the first loss), ``noise = sqrt(EMA((loss - fast)^2, 0.99))``.
-2. Credit. ``z = clip((fast_before - loss) / noise, -3, 3)``: how far this loss came in below the
-   recent average, in units of the loss noise (a drop is a positive vote). Every coordinate sent
-   in the last ``credit_lag=1`` steps gets ``v[i] += z``.
+1. Loss statistics. ``fast = EMA(loss, beta_fast=0.9)``, ``slow = EMA(loss, beta_slow=0.98)``
+   (both start at the first loss). The smoothed loss change of step t is ``d = fast - loss``
+   (> 0: this loss came in below the recent average); ``drift`` and ``noise^2`` are the running
+   mean of d and of ``(d - drift)^2`` (a plain mean over the first 50 steps, then an EMA with
+   rate 0.02), so they follow the current trend.
+2. Credit. ``z = clip((d - drift) / noise, -3, 3)``: how much better than usual under the
+   current trend this step went, in noise units (a drop is a positive vote). Centring on the drift
+   matters: while the loss falls every step looks good, and crediting that would only reward the
+   coordinates sent most often. Every coordinate sent in the last ``credit_lag=1`` steps gets
+   ``v[i] += z``.
 3. Decay. Before crediting, all votes are multiplied by ``exp(-1 / W)``, W = ``vote_window=1``
    epoch in steps (steps per epoch measured from ``set_epoch``; ``steps_per_epoch=200`` until
    then). Done lazily with one global scale, so a step costs O(k), not O(n).
@@ -44,6 +49,7 @@ from minips.errors import ConfigError
 __all__ = ["LossCompCompressor"]
 
 RENORM_BELOW = 1e-12  # fold the lazy decay scale into the votes before float32 loses range
+STATS_RATE = 0.02  # EMA rate of the drift and noise of the loss change (~50 steps)
 Z_CLIP = 3.0  # a single step's vote is at most this many noise units
 
 
@@ -54,7 +60,7 @@ class LossCompCompressor(TopKCompressor):
 
     def __init__(self, size: int, *, ratio: float = 0.01, vote_weight: float = 0.3,
                  vote_scale: float = 2.0, vote_window: float = 1.0, steps_per_epoch: int = 200,
-                 credit_lag: int = 1, beta_fast: float = 0.9, beta_slow: float = 0.99,
+                 credit_lag: int = 1, beta_fast: float = 0.9, beta_slow: float = 0.98,
                  trend_ref: float = 0.5, budget_horizon: float = 200.0, min_mult: float = 0.25,
                  max_mult: float = 4.0, **kw: Any) -> None:
         super().__init__(size, ratio=ratio, **kw)
@@ -68,7 +74,7 @@ class LossCompCompressor(TopKCompressor):
         self.votes = np.zeros(size, np.float32)  # (n,) true votes = votes * vote_gain
         self.vote_gain = 1.0  # lazy decay: one scalar instead of an O(n) multiply per step
         self.sent: deque[np.ndarray] = deque(maxlen=credit_lag)  # recent index sets, int64
-        self.fast = self.slow = self.noise2 = math.nan
+        self.fast = self.slow = self.drift = self.noise2 = math.nan
         self.steps = 0  # observe_loss calls
         self.debt = 0.0  # sum of (kept - target) / target over past compress calls
         self._factor = np.empty(size, np.float32)  # (n,) scratch for the vote factor
@@ -81,7 +87,7 @@ class LossCompCompressor(TopKCompressor):
             return  # a NaN loss says nothing about which coordinates helped
         if math.isnan(self.fast):
             self.fast = self.slow = loss
-            self.noise2 = 0.0
+            self.drift = self.noise2 = 0.0
             return
         z = self._update_stats(loss)
         self._decay_votes()
@@ -92,12 +98,14 @@ class LossCompCompressor(TopKCompressor):
     def _update_stats(self, loss: float) -> float:
         """Update the loss averages; return this step's vote z (clipped noise units)."""
         p = self.p
-        dev = loss - self.fast
-        self.noise2 = 0.99 * self.noise2 + 0.01 * dev * dev
-        noise = math.sqrt(self.noise2) + 1e-12
-        self.fast += (1.0 - p["beta_fast"]) * dev
+        d = self.fast - loss  # > 0: this loss came in below the smoothed loss
+        dev = d - self.drift  # ... by more than is usual under the current trend
+        rate = max(STATS_RATE, 1.0 / (self.steps + 1))  # running mean first, then an EMA
+        self.drift += rate * dev
+        self.noise2 += rate * (dev * dev - self.noise2)
+        self.fast += (1.0 - p["beta_fast"]) * (loss - self.fast)
         self.slow += (1.0 - p["beta_slow"]) * (loss - self.slow)
-        return max(-Z_CLIP, min(Z_CLIP, -dev / noise))
+        return max(-Z_CLIP, min(Z_CLIP, dev / (math.sqrt(self.noise2) + 1e-12)))
 
     def _decay_votes(self) -> None:
         spe = self.steps / self.epoch if self.epoch >= 0.05 else self.default_spe

@@ -1,0 +1,309 @@
+"""Tests for minips.sparse (and its parts sparse_codec, sparse_select): encoding, validation,
+apply helpers and the sampled top-k selection, against hand-computed values and known statistics."""
+
+from __future__ import annotations
+
+import math
+
+import lz4.block
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minips.errors import LocalProtocolError, RemoteProtocolError
+from minips.sparse import (
+    SparseGrad,
+    TopKSelector,
+    accumulate,
+    decode_gradient,
+    encode_gradient,
+    kept_count,
+    scatter_add,
+)
+from minips.sparse_codec import varint_decode, varint_encode
+
+
+def sg(indices: list[int], values: list[float], size: int) -> SparseGrad:
+    return SparseGrad(np.array(indices, np.uint32), np.array(values, np.float32), size)
+
+
+# ---------------------------------------------------------------------------- SparseGrad
+
+
+def test_sparsegrad_checks_dtypes_and_shapes() -> None:
+    with pytest.raises(LocalProtocolError):
+        SparseGrad(np.array([1], np.int64), np.array([1.0], np.float32), 4)
+    with pytest.raises(LocalProtocolError):
+        SparseGrad(np.array([1, 2], np.uint32), np.array([1.0], np.float32), 4)
+    with pytest.raises(LocalProtocolError):
+        sg([0, 1, 2], [1, 2, 3], 2)
+    with pytest.raises(LocalProtocolError):
+        sg([2, 1], [1, 2], 4).check()
+    assert sg([1, 3], [5, -2], 4).to_dense().tolist() == [0, 5, 0, -2]
+
+
+# ---------------------------------------------------------------------------- varint
+
+
+def test_varint_hand_computed_bytes() -> None:
+    # gaps: 0, 1-0-1=0, 130-1-1=128, 20000-130-1=19869 = 29 + 27*128 + 1*128^2
+    data = varint_encode(np.array([0, 1, 130, 20000], np.uint32))
+    assert data.tolist() == [0x00, 0x00, 0x80, 0x01, 0x80 | 29, 0x80 | 27, 0x01]
+    assert varint_decode(data, 4, 20001).tolist() == [0, 1, 130, 20000]
+
+
+def test_varint_largest_uint32_uses_five_bytes() -> None:
+    data = varint_encode(np.array([2**32 - 1], np.uint32))
+    assert data.tolist() == [0xFF, 0xFF, 0xFF, 0xFF, 0x0F]
+    assert varint_decode(data, 1, 2**32).tolist() == [2**32 - 1]
+
+
+def test_varint_bytes_per_index_at_one_percent() -> None:
+    rng = np.random.default_rng(0)
+    idx = np.flatnonzero(rng.random(1_000_000) < 0.01).astype(np.uint32)
+    # Geometric gaps with mean 100: P(gap >= 128) = 0.99^128 = 0.276 -> ~1.28 bytes per index.
+    assert varint_encode(idx).size / idx.size == pytest.approx(1 + 0.99**128, abs=0.02)
+
+
+# ---------------------------------------------------------------------------- round trips
+
+
+@st.composite
+def sparse_grads(draw: st.DrawFn) -> SparseGrad:
+    size = draw(st.integers(0, 3000))
+    mode = draw(st.sampled_from(["empty", "full", "random"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if mode == "empty" or size == 0:
+        idx = np.empty(0, np.int64)
+    elif mode == "full":
+        idx = np.arange(size)
+    else:
+        idx = np.flatnonzero(rng.random(size) < draw(st.floats(0.0, 1.0)))
+    vals = rng.laplace(size=idx.size).astype(np.float32)
+    return SparseGrad(idx.astype(np.uint32), vals, size)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    g=sparse_grads(),
+    value_dtype=st.sampled_from(["f32", "f16"]),
+    use_lz4=st.booleans(),
+    index=st.sampled_from(["varint", "u32"]),
+)
+def test_sparse_round_trip(g: SparseGrad, value_dtype: str, use_lz4: bool, index: str) -> None:
+    enc, codec, bufs = encode_gradient(g, value_dtype=value_dtype, lz4=use_lz4, index=index)
+    assert enc == "sparse-v1"
+    back = decode_gradient(enc, codec, [bytes(memoryview(b)) for b in bufs], g.size)
+    assert isinstance(back, SparseGrad) and back.size == g.size
+    assert np.array_equal(back.indices, g.indices)
+    want = g.values.astype(np.float16).astype(np.float32) if value_dtype == "f16" else g.values
+    assert np.array_equal(back.values, want)
+
+
+@pytest.mark.parametrize("use_lz4", [False, True])
+def test_dense_round_trips(use_lz4: bool) -> None:
+    x = np.random.default_rng(1).normal(size=1000).astype(np.float32)
+    enc, codec, bufs = encode_gradient(x, lz4=use_lz4)
+    assert enc == "dense-f32"
+    assert np.array_equal(decode_gradient(enc, codec, bufs, 1000), x)
+    enc, codec, bufs = encode_gradient(x.astype(np.float16), lz4=use_lz4)
+    assert enc == "dense-f16"
+    out = decode_gradient(enc, codec, bufs, 1000)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    assert np.array_equal(out, x.astype(np.float16).astype(np.float32))
+    assert encode_gradient(x, value_dtype="f16")[0] == "dense-f16"
+
+
+def test_lz4_shrinks_a_run_of_neighbours() -> None:
+    g = SparseGrad(np.arange(5000, dtype=np.uint32), np.zeros(5000, np.float32), 10000)
+    _, _, bufs = encode_gradient(g, lz4=True)
+    assert len(bufs[0]) < 100  # 5000 zero gap bytes
+
+
+# ---------------------------------------------------------------------------- malformed packets
+
+
+def good(size: int = 100) -> tuple[str, dict, list]:
+    enc, codec, bufs = encode_gradient(sg([3, 10, 99], [1.0, -2.0, 0.5], size))
+    return enc, codec, [bytes(memoryview(b)) for b in bufs]
+
+
+def u32_packet(indices: list[int], k: int | None = None) -> tuple[str, dict, list]:
+    idx = np.array(indices, "<u4")
+    codec = {"k": len(indices) if k is None else k, "index": "u32", "value": "f32"}
+    return "sparse-v1", codec, [idx.tobytes(), np.ones(len(indices), "<f4").tobytes()]
+
+
+BAD_PACKETS = {
+    "index out of range (varint)": lambda: encode_gradient(sg([3, 100], [1.0, 2.0], 101)),
+    "index out of range (u32)": lambda: u32_packet([1, 100]),
+    "unsorted (u32)": lambda: u32_packet([5, 3]),
+    "duplicate (u32)": lambda: u32_packet([5, 5]),
+    "u32 wrong length": lambda: ("sparse-v1", u32_packet([1, 2])[1], [b"\0" * 7, b"\0" * 8]),
+    "truncated varint": lambda: (good()[0], good()[1], [good()[2][0][:-1], good()[2][1]]),
+    "trailing varint byte": lambda: (good()[0], good()[1], [good()[2][0] + b"\x00", good()[2][1]]),
+    "truncated values": lambda: (good()[0], good()[1], [good()[2][0], good()[2][1][:-1]]),
+    "six-byte varint": lambda: ("sparse-v1", {"k": 1, "index": "varint", "value": "f32"},
+                                [b"\x80" * 5 + b"\x00", b"\0" * 4]),
+    "varint over 32 bits": lambda: ("sparse-v1", {"k": 1, "index": "varint", "value": "f32"},
+                                    [b"\xff\xff\xff\xff\x1f", b"\0" * 4]),
+    "k larger than size": lambda: ("sparse-v1", {**good()[1], "k": 101}, good()[2]),
+    "k not an int": lambda: ("sparse-v1", {**good()[1], "k": "3"}, good()[2]),
+    "k is a bool": lambda: ("sparse-v1", {**good()[1], "k": True}, good()[2]),
+    "k disagrees": lambda: ("sparse-v1", {**good()[1], "k": 2}, good()[2]),
+    "unknown index scheme": lambda: ("sparse-v1", {**good()[1], "index": "bitmap"}, good()[2]),
+    "unknown value dtype": lambda: ("sparse-v1", {**good()[1], "value": "f64"}, good()[2]),
+    "unknown encoding": lambda: ("sparse-v9", good()[1], good()[2]),
+    "codec not a map": lambda: ("sparse-v1", [3], good()[2]),
+    "one buffer missing": lambda: ("sparse-v1", good()[1], good()[2][:1]),
+    "buffer not bytes": lambda: ("sparse-v1", good()[1], [good()[2][0], 12345]),
+    "dense wrong length": lambda: ("dense-f32", {}, [b"\0" * 399]),
+    "dense f16 wrong length": lambda: ("dense-f16", {}, [b"\0" * 400]),
+    "lz4 garbage": lambda: ("dense-f32", {"lz4": [400]}, [b"\xff" * 20]),
+    "lz4 raw length over limit": lambda: ("dense-f32", {"lz4": [10**9]}, [b"\0"]),
+    "lz4 raw length lies": lambda: (
+        "dense-f32", {"lz4": [400]}, [lz4.block.compress(b"\0" * 396, store_size=False)]),
+    "lz4 lengths not a list": lambda: ("dense-f32", {"lz4": 400}, [b"\0" * 400]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PACKETS))
+def test_malformed_packets_raise_remote_error(case: str) -> None:
+    enc, codec, bufs = BAD_PACKETS[case]()
+    with pytest.raises(RemoteProtocolError):
+        decode_gradient(enc, codec, bufs, 100)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_values_refused_unless_allowed(bad: float) -> None:
+    g = sg([1, 2], [1.0, bad], 10)
+    for value_dtype in ("f32", "f16"):
+        enc, codec, bufs = encode_gradient(g, value_dtype=value_dtype)
+        with pytest.raises(RemoteProtocolError, match="NaN or inf"):
+            decode_gradient(enc, codec, bufs, 10)
+        out = decode_gradient(enc, codec, bufs, 10, allow_nonfinite=True)
+        assert isinstance(out, SparseGrad) and not np.isfinite(out.values[1])
+    enc, codec, bufs = encode_gradient(g.to_dense())
+    with pytest.raises(RemoteProtocolError):
+        decode_gradient(enc, codec, bufs, 10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.lists(st.binary(max_size=40), max_size=3),
+    k=st.integers(-2, 60),
+    index=st.sampled_from(["varint", "u32", "x"]),
+    value=st.sampled_from(["f32", "f16"]),
+    encoding=st.sampled_from(["sparse-v1", "dense-f32", "dense-f16"]),
+)
+def test_any_bytes_give_a_gradient_or_a_remote_error(
+    data: list[bytes], k: int, index: str, value: str, encoding: str
+) -> None:
+    codec = {"k": k, "index": index, "value": value}
+    try:
+        out = decode_gradient(encoding, codec, data, 50, allow_nonfinite=True)
+    except RemoteProtocolError:
+        return
+    if isinstance(out, SparseGrad):
+        out.check()
+    else:
+        assert out.shape == (50,)
+
+
+# ---------------------------------------------------------------------------- apply
+
+
+def test_scatter_add_hand_computed() -> None:
+    target = np.array([1, 1, 1, 1, 1], np.float32)
+    scatter_add(target, sg([0, 3], [2.0, -4.0], 5), scale=0.5)
+    assert target.tolist() == [2, 1, 1, -1, 1]
+    scatter_add(target, np.ones(5, np.float32))
+    assert target.tolist() == [3, 2, 2, 0, 2]
+    with pytest.raises(LocalProtocolError):
+        scatter_add(target, sg([0], [1.0], 6))
+
+
+def test_accumulate_hand_computed() -> None:
+    out = accumulate([sg([0, 3], [1, 2], 6), sg([3, 5], [10, 20], 6), sg([], [], 6)], 6)
+    assert out.indices.tolist() == [0, 3, 5] and out.values.tolist() == [1, 12, 20]
+    assert accumulate([], 6).nnz == 0
+    with pytest.raises(LocalProtocolError):
+        accumulate([sg([0], [1], 5)], 6)
+
+
+def test_accumulate_matches_dense_sum() -> None:
+    rng = np.random.default_rng(3)
+    grads = [
+        SparseGrad(np.sort(rng.choice(10_000, 300, replace=False)).astype(np.uint32),
+                   rng.normal(size=300).astype(np.float32), 10_000) for _ in range(5)
+    ]
+    dense = np.zeros(10_000, np.float32)
+    for g in grads:
+        scatter_add(dense, g)
+    np.testing.assert_allclose(accumulate(grads, 10_000).to_dense(), dense, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- selection
+
+
+def test_kept_count() -> None:
+    assert kept_count(0.01, 1000) == 10
+    assert kept_count(1e-9, 1000) == 1
+    assert kept_count(0.0, 1000) == 0
+    assert kept_count(2.0, 1000) == 1000
+
+
+def test_small_vector_selection_hand_computed() -> None:
+    score = np.array([0.5, 3.0, 0.0, 3.0, 2.0, 0.1], np.float32)
+    sel = TopKSelector(6)
+    assert sel.select(score, 3).tolist() == [1, 3, 4]
+    assert sel.select(score, 1).tolist() == [1]  # tie at 3.0: lowest index first
+    assert sel.select(score, 0).tolist() == []
+    assert sel.select(score, 6).tolist() == list(range(6))
+
+
+@pytest.fixture(scope="module")
+def laplace() -> np.ndarray:
+    return np.abs(np.random.default_rng(7).laplace(size=2_000_000)).astype(np.float32)
+
+
+@pytest.mark.parametrize("density", [0.01, 0.001])
+def test_exact_selection_equals_full_partition(laplace: np.ndarray, density: float) -> None:
+    k = kept_count(density, laplace.size)
+    got = TopKSelector(laplace.size, seed=1).select(laplace, k)
+    want = np.sort(np.argpartition(laplace, laplace.size - k)[laplace.size - k :])
+    assert np.array_equal(got, want)
+
+
+def test_exact_top_one_percent_keeps_known_energy(laplace: np.ndarray) -> None:
+    # |Laplace(1)| is Exp(1): the top p fraction lies above t = -ln p and holds
+    # p (t^2 + 2t + 2) / 2 of E[x^2] = 2; for p = 1% that is 16.2% of the energy.
+    p, t = 0.01, -math.log(0.01)
+    idx = TopKSelector(laplace.size).select(laplace, kept_count(p, laplace.size))
+    energy = np.square(laplace, dtype=np.float64)
+    kept = energy[idx].sum() / energy.sum()
+    assert kept == pytest.approx(p * (t * t + 2 * t + 2) / 2, abs=0.005)
+
+
+def test_dgc_tolerance_keeps_near_k_and_the_energy(laplace: np.ndarray) -> None:
+    k = kept_count(0.01, laplace.size)
+    energy = np.square(laplace, dtype=np.float64)
+    exact = energy[TopKSelector(laplace.size).select(laplace, k)].sum()
+    for seed in range(5):
+        idx = TopKSelector(laplace.size, seed, tolerance=0.1).select(laplace, k)
+        assert 0.9 * k <= idx.size <= 1.1 * k and np.all(np.diff(idx) > 0)
+        assert energy[idx].sum() >= 0.97 * exact
+
+
+def test_ties_and_zeros_fall_back_correctly() -> None:
+    score = np.zeros(500_000, np.float32)
+    score[[7, 70_000, 400_000]] = [5.0, 1.0, 2.0]
+    sel = TopKSelector(score.size, tolerance=0.0)
+    idx = sel.select(score, 1000)  # threshold 0 is tied 500k times: exact k, lowest ties first
+    assert idx.size == 1000 and {7, 70_000, 400_000} <= set(idx.tolist())
+    assert idx[:3].tolist() == [0, 1, 2]
+    spike = np.zeros(500_000, np.float32)
+    spike[::997] = 1.0  # 502 ones; a sample rarely sees them -> refine or fall back
+    idx = TopKSelector(spike.size, seed=3).select(spike, 400)
+    assert idx.size == 400 and np.all(spike[idx] == 1.0)
