@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -70,9 +71,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
-    """RunConfig defaults, overridden by the preset, overridden by explicit flags."""
+    """RunConfig defaults, then --run-config file, then the preset, then explicit flags."""
+    values: dict[str, Any] = {}
+    if getattr(args, "run_config", None):
+        with open(args.run_config, encoding="utf-8") as f:
+            values.update(RunConfig.from_info(json.load(f)).to_info())
     preset = PRESETS.get(getattr(args, "preset", None) or "", {})
-    values: dict[str, Any] = dict(preset.get("run", {}))
+    values.update(preset.get("run", {}))
     for _, dest, _, _ in RUN_FLAGS:
         if getattr(args, dest, None) is not None:
             values[dest] = getattr(args, dest)
@@ -116,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ready-file", help="write 'host port' here once listening")
     srv.add_argument("--calib-timeout", type=float, default=60.0, help="grouping deadline, s")
     srv.add_argument("--eval", action="store_true", help="also start an evaluator process")
+    srv.add_argument("--run-config", help="JSON file of run settings (flags override it)")
+    srv.add_argument("--quiet", action="store_true", help="do not print how to join")
     _add_tls(srv, server=True, client=False)
 
     grp = sub.add_parser("group", help="a group server near its workers (numpy only)")
@@ -173,7 +180,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
                        run_dir=args.run_dir, init_path=args.init,
                        external_groups=args.external_groups, advertise_host=args.advertise,
                        calib_timeout_s=args.calib_timeout, ready_file=args.ready_file)
-    run_server(cfg, spawn_evaluator=args.eval)
+    run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
     return 0
 
 

@@ -13,6 +13,7 @@ Units are in each field's comment; times are seconds, sizes bytes, rates bytes p
 from __future__ import annotations
 
 import dataclasses
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,10 @@ __all__ = [
     "LaunchConfig",
     "parse_address",
     "parse_slowdowns",
+    "TRAIN_SIZES",
+    "dataset_train_size",
+    "server_ssl",
+    "client_ssl",
 ]
 
 MODES = ("bsp", "ssp", "asp", "gssp")
@@ -64,6 +69,7 @@ class RunConfig:
     eval_every_s: float = 5.0  # evaluator pull period
     eval_limit: int = 0  # test samples the evaluator uses; 0 = the whole test set
     lease_s: float = 10.0  # a worker silent for this long no longer holds its group back
+    train_size: int = 0  # training samples, for the epoch budget; 0 = known from the data set
     t0: float = 0.0  # unix time the run started (set by the global server)
 
     def validate(self) -> RunConfig:
@@ -218,3 +224,31 @@ def parse_slowdowns(text: str) -> list[float]:
 def _check(ok: bool, name: str, got: Any, expected: str) -> None:
     if not ok:
         raise ConfigError(f"config field {name} = {got!r}, expected {expected}")
+
+
+# Training set sizes of the known data sets (samples), for the epoch budget on the server,
+# which never loads data. A data set not listed here needs RunConfig.train_size.
+TRAIN_SIZES = {"fashion-mnist": 60000, "mnist": 60000, "cifar10": 50000, "synthetic": 60000}
+
+
+def dataset_train_size(name: str, override: int = 0) -> int:
+    """Samples in the training split of ``name`` (``override`` wins when > 0)."""
+    if override > 0:
+        return override
+    if name not in TRAIN_SIZES:
+        raise ConfigError(f"unknown training set size of {name!r}; set train_size")
+    return TRAIN_SIZES[name]
+
+
+def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """TLS context for a listening server, or None for plain TCP."""
+    if not cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def client_ssl(ca: str | None) -> ssl.SSLContext | None:
+    """TLS context that verifies the server against ``ca``, or None for plain TCP."""
+    return ssl.create_default_context(cafile=ca) if ca else None

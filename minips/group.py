@@ -1,0 +1,363 @@
+"""Group server: one group's model copy, SGD state and SSP clock table (numpy, asyncio, no torch).
+
+A group server accepts its workers' PULL / PUSH on its own port and applies their gradients to its
+copy of the weights with ``optim.SGD``. SSP inside the group: a PULL is answered only when
+``ssp.ClockTable.may_start`` allows; BSP (staleness 0) averages the pushes of one clock
+(``ssp.Rounds``) and applies them once, other modes apply each push as it arrives.
+
+Every ``sync_every`` pushes the group exchanges with the global server through a ``GroupLink``
+(a direct call in-process, PUSH/WEIGHTS over TCP for a separate `minips group`):
+
+    delta   = w - w_sync            sent; the global server adds it to its weights G
+    w       = G + (w - w_sent)      what was applied while the exchange was in flight is kept
+    w_sync  = G
+
+so no update is lost and at most one exchange is in flight. When the budget is spent (``done``)
+every waiting PULL is answered with ``done`` and the group flushes a last delta; when its last
+worker leaves it flushes a ``final`` delta so the global server knows the group is finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from minips import optim, protocol, sparse, ssp, transport
+from minips.config import GroupConfig, RunConfig
+from minips.errors import AuthError, MiniPSError, RemoteProtocolError
+from minips.metrics import JsonlWriter
+
+__all__ = ["ExchangeResult", "GroupLink", "GroupServer", "TcpLink", "run_group_process"]
+
+EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
+
+
+@dataclass
+class ExchangeResult:
+    """What the global server answers to a group's delta."""
+
+    weights: np.ndarray  # (n,) float32 global weights after the merge (a private copy)
+    version: int  # global version (merges applied so far)
+    done: bool  # the run's budget is spent: stop training
+
+
+class GroupLink(Protocol):
+    """How a group server reaches the global server (in-process call or TCP)."""
+
+    async def exchange(self, group: int, delta: np.ndarray,
+                       stats: dict[str, Any]) -> ExchangeResult:
+        """Send this group's delta and counters; return the merged global weights."""
+        ...
+
+
+class GroupServer:
+    """State and message handling of one group; ``serve()`` puts it on a port.
+
+    Plain attributes hold the whole state (see ``state_dict``), so a checkpoint can save it.
+    """
+
+    def __init__(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
+                 *, members: list[int] | None = None, writer: JsonlWriter | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.group = group
+        self.run = run
+        self.link = link
+        self.writer = writer
+        self.now = clock
+        self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
+        self.w_sync = self.weights.copy()  # (n,) weights at the last exchange
+        self.opt = optim.SGD(self.weights.size, lr=run.lr, momentum=run.momentum,
+                             weight_decay=run.weight_decay)
+        self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
+        self.rounds: ssp.Rounds[Any] = ssp.Rounds()
+        self.version = 0  # updates applied to self.weights
+        self.global_version = 0  # global version seen at the last exchange
+        self.counters = {"pushes": 0, "samples": 0}
+        self._since_sync = {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
+        self.done = False  # budget spent; answer every PULL with done
+        self.finished = False  # final delta flushed
+        self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
+        self._joined: set[int] = set()
+        self.channels: dict[int, Any] = {}  # worker id -> its open connection
+        self._closed_bytes = {"bytes_in": 0, "bytes_out": 0}  # traffic of closed connections
+        self._changed = asyncio.Event()  # set whenever a waiting PULL may have become answerable
+        self._exchange_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.server: Any = None
+        self.port = 0
+        for w in members or []:
+            self.expect(w)
+
+    # -- membership -----------------------------------------------------------------------
+
+    def expect(self, w: int) -> None:
+        """Count worker ``w`` in the group before it connects (so BSP rounds wait for it)."""
+        self.table.join(w, self.now(), 0)
+
+    def _join(self, w: int) -> int:
+        self._joined.add(w)
+        return self.table.join(w, self.now())
+
+    def _leave(self, w: int) -> None:
+        self.table.leave(w)
+        self._after_membership_change()
+
+    def _after_membership_change(self) -> None:
+        if self.run.staleness_bound == 0:
+            self._apply_rounds()
+        self._changed.set()
+        if not len(self.table) and self._joined and not self.finished:
+            self._spawn(self.flush(final=True))
+
+    async def _expire_loop(self) -> None:
+        """Renew the lease of every worker whose connection carried bytes lately; expire others."""
+        loop = asyncio.get_running_loop()
+        while not self.finished:
+            await asyncio.sleep(EXPIRE_PERIOD_S)
+            for w, ch in self.channels.items():
+                if not ch.closed and loop.time() - ch.last_recv < self.run.lease_s:
+                    self.table.heartbeat(w, self.now())
+            if self.table.expire(self.now()):
+                self._after_membership_change()
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def on_push(self, w: int, msg: Any) -> Any:
+        """Decode, account and apply (or queue, in BSP) one worker push; return the ACK."""
+        grad = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, self.weights.size)
+        self.table.push(w, msg.clock, self.now())
+        if self.run.staleness_bound == 0:
+            self.rounds.add(msg.clock, grad)
+            self._apply_rounds()
+        else:
+            self._apply(grad)
+        self._count(msg)
+        self._changed.set()
+        if self._since_sync["pushes"] >= self.run.sync_every:
+            self.start_exchange()
+        return protocol.Ack(clock=msg.clock, version=self.version)
+
+    def _count(self, msg: Any) -> None:
+        s = self._since_sync
+        s["pushes"] += 1
+        s["samples"] += msg.samples
+        s["step_time"] += msg.step_time
+        s["loss"] += msg.loss
+        self.counters["pushes"] += 1
+        self.counters["samples"] += msg.samples
+
+    def _apply_rounds(self) -> None:
+        for _, grads in self.rounds.pop_complete(self.table.min_clock()):
+            self._apply(_mean(grads, self.weights.size))
+
+    def _apply(self, grad: Any) -> None:
+        self.opt.step(self.weights, grad)
+        self.version += 1
+
+    # -- weights ----------------------------------------------------------------------------
+
+    async def answer_pull(self, w: int) -> Any:
+        """Wait until ``w`` may start its next step (or the run is done); return WEIGHTS."""
+        waited: list[int] = []
+        while not (self.done or w not in self.table or self.table.may_start(w)):
+            waited = waited or [int(v) for v in self.table.waiting_for(w)]  # type: ignore[call-overload]
+            self._changed.clear()
+            await self._changed.wait()
+        return self.weights_message(w, waited)
+
+    def weights_message(self, w: int | None, waited_for: list[int]) -> Any:
+        encoding, codec, buffers = sparse.encode_gradient(self.weights)
+        info = {"group": self.group, "waited_for": waited_for, "ratio": self.ratio,
+                "lead": self.table.lead(w) if w in self.table else 0,
+                "min_clock": self.table.min_clock()}
+        return protocol.Weights(version=self.version, encoding=encoding, codec=codec,
+                                buffers=tuple(buffers), done=self.done, info=info)
+
+    # -- exchange with the global server -------------------------------------------------------
+
+    def start_exchange(self) -> None:
+        """Start an asynchronous exchange unless one is already in flight."""
+        if self._exchange_task is None or self._exchange_task.done():
+            self._exchange_task = self._spawn(self._exchange())
+
+    async def _exchange(self, final: bool = False) -> None:
+        sent = self.weights.copy()  # (n,) float32 snapshot of what the delta covers
+        stats = self._take_stats(final)
+        t = self.now()
+        res = await self.link.exchange(self.group, sent - self.w_sync, stats)
+        # Pushes applied while the exchange was in flight are kept on top of the global weights.
+        self.weights += res.weights - sent
+        self.w_sync = res.weights
+        self.global_version = res.version
+        self._log("exchange", exchange_s=self.now() - t, global_version=res.version,
+                  min_clock=stats["min_clock"], max_clock=stats["max_clock"])
+        if res.done and not self.done:
+            self.finish()
+
+    def _take_stats(self, final: bool) -> dict[str, Any]:
+        s, n = self._since_sync, max(1, self._since_sync["pushes"])
+        stats = {"pushes": s["pushes"], "samples": s["samples"], "step_time": s["step_time"] / n,
+                 "loss": s["loss"] / n, "version": self.version, "final": final,
+                 "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
+        self._since_sync = {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
+        return stats
+
+    async def flush(self, final: bool = False) -> None:
+        """Wait for the exchange in flight, then send what is left (``final``: the last one)."""
+        while self._exchange_task is not None and not self._exchange_task.done():
+            await asyncio.wait([self._exchange_task])
+        if self.finished:
+            return
+        self.finished = final
+        self._exchange_task = self._spawn(self._exchange(final))
+        await asyncio.wait([self._exchange_task])
+
+    def finish(self) -> None:
+        """The budget is spent: release every waiting PULL with ``done``; flush a last delta."""
+        self.done = True
+        self._changed.set()
+        self._spawn(self.flush(final=not len(self.table)))
+
+    # -- network --------------------------------------------------------------------------
+
+    async def serve(self, host: str, port: int, token: str, ssl: Any = None) -> int:
+        """Listen for this group's workers; return the bound port."""
+        self.server = await transport.serve(host, port, token=token, accept=self._accept,
+                                            handler=self.handle, ssl=ssl)
+        self.port = int(self.server.port)
+        self._spawn(self._expire_loop())
+        return self.port
+
+    def _accept(self, hello: Any) -> dict[str, Any]:
+        if hello.role != "worker":
+            raise AuthError(f"group server {self.group} accepts workers only")
+        return {"group": self.group}
+
+    async def handle(self, ch: Any) -> None:
+        """One worker connection: PULL answered in a task (so pushes of others flow meanwhile)."""
+        w = int(ch.worker_id)
+        old = self.channels.pop(w, None)
+        if old is not None:  # a reconnect replaces the stale connection
+            await old.close()
+        self.channels[w] = ch
+        start = self._join(w)
+        pulls: set[asyncio.Task[Any]] = set()
+        try:
+            await self._session(ch, w, start, pulls)
+        except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            for t in pulls:
+                t.cancel()
+            if self.channels.get(w) is ch:
+                del self.channels[w]
+                self._leave(w)
+            self._closed_bytes["bytes_in"] += ch.bytes_received
+            self._closed_bytes["bytes_out"] += ch.bytes_sent
+            await ch.close()
+
+    async def _session(self, ch: Any, w: int, start: int, pulls: set[asyncio.Task[Any]]) -> None:
+        await ch.send(protocol.Ack(clock=start, version=self.version))
+        while True:
+            msg = await ch.recv()
+            if isinstance(msg, protocol.Pull):
+                task = asyncio.create_task(self._send_pull(ch, w))
+                pulls.add(task)
+                task.add_done_callback(pulls.discard)
+            elif isinstance(msg, protocol.Push):
+                await self._send_push(ch, w, msg)
+            elif isinstance(msg, protocol.Leave):
+                return
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes received from / sent to this group's workers so far."""
+        up = self._closed_bytes["bytes_in"] + sum(c.bytes_received for c in self.channels.values())
+        down = self._closed_bytes["bytes_out"] + sum(c.bytes_sent for c in self.channels.values())
+        return {"bytes_in": up, "bytes_out": down}
+
+    async def _send_pull(self, ch: Any, w: int) -> None:
+        await ch.send(await self.answer_pull(w))
+
+    async def _send_push(self, ch: Any, w: int, msg: Any) -> None:
+        try:
+            ack = self.on_push(w, msg)
+        except ssp.ClockError as exc:
+            await ch.send(protocol.Error(code="clock", reason=str(exc)))
+            raise
+        await ch.send(ack)
+
+    async def close(self) -> None:
+        """Stop listening and cancel the background tasks."""
+        self.finished = True
+        for t in list(self._tasks):
+            t.cancel()
+        for ch in list(self.channels.values()):
+            await ch.close()
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await self.server.wait_closed()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _log(self, event: str, **fields: Any) -> None:
+        if self.writer is not None:
+            self.writer.write({"t": time.time() - self.run.t0, "event": event, "group": self.group,
+                               **fields, "version": self.version, **self.counters,
+                               **self.traffic()})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to rebuild this group server."""
+        return {"group": self.group, "weights": self.weights, "w_sync": self.w_sync,
+                "opt": self.opt.state_dict(), "clocks": self.table.clocks,
+                "version": self.version, "global_version": self.global_version,
+                "counters": {**self.counters, **self.traffic()}, "ratio": self.ratio}
+
+
+def _mean(grads: list[Any], size: int) -> np.ndarray | sparse.SparseGrad:
+    """Average of one BSP round's gradients (dense (size,) float32 unless there is just one)."""
+    if len(grads) == 1:
+        return grads[0]
+    total = np.zeros(size, dtype=np.float32)
+    for g in grads:
+        sparse.scatter_add(total, g)
+    total /= np.float32(len(grads))
+    return total
+
+
+class TcpLink:
+    """GroupLink over TCP for a `minips group` process: PUSH the delta, wait for WEIGHTS."""
+
+    def __init__(self, ch: Any) -> None:
+        self.ch = ch
+        self._lock = asyncio.Lock()  # one exchange at a time on the channel
+
+    async def exchange(self, group: int, delta: np.ndarray,
+                       stats: dict[str, Any]) -> ExchangeResult:
+        encoding, codec, buffers = sparse.encode_gradient(delta)
+        msg = protocol.Push(clock=stats["version"], step_time=stats["step_time"],
+                            loss=stats["loss"], samples=stats["samples"], encoding=encoding,
+                            codec={**codec, "stats": stats}, buffers=tuple(buffers))
+        async with self._lock:
+            await self.ch.send(msg)
+            reply = await self.ch.recv()
+        if not isinstance(reply, protocol.Weights):
+            raise RemoteProtocolError("expected WEIGHTS after a group PUSH",
+                                      got=type(reply).__name__)
+        w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
+        return ExchangeResult(np.asarray(w, dtype=np.float32), reply.version, reply.done)
+
+
+def run_group_process(cfg: GroupConfig) -> None:
+    """`minips group`: register with the global server, then serve the assigned workers."""
+    raise MiniPSError("separate group server processes are not wired yet")

@@ -1,0 +1,268 @@
+"""`minips local`: a whole cluster as separate processes on this machine.
+
+One global server (`minips server`, its group servers in its process), N workers and an
+evaluator, each a real process talking TCP on loopback exactly as on several machines. The
+launcher owns only process management: it writes the initial weights (so every run of one seed
+starts from the same point), starts the server on a free port and waits for its ready file,
+starts the workers in parallel (importing torch takes seconds each), draws a progress line from
+the metrics files, and when the server exits (budget spent) collects the children, writes
+summary.json and the PNG charts and prints where they are.
+
+Invariants: every child runs in its own session, so Ctrl-C reaches the launcher only; the
+launcher then stops the children (SIGTERM, SIGKILL after ``grace_s``) and still writes the
+summary. No child outlives ``run_local``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from minips import metrics
+from minips.config import LaunchConfig
+from minips.errors import MiniPSError
+
+__all__ = ["Cluster", "run_local", "make_run_dir", "write_init"]
+
+READY_TIMEOUT_S = 60.0  # the server must be listening within this long
+EXIT_TIMEOUT_S = 30.0  # after the server exits, workers and evaluator get this long to leave
+PROGRESS_PERIOD_S = 0.5  # progress line refresh
+
+
+def make_run_dir(cfg: LaunchConfig) -> Path:
+    """runs/<time>-<mode>-<compressor>/ (or ``cfg.name``), created, with a unique name."""
+    name = cfg.name or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.run.mode}-{cfg.run.compressor}"
+    path = Path(cfg.out_dir) / name
+    n = 1
+    while path.exists() and cfg.name is None:
+        n += 1
+        path = Path(cfg.out_dir) / f"{name}-{n}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_init(run_dir: Path, model: str, seed: int) -> Path:
+    """The model's initial flat weights as init.npy (torch is imported here only)."""
+    import numpy as np
+
+    from minips import models
+
+    path = run_dir / "init.npy"
+    np.save(path, models.get_flat(models.build_model(model, seed)))
+    return path
+
+
+class Cluster:
+    """The child processes of one local run."""
+
+    def __init__(self, cfg: LaunchConfig, run_dir: Path, token: str) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.env = {**os.environ, "MINIPS_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+        self.logs = run_dir / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.server: subprocess.Popen[bytes] | None = None
+        self.children: list[subprocess.Popen[bytes]] = []
+        self.address = ""
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+        proc = subprocess.Popen([sys.executable, "-m", "minips", *args], env=self.env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()  # the child holds its own descriptor
+        self.children.append(proc)
+        return proc
+
+    def start_server(self, init: Path) -> str:
+        """Start the global server on a free port; return its "host:port"."""
+        (self.run_dir / "run.json").write_text(json.dumps(self.cfg.run.to_info()))
+        ready = self.run_dir / "server.addr"
+        ready.unlink(missing_ok=True)
+        self.server = self._spawn("server", [
+            "server", "--host", "127.0.0.1", "--port", "0", "--run-dir", str(self.run_dir),
+            "--run-config", str(self.run_dir / "run.json"), "--init", str(init),
+            "--ready-file", str(ready), "--quiet"])
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                raise MiniPSError(f"the server did not start; see {self.logs / 'server.log'}")
+            time.sleep(0.05)
+        host, port = ready.read_text().split()
+        self.address = f"{host}:{port}"
+        return self.address
+
+    def start_workers(self) -> None:
+        """All workers at once (they calibrate while the others import torch)."""
+        for i, factor in enumerate(self.cfg.factors()):
+            self._spawn(f"worker-{i}", [
+                "worker", "--connect", self.address, "--id", str(i), "--slowdown", str(factor),
+                "--bandwidth", str(self.cfg.bandwidth_bps), "--latency", str(self.cfg.latency_s),
+                "--run-dir", str(self.run_dir), "--timeout", "60"])
+
+    def start_evaluator(self) -> None:
+        self._spawn("evaluator", ["evaluator", "--connect", self.address,
+                                  "--run-dir", str(self.run_dir), "--timeout", "60"])
+
+    def wait(self, timeout_s: float, progress: bool) -> int:
+        """Until the server exits (its return code) or ``timeout_s`` passes (TimeoutError)."""
+        assert self.server is not None
+        line = ProgressLine(self.run_dir, self.cfg) if progress else None
+        deadline = time.monotonic() + timeout_s
+        while self.server.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run still going after {timeout_s:.0f} s")
+            if line is not None:
+                line.draw()
+            time.sleep(PROGRESS_PERIOD_S)
+        if line is not None:
+            line.draw(final=True)
+        return int(self.server.returncode)
+
+    def collect(self, timeout_s: float = EXIT_TIMEOUT_S) -> list[int | None]:
+        """Give the other children ``timeout_s`` to exit on their own; return their codes."""
+        deadline = time.monotonic() + timeout_s
+        for proc in self.children:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.children]
+
+    def stop(self) -> None:
+        """SIGTERM every live child, SIGKILL what is left after ``grace_s``."""
+        live = [p for p in self.children if p.poll() is None]
+        for p in live:
+            _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.grace_s
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(p, signal.SIGKILL)
+                p.wait()
+
+
+def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the child's session: the child and anything it started
+    except ProcessLookupError:
+        pass
+
+
+class ProgressLine:
+    """One self-overwriting status line: time, samples / epochs, accuracy, bytes."""
+
+    def __init__(self, run_dir: Path, cfg: LaunchConfig) -> None:
+        self.run_dir = run_dir
+        self.cfg = cfg
+        self.t0 = time.monotonic()
+        self.last = 0.0  # when the line was last drawn
+
+    def draw(self, final: bool = False) -> None:
+        if not (final or sys.stderr.isatty() or time.monotonic() - self.last >= 10.0):
+            return  # in a log file: one line every 10 s
+        self.last = time.monotonic()
+        ev = _last_record(self.run_dir / "eval.jsonl")
+        gl = _last_record(self.run_dir / "global.jsonl")
+        samples = int(gl.get("samples", 0) or 0)
+        epochs = samples / max(1, _train_size(self.cfg))
+        acc = ev.get("accuracy")
+        acc_s = f"{100 * acc:5.1f}%" if isinstance(acc, (int, float)) else "  -  "
+        mb = (gl.get("bytes_up", 0) or 0) / 1e6, (gl.get("bytes_down", 0) or 0) / 1e6
+        text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.cfg.run.mode}/"
+                f"{self.cfg.run.compressor}  epochs {epochs:5.2f}  merges "
+                f"{gl.get('version', 0):>5}  test acc {acc_s}  up {mb[0]:7.1f} MB  "
+                f"down {mb[1]:7.1f} MB")
+        tty = sys.stderr.isatty()
+        print("\r" + text if tty else text, end="\n" if final or not tty else "", flush=True,
+              file=sys.stderr)
+
+
+def _train_size(cfg: LaunchConfig) -> int:
+    from minips.config import dataset_train_size
+
+    try:
+        return dataset_train_size(cfg.run.dataset, cfg.run.train_size)
+    except MiniPSError:
+        return 1
+
+
+def _last_record(path: Path) -> dict[str, Any]:
+    """The last complete JSON line of a file ({} when none), reading only its tail."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+            if isinstance(rec, dict):
+                return rec
+        except ValueError:
+            continue
+    return {}
+
+
+def _timeout(cfg: LaunchConfig) -> float:
+    if cfg.timeout_s > 0:
+        return cfg.timeout_s
+    return (cfg.run.wall_s or 1800.0) + 120.0
+
+
+def run_local(cfg: LaunchConfig) -> dict[str, Any]:
+    """Run the cluster to the end of its budget; return the summary (``status`` added)."""
+    cfg.run.validate()
+    run_dir = make_run_dir(cfg)
+    token = os.environ.get("MINIPS_TOKEN") or secrets.token_hex(16)
+    (run_dir / "launch.json").write_text(json.dumps(asdict(cfg), indent=2))
+    print(f"minips local: run directory {run_dir}", file=sys.stderr, flush=True)
+    cluster = Cluster(cfg, run_dir, token)
+    status = "done"
+    try:
+        cluster.start_server(write_init(run_dir, cfg.run.model, cfg.run.seed))
+        cluster.start_workers()
+        if cfg.evaluator:
+            cluster.start_evaluator()
+        if cluster.wait(_timeout(cfg), cfg.progress) != 0:
+            status = "failed"
+        cluster.collect()
+    except KeyboardInterrupt:
+        status = "interrupted"
+    except TimeoutError:
+        status = "timeout"
+    finally:
+        cluster.stop()
+    return _finish(cfg, run_dir, status)
+
+
+def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
+    summary = metrics.summarize(run_dir, write=False)
+    summary.update(status=status, run_dir=str(run_dir), slowdowns=cfg.factors())
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    pngs = _plot(run_dir) if cfg.plot else []
+    acc = summary.get("final_accuracy")
+    print(f"minips local: {status} in {summary.get('wall_s') or 0:.1f} s, final accuracy "
+          f"{acc if acc is None else round(acc, 4)}\n  run directory: {run_dir}\n"
+          f"  summary:       {run_dir / 'summary.json'}", file=sys.stderr, flush=True)
+    for p in pngs:
+        print(f"  plot:          {p}", file=sys.stderr, flush=True)
+    return summary
+
+
+def _plot(run_dir: Path) -> list[str]:
+    try:
+        from minips import plot
+    except ImportError as exc:  # matplotlib is the `plot` extra
+        print(f"minips local: no plots ({exc})", file=sys.stderr)
+        return []
+    return [str(p) for p in plot.plot_runs([str(run_dir)])]

@@ -1,0 +1,502 @@
+"""Global server: admission, grouping, GDTopK ratios, authoritative weights, budget (no torch).
+
+One asyncio process. Clients connect with role ``worker`` (control channel: STATS, HEARTBEAT,
+LEAVE; learns its group from ASSIGN), ``group`` (a separate `minips group` process: PUSH its
+delta, get WEIGHTS) or ``evaluator`` (PULL the global weights every few seconds).
+
+A run goes: workers connect and report their calibrated step time (STATS at clock 0); when all
+``run.workers`` reported (or ``calib_timeout_s`` passed) the server clusters the step times
+into groups (one group for bsp/ssp/asp, ``grouping.assign_groups`` for gssp), starts one
+``GroupServer`` per group on its own port (or hands the groups to the connected external group
+servers) and sends every worker ASSIGN(group address, ratio, staleness). Later STATS update the
+group step times; with GDTopK a changed ratio is sent as a new ASSIGN.
+
+Invariants: ``weights`` changes only in ``merge`` (weights += delta of one group, version += 1),
+so the global weights are the initial weights plus every delta any group sent. Once the budget is
+spent (``done``) merges still land — nothing sent is lost — and the run ends when every group
+has flushed its final delta (or a grace period passed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minips import compressors, grouping, protocol, sparse, transport
+from minips.config import ServerConfig, dataset_train_size, server_ssl
+from minips.errors import AuthError, ConfigError, RemoteProtocolError
+from minips.group import ExchangeResult, GroupServer
+from minips.metrics import RunDir
+
+__all__ = ["GlobalServer", "GroupHandle", "serve_run", "run_server"]
+
+FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
+RATIO_EPS = 0.1  # relative ratio change that is worth a new ASSIGN
+
+
+@dataclass
+class WorkerEntry:
+    """What the global server knows of one worker."""
+
+    id: int
+    ch: Any = None  # control channel, None while disconnected
+    step_time: float | None = None  # last reported seconds per step
+    clock: int = 0  # last reported clock
+    group: int = -1  # assigned group, -1 before grouping
+    left: bool = False  # sent LEAVE
+
+
+@dataclass
+class GroupHandle:
+    """One group as the global server sees it."""
+
+    id: int
+    address: str  # "host:port" where its workers connect
+    members: list[int] = field(default_factory=list)
+    ratio: float = 0.01  # GDTopK kept fraction for its workers
+    server: GroupServer | None = None  # in-process group server, else None
+    ch: Any = None  # channel of an external group server
+    step_time: float = 0.0  # smoothed mean worker step time, seconds
+    final: bool = False  # flushed its last delta
+    merges: int = 0
+
+
+class GlobalServer:
+    """The global server's state and message handling (``start`` / ``wait_finished``)."""
+
+    def __init__(self, cfg: ServerConfig, weights: np.ndarray | None = None) -> None:
+        self.cfg = cfg
+        self.run = cfg.run
+        if not self.run.t0:
+            self.run.t0 = time.time()
+        self.weights = None if weights is None else np.array(weights, dtype=np.float32)
+        self.version = 0  # merges applied to self.weights
+        self.samples = 0  # training samples all groups reported
+        self.workers: dict[int, WorkerEntry] = {}
+        self.groups: dict[int, GroupHandle] = {}
+        self.pending_groups: list[Any] = []  # channels of external group servers not yet used
+        self.done = False
+        self.done_reason = ""
+        self.train_size = dataset_train_size(self.run.dataset, self.run.train_size)
+        self.started_training = 0.0  # time.time() when the groups were formed
+        self.finished = asyncio.Event()
+        self.evaluated_final = asyncio.Event()
+        self._weights_ready = asyncio.Event()
+        self._grouped = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.server: Any = None
+        self.port = 0
+        self.rundir = RunDir(cfg.run_dir, t0=self.run.t0)
+        self.rundir.write_config(self.run.to_info())
+        self.writer = self.rundir.writer("global")
+        if self.weights is not None:
+            self._weights_ready.set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Listen, start the grouping deadline; return the bound port."""
+        ssl = server_ssl(self.cfg.tls_cert, self.cfg.tls_key)
+        self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
+                                            accept=self._accept, handler=self._handle, ssl=ssl)
+        self.port = int(self.server.port)
+        self._spawn(self._grouping_deadline())
+        if self.cfg.ready_file:
+            _write_atomic(self.cfg.ready_file, f"{self.cfg.host} {self.port}\n")
+        return self.port
+
+    async def wait_finished(self) -> None:
+        """Until the run is over and (if one is connected) the evaluator saw the final weights."""
+        await self.finished.wait()
+        if self._has_evaluator():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.evaluated_final.wait(), self.cfg.linger_s)
+
+    async def close(self) -> None:
+        """Save the final weights, close every connection and group server."""
+        if self.weights is not None:
+            np.save(Path(self.cfg.run_dir) / "final_weights.npy", self.weights)
+        for g in self.groups.values():
+            if g.server is not None:
+                await g.server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await self.server.wait_closed()
+        self.writer.close()
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _accept(self, hello: Any) -> dict[str, Any]:
+        info = self.run.to_info()
+        if hello.role == "worker":
+            info["worker_id"] = self._admit_worker(int(hello.worker_id))
+            info["need_init"] = self.weights is None
+        elif hello.role == "group" and not self.cfg.external_groups:
+            raise AuthError("this server runs its group servers in-process (no --external-groups)")
+        return info
+
+    def _admit_worker(self, wanted: int) -> int:
+        if wanted < 0:
+            wanted = next(i for i in range(len(self.workers) + 1) if i not in self.workers)
+        entry = self.workers.get(wanted)
+        if entry is not None and entry.ch is not None:
+            raise AuthError(f"worker id {wanted} is already connected")
+        if wanted >= self.run.workers:
+            raise AuthError(f"worker id {wanted} out of range 0..{self.run.workers - 1}")
+        self.workers.setdefault(wanted, WorkerEntry(wanted))
+        return wanted
+
+    async def _handle(self, ch: Any) -> None:
+        role = ch.peer_hello.role
+        try:
+            if role == "worker":
+                await self._worker_session(ch, int(ch.worker_id))
+            elif role == "group":
+                await self._group_session(ch)
+            else:
+                await self._evaluator_session(ch)
+        except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError):
+            pass
+
+    # -- workers -----------------------------------------------------------------------------
+
+    async def _worker_session(self, ch: Any, w: int) -> None:
+        entry = self.workers[w]
+        entry.ch, entry.left = ch, False
+        try:
+            if entry.group >= 0:  # a reconnect after grouping: tell it its group again
+                await ch.send(self._assign_msg(self.groups[entry.group]))
+            while not entry.left:
+                self._on_worker_msg(entry, await ch.recv())
+        finally:
+            entry.ch = None
+
+    def _on_worker_msg(self, entry: WorkerEntry, msg: Any) -> None:
+        if isinstance(msg, protocol.Stats):
+            self._on_stats(entry, msg)
+        elif isinstance(msg, protocol.Push) and self.weights is None:
+            self._set_initial(msg)
+        elif isinstance(msg, protocol.Leave):
+            entry.left = True
+
+    def _set_initial(self, msg: Any) -> None:
+        """The first worker's initial weights (when the server was started without --init)."""
+        size = int(msg.codec.get("size", 0))
+        w = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, size)
+        if not isinstance(w, np.ndarray):
+            raise RemoteProtocolError("initial weights must be dense", got=msg.encoding)
+        self.weights = w.astype(np.float32)
+        self._weights_ready.set()
+
+    def _on_stats(self, entry: WorkerEntry, msg: Any) -> None:
+        entry.step_time, entry.clock = float(msg.step_time), int(msg.clock)
+        if not self._grouped.is_set():
+            reported = [e for e in self.workers.values() if e.step_time]
+            if len(reported) >= self.run.workers:
+                self._spawn(self._form_groups())
+        elif entry.group < 0:
+            self._spawn(self._place_late(entry))
+        else:
+            self._update_ratios()
+
+    async def _grouping_deadline(self) -> None:
+        await asyncio.sleep(self.cfg.calib_timeout_s)
+        if not self._grouped.is_set() and any(e.step_time for e in self.workers.values()):
+            await self._form_groups()
+
+    # -- grouping ----------------------------------------------------------------------------
+
+    async def _form_groups(self) -> None:
+        if self._grouped.is_set():
+            return
+        self._grouped.set()
+        await self._weights_ready.wait()
+        times = {w: e.step_time for w, e in self.workers.items() if e.step_time}
+        k = self.run.fixed_groups or None
+        assignment = grouping.assign_groups(times, k, self.run.max_groups)
+        for g in sorted(set(assignment.values())):
+            members = sorted(w for w, gg in assignment.items() if gg == g)
+            self.groups[g] = await self._open_group(g, members)
+            self.groups[g].step_time = float(np.mean([times[w] for w in members]))
+        self._set_ratios()
+        self.started_training = time.time()
+        self._log("groups", assignment={str(w): g for w, g in assignment.items()},
+                  ratios={str(g): h.ratio for g, h in self.groups.items()})
+        for w, g in assignment.items():
+            await self._assign(self.workers[w], g)
+        if self.run.wall_s > 0:
+            self._spawn(self._wall_budget())
+
+    async def _open_group(self, g: int, members: list[int]) -> GroupHandle:
+        assert self.weights is not None
+        if self.cfg.external_groups:
+            return await self._external_group(g, members)
+        writer = self.rundir.writer(f"group-{g}")
+        gs = GroupServer(g, self.run, self.weights, InProcLink(self), members=members,
+                         writer=writer)
+        port = await gs.serve(self.cfg.group_host, 0, self.cfg.token,
+                              server_ssl(self.cfg.tls_cert, self.cfg.tls_key))
+        host = self.cfg.advertise_host or self.cfg.group_host
+        return GroupHandle(g, f"{host}:{port}", members, self.run.ratio, server=gs)
+
+    async def _external_group(self, g: int, members: list[int]) -> GroupHandle:
+        deadline = time.monotonic() + self.cfg.calib_timeout_s
+        while not self.pending_groups:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"no external group server connected for group {g}")
+            await asyncio.sleep(0.1)
+        ch = self.pending_groups.pop(0)
+        handle = GroupHandle(g, ch.peer_hello.address, members, self.run.ratio, ch=ch)
+        await ch.send(protocol.Assign(group=g, address=",".join(map(str, members)),
+                                      ratio=self.run.ratio, staleness=_staleness(self.run)))
+        return handle
+
+    async def _place_late(self, entry: WorkerEntry) -> None:
+        times = {g: h.step_time for g, h in self.groups.items()}
+        g = grouping.nearest_group(entry.step_time or 1.0, times)
+        handle = self.groups[g]
+        handle.members.append(entry.id)
+        if handle.server is not None:
+            handle.server.expect(entry.id)
+        await self._assign(entry, g)
+
+    def _assign_msg(self, h: GroupHandle) -> Any:
+        return protocol.Assign(group=h.id, address=h.address, ratio=h.ratio,
+                               staleness=_staleness(self.run))
+
+    async def _assign(self, entry: WorkerEntry, g: int) -> None:
+        entry.group = g
+        if entry.ch is not None:
+            with contextlib.suppress(ConnectionError):
+                await entry.ch.send(self._assign_msg(self.groups[g]))
+
+    def _set_ratios(self) -> bool:
+        """GDTopK: one ratio per group from the group step times; True when any changed."""
+        if self.run.compressor != "gdtopk" or not self.groups:
+            return False
+        ids = sorted(self.groups)
+        ratios = compressors.gdtopk_ratios([self.groups[g].step_time for g in ids],
+                                           floor=self.run.ratio, alpha=self.run.gdtopk_alpha,
+                                           direction=self.run.gdtopk_direction,
+                                           lo=min(self.run.ratio, 0.001), hi=0.05)
+        changed = False
+        for g, r in zip(ids, ratios, strict=True):
+            if abs(r - self.groups[g].ratio) > RATIO_EPS * self.groups[g].ratio:
+                self.groups[g].ratio, changed = r, True
+        return changed
+
+    def _update_ratios(self) -> None:
+        for h in self.groups.values():
+            times = [t for w in h.members if (t := self.workers[w].step_time)]
+            if times:
+                h.step_time = float(np.mean(times))
+        if self._set_ratios():
+            for entry in self.workers.values():
+                if entry.group >= 0:
+                    self._spawn(self._assign(entry, entry.group))
+
+    # -- merging -----------------------------------------------------------------------------
+
+    def merge(self, g: int, delta: np.ndarray, stats: dict[str, Any]) -> ExchangeResult:
+        """Add group ``g``'s delta to the global weights; return a copy of the result."""
+        assert self.weights is not None
+        self.weights += delta
+        self.version += 1
+        self.samples += int(stats.get("samples", 0))
+        h = self.groups[g]
+        h.merges += 1
+        h.final = h.final or bool(stats.get("final"))
+        self._log("merge", group=g, group_samples=stats.get("samples", 0),
+                  **{k: v for k, v in stats.items() if k not in ("version", "samples")})
+        self._check_budget()
+        return ExchangeResult(self.weights.copy(), self.version, self.done)
+
+    def _check_budget(self) -> None:
+        if self.run.epochs > 0 and self.samples >= self.run.epochs * self.train_size:
+            self.finish("epochs")
+        if self.groups and all(h.final for h in self.groups.values()):
+            self.finish("workers left")
+            self.finished.set()
+
+    async def _wall_budget(self) -> None:
+        await asyncio.sleep(self.run.wall_s)
+        self.finish("wall time")
+
+    def finish(self, reason: str) -> None:
+        """Budget spent: tell groups and workers, then wait (bounded) for the final deltas."""
+        if self.done:
+            return
+        self.done, self.done_reason = True, reason
+        self._log("done", reason=reason)
+        for h in self.groups.values():
+            if h.server is not None:
+                h.server.finish()
+            elif h.ch is not None:
+                self._spawn(_send_quiet(h.ch, protocol.Leave(reason="done")))
+        for entry in self.workers.values():
+            if entry.ch is not None:
+                self._spawn(_send_quiet(entry.ch, protocol.Leave(reason="done")))
+        self._spawn(self._final_flush())
+
+    async def _final_flush(self) -> None:
+        deadline = time.monotonic() + FINAL_FLUSH_S
+        while not all(h.final for h in self.groups.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.finished.set()
+
+    # -- external groups and the evaluator ---------------------------------------------------
+
+    async def _group_session(self, ch: Any) -> None:
+        self.pending_groups.append(ch)
+        await self._grouped.wait()
+        handle = next((h for h in self.groups.values() if h.ch is ch), None)
+        while handle is not None:
+            msg = await ch.recv()
+            if isinstance(msg, protocol.Pull):
+                await ch.send(self.weights_message())
+            elif isinstance(msg, protocol.Push):
+                delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers,
+                                               self.weights.size if self.weights is not None else 0)
+                res = self.merge(handle.id, np.asarray(delta), dict(msg.codec.get("stats", {})))
+                await ch.send(self.weights_message(res.weights))
+
+    async def _evaluator_session(self, ch: Any) -> None:
+        while True:
+            msg = await ch.recv()
+            if isinstance(msg, protocol.Leave):
+                return
+            if isinstance(msg, protocol.Pull):
+                await self._weights_ready.wait()
+                final = self.done and self.finished.is_set()
+                await ch.send(self.weights_message(final=final))
+                if final:
+                    self.evaluated_final.set()
+
+    def weights_message(self, weights: np.ndarray | None = None, final: bool = False) -> Any:
+        """WEIGHTS with the global weights and the run's counters in ``info``."""
+        w = self.weights if weights is None else weights
+        encoding, codec, buffers = sparse.encode_gradient(w if w is not None else np.zeros(0))
+        info = {"samples": self.samples, "version": self.version, "t": time.time() - self.run.t0,
+                "train_s": time.time() - self.started_training if self.started_training else 0.0,
+                "done_reason": self.done_reason, **self.traffic()}
+        return protocol.Weights(version=self.version, encoding=encoding, codec=codec,
+                                buffers=tuple(buffers), done=final or self.done, info=info)
+
+    def traffic(self) -> dict[str, int]:
+        """Worker <-> group bytes so far (in-process groups only)."""
+        up = down = 0
+        for h in self.groups.values():
+            if h.server is not None:
+                b = h.server.traffic()
+                up, down = up + b["bytes_in"], down + b["bytes_out"]
+        return {"bytes_up": up, "bytes_down": down}
+
+    def _has_evaluator(self) -> bool:
+        return self.server is not None and any(
+            ch.peer_hello is not None and ch.peer_hello.role == "evaluator"
+            for ch in self.server.channels)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _log(self, event: str, **fields: Any) -> None:
+        self.writer.write({"t": time.time() - self.run.t0, "event": event, **fields,
+                           "version": self.version, "samples": self.samples, **self.traffic()})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs (weights, counters, grouping)."""
+        return {"weights": self.weights, "version": self.version, "samples": self.samples,
+                "groups": {g: (h.members, h.ratio) for g, h in self.groups.items()},
+                "done": self.done, "run": self.run.to_info()}
+
+
+class InProcLink:
+    """GroupLink for a group server in the global server's process: a direct call."""
+
+    def __init__(self, server: GlobalServer) -> None:
+        self.server = server
+
+    async def exchange(self, group: int, delta: np.ndarray,
+                       stats: dict[str, Any]) -> ExchangeResult:
+        return self.server.merge(group, delta, stats)
+
+
+def _staleness(run: Any) -> int:
+    s = run.staleness_bound
+    return -1 if s is None else int(s)
+
+
+async def _send_quiet(ch: Any, msg: Any) -> None:
+    with contextlib.suppress(ConnectionError, OSError):
+        await ch.send(msg)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)
+
+
+async def serve_run(cfg: ServerConfig, *, announce: bool = True,
+                    spawn_evaluator: bool = False) -> GlobalServer:
+    """Run a global server until its run is over; return it (closed) for inspection."""
+    init = np.load(cfg.init_path) if cfg.init_path else None
+    srv = GlobalServer(cfg, init)
+    port = await srv.start()
+    if announce:
+        _announce(cfg, port)
+    child = _spawn_evaluator(cfg, port) if spawn_evaluator else None
+    try:
+        await srv.wait_finished()
+    finally:
+        await srv.close()
+        if child is not None:
+            await asyncio.get_running_loop().run_in_executor(None, _reap, child)
+    return srv
+
+
+def _announce(cfg: ServerConfig, port: int) -> None:
+    host = cfg.host if cfg.host not in ("0.0.0.0", "") else "<this-host>"
+    print(f"minips server listening on {cfg.host}:{port} ({cfg.run.mode}, "
+          f"{cfg.run.compressor}, waiting for {cfg.run.workers} workers)\n"
+          f"  join with:  MINIPS_TOKEN=... minips worker --connect {host}:{port}\n"
+          f"  group:      MINIPS_TOKEN=... minips group --connect {host}:{port} "
+          f"--listen 0.0.0.0:7071", flush=True)
+
+
+def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False, announce: bool = True) -> None:
+    """`minips server`: serve one run (optionally with an evaluator child process)."""
+    transport.install_uvloop()
+    asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
+
+
+def _spawn_evaluator(cfg: ServerConfig, port: int) -> subprocess.Popen[bytes]:
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
+    cmd = [sys.executable, "-m", "minips", "evaluator", "--connect", f"{host}:{port}",
+           "--run-dir", cfg.run_dir, "--timeout", "30"]
+    return subprocess.Popen(cmd)
+
+
+def _reap(child: subprocess.Popen[bytes]) -> None:
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()

@@ -1,0 +1,314 @@
+"""Worker training loop and evaluator loop (PyTorch; the only torch code on the network path).
+
+A worker knows only the global server's address. It connects (role ``worker``), learns the run
+config from WELCOME.info, builds the model and its data shard, times ``calib_steps`` steps and
+reports them (STATS, clock 0), then waits for ASSIGN (its group server, upload ratio, staleness).
+Then, on the group server's connection:
+
+    PULL(c) -> WEIGHTS          answered when the SSP bound allows; wait time and whom it waited
+                                for are logged
+    gradient on the next batch  of its shard, in the reference loop's order (minips.reference)
+    compress                    sparse.make_compressor, error feedback kept here
+    sleep                       so that the step takes max(compute, F x base_step_s)
+    PUSH(c + 1) -> ACK
+
+until the server says ``done`` (WEIGHTS.done or LEAVE "done") or ``max_steps`` pushes were made,
+then it sends LEAVE to both servers. Calibration does not touch the model, the data stream or the
+compressor, so N workers in BSP reproduce ``reference.train`` exactly.
+
+Emulated heterogeneity: slowdown F stretches every step with sleep (so results do not depend on
+CPU load); ``bandwidth_bps`` / ``latency_s`` delay each send by bytes / bandwidth + latency.
+
+The evaluator (role ``evaluator``) pulls the global weights every ``eval_every_s`` and writes
+accuracy, loss and the global counters to eval.jsonl until the run is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from minips import data, models, protocol, sparse, transport
+from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address
+from minips.errors import MiniPSError, RemoteProtocolError
+from minips.metrics import JsonlWriter, RunDir
+
+__all__ = ["Worker", "run_worker", "run_evaluator", "evaluate_loop"]
+
+STATS_EVERY_S = 1.0  # how often the worker reports its step time to the global server
+ASSIGN_TIMEOUT_S = 300.0  # give up when no group is assigned after this long
+
+
+class Link:
+    """A channel with the emulated bandwidth cap and latency applied to every send."""
+
+    def __init__(self, ch: Any, bandwidth_bps: float, latency_s: float) -> None:
+        self.ch = ch
+        self.bandwidth_bps = bandwidth_bps
+        self.latency_s = latency_s
+
+    async def send(self, msg: Any) -> None:
+        delay = self.latency_s
+        if self.bandwidth_bps > 0:
+            delay += _payload_bytes(msg) / self.bandwidth_bps
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await self.ch.send(msg)
+
+    async def expect(self, kind: type) -> Any:
+        """Next message of type ``kind``; heartbeats are skipped, ERROR / LEAVE raise."""
+        while True:
+            msg = await self.ch.recv()
+            if isinstance(msg, kind):
+                return msg
+            if isinstance(msg, (protocol.Error, protocol.Leave)):
+                raise _Stopped(getattr(msg, "reason", ""))
+
+
+class _Stopped(MiniPSError):
+    """The server ended the session (LEAVE / ERROR)."""
+
+
+def _payload_bytes(msg: Any) -> int:
+    return 64 + sum(memoryview(b).nbytes for b in getattr(msg, "buffers", ()))
+
+
+class Worker:
+    """One training worker; ``await Worker(cfg).run()``."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.id = cfg.worker_id
+        self.run_cfg = RunConfig()
+        self.assign: Any = None  # latest ASSIGN
+        self._assigned = asyncio.Event()
+        self.done = False  # the server said the run is over
+        self.clock = 0
+        self.samples = 0
+        self.writer: JsonlWriter | None = None
+        self.ctl: Any = None
+
+    # -- setup -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Connect, calibrate, train until done, leave."""
+        self.ctl = await _connect(self.cfg, self.cfg.server_host, self.cfg.server_port,
+                                  "worker", self.cfg.worker_id)
+        info = dict(self.ctl.welcome_info)
+        self.id = int(info.get("worker_id", self.cfg.worker_id))
+        self.run_cfg = RunConfig.from_info(info)
+        self._setup()
+        reader = asyncio.create_task(self._read_control())
+        try:
+            if info.get("need_init"):
+                await self._send_initial()
+            await self._calibrate()
+            await asyncio.wait_for(self._assigned.wait(), ASSIGN_TIMEOUT_S)
+            await self._train()
+        finally:
+            reader.cancel()
+            await _leave(self.ctl)
+            if self.writer is not None:
+                self.writer.close()
+
+    def _setup(self) -> None:
+        run = self.run_cfg
+        torch.set_num_threads(self.cfg.torch_threads)
+        self.model = models.build_model(run.model, run.seed)
+        self.model.train()
+        ds = data.load_dataset(run.dataset, "train", self.cfg.data_dir or run.data_dir)
+        shard = data.shard_indices(len(ds), self.id, run.workers, run.seed)
+        self.shard_size = len(shard)
+        self.stream = data.batch_stream(ds, shard, run.batch_size, run.seed)
+        self.first_batch = (ds.x[shard[: run.batch_size]], ds.y[shard[: run.batch_size]])
+        size = sum(p.numel() for p in self.model.parameters())
+        self.compressor = sparse.make_compressor(run.compressor, size, ratio=run.ratio,
+                                                 seed=run.seed * 1000 + self.id,
+                                                 **run.compressor_opts)
+        self.writer = RunDir(self.cfg.run_dir, t0=run.t0).writer(f"worker-{self.id}")
+
+    async def _send_initial(self) -> None:
+        flat = models.get_flat(self.model)  # (n,) float32
+        encoding, codec, buffers = sparse.encode_gradient(flat)
+        await self.ctl.send(protocol.Push(clock=0, encoding=encoding,
+                                          codec={**codec, "size": int(flat.size)},
+                                          buffers=tuple(buffers)))
+
+    async def _calibrate(self) -> None:
+        """Time a few steps on the first batch (model, stream and compressor untouched)."""
+        times, loss = [], 0.0
+        for _ in range(max(1, self.run_cfg.calib_steps)):
+            t = time.perf_counter()
+            loss, _ = self._gradient(*self.first_batch)
+            times.append(await self._stretch(time.perf_counter() - t))
+        await self.ctl.send(protocol.Stats(clock=0, step_time=float(np.median(times)),
+                                           loss=loss, samples=0))
+        self._stats_at = time.monotonic()
+
+    async def _read_control(self) -> None:
+        """Control channel: ASSIGN (group, ratio), LEAVE "done"."""
+        with contextlib.suppress(ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError):
+            while True:
+                msg = await self.ctl.recv()
+                if isinstance(msg, protocol.Assign):
+                    self.assign = msg
+                    self.compressor.set_ratio(msg.ratio)
+                    self._assigned.set()
+                elif isinstance(msg, (protocol.Leave, protocol.Error)):
+                    self.done = True
+                    self._assigned.set()
+                    return
+
+    # -- training ----------------------------------------------------------------------------
+
+    async def _train(self) -> None:
+        while not self.done:
+            address = self.assign.address
+            host, port = parse_address(address)
+            ch = await _connect(self.cfg, host, port, "worker", self.id)
+            link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s)
+            try:
+                ack = await link.expect(protocol.Ack)
+                self.clock = int(ack.clock)
+                await self._loop(link, address)
+            except (_Stopped, ConnectionError, asyncio.IncompleteReadError):
+                self.done = True
+            finally:
+                await _leave(ch)
+
+    async def _loop(self, link: Link, address: str) -> None:
+        """Steps on one group server until done, the cap, or a new group address."""
+        cap = self.run_cfg.max_steps
+        while not self.done and address == self.assign.address:
+            if cap and self.clock >= cap:
+                self.done = True
+                return
+            t = time.monotonic()
+            await link.send(protocol.Pull(clock=self.clock))
+            w = await link.expect(protocol.Weights)
+            wait_s = time.monotonic() - t
+            if w.done:
+                self.done = True
+                return
+            await self._step(link, w, wait_s)
+
+    async def _step(self, link: Link, w: Any, wait_s: float) -> None:
+        t = time.perf_counter()
+        weights = sparse.decode_gradient(w.encoding, w.codec, w.buffers, self.compressor.size)
+        models.set_flat(self.model, np.asarray(weights))
+        epoch, xb, yb = next(self.stream)
+        loss, grad = self._gradient(xb, yb)
+        self.compressor.set_epoch(self.samples / max(1, self.shard_size))
+        self.compressor.observe_loss(loss)
+        packet = self.compressor.compress(grad)
+        encoding, codec, buffers = sparse.encode_gradient(packet)
+        step_time = await self._stretch(time.perf_counter() - t)
+        push = protocol.Push(clock=self.clock + 1, step_time=step_time, loss=loss,
+                             samples=len(yb), encoding=encoding, codec=codec,
+                             buffers=tuple(buffers))
+        await link.send(push)
+        await link.expect(protocol.Ack)
+        self.clock += 1
+        self.samples += len(yb)
+        self._record(w, wait_s, step_time, loss, push, epoch, link)
+        await self._maybe_stats(step_time, loss)
+
+    def _gradient(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, np.ndarray]:
+        """(loss, (n,) float32 gradient) of the mean batch loss at the model's weights."""
+        self.model.zero_grad(set_to_none=True)
+        loss = models.batch_loss(self.run_cfg.model, self.model, torch.from_numpy(xb),
+                                 torch.from_numpy(yb))
+        loss.backward()
+        return float(loss.detach()), models.get_flat_grad(self.model)
+
+    async def _stretch(self, compute_s: float) -> float:
+        """Sleep so a step takes F x base_step_s at least; return the step's duration."""
+        target = self.cfg.slowdown * self.run_cfg.base_step_s
+        if compute_s < target:
+            await asyncio.sleep(target - compute_s)
+        return max(compute_s, target)
+
+    async def _maybe_stats(self, step_time: float, loss: float) -> None:
+        if time.monotonic() - self._stats_at >= STATS_EVERY_S:
+            self._stats_at = time.monotonic()
+            with contextlib.suppress(ConnectionError):
+                await self.ctl.send(protocol.Stats(clock=self.clock, step_time=step_time,
+                                                   loss=loss, samples=self.samples))
+
+    def _record(self, w: Any, wait_s: float, step_time: float, loss: float, push: Any,
+                epoch: int, link: Link) -> None:
+        assert self.writer is not None
+        info = w.info
+        self.writer.write({
+            "t": time.time() - self.run_cfg.t0, "worker": self.id, "group": info.get("group"),
+            "clock": self.clock, "staleness": info.get("lead", 0), "wait_s": wait_s,
+            "waited_for": info.get("waited_for", []), "step_time": step_time, "loss": loss,
+            "samples": push.samples, "epoch": epoch, "ratio": self.compressor.ratio,
+            "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
+            "bytes_wire": _payload_bytes(push), "link_bytes_up": link.ch.bytes_sent,
+            "link_bytes_down": link.ch.bytes_received})
+
+
+async def _connect(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int) -> Any:
+    return await transport.connect(host, port, role=role, worker_id=worker_id, token=cfg.token,
+                                   timeout=cfg.connect_timeout_s,
+                                   ssl=client_ssl(cfg.tls_ca))
+
+
+async def _leave(ch: Any) -> None:
+    with contextlib.suppress(Exception):
+        await ch.close(leave="bye")
+
+
+def run_worker(cfg: WorkerConfig) -> None:
+    """`minips worker`: train until the server says done."""
+    transport.install_uvloop()
+    asyncio.run(Worker(cfg).run())
+
+
+# -- evaluator -------------------------------------------------------------------------------
+
+
+async def evaluate_loop(cfg: WorkerConfig) -> None:
+    """Pull the global weights every eval_every_s, evaluate, append to eval.jsonl; until done."""
+    torch.set_num_threads(cfg.torch_threads)
+    ch = await _connect(cfg, cfg.server_host, cfg.server_port, "evaluator", -1)
+    run = RunConfig.from_info(dict(ch.welcome_info))
+    test = data.load_dataset(run.dataset, "test", cfg.data_dir or run.data_dir)
+    if run.eval_limit:
+        test = test.subset(np.arange(min(run.eval_limit, len(test))))
+    writer = RunDir(cfg.run_dir, t0=run.t0).writer("eval")
+    size = models.param_count(run.model)
+    last = -1
+    try:
+        while True:
+            t = time.monotonic()
+            await ch.send(protocol.Pull(clock=0))
+            w = await Link(ch, 0, 0).expect(protocol.Weights)
+            if w.version != last or w.done:
+                last = w.version
+                _evaluate_once(run, w, size, test, writer)
+            if w.done:
+                return
+            await asyncio.sleep(max(0.0, run.eval_every_s - (time.monotonic() - t)))
+    finally:
+        writer.close()
+        await _leave(ch)
+
+
+def _evaluate_once(run: RunConfig, w: Any, size: int, test: Any, writer: JsonlWriter) -> None:
+    flat = np.asarray(sparse.decode_gradient(w.encoding, w.codec, w.buffers, size))
+    acc, loss = models.evaluate(run.model, flat, test)
+    writer.write({**dict(w.info), "t": time.time() - run.t0, "version": w.version,
+                  "accuracy": acc, "loss": loss, "final": bool(w.done)})
+
+
+def run_evaluator(cfg: WorkerConfig) -> None:
+    """`minips evaluator`: evaluate the global weights until the run is done."""
+    transport.install_uvloop()
+    asyncio.run(evaluate_loop(cfg))
