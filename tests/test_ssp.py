@@ -210,3 +210,65 @@ def test_bound_holds_under_random_event_orders(s, events):
     for event in events:
         now = _apply(t, event, now)
         last_min = _check(t, s, last_min)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=st.lists(EVENT, min_size=1, max_size=120))
+def test_bsp_rounds_release_every_push_once_and_only_when_complete(events):
+    t = ClockTable(staleness=0, lease_s=4.0)
+    rounds: Rounds[tuple[int, int]] = Rounds()
+    now, pushed, released = 0.0, [], []
+    for w in range(3):
+        t.join(w, now)
+    for kind, arg in events:
+        if kind == "push" and arg in t and t.may_start(arg):
+            clock = t.push(arg, t.clocks[arg] + 1, now)
+            rounds.add(clock, (arg, clock))
+            pushed.append((arg, clock))
+        elif kind != "push":
+            now = _apply(t, (kind, arg), now)
+        released += _release(t, rounds)
+    t.join(0, now)  # the live workers (at least one) catch up with the last round pushed
+    released += _release(t, rounds)
+    target = max((c for _, c in pushed), default=0)
+    while t.min_clock() < target:
+        for w in t.live:
+            if t.may_start(w) and t.clocks[w] < target:
+                pushed.append((w, t.push(w, t.clocks[w] + 1, now)))
+                rounds.add(pushed[-1][1], pushed[-1])
+        released += _release(t, rounds)
+    assert sorted(released) == sorted(pushed)
+
+
+def _release(t: ClockTable, rounds: Rounds) -> list:
+    out = []
+    for clock, items in rounds.pop_complete(t.min_clock()):
+        assert all(c >= clock for c in t.clocks.values()), "released an incomplete round"
+        assert {c for _, c in items} == {clock}
+        out += items
+    return out
+
+
+def _simulate(staleness, step_times, horizon):
+    """Discrete-event run of workers with fixed step times; returns each one's final clock."""
+    t = ClockTable(staleness=staleness, lease_s=math.inf)
+    for w in range(len(step_times)):
+        t.join(w, 0.0)
+    busy_until = {w: step for w, step in enumerate(step_times)}  # all start step 1 at time 0
+    while True:
+        w, now = min(busy_until.items(), key=lambda kv: (kv[1], kv[0]))
+        if now > horizon:
+            return t.clocks
+        t.push(w, t.clocks[w] + 1, now)
+        del busy_until[w]
+        for v in t.live:  # start every idle worker that the bound now lets go
+            if v not in busy_until and t.may_start(v):
+                busy_until[v] = now + step_times[v]
+
+
+def test_simulated_speeds_follow_the_mode():
+    fast_slow = [1.0, 2.0]
+    assert _simulate(None, fast_slow, 100.5) == {0: 100, 1: 50}  # ASP: nobody waits
+    assert _simulate(0, fast_slow, 100.5) == {0: 50, 1: 50}  # BSP: lockstep with the slowest
+    ssp = _simulate(3, fast_slow, 101.5)  # slow pushed 50 at t=100, fast 54 at t=101
+    assert ssp == {0: 54, 1: 50}  # SSP: the fast one runs s + 1 steps ahead, then waits
