@@ -84,6 +84,10 @@ class Options:
     alloc: p.Alloc | None = None  # where received payload buffers go; None: fresh numpy arrays
 
 
+_STAT_OF_REASON = {"protocol_error": "protocol_errors", "limit_exceeded": "limit_exceeded",
+                   "read_timeout": "read_timeouts"}  # close reason -> Server.stats key
+
+
 class _FrameProtocol(asyncio.BufferedProtocol):
     """Feeds socket bytes to the decoder, queues messages, implements drain and read timeout."""
 
@@ -101,6 +105,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.last_recv = self.loop.time()
         self._timer: asyncio.TimerHandle | None = None
         self.on_made: Callable[[_FrameProtocol], None] | None = None
+        self.stats: collections.Counter[str] | None = None  # the server's counters, if any
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -155,6 +160,8 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         if self.error is None:
             self.error, self.close_reason = err, reason
             log.info("closing connection: %s", err)
+            if self.stats is not None:
+                self.stats[_STAT_OF_REASON[reason]] += 1
             if self.transport is not None and self.conn.state != p.State.CLOSED:
                 frame = self.conn.send(p.Error(code=reason, reason=str(err)[: p.MAX_TEXT]))
                 self.transport.writelines(frame)
@@ -380,10 +387,6 @@ Accept = Callable[[p.Hello], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 Handler = Callable[[Channel], Awaitable[None]]
 
 
-_STAT_OF_REASON = {"protocol_error": "protocol_errors", "limit_exceeded": "limit_exceeded",
-                   "read_timeout": "read_timeouts"}
-
-
 class Server:
     """A listening minips server: handshakes each connection, then runs ``handler`` on it."""
 
@@ -421,7 +424,7 @@ class Server:
         try:
             await self.handler(ch)
         except (RemoteProtocolError, ConnectionError):
-            pass  # counted in _finish from the protocol's close reason
+            pass  # the protocol already counted it and told the peer
         except Exception:
             self.stats["handler_errors"] += 1
             log.exception("handler failed for %s", ch.peername)
@@ -430,9 +433,6 @@ class Server:
             await self._finish(ch)
 
     async def _finish(self, ch: Channel) -> None:
-        reason = ch._proto.close_reason
-        if reason:
-            self.stats[_STAT_OF_REASON[reason]] += 1
         await ch.close()
 
     async def _handshake(self, ch: Channel) -> None:
@@ -496,7 +496,7 @@ async def serve(host: str, port: int, *, accept: Accept, handler: Handler,
     def factory() -> _FrameProtocol:
         proto = _FrameProtocol(p.Connection(p.Side.SERVER, alloc=options.alloc,
                                             limits=options.limits), options)
-        proto.on_made = server._made
+        proto.on_made, proto.stats = server._made, server.stats
         return proto
 
     loop = asyncio.get_running_loop()

@@ -1,0 +1,408 @@
+"""Tests for minips.transport on real loopback sockets (port 0), on both the standard asyncio loop
+and uvloop: handshake outcomes, limits, read timeout, TLS, retry, heartbeats, back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import ssl
+import subprocess
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import uvloop
+
+from minips import protocol as p
+from minips import transport as t
+from minips.errors import AuthError, RemoteProtocolError
+
+TOKEN = "test-token"
+LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+
+
+def run(loop: str, coro: Coroutine[Any, Any, Any]) -> Any:
+    ev = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
+    try:
+        return ev.run_until_complete(asyncio.wait_for(coro, 20))
+    finally:
+        ev.close()
+
+
+async def echo_handler(ch: t.Channel) -> None:
+    """Answer PUSH with ACK and PULL with WEIGHTS of a fixed array until LEAVE."""
+    weights = np.arange(1000, dtype=np.float32)
+    while True:
+        msg = await ch.recv()
+        if isinstance(msg, p.Push):
+            await ch.send(p.Ack(clock=msg.clock, version=len(msg.buffers)))
+        elif isinstance(msg, p.Pull):
+            await ch.send(p.Weights(version=msg.clock, encoding="dense", buffers=(weights,)))
+        elif isinstance(msg, p.Leave):
+            return
+
+
+def accept_all(hello: p.Hello) -> dict[str, Any]:
+    return {"worker_id": 7 if hello.worker_id < 0 else hello.worker_id, "mode": "ssp"}
+
+
+async def start(handler: Callable[[t.Channel], Awaitable[None]] = echo_handler,
+                **kw: Any) -> t.Server:
+    kw.setdefault("token", TOKEN)
+    return await t.serve("127.0.0.1", 0, accept=kw.pop("accept", accept_all), handler=handler,
+                         **kw)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``cond`` until it holds or ``timeout`` passes (then fail)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------------------------------
+# Handshake
+
+
+@LOOPS
+def test_handshake_accepted_and_messages_flow(loop: str) -> None:
+    async def scenario() -> None:
+        async with await start() as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, capabilities=("lz4",))
+            assert ch.worker_id == 7 and ch.welcome_info == {"worker_id": 7, "mode": "ssp"}
+            await ch.send(p.Push(clock=1, encoding="dense", buffers=(b"ab", b"cd")))
+            assert await ch.recv() == p.Ack(clock=1, version=2)
+            await ch.send(p.Pull(clock=4))
+            weights = await ch.recv()
+            assert isinstance(weights, p.Weights) and weights.version == 4
+            assert np.array_equal(np.frombuffer(weights.buffers[0], np.float32), np.arange(1000))
+            await ch.close(leave="bye")
+            await until(lambda: not srv.channels)
+            assert srv.stats["accepted"] == 1 and srv.stats["refused"] == 0
+            assert ch.bytes_sent > 0 and ch.bytes_received > 4000
+
+    run(loop, scenario())
+
+
+@LOOPS
+def test_accept_sees_hello_and_can_refuse(loop: str) -> None:
+    def accept(hello: p.Hello) -> dict[str, Any]:
+        if hello.role != "evaluator":
+            raise AuthError(f"role {hello.role} not welcome")
+        return {}
+
+    async def scenario() -> None:
+        async with await start(accept=accept) as srv:
+            with pytest.raises(AuthError, match="role worker not welcome"):
+                await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, role="evaluator")
+            await ch.close()
+            assert srv.stats["refused"] == 1
+
+    run(loop, scenario())
+
+
+@pytest.mark.parametrize("kw, reason", [
+    ({"version": 2}, "protocol version mismatch: server speaks 1, client sent 2"),
+    ({"token": "guess"}, "wrong token"),
+    ({"token": ""}, "missing token"),
+])
+def test_refusals_carry_reasons_on_both_sides(kw: dict[str, Any], reason: str,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        async with await start() as srv:
+            kw.setdefault("token", TOKEN)
+            with pytest.raises(AuthError, match=reason):
+                await t.connect("127.0.0.1", srv.port, **kw)
+            await until(lambda: srv.stats["refused"] == 1)
+
+    with caplog.at_level("WARNING", logger="minips.transport"):
+        run("uvloop", scenario())
+    assert reason in caplog.text
+
+
+def test_token_defaults_to_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINIPS_TOKEN", "from-env")
+
+    async def scenario() -> None:
+        async with await start(token=None) as srv:
+            ch = await t.connect("127.0.0.1", srv.port)
+            await ch.close()
+            with pytest.raises(AuthError, match="wrong token"):
+                await t.connect("127.0.0.1", srv.port, token="other")
+
+    run("asyncio", scenario())
+
+
+def test_client_refuses_a_server_without_the_secret() -> None:
+    async def scenario() -> None:
+        async with await start(token="") as srv:
+            with pytest.raises(AuthError, match="prove"):
+                await t.connect("127.0.0.1", srv.port, token=TOKEN)
+
+    run("asyncio", scenario())
+
+
+async def read_frame(reader: asyncio.StreamReader) -> p.Message:
+    dec = p.FrameDecoder()
+    while True:
+        data = await reader.read(65536)
+        assert data, "connection closed before a whole frame"
+        msgs = dec.feed(data)
+        if msgs:
+            return msgs[0]
+
+
+def raw(msg: p.Message) -> bytes:
+    return b"".join(bytes(b) for b in p.encode(msg))
+
+
+@LOOPS
+def test_replayed_handshake_is_refused(loop: str) -> None:
+    async def scenario() -> None:
+        async with await start() as srv:
+            hs = p.ClientHandshake(TOKEN)
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(raw(hs.hello))
+            challenge = await read_frame(reader)
+            auth = hs.on_challenge(challenge)  # type: ignore[arg-type]
+            writer.write(raw(auth))
+            assert isinstance(await read_frame(reader), p.Welcome)
+            writer.close()
+            # An eavesdropper replays the recorded HELLO and AUTH on a new connection.
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(raw(hs.hello))
+            assert isinstance(await read_frame(reader), p.Challenge)
+            writer.write(raw(auth))
+            refuse = await read_frame(reader)
+            assert isinstance(refuse, p.Refuse) and "wrong token" in refuse.reason
+            writer.close()
+            await until(lambda: srv.stats["refused"] == 1)
+
+    run(loop, scenario())
+
+
+# ---------------------------------------------------------------------------------------------
+# Protocol errors, limits and timeouts
+
+
+@LOOPS
+def test_frame_over_limit_closes_that_connection_only(loop: str) -> None:
+    options = t.Options(limits=p.Limits(max_frame_bytes=1 << 20))
+
+    async def scenario() -> None:
+        async with await start(options=options) as srv:
+            bad = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            good = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            await bad.send(p.Push(clock=0, encoding="dense", buffers=(bytes(2 << 20),)))
+            error = await bad.recv()
+            assert isinstance(error, p.Error) and error.code == "limit_exceeded"
+            assert "frame size" in error.reason
+            with pytest.raises(ConnectionError):
+                await bad.recv()
+            await good.send(p.Push(clock=3, encoding="dense"))
+            assert await good.recv() == p.Ack(clock=3, version=0)
+            await until(lambda: srv.stats["limit_exceeded"] == 1)
+            await good.close()
+
+    run(loop, scenario())
+
+
+@LOOPS
+def test_half_frame_then_silence_is_cut_off_by_read_timeout(loop: str) -> None:
+    options = t.Options(read_timeout=0.3)
+
+    async def scenario() -> None:
+        async with await start(options=options) as srv:
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(raw(p.Hello(nonce=bytes(32)))[:10])  # a prefix cut short, then nothing
+            error = await read_frame(reader)
+            assert isinstance(error, p.Error) and "read timeout" in error.reason
+            assert await reader.read() == b""  # then the server closed
+            assert srv.stats["read_timeouts"] == 1
+            writer.close()
+
+    run(loop, scenario())
+
+
+def test_garbage_gets_error_then_close_and_is_counted() -> None:
+    async def scenario() -> None:
+        async with await start() as srv:
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            error = await read_frame(reader)
+            assert isinstance(error, p.Error) and "magic" in error.reason
+            await until(lambda: srv.stats["protocol_errors"] == 1)
+            writer.close()
+
+    run("uvloop", scenario())
+
+
+def test_out_of_order_message_from_peer_raises_remote_error_in_recv() -> None:
+    async def handler(ch: t.Channel) -> None:
+        ch._transport.write(raw(p.Challenge(nonce=bytes(32))))  # bypass our own state checks
+        await ch.recv()
+
+    async def scenario() -> None:
+        async with await start(handler=handler) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            with pytest.raises(RemoteProtocolError, match="may not send CHALLENGE"):
+                await ch.recv()
+
+    run("asyncio", scenario())
+
+
+# ---------------------------------------------------------------------------------------------
+# Retry, heartbeats, back-pressure, zero-copy receive
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@LOOPS
+def test_connect_retries_until_the_server_appears(loop: str) -> None:
+    async def scenario() -> None:
+        port = free_port()
+        attempt = asyncio.create_task(t.connect("127.0.0.1", port, token=TOKEN, retries=50))
+        await asyncio.sleep(0.3)  # let a few attempts fail first
+        srv = await t.serve("127.0.0.1", port, token=TOKEN, accept=accept_all,
+                            handler=echo_handler)
+        ch = await attempt
+        await ch.close()
+        srv.close()
+        await srv.wait_closed()
+
+    run(loop, scenario())
+
+
+def test_unreachable_address_gives_connection_error_within_timeout() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(ConnectionError, match="could not connect"):
+            await t.connect("127.0.0.1", free_port(), token=TOKEN, timeout=0.5, retries=100)
+        assert loop.time() - began < 1.5
+
+    run("asyncio", scenario())
+
+
+@LOOPS
+def test_heartbeats_refresh_last_recv_and_stop_on_close(loop: str) -> None:
+    async def quiet(ch: t.Channel) -> None:
+        await ch.recv()  # heartbeats are absorbed; this returns at LEAVE
+
+    async def scenario() -> None:
+        async with await start(handler=quiet) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN,
+                                 options=t.Options(heartbeat=0.05))
+            await until(lambda: len(srv.channels) == 1)
+            (server_side,) = srv.channels
+            first = server_side.last_recv
+            await until(lambda: server_side.last_recv > first + 0.1)
+            beat = ch._beat
+            await ch.close(leave="bye")
+            assert beat is not None and beat.done()
+
+    run(loop, scenario())
+
+
+@LOOPS
+def test_send_to_a_peer_that_stopped_reading_times_out(loop: str) -> None:
+    outcome: asyncio.Future[BaseException] | None = None
+
+    async def flood(ch: t.Channel) -> None:
+        assert outcome is not None
+        await ch.recv()
+        big = np.zeros(16 << 20, dtype=np.uint8)
+        try:
+            for version in range(100):
+                await ch.send(p.Weights(version=version, encoding="dense", buffers=(big,)))
+        except ConnectionError as e:
+            outcome.set_result(e)
+
+    async def scenario() -> None:
+        nonlocal outcome
+        outcome = asyncio.get_running_loop().create_future()
+        async with await start(handler=flood, options=t.Options(send_timeout=0.5)) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            ch._transport.pause_reading()  # fault injection: this client stops reading
+            await ch.send(p.Pull(clock=0))
+            err = await asyncio.wait_for(outcome, 10)
+            assert "stopped reading" in str(err)
+            await ch.close()
+
+    run(loop, scenario())
+
+
+@LOOPS
+def test_large_payload_lands_in_the_preallocated_array(loop: str) -> None:
+    weights = np.random.default_rng(0).standard_normal(3_000_000).astype(np.float32)
+    target = np.empty_like(weights)
+
+    async def send_weights(ch: t.Channel) -> None:
+        await ch.recv()
+        await ch.send(p.Weights(version=1, encoding="dense", buffers=(weights,)))
+        await ch.recv()
+
+    def alloc(kind: p.Kind, index: int, nbytes: int) -> memoryview:
+        return target.data.cast("B") if nbytes == target.nbytes else p.default_alloc(
+            kind, index, nbytes)
+
+    async def scenario() -> None:
+        async with await start(handler=send_weights) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN,
+                                 options=t.Options(alloc=alloc))
+            await ch.send(p.Pull(clock=0))
+            msg = await ch.recv()
+            assert isinstance(msg, p.Weights)
+            assert np.shares_memory(np.frombuffer(msg.buffers[0], np.uint8), target)
+            assert np.array_equal(target, weights)
+            await ch.close(leave="done")
+
+    run(loop, scenario())
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl command not available")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@LOOPS
+def test_tls_with_self_signed_certificate(loop: str, tls_files: tuple[Path, Path]) -> None:
+    cert, key = tls_files
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+
+    async def scenario() -> None:
+        async with await start(ssl=server_ctx) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, ssl=client_ctx,
+                                 server_hostname="localhost")
+            assert ch._transport.get_extra_info("ssl_object") is not None
+            payload = np.arange(200_000, dtype=np.float32)
+            await ch.send(p.Push(clock=5, encoding="dense", buffers=(payload,)))
+            assert await ch.recv() == p.Ack(clock=5, version=1)
+            await ch.close(leave="bye")
+            with pytest.raises(ConnectionError):  # a plain client cannot talk to a TLS server
+                await t.connect("127.0.0.1", srv.port, token=TOKEN, timeout=1.0, retries=0)
+
+    run(loop, scenario())
