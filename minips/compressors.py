@@ -10,9 +10,9 @@ Compressors (``ratio`` = kept fraction, k = round(ratio * n)):
 
 - ``none``: dense float32, nothing kept back. ``fp16``: dense float16 (clipped to +-65504); the
   rounding error goes to the residual.
-- ``topk``: exactly the k largest |acc|. ``dgc``: DGC's sampled threshold, k within +-10%
-  (``tolerance``); ``warmup_epochs=4`` turns on DGC's warm-up. ``randomk``: k uniform random
-  indices (without error feedback, ``unbiased=True`` scales values by n/k).
+- ``topk``: exactly the k largest |acc|. ``dgc``: DGC's sampled threshold, the largest k to
+  1.1 k (``tolerance=0.1``); ``warmup_epochs=4`` turns on DGC's warm-up. ``randomk``: k
+  uniform random indices (without error feedback, ``unbiased=True`` scales values by n/k).
 - ``gdtopk``: ``dgc`` whose ratio the global server sets per group (``set_ratio``, computed by
   ``gdtopk_ratios``), with DGC's warm-up on by default.
 - ``losscomp``: see ``minips.losscomp``.
@@ -206,7 +206,7 @@ class TopKCompressor(_SparseCompressor):
 
 
 class DGCCompressor(TopKCompressor):
-    """``dgc``: DGC's sampled threshold, keeping k within +-tolerance; optional warm-up."""
+    """``dgc``: DGC's sampled threshold, keeping k to k * (1 + tolerance); optional warm-up."""
 
     name = "dgc"
 

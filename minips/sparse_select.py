@@ -3,19 +3,21 @@
 ``TopKSelector`` picks the k largest entries of a non-negative float32 score vector (usually
 ``|gradient|``) in a few streaming passes instead of a full sort or partition:
 
-1. sample ``s`` scores at random positions (s about 1024 / density, capped) and take the
+1. sample ``s`` scores at random positions (s about 1024 / density, at most n / 8) and take the
    sample quantile that should leave ``k * (1 + margin)`` entries above it;
 2. one pass ``score >= threshold`` + ``np.flatnonzero`` gives the candidates, already sorted;
-3. exact mode: if there are at least k candidates, an exact partition among the candidates only
-   (O(candidates), about 1.2 k) keeps exactly k; too few candidates -> retry with a lower
-   threshold a bounded number of times, then fall back to one full partition (always correct).
-   approximate (DGC) mode: a count within ``k * (1 +- tolerance)`` is accepted as is; too many
-   are trimmed to k exactly; too few -> lower the threshold, as above.
+3. too few candidates (< k): lower the threshold in proportion to the miss and go back to 2, at
+   most ``MAX_REFINES`` times, then fall back to one full partition (always correct);
+4. exact mode (``tolerance=0``): an exact partition among the candidates only (O(candidates),
+   about 1.15 k) keeps exactly k. Approximate (DGC) mode: the quantile aims at
+   ``k * (1 + tolerance / 2)`` and any count in ``[k, k * (1 + tolerance)]`` is sent as is (no
+   partition at all); more than that is trimmed to exactly k.
 
-Invariants: the result is (k',) int64 indices, strictly increasing; exact mode gives k' == k;
-approximate mode gives k' within the tolerance (exact k after a fallback). Ties at the threshold
-are broken by position (lowest index first). Scratch buffers are kept between calls: a selector
-is built once per gradient size and reused every step.
+Invariants: the result is (k',) int64 indices, strictly increasing, and they are the k' largest
+scores; exact mode gives k' == k, approximate mode k <= k' <= k * (1 + tolerance), so it never
+keeps less of the gradient than the exact top-k. Ties at the threshold are broken by position
+(lowest index first). Scratch buffers are kept between calls: a selector is built once per
+gradient size and reused every step.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class TopKSelector:
 
     def __init__(self, size: int, seed: int = 0, *, tolerance: float = 0.0) -> None:
         self.size = size
-        self.tolerance = tolerance  # 0 -> exact k; DGC uses 0.1 -> within 10% of k
+        self.tolerance = tolerance  # 0 -> exact k; DGC uses 0.1 -> k to 1.1 k
         self.rng = np.random.default_rng(seed)
         self._mask = np.empty(size, dtype=np.bool_)  # (n,) scratch for score >= threshold
         self.refines = 0  # threshold retries in the last call (for tests and stats)
@@ -63,21 +65,23 @@ class TopKSelector:
     def _sampled(self, score: np.ndarray, k: int) -> np.ndarray:
         n = score.size
         p = k / n
-        s = int(min(MAX_SAMPLE, max(MIN_SAMPLE, SAMPLE_PER_DENSITY / p)))
+        s = int(min(MAX_SAMPLE, n // 8, max(MIN_SAMPLE, SAMPLE_PER_DENSITY / p)))
         sample = score[self.rng.integers(0, n, size=s)]  # (s,) float32
-        margin = EXACT_MARGIN_STDS / np.sqrt(p * s) + 0.02 if self.tolerance == 0.0 else 0.0
+        if self.tolerance > 0.0:
+            margin = self.tolerance / 2
+        else:
+            margin = EXACT_MARGIN_STDS / np.sqrt(p * s) + 0.02
         want = k * (1.0 + margin)
         for _ in range(MAX_REFINES + 1):
             # The sample entry that leaves about want/n of the sample above it.
             pos = int(np.clip(s - round(want / n * s), 0, s - 1))
             cand = self._above(score, np.partition(sample, pos)[pos])
-            lo = k * (1.0 - self.tolerance)
-            if cand.size >= lo:
+            if cand.size >= k:
                 if cand.size <= k * (1.0 + self.tolerance):
                     return cand
                 return self._trim(score, cand, k)
             self.refines += 1
-            want *= 2.0 * k / max(cand.size, 1)  # too few: aim lower, in proportion to the miss
+            want *= (1.0 + margin) * k / max(cand.size, 1)  # too few: aim lower by the miss
         return self._trim(score, np.arange(n, dtype=np.int64), k)
 
     def _above(self, score: np.ndarray, threshold: np.floating) -> np.ndarray:
