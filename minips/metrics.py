@@ -175,6 +175,16 @@ class Run:
     events: list[dict[str, Any]] = field(default_factory=list)  # global.jsonl
 
     @property
+    def start_t(self) -> float:
+        """``t`` when training started: the first ``groups`` event (workers assigned), else 0.
+
+        Start-up (process spawn, imports, calibration) differs from run to run and says
+        nothing about the training mode, so times-to-accuracy and charts count from here.
+        """
+        starts = [_num(r.get("t")) for r in self.events if r.get("event") == "groups"]
+        return next((t for t in starts if t is not None), 0.0)
+
+    @property
     def label(self) -> str:
         """``mode/compressor`` for legends (the directory name when the config is missing)."""
         mode, comp = self.config.get("mode"), self.config.get("compressor")
@@ -230,12 +240,14 @@ def _last(records: list[dict[str, Any]], key: str) -> float | None:
     return vals[-1] if vals else None
 
 
-def time_to_accuracy(evals: list[dict[str, Any]], targets: Iterable[float]) -> dict[str, Any]:
-    """``{"0.80": first t with accuracy >= 0.80, or None}`` for each target."""
+def time_to_accuracy(evals: list[dict[str, Any]], targets: Iterable[float],
+                     start: float = 0.0) -> dict[str, Any]:
+    """``{"0.80": seconds from start to the first accuracy >= 0.80, or None}`` per target."""
     out: dict[str, Any] = {}
     for target in targets:
         hit = [_num(r.get("t")) for r in evals if (_num(r.get("accuracy")) or 0.0) >= target]
-        out[f"{target:.2f}"] = next((t for t in hit if t is not None), None)
+        t = next((t for t in hit if t is not None), None)
+        out[f"{target:.2f}"] = None if t is None else max(t - start, 0.0)
     return out
 
 
@@ -278,15 +290,17 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     """Headline figures of a run; also written to ``<run_dir>/summary.json`` when ``write``.
 
     Keys: mode, compressor, model, dataset, workers, groups, final_accuracy, best_accuracy,
-    final_loss, wall_s, samples, samples_per_s, bytes_up, bytes_down, bytes_raw,
-    time_to_accuracy, mean_staleness, max_staleness, mean_wait_s, mean_kept_fraction, steps,
-    eval_points, regroups. A figure the files cannot give is None.
+    final_loss, wall_s (t0 to the end), train_start_s (t0 to the ``groups`` event), train_s,
+    samples, samples_per_s (over train_s), bytes_up, bytes_down, bytes_raw, time_to_accuracy
+    (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
+    mean_kept_fraction, steps, eval_points, regroups. A figure the files cannot give is None.
     """
     run = load_run(run_dir)
     pushes = [r for recs in run.workers.values() for r in recs]
     cfg = run.config
     accs = _values(run.eval, "accuracy")
-    wall = _wall_s(run, pushes)
+    wall, start = _wall_s(run, pushes), run.start_t
+    train = max(wall - start, 0.0) if wall is not None else None
     traffic = _traffic(run, pushes)
     staleness = _values(pushes, "staleness")
     summary: dict[str, Any] = {
@@ -294,10 +308,11 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "model": cfg.get("model"), "dataset": cfg.get("dataset"),
         "workers": len(run.workers) or cfg.get("workers"), "groups": _groups(run),
         "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs, default=None),
-        "final_loss": _last(run.eval, "loss"), "wall_s": wall, **traffic,
-        "samples_per_s": traffic["samples"] / wall if wall else None,
+        "final_loss": _last(run.eval, "loss"), "wall_s": wall, "train_start_s": start,
+        "train_s": train, **traffic,
+        "samples_per_s": traffic["samples"] / train if train else None,
         "time_to_accuracy": time_to_accuracy(run.eval, targets or cfg.get("targets")
-                                             or DEFAULT_TARGETS),
+                                             or DEFAULT_TARGETS, start),
         "mean_staleness": _mean(staleness), "max_staleness": max(staleness, default=None),
         "mean_wait_s": _mean(_values(pushes, "wait_s")),
         "mean_kept_fraction": _mean(_values(pushes, "kept_fraction")),

@@ -2,8 +2,8 @@
 
 ``plot_runs(run_dirs, out_dir)`` reads each run with ``metrics.load_run`` and writes:
 
-- ``accuracy_vs_time.png``: test accuracy against wall time, one line per run, labelled
-  ``mode/compressor``;
+- ``accuracy_vs_time.png``: test accuracy against wall time since training started (the
+  ``groups`` event; start-up is left out), one line per run, labelled ``mode/compressor``;
 - ``accuracy_vs_bytes.png``: test accuracy against the bytes workers uploaded (log axis when
   the runs span more than 100x, as dense and sparse runs do);
 - ``<run>-workers.png`` for each run: every worker's clock and staleness over time, which
@@ -43,11 +43,12 @@ def _labels(runs: Sequence[Run]) -> list[str]:
             for lab, r in zip(plain, runs, strict=True)]
 
 
-def _series(records: list[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
-    """The (x, y) pairs of records that have both as numbers."""
+def _series(records: list[dict[str, Any]], x: str, y: str,
+            x0: float = 0.0) -> tuple[list[float], list[float]]:
+    """The (x - x0, y) pairs of records that have both as numbers."""
     pairs = [(r.get(x), r.get(y)) for r in records]
     ok = [(a, b) for a, b in pairs if isinstance(a, (int, float)) and isinstance(b, (int, float))]
-    return [float(a) for a, _ in ok], [float(b) for _, b in ok]
+    return [float(a) - x0 for a, _ in ok], [float(b) for _, b in ok]
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -59,7 +60,7 @@ def _accuracy_chart(runs: Sequence[Run], x: str, xlabel: str, path: Path) -> Pat
     fig, (ax,) = _figure()
     drawn: list[float] = []
     for run, label in zip(runs, _labels(runs), strict=True):
-        xs, ys = _series(run.eval, x, "accuracy")
+        xs, ys = _series(run.eval, x, "accuracy", run.start_t if x == "t" else 0.0)
         if x.startswith("bytes"):
             xs = [v / 1e6 for v in xs]  # MB
         if xs:
@@ -83,10 +84,11 @@ def _workers_chart(run: Run, label: str, path: Path) -> Path | None:
     for w, records in sorted(run.workers.items(), key=lambda kv: str(kv[0])):
         group = next((r.get("group") for r in records if r.get("group") is not None), None)
         name = f"w{w}" + (f" (g{group})" if group is not None else "")
-        ax_clock.plot(*_series(records, "t", "clock"), label=name, lw=1.2)
-        ax_stale.plot(*_series(records, "t", "staleness"), lw=1.0, drawstyle="steps-post")
+        ax_clock.plot(*_series(records, "t", "clock", run.start_t), label=name, lw=1.2)
+        ax_stale.plot(*_series(records, "t", "staleness", run.start_t), lw=1.0,
+                      drawstyle="steps-post")
     ax_clock.set(ylabel="clock (pushes)", title=f"Workers of {label}")
-    ax_stale.set(ylabel="staleness (steps)", xlabel="wall time (s)")
+    ax_stale.set(ylabel="staleness (steps)", xlabel="training time (s)")
     for ax in (ax_clock, ax_stale):
         ax.grid(alpha=0.3)
     ax_clock.legend(fontsize="x-small", ncol=4)
@@ -110,7 +112,7 @@ def plot_runs(run_dirs: Iterable[str | os.PathLike[str]],
     out = Path(out_dir) if out_dir is not None else runs[0].path
     out.mkdir(parents=True, exist_ok=True)
     written = [
-        _accuracy_chart(runs, "t", "wall time (s)", out / "accuracy_vs_time.png"),
+        _accuracy_chart(runs, "t", "training time (s)", out / "accuracy_vs_time.png"),
         _accuracy_chart(runs, "bytes_up", "bytes uploaded (MB)", out / "accuracy_vs_bytes.png"),
     ]
     labels = _labels(runs)

@@ -47,7 +47,7 @@ def make_run(root: Path) -> Path:
     _lines(root / "group-1.jsonl", [{"t": 2.0, "group": 1, "version": 2, "pushes": 2,
                                      "min_clock": 2, "max_clock": 2, "bytes_in": 200,
                                      "bytes_out": 7000}])
-    _lines(root / "global.jsonl", [{"t": 0.2, "event": "groups", "assignment": {"0": 0, "1": 1}},
+    _lines(root / "global.jsonl", [{"t": 0.5, "event": "groups", "assignment": {"0": 0, "1": 1}},
                                    {"t": 4.0, "event": "regroup"},
                                    {"t": 6.5, "event": "done"}])
     return root
@@ -59,15 +59,16 @@ def test_summarize_hand_written_run(tmp_path):
     assert s["final_accuracy"] == 0.79 and s["best_accuracy"] == 0.81
     assert s["final_loss"] == 0.65
     assert s["wall_s"] == 6.5  # the "done" event
+    assert (s["train_start_s"], s["train_s"]) == (0.5, 6.0)  # from the "groups" event
     assert (s["samples"], s["bytes_up"], s["bytes_down"]) == (1280, 2000, 44000)
-    assert s["time_to_accuracy"] == {"0.50": 3.0, "0.80": 5.0, "0.90": None}
+    assert s["time_to_accuracy"] == {"0.50": 2.5, "0.80": 4.5, "0.90": None}  # from the start
     assert s["steps"] == 15  # the truncated line is skipped
     assert s["mean_staleness"] == pytest.approx(5 / 15)
     assert s["max_staleness"] == 1
     assert s["mean_wait_s"] == pytest.approx(0.2 * 5 / 15)
     assert s["mean_kept_fraction"] == pytest.approx(0.01)
     assert s["bytes_raw"] == 15 * 4000 and s["regroups"] == 1 and s["eval_points"] == 4
-    assert s["samples_per_s"] == pytest.approx(1280 / 6.5)
+    assert s["samples_per_s"] == pytest.approx(1280 / 6.0)
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == s
 
@@ -77,6 +78,7 @@ def test_summarize_tolerates_missing_files(tmp_path):
     s = summarize(tmp_path)
     assert s["mode"] is None and s["final_accuracy"] is None and s["best_accuracy"] is None
     assert s["workers"] == 1 and s["groups"] == 1 and s["wall_s"] == 2.0
+    assert s["train_start_s"] == 0.0 and s["samples_per_s"] == 32.0
     # Without the evaluator's totals, traffic comes from the workers' own counts.
     assert (s["samples"], s["bytes_up"], s["bytes_down"]) == (64, 100, None)
     assert all(v is None for v in s["time_to_accuracy"].values())
