@@ -107,6 +107,8 @@ def choose_k(
 
     When even ``max_k`` clusters are wider than that (speeds spread evenly, no clear gaps),
     ``max_k`` is returned: it keeps the spread inside each group as small as allowed.
+    Feed averaged step times: with 10% noise on single measurements, eight equal workers
+    look about 1.3x apart and would be split (with 5% noise, rarely).
     """
     if max_ratio < 1:
         raise ConfigError(f"max_ratio must be >= 1, got {max_ratio}")

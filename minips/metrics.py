@@ -285,6 +285,24 @@ def _traffic(run: Run, pushes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _per_worker(run: Run) -> dict[str, dict[str, Any]]:
+    """Per worker: group, steps, mean wait and staleness, and how often others waited for it."""
+    blamed: dict[str, int] = {}
+    for recs in run.workers.values():
+        for r in recs:
+            for v in r.get("waited_for") or []:
+                blamed[str(v)] = blamed.get(str(v), 0) + 1
+    out = {}
+    for w, recs in run.workers.items():
+        groups = [r.get("group") for r in recs if r.get("group") is not None]
+        out[str(w)] = {"group": groups[-1] if groups else None, "steps": len(recs),
+                       "mean_step_s": _mean(_values(recs, "step_time")),
+                       "mean_wait_s": _mean(_values(recs, "wait_s")),
+                       "mean_staleness": _mean(_values(recs, "staleness")),
+                       "waited_for_by_others": blamed.get(str(w), 0)}
+    return out
+
+
 def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | None = None,
               write: bool = True) -> dict[str, Any]:
     """Headline figures of a run; also written to ``<run_dir>/summary.json`` when ``write``.
@@ -293,7 +311,9 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     final_loss, wall_s (t0 to the end), train_start_s (t0 to the ``groups`` event), train_s,
     samples, samples_per_s (over train_s), bytes_up, bytes_down, bytes_raw, time_to_accuracy
     (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
-    mean_kept_fraction, steps, eval_points, regroups. A figure the files cannot give is None.
+    mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
+    mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}). A figure the files
+    cannot give is None.
     """
     run = load_run(run_dir)
     pushes = [r for recs in run.workers.values() for r in recs]
@@ -318,6 +338,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "mean_kept_fraction": _mean(_values(pushes, "kept_fraction")),
         "steps": len(pushes), "eval_points": len(run.eval),
         "regroups": sum(1 for r in run.events if r.get("event") == "regroup"),
+        "per_worker": _per_worker(run),
     }
     if write:
         _dump_json(run.path / "summary.json", summary)

@@ -18,9 +18,10 @@ def _lines(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _push(w, g, t, clock, staleness, wait):
+def _push(w, g, t, clock, staleness, wait, waited_for=()):
     return {"t": t, "worker": w, "group": g, "clock": clock, "loss": 2.0 - 0.1 * clock,
-            "step_time": 0.1 * (w + 1), "wait_s": wait, "waited_for": [], "staleness": staleness,
+            "step_time": 0.1 * (w + 1), "wait_s": wait, "waited_for": list(waited_for),
+            "staleness": staleness,
             "bytes_raw": 4000, "bytes_wire": 100, "samples": 64, "kept_fraction": 0.01}
 
 
@@ -37,7 +38,8 @@ def make_run(root: Path) -> Path:
         {"t": 6.0, "version": 10, "samples": 1280, "accuracy": 0.79, "loss": 0.65,
          "bytes_up": 2000, "bytes_down": 44000},
     ])
-    _lines(root / "worker-0.jsonl", [_push(0, 0, 0.5 * c, c, 0, 0.0) for c in range(1, 11)])
+    _lines(root / "worker-0.jsonl", [_push(0, 0, 0.5 * c, c, 0, 0.0, [1] * (c in (3, 7)))
+                                     for c in range(1, 11)])
     _lines(root / "worker-1.jsonl", [_push(1, 1, 1.0 * c, c, 1, 0.2) for c in range(1, 6)])
     with open(root / "worker-1.jsonl", "a") as f:
         f.write('{"t": 5.5, "worker": 1, "clo')  # the process was killed mid-line
@@ -69,6 +71,10 @@ def test_summarize_hand_written_run(tmp_path):
     assert s["mean_kept_fraction"] == pytest.approx(0.01)
     assert s["bytes_raw"] == 15 * 4000 and s["regroups"] == 1 and s["eval_points"] == 4
     assert s["samples_per_s"] == pytest.approx(1280 / 6.0)
+    assert s["per_worker"]["1"] == {"group": 1, "steps": 5, "mean_step_s": pytest.approx(0.2),
+                                    "mean_wait_s": pytest.approx(0.2), "mean_staleness": 1.0,
+                                    "waited_for_by_others": 2}
+    assert s["per_worker"]["0"]["waited_for_by_others"] == 0
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == s
 
