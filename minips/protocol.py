@@ -199,18 +199,34 @@ class Message:
     NOT_IN_META: ClassVar[tuple[str, ...]] = ("buffers",)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for name, check in _checks(type(self)):
+            value = getattr(self, name)
             try:
-                object.__setattr__(self, f.name, f.metadata["check"](value))
+                object.__setattr__(self, name, check(value))
             except _Invalid as e:
-                name = f"{type(self).__name__}.{f.name}"
-                raise LocalProtocolError(f"{name}: {e}", expected=str(e), got=value) from None
+                where = f"{type(self).__name__}.{name}"
+                raise LocalProtocolError(f"{where}: {e}", expected=str(e), got=value) from None
 
     def meta(self) -> dict[str, Any]:
         """The msgpack map of this message: every field except ``buffers`` and HELLO's version."""
-        names = [f.name for f in dataclasses.fields(self) if f.name not in self.NOT_IN_META]
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name in _meta_names(type(self))}
+
+
+_CHECKS: dict[type, tuple[tuple[str, Check], ...]] = {}  # class -> (field, check) pairs
+_META_NAMES: dict[type, tuple[str, ...]] = {}  # class -> fields in its msgpack map
+
+
+def _checks(cls: type[Message]) -> tuple[tuple[str, Check], ...]:
+    if cls not in _CHECKS:  # dataclasses.fields() is slow; look it up once per class
+        _CHECKS[cls] = tuple((f.name, f.metadata["check"]) for f in dataclasses.fields(cls))
+    return _CHECKS[cls]
+
+
+def _meta_names(cls: type[Message]) -> tuple[str, ...]:
+    if cls not in _META_NAMES:
+        fields = dataclasses.fields(cls)
+        _META_NAMES[cls] = tuple(f.name for f in fields if f.name not in cls.NOT_IN_META)
+    return _META_NAMES[cls]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -334,8 +350,8 @@ MESSAGE_TYPES: dict[Kind, type[Message]] = {
     for cls in (Hello, Challenge, Auth, Welcome, Refuse, Assign, Stats, Push, Ack, Pull,
                 Weights, Heartbeat, Leave, Error)
 }
-_META_KEYS = {k: frozenset(f.name for f in dataclasses.fields(c)) - set(c.NOT_IN_META)
-              for k, c in MESSAGE_TYPES.items()}
+_META_KEYS = {k: frozenset(_meta_names(c)) for k, c in MESSAGE_TYPES.items()}
+_KIND_OF = {int(k): k for k in Kind}  # faster than calling Kind(byte)
 _ANY_VERSION = (Kind.HELLO, Kind.REFUSE, Kind.ERROR)  # layout frozen across versions
 
 
@@ -360,15 +376,20 @@ DEFAULT_LIMITS = Limits()
 # Encoding
 
 
-def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
-    """Frame ``msg`` as [prefix + table + meta, buffer, buffer, ...] for ``writelines``.
+COALESCE_BYTES = 16 << 10  # smaller buffers are copied into the header write: fewer iovecs
+_packer = msgpack.Packer(use_bin_type=True)  # reused: msgpack.packb builds one per call
 
-    Raw buffers are passed through as the caller's memoryviews (no copy): do not modify them until
-    the bytes are sent. With ``compress`` a buffer of >= 4 KiB is lz4-compressed when that helps.
+
+def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    """Frame ``msg`` as [prefix + table + meta (+ small buffers), big buffer, ...] for writelines.
+
+    Buffers of 16 KiB or more are passed through as the caller's memoryviews (no copy): do not
+    modify them until the bytes are sent. With ``compress`` a buffer of >= 4 KiB is
+    lz4-compressed when that makes it smaller.
     """
-    meta = msgpack.packb(msg.meta(), use_bin_type=True)
-    buffers: tuple[memoryview, ...] = getattr(msg, "buffers", ())
-    table, body = bytearray(), []
+    meta = _packer.pack(msg.meta())
+    buffers: tuple[memoryview, ...] = msg.buffers if isinstance(msg, (Push, Weights)) else ()
+    table, wires = bytearray(), []
     for buf in buffers:
         codec, wire = CODEC_RAW, buf
         if compress and buf.nbytes >= LZ4_MIN_BYTES:
@@ -376,15 +397,25 @@ def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIM
             if len(packed) < buf.nbytes:
                 codec, wire = CODEC_LZ4, memoryview(packed)
         table += TABLE_ENTRY.pack(codec, len(wire), buf.nbytes)
-        body.append(wire)
-    body_len = sum(len(b) for b in body)
+        wires.append(wire)
+    body_len = sum(map(len, wires))
     total = PREFIX.size + len(table) + len(meta) + body_len
     if total > limits.max_frame_bytes or len(meta) > limits.max_meta_bytes:
         raise LocalProtocolError("frame too large to send", expected=limits.max_frame_bytes,
                                  got=total)
     version = msg.version if isinstance(msg, Hello) else PROTOCOL_VERSION
-    prefix = PREFIX.pack(MAGIC, version, msg.KIND, len(buffers), 0, len(meta), body_len)
-    return [prefix + table + meta, *(b for b in body if len(b))]
+    head = bytearray(PREFIX.pack(MAGIC, version, msg.KIND, len(buffers), 0, len(meta), body_len))
+    head += table
+    head += meta
+    out: list[Any] = [head]
+    for wire in wires:
+        if len(wire) >= COALESCE_BYTES:
+            out.append(wire)
+        elif isinstance(out[-1], bytearray):
+            out[-1] += wire
+        else:
+            out.append(bytearray(wire))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,23 +548,23 @@ class FrameDecoder:
 
     def _step(self, out: list[Message]) -> bool:
         """Advance by one stage if the bytes allow; False when more bytes are needed."""
-        f, avail = self._frame, self._hi - self._lo
+        f = self._frame
         if f is None:
-            if avail < PREFIX.size:
+            if self._hi - self._lo < PREFIX.size:
                 return False
-            self._frame = self._read_prefix(self._view[self._lo:self._lo + PREFIX.size])
+            f = self._frame = self._read_prefix(self._view[self._lo:self._lo + PREFIX.size])
             self._lo += PREFIX.size
-            return True
         if f.msg is None:
-            if avail < f.head_len:
+            if self._hi - self._lo < f.head_len:
                 return False
             self._read_head(f, self._view[self._lo:self._lo + f.head_len])
             self._lo += f.head_len
-        if not self._fill_body(f):
+        if f.nbuf and not (self._small_body(f) or self._fill_body(f)):
             return False
         assert f.msg is not None
-        full = dataclasses.replace(f.msg, buffers=tuple(f.bufs)) if f.bufs else f.msg  # type: ignore[call-arg]
-        out.append(full)
+        if f.bufs:  # fields were checked at head time; the views are flat "B" already
+            object.__setattr__(f.msg, "buffers", tuple(f.bufs))
+        out.append(f.msg)
         self._frame = None
         return True
 
@@ -541,7 +572,7 @@ class FrameDecoder:
         magic, version, kind, nbuf, flags, meta_len, body_len = PREFIX.unpack(raw)
         if magic != MAGIC:
             raise _remote("bad magic: not a minips frame", expected=MAGIC, got=bytes(magic))
-        if kind not in MESSAGE_TYPES.keys():
+        if kind not in _KIND_OF:
             raise _remote(f"unknown message kind {kind}", got=kind)
         if version != PROTOCOL_VERSION and kind not in _ANY_VERSION:
             raise _remote(f"protocol version {version}", expected=PROTOCOL_VERSION, got=version)
@@ -552,12 +583,13 @@ class FrameDecoder:
         _check_limit("msgpack header size", meta_len, lim.max_meta_bytes)
         head_len = TABLE_ENTRY.size * nbuf + meta_len
         _check_limit("frame size", PREFIX.size + head_len + body_len, lim.max_frame_bytes)
-        return _Partial(version, Kind(kind), nbuf, head_len, body_len)
+        return _Partial(version, _KIND_OF[kind], nbuf, head_len, body_len)
 
     def _read_head(self, f: _Partial, raw: memoryview) -> None:
         table_len = TABLE_ENTRY.size * f.nbuf
-        f.entries = [TABLE_ENTRY.unpack_from(raw, i * TABLE_ENTRY.size) for i in range(f.nbuf)]
-        self._check_table(f.entries, f.body_len)
+        if f.nbuf or f.body_len:
+            f.entries = list(TABLE_ENTRY.iter_unpack(raw[:table_len]))
+            self._check_table(f.entries, f.body_len)
         meta = self._unpack_meta(raw[table_len:])
         f.msg = _build(f.kind, f.version, meta, f.nbuf)
 
@@ -587,6 +619,20 @@ class FrameDecoder:
         if not isinstance(meta, dict):
             raise _remote("msgpack header is not a map", got=type(meta).__name__)
         return meta
+
+    def _small_body(self, f: _Partial) -> bool:
+        """Fast path: a small raw body already in scratch becomes one copy, buffers view into it."""
+        if (f.bufs or f.dest is not None or f.body_len >= DIRECT_MIN_BYTES
+                or self._hi - self._lo < f.body_len or self._alloc is not default_alloc
+                or any(codec != CODEC_RAW for codec, _, _ in f.entries)):
+            return False
+        body = memoryview(bytearray(self._view[self._lo:self._lo + f.body_len]))
+        self._lo += f.body_len
+        at = 0
+        for _, wire, _ in f.entries:
+            f.bufs.append(body[at:at + wire])
+            at += wire
+        return True
 
     def _fill_body(self, f: _Partial) -> bool:
         """Copy what scratch holds into the current buffer(s); True once every buffer is done."""
@@ -639,11 +685,10 @@ class FrameDecoder:
 def _build(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Message:
     """The message of a frame from its map (buffers still empty); peer mistakes become remote."""
     cls = MESSAGE_TYPES[kind]
-    keys = frozenset(meta)
-    if keys != _META_KEYS[kind]:
+    if meta.keys() != _META_KEYS[kind]:
         raise _remote(f"{kind.name} header map has the wrong keys",
-                      expected=sorted(_META_KEYS[kind]), got=sorted(map(str, keys)))
-    if nbuf and "buffers" not in {f.name for f in dataclasses.fields(cls)}:
+                      expected=sorted(_META_KEYS[kind]), got=sorted(map(str, meta)))
+    if nbuf and kind not in (Kind.PUSH, Kind.WEIGHTS):
         raise _remote(f"{kind.name} carries no buffers", expected=0, got=nbuf)
     extra = {"version": version} if kind == Kind.HELLO else {}
     try:

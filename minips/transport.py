@@ -233,11 +233,14 @@ class Channel:
     async def send(self, msg: p.Message, *, compress: bool = False) -> None:
         """Send ``msg``; returns once the kernel has every byte (the caller may reuse buffers)."""
         proto = self._proto
-        if proto.error is not None or self._transport.is_closing():
+        if proto.error is not None:
             raise ConnectionResetError(f"connection is closed ({proto.error})")
         frame = proto.conn.send(msg, compress=compress)
-        self._transport.writelines(frame)
-        self.bytes_sent += sum(memoryview(b).nbytes for b in frame)
+        if len(frame) == 1:
+            self._transport.write(frame[0])
+        else:
+            self._transport.writelines(frame)
+        self.bytes_sent += sum(map(len, frame))
         if proto.drained is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(proto.drained), proto.options.send_timeout)
@@ -265,7 +268,10 @@ class Channel:
                 raise proto.error
             proto.waiter = proto.loop.create_future()
             try:
-                await asyncio.wait_for(proto.waiter, timeout)
+                if timeout is None:
+                    await proto.waiter
+                else:
+                    await asyncio.wait_for(proto.waiter, timeout)
             finally:
                 proto.waiter = None
 
