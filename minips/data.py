@@ -3,8 +3,9 @@
 Real sets: MNIST and Fashion-MNIST from IDX files (gzip or raw), CIFAR-10 from its binary batches.
 Files are looked for in ``data_dir`` (when given), then ``~/.cache/minips/<name>`` (or
 ``$MINIPS_CACHE_DIR/<name>``), then system directories (Fashion-MNIST: Debian's
-/usr/share/datasets/fashion-mnist). Missing files are downloaded into ``data_dir`` (or the cache)
-and refused unless their SHA-256 matches the pinned digest. If no real data can be had, a
+/usr/share/datasets/fashion-mnist). Missing files are downloaded (from the official URL, or from
+``mirror=`` / ``$MINIPS_DATA_MIRROR``) into ``data_dir`` (or the cache) and refused unless their
+SHA-256 matches the pinned digest. If no real data can be had, a
 synthetic stand-in of the same shape is returned, announced with a WARNING and recorded in
 ``meta["synthetic"]``; ``synthetic=True`` asks for it directly.
 
@@ -40,23 +41,9 @@ import numpy as np
 from minips.errors import ConfigError, DataError
 
 __all__ = [
-    "Dataset",
-    "DATASET_NAMES",
-    "load_dataset",
-    "download",
-    "fetch_file",
-    "read_idx",
-    "read_cifar_batch",
-    "cache_dir",
-    "make_synthetic_images",
-    "make_translation",
-    "shard_indices",
-    "num_batches",
-    "iterate_batches",
-    "batch_stream",
-    "PAD",
-    "BOS",
-    "EOS",
+    "Dataset", "DATASET_NAMES", "load_dataset", "download", "fetch_file", "read_idx",
+    "read_cifar_batch", "cache_dir", "make_synthetic_images", "make_translation",
+    "shard_indices", "num_batches", "iterate_batches", "batch_stream", "PAD", "BOS", "EOS",
 ]
 
 log = logging.getLogger(__name__)
@@ -256,13 +243,8 @@ def _extract_cifar(archive: Path, dest: Path) -> None:
         raise DataError(f"{archive}: corrupt CIFAR-10 archive ({exc})") from exc
 
 
-def download(
-    name: str,
-    dest: str | Path,
-    *,
-    mirror: str | None = None,
-    checksums: dict[str, str] | None = None,
-) -> Path:
+def download(name: str, dest: str | Path, *, mirror: str | None = None,
+             checksums: dict[str, str] | None = None) -> Path:
     """Fetch the pinned files of ``name`` into ``dest``, verifying each SHA-256.
 
     ``mirror`` replaces the official base URL (e.g. a local HTTP server); ``checksums``
@@ -286,9 +268,8 @@ def _spec(name: str) -> _Spec:
     return _SPECS[name]
 
 
-def _find_or_download(
-    name: str, split: str, data_dir: str | Path | None, do_download: bool, mirror: str | None
-) -> list[Path]:
+def _find_or_download(name: str, split: str, data_dir: str | Path | None, do_download: bool,
+                      mirror: str | None) -> list[Path]:
     spec = _spec(name)
     dirs = _search_dirs(name, spec, data_dir)
     for folder in dirs:
@@ -296,15 +277,17 @@ def _find_or_download(
             return paths
     target = dirs[0]
     why = "downloads disabled"
+    base = mirror or os.environ.get("MINIPS_DATA_MIRROR") or spec.url
     if do_download:
         try:
-            download(name, target, mirror=mirror or os.environ.get("MINIPS_DATA_MIRROR"))
+            download(name, target, mirror=base)
             if (paths := _split_paths(spec, split, target)) is not None:
                 return paths
             why = "download did not produce the files"
         except (OSError, DataError) as exc:
-            why = f"download from {mirror or spec.url} failed: {exc}"
-    names = ", ".join(sorted(spec.sha256)) + (" (gzip or raw IDX)" if spec.kind == "idx" else "")
+            why = f"download from {base} failed: {exc}"
+    names = ", ".join(spec.files[split]) + (
+        " (.gz or raw IDX)" if spec.kind == "idx" else f" (from {', '.join(spec.sha256)})")
     raise DataError(
         f"{name}: no {split} files found in {', '.join(map(str, dirs))}; {why}. "
         f"Put {names} into {target} (or pass --data-dir DIR)."
@@ -365,9 +348,8 @@ _SYNTH_SIZES = {"train": 10_000, "test": 2_000}  # stand-in sizes: quick to make
 _SYNTH_SEEDS = {"train": 1, "test": 2}  # different samples, same class templates
 
 
-def make_synthetic_images(
-    n: int, shape: tuple[int, int, int], num_classes: int = 10, seed: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
+def make_synthetic_images(n: int, shape: tuple[int, int, int], num_classes: int = 10,
+                          seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Learnable stand-in images: a fixed smooth template per class plus noise.
 
     Returns (x (n, C, H, W) float32, roughly zero mean / unit variance, y (n,) int64).
@@ -444,17 +426,9 @@ def _translation(split: str) -> Dataset:
 # ---------------------------------------------------------------- public loader
 
 
-def load_dataset(
-    name: str,
-    split: str,
-    data_dir: str | Path | None = None,
-    *,
-    download: bool = True,
-    synthetic: bool = False,
-    pad_to: int | None = 32,
-    mirror: str | None = None,
-    fallback: bool = True,
-) -> Dataset:
+def load_dataset(name: str, split: str, data_dir: str | Path | None = None, *,
+                 download: bool = True, synthetic: bool = False, pad_to: int | None = 32,
+                 mirror: str | None = None, fallback: bool = True) -> Dataset:
     """Load ``split`` ("train" or "test") of data set ``name`` (see ``DATASET_NAMES``).
 
     ``synthetic=True`` returns the stand-in without looking for files. Otherwise real files are
@@ -494,9 +468,8 @@ def _shard_bounds(n: int, num_workers: int, weights: Sequence[float] | None) -> 
     return np.concatenate([[0], cuts[:-1], [n]])
 
 
-def shard_indices(
-    n: int, worker_id: int, num_workers: int, seed: int, weights: Sequence[float] | None = None
-) -> np.ndarray:
+def shard_indices(n: int, worker_id: int, num_workers: int, seed: int,
+                  weights: Sequence[float] | None = None) -> np.ndarray:
     """Worker ``worker_id``'s shard of samples 0..n-1 -> (m,) int64, sorted.
 
     One permutation from ``seed`` is cut into ``num_workers`` consecutive pieces, piece sizes
@@ -515,9 +488,8 @@ def num_batches(shard_size: int, batch_size: int) -> int:
     return shard_size // batch_size
 
 
-def iterate_batches(
-    ds: Dataset, indices: np.ndarray, batch_size: int, seed: int, epoch: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def iterate_batches(ds: Dataset, indices: np.ndarray, batch_size: int, seed: int, epoch: int
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield (x (b, ...) , y (b, ...)) batches of one epoch over ``indices``, in a fixed order.
 
     The order is ``indices[default_rng([seed, epoch]).permutation(len(indices))]`` cut into
@@ -531,9 +503,8 @@ def iterate_batches(
         yield ds.x[idx], ds.y[idx]
 
 
-def batch_stream(
-    ds: Dataset, indices: np.ndarray, batch_size: int, seed: int, start_epoch: int = 0
-) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+def batch_stream(ds: Dataset, indices: np.ndarray, batch_size: int, seed: int,
+                 start_epoch: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """Endless (epoch, x, y): epoch ``start_epoch``'s batches, then the next epoch's, ..."""
     if num_batches(len(indices), batch_size) == 0:
         raise ConfigError(f"shard of {len(indices)} samples has no full batch of {batch_size}")
