@@ -322,8 +322,10 @@ def _decode(spec: _Spec, paths: list[Path]) -> tuple[np.ndarray, np.ndarray]:
         images, labels = read_idx(paths[0], 3)[:, None], read_idx(paths[1], 1)
         if len(images) != len(labels):
             raise DataError(f"{paths[0]}: {len(images)} images but {paths[1]} has {len(labels)}")
-        if images.shape[1:] != spec.shape or labels.max(initial=0) > 9:
-            raise DataError(f"{paths[0]}: images {images.shape[1:]} / labels not as expected")
+        if images.shape[1:] != spec.shape:
+            raise DataError(f"{paths[0]}: images are {images.shape[1:]}, expected {spec.shape}")
+        if labels.max(initial=0) > 9:
+            raise DataError(f"{paths[1]}: label {int(labels.max())} outside 0..9")
     else:
         parts = [read_cifar_batch(p) for p in paths]
         images = np.concatenate([p[0] for p in parts])

@@ -166,6 +166,10 @@ def test_bad_idx_header_and_label_mismatch(tmp_path: Path) -> None:
     (tmp_path / "m" / "train-labels-idx1-ubyte").write_bytes(idx_bytes(np.zeros(11, np.uint8)))
     with pytest.raises(DataError, match="12 images but .* has 11"):
         data.load_dataset("mnist", "train", tmp_path / "m", download=False, fallback=False)
+    labels = np.full(12, 12, np.uint8)  # right count, impossible class
+    (tmp_path / "m" / "train-labels-idx1-ubyte").write_bytes(idx_bytes(labels))
+    with pytest.raises(DataError, match="train-labels-idx1-ubyte: label 12 outside 0..9"):
+        data.load_dataset("mnist", "train", tmp_path / "m", download=False, fallback=False)
 
 
 # ---------------------------------------------------------------- CIFAR-10 binary batches
