@@ -373,3 +373,16 @@ def test_mac_is_hmac_sha256_of_the_documented_transcript() -> None:
                   + hello.nonce + server_nonce)
     want = hmac.new(b"k", transcript, hashlib.sha256).digest()
     assert p.make_mac("k", p.CLIENT_LABEL, hello, server_nonce) == want
+
+
+def test_worked_example_in_docs_matches_the_encoder() -> None:
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    blocks = re.findall(r"```hex\n(.*?)```", doc, re.S)
+    dumps = [bytes.fromhex(" ".join(line[6:] for line in b.splitlines())) for b in blocks]
+    push = p.Push(clock=7, step_time=0.25, loss=1.5, samples=64, encoding="sparse-v1",
+                  codec={"k": 2, "index": "u32", "value": "f32"},
+                  buffers=(np.array([3, 17], np.uint32), np.array([0.5, -1.25], np.float32)))
+    assert dumps == [frame(push), frame(p.Ack(clock=7, version=8))]
