@@ -65,6 +65,8 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="named set of defaults")
+    p.add_argument("--copt", action="append", type=_key_value, metavar="KEY=VALUE",
+                   help="compressor option, e.g. warmup_epochs=1 (repeatable)")
     for flag, dest, typ, help_ in RUN_FLAGS:
         p.add_argument(flag, dest=dest, type=typ, default=None,
                        help=f"{help_} (default {getattr(RunConfig(), dest)})")
@@ -81,7 +83,20 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     for _, dest, _, _ in RUN_FLAGS:
         if getattr(args, dest, None) is not None:
             values[dest] = getattr(args, dest)
+    if getattr(args, "copt", None):
+        values["compressor_opts"] = {**values.get("compressor_opts", {}), **dict(args.copt)}
     return RunConfig(**values).validate()
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    """'k=v' -> (k, v) with v parsed as JSON when it parses (numbers, booleans), else text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def _add_tls(p: argparse.ArgumentParser, *, server: bool, client: bool) -> None:

@@ -29,11 +29,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import optim, protocol, sparse, ssp, transport
-from minips.config import GroupConfig, RunConfig
-from minips.errors import AuthError, MiniPSError, RemoteProtocolError
-from minips.metrics import JsonlWriter
+from minips.config import GroupConfig, RunConfig, client_ssl, server_ssl
+from minips.errors import AuthError, RemoteProtocolError
+from minips.metrics import JsonlWriter, RunDir
 
-__all__ = ["ExchangeResult", "GroupLink", "GroupServer", "TcpLink", "run_group_process"]
+__all__ = ["ExchangeResult", "GroupLink", "GroupServer", "TcpLink", "serve_group",
+           "run_group_process"]
 
 EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
 
@@ -62,14 +63,29 @@ class GroupServer:
     Plain attributes hold the whole state (see ``state_dict``), so a checkpoint can save it.
     """
 
-    def __init__(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
-                 *, members: list[int] | None = None, writer: JsonlWriter | None = None,
+    def __init__(self, group: int, run: RunConfig, weights: np.ndarray | None,
+                 link: GroupLink | None, *, members: list[int] | None = None,
+                 writer: JsonlWriter | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.group = group
-        self.run = run
-        self.link = link
         self.writer = writer
         self.now = clock
+        self.channels: dict[int, Any] = {}  # worker id -> its open connection
+        self._closed_bytes = {"bytes_in": 0, "bytes_out": 0}  # traffic of closed connections
+        self._changed = asyncio.Event()  # set whenever a waiting PULL may have become answerable
+        self.ready = asyncio.Event()  # set once the group has its weights (setup)
+        self._exchange_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.server: Any = None
+        self.port = 0
+        self.finished = False  # final delta flushed
+        self.group, self.run = group, run
+        if weights is not None and link is not None:
+            self.setup(group, run, weights, link, members or [])
+
+    def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
+              members: list[int]) -> None:
+        """The training state: weights, optimizer, clocks (a `minips group` gets it late)."""
+        self.group, self.run, self.link = group, run, link
         self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
         self.w_sync = self.weights.copy()  # (n,) weights at the last exchange
         self.opt = optim.SGD(self.weights.size, lr=run.lr, momentum=run.momentum,
@@ -81,18 +97,11 @@ class GroupServer:
         self.counters = {"pushes": 0, "samples": 0}
         self._since_sync = {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
         self.done = False  # budget spent; answer every PULL with done
-        self.finished = False  # final delta flushed
         self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
         self._joined: set[int] = set()
-        self.channels: dict[int, Any] = {}  # worker id -> its open connection
-        self._closed_bytes = {"bytes_in": 0, "bytes_out": 0}  # traffic of closed connections
-        self._changed = asyncio.Event()  # set whenever a waiting PULL may have become answerable
-        self._exchange_task: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.server: Any = None
-        self.port = 0
-        for w in members or []:
+        for w in members:
             self.expect(w)
+        self.ready.set()
 
     # -- membership -----------------------------------------------------------------------
 
@@ -118,6 +127,7 @@ class GroupServer:
     async def _expire_loop(self) -> None:
         """Renew the lease of every worker whose connection carried bytes lately; expire others."""
         loop = asyncio.get_running_loop()
+        await self.ready.wait()
         while not self.finished:
             await asyncio.sleep(EXPIRE_PERIOD_S)
             for w, ch in self.channels.items():
@@ -203,7 +213,7 @@ class GroupServer:
     def _take_stats(self, final: bool) -> dict[str, Any]:
         s, n = self._since_sync, max(1, self._since_sync["pushes"])
         stats = {"pushes": s["pushes"], "samples": s["samples"], "step_time": s["step_time"] / n,
-                 "loss": s["loss"] / n, "version": self.version, "final": final,
+                 "loss": s["loss"] / n, "version": self.version, "final": final, **self.traffic(),
                  "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
         self._since_sync = {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
         return stats
@@ -241,6 +251,7 @@ class GroupServer:
 
     async def handle(self, ch: Any) -> None:
         """One worker connection: PULL answered in a task (so pushes of others flow meanwhile)."""
+        await self.ready.wait()
         w = int(ch.worker_id)
         old = self.channels.pop(w, None)
         if old is not None:  # a reconnect replaces the stale connection
@@ -336,28 +347,88 @@ def _mean(grads: list[Any], size: int) -> np.ndarray | sparse.SparseGrad:
 
 
 class TcpLink:
-    """GroupLink over TCP for a `minips group` process: PUSH the delta, wait for WEIGHTS."""
+    """GroupLink over TCP for a `minips group` process: PUSH the delta, wait for WEIGHTS.
+
+    The group's counters travel in the PUSH's codec map under "stats". A reader task owns the
+    channel: WEIGHTS answer the exchange in flight, LEAVE "done" finishes the group.
+    """
 
     def __init__(self, ch: Any) -> None:
         self.ch = ch
-        self._lock = asyncio.Lock()  # one exchange at a time on the channel
+        self.group: GroupServer | None = None
+        self._reply: asyncio.Future[Any] | None = None
+        self.closed = asyncio.Event()
+
+    async def request(self, msg: Any) -> Any:
+        """Send ``msg`` and wait for the WEIGHTS that answers it."""
+        self._reply = asyncio.get_running_loop().create_future()
+        await self.ch.send(msg)
+        return await self._reply
 
     async def exchange(self, group: int, delta: np.ndarray,
                        stats: dict[str, Any]) -> ExchangeResult:
         encoding, codec, buffers = sparse.encode_gradient(delta)
-        msg = protocol.Push(clock=stats["version"], step_time=stats["step_time"],
-                            loss=stats["loss"], samples=stats["samples"], encoding=encoding,
-                            codec={**codec, "stats": stats}, buffers=tuple(buffers))
-        async with self._lock:
-            await self.ch.send(msg)
-            reply = await self.ch.recv()
-        if not isinstance(reply, protocol.Weights):
-            raise RemoteProtocolError("expected WEIGHTS after a group PUSH",
-                                      got=type(reply).__name__)
+        reply = await self.request(protocol.Push(
+            clock=stats["version"], step_time=stats["step_time"], loss=stats["loss"],
+            samples=stats["samples"], encoding=encoding, codec={**codec, "stats": stats},
+            buffers=tuple(buffers)))
         w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
         return ExchangeResult(np.asarray(w, dtype=np.float32), reply.version, reply.done)
+
+    async def read(self) -> None:
+        """Dispatch what the global server sends until the channel closes."""
+        try:
+            while True:
+                msg = await self.ch.recv()
+                if isinstance(msg, protocol.Weights) and self._reply and not self._reply.done():
+                    self._reply.set_result(msg)
+                elif isinstance(msg, protocol.Assign) and self.group is not None:
+                    self.group.ratio = msg.ratio
+                elif isinstance(msg, protocol.Leave) and self.group is not None:
+                    self.group.finish()
+        except (ConnectionError, RemoteProtocolError) as exc:
+            if self._reply is not None and not self._reply.done():
+                self._reply.set_exception(ConnectionError(f"global server gone: {exc}"))
+        finally:
+            self.closed.set()
+
+
+async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer:
+    """Listen, register with the global server, take the group it assigns; serve until done."""
+    gs = GroupServer(-1, RunConfig(), None, None)
+    port = await gs.serve(cfg.host, cfg.port, cfg.token, server_ssl(cfg.tls_cert, cfg.tls_key))
+    address = f"{cfg.advertise_host or _public(cfg.host)}:{port}"
+    ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
+                                 token=cfg.token, timeout=cfg.connect_timeout_s,
+                                 ssl=client_ssl(cfg.tls_ca))
+    if announce:
+        print(f"minips group listening on {address}, registered with "
+              f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
+    link = TcpLink(ch)
+    assign = await ch.recv()
+    if not isinstance(assign, protocol.Assign):
+        raise RemoteProtocolError("expected ASSIGN", got=type(assign).__name__)
+    reader = asyncio.create_task(link.read())
+    init = await link.request(protocol.Pull(clock=0))
+    weights = sparse.decode_gradient(init.encoding, init.codec, init.buffers,
+                                     int(init.info["size"]))
+    gs.setup(int(assign.group), RunConfig.from_info(ch.welcome_info), np.asarray(weights), link,
+             [int(w) for w in init.info.get("members", [])])
+    gs.writer = RunDir(cfg.run_dir, t0=gs.run.t0).writer(f"group-{gs.group}")
+    link.group = gs
+    while not gs.finished and not link.closed.is_set():
+        await asyncio.sleep(0.2)
+    reader.cancel()
+    await gs.close()
+    await ch.close(leave="done")
+    return gs
+
+
+def _public(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0") else host
 
 
 def run_group_process(cfg: GroupConfig) -> None:
     """`minips group`: register with the global server, then serve the assigned workers."""
-    raise MiniPSError("separate group server processes are not wired yet")
+    transport.install_uvloop()
+    asyncio.run(serve_group(cfg))

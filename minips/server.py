@@ -66,6 +66,7 @@ class GroupHandle:
     server: GroupServer | None = None  # in-process group server, else None
     ch: Any = None  # channel of an external group server
     step_time: float = 0.0  # smoothed mean worker step time, seconds
+    traffic: dict[str, int] = field(default_factory=dict)  # bytes_in/out it last reported
     final: bool = False  # flushed its last delta
     merges: int = 0
 
@@ -259,8 +260,7 @@ class GlobalServer:
             await asyncio.sleep(0.1)
         ch = self.pending_groups.pop(0)
         handle = GroupHandle(g, ch.peer_hello.address, members, self.run.ratio, ch=ch)
-        await ch.send(protocol.Assign(group=g, address=",".join(map(str, members)),
-                                      ratio=self.run.ratio, staleness=_staleness(self.run)))
+        await ch.send(self._assign_msg(handle))
         return handle
 
     async def _place_late(self, entry: WorkerEntry) -> None:
@@ -318,6 +318,7 @@ class GlobalServer:
         h = self.groups[g]
         h.merges += 1
         h.final = h.final or bool(stats.get("final"))
+        h.traffic = {k: int(stats.get(k, 0)) for k in ("bytes_in", "bytes_out")}
         self._log("merge", group=g, group_samples=stats.get("samples", 0),
                   **{k: v for k, v in stats.items() if k not in ("version", "samples")})
         self._check_budget()
@@ -359,18 +360,24 @@ class GlobalServer:
     # -- external groups and the evaluator ---------------------------------------------------
 
     async def _group_session(self, ch: Any) -> None:
+        """A `minips group` process: initial PULL, then PUSH delta -> WEIGHTS, until it leaves."""
         self.pending_groups.append(ch)
         await self._grouped.wait()
         handle = next((h for h in self.groups.values() if h.ch is ch), None)
         while handle is not None:
             msg = await ch.recv()
             if isinstance(msg, protocol.Pull):
-                await ch.send(self.weights_message())
+                await ch.send(self.weights_message(members=handle.members))
             elif isinstance(msg, protocol.Push):
+                assert self.weights is not None
                 delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers,
-                                               self.weights.size if self.weights is not None else 0)
+                                               self.weights.size)
                 res = self.merge(handle.id, np.asarray(delta), dict(msg.codec.get("stats", {})))
                 await ch.send(self.weights_message(res.weights))
+            elif isinstance(msg, protocol.Leave):
+                handle.final = True
+                self._check_budget()
+                return
 
     async def _evaluator_session(self, ch: Any) -> None:
         while True:
@@ -384,23 +391,25 @@ class GlobalServer:
                 if final:
                     self.evaluated_final.set()
 
-    def weights_message(self, weights: np.ndarray | None = None, final: bool = False) -> Any:
+    def weights_message(self, weights: np.ndarray | None = None, final: bool = False,
+                        members: list[int] | None = None) -> Any:
         """WEIGHTS with the global weights and the run's counters in ``info``."""
         w = self.weights if weights is None else weights
-        encoding, codec, buffers = sparse.encode_gradient(w if w is not None else np.zeros(0))
+        w = w if w is not None else np.zeros(0, np.float32)
+        encoding, codec, buffers = sparse.encode_gradient(w)
         info = {"samples": self.samples, "version": self.version, "t": time.time() - self.run.t0,
+                "size": int(w.size), "members": members or [],
                 "train_s": time.time() - self.started_training if self.started_training else 0.0,
                 "done_reason": self.done_reason, **self.traffic()}
         return protocol.Weights(version=self.version, encoding=encoding, codec=codec,
                                 buffers=tuple(buffers), done=final or self.done, info=info)
 
     def traffic(self) -> dict[str, int]:
-        """Worker <-> group bytes so far (in-process groups only)."""
+        """Worker <-> group bytes so far (external groups: as of their last exchange)."""
         up = down = 0
         for h in self.groups.values():
-            if h.server is not None:
-                b = h.server.traffic()
-                up, down = up + b["bytes_in"], down + b["bytes_out"]
+            b = h.server.traffic() if h.server is not None else h.traffic
+            up, down = up + b.get("bytes_in", 0), down + b.get("bytes_out", 0)
         return {"bytes_up": up, "bytes_down": down}
 
     def _has_evaluator(self) -> bool:
