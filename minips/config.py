@@ -46,7 +46,7 @@ class RunConfig:
     dataset: str = "fashion-mnist"  # data.load_dataset name
     data_dir: str | None = None  # directory of the data files; None = the loader's default
     batch_size: int = 64  # samples per worker step
-    lr: float = 0.05  # SGD learning rate, applied by the group servers
+    lr: float = 0.02  # SGD learning rate, applied by the group servers (async modes add up)
     momentum: float = 0.9  # SGD momentum (group servers keep the velocity)
     weight_decay: float = 5e-4  # L2 coefficient added to the gradient
     mode: str = "gssp"  # bsp | ssp | asp | gssp
@@ -168,7 +168,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "run": {"model": "lenet5", "dataset": "fashion-mnist", "mode": "gssp",
                 "compressor": "gdtopk", "workers": 8, "epochs": 3.0, "wall_s": 150.0,
-                "staleness": 3, "sync_every": 4, "base_step_s": 0.04},
+                "staleness": 3, "sync_every": 4, "base_step_s": 0.04,
+                "compressor_opts": {"warmup_epochs": 1}},
         "slowdowns": [1, 1, 1.5, 1.5, 2, 2, 4, 4],
     },
 }
