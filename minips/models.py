@@ -276,7 +276,10 @@ def set_flat(model: nn.Module, vec: np.ndarray) -> None:
     n = sum(p.numel() for p in model.parameters())
     if vec.shape != (n,):
         raise ConfigError(f"flat vector has shape {vec.shape}, model needs ({n},)")
-    src = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.float32))
+    vec = np.ascontiguousarray(vec, dtype=np.float32)
+    if not vec.flags.writeable:  # e.g. a view of a received frame; torch wants writable memory
+        vec = vec.copy()
+    src = torch.from_numpy(vec)
     offset = 0
     with torch.no_grad():
         for p in model.parameters():

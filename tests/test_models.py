@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -86,6 +87,16 @@ def test_flat_round_trip_is_exact(name: str, built: dict[str, torch.nn.Module]) 
     np.testing.assert_array_equal(first, new[:size0].reshape(shape0))
     models.set_flat(model, flat)
     assert np.array_equal(models.get_flat(model), flat)
+
+
+def test_set_flat_accepts_read_only_buffers() -> None:
+    model = models.build_model("lenet5", 0)
+    flat = models.get_flat(model)
+    frozen = np.frombuffer((flat + 1).tobytes(), np.float32)  # read-only, like a received frame
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models.set_flat(model, frozen)
+    assert np.array_equal(models.get_flat(model), flat + 1)
 
 
 def test_set_flat_rejects_wrong_size() -> None:
