@@ -36,7 +36,7 @@ import hmac
 import math
 import secrets
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any, ClassVar
@@ -154,17 +154,29 @@ def _names(v: Any) -> tuple[str, ...]:
     return tuple(_text(MAX_NAME)(x) for x in v)
 
 
+_PRIMITIVES = frozenset({type(None), bool, int, float, str, bytes})
+
+
 def _tree(v: Any, depth: int = 8) -> Any:
-    """A msgpack-able map of primitives, lists and maps (str keys), at most ``depth`` deep."""
-    if v is None or type(v) in (bool, int, float, str, bytes):
+    """Check (without copying) that ``v`` is a msgpack-able tree: primitives, lists/tuples and
+    maps with str keys, at most ``depth`` deep. Tuples come back from the wire as lists."""
+    if type(v) in _PRIMITIVES:
         return v
     if depth <= 0:
         raise _Invalid("nested too deep")
-    if isinstance(v, (list, tuple)):
-        return [_tree(x, depth - 1) for x in v]
-    if isinstance(v, dict) and all(type(k) is str for k in v):
-        return {k: _tree(x, depth - 1) for k, x in v.items()}
-    raise _Invalid(f"unsupported value of type {type(v).__name__}")
+    items: Iterable[Any]
+    if isinstance(v, dict):
+        if not all(type(k) is str for k in v):
+            raise _Invalid("map keys must be str")
+        items = v.values()
+    elif isinstance(v, (list, tuple)):
+        items = v
+    else:
+        raise _Invalid(f"unsupported value of type {type(v).__name__}")
+    for x in items:
+        if type(x) not in _PRIMITIVES:
+            _tree(x, depth - 1)
+    return v
 
 
 def _map(v: Any) -> dict[str, Any]:
@@ -202,7 +214,9 @@ class Message:
         for name, check in _checks(type(self)):
             value = getattr(self, name)
             try:
-                object.__setattr__(self, name, check(value))
+                checked = check(value)
+                if checked is not value:  # a normalised value (tuple, bytes, flat view)
+                    object.__setattr__(self, name, checked)
             except _Invalid as e:
                 where = f"{type(self).__name__}.{name}"
                 raise LocalProtocolError(f"{where}: {e}", expected=str(e), got=value) from None
