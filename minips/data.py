@@ -65,7 +65,11 @@ class Dataset:
         return int(self.y.shape[0])
 
     def subset(self, indices: np.ndarray) -> Dataset:
-        """A copy holding only ``indices`` (e.g. a worker's shard, to free the rest)."""
+        """A copy holding only ``indices`` (a worker's shard, so the rest can be freed).
+
+        ``iterate_batches(ds.subset(s), arange(len(s)), ...)`` yields the same batches as
+        ``iterate_batches(ds, s, ...)``: the order depends on positions within the shard only.
+        """
         return Dataset(self.x[indices], self.y[indices], dict(self.meta, subset=len(indices)))
 
 

@@ -335,6 +335,17 @@ def test_batch_order_is_deterministic_per_seed_and_epoch() -> None:
     assert flat == order[:24].tolist()
 
 
+def test_subset_gives_the_same_batches() -> None:
+    ds = data.Dataset(np.arange(90, dtype=np.float32)[:, None], np.arange(90, dtype=np.int64))
+    shard = data.shard_indices(90, 2, 3, seed=1)
+    small = ds.subset(shard)
+    full = list(data.iterate_batches(ds, shard, 7, seed=1, epoch=4))
+    local = list(data.iterate_batches(small, np.arange(len(shard)), 7, seed=1, epoch=4))
+    assert len(full) == len(local) == 4
+    for (xa, ya), (xb, yb) in zip(full, local, strict=True):
+        assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
+
+
 def test_batch_stream_moves_through_epochs() -> None:
     ds = data.Dataset(np.zeros((20, 1), np.float32), np.arange(20, dtype=np.int64))
     stream = data.batch_stream(ds, np.arange(20), 6, seed=0)
