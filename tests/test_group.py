@@ -1,0 +1,155 @@
+"""Group server: BSP averaging, the SSP bound, leases, the lossless exchange, the wire session."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from minips import protocol, sparse, transport
+from minips.config import RunConfig
+from minips.group import ExchangeResult, GroupServer
+
+TOKEN = "group-test"
+
+
+class Global:
+    """The global side of the exchange, reduced to its rule: weights += delta."""
+
+    def __init__(self, weights: np.ndarray) -> None:
+        self.weights = weights.astype(np.float32).copy()
+        self.version = 0
+        self.gate: asyncio.Event | None = None  # when set: exchanges wait for it (slow link)
+        self.stats: list[dict[str, Any]] = []
+
+    async def exchange(self, group: int, delta: np.ndarray,
+                       stats: dict[str, Any]) -> ExchangeResult:
+        if self.gate is not None:
+            await self.gate.wait()
+        self.weights += delta
+        self.version += 1
+        self.stats.append(stats)
+        return ExchangeResult(self.weights.copy(), self.version, False)
+
+
+def plain(mode: str, **kw: Any) -> RunConfig:
+    """lr 1, no momentum, no decay: an update is exactly w -= g."""
+    return RunConfig(mode=mode, lr=1.0, momentum=0.0, weight_decay=0.0, **kw)
+
+
+def push(clock: int, grad: Any) -> protocol.Push:
+    encoding, codec, buffers = sparse.encode_gradient(grad)
+    return protocol.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
+                         buffers=tuple(buffers))
+
+
+def vec(*xs: float) -> np.ndarray:
+    return np.array(xs, dtype=np.float32)
+
+
+async def test_bsp_averages_one_round_and_applies_it_once() -> None:
+    gs = GroupServer(0, plain("bsp", sync_every=100), np.zeros(3, np.float32),
+                     Global(np.zeros(3)), members=[0, 1])
+    gs.on_push(0, push(1, vec(2, 0, 4)))
+    assert gs.version == 0 and not gs.weights.any()  # waits for worker 1
+    ack = gs.on_push(1, push(1, sparse.SparseGrad(np.array([1], np.uint32), vec(6), 3)))
+    np.testing.assert_array_equal(gs.weights, vec(-1, -3, -2))
+    assert gs.version == 1 and ack.version == 1
+
+
+async def test_ssp_pull_waits_for_the_slowest_and_says_whom() -> None:
+    gs = GroupServer(0, plain("ssp", staleness=1, sync_every=100), np.zeros(2, np.float32),
+                     Global(np.zeros(2)), members=[0, 1])
+    gs.on_push(0, push(1, vec(1, 0)))
+    first = await asyncio.wait_for(gs.answer_pull(0), 1)  # clock 1, slowest 0: 1 <= s
+    assert first.info["waited_for"] == []
+    gs.on_push(0, push(2, vec(1, 0)))
+    pull = asyncio.ensure_future(gs.answer_pull(0))  # clock 2 - 0 > 1: must wait for 1
+    await asyncio.sleep(0.05)
+    assert not pull.done()
+    gs.on_push(1, push(1, vec(0, 1)))
+    w = await asyncio.wait_for(pull, 1)
+    assert w.info["waited_for"] == [1] and w.info["lead"] == 1
+    np.testing.assert_array_equal(np.frombuffer(w.buffers[0], np.float32), vec(-2, -1))
+
+
+async def test_lease_expiry_releases_the_waiting_worker() -> None:
+    now = [0.0]
+    gs = GroupServer(0, plain("ssp", staleness=0, lease_s=5.0, sync_every=100),
+                     np.zeros(2, np.float32), Global(np.zeros(2)), members=[0, 1],
+                     clock=lambda: now[0])
+    gs.ready.set()
+    expire = asyncio.ensure_future(gs._expire_loop())
+    try:
+        gs.on_push(0, push(1, vec(1, 1)))
+        pull = asyncio.ensure_future(gs.answer_pull(0))  # worker 1 never shows up
+        await asyncio.sleep(0.05)
+        assert not pull.done()
+        now[0] = 60.0  # worker 1's lease (and 0's, but 0's pull keeps it) runs out
+        gs.table.heartbeat(0, now[0])
+        w = await asyncio.wait_for(pull, 3)
+        assert 1 not in gs.table and w.done is False
+    finally:
+        expire.cancel()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+async def test_exchange_in_flight_loses_no_update(groups: int) -> None:
+    glob = Global(np.zeros(4))
+    glob.gate = asyncio.Event()
+    servers = [GroupServer(g, plain("asp", sync_every=1), np.zeros(4, np.float32), glob,
+                           members=[0]) for g in range(groups)]
+    rng = np.random.default_rng(0)
+    total = np.zeros(4, np.float32)
+    for clock in range(1, 6):  # the first push starts an exchange that hangs on the gate
+        for gs in servers:
+            g = rng.normal(size=4).astype(np.float32)
+            total += g
+            gs.on_push(0, push(clock, g))
+    assert glob.version == 0
+    glob.gate.set()
+    for gs in servers:
+        await gs.flush(final=True)
+    np.testing.assert_allclose(glob.weights, -total, rtol=1e-5, atol=1e-5)
+    if groups == 1:
+        np.testing.assert_allclose(servers[0].weights, glob.weights, rtol=1e-5, atol=1e-5)
+    assert glob.stats[-1]["final"] is True
+    assert sum(s["pushes"] for s in glob.stats) == 5 * groups
+
+
+async def test_finish_answers_waiting_pulls_with_done() -> None:
+    gs = GroupServer(0, plain("bsp", sync_every=100), np.zeros(2, np.float32),
+                     Global(np.zeros(2)), members=[0, 1])
+    gs.on_push(0, push(1, vec(1, 1)))
+    pull = asyncio.ensure_future(gs.answer_pull(0))
+    await asyncio.sleep(0.02)
+    gs.finish()
+    assert (await asyncio.wait_for(pull, 1)).done is True
+
+
+async def test_wire_session_ack_pull_push_and_bad_clock() -> None:
+    glob = Global(vec(1, 2, 3))
+    gs = GroupServer(3, plain("ssp", staleness=2, sync_every=2), vec(1, 2, 3), glob,
+                     members=[7])
+    port = await gs.serve("127.0.0.1", 0, TOKEN)
+    ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=7, token=TOKEN)
+    try:
+        assert isinstance(await ch.recv(), protocol.Ack)  # starting clock 0
+        await ch.send(protocol.Pull(clock=0))
+        w = await ch.recv()
+        assert isinstance(w, protocol.Weights) and w.info["group"] == 3
+        for clock in (1, 2):
+            await ch.send(push(clock, vec(1, 1, 1)))
+            assert (await ch.recv()).clock == clock
+        await asyncio.wait_for(gs.flush(), 2)
+        np.testing.assert_allclose(glob.weights, vec(-1, 0, 1))
+        assert glob.stats[0]["pushes"] == 2
+        await ch.send(push(5, vec(1, 1, 1)))  # skips clocks 3 and 4
+        err = await ch.recv()
+        assert isinstance(err, protocol.Error) and err.code == "clock"
+    finally:
+        await ch.close()
+        await gs.close()
+    assert gs.traffic()["bytes_in"] > 0
