@@ -1,0 +1,128 @@
+"""Global server over loopback with hand-written protocol clients (no torch here).
+
+Admission, speed calibration and grouping, GDTopK ratios, merging, the epoch budget and the
+end of a run, the evaluator's view, initial weights from the first worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from minips import protocol, sparse, transport
+from minips.config import RunConfig, ServerConfig, parse_address
+from minips.errors import AuthError
+from minips.metrics import read_jsonl
+from minips.server import GlobalServer
+
+TOKEN = "server-test"
+
+
+def make_server(tmp_path: Path, init: np.ndarray | None = None, **run: Any) -> GlobalServer:
+    cfg = ServerConfig(run=RunConfig(**run), host="127.0.0.1", port=0, token=TOKEN,
+                       run_dir=str(tmp_path), calib_timeout_s=10.0, linger_s=1.0)
+    return GlobalServer(cfg, init)
+
+
+async def join(port: int, wid: int, step_time: float) -> Any:
+    ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=wid, token=TOKEN)
+    await ch.send(protocol.Stats(clock=0, step_time=step_time, loss=2.3))
+    return ch
+
+
+def push(clock: int, grad: np.ndarray, samples: int = 1) -> protocol.Push:
+    encoding, codec, buffers = sparse.encode_gradient(grad)
+    return protocol.Push(clock=clock, samples=samples, encoding=encoding, codec=codec,
+                         buffers=tuple(buffers))
+
+
+async def test_refuses_wrong_secret_and_unknown_worker_id(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(3, np.float32), workers=2)
+    port = await srv.start()
+    try:
+        with pytest.raises(AuthError):
+            await transport.connect("127.0.0.1", port, role="worker", token="wrong", timeout=3)
+        with pytest.raises(AuthError, match="out of range"):
+            await transport.connect("127.0.0.1", port, role="worker", worker_id=5, token=TOKEN,
+                                    timeout=3)
+        with pytest.raises(AuthError, match="in-process"):
+            await transport.connect("127.0.0.1", port, role="group", token=TOKEN, timeout=3)
+    finally:
+        await srv.close()
+
+
+async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(8, np.float32), workers=4, mode="gssp",
+                      compressor="gdtopk", ratio=0.004)
+    port = await srv.start()
+    chans = [await join(port, w, t) for w, t in enumerate([0.01, 0.011, 0.05, 0.052])]
+    try:
+        assigns = [await asyncio.wait_for(ch.recv(), 5) for ch in chans]
+        assert [a.group for a in assigns] == [0, 0, 1, 1]
+        assert assigns[0].address == assigns[1].address != assigns[2].address
+        assert assigns[0].staleness == 3
+        assert assigns[0].ratio == pytest.approx(0.004)
+        assert assigns[2].ratio > 4 * assigns[0].ratio  # slower group sends more
+        host, gport = parse_address(assigns[2].address)
+        ch = await transport.connect(host, gport, role="worker", worker_id=2, token=TOKEN)
+        assert isinstance(await ch.recv(), protocol.Ack)
+        await ch.close()
+    finally:
+        for ch in chans:
+            await ch.close()
+        await srv.close()
+    events = [r["event"] for r in read_jsonl(tmp_path / "global.jsonl")]
+    assert "groups" in events
+
+
+async def test_epoch_budget_ends_the_run_and_nothing_is_lost(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(2, np.float32), workers=1, mode="asp", sync_every=1,
+                      lr=1.0, momentum=0.0, weight_decay=0.0, epochs=1.0, train_size=3)
+    port = await srv.start()
+    ctl = await join(port, 0, 0.01)
+    assign = await asyncio.wait_for(ctl.recv(), 5)
+    host, gport = parse_address(assign.address)
+    ch = await transport.connect(host, gport, role="worker", worker_id=0, token=TOKEN)
+    await ch.recv()  # ACK with the starting clock
+    for clock in (1, 2, 3):
+        await ch.send(protocol.Pull(clock=clock - 1))
+        assert (await ch.recv()).done is False
+        await ch.send(push(clock, np.ones(2, np.float32)))
+        await ch.recv()
+    leave = await asyncio.wait_for(ctl.recv(), 5)  # budget: 3 samples = 1 epoch
+    assert isinstance(leave, protocol.Leave) and leave.reason == "done"
+    await ch.send(protocol.Pull(clock=3))
+    assert (await ch.recv()).done is True
+    await ch.close(leave="bye")
+    await ctl.close(leave="bye")
+    await asyncio.wait_for(srv.wait_finished(), 5)
+    await srv.close()
+    np.testing.assert_allclose(srv.weights, [-3.0, -3.0])
+    assert srv.samples == 3 and srv.done_reason == "epochs"
+    assert np.load(tmp_path / "final_weights.npy").tolist() == [-3.0, -3.0]
+
+
+async def test_initial_weights_from_first_worker_and_evaluator_view(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, None, workers=1, mode="bsp", max_steps=1)
+    port = await srv.start()
+    ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
+    assert ctl.worker_id == 0 and ctl.welcome_info["need_init"] is True
+    assert ctl.welcome_info["mode"] == "bsp"
+    init = np.arange(5, dtype=np.float32)
+    encoding, codec, buffers = sparse.encode_gradient(init)
+    await ctl.send(protocol.Push(clock=0, encoding=encoding, codec={**codec, "size": 5},
+                                 buffers=tuple(buffers)))
+    ev = await transport.connect("127.0.0.1", port, role="evaluator", token=TOKEN)
+    try:
+        await ev.send(protocol.Pull(clock=0))
+        w = await asyncio.wait_for(ev.recv(), 5)
+        np.testing.assert_array_equal(np.frombuffer(w.buffers[0], np.float32), init)
+        assert w.info["samples"] == 0 and "bytes_up" in w.info and w.done is False
+    finally:
+        await ev.close()
+        await ctl.close()
+        await srv.close()
