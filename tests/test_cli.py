@@ -1,0 +1,98 @@
+"""The `minips` command line: flag resolution, clear errors within seconds, plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from minips.cli import build_parser, main, run_config_from_args
+from minips.config import PRESETS, parse_address, parse_slowdowns
+from minips.errors import ConfigError
+
+
+def test_preset_then_flags_override() -> None:
+    args = build_parser().parse_args(["local", "--preset", "demo", "--mode", "ssp",
+                                      "--copt", "warmup_epochs=2"])
+    run = run_config_from_args(args)
+    assert run.mode == "ssp"  # flag wins
+    assert run.compressor == PRESETS["demo"]["run"]["compressor"]  # preset kept
+    assert run.compressor_opts == {"warmup_epochs": 2}
+
+
+def test_run_config_file_is_the_base(tmp_path: Path) -> None:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"mode": "asp", "workers": 3, "unknown": 1}))
+    args = build_parser().parse_args(["server", "--run-config", str(path), "--workers", "5"])
+    run = run_config_from_args(args)
+    assert (run.mode, run.workers) == ("asp", 5)
+
+
+def test_slowdowns_and_addresses() -> None:
+    assert parse_slowdowns("1,1,2x2,4") == [1.0, 1.0, 2.0, 2.0, 4.0]
+    assert parse_address("example.org:7000") == ("example.org", 7000)
+    assert parse_address(":81") == ("127.0.0.1", 81)
+    with pytest.raises(ConfigError):
+        parse_slowdowns("1,zero")
+    with pytest.raises(ConfigError):
+        parse_address("host:port")
+
+
+def test_bad_mode_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["server", "--mode", "fast"]) == 2
+    assert "mode" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+def test_worker_with_unreachable_server_fails_fast(tmp_path: Path) -> None:
+    port = _free_port()  # nothing listens there
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "minips", "worker", "--connect",
+                           f"127.0.0.1:{port}", "--timeout", "2", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert f"127.0.0.1:{port}" in proc.stderr and "could not connect" in proc.stderr
+    assert time.monotonic() - t < 40  # torch import included
+
+
+@pytest.mark.timeout(60)
+def test_server_prints_how_to_join_and_refuses_a_wrong_secret(tmp_path: Path) -> None:
+    env = {**os.environ, "MINIPS_TOKEN": "right"}
+    ready = tmp_path / "addr"
+    server = subprocess.Popen([sys.executable, "-m", "minips", "server", "--host", "127.0.0.1",
+                               "--port", "0", "--workers", "1", "--run-dir", str(tmp_path),
+                               "--ready-file", str(ready)],
+                              env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = ready.read_text().split()[1]
+        assert server.stdout is not None
+        assert f"minips worker --connect 127.0.0.1:{port}" in server.stdout.readline() + \
+            server.stdout.readline()
+        proc = subprocess.run([sys.executable, "-m", "minips", "evaluator", "--connect",
+                               f"127.0.0.1:{port}", "--run-dir", str(tmp_path)],
+                              env={**env, "MINIPS_TOKEN": "wrong"}, capture_output=True,
+                              text=True, timeout=50)
+        assert proc.returncode == 2 and "error" in proc.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_plot_command_on_an_empty_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"mode": "bsp", "compressor": "none"}))
+    assert main(["plot", str(tmp_path)]) == 0
