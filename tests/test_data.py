@@ -112,7 +112,7 @@ def test_fashion_mnist_from_debian_path() -> None:
     assert np.bincount(train.y).tolist() == [6000] * 10
     assert np.bincount(test.y).tolist() == [1000] * 10
     assert train.meta["synthetic"] is False and train.meta["source"] == str(FASHION)
-    assert elapsed < 5.0  # about 0.7 s here; generous for a loaded CI machine
+    assert elapsed < 30.0  # 0.7 s on an idle 2-core machine; only catches pathologies
 
 
 @needs_fashion
