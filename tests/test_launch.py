@@ -1,0 +1,69 @@
+"""`minips local`: a real cluster of processes on loopback; clean end, clean Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from minips.config import LaunchConfig, RunConfig
+from minips.launch import run_local
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains ``text``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd:
+            pids.append(int(entry.name))
+    return pids
+
+
+@pytest.mark.timeout(120)
+def test_local_bsp_run_writes_a_complete_run_directory(tmp_path: Path) -> None:
+    run = RunConfig(mode="bsp", compressor="none", workers=2, max_steps=8, base_step_s=0.0,
+                    calib_steps=1, eval_every_s=0.5, eval_limit=1000)
+    summary = run_local(LaunchConfig(run=run, out_dir=str(tmp_path), name="bsp",
+                                     progress=False, plot=False))
+    run_dir = tmp_path / "bsp"
+    assert summary["status"] == "done"
+    assert summary["steps"] == 16 and summary["workers"] == 2 and summary["groups"] == 1
+    for name in ("config.json", "summary.json", "global.jsonl", "group-0.jsonl", "eval.jsonl",
+                 "worker-0.jsonl", "worker-1.jsonl", "init.npy", "final_weights.npy"):
+        assert (run_dir / name).exists(), name
+    assert json.loads((run_dir / "summary.json").read_text())["final_accuracy"] is not None
+    assert not _processes_mentioning(str(run_dir))
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_child_and_still_writes_the_summary(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "minips", "local", "--mode", "asp", "--workers", "2",
+           "--wall-s", "300", "--base-step", "0.05", "--no-plot", "--no-progress",
+           "--out", str(tmp_path), "--name", "cc"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    worker_log = tmp_path / "cc" / "worker-1.jsonl"
+    deadline = time.monotonic() + 90
+    while not (worker_log.exists() and worker_log.stat().st_size > 0):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    summary = json.loads((tmp_path / "cc" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert "run directory" in err
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(str(tmp_path / "cc")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_mentioning(str(tmp_path / "cc"))
