@@ -199,6 +199,15 @@ class Seq2Seq(nn.Module):
         self.decoder = nn.GRUCell(emb + 2 * hidden, hidden)
         self.out = nn.Linear(hidden + 2 * hidden + emb, tgt_vocab)
 
+    def _encode(self, src: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed so that each direction's final state ignores the padding after a sentence."""
+        lengths = mask.sum(dim=1).clamp(min=1).cpu()  # (B,) int64
+        packed = nn.utils.rnn.pack_padded_sequence(self.src_emb(src), lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, h_n = self.encoder(packed)
+        enc, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=src.shape[1])
+        return enc, h_n
+
     def _attend(self, keys: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor,
                 s: torch.Tensor) -> torch.Tensor:
         """Context (B, 2H) for decoder state s (B, H) over encoder outputs enc (B, S, 2H)."""
@@ -208,7 +217,7 @@ class Seq2Seq(nn.Module):
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         mask = src != self.pad  # (B, S) bool
-        enc, h_n = self.encoder(self.src_emb(src))  # (B, S, 2H), (2, B, H)
+        enc, h_n = self._encode(src, mask)  # (B, S, 2H), (2, B, H)
         s = torch.tanh(self.bridge(torch.cat([h_n[0], h_n[1]], dim=-1)))  # (B, H)
         keys = self.att_keys(enc)  # (B, S, H), computed once per sentence
         emb = self.tgt_emb(tgt_in)  # (B, T, E)

@@ -145,6 +145,15 @@ def test_seq2seq_loss_ignores_padding() -> None:
     assert torch.allclose(out_a, out_b)  # row 0 is independent of row 1
 
 
+def test_seq2seq_output_does_not_depend_on_padding_length() -> None:
+    model = models.build_model("seq2seq", 0)
+    src, tgt = small_batch("seq2seq")
+    wider = torch.cat([src, torch.full((2, 4), data.PAD)], dim=1)  # (2, S + 4)
+    with torch.no_grad():
+        np.testing.assert_allclose(model(src, tgt).numpy(), model(wider, tgt).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
 def test_evaluate_classification_counts_and_loss() -> None:
     x, y = data.make_synthetic_images(300, (1, 32, 32), seed=3)
     ds = data.Dataset(x, y)
