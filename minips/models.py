@@ -356,7 +356,9 @@ def evaluate(name: str, flat: np.ndarray, dataset: data.Dataset, *, batch_size: 
     BN models: statistics from ``train_for_bn`` (``recalibrate_bn``) when given, else from
     each test batch (see the module docstring).
     """
-    model = _EVAL_MODELS.get(name) or _EVAL_MODELS.setdefault(name, build_model(name, 0))
+    if name not in _EVAL_MODELS:
+        _EVAL_MODELS[name] = build_model(name, 0)
+    model = _EVAL_MODELS[name]
     set_flat(model, flat)
     if _has_bn(model) and train_for_bn is not None:
         recalibrate_bn(model, train_for_bn)
