@@ -1,0 +1,56 @@
+"""End to end: `minips local` in GSSP with GDTopK, real processes on loopback, Fashion-MNIST.
+
+Four workers with slowdowns 1,1,3,3 form two groups of two; each group runs SSP inside and
+exchanges with the global server asynchronously. The run must reach 80% test accuracy within
+its 3-epoch budget, leave a complete run directory, and `minips plot` must draw its PNGs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minips.metrics import read_jsonl
+
+SUMMARY_KEYS = ("mode", "compressor", "workers", "groups", "final_accuracy", "best_accuracy",
+                "wall_s", "samples", "bytes_up", "bytes_down", "time_to_accuracy")
+
+
+@pytest.mark.timeout(300)
+def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "minips", "local", "--mode", "gssp", "--compressor", "gdtopk",
+           "--workers", "4", "--slowdown", "1,1,3,3", "--epochs", "3", "--wall-s", "150",
+           "--lr", "0.02", "--copt", "warmup_epochs=1", "--eval-every", "4", "--no-progress",
+           "--out", str(tmp_path), "--name", "gssp"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    run_dir = tmp_path / "gssp"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert str(run_dir) in proc.stderr and "accuracy_vs_time.png" in proc.stderr
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in SUMMARY_KEYS:
+        assert summary.get(key) is not None, key
+    assert (summary["mode"], summary["compressor"]) == ("gssp", "gdtopk")
+    assert summary["workers"] == 4 and summary["groups"] == 2
+    assert summary["best_accuracy"] >= 0.80, summary
+    assert summary["time_to_accuracy"]["0.80"] is not None
+    assert summary["samples"] >= 3 * 60000
+    assert 0 < summary["bytes_up"] < summary["bytes_down"]  # sparse up, dense weights down
+
+    groups = {r["group"] for r in read_jsonl(run_dir / "worker-0.jsonl")}
+    slow = {r["group"] for r in read_jsonl(run_dir / "worker-3.jsonl")}
+    assert groups != slow  # fast and slow workers in different groups
+    grouped = [r for r in read_jsonl(run_dir / "global.jsonl") if r["event"] == "groups"]
+    ratios = grouped[0]["ratios"]
+    assert ratios["1"] > ratios["0"]  # GDTopK: the slower group uploads more
+
+    out = subprocess.run([sys.executable, "-m", "minips", "plot", str(run_dir), "--out",
+                          str(tmp_path / "png")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
+    assert {"accuracy_vs_time.png", "accuracy_vs_bytes.png"} <= set(pngs)
+    assert all((tmp_path / "png" / p).stat().st_size > 1000 for p in pngs)
