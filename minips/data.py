@@ -211,7 +211,7 @@ def _search_dirs(name: str, spec: _Spec, data_dir: str | Path | None) -> list[Pa
 def fetch_file(url: str, dest: Path, sha256: str, *, timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
     """Download ``url`` to ``dest``, keeping it only if its SHA-256 is ``sha256``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
+    part = dest.with_name(f"{dest.name}.{os.getpid()}.part")  # workers may fetch at once
     digest = hashlib.sha256()
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp, open(part, "wb") as out:
@@ -241,8 +241,10 @@ def _extract_cifar(archive: Path, dest: Path) -> None:
         with tarfile.open(archive, "r:gz") as tar:
             for member in tar.getmembers():
                 src = tar.extractfile(member) if member.name in wanted else None
-                if src is not None:
-                    (dest / member.name).write_bytes(src.read())
+                if src is not None:  # write aside, then rename: readers never see half a file
+                    tmp = dest / f"{member.name}.{os.getpid()}.part"
+                    tmp.write_bytes(src.read())
+                    tmp.replace(dest / member.name)
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
         raise DataError(f"{archive}: corrupt CIFAR-10 archive ({exc})") from exc
 
