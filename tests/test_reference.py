@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,3 +115,14 @@ def test_lenet5_reaches_88_percent_on_fashion_mnist() -> None:
     test = data.load_dataset("fashion-mnist", "test", fallback=False)
     _, history = reference.train("lenet5", train, lr=0.02, seed=0, epochs=5, test=test)
     assert history[-1]["test_accuracy"] >= 0.88  # measured: 0.882 after 3 epochs, 0.886 after 4
+
+
+@pytest.mark.timeout(120)
+def test_script_prints_one_json_object() -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_reference.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--model", "lenet5", "--synthetic", "--steps", "5",
+         "--batch-size", "16", "--json"], capture_output=True, text=True, timeout=100, check=True)
+    result = json.loads(out.stdout)
+    assert result["model"] == "lenet5" and result["synthetic"] is True and result["steps"] == 5
+    assert 0.0 <= result["test_accuracy"] <= 1.0 and result["wall_s"] > 0
