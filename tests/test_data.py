@@ -233,6 +233,16 @@ def test_checksum_mismatch_is_refused(tmp_path: Path, http_dir: tuple[Path, str]
     assert not dest.exists() or not any(dest.iterdir())  # nothing kept, not even a .part
 
 
+def test_corrupt_archive_with_matching_checksum(tmp_path: Path, http_dir: tuple[Path, str]
+                                                ) -> None:
+    root, url = http_dir
+    junk = cifar_archive(tmp_path)[:-5000]  # verified bytes, but a truncated gzip stream
+    (root / "cifar-10-binary.tar.gz").write_bytes(junk)
+    sums = {"cifar-10-binary.tar.gz": hashlib.sha256(junk).hexdigest()}
+    with pytest.raises(DataError, match="cifar-10-binary.tar.gz: corrupt CIFAR-10 archive"):
+        data.download("cifar10", tmp_path / "dl", mirror=url, checksums=sums)
+
+
 @needs_fashion
 def test_download_real_fashion_files_from_loopback(tmp_path: Path, http_dir: tuple[Path, str]
                                                    ) -> None:
