@@ -19,14 +19,14 @@ averages of the loss, and a byte budget. The exact rules, with the defaults:
    epoch in steps (steps per epoch measured from ``set_epoch``; ``steps_per_epoch=200`` until
    then). Done lazily with one global scale, so a step costs O(k), not O(n).
 4. Selection. ``score = |acc| * (1 + vote_weight * clip(v / (vote_scale * rms), -1, 1))`` with
-   ``vote_weight=0.3``, ``vote_scale=2`` and ``rms`` the root mean square of the votes of the last
+   ``vote_weight=0.1``, ``vote_scale=2`` and ``rms`` the root mean square of the votes of the last
    sent set; exactly the k best scores are sent (``acc`` = residual + gradient, error feedback
-   as in every compressor). So a good record raises a coordinate's chance by up to 30% and a
-   bad one lowers it by up to 30%; a coordinate never sent keeps a neutral score.
+   as in every compressor). So a good record raises a coordinate's score by up to 10% and a
+   bad one lowers it by up to 10%; a coordinate never sent keeps a neutral score.
 5. Kept fraction. ``trend = (slow - fast) / noise`` is > 0 while the loss falls, about 0 when it
    stalls and < 0 when it rises. ``ratio_t = target * 2 ** -clip(trend / trend_ref, -1, 1) *
    2 ** clip(-debt / budget_horizon, -1, 1)``, clamped to ``target * [min_mult=0.25,
-   max_mult=4]``, with ``trend_ref=0.5``, ``budget_horizon=200`` steps and ``debt`` = sum over
+   max_mult=4]``, with ``trend_ref=0.5``, ``budget_horizon=50`` steps and ``debt`` = sum over
    past steps of ``(kept_t - target) / target``. The first factor shrinks the fraction (down to
    half) while the loss falls steadily and grows it (up to double) when it stalls or rises; the
    second is an integral controller that pays back over- or under-spending, so the average kept
@@ -58,10 +58,10 @@ class LossCompCompressor(TopKCompressor):
 
     name = "losscomp"
 
-    def __init__(self, size: int, *, ratio: float = 0.01, vote_weight: float = 0.3,
+    def __init__(self, size: int, *, ratio: float = 0.01, vote_weight: float = 0.1,
                  vote_scale: float = 2.0, vote_window: float = 1.0, steps_per_epoch: int = 200,
                  credit_lag: int = 1, beta_fast: float = 0.9, beta_slow: float = 0.98,
-                 trend_ref: float = 0.5, budget_horizon: float = 200.0, min_mult: float = 0.25,
+                 trend_ref: float = 0.5, budget_horizon: float = 50.0, min_mult: float = 0.25,
                  max_mult: float = 4.0, **kw: Any) -> None:
         super().__init__(size, ratio=ratio, **kw)
         if not (0.0 <= vote_weight < 1.0 and vote_scale > 0 and vote_window > 0

@@ -263,11 +263,13 @@ def test_losscomp_ratio_shrinks_while_falling_and_grows_on_plateau_or_rise() -> 
     fall = [2.0 * math.exp(-t / 100) + 0.02 * rng.normal() for t in range(200)]
     flat = [fall[-1] + 0.02 * rng.normal() for _ in range(400)]
     kept = run_losscomp(fall + flat)
-    assert np.mean(kept[50:200]) < 0.01 * 0.75  # falling steadily: below the target
-    assert np.mean(kept[350:]) > 0.01 * 1.1  # plateau: above, and pays back what was saved
+    # Falling steadily: below the target until the budget controller (horizon 50 steps) has
+    # saved enough; the plateau that follows: above it, paying back what was saved.
+    assert np.mean(kept[:100]) < 0.01 * 0.8
+    assert np.mean(kept[325:475]) > 0.01 * 1.1  # (the slow average needs ~100 steps)
     assert min(kept) >= 0.01 * 0.25 and max(kept) <= 0.01 * 4  # always within the bounds
     rise = [1.0 + 0.005 * t + 0.02 * rng.normal() for t in range(200)]
-    assert np.mean(run_losscomp(rise)[50:]) > 0.01 * 1.3
+    assert np.mean(run_losscomp(rise)[:100]) > 0.01 * 1.25
 
 
 def test_losscomp_average_kept_fraction_tracks_the_target() -> None:
