@@ -199,10 +199,9 @@ class TopKCompressor(_SparseCompressor):
     def __init__(self, size: int, **kw: Any) -> None:
         super().__init__(size, **kw)
         self.selector = TopKSelector(size, self.seed, tolerance=self.tolerance)
-        self._score = np.empty(size, np.float32)  # (n,) scratch for |acc|
 
     def _select(self, acc: np.ndarray, k: int) -> np.ndarray:
-        return self.selector.select(np.abs(acc, out=self._score), k)
+        return self.selector.select(acc, k)  # ranks by |acc|
 
 
 class DGCCompressor(TopKCompressor):

@@ -77,6 +77,7 @@ class LossCompCompressor(TopKCompressor):
         self.fast = self.slow = self.drift = self.noise2 = math.nan
         self.steps = 0  # observe_loss calls
         self.debt = 0.0  # sum of (kept - target) / target over past compress calls
+        self._score = np.empty(size, np.float32)  # (n,) scratch for |acc| * vote factor
         self._factor = np.empty(size, np.float32)  # (n,) scratch for the vote factor
 
     # ------------------------------------------------------------------ loss -> votes

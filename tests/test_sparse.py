@@ -261,6 +261,7 @@ def test_small_vector_selection_hand_computed() -> None:
     assert sel.select(score, 1).tolist() == [1]  # tie at 3.0: lowest index first
     assert sel.select(score, 0).tolist() == []
     assert sel.select(score, 6).tolist() == list(range(6))
+    assert sel.select(-score, 3).tolist() == [1, 3, 4]  # by magnitude
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +272,8 @@ def laplace() -> np.ndarray:
 @pytest.mark.parametrize("density", [0.01, 0.001])
 def test_exact_selection_equals_full_partition(laplace: np.ndarray, density: float) -> None:
     k = kept_count(density, laplace.size)
-    got = TopKSelector(laplace.size, seed=1).select(laplace, k)
+    signed = np.where(np.arange(laplace.size) % 3 == 0, -laplace, laplace)  # ranks by magnitude
+    got = TopKSelector(laplace.size, seed=1).select(signed, k)
     want = np.sort(np.argpartition(laplace, laplace.size - k)[laplace.size - k :])
     assert np.array_equal(got, want)
 
