@@ -208,25 +208,29 @@ def _search_dirs(name: str, spec: _Spec, data_dir: str | Path | None) -> list[Pa
     return dirs + [cache_dir(name)] + [Path(d) for d in spec.system_dirs]
 
 
+def _copy_hashed(resp: Any, out: Any, digest: Any, url: str) -> None:
+    """Stream ``resp`` into ``out`` and ``digest``, refusing more than MAX_DOWNLOAD_BYTES."""
+    total = 0
+    while chunk := resp.read(CHUNK_BYTES):
+        total += len(chunk)
+        if total > MAX_DOWNLOAD_BYTES:
+            raise DataError(f"{url}: larger than {MAX_DOWNLOAD_BYTES} bytes, refused")
+        digest.update(chunk)
+        out.write(chunk)
+
+
 def fetch_file(url: str, dest: Path, sha256: str, *, timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
     """Download ``url`` to ``dest``, keeping it only if its SHA-256 is ``sha256``."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(f"{dest.name}.{os.getpid()}.part")  # workers may fetch at once
     digest = hashlib.sha256()
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp, open(part, "wb") as out:
-            total = 0
-            while chunk := resp.read(CHUNK_BYTES):
-                total += len(chunk)
-                if total > MAX_DOWNLOAD_BYTES:
-                    raise DataError(f"{url}: larger than {MAX_DOWNLOAD_BYTES} bytes, refused")
-                digest.update(chunk)
-                out.write(chunk)
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            dest.parent.mkdir(parents=True, exist_ok=True)  # only once a server answered
+            with open(part, "wb") as out:
+                _copy_hashed(resp, out, digest, url)
         if digest.hexdigest() != sha256:
-            raise DataError(
-                f"{url}: SHA-256 mismatch, file refused (expected {sha256}, "
-                f"got {digest.hexdigest()})"
-            )
+            raise DataError(f"{url}: SHA-256 mismatch, file refused (expected {sha256}, "
+                            f"got {digest.hexdigest()})")
         part.replace(dest)
     finally:
         part.unlink(missing_ok=True)
