@@ -1,0 +1,110 @@
+"""Tests of scripts/reproduce.py: the experiment matrix, the table arithmetic, and a tiny real run.
+
+The end-to-end test executes the script's ``--smoke`` size (2 workers, two experiments, about
+20 pushes each, real processes on loopback) so the script cannot silently rot.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minips.compressors import gdtopk_ratios
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = importlib.util.spec_from_file_location("reproduce", ROOT / "scripts" / "reproduce.py")
+assert SPEC is not None and SPEC.loader is not None
+reproduce = importlib.util.module_from_spec(SPEC)
+sys.modules["reproduce"] = reproduce  # dataclasses look their module up there
+SPEC.loader.exec_module(reproduce)
+
+OPTIMIZER_KEYS = {"lr", "momentum", "weight_decay", "batch_size", "seed", "epochs", "model"}
+
+
+@pytest.mark.parametrize("direction", ["slower-more", "slower-less"])
+def test_matched_floor_gives_the_target_mean_kept_fraction(direction):
+    profile = reproduce.QUICK_PROFILE
+    floor = reproduce.matched_floor(profile, direction, 0.01)
+    factors = sorted(set(profile))
+    ratios = gdtopk_ratios(factors, floor=floor, direction=direction, lo=1e-4, hi=0.05)
+    pushes = [profile.count(f) / f for f in factors]  # pushes per unit time of each group
+    mean = sum(p * r for p, r in zip(pushes, ratios, strict=True)) / sum(pushes)
+    assert mean == pytest.approx(0.01, rel=1e-9)
+    # slower-more gives the fastest group the floor, slower-less the slowest
+    assert (ratios[0] if direction == "slower-more" else ratios[-1]) == pytest.approx(floor)
+
+
+def test_experiments_change_only_mode_and_compression():
+    for suite in reproduce.suites_for("quick"):
+        labels = [e.label for e in suite.experiments]
+        assert labels[:4] == ["bsp", "ssp", "asp", "gssp"]
+        assert {"gssp+gdtopk-slower-more", "gssp+gdtopk-slower-less", "gssp+topk", "gssp+dgc",
+                "gssp+losscomp"} <= set(labels)
+        assert suite.slowdowns == [1, 1, 1.5, 1.5, 2, 2, 4, 4]
+        for exp in suite.experiments:
+            assert not OPTIMIZER_KEYS & set(exp.overrides), exp.label
+        sparse = [e for e in suite.experiments if e.part == "compression"]
+        assert {e.overrides["ratio"] for e in sparse} == {reproduce.RATIO}
+
+
+def _figures(tta80, tta85, acc):
+    return {"time_to_accuracy": {"0.80": tta80, "0.85": tta85}, "final_accuracy": acc,
+            "done_reason": "epochs"}
+
+
+def test_aggregate_takes_medians_and_spread_over_seeds():
+    row = reproduce.aggregate([_figures(10.0, None, 0.86), _figures(14.0, 30.0, 0.88),
+                               _figures(12.0, 40.0, 0.87)])
+    assert row["seeds"] == 3
+    assert row["final_accuracy"] == pytest.approx(0.87)
+    # a seed that missed 85% counts as infinitely slow: the median is the slower of the others
+    assert row["time_to_accuracy"] == {"0.80": 12.0, "0.85": 40.0}
+    assert row["spread"]["final_accuracy"] == pytest.approx([0.86, 0.88])
+    assert row["spread"]["time_to_0.80"] == [10.0, 14.0]
+    assert row["done_reason"] == "epochs"
+
+
+def test_speedups_use_the_highest_target_both_reached():
+    rows = {"bsp": reproduce.aggregate([_figures(40.0, None, 0.84)]),
+            "ssp": reproduce.aggregate([_figures(30.0, 60.0, 0.86)]),
+            "gssp": reproduce.aggregate([_figures(10.0, 20.0, 0.87)])}
+    reproduce.add_speedups(rows, (0.80, 0.85))
+    g = rows["gssp"]
+    assert g["speedup_vs_bsp"] == pytest.approx(4.0) and g["speedup_vs_bsp_target"] == "0.80"
+    assert g["speedup_vs_ssp"] == pytest.approx(3.0) and g["speedup_vs_ssp_target"] == "0.85"
+    assert rows["bsp"]["speedup_vs_bsp"] == pytest.approx(1.0)
+
+
+@pytest.mark.timeout(150)
+def test_smoke_run_writes_table_runs_and_plots(tmp_path):
+    out = tmp_path / "smoke"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce.py"), "--smoke",
+                           "--out", str(out), "--json"], capture_output=True, text=True,
+                          timeout=140, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = json.loads(proc.stdout)
+    table = json.loads((out / "table.json").read_text())
+    assert printed["suites"].keys() == table["suites"].keys() == {"smoke"}
+    rows = table["suites"]["smoke"]["rows"]
+    assert set(rows) == {"bsp", "gssp+topk"}
+    for label, row in rows.items():
+        for key in ("time_to_accuracy", "final_accuracy", "bytes_up", "speedup_vs_bsp",
+                    "speedup_vs_ssp", "mean_staleness", "mean_wait_s", "samples"):
+            assert key in row, (label, key)
+        assert row["done_reason"] == "epochs" and row["status"] == "done"
+        assert row["samples"] >= 0.02 * 60000  # the samples budget was spent
+        assert 0.0 <= row["final_accuracy"] <= 1.0
+    assert rows["gssp+topk"]["groups"] == 2 and rows["bsp"]["groups"] == 1
+    assert rows["gssp+topk"]["bytes_up"] * 20 < rows["bsp"]["bytes_up"]  # 1% top-k vs dense
+    run_dir = out / "runs" / "smoke-gssp+topk-s0"
+    launch = json.loads((run_dir / "launch.json").read_text())
+    assert launch["run"]["seed"] == 0 and launch["run"]["compressor"] == "topk"
+    assert json.loads((run_dir / "reproduce.json").read_text())["final_full_test"]["samples"]
+    assert "| gssp+topk |" in (out / "table.md").read_text()
+    for chart in ("accuracy_vs_time", "accuracy_vs_bytes"):
+        assert (out / f"smoke-{chart}.png").read_bytes()[:4] == b"\x89PNG"
