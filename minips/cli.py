@@ -47,6 +47,7 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
     ("--staleness", "staleness", int, "SSP bound, clocks"),
     ("--sync-every", "sync_every", int, "pushes between group <-> global exchanges"),
+    ("--merge", "merge", str, "global merge of group deltas: mean | sum"),
     ("--batch-size", "batch_size", int, "samples per worker step"),
     ("--lr", "lr", float, "learning rate"),
     ("--momentum", "momentum", float, "SGD momentum"),

@@ -46,7 +46,7 @@ class RunConfig:
     dataset: str = "fashion-mnist"  # data.load_dataset name
     data_dir: str | None = None  # directory of the data files; None = the loader's default
     batch_size: int = 64  # samples per worker step
-    lr: float = 0.02  # SGD learning rate, applied by the group servers (async modes add up)
+    lr: float = 0.05  # SGD learning rate of one step over all workers' batches (see group.py)
     momentum: float = 0.9  # SGD momentum (group servers keep the velocity)
     weight_decay: float = 5e-4  # L2 coefficient added to the gradient
     mode: str = "gssp"  # bsp | ssp | asp | gssp
@@ -54,6 +54,7 @@ class RunConfig:
     groups: int = 0  # GSSP group count k; 0 = chosen from the gaps between step times
     max_groups: int = 4  # upper bound on k when it is chosen automatically
     sync_every: int = 4  # a group server exchanges with the global one every this many pushes
+    merge: str = "mean"  # global adds each group delta / k ("mean", k = groups) or whole ("sum")
     compressor: str = "none"  # sparse.make_compressor name
     ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
     compressor_opts: dict[str, Any] = field(default_factory=dict)  # extra compressor kwargs
@@ -62,7 +63,7 @@ class RunConfig:
     seed: int = 0  # model init, data order, compressor sampling
     workers: int = 4  # number of workers the global server waits for before grouping
     base_step_s: float = 0.04  # emulated base step time; a step takes max(compute, F x this)
-    calib_steps: int = 3  # steps timed before a worker reports its speed
+    calib_steps: int = 5  # steps timed before a worker reports its speed (the fastest counts)
     epochs: float = 0.0  # budget: epochs over the training set, all workers together; 0 = none
     wall_s: float = 0.0  # budget: seconds of training; 0 = none
     max_steps: int = 0  # per-worker cap on pushes; 0 = none (reference tests)
@@ -81,6 +82,7 @@ class RunConfig:
         _check(self.staleness >= 0, "staleness", self.staleness, ">= 0")
         _check(self.groups >= 0, "groups", self.groups, ">= 0")
         _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
+        _check(self.merge in ("mean", "sum"), "merge", self.merge, "mean | sum")
         _check(0 < self.ratio <= 1, "ratio", self.ratio, "in (0, 1]")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
         _check(self.base_step_s >= 0, "base_step_s", self.base_step_s, ">= 0")
@@ -168,7 +170,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "run": {"model": "lenet5", "dataset": "fashion-mnist", "mode": "gssp",
                 "compressor": "gdtopk", "workers": 8, "epochs": 3.0, "wall_s": 150.0,
-                "staleness": 3, "sync_every": 4, "base_step_s": 0.04,
+                "staleness": 3, "sync_every": 4, "base_step_s": 0.04, "lr": 0.1,
                 "compressor_opts": {"warmup_epochs": 1}},
         "slowdowns": [1, 1, 1.5, 1.5, 2, 2, 4, 4],
     },

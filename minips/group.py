@@ -3,7 +3,10 @@
 A group server accepts its workers' PULL / PUSH on its own port and applies their gradients to its
 copy of the weights with ``optim.SGD``. SSP inside the group: a PULL is answered only when
 ``ssp.ClockTable.may_start`` allows; BSP (staleness 0) averages the pushes of one clock
-(``ssp.Rounds``) and applies them once, other modes apply each push as it arrives.
+(``ssp.Rounds``) and applies them once, other modes apply each push as it arrives with the
+learning rate divided by the number of live workers m of the group, so that one round of m pushes
+moves the weights as far as one BSP step (the modes then compare at one learning rate, and adding
+workers does not multiply the step size).
 
 Every ``sync_every`` pushes the group exchanges with the global server through a ``GroupLink``
 (a direct call in-process, PUSH/WEIGHTS over TCP for a separate `minips group`):
@@ -146,7 +149,7 @@ class GroupServer:
             self.rounds.add(msg.clock, grad)
             self._apply_rounds()
         else:
-            self._apply(grad)
+            self._apply(grad, len(self.table))
         self._count(msg)
         self._changed.set()
         if self._since_sync["pushes"] >= self.run.sync_every:
@@ -166,7 +169,9 @@ class GroupServer:
         for _, grads in self.rounds.pop_complete(self.table.min_clock()):
             self._apply(_mean(grads, self.weights.size))
 
-    def _apply(self, grad: Any) -> None:
+    def _apply(self, grad: Any, share: int = 1) -> None:
+        """One SGD step; ``share`` > 1 applies 1/share of it (one push of a round of share)."""
+        self.opt.lr = self.run.lr / max(1, share)
         self.opt.step(self.weights, grad)
         self.version += 1
 

@@ -11,8 +11,10 @@ into groups (one group for bsp/ssp/asp, ``grouping.assign_groups`` for gssp), st
 servers) and sends every worker ASSIGN(group address, ratio, staleness). Later STATS update the
 group step times; with GDTopK a changed ratio is sent as a new ASSIGN.
 
-Invariants: ``weights`` changes only in ``merge`` (weights += delta of one group, version += 1),
-so the global weights are the initial weights plus every delta any group sent. Once the budget is
+Invariants: ``weights`` changes only in ``merge`` (weights += delta of one group, version += 1;
+with ``merge="mean"`` the delta is divided by the number of groups k, so k groups together move
+the weights as far as one group would: GSSP then compares with SSP at one learning rate), so the
+global weights are the initial weights plus every delta any group sent (scaled). Once the budget is
 spent (``done``) merges still land — nothing sent is lost — and the run ends when every group
 has flushed its final delta (or a grace period passed).
 """
@@ -312,6 +314,8 @@ class GlobalServer:
     def merge(self, g: int, delta: np.ndarray, stats: dict[str, Any]) -> ExchangeResult:
         """Add group ``g``'s delta to the global weights; return a copy of the result."""
         assert self.weights is not None
+        if self.run.merge == "mean" and len(self.groups) > 1:
+            delta = delta * np.float32(1.0 / len(self.groups))  # (n,) float32, a new array
         self.weights += delta
         self.version += 1
         self.samples += int(stats.get("samples", 0))

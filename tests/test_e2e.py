@@ -24,7 +24,7 @@ SUMMARY_KEYS = ("mode", "compressor", "workers", "groups", "final_accuracy", "be
 def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "minips", "local", "--mode", "gssp", "--compressor", "gdtopk",
            "--workers", "4", "--slowdown", "1,1,3,3", "--epochs", "3", "--wall-s", "150",
-           "--lr", "0.02", "--copt", "warmup_epochs=1", "--eval-every", "4", "--no-progress",
+           "--lr", "0.1", "--copt", "warmup_epochs=1", "--eval-every", "4", "--no-progress",
            "--out", str(tmp_path), "--name", "gssp"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     run_dir = tmp_path / "gssp"
