@@ -38,7 +38,7 @@ import secrets
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum, IntEnum
+from enum import IntEnum
 from typing import Any, ClassVar
 
 import lz4.block
@@ -715,18 +715,19 @@ def _build(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Message
 # Connection state
 
 
-class Side(Enum):
-    CLIENT = "client"
-    SERVER = "server"
+# IntEnum rather than Enum: Enum hashes in Python, and TRANSITIONS is looked up per message.
+class Side(IntEnum):
+    CLIENT = 0  # opened the TCP connection
+    SERVER = 1  # accepted it
 
 
-class State(Enum):
-    START = "start"  # nothing has passed yet; the client owes HELLO
-    HELLO = "hello"  # HELLO passed; the server owes CHALLENGE (or REFUSE)
-    CHALLENGE = "challenge"  # CHALLENGE passed; the client owes AUTH
-    AUTH = "auth"  # AUTH passed; the server owes WELCOME (or REFUSE)
-    OPEN = "open"  # handshake done; data messages flow, each in its direction
-    CLOSED = "closed"  # REFUSE or ERROR passed; nothing more may be sent or received
+class State(IntEnum):
+    START = 0  # nothing has passed yet; the client owes HELLO
+    HELLO = 1  # HELLO passed; the server owes CHALLENGE (or REFUSE)
+    CHALLENGE = 2  # CHALLENGE passed; the client owes AUTH
+    AUTH = 3  # AUTH passed; the server owes WELCOME (or REFUSE)
+    OPEN = 4  # handshake done; data messages flow, each in its direction
+    CLOSED = 5  # REFUSE or ERROR passed; nothing more may be sent or received
 
 
 _C, _S = Side.CLIENT, Side.SERVER
@@ -781,7 +782,8 @@ class Connection:
             allowed = sorted(k.name for (s, st, k) in TRANSITIONS
                              if s == sender and st == self.state)
             err = LocalProtocolError if sender == self.side else RemoteProtocolError
-            raise err(f"{sender.value} may not send {kind.name} in state {self.state.value}",
+            raise err(f"{sender.name.lower()} may not send {kind.name} in state "
+                      f"{self.state.name}",
                       expected=allowed, got=kind.name)
         self.state = nxt
 

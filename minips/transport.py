@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import inspect
 import logging
 import os
@@ -266,6 +267,8 @@ class Channel:
                 return msg
             if proto.error is not None:
                 raise proto.error
+            if proto.waiter is not None:
+                raise RuntimeError("another task is already waiting in recv() on this channel")
             proto.waiter = proto.loop.create_future()
             try:
                 if timeout is None:
@@ -289,6 +292,12 @@ class Channel:
             except (ConnectionError, LocalProtocolError):
                 return
             seq += 1
+
+    async def send_error(self, code: str, reason: str) -> None:
+        """Send ERROR(code, reason) if the connection still allows it (before closing)."""
+        if not self.closed and self._proto.conn.state != p.State.CLOSED:
+            with contextlib.suppress(ConnectionError):
+                await self.send(p.Error(code=code[: p.MAX_NAME], reason=reason[: p.MAX_TEXT]))
 
     async def close(self, leave: str | None = None) -> None:
         """Optionally say LEAVE(``leave``), then close and wait until the socket is closed."""
@@ -415,31 +424,32 @@ class Server:
 
     async def _serve_one(self, ch: Channel) -> None:
         try:
+            if await self._admit(ch):
+                self.channels.add(ch)
+                await self.handler(ch)
+        except (RemoteProtocolError, ConnectionError):
+            pass  # the protocol already counted it and told the peer
+        except Exception as e:  # a bug in accept() or handler(): tell the peer, keep serving
+            self.stats["handler_errors"] += 1
+            log.exception("handler failed for %s", ch.peername)
+            await ch.send_error("internal", f"{type(e).__name__}: {e}")
+        finally:
+            self.channels.discard(ch)
+            await ch.close()
+
+    async def _admit(self, ch: Channel) -> bool:
+        """Run the handshake; False (and counted) when it was refused or failed."""
+        try:
             await asyncio.wait_for(self._handshake(ch), self.options.handshake_timeout)
         except AuthError as e:
             self.stats["refused"] += 1
             log.warning("refused %s: %s", ch.peername, e.reason)
-            return await self._finish(ch)
+            return False
         except asyncio.TimeoutError:
             self.stats["handshake_timeouts"] += 1
-            return await self._finish(ch)
-        except (RemoteProtocolError, ConnectionError):
-            return await self._finish(ch)
+            return False
         self.stats["accepted"] += 1
-        self.channels.add(ch)
-        try:
-            await self.handler(ch)
-        except (RemoteProtocolError, ConnectionError):
-            pass  # the protocol already counted it and told the peer
-        except Exception:
-            self.stats["handler_errors"] += 1
-            log.exception("handler failed for %s", ch.peername)
-        finally:
-            self.channels.discard(ch)
-            await self._finish(ch)
-
-    async def _finish(self, ch: Channel) -> None:
-        await ch.close()
+        return True
 
     async def _handshake(self, ch: Channel) -> None:
         hs = p.ServerHandshake(_token(self.token))

@@ -406,3 +406,26 @@ def test_tls_with_self_signed_certificate(loop: str, tls_files: tuple[Path, Path
                 await t.connect("127.0.0.1", srv.port, token=TOKEN, timeout=1.0, retries=0)
 
     run(loop, scenario())
+
+
+def test_a_failing_handler_sends_error_and_the_server_keeps_serving() -> None:
+    async def buggy(ch: t.Channel) -> None:
+        msg = await ch.recv()
+        if isinstance(msg, p.Pull):
+            raise ValueError("boom")
+        await ch.send(p.Ack(clock=1, version=0))
+
+    async def scenario() -> None:
+        async with await start(handler=buggy) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            await ch.send(p.Pull(clock=0))
+            error = await ch.recv()
+            assert isinstance(error, p.Error) and error.code == "internal"
+            assert "ValueError: boom" in error.reason
+            other = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            await other.send(p.Push(clock=1, encoding="d"))
+            assert await other.recv() == p.Ack(clock=1, version=0)
+            await other.close()
+            assert srv.stats["handler_errors"] == 1
+
+    run("uvloop", scenario())
