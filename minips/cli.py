@@ -50,6 +50,7 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--merge", "merge", str, "global merge of group deltas: mean | sum"),
     ("--batch-size", "batch_size", int, "samples per worker step"),
     ("--lr", "lr", float, "learning rate"),
+    ("--lr-warmup", "lr_warmup", float, "epochs of linear lr warm-up (0 = none)"),
     ("--momentum", "momentum", float, "SGD momentum"),
     ("--weight-decay", "weight_decay", float, "L2 weight decay"),
     ("--seed", "seed", int, "random seed"),
@@ -189,7 +190,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    from minips.server import run_server
+    from minips.launch import run_server
 
     cfg = ServerConfig(run=run_config_from_args(args), host=args.host, port=args.port,
                        token=_token(), tls_cert=args.tls_cert, tls_key=args.tls_key,

@@ -49,6 +49,7 @@ class RunConfig:
     lr: float = 0.05  # SGD learning rate of one step over all workers' batches (see group.py)
     momentum: float = 0.9  # SGD momentum (group servers keep the velocity)
     weight_decay: float = 5e-4  # L2 coefficient added to the gradient
+    lr_warmup: float = 0.3  # epochs (whole cluster) over which lr ramps up linearly; 0 = none
     mode: str = "gssp"  # bsp | ssp | asp | gssp
     staleness: int = 3  # SSP bound s in clocks (bsp forces 0, asp has none)
     groups: int = 0  # GSSP group count k; 0 = chosen from the gaps between step times

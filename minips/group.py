@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import optim, protocol, sparse, ssp, transport
-from minips.config import GroupConfig, RunConfig, client_ssl, server_ssl
+from minips.config import GroupConfig, RunConfig, client_ssl, dataset_train_size, server_ssl
 from minips.errors import AuthError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
 
@@ -171,9 +171,18 @@ class GroupServer:
 
     def _apply(self, grad: Any, share: int = 1) -> None:
         """One SGD step; ``share`` > 1 applies 1/share of it (one push of a round of share)."""
-        self.opt.lr = self.run.lr / max(1, share)
+        self.opt.lr = self.run.lr * self._warmup() / max(1, share)
         self.opt.step(self.weights, grad)
         self.version += 1
+
+    def _warmup(self) -> float:
+        """Linear lr warm-up while the cluster (this group's share of it) sees its first
+        ``lr_warmup`` epochs: async pushes on stale weights with momentum blow up early."""
+        if self.run.lr_warmup <= 0:
+            return 1.0
+        share = max(1, len(self.table)) / max(1, self.run.workers)
+        ramp = self.run.lr_warmup * dataset_train_size(self.run.dataset, self.run.train_size)
+        return min(1.0, (self.counters["samples"] + self.run.batch_size) / (share * ramp))
 
     # -- weights ----------------------------------------------------------------------------
 

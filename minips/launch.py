@@ -1,4 +1,4 @@
-"""`minips local`: a whole cluster as separate processes on this machine.
+"""Starting processes: `minips local` (a whole cluster on this machine) and `minips server`.
 
 One global server (`minips server`, its group servers in its process), N workers and an
 evaluator, each a real process talking TCP on loopback exactly as on several machines. The
@@ -11,10 +11,14 @@ summary.json and the PNG charts and prints where they are.
 Invariants: every child runs in its own session, so Ctrl-C reaches the launcher only; the
 launcher then stops the children (SIGTERM, SIGKILL after ``grace_s``) and still writes the
 summary. No child outlives ``run_local``.
+
+``run_server`` is the `minips server` process: a ``GlobalServer`` served until its run is over,
+optionally with an evaluator child.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -26,11 +30,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from minips import metrics
-from minips.config import LaunchConfig
-from minips.errors import MiniPSError
+import numpy as np
 
-__all__ = ["Cluster", "run_local", "make_run_dir", "write_init"]
+from minips import metrics, transport
+from minips.config import LaunchConfig, ServerConfig
+from minips.errors import MiniPSError
+from minips.server import GlobalServer
+
+__all__ = ["Cluster", "run_local", "make_run_dir", "write_init", "serve_run", "run_server"]
 
 READY_TIMEOUT_S = 60.0  # the server must be listening within this long
 EXIT_TIMEOUT_S = 30.0  # after the server exits, workers and evaluator get this long to leave
@@ -51,8 +58,6 @@ def make_run_dir(cfg: LaunchConfig) -> Path:
 
 def write_init(run_dir: Path, model: str, seed: int) -> Path:
     """The model's initial flat weights as init.npy (torch is imported here only)."""
-    import numpy as np
-
     from minips import models
 
     path = run_dir / "init.npy"
@@ -266,3 +271,54 @@ def _plot(run_dir: Path) -> list[str]:
         print(f"minips local: no plots ({exc})", file=sys.stderr)
         return []
     return [str(p) for p in plot.plot_runs([str(run_dir)])]
+
+
+# -- `minips server`: one global server process -------------------------------------------
+
+
+async def serve_run(cfg: ServerConfig, *, announce: bool = True,
+                    spawn_evaluator: bool = False) -> GlobalServer:
+    """Run a global server until its run is over; return it (closed) for inspection."""
+    init = np.load(cfg.init_path) if cfg.init_path else None
+    srv = GlobalServer(cfg, init)
+    port = await srv.start()
+    if announce:
+        _announce(cfg, port)
+    child = _spawn_evaluator(cfg, port) if spawn_evaluator else None
+    try:
+        await srv.wait_finished()
+    finally:
+        await srv.close()
+        if child is not None:
+            await asyncio.get_running_loop().run_in_executor(None, _reap, child)
+    return srv
+
+
+def _announce(cfg: ServerConfig, port: int) -> None:
+    host = cfg.host if cfg.host not in ("0.0.0.0", "") else "<this-host>"
+    print(f"minips server listening on {cfg.host}:{port} ({cfg.run.mode}, "
+          f"{cfg.run.compressor}, waiting for {cfg.run.workers} workers)\n"
+          f"  join with:  MINIPS_TOKEN=... minips worker --connect {host}:{port}\n"
+          f"  group:      MINIPS_TOKEN=... minips group --connect {host}:{port} "
+          f"--listen 0.0.0.0:7071", flush=True)
+
+
+def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False, announce: bool = True) -> None:
+    """`minips server`: serve one run (optionally with an evaluator child process)."""
+    transport.install_uvloop()
+    asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
+
+
+def _spawn_evaluator(cfg: ServerConfig, port: int) -> subprocess.Popen[bytes]:
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
+    cmd = [sys.executable, "-m", "minips", "evaluator", "--connect", f"{host}:{port}",
+           "--run-dir", cfg.run_dir, "--timeout", "30"]
+    return subprocess.Popen(cmd)
+
+
+def _reap(child: subprocess.Popen[bytes]) -> None:
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()

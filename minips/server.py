@@ -24,8 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +37,7 @@ from minips.errors import AuthError, ConfigError, RemoteProtocolError
 from minips.group import ExchangeResult, GroupServer
 from minips.metrics import RunDir
 
-__all__ = ["GlobalServer", "GroupHandle", "serve_run", "run_server"]
+__all__ = ["GlobalServer", "GroupHandle", "InProcLink", "WorkerEntry"]
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 RATIO_EPS = 0.1  # relative ratio change that is worth a new ASSIGN
@@ -465,51 +463,3 @@ def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     Path(tmp).write_text(text)
     os.replace(tmp, path)
-
-
-async def serve_run(cfg: ServerConfig, *, announce: bool = True,
-                    spawn_evaluator: bool = False) -> GlobalServer:
-    """Run a global server until its run is over; return it (closed) for inspection."""
-    init = np.load(cfg.init_path) if cfg.init_path else None
-    srv = GlobalServer(cfg, init)
-    port = await srv.start()
-    if announce:
-        _announce(cfg, port)
-    child = _spawn_evaluator(cfg, port) if spawn_evaluator else None
-    try:
-        await srv.wait_finished()
-    finally:
-        await srv.close()
-        if child is not None:
-            await asyncio.get_running_loop().run_in_executor(None, _reap, child)
-    return srv
-
-
-def _announce(cfg: ServerConfig, port: int) -> None:
-    host = cfg.host if cfg.host not in ("0.0.0.0", "") else "<this-host>"
-    print(f"minips server listening on {cfg.host}:{port} ({cfg.run.mode}, "
-          f"{cfg.run.compressor}, waiting for {cfg.run.workers} workers)\n"
-          f"  join with:  MINIPS_TOKEN=... minips worker --connect {host}:{port}\n"
-          f"  group:      MINIPS_TOKEN=... minips group --connect {host}:{port} "
-          f"--listen 0.0.0.0:7071", flush=True)
-
-
-def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False, announce: bool = True) -> None:
-    """`minips server`: serve one run (optionally with an evaluator child process)."""
-    transport.install_uvloop()
-    asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
-
-
-def _spawn_evaluator(cfg: ServerConfig, port: int) -> subprocess.Popen[bytes]:
-    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
-    cmd = [sys.executable, "-m", "minips", "evaluator", "--connect", f"{host}:{port}",
-           "--run-dir", cfg.run_dir, "--timeout", "30"]
-    return subprocess.Popen(cmd)
-
-
-def _reap(child: subprocess.Popen[bytes]) -> None:
-    try:
-        child.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()

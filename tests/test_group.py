@@ -36,7 +36,7 @@ class Global:
 
 def plain(mode: str, **kw: Any) -> RunConfig:
     """lr 1, no momentum, no decay: an update is exactly w -= g."""
-    return RunConfig(mode=mode, lr=1.0, momentum=0.0, weight_decay=0.0, **kw)
+    return RunConfig(mode=mode, lr=1.0, momentum=0.0, weight_decay=0.0, lr_warmup=0.0, **kw)
 
 
 def push(clock: int, grad: Any) -> protocol.Push:

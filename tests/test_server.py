@@ -23,7 +23,7 @@ TOKEN = "server-test"
 
 
 def make_server(tmp_path: Path, init: np.ndarray | None = None, **run: Any) -> GlobalServer:
-    cfg = ServerConfig(run=RunConfig(**run), host="127.0.0.1", port=0, token=TOKEN,
+    cfg = ServerConfig(run=RunConfig(lr_warmup=0.0, **run), host="127.0.0.1", port=0, token=TOKEN,
                        run_dir=str(tmp_path), calib_timeout_s=10.0, linger_s=1.0)
     return GlobalServer(cfg, init)
 

@@ -51,7 +51,7 @@ async def run_cluster(run: RunConfig, tmp_path: Path, *, evaluator: bool = False
 
 def bsp_run(workers: int, momentum: float, steps: int) -> RunConfig:
     return RunConfig(mode="bsp", compressor="none", workers=workers, momentum=momentum,
-                     max_steps=steps, base_step_s=0.0, calib_steps=1, lr=0.05,
+                     max_steps=steps, base_step_s=0.0, calib_steps=1, lr=0.05, lr_warmup=0.0,
                      eval_every_s=0.2)
 
 
