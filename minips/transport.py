@@ -80,7 +80,7 @@ class Options:
     send_timeout: float = SEND_TIMEOUT_S  # s a send may wait for the peer to read
     handshake_timeout: float = HANDSHAKE_TIMEOUT_S  # s for the whole handshake
     heartbeat: float | None = None  # s between HEARTBEATs we send; None: no heartbeats
-    socket_buffer: int = SOCKET_BUFFER_BYTES  # bytes of kernel send/receive buffer
+    socket_buffer: int = SOCKET_BUFFER_BYTES  # bytes of kernel send/receive buffer; 0: default
     limits: p.Limits = field(default_factory=p.Limits)
     alloc: p.Alloc | None = None  # where received payload buffers go; None: fresh numpy arrays
 
@@ -112,7 +112,7 @@ class _FrameProtocol(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if self.options.socket_buffer else ():
                 sock.setsockopt(socket.SOL_SOCKET, opt, self.options.socket_buffer)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
