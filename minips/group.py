@@ -114,6 +114,7 @@ class GroupServer:
 
     def _join(self, w: int) -> int:
         self._joined.add(w)
+        self.finished = False  # a (re)grouped worker arrived: a final flush is due again
         return self.table.join(w, self.now())
 
     def _leave(self, w: int) -> None:

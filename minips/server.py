@@ -93,6 +93,8 @@ class GlobalServer:
         self.evaluated_final = asyncio.Event()
         self._weights_ready = asyncio.Event()
         self._grouped = asyncio.Event()
+        self.regrouper = grouping.Regrouper(k=self.run.fixed_groups or None,
+                                            max_k=self.run.max_groups)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.server: Any = None
         self.port = 0
@@ -209,8 +211,18 @@ class GlobalServer:
                 self._spawn(self._form_groups())
         elif entry.group < 0:
             self._spawn(self._place_late(entry))
+        elif (new := self._maybe_regroup()) is not None:
+            self._spawn(self._regroup(new))
         else:
             self._update_ratios()
+
+    def _maybe_regroup(self) -> dict[int, int] | None:
+        """A new assignment when the Regrouper's hysteresis says the speeds drifted (GSSP with
+        in-process groups only), else None."""
+        if self.run.mode != "gssp" or self.cfg.external_groups:
+            return None
+        live = {w: e.step_time for w, e in self.workers.items() if e.step_time and not e.left}
+        return self.regrouper.update(live)
 
     async def _grouping_deadline(self) -> None:
         await asyncio.sleep(self.cfg.calib_timeout_s)
@@ -225,8 +237,7 @@ class GlobalServer:
         self._grouped.set()
         await self._weights_ready.wait()
         times = {w: e.step_time for w, e in self.workers.items() if e.step_time}
-        k = self.run.fixed_groups or None
-        assignment = grouping.assign_groups(times, k, self.run.max_groups)
+        assignment = self.regrouper.update(times) or {}
         for g in sorted(set(assignment.values())):
             members = sorted(w for w, gg in assignment.items() if gg == g)
             self.groups[g] = await self._open_group(g, members)
@@ -263,13 +274,33 @@ class GlobalServer:
         await ch.send(self._assign_msg(handle))
         return handle
 
+    async def _regroup(self, assignment: dict[int, int]) -> None:
+        """Speeds drifted (``grouping.Regrouper`` said so): move workers, open new groups."""
+        assert self.weights is not None
+        moved = {w: g for w, g in assignment.items() if self.workers[w].group != g}
+        for g in sorted(set(moved.values()) - set(self.groups)):
+            self.groups[g] = await self._open_group(g, [])
+        for w, g in moved.items():
+            old = self.groups[self.workers[w].group]
+            old.members.remove(w)
+            self._add_member(g, w)
+        self._log("regroup", moved={str(w): g for w, g in moved.items()})
+        self._update_ratios()
+        for w, g in moved.items():
+            await self._assign(self.workers[w], g)
+
+    def _add_member(self, g: int, w: int) -> None:
+        handle = self.groups[g]
+        handle.members.append(w)
+        handle.final = False
+        if handle.server is not None:
+            handle.server.expect(w)
+
     async def _place_late(self, entry: WorkerEntry) -> None:
         times = {g: h.step_time for g, h in self.groups.items()}
         g = grouping.nearest_group(entry.step_time or 1.0, times)
-        handle = self.groups[g]
-        handle.members.append(entry.id)
-        if handle.server is not None:
-            handle.server.expect(entry.id)
+        self.regrouper.place(entry.id, entry.step_time or 1.0)
+        self._add_member(g, entry.id)
         await self._assign(entry, g)
 
     def _assign_msg(self, h: GroupHandle) -> Any:

@@ -126,3 +126,23 @@ async def test_initial_weights_from_first_worker_and_evaluator_view(tmp_path: Pa
         await ev.close()
         await ctl.close()
         await srv.close()
+
+
+async def test_drifting_speed_moves_a_worker_to_another_group(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(4, np.float32), workers=4, mode="gssp", groups=2)
+    port = await srv.start()
+    chans = [await join(port, w, t) for w, t in enumerate([0.01, 0.01, 0.08, 0.08])]
+    try:
+        first = [await asyncio.wait_for(ch.recv(), 5) for ch in chans]
+        assert [a.group for a in first] == [0, 0, 1, 1]
+        for _ in range(12):  # worker 1 became as slow as 2 and 3; worker 0 stays fast
+            for w, (ch, t) in enumerate(zip(chans, [0.01, 0.08, 0.08, 0.08], strict=True)):
+                await ch.send(protocol.Stats(clock=1, step_time=t, loss=2.0))
+        moved = await asyncio.wait_for(chans[1].recv(), 5)
+        assert isinstance(moved, protocol.Assign) and moved.group == 1
+        assert moved.address == first[2].address
+    finally:
+        for ch in chans:
+            await ch.close()
+        await srv.close()
+    assert any(r["event"] == "regroup" for r in read_jsonl(tmp_path / "global.jsonl"))
