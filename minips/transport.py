@@ -3,7 +3,8 @@
 All protocol decisions live in ``minips.protocol``; this module only moves bytes. Receiving is
 zero-copy: ``asyncio.BufferedProtocol`` hands the socket the decoder's own buffers, so a large
 payload lands straight in the array the ``alloc`` callable chose. Sending hands the frame header
-and the caller's buffers to ``transport.writelines`` without joining them.
+and the caller's buffers (16 KiB and up) to ``transport.writelines`` without joining them; with
+uvloop that is one writev, with the standard loop (3.10/3.11) asyncio joins them itself.
 
 Invariants:
 - ``Channel.send`` returns only once the kernel has taken every byte of the frame (write buffer
@@ -22,10 +23,13 @@ Public API:
 - ``async serve(host, port, *, accept, handler, token, ssl, options) -> Server``:
   ``accept(hello) -> dict`` (may be async) returns WELCOME's info (key ``worker_id`` sets the id
   sent back) or raises ``AuthError(reason)`` to refuse; then ``await handler(channel)``.
-- ``Channel``: ``send(msg, compress=False)``, ``recv(timeout=None)`` (HEARTBEATs are absorbed),
-  ``peer_hello``, ``welcome_info``, ``worker_id``, ``last_recv`` (``loop.time()`` of the last
-  bytes), ``bytes_sent``/``bytes_received``, ``start_heartbeat(interval)``, ``close()``.
-- ``Server``: ``host``, ``port``, ``stats``, ``channels``, ``close()``, ``wait_closed()``.
+- ``Channel``: ``send(msg, compress=False)``, ``recv(timeout=None)`` (HEARTBEATs are absorbed;
+  one reader at a time), ``send_error(code, reason)``, ``set_alloc(alloc)``, ``peer_hello``,
+  ``welcome_info``, ``worker_id``, ``last_recv`` (``loop.time()`` of the last bytes),
+  ``bytes_sent``/``bytes_received``, ``start_heartbeat(interval)``, ``close(leave=None)``.
+- ``Server``: ``host``, ``port``, ``stats`` (connections, accepted, refused, protocol_errors,
+  limit_exceeded, read_timeouts, handshake_timeouts, handler_errors), ``channels``, ``close()``,
+  ``wait_closed()``; also an async context manager.
 """
 
 from __future__ import annotations
