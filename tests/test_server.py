@@ -136,7 +136,7 @@ async def test_drifting_speed_moves_a_worker_to_another_group(tmp_path: Path) ->
         first = [await asyncio.wait_for(ch.recv(), 5) for ch in chans]
         assert [a.group for a in first] == [0, 0, 1, 1]
         for _ in range(12):  # worker 1 became as slow as 2 and 3; worker 0 stays fast
-            for w, (ch, t) in enumerate(zip(chans, [0.01, 0.08, 0.08, 0.08], strict=True)):
+            for ch, t in zip(chans, [0.01, 0.08, 0.08, 0.08], strict=True):
                 await ch.send(protocol.Stats(clock=1, step_time=t, loss=2.0))
         moved = await asyncio.wait_for(chans[1].recv(), 5)
         assert isinstance(moved, protocol.Assign) and moved.group == 1
