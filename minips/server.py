@@ -41,6 +41,7 @@ __all__ = ["GlobalServer", "GroupHandle", "InProcLink", "WorkerEntry"]
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 RATIO_EPS = 0.1  # relative ratio change that is worth a new ASSIGN
+REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
 
 
 @dataclass
@@ -95,6 +96,7 @@ class GlobalServer:
         self._grouped = asyncio.Event()
         self.regrouper = grouping.Regrouper(k=self.run.fixed_groups or None,
                                             max_k=self.run.max_groups)
+        self._regroup_at = 0.0  # time.monotonic() of the last Regrouper update
         self._tasks: set[asyncio.Task[Any]] = set()
         self.server: Any = None
         self.port = 0
@@ -221,8 +223,14 @@ class GlobalServer:
         in-process groups only), else None."""
         if self.run.mode != "gssp" or self.cfg.external_groups:
             return None
+        now = time.monotonic()
+        if now - self._regroup_at < REGROUP_EVERY_S:
+            return None  # one look per period, so the Regrouper's patience counts periods
+        self._regroup_at = now
         live = {w: e.step_time for w, e in self.workers.items() if e.step_time and not e.left}
-        return self.regrouper.update(live)
+        new = self.regrouper.update(live)
+        return None if new is None else _match_labels(new, {w: e.group for w, e in
+                                                            self.workers.items()})
 
     async def _grouping_deadline(self) -> None:
         await asyncio.sleep(self.cfg.calib_timeout_s)
@@ -478,6 +486,22 @@ class InProcLink:
     async def exchange(self, group: int, delta: np.ndarray,
                        stats: dict[str, Any]) -> ExchangeResult:
         return self.server.merge(group, delta, stats)
+
+
+def _match_labels(new: dict[int, int], old: dict[int, int]) -> dict[int, int]:
+    """Rename the new groups after the old group most of their members come from (greedy, by
+    overlap), so a regroup moves only the workers whose group really changed."""
+    overlap: dict[tuple[int, int], int] = {}
+    for w, g in new.items():
+        overlap[g, old.get(w, -1)] = overlap.get((g, old.get(w, -1)), 0) + 1
+    rename: dict[int, int] = {}
+    for (g, h), _ in sorted(overlap.items(), key=lambda kv: -kv[1]):
+        if g not in rename and h >= 0 and h not in rename.values():
+            rename[g] = h
+    spare = (i for i in range(len(new) + len(old) + 1) if i not in rename.values())
+    for g in sorted(set(new.values()) - set(rename)):
+        rename[g] = next(spare)
+    return {w: rename[g] for w, g in new.items()}
 
 
 def _staleness(run: Any) -> int:

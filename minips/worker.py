@@ -150,6 +150,7 @@ class Worker:
         await self.ctl.send(protocol.Stats(clock=0, step_time=float(np.min(times)),
                                            loss=loss, samples=0))
         self._stats_at = time.monotonic()
+        self._recent: list[float] = []  # step times since the last STATS
 
     async def _read_control(self) -> None:
         """Control channel: ASSIGN (group, ratio), LEAVE "done"."""
@@ -235,10 +236,14 @@ class Worker:
         return max(compute_s, target)
 
     async def _maybe_stats(self, step_time: float, loss: float) -> None:
+        """Every STATS_EVERY_S: the median step time since the last report (one slow step under
+        CPU contention must not move a worker to another group)."""
+        self._recent.append(step_time)
         if time.monotonic() - self._stats_at >= STATS_EVERY_S:
             self._stats_at = time.monotonic()
+            median, self._recent = float(np.median(self._recent)), []
             with contextlib.suppress(ConnectionError):
-                await self.ctl.send(protocol.Stats(clock=self.clock, step_time=step_time,
+                await self.ctl.send(protocol.Stats(clock=self.clock, step_time=median,
                                                    loss=loss, samples=self.samples))
 
     def _record(self, w: Any, wait_s: float, step_time: float, loss: float, push: Any,

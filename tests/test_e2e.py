@@ -23,9 +23,9 @@ SUMMARY_KEYS = ("mode", "compressor", "workers", "groups", "final_accuracy", "be
 @pytest.mark.timeout(300)
 def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "minips", "local", "--mode", "gssp", "--compressor", "gdtopk",
-           "--workers", "4", "--slowdown", "1,1,3,3", "--epochs", "3", "--wall-s", "150",
-           "--lr", "0.1", "--copt", "warmup_epochs=1", "--eval-every", "4", "--no-progress",
-           "--out", str(tmp_path), "--name", "gssp"]
+           "--workers", "4", "--groups", "2", "--slowdown", "1,1,3,3", "--epochs", "3",
+           "--wall-s", "150", "--lr", "0.1", "--copt", "warmup_epochs=1", "--eval-every", "4",
+           "--no-progress", "--out", str(tmp_path), "--name", "gssp"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     run_dir = tmp_path / "gssp"
     assert proc.returncode == 0, proc.stderr[-3000:]

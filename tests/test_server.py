@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from minips import protocol, sparse, transport
+from minips import protocol, server, sparse, transport
 from minips.config import RunConfig, ServerConfig, parse_address
 from minips.errors import AuthError
 from minips.metrics import read_jsonl
-from minips.server import GlobalServer
+from minips.server import GlobalServer, _match_labels
 
 TOKEN = "server-test"
 
@@ -128,13 +128,15 @@ async def test_initial_weights_from_first_worker_and_evaluator_view(tmp_path: Pa
         await srv.close()
 
 
-async def test_drifting_speed_moves_a_worker_to_another_group(tmp_path: Path) -> None:
+async def test_drifting_speed_moves_a_worker_to_another_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     srv = make_server(tmp_path, np.zeros(4, np.float32), workers=4, mode="gssp", groups=2)
     port = await srv.start()
     chans = [await join(port, w, t) for w, t in enumerate([0.01, 0.01, 0.08, 0.08])]
     try:
         first = [await asyncio.wait_for(ch.recv(), 5) for ch in chans]
         assert [a.group for a in first] == [0, 0, 1, 1]
+        monkeypatch.setattr(server, "REGROUP_EVERY_S", 0.0)
         for _ in range(12):  # worker 1 became as slow as 2 and 3; worker 0 stays fast
             for ch, t in zip(chans, [0.01, 0.08, 0.08, 0.08], strict=True):
                 await ch.send(protocol.Stats(clock=1, step_time=t, loss=2.0))
@@ -146,3 +148,9 @@ async def test_drifting_speed_moves_a_worker_to_another_group(tmp_path: Path) ->
             await ch.close()
         await srv.close()
     assert any(r["event"] == "regroup" for r in read_jsonl(tmp_path / "global.jsonl"))
+
+
+def test_regroup_labels_follow_the_old_groups() -> None:
+    old = {0: 1, 1: 1, 2: 0, 3: 0}
+    new = {0: 0, 1: 0, 2: 1, 3: 2}  # same fast pair, the slow pair split in two
+    assert _match_labels(new, old) == {0: 1, 1: 1, 2: 0, 3: 2}
