@@ -2,8 +2,8 @@
 
 The worker calls ``observe_loss(loss_t)`` with the loss of step t (computed on weights that
 already contain the updates sent at steps < t), then ``compress(grad_t)``. State per worker:
-``votes`` v (n,) float32, the index sets sent at the last ``credit_lag`` steps, two moving
-averages of the loss, and a byte budget. The exact rules, with the defaults:
+``votes`` v and ``counts`` c (n,) float32, the index sets sent at the last ``credit_lag`` steps,
+moving averages of the loss, and a byte budget. The exact rules, with the defaults:
 
 1. Loss statistics. ``fast = EMA(loss, beta_fast=0.9)``, ``slow = EMA(loss, beta_slow=0.98)``
    (both start at the first loss). The smoothed loss change of step t is ``d = fast - loss``
@@ -14,15 +14,20 @@ averages of the loss, and a byte budget. The exact rules, with the defaults:
    current trend this step went, in noise units (a drop is a positive vote). Centring on the drift
    matters: while the loss falls every step looks good, and crediting that would only reward the
    coordinates sent most often. Every coordinate sent in the last ``credit_lag=1`` steps gets
-   ``v[i] += z``.
-3. Decay. Before crediting, all votes are multiplied by ``exp(-1 / W)``, W = ``vote_window=1``
-   epoch in steps (steps per epoch measured from ``set_epoch``; ``steps_per_epoch=200`` until
-   then). Done lazily with one global scale, so a step costs O(k), not O(n).
-4. Selection. ``score = |acc| * (1 + vote_weight * clip(v / (vote_scale * rms), -1, 1))`` with
-   ``vote_weight=0.1``, ``vote_scale=2`` and ``rms`` the root mean square of the votes of the last
-   sent set; exactly the k best scores are sent (``acc`` = residual + gradient, error feedback
-   as in every compressor). So a good record raises a coordinate's score by up to 10% and a
-   bad one lowers it by up to 10%; a coordinate never sent keeps a neutral score.
+   ``v[i] += z`` and ``c[i] += 1``.
+3. Decay. Before crediting, all votes and counts are multiplied by ``exp(-1 / W)``,
+   W = ``vote_window=1`` epoch in steps (steps per epoch measured from ``set_epoch``;
+   ``steps_per_epoch=200`` until then). Done lazily with one global scale, so a step costs
+   O(k), not O(n).
+4. Selection. Each coordinate's record as a t-statistic, ``t = v / sqrt(c)`` with ``c`` its
+   (equally decayed) number of credits, so pure-noise votes give t ~ N(0, 1). ``score = |acc| *
+   (1 + vote_weight * clip(soft(t, vote_dead) / vote_scale, -1, 1))``, ``soft(t, d) = sign(t) *
+   max(|t| - d, 0)``, ``vote_dead=2``, ``vote_scale=2``; the exact top-k of the score is sent
+   (values from ``acc`` = residual + gradient, error feedback as everywhere). Only a significant
+   record moves a score, by at most ``vote_weight``. **``vote_weight`` defaults to 0 (votes are
+   kept but do not steer):** on LeNet-5 / Fashion-MNIST every setting we tried (0.3, the same
+   with the sign reversed, 0.1 with an earlier normalisation) lost 0.5-1 point against 0
+   (docs/compression.md), so the votes carry no usable signal there.
 5. Kept fraction. ``trend = (slow - fast) / noise`` is > 0 while the loss falls, about 0 when it
    stalls and < 0 when it rises. ``ratio_t = target * 2 ** -clip(trend / trend_ref, -1, 1) *
    2 ** clip(-debt / budget_horizon, -1, 1)``, clamped to ``target * [min_mult=0.25,
@@ -32,7 +37,8 @@ averages of the loss, and a byte budget. The exact rules, with the defaults:
    second is an integral controller that pays back over- or under-spending, so the average kept
    fraction tracks ``ratio`` (the target), which makes comparisons at matched bytes fair.
 
-Without any ``observe_loss`` call LossComp is exactly Top-K with error feedback at ``ratio``.
+Without any ``observe_loss`` call LossComp is exactly Top-K with error feedback at ``ratio``;
+with the default ``vote_weight=0`` it is Top-K + error feedback with the loss-trend ratio.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ __all__ = ["LossCompCompressor"]
 RENORM_BELOW = 1e-12  # fold the lazy decay scale into the votes before float32 loses range
 STATS_RATE = 0.02  # EMA rate of the drift and noise of the loss change (~50 steps)
 Z_CLIP = 3.0  # a single step's vote is at most this many noise units
+TINY = 1e-30  # keeps 0 / sqrt(0) at 0 for never-credited coordinates
 
 
 class LossCompCompressor(TopKCompressor):
@@ -58,20 +65,23 @@ class LossCompCompressor(TopKCompressor):
 
     name = "losscomp"
 
-    def __init__(self, size: int, *, ratio: float = 0.01, vote_weight: float = 0.1,
-                 vote_scale: float = 2.0, vote_window: float = 1.0, steps_per_epoch: int = 200,
+    def __init__(self, size: int, *, ratio: float = 0.01, vote_weight: float = 0.0,
+                 vote_dead: float = 2.0, vote_scale: float = 2.0, vote_window: float = 1.0,
+                 steps_per_epoch: int = 200,
                  credit_lag: int = 1, beta_fast: float = 0.9, beta_slow: float = 0.98,
                  trend_ref: float = 0.5, budget_horizon: float = 50.0, min_mult: float = 0.25,
                  max_mult: float = 4.0, **kw: Any) -> None:
         super().__init__(size, ratio=ratio, **kw)
-        if not (0.0 <= vote_weight < 1.0 and vote_scale > 0 and vote_window > 0
+        if not (0.0 <= vote_weight < 1.0 and vote_scale > 0 and vote_dead >= 0 and vote_window > 0
                 and credit_lag >= 1 and 0 < min_mult <= 1.0 <= max_mult):
             raise ConfigError("losscomp: bad vote or ratio parameters")
-        self.p = dict(vote_weight=vote_weight, vote_scale=vote_scale, vote_window=vote_window,
+        self.p = dict(vote_weight=vote_weight, vote_dead=vote_dead, vote_scale=vote_scale,
+                      vote_window=vote_window,
                       beta_fast=beta_fast, beta_slow=beta_slow, trend_ref=trend_ref,
                       budget_horizon=budget_horizon, min_mult=min_mult, max_mult=max_mult)
         self.default_spe = steps_per_epoch
         self.votes = np.zeros(size, np.float32)  # (n,) true votes = votes * vote_gain
+        self.counts = np.zeros(size, np.float32)  # (n,) credits received, same lazy decay
         self.vote_gain = 1.0  # lazy decay: one scalar instead of an O(n) multiply per step
         self.sent: deque[np.ndarray] = deque(maxlen=credit_lag)  # recent index sets, int64
         self.fast = self.slow = self.drift = self.noise2 = math.nan
@@ -94,6 +104,7 @@ class LossCompCompressor(TopKCompressor):
         self._decay_votes()
         for idx in self.sent:
             self.votes[idx] += np.float32(z / self.vote_gain)
+            self.counts[idx] += np.float32(1.0 / self.vote_gain)
         self.steps += 1
 
     def _update_stats(self, loss: float) -> float:
@@ -113,6 +124,7 @@ class LossCompCompressor(TopKCompressor):
         self.vote_gain *= math.exp(-1.0 / max(1.0, self.p["vote_window"] * spe))
         if self.vote_gain < RENORM_BELOW:
             self.votes *= np.float32(self.vote_gain)
+            self.counts *= np.float32(self.vote_gain)
             self.vote_gain = 1.0
 
     def vote_values(self) -> np.ndarray:
@@ -136,23 +148,32 @@ class LossCompCompressor(TopKCompressor):
 
     # ------------------------------------------------------------------ selection
 
+    def vote_stats(self, out: np.ndarray | None = None) -> np.ndarray:
+        """(n,) float32 t-statistic of each coordinate's record: votes / sqrt(credits)."""
+        t = np.add(self.counts, np.float32(TINY), out=out)
+        np.sqrt(t, out=t)
+        np.divide(self.votes, t, out=t)
+        t *= np.float32(math.sqrt(self.vote_gain))  # v g / sqrt(c g)
+        return t
+
     def _select(self, acc: np.ndarray, k: int) -> np.ndarray:
-        score = np.abs(acc, out=self._score)  # (n,) float32
-        if self.sent and self.p["vote_weight"] > 0.0:
-            last = self.votes[self.sent[-1]]
-            rms = float(np.sqrt(np.mean(np.square(last, dtype=np.float64)))) if last.size else 0.0
-            if rms > 0.0:
-                score *= self._vote_factor(rms)
+        if self.steps and self.p["vote_weight"] > 0.0:
+            factor = self._vote_factor()
+            score = np.abs(acc, out=self._score)  # (n,) float32
+            score *= factor
+        else:
+            score = acc  # the selector ranks by |acc|
         idx = self.selector.select(score, k)
         self.sent.append(idx)
         self.debt += (idx.size / self.size - self.ratio) / self.ratio
         return idx
 
-    def _vote_factor(self, rms_stored: float) -> np.ndarray:
-        """(n,) float32: 1 + vote_weight * clip(v / (vote_scale * rms), -1, 1)."""
-        f = self._factor
-        np.multiply(self.votes, np.float32(1.0 / (self.p["vote_scale"] * rms_stored)), out=f)
-        np.clip(f, -1.0, 1.0, out=f)
-        f *= np.float32(self.p["vote_weight"])
+    def _vote_factor(self) -> np.ndarray:
+        """(n,) float32: 1 + vote_weight * clip(soft(t, vote_dead) / vote_scale, -1, 1)."""
+        dead, scale = self.p["vote_dead"], self.p["vote_scale"]
+        f = self.vote_stats(out=self._factor)
+        np.clip(f, -(dead + scale), dead + scale, out=f)
+        f -= np.clip(f, -dead, dead, out=self._score)  # soft threshold: |t| <= dead -> 0
+        f *= np.float32(self.p["vote_weight"] / scale)
         f += np.float32(1.0)
         return f

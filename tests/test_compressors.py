@@ -231,6 +231,17 @@ def test_losscomp_votes_follow_the_loss_and_steer_selection() -> None:
     assert set(out.indices.tolist()) <= set(a.tolist())
 
 
+def test_losscomp_vote_factor_hand_computed() -> None:
+    c = make_compressor("losscomp", 5, ratio=0.2, vote_weight=0.5)  # vote_dead 2, vote_scale 2
+    assert isinstance(c, LossCompCompressor)
+    c.votes[:] = [0, 1, 3, 8, -8]
+    c.counts[:] = [0, 1, 1, 1, 1]  # t = votes: |t| <= 2 is noise, 2..4 ramps, >= 4 is full
+    assert c.vote_stats().tolist() == [0, 1, 3, 8, -8]
+    assert c._vote_factor().tolist() == [1, 1, 1.25, 1.5, 0.5]
+    c.counts[:] = 4  # the same votes over 4 credits: t halves
+    assert c._vote_factor().tolist() == [1, 1, 1, 1.5, 0.5]
+
+
 def test_losscomp_votes_decay_over_the_window() -> None:
     c = make_compressor("losscomp", 10, ratio=0.1, steps_per_epoch=10, vote_window=1.0)
     assert isinstance(c, LossCompCompressor)
