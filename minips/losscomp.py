@@ -67,8 +67,8 @@ class LossCompCompressor(TopKCompressor):
 
     def __init__(self, size: int, *, ratio: float = 0.01, vote_weight: float = 0.0,
                  vote_dead: float = 2.0, vote_scale: float = 2.0, vote_window: float = 1.0,
-                 steps_per_epoch: int = 200,
-                 credit_lag: int = 1, beta_fast: float = 0.9, beta_slow: float = 0.98,
+                 steps_per_epoch: int = 200, credit_lag: int = 1, beta_fast: float = 0.9,
+                 beta_slow: float = 0.98,
                  trend_ref: float = 0.5, budget_horizon: float = 50.0, min_mult: float = 0.25,
                  max_mult: float = 4.0, **kw: Any) -> None:
         super().__init__(size, ratio=ratio, **kw)
@@ -76,9 +76,9 @@ class LossCompCompressor(TopKCompressor):
                 and credit_lag >= 1 and 0 < min_mult <= 1.0 <= max_mult):
             raise ConfigError("losscomp: bad vote or ratio parameters")
         self.p = dict(vote_weight=vote_weight, vote_dead=vote_dead, vote_scale=vote_scale,
-                      vote_window=vote_window,
-                      beta_fast=beta_fast, beta_slow=beta_slow, trend_ref=trend_ref,
-                      budget_horizon=budget_horizon, min_mult=min_mult, max_mult=max_mult)
+                      vote_window=vote_window, beta_fast=beta_fast, beta_slow=beta_slow,
+                      trend_ref=trend_ref, budget_horizon=budget_horizon, min_mult=min_mult,
+                      max_mult=max_mult)
         self.default_spe = steps_per_epoch
         self.votes = np.zeros(size, np.float32)  # (n,) true votes = votes * vote_gain
         self.counts = np.zeros(size, np.float32)  # (n,) credits received, same lazy decay
@@ -87,8 +87,9 @@ class LossCompCompressor(TopKCompressor):
         self.fast = self.slow = self.drift = self.noise2 = math.nan
         self.steps = 0  # observe_loss calls
         self.debt = 0.0  # sum of (kept - target) / target over past compress calls
-        self._score = np.empty(size, np.float32)  # (n,) scratch for |acc| * vote factor
-        self._factor = np.empty(size, np.float32)  # (n,) scratch for the vote factor
+        scratch = size if vote_weight > 0.0 else 0  # only steering votes need them
+        self._score = np.empty(scratch, np.float32)  # (n,) scratch for |acc| * vote factor
+        self._factor = np.empty(scratch, np.float32)  # (n,) scratch for the vote factor
 
     # ------------------------------------------------------------------ loss -> votes
 
