@@ -1,0 +1,334 @@
+"""One minips connection under asyncio: the socket protocol that feeds the decoder, and
+``Channel``, the object a server handler or a client sends and receives whole messages with.
+
+All protocol decisions live in the sans-IO modules (``minips.protocol``); this module only moves
+bytes. Receiving is zero-copy: ``asyncio.BufferedProtocol`` hands the socket the decoder's own
+buffers, so a large payload lands straight in the array the ``alloc`` callable chose. Sending
+hands the frame header and the caller's buffers (16 KiB and up) to the transport without joining
+them; with uvloop that is one writev.
+
+Invariants:
+- ``Channel.send`` returns only once the kernel has taken every byte of the frame (write buffer
+  high-water mark 0), so the caller may modify the arrays it sent, and a peer that stops reading
+  cannot make our memory grow: the sender waits, and is cut off after ``send_timeout``.
+- A peer's protocol error (bad frame, over a limit, out-of-order message, half a frame then
+  silence for ``read_timeout``) sends ERROR with the reason and closes this connection; ``recv``
+  raises it. The error is counted in the server's ``stats`` when there is one.
+- Received messages wait in a queue for ``recv``; reading the socket pauses while
+  ``MAX_QUEUED`` messages or ``MAX_QUEUED_BYTES`` of their buffers wait, and resumes below half
+  of both. Memory held for one connection is at most that plus one frame in progress.
+- ``recv`` has one reader at a time; a message reaches it with no queue hop beyond one future.
+
+Public API: ``Options``, ``Channel``, ``FrameProtocol`` (for ``transport.py``), and the
+constants ``READ_TIMEOUT_S``, ``SEND_TIMEOUT_S``, ``HANDSHAKE_TIMEOUT_S``, ``MAX_QUEUED``,
+``MAX_QUEUED_BYTES``, ``SOCKET_BUFFER_BYTES``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from minips import protocol as p
+from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "SOCKET_BUFFER_BYTES",
+    "MAX_QUEUED", "MAX_QUEUED_BYTES", "Options", "FrameProtocol", "Channel",
+]
+
+log = logging.getLogger("minips.transport")
+
+READ_TIMEOUT_S = 30.0  # seconds a peer may stall in the middle of a frame
+SEND_TIMEOUT_S = 120.0  # seconds a send may wait for a peer that does not read
+HANDSHAKE_TIMEOUT_S = 10.0  # seconds from accept to WELCOME
+SOCKET_BUFFER_BYTES = 4 << 20  # SO_SNDBUF / SO_RCVBUF: big frames need fewer wakeups
+MAX_QUEUED = 64  # received messages waiting for recv() before we stop reading the socket
+MAX_QUEUED_BYTES = 256 << 20  # bytes of received buffers waiting for recv(), same purpose
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per-connection settings shared by ``connect`` and ``serve``."""
+
+    read_timeout: float = READ_TIMEOUT_S  # s of silence allowed in the middle of a frame
+    send_timeout: float = SEND_TIMEOUT_S  # s a send may wait for the peer to read
+    handshake_timeout: float = HANDSHAKE_TIMEOUT_S  # s for the whole handshake
+    heartbeat: float | None = None  # s between HEARTBEATs we send; None: no heartbeats
+    socket_buffer: int = SOCKET_BUFFER_BYTES  # bytes of kernel send/receive buffer; 0: default
+    limits: p.Limits = field(default_factory=p.Limits)
+    alloc: p.Alloc | None = None  # where received payload buffers go; None: fresh numpy arrays
+    max_queued_bytes: int = MAX_QUEUED_BYTES  # bytes of received buffers before reading pauses
+
+
+_STAT_OF_REASON = {"protocol_error": "protocol_errors", "limit_exceeded": "limit_exceeded",
+                   "read_timeout": "read_timeouts"}  # close reason -> Server.stats key
+
+
+def _payload_bytes(msg: p.Message) -> int:
+    """Bytes of the buffers a message holds (PUSH and WEIGHTS only have any)."""
+    buffers = msg.__dict__.get("buffers")
+    return sum([b.nbytes for b in buffers]) if buffers else 0
+
+
+def _tune(sock: socket.socket, buffer_bytes: int) -> None:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if buffer_bytes else ():
+        sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):  # small frames leave at once
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """Feeds socket bytes to the decoder, queues messages, implements drain and read timeout."""
+
+    def __init__(self, conn: p.Connection, options: Options) -> None:
+        self.conn, self.options = conn, options
+        self.decoder = conn.decoder
+        # the decoder's own method, not a wrapper: one Python call less per read
+        self.get_buffer = self.decoder.get_buffer  # type: ignore[method-assign]
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.queue: collections.deque[p.Message] = collections.deque()
+        self.queued_bytes = 0  # _payload_bytes of the queued messages
+        self.paused = False  # reading paused because the queue is full
+        self.waiter: asyncio.Future[None] | None = None  # a recv() waiting for a message
+        self.drained: asyncio.Future[None] | None = None  # set while writing is paused
+        self.closed = asyncio.Event()
+        self.error: Exception | None = None  # why the connection ended, if not cleanly
+        self.close_reason = ""  # "", "protocol_error", "limit_exceeded", "read_timeout"
+        self.bytes_received = 0
+        self.last_recv = self.loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+        self.on_made: Callable[[FrameProtocol], None] | None = None
+        self.stats: collections.Counter[str] | None = None  # the server's counters, if any
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            _tune(sock, self.options.socket_buffer)
+        self.transport.set_write_buffer_limits(high=0)  # pause until the kernel took everything
+        if self.on_made is not None:
+            self.on_made(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:  # replaced per instance in __init__
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        self.last_recv = self.loop.time()
+        try:
+            for msg in self.decoder.buffer_updated(nbytes):
+                self.conn.received_one(msg)  # one by one: messages before a bad one still count
+                self.queue.append(msg)
+                if msg.KIND in p.WITH_BUFFERS:
+                    self.queued_bytes += _payload_bytes(msg)
+            if self.decoder.error is not None:
+                raise self.decoder.error
+        except RemoteProtocolError as e:
+            self.fail(e, "limit_exceeded" if isinstance(e, LimitExceeded) else "protocol_error")
+        if self.queue:
+            self._wake()
+            if len(self.queue) >= MAX_QUEUED or self.queued_bytes >= self.options.max_queued_bytes:
+                self._pause()
+        if self._timer is None and self.decoder.in_frame:
+            self._arm_timer(self.options.read_timeout)
+
+    def pop(self) -> p.Message:
+        """The oldest queued message; resumes reading once the queue is below half its bounds."""
+        msg = self.queue.popleft()
+        if msg.KIND in p.WITH_BUFFERS:
+            self.queued_bytes -= _payload_bytes(msg)
+        if (self.paused and len(self.queue) <= MAX_QUEUED // 2
+                and self.queued_bytes <= self.options.max_queued_bytes // 2):
+            self.paused = False
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
+        return msg
+
+    def _pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def _arm_timer(self, delay: float) -> None:
+        self._timer = self.loop.call_later(delay, self._check_stall)
+
+    def _check_stall(self) -> None:
+        """Cut off a peer that sent part of a frame and then nothing for read_timeout."""
+        self._timer = None
+        if not self.decoder.in_frame or self.transport is None:
+            return
+        idle = self.loop.time() - self.last_recv
+        if idle < self.options.read_timeout:
+            self._arm_timer(self.options.read_timeout - idle)
+            return
+        err = RemoteProtocolError(f"read timeout: half a frame then {idle:.1f} s of silence",
+                                  expected=f"a whole frame within {self.options.read_timeout} s")
+        self.fail(err, "read_timeout")
+
+    def fail(self, err: RemoteProtocolError, reason: str) -> None:
+        """Tell the peer why (ERROR), then close; recv() will raise ``err``."""
+        if self.error is None:
+            self.error, self.close_reason = err, reason
+            log.info("closing connection: %s", err)
+            if self.stats is not None:
+                self.stats[_STAT_OF_REASON[reason]] += 1
+            if self.transport is not None and self.conn.state != p.State.CLOSED:
+                frame = self.conn.send(p.Error(code=reason, reason=str(err)[: p.MAX_TEXT]))
+                self.transport.writelines(frame)
+        if self.transport is not None:
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.error is None:
+            self.error = exc or ConnectionResetError("connection closed by peer")
+        if self._timer is not None:
+            self._timer.cancel()
+        self.closed.set()
+        self._wake()
+        self.resume_writing()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def pause_writing(self) -> None:
+        if self.drained is None:
+            self.drained = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self.drained is not None:
+            if not self.drained.done():
+                self.drained.set_result(None)
+            self.drained = None
+
+
+class Channel:
+    """One authenticated connection: send and receive whole messages."""
+
+    def __init__(self, proto: FrameProtocol) -> None:
+        self._proto = proto
+        assert proto.transport is not None
+        self._transport = proto.transport
+        self.peer_hello: p.Hello | None = None  # server side: the client's HELLO
+        self.welcome_info: dict[str, Any] = {}  # both sides: WELCOME's info map
+        self.worker_id = -1  # the id in WELCOME
+        self.bytes_sent = 0
+        self.heartbeats_received = 0
+        self._beat: asyncio.Task[None] | None = None
+
+    @property
+    def bytes_received(self) -> int:
+        return self._proto.bytes_received
+
+    @property
+    def last_recv(self) -> float:
+        """``loop.time()`` when bytes last arrived (for leases)."""
+        return self._proto.last_recv
+
+    @property
+    def closed(self) -> bool:
+        return self._proto.closed.is_set()
+
+    @property
+    def peername(self) -> Any:
+        return self._transport.get_extra_info("peername")
+
+    def set_alloc(self, alloc: p.Alloc | None) -> None:
+        """Receive the next payload buffers into memory ``alloc`` returns (None: fresh arrays)."""
+        self._proto.decoder.alloc = alloc or p.default_alloc
+
+    async def send(self, msg: p.Message, *, compress: bool = False) -> None:
+        """Send ``msg``; returns once the kernel has every byte (the caller may reuse buffers)."""
+        proto = self._proto
+        if proto.error is not None:
+            raise ConnectionResetError(f"connection is closed ({proto.error})")
+        frame = proto.conn.send(msg, compress=compress)
+        if len(frame) == 1:
+            self._transport.write(frame[0])
+        else:
+            self._transport.writelines(frame)
+        self.bytes_sent += sum(map(len, frame))
+        if proto.drained is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(proto.drained), proto.options.send_timeout)
+            except asyncio.TimeoutError:
+                self._transport.abort()
+                raise ConnectionError("send timed out: the peer stopped reading") from None
+            if proto.error is not None:
+                raise ConnectionResetError(f"connection lost while sending ({proto.error})")
+
+    async def recv(self, timeout: float | None = None) -> p.Message:
+        """The next message (HEARTBEATs are absorbed). Raises ``RemoteProtocolError`` when the
+        peer broke the protocol, ``ConnectionError`` when the connection closed, and
+        ``asyncio.TimeoutError`` after ``timeout`` seconds."""
+        proto = self._proto
+        while True:
+            while proto.queue:
+                msg = proto.pop()
+                if isinstance(msg, p.Heartbeat):
+                    self.heartbeats_received += 1
+                    continue
+                return msg
+            if proto.error is not None:
+                raise proto.error
+            if proto.waiter is not None:
+                raise RuntimeError("another task is already waiting in recv() on this channel")
+            proto.waiter = proto.loop.create_future()
+            try:
+                if timeout is None:
+                    await proto.waiter
+                else:
+                    await asyncio.wait_for(proto.waiter, timeout)
+            finally:
+                proto.waiter = None
+
+    def start_heartbeat(self, interval: float) -> None:
+        """Send HEARTBEAT every ``interval`` seconds until the channel closes."""
+        if self._beat is None:
+            self._beat = asyncio.create_task(self._heartbeats(interval))
+
+    async def _heartbeats(self, interval: float) -> None:
+        seq = 0
+        while not self.closed:
+            await asyncio.sleep(interval)
+            try:
+                await self.send(p.Heartbeat(seq=seq))
+            except (ConnectionError, LocalProtocolError):
+                return
+            seq += 1
+
+    async def send_error(self, code: str, reason: str) -> None:
+        """Send ERROR(code, reason) if the connection still allows it (before closing)."""
+        if not self.closed and self._proto.conn.state != p.State.CLOSED:
+            with contextlib.suppress(ConnectionError):
+                await self.send(p.Error(code=code[: p.MAX_NAME], reason=reason[: p.MAX_TEXT]))
+
+    async def close(self, leave: str | None = None) -> None:
+        """Optionally say LEAVE(``leave``), then close and wait until the socket is closed."""
+        if self._beat is not None:
+            self._beat.cancel()
+            await asyncio.gather(self._beat, return_exceptions=True)
+        if leave is not None and not self.closed and self._proto.conn.state == p.State.OPEN:
+            try:
+                await self.send(p.Leave(reason=leave))
+            except ConnectionError:
+                pass
+        self._transport.close()
+        await self._proto.closed.wait()
+
+    async def __aenter__(self) -> Channel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,287 @@
+"""minips frame decoder, sans-IO: bytes in, messages out.
+
+``FrameDecoder`` takes bytes with ``feed(data)`` or, zero-copy, through ``get_buffer()`` /
+``buffer_updated(n)`` (the ``asyncio.BufferedProtocol`` pair) and returns the messages they
+complete. It has no networking code, no clocks and no connection state (``handshake.py``).
+
+Invariants:
+- Any bytes give messages or raise ``RemoteProtocolError`` (``LimitExceeded`` for a limit), never
+  another exception; after one the decoder stays failed (``error``). Every length is checked
+  against ``Limits`` (frames.py) before anything of that size is allocated.
+- A frame of up to 64 KiB is decoded in one step once it is whole in the scratch buffer (the
+  common case: ACKs, PULLs, sparse PUSHes); ``get_buffer`` always keeps room for the rest of it.
+- A bigger frame is read stage by stage (prefix, head, buffers) through the same checks; its
+  payload buffers of 64 KiB or more are received straight into the memory ``alloc`` returns.
+- Decoded buffers are flat writable ``memoryview``s: into one private copy of a small body, or
+  into ``alloc``'s memory.
+
+Public API: ``Alloc``, ``default_alloc``, ``FrameDecoder``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from minips.errors import LocalProtocolError, RemoteProtocolError
+from minips.frames import (
+    CODEC_LZ4,
+    DEFAULT_LIMITS,
+    DIRECT_MIN_BYTES,
+    KINDS,
+    PREFIX,
+    SCRATCH_BYTES,
+    TABLE_ENTRY,
+    TABLES,
+    Limits,
+    check_prefix,
+    check_table,
+    decompress,
+    unpack_meta,
+)
+from minips.messages import Kind, Message, from_wire
+
+__all__ = ["Alloc", "default_alloc", "FrameDecoder"]
+
+Alloc = Callable[[Kind, int, int], Any]  # (kind, buffer index, nbytes) -> writable buffer
+
+
+def default_alloc(kind: Kind, index: int, nbytes: int) -> memoryview:
+    """A fresh uninitialised uint8 array per buffer (np.empty does not zero it)."""
+    return np.empty(nbytes, dtype=np.uint8).data
+
+
+
+class _Partial:
+    """A frame that arrives in pieces: what is known so far and where its body goes."""
+
+    __slots__ = ("version", "kind", "nbuf", "head_len", "body_len", "table", "msg", "bufs",
+                 "dest", "pos")
+
+    def __init__(self, prefix: tuple[Any, ...], head_len: int) -> None:
+        _, self.version, kind, self.nbuf, _, _, self.body_len = prefix
+        self.kind: Kind = KINDS[kind]
+        self.head_len = head_len
+        self.table: tuple[int, ...] = ()  # flat (codec, wire_len, raw_len) per buffer
+        self.msg: Message | None = None  # built (buffers empty) once table + meta are read
+        self.bufs: list[memoryview] = []
+        self.dest: memoryview | None = None  # where the current buffer's bytes go
+        self.pos = 0  # bytes of dest already filled
+
+
+
+class FrameDecoder:
+    """Bytes in, messages out. Feed it with ``feed(data)`` or, zero-copy, with ``get_buffer()``
+    then ``buffer_updated(n)`` (the ``asyncio.BufferedProtocol`` pair).
+
+    Frames up to 64 KiB are decoded once they are whole in the scratch buffer (``get_buffer``
+    keeps room for them). Larger ones are read stage by stage, and their payload buffers of
+    64 KiB or more are read by the caller straight into the memory ``alloc`` returned. After a
+    ``RemoteProtocolError`` the decoder stays failed (``error`` is set).
+    """
+
+    def __init__(self, *, alloc: Alloc | None = None, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.alloc: Alloc = alloc or default_alloc
+        self.limits = limits
+        self._buf = bytearray(SCRATCH_BYTES)
+        self._view = memoryview(self._buf)
+        self._lo = self._hi = 0  # unread bytes are _buf[_lo:_hi]
+        self._direct = False  # the last get_buffer() handed out the destination itself
+        self._frame: _Partial | None = None  # a frame larger than 64 KiB, while it arrives
+        self.error: RemoteProtocolError | None = None
+
+    @property
+    def in_frame(self) -> bool:
+        """True while part of a frame has arrived but not all of it."""
+        return self._frame is not None or self._hi > self._lo
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        """Decode what ``data`` completes; keep the rest for the next call."""
+        if self.error is not None:
+            raise self.error
+        out: list[Message] = []
+        data = memoryview(data).cast("B")
+        try:
+            while data.nbytes:
+                room = self.get_buffer(data.nbytes)
+                n = min(len(room), data.nbytes)
+                room[:n] = data[:n]
+                data = data[n:]
+                out += self.buffer_updated(n)
+        except RemoteProtocolError:
+            if not out:
+                raise
+        return out
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Writable memory for the next bytes from the socket."""
+        if self.error is not None:
+            raise self.error
+        f = self._frame
+        if f is not None and f.dest is not None and self._lo == self._hi:
+            if f.dest.nbytes - f.pos >= DIRECT_MIN_BYTES:
+                self._direct = True
+                return f.dest[f.pos:]
+        self._direct = False
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        need = f.head_len if f is not None and f.msg is None else PREFIX.size
+        if len(self._buf) - self._hi < max(DIRECT_MIN_BYTES, need):
+            self._compact(need)
+        return self._view[self._hi:]
+
+    def _compact(self, need: int) -> None:
+        """Move unread bytes to the front; grow (to a checked head size) if they still don't fit."""
+        unread = self._hi - self._lo
+        if need > len(self._buf):
+            self._buf = bytearray(need)
+            self._buf[:unread] = self._view[self._lo:self._hi]
+            self._view = memoryview(self._buf)
+        else:
+            self._view[:unread] = self._view[self._lo:self._hi]
+        self._lo, self._hi = 0, unread
+
+    def buffer_updated(self, nbytes: int) -> list[Message]:
+        """``nbytes`` were written into the last ``get_buffer()``; return completed messages.
+
+        Messages completed before an error are returned and the error is raised on the next call.
+        """
+        if self.error is not None:
+            raise self.error
+        if self._direct and self._frame is not None:
+            self._frame.pos += nbytes
+        else:
+            self._hi += nbytes
+        out: list[Message] = []
+        try:
+            while self._frame is not None or self._hi - self._lo >= PREFIX.size:
+                if not self._next(out):
+                    break
+        except RemoteProtocolError as e:
+            self.error = e
+            if not out:
+                raise
+        return out
+
+    def _next(self, out: list[Message]) -> bool:
+        """Decode a whole frame, or advance a big one by a stage; False when bytes are missing."""
+        if self._frame is not None:
+            return self._step(out)
+        prefix = PREFIX.unpack_from(self._buf, self._lo)
+        head_len = check_prefix(prefix, self.limits)
+        total = PREFIX.size + head_len + prefix[6]
+        if total <= self._hi - self._lo:
+            out.append(self._whole(prefix, head_len))
+            return True
+        if total <= DIRECT_MIN_BYTES:
+            return False  # get_buffer() keeps room for the rest of a frame this small
+        self._frame = _Partial(prefix, head_len)
+        self._lo += PREFIX.size
+        return self._step(out)
+
+    def _whole(self, prefix: tuple[Any, ...], head_len: int) -> Message:
+        """The fast path: the frame at ``_lo`` is all in scratch; decode it in one go."""
+        _, version, kind, nbuf, _, _, body_len = prefix
+        at = self._lo + PREFIX.size
+        table: tuple[int, ...] = ()
+        if nbuf or body_len:
+            table = TABLES[nbuf].unpack_from(self._buf, at)
+            check_table(table, body_len, self.limits)
+        meta = unpack_meta(self._view[at + TABLE_ENTRY.size * nbuf:at + head_len], self.limits)
+        msg = from_wire(KINDS[kind], version, meta, nbuf)
+        at += head_len
+        if nbuf:
+            msg.__dict__["buffers"] = self._copy_body(msg.KIND, table, at, body_len)
+        self._lo = at + body_len
+        return msg
+
+    def _copy_body(self, kind: Kind, table: tuple[int, ...], at: int,
+                   body_len: int) -> tuple[memoryview, ...]:
+        """Buffers of a body that is all in scratch: one copy, or one per buffer via alloc."""
+        if self.alloc is default_alloc and not any(table[0::3]):  # all raw: views into one copy
+            body = memoryview(bytearray(self._view[at:at + body_len]))
+            views, start = [], 0
+            for wire in table[1::3]:
+                views.append(body[start:start + wire])
+                start += wire
+            return tuple(views)
+        bufs = []
+        for i in range(len(table) // 3):
+            codec, wire, raw = table[3 * i:3 * i + 3]
+            src = self._view[at:at + wire]
+            dest = self._allocate(kind, i, raw)
+            dest[:] = decompress(src, raw) if codec == CODEC_LZ4 else src
+            bufs.append(dest)
+            at += wire
+        return tuple(bufs)
+
+    def _step(self, out: list[Message]) -> bool:
+        """Advance a big frame by one stage if the bytes allow; False when more are needed."""
+        f = self._frame
+        assert f is not None
+        if f.msg is None:
+            if self._hi - self._lo < f.head_len:
+                return False
+            self._read_head(f, self._view[self._lo:self._lo + f.head_len])
+            self._lo += f.head_len
+        if f.nbuf and not self._fill_body(f):
+            return False
+        assert f.msg is not None
+        if f.bufs:  # fields were checked at head time; the views are flat "B" already
+            f.msg.__dict__["buffers"] = tuple(f.bufs)
+        out.append(f.msg)
+        self._frame = None
+        return True
+
+    def _read_head(self, f: _Partial, raw: memoryview) -> None:
+        table_len = TABLE_ENTRY.size * f.nbuf
+        if f.nbuf or f.body_len:
+            f.table = TABLES[f.nbuf].unpack(raw[:table_len])
+            check_table(f.table, f.body_len, self.limits)
+        meta = unpack_meta(raw[table_len:], self.limits)
+        f.msg = from_wire(f.kind, f.version, meta, f.nbuf)
+
+    def _fill_body(self, f: _Partial) -> bool:
+        """Copy what scratch holds into the current buffer(s); True once every buffer is done."""
+        while len(f.bufs) < f.nbuf:
+            if f.dest is None:
+                self._open_buffer(f)
+            assert f.dest is not None
+            take = min(f.dest.nbytes - f.pos, self._hi - self._lo)
+            if take:
+                f.dest[f.pos:f.pos + take] = self._view[self._lo:self._lo + take]
+                f.pos += take
+                self._lo += take
+            if f.pos < f.dest.nbytes:
+                return False
+            self._close_buffer(f)
+        return True
+
+    def _open_buffer(self, f: _Partial) -> None:
+        i = len(f.bufs)
+        codec, wire, raw = f.table[3 * i:3 * i + 3]
+        f.pos = 0
+        if codec == CODEC_LZ4:  # compressed bytes land in a temporary, decompressed on close
+            f.dest = np.empty(wire, dtype=np.uint8).data
+        else:
+            f.dest = self._allocate(f.kind, i, raw)
+
+    def _allocate(self, kind: Kind, index: int, nbytes: int) -> memoryview:
+        view = memoryview(self.alloc(kind, index, nbytes)).cast("B")
+        if view.readonly or view.nbytes < nbytes:
+            raise LocalProtocolError("alloc returned a read-only or short buffer", expected=nbytes,
+                                     got=view.nbytes)
+        return view[:nbytes]
+
+    def _close_buffer(self, f: _Partial) -> None:
+        i = len(f.bufs)
+        codec, raw = f.table[3 * i], f.table[3 * i + 2]
+        assert f.dest is not None
+        buf = f.dest
+        if codec == CODEC_LZ4:
+            buf = self._allocate(f.kind, i, raw)
+            buf[:] = decompress(f.dest, raw)
+        f.bufs.append(buf)
+        f.dest, f.pos = None, 0
