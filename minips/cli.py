@@ -62,6 +62,8 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--eval-limit", "eval_limit", int, "test samples per evaluation (0 = all)"),
     ("--alpha", "gdtopk_alpha", float, "GDTopK ratio exponent"),
     ("--direction", "gdtopk_direction", str, "GDTopK: slower-more | slower-less"),
+    ("--lease", "lease_s", float, "a worker silent this long stops holding its group, s"),
+    ("--heartbeat", "heartbeat_s", float, "worker heartbeat period, s (at most lease / 2)"),
 ]
 
 
@@ -109,6 +111,11 @@ def _add_tls(p: argparse.ArgumentParser, *, server: bool, client: bool) -> None:
         p.add_argument("--tls-ca", help="CA file to verify the server; enables TLS")
 
 
+def _add_insecure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--insecure", action="store_true",
+                   help="allow listening beyond loopback without MINIPS_TOKEN (anyone may join)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `minips` argument parser with one sub-command per role."""
     p = argparse.ArgumentParser(prog="minips", description=__doc__.split("\n")[0])
@@ -128,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("server", help="the global server (numpy only)")
     _add_run_flags(srv)
-    srv.add_argument("--host", default="0.0.0.0", help="listen address")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="listen address (non-loopback needs MINIPS_TOKEN or --insecure)")
     srv.add_argument("--port", type=int, default=7070, help="listen port (0 = any free)")
     srv.add_argument("--run-dir", default="runs/server", help="metrics and final weights")
     srv.add_argument("--init", help=".npy initial flat weights (default: from the first worker)")
@@ -140,13 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--eval", action="store_true", help="also start an evaluator process")
     srv.add_argument("--run-config", help="JSON file of run settings (flags override it)")
     srv.add_argument("--quiet", action="store_true", help="do not print how to join")
+    srv.add_argument("--checkpoint", help="checkpoint file (default RUN_DIR/checkpoint.npz)")
+    srv.add_argument("--checkpoint-every", type=float, default=30.0,
+                     help="seconds between atomic checkpoints (0 = none)")
+    srv.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    _add_insecure(srv)
     _add_tls(srv, server=True, client=False)
 
     grp = sub.add_parser("group", help="a group server near its workers (numpy only)")
     grp.add_argument("--connect", required=True, help="global server HOST:PORT")
-    grp.add_argument("--listen", default="0.0.0.0:7071", help="HOST:PORT for workers")
+    grp.add_argument("--listen", default="127.0.0.1:7071", help="HOST:PORT for workers")
     grp.add_argument("--advertise", help="HOST workers use to reach this group server")
     grp.add_argument("--run-dir", default="runs/group", help="metrics directory")
+    grp.add_argument("--reconnect", type=float, default=120.0,
+                     help="keep trying this long when the global server is lost, s")
+    _add_insecure(grp)
     _add_tls(grp, server=True, client=True)
 
     for name, help_ in (("worker", "a training worker (PyTorch)"),
@@ -161,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--data-dir", help="data set directory on this machine")
         w.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
         w.add_argument("--timeout", type=float, default=10.0, help="connect timeout, s")
+        w.add_argument("--reconnect", type=float, default=120.0,
+                       help="keep trying this long when a server is lost mid-run, s")
         _add_tls(w, server=False, client=True)
 
     plt = sub.add_parser("plot", help="PNG charts from run directories")
@@ -196,7 +214,9 @@ def _cmd_server(args: argparse.Namespace) -> int:
                        token=_token(), tls_cert=args.tls_cert, tls_key=args.tls_key,
                        run_dir=args.run_dir, init_path=args.init,
                        external_groups=args.external_groups, advertise_host=args.advertise,
-                       calib_timeout_s=args.calib_timeout, ready_file=args.ready_file)
+                       calib_timeout_s=args.calib_timeout, ready_file=args.ready_file,
+                       checkpoint_path=args.checkpoint, checkpoint_every_s=args.checkpoint_every,
+                       resume=args.resume, insecure=args.insecure)
     run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
     return 0
 
@@ -208,7 +228,8 @@ def _cmd_group(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen, 7071)
     cfg = GroupConfig(server_host=shost, server_port=sport, host=host, port=port,
                       advertise_host=args.advertise, token=_token(), tls_cert=args.tls_cert,
-                      tls_key=args.tls_key, tls_ca=args.tls_ca, run_dir=args.run_dir)
+                      tls_key=args.tls_key, tls_ca=args.tls_ca, run_dir=args.run_dir,
+                      reconnect_s=args.reconnect, insecure=args.insecure)
     run_group_process(cfg)
     return 0
 
@@ -218,7 +239,8 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(server_host=host, server_port=port, token=_token(), tls_ca=args.tls_ca,
                         worker_id=args.id, slowdown=args.slowdown, bandwidth_bps=args.bandwidth,
                         latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
-                        torch_threads=args.threads, connect_timeout_s=args.timeout)
+                        torch_threads=args.threads, connect_timeout_s=args.timeout,
+                        reconnect_s=args.reconnect)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ Units are in each field's comment; times are seconds, sizes bytes, rates bytes p
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ __all__ = [
     "dataset_train_size",
     "server_ssl",
     "client_ssl",
+    "check_bind",
+    "is_loopback",
 ]
 
 MODES = ("bsp", "ssp", "asp", "gssp")
@@ -71,6 +74,7 @@ class RunConfig:
     eval_every_s: float = 5.0  # evaluator pull period
     eval_limit: int = 0  # test samples the evaluator uses; 0 = the whole test set
     lease_s: float = 10.0  # a worker silent for this long no longer holds its group back
+    heartbeat_s: float = 2.0  # workers send HEARTBEAT this often, so a lease spans a few
     train_size: int = 0  # training samples, for the epoch budget; 0 = known from the data set
     t0: float = 0.0  # unix time the run started (set by the global server)
 
@@ -88,6 +92,8 @@ class RunConfig:
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
         _check(self.base_step_s >= 0, "base_step_s", self.base_step_s, ">= 0")
         _check(self.epochs >= 0 and self.wall_s >= 0, "budget", (self.epochs, self.wall_s), ">= 0")
+        _check(0 < 2 * self.heartbeat_s <= self.lease_s, "heartbeat_s", self.heartbeat_s,
+               f"> 0 and at most half of lease_s = {self.lease_s}")
         return self
 
     @property
@@ -129,6 +135,10 @@ class ServerConfig:
     calib_timeout_s: float = 60.0  # group the workers that reported after this long
     ready_file: str | None = None  # write "host port" here once listening (launcher)
     linger_s: float = 15.0  # after the budget, wait this long for the final evaluator pull
+    checkpoint_path: str | None = None  # checkpoint file; None = <run_dir>/checkpoint.npz
+    checkpoint_every_s: float = 30.0  # seconds between checkpoints; 0 = none
+    resume: bool = False  # start from checkpoint_path instead of init_path / a worker
+    insecure: bool = False  # allow a non-loopback listen address without a secret
 
 
 @dataclass
@@ -137,7 +147,7 @@ class GroupConfig:
 
     server_host: str = "127.0.0.1"  # global server address
     server_port: int = 7070  # global server port
-    host: str = "0.0.0.0"  # listen address for this group's workers
+    host: str = "127.0.0.1"  # listen address for this group's workers
     port: int = 7071  # listen port; 0 = any free port
     advertise_host: str | None = None  # address told to workers; None = host (or 127.0.0.1)
     token: str = ""  # shared secret (MINIPS_TOKEN)
@@ -146,6 +156,8 @@ class GroupConfig:
     tls_ca: str | None = None  # CA file to verify the global server; None = plain TCP
     run_dir: str = "runs/group"  # metrics directory
     connect_timeout_s: float = 10.0  # give up on an unreachable global server after this
+    reconnect_s: float = 120.0  # how long to keep trying when the global server is lost
+    insecure: bool = False  # allow a non-loopback listen address without a secret
 
 
 @dataclass
@@ -164,6 +176,7 @@ class WorkerConfig:
     data_dir: str | None = None  # overrides the run's data_dir on this machine
     torch_threads: int = 1  # intra-op threads; 1 keeps many workers off each other's cores
     connect_timeout_s: float = 10.0  # give up on an unreachable server after this
+    reconnect_s: float = 120.0  # how long to keep trying when a server is lost mid-run
 
 
 # Presets are named partial configs; CLI flags given explicitly override them.
@@ -256,3 +269,20 @@ def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:
 def client_ssl(ca: str | None) -> ssl.SSLContext | None:
     """TLS context that verifies the server against ``ca``, or None for plain TCP."""
     return ssl.create_default_context(cafile=ca) if ca else None
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def check_bind(host: str, token: str, insecure: bool) -> None:
+    """Refuse to listen beyond this machine without a shared secret, unless ``insecure``."""
+    if not token and not insecure and not is_loopback(host):
+        raise ConfigError(f"refusing to listen on {host} without a secret: set MINIPS_TOKEN "
+                          f"(or pass --insecure to accept anyone who can reach this address)")

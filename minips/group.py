@@ -262,6 +262,8 @@ class GroupServer:
     def _accept(self, hello: Any) -> dict[str, Any]:
         if hello.role != "worker":
             raise AuthError(f"group server {self.group} accepts workers only")
+        if hello.group >= 0 and hello.group != self.group:  # e.g. a port reused after a restart
+            raise AuthError(f"this is group server {self.group}, not {hello.group}")
         return {"group": self.group}
 
     async def handle(self, ch: Any) -> None:
@@ -344,10 +346,22 @@ class GroupServer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint needs to rebuild this group server."""
-        return {"group": self.group, "weights": self.weights, "w_sync": self.w_sync,
-                "opt": self.opt.state_dict(), "clocks": self.table.clocks,
+        return {"group": self.group, "weights": self.weights.copy(), "w_sync": self.w_sync.copy(),
+                "opt": self.opt.state_dict(), "clocks": dict(self.table.clocks),
                 "version": self.version, "global_version": self.global_version,
-                "counters": {**self.counters, **self.traffic()}, "ratio": self.ratio}
+                "counters": dict(self.counters), "ratio": self.ratio}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what ``state_dict`` gave (checkpoint resume). The saved workers count as
+        live again, each at its saved clock; one that does not come back expires by lease."""
+        self.weights[:] = np.asarray(state["weights"], dtype=np.float32)
+        self.w_sync = np.array(state["w_sync"], dtype=np.float32)
+        self.opt.load_state_dict(state["opt"])
+        self.table = _restored_table(self.run, {int(w): int(c) for w, c in
+                                                state["clocks"].items()}, self.now())
+        self.version, self.global_version = state["version"], state["global_version"]
+        self.counters = {k: int(state["counters"].get(k, 0)) for k in ("pushes", "samples")}
+        self.ratio = state["ratio"]
 
 
 def _mean(grads: list[Any], size: int) -> np.ndarray | sparse.SparseGrad:
@@ -359,6 +373,21 @@ def _mean(grads: list[Any], size: int) -> np.ndarray | sparse.SparseGrad:
         sparse.scatter_add(total, g)
     total /= np.float32(len(grads))
     return total
+
+
+def _restored_table(run: RunConfig, clocks: dict[int, int], now: float) -> ssp.ClockTable:
+    """A clock table holding ``clocks`` (which kept the bound when saved). A fresh table clamps
+    joins to [min, min + s + 1] from 0, so the slowest worker is first walked up to its clock
+    with pushes, then the others join at theirs."""
+    table = ssp.ClockTable(run.staleness_bound, run.lease_s)
+    order = sorted(clocks, key=lambda w: clocks[w])
+    if order:
+        first = order[0]
+        for c in range(table.join(first, now, 0) + 1, clocks[first] + 1):
+            table.push(first, c, now)
+    for w in order[1:]:
+        table.join(w, now, clocks[w])
+    return table
 
 
 class TcpLink:

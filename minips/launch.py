@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from minips import metrics, transport
+from minips import checkpoint, metrics, transport
 from minips.config import LaunchConfig, ServerConfig
 from minips.errors import MiniPSError
 from minips.server import GlobalServer
@@ -278,9 +278,9 @@ def _plot(run_dir: Path) -> list[str]:
 
 async def serve_run(cfg: ServerConfig, *, announce: bool = True,
                     spawn_evaluator: bool = False) -> GlobalServer:
-    """Run a global server until its run is over; return it (closed) for inspection."""
-    init = np.load(cfg.init_path) if cfg.init_path else None
-    srv = GlobalServer(cfg, init)
+    """Run a global server until its run is over; return it (closed) for inspection.
+    With ``cfg.resume`` it starts from the checkpoint (refused if from another config)."""
+    srv = _make_server(cfg)
     port = await srv.start()
     if announce:
         _announce(cfg, port)
@@ -294,13 +294,23 @@ async def serve_run(cfg: ServerConfig, *, announce: bool = True,
     return srv
 
 
+def _make_server(cfg: ServerConfig) -> GlobalServer:
+    if not cfg.resume:
+        return GlobalServer(cfg, np.load(cfg.init_path) if cfg.init_path else None)
+    state = checkpoint.load(cfg.checkpoint_path or Path(cfg.run_dir) / "checkpoint.npz")
+    cfg.run.t0 = float(state["t0"])  # metrics keep one time axis across the restart
+    srv = GlobalServer(cfg, None)
+    srv.restore(state)
+    return srv
+
+
 def _announce(cfg: ServerConfig, port: int) -> None:
     host = cfg.host if cfg.host not in ("0.0.0.0", "") else "<this-host>"
     print(f"minips server listening on {cfg.host}:{port} ({cfg.run.mode}, "
           f"{cfg.run.compressor}, waiting for {cfg.run.workers} workers)\n"
           f"  join with:  MINIPS_TOKEN=... minips worker --connect {host}:{port}\n"
           f"  group:      MINIPS_TOKEN=... minips group --connect {host}:{port} "
-          f"--listen 0.0.0.0:7071", flush=True)
+          f"--listen <this-host>:7071", flush=True)
 
 
 def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False, announce: bool = True) -> None:

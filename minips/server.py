@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from minips import compressors, grouping, protocol, sparse, transport
-from minips.config import ServerConfig, dataset_train_size, server_ssl
+from minips import checkpoint, compressors, grouping, protocol, sparse, transport
+from minips.config import ServerConfig, check_bind, dataset_train_size, server_ssl
 from minips.errors import AuthError, ConfigError, RemoteProtocolError
 from minips.group import ExchangeResult, GroupServer
 from minips.metrics import RunDir
@@ -94,10 +94,13 @@ class GlobalServer:
         self.evaluated_final = asyncio.Event()
         self._weights_ready = asyncio.Event()
         self._grouped = asyncio.Event()
+        self._groups_opened = asyncio.Event()  # every group has its handle (ch may be None)
         self.regrouper = grouping.Regrouper(k=self.run.fixed_groups or None,
                                             max_k=self.run.max_groups)
         self._regroup_at = 0.0  # time.monotonic() of the last Regrouper update
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._restored: dict[str, Any] | None = None  # checkpoint state to resume from
+        self._saving: asyncio.Future[Any] | None = None  # checkpoint write in flight
         self.server: Any = None
         self.port = 0
         self.rundir = RunDir(cfg.run_dir, t0=self.run.t0)
@@ -109,12 +112,17 @@ class GlobalServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Listen, start the grouping deadline; return the bound port."""
+        """Listen, start the grouping deadline (or reopen the checkpoint's groups); return the
+        bound port. Refuses a non-loopback address without a secret unless ``insecure``."""
+        check_bind(self.cfg.host, self.cfg.token, self.cfg.insecure)
         ssl = server_ssl(self.cfg.tls_cert, self.cfg.tls_key)
         self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
                                             accept=self._accept, handler=self._handle, ssl=ssl)
         self.port = int(self.server.port)
-        self._spawn(self._grouping_deadline())
+        if self._restored is not None:
+            await self._reopen(self._restored)
+        else:
+            self._spawn(self._grouping_deadline())
         if self.cfg.ready_file:
             _write_atomic(self.cfg.ready_file, f"{self.cfg.host} {self.port}\n")
         return self.port
@@ -127,9 +135,13 @@ class GlobalServer:
                 await asyncio.wait_for(self.evaluated_final.wait(), self.cfg.linger_s)
 
     async def close(self) -> None:
-        """Save the final weights, close every connection and group server."""
+        """Save the final weights and a last checkpoint, close every connection and group."""
         if self.weights is not None:
             np.save(Path(self.cfg.run_dir) / "final_weights.npy", self.weights)
+        if self._saving is not None:
+            await asyncio.gather(self._saving, return_exceptions=True)
+        if self._grouped.is_set() and self.cfg.checkpoint_every_s > 0:
+            checkpoint.save(self.checkpoint_path, self.checkpoint_state())
         for g in self.groups.values():
             if g.server is not None:
                 await g.server.close()
@@ -155,9 +167,6 @@ class GlobalServer:
     def _admit_worker(self, wanted: int) -> int:
         if wanted < 0:
             wanted = next(i for i in range(len(self.workers) + 1) if i not in self.workers)
-        entry = self.workers.get(wanted)
-        if entry is not None and entry.ch is not None:
-            raise AuthError(f"worker id {wanted} is already connected")
         if wanted >= self.run.workers:
             raise AuthError(f"worker id {wanted} out of range 0..{self.run.workers - 1}")
         self.workers.setdefault(wanted, WorkerEntry(wanted))
@@ -179,14 +188,17 @@ class GlobalServer:
 
     async def _worker_session(self, ch: Any, w: int) -> None:
         entry = self.workers[w]
+        if entry.ch is not None:  # a restarted worker replaces its stale connection
+            self._spawn(entry.ch.close())
         entry.ch, entry.left = ch, False
         try:
             if entry.group >= 0:  # a reconnect after grouping: tell it its group again
-                await ch.send(self._assign_msg(self.groups[entry.group]))
+                await self._assign(entry, entry.group)
             while not entry.left:
                 self._on_worker_msg(entry, await ch.recv())
         finally:
-            entry.ch = None
+            if entry.ch is ch:
+                entry.ch = None
 
     def _on_worker_msg(self, entry: WorkerEntry, msg: Any) -> None:
         if isinstance(msg, protocol.Stats):
@@ -254,10 +266,16 @@ class GlobalServer:
         self.started_training = time.time()
         self._log("groups", assignment={str(w): g for w, g in assignment.items()},
                   ratios={str(g): h.ratio for g, h in self.groups.items()})
+        self._groups_opened.set()
         for w, g in assignment.items():
             await self._assign(self.workers[w], g)
+        self._start_budgets()
+
+    def _start_budgets(self) -> None:
         if self.run.wall_s > 0:
             self._spawn(self._wall_budget())
+        if self.cfg.checkpoint_every_s > 0:
+            self._spawn(self._checkpoint_loop())
 
     async def _open_group(self, g: int, members: list[int]) -> GroupHandle:
         assert self.weights is not None
@@ -317,7 +335,7 @@ class GlobalServer:
 
     async def _assign(self, entry: WorkerEntry, g: int) -> None:
         entry.group = g
-        if entry.ch is not None:
+        if entry.ch is not None and self.groups[g].address:  # "": its group server is away
             with contextlib.suppress(ConnectionError):
                 await entry.ch.send(self._assign_msg(self.groups[g]))
 
@@ -373,7 +391,7 @@ class GlobalServer:
             self.finished.set()
 
     async def _wall_budget(self) -> None:
-        await asyncio.sleep(self.run.wall_s)
+        await asyncio.sleep(max(0.0, self.run.wall_s - (time.time() - self.started_training)))
         self.finish("wall time")
 
     def finish(self, reason: str) -> None:
@@ -401,24 +419,53 @@ class GlobalServer:
     # -- external groups and the evaluator ---------------------------------------------------
 
     async def _group_session(self, ch: Any) -> None:
-        """A `minips group` process: initial PULL, then PUSH delta -> WEIGHTS, until it leaves."""
-        self.pending_groups.append(ch)
-        await self._grouped.wait()
+        """A `minips group` process: initial PULL, then PUSH delta -> WEIGHTS, until it leaves.
+        One that connects after the grouping adopts a group whose server was lost."""
+        if not self._groups_opened.is_set():
+            self.pending_groups.append(ch)
+            await self._groups_opened.wait()
         handle = next((h for h in self.groups.values() if h.ch is ch), None)
-        while handle is not None:
-            msg = await ch.recv()
-            if isinstance(msg, protocol.Pull):
-                await ch.send(self.weights_message(members=handle.members))
-            elif isinstance(msg, protocol.Push):
-                assert self.weights is not None
-                delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers,
-                                               self.weights.size)
-                res = self.merge(handle.id, np.asarray(delta), dict(msg.codec.get("stats", {})))
-                await ch.send(self.weights_message(res.weights))
-            elif isinstance(msg, protocol.Leave):
-                handle.final = True
-                self._check_budget()
-                return
+        if handle is None:
+            handle = await self._adopt(ch)
+        try:
+            while handle is not None and not await self._on_group_msg(ch, handle):
+                pass
+        finally:
+            if handle is not None and handle.ch is ch:
+                handle.ch = None
+                self._log("group_lost", group=handle.id)
+
+    async def _adopt(self, ch: Any) -> GroupHandle | None:
+        """Give a (re)started group process the group whose server is gone (its own first)."""
+        orphans = sorted((h for h in self.groups.values() if h.ch is None and h.server is None),
+                         key=lambda h: h.id != ch.peer_hello.group)
+        if not orphans:
+            await ch.send_error("refused", "every group already has a group server")
+            return None
+        handle = orphans[0]
+        handle.ch, handle.address = ch, ch.peer_hello.address
+        await ch.send(self._assign_msg(handle))
+        self._log("group_adopted", group=handle.id, address=handle.address)
+        for w in handle.members:
+            self._spawn(self._assign(self.workers[w], handle.id))
+        return handle
+
+    async def _on_group_msg(self, ch: Any, handle: GroupHandle) -> bool:
+        """Handle one message of a group process; True when it left."""
+        msg = await ch.recv()
+        if isinstance(msg, protocol.Pull):
+            await ch.send(self.weights_message(members=handle.members))
+        elif isinstance(msg, protocol.Push):
+            assert self.weights is not None
+            delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers,
+                                           self.weights.size)
+            res = self.merge(handle.id, np.asarray(delta), dict(msg.codec.get("stats", {})))
+            await ch.send(self.weights_message(res.weights))
+        elif isinstance(msg, protocol.Leave):
+            handle.final = True
+            self._check_budget()
+            return True
+        return False
 
     async def _evaluator_session(self, ch: Any) -> None:
         while True:
@@ -458,6 +505,77 @@ class GlobalServer:
             ch.peer_hello is not None and ch.peer_hello.role == "evaluator"
             for ch in self.server.channels)
 
+
+    # -- checkpoints (see checkpoint.py and docs/operations.md) --------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.cfg.checkpoint_path or Path(self.cfg.run_dir) / "checkpoint.npz")
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """A consistent snapshot (no await inside): global weights and counters, grouping, and
+        each in-process group's weights, optimizer state and clocks. Arrays are copies."""
+        assert self.weights is not None
+        groups = {g: {"members": list(h.members), "ratio": h.ratio, "step_time": h.step_time,
+                      "merges": h.merges, "state": None if h.server is None else
+                      h.server.state_dict()} for g, h in self.groups.items()}
+        workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock}
+                   for w, e in self.workers.items()}
+        return {"format": checkpoint.FORMAT, "saved_at": time.time(), "t0": self.run.t0,
+                "fingerprint": checkpoint.fingerprint(self.run.to_info(), self.weights.size),
+                "train_s": time.time() - self.started_training, "weights": self.weights.copy(),
+                "version": self.version, "samples": self.samples, "workers": workers,
+                "groups": groups}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's state (before ``start``); ``ConfigError`` when it belongs to
+        another model or config."""
+        weights = np.asarray(state["weights"], dtype=np.float32)
+        checkpoint.check_compatible(state, self.run.to_info(), weights.size)
+        self.weights, self.version, self.samples = weights, state["version"], state["samples"]
+        self._weights_ready.set()
+        for key, e in state["workers"].items():
+            self.workers[int(key)] = WorkerEntry(int(key), step_time=e["step_time"],
+                                                 clock=e["clock"], group=e["group"])
+        self._restored = state
+
+    async def _reopen(self, state: dict[str, Any]) -> None:
+        """Open the checkpoint's groups again (in-process ones with their saved state)."""
+        self._grouped.set()
+        for key, saved in sorted(state["groups"].items(), key=lambda kv: int(kv[0])):
+            g = int(key)
+            if self.cfg.external_groups:  # a group process adopts it when it connects
+                h = GroupHandle(g, "", list(saved["members"]), saved["ratio"])
+            else:
+                h = await self._open_group(g, list(saved["members"]))
+                if h.server is not None and saved["state"] is not None:
+                    h.server.load_state_dict(saved["state"])
+            h.ratio, h.step_time, h.merges = saved["ratio"], saved["step_time"], saved["merges"]
+            self.groups[g] = h
+        times = {w: e.step_time for w, e in self.workers.items() if e.step_time}
+        if times:
+            self.regrouper.update(times)
+            self.regrouper.assignment = {w: e.group for w, e in self.workers.items()
+                                         if e.step_time and e.group >= 0}
+        self.started_training = time.time() - float(state["train_s"])
+        self._groups_opened.set()
+        self._log("resumed", checkpoint=str(self.checkpoint_path), saved_at=state["saved_at"])
+        self._start_budgets()
+
+    async def _checkpoint_loop(self) -> None:
+        while not self.done:
+            await asyncio.sleep(self.cfg.checkpoint_every_s)
+            await self.save_checkpoint()
+
+    async def save_checkpoint(self) -> None:
+        """Snapshot now, write it in a thread (the loop keeps serving), log its size."""
+        t = time.monotonic()
+        state = self.checkpoint_state()
+        self._saving = asyncio.ensure_future(
+            asyncio.to_thread(checkpoint.save, self.checkpoint_path, state))
+        size = await asyncio.shield(self._saving)
+        self._log("checkpoint", bytes=size, write_s=time.monotonic() - t)
+
     # -- helpers -----------------------------------------------------------------------------
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -469,13 +587,6 @@ class GlobalServer:
     def _log(self, event: str, **fields: Any) -> None:
         self.writer.write({"t": time.time() - self.run.t0, "event": event, **fields,
                            "version": self.version, "samples": self.samples, **self.traffic()})
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint needs (weights, counters, grouping)."""
-        return {"weights": self.weights, "version": self.version, "samples": self.samples,
-                "groups": {g: (h.members, h.ratio) for g, h in self.groups.items()},
-                "done": self.done, "run": self.run.to_info()}
-
 
 class InProcLink:
     """GroupLink for a group server in the global server's process: a direct call."""

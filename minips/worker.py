@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from typing import Any
 
@@ -35,13 +36,15 @@ import torch
 
 from minips import data, models, protocol, sparse, transport
 from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address
-from minips.errors import MiniPSError, RemoteProtocolError
+from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
 
 __all__ = ["Worker", "run_worker", "run_evaluator", "evaluate_loop"]
 
 STATS_EVERY_S = 1.0  # how often the worker reports its step time to the global server
 ASSIGN_TIMEOUT_S = 300.0  # give up when no group is assigned after this long
+RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.1, 2.0  # group reconnect delays (doubling, jittered)
+RECONNECT_ATTEMPTS = 10_000  # control reconnect: reconnect_s bounds it, not the count
 
 
 class Link:
@@ -67,11 +70,16 @@ class Link:
             if isinstance(msg, kind):
                 return msg
             if isinstance(msg, (protocol.Error, protocol.Leave)):
-                raise _Stopped(getattr(msg, "reason", ""))
+                raise _Stopped(msg)
 
 
 class _Stopped(MiniPSError):
-    """The server ended the session (LEAVE / ERROR)."""
+    """The server ended the session: LEAVE "done" or ERROR end the run, another LEAVE (a group
+    server shutting down) only this connection."""
+
+    def __init__(self, msg: Any) -> None:
+        super().__init__(f"{type(msg).__name__}: {msg.reason}")
+        self.final = isinstance(msg, protocol.Error) or msg.reason == "done"
 
 
 def _payload_bytes(msg: Any) -> int:
@@ -86,7 +94,8 @@ class Worker:
         self.id = cfg.worker_id
         self.run_cfg = RunConfig()
         self.assign: Any = None  # latest ASSIGN
-        self._assigned = asyncio.Event()
+        self._assigned = asyncio.Event()  # the first ASSIGN (or the end) arrived
+        self._assign_changed = asyncio.Event()  # set by every ASSIGN; cleared by its waiter
         self.done = False  # the server said the run is over
         self.clock = 0
         self.samples = 0
@@ -102,8 +111,9 @@ class Worker:
         info = dict(self.ctl.welcome_info)
         self.id = int(info.get("worker_id", self.cfg.worker_id))
         self.run_cfg = RunConfig.from_info(info)
+        self.ctl.start_heartbeat(self.run_cfg.heartbeat_s)
         self._setup()
-        reader = asyncio.create_task(self._read_control())
+        reader = asyncio.create_task(self._control_loop())
         try:
             if info.get("need_init"):
                 await self._send_initial()
@@ -144,7 +154,7 @@ class Worker:
         times, loss = [], 0.0
         for _ in range(max(1, self.run_cfg.calib_steps)):
             t = time.perf_counter()
-            loss, _ = self._gradient(*self.first_batch)
+            loss, _ = await asyncio.to_thread(self._gradient, *self.first_batch)
             times.append(await self._stretch(time.perf_counter() - t))
         # The fastest step: other processes starting up only ever make a step slower.
         await self.ctl.send(protocol.Stats(clock=0, step_time=float(np.min(times)),
@@ -152,8 +162,26 @@ class Worker:
         self._stats_at = time.monotonic()
         self._recent: list[float] = []  # step times since the last STATS
 
+    async def _control_loop(self) -> None:
+        """Read the control channel; when the global server is lost mid-run, reconnect with
+        backoff (it may come back with --resume) until ``reconnect_s`` has passed."""
+        while not self.done:
+            await self._read_control()
+            if self.done:
+                return
+            self._event("control_lost")
+            try:
+                self.ctl = await _connect(self.cfg, self.cfg.server_host, self.cfg.server_port,
+                                          "worker", self.id, timeout=self.cfg.reconnect_s,
+                                          retries=RECONNECT_ATTEMPTS)
+            except (ConnectionError, AuthError) as exc:
+                self._event("control_gave_up", reason=str(exc))
+                return
+            self.ctl.start_heartbeat(self.run_cfg.heartbeat_s)
+            self._event("control_back")
+
     async def _read_control(self) -> None:
-        """Control channel: ASSIGN (group, ratio), LEAVE "done"."""
+        """Control channel: ASSIGN (group, ratio), LEAVE "done"; returns when it closes."""
         with contextlib.suppress(ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError):
             while True:
                 msg = await self.ctl.recv()
@@ -161,27 +189,63 @@ class Worker:
                     self.assign = msg
                     self.compressor.set_ratio(msg.ratio)
                     self._assigned.set()
-                elif isinstance(msg, (protocol.Leave, protocol.Error)):
-                    self.done = True
-                    self._assigned.set()
+                    self._assign_changed.set()
+                elif isinstance(msg, protocol.Error) or (isinstance(msg, protocol.Leave)
+                                                         and msg.reason == "done"):
+                    self._end()
                     return
+                elif isinstance(msg, protocol.Leave):
+                    return
+
+    def _end(self) -> None:
+        self.done = True
+        self._assigned.set()
+        self._assign_changed.set()
+
+    def _event(self, event: str, **fields: Any) -> None:
+        if self.writer is not None:
+            self.writer.write({"t": time.time() - self.run_cfg.t0, "worker": self.id,
+                               "event": event, "clock": self.clock, **fields})
 
     # -- training ----------------------------------------------------------------------------
 
     async def _train(self) -> None:
         while not self.done:
-            address = self.assign.address
-            host, port = parse_address(address)
-            ch = await _connect(self.cfg, host, port, "worker", self.id)
+            ch = await self._connect_group()
+            if ch is None:
+                return
             link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s)
             try:
                 ack = await link.expect(protocol.Ack)
-                self.clock = int(ack.clock)
-                await self._loop(link, address)
-            except (_Stopped, ConnectionError, asyncio.IncompleteReadError):
-                self.done = True
+                self.clock = int(ack.clock)  # the group's clock for us: pull before pushing
+                await self._loop(link, self.assign.address)
+            except _Stopped as exc:
+                self.done = self.done or exc.final
+            except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError) as exc:
+                self._event("group_lost", reason=str(exc))  # reconnect on the next turn
             finally:
                 await _leave(ch)
+
+    async def _connect_group(self) -> Any:
+        """Connect to the assigned group server, retrying with backoff and jitter (and at once
+        when a new ASSIGN arrives) for up to ``reconnect_s``; None once the run is done."""
+        deadline = time.monotonic() + self.cfg.reconnect_s
+        delay = RECONNECT_FIRST_S
+        while not self.done:
+            host, port = parse_address(self.assign.address)
+            try:
+                return await _connect(self.cfg, host, port, "worker", self.id,
+                                      group=self.assign.group, retries=0)
+            except (ConnectionError, AuthError) as exc:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"group server lost for {self.cfg.reconnect_s} s: "
+                                          f"{exc}") from None
+            self._assign_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._assign_changed.wait(),
+                                       delay * random.uniform(0.5, 1.0))
+            delay = min(2 * delay, RECONNECT_MAX_S)
+        return None
 
     async def _loop(self, link: Link, address: str) -> None:
         """Steps on one group server until done, the cap, or a new group address."""
@@ -204,7 +268,8 @@ class Worker:
         weights = sparse.decode_gradient(w.encoding, w.codec, w.buffers, self.compressor.size)
         models.set_flat(self.model, np.asarray(weights))
         epoch, xb, yb = next(self.stream)
-        loss, grad = self._gradient(xb, yb)
+        # In a thread: the event loop keeps sending heartbeats during a long step.
+        loss, grad = await asyncio.to_thread(self._gradient, xb, yb)
         self.compressor.set_epoch(self.samples / max(1, self.shard_size))
         self.compressor.observe_loss(loss)
         packet = self.compressor.compress(grad)
@@ -242,7 +307,7 @@ class Worker:
         if time.monotonic() - self._stats_at >= STATS_EVERY_S:
             self._stats_at = time.monotonic()
             median, self._recent = float(np.median(self._recent)), []
-            with contextlib.suppress(ConnectionError):
+            with contextlib.suppress(ConnectionError, MiniPSError):
                 await self.ctl.send(protocol.Stats(clock=self.clock, step_time=median,
                                                    loss=loss, samples=self.samples))
 
@@ -260,10 +325,13 @@ class Worker:
             "link_bytes_down": link.ch.bytes_received})
 
 
-async def _connect(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int) -> Any:
-    return await transport.connect(host, port, role=role, worker_id=worker_id, token=cfg.token,
-                                   timeout=cfg.connect_timeout_s,
-                                   ssl=client_ssl(cfg.tls_ca))
+async def _connect(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int, *,
+                   group: int = -1, timeout: float | None = None, retries: int = 5) -> Any:
+    """One connection (``retries`` more attempts with backoff) within ``timeout`` seconds."""
+    timeout = cfg.connect_timeout_s if timeout is None else timeout
+    return await transport.connect(host, port, role=role, worker_id=worker_id, group=group,
+                                   token=cfg.token, timeout=timeout, ssl=client_ssl(cfg.tls_ca),
+                                   retries=retries)
 
 
 async def _leave(ch: Any) -> None:

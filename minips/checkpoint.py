@@ -1,0 +1,122 @@
+"""Atomic checkpoints: a nested map of plain values and numpy arrays in one ``.npz`` file.
+
+A checkpoint is written to a temporary file next to its final name, flushed and fsync'ed, then
+renamed over the old one (``os.replace`` is atomic on POSIX) and the directory entry fsync'ed: a
+crash at any moment leaves either the previous checkpoint or the new one, never half of one.
+
+Format (no pickle anywhere): an ``np.savez`` archive whose members are the state's arrays, named
+by their path in the nested map (``groups/0/weights``), plus ``__meta__``, a uint8 array holding
+the UTF-8 JSON of the map with every array replaced by ``{"__array__": name}``. Loading uses
+``allow_pickle=False``; JSON maps have string keys, so readers convert ids back to ints.
+
+A checkpoint carries a *fingerprint* of the run settings that define the model and its training
+(``FINGERPRINT_FIELDS`` plus the vector size). ``check_compatible`` refuses a checkpoint whose
+fingerprint differs from the run that wants to resume it, naming every field that differs.
+
+Invariants: ``load(save(p, s)) == s`` for maps of str keys, JSON scalars, lists and arrays;
+``save`` never leaves a partial file under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minips.errors import ConfigError, DataError
+
+__all__ = ["FORMAT", "FINGERPRINT_FIELDS", "fingerprint", "check_compatible", "save", "load"]
+
+FORMAT = 1  # bump when the meaning of the stored map changes
+META = "__meta__"  # archive member that holds the JSON map
+FINGERPRINT_FIELDS = ("model", "dataset", "mode", "workers", "groups", "batch_size", "lr",
+                      "momentum", "weight_decay", "staleness", "sync_every", "merge",
+                      "compressor", "ratio", "seed")  # RunConfig fields a resume must share
+
+
+def fingerprint(run_info: dict[str, Any], size: int) -> dict[str, Any]:
+    """The run settings a checkpoint is only valid for, plus the model's vector size."""
+    return {**{k: run_info.get(k) for k in FINGERPRINT_FIELDS}, "size": int(size)}
+
+
+def check_compatible(state: dict[str, Any], run_info: dict[str, Any], size: int) -> None:
+    """Raise ``ConfigError`` naming each field where the checkpoint and this run differ."""
+    if state.get("format") != FORMAT:
+        raise ConfigError(f"checkpoint format {state.get('format')!r}, this build reads {FORMAT}")
+    saved, ours = state.get("fingerprint", {}), fingerprint(run_info, size)
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in ours.items()
+            if saved.get(k) != v]
+    if diff:
+        raise ConfigError("checkpoint is from another model/config: " + "; ".join(diff))
+
+
+def _split(obj: Any, path: str, arrays: dict[str, np.ndarray]) -> Any:
+    """The JSON-able copy of ``obj`` with its arrays moved into ``arrays`` (by path)."""
+    if isinstance(obj, np.ndarray):
+        arrays[path] = obj
+        return {"__array__": path}
+    if isinstance(obj, dict):
+        return {str(k): _split(v, f"{path}/{k}", arrays) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_split(v, f"{path}/{i}", arrays) for i, v in enumerate(obj)]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _join(obj: Any, arrays: Any) -> Any:
+    """Inverse of ``_split``: put the arrays back in place."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__array__"}:
+            return np.array(arrays[obj["__array__"]])
+        return {k: _join(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_join(v, arrays) for v in obj]
+    return obj
+
+
+def save(path: str | Path, state: dict[str, Any]) -> int:
+    """Write ``state`` atomically to ``path`` (temp file, fsync, rename); return its bytes."""
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {}
+    meta = json.dumps(_split(state, "", arrays)).encode()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **{META: np.frombuffer(meta, np.uint8)}, **arrays)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return path.stat().st_size
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable (the directory entry), where the platform allows it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint written by ``save``; ``DataError`` when it is missing or damaged."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z[META]).decode())
+            return dict(_join(meta, z))
+    except FileNotFoundError:
+        raise DataError(f"no checkpoint at {path}") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise DataError(f"checkpoint {path} is damaged: {exc}") from None
