@@ -313,6 +313,10 @@ class GroupServer:
         await ch.send(await self.answer_pull(w))
 
     async def _send_push(self, ch: Any, w: int, msg: Any) -> None:
+        if w not in self.table:  # its lease expired while it was silent: rejoin and pull first
+            await ch.send(protocol.Error(code="lease", reason=f"worker {w}: lease expired, "
+                                         "reconnect and pull the current weights"))
+            raise ConnectionResetError("lease expired")
         try:
             ack = self.on_push(w, msg)
         except ssp.ClockError as exc:

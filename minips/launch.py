@@ -298,6 +298,7 @@ def _make_server(cfg: ServerConfig) -> GlobalServer:
     if not cfg.resume:
         return GlobalServer(cfg, np.load(cfg.init_path) if cfg.init_path else None)
     state = checkpoint.load(cfg.checkpoint_path or Path(cfg.run_dir) / "checkpoint.npz")
+    checkpoint.check_compatible(state, cfg.run.to_info(), np.asarray(state["weights"]).size)
     cfg.run.t0 = float(state["t0"])  # metrics keep one time axis across the restart
     srv = GlobalServer(cfg, None)
     srv.restore(state)

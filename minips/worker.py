@@ -79,7 +79,10 @@ class _Stopped(MiniPSError):
 
     def __init__(self, msg: Any) -> None:
         super().__init__(f"{type(msg).__name__}: {msg.reason}")
-        self.final = isinstance(msg, protocol.Error) or msg.reason == "done"
+        if isinstance(msg, protocol.Error):
+            self.final = msg.code != "lease"  # an expired lease only asks for a rejoin
+        else:
+            self.final = msg.reason == "done"
 
 
 def _payload_bytes(msg: Any) -> int:

@@ -1,0 +1,191 @@
+"""Faults with real processes on loopback: workers killed (-9), stopped and restarted; the global
+server killed and resumed from its checkpoint; a group server killed and restarted.
+
+Each test starts `python -m minips server|group|worker` processes exactly as on several machines,
+injects the fault with a signal, and waits on files (ready file, metrics, checkpoint) with
+deadlines. Accuracy is measured on the final weights the server writes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from minips import checkpoint, data, models
+from minips.launch import write_init
+from minips.metrics import read_jsonl
+
+TOKEN = "faults-secret"
+EVAL_SAMPLES = 2000  # test samples for the final accuracy (enough to tell 75% from chance)
+
+
+def wait_for(what: str, cond: Callable[[], Any], timeout: float,
+             procs: tuple[subprocess.Popen[bytes], ...] = ()) -> Any:
+    """Poll ``cond`` until it is truthy; fail naming ``what`` after ``timeout`` seconds or when
+    a process that must stay up exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        for p in procs:
+            assert p.poll() is None, f"{p.args} exited with {p.returncode} while waiting: {what}"
+        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+        time.sleep(0.1)
+
+
+def records(path: Path, **match: Any) -> list[dict[str, Any]]:
+    """JSON-lines records of ``path`` whose fields equal ``match`` ([] while it is missing)."""
+    if not path.exists():
+        return []
+    return [r for r in read_jsonl(path) if all(r.get(k) == v for k, v in match.items())]
+
+
+def steps(path: Path) -> list[dict[str, Any]]:
+    return [r for r in records(path) if "event" not in r]
+
+
+class Procs:
+    """The processes of one test; every one of them is killed at the end."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.env = {**os.environ, "MINIPS_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
+        self.all: list[subprocess.Popen[bytes]] = []
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        log = open(self.run_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen([sys.executable, "-m", "minips", *args], env=self.env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        self.all.append(proc)
+        return proc
+
+    def server(self, *run_flags: str, port: int = 0, resume: bool = False) -> tuple[Any, str]:
+        ready = self.run_dir / "server.addr"
+        ready.unlink(missing_ok=True)
+        extra = ["--resume"] if resume else ["--init", str(self.run_dir / "init.npy")]
+        proc = self.start("server", "server", "--port", str(port), "--run-dir",
+                          str(self.run_dir), "--ready-file", str(ready), "--quiet",
+                          "--checkpoint-every", "1", *extra, *run_flags)
+        wait_for("server ready", ready.exists, 60, (proc,))
+        host, p = ready.read_text().split()
+        return proc, f"{host}:{p}"
+
+    def worker(self, address: str, i: int) -> subprocess.Popen[bytes]:
+        return self.start(f"worker-{i}", "worker", "--connect", address, "--id", str(i),
+                          "--run-dir", str(self.run_dir), "--reconnect", "60")
+
+    def kill_all(self) -> None:
+        for p in self.all:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    write_init(tmp_path, "lenet5", 0)
+    ps = Procs(tmp_path)
+    try:
+        yield ps
+    finally:
+        ps.kill_all()
+
+
+def final_accuracy(run_dir: Path) -> float:
+    test = data.load_dataset("fashion-mnist", "test")
+    test = test.subset(np.arange(EVAL_SAMPLES))
+    acc, _ = models.evaluate("lenet5", np.load(run_dir / "final_weights.npy"), test)
+    return float(acc)
+
+
+def samples_now(run_dir: Path) -> int:
+    merges = records(run_dir / "global.jsonl", event="merge")
+    return int(merges[-1]["samples"]) if merges else 0
+
+
+RUN = ("--mode", "ssp", "--staleness", "3", "--lr", "0.05", "--compressor", "none",
+       "--base-step", "0.02", "--calib-timeout", "30")
+
+
+@pytest.mark.timeout(240)
+def test_worker_killed_then_restarted_rejoins_and_training_finishes(procs: Procs) -> None:
+    d = procs.run_dir
+    server, address = procs.server(*RUN, "--workers", "3", "--epochs", "1.5")
+    workers = [procs.worker(address, i) for i in range(3)]
+    wait_for("worker 1 trains", lambda: len(steps(d / "worker-1.jsonl")) >= 30, 120, (server,))
+
+    workers[1].send_signal(signal.SIGKILL)
+    workers[1].wait()
+    killed_at = samples_now(d)
+    clock_at_kill = steps(d / "worker-1.jsonl")[-1]["clock"]
+    # The others keep training without it (its connection closed with the process).
+    wait_for("others train on", lambda: samples_now(d) > killed_at + 3000, 60, (server,))
+
+    before = len(steps(d / "worker-1.jsonl"))
+    restarted = procs.worker(address, 1)
+    wait_for("worker 1 pushes again", lambda: len(steps(d / "worker-1.jsonl")) >= before + 10,
+             90, (server,))
+    first_new = steps(d / "worker-1.jsonl")[before]
+    assert first_new["clock"] > clock_at_kill + 1  # rejoined at the group's clock, not at 0
+
+    assert server.wait(timeout=120) == 0
+    for p in (workers[0], workers[2], restarted):
+        assert p.wait(timeout=30) == 0
+    assert samples_now(d) >= 1.5 * 60000
+    assert final_accuracy(d) >= 0.75
+
+
+@pytest.mark.timeout(240)
+def test_global_server_killed_then_resumed_from_checkpoint(procs: Procs) -> None:
+    d = procs.run_dir
+    server, address = procs.server(*RUN, "--workers", "2", "--epochs", "1.2")
+    port = int(address.rsplit(":", 1)[1])
+    workers = [procs.worker(address, i) for i in range(2)]
+    ckpt = d / "checkpoint.npz"
+    wait_for("a checkpoint after some training", lambda: ckpt.exists() and
+             checkpoint.load(ckpt)["samples"] >= 15000, 120, (server,))
+
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    saved = checkpoint.load(ckpt)
+    lost = samples_now(d) - saved["samples"]  # merged after the last checkpoint: lost
+    assert 0 <= lost <= 2 * 60000 * 1.0  # bounded by one checkpoint period of training
+
+    server, _ = procs.server(*RUN, "--workers", "2", "--epochs", "1.2", port=port, resume=True)
+    resumed = records(d / "global.jsonl", event="resumed")
+    assert resumed, "the server logged no resume"
+    wait_for("workers push to the resumed server",
+             lambda: samples_now(d) > saved["samples"] + 2000, 90, (server,))
+    assert server.wait(timeout=120) == 0
+    for p in workers:
+        assert p.wait(timeout=30) == 0
+    final = np.load(d / "final_weights.npy")
+    assert not np.array_equal(final, saved["weights"])  # trained on from the checkpoint
+    assert samples_now(d) >= 1.2 * 60000
+    assert final_accuracy(d) >= 0.75
+
+
+@pytest.mark.timeout(60)
+def test_resume_refuses_a_checkpoint_of_another_config(procs: Procs) -> None:
+    d = procs.run_dir
+    run = dict(model="lenet5", dataset="fashion-mnist", mode="ssp", workers=2)
+    state = {"format": checkpoint.FORMAT, "fingerprint": checkpoint.fingerprint(run, 10),
+             "weights": np.zeros(10, np.float32)}
+    checkpoint.save(d / "checkpoint.npz", state)
+    out = subprocess.run([sys.executable, "-m", "minips", "server", "--port", "0", "--run-dir",
+                          str(d), "--resume", "--mode", "bsp", "--workers", "2", "--quiet"],
+                         env=procs.env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 2
+    assert "another model/config" in out.stderr and "mode" in out.stderr
