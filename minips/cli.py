@@ -222,7 +222,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
 
 
 def _cmd_group(args: argparse.Namespace) -> int:
-    from minips.group import run_group_process
+    from minips.group_process import run_group_process
 
     shost, sport = parse_address(args.connect)
     host, port = parse_address(args.listen, 7071)

@@ -32,12 +32,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import optim, protocol, sparse, ssp, transport
-from minips.config import GroupConfig, RunConfig, client_ssl, dataset_train_size, server_ssl
+from minips.config import RunConfig, dataset_train_size
 from minips.errors import AuthError, RemoteProtocolError
-from minips.metrics import JsonlWriter, RunDir
+from minips.metrics import JsonlWriter
 
-__all__ = ["ExchangeResult", "GroupLink", "GroupServer", "TcpLink", "serve_group",
-           "run_group_process"]
+__all__ = ["ExchangeResult", "GroupLink", "GroupServer"]
 
 EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
 
@@ -215,12 +214,17 @@ class GroupServer:
         sent = self.weights.copy()  # (n,) float32 snapshot of what the delta covers
         stats = self._take_stats(final)
         t = self.now()
-        res = await self.link.exchange(self.group, sent - self.w_sync, stats)
+        try:
+            res = await self.link.exchange(self.group, sent - self.w_sync, stats)
+        except ConnectionError:  # the global server is away: keep the delta and the counts
+            self._untake_stats(stats)
+            self.finished = self.finished and not final
+            return
         # Pushes applied while the exchange was in flight are kept on top of the global weights.
         self.weights += res.weights - sent
         self.w_sync = res.weights
         self.global_version = res.version
-        self._log("exchange", exchange_s=self.now() - t, global_version=res.version,
+        self.log("exchange", exchange_s=self.now() - t, global_version=res.version,
                   min_clock=stats["min_clock"], max_clock=stats["max_clock"])
         if res.done and not self.done:
             self.finish()
@@ -232,6 +236,22 @@ class GroupServer:
                  "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
         self._since_sync = {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
         return stats
+
+    def _untake_stats(self, stats: dict[str, Any]) -> None:
+        s, n = self._since_sync, stats["pushes"]
+        s["pushes"] += n
+        s["samples"] += stats["samples"]
+        s["step_time"] += stats["step_time"] * n
+        s["loss"] += stats["loss"] * n
+
+    def reload(self, weights: np.ndarray, link: GroupLink) -> None:
+        """Reconnected to a (restarted) global server: take its weights, keep what this group
+        applied since its last exchange on top (sent with the next exchange), keep clocks and
+        optimizer state."""
+        g = np.asarray(weights, dtype=np.float32)  # (n,) global weights
+        self.weights = g + (self.weights - self.w_sync)
+        self.w_sync = g.copy()
+        self.link = link
 
     async def flush(self, final: bool = False) -> None:
         """Wait for the exchange in flight, then send what is left (``final``: the last one)."""
@@ -342,7 +362,7 @@ class GroupServer:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _log(self, event: str, **fields: Any) -> None:
+    def log(self, event: str, **fields: Any) -> None:
         if self.writer is not None:
             self.writer.write({"t": time.time() - self.run.t0, "event": event, "group": self.group,
                                **fields, "version": self.version, **self.counters,
@@ -392,91 +412,3 @@ def _restored_table(run: RunConfig, clocks: dict[int, int], now: float) -> ssp.C
     for w in order[1:]:
         table.join(w, now, clocks[w])
     return table
-
-
-class TcpLink:
-    """GroupLink over TCP for a `minips group` process: PUSH the delta, wait for WEIGHTS.
-
-    The group's counters travel in the PUSH's codec map under "stats". A reader task owns the
-    channel: WEIGHTS answer the exchange in flight, LEAVE "done" finishes the group.
-    """
-
-    def __init__(self, ch: Any) -> None:
-        self.ch = ch
-        self.group: GroupServer | None = None
-        self._reply: asyncio.Future[Any] | None = None
-        self.closed = asyncio.Event()
-
-    async def request(self, msg: Any) -> Any:
-        """Send ``msg`` and wait for the WEIGHTS that answers it."""
-        self._reply = asyncio.get_running_loop().create_future()
-        await self.ch.send(msg)
-        return await self._reply
-
-    async def exchange(self, group: int, delta: np.ndarray,
-                       stats: dict[str, Any]) -> ExchangeResult:
-        encoding, codec, buffers = sparse.encode_gradient(delta)
-        reply = await self.request(protocol.Push(
-            clock=stats["version"], step_time=stats["step_time"], loss=stats["loss"],
-            samples=stats["samples"], encoding=encoding, codec={**codec, "stats": stats},
-            buffers=tuple(buffers)))
-        w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
-        return ExchangeResult(np.asarray(w, dtype=np.float32), reply.version, reply.done)
-
-    async def read(self) -> None:
-        """Dispatch what the global server sends until the channel closes."""
-        try:
-            while True:
-                msg = await self.ch.recv()
-                if isinstance(msg, protocol.Weights) and self._reply and not self._reply.done():
-                    self._reply.set_result(msg)
-                elif isinstance(msg, protocol.Assign) and self.group is not None:
-                    self.group.ratio = msg.ratio
-                elif isinstance(msg, protocol.Leave) and self.group is not None:
-                    self.group.finish()
-        except (ConnectionError, RemoteProtocolError) as exc:
-            if self._reply is not None and not self._reply.done():
-                self._reply.set_exception(ConnectionError(f"global server gone: {exc}"))
-        finally:
-            self.closed.set()
-
-
-async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer:
-    """Listen, register with the global server, take the group it assigns; serve until done."""
-    gs = GroupServer(-1, RunConfig(), None, None)
-    port = await gs.serve(cfg.host, cfg.port, cfg.token, server_ssl(cfg.tls_cert, cfg.tls_key))
-    address = f"{cfg.advertise_host or _public(cfg.host)}:{port}"
-    ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
-                                 token=cfg.token, timeout=cfg.connect_timeout_s,
-                                 ssl=client_ssl(cfg.tls_ca))
-    if announce:
-        print(f"minips group listening on {address}, registered with "
-              f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
-    link = TcpLink(ch)
-    assign = await ch.recv()
-    if not isinstance(assign, protocol.Assign):
-        raise RemoteProtocolError("expected ASSIGN", got=type(assign).__name__)
-    reader = asyncio.create_task(link.read())
-    init = await link.request(protocol.Pull(clock=0))
-    weights = sparse.decode_gradient(init.encoding, init.codec, init.buffers,
-                                     int(init.info["size"]))
-    gs.setup(int(assign.group), RunConfig.from_info(ch.welcome_info), np.asarray(weights), link,
-             [int(w) for w in init.info.get("members", [])])
-    gs.writer = RunDir(cfg.run_dir, t0=gs.run.t0).writer(f"group-{gs.group}")
-    link.group = gs
-    while not gs.finished and not link.closed.is_set():
-        await asyncio.sleep(0.2)
-    reader.cancel()
-    await gs.close()
-    await ch.close(leave="done")
-    return gs
-
-
-def _public(host: str) -> str:
-    return "127.0.0.1" if host in ("", "0.0.0.0") else host
-
-
-def run_group_process(cfg: GroupConfig) -> None:
-    """`minips group`: register with the global server, then serve the assigned workers."""
-    transport.install_uvloop()
-    asyncio.run(serve_group(cfg))

@@ -189,3 +189,40 @@ def test_resume_refuses_a_checkpoint_of_another_config(procs: Procs) -> None:
                          env=procs.env, capture_output=True, text=True, timeout=50)
     assert out.returncode == 2
     assert "another model/config" in out.stderr and "mode" in out.stderr
+
+
+@pytest.mark.timeout(240)
+def test_group_server_killed_others_continue_and_restart_rejoins(procs: Procs) -> None:
+    d = procs.run_dir
+    server, address = procs.server("--mode", "gssp", "--groups", "2", "--lr", "0.05",
+                                   "--base-step", "0.02", "--workers", "4", "--epochs", "1.0",
+                                   "--external-groups", "2", "--calib-timeout", "60")
+    group_args = ("group", "--connect", address, "--listen", "127.0.0.1:0", "--run-dir", str(d))
+    groups = [procs.start(f"group-{i}", *group_args) for i in range(2)]
+    for i, f in enumerate((1, 1, 3, 3)):
+        procs.start(f"worker-{i}", "worker", "--connect", address, "--id", str(i),
+                    "--slowdown", str(f), "--run-dir", str(d), "--reconnect", "60")
+    wait_for("both groups merged", lambda: {r["group"] for r in records(
+        d / "global.jsonl", event="merge")} == {0, 1}, 120, (server, *groups))
+
+    groups[0].send_signal(signal.SIGKILL)
+    groups[0].wait()
+    lost = wait_for("the global server notices", lambda: records(d / "global.jsonl",
+                                                                 event="group_lost"), 30)[0]
+    g, other = lost["group"], 1 - lost["group"]
+    merges = len(records(d / "global.jsonl", event="merge", group=other))
+    wait_for("the other group trains on", lambda: len(records(
+        d / "global.jsonl", event="merge", group=other)) >= merges + 10, 60, (server,))
+
+    procs.start("group-restarted", *group_args)
+    wait_for("a new group process adopts the group", lambda: records(
+        d / "global.jsonl", event="group_adopted", group=g), 30, (server,))
+    members = [w for w in range(4) if any(r.get("group") == g for r in steps(
+        d / f"worker-{w}.jsonl"))]
+    before = {w: len(steps(d / f"worker-{w}.jsonl")) for w in members}
+    wait_for("its workers push again", lambda: all(
+        len(steps(d / f"worker-{w}.jsonl")) >= before[w] + 5 for w in members), 60, (server,))
+    merges_g = len(records(d / "global.jsonl", event="merge", group=g))
+    wait_for("its deltas reach the global server", lambda: len(records(
+        d / "global.jsonl", event="merge", group=g)) > merges_g, 60, (server,))
+    assert server.wait(timeout=150) == 0

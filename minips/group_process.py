@@ -1,0 +1,147 @@
+"""A group server as its own process (`minips group`): the TCP link to the global server.
+
+``serve_group`` listens for the group's workers first (so their address is known), registers
+with the global server as role ``group`` (HELLO.address = where its workers connect), takes the
+group id from ASSIGN, PULLs the global weights (WEIGHTS.info: ``size``, ``members``) and serves
+until the global server says ``done``. ``TcpLink`` carries each exchange: PUSH(delta, counters in
+``codec["stats"]``) -> WEIGHTS.
+
+Faults: when the global server is lost, the group keeps serving its workers (their pushes are
+applied locally; exchanges wait) and reconnects with backoff and jitter for ``reconnect_s``; on
+reconnect it takes the global weights and keeps its own not-yet-sent delta on top
+(``GroupServer.reload``), so a global server resumed from a checkpoint gets this group's work
+since its last exchange. A replacement group process is given a group whose server is gone
+(``GlobalServer._adopt``) and starts from the global weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from minips import protocol, sparse, transport
+from minips.config import GroupConfig, RunConfig, check_bind, client_ssl, server_ssl
+from minips.errors import RemoteProtocolError
+from minips.group import ExchangeResult, GroupServer
+from minips.metrics import RunDir
+
+__all__ = ["TcpLink", "serve_group", "run_group_process"]
+
+RECONNECT_ATTEMPTS = 10_000  # reconnect_s bounds the reconnect, not the count
+POLL_S = 0.2  # how often the serving loop looks at the link and the group
+
+
+class TcpLink:
+    """GroupLink over TCP for a `minips group` process: PUSH the delta, wait for WEIGHTS.
+
+    The group's counters travel in the PUSH's codec map under "stats". A reader task owns the
+    channel: WEIGHTS answer the exchange in flight, LEAVE "done" finishes the group.
+    """
+
+    def __init__(self, ch: Any) -> None:
+        self.ch = ch
+        self.group: GroupServer | None = None
+        self._reply: asyncio.Future[Any] | None = None
+        self.closed = asyncio.Event()
+        self.reader: asyncio.Task[None] = asyncio.ensure_future(asyncio.sleep(0))
+
+    async def request(self, msg: Any) -> Any:
+        """Send ``msg`` and wait for the WEIGHTS that answers it (``ConnectionError`` when the
+        global server is gone)."""
+        if self.closed.is_set():
+            raise ConnectionError("global server link is closed")
+        self._reply = asyncio.get_running_loop().create_future()
+        await self.ch.send(msg)
+        return await self._reply
+
+    async def exchange(self, group: int, delta: np.ndarray,
+                       stats: dict[str, Any]) -> ExchangeResult:
+        encoding, codec, buffers = sparse.encode_gradient(delta)
+        reply = await self.request(protocol.Push(
+            clock=stats["version"], step_time=stats["step_time"], loss=stats["loss"],
+            samples=stats["samples"], encoding=encoding, codec={**codec, "stats": stats},
+            buffers=tuple(buffers)))
+        w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
+        return ExchangeResult(np.asarray(w, dtype=np.float32), reply.version, reply.done)
+
+    async def read(self) -> None:
+        """Dispatch what the global server sends until the channel closes."""
+        try:
+            while True:
+                msg = await self.ch.recv()
+                if isinstance(msg, protocol.Weights) and self._reply and not self._reply.done():
+                    self._reply.set_result(msg)
+                elif isinstance(msg, protocol.Assign) and self.group is not None:
+                    self.group.ratio = msg.ratio
+                elif isinstance(msg, protocol.Leave) and self.group is not None:
+                    self.group.finish()
+        except (ConnectionError, RemoteProtocolError) as exc:
+            if self._reply is not None and not self._reply.done():
+                self._reply.set_exception(ConnectionError(f"global server gone: {exc}"))
+        finally:
+            self.closed.set()
+            if self._reply is not None and not self._reply.done():
+                self._reply.set_exception(ConnectionError("global server link closed"))
+
+
+async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
+                    timeout: float) -> TcpLink:
+    """Connect as role ``group``, take ASSIGN and the global weights; (re)load the group."""
+    ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
+                                 group=gs.group, token=cfg.token, timeout=timeout,
+                                 retries=RECONNECT_ATTEMPTS, ssl=client_ssl(cfg.tls_ca))
+    link = TcpLink(ch)
+    assign = await ch.recv()
+    if not isinstance(assign, protocol.Assign):
+        await ch.close()
+        raise RemoteProtocolError("expected ASSIGN", got=type(assign).__name__)
+    link.reader = asyncio.create_task(link.read())
+    init = await link.request(protocol.Pull(clock=0))
+    weights = np.asarray(sparse.decode_gradient(init.encoding, init.codec, init.buffers,
+                                                int(init.info["size"])))
+    if gs.group == int(assign.group) and gs.ready.is_set():
+        gs.reload(weights, link)
+    else:
+        gs.setup(int(assign.group), RunConfig.from_info(ch.welcome_info), weights, link,
+                 [int(w) for w in init.info.get("members", [])])
+        gs.writer = RunDir(cfg.run_dir, t0=gs.run.t0).writer(f"group-{gs.group}")
+    gs.ratio = float(assign.ratio)
+    link.group = gs
+    return link
+
+
+async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer:
+    """Listen, register with the global server, take the group it assigns; serve until done,
+    reconnecting to the global server when it is lost."""
+    check_bind(cfg.host, cfg.token, cfg.insecure)
+    gs = GroupServer(-1, RunConfig(), None, None)
+    port = await gs.serve(cfg.host, cfg.port, cfg.token, server_ssl(cfg.tls_cert, cfg.tls_key))
+    address = f"{cfg.advertise_host or _public(cfg.host)}:{port}"
+    if announce:
+        print(f"minips group listening on {address}, registering with "
+              f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
+    link = await _register(cfg, gs, address, cfg.connect_timeout_s)
+    try:
+        while not gs.finished:
+            if link.closed.is_set():
+                gs.log("global_lost")
+                link = await _register(cfg, gs, address, cfg.reconnect_s)
+                gs.log("global_back")
+            await asyncio.sleep(POLL_S)
+    finally:
+        link.reader.cancel()
+        await gs.close()
+        await link.ch.close(leave="done")
+    return gs
+
+
+def _public(host: str) -> str:
+    return "127.0.0.1" if host in ("", "0.0.0.0") else host
+
+
+def run_group_process(cfg: GroupConfig) -> None:
+    """`minips group`: register with the global server, then serve the assigned workers."""
+    transport.install_uvloop()
+    asyncio.run(serve_group(cfg))
