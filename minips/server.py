@@ -114,7 +114,8 @@ class GlobalServer:
     async def start(self) -> int:
         """Listen, start the grouping deadline (or reopen the checkpoint's groups); return the
         bound port. Refuses a non-loopback address without a secret unless ``insecure``."""
-        check_bind(self.cfg.host, self.cfg.token, self.cfg.insecure)
+        for host in (self.cfg.host, self.cfg.group_host):
+            check_bind(host, self.cfg.token, self.cfg.insecure)
         ssl = server_ssl(self.cfg.tls_cert, self.cfg.tls_key)
         self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
                                             accept=self._accept, handler=self._handle, ssl=ssl)
