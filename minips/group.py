@@ -23,6 +23,7 @@ worker leaves it flushes a ``final`` delta so the global server knows the group 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from minips import optim, protocol, sparse, ssp, transport
+from minips import optim, protocol, sparse, ssp, transport, validation
 from minips.config import RunConfig, dataset_train_size
 from minips.errors import AuthError, RemoteProtocolError
 from minips.metrics import JsonlWriter
@@ -80,6 +81,9 @@ class GroupServer:
         self.server: Any = None
         self.port = 0
         self.finished = False  # final delta flushed
+        self.members: set[int] = set()  # worker ids the global server assigned here
+        self.open_membership = False  # any worker id may join (a `minips group` process)
+        self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
         self.group, self.run = group, run
         if weights is not None and link is not None:
             self.setup(group, run, weights, link, members or [])
@@ -109,6 +113,7 @@ class GroupServer:
 
     def expect(self, w: int) -> None:
         """Count worker ``w`` in the group before it connects (so BSP rounds wait for it)."""
+        self.members.add(w)
         self.table.join(w, self.now(), 0)
 
     def _join(self, w: int) -> int:
@@ -284,6 +289,10 @@ class GroupServer:
             raise AuthError(f"group server {self.group} accepts workers only")
         if hello.group >= 0 and hello.group != self.group:  # e.g. a port reused after a restart
             raise AuthError(f"this is group server {self.group}, not {hello.group}")
+        if not self.open_membership and hello.worker_id not in self.members:
+            raise AuthError(f"worker {hello.worker_id} is not a member of group {self.group}")
+        if self.open_membership and not 0 <= hello.worker_id < self.run.workers:
+            raise AuthError(f"worker id {hello.worker_id} out of range 0..{self.run.workers - 1}")
         return {"group": self.group}
 
     async def handle(self, ch: Any) -> None:
@@ -298,7 +307,9 @@ class GroupServer:
         pulls: set[asyncio.Task[Any]] = set()
         try:
             await self._session(ch, w, start, pulls)
-        except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError):
+        except RemoteProtocolError as exc:
+            await validation.reject(ch, exc, self.rejected, f"group {self.group}")
+        except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             for t in pulls:
@@ -322,6 +333,8 @@ class GroupServer:
                 await self._send_push(ch, w, msg)
             elif isinstance(msg, protocol.Leave):
                 return
+            else:
+                raise validation.unexpected(msg, "worker")
 
     def traffic(self) -> dict[str, int]:
         """Bytes received from / sent to this group's workers so far."""
@@ -337,12 +350,8 @@ class GroupServer:
             await ch.send(protocol.Error(code="lease", reason=f"worker {w}: lease expired, "
                                          "reconnect and pull the current weights"))
             raise ConnectionResetError("lease expired")
-        try:
-            ack = self.on_push(w, msg)
-        except ssp.ClockError as exc:
-            await ch.send(protocol.Error(code="clock", reason=str(exc)))
-            raise
-        await ch.send(ack)
+        validation.check_push(msg)
+        await ch.send(self.on_push(w, msg))
 
     async def close(self) -> None:
         """Stop listening and cancel the background tasks."""

@@ -107,6 +107,7 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
         gs.setup(int(assign.group), RunConfig.from_info(ch.welcome_info), weights, link,
                  [int(w) for w in init.info.get("members", [])])
         gs.writer = RunDir(cfg.run_dir, t0=gs.run.t0).writer(f"group-{gs.group}")
+        gs.open_membership = True  # late joiners are placed by the global server, not told here
     gs.ratio = float(assign.ratio)
     link.group = gs
     return link

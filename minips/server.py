@@ -22,6 +22,7 @@ has flushed its final delta (or a grace period passed).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import time
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from minips import checkpoint, compressors, grouping, protocol, sparse, transport
+from minips import checkpoint, compressors, grouping, protocol, sparse, transport, validation
 from minips.config import ServerConfig, check_bind, dataset_train_size, server_ssl
 from minips.errors import AuthError, ConfigError, RemoteProtocolError
 from minips.group import ExchangeResult, GroupServer
@@ -41,6 +42,7 @@ __all__ = ["GlobalServer", "GroupHandle", "InProcLink", "WorkerEntry"]
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 RATIO_EPS = 0.1  # relative ratio change that is worth a new ASSIGN
+MAX_PARAMS = 1 << 31  # model size a worker's initial weights may claim (float32 elements)
 REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
 
 
@@ -99,6 +101,7 @@ class GlobalServer:
                                             max_k=self.run.max_groups)
         self._regroup_at = 0.0  # time.monotonic() of the last Regrouper update
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
         self._restored: dict[str, Any] | None = None  # checkpoint state to resume from
         self._saving: asyncio.Future[Any] | None = None  # checkpoint write in flight
         self.server: Any = None
@@ -182,7 +185,9 @@ class GlobalServer:
                 await self._group_session(ch)
             else:
                 await self._evaluator_session(ch)
-        except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError):
+        except RemoteProtocolError as exc:
+            await validation.reject(ch, exc, self.rejected, "global server")
+        except (ConnectionError, asyncio.IncompleteReadError):
             pass
 
     # -- workers -----------------------------------------------------------------------------
@@ -195,23 +200,33 @@ class GlobalServer:
         try:
             if entry.group >= 0:  # a reconnect after grouping: tell it its group again
                 await self._assign(entry, entry.group)
+            last_clock = 0  # clocks of this session's STATS never go backwards
             while not entry.left:
-                self._on_worker_msg(entry, await ch.recv())
+                last_clock = self._on_worker_msg(entry, await ch.recv(), last_clock)
         finally:
             if entry.ch is ch:
                 entry.ch = None
 
-    def _on_worker_msg(self, entry: WorkerEntry, msg: Any) -> None:
+    def _on_worker_msg(self, entry: WorkerEntry, msg: Any, last_clock: int) -> int:
+        """Handle one control message; return the session's last STATS clock."""
         if isinstance(msg, protocol.Stats):
+            validation.check_stats(msg, last_clock)
             self._on_stats(entry, msg)
-        elif isinstance(msg, protocol.Push) and self.weights is None:
+            return int(msg.clock)
+        if isinstance(msg, protocol.Push) and self.weights is None:
             self._set_initial(msg)
         elif isinstance(msg, protocol.Leave):
             entry.left = True
+        else:
+            raise validation.unexpected(msg, "worker on the control channel")
+        return last_clock
 
     def _set_initial(self, msg: Any) -> None:
         """The first worker's initial weights (when the server was started without --init)."""
-        size = int(msg.codec.get("size", 0))
+        size = msg.codec.get("size", 0)
+        if not isinstance(size, int) or not 0 < size <= MAX_PARAMS:
+            raise RemoteProtocolError("initial weights: bad size", expected=f"1..{MAX_PARAMS}",
+                                      got=size)
         w = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, size)
         if not isinstance(w, np.ndarray):
             raise RemoteProtocolError("initial weights must be dense", got=msg.encoding)
@@ -460,12 +475,14 @@ class GlobalServer:
             assert self.weights is not None
             delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers,
                                            self.weights.size)
-            res = self.merge(handle.id, np.asarray(delta), dict(msg.codec.get("stats", {})))
+            res = self.merge(handle.id, np.asarray(delta), validation.check_group_stats(msg.codec))
             await ch.send(self.weights_message(res.weights))
         elif isinstance(msg, protocol.Leave):
             handle.final = True
             self._check_budget()
             return True
+        else:
+            raise validation.unexpected(msg, "group server")
         return False
 
     async def _evaluator_session(self, ch: Any) -> None:
@@ -473,12 +490,13 @@ class GlobalServer:
             msg = await ch.recv()
             if isinstance(msg, protocol.Leave):
                 return
-            if isinstance(msg, protocol.Pull):
-                await self._weights_ready.wait()
-                final = self.done and self.finished.is_set()
-                await ch.send(self.weights_message(final=final))
-                if final:
-                    self.evaluated_final.set()
+            if not isinstance(msg, protocol.Pull):
+                raise validation.unexpected(msg, "evaluator")
+            await self._weights_ready.wait()
+            final = self.done and self.finished.is_set()
+            await ch.send(self.weights_message(final=final))
+            if final:
+                self.evaluated_final.set()
 
     def weights_message(self, weights: np.ndarray | None = None, final: bool = False,
                         members: list[int] | None = None) -> Any:

@@ -1,0 +1,78 @@
+"""Checks the servers apply to message fields beyond the wire schema, and how a violation ends.
+
+The protocol modules already check framing, types, lengths, limits and which message kinds a
+connection state allows; ``sparse.decode_gradient`` checks encodings, sizes, index bounds and
+NaN/inf. What is left is meaning that only a server knows: ranges of counters and times, clocks
+that go backwards, messages a role may not send in a session. A violation raises
+``RemoteProtocolError``; ``reject`` then answers ERROR with the reason, logs and counts it, and
+the caller closes that one connection. The model is never touched by a rejected message: every
+check runs before anything is applied.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from typing import Any
+
+from minips import ssp
+from minips.errors import RemoteProtocolError
+
+__all__ = ["MAX_SAMPLES", "MAX_STEP_S", "check_push", "check_stats", "check_group_stats",
+           "unexpected", "reject"]
+
+log = logging.getLogger("minips.server")
+
+MAX_SAMPLES = 1 << 20  # samples one push may claim (a batch); more is a broken or hostile peer
+MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it is garbage
+GROUP_STATS_NUMBERS = ("pushes", "samples", "step_time", "loss", "bytes_in", "bytes_out")
+
+
+def _number(name: str, value: Any, lo: float, hi: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not lo <= value <= hi:
+        raise RemoteProtocolError(f"{name} out of range", expected=f"[{lo}, {hi}]", got=value)
+
+
+def check_push(msg: Any) -> None:
+    """A worker's PUSH counters: samples, step time, loss (the gradient is checked on decode)."""
+    _number("samples", msg.samples, 0, MAX_SAMPLES)
+    _number("step_time", msg.step_time, 0.0, MAX_STEP_S)
+    _number("loss", msg.loss, -1e30, 1e30)
+
+
+def check_stats(msg: Any, last_clock: int) -> None:
+    """A worker's STATS: a positive finite step time, a clock that does not go backwards."""
+    _number("step_time", msg.step_time, 1e-9, MAX_STEP_S)
+    _number("samples", msg.samples, 0, 1 << 62)
+    if msg.clock < last_clock:
+        raise RemoteProtocolError("STATS clock went backwards", expected=f">= {last_clock}",
+                                  got=msg.clock)
+
+
+def check_group_stats(codec: Any) -> dict[str, Any]:
+    """The counters a group process sends in ``codec["stats"]``: a map of finite numbers."""
+    stats = codec.get("stats", {})
+    if not isinstance(stats, dict):
+        raise RemoteProtocolError("codec.stats must be a map", got=type(stats).__name__)
+    for key in GROUP_STATS_NUMBERS:
+        if key in stats:
+            _number(f"stats.{key}", stats[key], 0 if key != "loss" else -1e30, 1e30)
+    return dict(stats)
+
+
+def unexpected(msg: Any, role: str) -> RemoteProtocolError:
+    """The error for a message kind this role may not send here."""
+    return RemoteProtocolError(f"{type(msg).__name__.upper()} not allowed from a {role} here",
+                               got=type(msg).__name__)
+
+
+async def reject(ch: Any, exc: Exception, counts: collections.Counter[str], where: str) -> None:
+    """Tell the peer why (ERROR), log and count it; the caller then closes the connection."""
+    code = "clock" if isinstance(exc, ssp.ClockError) else "invalid"
+    counts[code] += 1
+    log.warning("%s: rejected %s: %s (expected %s, got %r)", where, ch.peername, exc,
+                getattr(exc, "expected", None), getattr(exc, "got", None))
+    await ch.send_error(code, str(exc))
+
