@@ -145,13 +145,17 @@ class DenseCompressor(Compressor):
 
     name = "none"
 
+    def set_ratio(self, r: float) -> None:
+        """Ignored: a dense compressor always sends everything (the server may send any ratio)."""
+        self.ratio = 1.0
+
     def _compress(self, acc: np.ndarray) -> np.ndarray:
         out = acc.copy()
         self._keep_back(out)
         return out
 
 
-class Fp16Compressor(Compressor):
+class Fp16Compressor(DenseCompressor):
     """``fp16``: the whole gradient in float16; the rounding error stays in the residual."""
 
     name = "fp16"

@@ -40,6 +40,13 @@ def test_none_sends_everything_and_keeps_nothing() -> None:
     assert c.residual is not None and not c.residual.any() and c.kept_fraction == 1.0
 
 
+def test_dense_compressors_ignore_any_ratio() -> None:
+    for name in ("none", "fp16"):
+        c = make_compressor(name, 3, ratio=0.0)
+        c.set_ratio(7.0)  # whatever an ASSIGN carries
+        assert c.ratio == 1.0 and np.asarray(c.compress(vec(1, 2, 3))).size == 3
+
+
 def test_fp16_keeps_the_rounding_error() -> None:
     c = make_compressor("fp16", 2, ratio=1.0)
     out = c.compress(vec(1 / 3, 1e5))
