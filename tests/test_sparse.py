@@ -328,3 +328,29 @@ def test_bench_script_prints_one_json_object() -> None:
     assert one["k"] == 2000 and one["topk_exact_k"] and 1.0 <= one["dgc_kept_over_k"] <= 1.1
     assert one["bytes_per_index"] < 1.5 and one["energy_kept"] >= 1.0
     assert set(out["acceptance_at_1pct"]) >= {"speedup_dgc>=8", "energy_kept>=0.97"}
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(40_000, 120_000),
+    density=st.sampled_from([1e-4, 1e-3, 0.01, 0.1, 0.5]),
+    kind=st.sampled_from(["laplace", "few-values", "mostly-zero", "negative"]),
+    tolerance=st.sampled_from([0.0, 0.1]),
+    seed=st.integers(0, 2**16),
+)
+def test_selection_property(n: int, density: float, kind: str, tolerance: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.laplace(size=n).astype(np.float32)
+    if kind == "few-values":
+        x = rng.integers(-3, 4, size=n).astype(np.float32)  # massive ties
+    elif kind == "mostly-zero":
+        x[rng.random(n) < 0.995] = 0.0
+    elif kind == "negative":
+        x = -np.abs(x)
+    k = kept_count(density, n)
+    idx = TopKSelector(n, seed, tolerance=tolerance).select(x, k)
+    assert k <= idx.size <= k * (1 + tolerance) and np.all(np.diff(idx) > 0)
+    if tolerance == 0.0:
+        assert idx.size == k
+    rest = np.delete(np.abs(x), idx)
+    assert rest.size == 0 or np.abs(x[idx]).min() >= rest.max()  # the largest magnitudes
