@@ -169,7 +169,8 @@ def encode_gradient(
     codec: dict[str, Any] = {}
     if isinstance(g, np.ndarray):
         half = g.dtype == np.float16 or value_dtype == "f16"
-        dense = np.ascontiguousarray(g, dtype=np.float16 if half else np.float32).ravel()
+        wire = _VALUE_DTYPES["f16" if half else "f32"]  # little-endian on every host
+        dense = np.ascontiguousarray(g, dtype=wire).ravel()
         return ("dense-f16" if half else "dense-f32"), codec, _maybe_lz4([dense], lz4, codec)
     ib = varint_encode(g.indices) if index == "varint" else g.indices.astype("<u4")
     vb = g.values.astype(_VALUE_DTYPES[value_dtype])
