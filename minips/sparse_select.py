@@ -12,8 +12,9 @@ ever writing |x| out in full:
    most ``MAX_REFINES`` times, then fall back to one full partition (always correct);
 4. exact mode (``tolerance=0``): an exact partition among the candidates only (O(candidates),
    about 1.15 k) keeps exactly k. Approximate (DGC) mode: the quantile aims at
-   ``k * (1 + tolerance / 2)`` and any count in ``[k, k * (1 + tolerance)]`` is sent as is (no
-   partition at all); more than that is trimmed to exactly k.
+   ``k * (1 + max(tolerance / 2, 2 standard errors))`` and any count in
+   ``[k, k * (1 + tolerance)]`` is sent as is (no partition at all); more than that is trimmed to
+   exactly k.
 
 Invariants: the result is (k',) int64 indices, strictly increasing, and they are the k' largest
 magnitudes; exact mode gives k' == k, approximate mode k <= k' <= k * (1 + tolerance), so it never
@@ -32,6 +33,7 @@ SAMPLE_PER_DENSITY = 1024  # sample about this many entries above the threshold:
 MAX_SAMPLE = 1 << 18  # cap on the sample (random gathers cost ~10 ns each)
 MIN_SAMPLE = 4096
 EXACT_MARGIN_STDS = 4.0  # exact mode aims this many standard errors above k, so one pass suffices
+APPROX_MARGIN_STDS = 2.0  # approximate mode: at least this many (a miss below k costs a pass)
 MAX_REFINES = 3  # lower the threshold at most this many times before a full partition
 CHUNK = 1 << 15  # entries per |x| >= t chunk: 128 KiB of float32 stays in L2 between the 2 ops
 
@@ -71,10 +73,11 @@ class TopKSelector:
         p = k / n
         s = int(min(MAX_SAMPLE, n // 8, max(MIN_SAMPLE, SAMPLE_PER_DENSITY / p)))
         sample = np.abs(score[self.rng.integers(0, n, size=s)])  # (s,) float32
-        if self.tolerance > 0.0:
-            margin = self.tolerance / 2
-        else:
-            margin = EXACT_MARGIN_STDS / np.sqrt(p * s) + 0.02
+        std = 1.0 / np.sqrt(p * s)  # relative standard error of the count a quantile predicts
+        if self.tolerance > 0.0:  # land inside [k, k (1 + tol)]; overshoot is trimmed cheaply
+            margin = max(self.tolerance / 2, APPROX_MARGIN_STDS * std)
+        else:  # overshoot by enough that a second pass is rarely needed
+            margin = EXACT_MARGIN_STDS * std + 0.02
         want = k * (1.0 + margin)
         for _ in range(MAX_REFINES + 1):
             # The sample entry that leaves about want/n of the sample above it.
