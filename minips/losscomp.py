@@ -32,8 +32,8 @@ moving averages of the loss, and a byte budget. The exact rules, with the defaul
    stalls and < 0 when it rises. ``ratio_t = target * 2 ** -clip(trend / trend_ref, -1, 1) *
    2 ** clip(-debt / budget_horizon, -1, 1)``, clamped to ``target * [min_mult=0.25,
    max_mult=4]``, with ``trend_ref=0.5``, ``budget_horizon=50`` steps and ``debt`` = sum over
-   past steps of ``(kept_t - target) / target``. The first factor shrinks the fraction (down to
-   half) while the loss falls steadily and grows it (up to double) when it stalls or rises; the
+   past steps of ``(kept_t - target) / target``. The first factor halves the fraction while the
+   loss falls steadily, is 1 on a plateau and doubles it while the loss rises; the
    second is an integral controller that pays back over- or under-spending, so the average kept
    fraction tracks ``ratio`` (the target), which makes comparisons at matched bytes fair.
 
