@@ -72,7 +72,8 @@ def bench_fraction(x: np.ndarray, frac: float, repeats: int) -> dict[str, Any]:
     dgc_ms, (g_dgc, packet) = timed(lambda: select_and_encode(x, approx, k), repeats)
     encode_ms, _ = timed(lambda: encode_gradient(g_dgc), repeats)
     target = np.zeros(n, np.float32)
-    decode_ms, _ = timed(lambda: scatter_add(target, decode_gradient(*packet, n)), repeats)
+    enc, codec, bufs = packet
+    decode_ms, _ = timed(lambda: scatter_add(target, decode_gradient(enc, codec, bufs, n)), repeats)
     comp = make_compressor("dgc", n, ratio=frac, seed=1)
     compress_ms, _ = timed(lambda: comp.compress(x), repeats)
     total = float(np.square(x, dtype=np.float64).sum())
