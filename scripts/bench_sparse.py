@@ -116,6 +116,7 @@ def main() -> None:
         "numpy_version": np.__version__, "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "loadavg_1min_at_end": round(os.getloadavg()[0], 2),
         "fractions": results, "acceptance_at_1pct": acceptance(results["0.01"]),
+        "acceptance_applies": args.size == RESNET18_SIZE,  # thresholds are for the full size
     }
     if args.json:
         print(json.dumps(out))
