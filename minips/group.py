@@ -323,13 +323,20 @@ class GroupServer:
 
     async def _session(self, ch: Any, w: int, start: int, pulls: set[asyncio.Task[Any]]) -> None:
         await ch.send(protocol.Ack(clock=start, version=self.version))
+        pulled: int | None = None  # clock of the last PULL: a PUSH must follow one
         while True:
             msg = await ch.recv()
             if isinstance(msg, protocol.Pull):
+                pulled = msg.clock
                 task = asyncio.create_task(self._send_pull(ch, w))
                 pulls.add(task)
                 task.add_done_callback(pulls.discard)
             elif isinstance(msg, protocol.Push):
+                if pulled is None or msg.clock != pulled + 1:
+                    raise RemoteProtocolError("PUSH must follow a PULL at the clock before it",
+                                              expected=None if pulled is None else pulled + 1,
+                                              got=msg.clock)
+                pulled = None
                 await self._send_push(ch, w, msg)
             elif isinstance(msg, protocol.Leave):
                 return

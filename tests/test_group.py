@@ -142,11 +142,16 @@ async def test_wire_session_ack_pull_push_and_bad_clock() -> None:
         w = await ch.recv()
         assert isinstance(w, protocol.Weights) and w.info["group"] == 3
         for clock in (1, 2):
+            if clock > 1:
+                await ch.send(protocol.Pull(clock=clock - 1))
+                assert isinstance(await ch.recv(), protocol.Weights)
             await ch.send(push(clock, vec(1, 1, 1)))
             assert (await ch.recv()).clock == clock
         await asyncio.wait_for(gs.flush(), 2)
         np.testing.assert_allclose(glob.weights, vec(-1, 0, 1))
         assert glob.stats[0]["pushes"] == 2
+        await ch.send(protocol.Pull(clock=4))  # claims clock 4 while the server says 2
+        assert isinstance(await ch.recv(), protocol.Weights)
         await ch.send(push(5, vec(1, 1, 1)))  # skips clocks 3 and 4
         err = await ch.recv()
         assert isinstance(err, protocol.Error) and err.code == "clock"

@@ -1,0 +1,217 @@
+"""Fuzzing a live group server over loopback: random bytes, mutated valid frames, valid frames in
+the wrong order (before and after the handshake), and invalid fields from authenticated workers.
+
+Invariants: the server never crashes or hangs (a well-behaved worker connected all along keeps
+being served, and a new one gets in afterwards), every rejected input leaves the model bitwise
+unchanged, and rejections after the handshake come as ERROR with a reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from minips import protocol, sparse, transport
+from minips.config import RunConfig
+from minips.errors import RemoteProtocolError
+from minips.group import ExchangeResult, GroupServer
+
+TOKEN = "fuzz-secret"
+SIZE = 64  # model size: small, so frames are small and many fit in a few seconds
+CONCURRENCY = 64  # fuzz connections in flight at once
+
+
+class NoGlobal:
+    """Exchanges never happen in these tests (sync_every is huge)."""
+
+    async def exchange(self, group: int, delta: np.ndarray,
+                       stats: dict[str, Any]) -> ExchangeResult:
+        raise AssertionError("no exchange expected")
+
+
+def push_msg(clock: int, values: np.ndarray, indices: np.ndarray | None = None) -> Any:
+    grad: Any = values if indices is None else sparse.SparseGrad(indices, values, SIZE)
+    encoding, codec, buffers = sparse.encode_gradient(grad)
+    return protocol.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
+                         buffers=tuple(buffers))
+
+
+def frame(msg: Any) -> bytes:
+    return b"".join(bytes(memoryview(b).cast("B")) for b in protocol.encode(msg))
+
+
+VALID = [frame(m) for m in (
+    protocol.Hello(role="worker", worker_id=0, nonce=b"n" * 32),
+    protocol.Auth(mac=b"m" * 32),
+    protocol.Pull(clock=0),
+    push_msg(1, np.ones(SIZE, np.float32)),
+    push_msg(1, np.ones(3, np.float32), np.array([1, 5, 9], np.uint32)),
+    protocol.Heartbeat(seq=1),
+    protocol.Leave(reason="bye"),
+    protocol.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
+)]
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        choice = rng.random()
+        if choice < 0.6 and b:
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        elif choice < 0.8:
+            b = b[: rng.randrange(len(b) + 1)]
+        else:
+            b += bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+    return bytes(b)
+
+
+def fuzz_input(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.3:
+        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 96)))
+    if kind < 0.7:
+        return mutate(rng, rng.choice(VALID))
+    return b"".join(rng.choice(VALID[2:]) for _ in range(rng.randint(1, 3)))  # before HELLO
+
+
+async def send_raw(port: int, data: bytes) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        writer.write_eof()
+        await asyncio.wait_for(reader.read(), 5)  # the server closes (or ignores) and we go
+    except (ConnectionError, asyncio.TimeoutError):
+        pass
+    finally:
+        writer.close()
+
+
+async def start_group() -> tuple[GroupServer, int]:
+    run = RunConfig(mode="ssp", staleness=1000, sync_every=10**9, lr=1.0, momentum=0.0,
+                    weight_decay=0.0, lr_warmup=0.0, workers=200)
+    gs = GroupServer(0, run, np.zeros(SIZE, np.float32), NoGlobal(), members=list(range(200)))
+    return gs, await gs.serve("127.0.0.1", 0, TOKEN)
+
+
+async def good_worker_step(ch: Any, clock: int) -> int:
+    """One PULL -> WEIGHTS -> PUSH -> ACK round of the well-behaved worker."""
+    await ch.send(protocol.Pull(clock=clock))
+    assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Weights)
+    await ch.send(push_msg(clock + 1, np.full(SIZE, 0.5, np.float32)))
+    ack = await asyncio.wait_for(ch.recv(), 5)
+    assert isinstance(ack, protocol.Ack) and ack.clock == clock + 1
+    return clock + 1
+
+
+async def run_raw_fuzz(port: int, n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(data: bytes) -> None:
+        async with sem:
+            await send_raw(port, data)
+
+    await asyncio.gather(*(one(fuzz_input(rng)) for _ in range(n)))
+
+
+def invalid_after_auth(rng: random.Random) -> Any:
+    """A maker ``f(clock)`` of a message a worker at ``clock`` (after a PULL) may not send."""
+    nan = np.full(SIZE, np.nan, np.float32)
+    ones = np.ones(SIZE, np.float32)
+
+    def raw_push(clock: int, **fields: Any) -> Any:
+        return protocol.Push(clock=clock, codec={}, buffers=(ones,), **fields)
+
+    choices = [
+        lambda clock: push_msg(clock, ones),  # clock did not advance
+        lambda clock: push_msg(clock + rng.randint(2, 9), ones),  # jumps ahead
+        lambda clock: push_msg(clock + 1, nan),  # NaN gradient
+        lambda clock: push_msg(clock + 1, np.full(SIZE, np.inf, np.float32)),  # inf gradient
+        lambda clock: push_msg(clock + 1, np.ones(SIZE + 1, np.float32)),  # wrong size
+        lambda clock: push_msg(clock + 1, ones[:2], np.array([3, SIZE], np.uint32)),  # index
+        lambda clock: raw_push(clock + 1, samples=10**9, encoding="dense-f32"),  # huge batch
+        lambda clock: raw_push(clock + 1, samples=1, encoding="nope"),  # unknown encoding
+        lambda clock: raw_push(clock + 1, samples=1, step_time=-1.0, encoding="dense-f32"),
+        lambda clock: protocol.Stats(clock=clock, step_time=0.1, loss=1.0, samples=1),  # not here
+    ]
+    return rng.choice(choices)
+
+
+async def invalid_session(port: int, wid: int, make: Any) -> str:
+    """Send one invalid message after the handshake; return the ERROR code (or 'closed')."""
+    try:
+        ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=wid,
+                                     token=TOKEN, timeout=5)
+    except ConnectionError:
+        return "connect-failed"
+    try:
+        ack = await asyncio.wait_for(ch.recv(), 5)  # the starting ACK: our clock
+        try:
+            await ch.send(protocol.Pull(clock=ack.clock))
+            assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Weights)
+            await ch.send(make(ack.clock))
+        except Exception:  # our own side refused to encode it: nothing reached the server
+            return "local"
+        reply = await asyncio.wait_for(ch.recv(), 5)
+        return reply.code if isinstance(reply, protocol.Error) else type(reply).__name__
+    except RemoteProtocolError as exc:
+        return f"error:{exc}"
+    except ConnectionError:
+        return "closed"
+    finally:
+        await ch.close()
+
+
+async def fuzz_scenario(raw_inputs: int, invalid_inputs: int, seed: int) -> None:
+    gs, port = await start_group()
+    try:
+        good = await transport.connect("127.0.0.1", port, role="worker", worker_id=0,
+                                       token=TOKEN)
+        await asyncio.wait_for(good.recv(), 5)
+        clock = await good_worker_step(good, 0)
+        before, version = gs.weights.copy(), gs.version
+
+        t = time.monotonic()
+        await asyncio.wait_for(run_raw_fuzz(port, raw_inputs, seed), 120)
+        raw_s = time.monotonic() - t
+        assert np.array_equal(gs.weights, before) and gs.version == version
+
+        rng = random.Random(seed + 1)
+        codes = await asyncio.gather(*(
+            invalid_session(port, 1 + i % 150, invalid_after_auth(rng))
+            for i in range(invalid_inputs)))
+        assert np.array_equal(gs.weights, before) and gs.version == version
+        delivered = [c for c in codes if c not in ("local",)]
+        assert delivered and all(c in ("invalid", "clock", "protocol_error", "closed")
+                                 or c.startswith("error:") for c in delivered), set(codes)
+        assert sum(gs.rejected.values()) > 0
+
+        clock = await good_worker_step(good, clock)  # still served, never disturbed
+        assert gs.version == version + 1
+        late = await transport.connect("127.0.0.1", port, role="worker", worker_id=199,
+                                       token=TOKEN)
+        assert isinstance(await asyncio.wait_for(late.recv(), 5), protocol.Ack)
+        await late.close()
+        await good.close()
+        print(f"fuzz: {raw_inputs} raw inputs in {raw_s:.1f} s, {invalid_inputs} invalid "
+              f"sessions, rejected {dict(gs.rejected)}, transport {dict(gs.server.stats)}")
+    finally:
+        await gs.close()
+
+
+@pytest.mark.timeout(120)
+async def test_fuzz_live_group_server() -> None:
+    await fuzz_scenario(raw_inputs=10_000, invalid_inputs=300, seed=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+async def test_fuzz_live_group_server_long() -> None:
+    for seed in range(2, 12):
+        await fuzz_scenario(raw_inputs=20_000, invalid_inputs=1000, seed=seed)
