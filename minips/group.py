@@ -276,10 +276,11 @@ class GroupServer:
 
     # -- network --------------------------------------------------------------------------
 
-    async def serve(self, host: str, port: int, token: str, ssl: Any = None) -> int:
-        """Listen for this group's workers; return the bound port."""
+    async def serve(self, host: str, port: int, token: str, ssl: Any = None,
+                    options: transport.Options | None = None) -> int:
+        """Listen for this group's workers (``options``: timeouts, buffers); return the port."""
         self.server = await transport.serve(host, port, token=token, accept=self._accept,
-                                            handler=self.handle, ssl=ssl)
+                                            handler=self.handle, ssl=ssl, options=options)
         self.port = int(self.server.port)
         self._spawn(self._expire_loop())
         return self.port
@@ -350,7 +351,8 @@ class GroupServer:
         return {"bytes_in": up, "bytes_out": down}
 
     async def _send_pull(self, ch: Any, w: int) -> None:
-        await ch.send(await self.answer_pull(w))
+        with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading
+            await ch.send(await self.answer_pull(w))
 
     async def _send_push(self, ch: Any, w: int, msg: Any) -> None:
         if w not in self.table:  # its lease expired while it was silent: rejoin and pull first

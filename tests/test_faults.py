@@ -226,3 +226,81 @@ def test_group_server_killed_others_continue_and_restart_rejoins(procs: Procs) -
     wait_for("its deltas reach the global server", lambda: len(records(
         d / "global.jsonl", event="merge", group=g)) > merges_g, 60, (server,))
     assert server.wait(timeout=150) == 0
+
+
+# -- network faults against a live group server (in this process, real sockets) -------------
+
+BIG = 2_000_000  # float32 weights: 8 MB per WEIGHTS, more than the kernel buffers hold
+
+
+class NoGlobal:
+    async def exchange(self, group: int, delta: np.ndarray, stats: dict[str, Any]) -> Any:
+        raise AssertionError("no exchange expected")
+
+
+async def raw_session(port: int, wid: int) -> tuple[Any, Any]:
+    """A hand-driven authenticated connection (reader, writer), past the starting ACK."""
+    import asyncio
+
+    from minips import protocol
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    dec = protocol.FrameDecoder()
+    client = protocol.ClientHandshake(TOKEN, role="worker", worker_id=wid)
+
+    async def next_msg() -> Any:
+        while True:
+            msgs = dec.feed(await asyncio.wait_for(reader.read(1 << 16), 5))
+            if msgs:
+                return msgs[0]
+
+    writer.writelines(protocol.encode(client.hello))
+    writer.writelines(protocol.encode(client.on_challenge(await next_msg())))
+    assert isinstance(await next_msg(), protocol.Welcome)
+    assert isinstance(await next_msg(), protocol.Ack)
+    return reader, writer
+
+
+@pytest.mark.timeout(60)
+async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_others() -> None:
+    import asyncio
+
+    from minips import protocol, sparse, transport
+    from minips.config import RunConfig
+    from minips.group import GroupServer
+
+    run = RunConfig(mode="asp", sync_every=10**9, lr=1.0, momentum=0.0, weight_decay=0.0,
+                    lr_warmup=0.0, workers=3)
+    gs = GroupServer(0, run, np.zeros(BIG, np.float32), NoGlobal(), members=[0, 1, 2])
+    port = await gs.serve("127.0.0.1", 0, TOKEN, options=transport.Options(
+        read_timeout=1.0, send_timeout=1.0, socket_buffer=0))
+    try:
+        good = await transport.connect("127.0.0.1", port, role="worker", worker_id=0,
+                                       token=TOKEN)
+        await good.recv()
+        _, stall_w = await raw_session(port, 1)
+        pull = b"".join(bytes(memoryview(b).cast("B")) for b in
+                        protocol.encode(protocol.Pull(clock=0)))
+        stall_w.write(pull[: len(pull) // 2])  # half a frame, then silence
+        _, deaf_w = await raw_session(port, 2)
+        for _ in range(8):  # asks for 64 MB of weights and never reads them
+            deaf_w.write(pull)
+
+        grad = sparse.encode_gradient(np.full(BIG, 1e-3, np.float32))
+        for clock in range(6):  # the well-behaved worker is served all along
+            await good.send(protocol.Pull(clock=clock))
+            assert isinstance(await asyncio.wait_for(good.recv(), 10), protocol.Weights)
+            await good.send(protocol.Push(clock=clock + 1, samples=1, encoding=grad[0],
+                                          codec=grad[1], buffers=tuple(grad[2])))
+            assert (await asyncio.wait_for(good.recv(), 10)).clock == clock + 1
+
+        deadline = asyncio.get_running_loop().time() + 20
+        while gs.server.stats["read_timeouts"] < 1 or 2 in gs.channels or 1 in gs.channels:
+            assert asyncio.get_running_loop().time() < deadline, (gs.server.stats, gs.channels)
+            await asyncio.sleep(0.05)
+        assert set(gs.channels) == {0} and gs.version == 6
+        await good.close()
+        stall_w.close()
+        deaf_w.close()
+    finally:
+        await gs.close()
