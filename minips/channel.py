@@ -134,7 +134,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         except RemoteProtocolError as e:
             self.fail(e, "limit_exceeded" if isinstance(e, LimitExceeded) else "protocol_error")
         if self.queue:
-            self._wake()
+            waiter = self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
             if len(self.queue) >= MAX_QUEUED or self.queued_bytes >= self.options.max_queued_bytes:
                 self._pause()
         if self._timer is None and self.decoder.in_frame:
@@ -254,11 +256,12 @@ class Channel:
         if proto.error is not None:
             raise ConnectionResetError(f"connection is closed ({proto.error})")
         frame = proto.conn.send(msg, compress=compress)
-        if len(frame) == 1:
+        if len(frame) == 1:  # a small frame is one bytes object (frames.encode joins them)
             self._transport.write(frame[0])
+            self.bytes_sent += len(frame[0])
         else:
             self._transport.writelines(frame)
-        self.bytes_sent += sum(map(len, frame))
+            self.bytes_sent += sum(map(len, frame))
         if proto.drained is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(proto.drained), proto.options.send_timeout)

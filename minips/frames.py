@@ -106,7 +106,8 @@ def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIM
     version = msg.__dict__["version"] if kind == Kind.HELLO else PROTOCOL_VERSION
     buffers = msg.__dict__["buffers"] if kind in WITH_BUFFERS else ()
     if not buffers:
-        _check_sendable(PREFIX.size + len(meta), len(meta), limits)
+        if PREFIX.size + len(meta) > limits.max_frame_bytes or len(meta) > limits.max_meta_bytes:
+            _check_sendable(PREFIX.size + len(meta), len(meta), limits)
         return [PREFIX.pack(MAGIC, version, kind, 0, 0, len(meta), 0) + meta]
     table: list[int] = []  # codec, wire_len, raw_len per buffer, flat
     wires = []
@@ -182,16 +183,17 @@ def check_prefix(prefix: tuple[Any, ...], limits: Limits) -> int:
 
 def check_table(table: tuple[int, ...], body_len: int, limits: Limits) -> None:
     """``table`` is flat: codec, wire_len, raw_len per buffer."""
-    for codec, wire, raw in zip(table[0::3], table[1::3], table[2::3], strict=True):
-        if codec == CODEC_RAW:
-            if wire != raw:
+    wires, raws = table[1::3], table[2::3]
+    if sum(wires) != body_len:
+        raise _remote("buffer table does not add up to body_len", expected=body_len,
+                      got=sum(wires))
+    if wires != raws or any(table[0::3]):  # some buffer is not raw: look at each one
+        for codec, wire, raw in zip(table[0::3], wires, raws, strict=True):
+            if codec not in (CODEC_RAW, CODEC_LZ4):
+                raise _remote(f"unknown buffer codec {codec}", got=codec)
+            if codec == CODEC_RAW and wire != raw:
                 raise _remote("raw buffer with wire_len != raw_len", expected=wire, got=raw)
-        elif codec != CODEC_LZ4:
-            raise _remote(f"unknown buffer codec {codec}", got=codec)
-    wire_sum = sum(table[1::3])
-    if wire_sum != body_len:
-        raise _remote("buffer table does not add up to body_len", expected=body_len, got=wire_sum)
-    _check_limit("decompressed frame size", sum(table[2::3]), limits.max_raw_bytes)
+    _check_limit("decompressed frame size", sum(raws), limits.max_raw_bytes)
 
 
 def unpack_meta(raw: memoryview, limits: Limits) -> dict[str, Any]:

@@ -112,7 +112,11 @@ class Connection:
 
     def received_one(self, msg: Message) -> None:
         """State-check one message from the peer (``RemoteProtocolError`` when out of turn)."""
-        self._advance(self.peer, msg.KIND)
+        nxt = TRANSITIONS.get((self.peer, self.state, msg.KIND))
+        if nxt is None:
+            self._advance(self.peer, msg.KIND)  # raises, saying what was allowed
+        else:
+            self.state = nxt
 
     def _advance(self, sender: Side, kind: Kind) -> None:
         nxt = TRANSITIONS.get((sender, self.state, kind))

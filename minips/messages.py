@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -211,8 +212,8 @@ class Message:
 
     def meta(self) -> dict[str, Any]:
         """The msgpack map of this message: every field except ``buffers`` and HELLO's version."""
-        values = self.__dict__
-        return {name: values[name] for name in _schema(type(self)).meta}
+        schema = _schema(type(self))
+        return dict(zip(schema.meta, schema.values(self.__dict__), strict=True))
 
 
 @dataclass(frozen=True)
@@ -225,9 +226,15 @@ class _Schema:
     wire_checks: tuple[tuple[str, Check, Any, Any, Any], ...]  # those of the map's fields
     meta: tuple[str, ...]  # the fields in the msgpack map, in order
     meta_set: frozenset[str]
+    values: Callable[[dict[str, Any]], tuple[Any, ...]]  # __dict__ -> values of meta, in order
 
 
 _SCHEMAS: dict[type, _Schema] = {}
+
+
+def _one(name: str) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """What itemgetter(name) would be if it returned a 1-tuple."""
+    return lambda values: (values[name],)
 
 
 def _schema(cls: type[Message]) -> _Schema:
@@ -238,7 +245,8 @@ def _schema(cls: type[Message]) -> _Schema:
         checks = tuple((f.name, f.metadata["check"], *getattr(f.metadata["check"], "fast",
                                                                (None, 0, 0))) for f in fields)
         wire_checks = tuple(c for c in checks if c[0] in meta)
-        schema = _SCHEMAS[cls] = _Schema(checks, wire_checks, meta, frozenset(meta))
+        values = operator.itemgetter(*meta) if len(meta) > 1 else _one(meta[0])
+        schema = _SCHEMAS[cls] = _Schema(checks, wire_checks, meta, frozenset(meta), values)
     return schema
 
 
