@@ -35,7 +35,8 @@ MIN_SAMPLE = 4096
 EXACT_MARGIN_STDS = 4.0  # exact mode aims this many standard errors above k, so one pass suffices
 APPROX_MARGIN_STDS = 2.0  # approximate mode: at least this many (a miss below k costs a pass)
 MAX_REFINES = 3  # lower the threshold at most this many times before a full partition
-CHUNK = 1 << 15  # entries per |x| >= t chunk: 128 KiB of float32 stays in L2 between the 2 ops
+CHUNK = 1 << 18  # entries per |x| >= t chunk: 1 MiB of float32 stays in cache between the 2 ops
+# (measured: 2^18 takes 3.5 ms on 11.7M entries, whole-array abs + compare 5.8 ms, 2^13 7.5 ms)
 
 
 def kept_count(ratio: float, size: int) -> int:
