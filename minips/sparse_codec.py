@@ -93,25 +93,29 @@ class SparseGrad:
 
 
 def varint_encode(indices: np.ndarray) -> np.ndarray:
-    """Gap + LEB128 code of strictly increasing (k,) indices -> (m,) uint8 bytes."""
-    idx = indices.astype(np.int64)
-    gaps = np.empty(idx.size, dtype=np.uint64)  # (k,) >= 0 for increasing input
-    if idx.size:
-        gaps[0] = idx[0]
-        np.subtract(idx[1:], idx[:-1] + 1, out=gaps[1:], casting="unsafe")
-    nbytes = np.ones(idx.size, dtype=np.int64)  # (k,) bytes per gap, 1..5
+    """Gap + LEB128 code of strictly increasing (k,) uint32 indices -> (m,) uint8 bytes."""
+    idx = indices.astype(np.uint32, copy=False)
+    if idx.size == 0:
+        return np.empty(0, np.uint8)
+    gaps = np.empty(idx.size, np.uint32)  # (k,) >= 0 for increasing input
+    gaps[0] = idx[0]
+    np.subtract(idx[1:], idx[:-1], out=gaps[1:])
+    gaps[1:] -= np.uint32(1)
+    nbytes = np.ones(idx.size, np.uint8)  # (k,) bytes per gap, 1..5
     for j in range(1, MAX_VARINT_BYTES):
-        nbytes += gaps >= (1 << (7 * j))
-    ends = np.cumsum(nbytes)  # (k,) one past each gap's last byte
-    out = np.empty(int(ends[-1]) if idx.size else 0, dtype=np.uint8)
-    starts = ends - nbytes
+        nbytes += gaps >= np.uint32(1 << (7 * j))
+    ends = np.cumsum(nbytes, dtype=np.int64)  # (k,) one past each gap's last byte
+    out = np.empty(int(ends[-1]), np.uint8)
+    # Byte j of every gap, then only the gaps that have a byte j + 1 (a shrinking subset:
+    # uint32 throughout, since mixing uint64 with Python ints goes through float64 and is slow).
+    group, nb, pos = gaps, nbytes, ends - nbytes
     for j in range(MAX_VARINT_BYTES):
-        sel = np.flatnonzero(nbytes > j)  # gaps that still have a j-th byte
-        if sel.size == 0:
+        more = nb > j + 1  # (subset,) bool: another byte follows
+        out[pos + j] = (group & np.uint32(0x7F)).astype(np.uint8) | (more.view(np.uint8) << 7)
+        keep = np.flatnonzero(more)
+        if keep.size == 0:
             break
-        group = (gaps[sel] >> np.uint64(7 * j)) & np.uint64(0x7F)
-        more = (nbytes[sel] > j + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[sel] + j] = (group | more).astype(np.uint8)
+        group, nb, pos = group[keep] >> np.uint32(7), nb[keep], pos[keep]
     return out
 
 
