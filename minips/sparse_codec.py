@@ -134,12 +134,16 @@ def varint_decode(data: np.ndarray, k: int, size: int) -> np.ndarray:
     lens = ends - starts + 1  # (k,) 1..5 if well formed
     if int(lens.max()) > MAX_VARINT_BYTES or int(data[ends[lens == 5]].max(initial=0)) > 0x0F:
         raise RemoteProtocolError("varint index larger than 32 bits")
-    payload = (data & 0x7F).astype(np.uint64)
-    gaps = payload[starts]
+    payload = data & np.uint8(0x7F)  # (m,) uint8, the 7-bit groups
+    gaps = payload[starts].astype(np.uint32)  # (k,) low groups; < 2^32 checked above
+    sel = np.flatnonzero(lens > 1)  # the gaps with more groups, a shrinking subset
     for j in range(1, MAX_VARINT_BYTES):
-        sel = np.flatnonzero(lens > j)
-        gaps[sel] |= payload[starts[sel] + j] << np.uint64(7 * j)
-    idx = np.cumsum(gaps + np.uint64(1)) - np.uint64(1)  # (k,) uint64, strictly increasing
+        if sel.size == 0:
+            break
+        gaps[sel] |= payload[starts[sel] + j].astype(np.uint32) << np.uint32(7 * j)
+        sel = sel[lens[sel] > j + 1]
+    # idx[i] = sum of (gap + 1) up to i, minus 1; int64 holds k * 2^32.
+    idx = np.cumsum(gaps, dtype=np.int64) + np.arange(k, dtype=np.int64)  # (k,) increasing
     if int(idx[-1]) >= size:
         raise RemoteProtocolError("sparse index out of range", expected=size, got=int(idx[-1]))
     return idx.astype(np.uint32)
