@@ -30,6 +30,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import operator
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,10 +72,7 @@ _STAT_OF_REASON = {"protocol_error": "protocol_errors", "limit_exceeded": "limit
                    "read_timeout": "read_timeouts"}  # close reason -> Server.stats key
 
 
-def _payload_bytes(msg: p.Message) -> int:
-    """Bytes of the buffers a message holds (PUSH and WEIGHTS only have any)."""
-    buffers = msg.__dict__.get("buffers")
-    return sum([b.nbytes for b in buffers]) if buffers else 0
+_nbytes = operator.attrgetter("nbytes")  # sum(map(_nbytes, buffers)): bytes a message holds
 
 
 def _tune(sock: socket.socket, buffer_bytes: int) -> None:
@@ -95,7 +93,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.queue: collections.deque[p.Message] = collections.deque()
-        self.queued_bytes = 0  # _payload_bytes of the queued messages
+        self.queued_bytes = 0  # bytes of the buffers of the queued messages
         self.paused = False  # reading paused because the queue is full
         self.waiter: asyncio.Future[None] | None = None  # a recv() waiting for a message
         self.drained: asyncio.Future[None] | None = None  # set while writing is paused
@@ -128,7 +126,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self.conn.received_one(msg)  # one by one: messages before a bad one still count
                 self.queue.append(msg)
                 if msg.KIND in p.WITH_BUFFERS:
-                    self.queued_bytes += _payload_bytes(msg)
+                    buffers = msg.buffers  # type: ignore[attr-defined]
+                    self.queued_bytes += sum(map(_nbytes, buffers))
             if self.decoder.error is not None:
                 raise self.decoder.error
         except RemoteProtocolError as e:
@@ -146,7 +145,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """The oldest queued message; resumes reading once the queue is below half its bounds."""
         msg = self.queue.popleft()
         if msg.KIND in p.WITH_BUFFERS:
-            self.queued_bytes -= _payload_bytes(msg)
+            self.queued_bytes -= sum(map(_nbytes, msg.buffers))  # type: ignore[attr-defined]
         if (self.paused and len(self.queue) <= MAX_QUEUED // 2
                 and self.queued_bytes <= self.options.max_queued_bytes // 2):
             self.paused = False

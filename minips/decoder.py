@@ -171,31 +171,26 @@ class FrameDecoder:
             return self._step(out)
         prefix = PREFIX.unpack_from(self._buf, self._lo)
         head_len = check_prefix(prefix, self.limits)
-        total = PREFIX.size + head_len + prefix[6]
-        if total <= self._hi - self._lo:
-            out.append(self._whole(prefix, head_len))
-            return True
-        if total <= DIRECT_MIN_BYTES:
-            return False  # get_buffer() keeps room for the rest of a frame this small
-        self._frame = _Partial(prefix, head_len)
-        self._lo += PREFIX.size
-        return self._step(out)
-
-    def _whole(self, prefix: tuple[Any, ...], head_len: int) -> Message:
-        """The fast path: the frame at ``_lo`` is all in scratch; decode it in one go."""
         _, version, kind, nbuf, _, _, body_len = prefix
         at = self._lo + PREFIX.size
-        table: tuple[int, ...] = ()
+        end = at + head_len + body_len
+        if end > self._hi:  # not all here yet
+            if end - self._lo <= DIRECT_MIN_BYTES:
+                return False  # get_buffer() keeps room for the rest of a frame this small
+            self._frame = _Partial(prefix, head_len)
+            self._lo = at
+            return self._step(out)
+        table: tuple[int, ...] = ()  # the fast path: the whole frame is in scratch
         if nbuf or body_len:
             table = TABLES[nbuf].unpack_from(self._buf, at)
             check_table(table, body_len, self.limits)
         meta = unpack_meta(self._view[at + TABLE_ENTRY.size * nbuf:at + head_len], self.limits)
         msg = from_wire(KINDS[kind], version, meta, nbuf)
-        at += head_len
         if nbuf:
-            msg.__dict__["buffers"] = self._copy_body(msg.KIND, table, at, body_len)
-        self._lo = at + body_len
-        return msg
+            msg.__dict__["buffers"] = self._copy_body(msg.KIND, table, at + head_len, body_len)
+        self._lo = end
+        out.append(msg)
+        return True
 
     def _copy_body(self, kind: Kind, table: tuple[int, ...], at: int,
                    body_len: int) -> tuple[memoryview, ...]:

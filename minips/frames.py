@@ -121,7 +121,9 @@ def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIM
         wires.append(wire)
     body_len = sum(table[1::3])
     n = len(buffers)
-    _check_sendable(_HEADS[n].size + len(meta) + body_len, len(meta), limits)
+    total = _HEADS[n].size + len(meta) + body_len
+    if total > limits.max_frame_bytes or len(meta) > limits.max_meta_bytes:
+        _check_sendable(total, len(meta), limits)
     head = _HEADS[n].pack(MAGIC, version, kind, n, 0, len(meta), body_len, *table)
     return _coalesce([head, meta], wires)
 
@@ -193,7 +195,8 @@ def check_table(table: tuple[int, ...], body_len: int, limits: Limits) -> None:
                 raise _remote(f"unknown buffer codec {codec}", got=codec)
             if codec == CODEC_RAW and wire != raw:
                 raise _remote("raw buffer with wire_len != raw_len", expected=wire, got=raw)
-    _check_limit("decompressed frame size", sum(raws), limits.max_raw_bytes)
+    if sum(raws) > limits.max_raw_bytes:
+        _check_limit("decompressed frame size", sum(raws), limits.max_raw_bytes)
 
 
 def unpack_meta(raw: memoryview, limits: Limits) -> dict[str, Any]:

@@ -97,7 +97,11 @@ class Connection:
 
     def send(self, msg: Message, *, compress: bool = False) -> list[Any]:
         """Check that we may send ``msg`` now, advance the state, return its frame buffers."""
-        self._advance(self.side, msg.KIND)
+        nxt = TRANSITIONS.get((self.side, self.state, msg.KIND))
+        if nxt is None:
+            self._advance(self.side, msg.KIND)  # raises, saying what was allowed
+        else:
+            self.state = nxt
         return encode(msg, compress=compress, limits=self.limits)
 
     def receive(self, data: bytes | bytearray | memoryview) -> list[Message]:

@@ -200,7 +200,7 @@ class Message:
 
     def __post_init__(self) -> None:
         values = self.__dict__  # frozen: normalised values are written straight into __dict__
-        for name, check, typ, lo, hi in _schema(type(self)).checks:
+        for name, check, typ, lo, hi in _SCHEMAS[type(self)].checks:
             value = values[name]
             if type(value) is typ and lo <= value <= hi:
                 continue  # a number within its bounds: valid as it is (the common case)
@@ -212,7 +212,7 @@ class Message:
 
     def meta(self) -> dict[str, Any]:
         """The msgpack map of this message: every field except ``buffers`` and HELLO's version."""
-        schema = _schema(type(self))
+        schema = _SCHEMAS[type(self)]
         return dict(zip(schema.meta, schema.values(self.__dict__), strict=True))
 
 
@@ -229,25 +229,26 @@ class _Schema:
     values: Callable[[dict[str, Any]], tuple[Any, ...]]  # __dict__ -> values of meta, in order
 
 
-_SCHEMAS: dict[type, _Schema] = {}
-
-
 def _one(name: str) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     """What itemgetter(name) would be if it returned a 1-tuple."""
     return lambda values: (values[name],)
 
 
-def _schema(cls: type[Message]) -> _Schema:
-    schema = _SCHEMAS.get(cls)
-    if schema is None:
+class _Schemas(dict[type, _Schema]):
+    """class -> _Schema, computed on first use; a hit is a plain dict lookup (no Python call)."""
+
+    def __missing__(self, cls: type[Message]) -> _Schema:
         fields = dataclasses.fields(cls)
         meta = tuple(f.name for f in fields if f.name not in cls.NOT_IN_META)
         checks = tuple((f.name, f.metadata["check"], *getattr(f.metadata["check"], "fast",
                                                                (None, 0, 0))) for f in fields)
         wire_checks = tuple(c for c in checks if c[0] in meta)
         values = operator.itemgetter(*meta) if len(meta) > 1 else _one(meta[0])
-        schema = _SCHEMAS[cls] = _Schema(checks, wire_checks, meta, frozenset(meta), values)
-    return schema
+        schema = self[cls] = _Schema(checks, wire_checks, meta, frozenset(meta), values)
+        return schema
+
+
+_SCHEMAS = _Schemas()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -376,7 +377,7 @@ WITH_BUFFERS = frozenset({Kind.PUSH, Kind.WEIGHTS})  # the kinds whose frames ca
 
 def meta_keys(kind: Kind) -> tuple[str, ...]:
     """The keys of ``kind``'s msgpack map, in the order they are sent."""
-    return _schema(MESSAGE_TYPES[kind]).meta
+    return _SCHEMAS[MESSAGE_TYPES[kind]].meta
 
 
 def _remote(msg: str, **data: Any) -> RemoteProtocolError:
@@ -391,7 +392,7 @@ def from_wire(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Mess
     byte of the prefix) and the buffers (views the decoder made) need no check.
     """
     cls = MESSAGE_TYPES[kind]
-    schema = _schema(cls)
+    schema = _SCHEMAS[cls]
     if meta.keys() != schema.meta_set:
         raise _remote(f"{kind.name} header map has the wrong keys",
                       expected=sorted(schema.meta), got=sorted(map(str, meta)))

@@ -8,11 +8,18 @@ round trips are measured in alternating batches in the same way.
 - gloo_gbps: the same tensor sent and received back with gloo send/recv.
 - raw_gbps: the same bytes both ways over a blocking socket pair (sendall / recv_into).
 - ratio_vs_gloo, ratio_vs_raw: dense_gbps over the two above.
+- gloo_vs_raw: how close gloo comes to the bare socket (the ceiling of every transport here).
 - rtt_us_p50: PUSH carrying a 1% sparse gradient of LeNet-5 (61,706 parameters, 617 kept,
   encoded by sparse_codec as a worker does) and its ACK; echo_rtt_us_p50: a bare uvloop echo of
   as many bytes as that PUSH frame; rtt_ratio = the first / the second (medians).
+  hop_rtt_us_p50: the same PUSH bytes answered with ACK-sized bytes by a task that a future
+  wakes (what any await-based asyncio server pays, with no protocol work at all).
+  These figures come with every process pinned to one core (--cpu, default 0): both ends then
+  share it, as the scheduler puts a quick echo anyway, and the figure measures software cost. The
+  *_unpinned figures let the scheduler choose; on a virtual machine a wake-up on another core
+  can cost tens of µs, and it is paid more often by the slower round trip.
 
-Usage: python scripts/bench_wire.py [--json] [--iters 20] [--rtt-iters 2000]
+Usage: python scripts/bench_wire.py [--json] [--iters 20] [--rtt-iters 2000] [--cpu 0]
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import socket
 import statistics
 import sys
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import numpy as np
 
@@ -58,7 +66,8 @@ def into(arr: np.ndarray) -> p.Alloc:
     return alloc
 
 
-def minips_server(port_q: Any) -> None:
+def minips_server(port_q: Any, cpu: int | None = None) -> None:
+    pin(cpu)
     t.install_uvloop()
     buf = np.zeros(DENSE_N, dtype=np.float32)  # (n,) f32, receives every dense PUSH in place
 
@@ -129,38 +138,97 @@ def sparse_push() -> p.Push:
 
 
 # ---------------------------------------------------------------------------------------------
-# Round trips: minips PUSH/ACK and a bare uvloop echo, interleaved in batches so that both see
-# the same machine load.
+# Round trips, interleaved in batches of 50 so that all see the same machine load:
+# - minips: PUSH (sparse) -> ACK through Channel.send / Channel.recv on both sides;
+# - echo: a bare uvloop echo of as many bytes as that PUSH frame (the target's baseline);
+# - hop: the same bytes answered with an ACK-sized reply by a task woken through a future, as
+#   any asyncio request/response server is: the floor of an await-based design, no protocol.
 
 
-def echo_server(port_q: Any) -> None:
+def pin(cpu: int | None) -> None:
+    """Run this process on one core (None: wherever the scheduler likes)."""
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
+
+
+def echo_server(port_q: Any, cpu: int | None = None) -> None:
+    pin(cpu)
     t.install_uvloop()
 
     class Echo(asyncio.Protocol):
+        def __init__(self, stop: asyncio.Future[None]) -> None:
+            self.stop = stop
+
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = transport
+            self.transport = cast(asyncio.Transport, transport)
 
         def data_received(self, data: bytes) -> None:
-            self.transport.write(data)  # type: ignore[attr-defined]
+            self.transport.write(data)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            stop.set_result(None)
+            if not self.stop.done():
+                self.stop.set_result(None)
+
+    serve_until_closed(Echo, port_q)
+
+
+class HopServer(asyncio.Protocol):
+    """Counts bytes to whole requests of ``size``; a task awaits each and writes ``reply``."""
+
+    def __init__(self, stop: asyncio.Future[None], size: int, reply: bytes) -> None:
+        self.stop, self.size, self.reply, self.got = stop, size, reply, 0
+        self.pending = 0  # whole requests not answered yet
+        self.waiter: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.task = asyncio.get_running_loop().create_task(self.answer())
+
+    def data_received(self, data: bytes) -> None:
+        self.got += len(data)
+        while self.got >= self.size:
+            self.got -= self.size
+            self.pending += 1
+        if self.pending and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def answer(self) -> None:
+        while True:
+            while not self.pending:
+                self.waiter = asyncio.get_running_loop().create_future()
+                await self.waiter
+            self.pending -= 1
+            self.transport.write(self.reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.task.cancel()
+        if not self.stop.done():
+            self.stop.set_result(None)
+
+
+def hop_server(port_q: Any, cpu: int | None, size: int, reply: bytes) -> None:
+    pin(cpu)
+    t.install_uvloop()
+    serve_until_closed(lambda stop: HopServer(stop, size, reply), port_q)
+
+
+def serve_until_closed(make: Callable[[asyncio.Future[None]], asyncio.BaseProtocol],
+                       port_q: Any) -> None:
+    """Serve protocols ``make(stop)`` on a free port until one of them sets ``stop``."""
 
     async def main() -> None:
-        global stop
-        stop = asyncio.get_running_loop().create_future()
-        srv = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+        srv = await loop.create_server(lambda: make(stop), "127.0.0.1", 0)
         port_q.put(srv.sockets[0].getsockname()[1])
         await stop
+        srv.close()
 
     asyncio.run(main())
 
 
-stop: asyncio.Future[None]
-
-
 class EchoClient(asyncio.Protocol):
-    """Sends ``nbytes`` and waits until as many came back."""
+    """Counts bytes back; ``waiter`` is set once ``nbytes`` have arrived."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes, self.got = nbytes, 0
@@ -173,38 +241,64 @@ class EchoClient(asyncio.Protocol):
             self.waiter.set_result(None)
 
 
-async def rtt_rounds(minips_port: int, echo_port: int, iters: int) -> tuple[list[float], ...]:
+async def bytes_client(port: int, send: bytes, back: int) -> Callable[[], Awaitable[None]]:
+    """One round trip: write ``send``, wait until ``back`` bytes came back."""
     loop = asyncio.get_running_loop()
-    ch = await t.connect("127.0.0.1", minips_port, token=TOKEN)
+    transport, proto = await loop.create_connection(lambda: EchoClient(back), "127.0.0.1", port)
+
+    async def round_trip() -> None:
+        proto.waiter = loop.create_future()
+        transport.write(send)
+        await proto.waiter
+
+    round_trip.close = transport.close  # type: ignore[attr-defined]
+    return round_trip
+
+
+async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]]:
+    """Round trips in µs per kind, in alternating batches of 50 of each."""
+    ch = await t.connect("127.0.0.1", ports["minips"], token=TOKEN)
     push = sparse_push()
-    nbytes = sum(len(b) for b in p.encode(push))
-    transport, echo = await loop.create_connection(lambda: EchoClient(nbytes), "127.0.0.1",
-                                                   echo_port)
-    payload, ours, bare = bytes(nbytes), [], []
-    for i in range(iters):
-        if i % 100 < 50:  # batches of 50 of each
-            began = time.perf_counter_ns()
-            await ch.send(push)
-            await ch.recv()
-            ours.append((time.perf_counter_ns() - began) / 1e3)
-        else:
-            echo.waiter = loop.create_future()
-            began = time.perf_counter_ns()
-            transport.write(payload)
-            await echo.waiter
-            bare.append((time.perf_counter_ns() - began) / 1e3)
+    frame = b"".join(p.encode(push))
+    ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
+
+    async def minips_round() -> None:
+        await ch.send(push)
+        await ch.recv()
+
+    rounds = {"minips": minips_round,
+              "echo": await bytes_client(ports["echo"], frame, len(frame)),
+              "hop": await bytes_client(ports["hop"], frame, len(ack))}
+    times: dict[str, list[float]] = {name: [] for name in rounds}
+    for _ in range(max(1, iters // 50)):
+        for name, round_trip in rounds.items():
+            for _ in range(50):
+                began = time.perf_counter_ns()
+                await round_trip()
+                times[name].append((time.perf_counter_ns() - began) / 1e3)
     await ch.close(leave="done")
-    transport.close()
-    return ours, bare
+    rounds["echo"].close()  # type: ignore[attr-defined]
+    rounds["hop"].close()  # type: ignore[attr-defined]
+    return times
 
 
-def run_rtt(iters: int) -> tuple[list[float], list[float]]:
-    minips_proc, minips_port = start_server(minips_server)
-    echo_proc, echo_port = start_server(echo_server)
-    ours, bare = asyncio.run(rtt_rounds(minips_port, echo_port, 2 * iters))
-    for proc in (minips_proc, echo_proc):
+def run_rtt(iters: int, cpu: int | None) -> dict[str, list[float]]:
+    """Round trips with every process on core ``cpu`` (None: unpinned)."""
+    push = sparse_push()
+    frame_len = sum(len(b) for b in p.encode(push))
+    ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
+    servers = {"minips": start_server(minips_server, cpu), "echo": start_server(echo_server, cpu),
+               "hop": start_server(hop_server, cpu, frame_len, ack)}
+    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    pin(cpu)
+    try:
+        times = asyncio.run(rtt_rounds({k: port for k, (_, port) in servers.items()}, iters))
+    finally:
+        if mask is not None:
+            os.sched_setaffinity(0, mask)
+    for proc, _ in servers.values():
         proc.join(30)
-    return ours, bare
+    return times
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,28 +428,40 @@ def dense_rounds(iters: int) -> dict[str, float | None]:
 # ---------------------------------------------------------------------------------------------
 
 
+def rtt_figures(iters: int, cpu: int | None, suffix: str) -> dict[str, float]:
+    """p50 round trips (µs) of minips, echo and hop, and minips over echo."""
+    p50 = {k: statistics.median(v) for k, v in run_rtt(iters, cpu).items()}
+    return {f"rtt_us_p50{suffix}": round(p50["minips"], 1),
+            f"echo_rtt_us_p50{suffix}": round(p50["echo"], 1),
+            f"hop_rtt_us_p50{suffix}": round(p50["hop"], 1),
+            f"rtt_ratio{suffix}": round(p50["minips"] / p50["echo"], 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--iters", type=int, default=20, help="dense round trips per transport")
     ap.add_argument("--rtt-iters", type=int, default=2000, help="sparse PUSH/ACK round trips")
+    ap.add_argument("--cpu", type=int, default=0, help="core for the pinned round trips")
     args = ap.parse_args()
     t.install_uvloop()
     gbps = dense_rounds(args.iters)
     dense, raw, gloo = gbps["minips"], gbps["raw"], gbps["gloo"]
     assert dense is not None and raw is not None
-    rtts, echo = run_rtt(args.rtt_iters)
-    frame_bytes = sum(len(b) for b in p.encode(sparse_push()))
-    rtt, echo_p50 = statistics.median(rtts), statistics.median(echo)
-    result = {
+    result: dict[str, Any] = {
         "dense_gbps": round(dense, 3), "gloo_gbps": gloo and round(gloo, 3),
         "raw_gbps": round(raw, 3),
         "ratio_vs_gloo": gloo and round(dense / gloo, 3), "ratio_vs_raw": round(dense / raw, 3),
-        "rtt_us_p50": round(rtt, 1), "echo_rtt_us_p50": round(echo_p50, 1),
-        "rtt_ratio": round(rtt / echo_p50, 3),
-        "dense_bytes_each_way": DENSE_N * 4, "push_frame_bytes": frame_bytes,
-        "iters": args.iters, "rtt_iters": args.rtt_iters, "cpus": os.cpu_count(),
+        "gloo_vs_raw": gloo and round(gloo / raw, 3),
     }
+    result.update(rtt_figures(args.rtt_iters, args.cpu, ""))
+    result.update(rtt_figures(args.rtt_iters, None, "_unpinned"))
+    result.update({
+        "dense_bytes_each_way": DENSE_N * 4,
+        "push_frame_bytes": sum(len(b) for b in p.encode(sparse_push())),
+        "iters": args.iters, "rtt_iters": args.rtt_iters, "rtt_cpu": args.cpu,
+        "cpus": os.cpu_count(), "load_avg_1min": round(os.getloadavg()[0], 2),
+    })
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 
