@@ -293,7 +293,7 @@ def decode_gradient(
 
 
 def scatter_add(target: np.ndarray, sg: SparseGrad | np.ndarray, scale: float = 1.0) -> None:
-    """``target += scale * g`` in place; O(nnz) for a SparseGrad (its indices are unique)."""
+    """``target += scale * g`` in place; O(nnz) for a SparseGrad."""
     if isinstance(sg, np.ndarray):
         if sg.shape != target.shape:
             raise LocalProtocolError("dense shape mismatch", expected=target.shape, got=sg.shape)
@@ -301,8 +301,9 @@ def scatter_add(target: np.ndarray, sg: SparseGrad | np.ndarray, scale: float = 
         return
     if sg.size != target.size:
         raise LocalProtocolError("sparse gradient size mismatch", expected=target.size, got=sg.size)
-    # Unique indices make fancy-index += exact (np.add.at is only needed for repeats, and slow).
-    target[sg.indices] += np.float32(scale) * sg.values if scale != 1.0 else sg.values
+    # np.add.at: numpy >= 1.25 has a fast path for it (1.2 ms for 117k entries, fancy-index +=
+    # takes 3.3 ms as it converts the uint32 indices and gathers first).
+    np.add.at(target, sg.indices, np.float32(scale) * sg.values if scale != 1.0 else sg.values)
 
 
 def accumulate(grads: Sequence[SparseGrad], size: int) -> SparseGrad:
