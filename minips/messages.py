@@ -1,7 +1,8 @@
-"""minips messages: the kinds, one frozen dataclass per kind, and the checks on their fields.
+"""minips messages: the kinds and one frozen dataclass per kind, each field with its check.
 
 No networking, no clocks, no framing here: a message is a value that knows whether it is valid.
-``frames.py`` turns messages into bytes and back; docs/protocol.md, section 3, lists every field.
+``fields.py`` holds the checks, ``frames.py`` turns messages into bytes and back;
+docs/protocol.md, section 3, lists every field.
 
 Invariants:
 - A ``Message`` never exists with an invalid field: ``__post_init__`` runs every field's check
@@ -21,15 +22,29 @@ nbuf)``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
+from minips.fields import (
+    MAX_BUFFERS,
+    MAX_INT,
+    MAX_NAME,
+    MAX_TEXT,
+    Check,
+    Invalid,
+    blob,
+    boolean,
+    integer,
+    mapping,
+    names,
+    number,
+    text,
+    views,
+)
 
 __all__ = [
     "PROTOCOL_VERSION", "NONCE_BYTES", "MAC_BYTES", "MAX_BUFFERS", "MAX_TEXT", "MAX_NAME",
@@ -41,11 +56,6 @@ __all__ = [
 PROTOCOL_VERSION = 1
 NONCE_BYTES = 32  # fresh random bytes per handshake side, so a recorded handshake cannot replay
 MAC_BYTES = 32  # HMAC-SHA256 digest
-MAX_BUFFERS = 16  # raw buffers per frame; sparse packets use 2-3
-MAX_TEXT = 4096  # characters of a free-text field (reason, address)
-MAX_NAME = 64  # characters of a name field (role, code, encoding, capability)
-MAX_INT = 2**63 - 1  # ints are signed 64-bit on the wire
-MAX_DEPTH = 8  # nesting of lists/maps inside a map field
 ROLES = ("worker", "group", "evaluator")
 
 
@@ -66,121 +76,6 @@ class Kind(IntEnum):
     HEARTBEAT = 12
     LEAVE = 13
     ERROR = 14
-
-
-# ---------------------------------------------------------------------------------------------
-# Field checks: each returns the (normalised) value or raises _Invalid(what was expected).
-
-
-class _Invalid(Exception):
-    pass
-
-
-Check = Callable[[Any], Any]
-
-
-def _int(lo: int = 0, hi: int = MAX_INT) -> Check:
-    def check(v: Any) -> int:
-        if type(v) is not int or not lo <= v <= hi:  # type() is: bool is not an int here
-            raise _Invalid(f"expected an int in [{lo}, {hi}]")
-        return v
-
-    check.fast = (int, lo, hi)  # type: ignore[attr-defined]
-    return check
-
-
-def _float(lo: float = -math.inf, hi: float = math.inf) -> Check:
-    def check(v: Any) -> float:
-        t = type(v)
-        if t is float:
-            if lo <= v <= hi and v - v == 0.0:  # v - v is nan for inf and nan: finite only
-                return v
-        elif t is int and lo <= v <= hi:
-            return float(v)
-        raise _Invalid(f"expected a finite number in [{lo}, {hi}]")
-
-    # finite bounds for the fast path: inf and nan fail them and go through check()
-    fast = (float, max(lo, -sys.float_info.max), min(hi, sys.float_info.max))
-    check.fast = fast  # type: ignore[attr-defined]
-    return check
-
-
-def _text(maxlen: int, choices: tuple[str, ...] = ()) -> Check:
-    def check(v: Any) -> str:
-        if type(v) is not str or len(v) > maxlen or (choices and v not in choices):
-            within = f" in {choices}" if choices else ""
-            raise _Invalid(f"expected a str of <= {maxlen} chars{within}")
-        return v
-
-    return check
-
-
-def _blob(*sizes: int) -> Check:
-    def check(v: Any) -> bytes:
-        if type(v) is bytes and len(v) in sizes:
-            return v
-        if not isinstance(v, (bytes, bytearray, memoryview)) or len(v) not in sizes:
-            raise _Invalid(f"expected bytes of length {' or '.join(map(str, sizes))}")
-        return bytes(v)
-
-    return check
-
-
-def _bool(v: Any) -> bool:
-    if type(v) is not bool:
-        raise _Invalid("expected a bool")
-    return v
-
-
-def _names(v: Any) -> tuple[str, ...]:
-    if not isinstance(v, (list, tuple)) or len(v) > MAX_NAME:
-        raise _Invalid(f"expected a list of <= {MAX_NAME} names")
-    name = _text(MAX_NAME)
-    return tuple([name(x) for x in v])
-
-
-_PRIMITIVES = frozenset({type(None), bool, int, float, str, bytes})
-
-
-def _tree(v: Any, depth: int) -> None:
-    """Check (without copying) that a list or map holds only primitives, lists/tuples and maps
-    with str keys, at most ``depth`` deep. Tuples come back from the wire as lists."""
-    if depth <= 0:
-        raise _Invalid("nested too deep")
-    if isinstance(v, dict):
-        for k, x in v.items():
-            if type(k) is not str:
-                raise _Invalid("map keys must be str")
-            if type(x) not in _PRIMITIVES:
-                _tree(x, depth - 1)
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            if type(x) not in _PRIMITIVES:
-                _tree(x, depth - 1)
-    else:
-        raise _Invalid(f"unsupported value of type {type(v).__name__}")
-
-
-def _map(v: Any) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise _Invalid("expected a map")
-    _tree(v, MAX_DEPTH)
-    return v
-
-
-def _flat(b: Any) -> memoryview:
-    if type(b) is memoryview and b.format == "B" and b.ndim == 1 and b.c_contiguous:
-        return b  # already what we hold (every decoded buffer is one)
-    return memoryview(b).cast("B")  # cast() refuses non-contiguous arrays instead of copying
-
-
-def _buffers(v: Any) -> tuple[memoryview, ...]:
-    if not isinstance(v, (list, tuple)) or len(v) > MAX_BUFFERS:
-        raise _Invalid(f"expected a tuple of <= {MAX_BUFFERS} buffers")
-    try:
-        return tuple([_flat(b) for b in v])
-    except TypeError as e:
-        raise _Invalid(f"buffers must be C-contiguous bytes-like objects ({e})") from None
 
 
 def _f(check: Check, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
@@ -206,7 +101,7 @@ class Message:
                 continue  # a number within its bounds: valid as it is (the common case)
             try:
                 values[name] = check(value)
-            except _Invalid as e:
+            except Invalid as e:
                 where = f"{type(self).__name__}.{name}"
                 raise LocalProtocolError(f"{where}: {e}", expected=str(e), got=value) from None
 
@@ -257,114 +152,114 @@ class Hello(Message):
 
     KIND = Kind.HELLO
     NOT_IN_META = ("buffers", "version")
-    version: int = _f(_int(0, 255), PROTOCOL_VERSION)
-    role: str = _f(_text(MAX_NAME, ROLES), "worker")
-    worker_id: int = _f(_int(-1), -1)  # -1: let the server choose
-    nonce: bytes = _f(_blob(NONCE_BYTES))
-    capabilities: tuple[str, ...] = _f(_names, ())
-    address: str = _f(_text(MAX_TEXT), "")  # "host:port" a group server accepts workers on
-    group: int = _f(_int(-1), -1)  # -1: none
+    version: int = _f(integer(0, 255), PROTOCOL_VERSION)
+    role: str = _f(text(MAX_NAME, ROLES), "worker")
+    worker_id: int = _f(integer(-1), -1)  # -1: let the server choose
+    nonce: bytes = _f(blob(NONCE_BYTES))
+    capabilities: tuple[str, ...] = _f(names, ())
+    address: str = _f(text(MAX_TEXT), "")  # "host:port" a group server accepts workers on
+    group: int = _f(integer(-1), -1)  # -1: none
 
 
 @dataclass(frozen=True, kw_only=True)
 class Challenge(Message):
     KIND = Kind.CHALLENGE
-    nonce: bytes = _f(_blob(NONCE_BYTES))
+    nonce: bytes = _f(blob(NONCE_BYTES))
 
 
 @dataclass(frozen=True, kw_only=True)
 class Auth(Message):
     KIND = Kind.AUTH
-    mac: bytes = _f(_blob(0, MAC_BYTES))  # empty: the client has no secret
+    mac: bytes = _f(blob(0, MAC_BYTES))  # empty: the client has no secret
 
 
 @dataclass(frozen=True, kw_only=True)
 class Welcome(Message):
     KIND = Kind.WELCOME
-    worker_id: int = _f(_int(-1))
-    mac: bytes = _f(_blob(0, MAC_BYTES))  # empty only from a server without a secret
-    info: dict[str, Any] = _f(_map, factory=dict)
+    worker_id: int = _f(integer(-1))
+    mac: bytes = _f(blob(0, MAC_BYTES))  # empty only from a server without a secret
+    info: dict[str, Any] = _f(mapping, factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Refuse(Message):
     KIND = Kind.REFUSE
-    code: str = _f(_text(MAX_NAME))
-    reason: str = _f(_text(MAX_TEXT))
+    code: str = _f(text(MAX_NAME))
+    reason: str = _f(text(MAX_TEXT))
 
 
 @dataclass(frozen=True, kw_only=True)
 class Assign(Message):
     KIND = Kind.ASSIGN
-    group: int = _f(_int())
-    address: str = _f(_text(MAX_TEXT))
-    ratio: float = _f(_float(0.0, 1.0))
-    staleness: int = _f(_int(-1))  # -1: no bound (ASP)
+    group: int = _f(integer())
+    address: str = _f(text(MAX_TEXT))
+    ratio: float = _f(number(0.0, 1.0))
+    staleness: int = _f(integer(-1))  # -1: no bound (ASP)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Stats(Message):
     KIND = Kind.STATS
-    clock: int = _f(_int())
-    step_time: float = _f(_float(0.0))  # seconds per step
-    loss: float = _f(_float())
-    samples: int = _f(_int(), 0)
+    clock: int = _f(integer())
+    step_time: float = _f(number(0.0))  # seconds per step
+    loss: float = _f(number())
+    samples: int = _f(integer(), 0)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Push(Message):
     KIND = Kind.PUSH
-    clock: int = _f(_int())
-    step_time: float = _f(_float(0.0), 0.0)
-    loss: float = _f(_float(), 0.0)
-    samples: int = _f(_int(), 0)
-    encoding: str = _f(_text(MAX_NAME))  # meaning of buffers, defined by sparse.py
-    codec: dict[str, Any] = _f(_map, factory=dict)
-    buffers: tuple[Any, ...] = _f(_buffers, ())  # bytes-like; held as flat memoryviews
+    clock: int = _f(integer())
+    step_time: float = _f(number(0.0), 0.0)
+    loss: float = _f(number(), 0.0)
+    samples: int = _f(integer(), 0)
+    encoding: str = _f(text(MAX_NAME))  # meaning of buffers, defined by sparse.py
+    codec: dict[str, Any] = _f(mapping, factory=dict)
+    buffers: tuple[Any, ...] = _f(views, ())  # bytes-like; held as flat memoryviews
 
 
 @dataclass(frozen=True, kw_only=True)
 class Ack(Message):
     KIND = Kind.ACK
-    clock: int = _f(_int())
-    version: int = _f(_int(), 0)  # weights version after the push
+    clock: int = _f(integer())
+    version: int = _f(integer(), 0)  # weights version after the push
 
 
 @dataclass(frozen=True, kw_only=True)
 class Pull(Message):
     KIND = Kind.PULL
-    clock: int = _f(_int())
-    since: int = _f(_int(-1), -1)  # -1: full weights, else a delta since that version
+    clock: int = _f(integer())
+    since: int = _f(integer(-1), -1)  # -1: full weights, else a delta since that version
 
 
 @dataclass(frozen=True, kw_only=True)
 class Weights(Message):
     KIND = Kind.WEIGHTS
-    version: int = _f(_int())
-    encoding: str = _f(_text(MAX_NAME))
-    codec: dict[str, Any] = _f(_map, factory=dict)
-    buffers: tuple[Any, ...] = _f(_buffers, ())  # bytes-like; held as flat memoryviews
-    done: bool = _f(_bool, False)
-    info: dict[str, Any] = _f(_map, factory=dict)
+    version: int = _f(integer())
+    encoding: str = _f(text(MAX_NAME))
+    codec: dict[str, Any] = _f(mapping, factory=dict)
+    buffers: tuple[Any, ...] = _f(views, ())  # bytes-like; held as flat memoryviews
+    done: bool = _f(boolean, False)
+    info: dict[str, Any] = _f(mapping, factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
     KIND = Kind.HEARTBEAT
-    seq: int = _f(_int(), 0)
+    seq: int = _f(integer(), 0)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Leave(Message):
     KIND = Kind.LEAVE
-    reason: str = _f(_text(MAX_TEXT), "")  # "done" from a server: training is over
+    reason: str = _f(text(MAX_TEXT), "")  # "done" from a server: training is over
 
 
 @dataclass(frozen=True, kw_only=True)
 class Error(Message):
     KIND = Kind.ERROR
-    code: str = _f(_text(MAX_NAME))
-    reason: str = _f(_text(MAX_TEXT))
+    code: str = _f(text(MAX_NAME))
+    reason: str = _f(text(MAX_TEXT))
 
 
 MESSAGE_TYPES: dict[Kind, type[Message]] = {
@@ -404,7 +299,7 @@ def from_wire(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Mess
             continue
         try:
             meta[name] = check(value)
-        except _Invalid as e:
+        except Invalid as e:
             raise _remote(f"invalid {kind.name}: {cls.__name__}.{name}: {e}", expected=str(e),
                           got=meta[name]) from None
     if kind == Kind.HELLO:

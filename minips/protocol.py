@@ -2,10 +2,11 @@
 
 This package part contains no networking code at all: no asyncio, no sockets, no clocks. Bytes
 go in, messages come out (``FrameDecoder``); a message goes in, a list of buffers comes out
-(``encode``). docs/protocol.md describes every byte. The code lives in four modules, read in
+(``encode``). docs/protocol.md describes every byte. The code lives in five modules, read in
 this order:
 
-- ``messages.py``  ``Kind``, one frozen dataclass per message, the checks on their fields.
+- ``fields.py``    the checks a message field can have (ints, finite numbers, text, maps, ...).
+- ``messages.py``  ``Kind``, one frozen dataclass per message, built from a peer's map.
 - ``frames.py``    the 16-byte prefix, the buffer table, ``Limits``, ``encode``, frame checks.
 - ``decoder.py``   ``FrameDecoder``: bytes in (whole or in pieces, zero-copy), messages out.
 - ``handshake.py`` connection ``State`` and ``TRANSITIONS``, ``Connection``, the HMAC handshake.
