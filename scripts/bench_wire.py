@@ -14,10 +14,11 @@ round trips are measured in alternating batches in the same way.
   as many bytes as that PUSH frame; rtt_ratio = the first / the second (medians).
   hop_rtt_us_p50: the same PUSH bytes answered with ACK-sized bytes by a task that a future
   wakes (what any await-based asyncio server pays, with no protocol work at all).
-  These figures come with every process pinned to one core (--cpu, default 0): both ends then
-  share it, as the scheduler puts a quick echo anyway, and the figure measures software cost. The
-  *_unpinned figures let the scheduler choose; on a virtual machine a wake-up on another core
-  can cost tens of µs, and it is paid more often by the slower round trip.
+  The minips server of the round trips has default options, as the group server does (the
+  dense test receives into a preallocated array instead). Every process of the round trips is
+  pinned to one core (--cpu, default 0): both ends share it, as the scheduler places a quick
+  echo anyway, so the figures measure software cost. The *_unpinned figures let the scheduler
+  choose; on a virtual machine a wake-up on another core can cost tens of µs.
 
 Usage: python scripts/bench_wire.py [--json] [--iters 20] [--rtt-iters 2000] [--cpu 0]
 """
@@ -66,7 +67,9 @@ def into(arr: np.ndarray) -> p.Alloc:
     return alloc
 
 
-def minips_server(port_q: Any, cpu: int | None = None) -> None:
+def minips_server(port_q: Any, cpu: int | None = None, dense: bool = True) -> None:
+    """PUSH -> ACK, PULL -> WEIGHTS of ``buf``. With ``dense`` a PUSH of buf's size is received
+    into buf (zero-copy); without it the options are the defaults, as in the group server."""
     pin(cpu)
     t.install_uvloop()
     buf = np.zeros(DENSE_N, dtype=np.float32)  # (n,) f32, receives every dense PUSH in place
@@ -86,7 +89,7 @@ def minips_server(port_q: Any, cpu: int | None = None) -> None:
         global done
         done = asyncio.Event()
         srv = await t.serve("127.0.0.1", 0, token=TOKEN, accept=lambda h: {}, handler=handler,
-                            options=t.Options(alloc=into(buf)))
+                            options=t.Options(alloc=into(buf) if dense else None))
         port_q.put(srv.port)
         await done.wait()
         srv.close()
@@ -287,7 +290,8 @@ def run_rtt(iters: int, cpu: int | None) -> dict[str, list[float]]:
     push = sparse_push()
     frame_len = sum(len(b) for b in p.encode(push))
     ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
-    servers = {"minips": start_server(minips_server, cpu), "echo": start_server(echo_server, cpu),
+    servers = {"minips": start_server(minips_server, cpu, False),
+               "echo": start_server(echo_server, cpu),
                "hop": start_server(hop_server, cpu, frame_len, ack)}
     mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     pin(cpu)
