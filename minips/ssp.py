@@ -94,6 +94,24 @@ class ClockTable:
         self._live[w] = _Entry(start, now)
         return start
 
+    def restore(self, clocks: dict[W, int], now: float) -> None:
+        """Make exactly ``clocks`` the live workers (a checkpoint's table), leases from ``now``.
+
+        The saved clocks kept the invariants when they were saved, so they must still: clocks
+        are ints >= 0 and ``max - min <= s + 1``; otherwise ``ValueError`` (nothing changes).
+        The minimum becomes the floor, so a later join cannot start below it.
+        """
+        if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in clocks.values()):
+            raise ValueError(f"clocks must be ints >= 0, got {clocks!r}")
+        if clocks and self.staleness is not None:
+            spread = max(clocks.values()) - min(clocks.values())
+            if spread > self.staleness + 1:
+                raise ValueError(f"clocks {clocks!r} spread {spread} steps, beyond the bound "
+                                 f"s + 1 = {self.staleness + 1}")
+        self._live = {w: _Entry(c, now) for w, c in clocks.items()}
+        self._gone = {w: c for w, c in self._gone.items() if w not in clocks}
+        self._floor = max(self._floor, min(clocks.values(), default=0))
+
     def leave(self, w: W) -> None:
         """Remove ``w`` (LEAVE or closed connection); its clock is kept for a later rejoin."""
         entry = self._live.pop(w, None)

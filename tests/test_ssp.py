@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -272,3 +273,27 @@ def test_simulated_speeds_follow_the_mode():
     assert _simulate(0, fast_slow, 100.5) == {0: 50, 1: 50}  # BSP: lockstep with the slowest
     ssp = _simulate(3, fast_slow, 101.5)  # slow pushed 50 at t=100, fast 54 at t=101
     assert ssp == {0: 54, 1: 50}  # SSP: the fast one runs s + 1 steps ahead, then waits
+
+
+def test_restore_takes_saved_clocks_within_the_bound() -> None:
+    t = ClockTable(staleness=2, lease_s=5.0)
+    t.join("gone", 0.0, 0)
+    t.leave("gone")
+    t.restore({"a": 7, "b": 10, "c": 9}, now=100.0)
+    assert t.clocks == {"a": 7, "b": 10, "c": 9} and t.min_clock() == 7
+    assert t.may_start("c") and not t.may_start("b") and t.waiting_for("b") == ["a"]
+    assert t.push("a", 8, 101.0) == 8
+    assert t.join("late", 101.0, 0) == 8  # the restored minimum is the floor for joiners
+    assert t.expire(105.5) == ["b", "c"]  # leases run from `now` of the restore
+
+
+@pytest.mark.parametrize("clocks", [{"a": 0, "b": 4}, {"a": -1}, {"a": 1.5}])
+def test_restore_refuses_clocks_that_break_the_bound(clocks: dict[Any, Any]) -> None:
+    t = ClockTable(staleness=2, lease_s=5.0)
+    t.restore({"x": 3}, now=0.0)
+    with pytest.raises(ValueError):
+        t.restore(clocks, now=1.0)
+    assert t.clocks == {"x": 3}  # a refused restore changes nothing
+    asp = ClockTable(staleness=None, lease_s=5.0)
+    asp.restore({"a": 0, "b": 400}, now=0.0)  # no bound in ASP
+    assert asp.lead("b") == 400
