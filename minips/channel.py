@@ -75,6 +75,11 @@ _STAT_OF_REASON = {"protocol_error": "protocol_errors", "limit_exceeded": "limit
 _nbytes = operator.attrgetter("nbytes")  # sum(map(_nbytes, buffers)): bytes a message holds
 
 
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(asyncio.TimeoutError())
+
+
 def _tune(sock: socket.socket, buffer_bytes: int) -> None:
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if buffer_bytes else ():
         sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
@@ -273,8 +278,9 @@ class Channel:
     async def recv(self, timeout: float | None = None) -> p.Message:
         """The next message (HEARTBEATs are absorbed). Raises ``RemoteProtocolError`` when the
         peer broke the protocol, ``ConnectionError`` when the connection closed, and
-        ``asyncio.TimeoutError`` after ``timeout`` seconds."""
+        ``asyncio.TimeoutError`` when no message came within ``timeout`` seconds."""
         proto = self._proto
+        deadline = None if timeout is None else proto.loop.time() + timeout
         while True:
             while proto.queue:
                 msg = proto.pop()
@@ -286,14 +292,15 @@ class Channel:
                 raise proto.error
             if proto.waiter is not None:
                 raise RuntimeError("another task is already waiting in recv() on this channel")
-            proto.waiter = proto.loop.create_future()
+            proto.waiter = waiter = proto.loop.create_future()  # the protocol wakes it
+            # a plain timer for the deadline, not wait_for (which wraps the wait in a task)
+            timer = None if deadline is None else proto.loop.call_at(deadline, _time_out, waiter)
             try:
-                if timeout is None:
-                    await proto.waiter
-                else:
-                    await asyncio.wait_for(proto.waiter, timeout)
+                await waiter
             finally:
                 proto.waiter = None
+                if timer is not None:
+                    timer.cancel()
 
     def start_heartbeat(self, interval: float) -> None:
         """Send HEARTBEAT every ``interval`` seconds until the channel closes."""

@@ -95,3 +95,24 @@ def test_messages_already_queued_are_returned_in_order_without_waiting(loop: str
             await ch.close(leave="bye")
 
     run(loop, scenario())
+
+
+@LOOPS
+def test_recv_timeout_counts_from_the_call_even_through_heartbeats(loop: str) -> None:
+    async def beat_only(ch: t.Channel) -> None:
+        for seq in range(1000):  # heartbeats wake recv() but are not messages
+            await ch.send(p.Heartbeat(seq=seq))
+            await asyncio.sleep(0.02)
+
+    async def scenario() -> None:
+        async with await t.serve("127.0.0.1", 0, accept=lambda h: {}, handler=beat_only,
+                                 token=TOKEN) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            began = asyncio.get_running_loop().time()
+            with pytest.raises(asyncio.TimeoutError):
+                await ch.recv(timeout=0.3)
+            waited = asyncio.get_running_loop().time() - began
+            assert 0.29 <= waited < 3.0 and ch.heartbeats_received > 0
+            await ch.close()
+
+    run(loop, scenario())
