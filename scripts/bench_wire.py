@@ -1,24 +1,15 @@
-"""Wire benchmark: minips vs torch.distributed (gloo) vs a bare socket, two processes on loopback.
+"""Wire benchmark: minips vs torch.distributed (gloo) vs a bare socket, two processes on loopback,
+plus the round trips of bench_rtt.py.
 
 Figures (one run, printed as one JSON object with --json). The machine may be busy, so the three
-dense transports take turns round by round and each figure comes from its median round; the
-round trips are measured in alternating batches in the same way.
+dense transports take turns round by round and each figure comes from its median round.
 - dense_gbps: PUSH of a dense float32 vector of 11,689,512 elements (ResNet-18) to a server
   process, ACK, PULL, and the same vector back as WEIGHTS; bytes both ways / time (GB/s, 1e9).
-- gloo_gbps: the same tensor sent and received back with gloo send/recv.
+- gloo_gbps: the same tensor sent and received back with gloo send/recv, timed the same way.
 - raw_gbps: the same bytes both ways over a blocking socket pair (sendall / recv_into).
 - ratio_vs_gloo, ratio_vs_raw: dense_gbps over the two above.
 - gloo_vs_raw: how close gloo comes to the bare socket (the ceiling of every transport here).
-- rtt_us_p50: PUSH carrying a 1% sparse gradient of LeNet-5 (61,706 parameters, 617 kept,
-  encoded by sparse_codec as a worker does) and its ACK; echo_rtt_us_p50: a bare uvloop echo of
-  as many bytes as that PUSH frame; rtt_ratio = the first / the second (medians).
-  hop_rtt_us_p50: the same PUSH bytes answered with ACK-sized bytes by a task that a future
-  wakes (what any await-based asyncio server pays, with no protocol work at all).
-  The minips server of the round trips has default options, as the group server does (the
-  dense test receives into a preallocated array instead). Every process of the round trips is
-  pinned to one core (--cpu, default 0): both ends share it, as the scheduler places a quick
-  echo anyway, so the figures measure software cost. The *_unpinned figures let the scheduler
-  choose; on a virtual machine a wake-up on another core can cost tens of µs.
+- rtt_*, echo_rtt_*, hop_rtt_*: see bench_rtt.py (a sparse PUSH and its ACK vs a bare echo).
 
 Usage: python scripts/bench_wire.py [--json] [--iters 20] [--rtt-iters 2000] [--cpu 0]
 """
@@ -35,19 +26,13 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
+from bench_rtt import DENSE_N, TOKEN, into, minips_server, rtt_figures, sparse_push, start_server
 
 from minips import protocol as p
 from minips import transport as t
-from minips.sparse_codec import SparseGrad, encode_gradient
-
-DENSE_N = 11_689_512  # ResNet-18 parameters
-LENET_N = 61_706  # LeNet-5 parameters
-SPARSE_K = LENET_N // 100  # 1% of the coordinates
-TOKEN = "bench"
 
 
 def log(*args: Any) -> None:
@@ -56,49 +41,6 @@ def log(*args: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # minips: server process and client
-
-
-def into(arr: np.ndarray) -> p.Alloc:
-    """An allocator that receives a payload of arr's size straight into arr (zero-copy)."""
-
-    def alloc(kind: p.Kind, index: int, nbytes: int) -> memoryview:
-        return arr.data.cast("B") if nbytes == arr.nbytes else p.default_alloc(kind, index, nbytes)
-
-    return alloc
-
-
-def minips_server(port_q: Any, cpu: int | None = None, dense: bool = True) -> None:
-    """PUSH -> ACK, PULL -> WEIGHTS of ``buf``. With ``dense`` a PUSH of buf's size is received
-    into buf (zero-copy); without it the options are the defaults, as in the group server."""
-    pin(cpu)
-    t.install_uvloop()
-    buf = np.zeros(DENSE_N, dtype=np.float32)  # (n,) f32, receives every dense PUSH in place
-
-    async def handler(ch: t.Channel) -> None:
-        while True:
-            msg = await ch.recv()
-            if isinstance(msg, p.Push):
-                await ch.send(p.Ack(clock=msg.clock, version=msg.clock))
-            elif isinstance(msg, p.Pull):
-                await ch.send(p.Weights(version=msg.clock, encoding="dense", buffers=(buf,)))
-            else:
-                done.set()
-                return
-
-    async def main() -> None:
-        global done
-        done = asyncio.Event()
-        srv = await t.serve("127.0.0.1", 0, token=TOKEN, accept=lambda h: {}, handler=handler,
-                            options=t.Options(alloc=into(buf) if dense else None))
-        port_q.put(srv.port)
-        await done.wait()
-        srv.close()
-        await srv.wait_closed()
-
-    asyncio.run(main())
-
-
-done: asyncio.Event
 
 
 class MinipsDense:
@@ -128,181 +70,6 @@ class MinipsDense:
         assert np.array_equal(self.back, self.vec), "weights came back different"
         self.loop.run_until_complete(self.ch.close(leave="done"))
         self.loop.close()
-
-
-def sparse_push() -> p.Push:
-    """A worker's PUSH of a 1% LeNet-5 gradient, encoded by the real sparse codec."""
-    rng = np.random.default_rng(1)
-    idx = np.sort(rng.choice(LENET_N, SPARSE_K, replace=False)).astype(np.uint32)  # (k,) u32
-    val = rng.standard_normal(SPARSE_K).astype(np.float32)  # (k,) f32
-    encoding, codec, buffers = encode_gradient(SparseGrad(idx, val, LENET_N))
-    return p.Push(clock=1, step_time=0.01, loss=2.3, samples=64, encoding=encoding,
-                  codec=codec, buffers=tuple(buffers))
-
-
-# ---------------------------------------------------------------------------------------------
-# Round trips, interleaved in batches of 50 so that all see the same machine load:
-# - minips: PUSH (sparse) -> ACK through Channel.send / Channel.recv on both sides;
-# - echo: a bare uvloop echo of as many bytes as that PUSH frame (the target's baseline);
-# - hop: the same bytes answered with an ACK-sized reply by a task woken through a future, as
-#   any asyncio request/response server is: the floor of an await-based design, no protocol.
-
-
-def pin(cpu: int | None) -> None:
-    """Run this process on one core (None: wherever the scheduler likes)."""
-    if cpu is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {cpu})
-
-
-def echo_server(port_q: Any, cpu: int | None = None) -> None:
-    pin(cpu)
-    t.install_uvloop()
-
-    class Echo(asyncio.Protocol):
-        def __init__(self, stop: asyncio.Future[None]) -> None:
-            self.stop = stop
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            self.transport = cast(asyncio.Transport, transport)
-
-        def data_received(self, data: bytes) -> None:
-            self.transport.write(data)
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if not self.stop.done():
-                self.stop.set_result(None)
-
-    serve_until_closed(Echo, port_q)
-
-
-class HopServer(asyncio.Protocol):
-    """Counts bytes to whole requests of ``size``; a task awaits each and writes ``reply``."""
-
-    def __init__(self, stop: asyncio.Future[None], size: int, reply: bytes) -> None:
-        self.stop, self.size, self.reply, self.got = stop, size, reply, 0
-        self.pending = 0  # whole requests not answered yet
-        self.waiter: asyncio.Future[None] | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-        self.task = asyncio.get_running_loop().create_task(self.answer())
-
-    def data_received(self, data: bytes) -> None:
-        self.got += len(data)
-        while self.got >= self.size:
-            self.got -= self.size
-            self.pending += 1
-        if self.pending and self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def answer(self) -> None:
-        while True:
-            while not self.pending:
-                self.waiter = asyncio.get_running_loop().create_future()
-                await self.waiter
-            self.pending -= 1
-            self.transport.write(self.reply)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.task.cancel()
-        if not self.stop.done():
-            self.stop.set_result(None)
-
-
-def hop_server(port_q: Any, cpu: int | None, size: int, reply: bytes) -> None:
-    pin(cpu)
-    t.install_uvloop()
-    serve_until_closed(lambda stop: HopServer(stop, size, reply), port_q)
-
-
-def serve_until_closed(make: Callable[[asyncio.Future[None]], asyncio.BaseProtocol],
-                       port_q: Any) -> None:
-    """Serve protocols ``make(stop)`` on a free port until one of them sets ``stop``."""
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        stop = loop.create_future()
-        srv = await loop.create_server(lambda: make(stop), "127.0.0.1", 0)
-        port_q.put(srv.sockets[0].getsockname()[1])
-        await stop
-        srv.close()
-
-    asyncio.run(main())
-
-
-class EchoClient(asyncio.Protocol):
-    """Counts bytes back; ``waiter`` is set once ``nbytes`` have arrived."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes, self.got = nbytes, 0
-        self.waiter: asyncio.Future[None] | None = None
-
-    def data_received(self, data: bytes) -> None:
-        self.got += len(data)
-        if self.got >= self.nbytes and self.waiter is not None:
-            self.got -= self.nbytes
-            self.waiter.set_result(None)
-
-
-async def bytes_client(port: int, send: bytes, back: int) -> Callable[[], Awaitable[None]]:
-    """One round trip: write ``send``, wait until ``back`` bytes came back."""
-    loop = asyncio.get_running_loop()
-    transport, proto = await loop.create_connection(lambda: EchoClient(back), "127.0.0.1", port)
-
-    async def round_trip() -> None:
-        proto.waiter = loop.create_future()
-        transport.write(send)
-        await proto.waiter
-
-    round_trip.close = transport.close  # type: ignore[attr-defined]
-    return round_trip
-
-
-async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]]:
-    """Round trips in µs per kind, in alternating batches of 50 of each."""
-    ch = await t.connect("127.0.0.1", ports["minips"], token=TOKEN)
-    push = sparse_push()
-    frame = b"".join(p.encode(push))
-    ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
-
-    async def minips_round() -> None:
-        await ch.send(push)
-        await ch.recv()
-
-    rounds = {"minips": minips_round,
-              "echo": await bytes_client(ports["echo"], frame, len(frame)),
-              "hop": await bytes_client(ports["hop"], frame, len(ack))}
-    times: dict[str, list[float]] = {name: [] for name in rounds}
-    for _ in range(max(1, iters // 50)):
-        for name, round_trip in rounds.items():
-            for _ in range(50):
-                began = time.perf_counter_ns()
-                await round_trip()
-                times[name].append((time.perf_counter_ns() - began) / 1e3)
-    await ch.close(leave="done")
-    rounds["echo"].close()  # type: ignore[attr-defined]
-    rounds["hop"].close()  # type: ignore[attr-defined]
-    return times
-
-
-def run_rtt(iters: int, cpu: int | None) -> dict[str, list[float]]:
-    """Round trips with every process on core ``cpu`` (None: unpinned)."""
-    push = sparse_push()
-    frame_len = sum(len(b) for b in p.encode(push))
-    ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
-    servers = {"minips": start_server(minips_server, cpu, False),
-               "echo": start_server(echo_server, cpu),
-               "hop": start_server(hop_server, cpu, frame_len, ack)}
-    mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    pin(cpu)
-    try:
-        times = asyncio.run(rtt_rounds({k: port for k, (_, port) in servers.items()}, iters))
-    finally:
-        if mask is not None:
-            os.sched_setaffinity(0, mask)
-    for proc, _ in servers.values():
-        proc.join(30)
-    return times
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,14 +164,6 @@ class GlooDense:
             proc.join(60)
 
 
-def start_server(target: Any, *args: Any) -> tuple[Any, int]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=target, args=(q, *args))
-    proc.start()
-    return proc, int(q.get(timeout=60))
-
-
 def dense_rounds(iters: int) -> dict[str, float | None]:
     """Interleave single round trips of the three transports; GB/s from each median round."""
     rounds = iters + 2  # two warm-up rounds each
@@ -430,15 +189,6 @@ def dense_rounds(iters: int) -> dict[str, float | None]:
 
 
 # ---------------------------------------------------------------------------------------------
-
-
-def rtt_figures(iters: int, cpu: int | None, suffix: str) -> dict[str, float]:
-    """p50 round trips (µs) of minips, echo and hop, and minips over echo."""
-    p50 = {k: statistics.median(v) for k, v in run_rtt(iters, cpu).items()}
-    return {f"rtt_us_p50{suffix}": round(p50["minips"], 1),
-            f"echo_rtt_us_p50{suffix}": round(p50["echo"], 1),
-            f"hop_rtt_us_p50{suffix}": round(p50["hop"], 1),
-            f"rtt_ratio{suffix}": round(p50["minips"] / p50["echo"], 3)}
 
 
 def main() -> None:
