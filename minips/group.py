@@ -9,13 +9,9 @@ moves the weights as far as one BSP step (the modes then compare at one learning
 workers does not multiply the step size).
 
 Every ``sync_every`` pushes the group exchanges with the global server through a ``GroupLink``
-(a direct call in-process, PUSH/WEIGHTS over TCP for a separate `minips group`):
-
-    delta   = w - w_sync            sent; the global server adds it to its weights G
-    w       = G + (w - w_sent)      what was applied while the exchange was in flight is kept
-    w_sync  = G
-
-so no update is lost and at most one exchange is in flight. When the budget is spent (``done``)
+(a direct call in-process, PUSH/WEIGHTS over TCP for a separate `minips group`); ``exchange.py``
+keeps the delta bookkeeping (no update is lost, each delta is merged exactly once, also when a
+reply is lost) and at most one exchange is in flight. When the budget is spent (``done``)
 every waiting PULL is answered with ``done`` and the group flushes a last delta; when its last
 worker leaves it flushes a ``final`` delta so the global server knows the group is finished.
 """
@@ -27,37 +23,19 @@ import collections
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from minips import optim, protocol, sparse, ssp, transport, validation
 from minips.config import RunConfig, dataset_train_size
 from minips.errors import AuthError, RemoteProtocolError
+from minips.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
 from minips.metrics import JsonlWriter
 
-__all__ = ["ExchangeResult", "GroupLink", "GroupServer"]
+__all__ = ["ExchangeResult", "GroupLink", "GroupServer"]  # the first two: from exchange.py
 
 EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
-
-
-@dataclass
-class ExchangeResult:
-    """What the global server answers to a group's delta."""
-
-    weights: np.ndarray  # (n,) float32 global weights after the merge (a private copy)
-    version: int  # global version (merges applied so far)
-    done: bool  # the run's budget is spent: stop training
-
-
-class GroupLink(Protocol):
-    """How a group server reaches the global server (in-process call or TCP)."""
-
-    async def exchange(self, group: int, delta: np.ndarray,
-                       stats: dict[str, Any]) -> ExchangeResult:
-        """Send this group's delta and counters; return the merged global weights."""
-        ...
 
 
 class GroupServer:
@@ -93,7 +71,7 @@ class GroupServer:
         """The training state: weights, optimizer, clocks (a `minips group` gets it late)."""
         self.group, self.run, self.link = group, run, link
         self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
-        self.w_sync = self.weights.copy()  # (n,) weights at the last exchange
+        self.xchg = Exchange(self.weights)  # delta since the last exchange, seq, counters
         self.opt = optim.SGD(self.weights.size, lr=run.lr, momentum=run.momentum,
                              weight_decay=run.weight_decay)
         self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
@@ -101,7 +79,6 @@ class GroupServer:
         self.version = 0  # updates applied to self.weights
         self.global_version = 0  # global version seen at the last exchange
         self.counters = {"pushes": 0, "samples": 0}
-        self._since_sync = {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
         self.done = False  # budget spent; answer every PULL with done
         self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
         self._joined: set[int] = set()
@@ -157,16 +134,12 @@ class GroupServer:
             self._apply(grad, len(self.table))
         self._count(msg)
         self._changed.set()
-        if self._since_sync["pushes"] >= self.run.sync_every:
+        if self.xchg.since["pushes"] >= self.run.sync_every:
             self.start_exchange()
         return protocol.Ack(clock=msg.clock, version=self.version)
 
     def _count(self, msg: Any) -> None:
-        s = self._since_sync
-        s["pushes"] += 1
-        s["samples"] += msg.samples
-        s["step_time"] += msg.step_time
-        s["loss"] += msg.loss
+        self.xchg.count(msg.samples, msg.step_time, msg.loss)
         self.counters["pushes"] += 1
         self.counters["samples"] += msg.samples
 
@@ -216,46 +189,39 @@ class GroupServer:
             self._exchange_task = self._spawn(self._exchange())
 
     async def _exchange(self, final: bool = False) -> None:
-        sent = self.weights.copy()  # (n,) float32 snapshot of what the delta covers
-        stats = self._take_stats(final)
+        """Send a lost exchange again first (same seq), then the delta since the last one."""
+        pending = self.xchg.pending
+        if pending is None or await self._send(pending):
+            if await self._send(self.xchg.begin(self.weights, self._extra(final))):
+                return
+        self.finished = self.finished and not final  # the global server is away: retry later
+
+    async def _send(self, out: Outgoing) -> bool:
+        """One exchange; False (``out`` stays pending) when the global server is away."""
         t = self.now()
         try:
-            res = await self.link.exchange(self.group, sent - self.w_sync, stats)
-        except ConnectionError:  # the global server is away: keep the delta and the counts
-            self._untake_stats(stats)
-            self.finished = self.finished and not final
-            return
-        # Pushes applied while the exchange was in flight are kept on top of the global weights.
-        self.weights += res.weights - sent
-        self.w_sync = res.weights
+            res = await self.link.exchange(self.group, self.xchg.delta(out), out.stats)
+        except ConnectionError:
+            return False
+        self.xchg.complete(self.weights, out, res)
         self.global_version = res.version
         self.log("exchange", exchange_s=self.now() - t, global_version=res.version,
-                  min_clock=stats["min_clock"], max_clock=stats["max_clock"])
+                 seq=out.stats["seq"], min_clock=out.stats["min_clock"],
+                 max_clock=out.stats["max_clock"])
         if res.done and not self.done:
             self.finish()
+        return True
 
-    def _take_stats(self, final: bool) -> dict[str, Any]:
-        s, n = self._since_sync, max(1, self._since_sync["pushes"])
-        stats = {"pushes": s["pushes"], "samples": s["samples"], "step_time": s["step_time"] / n,
-                 "loss": s["loss"] / n, "version": self.version, "final": final, **self.traffic(),
-                 "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
-        self._since_sync = {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
-        return stats
-
-    def _untake_stats(self, stats: dict[str, Any]) -> None:
-        s, n = self._since_sync, stats["pushes"]
-        s["pushes"] += n
-        s["samples"] += stats["samples"]
-        s["step_time"] += stats["step_time"] * n
-        s["loss"] += stats["loss"] * n
+    def _extra(self, final: bool) -> dict[str, Any]:
+        """Counters an exchange carries besides the pushes since the last one."""
+        return {"version": self.version, "final": final, **self.traffic(),
+                "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
 
     def reload(self, weights: np.ndarray, link: GroupLink) -> None:
         """Reconnected to a (restarted) global server: take its weights, keep what this group
         applied since its last exchange on top (sent with the next exchange), keep clocks and
         optimizer state."""
-        g = np.asarray(weights, dtype=np.float32)  # (n,) global weights
-        self.weights = g + (self.weights - self.w_sync)
-        self.w_sync = g.copy()
+        self.weights = self.xchg.rebase(self.weights, np.asarray(weights, dtype=np.float32))
         self.link = link
 
     async def flush(self, final: bool = False) -> None:
@@ -388,19 +354,21 @@ class GroupServer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint needs to rebuild this group server."""
-        return {"group": self.group, "weights": self.weights.copy(), "w_sync": self.w_sync.copy(),
+        return {"group": self.group, "weights": self.weights.copy(),
+                "w_sync": self.xchg.w_sync.copy(),
                 "opt": self.opt.state_dict(), "clocks": dict(self.table.clocks),
                 "version": self.version, "global_version": self.global_version,
-                "counters": dict(self.counters), "ratio": self.ratio}
+                "counters": dict(self.counters), "ratio": self.ratio,
+                "exchange": self.xchg.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back what ``state_dict`` gave (checkpoint resume). The saved workers count as
         live again, each at its saved clock; one that does not come back expires by lease."""
         self.weights[:] = np.asarray(state["weights"], dtype=np.float32)
-        self.w_sync = np.array(state["w_sync"], dtype=np.float32)
+        saved = state.get("exchange", {"session": self.xchg.session, "seq": 0})  # older files
+        self.xchg.load_state_dict(saved, state["w_sync"])
         self.opt.load_state_dict(state["opt"])
-        self.table = _restored_table(self.run, {int(w): int(c) for w, c in
-                                                state["clocks"].items()}, self.now())
+        self.table.restore({int(w): int(c) for w, c in state["clocks"].items()}, self.now())
         self.version, self.global_version = state["version"], state["global_version"]
         self.counters = {k: int(state["counters"].get(k, 0)) for k in ("pushes", "samples")}
         self.ratio = state["ratio"]
@@ -415,18 +383,3 @@ def _mean(grads: list[Any], size: int) -> np.ndarray | sparse.SparseGrad:
         sparse.scatter_add(total, g)
     total /= np.float32(len(grads))
     return total
-
-
-def _restored_table(run: RunConfig, clocks: dict[int, int], now: float) -> ssp.ClockTable:
-    """A clock table holding ``clocks`` (which kept the bound when saved). A fresh table clamps
-    joins to [min, min + s + 1] from 0, so the slowest worker is first walked up to its clock
-    with pushes, then the others join at theirs."""
-    table = ssp.ClockTable(run.staleness_bound, run.lease_s)
-    order = sorted(clocks, key=lambda w: clocks[w])
-    if order:
-        first = order[0]
-        for c in range(table.join(first, now, 0) + 1, clocks[first] + 1):
-            table.push(first, c, now)
-    for w in order[1:]:
-        table.join(w, now, clocks[w])
-    return table

@@ -24,7 +24,8 @@ import numpy as np
 from minips import protocol, sparse, transport
 from minips.config import GroupConfig, RunConfig, check_bind, client_ssl, server_ssl
 from minips.errors import RemoteProtocolError
-from minips.group import ExchangeResult, GroupServer
+from minips.exchange import ExchangeResult
+from minips.group import GroupServer
 from minips.metrics import RunDir
 
 __all__ = ["TcpLink", "serve_group", "run_group_process"]

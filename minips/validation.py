@@ -26,6 +26,7 @@ log = logging.getLogger("minips.server")
 
 MAX_SAMPLES = 1 << 20  # samples one push may claim (a batch); more is a broken or hostile peer
 MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it is garbage
+MAX_SEQ = (1 << 53) - 1  # exchange session / seq: ints a double holds exactly
 GROUP_STATS_NUMBERS = ("pushes", "samples", "step_time", "loss", "bytes_in", "bytes_out")
 
 
@@ -59,6 +60,10 @@ def check_group_stats(codec: Any) -> dict[str, Any]:
     for key in GROUP_STATS_NUMBERS:
         if key in stats:
             _number(f"stats.{key}", stats[key], 0 if key != "loss" else -1e30, 1e30)
+    for key in ("session", "seq"):  # the exchange's identity: ints, compared for equality
+        if key in stats and (type(stats[key]) is not int or not 0 <= stats[key] <= MAX_SEQ):
+            raise RemoteProtocolError(f"stats.{key} must be an int", expected=f"0..{MAX_SEQ}",
+                                      got=stats[key])
     return dict(stats)
 
 

@@ -1,7 +1,8 @@
 """Global server over loopback with hand-written protocol clients (no torch here).
 
 Admission, speed calibration and grouping, GDTopK ratios, merging, the epoch budget and the
-end of a run, the evaluator's view, initial weights from the first worker.
+end of a run, the evaluator's view, initial weights from the first worker, an exchange whose
+reply was lost merged exactly once.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from minips import protocol, server, sparse, transport
+from minips import protocol, roster, sparse, transport, validation
 from minips.config import RunConfig, ServerConfig, parse_address
-from minips.errors import AuthError
+from minips.errors import AuthError, RemoteProtocolError
+from minips.group import GroupServer
 from minips.metrics import read_jsonl
-from minips.server import GlobalServer, _match_labels
+from minips.server import GlobalServer, GroupHandle, InProcLink, _match_labels
 
 TOKEN = "server-test"
 
@@ -136,7 +138,7 @@ async def test_drifting_speed_moves_a_worker_to_another_group(
     try:
         first = [await asyncio.wait_for(ch.recv(), 5) for ch in chans]
         assert [a.group for a in first] == [0, 0, 1, 1]
-        monkeypatch.setattr(server, "REGROUP_EVERY_S", 0.0)
+        monkeypatch.setattr(roster, "REGROUP_EVERY_S", 0.0)
         for _ in range(12):  # worker 1 became as slow as 2 and 3; worker 0 stays fast
             for ch, t in zip(chans, [0.01, 0.08, 0.08, 0.08], strict=True):
                 await ch.send(protocol.Stats(clock=1, step_time=t, loss=2.0))
@@ -154,3 +156,40 @@ def test_regroup_labels_follow_the_old_groups() -> None:
     old = {0: 1, 1: 1, 2: 0, 3: 0}
     new = {0: 0, 1: 0, 2: 1, 3: 2}  # same fast pair, the slow pair split in two
     assert _match_labels(new, old) == {0: 1, 1: 1, 2: 0, 3: 2}
+
+
+class ReplyLost:
+    """The in-process link, except that the first reply is lost after the global server merged
+    the delta (the network dropped it while the global server stayed up)."""
+
+    def __init__(self, srv: GlobalServer) -> None:
+        self.link, self.lost = InProcLink(srv), 0
+
+    async def exchange(self, group: int, delta: np.ndarray, stats: dict[str, Any]) -> Any:
+        res = await self.link.exchange(group, delta, stats)
+        if self.lost == 0:
+            self.lost += 1
+            raise ConnectionResetError("reply lost")
+        return res
+
+
+async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(4, np.float32), workers=1, mode="ssp")
+    srv.groups[0] = GroupHandle(0, "", [0])
+    gs = GroupServer(0, srv.run, srv.weights, ReplyLost(srv), members=[0])
+    try:
+        gs.weights += 1.0  # (4,) what the group's workers applied before the first exchange
+        await gs.flush()  # merged, but the reply is lost: the exchange stays pending
+        assert srv.version == 1 and gs.xchg.pending is not None
+        gs.weights += 2.0  # pushes applied meanwhile
+        await gs.flush()  # the same (session, seq) again, then the new delta
+        assert srv.version == 2 and gs.xchg.pending is None
+        np.testing.assert_allclose(srv.weights, 3.0)  # 1 + 2, not 1 + 1 + 2
+        np.testing.assert_allclose(gs.weights, 3.0)
+    finally:
+        await gs.close()
+        await srv.close()
+    events = [r["event"] for r in read_jsonl(tmp_path / "global.jsonl")]
+    assert events.count("merge_repeat") == 1 and events.count("merge") == 2
+    with pytest.raises(RemoteProtocolError):
+        validation.check_group_stats({"stats": {"session": 1, "seq": "7"}})

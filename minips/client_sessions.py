@@ -1,0 +1,88 @@
+"""The global server's sessions with workers (control channel) and evaluators.
+
+A worker's control session carries STATS (calibration at clock 0, then its measured speed every
+second), an optional PUSH of its initial weights (when the server has none yet: WELCOME said
+``need_init``) and LEAVE; the server answers with ASSIGN when the worker's group or ratio is set or
+changes. An evaluator PULLs the global weights every few seconds until the run is over.
+
+Invariants: a worker has at most one control channel (a restarted worker's new connection
+replaces the stale one); the clocks of one session's STATS never go backwards; the initial
+weights are taken once, dense, with a bounded size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from minips import protocol, sparse, validation
+from minips.errors import RemoteProtocolError
+from minips.roster import WorkerEntry
+
+if TYPE_CHECKING:
+    from minips.server import GlobalServer
+
+__all__ = ["worker_session", "evaluator_session", "MAX_PARAMS"]
+
+MAX_PARAMS = 1 << 31  # model size a worker's initial weights may claim (float32 elements)
+
+
+async def worker_session(srv: GlobalServer, ch: Any, w: int) -> None:
+    """Worker ``w``'s control channel, until it leaves or is lost."""
+    entry = srv.workers[w]
+    if entry.ch is not None:  # a restarted worker replaces its stale connection
+        srv.spawn(entry.ch.close())
+    entry.ch, entry.left = ch, False
+    try:
+        if entry.group >= 0:  # a reconnect after grouping: tell it its group again
+            await srv.assign(entry, entry.group)
+        last_clock = 0  # clocks of this session's STATS never go backwards
+        while not entry.left:
+            last_clock = _on_message(srv, entry, await ch.recv(), last_clock)
+    finally:
+        if entry.ch is ch:
+            entry.ch = None
+
+
+def _on_message(srv: GlobalServer, entry: WorkerEntry, msg: Any, last_clock: int) -> int:
+    """Handle one control message; return the session's last STATS clock."""
+    if isinstance(msg, protocol.Stats):
+        validation.check_stats(msg, last_clock)
+        srv.on_stats(entry, msg)
+        return int(msg.clock)
+    if isinstance(msg, protocol.Push) and srv.weights is None:
+        srv.weights = initial_weights(msg)
+        srv.weights_ready.set()
+    elif isinstance(msg, protocol.Leave):
+        entry.left = True
+    else:
+        raise validation.unexpected(msg, "worker on the control channel")
+    return last_clock
+
+
+def initial_weights(msg: Any) -> np.ndarray:
+    """(n,) float32 initial weights a worker pushed (the server was started without --init)."""
+    size = msg.codec.get("size", 0)
+    if not isinstance(size, int) or not 0 < size <= MAX_PARAMS:
+        raise RemoteProtocolError("initial weights: bad size", expected=f"1..{MAX_PARAMS}",
+                                  got=size)
+    w = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, size)
+    if not isinstance(w, np.ndarray):
+        raise RemoteProtocolError("initial weights must be dense", got=msg.encoding)
+    return w.astype(np.float32)
+
+
+async def evaluator_session(srv: GlobalServer, ch: Any) -> None:
+    """PULL -> WEIGHTS until LEAVE; the answer with the final weights sets ``evaluated_final``."""
+    while True:
+        msg = await ch.recv()
+        if isinstance(msg, protocol.Leave):
+            return
+        if not isinstance(msg, protocol.Pull):
+            raise validation.unexpected(msg, "evaluator")
+        await srv.weights_ready.wait()
+        final = srv.done and srv.finished.is_set()
+        await ch.send(srv.weights_message(final=final))
+        if final:
+            srv.evaluated_final.set()

@@ -1,0 +1,118 @@
+"""A group server's side of the exchange with the global server: the delta, its counters, and
+the rule that makes each exchange count exactly once (numpy, no asyncio, no torch).
+
+Every exchange sends what the group applied since the last one and takes the global weights back:
+
+    delta   = sent - w_sync         sent = the group's weights when the exchange starts
+    w       = G + (w - sent)        what was applied while the exchange was in flight is kept
+    w_sync  = G
+
+Exactly once. Each exchange carries ``session`` (random, one per group server process) and
+``seq`` (1, 2, ... within the session) in its counters. The global server remembers the last
+(session, seq) it merged per group and answers a repeat with its current weights without merging
+again. When the reply is lost (``ConnectionError``) the exchange stays *pending*: the next attempt
+sends the very same delta and counters under the same seq, so whether or not the first copy was
+merged, the delta lands once and the reconciliation above stays right (a repeat's G already holds
+it). Newer pushes go out with the exchange after that.
+
+Invariant: ``w_sync`` is the part of the group's weights that the global server is known to hold;
+``pending`` is either None or the one exchange whose fate is unknown.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["ExchangeResult", "GroupLink", "Outgoing", "Exchange"]
+
+
+@dataclass
+class ExchangeResult:
+    """What the global server answers to a group's delta."""
+
+    weights: np.ndarray  # (n,) float32 global weights after the merge (a private copy)
+    version: int  # global version (merges applied so far)
+    done: bool  # the run's budget is spent: stop training
+
+
+class GroupLink(Protocol):
+    """How a group server reaches the global server (in-process call or TCP)."""
+
+    async def exchange(self, group: int, delta: np.ndarray,
+                       stats: dict[str, Any]) -> ExchangeResult:
+        """Send this group's delta and counters; return the merged global weights."""
+        ...
+
+
+@dataclass
+class Outgoing:
+    """One exchange on its way: the snapshot its delta covers and its counters (with seq)."""
+
+    sent: np.ndarray  # (n,) float32 group weights when the exchange started
+    stats: dict[str, Any]  # counters since the previous exchange, plus session and seq
+
+
+class Exchange:
+    """Delta bookkeeping of one group (see the module docstring)."""
+
+    def __init__(self, weights: np.ndarray, session: int | None = None) -> None:
+        self.w_sync = np.array(weights, dtype=np.float32)  # (n,) weights at the last exchange
+        self.session = secrets.randbits(52) if session is None else session  # fits a double
+        self.seq = 0  # seq of the last exchange started
+        self.pending: Outgoing | None = None  # an exchange whose reply was lost
+        self.since = _zero()  # worker pushes since the last exchange started
+
+    def count(self, samples: int, step_time: float, loss: float) -> None:
+        """Account one worker push for the next exchange's counters."""
+        s = self.since
+        s["pushes"] += 1
+        s["samples"] += samples
+        s["step_time"] += step_time
+        s["loss"] += loss
+
+    def begin(self, weights: np.ndarray, extra: dict[str, Any]) -> Outgoing:
+        """The pending exchange again, or a new one covering ``weights`` (``extra`` joins its
+        counters: version, final, traffic, clocks)."""
+        if self.pending is not None:
+            return self.pending
+        s, n = self.since, max(1, self.since["pushes"])
+        self.seq += 1
+        stats = {"pushes": s["pushes"], "samples": s["samples"], "step_time": s["step_time"] / n,
+                 "loss": s["loss"] / n, **extra, "session": self.session, "seq": self.seq}
+        self.since = _zero()
+        self.pending = Outgoing(weights.copy(), stats)
+        return self.pending
+
+    def delta(self, out: Outgoing) -> np.ndarray:
+        """(n,) float32 what ``out`` sends: the change since the last completed exchange."""
+        return out.sent - self.w_sync
+
+    def complete(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
+        """The global server answered ``out``: rebase ``weights`` (in place) on its weights."""
+        weights += res.weights - out.sent
+        self.w_sync = res.weights
+        self.pending = None
+
+    def rebase(self, weights: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """Reconnected to a (restarted) global server whose weights are ``g``: return the
+        group's weights on top of ``g``; a pending exchange keeps its delta."""
+        local = weights - self.w_sync  # (n,) applied here, not known to be held globally
+        if self.pending is not None:
+            self.pending.sent = g + (self.pending.sent - self.w_sync)
+        self.w_sync = np.array(g, dtype=np.float32)
+        return g + local
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"session": self.session, "seq": self.seq}
+
+    def load_state_dict(self, state: dict[str, Any], w_sync: np.ndarray) -> None:
+        self.session, self.seq = int(state["session"]), int(state["seq"])
+        self.w_sync = np.array(w_sync, dtype=np.float32)
+
+
+def _zero() -> dict[str, Any]:
+    return {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}

@@ -1,0 +1,95 @@
+"""The global server's sessions with external group servers (`minips group` processes).
+
+A group process connects as role ``group`` before the grouping and waits in ``pending_groups``;
+``external_group`` hands it a group (ASSIGN). The session is then: PULL -> WEIGHTS (the initial
+weights, ``info.members``), and PUSH(delta, counters in ``codec["stats"]``) -> WEIGHTS (the merged
+global weights) until LEAVE. A group process that connects after the grouping — restarted, or
+reconnecting to a restarted global server — adopts a group whose server is gone, its own first.
+
+Invariant: a group has at most one connected group process (``GroupHandle.ch``); a merge that
+repeats the last (session, seq) of its group is answered without merging (``GlobalServer.merge``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from minips import protocol, sparse, validation
+from minips.errors import ConfigError
+from minips.roster import GroupHandle
+
+if TYPE_CHECKING:
+    from minips.server import GlobalServer
+
+__all__ = ["external_group", "group_session"]
+
+PENDING_POLL_S = 0.1  # how often the grouping looks for a group process that has not come yet
+
+
+async def external_group(srv: GlobalServer, g: int, members: list[int]) -> GroupHandle:
+    """Give group ``g`` to the next waiting group process (``ConfigError`` when none comes)."""
+    deadline = time.monotonic() + srv.cfg.calib_timeout_s
+    while not srv.pending_groups:
+        if time.monotonic() > deadline:
+            raise ConfigError(f"no external group server connected for group {g}")
+        await asyncio.sleep(PENDING_POLL_S)
+    ch = srv.pending_groups.pop(0)
+    handle = GroupHandle(g, ch.peer_hello.address, members, srv.run.ratio, ch=ch)
+    await ch.send(srv.assign_msg(handle))
+    return handle
+
+
+async def group_session(srv: GlobalServer, ch: Any) -> None:
+    """One group process's connection, until it leaves or is lost."""
+    if not srv.groups_opened.is_set():
+        srv.pending_groups.append(ch)
+        await srv.groups_opened.wait()
+    handle = next((h for h in srv.groups.values() if h.ch is ch), None)
+    if handle is None:
+        handle = await _adopt(srv, ch)
+    try:
+        while handle is not None and not await _on_message(srv, ch, handle):
+            pass
+    finally:
+        if handle is not None and handle.ch is ch:
+            handle.ch = None
+            srv.log("group_lost", group=handle.id)
+
+
+async def _adopt(srv: GlobalServer, ch: Any) -> GroupHandle | None:
+    """Give a (re)started group process the group whose server is gone (its own first)."""
+    orphans = sorted((h for h in srv.groups.values() if h.ch is None and h.server is None),
+                     key=lambda h: h.id != ch.peer_hello.group)
+    if not orphans:
+        await ch.send_error("refused", "every group already has a group server")
+        return None
+    handle = orphans[0]
+    handle.ch, handle.address = ch, ch.peer_hello.address
+    await ch.send(srv.assign_msg(handle))
+    srv.log("group_adopted", group=handle.id, address=handle.address)
+    for w in handle.members:
+        srv.spawn(srv.assign(srv.workers[w], handle.id))
+    return handle
+
+
+async def _on_message(srv: GlobalServer, ch: Any, handle: GroupHandle) -> bool:
+    """Handle one message of a group process; True when it left."""
+    msg = await ch.recv()
+    if isinstance(msg, protocol.Pull):
+        await ch.send(srv.weights_message(members=handle.members))
+    elif isinstance(msg, protocol.Push):
+        assert srv.weights is not None
+        delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, srv.weights.size)
+        res = srv.merge(handle.id, np.asarray(delta), validation.check_group_stats(msg.codec))
+        await ch.send(srv.weights_message(res.weights))
+    elif isinstance(msg, protocol.Leave):
+        handle.final = True
+        srv.check_budget()
+        return True
+    else:
+        raise validation.unexpected(msg, "group server")
+    return False

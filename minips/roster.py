@@ -1,0 +1,175 @@
+"""The global server's roster: which workers exist, which group each is in, each group's speed
+and GDTopK ratio (no asyncio, no sockets, no torch; time comes in as ``now``).
+
+``GlobalServer`` owns one ``Roster`` and does the I/O around it: it admits workers through
+``admit``, forms the groups from ``first_assignment`` (``grouping.Regrouper``), asks
+``maybe_regroup`` whether speeds drifted, moves workers with ``move``, and sends a new ASSIGN when
+``update_ratios`` says a ratio changed.
+
+Invariants: a worker with ``group >= 0`` is listed in exactly that group's ``members``; group ids
+stay stable across a regroup (``match_labels`` names new groups after the old group most of their
+members come from), so only workers whose group really changed are moved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from minips import compressors, grouping
+from minips.config import RunConfig
+from minips.errors import AuthError
+
+if TYPE_CHECKING:
+    from minips.group import GroupServer
+
+__all__ = ["WorkerEntry", "GroupHandle", "Roster", "match_labels", "RATIO_EPS",
+           "REGROUP_EVERY_S"]
+
+RATIO_EPS = 0.1  # relative ratio change that is worth a new ASSIGN
+REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
+RATIO_HI = 0.05  # largest GDTopK kept fraction a group is given
+
+
+@dataclass
+class WorkerEntry:
+    """What the global server knows of one worker."""
+
+    id: int
+    ch: Any = None  # control channel, None while disconnected
+    step_time: float | None = None  # last reported seconds per step
+    clock: int = 0  # last reported clock
+    group: int = -1  # assigned group, -1 before grouping
+    left: bool = False  # sent LEAVE
+
+
+@dataclass
+class GroupHandle:
+    """One group as the global server sees it."""
+
+    id: int
+    address: str  # "host:port" where its workers connect
+    members: list[int] = field(default_factory=list)
+    ratio: float = 0.01  # GDTopK kept fraction for its workers
+    server: GroupServer | None = None  # in-process group server, else None
+    ch: Any = None  # channel of an external group server
+    step_time: float = 0.0  # smoothed mean worker step time, seconds
+    traffic: dict[str, int] = field(default_factory=dict)  # bytes_in/out it last reported
+    final: bool = False  # flushed its last delta
+    merges: int = 0
+    last_exchange: tuple[int, int] = (-1, -1)  # (session, seq) of the last merged exchange
+
+
+class Roster:
+    """Workers, groups and the grouping policy of one run (see the module docstring)."""
+
+    def __init__(self, run: RunConfig, *, regroup: bool) -> None:
+        self.run = run
+        self.workers: dict[int, WorkerEntry] = {}
+        self.groups: dict[int, GroupHandle] = {}
+        self.regrouper = grouping.Regrouper(k=run.fixed_groups or None, max_k=run.max_groups)
+        self.regroup = regroup  # regroup when speeds drift (GSSP with in-process groups)
+        self._regroup_at = -REGROUP_EVERY_S  # `now` of the last Regrouper update
+
+    def admit(self, wanted: int) -> int:
+        """A worker id for a HELLO that asked for ``wanted`` (-1: the lowest free id)."""
+        if wanted < 0:
+            wanted = next(i for i in range(len(self.workers) + 1) if i not in self.workers)
+        if wanted >= self.run.workers:
+            raise AuthError(f"worker id {wanted} out of range 0..{self.run.workers - 1}")
+        self.workers.setdefault(wanted, WorkerEntry(wanted))
+        return wanted
+
+    def step_times(self, live_only: bool = False) -> dict[int, float]:
+        """``{worker: seconds per step}`` of the workers that reported one."""
+        return {w: e.step_time for w, e in self.workers.items()
+                if e.step_time and not (live_only and e.left)}
+
+    def all_reported(self) -> bool:
+        return len(self.step_times()) >= self.run.workers
+
+    def first_assignment(self) -> dict[int, int]:
+        """``{worker: group}`` for the first grouping (group 0 = fastest)."""
+        return self.regrouper.update(self.step_times()) or {}
+
+    def maybe_regroup(self, now: float) -> dict[int, int] | None:
+        """A new assignment when the Regrouper's hysteresis says the speeds drifted, else None."""
+        if not self.regroup or self.run.mode != "gssp" or now - self._regroup_at < REGROUP_EVERY_S:
+            return None  # one look per period, so the Regrouper's patience counts periods
+        self._regroup_at = now
+        new = self.regrouper.update(self.step_times(live_only=True))
+        old = {w: e.group for w, e in self.workers.items()}
+        return None if new is None else match_labels(new, old)
+
+    def moved(self, assignment: dict[int, int]) -> dict[int, int]:
+        """The workers whose group ``assignment`` changes, with their new group."""
+        return {w: g for w, g in assignment.items() if self.workers[w].group != g}
+
+    def move(self, w: int, g: int) -> None:
+        """Move worker ``w`` (grouped) to the open group ``g``."""
+        self.groups[self.workers[w].group].members.remove(w)
+        self.add_member(g, w)
+
+    def add_member(self, g: int, w: int) -> None:
+        handle = self.groups[g]
+        handle.members.append(w)
+        handle.final = False
+        if handle.server is not None:
+            handle.server.expect(w)
+
+    def place_late(self, entry: WorkerEntry) -> int:
+        """The group for a worker that reported after the grouping (nearest in speed)."""
+        t = entry.step_time or 1.0
+        g = grouping.nearest_group(t, {g: h.step_time for g, h in self.groups.items()})
+        self.regrouper.place(entry.id, t)
+        self.add_member(g, entry.id)
+        return g
+
+    def set_ratios(self) -> bool:
+        """GDTopK: one ratio per group from the group step times; True when any changed."""
+        if self.run.compressor != "gdtopk" or not self.groups:
+            return False
+        ids = sorted(self.groups)
+        ratios = compressors.gdtopk_ratios([self.groups[g].step_time for g in ids],
+                                           floor=self.run.ratio, alpha=self.run.gdtopk_alpha,
+                                           direction=self.run.gdtopk_direction,
+                                           lo=min(self.run.ratio, 0.001), hi=RATIO_HI)
+        changed = False
+        for g, r in zip(ids, ratios, strict=True):
+            if abs(r - self.groups[g].ratio) > RATIO_EPS * self.groups[g].ratio:
+                self.groups[g].ratio, changed = r, True
+        return changed
+
+    def update_ratios(self) -> bool:
+        """Refresh each group's mean step time from its members, then ``set_ratios``."""
+        for h in self.groups.values():
+            times = [t for w in h.members if (t := self.workers[w].step_time)]
+            if times:
+                h.step_time = float(np.mean(times))
+        return self.set_ratios()
+
+    def restore_regrouper(self) -> None:
+        """After a resume: the Regrouper starts from the saved assignment, not from scratch."""
+        times = self.step_times()
+        if times:
+            self.regrouper.update(times)
+            self.regrouper.assignment = {w: e.group for w, e in self.workers.items()
+                                         if e.step_time and e.group >= 0}
+
+
+def match_labels(new: dict[int, int], old: dict[int, int]) -> dict[int, int]:
+    """Rename the new groups after the old group most of their members come from (greedy, by
+    overlap), so a regroup moves only the workers whose group really changed."""
+    overlap: dict[tuple[int, int], int] = {}
+    for w, g in new.items():
+        overlap[g, old.get(w, -1)] = overlap.get((g, old.get(w, -1)), 0) + 1
+    rename: dict[int, int] = {}
+    for (g, h), _ in sorted(overlap.items(), key=lambda kv: -kv[1]):
+        if g not in rename and h >= 0 and h not in rename.values():
+            rename[g] = h
+    spare = (i for i in range(len(new) + len(old) + 1) if i not in rename.values())
+    for g in sorted(set(new.values()) - set(rename)):
+        rename[g] = next(spare)
+    return {w: rename[g] for w, g in new.items()}
