@@ -116,11 +116,8 @@ def _add_insecure(p: argparse.ArgumentParser) -> None:
                    help="allow listening beyond loopback without MINIPS_TOKEN (anyone may join)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `minips` argument parser with one sub-command per role."""
-    p = argparse.ArgumentParser(prog="minips", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_local(sub: Any) -> None:
+    """`minips local`: a whole cluster on this machine."""
     loc = sub.add_parser("local", help="a whole cluster on this machine")
     _add_run_flags(loc)
     loc.add_argument("--slowdown", type=parse_slowdowns, help="factors F per worker: 1,1,2x2,4")
@@ -133,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     loc.add_argument("--no-eval", action="store_true", help="do not start the evaluator")
     loc.add_argument("--no-plot", action="store_true", help="do not draw PNGs at the end")
 
+
+def _add_server(sub: Any) -> None:
+    """`minips server`: the global server."""
     srv = sub.add_parser("server", help="the global server (numpy only)")
     _add_run_flags(srv)
     srv.add_argument("--host", default="127.0.0.1",
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_insecure(srv)
     _add_tls(srv, server=True, client=False)
 
+
+def _add_group(sub: Any) -> None:
+    """`minips group`: a group server near its workers."""
     grp = sub.add_parser("group", help="a group server near its workers (numpy only)")
     grp.add_argument("--connect", required=True, help="global server HOST:PORT")
     grp.add_argument("--listen", default="127.0.0.1:7071", help="HOST:PORT for workers")
@@ -165,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_insecure(grp)
     _add_tls(grp, server=True, client=True)
 
+
+def _add_clients(sub: Any) -> None:
+    """`minips worker` and `minips evaluator`."""
     for name, help_ in (("worker", "a training worker (PyTorch)"),
                         ("evaluator", "pulls the global weights and measures test accuracy")):
         w = sub.add_parser(name, help=help_)
@@ -181,9 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep trying this long when a server is lost mid-run, s")
         _add_tls(w, server=False, client=True)
 
+
+def _add_plot(sub: Any) -> None:
+    """`minips plot`."""
     plt = sub.add_parser("plot", help="PNG charts from run directories")
     plt.add_argument("run_dirs", nargs="+", help="run directories to draw")
     plt.add_argument("--out", help="where to write the PNGs (default: the first run dir)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `minips` argument parser with one sub-command per role."""
+    p = argparse.ArgumentParser(prog="minips", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_local, _add_server, _add_group, _add_clients, _add_plot):
+        add(sub)
     return p
 
 
