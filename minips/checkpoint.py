@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -118,5 +119,6 @@ def load(path: str | Path) -> dict[str, Any]:
             return dict(_join(meta, z))
     except FileNotFoundError:
         raise DataError(f"no checkpoint at {path}") from None
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+        # a truncated or overwritten archive: zipfile raises BadZipFile, np.load ValueError
         raise DataError(f"checkpoint {path} is damaged: {exc}") from None
