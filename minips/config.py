@@ -179,12 +179,14 @@ class WorkerConfig:
     reconnect_s: float = 120.0  # how long to keep trying when a server is lost mid-run
 
 
-# Presets are named partial configs; CLI flags given explicitly override them.
+# Presets are named partial configs; CLI flags given explicitly override them. The demo is the
+# README's main job: 5 epochs at lr 0.05 end near 85% test accuracy in about a minute of training
+# on 2 cores (3 epochs at lr 0.1 ended at 79-82%).
 PRESETS: dict[str, dict[str, Any]] = {
     "demo": {
         "run": {"model": "lenet5", "dataset": "fashion-mnist", "mode": "gssp",
-                "compressor": "gdtopk", "workers": 8, "epochs": 3.0, "wall_s": 150.0,
-                "staleness": 3, "sync_every": 4, "base_step_s": 0.04, "lr": 0.1,
+                "compressor": "gdtopk", "workers": 8, "epochs": 5.0, "wall_s": 180.0,
+                "staleness": 3, "sync_every": 4, "base_step_s": 0.04, "lr": 0.05,
                 "compressor_opts": {"warmup_epochs": 1}},
         "slowdowns": [1, 1, 1.5, 1.5, 2, 2, 4, 4],
     },
