@@ -76,6 +76,7 @@ _nbytes = operator.attrgetter("nbytes")  # sum(map(_nbytes, buffers)): bytes a m
 
 
 def _time_out(waiter: asyncio.Future[None]) -> None:
+    """recv()'s deadline: its waiter raises TimeoutError (unless a message came first)."""
     if not waiter.done():
         waiter.set_exception(asyncio.TimeoutError())
 
