@@ -307,5 +307,5 @@ def from_wire(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Mess
     elif kind in WITH_BUFFERS:
         meta["buffers"] = ()  # the decoder sets the received buffers when the body is in
     msg = cls.__new__(cls)
-    msg.__dict__.update(meta)
+    object.__setattr__(msg, "__dict__", meta)  # the checked map becomes the fields, no copy
     return msg
