@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -27,12 +26,8 @@ def small_batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One torch thread: quicker than two on a shared 2-core machine, as workers run."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs with one torch thread (conftest.one_torch_thread)."""
 
 
 @pytest.fixture(scope="module")

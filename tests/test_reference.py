@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +19,8 @@ needs_fashion = pytest.mark.skipif(not FASHION.is_dir(), reason=f"{FASHION} not 
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here runs with one torch thread (conftest.one_torch_thread)."""
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import shutil
 import ssl
 import subprocess
 import sys
@@ -85,19 +84,6 @@ async def test_a_replayed_handshake_is_refused(tmp_path: Path) -> None:
         assert isinstance(replay, protocol.Refuse) and "HMAC" in replay.reason
     finally:
         await srv.close()
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl command not available")
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
 
 
 async def test_tls_server_serves_tls_clients_and_refuses_plain_ones(
