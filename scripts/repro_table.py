@@ -1,0 +1,250 @@
+"""Tables and charts of scripts/reproduce.py: per-run figures, medians over seeds, Markdown, PNGs.
+
+Reads only what a finished run left on disk (summary via ``minips.metrics``, launch.json,
+reproduce.json, eval.jsonl); never starts a run and never imports torch.
+
+Invariants: a run directory is ``<runs>/<suite>-<experiment>-s<seed>`` (``run_name``) and counts
+only when its summary.json says ``"status": "done"`` (``run_done``); unfinished runs are left
+out of the table and listed under ``missing``; a time to accuracy that a seed never reached
+counts as infinitely slow in the median; speedups compare the highest target both rows reached.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from minips import metrics
+
+if TYPE_CHECKING:  # the suite types live in reproduce.py, which imports this module
+    from reproduce import Experiment, Suite
+
+__all__ = ["TAIL_POINTS", "run_name", "run_done", "run_figures", "aggregate", "add_speedups",
+           "build_table", "table_markdown", "plot_suite"]
+
+TAIL_POINTS = 5  # evaluations averaged into tail_accuracy (10 s at the quick eval period)
+
+
+# -- run directories ---------------------------------------------------------------------------
+
+
+def run_name(suite: Suite, exp: Experiment, seed: int) -> str:
+    """Directory name of one run: ``<suite>-<experiment>-s<seed>``."""
+    return f"{suite.name}-{exp.label}-s{seed}"
+
+
+def run_done(run_dir: Path) -> bool:
+    """Whether the run finished (its summary.json says so)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("status") == "done"
+    except (OSError, ValueError):
+        return False
+
+
+# -- table -------------------------------------------------------------------------------------
+
+
+def _overrun(run: metrics.Run, slowdowns: list[float], base: float) -> float | None:
+    """Largest ratio over workers of mean step time to F x base (1.0: sleep set the pace)."""
+    worst = None
+    for w, recs in run.workers.items():
+        times = [r["step_time"] for r in recs if isinstance(r.get("step_time"), (int, float))]
+        if times and isinstance(w, int) and w < len(slowdowns) and base > 0:
+            ratio = float(np.mean(times)) / (slowdowns[w] * base)
+            worst = ratio if worst is None else max(worst, ratio)
+    return worst
+
+
+def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
+    """The table's figures of one run directory."""
+    s = metrics.summarize(run_dir, targets=targets, write=False)
+    launch = json.loads((run_dir / "launch.json").read_text())
+    extra = _read_json(run_dir / "reproduce.json")
+    run = metrics.load_run(run_dir)
+    done = [e for e in run.events if e.get("event") == "done"]
+    final = extra.get("final_full_test") or {}
+    return {
+        "time_to_accuracy": s["time_to_accuracy"],
+        "final_accuracy": final.get("accuracy", s["final_accuracy"]),
+        "best_accuracy": s["best_accuracy"], "curve_final_accuracy": s["final_accuracy"],
+        "tail_accuracy": _tail_mean(run.eval, TAIL_POINTS),
+        "samples": s["samples"], "bytes_up": s["bytes_up"], "bytes_down": s["bytes_down"],
+        "mean_staleness": s["mean_staleness"], "max_staleness": s["max_staleness"],
+        "mean_wait_s": s["mean_wait_s"], "mean_kept_fraction": s["mean_kept_fraction"],
+        "train_s": s["train_s"], "samples_per_s": s["samples_per_s"], "groups": s["groups"],
+        "done_reason": done[-1].get("reason") if done else None,
+        "status": extra.get("status"),
+        "step_overrun": _overrun(run, launch["slowdowns"], launch["run"]["base_step_s"]),
+    }
+
+
+def _tail_mean(evals: list[dict[str, Any]], n: int) -> float | None:
+    """Mean accuracy of the last ``n`` evaluations: the end of a noisy curve, less noisy."""
+    accs = [r["accuracy"] for r in evals if isinstance(r.get("accuracy"), (int, float))]
+    return float(np.mean(accs[-n:])) if accs else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _median(values: list[Any]) -> tuple[Any, list[Any] | None]:
+    """(median, [min, max]) of the numbers; None when no seed gave one; strings: the first."""
+    nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if not nums:
+        return (values[0] if values and isinstance(values[0], str) else None), None
+    return statistics.median(nums), [min(nums), max(nums)]
+
+
+def _median_time(values: list[float | None]) -> tuple[float | None, list[float | None]]:
+    """Median time to a target, a seed that never reached it counting as infinitely slow."""
+    times = sorted(math.inf if v is None else float(v) for v in values)
+    med = statistics.median(times)
+    finite = [None if math.isinf(t) else t for t in (times[0], times[-1])]
+    return (None if math.isinf(med) else med), finite
+
+
+def aggregate(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over seeds of every figure; ``spread`` holds [min, max] when seeds > 1."""
+    row: dict[str, Any] = {"seeds": len(per_seed), "spread": {}}
+    for key in per_seed[0]:
+        if key == "time_to_accuracy":
+            row[key] = {}
+            for t in per_seed[0][key]:
+                row[key][t], times = _median_time([f[key][t] for f in per_seed])
+                if len(per_seed) > 1:
+                    row["spread"][f"time_to_{t}"] = times
+            continue
+        row[key], spread = _median([f[key] for f in per_seed])
+        if len(per_seed) > 1 and spread is not None:
+            row["spread"][key] = spread
+    return row
+
+
+def _speedup(ref: dict[str, Any], row: dict[str, Any], target: str) -> float | None:
+    a, b = ref["time_to_accuracy"].get(target), row["time_to_accuracy"].get(target)
+    return a / b if a is not None and b else None
+
+
+def add_speedups(rows: dict[str, dict[str, Any]], targets: Sequence[float]) -> None:
+    """speedup_vs_bsp / _vs_ssp at the primary target (the highest one the pair both reached)."""
+    keys = [f"{t:.2f}" for t in sorted(targets, reverse=True)]
+    for row in rows.values():
+        for ref_name in ("bsp", "ssp"):
+            ref = rows.get(ref_name)
+            by_target = {k: _speedup(ref, row, k) for k in keys} if ref else {}
+            hit = next((k for k in keys if by_target.get(k) is not None), None)
+            row[f"speedup_vs_{ref_name}"] = by_target.get(hit) if hit else None
+            row[f"speedup_vs_{ref_name}_target"] = hit
+            row[f"speedups_vs_{ref_name}"] = by_target
+
+
+def build_table(suite: Suite, runs_dir: Path) -> dict[str, Any]:
+    """The suite's rows from its run directories (missing runs are left out)."""
+    rows: dict[str, dict[str, Any]] = {}
+    missing = []  # runs that are absent or did not finish (a crash, a timeout): left out
+    for exp in suite.experiments:
+        dirs = [runs_dir / run_name(suite, exp, s) for s in suite.seeds]
+        missing += [d.name for d in dirs if not run_done(d)]
+        figures = [run_figures(d, suite.targets) for d in dirs if run_done(d)]
+        if figures:
+            rows[exp.label] = {"part": exp.part, "overrides": exp.overrides,
+                               **aggregate(figures)}
+    add_speedups(rows, suite.targets)
+    return {"config": {**suite.run, "slowdowns": suite.slowdowns, "seeds": suite.seeds,
+                       "targets": list(suite.targets)}, "rows": rows, "missing": missing}
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def _fmt(x: Any, kind: str = "") -> str:
+    if x is None:
+        return "–"
+    if kind == "pct":
+        return f"{100 * x:.2f}"
+    if kind == "mb":
+        return f"{x / 1e6:.1f}"
+    if kind == "x":
+        return f"{x:.2f}×"
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def table_markdown(name: str, table: dict[str, Any]) -> str:
+    """table.md: one Markdown table per suite."""
+    out = [f"# results/{name}\n"]
+    for sname, suite in table["suites"].items():
+        cfg = suite["config"]
+        targets = [f"{t:.2f}" for t in cfg["targets"]]
+        out.append(f"## {sname}: {cfg['model']} on {cfg['dataset']}, slowdowns "
+                   f"{cfg['slowdowns']}, {cfg['epochs']} epochs, seeds {cfg['seeds']}\n")
+        head = (["experiment"] + [f"t→{float(t):.0%} (s)" for t in targets]
+                + ["final acc %", "tail acc %", "best acc %", "samples", "MB up", "MB down",
+                   "kept %", "staleness", "wait s", "vs BSP", "vs SSP", "overrun"])
+        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for label, r in suite["rows"].items():
+            cells = ([label] + [_fmt(r["time_to_accuracy"].get(t)) for t in targets]
+                     + [_fmt(r["final_accuracy"], "pct"), _fmt(r["tail_accuracy"], "pct"),
+                        _fmt(r["best_accuracy"], "pct"),
+                        _fmt(r["samples"]), _fmt(r["bytes_up"], "mb"),
+                        _fmt(r["bytes_down"], "mb"), _fmt(r["mean_kept_fraction"], "pct"),
+                        _fmt(r["mean_staleness"]), _fmt(r["mean_wait_s"]),
+                        _fmt(r["speedup_vs_bsp"], "x"), _fmt(r["speedup_vs_ssp"], "x"),
+                        _fmt(r["step_overrun"])])
+            out.append("| " + " | ".join(cells) + " |")
+        if suite.get("missing"):
+            out.append(f"\nLeft out (absent or not finished): {', '.join(suite['missing'])}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _curve(run_dir: Path, x: str) -> tuple[list[float], list[float]]:
+    """(x, accuracy) of a run's evaluations; x = seconds since the training start or MB up."""
+    run = metrics.load_run(run_dir)
+    pts = [(r[x], r["accuracy"]) for r in run.eval
+           if isinstance(r.get(x), (int, float)) and isinstance(r.get("accuracy"), float)]
+    x0, scale = (run.start_t, 1.0) if x == "t" else (0.0, 1e-6)
+    return [(a - x0) * scale for a, _ in pts], [b for _, b in pts]
+
+
+def _chart(suite: Suite, runs_dir: Path, x: str, exps: list[Experiment], path: Path) -> Path:
+    from matplotlib.figure import Figure  # lazy: only the charts need matplotlib
+
+    fig = Figure(figsize=(7.0, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for exp in exps:
+        run_dir = runs_dir / run_name(suite, exp, suite.seeds[0])
+        if (run_dir / "eval.jsonl").exists():
+            style = "--" if exp.part == "compression" and x == "t" else "-"
+            ax.plot(*_curve(run_dir, x), style, marker=".", ms=3, lw=1.2, label=exp.label)
+    for target in suite.targets:
+        ax.axhline(target, color="grey", lw=0.6, ls=":")
+    xlabel = "training time (s)" if x == "t" else "MB uploaded by the workers"
+    if x != "t":
+        ax.set_xscale("log")
+    ax.set(xlabel=xlabel, ylabel="test accuracy", ylim=(max(0.0, min(suite.targets) - 0.3), None),
+           title=f"{suite.name} (seed {suite.seeds[0]}): accuracy vs {xlabel.split(' (')[0]}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=80)
+    return path
+
+
+def plot_suite(suite: Suite, runs_dir: Path, out: Path) -> list[Path]:
+    """accuracy vs training time (every experiment) and vs MB uploaded (the compressors)."""
+    squeezed = [e for e in suite.experiments if e.part == "compression" or e.label == "gssp"
+                or "gdtopk" in e.label]
+    return [_chart(suite, runs_dir, "t", suite.experiments,
+                   out / f"{suite.name}-accuracy_vs_time.png"),
+            _chart(suite, runs_dir, "bytes_up", squeezed or suite.experiments,
+                   out / f"{suite.name}-accuracy_vs_bytes.png")]
