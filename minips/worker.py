@@ -86,6 +86,7 @@ class _Stopped(MiniPSError):
 
 
 def _payload_bytes(msg: Any) -> int:
+    """Bytes an emulated link delays a message for: its buffers plus a nominal header."""
     return 64 + sum(memoryview(b).nbytes for b in getattr(msg, "buffers", ()))
 
 
@@ -281,11 +282,13 @@ class Worker:
         push = protocol.Push(clock=self.clock + 1, step_time=step_time, loss=loss,
                              samples=len(yb), encoding=encoding, codec=codec,
                              buffers=tuple(buffers))
+        sent_before = link.ch.bytes_sent
         await link.send(push)
+        wire_bytes = link.ch.bytes_sent - sent_before  # the whole frame, as counted by the channel
         await link.expect(protocol.Ack)
         self.clock += 1
         self.samples += len(yb)
-        self._record(w, wait_s, step_time, loss, push, epoch, link)
+        self._record(w, wait_s, step_time, loss, push, wire_bytes, epoch, link)
         await self._maybe_stats(step_time, loss)
 
     def _gradient(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, np.ndarray]:
@@ -315,7 +318,7 @@ class Worker:
                                                    loss=loss, samples=self.samples))
 
     def _record(self, w: Any, wait_s: float, step_time: float, loss: float, push: Any,
-                epoch: int, link: Link) -> None:
+                wire_bytes: int, epoch: int, link: Link) -> None:
         assert self.writer is not None
         info = w.info
         self.writer.write({
@@ -324,7 +327,7 @@ class Worker:
             "waited_for": info.get("waited_for", []), "step_time": step_time, "loss": loss,
             "samples": push.samples, "epoch": epoch, "ratio": self.compressor.ratio,
             "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
-            "bytes_wire": _payload_bytes(push), "link_bytes_up": link.ch.bytes_sent,
+            "bytes_wire": wire_bytes, "link_bytes_up": link.ch.bytes_sent,
             "link_bytes_down": link.ch.bytes_received})
 
 
