@@ -170,15 +170,17 @@ class ProgressLine:
         self.cfg = cfg
         self.t0 = time.monotonic()
         self.last = 0.0  # when the line was last drawn
+        self.train_size = max(1, _train_size(cfg))  # samples per epoch, for the epochs figure
+        self.tty = sys.stderr.isatty()  # a terminal: redraw in place; a log: a line every 10 s
 
     def draw(self, final: bool = False) -> None:
-        if not (final or sys.stderr.isatty() or time.monotonic() - self.last >= 10.0):
+        if not (final or self.tty or time.monotonic() - self.last >= 10.0):
             return  # in a log file: one line every 10 s
         self.last = time.monotonic()
         ev = _last_record(self.run_dir / "eval.jsonl")
         gl = _last_record(self.run_dir / "global.jsonl")
         samples = int(gl.get("samples", 0) or 0)
-        epochs = samples / max(1, _train_size(self.cfg))
+        epochs = samples / self.train_size
         acc = ev.get("accuracy")
         acc_s = f"{100 * acc:5.1f}%" if isinstance(acc, (int, float)) else "  -  "
         mb = (gl.get("bytes_up", 0) or 0) / 1e6, (gl.get("bytes_down", 0) or 0) / 1e6
@@ -186,9 +188,8 @@ class ProgressLine:
                 f"{self.cfg.run.compressor}  epochs {epochs:5.2f}  merges "
                 f"{gl.get('version', 0):>5}  test acc {acc_s}  up {mb[0]:7.1f} MB  "
                 f"down {mb[1]:7.1f} MB")
-        tty = sys.stderr.isatty()
-        print("\r" + text if tty else text, end="\n" if final or not tty else "", flush=True,
-              file=sys.stderr)
+        print("\r" + text if self.tty else text, end="\n" if final or not self.tty else "",
+              flush=True, file=sys.stderr)
 
 
 def _train_size(cfg: LaunchConfig) -> int:
