@@ -139,9 +139,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         except RemoteProtocolError as e:
             self.fail(e, "limit_exceeded" if isinstance(e, LimitExceeded) else "protocol_error")
         if self.queue:
-            waiter = self.waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            self._wake()
             if len(self.queue) >= MAX_QUEUED or self.queued_bytes >= self.options.max_queued_bytes:
                 self._pause()
         if self._timer is None and self.decoder.in_frame:
@@ -206,6 +204,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.resume_writing()
 
     def _wake(self) -> None:
+        """Let a recv() waiting for a message (or for the close) run."""
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 

@@ -180,12 +180,9 @@ class FrameDecoder:
             self._frame = _Partial(prefix, head_len)
             self._lo = at
             return self._step(out)
-        table: tuple[int, ...] = ()  # the fast path: the whole frame is in scratch
-        if nbuf or body_len:
-            table = TABLES[nbuf].unpack_from(self._buf, at)
-            check_table(table, body_len, self.limits)
-        meta = unpack_meta(self._view[at + TABLE_ENTRY.size * nbuf:at + head_len], self.limits)
-        msg = from_wire(KINDS[kind], version, meta, nbuf)
+        # the fast path: the whole frame is in scratch
+        table, msg = self._head(KINDS[kind], version, nbuf, body_len,
+                                self._view[at:at + head_len])
         if nbuf:
             msg.__dict__["buffers"] = self._copy_body(msg.KIND, table, at + head_len, body_len)
         self._lo = end
@@ -219,7 +216,8 @@ class FrameDecoder:
         if f.msg is None:
             if self._hi - self._lo < f.head_len:
                 return False
-            self._read_head(f, self._view[self._lo:self._lo + f.head_len])
+            f.table, f.msg = self._head(f.kind, f.version, f.nbuf, f.body_len,
+                                        self._view[self._lo:self._lo + f.head_len])
             self._lo += f.head_len
         if f.nbuf and not self._fill_body(f):
             return False
@@ -230,13 +228,17 @@ class FrameDecoder:
         self._frame = None
         return True
 
-    def _read_head(self, f: _Partial, raw: memoryview) -> None:
-        table_len = TABLE_ENTRY.size * f.nbuf
-        if f.nbuf or f.body_len:
-            f.table = TABLES[f.nbuf].unpack(raw[:table_len])
-            check_table(f.table, f.body_len, self.limits)
+    def _head(self, kind: Kind, version: int, nbuf: int, body_len: int,
+              raw: memoryview) -> tuple[tuple[int, ...], Message]:
+        """Check a frame's table and map (``raw``: both, head_len bytes); return the flat table
+        and the message, its buffers still empty."""
+        table_len = TABLE_ENTRY.size * nbuf
+        table: tuple[int, ...] = ()
+        if nbuf or body_len:
+            table = TABLES[nbuf].unpack(raw[:table_len])
+            check_table(table, body_len, self.limits)
         meta = unpack_meta(raw[table_len:], self.limits)
-        f.msg = from_wire(f.kind, f.version, meta, f.nbuf)
+        return table, from_wire(kind, version, meta, nbuf)
 
     def _fill_body(self, f: _Partial) -> bool:
         """Copy what scratch holds into the current buffer(s); True once every buffer is done."""

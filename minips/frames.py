@@ -107,7 +107,7 @@ def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIM
     buffers = msg.__dict__["buffers"] if kind in WITH_BUFFERS else ()
     if not buffers:
         if PREFIX.size + len(meta) > limits.max_frame_bytes or len(meta) > limits.max_meta_bytes:
-            _check_sendable(PREFIX.size + len(meta), len(meta), limits)
+            raise _unsendable(PREFIX.size + len(meta), limits)
         return [PREFIX.pack(MAGIC, version, kind, 0, 0, len(meta), 0) + meta]
     table: list[int] = []  # codec, wire_len, raw_len per buffer, flat
     wires = []
@@ -123,15 +123,14 @@ def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIM
     n = len(buffers)
     total = _HEADS[n].size + len(meta) + body_len
     if total > limits.max_frame_bytes or len(meta) > limits.max_meta_bytes:
-        _check_sendable(total, len(meta), limits)
+        raise _unsendable(total, limits)
     head = _HEADS[n].pack(MAGIC, version, kind, n, 0, len(meta), body_len, *table)
     return _coalesce([head, meta], wires)
 
 
-def _check_sendable(total: int, meta_len: int, limits: Limits) -> None:
-    if total > limits.max_frame_bytes or meta_len > limits.max_meta_bytes:
-        raise LocalProtocolError("frame too large to send", expected=limits.max_frame_bytes,
-                                 got=total)
+def _unsendable(total: int, limits: Limits) -> LocalProtocolError:
+    return LocalProtocolError("frame too large to send", expected=limits.max_frame_bytes,
+                              got=total)
 
 
 def _coalesce(run: list[Any], wires: list[memoryview]) -> list[Any]:
@@ -153,9 +152,6 @@ def _coalesce(run: list[Any], wires: list[memoryview]) -> list[Any]:
 # ---------------------------------------------------------------------------------------------
 # Checks a decoder runs on a frame, in the order its bytes arrive
 
-def _remote(msg: str, **data: Any) -> RemoteProtocolError:
-    return RemoteProtocolError(msg, expected=data.get("expected"), got=data.get("got"))
-
 
 def _check_limit(what: str, got: int, limit: int) -> None:
     if got > limit:
@@ -167,13 +163,14 @@ def check_prefix(prefix: tuple[Any, ...], limits: Limits) -> int:
     (table + meta) that follows it."""
     magic, version, kind, nbuf, flags, meta_len, body_len = prefix
     if magic != MAGIC:
-        raise _remote("bad magic: not a minips frame", expected=MAGIC, got=bytes(magic))
+        raise RemoteProtocolError("bad magic: not a minips frame", expected=MAGIC, got=bytes(magic))
     if kind not in KINDS:
-        raise _remote(f"unknown message kind {kind}", got=kind)
+        raise RemoteProtocolError(f"unknown message kind {kind}", got=kind)
     if version != PROTOCOL_VERSION and kind not in _ANY_VERSION:
-        raise _remote(f"protocol version {version}", expected=PROTOCOL_VERSION, got=version)
+        raise RemoteProtocolError(f"protocol version {version}", expected=PROTOCOL_VERSION,
+                                  got=version)
     if flags != 0:
-        raise _remote("reserved flags byte is not zero", expected=0, got=flags)
+        raise RemoteProtocolError("reserved flags byte is not zero", expected=0, got=flags)
     head_len: int = TABLE_ENTRY.size * nbuf + meta_len
     if (nbuf > limits.max_buffers or meta_len > limits.max_meta_bytes
             or PREFIX.size + head_len + body_len > limits.max_frame_bytes):  # one test if fine
@@ -187,14 +184,15 @@ def check_table(table: tuple[int, ...], body_len: int, limits: Limits) -> None:
     """``table`` is flat: codec, wire_len, raw_len per buffer."""
     wires, raws = table[1::3], table[2::3]
     if sum(wires) != body_len:
-        raise _remote("buffer table does not add up to body_len", expected=body_len,
-                      got=sum(wires))
+        raise RemoteProtocolError("buffer table does not add up to body_len", expected=body_len,
+                                  got=sum(wires))
     if wires != raws or any(table[0::3]):  # some buffer is not raw: look at each one
         for codec, wire, raw in zip(table[0::3], wires, raws, strict=True):
             if codec not in (CODEC_RAW, CODEC_LZ4):
-                raise _remote(f"unknown buffer codec {codec}", got=codec)
+                raise RemoteProtocolError(f"unknown buffer codec {codec}", got=codec)
             if codec == CODEC_RAW and wire != raw:
-                raise _remote("raw buffer with wire_len != raw_len", expected=wire, got=raw)
+                raise RemoteProtocolError("raw buffer with wire_len != raw_len", expected=wire,
+                                          got=raw)
     if sum(raws) > limits.max_raw_bytes:
         _check_limit("decompressed frame size", sum(raws), limits.max_raw_bytes)
 
@@ -207,9 +205,9 @@ def unpack_meta(raw: memoryview, limits: Limits) -> dict[str, Any]:
             max_map_len=limits.max_map_len, max_ext_len=0,
         )
     except Exception as e:  # msgpack raises several types (ExtraData, ValueError, ...)
-        raise _remote(f"bad msgpack header: {type(e).__name__}: {e}") from None
+        raise RemoteProtocolError(f"bad msgpack header: {type(e).__name__}: {e}") from None
     if not isinstance(meta, dict):
-        raise _remote("msgpack header is not a map", got=type(meta).__name__)
+        raise RemoteProtocolError("msgpack header is not a map", got=type(meta).__name__)
     return meta
 
 
@@ -218,7 +216,7 @@ def decompress(wire: memoryview, raw: int) -> bytes:
     try:
         data: bytes = lz4.block.decompress(wire, uncompressed_size=raw)
     except Exception as e:  # lz4.block.LZ4BlockError and friends
-        raise _remote(f"bad lz4 buffer: {e}") from None
+        raise RemoteProtocolError(f"bad lz4 buffer: {e}") from None
     if len(data) != raw:
-        raise _remote("lz4 buffer has the wrong size", expected=raw, got=len(data))
+        raise RemoteProtocolError("lz4 buffer has the wrong size", expected=raw, got=len(data))
     return data

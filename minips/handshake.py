@@ -97,11 +97,7 @@ class Connection:
 
     def send(self, msg: Message, *, compress: bool = False) -> list[Any]:
         """Check that we may send ``msg`` now, advance the state, return its frame buffers."""
-        nxt = TRANSITIONS.get((self.side, self.state, msg.KIND))
-        if nxt is None:
-            self._advance(self.side, msg.KIND)  # raises, saying what was allowed
-        else:
-            self.state = nxt
+        self._advance(self.side, msg.KIND)
         return encode(msg, compress=compress, limits=self.limits)
 
     def receive(self, data: bytes | bytearray | memoryview) -> list[Message]:
@@ -116,13 +112,10 @@ class Connection:
 
     def received_one(self, msg: Message) -> None:
         """State-check one message from the peer (``RemoteProtocolError`` when out of turn)."""
-        nxt = TRANSITIONS.get((self.peer, self.state, msg.KIND))
-        if nxt is None:
-            self._advance(self.peer, msg.KIND)  # raises, saying what was allowed
-        else:
-            self.state = nxt
+        self._advance(self.peer, msg.KIND)
 
     def _advance(self, sender: Side, kind: Kind) -> None:
+        """Move to the state ``TRANSITIONS`` gives, or raise saying what was allowed."""
         nxt = TRANSITIONS.get((sender, self.state, kind))
         if nxt is None:
             allowed = sorted(k.name for (s, st, k) in TRANSITIONS

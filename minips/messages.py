@@ -275,9 +275,6 @@ def meta_keys(kind: Kind) -> tuple[str, ...]:
     return _SCHEMAS[MESSAGE_TYPES[kind]].meta
 
 
-def _remote(msg: str, **data: Any) -> RemoteProtocolError:
-    return RemoteProtocolError(msg, expected=data.get("expected"), got=data.get("got"))
-
 
 def from_wire(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Message:
     """The message of a frame from its map (buffers still empty); a peer's mistake is remote.
@@ -289,10 +286,10 @@ def from_wire(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Mess
     cls = MESSAGE_TYPES[kind]
     schema = _SCHEMAS[cls]
     if meta.keys() != schema.meta_set:
-        raise _remote(f"{kind.name} header map has the wrong keys",
-                      expected=sorted(schema.meta), got=sorted(map(str, meta)))
+        raise RemoteProtocolError(f"{kind.name} header map has the wrong keys",
+                                  expected=sorted(schema.meta), got=sorted(map(str, meta)))
     if nbuf and kind not in WITH_BUFFERS:
-        raise _remote(f"{kind.name} carries no buffers", expected=0, got=nbuf)
+        raise RemoteProtocolError(f"{kind.name} carries no buffers", expected=0, got=nbuf)
     for name, check, typ, lo, hi in schema.wire_checks:
         value = meta[name]
         if type(value) is typ and lo <= value <= hi:
@@ -300,8 +297,8 @@ def from_wire(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Mess
         try:
             meta[name] = check(value)
         except Invalid as e:
-            raise _remote(f"invalid {kind.name}: {cls.__name__}.{name}: {e}", expected=str(e),
-                          got=meta[name]) from None
+            raise RemoteProtocolError(f"invalid {kind.name}: {cls.__name__}.{name}: {e}",
+                                      expected=str(e), got=meta[name]) from None
     if kind == Kind.HELLO:
         meta["version"] = version
     elif kind in WITH_BUFFERS:
