@@ -246,8 +246,9 @@ def _check(ok: bool, name: str, got: Any, expected: str) -> None:
 
 
 # Training set sizes of the known data sets (samples), for the epoch budget on the server,
-# which never loads data. A data set not listed here needs RunConfig.train_size.
-TRAIN_SIZES = {"fashion-mnist": 60000, "mnist": 60000, "cifar10": 50000, "synthetic": 60000}
+# which never loads data. A data set not listed here needs RunConfig.train_size. "synthetic" is
+# data.py's stand-in (10,000 training images, data._SYNTH_SIZES), not a copy of a real set's size.
+TRAIN_SIZES = {"fashion-mnist": 60000, "mnist": 60000, "cifar10": 50000, "synthetic": 10000}
 
 
 def dataset_train_size(name: str, override: int = 0) -> int:
