@@ -101,28 +101,32 @@ _IDX_FILES: dict[str, tuple[str, ...]] = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
+
+
+def _idx_spec(mean: float, std: float, url: str, sha256: tuple[str, str, str, str],
+              system_dir: str) -> _Spec:
+    """An MNIST-format set: 1x28x28, the four _IDX_FILES gzipped, digests in that order."""
+    gz_names = [f"{f}.gz" for split in ("train", "test") for f in _IDX_FILES[split]]
+    return _Spec("idx", (1, 28, 28), (mean,), (std,), _IDX_FILES, url,
+                 dict(zip(gz_names, sha256, strict=True)), (system_dir,))
+
+
 _SPECS: dict[str, _Spec] = {
-    "fashion-mnist": _Spec(
-        "idx", (1, 28, 28), (0.2860,), (0.3530,), _IDX_FILES,
-        "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
-        {
-            "train-images-idx3-ubyte.gz": "b0564c3eedabfbf835052cff8503ea422014ce006caf5b757f851416ee8300c7",  # noqa: E501
-            "train-labels-idx1-ubyte.gz": "0ae29f65d86684f32d1b9c85147786c547b9c6aebcaf235f0400a0cce308b056",  # noqa: E501
-            "t10k-images-idx3-ubyte.gz": "cc1d090a38ace84dfa1aa66e3ada7c336ef481a96936906477e6dd344da56eaa",  # noqa: E501
-            "t10k-labels-idx1-ubyte.gz": "8d3605d196f4be44669e46906da9733c8131fef761fdbfec72c424d5222f1a05",  # noqa: E501
-        },
-        ("/usr/share/datasets/fashion-mnist",),
+    "fashion-mnist": _idx_spec(
+        0.2860, 0.3530, "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+        ("b0564c3eedabfbf835052cff8503ea422014ce006caf5b757f851416ee8300c7",
+         "0ae29f65d86684f32d1b9c85147786c547b9c6aebcaf235f0400a0cce308b056",
+         "cc1d090a38ace84dfa1aa66e3ada7c336ef481a96936906477e6dd344da56eaa",
+         "8d3605d196f4be44669e46906da9733c8131fef761fdbfec72c424d5222f1a05"),
+        "/usr/share/datasets/fashion-mnist",
     ),
-    "mnist": _Spec(
-        "idx", (1, 28, 28), (0.1307,), (0.3081,), _IDX_FILES,
-        "https://ossci-datasets.s3.amazonaws.com/mnist/",
-        {
-            "train-images-idx3-ubyte.gz": "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",  # noqa: E501
-            "train-labels-idx1-ubyte.gz": "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",  # noqa: E501
-            "t10k-images-idx3-ubyte.gz": "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",  # noqa: E501
-            "t10k-labels-idx1-ubyte.gz": "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",  # noqa: E501
-        },
-        ("/usr/share/datasets/mnist",),
+    "mnist": _idx_spec(
+        0.1307, 0.3081, "https://ossci-datasets.s3.amazonaws.com/mnist/",
+        ("440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
+         "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
+         "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
+         "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6"),
+        "/usr/share/datasets/mnist",
     ),
     "cifar10": _Spec(
         "cifar", (3, 32, 32), (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616),
@@ -249,7 +253,8 @@ def fetch_file(url: str, dest: Path, sha256: str, *, timeout: float = DOWNLOAD_T
 
 def _extract_cifar(archive: Path, dest: Path) -> None:
     """Copy only the known batch files out of the archive (never trust member paths)."""
-    wanted = {f"{_CIFAR_SUBDIR}/{f}" for f in (*_SPECS["cifar10"].files["train"], "test_batch.bin")}
+    files = _SPECS["cifar10"].files
+    wanted = {f"{_CIFAR_SUBDIR}/{f}" for f in (*files["train"], *files["test"])}
     (dest / _CIFAR_SUBDIR).mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(archive, "r:gz") as tar:

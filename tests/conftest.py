@@ -1,10 +1,11 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures and helpers shared by several test modules (helpers: ``from conftest import ...``)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,3 +35,12 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``cond`` until it holds or ``timeout`` passes (then fail): waiting without sleeping
+    a fixed time."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)

@@ -80,6 +80,15 @@ def write_cifar(folder: Path, per_batch: int = 4) -> dict[str, tuple[np.ndarray,
     return out
 
 
+def load_local(name: str, split: str, folder: Path) -> data.Dataset:
+    """Only the files already in ``folder``: no download, no synthetic fallback."""
+    return data.load_dataset(name, split, folder, download=False, fallback=False)
+
+
+def truncate(path: Path, nbytes: int) -> None:
+    path.write_bytes(path.read_bytes()[:-nbytes])
+
+
 @pytest.fixture
 def http_dir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     """A loopback HTTP server on port 0 serving a fresh directory: (directory, base URL)."""
@@ -132,7 +141,7 @@ def test_fashion_mnist_normalisation_and_padding() -> None:
 @pytest.mark.parametrize("gz", [True, False])
 def test_idx_files_in_data_dir(tmp_path: Path, gz: bool) -> None:
     arrays = write_mnist(tmp_path, gz=gz)
-    ds = data.load_dataset("mnist", "train", tmp_path, download=False, fallback=False)
+    ds = load_local("mnist", "train", tmp_path)
     images, labels = arrays["train"]
     assert ds.x.shape == (12, 1, 32, 32)
     np.testing.assert_array_equal(ds.y, labels.astype(np.int64))
@@ -143,18 +152,16 @@ def test_idx_files_in_data_dir(tmp_path: Path, gz: bool) -> None:
 
 def test_truncated_gzip_idx_names_the_file(tmp_path: Path) -> None:
     write_mnist(tmp_path)
-    path = tmp_path / "train-images-idx3-ubyte.gz"
-    path.write_bytes(path.read_bytes()[:-100])
+    truncate(tmp_path / "train-images-idx3-ubyte.gz", 100)
     with pytest.raises(DataError, match="train-images-idx3-ubyte.gz.*(truncated|corrupt)"):
-        data.load_dataset("mnist", "train", tmp_path, download=False, fallback=False)
+        load_local("mnist", "train", tmp_path)
 
 
 def test_truncated_raw_idx_says_what_is_wrong(tmp_path: Path) -> None:
     write_mnist(tmp_path, gz=False)
-    path = tmp_path / "t10k-images-idx3-ubyte"
-    path.write_bytes(path.read_bytes()[:-7])
+    truncate(tmp_path / "t10k-images-idx3-ubyte", 7)
     with pytest.raises(DataError, match=r"t10k-images-idx3-ubyte: IDX dims \(5, 28, 28\) need"):
-        data.load_dataset("mnist", "test", tmp_path, download=False, fallback=False)
+        load_local("mnist", "test", tmp_path)
 
 
 def test_bad_idx_header_and_label_mismatch(tmp_path: Path) -> None:
@@ -165,11 +172,11 @@ def test_bad_idx_header_and_label_mismatch(tmp_path: Path) -> None:
     write_mnist(tmp_path / "m", gz=False)
     (tmp_path / "m" / "train-labels-idx1-ubyte").write_bytes(idx_bytes(np.zeros(11, np.uint8)))
     with pytest.raises(DataError, match="12 images but .* has 11"):
-        data.load_dataset("mnist", "train", tmp_path / "m", download=False, fallback=False)
+        load_local("mnist", "train", tmp_path / "m")
     labels = np.full(12, 12, np.uint8)  # right count, impossible class
     (tmp_path / "m" / "train-labels-idx1-ubyte").write_bytes(idx_bytes(labels))
     with pytest.raises(DataError, match="train-labels-idx1-ubyte: label 12 outside 0..9"):
-        data.load_dataset("mnist", "train", tmp_path / "m", download=False, fallback=False)
+        load_local("mnist", "train", tmp_path / "m")
 
 
 # ---------------------------------------------------------------- CIFAR-10 binary batches
@@ -177,8 +184,8 @@ def test_bad_idx_header_and_label_mismatch(tmp_path: Path) -> None:
 
 def test_cifar10_binary_batches(tmp_path: Path) -> None:
     batches = write_cifar(tmp_path / data._CIFAR_SUBDIR)  # the archive's own folder name
-    train = data.load_dataset("cifar10", "train", tmp_path, download=False, fallback=False)
-    test = data.load_dataset("cifar10", "test", tmp_path, download=False, fallback=False)
+    train = load_local("cifar10", "train", tmp_path)
+    test = load_local("cifar10", "test", tmp_path)
     assert train.x.shape == (20, 3, 32, 32) and test.x.shape == (4, 3, 32, 32)
     images, labels = batches["data_batch_2.bin"]
     np.testing.assert_array_equal(train.y[4:8], labels.astype(np.int64))
@@ -189,15 +196,14 @@ def test_cifar10_binary_batches(tmp_path: Path) -> None:
 
 def test_cifar10_truncated_and_corrupt(tmp_path: Path) -> None:
     write_cifar(tmp_path)
-    path = tmp_path / "data_batch_3.bin"
-    path.write_bytes(path.read_bytes()[:-1])
+    truncate(tmp_path / "data_batch_3.bin", 1)
     with pytest.raises(DataError, match="data_batch_3.bin: size .* not a positive multiple"):
-        data.load_dataset("cifar10", "train", tmp_path, download=False, fallback=False)
+        load_local("cifar10", "train", tmp_path)
     bad = bytearray((tmp_path / "test_batch.bin").read_bytes())
     bad[0] = 200  # label byte of the first record
     (tmp_path / "test_batch.bin").write_bytes(bytes(bad))
     with pytest.raises(DataError, match="test_batch.bin: label 200"):
-        data.load_dataset("cifar10", "test", tmp_path, download=False, fallback=False)
+        load_local("cifar10", "test", tmp_path)
 
 
 # ---------------------------------------------------------------- download and verify
@@ -220,7 +226,7 @@ def test_download_verified_cifar_archive(tmp_path: Path, http_dir: tuple[Path, s
     dest = tmp_path / "dl"
     data.download("cifar10", dest, mirror=url, checksums={"cifar-10-binary.tar.gz": digest})
     assert not (dest / "cifar-10-binary.tar.gz").exists()  # archive removed once extracted
-    ds = data.load_dataset("cifar10", "train", dest, download=False, fallback=False)
+    ds = load_local("cifar10", "train", dest)
     assert ds.x.shape == (15, 3, 32, 32) and ds.meta["synthetic"] is False
 
 
@@ -296,7 +302,7 @@ def test_translation_task() -> None:
     n = int((src != data.PAD).sum())
     assert tgt[0] == data.BOS and tgt[n + 1] == data.EOS and np.all(tgt[n + 2:] == data.PAD)
     # same word -> same translated word, in reversed order
-    lexicon = {}
+    lexicon: dict[int, int] = {}
     for s_row, t_row in zip(train.x[:500], train.y[:500], strict=True):
         m = int((s_row != data.PAD).sum())
         for a, b in zip(s_row[:m], t_row[m:0:-1], strict=True):
@@ -339,7 +345,7 @@ def test_batch_order_is_deterministic_per_seed_and_epoch() -> None:
     other = [y.tolist() for _, y in data.iterate_batches(ds, shard, 8, seed=3, epoch=1)]
     assert one == two and one != other
     assert len(one) == 25 // 8 and all(len(b) == 8 for b in one)  # last partial batch dropped
-    flat = sum(one, [])
+    flat: list[int] = sum(one, [])
     assert len(set(flat)) == len(flat) and set(flat) <= set(shard.tolist())
     order = shard[np.random.default_rng([3, 0]).permutation(25)]  # the documented order
     assert flat == order[:24].tolist()

@@ -5,12 +5,13 @@ with nothing lost or reordered; recv() wakes as soon as a message is queued."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
 import pytest
 import uvloop
+from conftest import until
 
 from minips import protocol as p
 from minips import transport as t
@@ -26,14 +27,6 @@ def run(loop: str, coro: Coroutine[Any, Any, Any]) -> Any:
         return ev.run_until_complete(asyncio.wait_for(coro, 30))
     finally:
         ev.close()
-
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``cond`` until it holds or ``timeout`` passes (then fail)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @LOOPS

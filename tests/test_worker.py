@@ -55,12 +55,19 @@ def bsp_run(workers: int, momentum: float, steps: int) -> RunConfig:
                      eval_every_s=0.2)
 
 
+def reference_weights(run: RunConfig, train_set: data.Dataset, workers: int) -> np.ndarray:
+    """The plain single-process loop on ``run``'s model, seed and steps over ``workers`` shards."""
+    ref, _ = reference.train(run.model, train_set, lr=run.lr, seed=run.seed, steps=run.max_steps,
+                             workers=workers, momentum=run.momentum,
+                             weight_decay=run.weight_decay)
+    return ref
+
+
 @pytest.mark.timeout(120)
 async def test_one_worker_bsp_matches_reference(tmp_path: Path, train_set: data.Dataset) -> None:
     run = bsp_run(1, 0.9, 12)
     srv = await run_cluster(run, tmp_path)
-    ref, _ = reference.train("lenet5", train_set, lr=0.05, seed=0, steps=12, workers=1,
-                             momentum=0.9, weight_decay=run.weight_decay)
+    ref = reference_weights(run, train_set, workers=1)
     assert srv.weights is not None
     np.testing.assert_allclose(srv.weights, ref, rtol=1e-5, atol=1e-6)
     assert srv.samples == 12 * run.batch_size
@@ -72,13 +79,11 @@ async def test_two_workers_bsp_match_averaged_reference(tmp_path: Path,
                                                         train_set: data.Dataset) -> None:
     run = bsp_run(2, 0.0, 10)
     srv = await run_cluster(run, tmp_path)
-    ref, _ = reference.train("lenet5", train_set, lr=0.05, seed=0, steps=10, workers=2,
-                             momentum=0.0, weight_decay=run.weight_decay)
+    ref = reference_weights(run, train_set, workers=2)
     assert srv.weights is not None
     np.testing.assert_allclose(srv.weights, ref, rtol=1e-5, atol=1e-6)
     # and not what a single worker would have done
-    one, _ = reference.train("lenet5", train_set, lr=0.05, seed=0, steps=10, workers=1,
-                             momentum=0.0, weight_decay=run.weight_decay)
+    one = reference_weights(run, train_set, workers=1)
     assert not np.allclose(srv.weights, one, rtol=1e-5, atol=1e-6)
 
 
