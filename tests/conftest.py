@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,3 +45,14 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+def run_on(loop: str, coro: Coroutine[Any, Any, Any], timeout: float = 20.0) -> Any:
+    """Run ``coro`` to completion on a fresh "asyncio" or "uvloop" event loop, bounded in time."""
+    import uvloop
+
+    ev = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
+    try:
+        return ev.run_until_complete(asyncio.wait_for(coro, timeout))
+    finally:
+        ev.close()

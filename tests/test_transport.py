@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import uvloop
+from conftest import run_on, until
 
 from minips import protocol as p
 from minips import transport as t
@@ -23,11 +23,7 @@ LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 
 
 def run(loop: str, coro: Coroutine[Any, Any, Any]) -> Any:
-    ev = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
-    try:
-        return ev.run_until_complete(asyncio.wait_for(coro, 20))
-    finally:
-        ev.close()
+    return run_on(loop, coro, 20)
 
 
 async def echo_handler(ch: t.Channel) -> None:
@@ -52,14 +48,6 @@ async def start(handler: Callable[[t.Channel], Awaitable[None]] = echo_handler,
     kw.setdefault("token", TOKEN)
     return await t.serve("127.0.0.1", 0, accept=kw.pop("accept", accept_all), handler=handler,
                          **kw)
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll ``cond`` until it holds or ``timeout`` passes (then fail)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import uvloop
-from conftest import until
+from conftest import run_on, until
 
 from minips import protocol as p
 from minips import transport as t
@@ -22,11 +21,7 @@ MiB = 1 << 20
 
 
 def run(loop: str, coro: Coroutine[Any, Any, Any]) -> Any:
-    ev = uvloop.new_event_loop() if loop == "uvloop" else asyncio.new_event_loop()
-    try:
-        return ev.run_until_complete(asyncio.wait_for(coro, 30))
-    finally:
-        ev.close()
+    return run_on(loop, coro, 30)
 
 
 @LOOPS
