@@ -299,10 +299,7 @@ class GroupServer:
                 pulls.add(task)
                 task.add_done_callback(pulls.discard)
             elif isinstance(msg, protocol.Push):
-                if pulled is None or msg.clock != pulled + 1:
-                    raise RemoteProtocolError("PUSH must follow a PULL at the clock before it",
-                                              expected=None if pulled is None else pulled + 1,
-                                              got=msg.clock)
+                validation.check_push_order(pulled, msg.clock)
                 pulled = None
                 await self._send_push(ch, w, msg)
             elif isinstance(msg, protocol.Leave):

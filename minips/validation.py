@@ -19,8 +19,8 @@ from typing import Any
 from minips import ssp
 from minips.errors import RemoteProtocolError
 
-__all__ = ["MAX_SAMPLES", "MAX_STEP_S", "check_push", "check_stats", "check_group_stats",
-           "unexpected", "reject"]
+__all__ = ["MAX_SAMPLES", "MAX_STEP_S", "check_push", "check_push_order", "check_stats",
+           "check_group_stats", "unexpected", "reject"]
 
 log = logging.getLogger("minips.server")
 
@@ -41,6 +41,13 @@ def check_push(msg: Any) -> None:
     _number("samples", msg.samples, 0, MAX_SAMPLES)
     _number("step_time", msg.step_time, 0.0, MAX_STEP_S)
     _number("loss", msg.loss, -1e30, 1e30)
+
+
+def check_push_order(pulled: int | None, clock: int) -> None:
+    """A worker's PUSH follows its PULL (clock ``pulled``) and carries the next clock."""
+    if pulled is None or clock != pulled + 1:
+        raise RemoteProtocolError("PUSH must follow a PULL at the clock before it",
+                                  expected=None if pulled is None else pulled + 1, got=clock)
 
 
 def check_stats(msg: Any, last_clock: int) -> None:
