@@ -74,6 +74,9 @@ class GroupServer:
         self.xchg = Exchange(self.weights)  # delta since the last exchange, seq, counters
         self.opt = optim.SGD(self.weights.size, lr=run.lr, momentum=run.momentum,
                              weight_decay=run.weight_decay)
+        # samples per epoch, for the lr warm-up (looked up only when there is a warm-up)
+        self.train_size = (dataset_train_size(run.dataset, run.train_size)
+                           if run.lr_warmup > 0 else 0)
         self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
         self.rounds: ssp.Rounds[Any] = ssp.Rounds()
         self.version = 0  # updates applied to self.weights
@@ -145,7 +148,7 @@ class GroupServer:
 
     def _apply_rounds(self) -> None:
         for _, grads in self.rounds.pop_complete(self.table.min_clock()):
-            self._apply(_mean(grads, self.weights.size))
+            self._apply(sparse.average(grads, self.weights.size))
 
     def _apply(self, grad: Any, share: int = 1) -> None:
         """One SGD step; ``share`` > 1 applies 1/share of it (one push of a round of share)."""
@@ -154,13 +157,11 @@ class GroupServer:
         self.version += 1
 
     def _warmup(self) -> float:
-        """Linear lr warm-up while the cluster (this group's share of it) sees its first
-        ``lr_warmup`` epochs: async pushes on stale weights with momentum blow up early."""
-        if self.run.lr_warmup <= 0:
-            return 1.0
+        """The lr warm-up over the cluster's first ``lr_warmup`` epochs, of which this group
+        sees its share (its live workers out of all workers)."""
         share = max(1, len(self.table)) / max(1, self.run.workers)
-        ramp = self.run.lr_warmup * dataset_train_size(self.run.dataset, self.run.train_size)
-        return min(1.0, (self.counters["samples"] + self.run.batch_size) / (share * ramp))
+        ramp = self.run.lr_warmup * self.train_size * share
+        return optim.warmup_factor(self.counters["samples"] + self.run.batch_size, ramp)
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -369,14 +370,3 @@ class GroupServer:
         self.version, self.global_version = state["version"], state["global_version"]
         self.counters = {k: int(state["counters"].get(k, 0)) for k in ("pushes", "samples")}
         self.ratio = state["ratio"]
-
-
-def _mean(grads: list[Any], size: int) -> np.ndarray | sparse.SparseGrad:
-    """Average of one BSP round's gradients (dense (size,) float32 unless there is just one)."""
-    if len(grads) == 1:
-        return grads[0]
-    total = np.zeros(size, dtype=np.float32)
-    for g in grads:
-        sparse.scatter_add(total, g)
-    total /= np.float32(len(grads))
-    return total

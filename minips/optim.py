@@ -25,7 +25,7 @@ import numpy as np
 
 from minips.errors import ConfigError
 
-__all__ = ["SGD", "SparseLike"]
+__all__ = ["SGD", "SparseLike", "warmup_factor"]
 
 
 class SparseLike(Protocol):
@@ -106,3 +106,12 @@ class SGD:
         self.nesterov = bool(state["nesterov"])
         self.steps = int(state["steps"])
         self.velocity = velocity.copy()
+
+
+def warmup_factor(samples: int, ramp_samples: float) -> float:
+    """Linear learning-rate warm-up: the fraction of lr to use once ``samples`` have been seen,
+    reaching 1 at ``ramp_samples`` (no warm-up when ``ramp_samples`` <= 0). Asynchronous pushes
+    on stale weights with momentum blow up early in training; a ramp keeps them small."""
+    if ramp_samples <= 0:
+        return 1.0
+    return min(1.0, samples / ramp_samples)

@@ -37,6 +37,7 @@ __all__ = [
     "decode_gradient",
     "scatter_add",
     "accumulate",
+    "average",
 ]
 
 ENCODINGS = ("dense-f32", "dense-f16", "sparse-v1")
@@ -318,3 +319,15 @@ def accumulate(grads: Sequence[SparseGrad], size: int) -> SparseGrad:
     uniq, inverse = np.unique(idx, return_inverse=True)  # uniq sorted unique (u,) uint32
     sums = np.bincount(inverse.ravel(), weights=vals, minlength=uniq.size)  # (u,) float64
     return SparseGrad(uniq.astype(np.uint32), sums.astype(np.float32), size)
+
+
+def average(grads: Sequence[SparseGrad | np.ndarray], size: int) -> SparseGrad | np.ndarray:
+    """Mean of one BSP round's gradients, dense or sparse: (size,) float32, or the gradient
+    itself when the round has just one."""
+    if len(grads) == 1:
+        return grads[0]
+    total = np.zeros(size, dtype=np.float32)  # (size,) float32: rounds mix dense and sparse
+    for g in grads:
+        scatter_add(total, g)
+    total /= np.float32(len(grads))
+    return total

@@ -119,3 +119,13 @@ def test_errors():
         SGD(3, lr=0.1, momentum=0.0, nesterov=True)
     with pytest.raises(ConfigError):
         SGD(3, lr=0.1).load_state_dict(SGD(4, lr=0.1).state_dict())
+
+
+def test_warmup_factor_ramps_linearly_then_stays_at_one() -> None:
+    from minips.optim import warmup_factor
+
+    assert warmup_factor(0, 100.0) == 0.0
+    assert warmup_factor(25, 100.0) == 0.25
+    assert warmup_factor(100, 100.0) == 1.0
+    assert warmup_factor(500, 100.0) == 1.0
+    assert warmup_factor(3, 0.0) == 1.0  # no warm-up

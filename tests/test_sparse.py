@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minips import sparse
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.sparse import (
     SparseGrad,
@@ -354,3 +355,10 @@ def test_selection_property(n: int, density: float, kind: str, tolerance: float,
         assert idx.size == k
     rest = np.delete(np.abs(x), idx)
     assert rest.size == 0 or np.abs(x[idx]).min() >= rest.max()  # the largest magnitudes
+
+
+def test_average_of_a_round_mixes_dense_and_sparse() -> None:
+    dense = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    sg = sparse.SparseGrad(np.array([1, 3], np.uint32), np.array([4.0, -2.0], np.float32), 4)
+    np.testing.assert_array_equal(sparse.average([dense, sg], 4), [0.5, 3.0, 1.5, 1.0])
+    assert sparse.average([sg], 4) is sg  # a round of one is applied as it came
