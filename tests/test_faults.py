@@ -115,7 +115,9 @@ def samples_now(run_dir: Path) -> int:
     return int(merges[-1]["samples"]) if merges else 0
 
 
-RUN = ("--mode", "ssp", "--staleness", "3", "--lr", "0.05", "--compressor", "none",
+# lr 0.02: at 0.05 SSP with momentum 0.9 oscillates enough that the final weights of a
+# 1.5-epoch run once landed below the target in a full-suite run (72.8%).
+RUN = ("--mode", "ssp", "--staleness", "3", "--lr", "0.02", "--compressor", "none",
        "--base-step", "0.02", "--calib-timeout", "30")
 
 
