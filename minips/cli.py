@@ -51,6 +51,7 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--batch-size", "batch_size", int, "samples per worker step"),
     ("--lr", "lr", float, "learning rate"),
     ("--lr-warmup", "lr_warmup", float, "epochs of linear lr warm-up (0 = none)"),
+    ("--lr-schedule", "lr_schedule", str, "constant | cosine (lr to 0 over the epochs budget)"),
     ("--momentum", "momentum", float, "SGD momentum"),
     ("--weight-decay", "weight_decay", float, "L2 weight decay"),
     ("--seed", "seed", int, "random seed"),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minips.errors import ConfigError
+from minips.optim import SCHEDULES
 
 __all__ = [
     "MODES",
@@ -53,6 +54,7 @@ class RunConfig:
     momentum: float = 0.9  # SGD momentum (group servers keep the velocity)
     weight_decay: float = 5e-4  # L2 coefficient added to the gradient
     lr_warmup: float = 0.3  # epochs (whole cluster) over which lr ramps up linearly; 0 = none
+    lr_schedule: str = "constant"  # constant | cosine (to 0 over the epochs budget)
     mode: str = "gssp"  # bsp | ssp | asp | gssp
     staleness: int = 3  # SSP bound s in clocks (bsp forces 0, asp has none)
     groups: int = 0  # GSSP group count k; 0 = chosen from the gaps between step times
@@ -83,6 +85,10 @@ class RunConfig:
         _check(self.mode in MODES, "mode", self.mode, f"one of {MODES}")
         _check(self.batch_size > 0, "batch_size", self.batch_size, "> 0")
         _check(self.lr > 0, "lr", self.lr, "> 0")
+        _check(self.lr_schedule in SCHEDULES, "lr_schedule", self.lr_schedule,
+               f"one of {SCHEDULES}")
+        _check(self.lr_schedule == "constant" or self.epochs > 0, "lr_schedule",
+               self.lr_schedule, "constant unless there is an epochs budget (--epochs)")
         _check(0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
         _check(self.staleness >= 0, "staleness", self.staleness, ">= 0")
         _check(self.groups >= 0, "groups", self.groups, ">= 0")

@@ -37,6 +37,7 @@ class ExchangeResult:
     weights: np.ndarray  # (n,) float32 global weights after the merge (a private copy)
     version: int  # global version (merges applied so far)
     done: bool  # the run's budget is spent: stop training
+    samples: int = 0  # training samples all groups reported so far (for lr schedules)
 
 
 class GroupLink(Protocol):

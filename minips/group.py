@@ -76,7 +76,9 @@ class GroupServer:
                              weight_decay=run.weight_decay)
         # samples per epoch, for the lr warm-up (looked up only when there is a warm-up)
         self.train_size = (dataset_train_size(run.dataset, run.train_size)
-                           if run.lr_warmup > 0 else 0)
+                           if run.lr_warmup > 0 or run.lr_schedule != "constant" else 0)
+        self.global_samples = 0  # all groups' samples, as of the last exchange
+        self.samples_at_sync = 0  # this group's counters["samples"] at that moment
         self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
         self.rounds: ssp.Rounds[Any] = ssp.Rounds()
         self.version = 0  # updates applied to self.weights
@@ -152,7 +154,7 @@ class GroupServer:
 
     def _apply(self, grad: Any, share: int = 1) -> None:
         """One SGD step; ``share`` > 1 applies 1/share of it (one push of a round of share)."""
-        self.opt.lr = self.run.lr * self._warmup() / max(1, share)
+        self.opt.lr = self.run.lr * self._warmup() * self._decay() / max(1, share)
         self.opt.step(self.weights, grad)
         self.version += 1
 
@@ -162,6 +164,15 @@ class GroupServer:
         share = max(1, len(self.table)) / max(1, self.run.workers)
         ramp = self.run.lr_warmup * self.train_size * share
         return optim.warmup_factor(self.counters["samples"] + self.run.batch_size, ramp)
+
+    def _decay(self) -> float:
+        """The lr schedule at the run's progress: all groups' samples at the last exchange plus
+        this group's since then, over the epochs budget."""
+        if self.run.lr_schedule == "constant":
+            return 1.0
+        seen = self.global_samples + self.counters["samples"] - self.samples_at_sync
+        return optim.decay_factor(self.run.lr_schedule,
+                                  seen / (self.run.epochs * self.train_size))
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -206,6 +217,7 @@ class GroupServer:
             return False
         self.xchg.complete(self.weights, out, res)
         self.global_version = res.version
+        self.global_samples, self.samples_at_sync = res.samples, self.counters["samples"]
         self.log("exchange", exchange_s=self.now() - t, global_version=res.version,
                  seq=out.stats["seq"], min_clock=out.stats["min_clock"],
                  max_clock=out.stats["max_clock"])

@@ -65,7 +65,8 @@ class TcpLink:
             samples=stats["samples"], encoding=encoding, codec={**codec, "stats": stats},
             buffers=tuple(buffers)))
         w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
-        return ExchangeResult(np.asarray(w, dtype=np.float32), reply.version, reply.done)
+        return ExchangeResult(np.asarray(w, dtype=np.float32), reply.version, reply.done,
+                              int(reply.info.get("samples", 0)))
 
     async def read(self) -> None:
         """Dispatch what the global server sends until the channel closes."""

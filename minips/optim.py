@@ -19,13 +19,16 @@ store it without pickling.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 import numpy as np
 
 from minips.errors import ConfigError
 
-__all__ = ["SGD", "SparseLike", "warmup_factor"]
+__all__ = ["SGD", "SparseLike", "SCHEDULES", "warmup_factor", "decay_factor"]
+
+SCHEDULES = ("constant", "cosine")  # lr schedules over the run's budget
 
 
 class SparseLike(Protocol):
@@ -115,3 +118,14 @@ def warmup_factor(samples: int, ramp_samples: float) -> float:
     if ramp_samples <= 0:
         return 1.0
     return min(1.0, samples / ramp_samples)
+
+
+def decay_factor(schedule: str, progress: float) -> float:
+    """The fraction of lr to use at ``progress`` (0 = start, 1 = budget spent) of the run:
+    1 throughout for ``constant``; ``cosine`` goes from 1 to 0 along half a cosine wave, so the
+    last updates are small and the final weights settle instead of jumping around."""
+    if schedule == "constant":
+        return 1.0
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+    raise ConfigError(f"lr schedule must be one of {SCHEDULES}, got {schedule!r}")

@@ -187,7 +187,8 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
         cfg = suite["config"]
         targets = [f"{t:.2f}" for t in cfg["targets"]]
         out.append(f"## {sname}: {cfg['model']} on {cfg['dataset']}, slowdowns "
-                   f"{cfg['slowdowns']}, {cfg['epochs']} epochs, seeds {cfg['seeds']}\n")
+                   f"{cfg['slowdowns']}, {cfg['epochs']} epochs, lr {cfg['lr']} "
+                   f"({cfg.get('lr_schedule', 'constant')}), seeds {cfg['seeds']}\n")
         head = (["experiment"] + [f"t→{float(t):.0%} (s)" for t in targets]
                 + ["final acc %", "tail acc %", "best acc %", "samples", "MB up", "MB down",
                    "kept %", "staleness", "wait s", "vs BSP", "vs SSP", "overrun"])

@@ -131,11 +131,12 @@ def paper_experiments(slowdowns: Sequence[float], groups: int) -> list[Experimen
 
 
 def _fmnist(name: str, profile: list[float], epochs: float, seeds: list[int]) -> Suite:
-    # lr and momentum: the best of a shared sweep (docs/results.md), the same for every mode
+    # lr, its schedule and momentum: from a sweep shared by every mode (docs/results.md)
     run = {"model": "lenet5", "dataset": "fashion-mnist", "batch_size": 64, "lr": 0.05,
-           "momentum": 0.9, "weight_decay": 5e-4, "staleness": STALENESS, "sync_every": 4,
-           "epochs": epochs, "base_step_s": 0.1, "eval_every_s": 2.0, "eval_limit": 5000,
-           "calib_steps": 5, "wall_s": 100.0 * epochs}  # wall_s: a cap far above BSP's time
+           "lr_schedule": "cosine", "momentum": 0.9, "weight_decay": 5e-4,
+           "staleness": STALENESS, "sync_every": 4, "epochs": epochs, "base_step_s": 0.1,
+           "eval_every_s": 2.0, "eval_limit": 5000, "calib_steps": 5,
+           "wall_s": 100.0 * epochs}  # wall_s: a cap far above BSP's time
     return Suite(name, run, profile, paper_experiments(profile, 4), seeds,
                  targets=(0.70, 0.75, 0.80, 0.85))
 
@@ -268,9 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
-    """--epochs / --lr / --momentum / --base-step / --seeds (tuning and partial reruns)."""
-    for flag, key in (("epochs", "epochs"), ("lr", "lr"), ("momentum", "momentum"),
-                      ("base_step", "base_step_s")):
+    """--epochs / --lr / --lr-schedule / --momentum / --base-step / --seeds (tuning and
+    partial reruns)."""
+    for flag, key in (("epochs", "epochs"), ("lr", "lr"), ("lr_schedule", "lr_schedule"),
+                      ("momentum", "momentum"), ("base_step", "base_step_s")):
         if getattr(args, flag) is not None:
             suite.run[key] = getattr(args, flag)
     if args.seeds:
@@ -291,6 +293,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print table.json instead of table.md")
     p.add_argument("--epochs", type=float, help="override the samples budget, epochs")
     p.add_argument("--lr", type=float, help="override the learning rate (every experiment)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"),
+                   help="override the lr schedule (every experiment)")
     p.add_argument("--momentum", type=float, help="override the momentum (every experiment)")
     p.add_argument("--base-step", type=float, help="override the emulated base step, s")
     p.add_argument("--seeds", help="override the seeds, e.g. 0,1,2")

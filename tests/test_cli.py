@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from minips.cli import build_parser, main, run_config_from_args
-from minips.config import PRESETS, parse_address, parse_slowdowns
+from minips.config import PRESETS, RunConfig, parse_address, parse_slowdowns
 from minips.errors import ConfigError
 
 
@@ -96,3 +96,12 @@ def test_server_prints_how_to_join_and_refuses_a_wrong_secret(tmp_path: Path) ->
 def test_plot_command_on_an_empty_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"mode": "bsp", "compressor": "none"}))
     assert main(["plot", str(tmp_path)]) == 0
+
+
+def test_lr_schedule_flag_and_its_checks() -> None:
+    args = build_parser().parse_args(["server", "--lr-schedule", "cosine", "--epochs", "2"])
+    assert run_config_from_args(args).lr_schedule == "cosine"
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        RunConfig(lr_schedule="cosine").validate()  # no epochs budget to decay over
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        RunConfig(lr_schedule="step", epochs=1).validate()

@@ -23,6 +23,7 @@ class Global:
         self.version = 0
         self.gate: asyncio.Event | None = None  # when set: exchanges wait for it (slow link)
         self.stats: list[dict[str, Any]] = []
+        self.samples = 0  # what the reply says all groups have trained on
 
     async def exchange(self, group: int, delta: np.ndarray,
                        stats: dict[str, Any]) -> ExchangeResult:
@@ -31,7 +32,7 @@ class Global:
         self.weights += delta
         self.version += 1
         self.stats.append(stats)
-        return ExchangeResult(self.weights.copy(), self.version, False)
+        return ExchangeResult(self.weights.copy(), self.version, False, self.samples)
 
 
 def plain(mode: str, **kw: Any) -> RunConfig:
@@ -159,3 +160,19 @@ async def test_wire_session_ack_pull_push_and_bad_clock() -> None:
         await ch.close()
         await gs.close()
     assert gs.traffic()["bytes_in"] > 0
+
+
+async def test_cosine_lr_follows_this_group_then_every_group_s_samples() -> None:
+    # budget 1 epoch of 4 samples; one push = 1 sample; lr 1, gradient 1: each step is -factor
+    run = plain("ssp", sync_every=100, lr_schedule="cosine", epochs=1.0, train_size=4)
+    glob = Global(np.zeros(1))
+    gs = GroupServer(0, run, np.zeros(1, np.float32), glob, members=[0])
+    for clock in (1, 2, 3, 4):  # seen before each step: 0, 1, 2, 3 -> factors 1, .854, .5, .146
+        gs.on_push(0, push(clock, vec(1)))
+    np.testing.assert_allclose(gs.weights, vec(-2.5), rtol=1e-6)
+    # a new group learns from its first exchange that the cluster has trained on 2 samples
+    fresh = GroupServer(0, run, np.zeros(1, np.float32), glob, members=[0])
+    glob.samples = 2
+    await asyncio.wait_for(fresh.flush(), 5)
+    fresh.on_push(0, push(1, vec(1)))  # seen = 2 of 4: factor 0.5
+    np.testing.assert_allclose(fresh.weights, vec(-0.5), rtol=1e-6)

@@ -129,3 +129,17 @@ def test_warmup_factor_ramps_linearly_then_stays_at_one() -> None:
     assert warmup_factor(100, 100.0) == 1.0
     assert warmup_factor(500, 100.0) == 1.0
     assert warmup_factor(3, 0.0) == 1.0  # no warm-up
+
+
+def test_decay_factor_constant_and_cosine_by_hand() -> None:
+    from minips.optim import decay_factor
+
+    assert decay_factor("constant", 0.7) == 1.0
+    assert decay_factor("cosine", 0.0) == 1.0
+    assert decay_factor("cosine", 0.25) == pytest.approx(0.5 * (1 + 2**-0.5))  # cos(pi/4)
+    assert decay_factor("cosine", 0.5) == pytest.approx(0.5)
+    assert decay_factor("cosine", 1.0) == 0.0
+    assert decay_factor("cosine", 1.5) == 0.0  # overrun past the budget: stays at 0
+    assert decay_factor("cosine", -0.1) == 1.0
+    with pytest.raises(ConfigError, match="schedule"):
+        decay_factor("step", 0.5)
