@@ -11,7 +11,10 @@ turns so that all see the same machine load:
 The minips server has default options, as the group server does. Every process is pinned to
 one core (--cpu, default 0): both ends share it, as the scheduler places a quick echo anyway,
 so the figures measure software cost. The *_unpinned figures let the scheduler choose; on a
-virtual machine a wake-up on another core can cost tens of µs.
+virtual machine a wake-up on another core can cost tens of µs. The *_split figures pin the
+client to --cpu and the servers to --server-cpu (default: the next core), as a worker and its
+server on two machines each have a core of their own: every process keeps its caches warm, and
+the wake-up across cores is part of both the minips and the echo round trip.
 
 bench_wire.py includes these figures; its minips server and helpers live here.
 
@@ -253,14 +256,15 @@ async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]
     return times
 
 
-def run_rtt(iters: int, cpu: int | None) -> dict[str, list[float]]:
-    """Round trips with every process on core ``cpu`` (None: unpinned)."""
+def run_rtt(iters: int, cpu: int | None, server_cpu: int | None) -> dict[str, list[float]]:
+    """Round trips with the client on core ``cpu`` and the servers on ``server_cpu``
+    (None: unpinned)."""
     push = sparse_push()
     frame_len = sum(len(b) for b in p.encode(push))
     ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
-    servers = {"minips": start_server(minips_server, cpu, False),
-               "echo": start_server(echo_server, cpu),
-               "hop": start_server(hop_server, cpu, frame_len, ack)}
+    servers = {"minips": start_server(minips_server, server_cpu, False),
+               "echo": start_server(echo_server, server_cpu),
+               "hop": start_server(hop_server, server_cpu, frame_len, ack)}
     mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     pin(cpu)
     try:
@@ -273,13 +277,27 @@ def run_rtt(iters: int, cpu: int | None) -> dict[str, list[float]]:
     return times
 
 
-def rtt_figures(iters: int, cpu: int | None, suffix: str) -> dict[str, float]:
-    """p50 round trips (µs) of minips, echo and hop, and minips over echo."""
-    p50 = {k: statistics.median(v) for k, v in run_rtt(iters, cpu).items()}
+def rtt_figures(iters: int, cpu: int | None, suffix: str,
+                server_cpu: int | None = -1) -> dict[str, float]:
+    """p50 round trips (µs) of minips, echo and hop, and minips over echo; the servers run on
+    ``server_cpu`` (-1: the client's core ``cpu``)."""
+    server_cpu = cpu if server_cpu == -1 else server_cpu
+    p50 = {k: statistics.median(v) for k, v in run_rtt(iters, cpu, server_cpu).items()}
     return {f"rtt_us_p50{suffix}": round(p50["minips"], 1),
             f"echo_rtt_us_p50{suffix}": round(p50["echo"], 1),
             f"hop_rtt_us_p50{suffix}": round(p50["hop"], 1),
             f"rtt_ratio{suffix}": round(p50["minips"] / p50["echo"], 3)}
+
+
+def split_figures(iters: int, cpu: int, server_cpu: int | None) -> dict[str, Any]:
+    """rtt_figures with the servers on a core of their own (empty on a 1-core machine)."""
+    if server_cpu is None:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        others = [c for c in cores if c != cpu]
+        if not others:
+            return {}
+        server_cpu = others[0]
+    return {**rtt_figures(iters, cpu, "_split", server_cpu), "rtt_server_cpu": server_cpu}
 
 
 def main() -> None:
@@ -287,9 +305,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--rtt-iters", type=int, default=2000, help="round trips of each kind")
     ap.add_argument("--cpu", type=int, default=0, help="core for the pinned round trips")
+    ap.add_argument("--server-cpu", type=int, help="servers' core for the *_split figures "
+                    "(default: the core after --cpu; none on a 1-core machine)")
     args = ap.parse_args()
     t.install_uvloop()
     result: dict[str, Any] = rtt_figures(args.rtt_iters, args.cpu, "")
+    result.update(split_figures(args.rtt_iters, args.cpu, args.server_cpu))
     result.update(rtt_figures(args.rtt_iters, None, "_unpinned"))
     result.update({"rtt_iters": args.rtt_iters, "rtt_cpu": args.cpu, "cpus": os.cpu_count()})
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

@@ -9,9 +9,11 @@ dense transports take turns round by round and each figure comes from its median
 - raw_gbps: the same bytes both ways over a blocking socket pair (sendall / recv_into).
 - ratio_vs_gloo, ratio_vs_raw: dense_gbps over the two above.
 - gloo_vs_raw: how close gloo comes to the bare socket (the ceiling of every transport here).
-- rtt_*, echo_rtt_*, hop_rtt_*: see bench_rtt.py (a sparse PUSH and its ACK vs a bare echo).
+- rtt_*, echo_rtt_*, hop_rtt_*: see bench_rtt.py (a sparse PUSH and its ACK vs a bare echo),
+  with both ends on one core, on two cores (*_split) and unpinned (*_unpinned).
 
 Usage: python scripts/bench_wire.py [--json] [--iters 20] [--rtt-iters 2000] [--cpu 0]
+       [--server-cpu 1]
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ import time
 from typing import Any
 
 import numpy as np
-from bench_rtt import DENSE_N, TOKEN, into, minips_server, rtt_figures, sparse_push, start_server
+from bench_rtt import (
+    DENSE_N,
+    TOKEN,
+    into,
+    minips_server,
+    rtt_figures,
+    sparse_push,
+    split_figures,
+    start_server,
+)
 
 from minips import protocol as p
 from minips import transport as t
@@ -197,6 +208,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20, help="dense round trips per transport")
     ap.add_argument("--rtt-iters", type=int, default=2000, help="sparse PUSH/ACK round trips")
     ap.add_argument("--cpu", type=int, default=0, help="core for the pinned round trips")
+    ap.add_argument("--server-cpu", type=int, help="servers' core for the *_split round trips "
+                    "(default: the core after --cpu)")
     args = ap.parse_args()
     load_before = round(os.getloadavg()[0], 2)  # other work on the machine, not ours
     t.install_uvloop()
@@ -210,6 +223,7 @@ def main() -> None:
         "gloo_vs_raw": gloo and round(gloo / raw, 3),
     }
     result.update(rtt_figures(args.rtt_iters, args.cpu, ""))
+    result.update(split_figures(args.rtt_iters, args.cpu, args.server_cpu))
     result.update(rtt_figures(args.rtt_iters, None, "_unpinned"))
     result.update({
         "dense_bytes_each_way": DENSE_N * 4,
