@@ -252,6 +252,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     suites = suites_for(size)
+    if args.suite:
+        names = set(args.suite.split(","))
+        unknown = names - {s.name for s in suites}
+        if unknown:
+            print(f"reproduce: no suite {sorted(unknown)} in --{size} "
+                  f"(there are {[s.name for s in suites]})", file=sys.stderr)
+            return 2
+        suites = [s for s in suites if s.name in names]
     for suite in suites:
         _apply_overrides(suite, args)
         if not args.table_only:
@@ -286,6 +294,7 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--full", action="store_true", help="16 workers, 3 seeds, more models")
     size.add_argument("--smoke", action="store_true", help="two tiny runs (tests)")
     p.add_argument("--out", help="output directory (default results/<size>)")
+    p.add_argument("--suite", help="comma-separated suite names to run (e.g. fmnist16)")
     p.add_argument("--only", help="comma-separated experiment labels to run")
     p.add_argument("--resume", action="store_true", help="keep runs that already finished")
     p.add_argument("--table-only", action="store_true", help="rebuild table and plots only")

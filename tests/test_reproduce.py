@@ -108,3 +108,15 @@ def test_smoke_run_writes_table_runs_and_plots(tmp_path):
     assert "| gssp+topk |" in (out / "table.md").read_text()
     for chart in ("accuracy_vs_time", "accuracy_vs_bytes"):
         assert (out / f"smoke-{chart}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_suite_is_refused_naming_the_suites(tmp_path, capsys):
+    assert reproduce.main(["--smoke", "--suite", "nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "smoke" in err
+    assert not (tmp_path / "table.json").exists()  # nothing ran, nothing written
+
+
+def test_quick_suite_decays_lr_over_its_budget():
+    (suite,) = reproduce.suites_for("quick")
+    assert suite.run["lr_schedule"] == "cosine" and suite.run["epochs"] > 0
