@@ -218,23 +218,45 @@ def _curve(run_dir: Path, x: str) -> tuple[list[float], list[float]]:
     return [(a - x0) * scale for a, _ in pts], [b for _, b in pts]
 
 
+def _median_curve(suite: Suite, runs_dir: Path, exp: Experiment,
+                  x: str) -> tuple[list[float], list[float]] | None:
+    """The curve of ``exp``'s median run: of its seeds' runs, the one whose last evaluation is
+    the median (the lower one of the middle two for an even count); None without runs."""
+    curves = []
+    for seed in suite.seeds:
+        run_dir = runs_dir / run_name(suite, exp, seed)
+        if (run_dir / "eval.jsonl").exists():
+            xs, acc = _curve(run_dir, x)
+            curves.append((acc[-1] if acc else 0.0, seed, (xs, acc)))
+    if not curves:
+        return None
+    curves.sort()
+    return curves[(len(curves) - 1) // 2][2]
+
+
+def _which_seed(suite: Suite) -> str:
+    if len(suite.seeds) == 1:
+        return f"seed {suite.seeds[0]}"
+    return f"median of seeds {', '.join(map(str, suite.seeds))} per row"
+
+
 def _chart(suite: Suite, runs_dir: Path, x: str, exps: list[Experiment], path: Path) -> Path:
     from matplotlib.figure import Figure  # lazy: only the charts need matplotlib
 
     fig = Figure(figsize=(7.0, 4.2), layout="constrained")
     ax = fig.subplots()
     for exp in exps:
-        run_dir = runs_dir / run_name(suite, exp, suite.seeds[0])
-        if (run_dir / "eval.jsonl").exists():
+        curve = _median_curve(suite, runs_dir, exp, x)
+        if curve is not None:
             style = "--" if exp.part == "compression" and x == "t" else "-"
-            ax.plot(*_curve(run_dir, x), style, marker=".", ms=3, lw=1.2, label=exp.label)
+            ax.plot(*curve, style, marker=".", ms=3, lw=1.2, label=exp.label)
     for target in suite.targets:
         ax.axhline(target, color="grey", lw=0.6, ls=":")
     xlabel = "training time (s)" if x == "t" else "MB uploaded by the workers"
     if x != "t":
         ax.set_xscale("log")
     ax.set(xlabel=xlabel, ylabel="test accuracy", ylim=(max(0.0, min(suite.targets) - 0.3), None),
-           title=f"{suite.name} (seed {suite.seeds[0]}): accuracy vs {xlabel.split(' (')[0]}")
+           title=f"{suite.name} ({_which_seed(suite)}): accuracy vs {xlabel.split(' (')[0]}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     fig.savefig(path, dpi=80)

@@ -120,3 +120,20 @@ def test_unknown_suite_is_refused_naming_the_suites(tmp_path, capsys):
 def test_quick_suite_decays_lr_over_its_budget():
     (suite,) = reproduce.suites_for("quick")
     assert suite.run["lr_schedule"] == "cosine" and suite.run["epochs"] > 0
+
+
+def test_charts_draw_each_row_s_median_seed(tmp_path, monkeypatch):
+    import repro_table  # loaded next to reproduce.py by the module above
+
+    (suite,) = reproduce.suites_for("quick")
+    suite.seeds = [0, 1, 2]
+    exp = suite.experiments[0]
+    last = {0: 0.8, 1: 0.5, 2: 0.9}  # seed -> last accuracy of its curve
+    for seed in last:
+        run_dir = tmp_path / reproduce.run_name(suite, exp, seed)
+        run_dir.mkdir()
+        (run_dir / "eval.jsonl").write_text("")
+    monkeypatch.setattr(repro_table, "_curve",
+                        lambda run_dir, x: ([1.0], [last[int(run_dir.name[-1])]]))
+    assert repro_table._median_curve(suite, tmp_path, exp, "t") == ([1.0], [0.8])
+    assert repro_table._median_curve(suite, tmp_path, suite.experiments[1], "t") is None
