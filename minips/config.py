@@ -193,6 +193,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "run": {"model": "lenet5", "dataset": "fashion-mnist", "mode": "gssp",
                 "compressor": "gdtopk", "workers": 8, "epochs": 5.0, "wall_s": 180.0,
                 "staleness": 3, "sync_every": 4, "base_step_s": 0.04, "lr": 0.05,
+                "lr_schedule": "cosine", "gdtopk_direction": "slower-less",
                 "compressor_opts": {"warmup_epochs": 1}},
         "slowdowns": [1, 1, 1.5, 1.5, 2, 2, 4, 4],
     },
