@@ -15,6 +15,9 @@ sends the very same delta and counters under the same seq, so whether or not the
 merged, the delta lands once and the reconciliation above stays right (a repeat's G already holds
 it). Newer pushes go out with the exchange after that.
 
+Progress. ``cluster_samples()`` estimates how many samples all groups have trained on: the
+global server's count in the last reply plus this group's samples since then (for lr schedules).
+
 Invariant: ``w_sync`` is the part of the group's weights that the global server is known to hold;
 ``pending`` is either None or the one exchange whose fate is unknown.
 """
@@ -66,6 +69,8 @@ class Exchange:
         self.seq = 0  # seq of the last exchange started
         self.pending: Outgoing | None = None  # an exchange whose reply was lost
         self.since = _zero()  # worker pushes since the last exchange started
+        self.global_samples = 0  # all groups' samples, as the last reply said
+        self.samples_after = 0  # this group's samples counted since that reply
 
     def count(self, samples: int, step_time: float, loss: float) -> None:
         """Account one worker push for the next exchange's counters."""
@@ -74,6 +79,7 @@ class Exchange:
         s["samples"] += samples
         s["step_time"] += step_time
         s["loss"] += loss
+        self.samples_after += samples
 
     def begin(self, weights: np.ndarray, extra: dict[str, Any]) -> Outgoing:
         """The pending exchange again, or a new one covering ``weights`` (``extra`` joins its
@@ -97,6 +103,11 @@ class Exchange:
         weights += res.weights - out.sent
         self.w_sync = res.weights
         self.pending = None
+        self.global_samples, self.samples_after = res.samples, 0
+
+    def cluster_samples(self) -> int:
+        """All groups' samples as of the last reply, plus this group's since then."""
+        return self.global_samples + self.samples_after
 
     def rebase(self, weights: np.ndarray, g: np.ndarray) -> np.ndarray:
         """Reconnected to a (restarted) global server whose weights are ``g``: return the

@@ -74,11 +74,9 @@ class GroupServer:
         self.xchg = Exchange(self.weights)  # delta since the last exchange, seq, counters
         self.opt = optim.SGD(self.weights.size, lr=run.lr, momentum=run.momentum,
                              weight_decay=run.weight_decay)
-        # samples per epoch, for the lr warm-up (looked up only when there is a warm-up)
+        # samples per epoch, for the lr warm-up and schedule (looked up only when one is on)
         self.train_size = (dataset_train_size(run.dataset, run.train_size)
                            if run.lr_warmup > 0 or run.lr_schedule != "constant" else 0)
-        self.global_samples = 0  # all groups' samples, as of the last exchange
-        self.samples_at_sync = 0  # this group's counters["samples"] at that moment
         self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
         self.rounds: ssp.Rounds[Any] = ssp.Rounds()
         self.version = 0  # updates applied to self.weights
@@ -166,13 +164,11 @@ class GroupServer:
         return optim.warmup_factor(self.counters["samples"] + self.run.batch_size, ramp)
 
     def _decay(self) -> float:
-        """The lr schedule at the run's progress: all groups' samples at the last exchange plus
-        this group's since then, over the epochs budget."""
+        """The lr schedule at the run's progress: the cluster's samples over the epochs budget."""
         if self.run.lr_schedule == "constant":
             return 1.0
-        seen = self.global_samples + self.counters["samples"] - self.samples_at_sync
-        return optim.decay_factor(self.run.lr_schedule,
-                                  seen / (self.run.epochs * self.train_size))
+        budget = self.run.epochs * self.train_size
+        return optim.decay_factor(self.run.lr_schedule, self.xchg.cluster_samples() / budget)
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -217,7 +213,6 @@ class GroupServer:
             return False
         self.xchg.complete(self.weights, out, res)
         self.global_version = res.version
-        self.global_samples, self.samples_at_sync = res.samples, self.counters["samples"]
         self.log("exchange", exchange_s=self.now() - t, global_version=res.version,
                  seq=out.stats["seq"], min_clock=out.stats["min_clock"],
                  max_clock=out.stats["max_clock"])

@@ -176,3 +176,18 @@ async def test_cosine_lr_follows_this_group_then_every_group_s_samples() -> None
     await asyncio.wait_for(fresh.flush(), 5)
     fresh.on_push(0, push(1, vec(1)))  # seen = 2 of 4: factor 0.5
     np.testing.assert_allclose(fresh.weights, vec(-0.5), rtol=1e-6)
+
+
+def test_exchange_counts_cluster_samples_from_the_last_reply_on() -> None:
+    from minips.exchange import Exchange
+
+    xchg = Exchange(np.zeros(1, np.float32))
+    xchg.count(64, 0.1, 2.0)
+    assert xchg.cluster_samples() == 64  # no reply yet: only this group's own
+    out = xchg.begin(np.zeros(1, np.float32), {})
+    xchg.count(32, 0.1, 2.0)  # a push applied while the exchange is in flight
+    xchg.complete(np.zeros(1, np.float32), out, ExchangeResult(np.zeros(1, np.float32), 1, False,
+                                                               samples=1000))
+    assert xchg.cluster_samples() == 1000  # the 32 in flight are counted by the next reply
+    xchg.count(16, 0.1, 2.0)
+    assert xchg.cluster_samples() == 1016
