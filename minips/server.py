@@ -51,11 +51,9 @@ from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import ExchangeResult
 from minips.group import GroupServer
 from minips.metrics import RunDir
-from minips.roster import GroupHandle, Roster, WorkerEntry, match_labels
+from minips.roster import GroupHandle, Roster, WorkerEntry
 
 __all__ = ["GlobalServer", "GroupHandle", "InProcLink", "WorkerEntry"]
-
-_match_labels = match_labels  # the name tests/test_server.py knows
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 FLUSH_POLL_S = 0.05  # how often the final flush looks whether every group has flushed

@@ -19,7 +19,8 @@ from minips.config import RunConfig, ServerConfig, parse_address
 from minips.errors import AuthError, RemoteProtocolError
 from minips.group import GroupServer
 from minips.metrics import read_jsonl
-from minips.server import GlobalServer, GroupHandle, InProcLink, _match_labels
+from minips.roster import match_labels
+from minips.server import GlobalServer, GroupHandle, InProcLink
 
 TOKEN = "server-test"
 
@@ -155,7 +156,7 @@ async def test_drifting_speed_moves_a_worker_to_another_group(
 def test_regroup_labels_follow_the_old_groups() -> None:
     old = {0: 1, 1: 1, 2: 0, 3: 0}
     new = {0: 0, 1: 0, 2: 1, 3: 2}  # same fast pair, the slow pair split in two
-    assert _match_labels(new, old) == {0: 1, 1: 1, 2: 0, 3: 2}
+    assert match_labels(new, old) == {0: 1, 1: 1, 2: 0, 3: 2}
 
 
 class ReplyLost:
