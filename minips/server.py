@@ -56,7 +56,6 @@ from minips.roster import GroupHandle, Roster, WorkerEntry
 __all__ = ["GlobalServer", "GroupHandle", "InProcLink", "WorkerEntry"]
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
-FLUSH_POLL_S = 0.05  # how often the final flush looks whether every group has flushed
 
 
 class GlobalServer:
@@ -309,9 +308,11 @@ class GlobalServer:
         self.spawn(self._final_flush())
 
     async def _final_flush(self) -> None:
-        deadline = time.monotonic() + FINAL_FLUSH_S
-        while not all(h.final for h in self.groups.values()) and time.monotonic() < deadline:
-            await asyncio.sleep(FLUSH_POLL_S)
+        """Wait at most FINAL_FLUSH_S for the groups' final deltas: every place that marks a
+        group final calls check_budget, which sets ``finished`` once all of them are."""
+        if not all(h.final for h in self.groups.values()):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.finished.wait(), FINAL_FLUSH_S)
         self.finished.set()
 
     # -- weights and traffic for the other roles-----------------------------------------------
