@@ -277,11 +277,10 @@ def run_rtt(iters: int, cpu: int | None, server_cpu: int | None) -> dict[str, li
     return times
 
 
-def rtt_figures(iters: int, cpu: int | None, suffix: str,
-                server_cpu: int | None = -1) -> dict[str, float]:
-    """p50 round trips (µs) of minips, echo and hop, and minips over echo; the servers run on
-    ``server_cpu`` (-1: the client's core ``cpu``)."""
-    server_cpu = cpu if server_cpu == -1 else server_cpu
+def rtt_figures(iters: int, cpu: int | None, server_cpu: int | None,
+                suffix: str) -> dict[str, float]:
+    """p50 round trips (µs) of minips, echo and hop, and minips over echo; the client runs on
+    core ``cpu``, the servers on ``server_cpu`` (None: unpinned)."""
     p50 = {k: statistics.median(v) for k, v in run_rtt(iters, cpu, server_cpu).items()}
     return {f"rtt_us_p50{suffix}": round(p50["minips"], 1),
             f"echo_rtt_us_p50{suffix}": round(p50["echo"], 1),
@@ -297,7 +296,7 @@ def split_figures(iters: int, cpu: int, server_cpu: int | None) -> dict[str, Any
         if not others:
             return {}
         server_cpu = others[0]
-    return {**rtt_figures(iters, cpu, "_split", server_cpu), "rtt_server_cpu": server_cpu}
+    return {**rtt_figures(iters, cpu, server_cpu, "_split"), "rtt_server_cpu": server_cpu}
 
 
 def main() -> None:
@@ -309,9 +308,9 @@ def main() -> None:
                     "(default: the core after --cpu; none on a 1-core machine)")
     args = ap.parse_args()
     t.install_uvloop()
-    result: dict[str, Any] = rtt_figures(args.rtt_iters, args.cpu, "")
+    result: dict[str, Any] = rtt_figures(args.rtt_iters, args.cpu, args.cpu, "")
     result.update(split_figures(args.rtt_iters, args.cpu, args.server_cpu))
-    result.update(rtt_figures(args.rtt_iters, None, "_unpinned"))
+    result.update(rtt_figures(args.rtt_iters, None, None, "_unpinned"))
     result.update({"rtt_iters": args.rtt_iters, "rtt_cpu": args.cpu, "cpus": os.cpu_count()})
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 

@@ -222,9 +222,9 @@ def main() -> None:
         "ratio_vs_gloo": gloo and round(dense / gloo, 3), "ratio_vs_raw": round(dense / raw, 3),
         "gloo_vs_raw": gloo and round(gloo / raw, 3),
     }
-    result.update(rtt_figures(args.rtt_iters, args.cpu, ""))
+    result.update(rtt_figures(args.rtt_iters, args.cpu, args.cpu, ""))
     result.update(split_figures(args.rtt_iters, args.cpu, args.server_cpu))
-    result.update(rtt_figures(args.rtt_iters, None, "_unpinned"))
+    result.update(rtt_figures(args.rtt_iters, None, None, "_unpinned"))
     result.update({
         "dense_bytes_each_way": DENSE_N * 4,
         "push_frame_bytes": sum(len(b) for b in p.encode(sparse_push())),
