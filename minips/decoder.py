@@ -117,6 +117,10 @@ class FrameDecoder:
 
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """Writable memory for the next bytes from the socket."""
+        if self._lo == self._hi and self._frame is None and self.error is None:
+            self._lo = self._hi = 0  # nothing pending (the common case): all of scratch is free
+            self._direct = False
+            return self._view
         if self.error is not None:
             raise self.error
         f = self._frame
@@ -193,7 +197,7 @@ class FrameDecoder:
                    body_len: int) -> tuple[memoryview, ...]:
         """Buffers of a body that is all in scratch: one copy, or one per buffer via alloc."""
         if self.alloc is default_alloc and not any(table[0::3]):  # all raw: views into one copy
-            body = memoryview(bytearray(self._view[at:at + body_len]))
+            body = memoryview(self._buf[at:at + body_len])  # a bytearray slice is a copy
             views, start = [], 0
             for wire in table[1::3]:
                 views.append(body[start:start + wire])

@@ -125,6 +125,8 @@ def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIM
     if total > limits.max_frame_bytes or len(meta) > limits.max_meta_bytes:
         raise _unsendable(total, limits)
     head = _HEADS[n].pack(MAGIC, version, kind, n, 0, len(meta), body_len, *table)
+    if body_len < COALESCE_BYTES:  # every buffer is small: one bytes object
+        return [b"".join([head, meta, *wires])]
     return _coalesce([head, meta], wires)
 
 
@@ -162,6 +164,11 @@ def check_prefix(prefix: tuple[Any, ...], limits: Limits) -> int:
     """Check an unpacked prefix against the protocol and ``limits``; return the head length
     (table + meta) that follows it."""
     magic, version, kind, nbuf, flags, meta_len, body_len = prefix
+    head_len: int = TABLE_ENTRY.size * nbuf + meta_len
+    if (magic == MAGIC and version == PROTOCOL_VERSION and not flags and kind in KINDS
+            and nbuf <= limits.max_buffers and meta_len <= limits.max_meta_bytes
+            and PREFIX.size + head_len + body_len <= limits.max_frame_bytes):
+        return head_len  # the common case in one test; otherwise find what is wrong below
     if magic != MAGIC:
         raise RemoteProtocolError("bad magic: not a minips frame", expected=MAGIC, got=bytes(magic))
     if kind not in KINDS:
@@ -171,7 +178,6 @@ def check_prefix(prefix: tuple[Any, ...], limits: Limits) -> int:
                                   got=version)
     if flags != 0:
         raise RemoteProtocolError("reserved flags byte is not zero", expected=0, got=flags)
-    head_len: int = TABLE_ENTRY.size * nbuf + meta_len
     if (nbuf > limits.max_buffers or meta_len > limits.max_meta_bytes
             or PREFIX.size + head_len + body_len > limits.max_frame_bytes):  # one test if fine
         _check_limit("buffer count", nbuf, limits.max_buffers)

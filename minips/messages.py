@@ -107,8 +107,8 @@ class Message:
 
     def meta(self) -> dict[str, Any]:
         """The msgpack map of this message: every field except ``buffers`` and HELLO's version."""
-        schema = _SCHEMAS[type(self)]
-        return dict(zip(schema.meta, schema.values(self.__dict__), strict=True))
+        values = self.__dict__
+        return {name: values[name] for name in _SCHEMAS[type(self)].meta}
 
 
 @dataclass(frozen=True)
