@@ -8,6 +8,10 @@ turns so that all see the same machine load:
   as many bytes as that PUSH frame; rtt_ratio = the first / the second.
 - hop_rtt_us_p50: the same PUSH bytes answered with ACK-sized bytes by a task that a future
   wakes (what any await-based asyncio server pays, with no protocol work at all).
+- floor_rtt_us_p50: the same PUSH and ACK frames, encoded and decoded in the least Python the
+  format allows (struct and one msgpack call each way, the body copied out), with no checks, no
+  connection state, no queue: what Python pays for the wire format itself. rtt_us_p50 minus
+  this is minips' own machinery.
 The minips server has default options, as the group server does. Every process is pinned to
 one core (--cpu, default 0): both ends share it, as the scheduler places a quick echo anyway,
 so the figures measure software cost. The *_unpinned figures let the scheduler choose; on a
@@ -33,10 +37,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
+import msgpack
 import numpy as np
 
 from minips import protocol as p
 from minips import transport as t
+from minips.frames import TABLES
 from minips.sparse_codec import SparseGrad, encode_gradient
 
 DENSE_N = 11_689_512  # ResNet-18 parameters (the dense test of bench_wire.py)
@@ -201,6 +207,85 @@ def serve_until_closed(make: Callable[[asyncio.Future[None]], asyncio.BaseProtoc
     asyncio.run(main())
 
 
+class FloorServer(asyncio.BufferedProtocol):
+    """Decodes each whole PUSH frame (prefix, table, map, body copy) and answers an ACK frame,
+    both with struct and msgpack alone: the wire format's cost in Python, nothing else."""
+
+    def __init__(self, stop: asyncio.Future[None]) -> None:
+        self.stop, self.buf, self.hi = stop, bytearray(p.SCRATCH_BYTES), 0
+        self.view = memoryview(self.buf)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.hi:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.hi += nbytes
+        at = 0
+        while self.hi - at >= p.PREFIX.size:
+            _, _, _, nbuf, _, meta_len, body_len = p.PREFIX.unpack_from(self.buf, at)
+            head = at + p.PREFIX.size + p.TABLE_ENTRY.size * nbuf
+            end = head + meta_len + body_len
+            if end > self.hi:
+                break
+            meta = msgpack.unpackb(self.view[head:head + meta_len])
+            self.body = self.buf[head + meta_len:end]  # the copy a decoder makes
+            self.transport.write(floor_frame(p.Kind.ACK, {"clock": meta["clock"],
+                                                          "version": meta["clock"]}))
+            at = end
+        self.view[:self.hi - at] = self.view[at:self.hi]
+        self.hi -= at
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.stop.done():
+            self.stop.set_result(None)
+
+
+def floor_frame(kind: int, meta: dict[str, Any], buffers: tuple[Any, ...] = ()) -> bytes:
+    """A frame of the minips format built with one struct and one msgpack call."""
+    packed = msgpack.packb(meta)
+    sizes = [b.nbytes for b in buffers]
+    head = p.PREFIX.pack(p.MAGIC, p.PROTOCOL_VERSION, kind, len(buffers), 0, len(packed),
+                         sum(sizes))
+    table = TABLES[len(buffers)].pack(*[x for n in sizes for x in (p.CODEC_RAW, n, n)])
+    return b"".join([head, table, packed, *buffers])
+
+
+def floor_server(port_q: Any, cpu: int | None = None) -> None:
+    pin(cpu)
+    t.install_uvloop()
+    serve_until_closed(FloorServer, port_q)
+
+
+class FloorClient(asyncio.Protocol):
+    """Decodes the ACK (prefix and map) and hands its map to ``waiter``."""
+
+    def __init__(self) -> None:
+        self.waiter: asyncio.Future[Any] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        meta_len = p.PREFIX.unpack_from(data)[5]  # one ACK per read: a reply to one request
+        if self.waiter is not None:
+            self.waiter.set_result(msgpack.unpackb(data[p.PREFIX.size:p.PREFIX.size + meta_len]))
+
+
+async def floor_client(port: int, push: p.Push) -> Callable[[], Awaitable[None]]:
+    """One round trip: encode ``push`` the floor's way, write it, decode the ACK."""
+    loop = asyncio.get_running_loop()
+    transport, proto = await loop.create_connection(FloorClient, "127.0.0.1", port)
+    meta, buffers = push.meta(), push.buffers
+
+    async def round_trip() -> None:
+        proto.waiter = loop.create_future()
+        transport.write(floor_frame(p.Kind.PUSH, meta, buffers))
+        await proto.waiter
+
+    round_trip.close = transport.close  # type: ignore[attr-defined]
+    return round_trip
+
+
 class EchoClient(asyncio.Protocol):
     """Counts bytes back; ``waiter`` is set once ``nbytes`` have arrived."""
 
@@ -242,7 +327,8 @@ async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]
 
     rounds = {"minips": minips_round,
               "echo": await bytes_client(ports["echo"], frame, len(frame)),
-              "hop": await bytes_client(ports["hop"], frame, len(ack))}
+              "hop": await bytes_client(ports["hop"], frame, len(ack)),
+              "floor": await floor_client(ports["floor"], push)}
     times: dict[str, list[float]] = {name: [] for name in rounds}
     for _ in range(max(1, iters // 50)):
         for name, round_trip in rounds.items():
@@ -251,8 +337,8 @@ async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]
                 await round_trip()
                 times[name].append((time.perf_counter_ns() - began) / 1e3)
     await ch.close(leave="done")
-    rounds["echo"].close()  # type: ignore[attr-defined]
-    rounds["hop"].close()  # type: ignore[attr-defined]
+    for name in ("echo", "hop", "floor"):
+        rounds[name].close()  # type: ignore[attr-defined]
     return times
 
 
@@ -264,7 +350,8 @@ def run_rtt(iters: int, cpu: int | None, server_cpu: int | None) -> dict[str, li
     ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
     servers = {"minips": start_server(minips_server, server_cpu, False),
                "echo": start_server(echo_server, server_cpu),
-               "hop": start_server(hop_server, server_cpu, frame_len, ack)}
+               "hop": start_server(hop_server, server_cpu, frame_len, ack),
+               "floor": start_server(floor_server, server_cpu)}
     mask = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     pin(cpu)
     try:
@@ -279,12 +366,13 @@ def run_rtt(iters: int, cpu: int | None, server_cpu: int | None) -> dict[str, li
 
 def rtt_figures(iters: int, cpu: int | None, server_cpu: int | None,
                 suffix: str) -> dict[str, float]:
-    """p50 round trips (µs) of minips, echo and hop, and minips over echo; the client runs on
+    """p50 round trips (µs) of minips, echo, hop and floor, and minips over echo; the client runs on
     core ``cpu``, the servers on ``server_cpu`` (None: unpinned)."""
     p50 = {k: statistics.median(v) for k, v in run_rtt(iters, cpu, server_cpu).items()}
     return {f"rtt_us_p50{suffix}": round(p50["minips"], 1),
             f"echo_rtt_us_p50{suffix}": round(p50["echo"], 1),
             f"hop_rtt_us_p50{suffix}": round(p50["hop"], 1),
+            f"floor_rtt_us_p50{suffix}": round(p50["floor"], 1),
             f"rtt_ratio{suffix}": round(p50["minips"] / p50["echo"], 3)}
 
 
