@@ -9,8 +9,8 @@ dense transports take turns round by round and each figure comes from its median
 - raw_gbps: the same bytes both ways over a blocking socket pair (sendall / recv_into).
 - ratio_vs_gloo, ratio_vs_raw: dense_gbps over the two above.
 - gloo_vs_raw: how close gloo comes to the bare socket (the ceiling of every transport here).
-- rtt_*, echo_rtt_*, hop_rtt_*, floor_rtt_*: see bench_rtt.py (a sparse PUSH and its ACK vs a bare echo),
-  with both ends on one core, on two cores (*_split) and unpinned (*_unpinned).
+- rtt_*, echo_rtt_*, hop_rtt_*, floor_rtt_*: see bench_rtt.py (a sparse PUSH and its ACK vs a
+  bare echo), with both ends on one core, on two cores (*_split) and unpinned (*_unpinned).
 
 Usage: python scripts/bench_wire.py [--json] [--iters 20] [--rtt-iters 2000] [--cpu 0]
        [--server-cpu 1]
