@@ -1,4 +1,4 @@
-"""Data sets for minips workers: real loaders, download-and-verify, sharding, batch order.
+"""Data sets for workers: real loaders, download (verified in fetch.py), sharding, batch order.
 
 Real sets: MNIST and Fashion-MNIST from IDX files (gzip or raw), CIFAR-10 from its binary batches.
 Files are looked for in ``data_dir`` (when given), then ``~/.cache/minips/<name>`` (or
@@ -22,11 +22,8 @@ Invariants:
 from __future__ import annotations
 
 import gzip
-import hashlib
 import logging
 import os
-import tarfile
-import urllib.request
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from minips.errors import ConfigError, DataError
+from minips.fetch import extract_members, fetch_file
 from minips.shards import batch_stream, iterate_batches, num_batches, shard_indices
 from minips.synthetic import (
     BOS,
@@ -57,11 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-DOWNLOAD_TIMEOUT_S = 30.0  # per socket operation: an unreachable network fails fast
-MAX_DOWNLOAD_BYTES = 256 * 2**20  # largest pinned file is the 170 MB CIFAR-10 archive
-CHUNK_BYTES = 1 << 20  # download read size
-
 
 @dataclass
 class Dataset:
@@ -222,52 +215,6 @@ def _search_dirs(name: str, spec: _Spec, data_dir: str | Path | None) -> list[Pa
     return dirs + [cache_dir(name)] + [Path(d) for d in spec.system_dirs]
 
 
-def _copy_hashed(resp: Any, out: Any, digest: Any, url: str) -> None:
-    """Stream ``resp`` into ``out`` and ``digest``, refusing more than MAX_DOWNLOAD_BYTES."""
-    total = 0
-    while chunk := resp.read(CHUNK_BYTES):
-        total += len(chunk)
-        if total > MAX_DOWNLOAD_BYTES:
-            raise DataError(f"{url}: larger than {MAX_DOWNLOAD_BYTES} bytes, refused")
-        digest.update(chunk)
-        out.write(chunk)
-
-
-def fetch_file(url: str, dest: Path, sha256: str, *, timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
-    """Download ``url`` to ``dest``, keeping it only if its SHA-256 is ``sha256``."""
-    part = dest.with_name(f"{dest.name}.{os.getpid()}.part")  # workers may fetch at once
-    digest = hashlib.sha256()
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            dest.parent.mkdir(parents=True, exist_ok=True)  # only once a server answered
-            with open(part, "wb") as out:
-                _copy_hashed(resp, out, digest, url)
-        if digest.hexdigest() != sha256:
-            raise DataError(f"{url}: SHA-256 mismatch, file refused (expected {sha256}, "
-                            f"got {digest.hexdigest()})")
-        part.replace(dest)
-    finally:
-        part.unlink(missing_ok=True)
-    return dest
-
-
-def _extract_cifar(archive: Path, dest: Path) -> None:
-    """Copy only the known batch files out of the archive (never trust member paths)."""
-    files = _SPECS["cifar10"].files
-    wanted = {f"{_CIFAR_SUBDIR}/{f}" for f in (*files["train"], *files["test"])}
-    (dest / _CIFAR_SUBDIR).mkdir(parents=True, exist_ok=True)
-    try:
-        with tarfile.open(archive, "r:gz") as tar:
-            for member in tar.getmembers():
-                src = tar.extractfile(member) if member.name in wanted else None
-                if src is not None:  # write aside, then rename: readers never see half a file
-                    tmp = dest / f"{member.name}.{os.getpid()}.part"
-                    tmp.write_bytes(src.read())
-                    tmp.replace(dest / member.name)
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        raise DataError(f"{archive}: corrupt CIFAR-10 archive ({exc})") from exc
-
-
 def download(name: str, dest: str | Path, *, mirror: str | None = None,
              checksums: dict[str, str] | None = None) -> Path:
     """Fetch the pinned files of ``name`` into ``dest``, verifying each SHA-256.
@@ -281,8 +228,10 @@ def download(name: str, dest: str | Path, *, mirror: str | None = None,
         url = (mirror or spec.url).rstrip("/") + "/" + fname
         log.info("downloading %s -> %s", url, dest / fname)
         fetch_file(url, dest / fname, digest)
-        if fname.endswith(".tar.gz"):
-            _extract_cifar(dest / fname, dest)
+        if fname.endswith(".tar.gz"):  # CIFAR-10: keep only the known batch files
+            files = spec.files
+            wanted = {f"{_CIFAR_SUBDIR}/{f}" for f in (*files["train"], *files["test"])}
+            extract_members(dest / fname, dest, wanted)
             (dest / fname).unlink()
     return dest
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import shutil
 import subprocess
+import threading
 from collections.abc import Callable, Coroutine, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,23 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def http_dir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A loopback HTTP server on port 0 serving a fresh directory: (directory, base URL)."""
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
