@@ -22,8 +22,6 @@ nbuf)``.
 from __future__ import annotations
 
 import dataclasses
-import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
@@ -121,12 +119,6 @@ class _Schema:
     wire_checks: tuple[tuple[str, Check, Any, Any, Any], ...]  # those of the map's fields
     meta: tuple[str, ...]  # the fields in the msgpack map, in order
     meta_set: frozenset[str]
-    values: Callable[[dict[str, Any]], tuple[Any, ...]]  # __dict__ -> values of meta, in order
-
-
-def _one(name: str) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """What itemgetter(name) would be if it returned a 1-tuple."""
-    return lambda values: (values[name],)
 
 
 class _Schemas(dict[type, _Schema]):
@@ -138,8 +130,7 @@ class _Schemas(dict[type, _Schema]):
         checks = tuple((f.name, f.metadata["check"], *getattr(f.metadata["check"], "fast",
                                                                (None, 0, 0))) for f in fields)
         wire_checks = tuple(c for c in checks if c[0] in meta)
-        values = operator.itemgetter(*meta) if len(meta) > 1 else _one(meta[0])
-        schema = self[cls] = _Schema(checks, wire_checks, meta, frozenset(meta), values)
+        schema = self[cls] = _Schema(checks, wire_checks, meta, frozenset(meta))
         return schema
 
 
