@@ -37,28 +37,25 @@ async def worker_session(srv: GlobalServer, ch: Any, w: int) -> None:
     try:
         if entry.group >= 0:  # a reconnect after grouping: tell it its group again
             await srv.assign(entry, entry.group)
-        last_clock = 0  # clocks of this session's STATS never go backwards
         while not entry.left:
-            last_clock = _on_message(srv, entry, await ch.recv(), last_clock)
+            _on_message(srv, entry, await ch.recv())
     finally:
         if entry.ch is ch:
             entry.ch = None
 
 
-def _on_message(srv: GlobalServer, entry: WorkerEntry, msg: Any, last_clock: int) -> int:
-    """Handle one control message; return the session's last STATS clock."""
+def _on_message(srv: GlobalServer, entry: WorkerEntry, msg: Any) -> None:
+    """Handle one control message."""
     if isinstance(msg, protocol.Stats):
-        validation.check_stats(msg, last_clock)
+        validation.check_stats(msg)
         srv.on_stats(entry, msg)
-        return int(msg.clock)
-    if isinstance(msg, protocol.Push) and srv.weights is None:
+    elif isinstance(msg, protocol.Push) and srv.weights is None:
         srv.weights = initial_weights(msg)
         srv.weights_ready.set()
     elif isinstance(msg, protocol.Leave):
         entry.left = True
     else:
         raise validation.unexpected(msg, "worker on the control channel")
-    return last_clock
 
 
 def initial_weights(msg: Any) -> np.ndarray:

@@ -39,7 +39,7 @@ from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
 
-__all__ = ["Worker", "run_worker", "run_evaluator", "evaluate_loop"]
+__all__ = ["Worker", "WorkerStopped", "run_worker", "run_evaluator", "evaluate_loop"]
 
 STATS_EVERY_S = 1.0  # how often the worker reports its step time to the global server
 ASSIGN_TIMEOUT_S = 300.0  # give up when no group is assigned after this long
@@ -79,10 +79,16 @@ class _Stopped(MiniPSError):
 
     def __init__(self, msg: Any) -> None:
         super().__init__(f"{type(msg).__name__}: {msg.reason}")
+        self.error = ""  # why, when an ERROR ended the run
         if isinstance(msg, protocol.Error):
             self.final = msg.code != "lease"  # an expired lease only asks for a rejoin
+            self.error = f"the group server sent ERROR {msg.code}: {msg.reason}"
         else:
             self.final = msg.reason == "done"
+
+
+class WorkerStopped(MiniPSError):
+    """A server ended this worker's run with ERROR (``minips worker`` exits non-zero)."""
 
 
 def _payload_bytes(msg: Any) -> int:
@@ -101,6 +107,7 @@ class Worker:
         self._assigned = asyncio.Event()  # the first ASSIGN (or the end) arrived
         self._assign_changed = asyncio.Event()  # set by every ASSIGN; cleared by its waiter
         self.done = False  # the server said the run is over
+        self.stopped_by = ""  # the ERROR that ended the run, if one did
         self.clock = 0
         self.samples = 0
         self.writer: JsonlWriter | None = None
@@ -129,6 +136,8 @@ class Worker:
             await _leave(self.ctl)
             if self.writer is not None:
                 self.writer.close()
+        if self.stopped_by:
+            raise WorkerStopped(self.stopped_by)
 
     def _setup(self) -> None:
         run = self.run_cfg
@@ -194,14 +203,20 @@ class Worker:
                     self.compressor.set_ratio(msg.ratio)
                     self._assigned.set()
                     self._assign_changed.set()
-                elif isinstance(msg, protocol.Error) or (isinstance(msg, protocol.Leave)
-                                                         and msg.reason == "done"):
+                elif isinstance(msg, protocol.Error):
+                    self._end(f"the global server sent ERROR {msg.code}: {msg.reason}")
+                    return
+                elif isinstance(msg, protocol.Leave) and msg.reason == "done":
                     self._end()
                     return
                 elif isinstance(msg, protocol.Leave):
                     return
 
-    def _end(self) -> None:
+    def _end(self, error: str = "") -> None:
+        """The run is over: normally (LEAVE "done"), or cut short by a server's ``error``."""
+        if error and not self.done:
+            self.stopped_by = error
+            self._event("stopped", reason=error)
         self.done = True
         self._assigned.set()
         self._assign_changed.set()
@@ -224,7 +239,8 @@ class Worker:
                 self.clock = int(ack.clock)  # the group's clock for us: pull before pushing
                 await self._loop(link, self.assign.address)
             except _Stopped as exc:
-                self.done = self.done or exc.final
+                if exc.final:
+                    self._end(exc.error)
             except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError) as exc:
                 self._event("group_lost", reason=str(exc))  # reconnect on the next turn
             finally:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import until
 
 from minips import protocol, roster, sparse, transport, validation
 from minips.config import RunConfig, ServerConfig, parse_address
@@ -151,6 +152,28 @@ async def test_drifting_speed_moves_a_worker_to_another_group(
             await ch.close()
         await srv.close()
     assert any(r["event"] == "regroup" for r in read_jsonl(tmp_path / "global.jsonl"))
+
+
+async def test_stats_clock_may_go_back_when_a_worker_changes_group_server(
+        tmp_path: Path) -> None:
+    """A worker's clock counts steps on its current group server, so after a restarted group
+    server (or a move) its STATS clock starts low again; the control session goes on."""
+    srv = make_server(tmp_path, np.zeros(4, np.float32), workers=2, mode="gssp", groups=2)
+    port = await srv.start()
+    chans = [await join(port, w, t) for w, t in enumerate([0.01, 0.08])]
+    try:
+        for ch in chans:
+            assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Assign)
+        for clock in (9, 1, 2):  # 9 steps on the old group server, then 1, 2 on its successor
+            await chans[0].send(protocol.Stats(clock=clock, step_time=0.01, loss=2.0))
+            await until(lambda c=clock: srv.workers[0].clock == c, 5)  # type: ignore[misc]
+        entry = srv.workers[0]
+        assert entry.ch is not None and not entry.ch.closed and not chans[0].closed
+        assert srv.server.stats["protocol_errors"] == 0
+    finally:
+        for ch in chans:
+            await ch.close()
+        await srv.close()
 
 
 def test_regroup_labels_follow_the_old_groups() -> None:

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minips import data, models, protocol, reference
+from minips import data, models, protocol, reference, transport
 from minips.config import RunConfig, ServerConfig, WorkerConfig
 from minips.metrics import read_jsonl
 from minips.server import GlobalServer
-from minips.worker import Link, Worker, evaluate_loop
+from minips.worker import Link, Worker, WorkerStopped, evaluate_loop
 
 TOKEN = "test-secret"
 
@@ -127,3 +127,25 @@ async def test_link_emulates_bandwidth_and_latency() -> None:
     took = time.perf_counter() - t
     assert sink.sent == [msg]
     assert 0.02 + 0.05 - 0.005 <= took < 0.5  # latency + 50 kB at 1 MB/s
+
+
+async def test_a_server_error_stops_the_worker_and_says_why(tmp_path: Path) -> None:
+    """An ERROR on the control channel ends the run: the worker records why and raises it
+    (``minips worker`` then exits non-zero with that line) instead of ending as if done."""
+    run = RunConfig(workers=1, calib_steps=1)
+
+    async def server(ch: transport.Channel) -> None:
+        assert isinstance(await ch.recv(), protocol.Stats)  # the calibration
+        await ch.send(protocol.Error(code="invalid", reason="test: this worker must stop"))
+
+    srv = await transport.serve("127.0.0.1", 0, token=TOKEN, handler=server,
+                                accept=lambda hello: {**run.to_info(), "worker_id": 0})
+    cfg = WorkerConfig(server_port=srv.port, token=TOKEN, worker_id=0, run_dir=str(tmp_path))
+    try:
+        with pytest.raises(WorkerStopped, match="global server sent ERROR invalid: test: this"):
+            await asyncio.wait_for(Worker(cfg).run(), 60)
+    finally:
+        srv.close()
+        await srv.wait_closed()
+    stopped = [r for r in read_jsonl(tmp_path / "worker-0.jsonl") if r.get("event") == "stopped"]
+    assert len(stopped) == 1 and "this worker must stop" in stopped[0]["reason"]
