@@ -191,7 +191,9 @@ async def fuzz_scenario(raw_inputs: int, invalid_inputs: int, seed: int) -> None
             for i in range(invalid_inputs)))
         assert np.array_equal(gs.weights, before) and gs.version == version
         delivered = [c for c in codes if c not in ("local",)]
-        assert delivered and all(c in ("invalid", "clock", "protocol_error", "closed")
+        # "lease": with hundreds of sessions in this one event loop, a session can stay silent
+        # past its lease before it pushes; that PUSH is refused too, as it must be
+        assert delivered and all(c in ("invalid", "clock", "protocol_error", "closed", "lease")
                                  or c.startswith("error:") for c in delivered), set(codes)
         assert sum(gs.rejected.values()) > 0
 
