@@ -76,6 +76,7 @@ class Cluster:
         self.logs.mkdir(exist_ok=True)
         self.server: subprocess.Popen[bytes] | None = None
         self.children: list[subprocess.Popen[bytes]] = []
+        self.names: list[str] = []  # children[i] is names[i] ("server", "worker-0", ...)
         self.address = ""
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
@@ -84,6 +85,7 @@ class Cluster:
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()  # the child holds its own descriptor
         self.children.append(proc)
+        self.names.append(name)
         return proc
 
     def start_server(self, init: Path) -> str:
@@ -131,15 +133,16 @@ class Cluster:
             line.draw(final=True)
         return int(self.server.returncode)
 
-    def collect(self, timeout_s: float = EXIT_TIMEOUT_S) -> list[int | None]:
-        """Give the other children ``timeout_s`` to exit on their own; return their codes."""
+    def collect(self, timeout_s: float = EXIT_TIMEOUT_S) -> list[str]:
+        """Give the other children ``timeout_s`` to exit on their own; return the names of
+        those that exited with an error (their logs say why)."""
         deadline = time.monotonic() + timeout_s
         for proc in self.children:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        return [p.poll() for p in self.children]
+        return [n for n, p in zip(self.names, self.children, strict=True) if p.poll()]
 
     def stop(self) -> None:
         """SIGTERM every live child, SIGKILL what is left after ``grace_s``."""
@@ -241,7 +244,10 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
             cluster.start_evaluator()
         if cluster.wait(_timeout(cfg), cfg.progress) != 0:
             status = "failed"
-        cluster.collect()
+        failed = cluster.collect()
+        if failed:
+            print(f"minips local: {', '.join(failed)} exited with an error; see their logs in "
+                  f"{cluster.logs}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         status = "interrupted"
     except TimeoutError:

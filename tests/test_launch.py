@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from minips.config import LaunchConfig, RunConfig
-from minips.launch import run_local
+from minips.launch import Cluster, run_local
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -67,3 +67,11 @@ def test_ctrl_c_stops_every_child_and_still_writes_the_summary(tmp_path: Path) -
     while _processes_mentioning(str(tmp_path / "cc")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _processes_mentioning(str(tmp_path / "cc"))
+
+
+def test_children_that_exit_with_an_error_are_named(tmp_path: Path) -> None:
+    cluster = Cluster(LaunchConfig(out_dir=str(tmp_path)), tmp_path, "token")
+    cluster._spawn("worker-0", ["worker", "--help"])  # exits 0
+    cluster._spawn("worker-1", ["worker", "--connect", "no-port-here"])  # bad flag: exits 2
+    assert cluster.collect(timeout_s=60) == ["worker-1"]
+    assert "error" in (tmp_path / "logs" / "worker-1.log").read_text()
