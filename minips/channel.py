@@ -139,9 +139,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         except RemoteProtocolError as e:
             self.fail(e, "limit_exceeded" if isinstance(e, LimitExceeded) else "protocol_error")
         if self.queue:
-            waiter = self.waiter  # _wake(), inlined: this runs for every message
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            self._wake()
             if len(self.queue) >= MAX_QUEUED or self.queued_bytes >= self.options.max_queued_bytes:
                 self._pause()
         if self._timer is None and self.decoder.in_frame:

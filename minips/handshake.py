@@ -24,7 +24,7 @@ from enum import IntEnum
 from typing import Any
 
 from minips.decoder import Alloc, FrameDecoder
-from minips.errors import AuthError, LocalProtocolError, ProtocolError, RemoteProtocolError
+from minips.errors import AuthError, LocalProtocolError, RemoteProtocolError
 from minips.frames import DEFAULT_LIMITS, Limits, encode
 from minips.messages import (
     NONCE_BYTES,
@@ -112,24 +112,19 @@ class Connection:
 
     def received_one(self, msg: Message) -> None:
         """State-check one message from the peer (``RemoteProtocolError`` when out of turn)."""
-        nxt = TRANSITIONS.get((self.peer, self.state, msg.KIND))  # _advance, inlined: per message
-        if nxt is None:
-            raise self._out_of_turn(self.peer, msg.KIND)
-        self.state = nxt
+        self._advance(self.peer, msg.KIND)
 
     def _advance(self, sender: Side, kind: Kind) -> None:
         """Move to the state ``TRANSITIONS`` gives, or raise saying what was allowed."""
         nxt = TRANSITIONS.get((sender, self.state, kind))
         if nxt is None:
-            raise self._out_of_turn(sender, kind)
+            allowed = sorted(k.name for (s, st, k) in TRANSITIONS
+                             if s == sender and st == self.state)
+            err = LocalProtocolError if sender == self.side else RemoteProtocolError
+            raise err(f"{sender.name.lower()} may not send {kind.name} in state "
+                      f"{self.state.name}",
+                      expected=allowed, got=kind.name)
         self.state = nxt
-
-    def _out_of_turn(self, sender: Side, kind: Kind) -> ProtocolError:
-        """The error for ``kind`` from ``sender`` now: ours is local, the peer's remote."""
-        allowed = sorted(k.name for (s, st, k) in TRANSITIONS if s == sender and st == self.state)
-        err = LocalProtocolError if sender == self.side else RemoteProtocolError
-        return err(f"{sender.name.lower()} may not send {kind.name} in state {self.state.name}",
-                   expected=allowed, got=kind.name)
 
 
 # ---------------------------------------------------------------------------------------------

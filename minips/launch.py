@@ -75,8 +75,7 @@ class Cluster:
         self.logs = run_dir / "logs"
         self.logs.mkdir(exist_ok=True)
         self.server: subprocess.Popen[bytes] | None = None
-        self.children: list[subprocess.Popen[bytes]] = []
-        self.names: list[str] = []  # children[i] is names[i] ("server", "worker-0", ...)
+        self.children: dict[str, subprocess.Popen[bytes]] = {}  # "server", "worker-0", ...
         self.address = ""
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
@@ -84,8 +83,7 @@ class Cluster:
         proc = subprocess.Popen([sys.executable, "-m", "minips", *args], env=self.env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()  # the child holds its own descriptor
-        self.children.append(proc)
-        self.names.append(name)
+        self.children[name] = proc
         return proc
 
     def start_server(self, init: Path) -> str:
@@ -137,16 +135,16 @@ class Cluster:
         """Give the other children ``timeout_s`` to exit on their own; return the names of
         those that exited with an error (their logs say why)."""
         deadline = time.monotonic() + timeout_s
-        for proc in self.children:
+        for proc in self.children.values():
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        return [n for n, p in zip(self.names, self.children, strict=True) if p.poll()]
+        return [name for name, proc in self.children.items() if proc.poll()]
 
     def stop(self) -> None:
         """SIGTERM every live child, SIGKILL what is left after ``grace_s``."""
-        live = [p for p in self.children if p.poll() is None]
+        live = [p for p in self.children.values() if p.poll() is None]
         for p in live:
             _signal(p, signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.grace_s

@@ -265,8 +265,15 @@ class GlobalServer:
         key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
         if key[1] >= 0 and key == h.last_exchange:
             self.log("merge_repeat", group=g, seq=key[1])
-            return ExchangeResult(self.weights.copy(), self.version, self.done, self.samples)
-        h.last_exchange = key
+        else:
+            h.last_exchange = key
+            self._add_delta(g, delta, stats)
+        return ExchangeResult(self.weights.copy(), self.version, self.done, self.samples)
+
+    def _add_delta(self, g: int, delta: np.ndarray, stats: dict[str, Any]) -> None:
+        """Merge one new exchange of group ``g``: weights, counters, its log line, the budget."""
+        assert self.weights is not None
+        h = self.groups[g]
         if self.run.merge == "mean" and len(self.groups) > 1:
             delta = delta * np.float32(1.0 / len(self.groups))  # (n,) float32, a new array
         self.weights += delta
@@ -278,7 +285,6 @@ class GlobalServer:
         self.log("merge", group=g, group_samples=stats.get("samples", 0),
                   **{k: v for k, v in stats.items() if k not in ("version", "samples")})
         self.check_budget()
-        return ExchangeResult(self.weights.copy(), self.version, self.done, self.samples)
 
     def check_budget(self) -> None:
         if self.run.epochs > 0 and self.samples >= self.run.epochs * self.train_size:

@@ -271,21 +271,6 @@ class FloorClient(asyncio.Protocol):
             self.waiter.set_result(msgpack.unpackb(data[p.PREFIX.size:p.PREFIX.size + meta_len]))
 
 
-async def floor_client(port: int, push: p.Push) -> Callable[[], Awaitable[None]]:
-    """One round trip: encode ``push`` the floor's way, write it, decode the ACK."""
-    loop = asyncio.get_running_loop()
-    transport, proto = await loop.create_connection(FloorClient, "127.0.0.1", port)
-    meta, buffers = push.meta(), push.buffers
-
-    async def round_trip() -> None:
-        proto.waiter = loop.create_future()
-        transport.write(floor_frame(p.Kind.PUSH, meta, buffers))
-        await proto.waiter
-
-    round_trip.close = transport.close  # type: ignore[attr-defined]
-    return round_trip
-
-
 class EchoClient(asyncio.Protocol):
     """Counts bytes back; ``waiter`` is set once ``nbytes`` have arrived."""
 
@@ -300,14 +285,16 @@ class EchoClient(asyncio.Protocol):
             self.waiter.set_result(None)
 
 
-async def bytes_client(port: int, send: bytes, back: int) -> Callable[[], Awaitable[None]]:
-    """One round trip: write ``send``, wait until ``back`` bytes came back."""
+async def request_client(port: int, make: Callable[[], Any],
+                         request: Callable[[], bytes]) -> Callable[[], Awaitable[None]]:
+    """One round trip: write ``request()``, wait until the protocol ``make()`` built (EchoClient,
+    FloorClient) sets its ``waiter`` for the reply."""
     loop = asyncio.get_running_loop()
-    transport, proto = await loop.create_connection(lambda: EchoClient(back), "127.0.0.1", port)
+    transport, proto = await loop.create_connection(make, "127.0.0.1", port)
 
     async def round_trip() -> None:
         proto.waiter = loop.create_future()
-        transport.write(send)
+        transport.write(request())
         await proto.waiter
 
     round_trip.close = transport.close  # type: ignore[attr-defined]
@@ -320,15 +307,20 @@ async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]
     push = sparse_push()
     frame = b"".join(p.encode(push))
     ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
+    meta = push.meta()  # the floor packs the same map
 
     async def minips_round() -> None:
         await ch.send(push)
         await ch.recv()
 
     rounds = {"minips": minips_round,
-              "echo": await bytes_client(ports["echo"], frame, len(frame)),
-              "hop": await bytes_client(ports["hop"], frame, len(ack)),
-              "floor": await floor_client(ports["floor"], push)}
+              "echo": await request_client(ports["echo"], lambda: EchoClient(len(frame)),
+                                           lambda: frame),
+              "hop": await request_client(ports["hop"], lambda: EchoClient(len(ack)),
+                                          lambda: frame),
+              "floor": await request_client(  # encodes the PUSH the floor's way every time
+                  ports["floor"], FloorClient,
+                  lambda: floor_frame(p.Kind.PUSH, meta, push.buffers))}
     times: dict[str, list[float]] = {name: [] for name in rounds}
     for _ in range(max(1, iters // 50)):
         for name, round_trip in rounds.items():

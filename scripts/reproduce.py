@@ -43,6 +43,7 @@ import numpy as np
 
 from minips.config import LaunchConfig, RunConfig
 from minips.errors import MiniPSError
+from minips.optim import SCHEDULES
 
 # The table module sits next to this file; a test loads this file by path, without scripts/ on
 # sys.path, so put it there before importing (running as a script has it already).
@@ -302,7 +303,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print table.json instead of table.md")
     p.add_argument("--epochs", type=float, help="override the samples budget, epochs")
     p.add_argument("--lr", type=float, help="override the learning rate (every experiment)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"),
+    p.add_argument("--lr-schedule", choices=SCHEDULES,
                    help="override the lr schedule (every experiment)")
     p.add_argument("--momentum", type=float, help="override the momentum (every experiment)")
     p.add_argument("--base-step", type=float, help="override the emulated base step, s")
