@@ -32,7 +32,7 @@ import contextlib
 import logging
 import operator
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -40,7 +40,7 @@ from minips import protocol as p
 from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
-    "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "SOCKET_BUFFER_BYTES",
+    "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "SOCKET_BUFFER_BYTES", "WRITE_BYTES",
     "MAX_QUEUED", "MAX_QUEUED_BYTES", "Options", "FrameProtocol", "Channel",
 ]
 
@@ -50,6 +50,9 @@ READ_TIMEOUT_S = 30.0  # seconds a peer may stall in the middle of a frame
 SEND_TIMEOUT_S = 120.0  # seconds a send may wait for a peer that does not read
 HANDSHAKE_TIMEOUT_S = 10.0  # seconds from accept to WELCOME
 SOCKET_BUFFER_BYTES = 4 << 20  # SO_SNDBUF / SO_RCVBUF: big frames need fewer wakeups
+# a big frame goes out in writes of about this much: the kernel takes the socket lock per call, and
+# between calls it handles the peer's ACKs; one write of all 47 MB ran 1.3-1.5x slower on loopback
+WRITE_BYTES = 1 << 20
 MAX_QUEUED = 64  # received messages waiting for recv() before we stop reading the socket
 MAX_QUEUED_BYTES = 256 << 20  # bytes of received buffers waiting for recv(), same purpose
 
@@ -86,6 +89,23 @@ def _tune(sock: socket.socket, buffer_bytes: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
     if sock.family in (socket.AF_INET, socket.AF_INET6):  # small frames leave at once
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def write_batches(frame: list[Any], size: int) -> Iterator[list[Any]]:
+    """The frame's byte buffers in order, cut and grouped into batches of about ``size`` bytes
+    (a batch ends at the first piece that reaches ``size``): one writelines each, no copies."""
+    batch: list[Any] = []
+    filled = 0
+    for part in frame:
+        for start in range(0, len(part), size):
+            piece = part[start:start + size] if len(part) > size else part
+            batch.append(piece)
+            filled += len(piece)
+            if filled >= size:
+                yield batch
+                batch, filled = [], 0
+    if batch:
+        yield batch
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
@@ -264,7 +284,8 @@ class Channel:
             self._transport.write(frame[0])
             self.bytes_sent += len(frame[0])
         else:
-            self._transport.writelines(frame)
+            for batch in write_batches(frame, WRITE_BYTES):
+                self._transport.writelines(batch)
             self.bytes_sent += sum(map(len, frame))
         if proto.drained is not None:
             try:

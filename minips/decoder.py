@@ -11,7 +11,8 @@ Invariants:
 - A frame of up to 64 KiB is decoded in one step once it is whole in the scratch buffer (the
   common case: ACKs, PULLs, sparse PUSHes); ``get_buffer`` always keeps room for the rest of it.
 - A bigger frame is read stage by stage (prefix, head, buffers) through the same checks; its
-  payload buffers of 64 KiB or more are received straight into the memory ``alloc`` returns.
+  payload buffers of 64 KiB or more are received straight into the memory ``alloc`` returns, 64 KiB
+  per read.
 - Decoded buffers are flat writable ``memoryview``s: into one private copy of a small body, or
   into ``alloc``'s memory.
 
@@ -30,6 +31,7 @@ from minips.frames import (
     CODEC_LZ4,
     DEFAULT_LIMITS,
     DIRECT_MIN_BYTES,
+    DIRECT_READ_BYTES,
     KINDS,
     PREFIX,
     SCRATCH_BYTES,
@@ -127,7 +129,7 @@ class FrameDecoder:
         if f is not None and f.dest is not None and self._lo == self._hi:
             if f.dest.nbytes - f.pos >= DIRECT_MIN_BYTES:
                 self._direct = True
-                return f.dest[f.pos:]
+                return f.dest[f.pos:f.pos + DIRECT_READ_BYTES]
         self._direct = False
         if self._lo == self._hi:
             self._lo = self._hi = 0

@@ -47,8 +47,8 @@ from minips.messages import (
 __all__ = [
     "MAGIC", "PREFIX", "TABLE_ENTRY", "TABLES", "KINDS", "CODEC_RAW", "CODEC_LZ4",
     "MAX_FRAME_BYTES", "MAX_META_BYTES", "MAX_RAW_BYTES", "LZ4_MIN_BYTES", "COALESCE_BYTES",
-    "SCRATCH_BYTES", "DIRECT_MIN_BYTES", "Limits", "DEFAULT_LIMITS", "encode", "check_prefix",
-    "check_table", "unpack_meta", "decompress",
+    "SCRATCH_BYTES", "DIRECT_MIN_BYTES", "DIRECT_READ_BYTES", "Limits", "DEFAULT_LIMITS", "encode",
+    "check_prefix", "check_table", "unpack_meta", "decompress",
 ]
 
 MAGIC = b"MNPS"
@@ -66,6 +66,9 @@ LZ4_MIN_BYTES = 4096  # smaller buffers are not worth compressing
 COALESCE_BYTES = 16 << 10  # smaller buffers are copied into the header write: fewer iovecs
 SCRATCH_BYTES = 256 << 10  # receive buffer for prefixes, maps and small frames
 DIRECT_MIN_BYTES = 64 << 10  # a payload this large is received straight into its destination
+# ... in reads of at most this much: small reads follow the sender closely, so the bytes are still
+# in the cache when copied out of the kernel (1.3-1.5x the throughput of one huge read on loopback)
+DIRECT_READ_BYTES = 64 << 10
 KINDS = {int(k): k for k in Kind}  # faster than calling Kind(byte)
 _ANY_VERSION = frozenset({Kind.HELLO, Kind.REFUSE, Kind.ERROR})  # layout frozen across versions
 

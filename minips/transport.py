@@ -49,6 +49,7 @@ from minips.channel import (
     READ_TIMEOUT_S,
     SEND_TIMEOUT_S,
     SOCKET_BUFFER_BYTES,
+    WRITE_BYTES,
     Channel,
     FrameProtocol,
     Options,
@@ -57,8 +58,8 @@ from minips.errors import AuthError, RemoteProtocolError
 
 __all__ = [
     "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "MAX_QUEUED", "MAX_QUEUED_BYTES",
-    "SOCKET_BUFFER_BYTES", "TOKEN_ENV", "install_uvloop", "Options", "Channel", "Server",
-    "connect", "serve",
+    "SOCKET_BUFFER_BYTES", "WRITE_BYTES", "TOKEN_ENV", "install_uvloop", "Options", "Channel",
+    "Server", "connect", "serve",
 ]
 
 log = logging.getLogger("minips.transport")

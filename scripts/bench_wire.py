@@ -6,7 +6,8 @@ dense transports take turns round by round and each figure comes from its median
 - dense_gbps: PUSH of a dense float32 vector of 11,689,512 elements (ResNet-18) to a server
   process, ACK, PULL, and the same vector back as WEIGHTS; bytes both ways / time (GB/s, 1e9).
 - gloo_gbps: the same tensor sent and received back with gloo send/recv, timed the same way.
-- raw_gbps: the same bytes both ways over a blocking socket pair (sendall / recv_into).
+- raw_gbps: the same bytes both ways over a blocking socket pair (sendall / recv_into), in
+  writes and reads of minips' sizes (transport.WRITE_BYTES, protocol.DIRECT_READ_BYTES).
 - ratio_vs_gloo, ratio_vs_raw: dense_gbps over the two above.
 - gloo_vs_raw: how close gloo comes to the bare socket (the ceiling of every transport here).
 - rtt_*, echo_rtt_*, hop_rtt_*, floor_rtt_*: see bench_rtt.py (a sparse PUSH and its ACK vs a
@@ -95,13 +96,18 @@ def raw_server(port_q: Any, nbytes: int, rounds: int) -> None:
     with conn:
         for _ in range(rounds):
             recv_exactly(conn, buf)
-            conn.sendall(buf)
+            send_all(conn, buf)
+
+
+def send_all(sock: socket.socket, buf: memoryview) -> None:
+    for start in range(0, len(buf), t.WRITE_BYTES):
+        sock.sendall(buf[start:start + t.WRITE_BYTES])
 
 
 def recv_exactly(sock: socket.socket, buf: memoryview) -> None:
     got = 0
     while got < len(buf):
-        n = sock.recv_into(buf[got:])
+        n = sock.recv_into(buf[got:got + p.DIRECT_READ_BYTES])
         if n == 0:
             raise ConnectionError("peer closed")
         got += n
@@ -119,7 +125,7 @@ class RawDense:
 
     def round(self) -> float:
         began = time.perf_counter()
-        self.sock.sendall(self.send)
+        send_all(self.sock, self.send)
         recv_exactly(self.sock, self.back)
         return time.perf_counter() - began
 

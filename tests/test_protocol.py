@@ -123,6 +123,26 @@ def test_custom_alloc_receives_into_preallocated_array() -> None:
     assert np.shares_memory(np.frombuffer(got[0].buffers[0], np.uint8), target)
 
 
+def test_a_big_payload_is_read_into_its_destination_a_few_kib_at_a_time() -> None:
+    weights = np.arange(1_000_000, dtype=np.float32)  # 4 MB
+    target = np.empty_like(weights)
+    dec = p.FrameDecoder(alloc=lambda kind, index, nbytes: target.data.cast("B"))
+    data = memoryview(frame(p.Weights(version=1, encoding="dense", buffers=(weights,))))
+    target_bytes = np.frombuffer(target, np.uint8)
+    direct, got = [], []
+    while data:  # a socket with everything waiting: each read fills the room it is given
+        room = dec.get_buffer()
+        n = min(len(room), len(data))
+        room[:n], data = data[:n], data[n:]
+        if np.shares_memory(np.frombuffer(room, np.uint8), target_bytes):
+            direct.append(n)
+        got += dec.buffer_updated(n)
+    assert isinstance(got[0], p.Weights) and np.array_equal(target, weights)
+    assert max(direct) == p.DIRECT_READ_BYTES
+    # the rest came through the scratch buffer: with the head, and a last piece under 64 KiB
+    assert sum(direct) >= weights.nbytes - p.SCRATCH_BYTES - p.DIRECT_MIN_BYTES
+
+
 def test_alloc_must_return_a_big_enough_writable_buffer() -> None:
     dec = p.FrameDecoder(alloc=lambda kind, i, n: b"x" * n)
     with pytest.raises(LocalProtocolError):

@@ -16,6 +16,7 @@ from conftest import run_on, until
 
 from minips import protocol as p
 from minips import transport as t
+from minips.channel import write_batches
 from minips.errors import AuthError, RemoteProtocolError
 
 TOKEN = "test-token"
@@ -353,6 +354,28 @@ def test_large_payload_lands_in_the_preallocated_array(loop: str) -> None:
             await ch.close(leave="done")
 
     run(loop, scenario())
+
+
+def test_a_big_frame_is_written_in_batches_of_about_the_write_size() -> None:
+    big = np.arange(700_000, dtype=np.float32)  # 2.8 MB: cut into three pieces
+    frame = p.encode(p.Push(clock=3, encoding="sparse", buffers=(
+        np.arange(30_000, dtype=np.int32), big, np.ones(5, np.float32))))
+    size = 1 << 20
+    batches = list(write_batches(frame, size))
+    sizes = [sum(map(len, batch)) for batch in batches]
+    pieces = [piece for batch in batches for piece in batch]
+    assert b"".join(map(bytes, pieces)) == b"".join(map(bytes, frame))  # every byte, in order
+    assert all(len(piece) <= size for piece in pieces)
+    assert all(s >= size for s in sizes[:-1]) and all(s < 2 * size for s in sizes)
+    assert len(batches) == 3
+    big_bytes = np.frombuffer(big, np.uint8)
+    assert sum(np.shares_memory(np.frombuffer(piece, np.uint8), big_bytes)
+               for piece in pieces) == 3  # the big buffer is sent from its own memory
+
+
+def test_a_frame_under_the_write_size_is_one_batch_as_it_was() -> None:
+    frame = p.encode(p.Weights(version=1, encoding="dense", buffers=(np.ones(50_000, np.float32),)))
+    assert list(write_batches(frame, 1 << 20)) == [frame]
 
 
 # ---------------------------------------------------------------------------------------------
