@@ -29,5 +29,5 @@ test: install data
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check minips tests scripts
+	$(BIN)/ruff check minips tests scripts examples
 	$(BIN)/mypy minips

@@ -1,0 +1,89 @@
+"""examples/plain_client.py, written from docs/protocol.md alone (no minips import), against a
+real `minips server` process: the handshake, PULL and WEIGHTS work byte for byte, and a wrong or
+missing secret is refused with the documented reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+CLIENT = Path(__file__).resolve().parents[1] / "examples" / "plain_client.py"
+TOKEN = "plain-secret"
+N = 61_706  # LeNet-5, the server's default model
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, np.ndarray]]:
+    """A `minips server` with known initial weights; (host, port, weights)."""
+    tmp = tmp_path_factory.mktemp("plain")
+    weights = np.random.default_rng(5).standard_normal(N).astype(np.float32)
+    np.save(tmp / "init.npy", weights)
+    ready = tmp / "server.addr"
+    env = {**os.environ, "MINIPS_TOKEN": TOKEN}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minips", "server", "--port", "0", "--workers", "1", "--quiet",
+         "--init", str(tmp / "init.npy"), "--run-dir", str(tmp / "run"),
+         "--ready-file", str(ready)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (ready.exists() and ready.read_text().strip()):
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "server did not get ready"
+            time.sleep(0.05)  # polling a file with a deadline
+        host, port = ready.read_text().split()
+        yield host, port, weights
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+def run_client(server: tuple[str, str, np.ndarray], token: str | None,
+               *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "MINIPS_TOKEN"}
+    if token is not None:
+        env["MINIPS_TOKEN"] = token
+    return subprocess.run([sys.executable, str(CLIENT), server[0], server[1], *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_client_imports_nothing_of_minips() -> None:
+    source = CLIENT.read_text()
+    assert "minips." not in source.replace("minips server", "") and "import minips" not in source
+
+
+def test_pulls_the_servers_weights_byte_for_byte(server: tuple[str, str, np.ndarray],
+                                                 tmp_path: Path) -> None:
+    out = tmp_path / "weights.f32"
+    done = run_client(server, TOKEN, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["encoding"] == "dense-f32" and summary["params"] == N
+    assert summary["done"] is False
+    assert out.read_bytes() == server[2].astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize(("token", "reason"), [("not-the-secret", "wrong token"),
+                                               (None, "missing token")])
+def test_a_wrong_or_missing_secret_is_refused_with_its_reason(
+        server: tuple[str, str, np.ndarray], token: str | None, reason: str) -> None:
+    done = run_client(server, token)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "refused: auth" in done.stderr and reason in done.stderr
+
+
+def test_no_server_is_a_clear_error_not_a_traceback() -> None:
+    with socket.socket() as s:  # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        done = run_client(("127.0.0.1", str(s.getsockname()[1]), np.zeros(0)), TOKEN)
+    assert done.returncode == 3 and "cannot talk to 127.0.0.1" in done.stderr
+    assert "Traceback" not in done.stderr
