@@ -1,9 +1,10 @@
 """The global server's sessions with workers (control channel) and evaluators.
 
 A worker's control session carries STATS (calibration at clock 0, then its measured speed every
-second), an optional PUSH of its initial weights (when the server has none yet: WELCOME said
-``need_init``) and LEAVE; the server answers with ASSIGN when the worker's group or ratio is set or
-changes. An evaluator PULLs the global weights every few seconds until the run is over.
+second), an optional PUSH of its initial weights (when the server had none yet: WELCOME said
+``need_init``; the first one to arrive is taken) and LEAVE; the server answers with ASSIGN when
+the worker's group or ratio is set or changes. An evaluator PULLs the global weights every few
+seconds until the run is over.
 
 Invariants: a worker has at most one control channel (a restarted worker's new connection
 replaces the stale one); the clocks of one session's STATS never go backwards; the initial
@@ -49,13 +50,23 @@ def _on_message(srv: GlobalServer, entry: WorkerEntry, msg: Any) -> None:
     if isinstance(msg, protocol.Stats):
         validation.check_stats(msg)
         srv.on_stats(entry, msg)
-    elif isinstance(msg, protocol.Push) and srv.weights is None:
-        srv.weights = initial_weights(msg)
-        srv.weights_ready.set()
+    elif isinstance(msg, protocol.Push):
+        _on_initial(srv, initial_weights(msg))
     elif isinstance(msg, protocol.Leave):
         entry.left = True
     else:
         raise validation.unexpected(msg, "worker on the control channel")
+
+
+def _on_initial(srv: GlobalServer, weights: np.ndarray) -> None:
+    """The first initial weights are taken. Every worker that joined before they arrived was told
+    ``need_init``, so more may follow: those are dropped if their size is the run's."""
+    if srv.weights is None:
+        srv.weights = weights
+        srv.weights_ready.set()
+    elif weights.size != srv.weights.size:
+        raise RemoteProtocolError("initial weights of another model size",
+                                  expected=srv.weights.size, got=weights.size)
 
 
 def initial_weights(msg: Any) -> np.ndarray:

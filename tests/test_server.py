@@ -132,6 +132,50 @@ async def test_initial_weights_from_first_worker_and_evaluator_view(tmp_path: Pa
         await srv.close()
 
 
+async def test_two_workers_both_told_need_init_both_push_and_both_stay(tmp_path: Path) -> None:
+    """Workers that join before any initial weights arrived are all told need_init; the first
+    PUSH sets the weights and the later ones are dropped, not refused (their workers go on)."""
+    srv = make_server(tmp_path, None, workers=2, mode="bsp", max_steps=1)
+    port = await srv.start()
+    ctls = [await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
+            for _ in range(2)]
+    try:
+        assert all(c.welcome_info["need_init"] is True for c in ctls)
+        inits = [np.arange(5, dtype=np.float32) + 10 * i for i in range(2)]
+        for ctl, init in zip(ctls, inits, strict=True):
+            encoding, codec, buffers = sparse.encode_gradient(init)
+            await ctl.send(protocol.Push(clock=0, encoding=encoding, codec={**codec, "size": 5},
+                                         buffers=tuple(buffers)))
+        for i, ctl in enumerate(ctls):  # both control channels still carry STATS -> ASSIGN
+            await ctl.send(protocol.Stats(clock=0, step_time=0.01 * (i + 1), loss=1.0,
+                                          samples=1))
+        for ctl in ctls:
+            assert isinstance(await asyncio.wait_for(ctl.recv(), 10), protocol.Assign)
+        assert srv.weights is not None and srv.weights.tolist() == inits[0].tolist()
+        assert not srv.rejected
+    finally:
+        for ctl in ctls:
+            await ctl.close()
+        await srv.close()
+
+
+async def test_initial_weights_of_another_size_are_refused(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(5, np.float32), workers=1, mode="bsp", max_steps=1)
+    port = await srv.start()
+    ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
+    try:
+        encoding, codec, buffers = sparse.encode_gradient(np.ones(6, np.float32))
+        await ctl.send(protocol.Push(clock=0, encoding=encoding, codec={**codec, "size": 6},
+                                     buffers=tuple(buffers)))
+        msg = await asyncio.wait_for(ctl.recv(), 10)
+        assert isinstance(msg, protocol.Error) and msg.code == "invalid"
+        assert "another model size" in msg.reason
+        assert srv.weights is not None and srv.weights.tolist() == [0.0] * 5
+    finally:
+        await ctl.close()
+        await srv.close()
+
+
 async def test_drifting_speed_moves_a_worker_to_another_group(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     srv = make_server(tmp_path, np.zeros(4, np.float32), workers=4, mode="gssp", groups=2)
