@@ -2,13 +2,18 @@
 (lz4 only if the server compresses), no minips import. It is what a student porting minips to
 another language writes first, and the test suite runs it against a real `minips server`.
 
-It opens a session as an evaluator (HELLO, CHALLENGE, AUTH, WELCOME: section 5), PULLs the global
-weights once (section 3), checks the frame and the table (section 1), writes the weights' raw
-little-endian float32 bytes to --out, prints one JSON line and says LEAVE.
+As an evaluator (the default) it opens a session (HELLO, CHALLENGE, AUTH, WELCOME: section 5),
+PULLs the global weights once (section 3), checks the frame and the table (section 1), writes the
+weights' raw little-endian float32 bytes to --out, prints one JSON line and says LEAVE.
+
+With --worker it follows a worker's sessions (section 9): STATS on the global server's control
+channel until ASSIGN, then on its group server one step: PULL, a PUSH of a made-up sparse-v1
+gradient of --k coordinates, ACK, and a second PULL to see which weights moved.
 
 Usage: MINIPS_TOKEN=secret python examples/plain_client.py HOST PORT [--out weights.f32]
-Exit status: 0 with the weights; 1 refused or an ERROR from the server (reason printed);
-2 the server broke the protocol; 3 the connection failed.
+       MINIPS_TOKEN=secret python examples/plain_client.py HOST PORT --worker [--k 50]
+Exit status: 0 done; 1 refused or an ERROR from the server (reason printed); 2 the server broke
+the protocol; 3 the connection failed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import secrets
 import socket
 import struct
 import sys
+from array import array
 from typing import Any
 
 import msgpack
@@ -29,8 +35,8 @@ import msgpack
 PREFIX = struct.Struct("<4sBBBBII")  # magic, version, kind, nbuf, flags, meta_len, body_len
 TABLE_ENTRY = struct.Struct("<B3xII")  # codec, padding, wire_len, raw_len
 MAGIC, VERSION = b"MNPS", 1
-HELLO, CHALLENGE, AUTH, WELCOME, REFUSE = 1, 2, 3, 4, 5
-PULL, WEIGHTS, LEAVE, ERROR = 10, 11, 13, 14
+HELLO, CHALLENGE, AUTH, WELCOME, REFUSE, ASSIGN, STATS = 1, 2, 3, 4, 5, 6, 7
+PUSH, ACK, PULL, WEIGHTS, HEARTBEAT, LEAVE, ERROR = 8, 9, 10, 11, 12, 13, 14
 MAX_FRAME = 512 << 20  # section 6: the default limits
 MAX_META = 1 << 20
 MAX_BUFFERS = 16
@@ -44,9 +50,14 @@ class Refused(Exception):
     """REFUSE or ERROR from the server."""
 
 
-def send(sock: socket.socket, kind: int, meta: dict[str, Any]) -> None:
+def send(sock: socket.socket, kind: int, meta: dict[str, Any],
+         buffers: tuple[bytes, ...] = ()) -> None:
+    """One frame: prefix, a raw table entry per buffer, the map, the buffers (section 1)."""
     packed = msgpack.packb(meta)
-    sock.sendall(PREFIX.pack(MAGIC, VERSION, kind, 0, 0, len(packed), 0) + packed)
+    table = b"".join(TABLE_ENTRY.pack(0, len(b), len(b)) for b in buffers)
+    body = b"".join(buffers)
+    sock.sendall(PREFIX.pack(MAGIC, VERSION, kind, len(buffers), 0, len(packed), len(body))
+                 + table + packed + body)
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytearray:
@@ -104,17 +115,30 @@ def expect(got: tuple[int, dict[str, Any], list[bytes]], kind: int) -> dict[str,
     return got[1]
 
 
+def next_message(sock: socket.socket, kind: int) -> tuple[dict[str, Any], list[bytes]]:
+    """The next message of ``kind``, HEARTBEATs skipped; LEAVE or another kind is an error."""
+    while True:
+        got, meta, buffers = recv_frame(sock)
+        if got == kind:
+            return meta, buffers
+        if got == LEAVE:
+            raise Refused(f"the server left: {meta.get('reason')}")
+        if got != HEARTBEAT:
+            raise Broken(f"expected message kind {kind}, got {got}")
+
+
 def transcript(label: bytes, role: str, worker_id: int, nonce_c: bytes, nonce_s: bytes) -> bytes:
     """Section 5: what both MACs are computed over."""
     return (label + bytes([VERSION, len(role)]) + role.encode("ascii")
             + struct.pack("<q", worker_id) + nonce_c + nonce_s)
 
 
-def handshake(sock: socket.socket, key: bytes, role: str = "evaluator") -> dict[str, Any]:
-    """HELLO -> CHALLENGE -> AUTH -> WELCOME; returns WELCOME's info (the run configuration)."""
-    nonce_c, worker_id = secrets.token_bytes(32), -1
+def handshake(sock: socket.socket, key: bytes, role: str = "evaluator", worker_id: int = -1,
+              group: int = -1) -> dict[str, Any]:
+    """HELLO -> CHALLENGE -> AUTH -> WELCOME; returns WELCOME's map (worker_id, mac, info)."""
+    nonce_c = secrets.token_bytes(32)
     send(sock, HELLO, {"role": role, "worker_id": worker_id, "nonce": nonce_c,
-                       "capabilities": [], "address": "", "group": -1})
+                       "capabilities": [], "address": "", "group": group})
     nonce_s = expect(recv_frame(sock), CHALLENGE)["nonce"]
     mac_c = hmac.new(key, transcript(b"minips-client-v1\0", role, worker_id, nonce_c, nonce_s),
                      hashlib.sha256).digest() if key else b""
@@ -125,7 +149,7 @@ def handshake(sock: socket.socket, key: bytes, role: str = "evaluator") -> dict[
                                         nonce_s), hashlib.sha256).digest()
         if not hmac.compare_digest(want, welcome["mac"]):
             raise Refused("auth: the server does not know the secret")
-    return dict(welcome["info"])
+    return welcome
 
 
 def pull_weights(host: str, port: int, key: bytes) -> tuple[dict[str, Any], bytes]:
@@ -140,14 +164,61 @@ def pull_weights(host: str, port: int, key: bytes) -> tuple[dict[str, Any], byte
     return meta, buffers[0]
 
 
+def pull(sock: socket.socket, clock: int) -> array:
+    """PULL at ``clock``; the dense weights of the WEIGHTS that answers it."""
+    send(sock, PULL, {"clock": clock, "since": -1})
+    meta, buffers = next_message(sock, WEIGHTS)
+    if meta["encoding"] != "dense-f32" or len(buffers) != 1:
+        raise Broken(f"expected dense-f32 WEIGHTS, got {meta['encoding']}")
+    return array("f", buffers[0])  # little-endian hosts: x86-64 and aarch64
+
+
+def worker_step(host: str, port: int, key: bytes, k: int) -> dict[str, Any]:
+    """A worker's sessions (section 9), one step with a made-up sparse gradient."""
+    with socket.create_connection((host, port), timeout=60) as ctl:
+        worker_id = handshake(ctl, key, "worker")["worker_id"]
+        send(ctl, STATS, {"clock": 0, "step_time": 0.05, "loss": 2.3, "samples": 32})
+        assign, _ = next_message(ctl, ASSIGN)
+        group_host, group_port = assign["address"].rsplit(":", 1)
+        with socket.create_connection((group_host, int(group_port)), timeout=60) as grp:
+            handshake(grp, key, "worker", worker_id, assign["group"])
+            clock = next_message(grp, ACK)[0]["clock"]  # where this worker starts
+            before = pull(grp, clock)
+            rng = secrets.SystemRandom()
+            index = sorted(rng.sample(range(len(before)), k))
+            value = [rng.choice((-1.0, 1.0)) for _ in index]
+            send(grp, PUSH, {"clock": clock + 1, "step_time": 0.05, "loss": 2.3, "samples": 32,
+                             "encoding": "sparse-v1",
+                             "codec": {"k": k, "index": "u32", "value": "f32"}},
+                 (array("I", index).tobytes(), array("f", value).tobytes()))
+            ack, _ = next_message(grp, ACK)
+            after = pull(grp, clock + 1)
+            send(grp, LEAVE, {"reason": "done"})
+        send(ctl, LEAVE, {"reason": "done"})
+    if len(after) != len(before):
+        raise Broken(f"the weights changed size: {len(before)} -> {len(after)}")
+    moved = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+    pushed = dict(zip(index, value, strict=True))
+    return {"worker_id": worker_id, "group": assign["group"], "clock": ack["clock"],
+            "version": ack["version"], "k": k, "moved": len(moved),
+            "moved_only_where_pushed": set(moved) <= set(pushed),
+            "moved_against_the_gradient": all((after[i] - before[i]) * pushed[i] < 0
+                                              for i in moved)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("host")
     ap.add_argument("port", type=int)
     ap.add_argument("--out", help="write the weights' float32 bytes here")
+    ap.add_argument("--worker", action="store_true", help="one worker step instead of a PULL")
+    ap.add_argument("--k", type=int, default=50, help="coordinates of the made-up gradient")
     args = ap.parse_args()
     key = os.environ.get("MINIPS_TOKEN", "").encode()
     try:
+        if args.worker:
+            print(json.dumps(worker_step(args.host, args.port, key, args.k)))
+            return 0
         meta, weights = pull_weights(args.host, args.port, key)
     except Refused as e:
         print(f"refused: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ import http.server
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from functools import partial
 from pathlib import Path
@@ -56,6 +57,20 @@ def http_dir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def wait_ready_file(ready: Path, proc: subprocess.Popen[Any],
+                    timeout: float = 30.0) -> tuple[str, str]:
+    """(host, port) a server process wrote to ``ready`` (its --ready-file); fails, with its
+    stderr when piped, if it exits first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not (ready.exists() and ready.read_text().strip()):
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}: {proc.communicate()[1]}")
+        assert time.monotonic() < deadline, "server did not get ready"
+        time.sleep(0.05)  # polling a file with a deadline
+    host, port = ready.read_text().split()
+    return host, port
 
 
 async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:

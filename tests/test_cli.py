@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_ready_file
 
 from minips.cli import build_parser, main, run_config_from_args
 from minips.config import PRESETS, RunConfig, parse_address, parse_slowdowns
@@ -76,10 +77,7 @@ def test_server_prints_how_to_join_and_refuses_a_wrong_secret(tmp_path: Path) ->
                                "--ready-file", str(ready)],
                               env=env, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        port = ready.read_text().split()[1]
+        port = wait_ready_file(ready, server)[1]
         assert server.stdout is not None
         assert f"minips worker --connect 127.0.0.1:{port}" in server.stdout.readline() + \
             server.stdout.readline()

@@ -7,8 +7,9 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
+
+from conftest import wait_ready_file
 
 BLOCK_TORCH = textwrap.dedent("""
     import importlib.abc, sys
@@ -60,12 +61,7 @@ def test_minips_server_command_starts_without_torch(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not (ready.exists() and ready.read_text().strip()):
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "server did not get ready"
-            time.sleep(0.05)  # polling a file with a deadline
-        host, port = ready.read_text().split()
+        host, port = wait_ready_file(ready, proc)
         socket.create_connection((host, int(port)), timeout=5).close()
         assert proc.poll() is None
     finally:

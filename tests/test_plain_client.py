@@ -9,42 +9,46 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import wait_ready_file
 
 CLIENT = Path(__file__).resolve().parents[1] / "examples" / "plain_client.py"
 TOKEN = "plain-secret"
 N = 61_706  # LeNet-5, the server's default model
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, np.ndarray]]:
-    """A `minips server` with known initial weights; (host, port, weights)."""
-    tmp = tmp_path_factory.mktemp("plain")
+def start_server(tmp: Path) -> Iterator[tuple[str, str, np.ndarray]]:
+    """A `minips server` (1 worker, no weight decay) with known initial weights; (host, port,
+    weights) once it listens."""
     weights = np.random.default_rng(5).standard_normal(N).astype(np.float32)
     np.save(tmp / "init.npy", weights)
     ready = tmp / "server.addr"
     env = {**os.environ, "MINIPS_TOKEN": TOKEN}
     proc = subprocess.Popen(
         [sys.executable, "-m", "minips", "server", "--port", "0", "--workers", "1", "--quiet",
-         "--init", str(tmp / "init.npy"), "--run-dir", str(tmp / "run"),
+         "--weight-decay", "0", "--init", str(tmp / "init.npy"), "--run-dir", str(tmp / "run"),
          "--ready-file", str(ready)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while not (ready.exists() and ready.read_text().strip()):
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "server did not get ready"
-            time.sleep(0.05)  # polling a file with a deadline
-        host, port = ready.read_text().split()
+        host, port = wait_ready_file(ready, proc)
         yield host, port, weights
     finally:
         proc.terminate()
         proc.communicate(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, np.ndarray]]:
+    yield from start_server(tmp_path_factory.mktemp("plain"))
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[tuple[str, str, np.ndarray]]:
+    yield from start_server(tmp_path)
 
 
 def run_client(server: tuple[str, str, np.ndarray], token: str | None,
@@ -87,3 +91,15 @@ def test_no_server_is_a_clear_error_not_a_traceback() -> None:
         done = run_client(("127.0.0.1", str(s.getsockname()[1]), np.zeros(0)), TOKEN)
     assert done.returncode == 3 and "cannot talk to 127.0.0.1" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_worker_step_moves_exactly_the_pushed_weights_against_the_gradient(
+        fresh_server: tuple[str, str, np.ndarray]) -> None:
+    """Section 9's worker sessions: STATS until ASSIGN, then on the group server ACK (start
+    clock), PULL, PUSH of a sparse-v1 gradient, ACK, PULL."""
+    done = run_client(fresh_server, TOKEN, "--worker", "--k", "40")
+    assert done.returncode == 0, done.stderr
+    step = json.loads(done.stdout)
+    assert step["group"] == 0 and step["clock"] == 1 and step["version"] == 1
+    assert step["moved"] == 40  # momentum SGD's first step moves every pushed coordinate
+    assert step["moved_only_where_pushed"] and step["moved_against_the_gradient"]
