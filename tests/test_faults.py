@@ -71,10 +71,12 @@ class Procs:
         self.all.append(proc)
         return proc
 
-    def server(self, *run_flags: str, port: int = 0, resume: bool = False) -> tuple[Any, str]:
+    def server(self, *run_flags: str, port: int = 0, resume: bool = False,
+               init: bool = True) -> tuple[Any, str]:
         ready = self.run_dir / "server.addr"
         ready.unlink(missing_ok=True)
-        extra = ["--resume"] if resume else ["--init", str(self.run_dir / "init.npy")]
+        extra = (["--resume"] if resume else ["--init", str(self.run_dir / "init.npy")] if init
+                 else [])
         proc = self.start("server", "server", "--port", str(port), "--run-dir",
                           str(self.run_dir), "--ready-file", str(ready), "--quiet",
                           "--checkpoint-every", "1", *extra, *run_flags)
@@ -119,6 +121,22 @@ def samples_now(run_dir: Path) -> int:
 # 1.5-epoch run once landed below the target in a full-suite run (72.8%).
 RUN = ("--mode", "ssp", "--staleness", "3", "--lr", "0.02", "--compressor", "none",
        "--base-step", "0.02", "--calib-timeout", "30")
+
+
+@pytest.mark.timeout(180)
+def test_workers_started_together_without_init_all_train_to_the_end(procs: Procs) -> None:
+    """The README's several-machines path: no --init, so every worker that joins before the
+    first initial weights arrive is told need_init and pushes its own; all of them train until
+    the budget is spent and exit 0."""
+    d = procs.run_dir
+    server, address = procs.server(*RUN, "--workers", "3", "--epochs", "0.3", init=False)
+    workers = [procs.worker(address, i) for i in range(3)]
+    for i, w in enumerate(workers):
+        assert w.wait(timeout=150) == 0, (d / "logs" / f"worker-{i}.log").read_text()[-2000:]
+        assert len(steps(d / f"worker-{i}.jsonl")) > 0 and not records(
+            d / f"worker-{i}.jsonl", event="stopped")
+    assert server.wait(timeout=60) == 0
+    assert samples_now(d) >= 0.3 * 60_000
 
 
 @pytest.mark.timeout(240)
