@@ -30,6 +30,8 @@ __all__ = [
     "WorkerConfig",
     "LaunchConfig",
     "parse_address",
+    "format_address",
+    "reachable",
     "parse_slowdowns",
     "TRAIN_SIZES",
     "dataset_train_size",
@@ -136,8 +138,9 @@ class ServerConfig:
     run_dir: str = "runs/server"  # where metrics, config.json and final weights go
     init_path: str | None = None  # .npy initial flat weights; None = take them from a worker
     external_groups: int = 0  # group servers expected as separate processes; 0 = in-process
-    group_host: str = "127.0.0.1"  # listen address of in-process group servers
-    advertise_host: str | None = None  # address told to workers; None = group_host
+    # host told to workers for in-process group servers (they listen on ``host``); None: ``host``,
+    # or, when that is a wildcard, the address each worker reached this server at
+    advertise_host: str | None = None
     calib_timeout_s: float = 60.0  # group the workers that reported after this long
     ready_file: str | None = None  # write "host port" here once listening (launcher)
     linger_s: float = 15.0  # after the budget, wait this long for the final evaluator pull
@@ -155,7 +158,9 @@ class GroupConfig:
     server_port: int = 7070  # global server port
     host: str = "127.0.0.1"  # listen address for this group's workers
     port: int = 7071  # listen port; 0 = any free port
-    advertise_host: str | None = None  # address told to workers; None = host (or 127.0.0.1)
+    # host told to workers; None: ``host``, or, when that is a wildcard, the address the global
+    # server sees this process connect from
+    advertise_host: str | None = None
     token: str = ""  # shared secret (MINIPS_TOKEN)
     tls_cert: str | None = None  # PEM certificate to serve workers with
     tls_key: str | None = None  # key for tls_cert
@@ -222,15 +227,33 @@ class LaunchConfig:
         return given + [1.0] * (self.run.workers - len(given))
 
 
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: an address to listen on only
+
+
 def parse_address(text: str, default_port: int = 7070) -> tuple[str, int]:
-    """'host:port', 'host' or ':port' → (host, port); raises ConfigError when malformed."""
+    """'host:port', 'host', ':port' or '[v6]:port' → (host, port); raises ConfigError when
+    malformed."""
     host, sep, port = text.rpartition(":")
-    if not sep:
+    if not sep or (text.startswith("[") and not host.endswith("]")):  # 'host' or '[v6]'
         host, port = text, str(default_port)
     try:
-        return host or "127.0.0.1", int(port)
+        return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
     except ValueError:
         raise ConfigError(f"bad address {text!r}, expected HOST:PORT") from None
+
+
+def format_address(host: str, port: int) -> str:
+    """'host:port', with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def reachable(address: str, seen_host: str) -> str:
+    """``address`` ('host:port') with a wildcard host replaced by ``seen_host``: the host of a
+    real connection, which the other side can dial."""
+    host, port = parse_address(address)
+    if address.startswith(":") or host in WILDCARD_HOSTS:
+        return format_address(seen_host, port)
+    return address
 
 
 def parse_slowdowns(text: str) -> list[float]:

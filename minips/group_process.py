@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from minips import protocol, sparse, transport
-from minips.config import GroupConfig, RunConfig, check_bind, client_ssl, server_ssl
+from minips.config import (
+    GroupConfig,
+    RunConfig,
+    check_bind,
+    client_ssl,
+    format_address,
+    server_ssl,
+)
 from minips.errors import RemoteProtocolError
 from minips.exchange import ExchangeResult
 from minips.group import GroupServer
@@ -121,7 +128,7 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
     check_bind(cfg.host, cfg.token, cfg.insecure)
     gs = GroupServer(-1, RunConfig(), None, None)
     port = await gs.serve(cfg.host, cfg.port, cfg.token, server_ssl(cfg.tls_cert, cfg.tls_key))
-    address = f"{cfg.advertise_host or _public(cfg.host)}:{port}"
+    address = format_address(cfg.advertise_host or cfg.host, port)  # a wildcard: see _address
     if announce:
         print(f"minips group listening on {address}, registering with "
               f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
@@ -138,10 +145,6 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
         await gs.close()
         await link.ch.close(leave="done")
     return gs
-
-
-def _public(host: str) -> str:
-    return "127.0.0.1" if host in ("", "0.0.0.0") else host
 
 
 def run_group_process(cfg: GroupConfig) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from minips import protocol, sparse, validation
+from minips.config import reachable
 from minips.errors import ConfigError
 from minips.roster import GroupHandle
 
@@ -38,9 +39,15 @@ async def external_group(srv: GlobalServer, g: int, members: list[int]) -> Group
             raise ConfigError(f"no external group server connected for group {g}")
         await asyncio.sleep(PENDING_POLL_S)
     ch = srv.pending_groups.pop(0)
-    handle = GroupHandle(g, ch.peer_hello.address, members, srv.run.ratio, ch=ch)
+    handle = GroupHandle(g, _address(ch), members, srv.run.ratio, ch=ch)
     await ch.send(srv.assign_msg(handle))
     return handle
+
+
+def _address(ch: Any) -> str:
+    """Where workers reach a group process: the address in its HELLO, a wildcard host replaced
+    by the host this server sees it connect from."""
+    return reachable(ch.peer_hello.address, ch.peername[0])
 
 
 async def group_session(srv: GlobalServer, ch: Any) -> None:
@@ -68,7 +75,7 @@ async def _adopt(srv: GlobalServer, ch: Any) -> GroupHandle | None:
         await ch.send_error("refused", "every group already has a group server")
         return None
     handle = orphans[0]
-    handle.ch, handle.address = ch, ch.peer_hello.address
+    handle.ch, handle.address = ch, _address(ch)
     await ch.send(srv.assign_msg(handle))
     srv.log("group_adopted", group=handle.id, address=handle.address)
     for w in handle.members:

@@ -46,7 +46,14 @@ from minips import (
     transport,
     validation,
 )
-from minips.config import ServerConfig, check_bind, dataset_train_size, server_ssl
+from minips.config import (
+    ServerConfig,
+    check_bind,
+    dataset_train_size,
+    format_address,
+    reachable,
+    server_ssl,
+)
 from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import ExchangeResult
 from minips.group import GroupServer
@@ -99,8 +106,7 @@ class GlobalServer:
     async def start(self) -> int:
         """Listen, start the grouping deadline (or reopen the checkpoint's groups); return the
         bound port. Refuses a non-loopback address without a secret unless ``insecure``."""
-        for host in (self.cfg.host, self.cfg.group_host):
-            check_bind(host, self.cfg.token, self.cfg.insecure)
+        check_bind(self.cfg.host, self.cfg.token, self.cfg.insecure)  # group servers' host too
         ssl = server_ssl(self.cfg.tls_cert, self.cfg.tls_key)
         self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
                                             accept=self._accept, handler=self._handle, ssl=ssl)
@@ -200,7 +206,8 @@ class GlobalServer:
         self.roster.set_ratios()
         self.started_training = time.time()
         self.log("groups", assignment={str(w): g for w, g in assignment.items()},
-                  ratios={str(g): h.ratio for g, h in self.groups.items()})
+                  ratios={str(g): h.ratio for g, h in self.groups.items()},
+                  addresses={str(g): h.address for g, h in self.groups.items()})
         self.groups_opened.set()
         for w, g in assignment.items():
             await self.assign(self.workers[w], g)
@@ -219,10 +226,10 @@ class GlobalServer:
         writer = self.rundir.writer(f"group-{g}")
         gs = GroupServer(g, self.run, self.weights, InProcLink(self), members=members,
                          writer=writer)
-        port = await gs.serve(self.cfg.group_host, 0, self.cfg.token,
+        port = await gs.serve(self.cfg.host, 0, self.cfg.token,
                               server_ssl(self.cfg.tls_cert, self.cfg.tls_key))
-        host = self.cfg.advertise_host or self.cfg.group_host
-        return GroupHandle(g, f"{host}:{port}", members, self.run.ratio, server=gs)
+        host = self.cfg.advertise_host or self.cfg.host  # a wildcard is resolved per worker
+        return GroupHandle(g, format_address(host, port), members, self.run.ratio, server=gs)
 
     async def _regroup(self, assignment: dict[int, int]) -> None:
         """Speeds drifted (``grouping.Regrouper`` said so): move workers, open new groups."""
@@ -237,15 +244,19 @@ class GlobalServer:
         for w, g in moved.items():
             await self.assign(self.workers[w], g)
 
-    def assign_msg(self, h: GroupHandle) -> Any:
-        return protocol.Assign(group=h.id, address=h.address, ratio=h.ratio,
+    def assign_msg(self, h: GroupHandle, address: str | None = None) -> Any:
+        return protocol.Assign(group=h.id, address=address or h.address, ratio=h.ratio,
                                staleness=_staleness(self.run))
 
     async def assign(self, entry: WorkerEntry, g: int) -> None:
+        """Tell the worker its group; a wildcard host in the group's address becomes the address
+        the worker reached this server at (the group servers listen where this one does)."""
         entry.group = g
-        if entry.ch is not None and self.groups[g].address:  # "": its group server is away
+        h = self.groups[g]
+        if entry.ch is not None and h.address:  # "": its group server is away
+            address = reachable(h.address, entry.ch.sockname[0])
             with contextlib.suppress(ConnectionError):
-                await entry.ch.send(self.assign_msg(self.groups[g]))
+                await entry.ch.send(self.assign_msg(h, address))
 
     def _update_ratios(self) -> None:
         """Send a new ASSIGN to every grouped worker when a GDTopK ratio changed."""

@@ -14,7 +14,14 @@ import pytest
 from conftest import wait_ready_file
 
 from minips.cli import build_parser, main, run_config_from_args
-from minips.config import PRESETS, RunConfig, parse_address, parse_slowdowns
+from minips.config import (
+    PRESETS,
+    RunConfig,
+    format_address,
+    parse_address,
+    parse_slowdowns,
+    reachable,
+)
 from minips.errors import ConfigError
 
 
@@ -39,6 +46,11 @@ def test_slowdowns_and_addresses() -> None:
     assert parse_slowdowns("1,1,2x2,4") == [1.0, 1.0, 2.0, 2.0, 4.0]
     assert parse_address("example.org:7000") == ("example.org", 7000)
     assert parse_address(":81") == ("127.0.0.1", 81)
+    assert parse_address("[::1]:82") == ("::1", 82) and parse_address("[::1]") == ("::1", 7070)
+    assert format_address("::1", 82) == "[::1]:82" and format_address("h", 1) == "h:1"
+    assert reachable("0.0.0.0:7071", "10.0.0.5") == "10.0.0.5:7071"
+    assert reachable("[::]:7071", "fe80::1") == "[fe80::1]:7071"
+    assert reachable("gpu-3:7071", "10.0.0.5") == "gpu-3:7071"  # a real name stays
     with pytest.raises(ConfigError):
         parse_slowdowns("1,zero")
     with pytest.raises(ConfigError):

@@ -26,9 +26,11 @@ from minips.server import GlobalServer, GroupHandle, InProcLink
 TOKEN = "server-test"
 
 
-def make_server(tmp_path: Path, init: np.ndarray | None = None, **run: Any) -> GlobalServer:
-    cfg = ServerConfig(run=RunConfig(lr_warmup=0.0, **run), host="127.0.0.1", port=0, token=TOKEN,
-                       run_dir=str(tmp_path), calib_timeout_s=10.0, linger_s=1.0)
+def make_server(tmp_path: Path, init: np.ndarray | None = None, host: str = "127.0.0.1",
+                external_groups: int = 0, **run: Any) -> GlobalServer:
+    cfg = ServerConfig(run=RunConfig(lr_warmup=0.0, **run), host=host, port=0, token=TOKEN,
+                       run_dir=str(tmp_path), calib_timeout_s=10.0, linger_s=1.0,
+                       external_groups=external_groups)
     return GlobalServer(cfg, init)
 
 
@@ -81,6 +83,51 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         await srv.close()
     events = [r["event"] for r in read_jsonl(tmp_path / "global.jsonl")]
     assert "groups" in events
+
+
+async def test_on_every_interface_a_worker_is_sent_to_its_group_where_it_reached_us(
+        tmp_path: Path) -> None:
+    """A server on 0.0.0.0 (several machines): its group servers listen there too, and a worker
+    that dialled 127.0.0.2 is told its group server at 127.0.0.2, not at a loopback address
+    that only works on the server's own machine."""
+    srv = make_server(tmp_path, np.zeros(4, np.float32), host="0.0.0.0", workers=1, mode="ssp")
+    port = await srv.start()
+    ctl = await transport.connect("127.0.0.2", port, role="worker", worker_id=0, token=TOKEN)
+    try:
+        await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=2.3))
+        assign = await asyncio.wait_for(ctl.recv(), 5)
+        host, gport = parse_address(assign.address)
+        assert host == "127.0.0.2"
+        groups = [r for r in read_jsonl(tmp_path / "global.jsonl") if r.get("event") == "groups"]
+        assert groups[0]["addresses"] == {"0": f"0.0.0.0:{gport}"}  # the port, for firewalls
+        ch = await transport.connect(host, gport, role="worker", worker_id=0, group=assign.group,
+                                     token=TOKEN)
+        assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Ack)
+        await ch.close()
+    finally:
+        await ctl.close()
+        await srv.close()
+
+
+async def test_a_group_process_on_every_interface_is_announced_at_its_connection_host(
+        tmp_path: Path) -> None:
+    """A group process that listens on 0.0.0.0 says so in HELLO; workers are told the host the
+    global server sees it connect from (here 127.0.0.1), never the wildcard."""
+    srv = make_server(tmp_path, np.zeros(4, np.float32), external_groups=1, workers=1,
+                      mode="ssp")
+    port = await srv.start()
+    grp = await transport.connect("127.0.0.1", port, role="group", address="0.0.0.0:7123",
+                                  token=TOKEN)
+    ctl = await join(port, 0, 0.01)
+    try:
+        to_group = await asyncio.wait_for(grp.recv(), 5)
+        to_worker = await asyncio.wait_for(ctl.recv(), 5)
+        assert isinstance(to_worker, protocol.Assign) and to_worker.address == "127.0.0.1:7123"
+        assert isinstance(to_group, protocol.Assign) and to_group.group == to_worker.group
+    finally:
+        await ctl.close()
+        await grp.close()
+        await srv.close()
 
 
 async def test_epoch_budget_ends_the_run_and_nothing_is_lost(tmp_path: Path) -> None:
