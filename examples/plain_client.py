@@ -152,9 +152,17 @@ def handshake(sock: socket.socket, key: bytes, role: str = "evaluator", worker_i
     return welcome
 
 
+def dial(host: str, port: int) -> socket.socket:
+    """A TCP connection; a failure says which address it was."""
+    try:
+        return socket.create_connection((host, port), timeout=60)
+    except OSError as e:
+        raise ConnectionError(f"{host}:{port}: {e.strerror or e}") from None
+
+
 def pull_weights(host: str, port: int, key: bytes) -> tuple[dict[str, Any], bytes]:
     """One evaluator session: the WEIGHTS map and the weights' float32 bytes."""
-    with socket.create_connection((host, port), timeout=30) as sock:
+    with dial(host, port) as sock:
         handshake(sock, key)
         send(sock, PULL, {"clock": 0, "since": -1})
         kind, meta, buffers = recv_frame(sock)
@@ -175,12 +183,12 @@ def pull(sock: socket.socket, clock: int) -> array:
 
 def worker_step(host: str, port: int, key: bytes, k: int) -> dict[str, Any]:
     """A worker's sessions (section 9), one step with a made-up sparse gradient."""
-    with socket.create_connection((host, port), timeout=60) as ctl:
+    with dial(host, port) as ctl:
         worker_id = handshake(ctl, key, "worker")["worker_id"]
         send(ctl, STATS, {"clock": 0, "step_time": 0.05, "loss": 2.3, "samples": 32})
         assign, _ = next_message(ctl, ASSIGN)
         group_host, group_port = assign["address"].rsplit(":", 1)
-        with socket.create_connection((group_host, int(group_port)), timeout=60) as grp:
+        with dial(group_host.strip("[]"), int(group_port)) as grp:  # where ASSIGN said
             handshake(grp, key, "worker", worker_id, assign["group"])
             clock = next_message(grp, ACK)[0]["clock"]  # where this worker starts
             before = pull(grp, clock)
@@ -203,7 +211,7 @@ def worker_step(host: str, port: int, key: bytes, k: int) -> dict[str, Any]:
             "version": ack["version"], "k": k, "moved": len(moved),
             "moved_only_where_pushed": set(moved) <= set(pushed),
             "moved_against_the_gradient": all((after[i] - before[i]) * pushed[i] < 0
-                                              for i in moved)}
+                                              for i in moved if i in pushed)}
 
 
 def main() -> int:
@@ -227,7 +235,7 @@ def main() -> int:
         print(f"protocol error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"cannot talk to {args.host}:{args.port}: {e}", file=sys.stderr)
+        print(f"cannot talk to {e}", file=sys.stderr)
         return 3
     if args.out:
         with open(args.out, "wb") as f:

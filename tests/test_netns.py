@@ -1,0 +1,135 @@
+"""Several machines, simulated: processes in a network namespace of their own (with their own
+127.0.0.1), joined to the test's namespace by a veth pair, work with a `minips server --host
+0.0.0.0` here, as the README's several-machines commands run on real machines.
+
+Creating a namespace needs root (CAP_NET_ADMIN) and iproute2; without them these tests are
+skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import wait_ready_file
+
+from minips.metrics import read_jsonl
+
+TOKEN = "netns-secret"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plain_client.py"
+RUN = ("--mode", "ssp", "--lr", "0.02", "--compressor", "none", "--base-step", "0.02",
+       "--calib-timeout", "30", "--weight-decay", "0")
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
+
+
+class Namespace:
+    """A network namespace ``name`` at ``inside`` (10.213.x.2); this namespace is ``outside``."""
+
+    def __init__(self, name: str, subnet: int) -> None:
+        self.name = name
+        self.outside, self.inside = f"10.213.{subnet}.1", f"10.213.{subnet}.2"
+
+    def run(self, *cmd: str) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *cmd]
+
+
+@pytest.fixture
+def netns() -> Iterator[Namespace]:
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's ip to create a network namespace")
+    ns = Namespace(f"mps{os.getpid() % 100000}", os.getpid() % 250)
+    try:
+        ip("netns", "add", ns.name)
+    except (subprocess.CalledProcessError, PermissionError) as e:
+        pytest.skip(f"cannot create a network namespace here: {getattr(e, 'stderr', e)}")
+    try:
+        ip("link", "add", f"{ns.name}o", "type", "veth", "peer", "name", f"{ns.name}i")
+        ip("link", "set", f"{ns.name}i", "netns", ns.name)
+        ip("addr", "add", f"{ns.outside}/24", "dev", f"{ns.name}o")
+        ip("link", "set", f"{ns.name}o", "up")
+        for args in (("addr", "add", f"{ns.inside}/24", "dev", f"{ns.name}i"),
+                     ("link", "set", f"{ns.name}i", "up"), ("link", "set", "lo", "up")):
+            ip("netns", "exec", ns.name, "ip", *args)
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "del", ns.name], capture_output=True, timeout=10)
+        subprocess.run(["ip", "link", "del", f"{ns.name}o"], capture_output=True, timeout=10)
+
+
+@contextlib.contextmanager
+def server(run_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`minips server --host 0.0.0.0 *flags`; (process, port) once it listens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minips", "server", "--host", "0.0.0.0", "--port", "0", "--quiet",
+         *RUN, *flags, "--run-dir", str(run_dir), "--ready-file", str(run_dir / "server.addr")],
+        env={**os.environ, "MINIPS_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc, wait_ready_file(run_dir / "server.addr", proc)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+
+
+def test_workers_on_two_machines_train_through_a_server_on_every_interface(
+        netns: Namespace, tmp_path: Path) -> None:
+    """One worker in the namespace dials the server's veth address, one here dials 127.0.0.1
+    (no --init: both are told need_init); both are sent to group servers they can reach, train
+    to the end of the budget and exit 0. (Before group servers followed the server's address,
+    the one in the namespace was sent to 127.0.0.1: its own machine.)"""
+    with server(tmp_path, "--workers", "2", "--epochs", "0.2") as (proc, port):
+        run_two_workers(netns, proc, port, tmp_path)
+    for w in (0, 1):
+        assert [r for r in read_jsonl(tmp_path / f"worker-{w}.jsonl") if "event" not in r]
+    merges = [r for r in read_jsonl(tmp_path / "global.jsonl") if r.get("event") == "merge"]
+    assert merges and merges[-1]["samples"] >= 0.2 * 60_000
+    weights = np.load(tmp_path / "final_weights.npy")
+    assert weights.shape == (61_706,) and np.isfinite(weights).all()
+
+
+def run_two_workers(netns: Namespace, proc: subprocess.Popen[str], port: str,
+                    run_dir: Path) -> None:
+    env = {**os.environ, "MINIPS_TOKEN": TOKEN}
+    remote = subprocess.Popen(netns.run(sys.executable, "-m", "minips", "worker", "--connect",
+                                        f"{netns.outside}:{port}", "--id", "0", "--run-dir",
+                                        str(run_dir)),
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    local = subprocess.Popen([sys.executable, "-m", "minips", "worker", "--connect",
+                              f"127.0.0.1:{port}", "--id", "1", "--run-dir", str(run_dir)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for w in (remote, local):
+            out, _ = w.communicate(timeout=150)
+            assert w.returncode == 0, out[-2000:]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        for w in (remote, local):
+            if w.poll() is None:
+                w.kill()
+                w.communicate(timeout=30)
+
+
+def test_the_plain_client_steps_from_another_machine(netns: Namespace, tmp_path: Path) -> None:
+    """examples/plain_client.py --worker in the namespace: the global server, then the group
+    server ASSIGN names, both reached across the veth pair."""
+    np.save(tmp_path / "init.npy", np.zeros(61_706, np.float32))
+    with server(tmp_path, "--workers", "1", "--init", str(tmp_path / "init.npy")) as (_, port):
+        done = subprocess.run(netns.run(sys.executable, str(EXAMPLE), netns.outside, port,
+                                        "--worker", "--k", "30"),
+                              env={**os.environ, "MINIPS_TOKEN": TOKEN}, capture_output=True,
+                              text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    step = json.loads(done.stdout)
+    assert step["moved"] == 30 and step["moved_only_where_pushed"]
