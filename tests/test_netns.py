@@ -133,3 +133,38 @@ def test_the_plain_client_steps_from_another_machine(netns: Namespace, tmp_path:
     assert done.returncode == 0, done.stderr
     step = json.loads(done.stdout)
     assert step["moved"] == 30 and step["moved_only_where_pushed"]
+
+
+def test_a_group_server_on_another_machine_serves_workers_here(netns: Namespace,
+                                                              tmp_path: Path) -> None:
+    """`minips group --listen 0.0.0.0:0` in the namespace registers with the server here; the
+    workers here are sent to it at its veth address (what the server sees it connect from),
+    train to the end of the budget and exit 0."""
+    np.save(tmp_path / "init.npy", np.zeros(61_706, np.float32))
+    env = {**os.environ, "MINIPS_TOKEN": TOKEN}
+    with server(tmp_path, "--workers", "2", "--epochs", "0.2", "--external-groups", "1",
+                "--groups", "1", "--init", str(tmp_path / "init.npy")) as (proc, port):
+        group = subprocess.Popen(netns.run(sys.executable, "-m", "minips", "group", "--connect",
+                                           f"{netns.outside}:{port}", "--listen", "0.0.0.0:0",
+                                           "--run-dir", str(tmp_path)),
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True)
+        workers = [subprocess.Popen([sys.executable, "-m", "minips", "worker", "--connect",
+                                     f"127.0.0.1:{port}", "--id", str(i), "--run-dir",
+                                     str(tmp_path)],
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True) for i in range(2)]
+        try:
+            for p in (*workers, group):
+                out, _ = p.communicate(timeout=150)
+                assert p.returncode == 0, out[-2000:]
+            assert proc.wait(timeout=60) == 0
+        finally:
+            for p in (*workers, group):
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate(timeout=30)
+    groups = [r for r in read_jsonl(tmp_path / "global.jsonl") if r.get("event") == "groups"]
+    assert groups[0]["addresses"]["0"].startswith(f"{netns.inside}:")
+    for w in (0, 1):
+        assert [r for r in read_jsonl(tmp_path / f"worker-{w}.jsonl") if "event" not in r]
