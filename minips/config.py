@@ -29,6 +29,7 @@ __all__ = [
     "GroupConfig",
     "WorkerConfig",
     "LaunchConfig",
+    "WILDCARD_HOSTS",
     "parse_address",
     "format_address",
     "reachable",

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from minips import checkpoint, metrics, transport
-from minips.config import LaunchConfig, ServerConfig
+from minips.config import WILDCARD_HOSTS, LaunchConfig, ServerConfig
 from minips.errors import MiniPSError
 from minips.server import GlobalServer
 
@@ -311,7 +311,7 @@ def _make_server(cfg: ServerConfig) -> GlobalServer:
 
 
 def _announce(cfg: ServerConfig, port: int) -> None:
-    host = cfg.host if cfg.host not in ("0.0.0.0", "") else "<this-host>"
+    host = cfg.host if cfg.host not in WILDCARD_HOSTS else "<this-host>"
     print(f"minips server listening on {cfg.host}:{port} ({cfg.run.mode}, "
           f"{cfg.run.compressor}, waiting for {cfg.run.workers} workers)\n"
           f"  join with:  MINIPS_TOKEN=... minips worker --connect {host}:{port}\n"
