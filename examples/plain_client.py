@@ -188,7 +188,8 @@ def worker_step(host: str, port: int, key: bytes, k: int) -> dict[str, Any]:
         send(ctl, STATS, {"clock": 0, "step_time": 0.05, "loss": 2.3, "samples": 32})
         assign, _ = next_message(ctl, ASSIGN)
         group_host, group_port = assign["address"].rsplit(":", 1)
-        with dial(group_host.strip("[]"), int(group_port)) as grp:  # where ASSIGN said
+        group_host = group_host.strip("[]") or host  # no host: the one we reached
+        with dial(group_host, int(group_port)) as grp:  # where ASSIGN said
             handshake(grp, key, "worker", worker_id, assign["group"])
             clock = next_message(grp, ACK)[0]["clock"]  # where this worker starts
             before = pull(grp, clock)

@@ -270,11 +270,6 @@ class Channel:
     def peername(self) -> Any:
         return self._transport.get_extra_info("peername")
 
-    @property
-    def sockname(self) -> Any:
-        """This side's address of the connection: where the peer reached us."""
-        return self._transport.get_extra_info("sockname")
-
     def set_alloc(self, alloc: p.Alloc | None) -> None:
         """Receive the next payload buffers into memory ``alloc`` returns (None: fresh arrays)."""
         self._proto.decoder.alloc = alloc or p.default_alloc

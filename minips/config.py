@@ -139,8 +139,8 @@ class ServerConfig:
     run_dir: str = "runs/server"  # where metrics, config.json and final weights go
     init_path: str | None = None  # .npy initial flat weights; None = take them from a worker
     external_groups: int = 0  # group servers expected as separate processes; 0 = in-process
-    # host told to workers for in-process group servers (they listen on ``host``); None: ``host``,
-    # or, when that is a wildcard, the address each worker reached this server at
+    # host told to workers for in-process group servers (they listen on ``host``); None: the host
+    # each worker reached this server at (ASSIGN carries ":port")
     advertise_host: str | None = None
     calib_timeout_s: float = 60.0  # group the workers that reported after this long
     ready_file: str | None = None  # write "host port" here once listening (launcher)
@@ -248,12 +248,12 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def reachable(address: str, seen_host: str) -> str:
-    """``address`` ('host:port') with a wildcard host replaced by ``seen_host``: the host of a
-    real connection, which the other side can dial."""
-    host, port = parse_address(address)
-    if address.startswith(":") or host in WILDCARD_HOSTS:
-        return format_address(seen_host, port)
+def reachable(address: str, host: str) -> str:
+    """``address`` ('host:port') with an empty or wildcard host replaced by ``host``, a host
+    that is known to reach that machine."""
+    own, port = parse_address(address)
+    if address.startswith(":") or own in WILDCARD_HOSTS:
+        return format_address(host, port)
     return address
 
 

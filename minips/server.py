@@ -51,7 +51,6 @@ from minips.config import (
     check_bind,
     dataset_train_size,
     format_address,
-    reachable,
     server_ssl,
 )
 from minips.errors import AuthError, RemoteProtocolError
@@ -228,8 +227,11 @@ class GlobalServer:
                          writer=writer)
         port = await gs.serve(self.cfg.host, 0, self.cfg.token,
                               server_ssl(self.cfg.tls_cert, self.cfg.tls_key))
-        host = self.cfg.advertise_host or self.cfg.host  # a wildcard is resolved per worker
-        return GroupHandle(g, format_address(host, port), members, self.run.ratio, server=gs)
+        # no host: "where you reached the global server" (the worker fills in the name it
+        # dialled, so DNS names, NAT and TLS names work as they do for the global server)
+        address = format_address(self.cfg.advertise_host, port) if self.cfg.advertise_host \
+            else f":{port}"
+        return GroupHandle(g, address, members, self.run.ratio, server=gs)
 
     async def _regroup(self, assignment: dict[int, int]) -> None:
         """Speeds drifted (``grouping.Regrouper`` said so): move workers, open new groups."""
@@ -244,19 +246,15 @@ class GlobalServer:
         for w, g in moved.items():
             await self.assign(self.workers[w], g)
 
-    def assign_msg(self, h: GroupHandle, address: str | None = None) -> Any:
-        return protocol.Assign(group=h.id, address=address or h.address, ratio=h.ratio,
+    def assign_msg(self, h: GroupHandle) -> Any:
+        return protocol.Assign(group=h.id, address=h.address, ratio=h.ratio,
                                staleness=_staleness(self.run))
 
     async def assign(self, entry: WorkerEntry, g: int) -> None:
-        """Tell the worker its group; a wildcard host in the group's address becomes the address
-        the worker reached this server at (the group servers listen where this one does)."""
         entry.group = g
-        h = self.groups[g]
-        if entry.ch is not None and h.address:  # "": its group server is away
-            address = reachable(h.address, entry.ch.sockname[0])
+        if entry.ch is not None and self.groups[g].address:  # "": its group server is away
             with contextlib.suppress(ConnectionError):
-                await entry.ch.send(self.assign_msg(h, address))
+                await entry.ch.send(self.assign_msg(self.groups[g]))
 
     def _update_ratios(self) -> None:
         """Send a new ASSIGN to every grouped worker when a GDTopK ratio changed."""

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from minips import data, models, protocol, sparse, transport
-from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address
+from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address, reachable
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
 
@@ -252,7 +252,8 @@ class Worker:
         deadline = time.monotonic() + self.cfg.reconnect_s
         delay = RECONNECT_FIRST_S
         while not self.done:
-            host, port = parse_address(self.assign.address)
+            # no host (an in-process group server): the one we reached the global server at
+            host, port = parse_address(reachable(self.assign.address, self.cfg.server_host))
             try:
                 return await _connect(self.cfg, host, port, "worker", self.id,
                                       group=self.assign.group, retries=0)

@@ -16,7 +16,7 @@ import pytest
 from conftest import until
 
 from minips import protocol, roster, sparse, transport, validation
-from minips.config import RunConfig, ServerConfig, parse_address
+from minips.config import RunConfig, ServerConfig, parse_address, reachable
 from minips.errors import AuthError, RemoteProtocolError
 from minips.group import GroupServer
 from minips.metrics import read_jsonl
@@ -85,21 +85,22 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
     assert "groups" in events
 
 
-async def test_on_every_interface_a_worker_is_sent_to_its_group_where_it_reached_us(
+async def test_on_every_interface_a_worker_reaches_its_group_where_it_reached_the_server(
         tmp_path: Path) -> None:
-    """A server on 0.0.0.0 (several machines): its group servers listen there too, and a worker
-    that dialled 127.0.0.2 is told its group server at 127.0.0.2, not at a loopback address
-    that only works on the server's own machine."""
+    """A server on 0.0.0.0 (several machines): its group servers listen there too, and ASSIGN
+    names no host (":port"), so a worker that dialled 127.0.0.2 dials 127.0.0.2 again, as it
+    would a DNS name or a NAT address; never a loopback address of the server's machine."""
     srv = make_server(tmp_path, np.zeros(4, np.float32), host="0.0.0.0", workers=1, mode="ssp")
     port = await srv.start()
     ctl = await transport.connect("127.0.0.2", port, role="worker", worker_id=0, token=TOKEN)
     try:
         await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=2.3))
         assign = await asyncio.wait_for(ctl.recv(), 5)
-        host, gport = parse_address(assign.address)
+        assert assign.address.startswith(":")
+        host, gport = parse_address(reachable(assign.address, "127.0.0.2"))
         assert host == "127.0.0.2"
         groups = [r for r in read_jsonl(tmp_path / "global.jsonl") if r.get("event") == "groups"]
-        assert groups[0]["addresses"] == {"0": f"0.0.0.0:{gport}"}  # the port, for firewalls
+        assert groups[0]["addresses"] == {"0": f":{gport}"}  # the port, for firewalls
         ch = await transport.connect(host, gport, role="worker", worker_id=0, group=assign.group,
                                      token=TOKEN)
         assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Ack)
