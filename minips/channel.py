@@ -137,7 +137,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             _tune(sock, self.options.socket_buffer)
-        self.transport.set_write_buffer_limits(high=0)  # pause until the kernel took everything
+        # Pause until everything is out of our hands: on TCP, until the kernel took every byte.
+        # TLS transports pause when their buffer is >= the high mark, so 0 would pause after every
+        # write, with nothing left to flush and no resume until the peer sends something: a
+        # server's first message after WELCOME would wait for the client (which waits for it).
+        tls = transport.get_extra_info("ssl_object") is not None
+        self.transport.set_write_buffer_limits(high=1 if tls else 0, low=0)
         if self.on_made is not None:
             self.on_made(self)
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import shutil
 import ssl
 import subprocess
 import sys
@@ -16,10 +18,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import wait_ready_file
 
 from minips import protocol, transport
 from minips.config import RunConfig, ServerConfig, check_bind, is_loopback
 from minips.errors import AuthError, ConfigError
+from minips.metrics import read_jsonl
 from minips.server import GlobalServer
 
 SECRET = "s3cret-token-that-must-never-be-logged"
@@ -103,6 +107,43 @@ async def test_tls_server_serves_tls_clients_and_refuses_plain_ones(
                                     ssl=ssl.create_default_context())
     finally:
         await srv.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_tls_cluster_trains_with_a_certificate_for_a_host_name(tmp_path: Path) -> None:
+    """`minips server --tls-cert` and a worker `--connect localhost:PORT --tls-ca`, with a
+    certificate for the name localhost only (no IP address in it, as for a real host name): the
+    worker verifies the global server and its group server by that name and trains to the end.
+    (A group server address of 127.0.0.1 would fail the certificate check.)"""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl command not available")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    np.save(tmp_path / "init.npy", np.zeros(61_706, np.float32))
+    env = {**os.environ, "MINIPS_TOKEN": SECRET}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "minips", "server", "--port", "0", "--workers", "1", "--quiet",
+         "--epochs", "0.1", "--mode", "ssp", "--compressor", "none", "--base-step", "0.02",
+         "--tls-cert", str(cert), "--tls-key", str(key), "--init", str(tmp_path / "init.npy"),
+         "--run-dir", str(tmp_path), "--ready-file", str(tmp_path / "addr")],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        port = wait_ready_file(tmp_path / "addr", server)[1]
+        worker = subprocess.run(
+            [sys.executable, "-m", "minips", "worker", "--connect", f"localhost:{port}",
+             "--id", "0", "--tls-ca", str(cert), "--run-dir", str(tmp_path)],
+            env=env, capture_output=True, text=True, timeout=150)
+        assert worker.returncode == 0, worker.stderr[-2000:]
+        assert server.wait(timeout=60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.communicate(timeout=30)
+    steps = [r for r in read_jsonl(tmp_path / "worker-0.jsonl") if "event" not in r]
+    assert len(steps) >= 0.1 * 60_000 / 64  # the whole budget, batches of at most 64
 
 
 def test_non_loopback_bind_needs_a_secret_or_insecure() -> None:

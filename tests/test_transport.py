@@ -404,6 +404,35 @@ def test_tls_with_self_signed_certificate(loop: str, tls_files: tuple[Path, Path
     run(loop, scenario())
 
 
+@LOOPS
+def test_over_tls_a_server_may_speak_first_after_the_handshake(
+        loop: str, tls_files: tuple[Path, Path]) -> None:
+    """A group server sends ACK right after WELCOME, before the worker says anything. Over TLS
+    that ACK (and the WELCOME send) once waited until the peer sent something: a deadlock."""
+    cert, key = tls_files
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+
+    async def speak_first(ch: t.Channel) -> None:
+        await ch.send(p.Ack(clock=3, version=4))
+        ones = np.ones(300_000, np.float32)  # a big frame: written in batches, over TLS
+        await ch.send(p.Weights(version=4, encoding="dense", buffers=(ones,)))
+        await ch.recv()
+
+    async def scenario() -> None:
+        async with await start(handler=speak_first, ssl=server_ctx) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, ssl=client_ctx,
+                                 server_hostname="localhost")
+            assert await asyncio.wait_for(ch.recv(), 5) == p.Ack(clock=3, version=4)
+            weights = await asyncio.wait_for(ch.recv(), 5)
+            assert isinstance(weights, p.Weights)
+            assert np.array_equal(np.frombuffer(weights.buffers[0], np.float32), np.ones(300_000))
+            await ch.close(leave="bye")
+
+    run(loop, scenario())
+
+
 def test_a_failing_handler_sends_error_and_the_server_keeps_serving() -> None:
     async def buggy(ch: t.Channel) -> None:
         msg = await ch.recv()
