@@ -146,7 +146,8 @@ def _add_server(sub: Any) -> None:
     srv.add_argument("--advertise", help="address workers use to reach in-process group servers")
     srv.add_argument("--ready-file", help="write 'host port' here once listening")
     srv.add_argument("--calib-timeout", type=float, default=60.0, help="grouping deadline, s")
-    srv.add_argument("--eval", action="store_true", help="also start an evaluator process")
+    srv.add_argument("--eval", action="store_true",
+                     help="also start an evaluator process (not with --tls-cert)")
     srv.add_argument("--run-config", help="JSON file of run settings (flags override it)")
     srv.add_argument("--quiet", action="store_true", help="do not print how to join")
     srv.add_argument("--checkpoint", help="checkpoint file (default RUN_DIR/checkpoint.npz)")

@@ -34,7 +34,7 @@ import numpy as np
 
 from minips import checkpoint, metrics, transport
 from minips.config import WILDCARD_HOSTS, LaunchConfig, ServerConfig
-from minips.errors import MiniPSError
+from minips.errors import ConfigError, MiniPSError
 from minips.server import GlobalServer
 
 __all__ = ["Cluster", "run_local", "make_run_dir", "write_init", "serve_run", "run_server"]
@@ -321,6 +321,10 @@ def _announce(cfg: ServerConfig, port: int) -> None:
 
 def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False, announce: bool = True) -> None:
     """`minips server`: serve one run (optionally with an evaluator child process)."""
+    if spawn_evaluator and cfg.tls_cert:
+        raise ConfigError("--eval cannot be used with --tls-cert: the evaluator child would have "
+                          "to verify the certificate by a name this machine resolves; start "
+                          "'minips evaluator --connect NAME:PORT --tls-ca CA' instead")
     transport.install_uvloop()
     asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
 
