@@ -67,6 +67,19 @@ def netns() -> Iterator[Namespace]:
         subprocess.run(["ip", "link", "del", f"{ns.name}o"], capture_output=True, timeout=10)
 
 
+def certificate(d: Path, *ips: str) -> tuple[str, str]:
+    """A self-signed certificate (and key) for these IP addresses, made with openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl command not available")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=minips-test", "-addext",
+                    "subjectAltName=" + ",".join(f"IP:{ip}" for ip in ips),
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
 @contextlib.contextmanager
 def server(run_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`minips server --host 0.0.0.0 *flags`; (process, port) once it listens."""
@@ -135,23 +148,31 @@ def test_the_plain_client_steps_from_another_machine(netns: Namespace, tmp_path:
     assert step["moved"] == 30 and step["moved_only_where_pushed"]
 
 
-def test_a_group_server_on_another_machine_serves_workers_here(netns: Namespace,
-                                                              tmp_path: Path) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+def test_a_group_server_on_another_machine_serves_workers_here(netns: Namespace, tmp_path: Path,
+                                                              tls: bool) -> None:
     """`minips group --listen 0.0.0.0:0` in the namespace registers with the server here; the
     workers here are sent to it at its veth address (what the server sees it connect from),
-    train to the end of the budget and exit 0."""
+    train to the end of the budget and exit 0. With TLS every link is verified against one
+    self-signed certificate for the three addresses."""
     np.save(tmp_path / "init.npy", np.zeros(61_706, np.float32))
     env = {**os.environ, "MINIPS_TOKEN": TOKEN}
+    serve_tls: tuple[str, ...] = ()
+    client_tls: tuple[str, ...] = ()
+    if tls:
+        cert, key = certificate(tmp_path, "127.0.0.1", netns.outside, netns.inside)
+        serve_tls, client_tls = ("--tls-cert", cert, "--tls-key", key), ("--tls-ca", cert)
     with server(tmp_path, "--workers", "2", "--epochs", "0.2", "--external-groups", "1",
-                "--groups", "1", "--init", str(tmp_path / "init.npy")) as (proc, port):
+                "--groups", "1", "--init", str(tmp_path / "init.npy"), *serve_tls) as (proc,
+                                                                                    port):
         group = subprocess.Popen(netns.run(sys.executable, "-m", "minips", "group", "--connect",
                                            f"{netns.outside}:{port}", "--listen", "0.0.0.0:0",
-                                           "--run-dir", str(tmp_path)),
+                                           "--run-dir", str(tmp_path), *serve_tls, *client_tls),
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True)
         workers = [subprocess.Popen([sys.executable, "-m", "minips", "worker", "--connect",
                                      f"127.0.0.1:{port}", "--id", str(i), "--run-dir",
-                                     str(tmp_path)],
+                                     str(tmp_path), *client_tls],
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True) for i in range(2)]
         try:
