@@ -128,7 +128,8 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
     check_bind(cfg.host, cfg.token, cfg.insecure)
     gs = GroupServer(-1, RunConfig(), None, None)
     port = await gs.serve(cfg.host, cfg.port, cfg.token, server_ssl(cfg.tls_cert, cfg.tls_key))
-    address = format_address(cfg.advertise_host or cfg.host, port)  # a wildcard: see _address
+    # a wildcard host is replaced by the global server (group_sessions._address)
+    address = format_address(cfg.advertise_host or cfg.host, port)
     if announce:
         print(f"minips group listening on {address}, registering with "
               f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)

@@ -330,7 +330,7 @@ def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False, announce: bo
 
 
 def _spawn_evaluator(cfg: ServerConfig, port: int) -> subprocess.Popen[bytes]:
-    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
+    host = "127.0.0.1" if cfg.host in WILDCARD_HOSTS else cfg.host
     cmd = [sys.executable, "-m", "minips", "evaluator", "--connect", f"{host}:{port}",
            "--run-dir", cfg.run_dir, "--timeout", "30"]
     return subprocess.Popen(cmd)
