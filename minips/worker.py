@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from typing import Any
@@ -40,6 +41,8 @@ from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
 
 __all__ = ["Worker", "WorkerStopped", "run_worker", "run_evaluator", "evaluate_loop"]
+
+log = logging.getLogger("minips.worker")
 
 STATS_EVERY_S = 1.0  # how often the worker reports its step time to the global server
 ASSIGN_TIMEOUT_S = 300.0  # give up when no group is assigned after this long
@@ -251,13 +254,20 @@ class Worker:
         when a new ASSIGN arrives) for up to ``reconnect_s``; None once the run is done."""
         deadline = time.monotonic() + self.cfg.reconnect_s
         delay = RECONNECT_FIRST_S
+        told = ""  # the address whose failure was reported (once each, not every retry)
         while not self.done:
             # no host (an in-process group server): the one we reached the global server at
-            host, port = parse_address(reachable(self.assign.address, self.cfg.server_host))
+            address = reachable(self.assign.address, self.cfg.server_host)
+            host, port = parse_address(address)
             try:
                 return await _connect(self.cfg, host, port, "worker", self.id,
                                       group=self.assign.group, retries=0)
             except (ConnectionError, AuthError) as exc:
+                if told != address:
+                    told = address
+                    self._event("group_unreachable", address=address, reason=str(exc))
+                    log.warning("worker %d: cannot reach group server %s (%s); retrying for "
+                                "up to %.0f s", self.id, address, exc, self.cfg.reconnect_s)
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"group server lost for {self.cfg.reconnect_s} s: "
                                           f"{exc}") from None

@@ -7,11 +7,13 @@ plain single-process loop (minips.reference.train) on the same data order and se
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import until
 
 from minips import data, models, protocol, reference, transport
 from minips.config import RunConfig, ServerConfig, WorkerConfig
@@ -149,3 +151,35 @@ async def test_a_server_error_stops_the_worker_and_says_why(tmp_path: Path) -> N
         await srv.wait_closed()
     stopped = [r for r in read_jsonl(tmp_path / "worker-0.jsonl") if r.get("event") == "stopped"]
     assert len(stopped) == 1 and "this worker must stop" in stopped[0]["reason"]
+
+
+@pytest.mark.timeout(120)
+async def test_an_unreachable_group_server_is_reported_once_while_retrying(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """ASSIGN names a port where nothing listens: the worker records it (event and warning)
+    once, keeps retrying, and ends cleanly when the run is over."""
+    run = RunConfig(workers=1, calib_steps=1)
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]
+
+        async def server(ch: transport.Channel) -> None:
+            assert isinstance(await ch.recv(), protocol.Stats)  # the calibration
+            await ch.send(protocol.Assign(group=0, address=f":{dead}", ratio=0.01, staleness=3))
+            await until(lambda: any(r.get("event") == "group_unreachable"
+                                    for r in read_jsonl(tmp_path / "worker-0.jsonl")), 30)
+            await ch.send(protocol.Leave(reason="done"))
+            await ch.recv()
+
+        srv = await transport.serve("127.0.0.1", 0, token=TOKEN, handler=server,
+                                    accept=lambda hello: {**run.to_info(), "worker_id": 0})
+        cfg = WorkerConfig(server_port=srv.port, token=TOKEN, worker_id=0, run_dir=str(tmp_path))
+        try:
+            await asyncio.wait_for(Worker(cfg).run(), 60)
+        finally:
+            srv.close()
+            await srv.wait_closed()
+    events = [r for r in read_jsonl(tmp_path / "worker-0.jsonl")
+              if r.get("event") == "group_unreachable"]
+    assert len(events) == 1 and events[0]["address"] == f"127.0.0.1:{dead}"
+    assert f"cannot reach group server 127.0.0.1:{dead}" in caplog.text
