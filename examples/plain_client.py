@@ -81,7 +81,7 @@ def recv_frame(sock: socket.socket) -> tuple[int, dict[str, Any], list[bytes]]:
         raise Broken(f"protocol version {version}, this client speaks {VERSION}")
     if PREFIX.size + TABLE_ENTRY.size * nbuf + meta_len + body_len > MAX_FRAME:
         raise Broken("frame over 512 MiB")
-    table = [TABLE_ENTRY.unpack_from(recv_exactly(sock, TABLE_ENTRY.size)) for _ in range(nbuf)]
+    table = list(TABLE_ENTRY.iter_unpack(recv_exactly(sock, TABLE_ENTRY.size * nbuf)))
     if sum(wire for _, wire, _ in table) != body_len:
         raise Broken("buffer table does not add up to body_len")
     try:

@@ -7,8 +7,9 @@ the worker's group or ratio is set or changes. An evaluator PULLs the global wei
 seconds until the run is over.
 
 Invariants: a worker has at most one control channel (a restarted worker's new connection
-replaces the stale one); the clocks of one session's STATS never go backwards; the initial
-weights are taken once, dense, with a bounded size.
+replaces the stale one); STATS clocks are not compared (they count steps in the worker's
+current group and start again after a move); the initial weights are taken once, dense, with a
+bounded size.
 """
 
 from __future__ import annotations

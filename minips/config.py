@@ -251,10 +251,8 @@ def format_address(host: str, port: int) -> str:
 def reachable(address: str, host: str) -> str:
     """``address`` ('host:port') with an empty or wildcard host replaced by ``host``, a host
     that is known to reach that machine."""
-    own, port = parse_address(address)
-    if address.startswith(":") or own in WILDCARD_HOSTS:
-        return format_address(host, port)
-    return address
+    own = address.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    return format_address(host, parse_address(address)[1]) if own in WILDCARD_HOSTS else address
 
 
 def parse_slowdowns(text: str) -> list[float]:

@@ -227,10 +227,9 @@ class GlobalServer:
                          writer=writer)
         port = await gs.serve(self.cfg.host, 0, self.cfg.token,
                               server_ssl(self.cfg.tls_cert, self.cfg.tls_key))
-        # no host: "where you reached the global server" (the worker fills in the name it
-        # dialled, so DNS names, NAT and TLS names work as they do for the global server)
-        address = format_address(self.cfg.advertise_host, port) if self.cfg.advertise_host \
-            else f":{port}"
+        # no host (":port"): "where you reached the global server"; the worker fills in the name
+        # it dialled, so DNS names, NAT and TLS names work as they do for the global server
+        address = format_address(self.cfg.advertise_host or "", port)
         return GroupHandle(g, address, members, self.run.ratio, server=gs)
 
     async def _regroup(self, assignment: dict[int, int]) -> None:

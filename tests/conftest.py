@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
+import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -16,19 +19,23 @@ from typing import Any
 import pytest
 
 
-@pytest.fixture(scope="session")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate and key for 127.0.0.1 and localhost, made with openssl."""
+def make_certificate(d: Path, *names: str) -> tuple[Path, Path]:
+    """A self-signed certificate and key in ``d`` for ``names`` (subjectAltName entries such as
+    "DNS:localhost" or "IP:127.0.0.1"), made with openssl; skips the test without openssl."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl command not available")
-    d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-subj", "/CN=minips-test", "-addext", "subjectAltName=" + ",".join(names),
                     "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
     return cert, key
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate and key for 127.0.0.1 and localhost."""
+    return make_certificate(tmp_path_factory.mktemp("tls"), "DNS:localhost", "IP:127.0.0.1")
 
 
 @pytest.fixture()
@@ -71,6 +78,26 @@ def wait_ready_file(ready: Path, proc: subprocess.Popen[Any],
         time.sleep(0.05)  # polling a file with a deadline
     host, port = ready.read_text().split()
     return host, port
+
+
+@contextlib.contextmanager
+def minips_server(run_dir: Path, token: str,
+                  *flags: str) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
+    """`python -m minips server --port 0 --quiet *flags` writing to ``run_dir``: (process, host,
+    port) once it listens; killed at the end if it is still running."""
+    ready = run_dir / "server.addr"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minips", "server", "--port", "0", "--quiet", *flags,
+         "--run-dir", str(run_dir), "--ready-file", str(ready)],
+        env={**os.environ, "MINIPS_TOKEN": token}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        host, port = wait_ready_file(ready, proc)
+        yield proc, host, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
 
 
 async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:

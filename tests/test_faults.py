@@ -75,8 +75,12 @@ class Procs:
                init: bool = True) -> tuple[Any, str]:
         ready = self.run_dir / "server.addr"
         ready.unlink(missing_ok=True)
-        extra = (["--resume"] if resume else ["--init", str(self.run_dir / "init.npy")] if init
-                 else [])
+        if resume:
+            extra = ["--resume"]
+        elif init:
+            extra = ["--init", str(self.run_dir / "init.npy")]
+        else:
+            extra = []
         proc = self.start("server", "server", "--port", str(port), "--run-dir",
                           str(self.run_dir), "--ready-file", str(ready), "--quiet",
                           "--checkpoint-every", "1", *extra, *run_flags)

@@ -8,7 +8,6 @@ skipped, saying why.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -19,14 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_ready_file
+from conftest import make_certificate, minips_server
 
 from minips.metrics import read_jsonl
 
 TOKEN = "netns-secret"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plain_client.py"
-RUN = ("--mode", "ssp", "--lr", "0.02", "--compressor", "none", "--base-step", "0.02",
-       "--calib-timeout", "30", "--weight-decay", "0")
+SERVER = ("--host", "0.0.0.0", "--mode", "ssp", "--lr", "0.02", "--compressor", "none",
+          "--base-step", "0.02", "--calib-timeout", "30", "--weight-decay", "0")
 
 
 def ip(*args: str) -> None:
@@ -67,42 +66,14 @@ def netns() -> Iterator[Namespace]:
         subprocess.run(["ip", "link", "del", f"{ns.name}o"], capture_output=True, timeout=10)
 
 
-def certificate(d: Path, *ips: str) -> tuple[str, str]:
-    """A self-signed certificate (and key) for these IP addresses, made with openssl."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl command not available")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=minips-test", "-addext",
-                    "subjectAltName=" + ",".join(f"IP:{ip}" for ip in ips),
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    return str(cert), str(key)
-
-
-@contextlib.contextmanager
-def server(run_dir: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """`minips server --host 0.0.0.0 *flags`; (process, port) once it listens."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minips", "server", "--host", "0.0.0.0", "--port", "0", "--quiet",
-         *RUN, *flags, "--run-dir", str(run_dir), "--ready-file", str(run_dir / "server.addr")],
-        env={**os.environ, "MINIPS_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
-    try:
-        yield proc, wait_ready_file(run_dir / "server.addr", proc)[1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=30)
-
-
 def test_workers_on_two_machines_train_through_a_server_on_every_interface(
         netns: Namespace, tmp_path: Path) -> None:
     """One worker in the namespace dials the server's veth address, one here dials 127.0.0.1
     (no --init: both are told need_init); both are sent to group servers they can reach, train
     to the end of the budget and exit 0. (Before group servers followed the server's address,
     the one in the namespace was sent to 127.0.0.1: its own machine.)"""
-    with server(tmp_path, "--workers", "2", "--epochs", "0.2") as (proc, port):
+    with minips_server(tmp_path, TOKEN, *SERVER, "--workers", "2",
+                       "--epochs", "0.2") as (proc, _, port):
         run_two_workers(netns, proc, port, tmp_path)
     for w in (0, 1):
         assert [r for r in read_jsonl(tmp_path / f"worker-{w}.jsonl") if "event" not in r]
@@ -138,7 +109,8 @@ def test_the_plain_client_steps_from_another_machine(netns: Namespace, tmp_path:
     """examples/plain_client.py --worker in the namespace: the global server, then the group
     server ASSIGN names, both reached across the veth pair."""
     np.save(tmp_path / "init.npy", np.zeros(61_706, np.float32))
-    with server(tmp_path, "--workers", "1", "--init", str(tmp_path / "init.npy")) as (_, port):
+    with minips_server(tmp_path, TOKEN, *SERVER, "--workers", "1",
+                       "--init", str(tmp_path / "init.npy")) as (_, _, port):
         done = subprocess.run(netns.run(sys.executable, str(EXAMPLE), netns.outside, port,
                                         "--worker", "--k", "30"),
                               env={**os.environ, "MINIPS_TOKEN": TOKEN}, capture_output=True,
@@ -160,11 +132,12 @@ def test_a_group_server_on_another_machine_serves_workers_here(netns: Namespace,
     serve_tls: tuple[str, ...] = ()
     client_tls: tuple[str, ...] = ()
     if tls:
-        cert, key = certificate(tmp_path, "127.0.0.1", netns.outside, netns.inside)
+        cert, key = map(str, make_certificate(tmp_path, "IP:127.0.0.1", f"IP:{netns.outside}",
+                                              f"IP:{netns.inside}"))
         serve_tls, client_tls = ("--tls-cert", cert, "--tls-key", key), ("--tls-ca", cert)
-    with server(tmp_path, "--workers", "2", "--epochs", "0.2", "--external-groups", "1",
-                "--groups", "1", "--init", str(tmp_path / "init.npy"), *serve_tls) as (proc,
-                                                                                    port):
+    with minips_server(tmp_path, TOKEN, *SERVER, "--workers", "2", "--epochs", "0.2",
+                       "--external-groups", "1", "--groups", "1",
+                       "--init", str(tmp_path / "init.npy"), *serve_tls) as (proc, _, port):
         group = subprocess.Popen(netns.run(sys.executable, "-m", "minips", "group", "--connect",
                                            f"{netns.outside}:{port}", "--listen", "0.0.0.0:0",
                                            "--run-dir", str(tmp_path), *serve_tls, *client_tls),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_ready_file
+from conftest import minips_server
 
 CLIENT = Path(__file__).resolve().parents[1] / "examples" / "plain_client.py"
 TOKEN = "plain-secret"
@@ -26,19 +26,9 @@ def start_server(tmp: Path) -> Iterator[tuple[str, str, np.ndarray]]:
     weights) once it listens."""
     weights = np.random.default_rng(5).standard_normal(N).astype(np.float32)
     np.save(tmp / "init.npy", weights)
-    ready = tmp / "server.addr"
-    env = {**os.environ, "MINIPS_TOKEN": TOKEN}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minips", "server", "--port", "0", "--workers", "1", "--quiet",
-         "--weight-decay", "0", "--init", str(tmp / "init.npy"), "--run-dir", str(tmp / "run"),
-         "--ready-file", str(ready)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        host, port = wait_ready_file(ready, proc)
+    with minips_server(tmp, TOKEN, "--workers", "1", "--weight-decay", "0",
+                       "--init", str(tmp / "init.npy")) as (_, host, port):
         yield host, port, weights
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import os
 import re
-import shutil
 import ssl
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import wait_ready_file
+from conftest import make_certificate, minips_server
 
 from minips import protocol, transport
 from minips.config import RunConfig, ServerConfig, check_bind, is_loopback
@@ -115,33 +114,19 @@ def test_a_tls_cluster_trains_with_a_certificate_for_a_host_name(tmp_path: Path)
     certificate for the name localhost only (no IP address in it, as for a real host name): the
     worker verifies the global server and its group server by that name and trains to the end.
     (A group server address of 127.0.0.1 would fail the certificate check.)"""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl command not available")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    cert, key = make_certificate(tmp_path, "DNS:localhost")
     np.save(tmp_path / "init.npy", np.zeros(61_706, np.float32))
-    env = {**os.environ, "MINIPS_TOKEN": SECRET}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "minips", "server", "--port", "0", "--workers", "1", "--quiet",
-         "--epochs", "0.1", "--mode", "ssp", "--compressor", "none", "--base-step", "0.02",
-         "--tls-cert", str(cert), "--tls-key", str(key), "--init", str(tmp_path / "init.npy"),
-         "--run-dir", str(tmp_path), "--ready-file", str(tmp_path / "addr")],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        port = wait_ready_file(tmp_path / "addr", server)[1]
+    run = ("--workers", "1", "--epochs", "0.1", "--mode", "ssp", "--compressor", "none",
+           "--base-step", "0.02", "--init", str(tmp_path / "init.npy"))
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    with minips_server(tmp_path, SECRET, *run, *tls) as (server, _, port):
         worker = subprocess.run(
             [sys.executable, "-m", "minips", "worker", "--connect", f"localhost:{port}",
              "--id", "0", "--tls-ca", str(cert), "--run-dir", str(tmp_path)],
-            env=env, capture_output=True, text=True, timeout=150)
+            env={**os.environ, "MINIPS_TOKEN": SECRET}, capture_output=True, text=True,
+            timeout=150)
         assert worker.returncode == 0, worker.stderr[-2000:]
         assert server.wait(timeout=60) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-        server.communicate(timeout=30)
     steps = [r for r in read_jsonl(tmp_path / "worker-0.jsonl") if "event" not in r]
     assert len(steps) >= 0.1 * 60_000 / 64  # the whole budget, batches of at most 64
 
