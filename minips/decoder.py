@@ -33,6 +33,7 @@ from minips.frames import (
     DIRECT_MIN_BYTES,
     DIRECT_READ_BYTES,
     KINDS,
+    MAGIC,
     PREFIX,
     SCRATCH_BYTES,
     TABLE_ENTRY,
@@ -43,11 +44,14 @@ from minips.frames import (
     decompress,
     unpack_meta,
 )
-from minips.messages import Kind, Message, from_wire
+from minips.messages import PROTOCOL_VERSION, Kind, Message, from_wire
 
 __all__ = ["Alloc", "default_alloc", "FrameDecoder"]
 
 Alloc = Callable[[Kind, int, int], Any]  # (kind, buffer index, nbytes) -> writable buffer
+
+
+_unpack_prefix = PREFIX.unpack_from
 
 
 def default_alloc(kind: Kind, index: int, nbytes: int) -> memoryview:
@@ -175,8 +179,30 @@ class FrameDecoder:
         """Decode a whole frame, or advance a big one by a stage; False when bytes are missing."""
         if self._frame is not None:
             return self._step(out)
-        prefix = PREFIX.unpack_from(self._buf, self._lo)
-        head_len = check_prefix(prefix, self.limits)
+        buf, lo, limits = self._buf, self._lo, self.limits
+        prefix = _unpack_prefix(buf, lo)
+        magic, version, kind, nbuf, flags, meta_len, body_len = prefix
+        at = lo + PREFIX.size + TABLE_ENTRY.size * nbuf  # where the map starts
+        end = at + meta_len + body_len
+        # the common case in one test (check_prefix's own): a valid prefix, the frame all here
+        if (end > self._hi or magic != MAGIC or version != PROTOCOL_VERSION or flags
+                or kind not in KINDS or nbuf > limits.max_buffers
+                or meta_len > limits.max_meta_bytes or end - lo > limits.max_frame_bytes):
+            return self._next_checked(prefix, out)
+        table: tuple[int, ...] = ()
+        if nbuf or body_len:
+            table = TABLES[nbuf].unpack_from(buf, lo + PREFIX.size)
+            check_table(table, body_len, limits)
+        msg = from_wire(kind, version, unpack_meta(buf[at:at + meta_len], limits), nbuf)
+        if nbuf:
+            msg.__dict__["buffers"] = self._copy_body(msg.KIND, table, at + meta_len, body_len)
+        self._lo = end
+        out.append(msg)
+        return True
+
+    def _next_checked(self, prefix: tuple[Any, ...], out: list[Message]) -> bool:
+        """``_next`` for a frame not yet whole, or a prefix that fails its one test."""
+        head_len = check_prefix(prefix, self.limits)  # raises what is wrong, if anything
         _, version, kind, nbuf, _, _, body_len = prefix
         at = self._lo + PREFIX.size
         end = at + head_len + body_len
@@ -186,7 +212,7 @@ class FrameDecoder:
             self._frame = _Partial(prefix, head_len)
             self._lo = at
             return self._step(out)
-        # the fast path: the whole frame is in scratch
+        # a HELLO, REFUSE or ERROR of another version (check_prefix let it through)
         table, msg = self._head(KINDS[kind], version, nbuf, body_len,
                                 self._view[at:at + head_len])
         if nbuf:

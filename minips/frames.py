@@ -206,7 +206,7 @@ def check_table(table: tuple[int, ...], body_len: int, limits: Limits) -> None:
         _check_limit("decompressed frame size", sum(raws), limits.max_raw_bytes)
 
 
-def unpack_meta(raw: memoryview, limits: Limits) -> dict[str, Any]:
+def unpack_meta(raw: bytes | bytearray | memoryview, limits: Limits) -> dict[str, Any]:
     try:
         meta = msgpack.unpackb(
             raw, raw=False, strict_map_key=True, max_str_len=limits.max_str_len,

@@ -119,6 +119,7 @@ class _Schema:
     wire_checks: tuple[tuple[str, Check, Any, Any, Any], ...]  # those of the map's fields
     meta: tuple[str, ...]  # the fields in the msgpack map, in order
     meta_set: frozenset[str]
+    buffers: bool  # the class has a ``buffers`` field (its frames carry buffers)
 
 
 class _Schemas(dict[type, _Schema]):
@@ -130,7 +131,8 @@ class _Schemas(dict[type, _Schema]):
         checks = tuple((f.name, f.metadata["check"], *getattr(f.metadata["check"], "fast",
                                                                (None, 0, 0))) for f in fields)
         wire_checks = tuple(c for c in checks if c[0] in meta)
-        schema = self[cls] = _Schema(checks, wire_checks, meta, frozenset(meta))
+        buffers = any(f.name == "buffers" for f in fields)
+        schema = self[cls] = _Schema(checks, wire_checks, meta, frozenset(meta), buffers)
         return schema
 
 
@@ -267,20 +269,21 @@ def meta_keys(kind: Kind) -> tuple[str, ...]:
 
 
 
-def from_wire(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Message:
+def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Message:
     """The message of a frame from its map (buffers still empty); a peer's mistake is remote.
 
     Same checks as the constructor, without its keyword-argument parsing: the map must hold
     exactly the kind's keys, so every field is present and checked once. HELLO's version (a
-    byte of the prefix) and the buffers (views the decoder made) need no check.
+    byte of the prefix) and the buffers (views the decoder made) need no check. ``kind`` is
+    the prefix's byte (a ``Kind`` or its int).
     """
-    cls = MESSAGE_TYPES[kind]
+    cls = MESSAGE_TYPES[kind]  # type: ignore[index]
     schema = _SCHEMAS[cls]
     if meta.keys() != schema.meta_set:
-        raise RemoteProtocolError(f"{kind.name} header map has the wrong keys",
+        raise RemoteProtocolError(f"{cls.KIND.name} header map has the wrong keys",
                                   expected=sorted(schema.meta), got=sorted(map(str, meta)))
-    if nbuf and kind not in WITH_BUFFERS:
-        raise RemoteProtocolError(f"{kind.name} carries no buffers", expected=0, got=nbuf)
+    if nbuf and not schema.buffers:
+        raise RemoteProtocolError(f"{cls.KIND.name} carries no buffers", expected=0, got=nbuf)
     for name, check, typ, lo, hi in schema.wire_checks:
         value = meta[name]
         if type(value) is typ and lo <= value <= hi:
@@ -288,12 +291,12 @@ def from_wire(kind: Kind, version: int, meta: dict[str, Any], nbuf: int) -> Mess
         try:
             meta[name] = check(value)
         except Invalid as e:
-            raise RemoteProtocolError(f"invalid {kind.name}: {cls.__name__}.{name}: {e}",
+            raise RemoteProtocolError(f"invalid {cls.KIND.name}: {cls.__name__}.{name}: {e}",
                                       expected=str(e), got=meta[name]) from None
-    if kind == Kind.HELLO:
-        meta["version"] = version
-    elif kind in WITH_BUFFERS:
+    if schema.buffers:
         meta["buffers"] = ()  # the decoder sets the received buffers when the body is in
+    elif cls is Hello:
+        meta["version"] = version
     msg = cls.__new__(cls)
     object.__setattr__(msg, "__dict__", meta)  # the checked map becomes the fields, no copy
     return msg
