@@ -113,15 +113,21 @@ class GroupServer:
             self._spawn(self.flush(final=True))
 
     async def _expire_loop(self) -> None:
-        """Renew the lease of every worker whose connection carried bytes lately; expire others."""
+        """Every EXPIRE_PERIOD_S: renew each worker's lease as of the last bytes its connection
+        carried, then expire the workers silent for more than lease_s."""
         loop = asyncio.get_running_loop()
         await self.ready.wait()
         while not self.finished:
             await asyncio.sleep(EXPIRE_PERIOD_S)
+            now = self.now()
             for w, ch in self.channels.items():
-                if not ch.closed and loop.time() - ch.last_recv < self.run.lease_s:
-                    self.table.heartbeat(w, self.now())
-            if self.table.expire(self.now()):
+                silent = loop.time() - ch.last_recv
+                if not ch.closed and silent < self.run.lease_s:
+                    # renewed as of its last bytes, not of this check: a lease lasts lease_s
+                    self.table.heartbeat(w, now - silent)
+            expired = self.table.expire(now)
+            if expired:
+                self.log("expired", workers=list(expired))
                 self._after_membership_change()
 
     # -- gradients --------------------------------------------------------------------------

@@ -236,6 +236,9 @@ class Worker:
             ch = await self._connect_group()
             if ch is None:
                 return
+            # the group server renews our lease on any bytes: heartbeats keep it while we wait
+            # for a slower worker or compute a step longer than the lease
+            ch.start_heartbeat(self.run_cfg.heartbeat_s)
             link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s)
             try:
                 ack = await link.expect(protocol.Ack)
@@ -244,6 +247,8 @@ class Worker:
             except _Stopped as exc:
                 if exc.final:
                     self._end(exc.error)
+                elif exc.error:  # ERROR lease: we were silent too long; rejoin on the next turn
+                    self._event("lease_expired", reason=exc.error)
             except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError) as exc:
                 self._event("group_lost", reason=str(exc))  # reconnect on the next turn
             finally:

@@ -8,6 +8,7 @@ deadlines. Accuracy is measured on the final weights the server writes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -88,9 +89,9 @@ class Procs:
         host, p = ready.read_text().split()
         return proc, f"{host}:{p}"
 
-    def worker(self, address: str, i: int) -> subprocess.Popen[bytes]:
+    def worker(self, address: str, i: int, *flags: str) -> subprocess.Popen[bytes]:
         return self.start(f"worker-{i}", "worker", "--connect", address, "--id", str(i),
-                          "--run-dir", str(self.run_dir), "--reconnect", "60")
+                          "--run-dir", str(self.run_dir), "--reconnect", "60", *flags)
 
     def kill_all(self) -> None:
         for p in self.all:
@@ -141,6 +142,65 @@ def test_workers_started_together_without_init_all_train_to_the_end(procs: Procs
             d / f"worker-{i}.jsonl", event="stopped")
     assert server.wait(timeout=60) == 0
     assert samples_now(d) >= 0.3 * 60_000
+
+
+@pytest.mark.timeout(150)
+def test_waits_and_steps_longer_than_the_lease_keep_the_lease(procs: Procs) -> None:
+    """SSP with a 1 s lease: worker 1's steps take 2 s (slowdown 100 x 0.02 s) and worker 0
+    waits about as long for it before each of its steps. Heartbeats on the group connection
+    keep both leases: the group server expires nobody, no PUSH is refused with ERROR lease, and
+    the staleness bound holds on every step. (Workers used to send heartbeats to the global
+    server only, so both leases ran out on every step and the bound went unenforced.)"""
+    d = procs.run_dir
+    server, address = procs.server(*RUN, "--workers", "2", "--max-steps", "5", "--lease", "1",
+                                   "--heartbeat", "0.25")
+    workers = [procs.worker(address, 0), procs.worker(address, 1, "--slowdown", "100")]
+    for i, w in enumerate(workers):
+        assert w.wait(timeout=120) == 0, (d / "logs" / f"worker-{i}.log").read_text()[-2000:]
+    assert server.wait(timeout=60) == 0
+    fast, slow = steps(d / "worker-0.jsonl"), steps(d / "worker-1.jsonl")
+    assert len(fast) == len(slow) == 5
+    assert max(r["wait_s"] for r in fast) > 1.5 and min(r["step_time"] for r in slow) > 1.5
+    assert records(d / "group-0.jsonl", event="expired") == []
+    for i in (0, 1):
+        assert records(d / f"worker-{i}.jsonl", event="lease_expired") == []
+        assert all(r["staleness"] <= 3 for r in steps(d / f"worker-{i}.jsonl"))
+
+
+@pytest.mark.timeout(150)
+def test_worker_stalled_past_its_lease_is_expired_in_time_then_rejoins(procs: Procs) -> None:
+    """SIGSTOP a worker (its sockets stay open, nothing arrives from it): the group server
+    expires it within lease_s + the 1 s check period, the other worker goes on without it;
+    after SIGCONT its next PUSH is refused with ERROR lease, it rejoins and trains to the end.
+    (The check used to renew a lease as of the check itself, so a stalled worker held its
+    group for up to 2 x lease_s - 1 s: 7 s here.)"""
+    d = procs.run_dir
+    lease = 4.0
+    server, address = procs.server(*RUN, "--workers", "2", "--wall-s", "20", "--lease",
+                                   str(lease), "--heartbeat", "0.5")
+    workers = [procs.worker(address, i) for i in range(2)]
+    wait_for("worker 1 trains", lambda: len(steps(d / "worker-1.jsonl")) >= 20, 60, (server,))
+    workers[1].send_signal(signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        expired = wait_for("worker 1 expired",
+                           lambda: records(d / "group-0.jsonl", event="expired"), 30, (server,))
+        t0 = json.loads((d / "config.json").read_text())["t0"]
+        assert expired[0]["workers"] == [1]
+        delay = expired[0]["t"] + t0 - stopped_at
+        assert lease - 0.5 <= delay < lease + 2.5  # its last bytes: at most a heartbeat before
+        before = len(steps(d / "worker-0.jsonl"))
+        wait_for("worker 0 trains alone", lambda: len(steps(d / "worker-0.jsonl")) > before + 20,
+                 30, (server,))
+    finally:
+        workers[1].send_signal(signal.SIGCONT)
+    wait_for("worker 1 rejoins", lambda: records(d / "worker-1.jsonl", event="lease_expired"),
+             30, (server,))
+    assert server.wait(timeout=60) == 0
+    for w in workers:
+        assert w.wait(timeout=30) == 0
+    rejoined = records(d / "worker-1.jsonl", event="lease_expired")[0]["t"]
+    assert [r for r in steps(d / "worker-1.jsonl") if r["t"] > rejoined]
 
 
 @pytest.mark.timeout(240)
