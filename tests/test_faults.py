@@ -261,6 +261,48 @@ def test_global_server_killed_then_resumed_from_checkpoint(procs: Procs) -> None
     assert final_accuracy(d) >= 0.75
 
 
+@pytest.mark.timeout(240)
+def test_external_group_trains_on_while_the_global_server_is_down_and_resumes_with_it(
+        procs: Procs) -> None:
+    """`kill -9` the global server of a `minips group` process: the workers go on training
+    through the group process; the server restarted with --resume on the same port gets the
+    group back (global_back), and the group's work during the outage reaches it."""
+    d = procs.run_dir
+    run = (*RUN, "--workers", "2", "--epochs", "1.2", "--external-groups", "1", "--groups", "1")
+    server, address = procs.server(*run)
+    port = int(address.rsplit(":", 1)[1])
+    group = procs.start("group", "group", "--connect", address, "--listen", "127.0.0.1:0",
+                        "--run-dir", str(d), "--reconnect", "60")
+    workers = [procs.worker(address, i) for i in range(2)]
+    ckpt = d / "checkpoint.npz"
+    wait_for("a checkpoint after some training", lambda: ckpt.exists() and
+             checkpoint.load(ckpt)["samples"] >= 15000, 120, (server, group))
+
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    saved = checkpoint.load(ckpt)
+    merged = samples_now(d)
+    before = [len(steps(d / f"worker-{i}.jsonl")) for i in range(2)]
+    wait_for("the workers train on through the group process", lambda: all(
+        len(steps(d / f"worker-{i}.jsonl")) >= before[i] + 50 for i in range(2)), 60,
+        (group, *workers))
+    down = [len(steps(d / f"worker-{i}.jsonl")) for i in range(2)]
+
+    server, _ = procs.server(*run, port=port, resume=True)
+    wait_for("the group process is back", lambda: records(d / "group-0.jsonl",
+                                                         event="global_back"), 90, (server,))
+    assert server.wait(timeout=150) == 0
+    for p in (group, *workers):
+        assert p.wait(timeout=30) == 0
+    # what the group applied while the global server was down reaches it in one exchange (after
+    # the one that was pending); merges after the last checkpoint are lost, as in-process
+    resumed_at = records(d / "global.jsonl", event="resumed")[0]["t"]
+    after = [r for r in records(d / "global.jsonl", event="merge") if r["t"] > resumed_at]
+    assert max(r["group_samples"] for r in after[:3]) >= 64 * (sum(down) - sum(before))
+    assert 0 <= merged - saved["samples"] <= 2 * 60000 * 1.0
+    assert final_accuracy(d) >= 0.75
+
+
 @pytest.mark.timeout(60)
 def test_resume_refuses_a_checkpoint_of_another_config(procs: Procs) -> None:
     d = procs.run_dir
