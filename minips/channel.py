@@ -349,6 +349,13 @@ class Channel:
             with contextlib.suppress(ConnectionError):
                 await self.send(p.Error(code=code[: p.MAX_NAME], reason=reason[: p.MAX_TEXT]))
 
+    def abort(self, reason: str) -> None:
+        """Drop the connection now, without LEAVE; a waiting ``recv`` raises
+        ``ConnectionAbortedError(reason)``."""
+        if self._proto.error is None:
+            self._proto.error = ConnectionAbortedError(reason)
+        self._transport.abort()
+
     async def close(self, leave: str | None = None) -> None:
         """Optionally say LEAVE(``leave``), then close and wait until the socket is closed."""
         if self._beat is not None:

@@ -101,6 +101,8 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
                                  group=gs.group, token=cfg.token, timeout=timeout,
                                  retries=RECONNECT_ATTEMPTS, ssl=client_ssl(cfg.tls_ca))
+    # the global server closes a group connection that is silent for the lease
+    ch.start_heartbeat(RunConfig.from_info(ch.welcome_info).heartbeat_s)
     link = TcpLink(ch)
     assign = await ch.recv()
     if not isinstance(assign, protocol.Assign):

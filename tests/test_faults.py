@@ -303,6 +303,45 @@ def test_external_group_trains_on_while_the_global_server_is_down_and_resumes_wi
     assert final_accuracy(d) >= 0.75
 
 
+@pytest.mark.timeout(180)
+def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group(
+        procs: Procs) -> None:
+    """SIGSTOP a `minips group` process (its connections stay open, nothing comes from it): the
+    global server drops it once its lease is over (group_lost), a replacement process adopts
+    the group, and the workers, blocked on the stopped one, move to the replacement and train
+    on. (Group processes used to send no heartbeats and the global server waited on a silent
+    one for ever: a replacement was refused, as every group still had its server.)"""
+    d = procs.run_dir
+    lease = 3.0
+    server, address = procs.server(*RUN, "--workers", "2", "--wall-s", "30", "--groups", "1",
+                                   "--external-groups", "1", "--lease", str(lease),
+                                   "--heartbeat", "0.5")
+    group_args = ("group", "--connect", address, "--listen", "127.0.0.1:0", "--run-dir", str(d))
+    stalled = procs.start("group-0", *group_args)
+    workers = [procs.worker(address, i) for i in range(2)]
+    wait_for("the group merges", lambda: len(records(d / "global.jsonl", event="merge")) >= 5,
+             90, (server, stalled))
+    stalled.send_signal(signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        lost = wait_for("the silent group process is dropped", lambda: records(
+            d / "global.jsonl", event="group_lost"), 30, (server,))
+        t0 = json.loads((d / "config.json").read_text())["t0"]
+        assert lost[0]["t"] + t0 - stopped_at < lease + 2.5
+        procs.start("group-replacement", *group_args)
+        wait_for("a replacement adopts the group", lambda: records(
+            d / "global.jsonl", event="group_adopted"), 30, (server,))
+        before = [len(steps(d / f"worker-{i}.jsonl")) for i in range(2)]
+        wait_for("the workers train on with the replacement", lambda: all(
+            len(steps(d / f"worker-{i}.jsonl")) >= before[i] + 20 for i in range(2)), 60,
+            (server, *workers))
+    finally:
+        stalled.kill()
+    assert server.wait(timeout=90) == 0
+    for w in workers:
+        assert w.wait(timeout=30) == 0
+
+
 @pytest.mark.timeout(60)
 def test_resume_refuses_a_checkpoint_of_another_config(procs: Procs) -> None:
     d = procs.run_dir

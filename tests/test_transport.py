@@ -301,6 +301,27 @@ def test_heartbeats_refresh_last_recv_and_stop_on_close(loop: str) -> None:
 
 
 @LOOPS
+def test_abort_wakes_a_waiting_recv_with_the_reason_and_the_server_sees_the_close(
+        loop: str) -> None:
+    async def quiet(ch: t.Channel) -> None:
+        await ch.recv()  # raises when the client is gone
+
+    async def scenario() -> None:
+        async with await start(handler=quiet) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            waiting = asyncio.ensure_future(ch.recv())  # the server never answers
+            await asyncio.sleep(0)
+            ch.abort("group moved")
+            with pytest.raises(ConnectionAbortedError, match="group moved"):
+                await asyncio.wait_for(waiting, 5)
+            await until(lambda: not srv.channels)
+            with pytest.raises(ConnectionError):
+                await ch.send(p.Pull(clock=1))
+
+    run(loop, scenario())
+
+
+@LOOPS
 def test_send_to_a_peer_that_stopped_reading_times_out(loop: str) -> None:
     outcome: asyncio.Future[BaseException] | None = None
 
