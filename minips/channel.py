@@ -257,6 +257,7 @@ class Channel:
         self.bytes_sent = 0
         self.heartbeats_received = 0
         self._beat: asyncio.Task[None] | None = None
+        self._watch: asyncio.Task[None] | None = None
 
     @property
     def bytes_received(self) -> int:
@@ -343,6 +344,22 @@ class Channel:
                 return
             seq += 1
 
+    def start_silence_limit(self, seconds: float) -> None:
+        """Abort the connection once it carried no bytes for ``seconds``: a peer that sends
+        HEARTBEAT more often is never that silent unless it is gone (a stalled process, or a
+        machine that vanished without closing the connection)."""
+        if self._watch is None:
+            self._watch = asyncio.create_task(self._limit_silence(seconds))
+
+    async def _limit_silence(self, seconds: float) -> None:
+        proto = self._proto
+        while not self.closed:
+            silent = proto.loop.time() - proto.last_recv
+            if silent > seconds:
+                self.abort(f"the peer sent nothing for {silent:.1f} s")
+                return
+            await asyncio.sleep(seconds - silent + 0.01)
+
     async def send_error(self, code: str, reason: str) -> None:
         """Send ERROR(code, reason) if the connection still allows it (before closing)."""
         if not self.closed and self._proto.conn.state != p.State.CLOSED:
@@ -358,9 +375,10 @@ class Channel:
 
     async def close(self, leave: str | None = None) -> None:
         """Optionally say LEAVE(``leave``), then close and wait until the socket is closed."""
-        if self._beat is not None:
-            self._beat.cancel()
-            await asyncio.gather(self._beat, return_exceptions=True)
+        for task in (self._beat, self._watch):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if leave is not None and not self.closed and self._proto.conn.state == p.State.OPEN:
             try:
                 await self.send(p.Leave(reason=leave))

@@ -284,6 +284,7 @@ class GroupServer:
         if old is not None:  # a reconnect replaces the stale connection
             await old.close()
         self.channels[w] = ch
+        ch.start_heartbeat(self.run.heartbeat_s)  # so the worker can tell we are still here
         start = self._join(w)
         pulls: set[asyncio.Task[Any]] = set()
         try:

@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["external_group", "group_session"]
 
 PENDING_POLL_S = 0.1  # how often the grouping looks for a group process that has not come yet
-SILENCE_CHECK_S = 1.0  # how often a group process's connection is checked for silence
 
 
 async def external_group(srv: GlobalServer, g: int, members: list[int]) -> GroupHandle:
@@ -55,7 +54,7 @@ def _address(ch: Any) -> str:
 
 async def group_session(srv: GlobalServer, ch: Any) -> None:
     """One group process's connection, until it leaves, is lost, or is silent for lease_s."""
-    srv.spawn(_close_when_silent(ch, srv.run.lease_s))
+    ch.start_silence_limit(srv.run.lease_s)  # group processes send HEARTBEAT
     if not srv.groups_opened.is_set():
         srv.pending_groups.append(ch)
         await srv.groups_opened.wait()
@@ -69,19 +68,6 @@ async def group_session(srv: GlobalServer, ch: Any) -> None:
         if handle is not None and handle.ch is ch:
             handle.ch = None
             srv.log("group_lost", group=handle.id)
-
-
-async def _close_when_silent(ch: Any, lease_s: float) -> None:
-    """Close a group process's connection once it carried no bytes for ``lease_s`` (group
-    processes send HEARTBEAT): a machine that vanished without closing it, or a stalled process.
-    Its group is then lost, and a replacement group process can adopt it."""
-    loop = asyncio.get_running_loop()
-    while not ch.closed:
-        silent = loop.time() - ch.last_recv
-        if silent > lease_s:
-            await ch.close()
-            return
-        await asyncio.sleep(min(lease_s - silent, SILENCE_CHECK_S) + 0.01)
 
 
 async def _adopt(srv: GlobalServer, ch: Any) -> GroupHandle | None:

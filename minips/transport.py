@@ -23,8 +23,9 @@ Public API:
 - ``Channel``: ``send(msg, compress=False)``, ``recv(timeout=None)`` (HEARTBEATs are absorbed;
   one reader at a time), ``send_error(code, reason)``, ``set_alloc(alloc)``, ``peer_hello``,
   ``welcome_info``, ``worker_id``, ``last_recv`` (``loop.time()`` of the last bytes),
-  ``bytes_sent``/``bytes_received``, ``start_heartbeat(interval)``, ``close(leave=None)``,
-  ``abort(reason)``.
+  ``bytes_sent``/``bytes_received``, ``start_heartbeat(interval)``,
+  ``start_silence_limit(seconds)`` (abort once the peer sent nothing that long),
+  ``close(leave=None)``, ``abort(reason)``.
 - ``Server``: ``host``, ``port``, ``stats`` (connections, accepted, refused, protocol_errors,
   limit_exceeded, read_timeouts, handshake_timeouts, handler_errors), ``channels``, ``close()``,
   ``wait_closed()``; also an async context manager.

@@ -57,7 +57,6 @@ class Link:
         self.ch = ch
         self.bandwidth_bps = bandwidth_bps
         self.latency_s = latency_s
-        self.waiting = False  # in expect(): waiting for the server's answer
 
     async def send(self, msg: Any) -> None:
         delay = self.latency_s
@@ -70,11 +69,7 @@ class Link:
     async def expect(self, kind: type) -> Any:
         """Next message of type ``kind``; heartbeats are skipped, ERROR / LEAVE raise."""
         while True:
-            self.waiting = True
-            try:
-                msg = await self.ch.recv()
-            finally:
-                self.waiting = False
+            msg = await self.ch.recv()
             if isinstance(msg, kind):
                 return msg
             if isinstance(msg, (protocol.Error, protocol.Leave)):
@@ -112,7 +107,6 @@ class Worker:
         self.id = cfg.worker_id
         self.run_cfg = RunConfig()
         self.assign: Any = None  # latest ASSIGN
-        self.link: Link | None = None  # to the group server, while connected
         self._assigned = asyncio.Event()  # the first ASSIGN (or the end) arrived
         self._assign_changed = asyncio.Event()  # set by every ASSIGN; cleared by its waiter
         self.done = False  # the server said the run is over
@@ -208,12 +202,7 @@ class Worker:
             while True:
                 msg = await self.ctl.recv()
                 if isinstance(msg, protocol.Assign):
-                    moved = self.assign is not None and msg.address != self.assign.address
                     self.assign = msg
-                    if moved and self.link is not None and self.link.waiting:
-                        # its server may be gone without closing the connection (a vanished
-                        # machine, a stalled process): wait no longer, go to the new address
-                        self.link.ch.abort(f"group moved to {msg.address}")
                     self.compressor.set_ratio(msg.ratio)
                     self._assigned.set()
                     self._assign_changed.set()
@@ -248,9 +237,11 @@ class Worker:
             if ch is None:
                 return
             # the group server renews our lease on any bytes: heartbeats keep it while we wait
-            # for a slower worker or compute a step longer than the lease
+            # for a slower worker or compute a step longer than the lease; it sends them too, so
+            # a silent group server is gone (stalled, or its machine vanished): leave it
             ch.start_heartbeat(self.run_cfg.heartbeat_s)
-            link = self.link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s)
+            ch.start_silence_limit(self.run_cfg.lease_s)
+            link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s)
             try:
                 ack = await link.expect(protocol.Ack)
                 self.clock = int(ack.clock)  # the group's clock for us: pull before pushing
@@ -263,7 +254,6 @@ class Worker:
             except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError) as exc:
                 self._event("group_lost", reason=str(exc))  # reconnect on the next turn
             finally:
-                self.link = None
                 await _leave(ch)
 
     async def _connect_group(self) -> Any:

@@ -307,10 +307,10 @@ def test_external_group_trains_on_while_the_global_server_is_down_and_resumes_wi
 def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group(
         procs: Procs) -> None:
     """SIGSTOP a `minips group` process (its connections stay open, nothing comes from it): the
-    global server drops it once its lease is over (group_lost), a replacement process adopts
-    the group, and the workers, blocked on the stopped one, move to the replacement and train
-    on. (Group processes used to send no heartbeats and the global server waited on a silent
-    one for ever: a replacement was refused, as every group still had its server.)"""
+    global server and the workers drop it once the lease is over (group_lost), a replacement
+    process adopts the group, and the workers move to it and train on. (Nobody sent heartbeats
+    to a silent group process's peers: the global server refused a replacement, as every group
+    still had its server, and the workers waited on the stopped one for ever.)"""
     d = procs.run_dir
     lease = 3.0
     server, address = procs.server(*RUN, "--workers", "2", "--wall-s", "30", "--groups", "1",
@@ -328,6 +328,11 @@ def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group
             d / "global.jsonl", event="group_lost"), 30, (server,))
         t0 = json.loads((d / "config.json").read_text())["t0"]
         assert lost[0]["t"] + t0 - stopped_at < lease + 2.5
+        for i in range(2):
+            left = wait_for(f"worker {i} leaves the silent group server", lambda i=i: records(
+                d / f"worker-{i}.jsonl", event="group_lost"), 30, (server,))
+            assert "sent nothing" in left[0]["reason"]
+            assert left[0]["t"] + t0 - stopped_at < lease + 2.5
         procs.start("group-replacement", *group_args)
         wait_for("a replacement adopts the group", lambda: records(
             d / "global.jsonl", event="group_adopted"), 30, (server,))

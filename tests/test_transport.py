@@ -322,6 +322,36 @@ def test_abort_wakes_a_waiting_recv_with_the_reason_and_the_server_sees_the_clos
 
 
 @LOOPS
+def test_silence_limit_keeps_a_heartbeating_peer_and_drops_a_silent_one(loop: str) -> None:
+    errors: list[BaseException] = []
+
+    async def limited(ch: t.Channel) -> None:
+        ch.start_silence_limit(0.3)
+        try:
+            await ch.recv()
+        except ConnectionError as e:
+            errors.append(e)
+
+    async def scenario() -> None:
+        async with await start(handler=limited) as srv:
+            beating = await t.connect("127.0.0.1", srv.port, token=TOKEN,
+                                      options=t.Options(heartbeat=0.05))
+            await until(lambda: len(srv.channels) == 1)
+            (kept,) = srv.channels
+            first = kept.last_recv
+            await until(lambda: kept.last_recv > first + 1.0)  # more than 3 limits later
+            assert not kept.closed and not errors
+            silent = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            await until(lambda: len(errors) == 1)
+            assert isinstance(errors[0], ConnectionAbortedError)
+            assert "sent nothing for" in str(errors[0]) and not kept.closed
+            await beating.close(leave="bye")
+            await silent.close()
+
+    run(loop, scenario())
+
+
+@LOOPS
 def test_send_to_a_peer_that_stopped_reading_times_out(loop: str) -> None:
     outcome: asyncio.Future[BaseException] | None = None
 
