@@ -353,12 +353,19 @@ class Channel:
 
     async def _limit_silence(self, seconds: float) -> None:
         proto = self._proto
+        due = proto.loop.time()  # when this check should run
         while not self.closed:
-            silent = proto.loop.time() - proto.last_recv
+            now = proto.loop.time()
+            silent = now - proto.last_recv
+            wait = seconds - silent + 0.01
             if silent > seconds:
-                self.abort(f"the peer sent nothing for {silent:.1f} s")
-                return
-            await asyncio.sleep(seconds - silent + 0.01)
+                if now - due < min(1.0, seconds / 4):
+                    self.abort(f"the peer sent nothing for {silent:.1f} s")
+                    return
+                # our own loop was held up: what the peer sent meanwhile may still be unread
+                wait = 0.05
+            due = now + wait
+            await asyncio.sleep(wait)
 
     async def send_error(self, code: str, reason: str) -> None:
         """Send ERROR(code, reason) if the connection still allows it (before closing)."""

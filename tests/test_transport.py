@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -347,6 +348,32 @@ def test_silence_limit_keeps_a_heartbeating_peer_and_drops_a_silent_one(loop: st
             assert "sent nothing for" in str(errors[0]) and not kept.closed
             await beating.close(leave="bye")
             await silent.close()
+
+    run(loop, scenario())
+
+
+@LOOPS
+def test_silence_limit_is_not_fooled_by_a_stall_of_our_own_loop(loop: str) -> None:
+    errors: list[BaseException] = []
+
+    async def limited(ch: t.Channel) -> None:
+        ch.start_silence_limit(0.3)
+        try:
+            await ch.recv()
+        except ConnectionError as e:
+            errors.append(e)
+
+    async def scenario() -> None:
+        async with await start(handler=limited) as srv:
+            beating = await t.connect("127.0.0.1", srv.port, token=TOKEN,
+                                      options=t.Options(heartbeat=0.05))
+            await until(lambda: len(srv.channels) == 1)
+            (kept,) = srv.channels
+            time.sleep(0.8)  # the loop (server and peer alike) is held up past the limit
+            first = kept.last_recv
+            await until(lambda: kept.last_recv > first + 0.5)
+            assert not errors and not kept.closed
+            await beating.close(leave="bye")
 
     run(loop, scenario())
 
