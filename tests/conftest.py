@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from minips.metrics import read_jsonl
+
 
 def make_certificate(d: Path, *names: str) -> tuple[Path, Path]:
     """A self-signed certificate and key in ``d`` for ``names`` (subjectAltName entries such as
@@ -78,6 +80,33 @@ def wait_ready_file(ready: Path, proc: subprocess.Popen[Any],
         time.sleep(0.05)  # polling a file with a deadline
     host, port = ready.read_text().split()
     return host, port
+
+
+def wait_for(what: str, cond: Callable[[], Any], timeout: float,
+             procs: tuple[subprocess.Popen[Any], ...] = ()) -> Any:
+    """Poll ``cond`` until it is truthy; fail naming ``what`` after ``timeout`` seconds or when
+    a process that must stay up exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        for p in procs:
+            assert p.poll() is None, f"{p.args} exited with {p.returncode} while waiting: {what}"
+        assert time.monotonic() < deadline, f"timed out waiting: {what}"
+        time.sleep(0.1)
+
+
+def records(path: Path, **match: Any) -> list[dict[str, Any]]:
+    """JSON-lines records of ``path`` whose fields equal ``match`` ([] while it is missing)."""
+    if not path.exists():
+        return []
+    return [r for r in read_jsonl(path) if all(r.get(k) == v for k, v in match.items())]
+
+
+def steps(path: Path) -> list[dict[str, Any]]:
+    """The step records (no events) of a JSON-lines metrics file."""
+    return [r for r in records(path) if "event" not in r]
 
 
 @contextlib.contextmanager

@@ -14,45 +14,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import records, steps, wait_for
 
 from minips import checkpoint, data, models
 from minips.launch import write_init
-from minips.metrics import read_jsonl
 
 TOKEN = "faults-secret"
 EVAL_SAMPLES = 2000  # test samples for the final accuracy (enough to tell 75% from chance)
-
-
-def wait_for(what: str, cond: Callable[[], Any], timeout: float,
-             procs: tuple[subprocess.Popen[bytes], ...] = ()) -> Any:
-    """Poll ``cond`` until it is truthy; fail naming ``what`` after ``timeout`` seconds or when
-    a process that must stay up exited."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        for p in procs:
-            assert p.poll() is None, f"{p.args} exited with {p.returncode} while waiting: {what}"
-        assert time.monotonic() < deadline, f"timed out waiting: {what}"
-        time.sleep(0.1)
-
-
-def records(path: Path, **match: Any) -> list[dict[str, Any]]:
-    """JSON-lines records of ``path`` whose fields equal ``match`` ([] while it is missing)."""
-    if not path.exists():
-        return []
-    return [r for r in read_jsonl(path) if all(r.get(k) == v for k, v in match.items())]
-
-
-def steps(path: Path) -> list[dict[str, Any]]:
-    return [r for r in records(path) if "event" not in r]
 
 
 class Procs:

@@ -13,12 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_certificate, minips_server
+from conftest import make_certificate, minips_server, records, steps, wait_for
 
 from minips.metrics import read_jsonl
 
@@ -103,6 +104,56 @@ def run_two_workers(netns: Namespace, proc: subprocess.Popen[str], port: str,
             if w.poll() is None:
                 w.kill()
                 w.communicate(timeout=30)
+
+
+def test_a_partitioned_worker_is_expired_the_others_go_on_and_it_rejoins_when_healed(
+        netns: Namespace, tmp_path: Path) -> None:
+    """The veth link goes down for 6 s (no FIN, no RST: a real partition) under a 2 s lease:
+    the group server expires the worker in the namespace and the one here trains on; the
+    partitioned worker, hearing nothing from its group server, drops the connection; once the
+    link is back it reconnects and trains to the end of the budget."""
+    lease = 2.0
+    env = {**os.environ, "MINIPS_TOKEN": TOKEN}
+    with minips_server(tmp_path, TOKEN, *SERVER, "--workers", "2", "--wall-s", "20",
+                       "--lease", str(lease), "--heartbeat", "0.5") as (proc, _, port):
+        workers = [
+            subprocess.Popen(netns.run(sys.executable, "-m", "minips", "worker", "--connect",
+                                       f"{netns.outside}:{port}", "--id", "0", "--run-dir",
+                                       str(tmp_path)), env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True),
+            subprocess.Popen([sys.executable, "-m", "minips", "worker", "--connect",
+                              f"127.0.0.1:{port}", "--id", "1", "--run-dir", str(tmp_path)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+        try:
+            wait_for("worker 0 trains", lambda: len(steps(tmp_path / "worker-0.jsonl")) >= 20,
+                     60, (proc, *workers))
+            ip("link", "set", f"{netns.name}o", "down")
+            down_at = time.time()
+            try:
+                expired = wait_for("the group expires worker 0", lambda: records(
+                    tmp_path / "group-0.jsonl", event="expired"), 20, (proc,))[0]
+                lost = wait_for("worker 0 leaves its silent group server", lambda: records(
+                    tmp_path / "worker-0.jsonl", event="group_lost"), 20, (proc,))[0]
+                during = len(steps(tmp_path / "worker-1.jsonl"))
+                wait_for("worker 1 trains on alone", lambda: len(
+                    steps(tmp_path / "worker-1.jsonl")) >= during + 20, 20, (proc,))
+                partitioned = len(steps(tmp_path / "worker-0.jsonl"))
+            finally:
+                ip("link", "set", f"{netns.name}o", "up")
+            up_at = time.time()
+            for w in workers:
+                out, _ = w.communicate(timeout=120)
+                assert w.returncode == 0, out[-2000:]
+            assert proc.wait(timeout=60) == 0
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                    w.communicate(timeout=30)
+    t0 = json.loads((tmp_path / "config.json").read_text())["t0"]
+    assert expired["workers"] == [0] and expired["t"] + t0 - down_at < lease + 2.5
+    assert "sent nothing" in lost["reason"] and lost["t"] + t0 - down_at < lease + 2.5
+    assert [r for r in steps(tmp_path / "worker-0.jsonl")[partitioned:] if r["t"] + t0 > up_at]
 
 
 def test_the_plain_client_steps_from_another_machine(netns: Namespace, tmp_path: Path) -> None:
