@@ -108,10 +108,11 @@ def run_two_workers(netns: Namespace, proc: subprocess.Popen[str], port: str,
 
 def test_a_partitioned_worker_is_expired_the_others_go_on_and_it_rejoins_when_healed(
         netns: Namespace, tmp_path: Path) -> None:
-    """The veth link goes down for 6 s (no FIN, no RST: a real partition) under a 2 s lease:
-    the group server expires the worker in the namespace and the one here trains on; the
-    partitioned worker, hearing nothing from its group server, drops the connection; once the
-    link is back it reconnects and trains to the end of the budget."""
+    """The veth link goes down (no FIN, no RST: a real partition) under a 2 s lease: the group
+    server expires the worker in the namespace and the one here trains on; the partitioned
+    worker, hearing nothing from its group server, drops the connection. Once the link is back
+    (after the other worker's 20 more steps) it reconnects and trains to the end of the
+    budget."""
     lease = 2.0
     env = {**os.environ, "MINIPS_TOKEN": TOKEN}
     with minips_server(tmp_path, TOKEN, *SERVER, "--workers", "2", "--wall-s", "20",
