@@ -7,7 +7,8 @@ dense transports take turns round by round and each figure comes from its median
   process, ACK, PULL, and the same vector back as WEIGHTS; bytes both ways / time (GB/s, 1e9).
 - gloo_gbps: the same tensor sent and received back with gloo send/recv, timed the same way.
 - raw_gbps: the same bytes both ways over a blocking socket pair (sendall / recv_into), in
-  writes and reads of minips' sizes (transport.WRITE_BYTES, protocol.DIRECT_READ_BYTES).
+  writes and reads of minips' sizes (transport.WRITE_BYTES, protocol.DIRECT_READ_BYTES), with
+  the socket options minips sets (4 MiB SO_SNDBUF / SO_RCVBUF, TCP_NODELAY).
 - ratio_vs_gloo, ratio_vs_raw: dense_gbps over the two above.
 - gloo_vs_raw: how close gloo comes to the bare socket (the ceiling of every transport here).
 - rtt_*, echo_rtt_*, hop_rtt_*, floor_rtt_*: see bench_rtt.py (a sparse PUSH and its ACK vs a
@@ -92,11 +93,19 @@ def raw_server(port_q: Any, nbytes: int, rounds: int) -> None:
     with socket.create_server(("127.0.0.1", 0)) as lsock:
         port_q.put(lsock.getsockname()[1])
         conn, _ = lsock.accept()
+    tune(conn)
     buf = memoryview(bytearray(nbytes))
     with conn:
         for _ in range(rounds):
             recv_exactly(conn, buf)
             send_all(conn, buf)
+
+
+def tune(sock: socket.socket) -> None:
+    """The socket options a minips connection sets (channel._tune): like for like."""
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, t.SOCKET_BUFFER_BYTES)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def send_all(sock: socket.socket, buf: memoryview) -> None:
@@ -121,7 +130,7 @@ class RawDense:
         self.send = memoryview(bytearray(os.urandom(16)) * (nbytes // 16))
         self.back = memoryview(bytearray(nbytes))
         self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(self.sock)
 
     def round(self) -> float:
         began = time.perf_counter()
