@@ -63,8 +63,10 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--eval-limit", "eval_limit", int, "test samples per evaluation (0 = all)"),
     ("--alpha", "gdtopk_alpha", float, "GDTopK ratio exponent"),
     ("--direction", "gdtopk_direction", str, "GDTopK: slower-more | slower-less"),
-    ("--lease", "lease_s", float, "a worker silent this long stops holding its group, s"),
-    ("--heartbeat", "heartbeat_s", float, "worker heartbeat period, s (at most lease / 2)"),
+    ("--lease", "lease_s", float, "a worker silent this long stops holding its group; a "
+     "silent group server or group process is dropped, s"),
+    ("--heartbeat", "heartbeat_s", float, "HEARTBEAT period of workers and group servers, s "
+     "(at most lease / 2)"),
 ]
 
 

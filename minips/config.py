@@ -78,8 +78,8 @@ class RunConfig:
     max_steps: int = 0  # per-worker cap on pushes; 0 = none (reference tests)
     eval_every_s: float = 5.0  # evaluator pull period
     eval_limit: int = 0  # test samples the evaluator uses; 0 = the whole test set
-    lease_s: float = 10.0  # a worker silent for this long no longer holds its group back
-    heartbeat_s: float = 2.0  # workers send HEARTBEAT this often, so a lease spans a few
+    lease_s: float = 10.0  # a peer silent this long is dropped (a worker: from its group's SSP)
+    heartbeat_s: float = 2.0  # workers and group servers send HEARTBEAT this often (< lease)
     train_size: int = 0  # training samples, for the epoch budget; 0 = known from the data set
     t0: float = 0.0  # unix time the run started (set by the global server)
 
