@@ -273,6 +273,11 @@ class Channel:
         return self._proto.closed.is_set()
 
     @property
+    def error(self) -> Exception | None:
+        """Why the connection ended, once it has (None while it is open)."""
+        return self._proto.error
+
+    @property
     def peername(self) -> Any:
         return self._transport.get_extra_info("peername")
 

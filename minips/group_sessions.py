@@ -15,6 +15,7 @@ closed: its group counts as lost, free for a replacement to adopt.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from minips.server import GlobalServer
 
 __all__ = ["external_group", "group_session"]
+
+log = logging.getLogger("minips.server")
 
 PENDING_POLL_S = 0.1  # how often the grouping looks for a group process that has not come yet
 
@@ -68,6 +71,10 @@ async def group_session(srv: GlobalServer, ch: Any) -> None:
         if handle is not None and handle.ch is ch:
             handle.ch = None
             srv.log("group_lost", group=handle.id)
+            if not (handle.final or srv.done):  # not the end of the run
+                log.warning("group %d: its group server %s is gone (%s); a new `minips group "
+                            "--connect` to this server takes the group over", handle.id,
+                            handle.address, ch.error or "connection closed")
 
 
 async def _adopt(srv: GlobalServer, ch: Any) -> GroupHandle | None:

@@ -24,7 +24,7 @@ Public API:
   one reader at a time), ``send_error(code, reason)``, ``set_alloc(alloc)``, ``peer_hello``,
   ``welcome_info``, ``worker_id``, ``last_recv`` (``loop.time()`` of the last bytes),
   ``bytes_sent``/``bytes_received``, ``start_heartbeat(interval)``,
-  ``start_silence_limit(seconds)`` (abort once the peer sent nothing that long),
+  ``start_silence_limit(seconds)`` (abort once the peer sent nothing that long), ``error``,
   ``close(leave=None)``, ``abort(reason)``.
 - ``Server``: ``host``, ``port``, ``stats`` (connections, accepted, refused, protocol_errors,
   limit_exceeded, read_timeouts, handshake_timeouts, handler_errors), ``channels``, ``close()``,

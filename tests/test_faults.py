@@ -302,6 +302,8 @@ def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group
             d / "global.jsonl", event="group_lost"), 30, (server,))
         t0 = json.loads((d / "config.json").read_text())["t0"]
         assert lost[0]["t"] + t0 - stopped_at < lease + 2.5
+        told = (d / "logs" / "server.log").read_text()  # what the operator sees on the console
+        assert "group 0: its group server" in told and "sent nothing for" in told
         for i in range(2):
             left = wait_for(f"worker {i} leaves the silent group server", lambda i=i: records(
                 d / f"worker-{i}.jsonl", event="group_lost"), 30, (server,))
@@ -319,6 +321,8 @@ def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group
     assert server.wait(timeout=90) == 0
     for w in workers:
         assert w.wait(timeout=30) == 0
+    # the replacement's goodbye at the end of the run is no loss: told once, about the silent one
+    assert (d / "logs" / "server.log").read_text().count("its group server") == 1
 
 
 @pytest.mark.timeout(60)
