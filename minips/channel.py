@@ -19,9 +19,9 @@ Invariants:
   of both. Memory held for one connection is at most that plus one frame in progress.
 - ``recv`` has one reader at a time; a message reaches it with no queue hop beyond one future.
 
-Public API: ``Options``, ``Channel``, ``FrameProtocol`` (for ``transport.py``), and the
-constants ``READ_TIMEOUT_S``, ``SEND_TIMEOUT_S``, ``HANDSHAKE_TIMEOUT_S``, ``MAX_QUEUED``,
-``MAX_QUEUED_BYTES``, ``SOCKET_BUFFER_BYTES``.
+Public API: ``Options``, ``Channel``, ``FrameProtocol`` (for ``transport.py``),
+``tune_socket(sock, buffer_bytes)``, and the constants ``READ_TIMEOUT_S``, ``SEND_TIMEOUT_S``,
+``HANDSHAKE_TIMEOUT_S``, ``MAX_QUEUED``, ``MAX_QUEUED_BYTES``, ``SOCKET_BUFFER_BYTES``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "SOCKET_BUFFER_BYTES", "WRITE_BYTES",
-    "MAX_QUEUED", "MAX_QUEUED_BYTES", "Options", "FrameProtocol", "Channel",
+    "MAX_QUEUED", "MAX_QUEUED_BYTES", "Options", "FrameProtocol", "Channel", "tune_socket",
 ]
 
 log = logging.getLogger("minips.transport")
@@ -84,7 +84,9 @@ def _time_out(waiter: asyncio.Future[None]) -> None:
         waiter.set_exception(asyncio.TimeoutError())
 
 
-def _tune(sock: socket.socket, buffer_bytes: int) -> None:
+def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
+    """The options of every minips socket: kernel buffers of ``buffer_bytes`` (0: the kernel's
+    default) and, on TCP, no Nagle delay."""
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF) if buffer_bytes else ():
         sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
     if sock.family in (socket.AF_INET, socket.AF_INET6):  # small frames leave at once
@@ -136,7 +138,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            _tune(sock, self.options.socket_buffer)
+            tune_socket(sock, self.options.socket_buffer)
         # Pause until everything is out of our hands: on TCP, until the kernel took every byte.
         # TLS transports pause when their buffer is >= the high mark, so 0 would pause after every
         # write, with nothing left to flush and no resume until the peer sends something: a

@@ -101,8 +101,8 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
                                  group=gs.group, token=cfg.token, timeout=timeout,
                                  retries=RECONNECT_ATTEMPTS, ssl=client_ssl(cfg.tls_ca))
-    # the global server closes a group connection that is silent for the lease
-    ch.start_heartbeat(RunConfig.from_info(ch.welcome_info).heartbeat_s)
+    run = RunConfig.from_info(ch.welcome_info)
+    ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease
     link = TcpLink(ch)
     assign = await ch.recv()
     if not isinstance(assign, protocol.Assign):
@@ -115,7 +115,7 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     if gs.group == int(assign.group) and gs.ready.is_set():
         gs.reload(weights, link)
     else:
-        gs.setup(int(assign.group), RunConfig.from_info(ch.welcome_info), weights, link,
+        gs.setup(int(assign.group), run, weights, link,
                  [int(w) for w in init.info.get("members", [])])
         gs.writer = RunDir(cfg.run_dir, t0=gs.run.t0).writer(f"group-{gs.group}")
         gs.open_membership = True  # late joiners are placed by the global server, not told here

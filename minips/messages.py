@@ -119,7 +119,6 @@ class _Schema:
     wire_checks: tuple[tuple[str, Check, Any, Any, Any], ...]  # those of the map's fields
     meta: tuple[str, ...]  # the fields in the msgpack map, in order
     meta_set: frozenset[str]
-    buffers: bool  # the class has a ``buffers`` field (its frames carry buffers)
 
 
 class _Schemas(dict[type, _Schema]):
@@ -131,8 +130,7 @@ class _Schemas(dict[type, _Schema]):
         checks = tuple((f.name, f.metadata["check"], *getattr(f.metadata["check"], "fast",
                                                                (None, 0, 0))) for f in fields)
         wire_checks = tuple(c for c in checks if c[0] in meta)
-        buffers = any(f.name == "buffers" for f in fields)
-        schema = self[cls] = _Schema(checks, wire_checks, meta, frozenset(meta), buffers)
+        schema = self[cls] = _Schema(checks, wire_checks, meta, frozenset(meta))
         return schema
 
 
@@ -255,7 +253,7 @@ class Error(Message):
     reason: str = _f(text(MAX_TEXT))
 
 
-MESSAGE_TYPES: dict[Kind, type[Message]] = {
+MESSAGE_TYPES: dict[int, type[Message]] = {  # Kind (an int) -> class
     cls.KIND: cls
     for cls in (Hello, Challenge, Auth, Welcome, Refuse, Assign, Stats, Push, Ack, Pull,
                 Weights, Heartbeat, Leave, Error)
@@ -277,12 +275,12 @@ def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Messa
     byte of the prefix) and the buffers (views the decoder made) need no check. ``kind`` is
     the prefix's byte (a ``Kind`` or its int).
     """
-    cls = MESSAGE_TYPES[kind]  # type: ignore[index]
+    cls = MESSAGE_TYPES[kind]
     schema = _SCHEMAS[cls]
     if meta.keys() != schema.meta_set:
         raise RemoteProtocolError(f"{cls.KIND.name} header map has the wrong keys",
                                   expected=sorted(schema.meta), got=sorted(map(str, meta)))
-    if nbuf and not schema.buffers:
+    if nbuf and kind not in WITH_BUFFERS:
         raise RemoteProtocolError(f"{cls.KIND.name} carries no buffers", expected=0, got=nbuf)
     for name, check, typ, lo, hi in schema.wire_checks:
         value = meta[name]
@@ -293,7 +291,7 @@ def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Messa
         except Invalid as e:
             raise RemoteProtocolError(f"invalid {cls.KIND.name}: {cls.__name__}.{name}: {e}",
                                       expected=str(e), got=meta[name]) from None
-    if schema.buffers:
+    if kind in WITH_BUFFERS:
         meta["buffers"] = ()  # the decoder sets the received buffers when the body is in
     elif cls is Hello:
         meta["version"] = version

@@ -46,6 +46,7 @@ from bench_rtt import (
 
 from minips import protocol as p
 from minips import transport as t
+from minips.channel import tune_socket
 
 
 def log(*args: Any) -> None:
@@ -93,19 +94,12 @@ def raw_server(port_q: Any, nbytes: int, rounds: int) -> None:
     with socket.create_server(("127.0.0.1", 0)) as lsock:
         port_q.put(lsock.getsockname()[1])
         conn, _ = lsock.accept()
-    tune(conn)
+    tune_socket(conn, t.SOCKET_BUFFER_BYTES)  # like for like with a minips connection
     buf = memoryview(bytearray(nbytes))
     with conn:
         for _ in range(rounds):
             recv_exactly(conn, buf)
             send_all(conn, buf)
-
-
-def tune(sock: socket.socket) -> None:
-    """The socket options a minips connection sets (channel._tune): like for like."""
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, opt, t.SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def send_all(sock: socket.socket, buf: memoryview) -> None:
@@ -130,7 +124,7 @@ class RawDense:
         self.send = memoryview(bytearray(os.urandom(16)) * (nbytes // 16))
         self.back = memoryview(bytearray(nbytes))
         self.sock = socket.create_connection(("127.0.0.1", port))
-        tune(self.sock)
+        tune_socket(self.sock, t.SOCKET_BUFFER_BYTES)
 
     def round(self) -> float:
         began = time.perf_counter()

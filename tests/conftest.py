@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import json
 import os
 import shutil
 import subprocess
@@ -107,6 +108,11 @@ def records(path: Path, **match: Any) -> list[dict[str, Any]]:
 def steps(path: Path) -> list[dict[str, Any]]:
     """The step records (no events) of a JSON-lines metrics file."""
     return [r for r in records(path) if "event" not in r]
+
+
+def run_t0(run_dir: Path) -> float:
+    """Unix time the run in ``run_dir`` started (config.json): a record's ``t`` counts from it."""
+    return float(json.loads((run_dir / "config.json").read_text())["t0"])
 
 
 @contextlib.contextmanager

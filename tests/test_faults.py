@@ -8,7 +8,6 @@ deadlines. Accuracy is measured on the final weights the server writes.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import records, steps, wait_for
+from conftest import records, run_t0, steps, wait_for
 
 from minips import checkpoint, data, models
 from minips.launch import write_init
@@ -159,9 +158,8 @@ def test_worker_stalled_past_its_lease_is_expired_in_time_then_rejoins(procs: Pr
     try:
         expired = wait_for("worker 1 expired",
                            lambda: records(d / "group-0.jsonl", event="expired"), 30, (server,))
-        t0 = json.loads((d / "config.json").read_text())["t0"]
         assert expired[0]["workers"] == [1]
-        delay = expired[0]["t"] + t0 - stopped_at
+        delay = expired[0]["t"] + run_t0(d) - stopped_at
         assert lease - 0.5 <= delay < lease + 2.5  # its last bytes: at most a heartbeat before
         before = len(steps(d / "worker-0.jsonl"))
         wait_for("worker 0 trains alone", lambda: len(steps(d / "worker-0.jsonl")) > before + 20,
@@ -300,7 +298,7 @@ def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group
     try:
         lost = wait_for("the silent group process is dropped", lambda: records(
             d / "global.jsonl", event="group_lost"), 30, (server,))
-        t0 = json.loads((d / "config.json").read_text())["t0"]
+        t0 = run_t0(d)
         assert lost[0]["t"] + t0 - stopped_at < lease + 2.5
         told = (d / "logs" / "server.log").read_text()  # what the operator sees on the console
         assert "group 0: its group server" in told and "sent nothing for" in told

@@ -8,6 +8,7 @@ skipped, saying why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,9 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_certificate, minips_server, records, steps, wait_for
-
-from minips.metrics import read_jsonl
+from conftest import make_certificate, minips_server, records, run_t0, steps, wait_for
 
 TOKEN = "netns-secret"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plain_client.py"
@@ -74,36 +73,46 @@ def test_workers_on_two_machines_train_through_a_server_on_every_interface(
     to the end of the budget and exit 0. (Before group servers followed the server's address,
     the one in the namespace was sent to 127.0.0.1: its own machine.)"""
     with minips_server(tmp_path, TOKEN, *SERVER, "--workers", "2",
-                       "--epochs", "0.2") as (proc, _, port):
-        run_two_workers(netns, proc, port, tmp_path)
+                       "--epochs", "0.2") as (proc, _, port), \
+            two_workers(netns, port, tmp_path) as workers:
+        all_exit_0(workers, proc)
     for w in (0, 1):
-        assert [r for r in read_jsonl(tmp_path / f"worker-{w}.jsonl") if "event" not in r]
-    merges = [r for r in read_jsonl(tmp_path / "global.jsonl") if r.get("event") == "merge"]
+        assert steps(tmp_path / f"worker-{w}.jsonl")
+    merges = records(tmp_path / "global.jsonl", event="merge")
     assert merges and merges[-1]["samples"] >= 0.2 * 60_000
     weights = np.load(tmp_path / "final_weights.npy")
     assert weights.shape == (61_706,) and np.isfinite(weights).all()
 
 
-def run_two_workers(netns: Namespace, proc: subprocess.Popen[str], port: str,
-                    run_dir: Path) -> None:
+@contextlib.contextmanager
+def two_workers(netns: Namespace, port: str,
+                run_dir: Path) -> Iterator[list[subprocess.Popen[str]]]:
+    """Worker 0 in the namespace, dialling the server's veth address, and worker 1 here,
+    dialling 127.0.0.1; those still running at the end are killed."""
     env = {**os.environ, "MINIPS_TOKEN": TOKEN}
-    remote = subprocess.Popen(netns.run(sys.executable, "-m", "minips", "worker", "--connect",
-                                        f"{netns.outside}:{port}", "--id", "0", "--run-dir",
-                                        str(run_dir)),
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    local = subprocess.Popen([sys.executable, "-m", "minips", "worker", "--connect",
-                              f"127.0.0.1:{port}", "--id", "1", "--run-dir", str(run_dir)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def worker(i: int, address: str) -> list[str]:
+        return [sys.executable, "-m", "minips", "worker", "--connect", f"{address}:{port}",
+                "--id", str(i), "--run-dir", str(run_dir)]
+
+    workers = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+               for cmd in (netns.run(*worker(0, netns.outside)), worker(1, "127.0.0.1"))]
     try:
-        for w in (remote, local):
-            out, _ = w.communicate(timeout=150)
-            assert w.returncode == 0, out[-2000:]
-        assert proc.wait(timeout=60) == 0
+        yield workers
     finally:
-        for w in (remote, local):
+        for w in workers:
             if w.poll() is None:
                 w.kill()
                 w.communicate(timeout=30)
+
+
+def all_exit_0(clients: list[subprocess.Popen[str]], server: subprocess.Popen[str]) -> None:
+    """The clients (workers, group processes), then the server, end the run with status 0."""
+    for c in clients:
+        out, _ = c.communicate(timeout=150)
+        assert c.returncode == 0, out[-2000:]
+    assert server.wait(timeout=60) == 0
 
 
 def test_a_partitioned_worker_is_expired_the_others_go_on_and_it_rejoins_when_healed(
@@ -114,44 +123,27 @@ def test_a_partitioned_worker_is_expired_the_others_go_on_and_it_rejoins_when_he
     (after the other worker's 20 more steps) it reconnects and trains to the end of the
     budget."""
     lease = 2.0
-    env = {**os.environ, "MINIPS_TOKEN": TOKEN}
     with minips_server(tmp_path, TOKEN, *SERVER, "--workers", "2", "--wall-s", "20",
-                       "--lease", str(lease), "--heartbeat", "0.5") as (proc, _, port):
-        workers = [
-            subprocess.Popen(netns.run(sys.executable, "-m", "minips", "worker", "--connect",
-                                       f"{netns.outside}:{port}", "--id", "0", "--run-dir",
-                                       str(tmp_path)), env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True),
-            subprocess.Popen([sys.executable, "-m", "minips", "worker", "--connect",
-                              f"127.0.0.1:{port}", "--id", "1", "--run-dir", str(tmp_path)],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+                       "--lease", str(lease), "--heartbeat", "0.5") as (proc, _, port), \
+            two_workers(netns, port, tmp_path) as workers:
+        wait_for("worker 0 trains", lambda: len(steps(tmp_path / "worker-0.jsonl")) >= 20,
+                 60, (proc, *workers))
+        ip("link", "set", f"{netns.name}o", "down")
+        down_at = time.time()
         try:
-            wait_for("worker 0 trains", lambda: len(steps(tmp_path / "worker-0.jsonl")) >= 20,
-                     60, (proc, *workers))
-            ip("link", "set", f"{netns.name}o", "down")
-            down_at = time.time()
-            try:
-                expired = wait_for("the group expires worker 0", lambda: records(
-                    tmp_path / "group-0.jsonl", event="expired"), 20, (proc,))[0]
-                lost = wait_for("worker 0 leaves its silent group server", lambda: records(
-                    tmp_path / "worker-0.jsonl", event="group_lost"), 20, (proc,))[0]
-                during = len(steps(tmp_path / "worker-1.jsonl"))
-                wait_for("worker 1 trains on alone", lambda: len(
-                    steps(tmp_path / "worker-1.jsonl")) >= during + 20, 20, (proc,))
-                partitioned = len(steps(tmp_path / "worker-0.jsonl"))
-            finally:
-                ip("link", "set", f"{netns.name}o", "up")
-            up_at = time.time()
-            for w in workers:
-                out, _ = w.communicate(timeout=120)
-                assert w.returncode == 0, out[-2000:]
-            assert proc.wait(timeout=60) == 0
+            expired = wait_for("the group expires worker 0", lambda: records(
+                tmp_path / "group-0.jsonl", event="expired"), 20, (proc,))[0]
+            lost = wait_for("worker 0 leaves its silent group server", lambda: records(
+                tmp_path / "worker-0.jsonl", event="group_lost"), 20, (proc,))[0]
+            during = len(steps(tmp_path / "worker-1.jsonl"))
+            wait_for("worker 1 trains on alone", lambda: len(
+                steps(tmp_path / "worker-1.jsonl")) >= during + 20, 20, (proc,))
+            partitioned = len(steps(tmp_path / "worker-0.jsonl"))
         finally:
-            for w in workers:
-                if w.poll() is None:
-                    w.kill()
-                    w.communicate(timeout=30)
-    t0 = json.loads((tmp_path / "config.json").read_text())["t0"]
+            ip("link", "set", f"{netns.name}o", "up")
+        up_at = time.time()
+        all_exit_0(workers, proc)
+    t0 = run_t0(tmp_path)
     assert expired["workers"] == [0] and expired["t"] + t0 - down_at < lease + 2.5
     assert "sent nothing" in lost["reason"] and lost["t"] + t0 - down_at < lease + 2.5
     assert [r for r in steps(tmp_path / "worker-0.jsonl")[partitioned:] if r["t"] + t0 > up_at]
@@ -201,16 +193,13 @@ def test_a_group_server_on_another_machine_serves_workers_here(netns: Namespace,
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True) for i in range(2)]
         try:
-            for p in (*workers, group):
-                out, _ = p.communicate(timeout=150)
-                assert p.returncode == 0, out[-2000:]
-            assert proc.wait(timeout=60) == 0
+            all_exit_0([*workers, group], proc)
         finally:
             for p in (*workers, group):
                 if p.poll() is None:
                     p.kill()
                     p.communicate(timeout=30)
-    groups = [r for r in read_jsonl(tmp_path / "global.jsonl") if r.get("event") == "groups"]
+    groups = records(tmp_path / "global.jsonl", event="groups")
     assert groups[0]["addresses"]["0"].startswith(f"{netns.inside}:")
     for w in (0, 1):
-        assert [r for r in read_jsonl(tmp_path / f"worker-{w}.jsonl") if "event" not in r]
+        assert steps(tmp_path / f"worker-{w}.jsonl")

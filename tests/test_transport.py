@@ -281,6 +281,28 @@ def test_unreachable_address_gives_connection_error_within_timeout() -> None:
     run("asyncio", scenario())
 
 
+async def heartbeating_client(srv: t.Server) -> tuple[t.Channel, t.Channel]:
+    """A client that sends HEARTBEAT every 50 ms, and the server's side of its connection."""
+    ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, options=t.Options(heartbeat=0.05))
+    await until(lambda: len(srv.channels) == 1)
+    (server_side,) = srv.channels
+    return ch, server_side
+
+
+def silence_limited(errors: list[BaseException]) -> Callable[[t.Channel], Awaitable[None]]:
+    """A handler that limits its connection's silence to 0.3 s, then waits for a message;
+    ``errors`` gets why the connection ended, if it did."""
+
+    async def limited(ch: t.Channel) -> None:
+        ch.start_silence_limit(0.3)
+        try:
+            await ch.recv()
+        except ConnectionError as e:
+            errors.append(e)
+
+    return limited
+
+
 @LOOPS
 def test_heartbeats_refresh_last_recv_and_stop_on_close(loop: str) -> None:
     async def quiet(ch: t.Channel) -> None:
@@ -288,10 +310,7 @@ def test_heartbeats_refresh_last_recv_and_stop_on_close(loop: str) -> None:
 
     async def scenario() -> None:
         async with await start(handler=quiet) as srv:
-            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN,
-                                 options=t.Options(heartbeat=0.05))
-            await until(lambda: len(srv.channels) == 1)
-            (server_side,) = srv.channels
+            ch, server_side = await heartbeating_client(srv)
             first = server_side.last_recv
             await until(lambda: server_side.last_recv > first + 0.1)
             beat = ch._beat
@@ -326,19 +345,9 @@ def test_abort_wakes_a_waiting_recv_with_the_reason_and_the_server_sees_the_clos
 def test_silence_limit_keeps_a_heartbeating_peer_and_drops_a_silent_one(loop: str) -> None:
     errors: list[BaseException] = []
 
-    async def limited(ch: t.Channel) -> None:
-        ch.start_silence_limit(0.3)
-        try:
-            await ch.recv()
-        except ConnectionError as e:
-            errors.append(e)
-
     async def scenario() -> None:
-        async with await start(handler=limited) as srv:
-            beating = await t.connect("127.0.0.1", srv.port, token=TOKEN,
-                                      options=t.Options(heartbeat=0.05))
-            await until(lambda: len(srv.channels) == 1)
-            (kept,) = srv.channels
+        async with await start(handler=silence_limited(errors)) as srv:
+            beating, kept = await heartbeating_client(srv)
             first = kept.last_recv
             await until(lambda: kept.last_recv > first + 1.0)  # more than 3 limits later
             assert not kept.closed and not errors
@@ -356,19 +365,9 @@ def test_silence_limit_keeps_a_heartbeating_peer_and_drops_a_silent_one(loop: st
 def test_silence_limit_is_not_fooled_by_a_stall_of_our_own_loop(loop: str) -> None:
     errors: list[BaseException] = []
 
-    async def limited(ch: t.Channel) -> None:
-        ch.start_silence_limit(0.3)
-        try:
-            await ch.recv()
-        except ConnectionError as e:
-            errors.append(e)
-
     async def scenario() -> None:
-        async with await start(handler=limited) as srv:
-            beating = await t.connect("127.0.0.1", srv.port, token=TOKEN,
-                                      options=t.Options(heartbeat=0.05))
-            await until(lambda: len(srv.channels) == 1)
-            (kept,) = srv.channels
+        async with await start(handler=silence_limited(errors)) as srv:
+            beating, kept = await heartbeating_client(srv)
             time.sleep(0.8)  # the loop (server and peer alike) is held up past the limit
             first = kept.last_recv
             await until(lambda: kept.last_recv > first + 0.5)
