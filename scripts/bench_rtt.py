@@ -334,13 +334,15 @@ async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]
     return times
 
 
-def run_rtt(iters: int, cpu: int | None, server_cpu: int | None) -> dict[str, list[float]]:
+def run_rtt(iters: int, cpu: int | None, server_cpu: int | None,
+            minips_target: Callable[..., None] = minips_server) -> dict[str, list[float]]:
     """Round trips with the client on core ``cpu`` and the servers on ``server_cpu``
-    (None: unpinned)."""
+    (None: unpinned); ``minips_target`` runs the minips server process (rtt_breakdown.py swaps
+    it for variants)."""
     push = sparse_push()
     frame_len = sum(len(b) for b in p.encode(push))
     ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
-    servers = {"minips": start_server(minips_server, server_cpu, False),
+    servers = {"minips": start_server(minips_target, server_cpu, False),
                "echo": start_server(echo_server, server_cpu),
                "hop": start_server(hop_server, server_cpu, frame_len, ack),
                "floor": start_server(floor_server, server_cpu)}
