@@ -39,7 +39,8 @@ TOKEN_ENV = "MINIPS_TOKEN"
 RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--model", "model", str, "model name (lenet5, resnet9, resnet18, vgg19, ...)"),
     ("--dataset", "dataset", str, "data set (fashion-mnist, mnist, cifar10)"),
-    ("--data-dir", "data_dir", str, "directory of the data set files"),
+    ("--data-dir", "data_dir", str, "directory of the data set files (default: "
+     "~/.cache/minips/<name>, then system directories)"),
     ("--mode", "mode", str, "bsp | ssp | asp | gssp"),
     ("--compressor", "compressor", str, "none | fp16 | topk | dgc | randomk | gdtopk | losscomp"),
     ("--ratio", "ratio", float, "kept fraction of gradient coordinates (0..1]"),
@@ -74,9 +75,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="named set of defaults")
     p.add_argument("--copt", action="append", type=_key_value, metavar="KEY=VALUE",
                    help="compressor option, e.g. warmup_epochs=1 (repeatable)")
+    defaults = RunConfig()
     for flag, dest, typ, help_ in RUN_FLAGS:
+        shown = getattr(defaults, dest)  # the flag's own default is None: "not given"
         p.add_argument(flag, dest=dest, type=typ, default=None,
-                       help=f"{help_} (default {getattr(RunConfig(), dest)})")
+                       help=help_ if shown is None else f"{help_} (default {shown})")
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -199,10 +202,29 @@ def _add_plot(sub: Any) -> None:
     plt.add_argument("--out", help="where to write the PNGs (default: the first run dir)")
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless there is none to show (None, False,
+    or none at all as for --help) or the text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or "default" in text):
+            return text
+        return f"{text} (default %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A sub-command's parser: its help shows the defaults."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(formatter_class=_ShowDefaults, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `minips` argument parser with one sub-command per role."""
     p = argparse.ArgumentParser(prog="minips", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_local, _add_server, _add_group, _add_clients, _add_plot):
         add(sub)
     return p

@@ -42,6 +42,25 @@ def test_run_config_file_is_the_base(tmp_path: Path) -> None:
     assert (run.mode, run.workers) == ("asp", 5)
 
 
+def help_of(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines at any word
+
+
+def test_help_shows_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    worker = help_of("worker", capsys)
+    assert "connect timeout, s (default 10.0)" in worker
+    assert "link cap, bytes/s (default 0.0)" in worker  # a zero default is shown too
+    assert "HOST:PORT (default" not in worker  # --connect is required: no default
+    server = help_of("server", capsys)
+    assert "listen port (0 = any free) (default 7070)" in server
+    assert server.count("(default lenet5)") == 1  # run flags say theirs already
+    assert "(default None)" not in server and "(default False)" not in server
+    assert "(default: from the first worker)" in server
+    assert "HOST:PORT for workers (default 127.0.0.1:7071)" in help_of("group", capsys)
+
+
 def test_slowdowns_and_addresses() -> None:
     assert parse_slowdowns("1,1,2x2,4") == [1.0, 1.0, 2.0, 2.0, 4.0]
     assert parse_address("example.org:7000") == ("example.org", 7000)
