@@ -93,7 +93,7 @@ def wait_for(what: str, cond: Callable[[], Any], timeout: float,
         if got:
             return got
         for p in procs:
-            assert p.poll() is None, f"{p.args} exited with {p.returncode} while waiting: {what}"
+            assert p.poll() is None, f"{p.args!r} exited with {p.returncode} while waiting: {what}"
         assert time.monotonic() < deadline, f"timed out waiting: {what}"
         time.sleep(0.1)
 
