@@ -1,0 +1,104 @@
+"""Coverage-guided fuzzing of what a server does with a peer's bytes (needs `pip install atheris`,
+which is not a minips dependency; tests/test_protocol.py holds the same invariant with random and
+mutated frames on every run).
+
+Each input is cut in two at a point its first byte chooses and fed to a FrameDecoder; every PUSH
+or WEIGHTS it yields goes through the server's checks (``validation``) and the gradient decoder
+(``sparse_codec.decode_gradient``), and the whole input also through a server-side
+``Connection`` (state machine). The invariant: any bytes give messages or ``RemoteProtocolError``,
+never another exception; atheris stops at the first other one and writes the input to a file.
+
+Seeds: frames of every kind of gradient (sparse u32 and varint, f32 and f16, with and without lz4,
+dense) and of the other messages, written to CORPUS_DIR when it is empty.
+
+Usage: python scripts/fuzz_wire.py CORPUS_DIR -max_total_time=600 -max_len=200000
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import atheris
+
+with atheris.instrument_imports():
+    import numpy as np
+
+    from minips import protocol as p
+    from minips import sparse_codec, validation
+    from minips.errors import RemoteProtocolError
+
+N = 61_706  # LeNet-5's parameters: the size gradients are decoded against
+LIMITS = p.Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # small, to keep runs fast
+
+
+def frame(msg: p.Message, compress: bool = False) -> bytes:
+    return b"".join(p.encode(msg, compress=compress))
+
+
+def seeds() -> list[bytes]:
+    rng = np.random.default_rng(0)
+    grad = sparse_codec.SparseGrad(np.sort(rng.choice(N, 300, replace=False)).astype(np.uint32),
+                                   rng.standard_normal(300).astype(np.float32), N)
+    out = []
+    for index in ("u32", "varint"):
+        for value in ("f32", "f16"):
+            for lz4 in (False, True):
+                enc, codec, bufs = sparse_codec.encode_gradient(grad, value_dtype=value, lz4=lz4,
+                                                                index=index)
+                out.append(frame(p.Push(clock=3, encoding=enc, codec=codec, buffers=tuple(bufs)),
+                                 compress=lz4))
+    enc, codec, bufs = sparse_codec.encode_gradient(rng.standard_normal(N).astype(np.float32))
+    out.append(frame(p.Weights(version=1, encoding=enc, codec=codec, buffers=tuple(bufs),
+                               info={"a": [1, 2.0, "x"]})))
+    out.append(frame(p.Push(clock=0, encoding="dense-f32", buffers=(np.zeros(64, np.float32),),
+                            codec={"size": N, "stats": {"session": 1, "seq": 2, "samples": 5}})))
+    out.append(frame(p.Hello(nonce=bytes(32), capabilities=("a",), address="h:1")))
+    out.append(frame(p.Stats(clock=1, step_time=0.1, loss=2.0, samples=3)))
+    out.append(frame(p.Ack(clock=1, version=2)) + frame(p.Pull(clock=1)))
+    return [b"\x05" + s for s in out]  # first byte: where the input is cut in two
+
+
+def check(msg: p.Message) -> None:
+    """What a server does with a message before it uses it."""
+    if isinstance(msg, p.Stats):
+        validation.check_stats(msg)
+    if isinstance(msg, p.Push):
+        validation.check_push(msg)
+        validation.check_group_stats(msg.codec)
+    if isinstance(msg, (p.Push, p.Weights)):
+        sparse_codec.decode_gradient(msg.encoding, msg.codec, msg.buffers, N)
+
+
+def one_input(data: bytes) -> None:
+    cut, data = (data[0] % 64, data[1:]) if data else (0, data)
+    decoder = p.FrameDecoder(limits=LIMITS)
+    msgs: list[p.Message] = []
+    try:
+        msgs += decoder.feed(data[:cut])
+        msgs += decoder.feed(data[cut:])
+    except RemoteProtocolError:
+        pass
+    for msg in msgs:
+        try:
+            check(msg)
+        except RemoteProtocolError:
+            pass
+    try:
+        p.Connection(p.Side.SERVER, limits=LIMITS).receive(data)
+    except RemoteProtocolError:
+        pass
+
+
+def main() -> None:
+    corpus = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    if corpus and os.path.isdir(corpus) and not os.listdir(corpus):
+        for i, seed in enumerate(seeds()):
+            with open(os.path.join(corpus, f"seed{i}"), "wb") as f:
+                f.write(seed)
+    atheris.Setup(sys.argv, one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
