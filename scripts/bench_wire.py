@@ -8,7 +8,8 @@ dense transports take turns round by round and each figure comes from its median
 - gloo_gbps: the same tensor sent and received back with gloo send/recv, timed the same way.
 - raw_gbps: the same bytes both ways over a blocking socket pair (sendall / recv_into), in
   writes and reads of minips' sizes (transport.WRITE_BYTES, protocol.DIRECT_READ_BYTES), with
-  the socket options minips sets (4 MiB SO_SNDBUF / SO_RCVBUF, TCP_NODELAY).
+  the socket options minips sets (4 MiB SO_SNDBUF / SO_RCVBUF, TCP_NODELAY), between numpy
+  arrays as minips' are.
 - ratio_vs_gloo, ratio_vs_raw: dense_gbps over the two above.
 - gloo_vs_raw: how close gloo comes to the bare socket (the ceiling of every transport here).
 - rtt_*, echo_rtt_*, hop_rtt_*, floor_rtt_*: see bench_rtt.py (a sparse PUSH and its ACK vs a
@@ -95,7 +96,7 @@ def raw_server(port_q: Any, nbytes: int, rounds: int) -> None:
         port_q.put(lsock.getsockname()[1])
         conn, _ = lsock.accept()
     tune_socket(conn, t.SOCKET_BUFFER_BYTES)  # like for like with a minips connection
-    buf = memoryview(bytearray(nbytes))
+    buf = np.empty(nbytes, dtype=np.uint8).data  # numpy memory, as minips receives into
     with conn:
         for _ in range(rounds):
             recv_exactly(conn, buf)
@@ -121,8 +122,10 @@ class RawDense:
 
     def __init__(self, port: int) -> None:
         nbytes = DENSE_N * 4
-        self.send = memoryview(bytearray(os.urandom(16)) * (nbytes // 16))
-        self.back = memoryview(bytearray(nbytes))
+        # numpy memory on both ends, as minips sends from and receives into: large numpy
+        # arrays may get transparent huge pages, a bytearray does not (the copies run slower)
+        self.send = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).data
+        self.back = np.empty(nbytes, dtype=np.uint8).data
         self.sock = socket.create_connection(("127.0.0.1", port))
         tune_socket(self.sock, t.SOCKET_BUFFER_BYTES)
 
