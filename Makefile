@@ -30,4 +30,4 @@ test: install data
 
 lint: install
 	$(BIN)/ruff check minips tests scripts examples
-	$(BIN)/mypy minips
+	$(BIN)/mypy minips tests

@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
+from minips import protocol
 from minips.metrics import read_jsonl
 
 
@@ -153,3 +154,13 @@ def run_on(loop: str, coro: Coroutine[Any, Any, Any], timeout: float = 20.0) -> 
         return ev.run_until_complete(asyncio.wait_for(coro, timeout))
     finally:
         ev.close()
+
+
+M = TypeVar("M", bound=protocol.Message)
+
+
+async def recv_as(ch: Any, kind: type[M], timeout: float = 10.0) -> M:
+    """The next message on channel ``ch`` within ``timeout`` seconds; it must be a ``kind``."""
+    msg = await asyncio.wait_for(ch.recv(), timeout)
+    assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
+    return msg

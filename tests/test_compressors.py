@@ -5,6 +5,7 @@ LossComp's votes and kept fraction moving the documented way."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -59,7 +60,7 @@ def test_fp16_keeps_the_rounding_error() -> None:
 
 @pytest.mark.parametrize("name", ["topk", "dgc", "gdtopk", "losscomp"])
 def test_magnitude_compressors_hand_computed(name: str) -> None:
-    opts = {"warmup_epochs": 0} if name == "gdtopk" else {}
+    opts: dict[str, Any] = {"warmup_epochs": 0} if name == "gdtopk" else {}
     c = make_compressor(name, 4, ratio=0.5, **opts)
     out = c.compress(vec(0.1, -3, 2, 0.5))
     assert isinstance(out, SparseGrad)
@@ -119,7 +120,7 @@ SPARSE_NAMES = sorted(set(COMPRESSORS) - {"none", "fp16"})  # value_dtype is the
     [(n, "f32") for n in sorted(COMPRESSORS)] + [(n, "f16") for n in SPARSE_NAMES],
 )
 def test_error_feedback_conserves_the_gradient_sum(name: str, value_dtype: str) -> None:
-    opts = {} if value_dtype == "f32" else {"value_dtype": "f16"}
+    opts: dict[str, Any] = {} if value_dtype == "f32" else {"value_dtype": "f16"}
     n, rng = 5000, np.random.default_rng(11)
     c = make_compressor(name, n, ratio=0.01, seed=2, **opts)
     grads = np.zeros(n, np.float64)

@@ -14,12 +14,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import records, run_t0, steps, wait_for
+from conftest import records, recv_as, run_t0, steps, wait_for
 
 from minips import checkpoint, data, models
 from minips.launch import write_init
@@ -303,8 +304,8 @@ def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group
         told = (d / "logs" / "server.log").read_text()  # what the operator sees on the console
         assert "group 0: its group server" in told and "sent nothing for" in told
         for i in range(2):
-            left = wait_for(f"worker {i} leaves the silent group server", lambda i=i: records(
-                d / f"worker-{i}.jsonl", event="group_lost"), 30, (server,))
+            left = wait_for(f"worker {i} leaves the silent group server", partial(
+                records, d / f"worker-{i}.jsonl", event="group_lost"), 30, (server,))
             assert "sent nothing" in left[0]["reason"]
             assert left[0]["t"] + t0 - stopped_at < lease + 2.5
         procs.start("group-replacement", *group_args)
@@ -438,7 +439,7 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
             assert isinstance(await asyncio.wait_for(good.recv(), 10), protocol.Weights)
             await good.send(protocol.Push(clock=clock + 1, samples=1, encoding=grad[0],
                                           codec=grad[1], buffers=tuple(grad[2])))
-            assert (await asyncio.wait_for(good.recv(), 10)).clock == clock + 1
+            assert (await recv_as(good, protocol.Ack)).clock == clock + 1
 
         deadline = asyncio.get_running_loop().time() + 20
         while gs.server.stats["read_timeouts"] < 1 or 2 in gs.channels or 1 in gs.channels:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import recv_as
 
 from minips import protocol, sparse, transport
 from minips.config import RunConfig
@@ -154,7 +155,7 @@ async def invalid_session(port: int, wid: int, make: Any) -> str:
     except ConnectionError:
         return "connect-failed"
     try:
-        ack = await asyncio.wait_for(ch.recv(), 5)  # the starting ACK: our clock
+        ack = await recv_as(ch, protocol.Ack, 5)  # the starting ACK: our clock
         try:
             await ch.send(protocol.Pull(clock=ack.clock))
             assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Weights)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import recv_as
 
 from minips import protocol, sparse, transport
 from minips.config import RunConfig
@@ -147,7 +148,7 @@ async def test_wire_session_ack_pull_push_and_bad_clock() -> None:
                 await ch.send(protocol.Pull(clock=clock - 1))
                 assert isinstance(await ch.recv(), protocol.Weights)
             await ch.send(push(clock, vec(1, 1, 1)))
-            assert (await ch.recv()).clock == clock
+            assert (await recv_as(ch, protocol.Ack)).clock == clock
         await asyncio.wait_for(gs.flush(), 2)
         np.testing.assert_allclose(glob.weights, vec(-1, 0, 1))
         assert glob.stats[0]["pushes"] == 2

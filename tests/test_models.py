@@ -172,8 +172,9 @@ def test_evaluate_bn_model_with_recalibration() -> None:
     model = models.build_model("resnet9", 1)
     models.recalibrate_bn(model, ds, batches=2, batch_size=8)
     bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
-    assert int(bn.num_batches_tracked) == 2 and not torch.allclose(
-        bn.running_mean, torch.zeros_like(bn.running_mean))
+    mean, tracked = bn.running_mean, bn.num_batches_tracked
+    assert mean is not None and tracked is not None
+    assert int(tracked) == 2 and not torch.allclose(mean, torch.zeros_like(mean))
 
 
 @pytest.mark.timeout(120)

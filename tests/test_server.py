@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import until
+from conftest import recv_as, until
 
 from minips import protocol, roster, sparse, transport, validation
 from minips.config import RunConfig, ServerConfig, parse_address, reachable
@@ -95,7 +95,7 @@ async def test_on_every_interface_a_worker_reaches_its_group_where_it_reached_th
     ctl = await transport.connect("127.0.0.2", port, role="worker", worker_id=0, token=TOKEN)
     try:
         await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=2.3))
-        assign = await asyncio.wait_for(ctl.recv(), 5)
+        assign = await recv_as(ctl, protocol.Assign, 5)
         assert assign.address.startswith(":")
         host, gport = parse_address(reachable(assign.address, "127.0.0.2"))
         assert host == "127.0.0.2"
@@ -142,18 +142,19 @@ async def test_epoch_budget_ends_the_run_and_nothing_is_lost(tmp_path: Path) -> 
     await ch.recv()  # ACK with the starting clock
     for clock in (1, 2, 3):
         await ch.send(protocol.Pull(clock=clock - 1))
-        assert (await ch.recv()).done is False
+        assert (await recv_as(ch, protocol.Weights)).done is False
         await ch.send(push(clock, np.ones(2, np.float32)))
         await ch.recv()
     leave = await asyncio.wait_for(ctl.recv(), 5)  # budget: 3 samples = 1 epoch
     assert isinstance(leave, protocol.Leave) and leave.reason == "done"
     await ch.send(protocol.Pull(clock=3))
-    assert (await ch.recv()).done is True
+    assert (await recv_as(ch, protocol.Weights)).done is True
     await ch.close(leave="bye")
     await ctl.close(leave="bye")
     await asyncio.wait_for(srv.wait_finished(), 5)
     await srv.close()
-    np.testing.assert_allclose(srv.weights, [-3.0, -3.0])
+    assert srv.weights is not None
+    np.testing.assert_allclose(srv.weights, np.full(2, -3.0))
     assert srv.samples == 3 and srv.done_reason == "epochs"
     assert np.load(tmp_path / "final_weights.npy").tolist() == [-3.0, -3.0]
 
@@ -171,7 +172,7 @@ async def test_initial_weights_from_first_worker_and_evaluator_view(tmp_path: Pa
     ev = await transport.connect("127.0.0.1", port, role="evaluator", token=TOKEN)
     try:
         await ev.send(protocol.Pull(clock=0))
-        w = await asyncio.wait_for(ev.recv(), 5)
+        w = await recv_as(ev, protocol.Weights, 5)
         np.testing.assert_array_equal(np.frombuffer(w.buffers[0], np.float32), init)
         assert w.info["samples"] == 0 and "bytes_up" in w.info and w.done is False
     finally:

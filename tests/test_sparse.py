@@ -4,6 +4,8 @@ apply helpers and the sampled top-k selection, against hand-computed values and 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import lz4.block
 import numpy as np
@@ -107,7 +109,8 @@ def test_dense_round_trips(use_lz4: bool) -> None:
     x = np.random.default_rng(1).normal(size=1000).astype(np.float32)
     enc, codec, bufs = encode_gradient(x, lz4=use_lz4)
     assert enc == "dense-f32"
-    assert np.array_equal(decode_gradient(enc, codec, bufs, 1000), x)
+    dense = decode_gradient(enc, codec, bufs, 1000)
+    assert isinstance(dense, np.ndarray) and np.array_equal(dense, x)
     enc, codec, bufs = encode_gradient(x.astype(np.float16), lz4=use_lz4)
     assert enc == "dense-f16"
     out = decode_gradient(enc, codec, bufs, 1000)
@@ -136,7 +139,8 @@ def u32_packet(indices: list[int], k: int | None = None) -> tuple[str, dict, lis
     return "sparse-v1", codec, [idx.tobytes(), np.ones(len(indices), "<f4").tobytes()]
 
 
-BAD_PACKETS = {
+# (encoding, codec, buffers) of a bad packet; the codec may even be of a wrong type
+BAD_PACKETS: dict[str, Callable[[], tuple[str, Any, list[Any]]]] = {
     "index out of range (varint)": lambda: encode_gradient(sg([3, 100], [1.0, 2.0], 101)),
     "index out of range (u32)": lambda: u32_packet([1, 100]),
     "unsorted (u32)": lambda: u32_packet([5, 3]),
