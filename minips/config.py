@@ -231,14 +231,21 @@ class LaunchConfig:
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: an address to listen on only
 
 
-def parse_address(text: str, default_port: int = 7070) -> tuple[str, int]:
-    """'host:port', 'host', ':port' or '[v6]:port' → (host, port); raises ConfigError when
-    malformed."""
+def _split_address(text: str, default_port: int) -> tuple[str, str]:
+    """'host:port', 'host', ':port' or '[v6]:port' → (host without brackets, '' if none; port
+    text)."""
     host, sep, port = text.rpartition(":")
     if not sep or (text.startswith("[") and not host.endswith("]")):  # 'host' or '[v6]'
         host, port = text, str(default_port)
+    return host.removeprefix("[").removesuffix("]"), port
+
+
+def parse_address(text: str, default_port: int = 7070) -> tuple[str, int]:
+    """'host:port', 'host', ':port' or '[v6]:port' → (host, port), no host meaning 127.0.0.1;
+    raises ConfigError when malformed."""
+    host, port = _split_address(text, default_port)
     try:
-        return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
+        return host or "127.0.0.1", int(port)
     except ValueError:
         raise ConfigError(f"bad address {text!r}, expected HOST:PORT") from None
 
@@ -251,7 +258,7 @@ def format_address(host: str, port: int) -> str:
 def reachable(address: str, host: str) -> str:
     """``address`` ('host:port') with an empty or wildcard host replaced by ``host``, a host
     that is known to reach that machine."""
-    own = address.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    own = _split_address(address, 0)[0]
     return format_address(host, parse_address(address)[1]) if own in WILDCARD_HOSTS else address
 
 

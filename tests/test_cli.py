@@ -69,6 +69,7 @@ def test_slowdowns_and_addresses() -> None:
     assert format_address("::1", 82) == "[::1]:82" and format_address("h", 1) == "h:1"
     assert reachable("0.0.0.0:7071", "10.0.0.5") == "10.0.0.5:7071"
     assert reachable("[::]:7071", "fe80::1") == "[fe80::1]:7071"
+    assert reachable("myhost", "other") == "myhost"  # no port: not a wildcard host
     assert reachable("gpu-3:7071", "10.0.0.5") == "gpu-3:7071"  # a real name stays
     with pytest.raises(ConfigError):
         parse_slowdowns("1,zero")

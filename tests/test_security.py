@@ -17,12 +17,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_certificate, minips_server
+from conftest import make_certificate, minips_server, steps
 
 from minips import protocol, transport
 from minips.config import RunConfig, ServerConfig, check_bind, is_loopback
 from minips.errors import AuthError, ConfigError
-from minips.metrics import read_jsonl
 from minips.server import GlobalServer
 
 SECRET = "s3cret-token-that-must-never-be-logged"
@@ -127,8 +126,8 @@ def test_a_tls_cluster_trains_with_a_certificate_for_a_host_name(tmp_path: Path)
             timeout=150)
         assert worker.returncode == 0, worker.stderr[-2000:]
         assert server.wait(timeout=60) == 0
-    steps = [r for r in read_jsonl(tmp_path / "worker-0.jsonl") if "event" not in r]
-    assert len(steps) >= 0.1 * 60_000 / 64  # the whole budget, batches of at most 64
+    # the whole budget, batches of at most 64
+    assert len(steps(tmp_path / "worker-0.jsonl")) >= 0.1 * 60_000 / 64
 
 
 def test_eval_with_tls_is_refused_with_the_way_around(tmp_path: Path) -> None:

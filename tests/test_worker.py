@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import until
+from conftest import records, until
 
 from minips import data, models, protocol, reference, transport
 from minips.config import RunConfig, ServerConfig, WorkerConfig
@@ -166,8 +166,8 @@ async def test_an_unreachable_group_server_is_reported_once_while_retrying(
         async def server(ch: transport.Channel) -> None:
             assert isinstance(await ch.recv(), protocol.Stats)  # the calibration
             await ch.send(protocol.Assign(group=0, address=f":{dead}", ratio=0.01, staleness=3))
-            await until(lambda: any(r.get("event") == "group_unreachable"
-                                    for r in read_jsonl(tmp_path / "worker-0.jsonl")), 30)
+            await until(lambda: bool(records(tmp_path / "worker-0.jsonl",
+                                             event="group_unreachable")), 30)
             await ch.send(protocol.Leave(reason="done"))
             await ch.recv()
 
@@ -179,7 +179,6 @@ async def test_an_unreachable_group_server_is_reported_once_while_retrying(
         finally:
             srv.close()
             await srv.wait_closed()
-    events = [r for r in read_jsonl(tmp_path / "worker-0.jsonl")
-              if r.get("event") == "group_unreachable"]
+    events = records(tmp_path / "worker-0.jsonl", event="group_unreachable")
     assert len(events) == 1 and events[0]["address"] == f"127.0.0.1:{dead}"
     assert f"cannot reach group server 127.0.0.1:{dead}" in caplog.text
