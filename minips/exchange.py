@@ -16,7 +16,8 @@ merged, the delta lands once and the reconciliation above stays right (a repeat'
 it). Newer pushes go out with the exchange after that.
 
 Progress. ``cluster_samples()`` estimates how many samples all groups have trained on: the
-global server's count in the last reply plus this group's samples since then (for lr schedules).
+global server's count in the last reply plus this group's samples counted since the exchange it
+answered began (for lr schedules). With one group it is exact.
 
 Invariant: ``w_sync`` is the part of the group's weights that the global server is known to hold;
 ``pending`` is either None or the one exchange whose fate is unknown.
@@ -103,7 +104,8 @@ class Exchange:
         weights += res.weights - out.sent
         self.w_sync = res.weights
         self.pending = None
-        self.global_samples, self.samples_after = res.samples, 0
+        # the reply counts the samples up to ``out``; those counted since it began come on top
+        self.global_samples, self.samples_after = res.samples, self.since["samples"]
 
     def cluster_samples(self) -> int:
         """All groups' samples as of the last reply, plus this group's since then."""

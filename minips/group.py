@@ -3,10 +3,11 @@
 A group server accepts its workers' PULL / PUSH on its own port and applies their gradients to its
 copy of the weights with ``optim.SGD``. SSP inside the group: a PULL is answered only when
 ``ssp.ClockTable.may_start`` allows; BSP (staleness 0) averages the pushes of one clock
-(``ssp.Rounds``) and applies them once, other modes apply each push as it arrives with the
-learning rate divided by the number of live workers m of the group, so that one round of m pushes
-moves the weights as far as one BSP step (the modes then compare at one learning rate, and adding
-workers does not multiply the step size).
+(``ssp.Rounds``) and applies them once, at the lr of the round's place in the run (so W
+workers in BSP are synchronous SGD, schedule included: ``reference.train``); other modes apply
+each push as it arrives with the learning rate divided by the number of live workers m of the
+group, so that one round of m pushes moves the weights as far as one BSP step (the modes then
+compare at one learning rate, and adding workers does not multiply the step size).
 
 Every ``sync_every`` pushes the group exchanges with the global server through a ``GroupLink``
 (a direct call in-process, PUSH/WEIGHTS over TCP for a separate `minips group`); ``exchange.py``
@@ -80,6 +81,7 @@ class GroupServer:
         self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
         self.rounds: ssp.Rounds[Any] = ssp.Rounds()
         self.version = 0  # updates applied to self.weights
+        self.unapplied = 0  # samples pushed, not applied yet (a BSP round still open)
         self.global_version = 0  # global version seen at the last exchange
         self.counters = {"pushes": 0, "samples": 0}
         self.done = False  # budget spent; answer every PULL with done
@@ -136,12 +138,12 @@ class GroupServer:
         """Decode, account and apply (or queue, in BSP) one worker push; return the ACK."""
         grad = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, self.weights.size)
         self.table.push(w, msg.clock, self.now())
+        self._count(msg)
         if self.run.staleness_bound == 0:
-            self.rounds.add(msg.clock, grad)
+            self.rounds.add(msg.clock, (grad, msg.samples))
             self._apply_rounds()
         else:
-            self._apply(grad, len(self.table))
-        self._count(msg)
+            self._apply(grad, msg.samples, len(self.table))
         self._changed.set()
         if self.xchg.since["pushes"] >= self.run.sync_every:
             self.start_exchange()
@@ -151,30 +153,41 @@ class GroupServer:
         self.xchg.count(msg.samples, msg.step_time, msg.loss)
         self.counters["pushes"] += 1
         self.counters["samples"] += msg.samples
+        self.unapplied += msg.samples
 
     def _apply_rounds(self) -> None:
-        for _, grads in self.rounds.pop_complete(self.table.min_clock()):
-            self._apply(sparse.average(grads, self.weights.size))
+        """Apply each complete BSP round once: the mean of its gradients, one SGD step."""
+        for _, pushes in self.rounds.pop_complete(self.table.min_clock()):
+            grads = [g for g, _ in pushes]
+            self._apply(sparse.average(grads, self.weights.size), sum(n for _, n in pushes))
 
-    def _apply(self, grad: Any, share: int = 1) -> None:
-        """One SGD step; ``share`` > 1 applies 1/share of it (one push of a round of share)."""
-        self.opt.lr = self.run.lr * self._warmup() * self._decay() / max(1, share)
+    def _apply(self, grad: Any, samples: int, share: int = 1) -> None:
+        """One SGD step on ``samples`` samples; ``share`` > 1 applies 1/share of it (one push
+        of a round of share)."""
+        self.opt.lr = self.run.lr * self._lr_factor(samples) / max(1, share)
         self.opt.step(self.weights, grad)
         self.version += 1
+        self.unapplied -= samples
 
-    def _warmup(self) -> float:
-        """The lr warm-up over the cluster's first ``lr_warmup`` epochs, of which this group
-        sees its share (its live workers out of all workers)."""
-        share = max(1, len(self.table)) / max(1, self.run.workers)
-        ramp = self.run.lr_warmup * self.train_size * share
-        return optim.warmup_factor(self.counters["samples"] + self.run.batch_size, ramp)
-
-    def _decay(self) -> float:
-        """The lr schedule at the run's progress: the cluster's samples over the epochs budget."""
-        if self.run.lr_schedule == "constant":
+    def _lr_factor(self, samples: int) -> float:
+        """The warm-up and decay for an update of ``samples`` (``optim.lr_factor``), at the
+        run's samples before it: all pushes counted (exchange.py) less those not applied yet.
+        A group that is the whole cluster (bsp, ssp, asp) knows that count exactly, so BSP is
+        synchronous SGD step for step (``reference.train``). A GSSP group knows the others'
+        samples as of its last exchange, and warms up on its own samples over its share of
+        the cluster (its live workers out of all workers)."""
+        if not self.train_size:
             return 1.0
+        ramp = self.run.lr_warmup * self.train_size
         budget = self.run.epochs * self.train_size
-        return optim.decay_factor(self.run.lr_schedule, self.xchg.cluster_samples() / budget)
+        seen = self.xchg.cluster_samples() - self.unapplied
+        if self.run.fixed_groups == 1:
+            return optim.lr_factor(self.run.lr_schedule, seen=seen, step=samples, ramp=ramp,
+                                   budget=budget)
+        share = max(1, len(self.table)) / max(1, self.run.workers)
+        own = self.counters["samples"] - self.unapplied
+        return (optim.warmup_factor((own + samples) / share, ramp)
+                * optim.decay_at(self.run.lr_schedule, seen, budget))
 
     # -- weights ----------------------------------------------------------------------------
 

@@ -26,7 +26,8 @@ import numpy as np
 
 from minips.errors import ConfigError
 
-__all__ = ["SGD", "SparseLike", "SCHEDULES", "warmup_factor", "decay_factor"]
+__all__ = ["SGD", "SparseLike", "SCHEDULES", "warmup_factor", "decay_factor",
+           "decay_at", "lr_factor"]
 
 SCHEDULES = ("constant", "cosine")  # lr schedules over the run's budget
 
@@ -111,7 +112,7 @@ class SGD:
         self.velocity = velocity.copy()
 
 
-def warmup_factor(samples: int, ramp_samples: float) -> float:
+def warmup_factor(samples: float, ramp_samples: float) -> float:
     """Linear learning-rate warm-up: the fraction of lr to use once ``samples`` have been seen,
     reaching 1 at ``ramp_samples`` (no warm-up when ``ramp_samples`` <= 0). Asynchronous pushes
     on stale weights with momentum blow up early in training; a ramp keeps them small."""
@@ -129,3 +130,18 @@ def decay_factor(schedule: str, progress: float) -> float:
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
     raise ConfigError(f"lr schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def decay_at(schedule: str, seen: float, budget: float) -> float:
+    """``decay_factor`` once ``seen`` of the run's ``budget`` samples were trained on (1 for
+    ``constant``, whatever the budget)."""
+    return 1.0 if schedule == "constant" else decay_factor(schedule, seen / budget)
+
+
+def lr_factor(schedule: str, *, seen: float, step: float, ramp: float, budget: float) -> float:
+    """The fraction of lr for one update of ``step`` samples after ``seen`` samples of the run:
+    the warm-up counts this update's samples (so the first update is not wasted), the decay
+    is taken before them (so the last update still moves); ``budget`` samples = the end of the
+    schedule. Synchronous SGD's step t of S samples has ``seen = t * S``, ``step = S``; the
+    group servers and ``reference.train`` both call this."""
+    return warmup_factor(seen + step, ramp) * decay_at(schedule, seen, budget)

@@ -10,8 +10,13 @@ What ``train`` does, exactly, so that N minips workers in BSP mode can reproduce
 3. Step t: every worker takes its next batch and computes ``g_k``, the gradient of
    ``models.batch_loss`` (mean over its batch) at ``w``; ``g = (g_0 + ... + g_{W-1}) / W``.
 4. SGD, torch.optim.SGD semantics (dampening 0, no Nesterov), in float32 numpy:
-   ``d = g + weight_decay * w``; ``v = momentum * v + d``; ``w = w - lr * v``.
+   ``d = g + weight_decay * w``; ``v = momentum * v + d``; ``w = w - lr_t * v``.
 5. ``steps`` steps, or ``epochs * min_k(len(shard_k) // batch_size)`` when ``epochs`` is given.
+6. The learning rate of step t (0, 1, ...), as the group servers set it:
+   ``lr_t = lr * optim.lr_factor(lr_schedule, seen=t*S, step=S, ramp=lr_warmup*train_size,
+   budget=total*S)`` with ``S = W * batch_size`` samples per step and ``total`` the number of
+   steps: a linear warm-up over ``lr_warmup`` epochs of ``train_size`` samples (default
+   ``len(dataset)``), then ``constant`` or a ``cosine`` decay to 0 at the end of the run.
 
 Batch-norm running statistics are not part of ``w`` (see models.py); the loop keeps the
 model's own, as a worker would.
@@ -27,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from minips import data, models
+from minips import data, models, optim
 from minips.errors import ConfigError
 
 __all__ = ["train", "sgd_step", "worker_streams"]
@@ -86,6 +91,9 @@ def train(
     workers: int = 1,
     test: data.Dataset | None = None,
     name: str | None = None,
+    lr_warmup: float = 0.0,
+    lr_schedule: str = "constant",
+    train_size: int = 0,
 ) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """Train and return (final flat weights (n,) float32, history).
 
@@ -93,7 +101,8 @@ def train(
     its class is not one of ``models``'). Give ``epochs`` or ``steps``. History has one record
     per epoch (and one at the end of a ``steps`` run that stops mid-epoch): epoch, step, mean
     training loss since the previous record, elapsed seconds, and test accuracy / loss when
-    ``test`` is given.
+    ``test`` is given. ``lr_warmup`` (epochs of ``train_size`` samples, 0 = ``len(dataset)``)
+    and ``lr_schedule`` set each step's lr as in item 6 of the module docstring.
     """
     if (epochs is None) == (steps is None):
         raise ConfigError("give exactly one of epochs= and steps=")
@@ -102,6 +111,8 @@ def train(
     name = name or _model_name(model)
     streams, per_epoch = worker_streams(dataset, workers, batch_size, seed)
     total = steps if steps is not None else int(epochs or 0) * per_epoch
+    per_step = workers * batch_size  # S: samples in one step, all workers together
+    ramp = lr_warmup * (train_size or len(dataset))  # warm-up length in samples
     w = models.get_flat(model)  # (n,) float32, the weights a server would hold
     v = np.zeros_like(w)  # (n,) float32 momentum buffer
     history: list[dict[str, Any]] = []
@@ -111,7 +122,9 @@ def train(
     for step in range(1, total + 1):
         models.set_flat(model, w)
         g, loss = _step_gradient(name, model, [next(s)[1:] for s in streams])
-        sgd_step(w, v, g, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        factor = optim.lr_factor(lr_schedule, seen=(step - 1) * per_step, step=per_step,
+                                 ramp=ramp, budget=total * per_step)
+        sgd_step(w, v, g, lr=lr * factor, momentum=momentum, weight_decay=weight_decay)
         losses.append(loss)
         if step % per_epoch == 0 or step == total:
             rec = {"epoch": step / per_epoch, "step": step, "train_loss": float(np.mean(losses)),

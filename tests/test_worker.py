@@ -90,6 +90,27 @@ async def test_two_workers_bsp_match_averaged_reference(tmp_path: Path,
 
 
 @pytest.mark.timeout(120)
+async def test_eight_workers_bsp_are_synchronous_sgd_with_the_lr_schedule(
+        tmp_path: Path, train_set: data.Dataset) -> None:
+    """8 workers in BSP, at 4 speeds, with momentum, weight decay, a warm-up and a cosine decay
+    over the budget reach the weights of the plain loop with the same schedule: one step per
+    round with the mean of the 8 gradients, at the lr of the round's place in the run."""
+    rounds, workers = 50, 8
+    run = RunConfig(mode="bsp", compressor="none", workers=workers, momentum=0.9,
+                    weight_decay=5e-4, lr=0.05, lr_warmup=0.3, lr_schedule="cosine",
+                    epochs=1.0, train_size=rounds * workers * 64,  # the budget ends with round 50
+                    max_steps=rounds, base_step_s=0.001, calib_steps=1, eval_every_s=0.5)
+    srv = await run_cluster(run, tmp_path, slowdowns=[1, 1, 1.5, 1.5, 2, 2, 4, 4])
+    ref, _ = reference.train(run.model, train_set, lr=run.lr, seed=run.seed, steps=rounds,
+                             workers=workers, momentum=run.momentum,
+                             weight_decay=run.weight_decay, lr_warmup=run.lr_warmup,
+                             lr_schedule=run.lr_schedule, train_size=run.train_size)
+    assert srv.weights is not None and srv.samples == rounds * workers * 64
+    # float32 sums of the 8 gradients in arrival order: ~1e-6 apart after 50 rounds
+    np.testing.assert_allclose(srv.weights, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
 async def test_worker_records_and_evaluator(tmp_path: Path) -> None:
     run = RunConfig(mode="ssp", staleness=1, compressor="topk", ratio=0.05, workers=2,
                     max_steps=15, base_step_s=0.01, calib_steps=1, eval_every_s=0.1,
