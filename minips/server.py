@@ -10,8 +10,9 @@ LEAVE; learns its group from ASSIGN), ``group`` (a separate `minips group` proce
 delta, get WEIGHTS) or ``evaluator`` (PULL the global weights every few seconds).
 
 A run goes: workers connect and report their calibrated step time (STATS at clock 0); when all
-``run.workers`` reported (or ``calib_timeout_s`` passed) the server clusters the step times
-into groups (one group for bsp/ssp/asp, ``grouping.assign_groups`` for gssp), starts one
+``run.workers`` reported (or ``calib_timeout_s`` passed: at once if anyone reported, else at the
+first STATS after it; a later worker is placed after its first STATS) the server clusters the
+step times into groups (one group for bsp/ssp/asp, ``grouping.assign_groups`` for gssp), starts one
 ``GroupServer`` per group on its own port (or hands the groups to the connected external group
 servers) and sends every worker ASSIGN(group address, ratio, staleness). Later STATS update the
 group step times; with GDTopK a changed ratio is sent as a new ASSIGN.
@@ -87,6 +88,7 @@ class GlobalServer:
         self.evaluated_final = asyncio.Event()
         self.weights_ready = asyncio.Event()
         self.grouped = asyncio.Event()
+        self.calib_expired = False  # calib_timeout_s passed: the next STATS forms the groups
         self.groups_opened = asyncio.Event()  # every group has its handle (ch may be None)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
@@ -175,19 +177,33 @@ class GlobalServer:
         """A worker's measured speed: form the groups, place it, regroup or update ratios."""
         entry.step_time, entry.clock = float(msg.step_time), int(msg.clock)
         if not self.grouped.is_set():
-            if self.roster.all_reported():
+            if self.calib_expired or self.roster.all_reported():
                 self.spawn(self._form_groups())
         elif entry.group < 0:
-            self.spawn(self.assign(entry, self.roster.place_late(entry)))
+            self.spawn(self._place_late(entry))
         elif (new := self.roster.maybe_regroup(time.monotonic())) is not None:
             self.spawn(self._regroup(new))
         else:
             self._update_ratios()
 
     async def _grouping_deadline(self) -> None:
+        """After calib_timeout_s, group whoever reported; with nobody yet, the first STATS will
+        (on_stats), so a server started before its workers does not wait for all of them."""
         await asyncio.sleep(self.cfg.calib_timeout_s)
-        if not self.grouped.is_set() and any(e.step_time for e in self.workers.values()):
+        if self.grouped.is_set():
+            return
+        self.calib_expired = True
+        reported = sorted(self.roster.step_times())
+        self.log("calib_timeout", reported=reported, expected=self.run.workers)
+        if reported:
             await self._form_groups()
+
+    async def _place_late(self, entry: WorkerEntry) -> None:
+        """A worker whose first STATS came after the groups were drawn up: once they are open,
+        the group nearest its speed."""
+        await self.groups_opened.wait()
+        if entry.group < 0:
+            await self.assign(entry, self.roster.place_late(entry))
 
     # -- grouping ----------------------------------------------------------------------------
 
@@ -204,6 +220,8 @@ class GlobalServer:
             self.groups[g].step_time = float(np.mean([times[w] for w in members]))
         self.roster.set_ratios()
         self.started_training = time.time()
+        for w, g in assignment.items():  # before groups_opened: _place_late skips them
+            self.workers[w].group = g
         self.log("groups", assignment={str(w): g for w, g in assignment.items()},
                   ratios={str(g): h.ratio for g, h in self.groups.items()},
                   addresses={str(g): h.address for g, h in self.groups.items()})

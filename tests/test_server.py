@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import recv_as, until
+from conftest import minips_server, records, recv_as, until
 
 from minips import protocol, roster, sparse, transport, validation
 from minips.config import RunConfig, ServerConfig, parse_address, reachable
@@ -288,6 +288,37 @@ class ReplyLost:
             self.lost += 1
             raise ConnectionResetError("reply lost")
         return res
+
+
+@pytest.mark.timeout(60)
+async def test_workers_after_the_calibration_deadline_are_assigned_after_their_first_stats(
+        tmp_path: Path) -> None:
+    """protocol.md section 9, step 4, as a `minips server` process: nobody reported before
+    --calib-timeout, so the first worker to come is grouped right after its first STATS, and
+    a later one after its own; neither waits for the third worker --workers expects."""
+    init = tmp_path / "w.npy"
+    np.save(init, np.zeros(4, np.float32))
+    with minips_server(tmp_path, TOKEN, "--workers", "3", "--calib-timeout", "0.2", "--init",
+                       str(init), "--mode", "asp") as (_, host, port):
+        await until(lambda: bool(records(tmp_path / "global.jsonl", event="calib_timeout")), 20)
+        chans = []
+        try:
+            for w in (0, 1):
+                chans.append(await transport.connect(host, int(port), role="worker",
+                                                     worker_id=w, token=TOKEN))
+                await chans[-1].send(protocol.Stats(clock=0, step_time=0.01, loss=2.3))
+                assign = await recv_as(chans[-1], protocol.Assign)
+                assert assign.group == 0 and assign.staleness == -1  # asp: one group, no bound
+            ghost, gport = parse_address(reachable(assign.address, host))
+            chans.append(await transport.connect(ghost, gport, role="worker", worker_id=1,
+                                                 token=TOKEN, group=assign.group))
+            await recv_as(chans[-1], protocol.Ack)  # the group server takes the late worker
+        finally:
+            for ch in chans:
+                await ch.close()
+    deadline = records(tmp_path / "global.jsonl", event="calib_timeout")
+    assert deadline[0]["reported"] == [] and deadline[0]["expected"] == 3
+    assert records(tmp_path / "global.jsonl", event="groups")[0]["assignment"] == {"0": 0}
 
 
 async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> None:
