@@ -143,3 +143,15 @@ def test_decay_factor_constant_and_cosine_by_hand() -> None:
     assert decay_factor("cosine", -0.1) == 1.0
     with pytest.raises(ConfigError, match="schedule"):
         decay_factor("step", 0.5)
+
+
+def test_lr_factor_warms_up_with_the_update_and_decays_before_it() -> None:
+    """Synchronous SGD of 4 steps of 512 samples, warm-up over 1024, cosine over 2048: the warm-up
+    counts each step's own samples, the decay is read before them, so no step is wasted."""
+    from minips.optim import lr_factor
+
+    factors = [lr_factor("cosine", seen=t * 512, step=512, ramp=1024, budget=2048)
+               for t in range(4)]
+    expected = [0.5 * 1.0, 1.0 * 0.5 * (1 + 2**-0.5), 1.0 * 0.5, 1.0 * 0.5 * (1 - 2**-0.5)]
+    assert factors == pytest.approx(expected)
+    assert lr_factor("constant", seen=10, step=5, ramp=0, budget=0) == 1.0  # no budget needed
