@@ -1,0 +1,248 @@
+"""Server capacity: how many workers one global server (and its group servers) carries.
+
+For each model size (LeNet-5: 61,706 parameters; ResNet-18: 11,173,962), each push density
+(1% sparse-v1, dense) and each count of connected workers, this script starts a real
+`minips server` (GSSP, up to --groups in-process group servers, no staleness bound in
+practice so idle workers hold no one back) and several client processes
+(scripts/bench_server_clients.py: asyncio, no torch). Up to --max-active of the workers are
+active: PULL -> WEIGHTS, PUSH -> ACK every --step-s seconds; the rest are connected and idle
+(heartbeats only). Once every worker is in its loop the script measures --window-s seconds:
+
+  pushes_s, push_bytes_s, pull_bytes_s     operations that ended inside the window
+  push_ack_p50/p99_ms, pull_p50/p99_ms     push -> ACK, PULL -> WEIGHTS as the clients saw them
+  server_cpu, clients_cpu                  CPU seconds per second (1.0 = one core busy)
+  server_rss_mb                            at the end of the window
+
+The clients run on the same cores as the server: clients_cpu says how much of the machine they
+took, so a point where server_cpu is well under 1 while clients_cpu fills the rest is limited by
+the clients, not the server (the server is one asyncio loop: it can use one core).
+
+Usage: flock /tmp/minips-bench.lock python scripts/bench_server.py --json [--chart docs/img/x.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MODELS = {"lenet5": 61_706, "resnet18": 11_173_962}  # flat parameter counts
+CLIENTS = Path(__file__).with_name("bench_server_clients.py")
+READY_TIMEOUT_S = 240.0  # every worker connected, assigned and stepping
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, seconds (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def start_server(tmp: Path, model: str, workers: int, args: argparse.Namespace,
+                 env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    init = tmp / f"{model}.npy"
+    if not init.exists():
+        np.save(init, np.random.default_rng(0).normal(0, 0.05, MODELS[model]).astype(np.float32))
+    ready = tmp / f"ready-{model}-{workers}"
+    ready.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "minips", "server", "--port", "0", "--quiet",
+           "--ready-file", str(ready), "--init", str(init), "--run-dir", str(tmp / "run"),
+           "--model", model, "--workers", str(workers), "--mode", "gssp",
+           "--groups", str(min(args.groups, workers)), "--staleness", "1000000",
+           "--compressor", "topk", "--checkpoint-every", "0", "--calib-timeout", "600",
+           "--lease", "60", "--heartbeat", "2"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server did not start: {cmd}")
+        time.sleep(0.05)
+    host, port = ready.read_text().split()
+    return proc, f"{host}:{port}"
+
+
+def start_clients(address: str, size: int, ratio: float, workers: int, active: int,
+                  args: argparse.Namespace, env: dict[str, str]) -> list[subprocess.Popen[str]]:
+    procs = []
+    n = min(args.clients, workers)
+    for c in range(n):
+        ids = list(range(c, workers, n))
+        cmd = [sys.executable, str(CLIENTS), "--connect", address, "--size", str(size),
+               "--ratio", str(ratio), "--step-s", str(args.step_s),
+               "--ids", ",".join(map(str, ids)),
+               "--active", ",".join(str(w) for w in ids if w < active)]
+        procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True))
+    return procs
+
+
+def wait_ready(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:  # readline blocks; the clients' own connect timeouts bound it
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError(f"client did not get ready: {line!r} (exit {p.poll()})")
+
+
+def measure(server: subprocess.Popen[bytes], procs: list[subprocess.Popen[str]],
+            window: float, profile: str | None) -> dict[str, Any]:
+    pids = [p.pid for p in procs]
+    spy = None
+    if profile:  # py-spy samples the server through the window (collapsed stacks)
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(server.pid), "--nonblocking",
+                                "--duration", str(int(window)), "--format", "raw", "-o", profile],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0, s0, c0 = time.monotonic(), cpu_seconds(server.pid), sum(map(cpu_seconds, pids))
+    time.sleep(window)
+    t1, s1, c1 = time.monotonic(), cpu_seconds(server.pid), sum(map(cpu_seconds, pids))
+    rss = rss_mb(server.pid)
+    if spy is not None:
+        spy.wait(timeout=60)
+    results = []
+    for p in procs:
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write(f"{t0} {t1}\n")
+        p.stdin.flush()
+    for p in procs:
+        assert p.stdout is not None
+        results.append(json.loads(p.stdout.readline()))
+    return summarize(results, t1 - t0, (s1 - s0) / (t1 - t0), (c1 - c0) / (t1 - t0), rss)
+
+
+def summarize(results: list[dict[str, Any]], span: float, server_cpu: float,
+              clients_cpu: float, rss: float) -> dict[str, Any]:
+    push = np.array([x for r in results for x in r["push_ms"]])
+    pull = np.array([x for r in results for x in r["pull_ms"]])
+
+    def pct(a: np.ndarray, q: float) -> float | None:
+        return round(float(np.percentile(a, q)), 2) if a.size else None
+
+    return {"pushes_s": round(push.size / span, 1),
+            "push_bytes_s": round(sum(r["push_bytes"] for r in results) / span),
+            "pull_bytes_s": round(sum(r["pull_bytes"] for r in results) / span),
+            "push_ack_p50_ms": pct(push, 50), "push_ack_p99_ms": pct(push, 99),
+            "pull_p50_ms": pct(pull, 50), "pull_p99_ms": pct(pull, 99),
+            "server_cpu": round(server_cpu, 2), "clients_cpu": round(clients_cpu, 2),
+            "server_rss_mb": round(rss, 1)}
+
+
+def stop(procs: list[Any]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def point(tmp: Path, model: str, ratio: float, workers: int, args: argparse.Namespace,
+          env: dict[str, str]) -> dict[str, Any]:
+    """One figure: a fresh server and clients, the window, everything stopped."""
+    active = min(workers, args.max_active[model])
+    server, address = start_server(tmp, model, workers, args, env)
+    procs: list[Any] = []
+    t = time.monotonic()
+    try:
+        procs = start_clients(address, MODELS[model], ratio, workers, active, args, env)
+        wait_ready(procs)
+        setup_s = time.monotonic() - t
+        profile = args.profile and f"{args.profile}-{model}-{ratio}-{workers}.txt"
+        fig = measure(server, procs, args.window_s, profile)
+    finally:
+        stop(procs + [server])
+    return {"model": model, "params": MODELS[model], "ratio": ratio, "workers": workers,
+            "active": active, "setup_s": round(setup_s, 1), **fig}
+
+
+def knee(points: list[dict[str, Any]], model: str, ratio: float, limit_ms: float) -> int | None:
+    """The largest worker count with p99 push -> ACK under ``limit_ms`` (None: not even 1)."""
+    ok = [p["workers"] for p in points if p["model"] == model and p["ratio"] == ratio
+          and p["push_ack_p99_ms"] is not None and p["push_ack_p99_ms"] < limit_ms]
+    return max(ok) if ok else None
+
+
+def chart(points: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
+    for model in MODELS:
+        for ratio in sorted({p["ratio"] for p in points}):
+            sel = [p for p in points if p["model"] == model and p["ratio"] == ratio]
+            if not sel:
+                continue
+            label = f"{model} {'dense' if ratio >= 1 else f'{ratio:.0%}'}"
+            xs = [p["workers"] for p in sel]
+            ax1.plot(xs, [p["pushes_s"] for p in sel], marker="o", label=label)
+            ax2.plot(xs, [p["push_ack_p99_ms"] or float("nan") for p in sel], marker="o")
+    for ax, title in ((ax1, "pushes/s"), (ax2, "p99 push->ACK, ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("connected workers")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax2.axhline(50, color="grey", linestyle="--", linewidth=1)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON document (else lines)")
+    ap.add_argument("--models", default="lenet5,resnet18", help="models to measure")
+    ap.add_argument("--ratios", default="0.01,1", help="pushed fractions (1 = dense)")
+    ap.add_argument("--workers", default="1,4,16,64,256,1024", help="connected worker counts")
+    ap.add_argument("--max-active", default="lenet5=1024,resnet18=16",
+                    help="MODEL=N: at most N active workers, the rest idle")
+    ap.add_argument("--step-s", type=float, default=0.1, help="s between an active worker's steps")
+    ap.add_argument("--window-s", type=float, default=3.0, help="measured seconds per point")
+    ap.add_argument("--clients", type=int, default=3, help="client processes")
+    ap.add_argument("--groups", type=int, default=4, help="group servers (GSSP groups)")
+    ap.add_argument("--profile", help="py-spy the server: collapsed stacks to PREFIX-...txt")
+    ap.add_argument("--chart", help="write a PNG of pushes/s and p99 push->ACK here")
+    args = ap.parse_args()
+    args.max_active = {k: int(v) for k, v in (x.split("=") for x in args.max_active.split(","))}
+    env = {**os.environ, "MINIPS_TOKEN": secrets.token_hex(16),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    points = []
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as d:
+        for model in args.models.split(","):
+            for ratio in (float(r) for r in args.ratios.split(",")):
+                for n in (int(w) for w in args.workers.split(",")):
+                    points.append(point(Path(d), model, ratio, n, args, env))
+                    if not args.json:
+                        print(json.dumps(points[-1]), flush=True)
+    out = {"load_avg_start": os.getloadavg(), "step_s": args.step_s, "window_s": args.window_s,
+           "clients": args.clients, "points": points,
+           "knee_lenet5_1pct_p99_under_50ms": knee(points, "lenet5", 0.01, 50.0)}
+    if args.chart:
+        chart(points, args.chart)
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""One client process of scripts/bench_server.py: many lightweight workers on one asyncio loop.
+
+Each worker speaks the protocol as `minips worker` does (docs/protocol.md section 9), without
+torch: HELLO / AUTH on the global server, STATS until ASSIGN, then its group server (HELLO, the
+ACK that gives its start clock). An *active* worker then loops PULL -> WEIGHTS, PUSH -> ACK,
+one step every ``--step-s`` seconds (closed loop: a late step starts at once); its gradient is
+made up once (``--ratio`` of the ``--size`` coordinates, sparse-v1 with varint indices as a
+worker sends it, or dense-f32 at ratio 1). An *idle* worker stays connected and sends
+HEARTBEATs only, as a worker does while it computes.
+
+Protocol with the driver: one line ``ready`` on stdout once every worker of this process is in
+its loop; then it reads one line ``T_START T_END`` (time.monotonic, the same clock in every
+process on Linux) from stdin and prints one JSON line: the push -> ACK and PULL -> WEIGHTS
+latencies (ms) and the bytes of the operations that ended inside the window, then exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from minips import protocol, sparse, transport
+from minips.config import parse_address
+
+CONNECT_TIMEOUT_S = 120.0  # 1,024 handshakes on two busy cores take a while
+
+
+class Recorder:
+    """Latencies and bytes of finished operations, stamped with their end time."""
+
+    def __init__(self) -> None:
+        self.push: list[tuple[float, float, int]] = []  # (end, seconds, bytes sent)
+        self.pull: list[tuple[float, float, int]] = []  # (end, seconds, bytes received)
+
+    def window(self, t0: float, t1: float) -> dict[str, Any]:
+        push = [(s, b) for end, s, b in self.push if t0 <= end <= t1]
+        pull = [(s, b) for end, s, b in self.pull if t0 <= end <= t1]
+        return {"push_ms": [round(s * 1e3, 3) for s, _ in push],
+                "pull_ms": [round(s * 1e3, 3) for s, _ in pull],
+                "push_bytes": sum(b for _, b in push), "pull_bytes": sum(b for _, b in pull)}
+
+
+def made_up_gradient(size: int, ratio: float, seed: int) -> tuple[str, dict[str, Any], tuple]:
+    """The PUSH payload every step of one worker sends: k = ratio * size coordinates."""
+    rng = np.random.default_rng(seed)
+    if ratio >= 1:
+        return sparse.encode_gradient(rng.normal(0, 1e-4, size).astype(np.float32))
+    k = max(1, int(size * ratio))
+    idx = np.sort(rng.choice(size, k, replace=False)).astype(np.uint32)  # (k,) sorted unique
+    g = sparse.SparseGrad(idx, rng.normal(0, 1e-4, k).astype(np.float32), size)
+    enc, codec, bufs = sparse.encode_gradient(g)
+    return enc, codec, tuple(bufs)
+
+
+async def control(host: str, port: int, step_time: float, token: str) -> tuple[Any, Any]:
+    """The control session up to ASSIGN; returns (channel, ASSIGN)."""
+    ch = await transport.connect(host, port, role="worker", token=token,
+                                 timeout=CONNECT_TIMEOUT_S, retries=20)
+    ch.start_heartbeat(2.0)
+    await ch.send(protocol.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
+    while not isinstance(msg := await ch.recv(), protocol.Assign):
+        pass
+    return ch, msg
+
+
+async def worker(args: argparse.Namespace, w: int, active: bool, rec: Recorder,
+                 ready: asyncio.Queue[int], stop: asyncio.Event) -> None:
+    host, port = parse_address(args.connect)
+    ctl, assign = await control(host, port, 0.05 * (1 + w % 4), args.token)
+    ghost, gport = parse_address(assign.address)
+    grp = await transport.connect(ghost or host, gport, role="worker",
+                                  worker_id=int(ctl.worker_id), group=assign.group,
+                                  token=args.token, timeout=CONNECT_TIMEOUT_S, retries=20)
+    grp.start_heartbeat(2.0)
+    clock = (await grp.recv()).clock  # the ACK that says where this worker starts
+    if not active:
+        await ready.put(w)
+        await stop.wait()
+    else:
+        payload = made_up_gradient(args.size, args.ratio, seed=w)
+        await asyncio.sleep(random.uniform(0, args.step_s))  # no lock-step between workers
+        await steps(args, grp, clock, payload, rec, ready, stop, w)
+    await grp.close(leave="done")
+    await ctl.close(leave="done")
+
+
+async def steps(args: argparse.Namespace, grp: Any, clock: int, payload: tuple, rec: Recorder,
+                ready: asyncio.Queue[int], stop: asyncio.Event, w: int) -> None:
+    """PULL -> WEIGHTS, PUSH -> ACK, one step per ``step_s`` until ``stop``."""
+    enc, codec, bufs = payload
+    push_bytes = sum(b.nbytes if hasattr(b, "nbytes") else len(b) for b in bufs)
+    first = True
+    while not stop.is_set():
+        t0 = time.monotonic()
+        await grp.send(protocol.Pull(clock=clock, since=-1))
+        weights = await grp.recv()
+        t1 = time.monotonic()
+        rec.pull.append((t1, t1 - t0, sum(b.nbytes for b in weights.buffers)))
+        clock += 1
+        await grp.send(protocol.Push(clock=clock, step_time=0.05, loss=2.3, samples=32,
+                                     encoding=enc, codec=codec, buffers=bufs))
+        ack = await grp.recv()
+        t2 = time.monotonic()
+        assert isinstance(ack, protocol.Ack), ack
+        rec.push.append((t2, t2 - t1, push_bytes))
+        if first:
+            first = False
+            await ready.put(w)
+        await asyncio.sleep(max(0.0, t0 + args.step_s - time.monotonic()))
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    ids = [int(x) for x in args.ids.split(",") if x]
+    active = {int(x) for x in args.active.split(",") if x}
+    rec, ready, stop = Recorder(), asyncio.Queue[int](), asyncio.Event()
+    tasks = [asyncio.create_task(worker(args, w, w in active, rec, ready, stop)) for w in ids]
+    for _ in ids:
+        await ready.get()
+    print("ready", flush=True)
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    t0, t1 = (float(x) for x in line.split())
+    stop.set()
+    await asyncio.wait(tasks, timeout=30)
+    print(json.dumps(rec.window(t0, t1)), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--connect", required=True, help="global server HOST:PORT")
+    ap.add_argument("--ids", required=True, help="comma-separated bench worker numbers")
+    ap.add_argument("--active", default="", help="those of --ids that push (the rest idle)")
+    ap.add_argument("--size", type=int, required=True, help="model parameters")
+    ap.add_argument("--ratio", type=float, default=0.01, help="pushed fraction (1 = dense)")
+    ap.add_argument("--step-s", type=float, default=0.1, help="s between an active worker's steps")
+    args = ap.parse_args()
+    args.token = None  # from MINIPS_TOKEN
+    transport.install_uvloop()
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
