@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 install: $(BIN)/python
-	$(PIP) -e ".[torch,test,plot,dev]"
+	$(PIP) -e ".[torch,test,plot,dev,ray]"
 
 # Fashion-MNIST from Debian's package, when apt is there and the files are not.
 data:

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from minips import cli_ray
 from minips.config import (
     PRESETS,
     GroupConfig,
@@ -227,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_local, _add_server, _add_group, _add_clients, _add_plot):
         add(sub)
+    cli_ray.add_parser(sub, _add_run_flags)
     return p
 
 
@@ -308,8 +310,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ray(args: argparse.Namespace) -> int:
+    return cli_ray.command(args, run_config_from_args(args))
+
+
 COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
-            "worker": _cmd_worker, "evaluator": _cmd_evaluator, "plot": _cmd_plot}
+            "worker": _cmd_worker, "evaluator": _cmd_evaluator, "plot": _cmd_plot,
+            "ray": _cmd_ray}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
