@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import secrets
+import select
 import subprocess
 import sys
 import tempfile
@@ -92,12 +93,17 @@ def start_clients(address: str, size: int, ratio: float, workers: int, active: i
     return procs
 
 
-def wait_ready(procs: list[subprocess.Popen[str]]) -> None:
-    for p in procs:  # readline blocks; the clients' own connect timeouts bound it
+def wait_ready(procs: list[subprocess.Popen[str]], timeout_s: float) -> None:
+    """Until every client process said ``ready``; RuntimeError if one failed or took too long."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
         assert p.stdout is not None
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([p.stdout], [], [], left)[0]:
+            raise RuntimeError(f"clients not ready within {timeout_s:.0f} s")
         line = p.stdout.readline()
         if line.strip() != "ready":
-            raise RuntimeError(f"client did not get ready: {line!r} (exit {p.poll()})")
+            raise RuntimeError(f"client did not get ready: {line.strip()!r} (exit {p.poll()})")
 
 
 def measure(server: subprocess.Popen[bytes], procs: list[subprocess.Popen[str]],
@@ -163,10 +169,12 @@ def point(tmp: Path, model: str, ratio: float, workers: int, args: argparse.Name
     t = time.monotonic()
     try:
         procs = start_clients(address, MODELS[model], ratio, workers, active, args, env)
-        wait_ready(procs)
+        wait_ready(procs, READY_TIMEOUT_S)
         setup_s = time.monotonic() - t
         profile = args.profile and f"{args.profile}-{model}-{ratio}-{workers}.txt"
         fig = measure(server, procs, args.window_s, profile)
+    except RuntimeError as exc:  # the point failed (e.g. setup too slow): say so, go on
+        setup_s, fig = time.monotonic() - t, {"error": str(exc), "push_ack_p99_ms": None}
     finally:
         stop(procs + [server])
     return {"model": model, "params": MODELS[model], "ratio": ratio, "workers": workers,
@@ -180,32 +188,41 @@ def knee(points: list[dict[str, Any]], model: str, ratio: float, limit_ms: float
     return max(ok) if ok else None
 
 
-def chart(points: list[dict[str, Any]], path: str) -> None:
+def chart(points: list[dict[str, Any]], path: str,
+          baseline: list[dict[str, Any]] | None = None) -> None:
+    """pushes/s and p99 push->ACK against connected workers; ``baseline`` points dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
-    for model in MODELS:
-        for ratio in sorted({p["ratio"] for p in points}):
-            sel = [p for p in points if p["model"] == model and p["ratio"] == ratio]
-            if not sel:
-                continue
-            label = f"{model} {'dense' if ratio >= 1 else f'{ratio:.0%}'}"
-            xs = [p["workers"] for p in sel]
-            ax1.plot(xs, [p["pushes_s"] for p in sel], marker="o", label=label)
-            ax2.plot(xs, [p["push_ack_p99_ms"] or float("nan") for p in sel], marker="o")
+    for i, (model, ratio) in enumerate(sorted({(p["model"], p["ratio"]) for p in points})):
+        label = f"{model} {'dense' if ratio >= 1 else f'{ratio:.0%}'}"
+        for pts, style, suffix in ((points, "-", ""), (baseline or [], "--", " before")):
+            sel = [p for p in pts if p["model"] == model and p["ratio"] == ratio]
+            if sel:
+                xs = [p["workers"] for p in sel]
+                kw = {"color": f"C{i}", "linestyle": style, "marker": "o", "markersize": 3}
+                ax1.plot(xs, [p.get("pushes_s", float("nan")) for p in sel],
+                         label=label + suffix, **kw)
+                ax2.plot(xs, [p["push_ack_p99_ms"] or float("nan") for p in sel], **kw)
     for ax, title in ((ax1, "pushes/s"), (ax2, "p99 push->ACK, ms")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("connected workers")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    ax2.axhline(50, color="grey", linestyle="--", linewidth=1)
-    ax1.legend(fontsize=7)
+    ax2.axhline(50, color="grey", linestyle=":", linewidth=1)
+    ax1.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _load(files: str | None) -> list[dict[str, Any]]:
+    """The points of earlier --json outputs (comma-separated paths)."""
+    return [p for f in (files or "").split(",") if f
+            for p in json.loads(Path(f).read_text())["points"]]
 
 
 def main() -> int:
@@ -222,23 +239,29 @@ def main() -> int:
     ap.add_argument("--groups", type=int, default=4, help="group servers (GSSP groups)")
     ap.add_argument("--profile", help="py-spy the server: collapsed stacks to PREFIX-...txt")
     ap.add_argument("--chart", help="write a PNG of pushes/s and p99 push->ACK here")
+    ap.add_argument("--baseline", help="earlier --json outputs, FILE,...: drawn dashed, knee shown")
+    ap.add_argument("--replot", help="draw and summarise these --json outputs, FILE,... "
+                    "instead of measuring")
     args = ap.parse_args()
     args.max_active = {k: int(v) for k, v in (x.split("=") for x in args.max_active.split(","))}
     env = {**os.environ, "MINIPS_TOKEN": secrets.token_hex(16),
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    points = []
+    points, load0 = _load(args.replot), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-server-") as d:
-        for model in args.models.split(","):
+        for model in args.models.split(",") if not args.replot else ():
             for ratio in (float(r) for r in args.ratios.split(",")):
                 for n in (int(w) for w in args.workers.split(",")):
                     points.append(point(Path(d), model, ratio, n, args, env))
                     if not args.json:
                         print(json.dumps(points[-1]), flush=True)
-    out = {"load_avg_start": os.getloadavg(), "step_s": args.step_s, "window_s": args.window_s,
-           "clients": args.clients, "points": points,
+    out = {"load_avg_start": load0, "load_avg_end": os.getloadavg(), "step_s": args.step_s,
+           "window_s": args.window_s, "clients": args.clients, "points": points,
            "knee_lenet5_1pct_p99_under_50ms": knee(points, "lenet5", 0.01, 50.0)}
+    baseline = _load(args.baseline) if args.baseline else None
+    if baseline is not None:
+        out["baseline_knee_lenet5_1pct_p99_under_50ms"] = knee(baseline, "lenet5", 0.01, 50.0)
     if args.chart:
-        chart(points, args.chart)
+        chart(points, args.chart, baseline)
     if args.json:
         print(json.dumps(out, indent=1))
     return 0

@@ -116,13 +116,22 @@ async def steps(args: argparse.Namespace, grp: Any, clock: int, payload: tuple, 
         await asyncio.sleep(max(0.0, t0 + args.step_s - time.monotonic()))
 
 
+async def _count(ready: asyncio.Queue[int], n: int) -> None:
+    for _ in range(n):
+        await ready.get()
+
+
 async def main_async(args: argparse.Namespace) -> None:
     ids = [int(x) for x in args.ids.split(",") if x]
     active = {int(x) for x in args.active.split(",") if x}
     rec, ready, stop = Recorder(), asyncio.Queue[int](), asyncio.Event()
     tasks = [asyncio.create_task(worker(args, w, w in active, rec, ready, stop)) for w in ids]
-    for _ in ids:
-        await ready.get()
+    all_ready = asyncio.create_task(_count(ready, len(ids)))
+    await asyncio.wait([all_ready, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    if not all_ready.done():  # a worker ended before the window: say why, stop
+        failed = next(t for t in tasks if t.done())
+        print(f"error {failed.exception()!r}", flush=True)
+        raise SystemExit(1)
     print("ready", flush=True)
     line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     t0, t1 = (float(x) for x in line.split())
