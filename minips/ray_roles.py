@@ -17,10 +17,8 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,9 +35,13 @@ MAX_COLLECT_BYTES = 256 << 20  # files larger than this stay on the node (e.g. b
 READY_POLL_S = 0.1
 
 
-def _die_with_parent() -> None:
-    """In the child, between fork and exec: get SIGKILL when the actor's process ends."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+# The child's first lines: ask for SIGKILL when the actor's process ends (kept across exec), make
+# sure the actor did not end before that, then become `python -m minips ARGS`. (Done in the child,
+# not with preexec_fn, which is unsafe in a process with threads such as a Ray worker.)
+LAUNCHER = ("import ctypes, os, signal, sys; "
+            f"ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
+            "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+            "os.execv(sys.executable, [sys.executable, '-m', 'minips', *sys.argv[2:]])")
 
 
 class RoleActor:
@@ -63,9 +65,9 @@ class RoleActor:
         (self.dir / "ready").unlink(missing_ok=True)  # a restart's server writes a new one
         with open(self.dir / f"{name}.log", "ab") as log:  # the child keeps its own copy
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "minips", *args], cwd=self.dir,
+                [sys.executable, "-c", LAUNCHER, str(os.getpid()), *args], cwd=self.dir,
                 env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=log,
-                stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                stderr=subprocess.STDOUT)
 
     def where(self) -> dict[str, Any]:
         """Where this role runs: node id and address, child pid, restarted or not, argv."""
