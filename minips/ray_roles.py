@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -119,6 +120,8 @@ class RoleActor:
     def remove(self) -> None:
         """Delete the role's directory on its node (after ``collect``)."""
         shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the run's directory, once its last role is gone
+            self.dir.parent.rmdir()
 
     def _tail(self) -> str:
         log = self.dir / f"{self.name}.log"
