@@ -10,7 +10,8 @@ active: PULL -> WEIGHTS, PUSH -> ACK every --step-s seconds; the rest are connec
 
   pushes_s, push_bytes_s, pull_bytes_s     operations that ended inside the window
   push_ack_p50/p99_ms, pull_p50/p99_ms     push -> ACK, PULL -> WEIGHTS as the clients saw them
-  server_cpu, clients_cpu                  CPU seconds per second (1.0 = one core busy)
+  server_cpu, clients_cpu                  CPU seconds per second (1.0 = one core busy;
+                                           server: with its group processes, if any)
   server_rss_mb                            at the end of the window
 
 The clients run on the same cores as the server: clients_cpu says how much of the machine they
@@ -56,7 +57,9 @@ def rss_mb(pid: int) -> float:
 
 
 def start_server(tmp: Path, model: str, workers: int, args: argparse.Namespace,
-                 env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+                 env: dict[str, str]) -> tuple[list[subprocess.Popen[bytes]], str]:
+    """The global server (and, with --group-processes, one `minips group` process per group);
+    returns the processes, the global server first, and its address."""
     init = tmp / f"{model}.npy"
     if not init.exists():
         np.save(init, np.random.default_rng(0).normal(0, 0.05, MODELS[model]).astype(np.float32))
@@ -68,6 +71,8 @@ def start_server(tmp: Path, model: str, workers: int, args: argparse.Namespace,
            "--groups", str(min(args.groups, workers)), "--staleness", "1000000",
            "--compressor", "topk", "--checkpoint-every", "0", "--calib-timeout", "600",
            "--lease", "60", "--heartbeat", "2"]
+    groups = min(args.groups, workers) if args.group_processes else 0
+    cmd += ["--external-groups", str(groups)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not ready.exists():
@@ -75,7 +80,11 @@ def start_server(tmp: Path, model: str, workers: int, args: argparse.Namespace,
             raise RuntimeError(f"server did not start: {cmd}")
         time.sleep(0.05)
     host, port = ready.read_text().split()
-    return proc, f"{host}:{port}"
+    address = f"{host}:{port}"
+    return [proc] + [subprocess.Popen(
+        [sys.executable, "-m", "minips", "group", "--connect", address, "--listen",
+         "127.0.0.1:0", "--run-dir", str(tmp / f"group-{g}")], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for g in range(groups)], address
 
 
 def start_clients(address: str, size: int, ratio: float, workers: int, active: int,
@@ -106,18 +115,19 @@ def wait_ready(procs: list[subprocess.Popen[str]], timeout_s: float) -> None:
             raise RuntimeError(f"client did not get ready: {line.strip()!r} (exit {p.poll()})")
 
 
-def measure(server: subprocess.Popen[bytes], procs: list[subprocess.Popen[str]],
+def measure(servers: list[subprocess.Popen[bytes]], procs: list[subprocess.Popen[str]],
             window: float, profile: str | None) -> dict[str, Any]:
-    pids = [p.pid for p in procs]
+    pids, spids = [p.pid for p in procs], [p.pid for p in servers]
+    server = servers[0]
     spy = None
     if profile:  # py-spy samples the server through the window (collapsed stacks)
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(server.pid), "--nonblocking",
                                 "--duration", str(int(window)), "--format", "raw", "-o", profile],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    t0, s0, c0 = time.monotonic(), cpu_seconds(server.pid), sum(map(cpu_seconds, pids))
+    t0, s0, c0 = time.monotonic(), sum(map(cpu_seconds, spids)), sum(map(cpu_seconds, pids))
     time.sleep(window)
-    t1, s1, c1 = time.monotonic(), cpu_seconds(server.pid), sum(map(cpu_seconds, pids))
-    rss = rss_mb(server.pid)
+    t1, s1, c1 = time.monotonic(), sum(map(cpu_seconds, spids)), sum(map(cpu_seconds, pids))
+    rss = sum(map(rss_mb, spids))
     if spy is not None:
         spy.wait(timeout=60)
     results = []
@@ -164,7 +174,7 @@ def point(tmp: Path, model: str, ratio: float, workers: int, args: argparse.Name
           env: dict[str, str]) -> dict[str, Any]:
     """One figure: a fresh server and clients, the window, everything stopped."""
     active = min(workers, args.max_active[model])
-    server, address = start_server(tmp, model, workers, args, env)
+    servers, address = start_server(tmp, model, workers, args, env)
     procs: list[Any] = []
     t = time.monotonic()
     try:
@@ -172,11 +182,11 @@ def point(tmp: Path, model: str, ratio: float, workers: int, args: argparse.Name
         wait_ready(procs, READY_TIMEOUT_S)
         setup_s = time.monotonic() - t
         profile = args.profile and f"{args.profile}-{model}-{ratio}-{workers}.txt"
-        fig = measure(server, procs, args.window_s, profile)
+        fig = measure(servers, procs, args.window_s, profile)
     except RuntimeError as exc:  # the point failed (e.g. setup too slow): say so, go on
         setup_s, fig = time.monotonic() - t, {"error": str(exc), "push_ack_p99_ms": None}
     finally:
-        stop(procs + [server])
+        stop(procs + servers)
     return {"model": model, "params": MODELS[model], "ratio": ratio, "workers": workers,
             "active": active, "setup_s": round(setup_s, 1), **fig}
 
@@ -237,6 +247,8 @@ def main() -> int:
     ap.add_argument("--window-s", type=float, default=3.0, help="measured seconds per point")
     ap.add_argument("--clients", type=int, default=3, help="client processes")
     ap.add_argument("--groups", type=int, default=4, help="group servers (GSSP groups)")
+    ap.add_argument("--group-processes", action="store_true",
+                    help="group servers as `minips group` processes (default: in the server's)")
     ap.add_argument("--profile", help="py-spy the server: collapsed stacks to PREFIX-...txt")
     ap.add_argument("--chart", help="write a PNG of pushes/s and p99 push->ACK here")
     ap.add_argument("--baseline", help="earlier --json outputs, FILE,...: drawn dashed, knee shown")
@@ -255,6 +267,7 @@ def main() -> int:
                     if not args.json:
                         print(json.dumps(points[-1]), flush=True)
     out = {"load_avg_start": load0, "load_avg_end": os.getloadavg(), "step_s": args.step_s,
+           "group_processes": args.group_processes,
            "window_s": args.window_s, "clients": args.clients, "points": points,
            "knee_lenet5_1pct_p99_under_50ms": knee(points, "lenet5", 0.01, 50.0)}
     baseline = _load(args.baseline) if args.baseline else None

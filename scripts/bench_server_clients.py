@@ -28,6 +28,7 @@ import numpy as np
 
 from minips import protocol, sparse, transport
 from minips.config import parse_address
+from minips.errors import AuthError
 
 CONNECT_TIMEOUT_S = 120.0  # 1,024 handshakes on two busy cores take a while
 
@@ -70,14 +71,27 @@ async def control(host: str, port: int, step_time: float, token: str) -> tuple[A
     return ch, msg
 
 
+async def group_channel(args: argparse.Namespace, host: str, w: int, assign: Any) -> Any:
+    """Connect to the group server ASSIGN names. A `minips group` process may refuse for a
+    moment (it has not taken its group yet): try again until CONNECT_TIMEOUT_S."""
+    ghost, gport = parse_address(assign.address)
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    while True:
+        try:
+            return await transport.connect(ghost or host, gport, role="worker", worker_id=w,
+                                           group=assign.group, token=args.token,
+                                           timeout=CONNECT_TIMEOUT_S, retries=20)
+        except AuthError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 async def worker(args: argparse.Namespace, w: int, active: bool, rec: Recorder,
                  ready: asyncio.Queue[int], stop: asyncio.Event) -> None:
     host, port = parse_address(args.connect)
     ctl, assign = await control(host, port, 0.05 * (1 + w % 4), args.token)
-    ghost, gport = parse_address(assign.address)
-    grp = await transport.connect(ghost or host, gport, role="worker",
-                                  worker_id=int(ctl.worker_id), group=assign.group,
-                                  token=args.token, timeout=CONNECT_TIMEOUT_S, retries=20)
+    grp = await group_channel(args, host, int(ctl.worker_id), assign)
     grp.start_heartbeat(2.0)
     clock = (await grp.recv()).clock  # the ACK that says where this worker starts
     if not active:
