@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from minips import cli_checks as checks
+from minips import lifeline
 from minips.cli_checks import at_least, finite, int_at_least
 from minips.config import (
     PRESETS,
@@ -287,7 +288,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
                        progress=not args.no_progress, evaluator=not args.no_eval,
                        plot=not args.no_plot, timeout_s=args.timeout)
     summary = run_local(cfg)
-    return 0 if summary.get("status", "done") == "done" else 1
+    return {"done": 0, "terminated": 143}.get(summary.get("status", "done"), 1)
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
@@ -362,6 +363,7 @@ COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `minips` command; returns the exit status."""
+    lifeline.watch_parent()  # started by a launcher: do not outlive it
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)

@@ -10,7 +10,8 @@ summary.json and the PNG charts and prints where they are.
 
 Invariants: every child runs in its own session, so Ctrl-C reaches the launcher only; the
 launcher then stops the children (SIGTERM, SIGKILL after ``grace_s``) and still writes the
-summary. No child outlives ``run_local``.
+summary; SIGTERM does the same (status "terminated"). No child outlives ``run_local``, nor the
+launcher's death by any signal, SIGKILL included (``lifeline.py``: each child watches it).
 
 ``run_server`` is the `minips server` process: a ``GlobalServer`` served until its run is over,
 optionally with an evaluator child.
@@ -32,12 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from minips import checkpoint, metrics, transport
+from minips import checkpoint, lifeline, metrics, transport
 from minips.config import WILDCARD_HOSTS, LaunchConfig, ServerConfig
 from minips.errors import ConfigError, MiniPSError
 from minips.server import GlobalServer
 
-__all__ = ["Cluster", "run_local", "make_run_dir", "write_init", "serve_run", "run_server"]
+__all__ = ["Cluster", "Terminated", "run_local", "make_run_dir", "write_init", "serve_run",
+           "run_server"]
 
 READY_TIMEOUT_S = 60.0  # the server must be listening within this long
 EXIT_TIMEOUT_S = 30.0  # after the server exits, workers and evaluator get this long to leave
@@ -71,7 +73,9 @@ class Cluster:
     def __init__(self, cfg: LaunchConfig, run_dir: Path, token: str) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.env = {**os.environ, "MINIPS_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+        # children die with the launcher, by any signal (lifeline.py)
+        self.env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": token,
+                                       "PYTHONUNBUFFERED": "1"})
         self.logs = run_dir / "logs"
         self.logs.mkdir(exist_ok=True)
         self.server: subprocess.Popen[bytes] | None = None
@@ -235,6 +239,7 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
     print(f"minips local: run directory {run_dir}", file=sys.stderr, flush=True)
     cluster = Cluster(cfg, run_dir, token)
     status = "done"
+    previous = _on_sigterm(_terminate)
     try:
         cluster.start_server(write_init(run_dir, cfg.run.model, cfg.run.seed))
         cluster.start_workers()
@@ -250,16 +255,36 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
         status = "interrupted"
     except TimeoutError:
         status = "timeout"
+    except Terminated:
+        status = "terminated"
     finally:
         cluster.stop()
+        _on_sigterm(previous)
     return _finish(cfg, run_dir, status)
+
+
+class Terminated(MiniPSError):
+    """SIGTERM reached the launcher: stop the cluster, write the summary, exit 143."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated("terminated by SIGTERM")
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install ``handler`` for SIGTERM; return the previous one (None off the main thread,
+    where Python cannot set handlers: the caller's own handling applies)."""
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except (ValueError, TypeError):
+        return None
 
 
 def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
     summary = metrics.summarize(run_dir, write=False)
     summary.update(status=status, run_dir=str(run_dir), slowdowns=cfg.factors())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    pngs = _plot(run_dir) if cfg.plot else []
+    pngs = _plot(run_dir) if cfg.plot and status != "terminated" else []
     acc = summary.get("final_accuracy")
     print(f"minips local: {status} in {summary.get('wall_s') or 0:.1f} s, final accuracy "
           f"{acc if acc is None else round(acc, 4)}\n  run directory: {run_dir}\n"
@@ -333,7 +358,7 @@ def _spawn_evaluator(cfg: ServerConfig, port: int) -> subprocess.Popen[bytes]:
     host = "127.0.0.1" if cfg.host in WILDCARD_HOSTS else cfg.host
     cmd = [sys.executable, "-m", "minips", "evaluator", "--connect", f"{host}:{port}",
            "--run-dir", cfg.run_dir, "--timeout", "30"]
-    return subprocess.Popen(cmd)
+    return subprocess.Popen(cmd, env=lifeline.child_env())
 
 
 def _reap(child: subprocess.Popen[bytes]) -> None:

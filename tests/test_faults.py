@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import records, recv_as, run_t0, steps, wait_for
 
-from minips import checkpoint, data, models
+from minips import checkpoint, data, lifeline, models
 from minips.launch import write_init
 
 TOKEN = "faults-secret"
@@ -34,7 +34,9 @@ class Procs:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.env = {**os.environ, "MINIPS_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
+        # the processes die with this test process even when it is killed (lifeline.py)
+        self.env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": TOKEN,
+                                       "PYTHONUNBUFFERED": "1"})
         self.all: list[subprocess.Popen[bytes]] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
