@@ -112,6 +112,7 @@ class GlobalServer:
         self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
                                             accept=self._accept, handler=self._handle, ssl=ssl)
         self.port = int(self.server.port)
+        server_checkpoint.clean(self)  # temp files of writes killed midway
         if self._restored is not None:
             await server_checkpoint.reopen(self, self._restored)
         else:
