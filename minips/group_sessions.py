@@ -82,7 +82,8 @@ async def _adopt(srv: GlobalServer, ch: Any) -> GroupHandle | None:
     orphans = sorted((h for h in srv.groups.values() if h.ch is None and h.server is None),
                      key=lambda h: h.id != ch.peer_hello.group)
     if not orphans:
-        await ch.send_error("refused", "every group already has a group server")
+        await ch.send_error("refused", f"every one of the run's {len(srv.groups)} groups "
+                            "already has a group server")
         return None
     handle = orphans[0]
     handle.ch, handle.address = ch, _address(ch)

@@ -341,3 +341,18 @@ async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> N
     assert events.count("merge_repeat") == 1 and events.count("merge") == 2
     with pytest.raises(RemoteProtocolError):
         validation.check_group_stats({"stats": {"session": 1, "seq": "7"}})
+
+
+async def test_an_explicit_group_count_is_honoured_for_equal_workers(tmp_path: Path) -> None:
+    """--groups 2 with two equally fast workers: two groups (one each), not one."""
+    srv = make_server(tmp_path, np.zeros(8, np.float32), workers=2, mode="gssp", groups=2)
+    port = await srv.start()
+    chans = [await join(port, w, 0.04) for w in range(2)]
+    try:
+        assigns = [await recv_as(ch, protocol.Assign) for ch in chans]
+        assert sorted(a.group for a in assigns) == [0, 1]
+        assert assigns[0].address != assigns[1].address
+    finally:
+        for ch in chans:
+            await ch.close()
+        await srv.close()
