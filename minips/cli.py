@@ -184,6 +184,9 @@ def _add_server(sub: Any) -> None:
     srv.add_argument("--checkpoint-every", type=at_least(0), default=30.0,
                      help="seconds between atomic checkpoints (0 = none)")
     srv.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    srv.add_argument("--rejoin-wait", type=at_least(0), default=120.0,
+                     help="every worker gone with budget left: wait this long for them to "
+                     "rejoin before the run ends short (exit 3), s")
     _add_insecure(srv)
     _add_tls(srv, server=True, client=False)
 
@@ -295,17 +298,22 @@ def _cmd_server(args: argparse.Namespace) -> int:
     from minips.launch import run_server
 
     checks.check_host("--host", args.host)
-    checks.check_tls_server(args.tls_cert, args.tls_key)
+    if not args.eval:  # --eval with --tls-cert is refused anyway (run_server says why)
+        checks.check_tls_server(args.tls_cert, args.tls_key)
     cfg = ServerConfig(run=run_config_from_args(args), host=args.host, port=args.port,
                        token=_token(), tls_cert=args.tls_cert, tls_key=args.tls_key,
                        run_dir=args.run_dir, init_path=args.init,
                        external_groups=args.external_groups, advertise_host=args.advertise,
                        calib_timeout_s=args.calib_timeout, ready_file=args.ready_file,
                        checkpoint_path=args.checkpoint, checkpoint_every_s=args.checkpoint_every,
-                       resume=args.resume, insecure=args.insecure)
+                       resume=args.resume, insecure=args.insecure,
+                       rejoin_wait_s=args.rejoin_wait)
     if not args.resume:
         checks.check_init(args.init, cfg.run.model)
-    run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
+    srv = run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
+    if srv.failure:  # the run ended short of its budget, or diverged (run_end.py)
+        print(f"minips server: error: {srv.failure}", file=sys.stderr)
+        return 3
     return 0
 
 

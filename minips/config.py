@@ -154,6 +154,7 @@ class ServerConfig:
     calib_timeout_s: float = 60.0  # group the workers that reported after this long
     ready_file: str | None = None  # write "host port" here once listening (launcher)
     linger_s: float = 15.0  # after the budget, wait this long for the final evaluator pull
+    rejoin_wait_s: float = 120.0  # every worker gone with budget left: wait this long for them
     checkpoint_path: str | None = None  # checkpoint file; None = <run_dir>/checkpoint.npz
     checkpoint_every_s: float = 30.0  # seconds between checkpoints; 0 = none
     resume: bool = False  # start from checkpoint_path instead of init_path / a worker

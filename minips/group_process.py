@@ -140,7 +140,7 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
               f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
     link = await _register(cfg, gs, address, cfg.connect_timeout_s)
     try:
-        while not gs.finished:
+        while not (gs.finished and gs.done):  # all workers gone is not the end: they may rejoin
             if link.closed.is_set():
                 gs.log("global_lost")
                 link = await _register(cfg, gs, address, cfg.reconnect_s)

@@ -344,14 +344,16 @@ def _announce(cfg: ServerConfig, port: int) -> None:
           f"--listen <this-host>:7071", flush=True)
 
 
-def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False, announce: bool = True) -> None:
-    """`minips server`: serve one run (optionally with an evaluator child process)."""
+def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False,
+               announce: bool = True) -> GlobalServer:
+    """`minips server`: serve one run (optionally with an evaluator child process); return
+    the closed server (``failure`` says whether the run ended short)."""
     if spawn_evaluator and cfg.tls_cert:
         raise ConfigError("--eval cannot be used with --tls-cert: the evaluator child would have "
                           "to verify the certificate by a name this machine resolves; start "
                           "'minips evaluator --connect NAME:PORT --tls-ca CA' instead")
     transport.install_uvloop()
-    asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
+    return asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
 
 
 def _spawn_evaluator(cfg: ServerConfig, port: int) -> subprocess.Popen[bytes]:
