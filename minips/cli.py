@@ -310,6 +310,10 @@ def _cmd_server(args: argparse.Namespace) -> int:
                        rejoin_wait_s=args.rejoin_wait)
     if not args.resume:
         checks.check_init(args.init, cfg.run.model)
+    if 0 < cfg.run.fixed_groups != args.external_groups > 0:
+        raise ConfigError(f"--external-groups {args.external_groups}: this run forms "
+                          f"{cfg.run.fixed_groups} group(s) (--mode {cfg.run.mode}, --groups "
+                          f"{cfg.run.groups}); start as many group servers")
     srv = run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
     if srv.failure:  # the run ended short of its budget, or diverged (run_end.py)
         print(f"minips server: error: {srv.failure}", file=sys.stderr)

@@ -515,3 +515,35 @@ def test_evaluator_reconnects_to_a_global_server_resumed_on_the_same_port(procs:
     back = records(d / "eval.jsonl", event="server_back")[0]["t"]
     after = [r for r in steps(d / "eval.jsonl") if r["t"] > back]
     assert after and after[-1]["final"] is True
+
+
+@pytest.mark.timeout(240)
+def test_workers_of_a_vanished_group_with_no_replacement_move_to_a_live_group(
+        procs: Procs) -> None:
+    """`kill -9` one of two `minips group` processes and start no replacement: after
+    REHOME_LEASES leases the global server moves its worker to the other group, where it
+    trains on, and the run spends its budget."""
+    d = procs.run_dir
+    lease = 2.0
+    server, address = procs.server(*RUN, "--mode", "gssp", "--workers", "2", "--epochs", "0.5",
+                                   "--groups", "2", "--external-groups", "2", "--lease", str(lease),
+                                   "--heartbeat", "0.5")
+    group_args = ("group", "--connect", address, "--listen", "127.0.0.1:0", "--run-dir", str(d))
+    groups = [procs.start(f"group-{i}", *group_args) for i in range(2)]
+    workers = [procs.worker(address, i) for i in range(2)]
+    wait_for("both groups merge", lambda: {r["group"] for r in records(
+        d / "global.jsonl", event="merge")} == {0, 1}, 120, (server, *groups))
+    groups[0].kill()
+    lost = wait_for("the group is lost", lambda: records(d / "global.jsonl", event="group_lost"),
+                    30, (server,))[0]["group"]
+    moved = wait_for("its worker is moved", lambda: records(d / "global.jsonl",
+                                                            event="rehomed"), 30, (server,))
+    assert moved[0]["group"] == lost and set(moved[0]["moved"].values()) == {1 - lost}
+    w = int(next(iter(moved[0]["moved"])))
+    before = len(steps(d / f"worker-{w}.jsonl"))
+    wait_for("the moved worker trains on", lambda: len(steps(d / f"worker-{w}.jsonl")) >=
+             before + 20, 60, (server, workers[w]))
+    assert server.wait(timeout=150) == 0, (d / "logs" / "server.log").read_text()[-2000:]
+    for p in workers:
+        assert p.wait(timeout=30) == 0
+    assert samples_now(d) >= 0.5 * 60000
