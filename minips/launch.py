@@ -46,6 +46,14 @@ EXIT_TIMEOUT_S = 30.0  # after the server exits, workers and evaluator get this 
 PROGRESS_PERIOD_S = 0.5  # progress line refresh
 
 
+class WorkersFailed(MiniPSError):
+    """Every worker of a local run exited, some with an error, while the server waits."""
+
+
+class Terminated(MiniPSError):
+    """SIGTERM reached the launcher: stop the cluster, write the summary, exit 143."""
+
+
 def make_run_dir(cfg: LaunchConfig) -> Path:
     """runs/<time>-<mode>-<compressor>/ (or ``cfg.name``), created, with a unique name."""
     name = cfg.name or f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.run.mode}-{cfg.run.compressor}"
@@ -128,12 +136,23 @@ class Cluster:
         while self.server.poll() is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run still going after {timeout_s:.0f} s")
+            self._check_workers()
             if line is not None:
                 line.draw()
             time.sleep(PROGRESS_PERIOD_S)
         if line is not None:
             line.draw(final=True)
         return int(self.server.returncode)
+
+    def _check_workers(self) -> None:
+        """Every worker exited, one at least with an error: nobody will rejoin (the server
+        would wait --rejoin-wait for them); ``WorkersFailed`` ends the run now."""
+        workers = {n: p for n, p in self.children.items() if n.startswith("worker-")}
+        if workers and all(p.poll() is not None for p in workers.values()):
+            failed = sorted(n for n, p in workers.items() if p.returncode)
+            if failed:
+                raise WorkersFailed(f"{', '.join(failed)} exited with an error; see their logs "
+                                    f"in {self.logs}")
 
     def collect(self, timeout_s: float = EXIT_TIMEOUT_S) -> list[str]:
         """Give the other children ``timeout_s`` to exit on their own; return the names of
@@ -257,14 +276,13 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
         status = "timeout"
     except Terminated:
         status = "terminated"
+    except WorkersFailed as exc:
+        print(f"minips local: {exc}", file=sys.stderr, flush=True)
+        status = "failed"
     finally:
         cluster.stop()
         _on_sigterm(previous)
     return _finish(cfg, run_dir, status)
-
-
-class Terminated(MiniPSError):
-    """SIGTERM reached the launcher: stop the cluster, write the summary, exit 143."""
 
 
 def _terminate(signum: int, frame: Any) -> None:

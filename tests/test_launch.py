@@ -136,3 +136,27 @@ def test_sigterm_stops_the_cluster_promptly_and_writes_the_summary(tmp_path: Pat
     assert proc.returncode == 143, err
     assert json.loads((tmp_path / "term" / "summary.json").read_text())["status"] == "terminated"
     assert took < 10, f"SIGTERM took {took:.1f} s"
+
+
+@pytest.mark.timeout(60)
+def test_every_worker_failing_ends_a_local_run_at_once(tmp_path: Path) -> None:
+    """The server would wait --rejoin-wait for workers that will never come back: the launcher
+    sees that every worker exited with an error and stops the run now."""
+    import numpy as np
+
+    from minips.launch import WorkersFailed
+    from minips.model_table import PARAM_COUNTS
+
+    cluster = Cluster(LaunchConfig(run=RunConfig(workers=2), out_dir=str(tmp_path)), tmp_path,
+                      "token")
+    try:
+        np.save(tmp_path / "init.npy", np.zeros(PARAM_COUNTS["lenet5"], np.float32))
+        cluster.start_server(tmp_path / "init.npy")  # then it waits for its workers
+        for i in range(2):
+            cluster._spawn(f"worker-{i}", ["worker", "--connect", "no-port-here"])  # exits 2
+        t = time.monotonic()
+        with pytest.raises(WorkersFailed, match="worker-0, worker-1 exited with an error"):
+            cluster.wait(timeout_s=40, progress=False)
+        assert time.monotonic() - t < 30
+    finally:
+        cluster.stop()
