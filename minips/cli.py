@@ -291,7 +291,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
                        progress=not args.no_progress, evaluator=not args.no_eval,
                        plot=not args.no_plot, timeout_s=args.timeout)
     summary = run_local(cfg)
-    return {"done": 0, "terminated": 143}.get(summary.get("status", "done"), 1)
+    return {"done": 0, "interrupted": 130, "terminated": 143}.get(summary.get("status", "done"), 1)
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
