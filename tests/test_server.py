@@ -20,6 +20,7 @@ from minips.config import RunConfig, ServerConfig, parse_address, reachable
 from minips.errors import AuthError, RemoteProtocolError
 from minips.group import GroupServer
 from minips.metrics import read_jsonl
+from minips.model_table import PARAM_COUNTS
 from minips.roster import match_labels
 from minips.server import GlobalServer, GroupHandle, InProcLink
 
@@ -297,7 +298,7 @@ async def test_workers_after_the_calibration_deadline_are_assigned_after_their_f
     --calib-timeout, so the first worker to come is grouped right after its first STATS, and
     a later one after its own; neither waits for the third worker --workers expects."""
     init = tmp_path / "w.npy"
-    np.save(init, np.zeros(4, np.float32))
+    np.save(init, np.zeros(PARAM_COUNTS["lenet5"], np.float32))  # --init must fit the model
     with minips_server(tmp_path, TOKEN, "--workers", "3", "--calib-timeout", "0.2", "--init",
                        str(init), "--mode", "asp") as (_, host, port):
         await until(lambda: bool(records(tmp_path / "global.jsonl", event="calib_timeout")), 20)
