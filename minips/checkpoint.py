@@ -14,7 +14,9 @@ A checkpoint carries a *fingerprint* of the run settings that define the model a
 fingerprint differs from the run that wants to resume it, naming every field that differs.
 
 Invariants: ``load(save(p, s)) == s`` for maps of str keys, JSON scalars, lists and arrays;
-``save`` never leaves a partial file under the final name.
+``save`` never leaves a partial file under the final name. A writer killed mid-write leaves its
+temporary file (``.NAME.tmpPID``); ``remove_stale_temps`` deletes those of dead PIDs (the
+global server calls it when it starts).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import numpy as np
 
 from minips.errors import ConfigError, DataError
 
-__all__ = ["FORMAT", "FINGERPRINT_FIELDS", "fingerprint", "check_compatible", "save", "load"]
+__all__ = ["FORMAT", "FINGERPRINT_FIELDS", "fingerprint", "check_compatible", "save", "load",
+           "remove_stale_temps"]
 
 FORMAT = 1  # bump when the meaning of the stored map changes
 META = "__meta__"  # archive member that holds the JSON map
@@ -95,6 +98,30 @@ def save(path: str | Path, state: dict[str, Any]) -> int:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
     return path.stat().st_size
+
+
+def remove_stale_temps(path: str | Path) -> list[Path]:
+    """Delete the temporary files of ``save`` calls that never finished (``.NAME.tmpPID`` next
+    to ``path`` whose PID no longer runs: killed mid-write); return them. A live PID's file is
+    kept: some process may still be writing it."""
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.tmp*"):
+        pid = tmp.name.removeprefix(f".{path.name}.tmp")
+        if pid.isdigit() and not _running(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -17,11 +17,14 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-from minips import cli_ray
+from minips import cli_checks as checks
+from minips import cli_ray, lifeline
+from minips.cli_checks import at_least, finite, int_at_least
 from minips.config import (
     PRESETS,
+    FieldError,
     GroupConfig,
     LaunchConfig,
     RunConfig,
@@ -30,7 +33,7 @@ from minips.config import (
     parse_address,
     parse_slowdowns,
 )
-from minips.errors import MiniPSError
+from minips.errors import ConfigError, MiniPSError
 
 __all__ = ["main", "build_parser", "run_config_from_args"]
 
@@ -44,32 +47,34 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
      "~/.cache/minips/<name>, then system directories)"),
     ("--mode", "mode", str, "bsp | ssp | asp | gssp"),
     ("--compressor", "compressor", str, "none | fp16 | topk | dgc | randomk | gdtopk | losscomp"),
-    ("--ratio", "ratio", float, "kept fraction of gradient coordinates (0..1]"),
+    ("--ratio", "ratio", finite, "kept fraction of gradient coordinates (0..1]"),
     ("--workers", "workers", int, "number of workers"),
     ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
     ("--staleness", "staleness", int, "SSP bound, clocks"),
     ("--sync-every", "sync_every", int, "pushes between group <-> global exchanges"),
     ("--merge", "merge", str, "global merge of group deltas: mean | sum"),
     ("--batch-size", "batch_size", int, "samples per worker step"),
-    ("--lr", "lr", float, "learning rate"),
-    ("--lr-warmup", "lr_warmup", float, "epochs of linear lr warm-up (0 = none)"),
+    ("--lr", "lr", finite, "learning rate"),
+    ("--lr-warmup", "lr_warmup", finite, "epochs of linear lr warm-up (0 = none)"),
     ("--lr-schedule", "lr_schedule", str, "constant | cosine (lr to 0 over the epochs budget)"),
-    ("--momentum", "momentum", float, "SGD momentum"),
-    ("--weight-decay", "weight_decay", float, "L2 weight decay"),
+    ("--momentum", "momentum", finite, "SGD momentum"),
+    ("--weight-decay", "weight_decay", finite, "L2 weight decay"),
     ("--seed", "seed", int, "random seed"),
-    ("--epochs", "epochs", float, "budget: epochs over the training set (0 = none)"),
-    ("--wall-s", "wall_s", float, "budget: seconds of training (0 = none)"),
+    ("--epochs", "epochs", finite, "budget: epochs over the training set (0 = none)"),
+    ("--wall-s", "wall_s", finite, "budget: seconds of training (0 = none)"),
     ("--max-steps", "max_steps", int, "cap on each worker's pushes (0 = none)"),
-    ("--base-step", "base_step_s", float, "emulated base step time, seconds"),
-    ("--eval-every", "eval_every_s", float, "evaluator period, seconds"),
+    ("--base-step", "base_step_s", finite, "emulated base step time, seconds"),
+    ("--eval-every", "eval_every_s", finite, "evaluator period, seconds"),
     ("--eval-limit", "eval_limit", int, "test samples per evaluation (0 = all)"),
-    ("--alpha", "gdtopk_alpha", float, "GDTopK ratio exponent"),
+    ("--alpha", "gdtopk_alpha", finite, "GDTopK ratio exponent"),
     ("--direction", "gdtopk_direction", str, "GDTopK: slower-more | slower-less"),
-    ("--lease", "lease_s", float, "a worker silent this long stops holding its group; a "
+    ("--lease", "lease_s", finite, "a worker silent this long stops holding its group; a "
      "silent group server or group process is dropped, s"),
-    ("--heartbeat", "heartbeat_s", float, "HEARTBEAT period of workers and group servers, s "
+    ("--heartbeat", "heartbeat_s", finite, "HEARTBEAT period of workers and group servers, s "
      "(at most lease / 2)"),
 ]
+# the flag of each RunConfig field validate() may name (the budget check names two)
+FLAG_OF = {dest: flag for flag, dest, _, _ in RUN_FLAGS} | {"budget": "--epochs/--wall-s"}
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
@@ -84,11 +89,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
-    """RunConfig defaults, then --run-config file, then the preset, then explicit flags."""
+    """RunConfig defaults, then --run-config file, then the preset, then explicit flags;
+    checked (``ConfigError`` naming the flag)."""
     values: dict[str, Any] = {}
     if getattr(args, "run_config", None):
-        with open(args.run_config, encoding="utf-8") as f:
-            values.update(RunConfig.from_info(json.load(f)).to_info())
+        values.update(RunConfig.from_info(checks.load_run_config(args.run_config)).to_info())
     preset = PRESETS.get(getattr(args, "preset", None) or "", {})
     values.update(preset.get("run", {}))
     for _, dest, _, _ in RUN_FLAGS:
@@ -96,7 +101,23 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
             values[dest] = getattr(args, dest)
     if getattr(args, "copt", None):
         values["compressor_opts"] = {**values.get("compressor_opts", {}), **dict(args.copt)}
-    return RunConfig(**values).validate()
+    try:
+        run = RunConfig(**values).validate()
+    except FieldError as exc:
+        raise ConfigError(f"{FLAG_OF.get(exc.name, exc.name)} {exc.got!r}: expected "
+                          f"{exc.expected}") from None
+    except TypeError as exc:  # a --run-config value of the wrong type ("workers": "four")
+        raise ConfigError(f"--run-config {args.run_config}: a value has the wrong type "
+                          f"({exc})") from None
+    checks.check_run(run)
+    return run
+
+
+def _slowdowns(text: str) -> list[float]:
+    try:
+        return parse_slowdowns(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _key_value(text: str) -> tuple[str, Any]:
@@ -127,12 +148,14 @@ def _add_local(sub: Any) -> None:
     """`minips local`: a whole cluster on this machine."""
     loc = sub.add_parser("local", help="a whole cluster on this machine")
     _add_run_flags(loc)
-    loc.add_argument("--slowdown", type=parse_slowdowns, help="factors F per worker: 1,1,2x2,4")
-    loc.add_argument("--bandwidth", type=float, default=0.0, help="link cap, bytes/s (0 = none)")
-    loc.add_argument("--latency", type=float, default=0.0, help="added latency per send, s")
+    loc.add_argument("--slowdown", type=_slowdowns, help="factors F per worker: 1,1,2x2,4")
+    loc.add_argument("--bandwidth", type=at_least(0), default=0.0,
+                     help="link cap, bytes/s (0 = none)")
+    loc.add_argument("--latency", type=at_least(0), default=0.0, help="added latency per send, s")
     loc.add_argument("--out", default="runs", help="parent directory of the run directory")
     loc.add_argument("--name", help="run directory name (default: time-mode-compressor)")
-    loc.add_argument("--timeout", type=float, default=0.0, help="hard stop, s (0 = budget+margin)")
+    loc.add_argument("--timeout", type=at_least(0), default=0.0,
+                     help="hard stop, s (0 = budget+margin)")
     loc.add_argument("--no-progress", action="store_true", help="no progress line")
     loc.add_argument("--no-eval", action="store_true", help="do not start the evaluator")
     loc.add_argument("--no-plot", action="store_true", help="do not draw PNGs at the end")
@@ -144,22 +167,26 @@ def _add_server(sub: Any) -> None:
     _add_run_flags(srv)
     srv.add_argument("--host", default="127.0.0.1",
                      help="listen address (non-loopback needs MINIPS_TOKEN or --insecure)")
-    srv.add_argument("--port", type=int, default=7070, help="listen port (0 = any free)")
+    srv.add_argument("--port", type=checks.port, default=7070, help="listen port (0 = any free)")
     srv.add_argument("--run-dir", default="runs/server", help="metrics and final weights")
     srv.add_argument("--init", help=".npy initial flat weights (default: from the first worker)")
-    srv.add_argument("--external-groups", type=int, default=0,
+    srv.add_argument("--external-groups", type=int_at_least(0), default=0,
                      help="group servers that connect as `minips group` (0 = in-process)")
     srv.add_argument("--advertise", help="address workers use to reach in-process group servers")
     srv.add_argument("--ready-file", help="write 'host port' here once listening")
-    srv.add_argument("--calib-timeout", type=float, default=60.0, help="grouping deadline, s")
+    srv.add_argument("--calib-timeout", type=at_least(0, strict=True), default=60.0,
+                     help="grouping deadline, s")
     srv.add_argument("--eval", action="store_true",
                      help="also start an evaluator process (not with --tls-cert)")
     srv.add_argument("--run-config", help="JSON file of run settings (flags override it)")
     srv.add_argument("--quiet", action="store_true", help="do not print how to join")
     srv.add_argument("--checkpoint", help="checkpoint file (default RUN_DIR/checkpoint.npz)")
-    srv.add_argument("--checkpoint-every", type=float, default=30.0,
+    srv.add_argument("--checkpoint-every", type=at_least(0), default=30.0,
                      help="seconds between atomic checkpoints (0 = none)")
     srv.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    srv.add_argument("--rejoin-wait", type=at_least(0), default=120.0,
+                     help="every worker gone with budget left: wait this long for them to "
+                     "rejoin before the run ends short (exit 3), s")
     _add_insecure(srv)
     _add_tls(srv, server=True, client=False)
 
@@ -171,7 +198,7 @@ def _add_group(sub: Any) -> None:
     grp.add_argument("--listen", default="127.0.0.1:7071", help="HOST:PORT for workers")
     grp.add_argument("--advertise", help="HOST workers use to reach this group server")
     grp.add_argument("--run-dir", default="runs/group", help="metrics directory")
-    grp.add_argument("--reconnect", type=float, default=120.0,
+    grp.add_argument("--reconnect", type=at_least(0), default=120.0,
                      help="keep trying this long when the global server is lost, s")
     _add_insecure(grp)
     _add_tls(grp, server=True, client=True)
@@ -183,15 +210,20 @@ def _add_clients(sub: Any) -> None:
                         ("evaluator", "pulls the global weights and measures test accuracy")):
         w = sub.add_parser(name, help=help_)
         w.add_argument("--connect", required=True, help="global server HOST:PORT")
-        w.add_argument("--id", type=int, default=-1, help="worker id (-1 = assigned)")
-        w.add_argument("--slowdown", type=float, default=1.0, help="emulated factor F")
-        w.add_argument("--bandwidth", type=float, default=0.0, help="link cap, bytes/s")
-        w.add_argument("--latency", type=float, default=0.0, help="added latency per send, s")
+        w.add_argument("--id", type=int_at_least(-1), default=-1,
+                       help="worker id (-1 = assigned)")
+        w.add_argument("--slowdown", type=at_least(0, strict=True), default=1.0,
+                       help="emulated factor F")
+        w.add_argument("--bandwidth", type=at_least(0), default=0.0, help="link cap, bytes/s")
+        w.add_argument("--latency", type=at_least(0), default=0.0,
+                       help="added latency per send, s")
         w.add_argument("--run-dir", default=f"runs/{name}", help="metrics directory")
         w.add_argument("--data-dir", help="data set directory on this machine")
-        w.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-        w.add_argument("--timeout", type=float, default=10.0, help="connect timeout, s")
-        w.add_argument("--reconnect", type=float, default=120.0,
+        w.add_argument("--threads", type=int_at_least(1), default=1,
+                       help="torch intra-op threads")
+        w.add_argument("--timeout", type=at_least(0, strict=True), default=10.0,
+                       help="connect timeout, s")
+        w.add_argument("--reconnect", type=at_least(0), default=120.0,
                        help="keep trying this long when a server is lost mid-run, s")
         _add_tls(w, server=False, client=True)
 
@@ -215,7 +247,14 @@ class _ShowDefaults(argparse.HelpFormatter):
         return f"{text} (default %(default)s)"
 
 
-class _Parser(argparse.ArgumentParser):
+class _OneLine(argparse.ArgumentParser):
+    """A parser whose errors are one line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Parser(_OneLine):
     """A sub-command's parser: its help shows the defaults."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -224,7 +263,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The `minips` argument parser with one sub-command per role."""
-    p = argparse.ArgumentParser(prog="minips", description=__doc__.split("\n")[0])
+    p = _OneLine(prog="minips", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_local, _add_server, _add_group, _add_clients, _add_plot):
         add(sub)
@@ -242,6 +281,10 @@ def _cmd_local(args: argparse.Namespace) -> int:
     preset = PRESETS.get(args.preset or "", {})
     run = run_config_from_args(args)
     slowdowns = args.slowdown if args.slowdown is not None else list(preset.get("slowdowns", []))
+    if args.slowdown and args.workers is not None and len(args.slowdown) != args.workers:
+        raise ConfigError(f"--slowdown {len(args.slowdown)} factors for --workers "
+                          f"{args.workers}: give one per worker (FxN repeats F N times)")
+    checks.check_dir("--data-dir", run.data_dir)
     if args.workers is None and args.slowdown:
         run = dataclasses.replace(run, workers=len(slowdowns))
     cfg = LaunchConfig(run=run, slowdowns=slowdowns, bandwidth_bps=args.bandwidth,
@@ -249,28 +292,43 @@ def _cmd_local(args: argparse.Namespace) -> int:
                        progress=not args.no_progress, evaluator=not args.no_eval,
                        plot=not args.no_plot, timeout_s=args.timeout)
     summary = run_local(cfg)
-    return 0 if summary.get("status", "done") == "done" else 1
+    return {"done": 0, "interrupted": 130, "terminated": 143}.get(summary.get("status", "done"), 1)
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
     from minips.launch import run_server
 
+    checks.check_host("--host", args.host)
+    if not args.eval:  # --eval with --tls-cert is refused anyway (run_server says why)
+        checks.check_tls_server(args.tls_cert, args.tls_key)
     cfg = ServerConfig(run=run_config_from_args(args), host=args.host, port=args.port,
                        token=_token(), tls_cert=args.tls_cert, tls_key=args.tls_key,
                        run_dir=args.run_dir, init_path=args.init,
                        external_groups=args.external_groups, advertise_host=args.advertise,
                        calib_timeout_s=args.calib_timeout, ready_file=args.ready_file,
                        checkpoint_path=args.checkpoint, checkpoint_every_s=args.checkpoint_every,
-                       resume=args.resume, insecure=args.insecure)
-    run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
+                       resume=args.resume, insecure=args.insecure,
+                       rejoin_wait_s=args.rejoin_wait)
+    if not args.resume:
+        checks.check_init(args.init, cfg.run.model)
+    if 0 < cfg.run.fixed_groups != args.external_groups > 0:
+        raise ConfigError(f"--external-groups {args.external_groups}: this run forms "
+                          f"{cfg.run.fixed_groups} group(s) (--mode {cfg.run.mode}, --groups "
+                          f"{cfg.run.groups}); start as many group servers")
+    srv = run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
+    if srv.failure:  # the run ended short of its budget, or diverged (run_end.py)
+        print(f"minips server: error: {srv.failure}", file=sys.stderr)
+        return 3
     return 0
 
 
 def _cmd_group(args: argparse.Namespace) -> int:
     from minips.group_process import run_group_process
 
-    shost, sport = parse_address(args.connect)
-    host, port = parse_address(args.listen, 7071)
+    shost, sport = checks.check_address("--connect", args.connect, 7070)
+    host, port = checks.check_address("--listen", args.listen, 7071, listen=True)
+    checks.check_tls_server(args.tls_cert, args.tls_key)
+    checks.check_tls_client(args.tls_ca)
     cfg = GroupConfig(server_host=shost, server_port=sport, host=host, port=port,
                       advertise_host=args.advertise, token=_token(), tls_cert=args.tls_cert,
                       tls_key=args.tls_key, tls_ca=args.tls_ca, run_dir=args.run_dir,
@@ -280,7 +338,9 @@ def _cmd_group(args: argparse.Namespace) -> int:
 
 
 def _worker_config(args: argparse.Namespace) -> WorkerConfig:
-    host, port = parse_address(args.connect)
+    host, port = checks.check_address("--connect", args.connect, 7070)
+    checks.check_tls_client(args.tls_ca)
+    checks.check_dir("--data-dir", args.data_dir)
     return WorkerConfig(server_host=host, server_port=port, token=_token(), tls_ca=args.tls_ca,
                         worker_id=args.id, slowdown=args.slowdown, bandwidth_bps=args.bandwidth,
                         latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
@@ -321,6 +381,7 @@ COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `minips` command; returns the exit status."""
+    lifeline.watch_parent()  # started by a launcher: do not outlive it
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
@@ -328,8 +389,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("minips: interrupted", file=sys.stderr)
         return 130
     except (MiniPSError, ConnectionError, OSError) as exc:
-        print(f"minips {args.command}: error: {exc}", file=sys.stderr)
+        print(f"minips {args.command}: error: {_explain(args, exc)}", file=sys.stderr)
         return 2
+
+
+def _explain(args: argparse.Namespace, exc: BaseException) -> str:
+    """The error, or why a plain client could not connect: the server speaks TLS."""
+    if (isinstance(exc, ConnectionError) and getattr(args, "connect", None)
+            and not getattr(args, "tls_ca", None)):
+        host, port = parse_address(args.connect)
+        if checks.speaks_tls(host, port):
+            return (f"{args.connect}: the server speaks TLS; pass --tls-ca CA_FILE (the CA or "
+                    f"the server's own certificate)")
+    return str(exc)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "PRESETS",
     "RunConfig",
     "ServerConfig",
+    "FieldError",
     "GroupConfig",
     "WorkerConfig",
     "LaunchConfig",
@@ -87,7 +89,7 @@ class RunConfig:
         """Check value ranges; return self so calls chain."""
         _check(self.mode in MODES, "mode", self.mode, f"one of {MODES}")
         _check(self.batch_size > 0, "batch_size", self.batch_size, "> 0")
-        _check(self.lr > 0, "lr", self.lr, "> 0")
+        _check(0 < self.lr < math.inf, "lr", self.lr, "> 0 and finite")
         _check(self.lr_schedule in SCHEDULES, "lr_schedule", self.lr_schedule,
                f"one of {SCHEDULES}")
         _check(self.lr_schedule == "constant" or self.epochs > 0, "lr_schedule",
@@ -99,6 +101,13 @@ class RunConfig:
         _check(self.merge in ("mean", "sum"), "merge", self.merge, "mean | sum")
         _check(0 < self.ratio <= 1, "ratio", self.ratio, "in (0, 1]")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
+        _check(self.groups <= self.workers, "groups", self.groups,
+               f"at most the number of workers ({self.workers})")
+        _check(self.eval_every_s > 0, "eval_every_s", self.eval_every_s, "> 0")
+        for name in ("eval_limit", "max_steps", "lr_warmup", "weight_decay"):
+            _check(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        _check(self.gdtopk_direction in ("slower-more", "slower-less"), "gdtopk_direction",
+               self.gdtopk_direction, "slower-more | slower-less")
         _check(self.base_step_s >= 0, "base_step_s", self.base_step_s, ">= 0")
         _check(self.epochs >= 0 and self.wall_s >= 0, "budget", (self.epochs, self.wall_s), ">= 0")
         _check(0 < 2 * self.heartbeat_s <= self.lease_s, "heartbeat_s", self.heartbeat_s,
@@ -145,6 +154,7 @@ class ServerConfig:
     calib_timeout_s: float = 60.0  # group the workers that reported after this long
     ready_file: str | None = None  # write "host port" here once listening (launcher)
     linger_s: float = 15.0  # after the budget, wait this long for the final evaluator pull
+    rejoin_wait_s: float = 120.0  # every worker gone with budget left: wait this long for them
     checkpoint_path: str | None = None  # checkpoint file; None = <run_dir>/checkpoint.npz
     checkpoint_every_s: float = 30.0  # seconds between checkpoints; 0 = none
     resume: bool = False  # start from checkpoint_path instead of init_path / a worker
@@ -276,9 +286,17 @@ def parse_slowdowns(text: str) -> list[float]:
     return out
 
 
+class FieldError(ConfigError):
+    """A RunConfig field out of range (the CLI names the field's flag instead of the field)."""
+
+    def __init__(self, name: str, got: Any, expected: str) -> None:
+        super().__init__(f"config field {name} = {got!r}, expected {expected}")
+        self.name, self.got, self.expected = name, got, expected
+
+
 def _check(ok: bool, name: str, got: Any, expected: str) -> None:
     if not ok:
-        raise ConfigError(f"config field {name} = {got!r}, expected {expected}")
+        raise FieldError(name, got, expected)
 
 
 # Training set sizes of the known data sets (samples), for the epoch budget on the server,

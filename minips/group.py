@@ -119,7 +119,7 @@ class GroupServer:
         carried, then expire the workers silent for more than lease_s."""
         loop = asyncio.get_running_loop()
         await self.ready.wait()
-        while not self.finished:
+        while True:  # also after a final flush: workers may rejoin (close() cancels it)
             await asyncio.sleep(EXPIRE_PERIOD_S)
             now = self.now()
             for w, ch in self.channels.items():

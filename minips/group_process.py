@@ -30,7 +30,7 @@ from minips.config import (
     format_address,
     server_ssl,
 )
-from minips.errors import RemoteProtocolError
+from minips.errors import ConfigError, RemoteProtocolError
 from minips.exchange import ExchangeResult
 from minips.group import GroupServer
 from minips.metrics import RunDir
@@ -105,6 +105,9 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease
     link = TcpLink(ch)
     assign = await ch.recv()
+    if isinstance(assign, protocol.Error):  # e.g. every group has its server already
+        await ch.close()
+        raise ConfigError(f"the global server refused this group server: {assign.reason}")
     if not isinstance(assign, protocol.Assign):
         await ch.close()
         raise RemoteProtocolError("expected ASSIGN", got=type(assign).__name__)
@@ -137,7 +140,7 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
               f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
     link = await _register(cfg, gs, address, cfg.connect_timeout_s)
     try:
-        while not gs.finished:
+        while not (gs.finished and gs.done):  # all workers gone is not the end: they may rejoin
             if link.closed.is_set():
                 gs.log("global_lost")
                 link = await _register(cfg, gs, address, cfg.reconnect_s)

@@ -9,7 +9,8 @@ reconnecting to a restarted global server — adopts a group whose server is gon
 Invariant: a group has at most one connected group process (``GroupHandle.ch``); a merge that
 repeats the last (session, seq) of its group is answered without merging (``GlobalServer.merge``).
 A group process's connection that carries no bytes (not even HEARTBEAT) for ``lease_s`` is
-closed: its group counts as lost, free for a replacement to adopt.
+closed: its group counts as lost, free for a replacement to adopt; when none comes within
+``REHOME_LEASES`` leases, its workers move to the live groups nearest in speed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = ["external_group", "group_session"]
 log = logging.getLogger("minips.server")
 
 PENDING_POLL_S = 0.1  # how often the grouping looks for a group process that has not come yet
+REHOME_LEASES = 3  # a lost group with no replacement after this many leases: move its workers
 
 
 async def external_group(srv: GlobalServer, g: int, members: list[int]) -> GroupHandle:
@@ -72,9 +74,30 @@ async def group_session(srv: GlobalServer, ch: Any) -> None:
             handle.ch = None
             srv.log("group_lost", group=handle.id)
             if not (handle.final or srv.done):  # not the end of the run
+                wait = REHOME_LEASES * srv.run.lease_s
                 log.warning("group %d: its group server %s is gone (%s); a new `minips group "
-                            "--connect` to this server takes the group over", handle.id,
-                            handle.address, ch.error or "connection closed")
+                            "--connect` to this server takes the group over, else its workers "
+                            "move to another group in %.0f s", handle.id, handle.address,
+                            ch.error or "connection closed", wait)
+                srv.spawn(_rehome_later(srv, handle, wait))
+
+
+async def _rehome_later(srv: GlobalServer, handle: GroupHandle, wait: float) -> None:
+    """No group process took ``handle`` over within ``wait`` s: send its workers to the live
+    groups nearest in speed; the empty group no longer holds the end of the run."""
+    await asyncio.sleep(wait)
+    if handle.ch is not None or srv.done:  # adopted meanwhile, or over
+        return
+    live = {g for g, h in srv.groups.items() if h.ch is not None}
+    moved = srv.roster.rehome(handle.id, live)
+    if not moved:
+        return  # no live group: a replacement may still come
+    handle.final = True
+    srv.log("rehomed", group=handle.id, moved={str(w): g for w, g in moved.items()})
+    log.warning("group %d: no group server took it over in %.0f s; its workers %s moved to "
+                "group(s) %s", handle.id, wait, sorted(moved), sorted(set(moved.values())))
+    for w, g in moved.items():
+        await srv.assign(srv.workers[w], g)
 
 
 async def _adopt(srv: GlobalServer, ch: Any) -> GroupHandle | None:
@@ -82,7 +105,8 @@ async def _adopt(srv: GlobalServer, ch: Any) -> GroupHandle | None:
     orphans = sorted((h for h in srv.groups.values() if h.ch is None and h.server is None),
                      key=lambda h: h.id != ch.peer_hello.group)
     if not orphans:
-        await ch.send_error("refused", "every group already has a group server")
+        await ch.send_error("refused", f"every one of the run's {len(srv.groups)} groups "
+                            "already has a group server")
         return None
     handle = orphans[0]
     handle.ch, handle.address = ch, _address(ch)

@@ -127,15 +127,33 @@ def assign_groups(
     *,
     max_ratio: float = DEFAULT_MAX_RATIO,
 ) -> dict[int, int]:
-    """``{worker: group}`` for the measured step times; ``k=None`` lets ``choose_k`` decide."""
+    """``{worker: group}`` for the measured step times; ``k=None`` lets ``choose_k`` decide.
+
+    A given ``k`` is honoured (up to one group per worker): when the speeds have fewer distinct
+    values than ``k`` (equal workers), the workers are split by rank into k near-equal groups.
+    """
     workers = sorted(step_times)
     if not workers:
         return {}
     times = [step_times[w] for w in workers]
     if k is None:
         k = choose_k(times, max_k, max_ratio=max_ratio)
-    labels = cluster_1d(times, k)
+        labels = cluster_1d(times, k)
+    else:
+        labels = cluster_1d(times, k)
+        if np.unique(labels).size < min(k, len(workers)):
+            labels = _split_by_rank(times, k)
     return {w: int(g) for w, g in zip(workers, labels, strict=True)}
+
+
+def _split_by_rank(times: Sequence[float], k: int) -> np.ndarray:
+    """Labels ``(n,) int64``: the workers in speed order (ties by position), cut into
+    min(k, n) contiguous groups of near-equal size; 0 = fastest."""
+    n = len(times)
+    order = np.argsort(np.asarray(times, dtype=np.float64), kind="stable")
+    labels = np.empty(n, dtype=np.int64)
+    labels[order] = np.arange(n) * min(k, n) // n
+    return labels
 
 
 def group_times(step_times: Mapping[int, float], assignment: Mapping[int, int]) -> dict[int, float]:

@@ -10,7 +10,8 @@ summary.json and the PNG charts and prints where they are.
 
 Invariants: every child runs in its own session, so Ctrl-C reaches the launcher only; the
 launcher then stops the children (SIGTERM, SIGKILL after ``grace_s``) and still writes the
-summary. No child outlives ``run_local``.
+summary; SIGTERM does the same (status "terminated"). No child outlives ``run_local``, nor the
+launcher's death by any signal, SIGKILL included (``lifeline.py``: each child watches it).
 
 ``run_server`` is the `minips server` process: a ``GlobalServer`` served until its run is over,
 optionally with an evaluator child.
@@ -32,16 +33,25 @@ from typing import Any
 
 import numpy as np
 
-from minips import checkpoint, metrics, transport
+from minips import checkpoint, lifeline, metrics, transport
 from minips.config import WILDCARD_HOSTS, LaunchConfig, ServerConfig
 from minips.errors import ConfigError, MiniPSError
 from minips.server import GlobalServer
 
-__all__ = ["Cluster", "run_local", "make_run_dir", "write_init", "serve_run", "run_server"]
+__all__ = ["Cluster", "Terminated", "run_local", "make_run_dir", "write_init", "serve_run",
+           "run_server"]
 
 READY_TIMEOUT_S = 60.0  # the server must be listening within this long
 EXIT_TIMEOUT_S = 30.0  # after the server exits, workers and evaluator get this long to leave
 PROGRESS_PERIOD_S = 0.5  # progress line refresh
+
+
+class WorkersFailed(MiniPSError):
+    """Every worker of a local run exited, some with an error, while the server waits."""
+
+
+class Terminated(MiniPSError):
+    """SIGTERM reached the launcher: stop the cluster, write the summary, exit 143."""
 
 
 def make_run_dir(cfg: LaunchConfig) -> Path:
@@ -71,7 +81,9 @@ class Cluster:
     def __init__(self, cfg: LaunchConfig, run_dir: Path, token: str) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
-        self.env = {**os.environ, "MINIPS_TOKEN": token, "PYTHONUNBUFFERED": "1"}
+        # children die with the launcher, by any signal (lifeline.py)
+        self.env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": token,
+                                       "PYTHONUNBUFFERED": "1"})
         self.logs = run_dir / "logs"
         self.logs.mkdir(exist_ok=True)
         self.server: subprocess.Popen[bytes] | None = None
@@ -124,12 +136,23 @@ class Cluster:
         while self.server.poll() is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run still going after {timeout_s:.0f} s")
+            self._check_workers()
             if line is not None:
                 line.draw()
             time.sleep(PROGRESS_PERIOD_S)
         if line is not None:
             line.draw(final=True)
         return int(self.server.returncode)
+
+    def _check_workers(self) -> None:
+        """Every worker exited, one at least with an error: nobody will rejoin (the server
+        would wait --rejoin-wait for them); ``WorkersFailed`` ends the run now."""
+        workers = {n: p for n, p in self.children.items() if n.startswith("worker-")}
+        if workers and all(p.poll() is not None for p in workers.values()):
+            failed = sorted(n for n, p in workers.items() if p.returncode)
+            if failed:
+                raise WorkersFailed(f"{', '.join(failed)} exited with an error; see their logs "
+                                    f"in {self.logs}")
 
     def collect(self, timeout_s: float = EXIT_TIMEOUT_S) -> list[str]:
         """Give the other children ``timeout_s`` to exit on their own; return the names of
@@ -235,6 +258,7 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
     print(f"minips local: run directory {run_dir}", file=sys.stderr, flush=True)
     cluster = Cluster(cfg, run_dir, token)
     status = "done"
+    previous = _on_sigterm(_terminate)
     try:
         cluster.start_server(write_init(run_dir, cfg.run.model, cfg.run.seed))
         cluster.start_workers()
@@ -250,16 +274,35 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
         status = "interrupted"
     except TimeoutError:
         status = "timeout"
+    except Terminated:
+        status = "terminated"
+    except WorkersFailed as exc:
+        print(f"minips local: {exc}", file=sys.stderr, flush=True)
+        status = "failed"
     finally:
         cluster.stop()
+        _on_sigterm(previous)
     return _finish(cfg, run_dir, status)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated("terminated by SIGTERM")
+
+
+def _on_sigterm(handler: Any) -> Any:
+    """Install ``handler`` for SIGTERM; return the previous one (None off the main thread,
+    where Python cannot set handlers: the caller's own handling applies)."""
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except (ValueError, TypeError):
+        return None
 
 
 def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
     summary = metrics.summarize(run_dir, write=False)
     summary.update(status=status, run_dir=str(run_dir), slowdowns=cfg.factors())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    pngs = _plot(run_dir) if cfg.plot else []
+    pngs = _plot(run_dir) if cfg.plot and status != "terminated" else []
     acc = summary.get("final_accuracy")
     print(f"minips local: {status} in {summary.get('wall_s') or 0:.1f} s, final accuracy "
           f"{acc if acc is None else round(acc, 4)}\n  run directory: {run_dir}\n"
@@ -319,21 +362,23 @@ def _announce(cfg: ServerConfig, port: int) -> None:
           f"--listen <this-host>:7071", flush=True)
 
 
-def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False, announce: bool = True) -> None:
-    """`minips server`: serve one run (optionally with an evaluator child process)."""
+def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False,
+               announce: bool = True) -> GlobalServer:
+    """`minips server`: serve one run (optionally with an evaluator child process); return
+    the closed server (``failure`` says whether the run ended short)."""
     if spawn_evaluator and cfg.tls_cert:
         raise ConfigError("--eval cannot be used with --tls-cert: the evaluator child would have "
                           "to verify the certificate by a name this machine resolves; start "
                           "'minips evaluator --connect NAME:PORT --tls-ca CA' instead")
     transport.install_uvloop()
-    asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
+    return asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
 
 
 def _spawn_evaluator(cfg: ServerConfig, port: int) -> subprocess.Popen[bytes]:
     host = "127.0.0.1" if cfg.host in WILDCARD_HOSTS else cfg.host
     cmd = [sys.executable, "-m", "minips", "evaluator", "--connect", f"{host}:{port}",
            "--run-dir", cfg.run_dir, "--timeout", "30"]
-    return subprocess.Popen(cmd)
+    return subprocess.Popen(cmd, env=lifeline.child_env())
 
 
 def _reap(child: subprocess.Popen[bytes]) -> None:

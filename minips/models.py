@@ -39,6 +39,7 @@ from torch import nn
 
 from minips import data
 from minips.errors import ConfigError
+from minips.model_table import DEFAULT_DATASET, MODEL_NAMES, PARAM_COUNTS
 
 __all__ = [
     "MODEL_NAMES",
@@ -62,11 +63,6 @@ __all__ = [
     "reference_train",
 ]
 
-MODEL_NAMES = ("lenet5", "resnet18", "vgg19", "resnet9", "seq2seq")
-PARAM_COUNTS = {"lenet5": 61_706, "resnet18": 11_173_962, "vgg19": 20_040_522,
-                "resnet9": 6_573_120, "seq2seq": 109_499}
-DEFAULT_DATASET = {"lenet5": "fashion-mnist", "resnet18": "cifar10", "vgg19": "cifar10",
-                   "resnet9": "cifar10", "seq2seq": "translation"}
 
 
 class LeNet5(nn.Module):

@@ -127,6 +127,20 @@ class Roster:
         self.add_member(g, entry.id)
         return g
 
+    def rehome(self, lost: int, live: set[int]) -> dict[int, int]:
+        """Move every member of group ``lost`` (its server is gone, no replacement came) to the
+        ``live`` group nearest in speed; return ``{worker: new group}`` (empty: nowhere to go)."""
+        times = {g: self.groups[g].step_time for g in live}
+        if not times:
+            return {}
+        moved = {}
+        for w in list(self.groups[lost].members):
+            g = grouping.nearest_group(self.workers[w].step_time or 1.0, times)
+            self.move(w, g)
+            self.regrouper.assignment[w] = g
+            moved[w] = g
+        return moved
+
     def set_ratios(self) -> bool:
         """GDTopK: one ratio per group from the group step times; True when any changed."""
         if self.run.compressor != "gdtopk" or not self.groups:

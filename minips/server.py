@@ -42,6 +42,7 @@ from minips import (
     client_sessions,
     group_sessions,
     protocol,
+    run_end,
     server_checkpoint,
     sparse,
     transport,
@@ -82,6 +83,8 @@ class GlobalServer:
         self.pending_groups: list[Any] = []  # channels of external group servers not yet used
         self.done = False
         self.done_reason = ""
+        self.failure = ""  # why the run ended short or broken ("" = it did not; run_end.py)
+        self.rejoin: asyncio.Task[Any] | None = None  # waiting for every worker to come back
         self.train_size = dataset_train_size(self.run.dataset, self.run.train_size)
         self.started_training = 0.0  # time.time() when the groups were formed
         self.finished = asyncio.Event()
@@ -112,6 +115,7 @@ class GlobalServer:
         self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
                                             accept=self._accept, handler=self._handle, ssl=ssl)
         self.port = int(self.server.port)
+        server_checkpoint.clean(self)  # temp files of writes killed midway
         if self._restored is not None:
             await server_checkpoint.reopen(self, self._restored)
         else:
@@ -300,13 +304,15 @@ class GlobalServer:
         """Merge one new exchange of group ``g``: weights, counters, its log line, the budget."""
         assert self.weights is not None
         h = self.groups[g]
+        if not run_end.delta_is_finite(self, g, delta):
+            return  # not applied: the run fails (diverged)
         if self.run.merge == "mean" and len(self.groups) > 1:
             delta = delta * np.float32(1.0 / len(self.groups))  # (n,) float32, a new array
         self.weights += delta
         self.version += 1
         self.samples += int(stats.get("samples", 0))
         h.merges += 1
-        h.final = h.final or bool(stats.get("final"))
+        h.final = bool(stats.get("final"))  # a non-final merge after a final one: it is back
         h.traffic = {k: int(stats.get(k, 0)) for k in ("bytes_in", "bytes_out")}
         self.log("merge", group=g, group_samples=stats.get("samples", 0),
                   **{k: v for k, v in stats.items() if k not in ("version", "samples")})
@@ -316,8 +322,11 @@ class GlobalServer:
         if self.run.epochs > 0 and self.samples >= self.run.epochs * self.train_size:
             self.finish("epochs")
         if self.groups and all(h.final for h in self.groups.values()):
-            self.finish("workers left")
-            self.finished.set()
+            run_end.every_group_final(self)  # the end, or a wait for the workers to rejoin
+
+    def trained_s(self) -> float:
+        """Seconds since the groups were formed (the wall budget's clock)."""
+        return time.time() - self.started_training if self.started_training else 0.0
 
     async def _wall_budget(self) -> None:
         await asyncio.sleep(max(0.0, self.run.wall_s - (time.time() - self.started_training)))

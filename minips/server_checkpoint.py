@@ -23,12 +23,19 @@ from minips.roster import GroupHandle, WorkerEntry
 if TYPE_CHECKING:
     from minips.server import GlobalServer
 
-__all__ = ["path_of", "snapshot", "restore", "reopen", "save", "save_loop"]
+__all__ = ["path_of", "snapshot", "restore", "reopen", "save", "save_loop", "clean"]
 
 
 def path_of(srv: GlobalServer) -> Path:
     """Where ``srv`` keeps its checkpoint (``--checkpoint`` or run_dir/checkpoint.npz)."""
     return Path(srv.cfg.checkpoint_path or Path(srv.cfg.run_dir) / "checkpoint.npz")
+
+
+def clean(srv: GlobalServer) -> None:
+    """Delete the temporary files of checkpoint writes that were killed midway."""
+    removed = checkpoint.remove_stale_temps(path_of(srv))
+    if removed:
+        srv.log("checkpoint_temps_removed", files=[str(p) for p in removed])
 
 
 def snapshot(srv: GlobalServer) -> dict[str, Any]:

@@ -20,7 +20,8 @@ Emulated heterogeneity: slowdown F stretches every step with sleep (so results d
 CPU load); ``bandwidth_bps`` / ``latency_s`` delay each send by bytes / bandwidth + latency.
 
 The evaluator (role ``evaluator``) pulls the global weights every ``eval_every_s`` and writes
-accuracy, loss and the global counters to eval.jsonl until the run is done.
+accuracy, loss and the global counters to eval.jsonl until the run is done; when the global
+server is lost it reconnects for up to ``reconnect_s``, as a worker does.
 """
 
 from __future__ import annotations
@@ -402,8 +403,15 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     try:
         while True:
             t = time.monotonic()
-            await ch.send(protocol.Pull(clock=0))
-            w = await Link(ch, 0, 0).expect(protocol.Weights)
+            try:
+                await ch.send(protocol.Pull(clock=0))
+                w = await Link(ch, 0, 0).expect(protocol.Weights)
+            except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError,
+                    _Stopped) as exc:
+                if isinstance(exc, _Stopped) and exc.final:
+                    raise
+                ch = await _reconnect_evaluator(cfg, writer, run, exc)
+                continue
             if w.version != last or w.done:
                 last = w.version
                 _evaluate_once(run, w, size, test, writer)
@@ -413,6 +421,19 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     finally:
         writer.close()
         await _leave(ch)
+
+
+async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunConfig,
+                               exc: BaseException) -> Any:
+    """The global server is lost (it may come back with --resume): reconnect as a worker does,
+    for up to ``reconnect_s`` (then ConnectionError)."""
+    writer.write({"t": time.time() - run.t0, "event": "server_lost", "reason": str(exc)})
+    log.warning("evaluator: global server lost (%s); reconnecting for up to %.0f s", exc,
+                cfg.reconnect_s)
+    ch = await _connect(cfg, cfg.server_host, cfg.server_port, "evaluator", -1,
+                        timeout=cfg.reconnect_s, retries=RECONNECT_ATTEMPTS)
+    writer.write({"t": time.time() - run.t0, "event": "server_back"})
+    return ch
 
 
 def _evaluate_once(run: RunConfig, w: Any, size: int, test: Any, writer: JsonlWriter) -> None:

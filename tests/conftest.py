@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from minips import protocol
+from minips import lifeline, protocol
 from minips.metrics import read_jsonl
 
 
@@ -125,7 +125,7 @@ def minips_server(run_dir: Path, token: str,
     proc = subprocess.Popen(
         [sys.executable, "-m", "minips", "server", "--port", "0", "--quiet", *flags,
          "--run-dir", str(run_dir), "--ready-file", str(ready)],
-        env={**os.environ, "MINIPS_TOKEN": token}, stdout=subprocess.DEVNULL,
+        env=lifeline.child_env({**os.environ, "MINIPS_TOKEN": token}), stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
     try:
         host, port = wait_ready_file(ready, proc)

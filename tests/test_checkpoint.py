@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +88,29 @@ def test_fingerprint_accepts_the_same_run_and_names_every_difference() -> None:
         checkpoint.check_compatible(state, dict(RUN), 11)
     with pytest.raises(ConfigError, match="format"):
         checkpoint.check_compatible({**state, "format": 999}, dict(RUN), 10)
+
+
+async def test_the_server_removes_temp_files_of_writes_killed_midway(tmp_path: Path) -> None:
+    """A server killed while writing leaves `.checkpoint.npz.tmp<pid>`; the next server start
+    deletes those of dead processes and keeps one a live process may still be writing."""
+    import subprocess
+    import sys
+
+    from conftest import records
+
+    from minips.config import RunConfig, ServerConfig
+    from minips.server import GlobalServer
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True, timeout=30)
+    stale = tmp_path / f".checkpoint.npz.tmp{int(dead.stdout)}"
+    live = tmp_path / f".checkpoint.npz.tmp{os.getpid()}"
+    for f in (stale, live):
+        f.write_bytes(b"\0" * 1000)  # half a checkpoint
+    srv = GlobalServer(ServerConfig(run=RunConfig(workers=1), port=0, run_dir=str(tmp_path)),
+                       np.zeros(4, np.float32))
+    await srv.start()
+    await srv.close()
+    assert not stale.exists() and live.exists()
+    removed = records(tmp_path / "global.jsonl", event="checkpoint_temps_removed")
+    assert removed and removed[0]["files"] == [str(stale)]

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import records, recv_as, run_t0, steps, wait_for
 
-from minips import checkpoint, data, models
+from minips import checkpoint, data, lifeline, models
 from minips.launch import write_init
 
 TOKEN = "faults-secret"
@@ -34,7 +34,9 @@ class Procs:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.env = {**os.environ, "MINIPS_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
+        # the processes die with this test process even when it is killed (lifeline.py)
+        self.env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": TOKEN,
+                                       "PYTHONUNBUFFERED": "1"})
         self.all: list[subprocess.Popen[bytes]] = []
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -451,3 +453,97 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
         deaf_w.close()
     finally:
         await gs.close()
+
+
+@pytest.mark.timeout(240)
+def test_every_worker_stopped_past_the_lease_the_server_waits_and_the_budget_is_spent(
+        procs: Procs) -> None:
+    """SIGSTOP every worker for longer than the lease: the group flushes its final delta, but
+    the budget is not spent, so the global server waits for them (console line, event); after
+    SIGCONT they rejoin and the run ends normally with its whole budget trained."""
+    d = procs.run_dir
+    server, address = procs.server(*RUN, "--workers", "2", "--epochs", "0.4", "--lease", "3",
+                                   "--heartbeat", "0.5", "--rejoin-wait", "90")
+    workers = [procs.worker(address, i) for i in range(2)]
+    wait_for("some merges", lambda: len(records(d / "global.jsonl", event="merge")) >= 5,
+             120, (server, *workers))
+    for w in workers:
+        w.send_signal(signal.SIGSTOP)
+    try:
+        ended = wait_for("the server sees every worker gone", lambda: records(
+            d / "global.jsonl", event="waiting_for_workers") or records(
+            d / "global.jsonl", event="done"), 30, (server,))
+        assert ended[0]["event"] == "waiting_for_workers", ended  # not the end of the run
+        assert "waiting up to 90 s for them to rejoin" in (d / "logs" / "server.log").read_text()
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGCONT)
+    wait_for("the workers are back", lambda: records(d / "global.jsonl", event="workers_back"),
+             60, (server,))
+    assert server.wait(timeout=150) == 0, (d / "logs" / "server.log").read_text()[-2000:]
+    for w in workers:
+        assert w.wait(timeout=30) == 0
+    assert samples_now(d) >= 0.4 * 60000
+    assert not records(d / "global.jsonl", event="failed")
+
+
+@pytest.mark.timeout(240)
+def test_evaluator_reconnects_to_a_global_server_resumed_on_the_same_port(procs: Procs) -> None:
+    """`kill -9` the global server: the evaluator keeps trying (as a worker does) and goes on
+    evaluating the resumed server's weights to the end of the run."""
+    d = procs.run_dir
+    run = (*RUN, "--workers", "1", "--epochs", "0.5", "--eval-every", "0.5", "--eval-limit",
+           "500")
+    server, address = procs.server(*run)
+    port = int(address.rsplit(":", 1)[1])
+    worker = procs.worker(address, 0)
+    evaluator = procs.start("evaluator", "evaluator", "--connect", address, "--run-dir", str(d),
+                            "--reconnect", "60")
+    ckpt = d / "checkpoint.npz"
+    wait_for("a checkpoint and an evaluation", lambda: ckpt.exists() and records(
+        d / "eval.jsonl"), 120, (server, evaluator))
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    wait_for("the evaluator notices", lambda: records(d / "eval.jsonl", event="server_lost"),
+             30, (evaluator,))
+    server, _ = procs.server(*run, port=port, resume=True)
+    wait_for("the evaluator is back", lambda: records(d / "eval.jsonl", event="server_back"),
+             60, (evaluator,))
+    assert server.wait(timeout=150) == 0
+    assert evaluator.wait(timeout=60) == 0, (d / "logs" / "evaluator.log").read_text()[-2000:]
+    assert worker.wait(timeout=30) == 0
+    back = records(d / "eval.jsonl", event="server_back")[0]["t"]
+    after = [r for r in steps(d / "eval.jsonl") if r["t"] > back]
+    assert after and after[-1]["final"] is True
+
+
+@pytest.mark.timeout(240)
+def test_workers_of_a_vanished_group_with_no_replacement_move_to_a_live_group(
+        procs: Procs) -> None:
+    """`kill -9` one of two `minips group` processes and start no replacement: after
+    REHOME_LEASES leases the global server moves its worker to the other group, where it
+    trains on, and the run spends its budget."""
+    d = procs.run_dir
+    lease = 2.0
+    server, address = procs.server(*RUN, "--mode", "gssp", "--workers", "2", "--epochs", "0.5",
+                                   "--groups", "2", "--external-groups", "2", "--lease", str(lease),
+                                   "--heartbeat", "0.5")
+    group_args = ("group", "--connect", address, "--listen", "127.0.0.1:0", "--run-dir", str(d))
+    groups = [procs.start(f"group-{i}", *group_args) for i in range(2)]
+    workers = [procs.worker(address, i) for i in range(2)]
+    wait_for("both groups merge", lambda: {r["group"] for r in records(
+        d / "global.jsonl", event="merge")} == {0, 1}, 120, (server, *groups))
+    groups[0].kill()
+    lost = wait_for("the group is lost", lambda: records(d / "global.jsonl", event="group_lost"),
+                    30, (server,))[0]["group"]
+    moved = wait_for("its worker is moved", lambda: records(d / "global.jsonl",
+                                                            event="rehomed"), 30, (server,))
+    assert moved[0]["group"] == lost and set(moved[0]["moved"].values()) == {1 - lost}
+    w = int(next(iter(moved[0]["moved"])))
+    before = len(steps(d / f"worker-{w}.jsonl"))
+    wait_for("the moved worker trains on", lambda: len(steps(d / f"worker-{w}.jsonl")) >=
+             before + 20, 60, (server, workers[w]))
+    assert server.wait(timeout=150) == 0, (d / "logs" / "server.log").read_text()[-2000:]
+    for p in workers:
+        assert p.wait(timeout=30) == 0
+    assert samples_now(d) >= 0.5 * 60000

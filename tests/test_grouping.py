@@ -157,3 +157,12 @@ def test_regrouper_late_joiner_and_leaver():
     assert set(r.assignment) == {0, 2, 3, 4}
     assert r.update({0: 1.0, 2: 3.0, 3: 3.0, 4: 2.6, 5: 1.1}) is None
     assert r.assignment[5] == 0
+
+
+def test_an_explicit_group_count_is_honoured_for_equal_speeds() -> None:
+    """Equal workers give one distinct speed: --groups 2 still means two groups."""
+    equal = {w: 0.04 for w in range(4)}
+    assert assign_groups(equal, k=2) == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert sorted(assign_groups({0: 0.04, 1: 0.04, 2: 0.04}, k=2).values()) == [0, 0, 1]
+    assert assign_groups(equal, k=None) == {w: 0 for w in range(4)}  # automatic: one group
+    assert set(assign_groups({0: 0.04, 1: 0.04}, k=3).values()) == {0, 1}  # one per worker

@@ -75,3 +75,88 @@ def test_children_that_exit_with_an_error_are_named(tmp_path: Path) -> None:
     cluster._spawn("worker-1", ["worker", "--connect", "no-port-here"])  # bad flag: exits 2
     assert cluster.collect(timeout_s=60) == ["worker-1"]
     assert "error" in (tmp_path / "logs" / "worker-1.log").read_text()
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _start_local(tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], list[int]]:
+    """`minips local` training (2 ASP workers, evaluator); its children's pids once a worker
+    has stepped (each child's command line holds the run directory)."""
+    cmd = [sys.executable, "-m", "minips", "local", "--mode", "asp", "--workers", "2",
+           "--wall-s", "300", "--base-step", "0.05", "--no-plot", "--no-progress",
+           "--out", str(tmp_path), "--name", name]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    worker_log = tmp_path / name / "worker-1.jsonl"
+    deadline = time.monotonic() + 90
+    while not (worker_log.exists() and worker_log.stat().st_size > 0):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    children = [p for p in _processes_mentioning(str(tmp_path / name)) if p != proc.pid]
+    assert len(children) >= 4, children  # server, 2 workers, evaluator
+    return proc, children
+
+
+def _survivors(pids: list[int], within_s: float) -> list[int]:
+    """The pids still running ``within_s`` seconds from now (polled, returns early when none)."""
+    deadline = time.monotonic() + within_s
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.mark.timeout(150)
+def test_no_child_survives_its_launcher_killed(tmp_path: Path) -> None:
+    proc, children = _start_local(tmp_path, "kill9")
+    proc.kill()
+    proc.wait()
+    left = _survivors(children, 5.0)
+    for p in left:  # do not leave them running when the test fails
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"children alive 5 s after the launcher's SIGKILL: {left}"
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_stops_the_cluster_promptly_and_writes_the_summary(tmp_path: Path) -> None:
+    proc, children = _start_local(tmp_path, "term")
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    took = time.monotonic() - t
+    left = _survivors(children, 5.0)
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"children alive 5 s after the launcher's SIGTERM: {left}"
+    assert proc.returncode == 143, err
+    assert json.loads((tmp_path / "term" / "summary.json").read_text())["status"] == "terminated"
+    assert took < 10, f"SIGTERM took {took:.1f} s"
+
+
+@pytest.mark.timeout(60)
+def test_every_worker_failing_ends_a_local_run_at_once(tmp_path: Path) -> None:
+    """The server would wait --rejoin-wait for workers that will never come back: the launcher
+    sees that every worker exited with an error and stops the run now."""
+    import numpy as np
+
+    from minips.launch import WorkersFailed
+    from minips.model_table import PARAM_COUNTS
+
+    cluster = Cluster(LaunchConfig(run=RunConfig(workers=2), out_dir=str(tmp_path)), tmp_path,
+                      "token")
+    try:
+        np.save(tmp_path / "init.npy", np.zeros(PARAM_COUNTS["lenet5"], np.float32))
+        cluster.start_server(tmp_path / "init.npy")  # then it waits for its workers
+        for i in range(2):
+            cluster._spawn(f"worker-{i}", ["worker", "--connect", "no-port-here"])  # exits 2
+        t = time.monotonic()
+        with pytest.raises(WorkersFailed, match="worker-0, worker-1 exited with an error"):
+            cluster.wait(timeout_s=40, progress=False)
+        assert time.monotonic() - t < 30
+    finally:
+        cluster.stop()

@@ -20,6 +20,7 @@ from minips.config import RunConfig, ServerConfig, parse_address, reachable
 from minips.errors import AuthError, RemoteProtocolError
 from minips.group import GroupServer
 from minips.metrics import read_jsonl
+from minips.model_table import PARAM_COUNTS
 from minips.roster import match_labels
 from minips.server import GlobalServer, GroupHandle, InProcLink
 
@@ -297,7 +298,7 @@ async def test_workers_after_the_calibration_deadline_are_assigned_after_their_f
     --calib-timeout, so the first worker to come is grouped right after its first STATS, and
     a later one after its own; neither waits for the third worker --workers expects."""
     init = tmp_path / "w.npy"
-    np.save(init, np.zeros(4, np.float32))
+    np.save(init, np.zeros(PARAM_COUNTS["lenet5"], np.float32))  # --init must fit the model
     with minips_server(tmp_path, TOKEN, "--workers", "3", "--calib-timeout", "0.2", "--init",
                        str(init), "--mode", "asp") as (_, host, port):
         await until(lambda: bool(records(tmp_path / "global.jsonl", event="calib_timeout")), 20)
@@ -341,3 +342,18 @@ async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> N
     assert events.count("merge_repeat") == 1 and events.count("merge") == 2
     with pytest.raises(RemoteProtocolError):
         validation.check_group_stats({"stats": {"session": 1, "seq": "7"}})
+
+
+async def test_an_explicit_group_count_is_honoured_for_equal_workers(tmp_path: Path) -> None:
+    """--groups 2 with two equally fast workers: two groups (one each), not one."""
+    srv = make_server(tmp_path, np.zeros(8, np.float32), workers=2, mode="gssp", groups=2)
+    port = await srv.start()
+    chans = [await join(port, w, 0.04) for w in range(2)]
+    try:
+        assigns = [await recv_as(ch, protocol.Assign) for ch in chans]
+        assert sorted(a.group for a in assigns) == [0, 1]
+        assert assigns[0].address != assigns[1].address
+    finally:
+        for ch in chans:
+            await ch.close()
+        await srv.close()
