@@ -7,13 +7,13 @@ BIN := $(VENV)/bin
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP := $(BIN)/python -m pip install -q $(FIND_LINKS) -c constraints.txt
 
-.PHONY: install demo test data lint
+.PHONY: install demo test data browser lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 install: $(BIN)/python
-	$(PIP) -e ".[torch,test,plot,dev,ray]"
+	$(PIP) -e ".[torch,test,plot,dev,ray,dashboard]"
 
 # Fashion-MNIST from Debian's package, when apt is there and the files are not.
 data:
@@ -22,10 +22,17 @@ data:
 	   (apt-get update && apt-get install -y dataset-fashion-mnist))) || \
 	  echo "note: Fashion-MNIST not installed; pass --data-dir or see docs"
 
+# Chromium and its driver for the dashboard's browser test, when apt is there and they are not.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (command -v apt-get >/dev/null && (apt-get install -y chromium chromium-driver || \
+	   (apt-get update && apt-get install -y chromium chromium-driver))) || \
+	  echo "note: chromium not installed; the dashboard's browser test will be skipped"
+
 demo: install data
 	$(BIN)/minips local --preset demo
 
-test: install data
+test: install data browser
 	$(BIN)/python -m pytest -q
 
 lint: install

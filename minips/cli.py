@@ -159,6 +159,16 @@ def _add_local(sub: Any) -> None:
     loc.add_argument("--no-progress", action="store_true", help="no progress line")
     loc.add_argument("--no-eval", action="store_true", help="do not start the evaluator")
     loc.add_argument("--no-plot", action="store_true", help="do not draw PNGs at the end")
+    _add_watch(loc)
+
+
+def _add_watch(p: argparse.ArgumentParser) -> None:
+    """--dashboard and --tensorboard (minips.dashboard; served by the global server)."""
+    p.add_argument("--dashboard", default="", metavar="HOST:PORT",
+                   help="serve a live web dashboard and Prometheus /metrics here (needs "
+                   "minips[dashboard]; beyond loopback it asks for MINIPS_TOKEN; default off)")
+    p.add_argument("--tensorboard", default="", metavar="DIR",
+                   help="write the run's series as TensorBoard scalars to DIR (default off)")
 
 
 def _add_server(sub: Any) -> None:
@@ -187,6 +197,7 @@ def _add_server(sub: Any) -> None:
     srv.add_argument("--rejoin-wait", type=at_least(0), default=120.0,
                      help="every worker gone with budget left: wait this long for them to "
                      "rejoin before the run ends short (exit 3), s")
+    _add_watch(srv)
     _add_insecure(srv)
     _add_tls(srv, server=True, client=False)
 
@@ -228,6 +239,16 @@ def _add_clients(sub: Any) -> None:
         _add_tls(w, server=False, client=True)
 
 
+def _add_dashboard(sub: Any) -> None:
+    """`minips dashboard`: replay a finished run in the browser."""
+    d = sub.add_parser("dashboard", help="replay a finished run directory on the web dashboard")
+    d.add_argument("run_dir", help="run directory to replay (runs/<run>)")
+    d.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT of the page")
+    d.add_argument("--speed", type=float, default=1.0,
+                   help="replay speed, x real time (0 = the whole run at once)")
+    _add_insecure(d)
+
+
 def _add_plot(sub: Any) -> None:
     """`minips plot`."""
     plt = sub.add_parser("plot", help="PNG charts from run directories")
@@ -265,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The `minips` argument parser with one sub-command per role."""
     p = _OneLine(prog="minips", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_local, _add_server, _add_group, _add_clients, _add_plot):
+    for add in (_add_local, _add_server, _add_group, _add_clients, _add_plot,
+                _add_dashboard):
         add(sub)
     cli_ray.add_parser(sub, _add_run_flags)
     return p
@@ -290,7 +312,9 @@ def _cmd_local(args: argparse.Namespace) -> int:
     cfg = LaunchConfig(run=run, slowdowns=slowdowns, bandwidth_bps=args.bandwidth,
                        latency_s=args.latency, out_dir=args.out, name=args.name,
                        progress=not args.no_progress, evaluator=not args.no_eval,
-                       plot=not args.no_plot, timeout_s=args.timeout)
+                       plot=not args.no_plot, timeout_s=args.timeout,
+                       dashboard=args.dashboard, tensorboard=args.tensorboard)
+    _check_watch(args)
     summary = run_local(cfg)
     return {"done": 0, "interrupted": 130, "terminated": 143}.get(summary.get("status", "done"), 1)
 
@@ -308,13 +332,15 @@ def _cmd_server(args: argparse.Namespace) -> int:
                        calib_timeout_s=args.calib_timeout, ready_file=args.ready_file,
                        checkpoint_path=args.checkpoint, checkpoint_every_s=args.checkpoint_every,
                        resume=args.resume, insecure=args.insecure,
-                       rejoin_wait_s=args.rejoin_wait)
+                       rejoin_wait_s=args.rejoin_wait,
+                       dashboard=args.dashboard, tensorboard=args.tensorboard)
     if not args.resume:
         checks.check_init(args.init, cfg.run.model)
     if 0 < cfg.run.fixed_groups != args.external_groups > 0:
         raise ConfigError(f"--external-groups {args.external_groups}: this run forms "
                           f"{cfg.run.fixed_groups} group(s) (--mode {cfg.run.mode}, --groups "
                           f"{cfg.run.groups}); start as many group servers")
+    _check_watch(args)
     srv = run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
     if srv.failure:  # the run ended short of its budget, or diverged (run_end.py)
         print(f"minips server: error: {srv.failure}", file=sys.stderr)
@@ -362,6 +388,23 @@ def _cmd_evaluator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_watch(args: argparse.Namespace) -> None:
+    """Before anything starts: --dashboard needs its extra and a well-formed address."""
+    if args.dashboard:
+        from minips.dashboard import check_extra
+
+        parse_address(args.dashboard)
+        check_extra()
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from minips.dashboard.monitor import serve_replay
+
+    serve_replay(args.run_dir, args.listen, speed=args.speed, token=_token(),
+                 insecure=args.insecure)
+    return 0
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from minips.plot import plot_runs
 
@@ -376,7 +419,7 @@ def _cmd_ray(args: argparse.Namespace) -> int:
 
 COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
             "worker": _cmd_worker, "evaluator": _cmd_evaluator, "plot": _cmd_plot,
-            "ray": _cmd_ray}
+            "ray": _cmd_ray, "dashboard": _cmd_dashboard}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

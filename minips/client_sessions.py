@@ -36,6 +36,7 @@ async def worker_session(srv: GlobalServer, ch: Any, w: int) -> None:
     if entry.ch is not None:  # a restarted worker replaces its stale connection
         srv.spawn(entry.ch.close())
     entry.ch, entry.left = ch, False
+    srv.log("joined", worker=w)
     try:
         if entry.group >= 0:  # a reconnect after grouping: tell it its group again
             await srv.assign(entry, entry.group)
@@ -44,6 +45,7 @@ async def worker_session(srv: GlobalServer, ch: Any, w: int) -> None:
     finally:
         if entry.ch is ch:
             entry.ch = None
+            srv.log("left", worker=w, reason="leave" if entry.left else "connection lost")
 
 
 def _on_message(srv: GlobalServer, entry: WorkerEntry, msg: Any) -> None:

@@ -159,6 +159,8 @@ class ServerConfig:
     checkpoint_every_s: float = 30.0  # seconds between checkpoints; 0 = none
     resume: bool = False  # start from checkpoint_path instead of init_path / a worker
     insecure: bool = False  # allow a non-loopback listen address without a secret
+    dashboard: str = ""  # HOST:PORT of the live web dashboard and /metrics; "" = none
+    tensorboard: str = ""  # directory for TensorBoard event files; "" = none
 
 
 @dataclass
@@ -231,6 +233,8 @@ class LaunchConfig:
     plot: bool = True  # draw the PNGs at the end
     timeout_s: float = 0.0  # hard stop of the whole cluster; 0 = budget + a margin
     grace_s: float = 5.0  # SIGTERM to SIGKILL delay when stopping children
+    dashboard: str = ""  # HOST:PORT of the server's live dashboard; "" = none
+    tensorboard: str = ""  # directory for the server's TensorBoard event files; "" = none
 
     def factors(self) -> list[float]:
         """Slowdown factor of each of the run's workers (missing ones are 1.0)."""

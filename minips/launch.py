@@ -103,10 +103,11 @@ class Cluster:
         (self.run_dir / "run.json").write_text(json.dumps(self.cfg.run.to_info()))
         ready = self.run_dir / "server.addr"
         ready.unlink(missing_ok=True)
+        watch = [f"--{k}={v}" for k in ("dashboard", "tensorboard") if (v := getattr(self.cfg, k))]
         self.server = self._spawn("server", [
             "server", "--host", "127.0.0.1", "--port", "0", "--run-dir", str(self.run_dir),
             "--run-config", str(self.run_dir / "run.json"), "--init", str(init),
-            "--ready-file", str(ready), "--quiet"])
+            "--ready-file", str(ready), "--quiet", *watch])
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.exists():
             if self.server.poll() is not None or time.monotonic() > deadline:
@@ -114,6 +115,9 @@ class Cluster:
             time.sleep(0.05)
         host, port = ready.read_text().split()
         self.address = f"{host}:{port}"
+        if self.cfg.dashboard:
+            url = (self.run_dir / "dashboard.url").read_text().strip()
+            print(f"minips local: dashboard at {url}", file=sys.stderr, flush=True)
         return self.address
 
     def start_workers(self) -> None:
@@ -329,6 +333,7 @@ async def serve_run(cfg: ServerConfig, *, announce: bool = True,
     """Run a global server until its run is over; return it (closed) for inspection.
     With ``cfg.resume`` it starts from the checkpoint (refused if from another config)."""
     srv = _make_server(cfg)
+    monitor = await _start_monitor(cfg, srv)  # before the ready file: its URL is written first
     port = await srv.start()
     if announce:
         _announce(cfg, port)
@@ -337,9 +342,27 @@ async def serve_run(cfg: ServerConfig, *, announce: bool = True,
         await srv.wait_finished()
     finally:
         await srv.close()
+        if monitor is not None:
+            await monitor.stop()
         if child is not None:
             await asyncio.get_running_loop().run_in_executor(None, _reap, child)
     return srv
+
+
+async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
+    """The dashboard / TensorBoard monitor of ``--dashboard`` / ``--tensorboard``, or None."""
+    if not (cfg.dashboard or cfg.tensorboard):
+        return None
+    from minips.dashboard import Monitor, MonitorConfig
+
+    monitor = Monitor(MonitorConfig(run_dir=cfg.run_dir, dashboard=cfg.dashboard,
+                                    tensorboard=cfg.tensorboard, token=cfg.token,
+                                    insecure=cfg.insecure), srv)
+    url = await monitor.start()
+    if url:
+        print(f"minips server: dashboard at {url}  (Prometheus: {url.split('?')[0].rstrip('/')}"
+              f"/metrics)", flush=True)
+    return monitor
 
 
 def _make_server(cfg: ServerConfig) -> GlobalServer:

@@ -1,0 +1,183 @@
+"""The monitor: follows a run's metrics and serves them (dashboard, /metrics, TensorBoard).
+
+One asyncio task in the global server's process (``minips server --dashboard`` /
+``--tensorboard``) or in ``minips dashboard RUN_DIR`` (a replay). Every ``TICK_S`` it reads what
+the run directory gained (``RunFollower``, or ``Replay`` for a finished run), adds the global
+server's live view of its workers (``probe``: groups, clocks, who the SSP bound holds, who is
+connected, which covers workers whose metrics files are on other machines), writes the new
+records to TensorBoard and wakes the page's event streams.
+
+Invariants: the monitor only reads the server's state (never changes it) and does its work
+between the server's own tasks, at most once per tick; ``stop`` reads the files one last time,
+so the TensorBoard files and the page end with the run's last records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from minips.config import check_bind, format_address, is_loopback, parse_address
+from minips.dashboard.follow import Replay, RunFollower
+from minips.dashboard.state import RunState
+from minips.dashboard.tboard import TensorBoardSink
+from minips.errors import ConfigError
+from minips.metrics import read_config
+
+if TYPE_CHECKING:
+    from minips.server import GlobalServer
+
+__all__ = ["DEFAULT_PORT", "EXTRA_HINT", "Monitor", "MonitorConfig", "check_extra", "probe",
+           "serve_replay"]
+
+TICK_S = 0.5  # page refresh and file poll period: live enough to watch, cheap for the server
+DEFAULT_PORT = 8080  # --dashboard HOST without a port
+EXTRA_HINT = "pip install 'minips[dashboard]'"
+
+
+@dataclass
+class MonitorConfig:
+    """What to serve and where; an empty ``dashboard`` / ``tensorboard`` turns that part off."""
+
+    run_dir: str  # the run directory to follow
+    dashboard: str = ""  # HOST:PORT of the page and /metrics ("" = none)
+    tensorboard: str = ""  # directory for TensorBoard event files ("" = none)
+    token: str = ""  # shared secret the page and /metrics ask for (MINIPS_TOKEN)
+    insecure: bool = False  # allow a non-loopback dashboard address without a secret
+    replay_speed: float | None = None  # a finished run at this speed (0 = all at once)
+
+
+def check_extra() -> None:
+    """ConfigError saying how to get the dashboard's packages when they are missing."""
+    try:
+        import aiohttp  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(f"--dashboard needs the dashboard extra ({exc.name} is missing): "
+                          f"{EXTRA_HINT}") from None
+
+
+def probe(srv: GlobalServer, now: float) -> list[dict[str, Any]]:
+    """The global server's view of each worker, as ``probe`` records for ``RunState.add``."""
+    out = []
+    for w, e in list(srv.workers.items()):
+        h = srv.groups.get(e.group)
+        table = h.server.table if h is not None and h.server is not None else None
+        rec: dict[str, Any] = {"t": now, "worker": w, "group": e.group, "clock": e.clock,
+                               "step_time": e.step_time, "alive": e.ch is not None and not e.left}
+        if table is not None and w in table:
+            rec["clock"] = table.clocks.get(w, e.clock)
+            rec["waiting"] = not table.may_start(w)
+        out.append(rec)
+    return out
+
+
+class Monitor:
+    """Follows one run directory; serves the page / metrics and writes TensorBoard files."""
+
+    def __init__(self, cfg: MonitorConfig, server: GlobalServer | None = None) -> None:
+        self.cfg = cfg
+        self.server = server
+        self.replay = Replay(cfg.run_dir, cfg.replay_speed) if cfg.replay_speed is not None \
+            else None
+        self.state = self.replay.state if self.replay else RunState(read_config(cfg.run_dir))
+        self.follower = None if self.replay else RunFollower(cfg.run_dir, self.state)
+        self.t0 = float(self.state.config.get("t0") or time.time())
+        self.started = time.monotonic()
+        self.tb = TensorBoardSink(cfg.tensorboard, self.t0) if cfg.tensorboard else None
+        self.ticker: Any = None
+        self.runner: Any = None
+        self.url = ""
+        self._task: asyncio.Task[None] | None = None
+
+    def now(self) -> float:
+        """Run time shown: now since t0 (live), or the replay's horizon."""
+        if self.replay is not None:
+            return self.replay.horizon(time.monotonic() - self.started)
+        return time.time() - self.t0
+
+    async def start(self) -> str:
+        """Start following (and serving, with a dashboard address); return the page's URL."""
+        if self.cfg.dashboard:
+            self.url = await self._serve()
+        self._task = asyncio.ensure_future(self._loop())
+        return self.url
+
+    async def _serve(self) -> str:
+        check_extra()
+        from minips.dashboard import web  # the extra's packages, imported only when asked
+
+        host, port = parse_address(self.cfg.dashboard, DEFAULT_PORT)
+        check_bind(host, self.cfg.token, self.cfg.insecure)
+        token = "" if is_loopback(host) else self.cfg.token  # the servers' rule: beyond loopback
+        self.ticker = web.Ticker()
+        app = web.make_app(self.state, self.now, self.ticker, token)
+        self.runner, port = await web.start_site(app, host, port)
+        query = "/?token=" + token if token else "/"
+        url = f"http://{format_address(host, port)}{query}"
+        if self.replay is None:  # a replayed run directory is left as it was recorded
+            Path(self.cfg.run_dir, "dashboard.url").write_text(url + "\n")
+        return url
+
+    async def _loop(self) -> None:
+        while True:
+            self.step()
+            await asyncio.sleep(TICK_S)
+
+    def step(self) -> None:
+        """One tick: new records in, probe, TensorBoard, wake the page."""
+        if self.replay is not None:
+            new = self.replay.poll(time.monotonic() - self.started)
+        else:
+            assert self.follower is not None
+            new = self.follower.poll()
+        if self.server is not None:
+            for rec in probe(self.server, self.now()):
+                self.state.add("probe", rec)
+        if self.tb is not None:
+            for src, rec in new:
+                self.tb.add(src, rec)
+            self.tb.flush()
+        if self.ticker is not None:
+            self.ticker.tick()
+
+    async def stop(self) -> None:
+        """Read the files one last time, end the page's streams and close everything."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.step()
+        if self.ticker is not None:
+            self.ticker.closed = True
+            self.ticker.tick()
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def serve_replay(run_dir: str, listen: str, *, speed: float = 1.0, token: str = "",
+                 insecure: bool = False) -> None:
+    """`minips dashboard RUN_DIR`: serve a finished run's replay until interrupted."""
+    check_extra()
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"no run directory at {run_dir}")
+
+    async def main() -> None:
+        monitor = Monitor(MonitorConfig(run_dir=run_dir, dashboard=listen, token=token,
+                                        insecure=insecure, replay_speed=speed))
+        url = await monitor.start()
+        print(f"minips dashboard: replaying {run_dir} at {speed:g}x on {url}  (Ctrl-C to stop)",
+              flush=True)
+        try:
+            await asyncio.Event().wait()  # until Ctrl-C cancels the loop
+        finally:
+            await monitor.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())

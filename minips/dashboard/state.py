@@ -1,0 +1,257 @@
+"""What the dashboard knows about a run, built from its metrics records (sans-IO, no clocks).
+
+``RunState.add(source, record)`` takes one JSON-lines record of the run directory (``source``:
+``eval``, ``global``, ``group``, ``worker``; see metrics.py for the fields) or one ``probe``
+record (the global server's live view of a worker: group, clock, step time, alive, waiting).
+Live runs and replays feed the same records, so both draw the same page; ``now`` (seconds since
+the run's t0) is passed in by the caller.
+
+Invariants: every series only grows (``since`` cursors stay valid); a worker's state is derived
+from what was added, never from a clock read here:
+
+- ``dead``: it left, its lease expired, the server lost it, or it was silent for ``lease_s``;
+- ``waiting``: the SSP bound holds it (its clock is more than ``staleness`` ahead of the slowest
+  live worker of its group, the rule of ssp.ClockTable.may_start);
+- ``pulling``: less time since its last push than its last pull took (it is fetching weights);
+- ``computing``: otherwise; ``done`` once the run is over.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["EVENT_KINDS", "STALENESS_BUCKETS", "WAIT_BUCKETS", "Histogram", "RunState",
+           "WorkerView"]
+
+# global.jsonl / group / worker events shown on the page (merges are counted, not listed)
+EVENT_KINDS = frozenset({"joined", "left", "expired", "groups", "regroup", "checkpoint",
+                         "resumed", "done", "group_lost", "group_adopted", "stopped"})
+STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)  # clocks ahead of the slowest
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # s
+CLOCK_POINT_S = 0.5  # at most one group-clock point per group this often (seconds of run time)
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram in Prometheus' sense (``le`` upper bounds, +Inf implied)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bound, not cumulative; last = +Inf
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, x: float) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+        self.counts[bisect.bisect_left(self.bounds, x)] += 1
+        self.total += x
+        self.n += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """[(le, count <= le)] ending with ("+Inf", n)."""
+        out, run = [], 0
+        counts = self.counts or [0] * (len(self.bounds) + 1)
+        for b, c in zip([*map(str, self.bounds), "+Inf"], counts, strict=True):
+            run += c
+            out.append((b, run))
+        return out
+
+
+@dataclass
+class WorkerView:
+    """One worker as the page shows it; per-push fields are those of its last push."""
+
+    id: int
+    group: int = -1
+    clock: int = 0
+    step_time: float | None = None  # s, last push (or the last STATS when only probed)
+    wait_s: float | None = None  # s its last pull took (SSP wait and transfer)
+    staleness: int | None = None  # clocks ahead of its group's slowest worker, last pull
+    bytes_wire: int | None = None  # bytes of its last push on the wire
+    bytes_raw: int | None = None  # bytes the same gradient takes dense float32
+    ratio: float | None = None  # GDTopK upload ratio it was given
+    loss: float | None = None
+    pushes: int = 0
+    last_t: float | None = None  # run time of its last push or probe
+    gone: str = ""  # "left", "expired", "lost": why it is dead ("" = alive)
+    waiting: bool | None = None  # the probe's SSP answer (None: derive from clocks)
+
+    def row(self, state: str) -> dict[str, Any]:
+        up = (self.bytes_wire / self.bytes_raw) if self.bytes_wire and self.bytes_raw else None
+        return {"id": self.id, "group": self.group, "clock": self.clock, "state": state,
+                "step_time": self.step_time, "wait_s": self.wait_s, "staleness": self.staleness,
+                "bytes_per_push": self.bytes_wire, "upload_ratio": up, "ratio": self.ratio,
+                "loss": self.loss, "pushes": self.pushes}
+
+
+class RunState:
+    """Workers, groups, series and events of one run, from its records."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        s = config.get("staleness", 3)
+        self.staleness: int | None = {"bsp": 0, "asp": None}.get(str(config.get("mode")), s)
+        self.lease_s = float(config.get("lease_s", 10.0))
+        self.workers: dict[int, WorkerView] = {}
+        self.groups: dict[int, dict[str, Any]] = {}  # id -> last merge's counters
+        self.eval: list[dict[str, Any]] = []  # {t, accuracy, loss, bytes, samples}
+        self.clocks: list[dict[str, Any]] = []  # {t, group, min_clock, max_clock}
+        self.events: list[dict[str, Any]] = []
+        self.staleness_hist = Histogram(STALENESS_BUCKETS)
+        self.wait_hist = Histogram(WAIT_BUCKETS)
+        self.totals: dict[str, float] = {"pushes": 0, "merges": 0, "bytes_up": 0,
+                                         "bytes_down": 0, "samples": 0}
+        self.merges: dict[int, int] = {}  # group -> merges
+        self.checkpoint_t: float | None = None
+        self.done = False
+        self._clock_at: dict[int, float] = {}  # group -> t of its last clock point
+
+    # -- feeding -----------------------------------------------------------------------------
+
+    def add(self, source: str, rec: dict[str, Any]) -> None:
+        """Take one record; unknown sources and malformed records are ignored."""
+        handler = {"eval": self._eval, "global": self._global, "group": self._group,
+                   "worker": self._worker, "probe": self._probe}.get(source)
+        if handler is not None and isinstance(rec.get("t"), (int, float)):
+            handler(rec)
+
+    def _eval(self, r: dict[str, Any]) -> None:
+        if isinstance(r.get("accuracy"), (int, float)):
+            self.eval.append({"t": r["t"], "accuracy": r["accuracy"], "loss": r.get("loss"),
+                              "samples": r.get("samples"),
+                              "bytes": (r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)})
+
+    def _global(self, r: dict[str, Any]) -> None:
+        ev = r.get("event")
+        for k in ("bytes_up", "bytes_down", "samples"):
+            if isinstance(r.get(k), (int, float)):
+                self.totals[k] = r[k]
+        if ev == "merge":
+            self._merge(r)
+        elif ev == "checkpoint":
+            self.checkpoint_t = r["t"]
+        elif ev == "done":
+            self.done = True
+        elif ev in ("left", "group_lost") and r.get("worker") is not None:
+            self._view(r["worker"]).gone = "left"
+        elif ev == "joined" and r.get("worker") is not None:
+            self._view(r["worker"]).gone = ""
+        if ev == "groups":
+            for w, g in (r.get("assignment") or {}).items():
+                self._view(w).group = int(g)
+        if ev == "regroup":
+            for w, g in (r.get("moved") or {}).items():
+                self._view(w).group = int(g)
+        if ev in EVENT_KINDS:
+            self.events.append({"t": r["t"], "event": ev, "source": "global",
+                                **_brief(r)})
+
+    def _merge(self, r: dict[str, Any]) -> None:
+        g = int(r.get("group", -1))
+        self.totals["merges"] += 1
+        self.merges[g] = self.merges.get(g, 0) + 1
+        self.groups[g] = {k: r.get(k) for k in ("min_clock", "max_clock", "bytes_in",
+                                                  "bytes_out")}
+        if r.get("min_clock") is not None and r["t"] - self._clock_at.get(g, -1e9) >= CLOCK_POINT_S:
+            self._clock_at[g] = r["t"]
+            self.clocks.append({"t": r["t"], "group": g, "min_clock": r.get("min_clock"),
+                                "max_clock": r.get("max_clock")})
+
+    def _group(self, r: dict[str, Any]) -> None:
+        if r.get("event") == "expired":
+            for w in r.get("workers") or []:
+                self._view(w).gone = "expired"
+            self.events.append({"t": r["t"], "event": "expired",
+                                "source": f"group {r.get('group')}", "workers": r.get("workers")})
+
+    def _worker(self, r: dict[str, Any]) -> None:
+        if r.get("worker") is None:
+            return
+        v = self._view(r["worker"])
+        if r.get("event"):
+            if r["event"] in EVENT_KINDS:
+                self.events.append({"t": r["t"], "event": r["event"], "source": f"worker {v.id}",
+                                    **_brief(r)})
+            return
+        v.clock, v.last_t, v.pushes, v.gone = int(r.get("clock", v.clock)), r["t"], v.pushes + 1, ""
+        if r.get("group") is not None:
+            v.group = int(r["group"])
+        for k in ("step_time", "wait_s", "staleness", "bytes_wire", "bytes_raw", "ratio", "loss"):
+            if r.get(k) is not None:
+                setattr(v, k, r[k])
+        self.totals["pushes"] += 1
+        if isinstance(r.get("staleness"), (int, float)):
+            self.staleness_hist.observe(float(r["staleness"]))
+        if isinstance(r.get("wait_s"), (int, float)):
+            self.wait_hist.observe(float(r["wait_s"]))
+
+    def _probe(self, r: dict[str, Any]) -> None:
+        v = self._view(r["worker"])
+        v.group = int(r.get("group", v.group))
+        v.clock = max(v.clock, int(r.get("clock") or 0))
+        if r.get("step_time") and v.step_time is None:
+            v.step_time = float(r["step_time"])
+        v.waiting = r.get("waiting")
+        if not r.get("alive", True):
+            v.gone = v.gone or "lost"
+        else:
+            v.last_t, v.gone = max(v.last_t or 0.0, r["t"]), ""
+
+    def _view(self, w: Any) -> WorkerView:
+        wid = int(w)
+        if wid not in self.workers:
+            self.workers[wid] = WorkerView(wid)
+        return self.workers[wid]
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def state_of(self, v: WorkerView, now: float) -> str:
+        """computing | waiting | pulling | dead | done (the rules in the module docstring)."""
+        if self.done:
+            return "done"
+        if v.gone or (v.last_t is not None and now - v.last_t > self.lease_s):
+            return "dead"
+        if v.waiting if v.waiting is not None else self._held(v):
+            return "waiting"
+        if v.last_t is not None and v.wait_s is not None and now - v.last_t < v.wait_s:
+            return "pulling"
+        return "computing"
+
+    def _held(self, v: WorkerView) -> bool:
+        mates = [m.clock for m in self.workers.values() if m.group == v.group and not m.gone]
+        return self.staleness is not None and bool(mates) and v.clock - min(mates) > self.staleness
+
+    def alive_per_group(self, now: float) -> dict[int, int]:
+        out: dict[int, int] = {g: 0 for g in self.groups}
+        for v in self.workers.values():
+            if v.group >= 0:
+                out[v.group] = out.get(v.group, 0) + (self.state_of(v, now) != "dead")
+        return out
+
+    def update(self, now: float, since: dict[str, int] | None = None) -> dict[str, Any]:
+        """The page's message: tables as of ``now`` plus the series items after ``since``
+        ({} = from the start); ``cursor`` is the ``since`` of the next call."""
+        since = since or {}
+        series = {"eval": self.eval, "clocks": self.clocks, "events": self.events}
+        return {
+            "t": now, "done": self.done, "config": _config_brief(self.config),
+            "workers": [v.row(self.state_of(v, now)) for _, v in sorted(self.workers.items())],
+            "groups": {str(g): {**c, "merges": self.merges.get(g, 0)}
+                       for g, c in sorted(self.groups.items())},
+            "totals": self.totals,
+            **{k: s[since.get(k, 0):] for k, s in series.items()},
+            "cursor": {k: len(s) for k, s in series.items()},
+        }
+
+
+def _brief(r: dict[str, Any]) -> dict[str, Any]:
+    """An event's own fields, without the counters every global line carries."""
+    skip = {"t", "event", "version", "samples", "bytes_up", "bytes_down", "addresses"}
+    return {k: v for k, v in r.items() if k not in skip}
+
+
+def _config_brief(cfg: dict[str, Any]) -> dict[str, Any]:
+    keys = ("mode", "compressor", "model", "dataset", "workers", "staleness", "epochs", "wall_s")
+    return {k: cfg.get(k) for k in keys}
