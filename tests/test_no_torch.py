@@ -40,6 +40,7 @@ def test_server_modules_import_and_a_global_server_serves_without_torch() -> Non
         import minips.server, minips.group, minips.group_process, minips.protocol
         import minips.transport, minips.sparse, minips.grouping, minips.ssp, minips.optim
         import minips.metrics, minips.checkpoint, minips.cli
+        import minips.dashboard.monitor, minips.dashboard.web  # --dashboard's server side
         assert "torch" not in sys.modules
         print("imports ok")
     """)

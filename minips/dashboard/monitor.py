@@ -35,6 +35,9 @@ __all__ = ["DEFAULT_PORT", "EXTRA_HINT", "Monitor", "MonitorConfig", "check_extr
            "serve_replay"]
 
 TICK_S = 0.5  # page refresh and file poll period: live enough to watch, cheap for the server
+# at the end, wait this long for the evaluator's record of the final weights (it is written
+# after the server let the evaluator go; `minips local` waits for the evaluator anyway)
+FINAL_EVAL_WAIT_S = 15.0
 DEFAULT_PORT = 8080  # --dashboard HOST without a port
 EXTRA_HINT = "pip install 'minips[dashboard]'"
 
@@ -152,6 +155,11 @@ class Monitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self.step()
+        deadline = time.monotonic() + FINAL_EVAL_WAIT_S
+        while (self.replay is None and self.state.eval and not self.state.final_eval
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.1)
+            self.step()
         if self.ticker is not None:
             self.ticker.closed = True
             self.ticker.tick()

@@ -74,7 +74,8 @@ class WorkerView:
     ratio: float | None = None  # GDTopK upload ratio it was given
     loss: float | None = None
     pushes: int = 0
-    last_t: float | None = None  # run time of its last push or probe
+    last_t: float | None = None  # run time of its last push
+    seen_t: float | None = None  # run time the global server last saw it connected (probe)
     gone: str = ""  # "left", "expired", "lost": why it is dead ("" = alive)
     waiting: bool | None = None  # the probe's SSP answer (None: derive from clocks)
 
@@ -106,6 +107,7 @@ class RunState:
         self.merges: dict[int, int] = {}  # group -> merges
         self.checkpoint_t: float | None = None
         self.done = False
+        self.final_eval = False  # the evaluator wrote its record of the final weights
         self._clock_at: dict[int, float] = {}  # group -> t of its last clock point
 
     # -- feeding -----------------------------------------------------------------------------
@@ -118,6 +120,7 @@ class RunState:
             handler(rec)
 
     def _eval(self, r: dict[str, Any]) -> None:
+        self.final_eval = self.final_eval or bool(r.get("final"))
         if isinstance(r.get("accuracy"), (int, float)):
             self.eval.append({"t": r["t"], "accuracy": r["accuracy"], "loss": r.get("loss"),
                               "samples": r.get("samples"),
@@ -152,8 +155,10 @@ class RunState:
         g = int(r.get("group", -1))
         self.totals["merges"] += 1
         self.merges[g] = self.merges.get(g, 0) + 1
-        self.groups[g] = {k: r.get(k) for k in ("min_clock", "max_clock", "bytes_in",
-                                                  "bytes_out")}
+        known = self.groups.setdefault(g, {})
+        for k in ("min_clock", "max_clock", "bytes_in", "bytes_out"):
+            if r.get(k) is not None:  # a final exchange after the workers left has no clocks
+                known[k] = r[k]
         if r.get("min_clock") is not None and r["t"] - self._clock_at.get(g, -1e9) >= CLOCK_POINT_S:
             self._clock_at[g] = r["t"]
             self.clocks.append({"t": r["t"], "group": g, "min_clock": r.get("min_clock"),
@@ -197,7 +202,7 @@ class RunState:
         if not r.get("alive", True):
             v.gone = v.gone or "lost"
         else:
-            v.last_t, v.gone = max(v.last_t or 0.0, r["t"]), ""
+            v.seen_t, v.gone = r["t"], ""
 
     def _view(self, w: Any) -> WorkerView:
         wid = int(w)
@@ -211,7 +216,8 @@ class RunState:
         """computing | waiting | pulling | dead | done (the rules in the module docstring)."""
         if self.done:
             return "done"
-        if v.gone or (v.last_t is not None and now - v.last_t > self.lease_s):
+        heard = max((t for t in (v.last_t, v.seen_t) if t is not None), default=None)
+        if v.gone or (heard is not None and now - heard > self.lease_s):
             return "dead"
         if v.waiting if v.waiting is not None else self._held(v):
             return "waiting"

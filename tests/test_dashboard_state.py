@@ -1,0 +1,243 @@
+"""The dashboard's parts on their own: RunState's rules, tailing and replaying run files,
+TensorBoard event files read back by TensorBoard, the page's token rule, the missing extra."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from minips.dashboard.follow import Replay, RunFollower, Tail
+from minips.dashboard.state import Histogram, RunState
+from minips.dashboard.tboard import EventWriter, TensorBoardSink, crc32c
+from minips.errors import ConfigError
+
+CONFIG = {"mode": "gssp", "staleness": 2, "lease_s": 10.0, "t0": 1000.0}
+
+
+def push(w: int, t: float, clock: int, group: int = 0, **kw: Any) -> dict[str, Any]:
+    return {"t": t, "worker": w, "group": group, "clock": clock, "step_time": 0.1,
+            "wait_s": 0.05, "staleness": 0, "bytes_wire": 100, "bytes_raw": 400, **kw}
+
+
+# -- RunState ----------------------------------------------------------------------------------
+
+
+def test_worker_states_follow_the_ssp_rule_pull_time_lease_and_events() -> None:
+    s = RunState(CONFIG)
+    s.add("worker", push(0, 1.0, 5))
+    s.add("worker", push(1, 1.0, 2))
+    s.add("worker", push(2, 1.0, 4, group=1))
+    states = {w["id"]: w["state"] for w in s.update(1.2)["workers"]}
+    assert states[0] == "waiting"  # 5 - 2 > staleness 2: the SSP bound holds it
+    assert states[1] == "computing"  # 0.2 s after its push, its pull took 0.05 s
+    assert s.state_of(s.workers[1], 1.01) == "pulling"
+    assert s.state_of(s.workers[2], 11.5) == "dead"  # silent for more than lease_s
+    s.add("group", {"t": 2.0, "event": "expired", "group": 0, "workers": [1]})
+    assert s.state_of(s.workers[1], 2.0) == "dead"
+    assert s.state_of(s.workers[0], 2.0) == "computing"  # the expired worker holds no one
+    s.add("global", {"t": 3.0, "event": "done", "reason": "epochs"})
+    assert s.state_of(s.workers[0], 3.0) == "done"
+
+
+def test_the_probe_says_who_waits_and_keeps_a_slow_worker_alive() -> None:
+    s = RunState({**CONFIG, "mode": "asp"})
+    s.add("worker", push(0, 1.0, 3))
+    s.add("probe", {"t": 30.0, "worker": 0, "group": 0, "clock": 7, "alive": True,
+                    "waiting": True, "step_time": 0.5})
+    v = s.workers[0]
+    assert (v.clock, v.step_time, s.state_of(v, 30.0)) == (7, 0.1, "waiting")
+    s.add("probe", {"t": 31.0, "worker": 0, "group": 0, "clock": 7, "alive": False})
+    assert s.state_of(v, 31.0) == "dead"
+
+
+def test_per_push_fields_upload_ratio_and_histograms() -> None:
+    s = RunState(CONFIG)
+    for i, (stale, wait) in enumerate([(0, 0.002), (1, 0.03), (3, 0.7)]):
+        s.add("worker", push(0, 1.0 + i, i + 1, staleness=stale, wait_s=wait))
+    row = s.update(4.0)["workers"][0]
+    assert row["upload_ratio"] == 0.25 and row["bytes_per_push"] == 100 and row["pushes"] == 3
+    assert dict(s.staleness_hist.cumulative())["1.0"] == 2
+    assert s.staleness_hist.cumulative()[-1] == ("+Inf", 3)
+    assert dict(s.wait_hist.cumulative())["0.025"] == 1 and s.wait_hist.total == pytest.approx(
+        0.732)
+    h = Histogram((1.0, 2.0))
+    h.observe(1.0)  # on a bound: counted in that bucket (le)
+    h.observe(5.0)
+    assert h.cumulative() == [("1.0", 1), ("2.0", 1), ("+Inf", 2)]
+
+
+def test_update_sends_only_what_the_series_gained_since_the_cursor() -> None:
+    s = RunState(CONFIG)
+    s.add("eval", {"t": 1.0, "accuracy": 0.5, "loss": 1.2, "bytes_up": 10, "bytes_down": 30})
+    s.add("global", {"t": 1.0, "event": "groups", "assignment": {"0": 0, "1": 1}})
+    first = s.update(1.0)
+    assert len(first["eval"]) == 1 and first["eval"][0]["bytes"] == 40
+    assert [e["event"] for e in first["events"]] == ["groups"]
+    assert {w["id"]: w["group"] for w in first["workers"]} == {0: 0, 1: 1}
+    s.add("eval", {"t": 2.0, "accuracy": 0.6, "loss": 1.0})
+    second = s.update(2.0, first["cursor"])
+    assert [e["accuracy"] for e in second["eval"]] == [0.6] and second["events"] == []
+
+
+def test_merges_give_group_clocks_bytes_and_keep_the_last_known_clocks() -> None:
+    s = RunState(CONFIG)
+    for t, lo in [(1.0, 1), (1.2, 2), (1.6, 3)]:  # the 1.2 point is within CLOCK_POINT_S
+        s.add("global", {"t": t, "event": "merge", "group": 0, "min_clock": lo,
+                         "max_clock": lo + 1, "bytes_in": 10 * lo, "bytes_out": 20 * lo})
+    s.add("global", {"t": 2.0, "event": "merge", "group": 0, "min_clock": None,
+                     "max_clock": None, "final": True})  # the workers already left
+    assert [c["min_clock"] for c in s.clocks] == [1, 3]
+    assert s.groups[0]["min_clock"] == 3 and s.merges[0] == 4 and s.totals["merges"] == 4
+    s.add("global", {"t": 3.0, "event": "checkpoint", "bytes": 5})
+    assert s.checkpoint_t == 3.0
+
+
+# -- following and replaying files ---------------------------------------------------------------
+
+
+def test_tail_hands_over_whole_lines_once_and_rereads_a_truncated_file(tmp_path: Path) -> None:
+    f = tmp_path / "worker-0.jsonl"
+    f.write_bytes(b'{"t": 1}\n{"t": 2')
+    tail = Tail(f)
+    assert tail.read() == [{"t": 1}]
+    with open(f, "ab") as out:
+        out.write(b'}\nnot json\n{"t": 3}\n')
+    assert tail.read() == [{"t": 2}, {"t": 3}]
+    assert tail.read() == []
+    f.write_bytes(b'{"t": 9}\n')  # a new, shorter file
+    assert tail.read() == [{"t": 9}]
+
+
+def test_follower_picks_up_files_that_appear_later(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "global.jsonl").write_text(json.dumps({"t": 0.5, "event": "joined",
+                                                       "worker": 0}) + "\n")
+    f = RunFollower(tmp_path)
+    assert [src for src, _ in f.poll()] == ["global"]
+    (tmp_path / "worker-0.jsonl").write_text(json.dumps(push(0, 1.0, 1)) + "\n")
+    (tmp_path / "notes.jsonl").write_text('{"t": 1}\n')  # not a metrics file
+    assert [src for src, _ in f.poll()] == ["worker"]
+    assert f.state.workers[0].clock == 1 and f.state.staleness == 2
+
+
+def test_replay_releases_records_in_run_time_order_at_its_speed(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "worker-0.jsonl").write_text(
+        "".join(json.dumps(push(0, t, i + 1)) + "\n" for i, t in enumerate([10.0, 20.0, 30.0])))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"t": 15.0, "accuracy": 0.4}) + "\n")
+    r = Replay(tmp_path, speed=10.0)
+    assert r.horizon(0.0) == 10.0  # starts at the first record, not at t0
+    assert [rec["t"] for _, rec in r.poll(0.6)] == [10.0, 15.0]
+    assert [rec["t"] for _, rec in r.poll(5.0)] == [20.0, 30.0] and r.horizon(5.0) == 30.0
+    assert Replay(tmp_path, speed=0).horizon(0.0) == 30.0
+    with pytest.raises(FileNotFoundError):
+        Replay(tmp_path / "missing")
+
+
+# -- TensorBoard ---------------------------------------------------------------------------------
+
+
+def test_crc32c_check_value() -> None:
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C catalogue's check value
+    assert crc32c(b"") == 0
+
+
+def test_tensorboard_reads_back_the_scalars_written_by_hand(tmp_path: Path) -> None:
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    w = EventWriter(tmp_path)
+    w.scalar("a/b", 0.25, 3, 1000.5)
+    w.scalar("a/b", -1e9, 1 << 40, 1001.0)
+    w.close()
+    sink = TensorBoardSink(tmp_path / "sink", t0=2000.0)
+    sink.add("eval", {"t": 5.0, "accuracy": 0.8, "loss": 0.5, "samples": 640,
+                      "bytes_up": 100, "bytes_down": 300})
+    sink.add("worker", push(4, 6.0, 9, staleness=2))
+    sink.add("global", {"t": 7.0, "event": "merge", "group": 1, "min_clock": 4, "max_clock": 6})
+    sink.close()
+    acc = ea.EventAccumulator(str(tmp_path))
+    acc.Reload()
+    got = [(e.wall_time, e.step, e.value) for e in acc.Scalars("a/b")]
+    assert got == [(1000.5, 3, 0.25), (1001.0, 1 << 40, -1e9)]
+    acc = ea.EventAccumulator(str(tmp_path / "sink"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("eval_by_bytes/loss")] == [(400, 0.5)]
+    assert [(e.wall_time, e.step) for e in acc.Scalars("eval/accuracy")] == [(2005.0, 640)]
+    assert [(e.step, e.value) for e in acc.Scalars("worker/4/staleness")] == [(9, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("group/1/max_clock")] == [(1, 6.0)]
+
+
+# -- the web side --------------------------------------------------------------------------------
+
+
+async def test_token_is_asked_for_when_set_and_a_wide_address_needs_one(tmp_path: Path) -> None:
+    aiohttp = pytest.importorskip("aiohttp")
+    from minips.dashboard import Monitor, MonitorConfig
+    from minips.dashboard.web import Ticker, make_app, start_site
+
+    app = make_app(RunState(CONFIG), lambda: 0.0, Ticker(), token="s3cret")
+    runner, port = await start_site(app, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            for path, headers, status in [("/metrics", {}, 401), ("/?token=nope", {}, 401),
+                                          ("/?token=s3cret", {}, 200),
+                                          ("/metrics", {"Authorization": "Bearer s3cret"}, 200),
+                                          ("/state?token=s3cret", {}, 200)]:
+                async with http.get(base + path, headers=headers) as resp:
+                    assert resp.status == status, path
+    finally:
+        await runner.cleanup()
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    wide = Monitor(MonitorConfig(run_dir=str(tmp_path), dashboard="0.0.0.0:0"))
+    with pytest.raises(ConfigError, match="MINIPS_TOKEN"):
+        await wide.start()
+
+
+async def test_event_stream_sends_the_state_then_each_tick(tmp_path: Path) -> None:
+    aiohttp = pytest.importorskip("aiohttp")
+    from minips.dashboard.web import Ticker, make_app, start_site
+
+    state, ticker = RunState(CONFIG), Ticker()
+    runner, port = await start_site(make_app(state, lambda: 1.0, ticker), "127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as http, \
+                http.get(f"http://127.0.0.1:{port}/events") as resp:
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            first = json.loads((await resp.content.readline()).removeprefix(b"data: "))
+            assert first["eval"] == [] and first["workers"] == []
+            await resp.content.readline()  # the blank line that ends an event
+            state.add("eval", {"t": 1.0, "accuracy": 0.7})
+            ticker.tick()
+            line = await asyncio.wait_for(resp.content.readline(), 10)
+            assert [e["accuracy"] for e in json.loads(line.removeprefix(b"data: "))["eval"]] \
+                == [0.7]
+    finally:
+        ticker.closed = True
+        ticker.tick()
+        await runner.cleanup()
+
+
+def test_server_without_the_extra_says_how_to_get_it(tmp_path: Path) -> None:
+    block = textwrap.dedent("""
+        import importlib.abc, sys
+        class NoAiohttp(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "aiohttp":
+                    raise ImportError("blocked", name="aiohttp")
+        sys.meta_path.insert(0, NoAiohttp())
+        from minips.cli import main
+        sys.exit(main())
+    """)
+    proc = subprocess.run([sys.executable, "-c", block, "server", "--port", "0", "--quiet",
+                           "--run-dir", str(tmp_path), "--dashboard", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "pip install 'minips[dashboard]'" in proc.stderr and "aiohttp" in proc.stderr
+    assert not (tmp_path / "config.json").exists()  # refused before anything started
