@@ -16,7 +16,7 @@ Layout of a run directory (the writers in server.py / group.py / worker.py follo
                           "kept_fraction"}      one line per push; bytes_* and samples of that push
     group-<g>.jsonl      {"t", "group", "version", "pushes", "min_clock", "max_clock", "bytes_in",
                           "bytes_out"}          counters are totals so far
-    global.jsonl         {"t", "event", ...}    events: merge, groups, regroup, done, ...
+    global.jsonl         {"t", "event", ...}    events: merge, groups, joined, left, ...
     summary.json         written by summarize()
 """
 
