@@ -108,7 +108,8 @@ def test_metrics_parse_with_prometheus_text_parser_during_the_run(live: LiveRun)
     def grouped() -> dict[str, Any] | None:
         fams = _families(live.get("/metrics").decode())
         alive = fams["minips_workers_alive"].samples
-        return fams if len(alive) >= 2 and fams["minips_pushes"].samples[0].value > 0 else None
+        pushes = {s.labels["group"]: s.value for s in fams["minips_pushes"].samples}
+        return fams if len(alive) >= 2 and len(pushes) >= 2 else None
 
     fams = wait_for("two groups and pushes in /metrics", grouped, 120, (live.proc,))
     alive = {s.labels["group"]: s.value for s in fams["minips_workers_alive"].samples}

@@ -99,6 +99,32 @@ def test_merges_give_group_clocks_bytes_and_keep_the_last_known_clocks() -> None
     assert s.checkpoint_t == 3.0
 
 
+def test_prometheus_collector_exposes_the_state_in_the_text_format() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minips.dashboard.prom import RunCollector
+
+    s = RunState(CONFIG)
+    s.add("worker", push(0, 1.0, 1, wait_s=0.02))
+    s.add("worker", push(1, 1.0, 1, group=1))
+    s.add("global", {"t": 3.0, "event": "checkpoint", "bytes_up": 500, "bytes_down": 900})
+    s.add("eval", {"t": 4.0, "accuracy": 0.75, "loss": 0.6})
+    registry = CollectorRegistry()
+    registry.register(RunCollector(s, lambda: 10.0))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    value = {(f.name, s.name, tuple(sorted(s.labels.items()))): s.value
+             for f in fams.values() for s in f.samples}
+    assert value[("minips_checkpoint_age_seconds",) * 2 + ((),)] == 7.0
+    assert value[("minips_pushes", "minips_pushes_total", (("group", "1"),))] == 1
+    assert value[("minips_bytes", "minips_bytes_total", (("hop", "group_to_worker"),))] == 900
+    assert value[("minips_wait_seconds", "minips_wait_seconds_bucket", (("le", "0.025"),))] == 1
+    assert value[("minips_wait_seconds", "minips_wait_seconds_sum", ())] == pytest.approx(0.07)
+    assert value[("minips_workers_alive", "minips_workers_alive", (("group", "0"),))] == 1
+    assert value[("minips_accuracy",) * 2 + ((),)] == 0.75
+
+
 # -- following and replaying files ---------------------------------------------------------------
 
 

@@ -66,15 +66,15 @@ def check_extra() -> None:
 
 def probe(srv: GlobalServer, now: float) -> list[dict[str, Any]]:
     """The global server's view of each worker, as ``probe`` records for ``RunState.add``."""
+    tables = {g: h.server.table for g, h in srv.groups.items() if h.server is not None}
+    clocks = {g: t.clocks for g, t in tables.items()}  # one copy per group, not per worker
     out = []
     for w, e in list(srv.workers.items()):
-        h = srv.groups.get(e.group)
-        table = h.server.table if h is not None and h.server is not None else None
         rec: dict[str, Any] = {"t": now, "worker": w, "group": e.group, "clock": e.clock,
                                "step_time": e.step_time, "alive": e.ch is not None and not e.left}
-        if table is not None and w in table:
-            rec["clock"] = table.clocks.get(w, e.clock)
-            rec["waiting"] = not table.may_start(w)
+        if w in clocks.get(e.group, {}):  # its group server is in this process
+            rec["clock"] = clocks[e.group][w]
+            rec["waiting"] = not tables[e.group].may_start(w)
         out.append(rec)
     return out
 

@@ -4,8 +4,8 @@ A custom collector, so nothing is counted twice and the training path does no ex
 figures are those the dashboard already holds. Names follow Prometheus' conventions (``_total``
 counters, ``_seconds`` / ``_bytes`` units):
 
-- ``minips_pushes_total`` (worker pushes), ``minips_merges_total{group}`` (group deltas merged
-  into the global weights), ``minips_samples_total``;
+- ``minips_pushes_total{group}`` (worker pushes), ``minips_merges_total{group}`` (group
+  deltas merged into the global weights), ``minips_samples_total``;
 - ``minips_bytes_total{hop}``: ``worker_to_group`` and ``group_to_worker`` (the run's totals on
   the wire), and ``minips_group_bytes_total{group, direction}`` per group;
 - ``minips_staleness`` and ``minips_wait_seconds`` histograms (one observation per push);
@@ -41,7 +41,10 @@ class RunCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s, now = self.state, self.now()
-        yield _counter("minips_pushes", "worker pushes applied", s.totals["pushes"])
+        pushes = CounterMetricFamily("minips_pushes", "worker pushes", labels=["group"])
+        for g, n in sorted(s.pushes.items()):
+            pushes.add_metric([str(g)], n)
+        yield pushes
         yield _counter("minips_samples", "training samples all groups reported",
                        s.totals["samples"])
         merges = CounterMetricFamily("minips_merges", "group deltas merged", labels=["group"])

@@ -105,6 +105,7 @@ class RunState:
         self.totals: dict[str, float] = {"pushes": 0, "merges": 0, "bytes_up": 0,
                                          "bytes_down": 0, "samples": 0}
         self.merges: dict[int, int] = {}  # group -> merges
+        self.pushes: dict[int, int] = {}  # group -> pushes its workers' files recorded
         self.checkpoint_t: float | None = None
         self.done = False
         self.final_eval = False  # the evaluator wrote its record of the final weights
@@ -187,6 +188,7 @@ class RunState:
             if r.get(k) is not None:
                 setattr(v, k, r[k])
         self.totals["pushes"] += 1
+        self.pushes[v.group] = self.pushes.get(v.group, 0) + 1
         if isinstance(r.get("staleness"), (int, float)):
             self.staleness_hist.observe(float(r["staleness"]))
         if isinstance(r.get("wait_s"), (int, float)):
