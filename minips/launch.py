@@ -115,10 +115,19 @@ class Cluster:
             time.sleep(0.05)
         host, port = ready.read_text().split()
         self.address = f"{host}:{port}"
-        if self.cfg.dashboard:
-            url = (self.run_dir / "dashboard.url").read_text().strip()
-            print(f"minips local: dashboard at {url}", file=sys.stderr, flush=True)
         return self.address
+
+    def announce_dashboard(self) -> None:
+        """Print the dashboard's URL once the server wrote it (it starts after the ready file)."""
+        url_file = self.run_dir / "dashboard.url"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not url_file.exists():
+            if self.server is None or self.server.poll() is not None \
+                    or time.monotonic() > deadline:
+                return  # the server's log says why; the run's end reports it
+            time.sleep(0.05)
+        url = url_file.read_text().strip()
+        print(f"minips local: dashboard at {url}", file=sys.stderr, flush=True)
 
     def start_workers(self) -> None:
         """All workers at once (they calibrate while the others import torch)."""
@@ -268,6 +277,8 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
         cluster.start_workers()
         if cfg.evaluator:
             cluster.start_evaluator()
+        if cfg.dashboard:
+            cluster.announce_dashboard()
         if cluster.wait(_timeout(cfg), cfg.progress) != 0:
             status = "failed"
         failed = cluster.collect()
@@ -333,8 +344,12 @@ async def serve_run(cfg: ServerConfig, *, announce: bool = True,
     """Run a global server until its run is over; return it (closed) for inspection.
     With ``cfg.resume`` it starts from the checkpoint (refused if from another config)."""
     srv = _make_server(cfg)
-    monitor = await _start_monitor(cfg, srv)  # before the ready file: its URL is written first
     port = await srv.start()
+    try:  # after the ready file: importing the dashboard's packages does not delay workers
+        monitor = await _start_monitor(cfg, srv)
+    except BaseException:  # e.g. its port is taken: the error ends the server, cleanly
+        await srv.close()
+        raise
     if announce:
         _announce(cfg, port)
     child = _spawn_evaluator(cfg, port) if spawn_evaluator else None

@@ -11,8 +11,13 @@ from summary.json), samples_per_s and final_accuracy; then per setting the media
 train_s, and overhead_pct = 100 * (median on / median off - 1) for both (and the loss of
 samples_per_s, for runs that end on the wall budget rather than the epochs).
 
+monitor_cpu: the CPU seconds the dashboard's own work (parsing the run's records, keeping its
+state, one page message per tick) takes for each recorded "on" run, measured here afterwards
+in one process: a figure the machine's load does not blur, as a share of one core.
+
 Usage: python scripts/bench_dashboard.py [--repeats 2] [--out /tmp/minips-bench-dash]
        [--tensorboard]   (also write TensorBoard files in the "on" runs)
+       python scripts/bench_dashboard.py --cpu-of RUN_DIR   (monitor_cpu of one run only)
 """
 
 from __future__ import annotations
@@ -79,12 +84,38 @@ def run_once(out: Path, name: str, dashboard: bool, tensorboard: bool) -> dict[s
             "final_accuracy": s["final_accuracy"], **(counts if dashboard else {})}
 
 
+def monitor_cpu(run_dir: Path) -> dict[str, float]:
+    """CPU seconds the dashboard's own work takes for a recorded run, in this process: parse
+    every record, add it to the state tick by tick and encode one page message per tick, as
+    the monitor does for one open page (the live monitor reads the same lines from the files)."""
+    from minips.dashboard.follow import Replay
+    from minips.dashboard.monitor import TICK_S
+
+    t = time.process_time()
+    replay = Replay(run_dir, speed=1.0)
+    cursor: dict[str, int] = {}
+    ticks = int((replay.end_t - replay.start_t) / TICK_S) + 2
+    for k in range(ticks):
+        replay.poll(k * TICK_S)
+        msg = replay.state.update(replay.horizon(k * TICK_S), cursor)
+        cursor = msg["cursor"]
+        json.dumps(msg, separators=(",", ":"))
+    cpu = time.process_time() - t
+    run_s = replay.end_t - replay.start_t
+    return {"monitor_cpu_s": cpu, "run_s": run_s, "monitor_cpu_pct_of_one_core":
+            100.0 * cpu / run_s, "records": len(replay.records)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=2, help="runs of each setting (default 2)")
     ap.add_argument("--out", help="parent of the run directories (default: a temp dir)")
     ap.add_argument("--tensorboard", action="store_true", help="--tensorboard in the on runs")
+    ap.add_argument("--cpu-of", help="only measure monitor_cpu for this run directory")
     args = ap.parse_args()
+    if args.cpu_of:
+        print(json.dumps(monitor_cpu(Path(args.cpu_of)), indent=2))
+        return
     out = Path(args.out or tempfile.mkdtemp(prefix="minips-bench-dash-"))
     runs = []
     for i in range(args.repeats):
@@ -103,6 +134,7 @@ def main() -> None:
     on = statistics.median(r["samples_per_s"] for r in runs if r["dashboard"])
     result["median_samples_per_s"] = {"off": off, "on": on}
     result["overhead_pct_samples_per_s"] = 100.0 * (1.0 - on / off)
+    result["monitor_cpu"] = [monitor_cpu(out / r["name"]) for r in runs if r["dashboard"]]
     print(json.dumps(result, indent=2))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import textwrap
@@ -267,3 +268,16 @@ def test_server_without_the_extra_says_how_to_get_it(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "pip install 'minips[dashboard]'" in proc.stderr and "aiohttp" in proc.stderr
     assert not (tmp_path / "config.json").exists()  # refused before anything started
+
+
+def test_a_taken_dashboard_port_ends_the_server_with_a_clear_error(tmp_path: Path) -> None:
+    pytest.importorskip("aiohttp")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "minips", "server", "--port", "0",
+                               "--quiet", "--run-dir", str(tmp_path), "--dashboard",
+                               f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("minips server: error:") and str(port) in proc.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +56,16 @@ class MonitorConfig:
 
 
 def check_extra() -> None:
-    """ConfigError saying how to get the dashboard's packages when they are missing."""
-    try:
-        import aiohttp  # noqa: F401
-        import prometheus_client  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(f"--dashboard needs the dashboard extra ({exc.name} is missing): "
-                          f"{EXTRA_HINT}") from None
+    """ConfigError saying how to get the dashboard's packages when they are missing (found,
+    not imported: importing them takes a while and is done once the server listens)."""
+    for name in ("aiohttp", "prometheus_client"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:
+            found = False
+        if not found:
+            raise ConfigError(f"--dashboard needs the dashboard extra ({name} is missing): "
+                              f"{EXTRA_HINT}")
 
 
 def probe(srv: GlobalServer, now: float) -> list[dict[str, Any]]:
