@@ -103,6 +103,7 @@ class Cluster:
         (self.run_dir / "run.json").write_text(json.dumps(self.cfg.run.to_info()))
         ready = self.run_dir / "server.addr"
         ready.unlink(missing_ok=True)
+        (self.run_dir / "dashboard.url").unlink(missing_ok=True)  # not a URL of an earlier run
         watch = [f"--{k}={v}" for k in ("dashboard", "tensorboard") if (v := getattr(self.cfg, k))]
         self.server = self._spawn("server", [
             "server", "--host", "127.0.0.1", "--port", "0", "--run-dir", str(self.run_dir),

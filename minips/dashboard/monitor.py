@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +128,9 @@ class Monitor:
         query = "/?token=" + token if token else "/"
         url = f"http://{format_address(host, port)}{query}"
         if self.replay is None:  # a replayed run directory is left as it was recorded
-            Path(self.cfg.run_dir, "dashboard.url").write_text(url + "\n")
+            tmp = Path(self.cfg.run_dir, f".dashboard.url.{os.getpid()}")
+            tmp.write_text(url + "\n")
+            os.replace(tmp, tmp.with_name("dashboard.url"))  # readers never see half of it
         return url
 
     async def _loop(self) -> None:
