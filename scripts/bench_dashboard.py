@@ -13,7 +13,8 @@ samples_per_s, for runs that end on the wall budget rather than the epochs).
 
 monitor_cpu: the CPU seconds the dashboard's own work (parsing the run's records, keeping its
 state, one page message per tick) takes for each recorded "on" run, measured here afterwards
-in one process: a figure the machine's load does not blur, as a share of one core.
+in one process: a figure the machine's load does not blur, as a share of one core; and the
+same for writing the run's TensorBoard file (--tensorboard).
 
 Usage: python scripts/bench_dashboard.py [--repeats 2] [--out /tmp/minips-bench-dash]
        [--tensorboard]   (also write TensorBoard files in the "on" runs)
@@ -90,6 +91,7 @@ def monitor_cpu(run_dir: Path) -> dict[str, float]:
     the monitor does for one open page (the live monitor reads the same lines from the files)."""
     from minips.dashboard.follow import Replay
     from minips.dashboard.monitor import TICK_S
+    from minips.dashboard.tboard import TensorBoardSink
 
     t = time.process_time()
     replay = Replay(run_dir, speed=1.0)
@@ -102,8 +104,16 @@ def monitor_cpu(run_dir: Path) -> dict[str, float]:
         json.dumps(msg, separators=(",", ":"))
     cpu = time.process_time() - t
     run_s = replay.end_t - replay.start_t
-    return {"monitor_cpu_s": cpu, "run_s": run_s, "monitor_cpu_pct_of_one_core":
-            100.0 * cpu / run_s, "records": len(replay.records)}
+    t = time.process_time()
+    with tempfile.TemporaryDirectory() as tb_dir:  # what --tensorboard adds
+        sink = TensorBoardSink(tb_dir, t0=0.0)
+        for src, rec in replay.records:
+            sink.add(src, rec)
+        sink.close()
+    tb_cpu = time.process_time() - t
+    return {"monitor_cpu_s": cpu, "run_s": run_s, "records": len(replay.records),
+            "monitor_cpu_pct_of_one_core": 100.0 * cpu / run_s, "tensorboard_cpu_s": tb_cpu,
+            "tensorboard_cpu_pct_of_one_core": 100.0 * tb_cpu / run_s}
 
 
 def main() -> None:
