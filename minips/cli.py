@@ -246,6 +246,8 @@ def _add_dashboard(sub: Any) -> None:
     d.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT of the page")
     d.add_argument("--speed", type=float, default=1.0,
                    help="replay speed, x real time (0 = the whole run at once)")
+    d.add_argument("--follow", action="store_true",
+                   help="follow a run directory that is still being written, live")
     _add_insecure(d)
 
 
@@ -400,8 +402,8 @@ def _check_watch(args: argparse.Namespace) -> None:
 def _cmd_dashboard(args: argparse.Namespace) -> int:
     from minips.dashboard.monitor import serve_replay
 
-    serve_replay(args.run_dir, args.listen, speed=args.speed, token=_token(),
-                 insecure=args.insecure)
+    serve_replay(args.run_dir, args.listen, speed=None if args.follow else args.speed,
+                 token=_token(), insecure=args.insecure)
     return 0
 
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_for
 
 from minips.dashboard.follow import Replay, RunFollower, Tail
 from minips.dashboard.state import Histogram, RunState
@@ -281,3 +284,29 @@ def test_a_taken_dashboard_port_ends_the_server_with_a_clear_error(tmp_path: Pat
                                f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("minips server: error:") and str(port) in proc.stderr
+
+
+def test_minips_dashboard_follow_shows_records_as_they_are_appended(tmp_path: Path) -> None:
+    pytest.importorskip("aiohttp")
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    proc = subprocess.Popen([sys.executable, "-m", "minips", "dashboard", str(tmp_path),
+                             "--listen", "127.0.0.1:0", "--follow"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert "following" in line, line
+        url = line.split(" on ")[1].split()[0] + "state"
+
+        def evals() -> list[Any]:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return list(json.loads(r.read())["eval"])
+
+        assert evals() == []
+        with open(tmp_path / "eval.jsonl", "a") as f:
+            f.write(json.dumps({"t": 1.0, "accuracy": 0.5}) + "\n")
+        got = wait_for("the appended record", evals, 30, (proc,))
+        assert [e["accuracy"] for e in got] == [0.5]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0 and not (tmp_path / "dashboard.url").exists()

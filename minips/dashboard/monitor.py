@@ -127,7 +127,7 @@ class Monitor:
         self.runner, port = await web.start_site(app, host, port)
         query = "/?token=" + token if token else "/"
         url = f"http://{format_address(host, port)}{query}"
-        if self.replay is None:  # a replayed run directory is left as it was recorded
+        if self.server is not None:  # only the server's own run directory gets the file
             tmp = Path(self.cfg.run_dir, f".dashboard.url.{os.getpid()}")
             tmp.write_text(url + "\n")
             os.replace(tmp, tmp.with_name("dashboard.url"))  # readers never see half of it
@@ -163,7 +163,7 @@ class Monitor:
                 await self._task
         self.step()
         deadline = time.monotonic() + FINAL_EVAL_WAIT_S
-        while (self.replay is None and self.state.eval and not self.state.final_eval
+        while (self.server is not None and self.state.eval and not self.state.final_eval
                and time.monotonic() < deadline):
             await asyncio.sleep(0.1)
             self.step()
@@ -176,9 +176,10 @@ class Monitor:
             self.tb.close()
 
 
-def serve_replay(run_dir: str, listen: str, *, speed: float = 1.0, token: str = "",
+def serve_replay(run_dir: str, listen: str, *, speed: float | None = 1.0, token: str = "",
                  insecure: bool = False) -> None:
-    """`minips dashboard RUN_DIR`: serve a finished run's replay until interrupted."""
+    """`minips dashboard RUN_DIR`: serve a finished run's replay (``speed`` None: follow a run
+    directory that is still being written) until interrupted."""
     check_extra()
     if not Path(run_dir).is_dir():
         raise ConfigError(f"no run directory at {run_dir}")
@@ -187,8 +188,8 @@ def serve_replay(run_dir: str, listen: str, *, speed: float = 1.0, token: str = 
         monitor = Monitor(MonitorConfig(run_dir=run_dir, dashboard=listen, token=token,
                                         insecure=insecure, replay_speed=speed))
         url = await monitor.start()
-        print(f"minips dashboard: replaying {run_dir} at {speed:g}x on {url}  (Ctrl-C to stop)",
-              flush=True)
+        how = "following" if speed is None else f"replaying at {speed:g}x"
+        print(f"minips dashboard: {how} {run_dir} on {url}  (Ctrl-C to stop)", flush=True)
         try:
             await asyncio.Event().wait()  # until Ctrl-C cancels the loop
         finally:
