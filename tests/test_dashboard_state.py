@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from conftest import recv_as, until, wait_for
 
 from minips.dashboard.follow import Replay, RunFollower, Tail
 from minips.dashboard.state import Histogram, RunState
@@ -310,3 +310,45 @@ def test_minips_dashboard_follow_shows_records_as_they_are_appended(tmp_path: Pa
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)
     assert proc.returncode == 0 and not (tmp_path / "dashboard.url").exists()
+
+
+async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_server(
+        tmp_path: Path) -> None:
+    import numpy as np
+
+    from minips import protocol, sparse, transport
+    from minips.config import RunConfig, ServerConfig, parse_address
+    from minips.dashboard.monitor import probe
+    from minips.server import GlobalServer
+
+    cfg = ServerConfig(run=RunConfig(workers=2, mode="bsp", lr_warmup=0.0), port=0,
+                       token="t", run_dir=str(tmp_path), calib_timeout_s=10.0, linger_s=1.0)
+    srv = GlobalServer(cfg, np.zeros(4, np.float32))
+    port = await srv.start()
+    ctl, grp = [], []
+    try:
+        for w in (0, 1):
+            ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=w, token="t")
+            await ch.send(protocol.Stats(clock=0, step_time=0.01, loss=2.0))
+            ctl.append(ch)
+        for w, ch in enumerate(ctl):
+            host, gport = parse_address((await recv_as(ch, protocol.Assign)).address)
+            grp.append(await transport.connect(host, gport, role="worker", worker_id=w,
+                                               token="t"))
+            await asyncio.wait_for(grp[-1].recv(), 10)  # ACK: its start clock
+        await grp[0].send(protocol.Pull(clock=0))
+        assert isinstance(await asyncio.wait_for(grp[0].recv(), 10), protocol.Weights)
+        encoding, codec, buffers = sparse.encode_gradient(np.ones(4, np.float32))
+        await grp[0].send(protocol.Push(clock=1, samples=1, encoding=encoding, codec=codec,
+                                        buffers=tuple(buffers)))
+        await asyncio.wait_for(grp[0].recv(), 10)
+        seen = {r["worker"]: r for r in probe(srv, 5.0)}
+        assert (seen[0]["clock"], seen[0]["waiting"]) == (1, True)  # BSP: held for worker 1
+        assert (seen[1]["clock"], seen[1]["waiting"], seen[1]["alive"]) == (0, False, True)
+        assert seen[0]["group"] == seen[1]["group"] == 0 and seen[0]["t"] == 5.0
+        await ctl[1].close()
+        await until(lambda: not {r["worker"]: r for r in probe(srv, 6.0)}[1]["alive"])
+    finally:
+        for ch in ctl + grp:
+            await ch.close()
+        await srv.close()

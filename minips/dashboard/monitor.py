@@ -19,6 +19,7 @@ import contextlib
 import importlib.util
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,8 +135,14 @@ class Monitor:
         return url
 
     async def _loop(self) -> None:
+        failed = False
         while True:
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a dashboard bug must not stop the page, let alone the run
+                if not failed:
+                    traceback.print_exc()
+                failed = True
             await asyncio.sleep(TICK_S)
 
     def step(self) -> None:
