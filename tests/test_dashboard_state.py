@@ -165,6 +165,7 @@ def test_replay_releases_records_in_run_time_order_at_its_speed(tmp_path: Path) 
     r = Replay(tmp_path, speed=10.0)
     assert r.horizon(0.0) == 10.0  # starts at the first record, not at t0
     assert [rec["t"] for _, rec in r.poll(0.6)] == [10.0, 15.0]
+    assert r.state.update(r.horizon(0.6))["kind"] == "replay"
     assert [rec["t"] for _, rec in r.poll(5.0)] == [20.0, 30.0] and r.horizon(5.0) == 30.0
     assert Replay(tmp_path, speed=0).horizon(0.0) == 30.0
     with pytest.raises(FileNotFoundError):

@@ -94,7 +94,7 @@ class Replay:
         self.path = Path(run_dir)
         if not self.path.is_dir():
             raise FileNotFoundError(f"no run directory at {self.path}")
-        self.state = RunState(read_config(self.path))
+        self.state = RunState(read_config(self.path), kind="replay")
         self.speed = speed  # 0: everything at once
         self.records = sorted(((src, r) for f in self.path.glob("*.jsonl")
                                if (src := source_of(f)) is not None for r in read_jsonl(f)),

@@ -93,7 +93,8 @@ class Monitor:
         self.server = server
         self.replay = Replay(cfg.run_dir, cfg.replay_speed) if cfg.replay_speed is not None \
             else None
-        self.state = self.replay.state if self.replay else RunState(read_config(cfg.run_dir))
+        self.state = self.replay.state if self.replay else RunState(
+            read_config(cfg.run_dir), kind="live" if server is not None else "following")
         self.follower = None if self.replay else RunFollower(cfg.run_dir, self.state)
         self.t0 = float(self.state.config.get("t0") or time.time())
         self.started = time.monotonic()

@@ -90,8 +90,9 @@ class WorkerView:
 class RunState:
     """Workers, groups, series and events of one run, from its records."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], kind: str = "live") -> None:
         self.config = config
+        self.kind = kind  # what the page says while the run goes on: live, replay, following
         s = config.get("staleness", 3)
         self.staleness: int | None = {"bsp": 0, "asp": None}.get(str(config.get("mode")), s)
         self.lease_s = float(config.get("lease_s", 10.0))
@@ -244,7 +245,8 @@ class RunState:
         since = since or {}
         series = {"eval": self.eval, "clocks": self.clocks, "events": self.events}
         return {
-            "t": now, "done": self.done, "config": _config_brief(self.config),
+            "t": now, "done": self.done, "kind": self.kind,
+            "config": _config_brief(self.config),
             "workers": [v.row(self.state_of(v, now)) for _, v in sorted(self.workers.items())],
             "groups": {str(g): {**c, "merges": self.merges.get(g, 0)}
                        for g, c in sorted(self.groups.items())},
