@@ -353,3 +353,23 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
         for ch in ctl + grp:
             await ch.close()
         await srv.close()
+
+
+def test_a_failing_tick_is_printed_once_and_the_monitor_goes_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from minips.dashboard import Monitor, MonitorConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"t": 1.0, "accuracy": 0.5}) + "\n")
+    monitor = Monitor(MonitorConfig(run_dir=str(tmp_path)))
+
+    def broken(source: str, rec: dict[str, Any]) -> None:
+        raise RuntimeError("a bug in the dashboard")
+
+    monkeypatch.setattr(monitor.state, "add", broken)
+    monitor.tick()
+    with open(tmp_path / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"t": 2.0, "accuracy": 0.6}) + "\n")
+    monitor.tick()
+    assert capsys.readouterr().err.count("RuntimeError: a bug in the dashboard") == 1

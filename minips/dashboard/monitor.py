@@ -103,6 +103,7 @@ class Monitor:
         self.runner: Any = None
         self.url = ""
         self._task: asyncio.Task[None] | None = None
+        self._failed = False  # a tick raised (printed once)
 
     def now(self) -> float:
         """Run time shown: now since t0 (live), or the replay's horizon."""
@@ -136,15 +137,19 @@ class Monitor:
         return url
 
     async def _loop(self) -> None:
-        failed = False
         while True:
-            try:
-                self.step()
-            except Exception:  # a dashboard bug must not stop the page, let alone the run
-                if not failed:
-                    traceback.print_exc()
-                failed = True
+            self.tick()
             await asyncio.sleep(TICK_S)
+
+    def tick(self) -> None:
+        """``step``, where an error is printed (once) instead of raised: a dashboard bug must
+        not stop the page, let alone the run."""
+        try:
+            self.step()
+        except Exception:
+            if not self._failed:
+                traceback.print_exc()
+            self._failed = True
 
     def step(self) -> None:
         """One tick: new records in, probe, TensorBoard, wake the page."""
@@ -169,12 +174,12 @@ class Monitor:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self.step()
+        self.tick()
         deadline = time.monotonic() + FINAL_EVAL_WAIT_S
         while (self.server is not None and self.state.eval and not self.state.final_eval
                and time.monotonic() < deadline):
             await asyncio.sleep(0.1)
-            self.step()
+            self.tick()
         if self.ticker is not None:
             self.ticker.closed = True
             self.ticker.tick()
