@@ -46,6 +46,8 @@ def test_worker_states_follow_the_ssp_rule_pull_time_lease_and_events() -> None:
     s.add("group", {"t": 2.0, "event": "expired", "group": 0, "workers": [1]})
     assert s.state_of(s.workers[1], 2.0) == "dead"
     assert s.state_of(s.workers[0], 2.0) == "computing"  # the expired worker holds no one
+    s.add("global", {"t": 2.5, "event": "rehomed", "group": 0, "moved": {"0": 1}})
+    assert s.workers[0].group == 1 and s.events[-1]["event"] == "rehomed"
     s.add("global", {"t": 3.0, "event": "done", "reason": "epochs"})
     assert s.state_of(s.workers[0], 3.0) == "done"
 

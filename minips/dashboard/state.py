@@ -26,8 +26,13 @@ __all__ = ["EVENT_KINDS", "STALENESS_BUCKETS", "WAIT_BUCKETS", "Histogram", "Run
            "WorkerView"]
 
 # global.jsonl / group / worker events shown on the page (merges are counted, not listed)
-EVENT_KINDS = frozenset({"joined", "left", "expired", "groups", "regroup", "checkpoint",
-                         "resumed", "done", "group_lost", "group_adopted", "stopped"})
+EVENT_KINDS = frozenset({
+    "joined", "left", "expired", "groups", "regroup", "rehomed", "calib_timeout", "checkpoint",
+    "resumed", "done", "failed", "waiting_for_workers", "workers_back", "group_lost",
+    "group_adopted",  # global.jsonl and group-<g>.jsonl
+    "stopped", "lease_expired", "control_lost", "control_back", "control_gave_up",
+    "group_unreachable",  # a worker's own file
+})
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)  # clocks ahead of the slowest
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # s
 CLOCK_POINT_S = 0.5  # at most one group-clock point per group this often (seconds of run time)
@@ -137,7 +142,7 @@ class RunState:
             self._merge(r)
         elif ev == "checkpoint":
             self.checkpoint_t = r["t"]
-        elif ev == "done":
+        elif ev in ("done", "failed"):
             self.done = True
         elif ev in ("left", "group_lost") and r.get("worker") is not None:
             self._view(r["worker"]).gone = "left"
@@ -146,7 +151,7 @@ class RunState:
         if ev == "groups":
             for w, g in (r.get("assignment") or {}).items():
                 self._view(w).group = int(g)
-        if ev == "regroup":
+        if ev in ("regroup", "rehomed"):  # workers moved to other groups
             for w, g in (r.get("moved") or {}).items():
                 self._view(w).group = int(g)
         if ev in EVENT_KINDS:
