@@ -28,6 +28,7 @@ Public API: ``MAGIC``, ``PREFIX``, ``TABLE_ENTRY``, the ``MAX_*`` limits, ``Limi
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,9 @@ _ANY_VERSION = frozenset({Kind.HELLO, Kind.REFUSE, Kind.ERROR})  # layout frozen
 
 @dataclass(frozen=True)
 class Limits:
-    """Sizes a decoder accepts; over one of them it raises ``LimitExceeded`` before allocating."""
+    """Sizes a decoder accepts; over one of them it raises ``LimitExceeded`` (the peer gets
+    ERROR ``limit_exceeded``): the frame, meta and buffer limits on the prefix and table, before
+    allocating; the msgpack lengths while the map is decoded."""
 
     max_frame_bytes: int = MAX_FRAME_BYTES
     max_meta_bytes: int = MAX_META_BYTES
@@ -206,7 +209,14 @@ def check_table(table: tuple[int, ...], body_len: int, limits: Limits) -> None:
         _check_limit("decompressed frame size", sum(raws), limits.max_raw_bytes)
 
 
+# msgpack's own words for a length over one of its max_*_len limits: "70000 exceeds
+# max_str_len(65536)" (the C and the pure-Python unpacker say it alike)
+_MSGPACK_LIMIT = re.compile(r"(\d+) exceeds (max_(?:str|bin|array|map)_len)\((\d+)\)")
+
+
 def unpack_meta(raw: bytes | bytearray | memoryview, limits: Limits) -> dict[str, Any]:
+    """The frame's msgpack map; a string, bin, array or map over its ``Limits`` length raises
+    ``LimitExceeded`` like every other limit, anything else wrong ``RemoteProtocolError``."""
     try:
         meta = msgpack.unpackb(
             raw, raw=False, strict_map_key=True, max_str_len=limits.max_str_len,
@@ -214,6 +224,11 @@ def unpack_meta(raw: bytes | bytearray | memoryview, limits: Limits) -> dict[str
             max_map_len=limits.max_map_len, max_ext_len=0,
         )
     except Exception as e:  # msgpack raises several types (ExtraData, ValueError, ...)
+        over = _MSGPACK_LIMIT.fullmatch(str(e)) if type(e) is ValueError else None
+        if over is not None:
+            got, what, limit = int(over[1]), over[2], int(over[3])
+            raise LimitExceeded(f"msgpack {what} is {got}, over the limit of {limit}",
+                                expected=limit, got=got) from None
         raise RemoteProtocolError(f"bad msgpack header: {type(e).__name__}: {e}") from None
     if not isinstance(meta, dict):
         raise RemoteProtocolError("msgpack header is not a map", got=type(meta).__name__)

@@ -278,6 +278,28 @@ def test_limit_errors_carry_limit_and_value() -> None:
     assert info.value.expected == 9000 and info.value.got > 9000
 
 
+@pytest.mark.parametrize("value, what, got, limit", [
+    ("x" * 70_000, "max_str_len", 70_000, 1 << 16),
+    (b"x" * 70_000, "max_bin_len", 70_000, 1 << 16),
+    (list(range(5000)), "max_array_len", 5000, 4096),
+    ({str(i): 0 for i in range(2000)}, "max_map_len", 2000, 1024),
+])
+def test_msgpack_lengths_over_their_limits_are_limit_exceeded(value: object, what: str, got: int,
+                                                              limit: int) -> None:
+    """docs/protocol.md section 6: the msgpack limits are limits like the others."""
+    with pytest.raises(LimitExceeded) as info:
+        p.FrameDecoder().feed(raw_frame(p.Kind.LEAVE, {"reason": value}))
+    assert (info.value.expected, info.value.got) == (limit, got) and what in str(info.value)
+
+
+def test_bad_msgpack_is_a_protocol_error_not_a_limit() -> None:
+    packed = msgpack.packb({"reason": "x"})[:-1]  # the map cut short
+    data = p.PREFIX.pack(p.MAGIC, 1, p.Kind.LEAVE, 0, 0, len(packed), 0) + packed
+    with pytest.raises(RemoteProtocolError) as info:
+        p.FrameDecoder().feed(data)
+    assert not isinstance(info.value, LimitExceeded)
+
+
 def test_huge_lengths_in_prefix_are_refused_at_once() -> None:
     prefix = struct.pack("<4sBBBBII", p.MAGIC, 1, p.Kind.PUSH, 1, 0, 10, 2**32 - 1)
     with pytest.raises(LimitExceeded):

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from conftest import run_on, until
@@ -198,6 +199,27 @@ def test_frame_over_limit_closes_that_connection_only(loop: str) -> None:
             await good.close()
 
     run(loop, scenario())
+
+
+@pytest.mark.parametrize("value", ["x" * 70_000, list(range(5000))], ids=["str", "array"])
+def test_msgpack_length_over_limit_is_answered_limit_exceeded(value: object) -> None:
+    """A 70,000-character string or a 5,000-item array in a map: ERROR limit_exceeded, as
+    docs/protocol.md section 6 and ``Limits`` say, counted as such; then the server closes."""
+    packed = msgpack.packb({"reason": value})
+    data = p.PREFIX.pack(p.MAGIC, 1, p.Kind.LEAVE, 0, 0, len(packed), 0) + packed
+
+    async def scenario() -> None:
+        async with await start() as srv:
+            reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(data)
+            error = await read_frame(reader)
+            assert isinstance(error, p.Error) and error.code == "limit_exceeded", error
+            assert await reader.read() == b""
+            await until(lambda: srv.stats["limit_exceeded"] == 1)
+            assert srv.stats["protocol_errors"] == 0
+            writer.close()
+
+    run("asyncio", scenario())
 
 
 @LOOPS
