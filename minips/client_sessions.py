@@ -6,10 +6,10 @@ second), an optional PUSH of its initial weights (when the server had none yet: 
 the worker's group or ratio is set or changes. An evaluator PULLs the global weights every few
 seconds until the run is over.
 
-Invariants: a worker has at most one control channel (a restarted worker's new connection
-replaces the stale one); STATS clocks are not compared (they count steps in the worker's
-current group and start again after a move); the initial weights are taken once, dense, with a
-bounded size.
+Invariants: a worker has at most one control channel (a new connection with its id replaces
+the old one, which gets ERROR ``replaced``); STATS clocks are not compared (they count steps in
+the worker's current group and start again after a move); the initial weights are taken once,
+dense, with a bounded size.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ MAX_PARAMS = 1 << 31  # model size a worker's initial weights may claim (float32
 async def worker_session(srv: GlobalServer, ch: Any, w: int) -> None:
     """Worker ``w``'s control channel, until it leaves or is lost."""
     entry = srv.workers[w]
-    if entry.ch is not None:  # a restarted worker replaces its stale connection
-        srv.spawn(entry.ch.close())
+    if entry.ch is not None:  # the newest connection with an id wins; the old one is told why
+        srv.spawn(validation.replace(entry.ch, w, srv.rejected, "global server"))
     entry.ch, entry.left = ch, False
+    srv.roster.seated(w)
     srv.log("joined", worker=w)
     try:
         if entry.group >= 0:  # a reconnect after grouping: tell it its group again

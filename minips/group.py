@@ -294,8 +294,8 @@ class GroupServer:
         await self.ready.wait()
         w = int(ch.worker_id)
         old = self.channels.pop(w, None)
-        if old is not None:  # a reconnect replaces the stale connection
-            await old.close()
+        if old is not None:  # the newest connection with an id wins; the old one is told why
+            await validation.replace(old, w, self.rejected, f"group {self.group}")
         self.channels[w] = ch
         ch.start_heartbeat(self.run.heartbeat_s)  # so the worker can tell we are still here
         start = self._join(w)

@@ -6,6 +6,9 @@ and GDTopK ratio (no asyncio, no sockets, no torch; time comes in as ``now``).
 ``maybe_regroup`` whether speeds drifted, moves workers with ``move``, and sends a new ASSIGN when
 ``update_ratios`` says a ratio changed.
 
+Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
+is gone (``free_id``), so a worker restarted without its old id still finds a place.
+
 Invariants: a worker with ``group >= 0`` is listed in exactly that group's ``members``; group ids
 stay stable across a regroup (``match_labels`` names new groups after the old group most of their
 members come from), so only workers whose group really changed are moved.
@@ -26,11 +29,12 @@ if TYPE_CHECKING:
     from minips.group import GroupServer
 
 __all__ = ["WorkerEntry", "GroupHandle", "Roster", "match_labels", "RATIO_EPS",
-           "REGROUP_EVERY_S"]
+           "REGROUP_EVERY_S", "CLAIM_S"]
 
 RATIO_EPS = 0.1  # relative ratio change that is worth a new ASSIGN
 REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
 RATIO_HI = 0.05  # largest GDTopK kept fraction a group is given
+CLAIM_S = 10.0  # s an id given to a handshake is held for it (the handshake's own time limit)
 
 
 @dataclass
@@ -72,15 +76,35 @@ class Roster:
         self.regrouper = grouping.Regrouper(k=run.fixed_groups or None, max_k=run.max_groups)
         self.regroup = regroup  # regroup when speeds drift (GSSP with in-process groups)
         self._regroup_at = -REGROUP_EVERY_S  # `now` of the last Regrouper update
+        self._claimed: dict[int, float] = {}  # id -> `now` it was given to a handshake
 
-    def admit(self, wanted: int) -> int:
-        """A worker id for a HELLO that asked for ``wanted`` (-1: the lowest free id)."""
+    def admit(self, wanted: int, now: float = 0.0) -> int:
+        """A worker id for a HELLO that asked for ``wanted`` (-1: ``free_id``). The id is held
+        for the handshake that asked (until ``seated``, at most CLAIM_S), so two HELLOs with -1
+        at once never get the same id."""
         if wanted < 0:
-            wanted = next(i for i in range(len(self.workers) + 1) if i not in self.workers)
+            wanted = self.free_id(now)
         if wanted >= self.run.workers:
             raise AuthError(f"worker id {wanted} out of range 0..{self.run.workers - 1}")
         self.workers.setdefault(wanted, WorkerEntry(wanted))
+        self._claimed[wanted] = now
         return wanted
+
+    def free_id(self, now: float) -> int:
+        """The lowest id never given out, else the lowest whose worker is gone (no control
+        connection: it crashed, was lost or left), so a restarted worker that does not send its
+        old id still gets in, with a gone worker's shard and group."""
+        held = {w for w, t in self._claimed.items() if now - t < CLAIM_S}
+        unused = [i for i in range(self.run.workers) if i not in self.workers]
+        gone = [w for w, e in sorted(self.workers.items()) if e.ch is None and w not in held]
+        free = [w for w in unused + gone if w not in held]
+        if not free:
+            raise AuthError(f"no free worker id: all {self.run.workers} are connected")
+        return free[0]
+
+    def seated(self, w: int) -> None:
+        """Worker ``w``'s session started (its control connection is in its entry)."""
+        self._claimed.pop(w, None)
 
     def step_times(self, live_only: bool = False) -> dict[int, float]:
         """``{worker: seconds per step}`` of the workers that reported one."""

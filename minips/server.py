@@ -155,7 +155,7 @@ class GlobalServer:
     def _accept(self, hello: Any) -> dict[str, Any]:
         info = self.run.to_info()
         if hello.role == "worker":
-            info["worker_id"] = self.roster.admit(int(hello.worker_id))
+            info["worker_id"] = self.roster.admit(int(hello.worker_id), time.monotonic())
             info["need_init"] = self.weights is None
         elif hello.role == "group" and not self.cfg.external_groups:
             raise AuthError("this server runs its group servers in-process (no --external-groups)")

@@ -5,8 +5,9 @@ connection state allows; ``sparse.decode_gradient`` checks encodings, sizes, ind
 NaN/inf. What is left is meaning that only a server knows: ranges of counters and times, clocks
 that go backwards, messages a role may not send in a session. A violation raises
 ``RemoteProtocolError``; ``reject`` then answers ERROR with the reason, logs and counts it, and
-the caller closes that one connection. The model is never touched by a rejected message: every
-check runs before anything is applied.
+the caller closes that one connection (``replace`` ends a session that a new connection with
+the same worker id takes over, with ERROR ``replaced``). The model is never touched by a
+rejected message: every check runs before anything is applied.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from typing import Any
 from minips import ssp
 from minips.errors import RemoteProtocolError
 
-__all__ = ["MAX_SAMPLES", "MAX_STEP_S", "check_push", "check_push_order", "check_stats",
-           "check_group_stats", "unexpected", "reject"]
+__all__ = ["MAX_SAMPLES", "MAX_STEP_S", "REPLACED", "check_push", "check_push_order",
+           "check_stats", "check_group_stats", "replace", "unexpected", "reject"]
 
 log = logging.getLogger("minips.server")
 
 MAX_SAMPLES = 1 << 20  # samples one push may claim (a batch); more is a broken or hostile peer
 MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it is garbage
+REPLACED = "replaced"  # ERROR code: another connection with the same worker id took over
 MAX_SEQ = (1 << 53) - 1  # exchange session / seq: ints a double holds exactly
 GROUP_STATS_NUMBERS = ("pushes", "samples", "step_time", "loss", "bytes_in", "bytes_out")
 
@@ -71,6 +73,18 @@ def check_group_stats(codec: Any) -> dict[str, Any]:
             raise RemoteProtocolError(f"stats.{key} must be an int", expected=f"0..{MAX_SEQ}",
                                       got=stats[key])
     return dict(stats)
+
+
+async def replace(old: Any, w: int, counts: collections.Counter[str], where: str) -> None:
+    """A new connection with worker id ``w`` takes the session over: the old one is told why
+    (ERROR ``replaced``) and closed. A worker that gets it stops rather than reconnecting, so two
+    processes started with one id do not evict each other without end."""
+    counts[REPLACED] += 1
+    log.warning("%s: worker %d connected again; its connection from %s is replaced", where, w,
+                old.peername)
+    await old.send_error(REPLACED, f"another connection with worker id {w} took this session "
+                         "over (is a second worker running with this id?)")
+    await old.close()
 
 
 def unexpected(msg: Any, role: str) -> RemoteProtocolError:

@@ -1,0 +1,122 @@
+"""One session per worker id, over loopback with hand-written protocol clients.
+
+docs/protocol.md, section 9: a second connection with a worker id already in session takes the
+session over and the old connection is told why (ERROR ``replaced``), on the global server's
+control channel and on a group server alike; a worker that gets it stops. A HELLO with
+``worker_id`` -1 gets an id never given out, else the id of a worker that is gone, so a worker
+restarted without its old id is not refused once every id was used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import recv_as, until
+from test_server import TOKEN, join, make_server
+
+from minips import protocol, transport
+from minips.config import parse_address
+from minips.errors import AuthError
+
+
+async def connect(port: int, wid: int, group: int = -1) -> transport.Channel:
+    return await transport.connect("127.0.0.1", port, role="worker", worker_id=wid,
+                                   group=group, token=TOKEN, timeout=5)
+
+
+async def told_replaced(ch: transport.Channel) -> None:
+    """The old connection gets ERROR replaced, then the server closes it."""
+    error = await recv_as(ch, protocol.Error, 5)
+    assert error.code == "replaced" and "worker id 0" in error.reason
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(ch.recv(), 5)
+
+
+async def test_second_control_connection_with_an_id_replaces_the_first_and_says_so(
+        tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(3, np.float32), workers=1, mode="asp")
+    port = await srv.start()
+    first = await connect(port, 0)
+    try:
+        await until(lambda: srv.workers[0].ch is not None)
+        second = await connect(port, 0)
+        await told_replaced(first)
+        await second.send(protocol.Stats(clock=0, step_time=0.01, loss=1.0))
+        assert (await recv_as(second, protocol.Assign, 5)).group == 0  # the newcomer goes on
+        assert srv.rejected["replaced"] == 1
+        await second.close()
+    finally:
+        await first.close()
+        await srv.close()
+
+
+async def test_second_group_connection_with_an_id_replaces_the_first_and_says_so(
+        tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(3, np.float32), workers=1, mode="asp")
+    port = await srv.start()
+    ctl = await join(port, 0, 0.01)
+    chans: list[transport.Channel] = []
+    try:
+        assign = await recv_as(ctl, protocol.Assign, 5)
+        host, gport = parse_address(assign.address)
+        chans.append(await transport.connect(host, gport, role="worker", worker_id=0,
+                                             group=assign.group, token=TOKEN))
+        await recv_as(chans[0], protocol.Ack, 5)
+        chans.append(await transport.connect(host, gport, role="worker", worker_id=0,
+                                             group=assign.group, token=TOKEN))
+        await told_replaced(chans[0])
+        start = await recv_as(chans[1], protocol.Ack, 5)
+        await chans[1].send(protocol.Pull(clock=start.clock))
+        assert (await recv_as(chans[1], protocol.Weights, 5)).done is False
+        assert srv.groups[0].server is not None
+        assert srv.groups[0].server.rejected["replaced"] == 1
+    finally:
+        for ch in (*chans, ctl):
+            await ch.close()
+        await srv.close()
+
+
+async def test_minus_one_reuses_the_id_of_a_worker_that_is_gone(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(3, np.float32), workers=1, mode="asp")
+    port = await srv.start()
+    try:
+        first = await connect(port, -1)
+        assert first.worker_id == 0
+        await until(lambda: srv.workers[0].ch is not None)
+        with pytest.raises(AuthError, match="no free worker id: all 1 are connected"):
+            await connect(port, -1)
+        await first.close()  # the worker crashed: its control connection is gone
+        await until(lambda: srv.workers[0].ch is None)
+        again = await connect(port, -1)  # restarted without its old id
+        assert again.worker_id == 0
+        await again.close()
+    finally:
+        await srv.close()
+
+
+async def test_concurrent_minus_one_hellos_get_different_ids(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(3, np.float32), workers=3, mode="asp")
+    port = await srv.start()
+    try:
+        first = await connect(port, -1)
+        await until(lambda: srv.workers[0].ch is not None)
+        await first.close()
+        await until(lambda: srv.workers[0].ch is None)
+        # id 0 is free again, 1 and 2 never used: three at once get three ids, none twice
+        chans = await asyncio.gather(*(connect(port, -1) for _ in range(3)))
+        assert sorted(ch.worker_id for ch in chans) == [0, 1, 2]
+        for ch in chans:
+            await ch.close()
+    finally:
+        await srv.close()
+
+
+def test_a_worker_told_replaced_stops_instead_of_reconnecting() -> None:
+    from minips.worker import _Stopped  # torch: imported only here
+
+    stop = _Stopped(protocol.Error(code="replaced", reason="another connection"))
+    assert stop.final and "replaced" in stop.error
+    assert not _Stopped(protocol.Error(code="lease", reason="expired")).final
