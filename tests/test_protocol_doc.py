@@ -1,0 +1,165 @@
+"""docs/protocol.md's smaller statements, each checked against the code that keeps it.
+
+The initial-weights PUSH gets no reply; a PULL's clock must be the worker's own; over-long
+varints are accepted up to 5 bytes; NaN and inf are refused in dense gradients too; a small
+frame's buffer table is checked once the frame is whole, a large one's before its body; a
+handshake that runs out of time is closed without ERROR; ``read_timeout`` counts silence, not
+slowness; HEARTBEAT's ``seq`` and an evaluator's ``address`` are not checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import recv_as, until
+from test_server import TOKEN, join, make_server, push
+
+from minips import protocol, sparse, transport
+from minips.config import parse_address
+from minips.errors import RemoteProtocolError
+
+
+async def group_session(srv_port: int, ctl: transport.Channel) -> tuple[transport.Channel, int]:
+    """Worker 0 on its group server, after ASSIGN: the channel and its starting clock."""
+    assign = await recv_as(ctl, protocol.Assign, 5)
+    host, port = parse_address(assign.address)
+    ch = await transport.connect(host, port, role="worker", worker_id=0, group=assign.group,
+                                 token=TOKEN)
+    return ch, (await recv_as(ch, protocol.Ack, 5)).clock
+
+
+async def test_initial_weights_push_gets_no_reply(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, None, workers=1, mode="asp")
+    port = await srv.start()
+    ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
+    try:
+        encoding, codec, buffers = sparse.encode_gradient(np.ones(4, np.float32))
+        await ctl.send(protocol.Push(clock=0, encoding=encoding, codec={**codec, "size": 4},
+                                     buffers=tuple(buffers)))
+        await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=1.0))
+        await recv_as(ctl, protocol.Assign, 5)  # the next message is ASSIGN, no ACK before it
+    finally:
+        await ctl.close()
+        await srv.close()
+
+
+async def test_a_pull_at_another_clock_makes_the_push_after_it_fail(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(3, np.float32), workers=1, mode="asp")
+    port = await srv.start()
+    ctl = await join(port, 0, 0.01)
+    ch, clock = await group_session(port, ctl)
+    try:
+        await ch.send(protocol.Pull(clock=clock + 5))  # not the worker's own clock
+        await recv_as(ch, protocol.Weights, 5)  # answered for the worker's real clock ...
+        await ch.send(push(clock + 6, np.ones(3, np.float32)))
+        error = await recv_as(ch, protocol.Error, 5)  # ... so its PUSH carries the wrong one
+        assert error.code == "clock" and f"expected {clock + 1}" in error.reason
+    finally:
+        await ch.close()
+        await ctl.close()
+        await srv.close()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+async def test_nan_or_inf_in_a_dense_gradient_is_refused(tmp_path: Path, bad: float) -> None:
+    srv = make_server(tmp_path, np.zeros(3, np.float32), workers=1, mode="asp")
+    port = await srv.start()
+    ctl = await join(port, 0, 0.01)
+    ch, clock = await group_session(port, ctl)
+    try:
+        await ch.send(protocol.Pull(clock=clock))
+        await recv_as(ch, protocol.Weights, 5)
+        await ch.send(push(clock + 1, np.array([1.0, bad, 0.0], np.float32)))
+        error = await recv_as(ch, protocol.Error, 5)
+        assert error.code == "invalid" and "NaN or inf" in error.reason
+        assert srv.groups[0].server is not None
+        assert srv.groups[0].server.weights.tolist() == [0.0] * 3  # nothing applied
+    finally:
+        await ch.close()
+        await ctl.close()
+        await srv.close()
+
+
+def sparse_codec(k: int) -> dict[str, object]:
+    return {"k": k, "index": "varint", "value": "f32"}
+
+
+def test_over_long_varints_are_accepted_up_to_five_bytes() -> None:
+    values = np.ones(2, np.float32).tobytes()
+    # gaps 3 (as 83 80 00: three bytes for a one-byte number) and 0 (as 80 80 80 80 00)
+    index = bytes([0x83, 0x80, 0x00, 0x80, 0x80, 0x80, 0x80, 0x00])
+    g = sparse.decode_gradient("sparse-v1", sparse_codec(2), [index, values], 10)
+    assert isinstance(g, sparse.SparseGrad) and g.indices.tolist() == [3, 4]
+    with pytest.raises(RemoteProtocolError, match="larger than 32 bits"):  # six bytes
+        sparse.decode_gradient("sparse-v1", sparse_codec(1),
+                               [bytes([0x80] * 5 + [0x00]), values[:4]], 10)
+
+
+def test_small_frame_table_is_checked_once_whole_large_one_before_its_body() -> None:
+    def head(body_len: int, wire: int) -> bytes:  # one raw buffer whose table says ``wire``
+        meta = b"\x80"  # an empty msgpack map: the table is what is wrong here
+        return (protocol.PREFIX.pack(protocol.MAGIC, 1, protocol.Kind.PUSH, 1, 0, len(meta),
+                                     body_len)
+                + protocol.TABLE_ENTRY.pack(0, wire, wire) + meta)
+
+    small = protocol.FrameDecoder()
+    assert small.feed(head(100, 99)) == []  # the table does not add up: not looked at yet
+    with pytest.raises(RemoteProtocolError, match="does not add up"):
+        small.feed(bytes(100))  # the frame is whole: now it is
+    large = protocol.FrameDecoder()
+    with pytest.raises(RemoteProtocolError, match="does not add up"):
+        large.feed(head(1 << 20, (1 << 20) - 1))  # refused before any of the body
+
+
+async def test_handshake_timeout_closes_without_error() -> None:
+    async def never(ch: transport.Channel) -> None:
+        raise AssertionError("no handshake, no handler")
+
+    options = transport.Options(handshake_timeout=0.3)
+    async with await transport.serve("127.0.0.1", 0, accept=lambda h: {}, handler=never,
+                                     token=TOKEN, options=options) as srv:
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, not a byte sent
+        assert srv.stats["handshake_timeouts"] == 1
+        writer.close()
+
+
+async def test_read_timeout_counts_silence_not_slowness() -> None:
+    """A frame that trickles in a byte every 0.05 s (over 1.5 s in all, 15 times read_timeout)
+    is not cut off: only silence is."""
+    got: list[protocol.Message] = []
+
+    async def keep(ch: transport.Channel) -> None:
+        got.append(await ch.recv())
+
+    options = transport.Options(read_timeout=0.1)
+    async with await transport.serve("127.0.0.1", 0, accept=lambda h: {}, handler=keep,
+                                     token=TOKEN, options=options) as srv:
+        ch = await transport.connect("127.0.0.1", srv.port, token=TOKEN)
+        frame = b"".join(bytes(b) for b in protocol.encode(protocol.Pull(clock=7)))
+        for byte in range(len(frame)):  # a byte at a time, on the channel's own socket
+            ch._transport.write(frame[byte:byte + 1])
+            await asyncio.sleep(0.05)
+        await until(lambda: bool(got), 5)
+        assert got == [protocol.Pull(clock=7)] and srv.stats["read_timeouts"] == 0
+        await ch.close()
+
+
+async def test_heartbeat_seq_and_evaluator_address_are_not_checked(tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(3, np.float32), workers=1, mode="asp")
+    port = await srv.start()
+    ev = await transport.connect("127.0.0.1", port, role="evaluator", address="anything:1",
+                                 token=TOKEN)
+    try:
+        for seq in (5, 5, 0):  # repeated and going back
+            await ev.send(protocol.Heartbeat(seq=seq))
+        await ev.send(protocol.Pull(clock=0))
+        assert (await recv_as(ev, protocol.Weights, 5)).info["size"] == 3
+        assert not srv.rejected and srv.server is not None
+        assert srv.server.stats["protocol_errors"] == 0
+    finally:
+        await ev.close()
+        await srv.close()
