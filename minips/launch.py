@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from minips import checkpoint, lifeline, metrics, transport
+from minips import checkpoint, lifeline, metrics, provenance, transport
 from minips.config import WILDCARD_HOSTS, LaunchConfig, ServerConfig
 from minips.errors import ConfigError, MiniPSError
 from minips.server import GlobalServer
@@ -222,8 +222,10 @@ class ProgressLine:
         acc = ev.get("accuracy")
         acc_s = f"{100 * acc:5.1f}%" if isinstance(acc, (int, float)) else "  -  "
         mb = (gl.get("bytes_up", 0) or 0) / 1e6, (gl.get("bytes_down", 0) or 0) / 1e6
+        kind = provenance.verdict(provenance.read(self.run_dir))  # None until a process loaded
+        data_s = "SYNTHETIC DATA" if kind in ("synthetic", "mixed") else f"data {kind or '?'}"
         text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.cfg.run.mode}/"
-                f"{self.cfg.run.compressor}  epochs {epochs:5.2f}  merges "
+                f"{self.cfg.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
                 f"{gl.get('version', 0):>5}  test acc {acc_s}  up {mb[0]:7.1f} MB  "
                 f"down {mb[1]:7.1f} MB")
         print("\r" + text if self.tty else text, end="\n" if final or not self.tty else "",
@@ -321,7 +323,8 @@ def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
     pngs = _plot(run_dir) if cfg.plot and status != "terminated" else []
     acc = summary.get("final_accuracy")
     print(f"minips local: {status} in {summary.get('wall_s') or 0:.1f} s, final accuracy "
-          f"{acc if acc is None else round(acc, 4)}\n  run directory: {run_dir}\n"
+          f"{acc if acc is None else round(acc, 4)} ({summary.get('data') or 'unknown'} data)"
+          f"\n  run directory: {run_dir}\n"
           f"  summary:       {run_dir / 'summary.json'}", file=sys.stderr, flush=True)
     for p in pngs:
         print(f"  plot:          {p}", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ Layout of a run directory (the writers in server.py / group.py / worker.py follo
     group-<g>.jsonl      {"t", "group", "version", "pushes", "min_clock", "max_clock", "bytes_in",
                           "bytes_out"}          counters are totals so far
     global.jsonl         {"t", "event", ...}    events: merge, groups, joined, left, ...
+    data-<role>.json     real data or the synthetic stand-in, per process (provenance.py)
     summary.json         written by summarize()
 """
 
@@ -31,6 +32,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from minips import provenance
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -312,8 +315,9 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     samples, samples_per_s (over train_s), bytes_up, bytes_down, bytes_raw, time_to_accuracy
     (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
     mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
-    mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}). A figure the files
-    cannot give is None.
+    mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}), data ("real",
+    "synthetic", "mixed": provenance.py) and data_sources ({role: its data-<role>.json}). A
+    figure the files cannot give is None.
     """
     run = load_run(run_dir)
     pushes = [r for recs in run.workers.values() for r in recs]
@@ -323,6 +327,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     train = max(wall - start, 0.0) if wall is not None else None
     traffic = _traffic(run, pushes)
     staleness = _values(pushes, "staleness")
+    sources = provenance.read(run.path)  # real files or the synthetic stand-in, per process
     summary: dict[str, Any] = {
         "mode": cfg.get("mode"), "compressor": cfg.get("compressor"),
         "model": cfg.get("model"), "dataset": cfg.get("dataset"),
@@ -339,6 +344,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "steps": len(pushes), "eval_points": len(run.eval),
         "regroups": sum(1 for r in run.events if r.get("event") == "regroup"),
         "per_worker": _per_worker(run),
+        "data": provenance.verdict(sources), "data_sources": sources,
     }
     if write:
         _dump_json(run.path / "summary.json", summary)

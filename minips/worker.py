@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minips import data, models, protocol, sparse, transport
+from minips import data, models, protocol, provenance, sparse, transport
 from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address, reachable
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
@@ -149,6 +149,7 @@ class Worker:
         self.model = models.build_model(run.model, run.seed)
         self.model.train()
         ds = data.load_dataset(run.dataset, "train", self.cfg.data_dir or run.data_dir)
+        provenance.record(self.cfg.run_dir, f"worker-{self.id}", ds.meta)
         shard = data.shard_indices(len(ds), self.id, run.workers, run.seed)
         self.shard_size = len(shard)
         self.stream = data.batch_stream(ds, shard, run.batch_size, run.seed)
@@ -395,6 +396,7 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     ch = await _connect(cfg, cfg.server_host, cfg.server_port, "evaluator", -1)
     run = RunConfig.from_info(dict(ch.welcome_info))
     test = data.load_dataset(run.dataset, "test", cfg.data_dir or run.data_dir)
+    provenance.record(cfg.run_dir, "evaluator", test.meta)
     if run.eval_limit:
         test = test.subset(np.arange(min(run.eval_limit, len(test))))
     writer = RunDir(cfg.run_dir, t0=run.t0).writer("eval")

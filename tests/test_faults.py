@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import records, recv_as, run_t0, steps, wait_for
 
-from minips import checkpoint, data, lifeline, models
+from minips import checkpoint, data, lifeline, models, provenance
 from minips.launch import write_init
 
 TOKEN = "faults-secret"
@@ -87,7 +87,10 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 
 def final_accuracy(run_dir: Path) -> float:
-    test = data.load_dataset("fashion-mnist", "test")
+    """Test accuracy of the run's final weights; the workers must have trained on real data."""
+    sources = provenance.read(run_dir)
+    assert sources and provenance.verdict(sources) == "real", sources
+    test = data.load_dataset("fashion-mnist", "test", fallback=False)  # real data, or fail
     test = test.subset(np.arange(EVAL_SAMPLES))
     acc, _ = models.evaluate("lenet5", np.load(run_dir / "final_weights.npy"), test)
     return float(acc)

@@ -10,10 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from minips import data, models
 from minips.config import LaunchConfig, RunConfig
 from minips.launch import Cluster, run_local
+from minips.metrics import read_jsonl
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -43,7 +46,17 @@ def test_local_bsp_run_writes_a_complete_run_directory(tmp_path: Path) -> None:
     for name in ("config.json", "summary.json", "global.jsonl", "group-0.jsonl", "eval.jsonl",
                  "worker-0.jsonl", "worker-1.jsonl", "init.npy", "final_weights.npy"):
         assert (run_dir / name).exists(), name
-    assert json.loads((run_dir / "summary.json").read_text())["final_accuracy"] is not None
+    # the summary's final accuracy is that of the final weights on the evaluator's test set
+    written = json.loads((run_dir / "summary.json").read_text())
+    test = data.load_dataset("fashion-mnist", "test")
+    acc, _ = models.evaluate("lenet5", np.load(run_dir / "final_weights.npy"),
+                             test.subset(np.arange(1000)))
+    assert written["final_accuracy"] == pytest.approx(acc, abs=1e-12)
+    assert read_jsonl(run_dir / "eval.jsonl")[-1]["final"] is True
+    # ... and it says which data that was: each process's record, and one word for the run
+    kind = "synthetic" if test.meta["synthetic"] else "real"
+    assert written["data"] == kind
+    assert set(written["data_sources"]) == {"worker-0", "worker-1", "evaluator"}
     assert not _processes_mentioning(str(run_dir))
 
 

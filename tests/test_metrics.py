@@ -133,3 +133,29 @@ def test_run_dir_shares_t0_through_config(tmp_path):
     assert worker.file("eval") == tmp_path / "run" / "eval.jsonl"
     run = load_run(tmp_path / "run")
     assert list(run.workers) == [2] and run.config["staleness"] == 3 and run.label == "ssp"
+
+
+def test_summary_and_progress_line_say_whether_the_data_was_real(tmp_path, capsys):
+    from minips import data, provenance
+    from minips.config import LaunchConfig
+    from minips.launch import ProgressLine
+
+    real = {"name": "fashion-mnist", "split": "train", "synthetic": False, "source": "/d"}
+    stand_in = data.load_dataset("fashion-mnist", "test", synthetic=True).meta
+    assert summarize(tmp_path, write=False)["data"] is None  # nothing loaded yet
+    line = ProgressLine(tmp_path, LaunchConfig())
+    line.draw(final=True)
+    assert "data ?" in capsys.readouterr().err
+    provenance.record(tmp_path, "worker-0", real)
+    assert summarize(tmp_path, write=False)["data"] == "real"
+    line.draw(final=True)
+    assert "data real" in capsys.readouterr().err
+    provenance.record(tmp_path, "evaluator", stand_in)
+    summary = summarize(tmp_path)
+    assert summary["data"] == "mixed" and summary["data_sources"]["evaluator"]["synthetic"]
+    assert summary["data_sources"]["worker-0"]["source"] == "/d"
+    assert json.loads((tmp_path / "summary.json").read_text())["data"] == "mixed"
+    line.draw(final=True)
+    assert "SYNTHETIC DATA" in capsys.readouterr().err
+    provenance.record(tmp_path, "worker-0", stand_in)
+    assert summarize(tmp_path, write=False)["data"] == "synthetic"
