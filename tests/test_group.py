@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,9 +18,12 @@ TOKEN = "group-test"
 
 
 class Global:
-    """The global side of the exchange, reduced to its rule: weights += delta."""
+    """The global side of the exchange, reduced to the default merge rule of ``groups`` groups:
+    the mean of their deltas, so each exchange adds delta / groups (GlobalServer.merge; the
+    test with the real server is test_global_merge_of_k_groups_is_the_mean_of_their_deltas)."""
 
-    def __init__(self, weights: np.ndarray) -> None:
+    def __init__(self, weights: np.ndarray, groups: int = 1) -> None:
+        self.groups = groups
         self.weights = weights.astype(np.float32).copy()
         self.version = 0
         self.gate: asyncio.Event | None = None  # when set: exchanges wait for it (slow link)
@@ -30,7 +34,7 @@ class Global:
                        stats: dict[str, Any]) -> ExchangeResult:
         if self.gate is not None:
             await self.gate.wait()
-        self.weights += delta
+        self.weights += delta * np.float32(1.0 / self.groups)
         self.version += 1
         self.stats.append(stats)
         return ExchangeResult(self.weights.copy(), self.version, False, self.samples)
@@ -100,7 +104,7 @@ async def test_lease_expiry_releases_the_waiting_worker() -> None:
 
 @pytest.mark.parametrize("groups", [1, 2])
 async def test_exchange_in_flight_loses_no_update(groups: int) -> None:
-    glob = Global(np.zeros(4))
+    glob = Global(np.zeros(4), groups)
     glob.gate = asyncio.Event()
     servers = [GroupServer(g, plain("asp", sync_every=1), np.zeros(4, np.float32), glob,
                            members=[0]) for g in range(groups)]
@@ -115,7 +119,7 @@ async def test_exchange_in_flight_loses_no_update(groups: int) -> None:
     glob.gate.set()
     for gs in servers:
         await gs.flush(final=True)
-    np.testing.assert_allclose(glob.weights, -total, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(glob.weights, -total / groups, rtol=1e-5, atol=1e-5)
     if groups == 1:
         np.testing.assert_allclose(servers[0].weights, glob.weights, rtol=1e-5, atol=1e-5)
     assert glob.stats[-1]["final"] is True
@@ -192,3 +196,34 @@ def test_exchange_counts_cluster_samples_from_the_last_reply_on() -> None:
     assert xchg.cluster_samples() == 1032  # the reply does not count the 32 in flight yet
     xchg.count(16, 0.1, 2.0)
     assert xchg.cluster_samples() == 1048
+
+
+@pytest.mark.parametrize("merge, scale", [("mean", 1 / 3), ("sum", 1.0)])
+async def test_global_merge_of_k_groups_is_the_mean_of_their_deltas(
+        tmp_path: Path, merge: str, scale: float) -> None:
+    """Three group servers exchange through the real GlobalServer.merge (the in-process link):
+    the global weights move by the mean of their deltas (delta / 3 each), or by their sum."""
+    from test_server import make_server
+
+    from minips.server import GroupHandle, InProcLink
+
+    srv = make_server(tmp_path, np.zeros(4, np.float32), workers=3, mode="asp", lr=1.0,
+                      momentum=0.0, weight_decay=0.0, sync_every=1, merge=merge)
+    for g in range(3):
+        srv.groups[g] = GroupHandle(g, "", [g])
+    assert srv.weights is not None
+    servers = [GroupServer(g, srv.run, srv.weights, InProcLink(srv), members=[g])
+               for g in range(3)]
+    grads = [vec(3, 0, 0, 6), vec(0, 3, 0, 6), vec(0, 0, 3, -3)]
+    try:
+        for g, gs in enumerate(servers):
+            gs.on_push(g, push(1, grads[g]))  # each group's weights: -grad, its delta: -grad
+        for gs in servers:
+            await gs.flush(final=True)
+        expected = -np.float32(scale) * np.sum(grads, axis=0)
+        np.testing.assert_allclose(srv.weights, expected, rtol=1e-6)
+        assert srv.version >= 3 and sum(h.merges for h in srv.groups.values()) >= 3
+    finally:
+        for gs in servers:
+            await gs.close()
+        await srv.close()
