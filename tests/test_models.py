@@ -168,7 +168,23 @@ def test_evaluate_bn_model_with_recalibration() -> None:
     flat = models.get_flat(models.build_model("resnet9", 1))
     acc_batch, loss_batch = models.evaluate("resnet9", flat, ds, batch_size=8)
     acc_cal, loss_cal = models.evaluate("resnet9", flat, ds, batch_size=8, train_for_bn=ds)
-    assert 0.0 <= acc_batch <= 1.0 and np.isfinite(loss_batch) and np.isfinite(loss_cal)
+    # by hand: without train_for_bn each batch of 8 is normalised with its own statistics ...
+    model = models.build_model("resnet9", 1)
+    model.train()
+    with torch.no_grad():
+        logits = torch.cat([model(torch.from_numpy(x[i:i + 8])) for i in (0, 8)])
+    assert acc_batch == float((logits.argmax(1).numpy() == y).mean())
+    assert loss_batch == pytest.approx(float(torch.nn.functional.cross_entropy(
+        logits, torch.from_numpy(y))), rel=1e-5)
+    # ... with it, by running statistics re-estimated on ds (one batch of all 16), eval mode
+    model = models.build_model("resnet9", 1)
+    models.recalibrate_bn(model, ds)
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x))
+    assert acc_cal == float((logits.argmax(1).numpy() == y).mean())
+    assert loss_cal == pytest.approx(float(torch.nn.functional.cross_entropy(
+        logits, torch.from_numpy(y))), rel=1e-5)
     model = models.build_model("resnet9", 1)
     models.recalibrate_bn(model, ds, batches=2, batch_size=8)
     bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
