@@ -97,7 +97,7 @@ class Roster:
         held = {w for w, t in self._claimed.items() if now - t < CLAIM_S}
         unused = [i for i in range(self.run.workers) if i not in self.workers]
         gone = [w for w, e in sorted(self.workers.items()) if e.ch is None and w not in held]
-        free = [w for w in unused + gone if w not in held]
+        free = unused + gone
         if not free:
             raise AuthError(f"no free worker id: all {self.run.workers} are connected")
         return free[0]

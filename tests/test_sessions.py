@@ -17,8 +17,8 @@ import pytest
 from conftest import recv_as, until
 from test_server import TOKEN, join, make_server
 
-from minips import protocol, transport
-from minips.config import parse_address
+from minips import protocol, roster, transport
+from minips.config import RunConfig, parse_address
 from minips.errors import AuthError
 
 
@@ -120,3 +120,16 @@ def test_a_worker_told_replaced_stops_instead_of_reconnecting() -> None:
     stop = _Stopped(protocol.Error(code="replaced", reason="another connection"))
     assert stop.final and "replaced" in stop.error
     assert not _Stopped(protocol.Error(code="lease", reason="expired")).final
+
+
+def test_an_id_is_held_for_its_handshake_and_freed_if_it_never_finishes() -> None:
+    r = roster.Roster(RunConfig(workers=2), regroup=False)
+    assert r.admit(-1, now=0.0) == 0
+    assert r.admit(-1, now=1.0) == 1  # 0 is held for the handshake it was given to
+    with pytest.raises(AuthError, match="no free worker id"):
+        r.admit(-1, now=2.0)
+    r.workers[0].ch = object()  # worker 0's session started
+    r.seated(0)
+    with pytest.raises(AuthError, match="no free worker id"):
+        r.admit(-1, now=1.0 + roster.CLAIM_S - 0.1)
+    assert r.admit(-1, now=1.0 + roster.CLAIM_S) == 1  # 1's handshake never finished
