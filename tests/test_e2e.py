@@ -1,8 +1,9 @@
 """End to end: `minips local` in GSSP with GDTopK, real processes on loopback, Fashion-MNIST.
 
 Four workers with slowdowns 1,1,3,3 form two groups of two; each group runs SSP inside and
-exchanges with the global server asynchronously. The run must reach 80% test accuracy within
-its 3-epoch budget, leave a complete run directory, and `minips plot` must draw its PNGs.
+exchanges with the global server asynchronously. On real Fashion-MNIST (the run directory must
+say so: no synthetic stand-in), the final weights must have 80% test accuracy after the 3-epoch
+budget, the run directory must be complete, and `minips plot` must draw its PNGs.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) 
         assert summary.get(key) is not None, key
     assert (summary["mode"], summary["compressor"]) == ("gssp", "gdtopk")
     assert summary["workers"] == 4 and summary["groups"] == 2
-    assert summary["best_accuracy"] >= 0.80, summary
+    assert summary["data"] == "real", summary["data_sources"]  # not the synthetic stand-in
+    assert summary["final_accuracy"] >= 0.80, summary  # the final weights, not the best seen
     assert summary["time_to_accuracy"]["0.80"] is not None
     assert summary["samples"] >= 3 * 60000
     assert 0 < summary["bytes_up"] < summary["bytes_down"]  # sparse up, dense weights down
