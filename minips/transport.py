@@ -43,6 +43,7 @@ import ssl as ssl_module
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from minips import guard as g
 from minips import protocol as p
 from minips.channel import (
     HANDSHAKE_TIMEOUT_S,
@@ -161,31 +162,76 @@ async def connect(
 
 Accept = Callable[[p.Hello], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 Handler = Callable[[Channel], Awaitable[None]]
+_TURNED_AWAY = {  # guard.admit's reasons, as an operator reads them
+    "backoff": "too many failed handshakes (wrong secret): it must wait",
+    "per_source": "too many handshakes open from this address at once",
+    "total": "too many handshakes open at once",
+}
+
+
+def _source(ch: Channel) -> str:
+    """The peer's address without the port: what limits and back-off are kept per."""
+    peer = ch.peername
+    return str(peer[0]) if isinstance(peer, tuple) else "local"
 
 
 class Server:
-    """A listening minips server: handshakes each connection, then runs ``handler`` on it."""
+    """A listening minips server: handshakes each connection, then runs ``handler`` on it.
+
+    Before a peer has authenticated, ``guard`` (guard.py) caps how many handshakes run at once
+    (per source address and in total) and makes a source that keeps failing wait; connections
+    over a cap or in back-off are closed at once, unread. Refusals are logged as counts."""
 
     def __init__(self, accept: Accept, handler: Handler, token: str | bytes | None,
-                 options: Options) -> None:
+                 options: Options, guard: g.Guard | None = None) -> None:
         self.accept, self.handler, self.token, self.options = accept, handler, token, options
         self.host, self.port = "", 0
         self.channels: set[Channel] = set()
         self.stats = collections.Counter({k: 0 for k in (
             "connections", "accepted", "refused", "protocol_errors", "limit_exceeded",
-            "read_timeouts", "handshake_timeouts", "handler_errors")})
+            "read_timeouts", "handshake_timeouts", "handler_errors", "turned_away")})
+        self.guard = guard or g.Guard()
+        self.log_summary = g.LogSummary()
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     def _made(self, proto: FrameProtocol) -> None:
         self.stats["connections"] += 1
-        task = asyncio.create_task(self._serve_one(Channel(proto)))
+        ch = Channel(proto)
+        source = _source(ch)
+        why = self.guard.admit(source, proto.loop.time())
+        if why:  # closed unread: costs no handshake, no HMAC, no buffer
+            self.stats["turned_away"] += 1
+            self._note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
+            ch._transport.close()
+            return
+        self.guard.opened(source)
+        task = asyncio.create_task(self._serve_one(ch, source))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve_one(self, ch: Channel) -> None:
+    def _note(self, kind: str, detail: str) -> None:
+        """Log an event of ``kind``: the first at once, then counts at most once a period."""
+        now = asyncio.get_running_loop().time()
+        line = self.log_summary.event(kind, detail, now)
+        if line is not None:
+            log.warning("%s", line)
+        elif self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                self.log_summary.period_s, self._flush_log)
+
+    def _flush_log(self) -> None:
+        self._flush_timer = None
+        for line in self.log_summary.due(asyncio.get_running_loop().time()):
+            log.warning("%s", line)
+        if self.log_summary.counts:  # some kind's period has not passed yet
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                self.log_summary.period_s / 2, self._flush_log)
+
+    async def _serve_one(self, ch: Channel, source: str) -> None:
         try:
-            if await self._admit(ch):
+            if await self._admit(ch, source):
                 self.channels.add(ch)
                 await self.handler(ch)
         except (RemoteProtocolError, ConnectionError):
@@ -198,21 +244,39 @@ class Server:
             self.channels.discard(ch)
             await ch.close()
 
-    async def _admit(self, ch: Channel) -> bool:
+    async def _admit(self, ch: Channel, source: str) -> bool:
         """Run the handshake; False (and counted) when it was refused or failed."""
         try:
-            await asyncio.wait_for(self._handshake(ch), self.options.handshake_timeout)
+            await asyncio.wait_for(self._handshake(ch, source), self.options.handshake_timeout)
         except AuthError as e:
             self.stats["refused"] += 1
-            log.warning("refused %s: %s", ch.peername, e.reason)
+            self._note("refused", f"{source}: {e.reason}")
             return False
         except asyncio.TimeoutError:
             self.stats["handshake_timeouts"] += 1
             return False
+        finally:
+            self.guard.closed(source)
         self.stats["accepted"] += 1
         return True
 
-    async def _handshake(self, ch: Channel) -> None:
+    def _check_auth(self, hs: p.ServerHandshake, auth: p.Auth, source: str) -> p.Refuse | None:
+        """``hs.on_auth`` with the source's back-off applied: a source still in back-off is cut
+        off before its MAC is even checked; a wrong MAC starts or lengthens its back-off."""
+        now = asyncio.get_running_loop().time()
+        if self.guard.backoff_left(source, now) > 0:
+            self.stats["turned_away"] += 1
+            self._note("turned away (backoff)", f"{source}: " + _TURNED_AWAY["backoff"])
+            raise ConnectionAbortedError("source in back-off")
+        refuse = hs.on_auth(auth)
+        if refuse is None:
+            self.guard.succeeded(source)
+        elif self.guard.failed(source, now) > 0:
+            self._note("back-off", f"{source} failed {self.guard.failures(source)} handshakes "
+                       f"in a row: refused for {self.guard.backoff_left(source, now):.1f} s")
+        return refuse
+
+    async def _handshake(self, ch: Channel, source: str) -> None:
         hs = p.ServerHandshake(_token(self.token))
         hello = await ch.recv()
         assert isinstance(hello, p.Hello)  # the state machine allows nothing else first
@@ -222,7 +286,7 @@ class Server:
             raise AuthError(reply.reason)
         auth = await ch.recv()
         assert isinstance(auth, p.Auth)
-        refuse = hs.on_auth(auth)
+        refuse = self._check_auth(hs, auth, source)
         info: dict[str, Any] = {}
         if refuse is None:
             try:
@@ -241,6 +305,11 @@ class Server:
 
     def close(self) -> None:
         """Stop listening and close every connection."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        for line in self.log_summary.flush(asyncio.get_running_loop().time()):
+            log.warning("%s", line)
         if self._server is not None:
             self._server.close()
         for ch in list(self.channels):
@@ -268,7 +337,7 @@ async def serve(host: str, port: int, *, accept: Accept, handler: Handler,
     ``token`` defaults to $MINIPS_TOKEN; with one set, clients without it are refused.
     """
     options = options or Options()
-    server = Server(accept, handler, token, options)
+    server = Server(accept, handler, token, options, g.Guard(options.guard))
 
     def factory() -> FrameProtocol:
         proto = FrameProtocol(p.Connection(p.Side.SERVER, alloc=options.alloc,
