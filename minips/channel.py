@@ -240,6 +240,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.error = exc or ConnectionResetError("connection closed by peer")
         if self._timer is not None:
             self._timer.cancel()
+        self.decoder.release()  # a half-received frame is freed at once
         self.closed.set()
         self._wake()
         self.resume_writing()

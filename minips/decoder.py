@@ -154,6 +154,15 @@ class FrameDecoder:
             self._buf, self._view = buf, memoryview(buf)
             self._lo, self._hi = 0, unread
 
+    def release(self) -> None:
+        """Drop a frame in progress and the receive buffer (the connection ended): their memory
+        goes back now, not when a garbage collection breaks the cycles a closed connection
+        leaves (an exception's traceback refers to the frames that refer to it)."""
+        self._frame = None
+        self._buf = bytearray()
+        self._view = memoryview(self._buf)
+        self._lo = self._hi = 0
+
     def _compact(self, need: int) -> None:
         """Move unread bytes to the front; grow (to a checked head size) if they still don't fit."""
         unread = self._hi - self._lo

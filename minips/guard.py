@@ -112,7 +112,7 @@ class Guard:
 class LogSummary:
     """Counts events by kind; ``event`` says when a line is due (first one, then once a period)."""
 
-    period_s: float = 10.0  # at most one line per kind per this many seconds
+    period_s: float = 5.0  # at most one line per kind per this many seconds
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
     _last: dict[str, float] = field(default_factory=dict)  # kind -> when its last line went out
     _example: dict[str, str] = field(default_factory=dict)  # kind -> the latest detail
