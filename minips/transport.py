@@ -58,6 +58,7 @@ from minips.channel import (
     Options,
 )
 from minips.errors import AuthError, RemoteProtocolError
+from minips.logcounts import CountingLog
 
 __all__ = [
     "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "MAX_QUEUED", "MAX_QUEUED_BYTES",
@@ -191,8 +192,7 @@ class Server:
             "connections", "accepted", "refused", "protocol_errors", "limit_exceeded",
             "read_timeouts", "handshake_timeouts", "handler_errors", "turned_away")})
         self.guard = guard or g.Guard()
-        self.log_summary = g.LogSummary()
-        self._flush_timer: asyncio.TimerHandle | None = None
+        self.counted = CountingLog(log)  # refusals, as counts
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -203,31 +203,13 @@ class Server:
         why = self.guard.admit(source, proto.loop.time())
         if why:  # closed unread: costs no handshake, no HMAC, no buffer
             self.stats["turned_away"] += 1
-            self._note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
+            self.counted.note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
             ch._transport.close()
             return
         self.guard.opened(source)
         task = asyncio.create_task(self._serve_one(ch, source))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _note(self, kind: str, detail: str) -> None:
-        """Log an event of ``kind``: the first at once, then counts at most once a period."""
-        now = asyncio.get_running_loop().time()
-        line = self.log_summary.event(kind, detail, now)
-        if line is not None:
-            log.warning("%s", line)
-        elif self._flush_timer is None:
-            self._flush_timer = asyncio.get_running_loop().call_later(
-                self.log_summary.period_s, self._flush_log)
-
-    def _flush_log(self) -> None:
-        self._flush_timer = None
-        for line in self.log_summary.due(asyncio.get_running_loop().time()):
-            log.warning("%s", line)
-        if self.log_summary.counts:  # some kind's period has not passed yet
-            self._flush_timer = asyncio.get_running_loop().call_later(
-                self.log_summary.period_s / 2, self._flush_log)
 
     async def _serve_one(self, ch: Channel, source: str) -> None:
         try:
@@ -250,7 +232,7 @@ class Server:
             await asyncio.wait_for(self._handshake(ch, source), self.options.handshake_timeout)
         except AuthError as e:
             self.stats["refused"] += 1
-            self._note("refused", f"{source}: {e.reason}")
+            self.counted.note("refused", f"{source}: {e.reason}")
             return False
         except asyncio.TimeoutError:
             self.stats["handshake_timeouts"] += 1
@@ -266,14 +248,15 @@ class Server:
         now = asyncio.get_running_loop().time()
         if self.guard.backoff_left(source, now) > 0:
             self.stats["turned_away"] += 1
-            self._note("turned away (backoff)", f"{source}: " + _TURNED_AWAY["backoff"])
+            self.counted.note("turned away (backoff)", f"{source}: " + _TURNED_AWAY["backoff"])
             raise ConnectionAbortedError("source in back-off")
         refuse = hs.on_auth(auth)
         if refuse is None:
             self.guard.succeeded(source)
         elif self.guard.failed(source, now) > 0:
-            self._note("back-off", f"{source} failed {self.guard.failures(source)} handshakes "
-                       f"in a row: refused for {self.guard.backoff_left(source, now):.1f} s")
+            self.counted.note("back-off", f"{source} failed {self.guard.failures(source)} "
+                              f"handshakes in a row: refused for "
+                              f"{self.guard.backoff_left(source, now):.1f} s")
         return refuse
 
     async def _handshake(self, ch: Channel, source: str) -> None:
@@ -305,11 +288,7 @@ class Server:
 
     def close(self) -> None:
         """Stop listening and close every connection."""
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
-        for line in self.log_summary.flush(asyncio.get_running_loop().time()):
-            log.warning("%s", line)
+        self.counted.flush()
         if self._server is not None:
             self._server.close()
         for ch in list(self.channels):
