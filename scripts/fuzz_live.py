@@ -14,6 +14,7 @@ wrote a traceback), the server's RSS at start, peak and end (MB, sampled every 0
 worker's steps/s before and during the fuzzing, and whether it was still served at the end.
 
 Usage: python scripts/fuzz_live.py [--inputs 1000000] [--seed 0] [--concurrency 64]
+       [--max-seconds 0]
 """
 
 from __future__ import annotations
@@ -135,12 +136,14 @@ async def one_input(port: int, rng: random.Random, counts: dict[str, int]) -> No
             counts["session"] += await session(port, src, rng)
 
 
-async def fuzz(port: int, n: int, seed: int, concurrency: int) -> dict[str, int]:
+async def fuzz(port: int, n: int, seed: int, concurrency: int,
+               max_s: float = 0.0) -> dict[str, int]:
     rng = random.Random(seed)
     counts = {"random": 0, "mutated": 0, "session": 0}
+    end = time.monotonic() + max_s if max_s else float("inf")
 
     async def runner() -> None:
-        while sum(counts.values()) < n:
+        while sum(counts.values()) < n and time.monotonic() < end:
             await one_input(port, rng, counts)
 
     await asyncio.gather(*(runner() for _ in range(concurrency)))
@@ -224,6 +227,8 @@ def main() -> None:
     ap.add_argument("--inputs", type=int, default=1_000_000, help="inputs to send (1000000)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (0)")
     ap.add_argument("--concurrency", type=int, default=64, help="connections at once (64)")
+    ap.add_argument("--max-seconds", type=float, default=0.0,
+                    help="stop after this long even if fewer inputs were sent (0: no limit)")
     args = ap.parse_args()
     transport.install_uvloop()
     with tempfile.TemporaryDirectory() as tmp:
@@ -249,7 +254,7 @@ def run(proc: subprocess.Popen[str], port: int, args: argparse.Namespace) -> dic
     rss = [rss_mb(proc.pid)]
     result: dict[str, Any] = {}
     fuzzer = threading.Thread(target=lambda: result.update(counts=asyncio.run(
-        fuzz(port, args.inputs, args.seed, args.concurrency))), daemon=True)
+        fuzz(port, args.inputs, args.seed, args.concurrency, args.max_seconds))), daemon=True)
     t0, s0 = time.monotonic(), good.steps
     fuzzer.start()
     while fuzzer.is_alive() and proc.poll() is None:
