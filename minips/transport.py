@@ -7,6 +7,9 @@ connections and runs the handshake over them.
 Invariants:
 - A server handler only ever sees an authenticated channel: HELLO, CHALLENGE, AUTH and WELCOME
   have passed within ``handshake_timeout``, and ``accept`` agreed.
+- Before that a connection costs a few KB (16 KiB frames at most, handshake.py), at most
+  ``Options.guard.max_pending_per_source`` of them per address and ``max_pending`` in all are in
+  the handshake, and an address that failed the secret too often waits (guard.py).
 - A peer's protocol error, a refused or timed-out handshake, or a failing ``accept`` /
   ``handler`` closes that one connection (the peer is told why, with ERROR or REFUSE) and is
   counted in ``Server.stats``; the server keeps serving the others.
@@ -27,8 +30,9 @@ Public API:
   ``start_silence_limit(seconds)`` (abort once the peer sent nothing that long), ``error``,
   ``close(leave=None)``, ``abort(reason)``.
 - ``Server``: ``host``, ``port``, ``stats`` (connections, accepted, refused, protocol_errors,
-  limit_exceeded, read_timeouts, handshake_timeouts, handler_errors), ``channels``, ``close()``,
-  ``wait_closed()``; also an async context manager.
+  limit_exceeded, read_timeouts, handshake_timeouts, handler_errors, turned_away: closed
+  unread by ``guard``), ``guard``, ``channels``, ``close()``, ``wait_closed()``; also an async
+  context manager.
 """
 
 from __future__ import annotations
