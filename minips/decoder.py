@@ -9,7 +9,10 @@ Invariants:
   another exception; after one the decoder stays failed (``error``). Every length is checked
   against ``Limits`` (frames.py) before anything of that size is allocated.
 - A frame of up to 64 KiB is decoded in one step once it is whole in the scratch buffer (the
-  common case: ACKs, PULLs, sparse PUSHes); ``get_buffer`` always keeps room for the rest of it.
+  common case: ACKs, PULLs, sparse PUSHes); ``get_buffer`` always keeps room for the rest of it
+  (a smaller scratch buffer, as a server uses before the handshake, grows to the frame's size).
+- ``widen(limits)`` raises the limits and the scratch buffer (a server, once the peer has
+  authenticated); ``release()`` frees a frame in progress and the scratch (connection ended).
 - A bigger frame is read stage by stage (prefix, head, buffers) through the same checks; its
   payload buffers of 64 KiB or more are received straight into the memory ``alloc`` returns, 64 KiB
   per read.
