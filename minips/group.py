@@ -323,6 +323,8 @@ class GroupServer:
         await ch.send(protocol.Ack(clock=start, version=self.version))
         pulled: int | None = None  # clock of the last PULL: a PUSH must follow one
         while True:
+            # one message per turn: a worker with many queued (a flood) takes turns with the rest
+            await asyncio.sleep(0)
             msg = await ch.recv()
             if isinstance(msg, protocol.Pull):
                 pulled = msg.clock
