@@ -40,7 +40,7 @@ from minips import sparse, transport
 from minips.errors import MiniPSError
 
 TOKEN = "fuzz-live-secret-0123456789"
-N = 4096  # model size: small frames, so the server's time goes to the inputs
+N = 61_706  # LeNet-5, the server's default model (--init must match it)
 SOURCES = [f"127.0.1.{i}" for i in range(1, 256)]
 PER_SESSION = 32  # mutated frames at most per authenticated session
 
