@@ -15,8 +15,12 @@ Invariants:
   silence for ``read_timeout``) sends ERROR with the reason and closes this connection; ``recv``
   raises it. The error is counted in the server's ``stats`` when there is one.
 - Received messages wait in a queue for ``recv``; reading the socket pauses while
-  ``MAX_QUEUED`` messages or ``MAX_QUEUED_BYTES`` of their buffers wait, and resumes below half
-  of both. Memory held for one connection is at most that plus one frame in progress.
+  ``Options.max_queued`` messages or ``max_queued_bytes`` of their buffers wait, and resumes
+  below half of both. Memory held for one connection is at most that plus one frame in
+  progress. Both are low (one request at a time is all the protocol has), so a peer that
+  floods is not read: TCP makes it wait (back-pressure).
+- HEARTBEATs are counted as they arrive and never queued: a peer whose request is waiting can
+  still prove it is alive.
 - ``recv`` has one reader at a time; a message reaches it with no queue hop beyond one future.
 
 Public API: ``Options``, ``Channel``, ``FrameProtocol`` (for ``transport.py``),
@@ -36,6 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from minips import guard
 from minips import protocol as p
 from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 
@@ -53,8 +58,10 @@ SOCKET_BUFFER_BYTES = 4 << 20  # SO_SNDBUF / SO_RCVBUF: big frames need fewer wa
 # a big frame goes out in writes of about this much: the kernel takes the socket lock per call, and
 # between calls it handles the peer's ACKs; one write of all 47 MB ran 1.3-1.5x slower on loopback
 WRITE_BYTES = 1 << 20
-MAX_QUEUED = 64  # received messages waiting for recv() before we stop reading the socket
-MAX_QUEUED_BYTES = 256 << 20  # bytes of received buffers waiting for recv(), same purpose
+# A minips peer has one request in flight (PULL or PUSH, maybe followed by LEAVE): a peer that
+# sends far ahead is flooding, and is simply not read until its messages are handled.
+MAX_QUEUED = 8  # received messages waiting for recv() before we stop reading the socket
+MAX_QUEUED_BYTES = 16 << 20  # bytes of received buffers waiting for recv(), same purpose
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,8 @@ class Options:
     limits: p.Limits = field(default_factory=p.Limits)
     alloc: p.Alloc | None = None  # where received payload buffers go; None: fresh numpy arrays
     max_queued_bytes: int = MAX_QUEUED_BYTES  # bytes of received buffers before reading pauses
+    max_queued: int = MAX_QUEUED  # received messages (not HEARTBEATs) before reading pauses
+    guard: guard.Limits = field(default_factory=guard.Limits)  # a server's pre-auth limits
 
 
 _STAT_OF_REASON = {"protocol_error": "protocol_errors", "limit_exceeded": "limit_exceeded",
@@ -129,6 +138,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.error: Exception | None = None  # why the connection ended, if not cleanly
         self.close_reason = ""  # "", "protocol_error", "limit_exceeded", "read_timeout"
         self.bytes_received = 0
+        self.heartbeats = 0  # HEARTBEATs received (counted here, never queued)
         self.last_recv = self.loop.time()
         self._timer: asyncio.TimerHandle | None = None
         self.on_made: Callable[[FrameProtocol], None] | None = None
@@ -157,6 +167,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         try:
             for msg in self.decoder.buffer_updated(nbytes):
                 self.conn.received_one(msg)  # one by one: messages before a bad one still count
+                if msg.KIND == p.Kind.HEARTBEAT:  # its bytes renewed last_recv; that is all
+                    self.heartbeats += 1
+                    continue
                 self.queue.append(msg)
                 if msg.KIND in p.WITH_BUFFERS:
                     buffers = msg.buffers  # type: ignore[attr-defined]
@@ -167,7 +180,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.fail(e, "limit_exceeded" if isinstance(e, LimitExceeded) else "protocol_error")
         if self.queue:
             self._wake()
-            if len(self.queue) >= MAX_QUEUED or self.queued_bytes >= self.options.max_queued_bytes:
+            if (len(self.queue) >= self.options.max_queued
+                    or self.queued_bytes >= self.options.max_queued_bytes):
                 self._pause()
         if self._timer is None and self.decoder.in_frame:
             self._arm_timer(self.options.read_timeout)
@@ -177,7 +191,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         msg = self.queue.popleft()
         if msg.KIND in p.WITH_BUFFERS:
             self.queued_bytes -= sum(map(_nbytes, msg.buffers))  # type: ignore[attr-defined]
-        if (self.paused and len(self.queue) <= MAX_QUEUED // 2
+        if (self.paused and len(self.queue) <= self.options.max_queued // 2
                 and self.queued_bytes <= self.options.max_queued_bytes // 2):
             self.paused = False
             if self.transport is not None and not self.transport.is_closing():
@@ -226,6 +240,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.error = exc or ConnectionResetError("connection closed by peer")
         if self._timer is not None:
             self._timer.cancel()
+        self.decoder.release()  # a half-received frame is freed at once
         self.closed.set()
         self._wake()
         self.resume_writing()
@@ -257,7 +272,6 @@ class Channel:
         self.welcome_info: dict[str, Any] = {}  # both sides: WELCOME's info map
         self.worker_id = -1  # the id in WELCOME
         self.bytes_sent = 0
-        self.heartbeats_received = 0
         self._beat: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
 
@@ -271,8 +285,16 @@ class Channel:
         return self._proto.last_recv
 
     @property
+    def heartbeats_received(self) -> int:
+        return self._proto.heartbeats
+
+    @property
     def closed(self) -> bool:
         return self._proto.closed.is_set()
+
+    async def wait_closed(self) -> None:
+        """Until the connection has closed (for whatever reason)."""
+        await self._proto.closed.wait()
 
     @property
     def error(self) -> Exception | None:
@@ -316,12 +338,8 @@ class Channel:
         proto = self._proto
         deadline = None if timeout is None else proto.loop.time() + timeout
         while True:
-            while proto.queue:
-                msg = proto.pop()
-                if isinstance(msg, p.Heartbeat):
-                    self.heartbeats_received += 1
-                    continue
-                return msg
+            if proto.queue:
+                return proto.pop()
             if proto.error is not None:
                 raise proto.error
             if proto.waiter is not None:

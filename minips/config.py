@@ -41,6 +41,7 @@ __all__ = [
     "server_ssl",
     "client_ssl",
     "check_bind",
+    "MIN_SECRET_BYTES",
     "is_loopback",
 ]
 
@@ -342,8 +343,19 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
+MIN_SECRET_BYTES = 16  # a shorter secret on a reachable address could be guessed
+
+
 def check_bind(host: str, token: str, insecure: bool) -> None:
-    """Refuse to listen beyond this machine without a shared secret, unless ``insecure``."""
-    if not token and not insecure and not is_loopback(host):
+    """Refuse to listen beyond this machine without a shared secret (unless ``insecure``) or
+    with one shorter than ``MIN_SECRET_BYTES``."""
+    if is_loopback(host):
+        return
+    if not token and not insecure:
         raise ConfigError(f"refusing to listen on {host} without a secret: set MINIPS_TOKEN "
                           f"(or pass --insecure to accept anyone who can reach this address)")
+    if token and len(token.encode()) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"refusing to listen on {host} with a {len(token.encode())}-byte MINIPS_TOKEN: a "
+            f"secret for a non-loopback address needs at least {MIN_SECRET_BYTES} bytes; make "
+            "one with: python3 -c 'import secrets; print(secrets.token_hex(16))'")

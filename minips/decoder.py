@@ -9,7 +9,10 @@ Invariants:
   another exception; after one the decoder stays failed (``error``). Every length is checked
   against ``Limits`` (frames.py) before anything of that size is allocated.
 - A frame of up to 64 KiB is decoded in one step once it is whole in the scratch buffer (the
-  common case: ACKs, PULLs, sparse PUSHes); ``get_buffer`` always keeps room for the rest of it.
+  common case: ACKs, PULLs, sparse PUSHes); ``get_buffer`` always keeps room for the rest of it
+  (a smaller scratch buffer, as a server uses before the handshake, grows to the frame's size).
+- ``widen(limits)`` raises the limits and the scratch buffer (a server, once the peer has
+  authenticated); ``release()`` frees a frame in progress and the scratch (connection ended).
 - A bigger frame is read stage by stage (prefix, head, buffers) through the same checks; its
   payload buffers of 64 KiB or more are received straight into the memory ``alloc`` returns, 64 KiB
   per read.
@@ -88,10 +91,11 @@ class FrameDecoder:
     ``RemoteProtocolError`` the decoder stays failed (``error`` is set).
     """
 
-    def __init__(self, *, alloc: Alloc | None = None, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, *, alloc: Alloc | None = None, limits: Limits = DEFAULT_LIMITS,
+                 scratch: int = SCRATCH_BYTES) -> None:
         self.alloc: Alloc = alloc or default_alloc
         self.limits = limits
-        self._buf = bytearray(SCRATCH_BYTES)
+        self._buf = bytearray(scratch)  # grows to a frame that needs more (within limits)
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0  # unread bytes are _buf[_lo:_hi]
         self._direct = False  # the last get_buffer() handed out the destination itself
@@ -141,6 +145,26 @@ class FrameDecoder:
         if len(self._buf) - self._hi < max(DIRECT_MIN_BYTES, need):
             self._compact(need)
         return self._view[self._hi:]
+
+    def widen(self, limits: Limits, scratch: int = SCRATCH_BYTES) -> None:
+        """Accept frames up to ``limits`` from now on, with ``scratch`` bytes of receive buffer
+        (a server widens a connection's small handshake limits once the peer authenticated)."""
+        self.limits = limits
+        if len(self._buf) < scratch:
+            unread = self._hi - self._lo
+            buf = bytearray(scratch)
+            buf[:unread] = self._view[self._lo:self._hi]
+            self._buf, self._view = buf, memoryview(buf)
+            self._lo, self._hi = 0, unread
+
+    def release(self) -> None:
+        """Drop a frame in progress and the receive buffer (the connection ended): their memory
+        goes back now, not when a garbage collection breaks the cycles a closed connection
+        leaves (an exception's traceback refers to the frames that refer to it)."""
+        self._frame = None
+        self._buf = bytearray()
+        self._view = memoryview(self._buf)
+        self._lo = self._hi = 0
 
     def _compact(self, need: int) -> None:
         """Move unread bytes to the front; grow (to a checked head size) if they still don't fit."""
@@ -208,6 +232,8 @@ class FrameDecoder:
         end = at + head_len + body_len
         if end > self._hi:  # not all here yet
             if end - self._lo <= DIRECT_MIN_BYTES:
+                if end - self._lo > len(self._buf):  # a small scratch (handshake): grow it
+                    self._compact(end - self._lo)
                 return False  # get_buffer() keeps room for the rest of a frame this small
             self._frame = _Partial(prefix, head_len)
             self._lo = at

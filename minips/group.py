@@ -194,11 +194,14 @@ class GroupServer:
     async def answer_pull(self, w: int) -> Any:
         """Wait until ``w`` may start its next step (or the run is done); return WEIGHTS."""
         waited: list[int] = []
-        while not (self.done or w not in self.table or self.table.may_start(w)):
+        while not self._may_answer(w):
             waited = waited or [int(v) for v in self.table.waiting_for(w)]  # type: ignore[call-overload]
             self._changed.clear()
             await self._changed.wait()
         return self.weights_message(w, waited)
+
+    def _may_answer(self, w: int) -> bool:
+        return self.done or w not in self.table or self.table.may_start(w)
 
     def weights_message(self, w: int | None, waited_for: list[int]) -> Any:
         encoding, codec, buffers = sparse.encode_gradient(self.weights)
@@ -290,7 +293,7 @@ class GroupServer:
         return {"group": self.group}
 
     async def handle(self, ch: Any) -> None:
-        """One worker connection: PULL answered in a task (so pushes of others flow meanwhile)."""
+        """One worker connection, one request at a time (``_session``)."""
         await self.ready.wait()
         w = int(ch.worker_id)
         old = self.channels.pop(w, None)
@@ -299,16 +302,13 @@ class GroupServer:
         self.channels[w] = ch
         ch.start_heartbeat(self.run.heartbeat_s)  # so the worker can tell we are still here
         start = self._join(w)
-        pulls: set[asyncio.Task[Any]] = set()
         try:
-            await self._session(ch, w, start, pulls)
+            await self._session(ch, w, start)
         except RemoteProtocolError as exc:
             await validation.reject(ch, exc, self.rejected, f"group {self.group}")
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            for t in pulls:
-                t.cancel()
             if self.channels.get(w) is ch:
                 del self.channels[w]
                 self._leave(w)
@@ -316,16 +316,19 @@ class GroupServer:
             self._closed_bytes["bytes_out"] += ch.bytes_sent
             await ch.close()
 
-    async def _session(self, ch: Any, w: int, start: int, pulls: set[asyncio.Task[Any]]) -> None:
+    async def _session(self, ch: Any, w: int, start: int) -> None:
+        """One request at a time: the next message is not read before this one is answered, so
+        a worker that sends ahead (a flood) waits on TCP, and its PUSH is taken only after the
+        WEIGHTS it pulled went out (SSP holds it like any other worker)."""
         await ch.send(protocol.Ack(clock=start, version=self.version))
         pulled: int | None = None  # clock of the last PULL: a PUSH must follow one
         while True:
+            # one message per turn: a worker with many queued (a flood) takes turns with the rest
+            await asyncio.sleep(0)
             msg = await ch.recv()
             if isinstance(msg, protocol.Pull):
                 pulled = msg.clock
-                task = asyncio.create_task(self._send_pull(ch, w))
-                pulls.add(task)
-                task.add_done_callback(pulls.discard)
+                await self._send_pull(ch, w)
             elif isinstance(msg, protocol.Push):
                 validation.check_push_order(pulled, msg.clock)
                 pulled = None
@@ -342,8 +345,24 @@ class GroupServer:
         return {"bytes_in": up, "bytes_out": down}
 
     async def _send_pull(self, ch: Any, w: int) -> None:
-        with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading
-            await ch.send(await self.answer_pull(w))
+        """Answer a PULL once SSP allows; give up as soon as the connection closes meanwhile
+        (the worker then leaves the group at once, not when its lease runs out)."""
+        if self._may_answer(w):  # the common case: no wait, no tasks
+            with contextlib.suppress(ConnectionError):
+                await ch.send(self.weights_message(w, []))
+            return
+        answer = asyncio.ensure_future(self.answer_pull(w))
+        closed = asyncio.ensure_future(ch.wait_closed())
+        try:
+            await asyncio.wait((answer, closed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            answer.cancel()
+            closed.cancel()
+        if not answer.cancelled() and answer.done():
+            with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading
+                await ch.send(answer.result())
+        else:
+            raise ConnectionResetError("connection closed while its PULL waited")
 
     async def _send_push(self, ch: Any, w: int, msg: Any) -> None:
         if w not in self.table:  # its lease expired while it was silent: rejoin and pull first

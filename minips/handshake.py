@@ -25,7 +25,7 @@ from typing import Any
 
 from minips.decoder import Alloc, FrameDecoder
 from minips.errors import AuthError, LocalProtocolError, RemoteProtocolError
-from minips.frames import DEFAULT_LIMITS, Limits, encode
+from minips.frames import DEFAULT_LIMITS, SCRATCH_BYTES, Limits, encode
 from minips.messages import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
@@ -40,6 +40,7 @@ from minips.messages import (
 )
 
 __all__ = [
+    "HANDSHAKE_FRAME_BYTES", "HANDSHAKE_SCRATCH_BYTES", "HANDSHAKE_LIMITS",
     "Side", "State", "TRANSITIONS", "Connection", "CLIENT_LABEL", "SERVER_LABEL", "new_nonce",
     "make_mac", "ClientHandshake", "ServerHandshake",
 ]
@@ -47,6 +48,14 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------
 # Connection state
+
+# What a server accepts from a peer that has not authenticated yet: HELLO and AUTH are a few
+# hundred bytes (a HELLO with a 4096-character ASCII address still fits), so nobody can make a
+# server hold more than this per connection before proving the secret.
+HANDSHAKE_FRAME_BYTES = 16 << 10  # bytes per frame before WELCOME
+HANDSHAKE_SCRATCH_BYTES = 4 << 10  # receive buffer before WELCOME; grows to a frame's size
+HANDSHAKE_LIMITS = Limits(max_frame_bytes=HANDSHAKE_FRAME_BYTES,
+                          max_meta_bytes=HANDSHAKE_FRAME_BYTES, max_buffers=0, max_raw_bytes=0)
 
 
 # IntEnum rather than Enum: Enum hashes in Python, and TRANSITIONS is looked up per message.
@@ -84,7 +93,9 @@ class Connection:
     """One side of a connection: checks every message sent or received against ``TRANSITIONS``.
 
     Our own out-of-order message raises ``LocalProtocolError``; the peer's raises
-    ``RemoteProtocolError``. ``decoder`` is exposed for the zero-copy receive path.
+    ``RemoteProtocolError``. ``decoder`` is exposed for the zero-copy receive path. On the
+    server side the decoder accepts only ``HANDSHAKE_LIMITS`` until WELCOME is sent, then
+    ``limits``.
     """
 
     def __init__(self, side: Side, *, alloc: Alloc | None = None,
@@ -93,7 +104,11 @@ class Connection:
         self.peer = _S if side == _C else _C
         self.state = State.START
         self.limits = limits
-        self.decoder = FrameDecoder(alloc=alloc, limits=limits)
+        if side == _S:
+            self.decoder = FrameDecoder(alloc=alloc, limits=HANDSHAKE_LIMITS,
+                                        scratch=HANDSHAKE_SCRATCH_BYTES)
+        else:
+            self.decoder = FrameDecoder(alloc=alloc, limits=limits)
 
     def send(self, msg: Message, *, compress: bool = False) -> list[Any]:
         """Check that we may send ``msg`` now, advance the state, return its frame buffers."""
@@ -124,6 +139,8 @@ class Connection:
             raise err(f"{sender.name.lower()} may not send {kind.name} in state "
                       f"{self.state.name}",
                       expected=allowed, got=kind.name)
+        if nxt != self.state and nxt == State.OPEN:  # authenticated: full-size frames from now
+            self.decoder.widen(self.limits, SCRATCH_BYTES)
         self.state = nxt
 
 

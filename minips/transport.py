@@ -7,6 +7,9 @@ connections and runs the handshake over them.
 Invariants:
 - A server handler only ever sees an authenticated channel: HELLO, CHALLENGE, AUTH and WELCOME
   have passed within ``handshake_timeout``, and ``accept`` agreed.
+- Before that a connection costs a few KB (16 KiB frames at most, handshake.py), at most
+  ``Options.guard.max_pending_per_source`` of them per address and ``max_pending`` in all are in
+  the handshake, and an address that failed the secret too often waits (guard.py).
 - A peer's protocol error, a refused or timed-out handshake, or a failing ``accept`` /
   ``handler`` closes that one connection (the peer is told why, with ERROR or REFUSE) and is
   counted in ``Server.stats``; the server keeps serving the others.
@@ -27,8 +30,9 @@ Public API:
   ``start_silence_limit(seconds)`` (abort once the peer sent nothing that long), ``error``,
   ``close(leave=None)``, ``abort(reason)``.
 - ``Server``: ``host``, ``port``, ``stats`` (connections, accepted, refused, protocol_errors,
-  limit_exceeded, read_timeouts, handshake_timeouts, handler_errors), ``channels``, ``close()``,
-  ``wait_closed()``; also an async context manager.
+  limit_exceeded, read_timeouts, handshake_timeouts, handler_errors, turned_away: closed
+  unread by ``guard``), ``guard``, ``channels``, ``close()``, ``wait_closed()``; also an async
+  context manager.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import ssl as ssl_module
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from minips import guard as g
 from minips import protocol as p
 from minips.channel import (
     HANDSHAKE_TIMEOUT_S,
@@ -57,6 +62,7 @@ from minips.channel import (
     Options,
 )
 from minips.errors import AuthError, RemoteProtocolError
+from minips.logcounts import CountingLog
 
 __all__ = [
     "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "MAX_QUEUED", "MAX_QUEUED_BYTES",
@@ -161,31 +167,57 @@ async def connect(
 
 Accept = Callable[[p.Hello], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 Handler = Callable[[Channel], Awaitable[None]]
+_TURNED_AWAY = {  # guard.admit's reasons, as an operator reads them
+    "backoff": "too many failed handshakes (wrong secret): it must wait",
+    "per_source": "too many handshakes open from this address at once",
+    "total": "too many handshakes open at once",
+}
+
+
+def _source(ch: Channel) -> str:
+    """The peer's address without the port: what limits and back-off are kept per."""
+    peer = ch.peername
+    return str(peer[0]) if isinstance(peer, tuple) else "local"
 
 
 class Server:
-    """A listening minips server: handshakes each connection, then runs ``handler`` on it."""
+    """A listening minips server: handshakes each connection, then runs ``handler`` on it.
+
+    Before a peer has authenticated, ``guard`` (guard.py) caps how many handshakes run at once
+    (per source address and in total) and makes a source that keeps failing wait; connections
+    over a cap or in back-off are closed at once, unread. Refusals are logged as counts."""
 
     def __init__(self, accept: Accept, handler: Handler, token: str | bytes | None,
-                 options: Options) -> None:
+                 options: Options, guard: g.Guard | None = None) -> None:
         self.accept, self.handler, self.token, self.options = accept, handler, token, options
         self.host, self.port = "", 0
         self.channels: set[Channel] = set()
         self.stats = collections.Counter({k: 0 for k in (
             "connections", "accepted", "refused", "protocol_errors", "limit_exceeded",
-            "read_timeouts", "handshake_timeouts", "handler_errors")})
+            "read_timeouts", "handshake_timeouts", "handler_errors", "turned_away")})
+        self.guard = guard or g.Guard()
+        self.counted = CountingLog(log)  # refusals, as counts
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     def _made(self, proto: FrameProtocol) -> None:
         self.stats["connections"] += 1
-        task = asyncio.create_task(self._serve_one(Channel(proto)))
+        ch = Channel(proto)
+        source = _source(ch)
+        why = self.guard.admit(source, proto.loop.time())
+        if why:  # closed unread: costs no handshake, no HMAC, no buffer
+            self.stats["turned_away"] += 1
+            self.counted.note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
+            ch._transport.close()
+            return
+        self.guard.opened(source)
+        task = asyncio.create_task(self._serve_one(ch, source))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve_one(self, ch: Channel) -> None:
+    async def _serve_one(self, ch: Channel, source: str) -> None:
         try:
-            if await self._admit(ch):
+            if await self._admit(ch, source):
                 self.channels.add(ch)
                 await self.handler(ch)
         except (RemoteProtocolError, ConnectionError):
@@ -198,21 +230,40 @@ class Server:
             self.channels.discard(ch)
             await ch.close()
 
-    async def _admit(self, ch: Channel) -> bool:
+    async def _admit(self, ch: Channel, source: str) -> bool:
         """Run the handshake; False (and counted) when it was refused or failed."""
         try:
-            await asyncio.wait_for(self._handshake(ch), self.options.handshake_timeout)
+            await asyncio.wait_for(self._handshake(ch, source), self.options.handshake_timeout)
         except AuthError as e:
             self.stats["refused"] += 1
-            log.warning("refused %s: %s", ch.peername, e.reason)
+            self.counted.note("refused", f"{source}: {e.reason}")
             return False
         except asyncio.TimeoutError:
             self.stats["handshake_timeouts"] += 1
             return False
+        finally:
+            self.guard.closed(source)
         self.stats["accepted"] += 1
         return True
 
-    async def _handshake(self, ch: Channel) -> None:
+    def _check_auth(self, hs: p.ServerHandshake, auth: p.Auth, source: str) -> p.Refuse | None:
+        """``hs.on_auth`` with the source's back-off applied: a source still in back-off is cut
+        off before its MAC is even checked; a wrong MAC starts or lengthens its back-off."""
+        now = asyncio.get_running_loop().time()
+        if self.guard.backoff_left(source, now) > 0:
+            self.stats["turned_away"] += 1
+            self.counted.note("turned away (backoff)", f"{source}: " + _TURNED_AWAY["backoff"])
+            raise ConnectionAbortedError("source in back-off")
+        refuse = hs.on_auth(auth)
+        if refuse is None:
+            self.guard.succeeded(source)
+        elif self.guard.failed(source, now) > 0:
+            self.counted.note("back-off", f"{source} failed {self.guard.failures(source)} "
+                              f"handshakes in a row: refused for "
+                              f"{self.guard.backoff_left(source, now):.1f} s")
+        return refuse
+
+    async def _handshake(self, ch: Channel, source: str) -> None:
         hs = p.ServerHandshake(_token(self.token))
         hello = await ch.recv()
         assert isinstance(hello, p.Hello)  # the state machine allows nothing else first
@@ -222,7 +273,7 @@ class Server:
             raise AuthError(reply.reason)
         auth = await ch.recv()
         assert isinstance(auth, p.Auth)
-        refuse = hs.on_auth(auth)
+        refuse = self._check_auth(hs, auth, source)
         info: dict[str, Any] = {}
         if refuse is None:
             try:
@@ -241,6 +292,7 @@ class Server:
 
     def close(self) -> None:
         """Stop listening and close every connection."""
+        self.counted.flush()
         if self._server is not None:
             self._server.close()
         for ch in list(self.channels):
@@ -268,7 +320,7 @@ async def serve(host: str, port: int, *, accept: Accept, handler: Handler,
     ``token`` defaults to $MINIPS_TOKEN; with one set, clients without it are refused.
     """
     options = options or Options()
-    server = Server(accept, handler, token, options)
+    server = Server(accept, handler, token, options, g.Guard(options.guard))
 
     def factory() -> FrameProtocol:
         proto = FrameProtocol(p.Connection(p.Side.SERVER, alloc=options.alloc,

@@ -4,10 +4,10 @@ The protocol modules already check framing, types, lengths, limits and which mes
 connection state allows; ``sparse.decode_gradient`` checks encodings, sizes, index bounds and
 NaN/inf. What is left is meaning that only a server knows: ranges of counters and times, clocks
 that go backwards, messages a role may not send in a session. A violation raises
-``RemoteProtocolError``; ``reject`` then answers ERROR with the reason, logs and counts it, and
-the caller closes that one connection (``replace`` ends a session that a new connection with
-the same worker id takes over, with ERROR ``replaced``). The model is never touched by a
-rejected message: every check runs before anything is applied.
+``RemoteProtocolError``; ``reject`` then answers ERROR with the reason, logs (as counts) and
+counts it, and the caller closes that one connection (``replace`` ends a session that a new
+connection with the same worker id takes over, with ERROR ``replaced``). The model is never
+touched by a rejected message: every check runs before anything is applied.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from typing import Any
 
 from minips import ssp
 from minips.errors import RemoteProtocolError
+from minips.logcounts import CountingLog
 
 __all__ = ["MAX_SAMPLES", "MAX_STEP_S", "REPLACED", "check_push", "check_push_order",
            "check_stats", "check_group_stats", "replace", "unexpected", "reject"]
 
 log = logging.getLogger("minips.server")
+_counted = CountingLog(log)  # one line per kind and period, with counts: a flood is a few lines
 
 MAX_SAMPLES = 1 << 20  # samples one push may claim (a batch); more is a broken or hostile peer
 MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it is garbage
@@ -97,7 +99,7 @@ async def reject(ch: Any, exc: Exception, counts: collections.Counter[str], wher
     """Tell the peer why (ERROR), log and count it; the caller then closes the connection."""
     code = "clock" if isinstance(exc, ssp.ClockError) else "invalid"
     counts[code] += 1
-    log.warning("%s: rejected %s: %s (expected %s, got %r)", where, ch.peername, exc,
-                getattr(exc, "expected", None), getattr(exc, "got", None))
+    _counted.note(f"{where}: rejected", f"{ch.peername}: {exc} (expected "
+                  f"{getattr(exc, 'expected', None)}, got {getattr(exc, 'got', None)!r})")
     await ch.send_error(code, str(exc))
 

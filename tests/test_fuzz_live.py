@@ -9,8 +9,12 @@ unchanged, and rejections after the handshake come as ERROR with a reason.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -221,3 +225,20 @@ async def test_fuzz_live_group_server() -> None:
 async def test_fuzz_live_group_server_long() -> None:
     for seed in range(2, 12):
         await fuzz_scenario(raw_inputs=20_000, invalid_inputs=1000, seed=seed)
+
+
+@pytest.mark.timeout(300)
+def test_fuzz_live_script_against_a_server_process() -> None:
+    """scripts/fuzz_live.py, short: a real `minips server` process takes random, mutated and
+    valid-then-mutated inputs from 255 addresses while a worker trains; nothing crashes, the
+    worker is still served, memory stays bounded. (The full run: 1,000,000 inputs.)"""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_live.py"
+    out = subprocess.run([sys.executable, str(script), "--inputs", "2000"], capture_output=True,
+                         text=True, timeout=280)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    print(got)
+    assert got["inputs"] >= 2000 and min(got["by_class"].values()) > 0
+    assert got["crashes"] == 0 and got["server_exit"] is None and got["good_error"] == ""
+    assert got["good_served_after"] and got["good_steps_per_s_fuzzing"] > 0
+    assert got["rss_peak_mb"] - got["rss_start_mb"] <= 100

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import make_certificate, minips_server, records, run_t0, steps, wait_for
 
-TOKEN = "netns-secret"
+TOKEN = "netns-secret-0123456789"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plain_client.py"
 SERVER = ("--host", "0.0.0.0", "--mode", "ssp", "--lr", "0.02", "--compressor", "none",
           "--base-step", "0.02", "--calib-timeout", "30", "--weight-decay", "0")

@@ -24,7 +24,7 @@ from minips.model_table import PARAM_COUNTS
 from minips.roster import match_labels
 from minips.server import GlobalServer, GroupHandle, InProcLink
 
-TOKEN = "server-test"
+TOKEN = "server-test-secret-0123"
 
 
 def make_server(tmp_path: Path, init: np.ndarray | None = None, host: str = "127.0.0.1",

@@ -1,0 +1,88 @@
+"""Tests for minips.guard (sans-IO, time passed in) and the handshake limits of a server-side
+``Connection``: caps on handshakes at once, back-off after failures, counted log lines, and
+frames before WELCOME bounded to 16 KiB."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minips import guard
+from minips import protocol as p
+from minips.errors import LimitExceeded
+
+LIMITS = guard.Limits(max_pending=5, max_pending_per_source=2, free_failures=2,
+                      backoff_first_s=1.0, backoff_max_s=4.0, forget_after_s=100.0)
+
+
+def test_handshakes_at_once_are_capped_per_source_and_in_total() -> None:
+    g = guard.Guard(LIMITS)
+    for src in ("a", "a", "b", "b", "c"):
+        assert g.admit(src, 0.0) == ""
+        g.opened(src)
+    assert g.admit("a", 0.0) == "per_source"
+    assert g.admit("d", 0.0) == "total"
+    g.closed("a")
+    assert g.admit("a", 0.0) == "" and g.admit("d", 0.0) == ""
+    g.opened("d")
+    assert g.admit("e", 0.0) == "total"
+    g.closed("b")
+    assert g.admit("e", 0.0) == "" and g.total_pending == 4 and g.pending["b"] == 1
+
+
+def test_failures_back_off_doubling_up_to_the_maximum_and_success_forgives() -> None:
+    g = guard.Guard(LIMITS)
+    assert [g.failed("x", 0.0) for _ in range(6)] == [0.0, 0.0, 1.0, 2.0, 4.0, 4.0]
+    assert g.admit("x", 3.9) == "backoff" and g.backoff_left("x", 1.0) == pytest.approx(3.0)
+    assert g.admit("x", 4.0) == "" and g.admit("y", 0.0) == ""  # others are not affected
+    g.succeeded("x")
+    assert g.failures("x") == 0 and g.failed("x", 5.0) == 0.0
+
+
+def test_old_failures_are_forgotten_and_the_records_are_bounded() -> None:
+    g = guard.Guard(LIMITS)
+    for _ in range(3):
+        g.failed("x", 0.0)
+    assert g.failed("x", 200.0) == 0.0 and g.failures("x") == 1  # 100 s without failure
+    for i in range(guard.MAX_SOURCES + 10):
+        g.failed(f"10.0.{i // 256}.{i % 256}", 300.0)
+    assert len(g._records) == guard.MAX_SOURCES and g.failures("x") == 0  # oldest went first
+
+
+def test_log_summary_gives_the_first_line_then_counts_once_a_period() -> None:
+    s = guard.LogSummary(period_s=5.0)
+    assert s.event("refused", "1.2.3.4: wrong token", 0.0) == "refused: 1.2.3.4: wrong token"
+    assert [s.event("refused", f"n{i}", 1.0 + i * 0.1) for i in range(10)] == [None] * 10
+    assert s.due(4.0) == []
+    assert s.due(5.0) == ["refused: 10 times in the last 5 s, latest: n9"]
+    assert s.due(20.0) == [] and s.flush(20.0) == []
+    assert s.event("refused", "again", 21.0) == "refused: 1 times in the last 16 s, latest: again"
+    s.event("turned away", "z", 21.5)
+    s.event("turned away", "z", 21.6)
+    assert s.flush(22.0) == ["turned away: 1 times in the last 0 s, latest: z"]
+
+
+def test_a_server_connection_takes_only_handshake_frames_until_welcome() -> None:
+    server = p.Connection(p.Side.SERVER)
+    big = p.PREFIX.pack(p.MAGIC, p.PROTOCOL_VERSION, p.Kind.PUSH, 1, 0, 10, 500 << 20)
+    with pytest.raises(LimitExceeded, match="buffer count"):
+        server.receive(big)
+    hello = p.Hello(role="worker", nonce=b"n" * 32, address="h" * 4096)  # the longest address
+    server = p.Connection(p.Side.SERVER)
+    assert server.receive(b"".join(p.encode(hello))) == [hello]
+    server.send(p.Challenge(nonce=b"c" * 32))
+    server.receive(b"".join(p.encode(p.Auth(mac=b"m" * 32))))
+    server.send(p.Welcome(worker_id=0, mac=b"", info={}))
+    push = p.Push(clock=1, encoding="dense-f32", buffers=(np.ones(1 << 20, np.float32),))
+    got = server.receive(b"".join(bytes(memoryview(b).cast("B")) for b in p.encode(push)))
+    assert len(got) == 1 and isinstance(got[0], p.Push)
+    assert got[0].buffers[0].nbytes == 4 << 20  # full size after WELCOME
+
+
+def test_a_client_connection_is_not_limited_before_welcome() -> None:
+    client = p.Connection(p.Side.CLIENT)
+    client.send(p.Hello(role="worker", nonce=b"n" * 32))
+    client.receive(b"".join(p.encode(p.Challenge(nonce=b"c" * 32))))
+    client.send(p.Auth(mac=b""))
+    welcome = p.Welcome(worker_id=0, mac=b"", info={"config": "x" * 60_000})
+    assert client.receive(b"".join(p.encode(welcome))) == [welcome]
