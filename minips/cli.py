@@ -152,6 +152,7 @@ def _add_local(sub: Any) -> None:
     loc.add_argument("--bandwidth", type=at_least(0), default=0.0,
                      help="link cap, bytes/s (0 = none)")
     loc.add_argument("--latency", type=at_least(0), default=0.0, help="added latency per send, s")
+    _add_device(loc, per_worker=True)
     loc.add_argument("--out", default="runs", help="parent directory of the run directory")
     loc.add_argument("--name", help="run directory name (default: time-mode-compressor)")
     loc.add_argument("--timeout", type=at_least(0), default=0.0,
@@ -232,6 +233,8 @@ def _add_clients(sub: Any) -> None:
         w.add_argument("--data-dir", help="data set directory on this machine")
         w.add_argument("--threads", type=int_at_least(1), default=1,
                        help="torch intra-op threads")
+        if name == "worker":
+            _add_device(w)
         w.add_argument("--timeout", type=at_least(0, strict=True), default=10.0,
                        help="connect timeout, s")
         w.add_argument("--reconnect", type=at_least(0), default=120.0,
@@ -249,6 +252,16 @@ def _add_dashboard(sub: Any) -> None:
     d.add_argument("--follow", action="store_true",
                    help="follow a run directory that is still being written, live")
     _add_insecure(d)
+
+
+def _add_device(p: argparse.ArgumentParser, per_worker: bool = False) -> None:
+    each = "; a comma list gives one per worker (the last repeats)" if per_worker else ""
+    p.add_argument("--device", default="auto",
+                   help=f"auto | cpu | cuda | cuda:N | mps; auto takes CUDA, then MPS, then the "
+                        f"CPU{each}")
+    p.add_argument("--amp", action="store_true",
+                   help="mixed precision: bfloat16 autocast where the device has it, else "
+                        "float16 with loss scaling")
 
 
 def _add_plot(sub: Any) -> None:
@@ -300,7 +313,11 @@ def _token() -> str:
 
 
 def _cmd_local(args: argparse.Namespace) -> int:
+    from minips.device import pick_device
     from minips.launch import run_local
+
+    for spec in args.device.split(","):  # a device that is not here fails before any process
+        pick_device(spec)
 
     preset = PRESETS.get(args.preset or "", {})
     run = run_config_from_args(args)
@@ -315,7 +332,9 @@ def _cmd_local(args: argparse.Namespace) -> int:
                        latency_s=args.latency, out_dir=args.out, name=args.name,
                        progress=not args.no_progress, evaluator=not args.no_eval,
                        plot=not args.no_plot, timeout_s=args.timeout,
-                       dashboard=args.dashboard, tensorboard=args.tensorboard)
+                       dashboard=args.dashboard, tensorboard=args.tensorboard,
+                       devices=[d.strip() for d in args.device.split(",") if d.strip()],
+                       amp=args.amp)
     _check_watch(args)
     summary = run_local(cfg)
     return {"done": 0, "interrupted": 130, "terminated": 143}.get(summary.get("status", "done"), 1)
@@ -373,7 +392,8 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
                         worker_id=args.id, slowdown=args.slowdown, bandwidth_bps=args.bandwidth,
                         latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
                         torch_threads=args.threads, connect_timeout_s=args.timeout,
-                        reconnect_s=args.reconnect)
+                        reconnect_s=args.reconnect, device=getattr(args, "device", "auto"),
+                        amp=getattr(args, "amp", False))
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:

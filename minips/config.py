@@ -200,6 +200,9 @@ class WorkerConfig:
     run_dir: str = "runs/worker"  # metrics directory
     data_dir: str | None = None  # overrides the run's data_dir on this machine
     torch_threads: int = 1  # intra-op threads; 1 keeps many workers off each other's cores
+    device: str = "cpu"  # cpu | cuda | cuda:N | mps | auto (CUDA, MPS, CPU); CLI default: auto
+    amp: bool = False  # mixed precision (autocast) where the device supports it
+    compress_on_device: bool | None = None  # select with torch on the device; None: off the CPU
     connect_timeout_s: float = 10.0  # give up on an unreachable server after this
     reconnect_s: float = 120.0  # how long to keep trying when a server is lost mid-run
 
@@ -236,11 +239,17 @@ class LaunchConfig:
     grace_s: float = 5.0  # SIGTERM to SIGKILL delay when stopping children
     dashboard: str = ""  # HOST:PORT of the server's live dashboard; "" = none
     tensorboard: str = ""  # directory for the server's TensorBoard event files; "" = none
+    devices: list[str] = field(default_factory=lambda: ["auto"])  # per worker; last repeats
+    amp: bool = False  # workers use mixed precision where their device supports it
 
     def factors(self) -> list[float]:
         """Slowdown factor of each of the run's workers (missing ones are 1.0)."""
         given = list(self.slowdowns)[: self.run.workers]
         return given + [1.0] * (self.run.workers - len(given))
+
+    def device(self, worker: int) -> str:
+        """``--device`` of worker ``worker``: its entry in ``devices``, else the last one."""
+        return self.devices[min(worker, len(self.devices) - 1)] if self.devices else "auto"
 
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: an address to listen on only

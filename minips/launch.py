@@ -136,7 +136,8 @@ class Cluster:
             self._spawn(f"worker-{i}", [
                 "worker", "--connect", self.address, "--id", str(i), "--slowdown", str(factor),
                 "--bandwidth", str(self.cfg.bandwidth_bps), "--latency", str(self.cfg.latency_s),
-                "--run-dir", str(self.run_dir), "--timeout", "60"])
+                "--run-dir", str(self.run_dir), "--timeout", "60", "--device", self.cfg.device(i),
+                *(["--amp"] if self.cfg.amp else [])])
 
     def start_evaluator(self) -> None:
         self._spawn("evaluator", ["evaluator", "--connect", self.address,

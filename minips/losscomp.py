@@ -165,9 +165,14 @@ class LossCompCompressor(TopKCompressor):
         else:
             score = acc  # the selector ranks by |acc|
         idx = self.selector.select(score, k)
+        self.remember_sent(idx)
+        return idx
+
+    def remember_sent(self, idx: np.ndarray) -> None:
+        """Book the (k',) int64 indices just sent: the next vote credits them, and the byte
+        budget counts them (``minips.device_compress`` calls this after selecting on a device)."""
         self.sent.append(idx)
         self.debt += (idx.size / self.size - self.ratio) / self.ratio
-        return idx
 
     def _vote_factor(self) -> np.ndarray:
         """(n,) float32: 1 + vote_weight * clip(soft(t, vote_dead) / vote_scale, -1, 1)."""

@@ -8,13 +8,21 @@ Then, on the group server's connection:
     PULL(c) -> WEIGHTS          answered when the SSP bound allows; wait time and whom it waited
                                 for are logged
     gradient on the next batch  of its shard, in the reference loop's order (minips.reference)
-    compress                    sparse.make_compressor, error feedback kept here
+    compress                    sparse.make_compressor, error feedback kept here (on the
+                                device for top-k flavours off the CPU: minips.device_compress)
     sleep                       so that the step takes max(compute, F x base_step_s)
     PUSH(c + 1) -> ACK
 
 until the server says ``done`` (WEIGHTS.done or LEAVE "done") or ``max_steps`` pushes were made,
 then it sends LEAVE to both servers. Calibration does not touch the model, the data stream or the
 compressor, so N workers in BSP reproduce ``reference.train`` exactly.
+
+Device: ``cfg.device`` (``auto``: CUDA, then MPS, then CPU) holds the model, its flat weights
+and gradient (minips.device.Trainer); the worker prints it and writes it to
+``worker-<id>.device.json`` in the run directory, adding its resident memory (at the end and at
+its peak) when it leaves.
+Each step record carries the time of every phase (decode_s, compute_s, compress_s, encode_s,
+push_s; wait_s is the pull) and the bytes copied from the device to the host (host_bytes).
 
 Emulated heterogeneity: slowdown F stretches every step with sleep (so results do not depend on
 CPU load); ``bandwidth_bps`` / ``latency_s`` delay each send by bytes / bandwidth + latency.
@@ -28,16 +36,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
+import sys
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from minips import data, models, protocol, provenance, sparse, transport
+from minips import data, device, models, protocol, provenance, sparse, transport
 from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address, reachable
+from minips.device_compress import device_compressor
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
 
@@ -139,6 +150,7 @@ class Worker:
             reader.cancel()
             await _leave(self.ctl)
             if self.writer is not None:
+                self._save_device_info(**device.rss_mb(), steps=self.clock)
                 self.writer.close()
         if self.stopped_by:
             raise WorkerStopped(self.stopped_by)
@@ -146,8 +158,10 @@ class Worker:
     def _setup(self) -> None:
         run = self.run_cfg
         torch.set_num_threads(self.cfg.torch_threads)
+        dev = device.pick_device(self.cfg.device)
         self.model = models.build_model(run.model, run.seed)
         self.model.train()
+        self.trainer = device.Trainer(self.model, run.model, dev, amp=self.cfg.amp)
         ds = data.load_dataset(run.dataset, "train", self.cfg.data_dir or run.data_dir)
         provenance.record(self.cfg.run_dir, f"worker-{self.id}", ds.meta)
         shard = data.shard_indices(len(ds), self.id, run.workers, run.seed)
@@ -155,13 +169,27 @@ class Worker:
         self.stream = data.batch_stream(ds, shard, run.batch_size, run.seed)
         self.first_batch = (ds.x[shard[: run.batch_size]], ds.y[shard[: run.batch_size]])
         size = sum(p.numel() for p in self.model.parameters())
-        self.compressor = sparse.make_compressor(run.compressor, size, ratio=run.ratio,
-                                                 seed=run.seed * 1000 + self.id,
-                                                 **run.compressor_opts)
-        self.writer = RunDir(self.cfg.run_dir, t0=run.t0).writer(f"worker-{self.id}")
+        host = sparse.make_compressor(run.compressor, size, ratio=run.ratio,
+                                      seed=run.seed * 1000 + self.id, **run.compressor_opts)
+        self.compressor = device_compressor(host, dev, on_device=self.cfg.compress_on_device)
+        run_dir = RunDir(self.cfg.run_dir, t0=run.t0)
+        self.writer = run_dir.writer(f"worker-{self.id}")
+        self.device_file = run_dir.file(f"worker-{self.id}.device.json")
+        self.device_info = {"worker": self.id, **device.describe(dev, self.cfg.amp),
+                            "compress_on_device": self.compressor.on_device}
+        print(f"minips worker {self.id}: " + ", ".join(
+            f"{k} {v}" for k, v in self.device_info.items() if k != "worker"),
+            file=sys.stderr, flush=True)
+        self._save_device_info()
+
+    def _save_device_info(self, **more: Any) -> None:
+        """worker-<id>.device.json in the run directory: where it computes (and, at the end, its
+        resident memory)."""
+        self.device_info.update(more)
+        self.device_file.write_text(json.dumps(self.device_info) + "\n")
 
     async def _send_initial(self) -> None:
-        flat = models.get_flat(self.model)  # (n,) float32
+        flat = self.trainer.host_weights()  # (n,) float32
         encoding, codec, buffers = sparse.encode_gradient(flat)
         await self.ctl.send(protocol.Push(clock=0, encoding=encoding,
                                           codec={**codec, "size": int(flat.size)},
@@ -301,39 +329,50 @@ class Worker:
             if w.done:
                 self.done = True
                 return
-            await self._step(link, w, wait_s)
+            t_step = time.perf_counter()
+            info = self._load(w)
+            del w  # the weights frame, a whole model's worth, is not kept through the step
+            await self._step(link, info, wait_s, t_step)
 
-    async def _step(self, link: Link, w: Any, wait_s: float) -> None:
-        t = time.perf_counter()
+    def _load(self, w: Any) -> dict[str, Any]:
+        """Decode WEIGHTS into the model; returns its info."""
         weights = sparse.decode_gradient(w.encoding, w.codec, w.buffers, self.compressor.size)
-        models.set_flat(self.model, np.asarray(weights))
+        self.trainer.load(np.asarray(weights))
+        return dict(w.info)
+
+    async def _step(self, link: Link, info: dict[str, Any], wait_s: float, t: float) -> None:
         epoch, xb, yb = next(self.stream)
+        lap = [t, time.perf_counter()]  # phase boundaries: decode, compute, compress, encode
         # In a thread: the event loop keeps sending heartbeats during a long step.
         loss, grad = await asyncio.to_thread(self._gradient, xb, yb)
+        lap.append(time.perf_counter())
         self.compressor.set_epoch(self.samples / max(1, self.shard_size))
         self.compressor.observe_loss(loss)
         packet = self.compressor.compress(grad)
+        lap.append(time.perf_counter())
         encoding, codec, buffers = sparse.encode_gradient(packet)
-        step_time = await self._stretch(time.perf_counter() - t)
+        lap.append(time.perf_counter())
+        step_time = await self._stretch(lap[-1] - t)
         push = protocol.Push(clock=self.clock + 1, step_time=step_time, loss=loss,
                              samples=len(yb), encoding=encoding, codec=codec,
                              buffers=tuple(buffers))
-        sent_before = link.ch.bytes_sent
+        sent_before, t_push = link.ch.bytes_sent, time.perf_counter()
         await link.send(push)
         wire_bytes = link.ch.bytes_sent - sent_before  # the whole frame, as counted by the channel
         await link.expect(protocol.Ack)
+        push_s = time.perf_counter() - t_push
         self.clock += 1
         self.samples += len(yb)
-        self._record(w, wait_s, step_time, loss, push, wire_bytes, epoch, link)
+        phases = dict(zip(("decode_s", "compute_s", "compress_s", "encode_s"),
+                          np.diff(lap).tolist(), strict=True))
+        self._record(info, wait_s, step_time, loss, push, wire_bytes, epoch, link, push_s=push_s,
+                     host_bytes=self.compressor.host_bytes, **phases)
         await self._maybe_stats(step_time, loss)
 
-    def _gradient(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, np.ndarray]:
-        """(loss, (n,) float32 gradient) of the mean batch loss at the model's weights."""
-        self.model.zero_grad(set_to_none=True)
-        loss = models.batch_loss(self.run_cfg.model, self.model, torch.from_numpy(xb),
-                                 torch.from_numpy(yb))
-        loss.backward()
-        return float(loss.detach()), models.get_flat_grad(self.model)
+    def _gradient(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, torch.Tensor]:
+        """(loss, (n,) float32 gradient on the device) of the mean batch loss at the model's
+        weights; the gradient buffer is reused by the next call."""
+        return self.trainer.gradient(xb, yb)
 
     async def _stretch(self, compute_s: float) -> float:
         """Sleep so a step takes F x base_step_s at least; return the step's duration."""
@@ -353,10 +392,9 @@ class Worker:
                 await self.ctl.send(protocol.Stats(clock=self.clock, step_time=median,
                                                    loss=loss, samples=self.samples))
 
-    def _record(self, w: Any, wait_s: float, step_time: float, loss: float, push: Any,
-                wire_bytes: int, epoch: int, link: Link) -> None:
+    def _record(self, info: dict[str, Any], wait_s: float, step_time: float, loss: float,
+                push: Any, wire_bytes: int, epoch: int, link: Link, **phases: Any) -> None:
         assert self.writer is not None
-        info = w.info
         self.writer.write({
             "t": time.time() - self.run_cfg.t0, "worker": self.id, "group": info.get("group"),
             "clock": self.clock, "staleness": info.get("lead", 0), "wait_s": wait_s,
@@ -364,7 +402,7 @@ class Worker:
             "samples": push.samples, "epoch": epoch, "ratio": self.compressor.ratio,
             "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
             "bytes_wire": wire_bytes, "link_bytes_up": link.ch.bytes_sent,
-            "link_bytes_down": link.ch.bytes_received})
+            "link_bytes_down": link.ch.bytes_received, **phases})
 
 
 async def _connect(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int, *,
@@ -383,6 +421,7 @@ async def _leave(ch: Any) -> None:
 
 def run_worker(cfg: WorkerConfig) -> None:
     """`minips worker`: train until the server says done."""
+    device.pick_device(cfg.device)  # a device that is not here fails before connecting
     transport.install_uvloop()
     asyncio.run(Worker(cfg).run())
 
