@@ -29,6 +29,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from minips.clock_counts import ClockCounts
 from minips.errors import RemoteProtocolError
 
 __all__ = ["ClockError", "ClockTable", "Rounds"]
@@ -68,6 +69,8 @@ class ClockTable:
     _live: dict[W, _Entry] = field(default_factory=dict, init=False, repr=False)
     _gone: dict[W, int] = field(default_factory=dict, init=False, repr=False)  # last clocks
     _floor: int = field(default=0, init=False, repr=False)  # highest minimum seen so far
+    # the live clocks as a multiset: min_clock / max_clock in O(1) (clock_counts.py)
+    _counts: ClockCounts = field(default_factory=ClockCounts, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.staleness is not None and self.staleness < 0:
@@ -92,6 +95,7 @@ class ClockTable:
         hi = math.inf if self.staleness is None else lo + self.staleness + 1
         start = int(min(max(wanted, lo), hi))
         self._live[w] = _Entry(start, now)
+        self._counts.add(start)
         return start
 
     def restore(self, clocks: dict[W, int], now: float) -> None:
@@ -109,6 +113,7 @@ class ClockTable:
                 raise ValueError(f"clocks {clocks!r} spread {spread} steps, beyond the bound "
                                  f"s + 1 = {self.staleness + 1}")
         self._live = {w: _Entry(c, now) for w, c in clocks.items()}
+        self._counts = ClockCounts(list(clocks.values()))
         self._gone = {w: c for w, c in self._gone.items() if w not in clocks}
         self._floor = max(self._floor, min(clocks.values(), default=0))
 
@@ -117,6 +122,7 @@ class ClockTable:
         entry = self._live.pop(w, None)
         if entry is not None:
             self._gone[w] = entry.clock
+            self._counts.remove(entry.clock)
             self._raise_floor()
 
     def heartbeat(self, w: W, now: float) -> bool:
@@ -160,6 +166,7 @@ class ClockTable:
                 worker=w, expected=f"clock <= {self._lowest() + (self.staleness or 0) + 1}",
                 got=clock,
             )
+        self._counts.move(entry.clock, clock)
         entry.clock = clock
         entry.last_seen = max(entry.last_seen, now)
         self._raise_floor()
@@ -183,11 +190,11 @@ class ClockTable:
 
     def min_clock(self) -> int | None:
         """Smallest clock among live workers, or None when no worker is live."""
-        return min((e.clock for e in self._live.values()), default=None)
+        return self._counts.low
 
     def max_clock(self) -> int | None:
         """Largest clock among live workers, or None when no worker is live."""
-        return max((e.clock for e in self._live.values()), default=None)
+        return self._counts.high
 
     @property
     def clocks(self) -> dict[W, int]:
