@@ -15,6 +15,10 @@ sends the very same delta and counters under the same seq, so whether or not the
 merged, the delta lands once and the reconciliation above stays right (a repeat's G already holds
 it). Newer pushes go out with the exchange after that.
 
+Resume. A global server resumed from its checkpoint lacks the exchanges it merged after it;
+a `minips group` process keeps their sum (``unsaved.py``, bounded: a few vectors) and, told on
+reconnecting which seq the server holds, sends that sum again inside its next exchange.
+
 Progress. ``cluster_samples()`` estimates how many samples all groups have trained on: the
 global server's count in the last reply plus this group's samples counted since the exchange it
 answered began (for lr schedules). With one group it is exact.
@@ -31,6 +35,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from minips.unsaved import Tally, Unsaved
+
 __all__ = ["ExchangeResult", "GroupLink", "Outgoing", "Exchange"]
 
 
@@ -42,6 +48,7 @@ class ExchangeResult:
     version: int  # global version (merges applied so far)
     done: bool  # the run's budget is spent: stop training
     samples: int = 0  # training samples all groups reported so far (for lr schedules)
+    saved: list[int] | None = None  # this session's seqs in the server's last two snapshots
 
 
 class GroupLink(Protocol):
@@ -72,6 +79,8 @@ class Exchange:
         self.since = _zero()  # worker pushes since the last exchange started
         self.global_samples = 0  # all groups' samples, as the last reply said
         self.samples_after = 0  # this group's samples counted since that reply
+        self.unsaved: Unsaved | None = None  # once the server names its snapshots (unsaved.py)
+        self.lost_track = 0  # resumes whose lost exchanges this record could not name
 
     def count(self, samples: int, step_time: float, loss: float) -> None:
         """Account one worker push for the next exchange's counters."""
@@ -102,6 +111,10 @@ class Exchange:
     def complete(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
         """The global server answered ``out``: rebase ``weights`` (in place) on its weights."""
         weights += res.weights - out.sent
+        if res.saved is not None:  # a `minips group` process: keep what a resume would lack
+            seq = out.stats["seq"]
+            self.unsaved = self.unsaved or Unsaved(weights.size, start=seq - 1)
+            self.unsaved.merged(seq, self.delta(out), out.stats["samples"], res.saved)
         self.w_sync = res.weights
         self.pending = None
         # the reply counts the samples up to ``out``; those counted since it began come on top
@@ -111,14 +124,37 @@ class Exchange:
         """All groups' samples as of the last reply, plus this group's since then."""
         return self.global_samples + self.samples_after
 
-    def rebase(self, weights: np.ndarray, g: np.ndarray) -> np.ndarray:
-        """Reconnected to a (restarted) global server whose weights are ``g``: return the
-        group's weights on top of ``g``; a pending exchange keeps its delta."""
+    def rebase(self, weights: np.ndarray, g: np.ndarray,
+               held: int | None = None) -> tuple[np.ndarray, Tally | None]:
+        """Reconnected to a (restarted) global server whose weights are ``g`` and which holds
+        this session's exchanges up to seq ``held`` (None: it did not say): return the group's
+        weights on top of ``g`` and what the server lost of the exchanges before the pending
+        one (it goes out again with the next exchange; unsaved.py); a pending exchange keeps
+        its delta."""
         local = weights - self.w_sync  # (n,) applied here, not known to be held globally
         if self.pending is not None:
             self.pending.sent = g + (self.pending.sent - self.w_sync)
         self.w_sync = np.array(g, dtype=np.float32)
-        return g + local
+        replay = self.replay(held)
+        if replay is not None:
+            local += replay.delta
+            self.since["samples"] += replay.samples
+        return g + local, replay
+
+    def replay(self, held: int | None) -> Tally | None:
+        """What the server lost of this session's exchanges, when ``held`` says it."""
+        if held is None:
+            return None
+        pending = None if self.pending is None else self.pending.stats["seq"]
+        if self.unsaved is not None:
+            replay = self.unsaved.restore(held, pending)
+        elif self.seq - (pending is not None) == 0:  # no reply yet: nothing it could lack
+            replay = Tally.zero(self.w_sync.size)
+        else:  # the replies so far named no snapshot (an older global server)
+            replay = None
+        if replay is None:
+            self.lost_track += 1
+        return replay
 
     def state_dict(self) -> dict[str, Any]:
         return {"session": self.session, "seq": self.seq}

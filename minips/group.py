@@ -247,12 +247,17 @@ class GroupServer:
         return {"version": self.version, "final": final, **self.traffic(),
                 "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
 
-    def reload(self, weights: np.ndarray, link: GroupLink) -> None:
-        """Reconnected to a (restarted) global server: take its weights, keep what this group
-        applied since its last exchange on top (sent with the next exchange), keep clocks and
-        optimizer state."""
-        self.weights = self.xchg.rebase(self.weights, np.asarray(weights, dtype=np.float32))
+    def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:
+        """Reconnected to a (restarted) global server that holds this group's exchanges up to
+        seq ``held``: take its weights, keep what this group applied since its last exchange
+        and what the server lost of its exchanges on top (sent with the next exchange), keep
+        clocks and optimizer state."""
+        w = np.asarray(weights, dtype=np.float32)
+        self.weights, replay = self.xchg.rebase(self.weights, w, held)
         self.link = link
+        if held is not None:
+            self.log("resync", held_seq=held, seq=self.xchg.seq,
+                     replay_samples=-1 if replay is None else replay.samples)
 
     async def flush(self, final: bool = False) -> None:
         """Wait for the exchange in flight, then send what is left (``final``: the last one)."""

@@ -10,8 +10,9 @@ Faults: when the global server is lost, the group keeps serving its workers (the
 applied locally; exchanges wait) and reconnects with backoff and jitter for ``reconnect_s``; on
 reconnect it takes the global weights and keeps its own not-yet-sent delta on top
 (``GroupServer.reload``), so a global server resumed from a checkpoint gets this group's work
-since its last exchange. A replacement group process is given a group whose server is gone
-(``GlobalServer._adopt``) and starts from the global weights.
+since its last exchange, and the exchanges the checkpoint lacks once more (unsaved.py): each
+WEIGHTS from the global server names the seqs it holds. A replacement group process is given a
+group whose server is gone (``GlobalServer._adopt``) and starts from the global weights.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from minips.errors import ConfigError, RemoteProtocolError
 from minips.exchange import ExchangeResult
 from minips.group import GroupServer
 from minips.metrics import RunDir
+from minips.unsaved import seqs_in
 
 __all__ = ["TcpLink", "serve_group", "run_group_process"]
 
@@ -73,7 +75,8 @@ class TcpLink:
             buffers=tuple(buffers)))
         w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
         return ExchangeResult(np.asarray(w, dtype=np.float32), reply.version, reply.done,
-                              int(reply.info.get("samples", 0)))
+                              int(reply.info.get("samples", 0)),
+                              seqs_in(reply.info, "saved_exchanges", stats["session"]))
 
     async def read(self) -> None:
         """Dispatch what the global server sends until the channel closes."""
@@ -116,7 +119,8 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     weights = np.asarray(sparse.decode_gradient(init.encoding, init.codec, init.buffers,
                                                 int(init.info["size"])))
     if gs.group == int(assign.group) and gs.ready.is_set():
-        gs.reload(weights, link)
+        held = seqs_in(init.info, "last_exchange", gs.xchg.session)
+        gs.reload(weights, link, None if held is None else held[0])
     else:
         gs.setup(int(assign.group), run, weights, link,
                  [int(w) for w in init.info.get("members", [])])

@@ -16,6 +16,7 @@ closed: its group counts as lost, free for a replacement to adopt; when none com
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,14 @@ async def external_group(srv: GlobalServer, g: int, members: list[int]) -> Group
     handle = GroupHandle(g, _address(ch), members, srv.run.ratio, ch=ch)
     await ch.send(srv.assign_msg(handle))
     return handle
+
+
+def _with_exchanges(msg: Any, handle: GroupHandle) -> Any:
+    """WEIGHTS for a group process, naming the exchanges the server holds (unsaved.py): its
+    last merged one and the last one in each of its last two checkpoint snapshots."""
+    return dataclasses.replace(msg, info={
+        **msg.info, "last_exchange": list(handle.last_exchange),
+        "saved_exchanges": [list(key) for key in handle.snapshots]})
 
 
 def _address(ch: Any) -> str:
@@ -121,12 +130,12 @@ async def _on_message(srv: GlobalServer, ch: Any, handle: GroupHandle) -> bool:
     """Handle one message of a group process; True when it left."""
     msg = await ch.recv()
     if isinstance(msg, protocol.Pull):
-        await ch.send(srv.weights_message(members=handle.members))
+        await ch.send(_with_exchanges(srv.weights_message(members=handle.members), handle))
     elif isinstance(msg, protocol.Push):
         assert srv.weights is not None
         delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, srv.weights.size)
         res = srv.merge(handle.id, np.asarray(delta), validation.check_group_stats(msg.codec))
-        await ch.send(srv.weights_message(res.weights))
+        await ch.send(_with_exchanges(srv.weights_message(res.weights), handle))
     elif isinstance(msg, protocol.Leave):
         handle.final = True
         srv.check_budget()

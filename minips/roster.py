@@ -64,6 +64,8 @@ class GroupHandle:
     final: bool = False  # flushed its last delta
     merges: int = 0
     last_exchange: tuple[int, int] = (-1, -1)  # (session, seq) of the last merged exchange
+    # last_exchange as of the last two checkpoint snapshots, older first (unsaved.py)
+    snapshots: list[tuple[int, int]] = field(default_factory=lambda: [(-1, -1)] * 2)
 
 
 class Roster:

@@ -5,7 +5,9 @@ it and how ``GlobalServer`` takes it back. A snapshot is taken with no ``await``
 global weights, the counters and each in-process group's weights, optimizer state and clocks are
 consistent with each other; arrays are copies. The last merged exchange of each group (session,
 seq) is saved too, so a group process that resends an exchange the restored server already holds
-does not get it merged twice. Failure handling: docs/operations.md.
+does not get it merged twice, and so that it can send again those the checkpoint lacks: each
+snapshot records it in ``GroupHandle.snapshots``, which the replies to group processes name.
+Failure handling: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def clean(srv: GlobalServer) -> None:
 def snapshot(srv: GlobalServer) -> dict[str, Any]:
     """The checkpoint state of ``srv`` now (see the module docstring)."""
     assert srv.weights is not None
+    for h in srv.groups.values():  # replies to group processes name these (unsaved.py)
+        h.snapshots = [h.snapshots[-1], h.last_exchange]
     groups = {g: {"members": list(h.members), "ratio": h.ratio, "step_time": h.step_time,
                   "merges": h.merges, "last_exchange": list(h.last_exchange),
                   "state": None if h.server is None else h.server.state_dict()}
@@ -87,6 +91,7 @@ async def _reopen_group(srv: GlobalServer, g: int, saved: dict[str, Any]) -> Gro
     h.ratio, h.step_time, h.merges = saved["ratio"], saved["step_time"], saved["merges"]
     session, seq = saved.get("last_exchange", (-1, -1))  # absent in older checkpoints
     h.last_exchange = (int(session), int(seq))
+    h.snapshots = [h.last_exchange] * 2  # the checkpoint file is the one snapshot there is
     return h
 
 
