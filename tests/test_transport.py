@@ -204,13 +204,18 @@ def test_frame_over_limit_closes_that_connection_only(loop: str) -> None:
 @pytest.mark.parametrize("value", ["x" * 70_000, list(range(5000))], ids=["str", "array"])
 def test_msgpack_length_over_limit_is_answered_limit_exceeded(value: object) -> None:
     """A 70,000-character string or a 5,000-item array in a map: ERROR limit_exceeded, as
-    docs/protocol.md section 6 and ``Limits`` say, counted as such; then the server closes."""
+    docs/protocol.md section 6 and ``Limits`` say, counted as such; then the server closes.
+    Sent after the handshake: before WELCOME a frame over 16 KiB is refused by its size alone."""
     packed = msgpack.packb({"reason": value})
     data = p.PREFIX.pack(p.MAGIC, 1, p.Kind.LEAVE, 0, 0, len(packed), 0) + packed
 
     async def scenario() -> None:
         async with await start() as srv:
+            hs = p.ClientHandshake(TOKEN)
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+            writer.write(raw(hs.hello))
+            writer.write(raw(hs.on_challenge(await read_frame(reader))))  # type: ignore[arg-type]
+            assert isinstance(await read_frame(reader), p.Welcome)
             writer.write(data)
             error = await read_frame(reader)
             assert isinstance(error, p.Error) and error.code == "limit_exceeded", error
