@@ -9,6 +9,7 @@ unchanged, and rejections after the handshake come as ERROR with a reason.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import random
 import subprocess
@@ -29,6 +30,19 @@ from minips.group import ExchangeResult, GroupServer
 TOKEN = "fuzz-secret"
 SIZE = 64  # model size: small, so frames are small and many fit in a few seconds
 CONCURRENCY = 64  # fuzz connections in flight at once
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_live.py"
+
+
+def _script_module() -> Any:
+    """scripts/fuzz_live.py as a module: the test mutates frames with the script's own rule."""
+    spec = importlib.util.spec_from_file_location("fuzz_live", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+mutate = _script_module().mutate
 
 
 class NoGlobal:
@@ -60,19 +74,6 @@ VALID = [frame(m) for m in (
     protocol.Leave(reason="bye"),
     protocol.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
 )]
-
-
-def mutate(rng: random.Random, data: bytes) -> bytes:
-    b = bytearray(data)
-    for _ in range(rng.randint(1, 4)):
-        choice = rng.random()
-        if choice < 0.6 and b:
-            b[rng.randrange(len(b))] = rng.randrange(256)
-        elif choice < 0.8:
-            b = b[: rng.randrange(len(b) + 1)]
-        else:
-            b += bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
-    return bytes(b)
 
 
 def fuzz_input(rng: random.Random) -> bytes:
@@ -235,8 +236,7 @@ def test_fuzz_live_script_against_a_server_process() -> None:
     """scripts/fuzz_live.py, short: a real `minips server` process takes random, mutated and
     valid-then-mutated inputs from 255 addresses while a worker trains; nothing crashes, the
     worker is still served, memory stays bounded. (The full run: 1,000,000 inputs.)"""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_live.py"
-    out = subprocess.run([sys.executable, str(script), "--inputs", "2000"], capture_output=True,
+    out = subprocess.run([sys.executable, str(SCRIPT), "--inputs", "2000"], capture_output=True,
                          text=True, timeout=280)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
