@@ -366,7 +366,7 @@ class GlobalServer:
         encoding, codec, buffers = sparse.encode_gradient(w)
         info = {"samples": self.samples, "version": self.version, "t": time.time() - self.run.t0,
                 "size": int(w.size), "members": members or [],
-                "train_s": time.time() - self.started_training if self.started_training else 0.0,
+                "train_s": self.trained_s(),
                 "done_reason": self.done_reason, **self.traffic()}
         return protocol.Weights(version=self.version, encoding=encoding, codec=codec,
                                 buffers=tuple(buffers), done=final or self.done, info=info)
