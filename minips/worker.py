@@ -200,7 +200,7 @@ class Worker:
         times, loss = [], 0.0
         for _ in range(max(1, self.run_cfg.calib_steps)):
             t = time.perf_counter()
-            loss, _ = await asyncio.to_thread(self._gradient, *self.first_batch)
+            loss, _ = await asyncio.to_thread(self.trainer.gradient, *self.first_batch)
             times.append(await self._stretch(time.perf_counter() - t))
         # The fastest step: other processes starting up only ever make a step slower.
         await self.ctl.send(protocol.Stats(clock=0, step_time=float(np.min(times)),
@@ -344,7 +344,8 @@ class Worker:
         epoch, xb, yb = next(self.stream)
         lap = [t, time.perf_counter()]  # phase boundaries: decode, compute, compress, encode
         # In a thread: the event loop keeps sending heartbeats during a long step.
-        loss, grad = await asyncio.to_thread(self._gradient, xb, yb)
+        # grad: (n,) float32 on the device, reused by the next call (compressed before it)
+        loss, grad = await asyncio.to_thread(self.trainer.gradient, xb, yb)
         lap.append(time.perf_counter())
         self.compressor.set_epoch(self.samples / max(1, self.shard_size))
         self.compressor.observe_loss(loss)
@@ -368,11 +369,6 @@ class Worker:
         self._record(info, wait_s, step_time, loss, push, wire_bytes, epoch, link, push_s=push_s,
                      host_bytes=self.compressor.host_bytes, **phases)
         await self._maybe_stats(step_time, loss)
-
-    def _gradient(self, xb: np.ndarray, yb: np.ndarray) -> tuple[float, torch.Tensor]:
-        """(loss, (n,) float32 gradient on the device) of the mean batch loss at the model's
-        weights; the gradient buffer is reused by the next call."""
-        return self.trainer.gradient(xb, yb)
 
     async def _stretch(self, compute_s: float) -> float:
         """Sleep so a step takes F x base_step_s at least; return the step's duration."""
