@@ -206,14 +206,18 @@ class Server:
         source = _source(ch)
         why = self.guard.admit(source, proto.loop.time())
         if why:  # closed unread: costs no handshake, no HMAC, no buffer
-            self.stats["turned_away"] += 1
-            self.counted.note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
+            self._turn_away(source, why)
             ch._transport.close()
             return
         self.guard.opened(source)
         task = asyncio.create_task(self._serve_one(ch, source))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _turn_away(self, source: str, why: str) -> None:
+        """Count and log a connection the guard said no to (``why``: a ``guard.admit`` reason)."""
+        self.stats["turned_away"] += 1
+        self.counted.note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
 
     async def _serve_one(self, ch: Channel, source: str) -> None:
         try:
@@ -251,8 +255,7 @@ class Server:
         off before its MAC is even checked; a wrong MAC starts or lengthens its back-off."""
         now = asyncio.get_running_loop().time()
         if self.guard.backoff_left(source, now) > 0:
-            self.stats["turned_away"] += 1
-            self.counted.note("turned away (backoff)", f"{source}: " + _TURNED_AWAY["backoff"])
+            self._turn_away(source, "backoff")
             raise ConnectionAbortedError("source in back-off")
         refuse = hs.on_auth(auth)
         if refuse is None:
