@@ -154,15 +154,14 @@ class Trainer:
         if weights.shape != (self.size,):
             raise ConfigError(f"flat vector has shape {weights.shape}, model needs "
                               f"({self.size},)")
-        if self.staging is None:  # CPU (or MPS: unified memory, one copy either way)
-            if self.device.type == "cpu":
-                np.copyto(self.weights.numpy(), weights, casting="same_kind")
-                return
+        if self.device.type == "cpu":  # the parameters are host memory: one copy
+            np.copyto(self.weights.numpy(), weights, casting="same_kind")
+        elif self.staging is None:  # MPS: unified memory, one copy either way
             self.weights.copy_(torch.from_numpy(np.array(weights, np.float32)))
-            return
-        # The previous step's DMA out of the staging buffer finished: its gradient was read.
-        np.copyto(self.staging.numpy(), weights, casting="same_kind")
-        self.weights.copy_(self.staging, non_blocking=True)
+        else:
+            # The previous step's DMA out of the staging buffer finished: its gradient was read.
+            np.copyto(self.staging.numpy(), weights, casting="same_kind")
+            self.weights.copy_(self.staging, non_blocking=True)
 
     def host_weights(self) -> np.ndarray:
         """The weights as a new (n,) float32 host vector."""
