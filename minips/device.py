@@ -111,7 +111,7 @@ def amp_dtype(device: torch.device) -> torch.dtype:
 
 def bind_flat(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Move ``model`` to ``device`` and make each parameter and its gradient a view of one flat
-    tensor; returns (weights (n,) float32, grads (n,) float32, zeros), both on ``device``."""
+    tensor; returns (weights, grads), (n,) float32 each on ``device``, grads zeroed."""
     model.to(device)
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
