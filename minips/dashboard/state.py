@@ -108,8 +108,7 @@ class RunState:
         self.events: list[dict[str, Any]] = []
         self.staleness_hist = Histogram(STALENESS_BUCKETS)
         self.wait_hist = Histogram(WAIT_BUCKETS)
-        self.totals: dict[str, float] = {"pushes": 0, "merges": 0, "bytes_up": 0,
-                                         "bytes_down": 0, "samples": 0}
+        self._counters: dict[str, float] = {"bytes_up": 0, "bytes_down": 0, "samples": 0}
         self.merges: dict[int, int] = {}  # group -> merges
         self.pushes: dict[int, int] = {}  # group -> pushes its workers' files recorded
         self.checkpoint_t: float | None = None
@@ -137,7 +136,7 @@ class RunState:
         ev = r.get("event")
         for k in ("bytes_up", "bytes_down", "samples"):
             if isinstance(r.get(k), (int, float)):
-                self.totals[k] = r[k]
+                self._counters[k] = r[k]
         if ev == "merge":
             self._merge(r)
         elif ev == "checkpoint":
@@ -160,7 +159,6 @@ class RunState:
 
     def _merge(self, r: dict[str, Any]) -> None:
         g = int(r.get("group", -1))
-        self.totals["merges"] += 1
         self.merges[g] = self.merges.get(g, 0) + 1
         known = self.groups.setdefault(g, {})
         for k in ("min_clock", "max_clock", "bytes_in", "bytes_out"):
@@ -193,7 +191,6 @@ class RunState:
         for k in ("step_time", "wait_s", "staleness", "bytes_wire", "bytes_raw", "ratio", "loss"):
             if r.get(k) is not None:
                 setattr(v, k, r[k])
-        self.totals["pushes"] += 1
         self.pushes[v.group] = self.pushes.get(v.group, 0) + 1
         if isinstance(r.get("staleness"), (int, float)):
             self.staleness_hist.observe(float(r["staleness"]))
@@ -219,6 +216,13 @@ class RunState:
         return self.workers[wid]
 
     # -- reading -----------------------------------------------------------------------------
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Pushes and merges (the sums of the per-group counts), then bytes and samples as of
+        the last global line."""
+        return {"pushes": sum(self.pushes.values()), "merges": sum(self.merges.values()),
+                **self._counters}
 
     def state_of(self, v: WorkerView, now: float) -> str:
         """computing | waiting | pulling | dead | done (the rules in the module docstring)."""
