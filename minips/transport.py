@@ -260,10 +260,9 @@ class Server:
         refuse = hs.on_auth(auth)
         if refuse is None:
             self.guard.succeeded(source)
-        elif self.guard.failed(source, now) > 0:
+        elif (wait := self.guard.failed(source, now)) > 0:
             self.counted.note("back-off", f"{source} failed {self.guard.failures(source)} "
-                              f"handshakes in a row: refused for "
-                              f"{self.guard.backoff_left(source, now):.1f} s")
+                              f"handshakes in a row: refused for {wait:.1f} s")
         return refuse
 
     async def _handshake(self, ch: Channel, source: str) -> None:
