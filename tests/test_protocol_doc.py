@@ -22,7 +22,7 @@ from minips.config import parse_address
 from minips.errors import RemoteProtocolError
 
 
-async def group_session(srv_port: int, ctl: transport.Channel) -> tuple[transport.Channel, int]:
+async def group_session(ctl: transport.Channel) -> tuple[transport.Channel, int]:
     """Worker 0 on its group server, after ASSIGN: the channel and its starting clock."""
     assign = await recv_as(ctl, protocol.Assign, 5)
     host, port = parse_address(assign.address)
@@ -50,7 +50,7 @@ async def test_a_pull_at_another_clock_makes_the_push_after_it_fail(tmp_path: Pa
     srv = make_server(tmp_path, np.zeros(3, np.float32), workers=1, mode="asp")
     port = await srv.start()
     ctl = await join(port, 0, 0.01)
-    ch, clock = await group_session(port, ctl)
+    ch, clock = await group_session(ctl)
     try:
         await ch.send(protocol.Pull(clock=clock + 5))  # not the worker's own clock
         await recv_as(ch, protocol.Weights, 5)  # answered for the worker's real clock ...
@@ -68,7 +68,7 @@ async def test_nan_or_inf_in_a_dense_gradient_is_refused(tmp_path: Path, bad: fl
     srv = make_server(tmp_path, np.zeros(3, np.float32), workers=1, mode="asp")
     port = await srv.start()
     ctl = await join(port, 0, 0.01)
-    ch, clock = await group_session(port, ctl)
+    ch, clock = await group_session(ctl)
     try:
         await ch.send(protocol.Pull(clock=clock))
         await recv_as(ch, protocol.Weights, 5)
