@@ -22,9 +22,10 @@ from minips.config import RunConfig, parse_address
 from minips.errors import AuthError
 
 
-async def connect(port: int, wid: int, group: int = -1) -> transport.Channel:
-    return await transport.connect("127.0.0.1", port, role="worker", worker_id=wid,
-                                   group=group, token=TOKEN, timeout=5)
+async def connect(port: int, wid: int, group: int = -1,
+                  host: str = "127.0.0.1") -> transport.Channel:
+    return await transport.connect(host, port, role="worker", worker_id=wid, group=group,
+                                   token=TOKEN, timeout=5)
 
 
 async def told_replaced(ch: transport.Channel) -> None:
@@ -62,11 +63,9 @@ async def test_second_group_connection_with_an_id_replaces_the_first_and_says_so
     try:
         assign = await recv_as(ctl, protocol.Assign, 5)
         host, gport = parse_address(assign.address)
-        chans.append(await transport.connect(host, gport, role="worker", worker_id=0,
-                                             group=assign.group, token=TOKEN))
+        chans.append(await connect(gport, 0, assign.group, host))
         await recv_as(chans[0], protocol.Ack, 5)
-        chans.append(await transport.connect(host, gport, role="worker", worker_id=0,
-                                             group=assign.group, token=TOKEN))
+        chans.append(await connect(gport, 0, assign.group, host))
         await told_replaced(chans[0])
         start = await recv_as(chans[1], protocol.Ack, 5)
         await chans[1].send(protocol.Pull(clock=start.clock))
