@@ -151,11 +151,7 @@ class FrameDecoder:
         (a server widens a connection's small handshake limits once the peer authenticated)."""
         self.limits = limits
         if len(self._buf) < scratch:
-            unread = self._hi - self._lo
-            buf = bytearray(scratch)
-            buf[:unread] = self._view[self._lo:self._hi]
-            self._buf, self._view = buf, memoryview(buf)
-            self._lo, self._hi = 0, unread
+            self._compact(scratch)
 
     def release(self) -> None:
         """Drop a frame in progress and the receive buffer (the connection ended): their memory
