@@ -363,7 +363,7 @@ class GroupServer:
         finally:
             answer.cancel()
             closed.cancel()
-        if not answer.cancelled() and answer.done():
+        if answer.done():  # cancel() above only asked a pending one to stop
             with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading
                 await ch.send(answer.result())
         else:
