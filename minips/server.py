@@ -329,7 +329,7 @@ class GlobalServer:
         return time.time() - self.started_training if self.started_training else 0.0
 
     async def _wall_budget(self) -> None:
-        await asyncio.sleep(max(0.0, self.run.wall_s - (time.time() - self.started_training)))
+        await asyncio.sleep(max(0.0, self.run.wall_s - self.trained_s()))
         self.finish("wall time")
 
     def finish(self, reason: str) -> None:
