@@ -32,6 +32,7 @@ from minips import optim, protocol, sparse, ssp, transport, validation
 from minips.config import RunConfig, dataset_train_size
 from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
+from minips.gdtopk import IterTimer
 from minips.metrics import JsonlWriter
 
 __all__ = ["ExchangeResult", "GroupLink", "GroupServer"]  # the first two: from exchange.py
@@ -63,6 +64,7 @@ class GroupServer:
         self.members: set[int] = set()  # worker ids the global server assigned here
         self.open_membership = False  # any worker id may join (a `minips group` process)
         self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
+        self.iters = IterTimer()  # time between a worker's pushes, for GDTopK (gdtopk.py)
         self.group, self.run = group, run
         if weights is not None and link is not None:
             self.setup(group, run, weights, link, members or [])
@@ -138,6 +140,7 @@ class GroupServer:
         """Decode, account and apply (or queue, in BSP) one worker push; return the ACK."""
         grad = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, self.weights.size)
         self.table.push(w, msg.clock, self.now())
+        self.iters.push(w, self.now())
         self._count(msg)
         if self.run.staleness_bound == 0:
             self.rounds.add(msg.clock, (grad, msg.samples))
@@ -245,6 +248,7 @@ class GroupServer:
     def _extra(self, final: bool) -> dict[str, Any]:
         """Counters an exchange carries besides the pushes since the last one."""
         return {"version": self.version, "final": final, **self.traffic(),
+                "iter_time": self.iters.take(),
                 "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
 
     def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:

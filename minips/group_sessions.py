@@ -47,7 +47,7 @@ async def external_group(srv: GlobalServer, g: int, members: list[int]) -> Group
             raise ConfigError(f"no external group server connected for group {g}")
         await asyncio.sleep(PENDING_POLL_S)
     ch = srv.pending_groups.pop(0)
-    handle = GroupHandle(g, _address(ch), members, srv.run.ratio, ch=ch)
+    handle = GroupHandle(g, _address(ch), members, srv.roster.ratio_of(g), ch=ch)
     await ch.send(srv.assign_msg(handle))
     return handle
 

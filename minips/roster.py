@@ -3,8 +3,10 @@ and GDTopK ratio (no asyncio, no sockets, no torch; time comes in as ``now``).
 
 ``GlobalServer`` owns one ``Roster`` and does the I/O around it: it admits workers through
 ``admit``, forms the groups from ``first_assignment`` (``grouping.Regrouper``), asks
-``maybe_regroup`` whether speeds drifted, moves workers with ``move``, and sends a new ASSIGN when
-``update_ratios`` says a ratio changed.
+``maybe_regroup`` whether speeds drifted, moves workers with ``move``. GDTopK: ``first_ratios``
+sets the ratios the groups open with, every exchange's measured iteration time goes to
+``observe_iter_time``, and when ``update_ratios`` returns new ratios (``gdtopk.RatioPolicy``) the
+server hands them to the group servers and sends the groups' workers a new ASSIGN.
 
 Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
 is gone (``free_id``), so a worker restarted without its old id still finds a place.
@@ -16,24 +18,22 @@ members come from), so only workers whose group really changed are moved.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minips import compressors, grouping
+from minips import gdtopk, grouping
 from minips.config import RunConfig
 from minips.errors import AuthError
 
 if TYPE_CHECKING:
     from minips.group import GroupServer
 
-__all__ = ["WorkerEntry", "GroupHandle", "Roster", "match_labels", "RATIO_EPS",
-           "REGROUP_EVERY_S", "CLAIM_S"]
+__all__ = ["WorkerEntry", "GroupHandle", "Roster", "match_labels", "REGROUP_EVERY_S", "CLAIM_S"]
 
-RATIO_EPS = 0.1  # relative ratio change that is worth a new ASSIGN
 REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
-RATIO_HI = 0.05  # largest GDTopK kept fraction a group is given
 CLAIM_S = 10.0  # s an id given to a handshake is held for it (the handshake's own time limit)
 
 
@@ -79,6 +79,9 @@ class Roster:
         self.regroup = regroup  # regroup when speeds drift (GSSP with in-process groups)
         self._regroup_at = -REGROUP_EVERY_S  # `now` of the last Regrouper update
         self._claimed: dict[int, float] = {}  # id -> `now` it was given to a handshake
+        self.policy = (gdtopk.RatioPolicy(run.ratio, direction=run.gdtopk_direction,
+                                          alpha=run.gdtopk_alpha)
+                       if run.compressor == "gdtopk" else None)  # GDTopK ratios per group
 
     def admit(self, wanted: int, now: float = 0.0) -> int:
         """A worker id for a HELLO that asked for ``wanted`` (-1: ``free_id``). The id is held
@@ -167,28 +170,43 @@ class Roster:
             moved[w] = g
         return moved
 
-    def set_ratios(self) -> bool:
-        """GDTopK: one ratio per group from the group step times; True when any changed."""
-        if self.run.compressor != "gdtopk" or not self.groups:
-            return False
-        ids = sorted(self.groups)
-        ratios = compressors.gdtopk_ratios([self.groups[g].step_time for g in ids],
-                                           floor=self.run.ratio, alpha=self.run.gdtopk_alpha,
-                                           direction=self.run.gdtopk_direction,
-                                           lo=min(self.run.ratio, 0.001), hi=RATIO_HI)
-        changed = False
-        for g, r in zip(ids, ratios, strict=True):
-            if abs(r - self.groups[g].ratio) > RATIO_EPS * self.groups[g].ratio:
-                self.groups[g].ratio, changed = r, True
-        return changed
+    def first_ratios(self, assignment: dict[int, int], now: float) -> None:
+        """GDTopK: the ratios of the first grouping, from the workers' step times (before the
+        groups open, so each group server starts with its own; ``ratio_of``)."""
+        if self.policy is None:
+            return
+        times = self.step_times()
+        counts = collections.Counter(assignment.values())
+        for g in counts:
+            self.policy.seed(g, float(np.mean([times[w] for w, h in assignment.items()
+                                               if h == g])))
+        self.policy.propose(counts, now)
 
-    def update_ratios(self) -> bool:
-        """Refresh each group's mean step time from its members, then ``set_ratios``."""
+    def ratio_of(self, g: int) -> float:
+        """Group ``g``'s GDTopK ratio as the policy last set it (the run's ratio otherwise)."""
+        return self.policy.ratios.get(g, self.run.ratio) if self.policy else self.run.ratio
+
+    def observe_iter_time(self, g: int, iter_time: Any) -> None:
+        """An exchange of group ``g`` reported its workers' mean iteration time (gdtopk.py)."""
+        if self.policy is not None:
+            self.policy.observe(g, iter_time)
+
+    def update_ratios(self, now: float) -> dict[int, float]:
+        """Refresh each group's mean step time from its members' STATS; with GDTopK, the new
+        ``{group: ratio}`` of every group with workers when the policy (rate limit, hysteresis)
+        proposes new ones, now in the group handles; {} otherwise."""
         for h in self.groups.values():
             times = [t for w in h.members if (t := self.workers[w].step_time)]
             if times:
                 h.step_time = float(np.mean(times))
-        return self.set_ratios()
+        if self.policy is None or not self.groups:
+            return {}
+        for g, h in self.groups.items():
+            self.policy.seed(g, h.step_time)  # a group that has not reported its iteration time
+        new = self.policy.propose({g: len(h.members) for g, h in self.groups.items()}, now)
+        for g, r in (new or {}).items():
+            self.groups[g].ratio = r
+        return new or {}
 
     def restore_regrouper(self) -> None:
         """After a resume: the Regrouper starts from the saved assignment, not from scratch."""

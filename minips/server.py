@@ -15,7 +15,10 @@ first STATS after it; a later worker is placed after its first STATS) the server
 step times into groups (one group for bsp/ssp/asp, ``grouping.assign_groups`` for gssp), starts one
 ``GroupServer`` per group on its own port (or hands the groups to the connected external group
 servers) and sends every worker ASSIGN(group address, ratio, staleness). Later STATS update the
-group step times; with GDTopK a changed ratio is sent as a new ASSIGN.
+group step times. GDTopK: every exchange reports its group's measured iteration time
+(``iter_time``); the ratio policy (``gdtopk.py``) turns these into new ratios, at most once a
+second and only for a change worth it, which go to the group servers and, as a new ASSIGN, to
+their workers (logged as a ``ratios`` event).
 
 Invariants: ``weights`` changes only in ``merge`` (weights += delta of one group, version += 1;
 with ``merge="mean"`` the delta is divided by the number of groups k, so k groups together move
@@ -218,11 +221,11 @@ class GlobalServer:
         await self.weights_ready.wait()
         times = self.roster.step_times()
         assignment = self.roster.first_assignment()
+        self.roster.first_ratios(assignment, time.monotonic())  # open_group takes ratio_of(g)
         for g in sorted(set(assignment.values())):
             members = sorted(w for w, gg in assignment.items() if gg == g)
             self.groups[g] = await self.open_group(g, members)
             self.groups[g].step_time = float(np.mean([times[w] for w in members]))
-        self.roster.set_ratios()
         self.started_training = time.time()
         for w, g in assignment.items():  # before groups_opened: _place_late skips them
             self.workers[w].group = g
@@ -247,12 +250,13 @@ class GlobalServer:
         writer = self.rundir.writer(f"group-{g}")
         gs = GroupServer(g, self.run, self.weights, InProcLink(self), members=members,
                          writer=writer)
+        gs.ratio = self.roster.ratio_of(g)
         port = await gs.serve(self.cfg.host, 0, self.cfg.token,
                               server_ssl(self.cfg.tls_cert, self.cfg.tls_key))
         # no host (":port"): "where you reached the global server"; the worker fills in the name
         # it dialled, so DNS names, NAT and TLS names work as they do for the global server
         address = format_address(self.cfg.advertise_host or "", port)
-        return GroupHandle(g, address, members, self.run.ratio, server=gs)
+        return GroupHandle(g, address, members, gs.ratio, server=gs)
 
     async def _regroup(self, assignment: dict[int, int]) -> None:
         """Speeds drifted (``grouping.Regrouper`` said so): move workers, open new groups."""
@@ -278,11 +282,30 @@ class GlobalServer:
                 await entry.ch.send(self.assign_msg(self.groups[g]))
 
     def _update_ratios(self) -> None:
-        """Send a new ASSIGN to every grouped worker when a GDTopK ratio changed."""
-        if self.roster.update_ratios():
-            for entry in self.workers.values():
-                if entry.group >= 0:
-                    self.spawn(self.assign(entry, entry.group))
+        """GDTopK: when the ratio policy (roster.update_ratios, gdtopk.py) gives new ratios, log
+        them, hand each to its group server (in-process: its attribute; a `minips group`: a new
+        ASSIGN) and send every worker of those groups a new ASSIGN carrying its ratio."""
+        new = self.roster.update_ratios(time.monotonic())
+        if not new:
+            return
+        policy = self.roster.policy
+        self.log("ratios", ratios={str(g): r for g, r in new.items()},
+                 iter_time={str(g): policy.times.get(g) for g in new} if policy else {})
+        for g in new:
+            h = self.groups[g]
+            if h.server is not None:
+                h.server.ratio = h.ratio
+            elif h.ch is not None:
+                self.spawn(_send_quiet(h.ch, self.assign_msg(h)))
+        for entry in self.workers.values():
+            if entry.group in new:
+                self.spawn(self.assign(entry, entry.group))
+
+    def _observe_iter_time(self, g: int, stats: dict[str, Any]) -> None:
+        """An exchange's measured iteration time (``iter_time``) feeds the GDTopK policy."""
+        if self.roster.policy is not None:
+            self.roster.observe_iter_time(g, stats.get("iter_time"))
+            self._update_ratios()
 
     # -- merging -----------------------------------------------------------------------------
 
@@ -314,6 +337,7 @@ class GlobalServer:
         h.merges += 1
         h.final = bool(stats.get("final"))  # a non-final merge after a final one: it is back
         h.traffic = {k: int(stats.get(k, 0)) for k in ("bytes_in", "bytes_out")}
+        self._observe_iter_time(g, stats)
         self.log("merge", group=g, group_samples=stats.get("samples", 0),
                   **{k: v for k, v in stats.items() if k not in ("version", "samples")})
         self.check_budget()

@@ -31,7 +31,8 @@ MAX_SAMPLES = 1 << 20  # samples one push may claim (a batch); more is a broken 
 MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it is garbage
 REPLACED = "replaced"  # ERROR code: another connection with the same worker id took over
 MAX_SEQ = (1 << 53) - 1  # exchange session / seq: ints a double holds exactly
-GROUP_STATS_NUMBERS = ("pushes", "samples", "step_time", "loss", "bytes_in", "bytes_out")
+GROUP_STATS_NUMBERS = ("pushes", "samples", "step_time", "loss", "bytes_in", "bytes_out",
+                       "iter_time")
 
 
 def _number(name: str, value: Any, lo: float, hi: float) -> None:

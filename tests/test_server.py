@@ -41,6 +41,13 @@ async def join(port: int, wid: int, step_time: float) -> Any:
     return ch
 
 
+async def next_assign(ch: Any) -> protocol.Assign:
+    """The next ASSIGN on a worker's control channel (HEARTBEATs skipped)."""
+    while not isinstance(msg := await asyncio.wait_for(ch.recv(), 5), protocol.Assign):
+        assert isinstance(msg, protocol.Heartbeat), msg
+    return msg
+
+
 def push(clock: int, grad: np.ndarray, samples: int = 1) -> protocol.Push:
     encoding, codec, buffers = sparse.encode_gradient(grad)
     return protocol.Push(clock=clock, samples=samples, encoding=encoding, codec=codec,
@@ -72,18 +79,32 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         assert [a.group for a in assigns] == [0, 0, 1, 1]
         assert assigns[0].address == assigns[1].address != assigns[2].address
         assert assigns[0].staleness == 3
-        assert assigns[0].ratio == pytest.approx(0.004)
+        assert (assigns[0].ratio + assigns[2].ratio) / 2 == pytest.approx(0.004)  # mean held
         assert assigns[2].ratio > 4 * assigns[0].ratio  # slower group sends more
+        assert [srv.groups[g].server.ratio for g in (0, 1)] == [assigns[0].ratio,  # type: ignore[union-attr]
+                                                                 assigns[2].ratio]
         host, gport = parse_address(assigns[2].address)
         ch = await transport.connect(host, gport, role="worker", worker_id=2, token=TOKEN)
         assert isinstance(await ch.recv(), protocol.Ack)
         await ch.close()
+        # measured iteration times (exchanges) turn the ratios around: group 0 is now slower
+        srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
+        srv.roster.observe_iter_time(0, 0.5)
+        srv.merge(1, np.zeros(8, np.float32), {"samples": 1, "iter_time": 0.1})
+        later = [await next_assign(c) for c in chans]
+        assert [a.group for a in later] == [0, 0, 1, 1]
+        assert later[0].ratio == pytest.approx(5 * later[2].ratio)
+        assert (later[0].ratio + later[2].ratio) / 2 == pytest.approx(0.004)
+        assert srv.groups[0].server.ratio == later[0].ratio  # type: ignore[union-attr]
     finally:
         for ch in chans:
             await ch.close()
         await srv.close()
-    events = [r["event"] for r in read_jsonl(tmp_path / "global.jsonl")]
-    assert "groups" in events
+    log = read_jsonl(tmp_path / "global.jsonl")
+    assert "groups" in [r["event"] for r in log]
+    changes = [r for r in log if r["event"] == "ratios"]
+    assert changes[-1]["ratios"] == {"0": later[0].ratio, "1": later[2].ratio}
+    assert changes[-1]["iter_time"] == {"0": 0.5, "1": 0.1}
 
 
 async def test_on_every_interface_a_worker_reaches_its_group_where_it_reached_the_server(

@@ -1,0 +1,133 @@
+"""GDTopK's dynamic ratio policy: each group's upload ratio from its measured iteration time
+(sans-IO: no asyncio, no sockets, no clock; time comes in as ``now``).
+
+The quantity. A group server measures its *iteration time*: the wall time between consecutive
+pushes of the same worker (compute, communication and waiting for the SSP bound together),
+averaged per worker over the pushes since its last exchange, then over its workers
+(``IterTimer``). It reports it with every exchange (stats field ``iter_time``). Compute-only step
+times would miss what GDTopK is about: a group whose link is slow iterates slowly too.
+
+The policy (``RatioPolicy``), run by the global server:
+
+1. Smoothing: ``ema_g += beta * (iter_time - ema_g)`` per report (``beta`` 0.3). A group that
+   has not reported yet uses the step time the grouping saw (``seed``), replaced, not blended,
+   by its first report.
+2. Shape: ``compressors.gdtopk_ratios`` with ``alpha``: ``slower-more`` gives a group
+   ``floor * (t_g / t_fastest) ** alpha`` (slower groups, which push less often, send more per
+   push), ``slower-less`` ``floor * (t_slowest / t_g) ** alpha`` (slower groups send less, to
+   narrow the gap), clamped to ``[lo, hi]`` = ``[target / SPREAD, min(1, target * SPREAD)]``.
+3. Level: ``floor`` is solved (bisection) so that the *worker-weighted* mean kept fraction,
+   ``sum_g n_g r_g / sum_g n_g`` with ``n_g`` the workers of group g, equals the target (the
+   run's ``ratio``). So ``--ratio`` means the same budget for ``gdtopk`` as for ``topk``: the
+   fraction an average worker keeps. (With ``slower-more`` and alpha 1 every worker then
+   uploads about the same bytes per second, whatever its group's speed.)
+4. Hysteresis and rate: a new set of ratios is proposed at most every ``every_s`` seconds, and
+   only when some group's ratio moved by more than ``eps`` (relative) from what it has now.
+   When one changes, all are replaced, so the mean stays at the target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from minips import compressors
+
+__all__ = ["IterTimer", "RatioPolicy", "SPREAD", "EPS", "EVERY_S", "BETA"]
+
+SPREAD = 10.0  # ratios stay within [target / SPREAD, target * SPREAD]
+EPS = 0.1  # relative change of some group's ratio that is worth sending new ratios
+EVERY_S = 1.0  # at most one new set of ratios per this many seconds
+BETA = 0.3  # EMA weight of a new iteration time report
+FLOOR_RANGE = (1e-9, 1e3)  # where the bisection looks for the floor (clamping does the rest)
+
+
+class IterTimer:
+    """A group server's iteration times: ``push(w, now)`` at every push of worker ``w``;
+    ``take()`` the mean iteration time since the last ``take`` (0.0 when none was measured)."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, float] = {}  # worker -> `now` of its last push
+        self.sums: dict[int, tuple[float, int]] = {}  # worker -> (seconds, intervals) since take
+
+    def push(self, w: int, now: float) -> None:
+        prev = self.last.get(w)
+        self.last[w] = now
+        if prev is not None and now > prev:
+            s, n = self.sums.get(w, (0.0, 0))
+            self.sums[w] = (s + now - prev, n + 1)
+
+    def take(self) -> float:
+        """Mean over the workers of each one's mean interval since the last call; resets."""
+        means = [s / n for s, n in self.sums.values()]
+        self.sums = {}
+        return sum(means) / len(means) if means else 0.0
+
+
+class RatioPolicy:
+    """Per-group GDTopK ratios from smoothed iteration times (see the module docstring)."""
+
+    def __init__(self, target: float, *, direction: str = "slower-more", alpha: float = 1.0,
+                 beta: float = BETA, eps: float = EPS, every_s: float = EVERY_S) -> None:
+        self.target = target
+        self.direction, self.alpha, self.beta, self.eps, self.every_s = (
+            direction, alpha, beta, eps, every_s)
+        self.lo, self.hi = target / SPREAD, min(1.0, target * SPREAD)
+        self.times: dict[int, float] = {}  # group -> smoothed iteration time (s)
+        self.measured: set[int] = set()  # groups whose time comes from a report, not a seed
+        self.ratios: dict[int, float] = {}  # group -> the ratio last proposed
+        self._at = -math.inf  # `now` of the last proposal
+
+    def seed(self, g: int, step_time: float) -> None:
+        """A first guess for group ``g`` (its workers' step time) until it reports."""
+        if g not in self.measured and _valid(step_time):
+            self.times[g] = float(step_time)
+
+    def observe(self, g: int, iter_time: float) -> None:
+        """Group ``g`` reported a mean iteration time; invalid (0, missing) reports are ignored."""
+        if not _valid(iter_time):
+            return
+        if g in self.measured:
+            self.times[g] += self.beta * (iter_time - self.times[g])
+        else:
+            self.times[g] = float(iter_time)
+            self.measured.add(g)
+
+    def compute(self, workers: Mapping[int, int]) -> dict[int, float]:
+        """``{group: ratio}`` for the groups in ``workers`` (``{group: worker count}``) that
+        have a time, with the worker-weighted mean at the target."""
+        ids = sorted(g for g, n in workers.items() if g in self.times and n > 0)
+        if not ids:
+            return {}
+        weights = [workers[g] for g in ids]
+        times = [self.times[g] for g in ids]
+
+        def at(floor: float) -> list[float]:
+            return compressors.gdtopk_ratios(times, floor=floor, alpha=self.alpha,
+                                             direction=self.direction, lo=self.lo, hi=self.hi)
+
+        def mean(floor: float) -> float:
+            return sum(w * r for w, r in zip(weights, at(floor), strict=True)) / sum(weights)
+
+        low, high = FLOOR_RANGE  # mean(floor) is monotone: bisect on a log scale
+        for _ in range(80):
+            mid = math.sqrt(low * high)
+            low, high = (mid, high) if mean(mid) < self.target else (low, mid)
+        return dict(zip(ids, at(math.sqrt(low * high)), strict=True))
+
+    def propose(self, workers: Mapping[int, int], now: float) -> dict[int, float] | None:
+        """New ratios when the rate limit allows and some group's changed by more than
+        ``eps`` (or a group has none yet); else None. A proposal is taken as sent."""
+        if now - self._at < self.every_s:
+            return None
+        new = self.compute(workers)
+        if not any(g not in self.ratios or abs(r - self.ratios[g]) > self.eps * self.ratios[g]
+                   for g, r in new.items()):
+            return None
+        self._at = now
+        self.ratios.update(new)
+        return new
+
+
+def _valid(t: object) -> bool:
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0

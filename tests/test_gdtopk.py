@@ -1,0 +1,115 @@
+"""Tests for minips.gdtopk: the iteration timer of a group server and the dynamic GDTopK ratio
+policy (both directions, the worker-weighted mean held at the target, bounds, smoothing,
+hysteresis and the rate limit), driven with made-up times."""
+
+from __future__ import annotations
+
+import pytest
+
+from minips.gdtopk import EPS, SPREAD, IterTimer, RatioPolicy
+
+TARGET = 0.01
+
+
+def mean(ratios: dict[int, float], workers: dict[int, int]) -> float:
+    return sum(workers[g] * r for g, r in ratios.items()) / sum(workers[g] for g in ratios)
+
+
+def policy(direction: str = "slower-more", **kw: float) -> RatioPolicy:
+    return RatioPolicy(TARGET, direction=direction, **kw)
+
+
+def test_iter_timer_averages_each_worker_then_the_workers() -> None:
+    t = IterTimer()
+    assert t.take() == 0.0  # nothing measured
+    for now in (0.0, 1.0, 2.0, 3.0):  # worker 0: every second, three intervals
+        t.push(0, now)
+    t.push(1, 0.5)
+    t.push(1, 3.5)  # worker 1: one interval of 3 s
+    assert t.take() == pytest.approx((1.0 + 3.0) / 2)  # per worker, not per interval (1.5)
+    assert t.take() == 0.0  # reset by take
+    t.push(0, 5.0)  # the interval runs on from worker 0's last push
+    assert t.take() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("direction", ["slower-more", "slower-less"])
+def test_ratios_follow_the_direction_and_hold_the_worker_weighted_mean(direction: str) -> None:
+    p = policy(direction)
+    workers = {0: 4, 1: 2, 2: 2}
+    for g, t in {0: 0.1, 1: 0.2, 2: 0.4}.items():
+        p.observe(g, t)
+    r = p.propose(workers, now=0.0)
+    assert r is not None and set(r) == {0, 1, 2}
+    assert mean(r, workers) == pytest.approx(TARGET, rel=1e-6)
+    if direction == "slower-more":  # slower groups send more per push, in proportion
+        assert r[0] < r[1] < r[2]
+        assert r[1] / r[0] == pytest.approx(2.0) and r[2] / r[0] == pytest.approx(4.0)
+    else:
+        assert r[0] > r[1] > r[2]
+        assert r[0] / r[2] == pytest.approx(4.0)
+    assert all(TARGET / SPREAD <= v <= TARGET * SPREAD for v in r.values())
+
+
+def test_bounds_clamp_and_the_mean_is_still_held() -> None:
+    p = policy()
+    for g, t in {0: 0.01, 1: 0.02, 2: 50.0}.items():  # one group 5000x slower
+        p.observe(g, t)
+    r = p.compute({0: 1, 1: 1, 2: 1})
+    assert r[0] == r[1] == pytest.approx(TARGET / SPREAD)  # the fast ones clamped at lo
+    assert mean(r, {0: 1, 1: 1, 2: 1}) == pytest.approx(TARGET, rel=1e-6)
+    r = p.compute({0: 20, 2: 1})  # many fast workers: the slow group's ratio hits hi
+    assert r[2] == pytest.approx(TARGET * SPREAD)
+    assert mean(r, {0: 20, 2: 1}) == pytest.approx(TARGET, rel=1e-6)
+
+
+def test_equal_times_give_every_group_the_target() -> None:
+    p = policy()
+    for g in (0, 1):
+        p.observe(g, 0.3)
+    assert p.compute({0: 3, 1: 5}) == pytest.approx({0: TARGET, 1: TARGET})
+
+
+def test_changes_follow_the_times_with_smoothing_hysteresis_and_rate_limit() -> None:
+    p = policy(beta=0.5, every_s=1.0)
+    workers = {0: 2, 1: 2}
+    p.observe(0, 0.1)
+    p.observe(1, 0.1)
+    first = p.propose(workers, now=0.0)
+    assert first == pytest.approx({0: TARGET, 1: TARGET})
+    p.observe(1, 0.3)  # group 1 slows down: smoothed 0.1 + 0.5 * (0.3 - 0.1) = 0.2
+    assert p.times[1] == pytest.approx(0.2)
+    assert p.propose(workers, now=0.5) is None  # rate limit: not within 1 s of the last
+    second = p.propose(workers, now=1.0)
+    assert second is not None and second[1] == pytest.approx(2 * second[0])
+    assert mean(second, workers) == pytest.approx(TARGET)
+    # a change smaller than EPS is not worth new ratios, however long one waits
+    p.observe(1, p.times[1] * (1 + EPS / 4))
+    assert p.propose(workers, now=10.0) is None
+    # group 1 speeds up again: the ratios come back towards equal
+    for _ in range(20):
+        p.observe(1, 0.1)
+    third = p.propose(workers, now=11.0)
+    assert third is not None and third[1] == pytest.approx(third[0], rel=1e-3)
+
+
+def test_a_seed_counts_until_the_first_report_which_replaces_it() -> None:
+    p = policy()
+    p.seed(0, 0.05)
+    p.seed(1, 0.05)
+    assert p.compute({0: 1, 1: 1}) == pytest.approx({0: TARGET, 1: TARGET})
+    p.observe(1, 0.5)  # replaces the seed (no blending with a compute-only step time)
+    assert p.times[1] == 0.5
+    p.seed(1, 0.05)  # a later seed does not override a measured time
+    assert p.times[1] == 0.5
+    for bad in (0.0, -1.0, float("nan"), None, True):
+        p.observe(0, bad)  # type: ignore[arg-type]
+    assert p.times[0] == 0.05
+
+
+def test_groups_without_workers_or_times_are_left_out() -> None:
+    p = policy()
+    p.observe(0, 0.1)
+    p.observe(1, 0.2)
+    r = p.compute({0: 2, 1: 0, 2: 3})  # group 1 empty, group 2 never measured
+    assert r == pytest.approx({0: TARGET})
+    assert p.compute({}) == {}
