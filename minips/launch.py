@@ -202,7 +202,8 @@ def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 class ProgressLine:
-    """One self-overwriting status line: time, samples / epochs, accuracy, bytes."""
+    """One self-overwriting status line: time, samples / epochs, accuracy, and the MB of every
+    hop: up (worker -> group), down (group -> worker), to-global, from-global, total."""
 
     def __init__(self, run_dir: Path, cfg: LaunchConfig) -> None:
         self.run_dir = run_dir
@@ -222,13 +223,17 @@ class ProgressLine:
         epochs = samples / self.train_size
         acc = ev.get("accuracy")
         acc_s = f"{100 * acc:5.1f}%" if isinstance(acc, (int, float)) else "  -  "
-        mb = (gl.get("bytes_up", 0) or 0) / 1e6, (gl.get("bytes_down", 0) or 0) / 1e6
+        hops = metrics.live_hop_bytes(self.run_dir) or {  # before any group file: the server's
+            "bytes_worker_group": gl.get("bytes_up", 0) or 0,
+            "bytes_group_worker": gl.get("bytes_down", 0) or 0}
+        mb = {k: hops.get(k, 0) / 1e6 for k in metrics.HOP_COUNTERS}
         kind = provenance.verdict(provenance.read(self.run_dir))  # None until a process loaded
         data_s = "SYNTHETIC DATA" if kind in ("synthetic", "mixed") else f"data {kind or '?'}"
         text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.cfg.run.mode}/"
                 f"{self.cfg.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
-                f"{gl.get('version', 0):>5}  test acc {acc_s}  up {mb[0]:7.1f} MB  "
-                f"down {mb[1]:7.1f} MB")
+                f"{gl.get('version', 0):>5}  test acc {acc_s}  MB up {mb['bytes_worker_group']:.1f}"
+                f" down {mb['bytes_group_worker']:.1f} to-global {mb['bytes_group_global']:.1f} "
+                f"from-global {mb['bytes_global_group']:.1f} total {sum(mb.values()):.1f}")
         print("\r" + text if self.tty else text, end="\n" if final or not self.tty else "",
               flush=True, file=sys.stderr)
 

@@ -6,6 +6,14 @@ and writes ``summary.json``. No pickle anywhere: JSON only, numpy scalars and ar
 converted to plain numbers and lists. ``t`` is seconds since the run's ``t0`` (unix time, kept in
 ``config.json``), so files written by different processes share one time axis.
 
+Bytes per hop. ``summarize`` (and ``live_hop_bytes``, for the progress line) count every hop
+a run's bytes travel, from the group files: worker -> group (``bytes_worker_group``, the group
+servers' ``bytes_in``), group -> worker (``bytes_group_worker``, ``bytes_out``), group -> global
+(``bytes_group_global``, ``bytes_to_global``) and global -> group (``bytes_global_group``,
+``bytes_from_global``), and ``bytes_total``, their sum. These are running totals per group; one
+that drops (a restarted group process) is added up segment by segment. ``bytes_up`` /
+``bytes_down`` keep their old meaning: the worker <-> group hop only, as the evaluator saw it.
+
 Layout of a run directory (the writers in server.py / group.py / worker.py follow it)::
 
     config.json          run config: mode, compressor, model, dataset, workers, groups, seed, t0
@@ -14,9 +22,12 @@ Layout of a run directory (the writers in server.py / group.py / worker.py follo
     worker-<id>.jsonl    {"t", "worker", "group", "clock", "loss", "step_time", "wait_s",
                           "waited_for": [ids], "staleness", "bytes_raw", "bytes_wire", "samples",
                           "kept_fraction"}      one line per push; bytes_* and samples of that push
-    group-<g>.jsonl      {"t", "group", "version", "pushes", "min_clock", "max_clock", "bytes_in",
-                          "bytes_out"}          counters are totals so far
-    global.jsonl         {"t", "event", ...}    events: merge, groups, joined, left, ...
+    group-<g>.jsonl      {"t", "event", "group", "version", "pushes", "samples", "bytes_in",
+                          "bytes_out", ...}     counters are totals so far; "exchange" events
+                         also "min_clock", "max_clock", "bytes_to_global", "bytes_from_global"
+    global.jsonl         {"t", "event", ...}    events: merge, groups, joined, left, ratios, ...
+                         ("ratios": {"ratios": {g: kept fraction}, "iter_time": {g: seconds}},
+                         each change of the GDTopK ratios; the first ones are in "groups")
     data-<role>.json     real data or the synthetic stand-in, per process (provenance.py)
     summary.json         written by summarize()
 """
@@ -45,6 +56,12 @@ __all__ = [
     "time_to_accuracy",
     "load_run",
     "summarize",
+    "HOPS",
+    "HOP_COUNTERS",
+    "hop_bytes",
+    "total_bytes_series",
+    "tail_jsonl",
+    "live_hop_bytes",
 ]
 
 # Accuracy targets reported by time_to_accuracy unless config.json lists its own "targets".
@@ -288,6 +305,103 @@ def _traffic(run: Run, pushes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# bytes of each hop: the summary key and the running counter in group-<g>.jsonl that holds it
+HOP_COUNTERS = {
+    "bytes_worker_group": "bytes_in",  # workers -> their group server (every record)
+    "bytes_group_worker": "bytes_out",  # group server -> its workers (every record)
+    "bytes_group_global": "bytes_to_global",  # group -> global server ("exchange" events)
+    "bytes_global_group": "bytes_from_global",  # global server -> group ("exchange" events)
+}
+HOPS = (*HOP_COUNTERS, "bytes_total")
+
+
+class _Running:
+    """The total of running counters that may start again from 0 (a restarted `minips group`
+    process, a new channel): each drop banks the value before it."""
+
+    def __init__(self) -> None:
+        self.banked: dict[Any, float] = {}
+        self.last: dict[Any, float] = {}
+
+    def add(self, key: Any, value: float) -> None:
+        if value < self.last.get(key, 0.0):
+            self.banked[key] = self.banked.get(key, 0.0) + self.last[key]
+        self.last[key] = value
+
+    def total(self, match: Callable[[Any], bool] = lambda k: True) -> int:
+        return int(sum(self.banked.get(k, 0.0) + v for k, v in self.last.items() if match(k)))
+
+
+def _replay(groups: Mapping[Any, list[dict[str, Any]]],
+            each: Callable[[float, _Running], None] | None = None) -> _Running:
+    """The running hop counters of the group records (``{group: records}``), all groups merged
+    in time order; ``each(t, totals so far)`` is called after every record."""
+    merged = sorted(((_num(r.get("t")) or 0.0, g, r) for g, recs in groups.items() for r in recs),
+                    key=lambda x: x[0])
+    running = _Running()
+    for t, g, r in merged:
+        for counter in HOP_COUNTERS.values():
+            v = _num(r.get(counter))
+            if v is not None:
+                running.add((g, counter), v)
+        if each is not None:
+            each(t, running)
+    return running
+
+
+def hop_bytes(groups: Mapping[Any, list[dict[str, Any]]]) -> dict[str, int]:
+    """Bytes of every hop (``HOPS``) from the group records (``{group: records}``): the
+    worker <-> group hop from the group servers' ``bytes_in`` / ``bytes_out``, the group <->
+    global hop from the ``bytes_to_global`` / ``bytes_from_global`` of their exchange events
+    (0 where the records lack them), summed over the groups; ``bytes_total`` is their sum."""
+    running = _replay(groups)
+    out = {hop: running.total(lambda k, c=counter: k[1] == c)  # type: ignore[misc]
+           for hop, counter in HOP_COUNTERS.items()}
+    return {**out, "bytes_total": sum(out.values())}
+
+
+def total_bytes_series(groups: Mapping[Any, list[dict[str, Any]]]) -> list[tuple[float, int]]:
+    """(t, bytes of all hops so far) after each group record, in time order (for charts)."""
+    out: list[tuple[float, int]] = []
+    _replay(groups, lambda t, running: out.append((t, running.total())))
+    return out
+
+
+def tail_jsonl(path: str | os.PathLike[str], nbytes: int = 16384) -> list[dict[str, Any]]:
+    """The complete records in the last ``nbytes`` of a JSON-lines file (cheap to poll)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # the first, cut line, or a half-written last one
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+def live_hop_bytes(run_dir: str | os.PathLike[str]) -> dict[str, int] | None:
+    """``hop_bytes`` of a running run from the tails of its group files (None before any); a
+    restart older than the tail is not seen (a progress display's figure, not the summary's)."""
+    files = sorted(Path(run_dir).glob("group-*.jsonl"))
+    return hop_bytes({f.stem: tail_jsonl(f) for f in files}) if files else None
+
+
+def _hops(run: Run, traffic: Mapping[str, Any]) -> dict[str, int]:
+    """``hop_bytes`` of the run; without group files, worker <-> group from ``traffic``."""
+    if any(run.groups.values()):
+        return hop_bytes(run.groups)
+    up, down = int(traffic["bytes_up"] or 0), int(traffic["bytes_down"] or 0)
+    return {"bytes_worker_group": up, "bytes_group_worker": down, "bytes_group_global": 0,
+            "bytes_global_group": 0, "bytes_total": up + down}
+
+
 def _per_worker(run: Run) -> dict[str, dict[str, Any]]:
     """Per worker: group, steps, mean wait and staleness, and how often others waited for it."""
     blamed: dict[str, int] = {}
@@ -312,7 +426,9 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
 
     Keys: mode, compressor, model, dataset, workers, groups, final_accuracy, best_accuracy,
     final_loss, wall_s (t0 to the end), train_start_s (t0 to the ``groups`` event), train_s,
-    samples, samples_per_s (over train_s), bytes_up, bytes_down, bytes_raw, time_to_accuracy
+    samples, samples_per_s (over train_s), bytes_up, bytes_down (worker <-> group only, as the
+    evaluator saw them), bytes_raw, bytes_worker_group, bytes_group_worker, bytes_group_global,
+    bytes_global_group, bytes_total (every hop; see the module docstring), time_to_accuracy
     (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
     mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
     mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}), data ("real",
@@ -334,7 +450,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "workers": len(run.workers) or cfg.get("workers"), "groups": _groups(run),
         "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs, default=None),
         "final_loss": _last(run.eval, "loss"), "wall_s": wall, "train_start_s": start,
-        "train_s": train, **traffic,
+        "train_s": train, **traffic, **_hops(run, traffic),
         "samples_per_s": traffic["samples"] / train if train else None,
         "time_to_accuracy": time_to_accuracy(run.eval, targets or cfg.get("targets")
                                              or DEFAULT_TARGETS, start),

@@ -6,6 +6,12 @@
   ``groups`` event; start-up is left out), one line per run, labelled ``mode/compressor``;
 - ``accuracy_vs_bytes.png``: test accuracy against the bytes workers uploaded (log axis when
   the runs span more than 100x, as dense and sparse runs do);
+- ``accuracy_vs_total_bytes.png``: test accuracy against the bytes of every hop so far (worker
+  <-> group and group <-> global, ``metrics.total_bytes_series`` from the group files; runs
+  without group files are left out);
+- ``<run>-ratios.png`` for each GDTopK run: each group's kept fraction over time (the
+  ``groups`` event's ratios, then every ``ratios`` event) above the smoothed iteration times
+  the policy followed;
 - ``<run>-workers.png`` for each run: every worker's clock and staleness over time, which
   shows who waited for whom and how far apart the groups drifted.
 
@@ -15,12 +21,13 @@ A chart with nothing to draw is not written. Figures are built with ``matplotlib
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from minips.metrics import Run, load_run
+from minips.metrics import Run, load_run, total_bytes_series
 
 __all__ = ["plot_runs", "DPI"]
 
@@ -77,6 +84,65 @@ def _accuracy_chart(runs: Sequence[Run], x: str, xlabel: str, path: Path) -> Pat
     return _save(fig, path)
 
 
+def _total_bytes_chart(runs: Sequence[Run], path: Path) -> Path | None:
+    """Accuracy against the MB of every hop so far, read off each evaluation's time."""
+    fig, (ax,) = _figure()
+    drawn = False
+    for run, label in zip(runs, _labels(runs), strict=True):
+        series = total_bytes_series(run.groups)
+        if not series:
+            continue
+        times = [t for t, _ in series]
+        ts, accs = _series(run.eval, "t", "accuracy")
+        xs = [series[i - 1][1] / 1e6 if (i := bisect.bisect_right(times, t)) else 0.0
+              for t in ts]
+        ax.plot(xs, accs, marker=".", label=label)
+        drawn = True
+    if not drawn:
+        return None
+    ax.set(xlabel="MB on every hop (worker <-> group, group <-> global)",
+           ylabel="test accuracy", title="Accuracy vs total bytes")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _save(fig, path)
+
+
+def _event_points(run: Run, key: str) -> dict[str, tuple[list[float], list[float]]]:
+    """``{group: (times since the training start, values)}`` of the ``{group: value}`` map
+    ``key`` of the ``groups`` and ``ratios`` events."""
+    out: dict[str, tuple[list[float], list[float]]] = {}
+    for r in run.events:
+        t = r.get("t")
+        if r.get("event") in ("groups", "ratios") and isinstance(t, (int, float)):
+            for g, v in (r.get(key) or {}).items():
+                if isinstance(v, (int, float)):
+                    xs, ys = out.setdefault(str(g), ([], []))
+                    xs.append(float(t) - run.start_t)
+                    ys.append(float(v))
+    return out
+
+
+def _ratios_chart(run: Run, label: str, path: Path) -> Path | None:
+    """GDTopK ratio per group over time, and the iteration times it followed (only for runs
+    whose ratios the GDTopK policy set)."""
+    ratios = _event_points(run, "ratios")
+    if not ratios or run.config.get("compressor") != "gdtopk":
+        return None
+    fig, (ax_r, ax_t) = _figure(rows=2, height=6.0)
+    end = max([x for xs, _ in ratios.values() for x in xs]
+              + _series(run.eval, "t", "accuracy", run.start_t)[0])
+    for g, (xs, ys) in sorted(ratios.items()):
+        ax_r.step(xs + [end], [100 * y for y in ys + ys[-1:]], where="post", label=f"group {g}")
+    for g, (xs, ys) in sorted(_event_points(run, "iter_time").items()):
+        ax_t.plot(xs, ys, marker=".", label=f"group {g}")
+    ax_r.set(ylabel="kept fraction (%)", title=f"GDTopK ratio per group over time: {label}")
+    ax_t.set(ylabel="iteration time (s, smoothed)", xlabel="training time (s)")
+    for ax in (ax_r, ax_t):
+        ax.grid(alpha=0.3)
+    ax_r.legend(fontsize="small")
+    return _save(fig, path)
+
+
 def _workers_chart(run: Run, label: str, path: Path) -> Path | None:
     if not any(run.workers.values()):
         return None
@@ -114,8 +180,10 @@ def plot_runs(run_dirs: Iterable[str | os.PathLike[str]],
     written = [
         _accuracy_chart(runs, "t", "training time (s)", out / "accuracy_vs_time.png"),
         _accuracy_chart(runs, "bytes_up", "bytes uploaded (MB)", out / "accuracy_vs_bytes.png"),
+        _total_bytes_chart(runs, out / "accuracy_vs_total_bytes.png"),
     ]
     labels = _labels(runs)
     for run, label, name in zip(runs, labels, _unique_names(runs), strict=True):
+        written.append(_ratios_chart(run, label, out / f"{name}-ratios.png"))
         written.append(_workers_chart(run, label, out / f"{name}-workers.png"))
     return [p for p in written if p is not None]

@@ -8,7 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minips.metrics import JsonlWriter, RunDir, load_run, read_jsonl, summarize
+from minips.metrics import (
+    HOP_COUNTERS,
+    HOPS,
+    JsonlWriter,
+    RunDir,
+    live_hop_bytes,
+    load_run,
+    read_jsonl,
+    summarize,
+    total_bytes_series,
+)
 
 CONFIG = {"mode": "gssp", "compressor": "gdtopk", "model": "lenet5", "dataset": "fashion-mnist",
           "workers": 2, "groups": 0, "seed": 0, "t0": 1000.0}
@@ -159,3 +169,66 @@ def test_summary_and_progress_line_say_whether_the_data_was_real(tmp_path, capsy
     assert "SYNTHETIC DATA" in capsys.readouterr().err
     provenance.record(tmp_path, "worker-0", stand_in)
     assert summarize(tmp_path, write=False)["data"] == "synthetic"
+
+
+def _exchange(t, g, bytes_in, bytes_out, to_global, from_global):
+    return {"t": t, "event": "exchange", "group": g, "bytes_in": bytes_in, "bytes_out": bytes_out,
+            "bytes_to_global": to_global, "bytes_from_global": from_global}
+
+
+def make_hop_run(root: Path) -> Path:
+    """Two groups whose exchange events carry every hop's running totals; group 1's process
+    restarted at t=3 (its counters start again from 0)."""
+    make_run(root)
+    _lines(root / "group-0.jsonl", [_exchange(1.0, 0, 100, 1000, 50, 400),
+                                    {"t": 1.5, "event": "expired", "group": 0, "bytes_in": 150,
+                                     "bytes_out": 1500},  # no group <-> global counters here
+                                    _exchange(2.0, 0, 200, 2000, 100, 800)])
+    _lines(root / "group-1.jsonl", [_exchange(1.0, 1, 10, 100, 5, 40),
+                                    _exchange(2.0, 1, 30, 300, 15, 120),
+                                    _exchange(3.0, 1, 7, 70, 3, 30),  # restarted
+                                    _exchange(4.0, 1, 9, 90, 4, 35)])
+    return root
+
+
+def test_summarize_counts_every_hop(tmp_path):
+    s = summarize(make_hop_run(tmp_path))
+    assert s["bytes_worker_group"] == 200 + 30 + 9
+    assert s["bytes_group_worker"] == 2000 + 300 + 90
+    assert s["bytes_group_global"] == 100 + 15 + 4
+    assert s["bytes_global_group"] == 800 + 120 + 35
+    assert s["bytes_total"] == sum(s[k] for k in HOP_COUNTERS)
+    assert (s["bytes_up"], s["bytes_down"]) == (2000, 44000)  # the evaluator's, as before
+    series = total_bytes_series(load_run(tmp_path).groups)
+    assert [t for t, _ in series] == sorted(t for t, _ in series)
+    assert series[-1][1] == s["bytes_total"]
+    assert all(b <= a for (_, b), (_, a) in zip(series, series[1:]))  # never drops
+
+
+def test_hops_before_the_exchange_events_have_them_and_without_group_files(tmp_path):
+    s = summarize(make_run(tmp_path), write=False)  # group files without group <-> global
+    assert (s["bytes_worker_group"], s["bytes_group_worker"]) == (600, 16000)
+    assert s["bytes_group_global"] == s["bytes_global_group"] == 0
+    assert s["bytes_total"] == 16600
+    for f in tmp_path.glob("group-*.jsonl"):
+        f.unlink()
+    s = summarize(tmp_path, write=False)  # no group files: the evaluator's worker <-> group
+    assert (s["bytes_worker_group"], s["bytes_group_worker"], s["bytes_total"]) == (
+        2000, 44000, 46000)
+
+
+def test_progress_line_shows_every_hop(tmp_path, capsys):
+    from minips.config import LaunchConfig
+    from minips.launch import ProgressLine
+
+    line = ProgressLine(make_hop_run(tmp_path), LaunchConfig())
+    live = live_hop_bytes(tmp_path)
+    assert live == {k: summarize(tmp_path, write=False)[k] for k in HOPS}
+    line.draw(final=True)
+    err = capsys.readouterr().err
+    for label in ("up 0.0", "down 0.0", "to-global 0.0", "from-global 0.0", "total 0.0"):
+        assert label in err, err
+    _lines(tmp_path / "group-0.jsonl", [_exchange(9.0, 0, 2e6, 3e6, 4e5, 5e5)])
+    _lines(tmp_path / "group-1.jsonl", [])
+    line.draw(final=True)
+    assert "MB up 2.0 down 3.0 to-global 0.4 from-global 0.5 total 5.9" in capsys.readouterr().err

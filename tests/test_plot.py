@@ -48,6 +48,37 @@ def test_plot_runs_writes_small_pngs(tmp_path):
         assert 5_000 < p.stat().st_size < 300_000
 
 
+def _add_hops_and_ratios(path: Path) -> Path:
+    """Group files with every hop's running totals and GDTopK ratio events, as a run writes."""
+    rd = RunDir(path)
+    for g in (0, 1):
+        with rd.writer(f"group-{g}") as gw:
+            for i in range(1, 12):
+                gw.write({"t": 1.0 * i, "event": "exchange", "group": g, "bytes_in": 1000 * i,
+                          "bytes_out": 40_000 * i, "bytes_to_global": 500 * i,
+                          "bytes_from_global": 900 * i})
+    with rd.writer("global") as gl:
+        gl.write({"t": 0.5, "event": "groups", "ratios": {"0": 0.01, "1": 0.01}})
+        for i in range(1, 6):
+            gl.write({"t": 0.5 + 2 * i, "event": "ratios",
+                      "ratios": {"0": 0.01 - 0.001 * i, "1": 0.01 + 0.001 * i},
+                      "iter_time": {"0": 0.1, "1": 0.1 + 0.02 * i}})
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_plot_total_bytes_and_gdtopk_ratio_charts(tmp_path):
+    gdt = _add_hops_and_ratios(_make_run(tmp_path / "gdt", "gssp", "gdtopk", 3_000))
+    topk = _add_hops_and_ratios(_make_run(tmp_path / "topk", "gssp", "topk", 3_000))
+    plain = _make_run(tmp_path / "plain", "ssp", "none", 400_000)  # no group files
+    paths = {p.name: p for p in plot_runs([gdt, topk, plain], tmp_path / "charts")}
+    assert {"accuracy_vs_total_bytes.png", "gdt-ratios.png"} <= set(paths)
+    assert "topk-ratios.png" not in paths and "plain-ratios.png" not in paths  # not GDTopK
+    for name in ("accuracy_vs_total_bytes.png", "gdt-ratios.png"):
+        assert _is_png(paths[name]) and 5_000 < paths[name].stat().st_size < 300_000
+    assert not any(p.name == "accuracy_vs_total_bytes.png" for p in plot_runs([plain]))
+
+
 @pytest.mark.timeout(120)
 def test_plot_defaults_to_first_run_dir_and_skips_empty_charts(tmp_path):
     run = _make_run(tmp_path / "a", "ssp", "topk", 1000)
