@@ -7,6 +7,8 @@ Invariants: a run directory is ``<runs>/<suite>-<experiment>-s<seed>`` (``run_na
 only when its summary.json says ``"status": "done"`` (``run_done``); unfinished runs are left
 out of the table and listed under ``missing``; a time to accuracy that a seed never reached
 counts as infinitely slow in the median; speedups compare the highest target both rows reached.
+Bytes: ``bytes_up`` / ``bytes_down`` are the worker <-> group hop; the ``metrics.HOPS`` figures
+add the group <-> global hop and ``bytes_total`` (tables made before them show –).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ __all__ = ["TAIL_POINTS", "run_name", "run_done", "run_figures", "aggregate", "a
            "build_table", "table_markdown", "plot_suite"]
 
 TAIL_POINTS = 5  # evaluations averaged into tail_accuracy (10 s at the quick eval period)
+# the table's columns beyond MB up / down (worker <-> group): tables made before them show –
+GLOBAL_HOPS = ("bytes_group_global", "bytes_global_group", "bytes_total")
 
 
 # -- run directories ---------------------------------------------------------------------------
@@ -75,6 +79,7 @@ def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
         "best_accuracy": s["best_accuracy"], "curve_final_accuracy": s["final_accuracy"],
         "tail_accuracy": _tail_mean(run.eval, TAIL_POINTS),
         "samples": s["samples"], "bytes_up": s["bytes_up"], "bytes_down": s["bytes_down"],
+        **{hop: s[hop] for hop in metrics.HOPS},  # every hop (bytes_up/down: worker <-> group)
         "mean_staleness": s["mean_staleness"], "max_staleness": s["max_staleness"],
         "mean_wait_s": s["mean_wait_s"], "mean_kept_fraction": s["mean_kept_fraction"],
         "train_s": s["train_s"], "samples_per_s": s["samples_per_s"], "groups": s["groups"],
@@ -191,14 +196,17 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
                    f"({cfg.get('lr_schedule', 'constant')}), seeds {cfg['seeds']}\n")
         head = (["experiment"] + [f"t→{float(t):.0%} (s)" for t in targets]
                 + ["final acc %", "tail acc %", "best acc %", "samples", "MB up", "MB down",
-                   "kept %", "staleness", "wait s", "vs BSP", "vs SSP", "overrun"])
+                   "MB to global", "MB from global", "MB total", "kept %", "staleness",
+                   "wait s", "vs BSP", "vs SSP", "overrun"])
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for label, r in suite["rows"].items():
             cells = ([label] + [_fmt(r["time_to_accuracy"].get(t)) for t in targets]
                      + [_fmt(r["final_accuracy"], "pct"), _fmt(r["tail_accuracy"], "pct"),
                         _fmt(r["best_accuracy"], "pct"),
                         _fmt(r["samples"]), _fmt(r["bytes_up"], "mb"),
-                        _fmt(r["bytes_down"], "mb"), _fmt(r["mean_kept_fraction"], "pct"),
+                        _fmt(r["bytes_down"], "mb"),
+                        *(_fmt(r.get(hop), "mb") for hop in GLOBAL_HOPS),  # older tables: –
+                        _fmt(r["mean_kept_fraction"], "pct"),
                         _fmt(r["mean_staleness"]), _fmt(r["mean_wait_s"]),
                         _fmt(r["speedup_vs_bsp"], "x"), _fmt(r["speedup_vs_ssp"], "x"),
                         _fmt(r["step_overrun"])])

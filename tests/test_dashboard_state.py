@@ -375,3 +375,13 @@ def test_a_failing_tick_is_printed_once_and_the_monitor_goes_on(
         f.write(json.dumps({"t": 2.0, "accuracy": 0.6}) + "\n")
     monitor.tick()
     assert capsys.readouterr().err.count("RuntimeError: a bug in the dashboard") == 1
+
+
+def test_totals_add_the_group_global_hop_from_the_groups_exchange_events() -> None:
+    s = RunState(CONFIG)
+    assert (s.totals["bytes_group_global"], s.totals["bytes_global_group"]) == (0, 0)
+    for g, t, to, back in [(0, 1.0, 100, 400), (1, 1.5, 10, 40), (0, 2.0, 300, 900)]:
+        s.add("group", {"t": t, "event": "exchange", "group": g, "bytes_to_global": to,
+                        "bytes_from_global": back})
+    s.add("group", {"t": 2.5, "event": "expired", "group": 1, "workers": [3]})  # no counters
+    assert (s.totals["bytes_group_global"], s.totals["bytes_global_group"]) == (310, 940)

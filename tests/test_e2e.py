@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from minips.metrics import read_jsonl
+from minips.metrics import HOP_COUNTERS, read_jsonl
 
 SUMMARY_KEYS = ("mode", "compressor", "workers", "groups", "final_accuracy", "best_accuracy",
-                "wall_s", "samples", "bytes_up", "bytes_down", "time_to_accuracy")
+                "wall_s", "samples", "bytes_up", "bytes_down", "time_to_accuracy", "bytes_total")
 
 
 @pytest.mark.timeout(300)
@@ -42,6 +42,13 @@ def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) 
     assert summary["time_to_accuracy"]["0.80"] is not None
     assert summary["samples"] >= 3 * 60000
     assert 0 < summary["bytes_up"] < summary["bytes_down"]  # sparse up, dense weights down
+    hops = [summary[k] for k in HOP_COUNTERS]  # every hop counted, adding up to the total
+    assert summary["bytes_total"] == sum(hops)
+    assert hops[0] > 0 and hops[1] > 0  # worker <-> group
+    exchanges = [r for g in (0, 1) for r in read_jsonl(run_dir / f"group-{g}.jsonl")
+                 if r.get("event") == "exchange"]
+    if any("bytes_to_global" in r for r in exchanges):  # the group servers count that hop
+        assert hops[2] > 0 and hops[3] > 0  # group <-> global
 
     groups = {r["group"] for r in read_jsonl(run_dir / "worker-0.jsonl")}
     slow = {r["group"] for r in read_jsonl(run_dir / "worker-3.jsonl")}
@@ -54,5 +61,6 @@ def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) 
                           str(tmp_path / "png")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     pngs = sorted(p.name for p in (tmp_path / "png").glob("*.png"))
-    assert {"accuracy_vs_time.png", "accuracy_vs_bytes.png"} <= set(pngs)
+    assert {"accuracy_vs_time.png", "accuracy_vs_bytes.png", "accuracy_vs_total_bytes.png",
+            "gssp-ratios.png"} <= set(pngs)
     assert all((tmp_path / "png" / p).stat().st_size > 1000 for p in pngs)

@@ -202,7 +202,7 @@ def test_summarize_counts_every_hop(tmp_path):
     series = total_bytes_series(load_run(tmp_path).groups)
     assert [t for t, _ in series] == sorted(t for t, _ in series)
     assert series[-1][1] == s["bytes_total"]
-    assert all(b <= a for (_, b), (_, a) in zip(series, series[1:]))  # never drops
+    assert all(b <= a for (_, b), (_, a) in zip(series, series[1:], strict=False))  # never drops
 
 
 def test_hops_before_the_exchange_events_have_them_and_without_group_files(tmp_path):

@@ -111,6 +111,10 @@ def test_smoke_run_writes_table_runs_and_plots(tmp_path):
     assert launch["run"]["seed"] == 0 and launch["run"]["compressor"] == "topk"
     assert json.loads((run_dir / "reproduce.json").read_text())["final_full_test"]["samples"]
     assert "| gssp+topk |" in (out / "table.md").read_text()
+    for row in rows.values():  # every hop counted, and adding up
+        hops = [row[k] for k in ("bytes_worker_group", "bytes_group_worker",
+                                 "bytes_group_global", "bytes_global_group")]
+        assert row["bytes_total"] == sum(hops) and hops[0] > 0 and hops[1] > 0
     for chart in ("accuracy_vs_time", "accuracy_vs_bytes"):
         assert (out / f"smoke-{chart}.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -142,3 +146,22 @@ def test_charts_draw_each_row_s_median_seed(tmp_path, monkeypatch):
                         lambda run_dir, x: ([1.0], [last[int(run_dir.name[-1])]]))
     assert repro_table._median_curve(suite, tmp_path, exp, "t") == ([1.0], [0.8])
     assert repro_table._median_curve(suite, tmp_path, suite.experiments[1], "t") is None
+
+
+def test_table_shows_every_hop_and_a_dash_for_tables_made_before_them():
+    import repro_table
+
+    old = json.loads((ROOT / "results" / "quick" / "table.json").read_text())
+    md = repro_table.table_markdown("quick", old)  # rows without the hop figures
+    head = next(line for line in md.splitlines() if line.startswith("| experiment"))
+    assert "| MB to global | MB from global | MB total |" in head
+    bsp = next(line for line in md.splitlines() if line.startswith("| bsp |"))
+    cells = [c.strip() for c in bsp.split("|")]
+    col = [c.strip() for c in head.split("|")].index("MB total")
+    assert cells[col] == cells[col - 1] == cells[col - 2] == "–"
+    (suite,) = old["suites"].values()
+    row = next(iter(suite["rows"].values()))
+    row.update(bytes_group_global=2e6, bytes_global_group=3e6, bytes_total=9e6)
+    line = repro_table.table_markdown("quick", old).splitlines()
+    cells = [c.strip() for c in next(x for x in line if x.startswith("| bsp |")).split("|")]
+    assert cells[col - 2:col + 1] == ["2.0", "3.0", "9.0"]

@@ -110,6 +110,7 @@ class RunState:
         self.wait_hist = Histogram(WAIT_BUCKETS)
         self._counters: dict[str, float] = {"bytes_up": 0, "bytes_down": 0, "samples": 0}
         self.merges: dict[int, int] = {}  # group -> merges
+        self.to_global: dict[Any, dict[str, float]] = {}  # group -> its group <-> global bytes
         self.pushes: dict[int, int] = {}  # group -> pushes its workers' files recorded
         self.checkpoint_t: float | None = None
         self.done = False
@@ -170,6 +171,11 @@ class RunState:
                                 "max_clock": r.get("max_clock")})
 
     def _group(self, r: dict[str, Any]) -> None:
+        if r.get("event") == "exchange":  # running totals of the group <-> global hop
+            hop = self.to_global.setdefault(r.get("group"), {})
+            for k in ("bytes_to_global", "bytes_from_global"):
+                if isinstance(r.get(k), (int, float)):
+                    hop[k] = r[k]
         if r.get("event") == "expired":
             for w in r.get("workers") or []:
                 self._view(w).gone = "expired"
@@ -220,9 +226,13 @@ class RunState:
     @property
     def totals(self) -> dict[str, float]:
         """Pushes and merges (the sums of the per-group counts), then bytes and samples as of
-        the last global line."""
+        the last global line (``bytes_up`` / ``bytes_down``: worker <-> group), and the group
+        <-> global bytes as of each group's last exchange."""
+        hops = {k: sum(h.get(k, 0) for h in self.to_global.values())
+                for k in ("bytes_to_global", "bytes_from_global")}
         return {"pushes": sum(self.pushes.values()), "merges": sum(self.merges.values()),
-                **self._counters}
+                **self._counters, "bytes_group_global": hops["bytes_to_global"],
+                "bytes_global_group": hops["bytes_from_global"]}
 
     def state_of(self, v: WorkerView, now: float) -> str:
         """computing | waiting | pulling | dead | done (the rules in the module docstring)."""
