@@ -9,9 +9,11 @@ times would miss what GDTopK is about: a group whose link is slow iterates slowl
 
 The policy (``RatioPolicy``), run by the global server:
 
-1. Smoothing: ``ema_g += beta * (iter_time - ema_g)`` per report (``beta`` 0.3). A group that
-   has not reported yet uses the step time the grouping saw (``seed``), replaced, not blended,
-   by its first report.
+1. Smoothing: an exponential moving average over time, ``ema_g += w * (iter_time - ema_g)``
+   with ``w = 1 - exp(-dt / tau)`` for a report ``dt`` seconds after the group's previous one
+   (``tau`` = 5 s): a fast group that exchanges ten times a second is smoothed over the same
+   seconds as a slow one. A group that has not reported yet uses the step time the grouping
+   saw (``seed``), replaced, not blended, by its first report.
 2. Shape: ``compressors.gdtopk_ratios`` with ``alpha``: ``slower-more`` gives a group
    ``floor * (t_g / t_fastest) ** alpha`` (slower groups, which push less often, send more per
    push), ``slower-less`` ``floor * (t_slowest / t_g) ** alpha`` (slower groups send less, to
@@ -33,12 +35,12 @@ from collections.abc import Mapping
 
 from minips import compressors
 
-__all__ = ["IterTimer", "RatioPolicy", "SPREAD", "EPS", "EVERY_S", "BETA"]
+__all__ = ["IterTimer", "RatioPolicy", "SPREAD", "EPS", "EVERY_S", "TAU_S"]
 
 SPREAD = 10.0  # ratios stay within [target / SPREAD, target * SPREAD]
 EPS = 0.1  # relative change of some group's ratio that is worth sending new ratios
 EVERY_S = 1.0  # at most one new set of ratios per this many seconds
-BETA = 0.3  # EMA weight of a new iteration time report
+TAU_S = 5.0  # time constant of the iteration times' moving average (seconds)
 FLOOR_RANGE = (1e-9, 1e3)  # where the bisection looks for the floor (clamping does the rest)
 
 
@@ -68,13 +70,13 @@ class RatioPolicy:
     """Per-group GDTopK ratios from smoothed iteration times (see the module docstring)."""
 
     def __init__(self, target: float, *, direction: str = "slower-more", alpha: float = 1.0,
-                 beta: float = BETA, eps: float = EPS, every_s: float = EVERY_S) -> None:
+                 tau_s: float = TAU_S, eps: float = EPS, every_s: float = EVERY_S) -> None:
         self.target = target
-        self.direction, self.alpha, self.beta, self.eps, self.every_s = (
-            direction, alpha, beta, eps, every_s)
+        self.direction, self.alpha, self.tau_s, self.eps, self.every_s = (
+            direction, alpha, tau_s, eps, every_s)
         self.lo, self.hi = target / SPREAD, min(1.0, target * SPREAD)
         self.times: dict[int, float] = {}  # group -> smoothed iteration time (s)
-        self.measured: set[int] = set()  # groups whose time comes from a report, not a seed
+        self.measured: dict[int, float] = {}  # group -> `now` of its last report (not a seed)
         self.ratios: dict[int, float] = {}  # group -> the ratio last proposed
         self._at = -math.inf  # `now` of the last proposal
 
@@ -83,15 +85,17 @@ class RatioPolicy:
         if g not in self.measured and _valid(step_time):
             self.times[g] = float(step_time)
 
-    def observe(self, g: int, iter_time: float) -> None:
-        """Group ``g`` reported a mean iteration time; invalid (0, missing) reports are ignored."""
+    def observe(self, g: int, iter_time: float, now: float) -> None:
+        """Group ``g`` reported a mean iteration time at ``now``; invalid (0, missing) reports
+        are ignored."""
         if not _valid(iter_time):
             return
         if g in self.measured:
-            self.times[g] += self.beta * (iter_time - self.times[g])
+            w = 1.0 - math.exp(-max(0.0, now - self.measured[g]) / self.tau_s)
+            self.times[g] += w * (iter_time - self.times[g])
         else:
             self.times[g] = float(iter_time)
-            self.measured.add(g)
+        self.measured[g] = now
 
     def compute(self, workers: Mapping[int, int]) -> dict[int, float]:
         """``{group: ratio}`` for the groups in ``workers`` (``{group: worker count}``) that

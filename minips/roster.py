@@ -186,10 +186,10 @@ class Roster:
         """Group ``g``'s GDTopK ratio as the policy last set it (the run's ratio otherwise)."""
         return self.policy.ratios.get(g, self.run.ratio) if self.policy else self.run.ratio
 
-    def observe_iter_time(self, g: int, iter_time: Any) -> None:
+    def observe_iter_time(self, g: int, iter_time: Any, now: float) -> None:
         """An exchange of group ``g`` reported its workers' mean iteration time (gdtopk.py)."""
         if self.policy is not None:
-            self.policy.observe(g, iter_time)
+            self.policy.observe(g, iter_time, now)
 
     def update_ratios(self, now: float) -> dict[int, float]:
         """Refresh each group's mean step time from its members' STATS; with GDTopK, the new

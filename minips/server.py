@@ -304,7 +304,7 @@ class GlobalServer:
     def _observe_iter_time(self, g: int, stats: dict[str, Any]) -> None:
         """An exchange's measured iteration time (``iter_time``) feeds the GDTopK policy."""
         if self.roster.policy is not None:
-            self.roster.observe_iter_time(g, stats.get("iter_time"))
+            self.roster.observe_iter_time(g, stats.get("iter_time"), time.monotonic())
             self._update_ratios()
 
     # -- merging -----------------------------------------------------------------------------

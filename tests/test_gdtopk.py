@@ -4,6 +4,8 @@ hysteresis and the rate limit), driven with made-up times."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from minips.gdtopk import EPS, SPREAD, IterTimer, RatioPolicy
@@ -37,7 +39,7 @@ def test_ratios_follow_the_direction_and_hold_the_worker_weighted_mean(direction
     p = policy(direction)
     workers = {0: 4, 1: 2, 2: 2}
     for g, t in {0: 0.1, 1: 0.2, 2: 0.4}.items():
-        p.observe(g, t)
+        p.observe(g, t, 0.0)
     r = p.propose(workers, now=0.0)
     assert r is not None and set(r) == {0, 1, 2}
     assert mean(r, workers) == pytest.approx(TARGET, rel=1e-6)
@@ -53,7 +55,7 @@ def test_ratios_follow_the_direction_and_hold_the_worker_weighted_mean(direction
 def test_bounds_clamp_and_the_mean_is_still_held() -> None:
     p = policy()
     for g, t in {0: 0.01, 1: 0.02, 2: 50.0}.items():  # one group 5000x slower
-        p.observe(g, t)
+        p.observe(g, t, 0.0)
     r = p.compute({0: 1, 1: 1, 2: 1})
     assert r[0] == r[1] == pytest.approx(TARGET / SPREAD)  # the fast ones clamped at lo
     assert mean(r, {0: 1, 1: 1, 2: 1}) == pytest.approx(TARGET, rel=1e-6)
@@ -65,31 +67,45 @@ def test_bounds_clamp_and_the_mean_is_still_held() -> None:
 def test_equal_times_give_every_group_the_target() -> None:
     p = policy()
     for g in (0, 1):
-        p.observe(g, 0.3)
+        p.observe(g, 0.3, 0.0)
     assert p.compute({0: 3, 1: 5}) == pytest.approx({0: TARGET, 1: TARGET})
 
 
 def test_changes_follow_the_times_with_smoothing_hysteresis_and_rate_limit() -> None:
-    p = policy(beta=0.5, every_s=1.0)
+    p = policy(tau_s=2.0, every_s=1.0)
     workers = {0: 2, 1: 2}
-    p.observe(0, 0.1)
-    p.observe(1, 0.1)
+    p.observe(0, 0.1, 0.0)
+    p.observe(1, 0.1, 0.0)
     first = p.propose(workers, now=0.0)
     assert first == pytest.approx({0: TARGET, 1: TARGET})
-    p.observe(1, 0.3)  # group 1 slows down: smoothed 0.1 + 0.5 * (0.3 - 0.1) = 0.2
-    assert p.times[1] == pytest.approx(0.2)
-    assert p.propose(workers, now=0.5) is None  # rate limit: not within 1 s of the last
-    second = p.propose(workers, now=1.0)
-    assert second is not None and second[1] == pytest.approx(2 * second[0])
+    # group 1 slows down: 2 s later its average has moved 1 - exp(-1) of the way to 0.3
+    p.observe(1, 0.3, 2.0)
+    assert p.times[1] == pytest.approx(0.1 + (1 - math.exp(-1)) * 0.2)
+    assert p.propose(workers, now=2.5) is not None
+    p.observe(1, 0.6, 2.6)  # slower still
+    assert p.propose(workers, now=3.0) is None  # rate limit: within 1 s of the last
+    second = p.propose(workers, now=3.5)
+    assert second is not None and second[1] / second[0] == pytest.approx(p.times[1] / 0.1)
     assert mean(second, workers) == pytest.approx(TARGET)
     # a change smaller than EPS is not worth new ratios, however long one waits
-    p.observe(1, p.times[1] * (1 + EPS / 4))
-    assert p.propose(workers, now=10.0) is None
-    # group 1 speeds up again: the ratios come back towards equal
-    for _ in range(20):
-        p.observe(1, 0.1)
-    third = p.propose(workers, now=11.0)
-    assert third is not None and third[1] == pytest.approx(third[0], rel=1e-3)
+    p.observe(1, p.times[1] * (1 + EPS / 4), 100.0)
+    assert p.propose(workers, now=100.0) is None
+    # group 1 speeds up again: the ratios come back to equal
+    p.observe(1, 0.1, 200.0)
+    third = p.propose(workers, now=200.0)
+    assert third is not None and third[1] == pytest.approx(third[0], rel=1e-6)
+
+
+def test_smoothing_is_over_time_not_over_reports() -> None:
+    """Ten reports 0.1 s apart move the average as far as one report 1 s later."""
+    many, one = policy(tau_s=5.0), policy(tau_s=5.0)
+    for p in (many, one):
+        p.observe(0, 0.1, 0.0)
+    for i in range(1, 11):
+        many.observe(0, 0.3, 0.1 * i)
+    one.observe(0, 0.3, 1.0)
+    assert many.times[0] == pytest.approx(one.times[0])
+    assert 0.1 < one.times[0] < 0.3
 
 
 def test_a_seed_counts_until_the_first_report_which_replaces_it() -> None:
@@ -97,19 +113,19 @@ def test_a_seed_counts_until_the_first_report_which_replaces_it() -> None:
     p.seed(0, 0.05)
     p.seed(1, 0.05)
     assert p.compute({0: 1, 1: 1}) == pytest.approx({0: TARGET, 1: TARGET})
-    p.observe(1, 0.5)  # replaces the seed (no blending with a compute-only step time)
+    p.observe(1, 0.5, 0.0)  # replaces the seed (no blending with a compute-only step time)
     assert p.times[1] == 0.5
     p.seed(1, 0.05)  # a later seed does not override a measured time
     assert p.times[1] == 0.5
     for bad in (0.0, -1.0, float("nan"), None, True):
-        p.observe(0, bad)  # type: ignore[arg-type]
+        p.observe(0, bad, 0.0)  # type: ignore[arg-type]
     assert p.times[0] == 0.05
 
 
 def test_groups_without_workers_or_times_are_left_out() -> None:
     p = policy()
-    p.observe(0, 0.1)
-    p.observe(1, 0.2)
+    p.observe(0, 0.1, 0.0)
+    p.observe(1, 0.2, 0.0)
     r = p.compute({0: 2, 1: 0, 2: 3})  # group 1 empty, group 2 never measured
     assert r == pytest.approx({0: TARGET})
     assert p.compute({}) == {}

@@ -8,6 +8,7 @@ reply was lost merged exactly once.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,9 @@ async def join(port: int, wid: int, step_time: float) -> Any:
 
 
 async def next_assign(ch: Any) -> protocol.Assign:
-    """The next ASSIGN on a worker's control channel (HEARTBEATs skipped)."""
+    """The next ASSIGN on a worker's or group's channel (HEARTBEAT, WEIGHTS skipped)."""
     while not isinstance(msg := await asyncio.wait_for(ch.recv(), 5), protocol.Assign):
-        assert isinstance(msg, protocol.Heartbeat), msg
+        assert isinstance(msg, (protocol.Heartbeat, protocol.Weights)), msg
     return msg
 
 
@@ -89,7 +90,7 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         await ch.close()
         # measured iteration times (exchanges) turn the ratios around: group 0 is now slower
         srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
-        srv.roster.observe_iter_time(0, 0.5)
+        srv.roster.observe_iter_time(0, 0.5, 0.0)
         srv.merge(1, np.zeros(8, np.float32), {"samples": 1, "iter_time": 0.1})
         later = [await next_assign(c) for c in chans]
         assert [a.group for a in later] == [0, 0, 1, 1]
@@ -150,6 +151,34 @@ async def test_a_group_process_on_every_interface_is_announced_at_its_connection
     finally:
         await ctl.close()
         await grp.close()
+        await srv.close()
+
+
+async def test_group_processes_get_their_gdtopk_ratio_and_every_change_of_it(
+        tmp_path: Path) -> None:
+    """`minips group` processes: the first ASSIGN carries the group's own ratio (not the run's),
+    and an exchange whose iteration time changes the ratios sends each group a new ASSIGN."""
+    srv = make_server(tmp_path, np.zeros(4, np.float32), external_groups=2, workers=2,
+                      mode="gssp", groups=2, compressor="gdtopk", ratio=0.01)
+    port = await srv.start()
+    grps = [await transport.connect("127.0.0.1", port, role="group", token=TOKEN,
+                                    address=f"127.0.0.1:{7200 + i}") for i in range(2)]
+    ctls = [await join(port, 0, 0.01), await join(port, 1, 0.04)]
+    try:
+        first = {a.group: (a.ratio, ch) for ch in grps if (a := await next_assign(ch))}
+        assert first[1][0] == pytest.approx(4 * first[0][0])  # slower-more: the slow one sends more
+        assert (first[0][0] + first[1][0]) / 2 == pytest.approx(0.01)  # the run's ratio: the mean
+        srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
+        msg = push(1, np.zeros(4, np.float32))
+        stats = {"samples": 1, "iter_time": 0.5, "session": 1, "seq": 1}
+        await first[0][1].send(replace(msg, codec={**msg.codec, "stats": stats}))
+        later = {g: (await next_assign(ch)).ratio for g, (_, ch) in first.items()}
+        assert later[0] > later[1]  # group 0 now iterates slower than group 1's 0.04 s
+        assert (later[0] + later[1]) / 2 == pytest.approx(0.01)
+        assert {g: h.ratio for g, h in srv.groups.items()} == later
+    finally:
+        for ch in ctls + grps:
+            await ch.close()
         await srv.close()
 
 
