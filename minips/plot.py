@@ -87,7 +87,7 @@ def _accuracy_chart(runs: Sequence[Run], x: str, xlabel: str, path: Path) -> Pat
 def _total_bytes_chart(runs: Sequence[Run], path: Path) -> Path | None:
     """Accuracy against the MB of every hop so far, read off each evaluation's time."""
     fig, (ax,) = _figure()
-    drawn = False
+    drawn: list[float] = []
     for run, label in zip(runs, _labels(runs), strict=True):
         series = total_bytes_series(run.groups)
         if not series:
@@ -97,9 +97,12 @@ def _total_bytes_chart(runs: Sequence[Run], path: Path) -> Path | None:
         xs = [series[i - 1][1] / 1e6 if (i := bisect.bisect_right(times, t)) else 0.0
               for t in ts]
         ax.plot(xs, accs, marker=".", label=label)
-        drawn = True
+        drawn += xs
     if not drawn:
         return None
+    positive = [v for v in drawn if v > 0]
+    if positive and max(positive) > 100 * min(positive):
+        ax.set_xscale("log")  # dense and sparse runs side by side
     ax.set(xlabel="MB on every hop (worker <-> group, group <-> global)",
            ylabel="test accuracy", title="Accuracy vs total bytes")
     ax.grid(alpha=0.3)
