@@ -131,8 +131,10 @@ async def _on_message(srv: GlobalServer, ch: Any, handle: GroupHandle) -> bool:
     msg = await ch.recv()
     if isinstance(msg, protocol.Pull):  # the group takes these weights whole (replica.py)
         assert srv.weights is not None
-        srv.replica(handle.id).reset(srv.weights)
-        await ch.send(_with_exchanges(srv.weights_message(members=handle.members), handle))
+        weights = srv.weights.copy()  # what goes out: merges may land before it is written
+        srv.replica(handle.id).reset(weights)
+        await ch.send(_with_exchanges(srv.weights_message(weights, members=handle.members),
+                                      handle))
     elif isinstance(msg, protocol.Push):
         assert srv.weights is not None
         delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, srv.weights.size)
