@@ -13,9 +13,9 @@ Every ``sync_every`` pushes the group exchanges with the global server through a
 (a direct call in-process, PUSH/WEIGHTS over TCP for a separate `minips group`); ``exchange.py``
 keeps the delta bookkeeping (no update is lost, each delta is merged exactly once, also when a
 reply is lost; top-k both ways at ``xchg_ratio``, dense for a flush) and at most one exchange is
-in flight. When the budget is spent (``done``)
-every waiting PULL is answered with ``done`` and the group flushes a last delta; when its last
-worker leaves it flushes a ``final`` delta so the global server knows the group is finished.
+in flight. When the budget is spent (``done``) every waiting PULL is answered with ``done`` and
+the group flushes a last delta; when its last worker leaves it flushes a ``final`` delta so the
+global server knows the group is finished.
 """
 
 from __future__ import annotations
