@@ -23,10 +23,12 @@ from conftest import records, recv_as, until
 
 from minips import checkpoint, group_sessions, lifeline, protocol, sparse, transport
 from minips.config import RunConfig, ServerConfig, parse_address
+from minips.errors import AuthError
 from minips.exchange import Exchange, ExchangeResult, Outgoing, push_message
+from minips.group import GroupServer
 from minips.replica import Replica, exchange_ratio
 from minips.roster import GroupHandle
-from minips.server import GlobalServer
+from minips.server import GlobalServer, InProcLink
 from minips.unsaved import seqs_in
 
 TOKEN = "exchange-test-secret-0123"
@@ -76,6 +78,7 @@ class Cluster:
         self.groups = [Group(g, self.srv.weights) for g in range(groups)]
         self.servers = [self.srv]
         self.files: list[Path] = []
+        self.sends: dict[tuple[int, int], list[Any]] = {}  # (group, seq) -> what each try sent
 
     def _server(self) -> GlobalServer:
         run = RunConfig(lr_warmup=0.0, workers=2, compressor="topk", ratio=RATIO, **self.run)
@@ -100,6 +103,7 @@ class Cluster:
         await self._send(grp, grp.xchg.begin(grp.weights, {"version": 0}, dense=dense), lose)
 
     async def _send(self, grp: Group, out: Outgoing, lose: str) -> bool:
+        self.sends.setdefault((grp.g, out.stats["seq"]), []).append(grp.xchg.delta(out))
         if lose == "before":
             return False
         ch = FakeChannel(push_message(grp.xchg.delta(out), out.stats))
@@ -195,6 +199,8 @@ async def test_sparse_both_ways_loses_nothing_and_merges_each_exchange_once(
     assert srv.samples == sum(m["group_samples"] for m in merges)
     assert srv.samples == 8 * sum(grp.pushes for grp in cluster.groups)  # each counted once
     assert records(cluster.tmp / "global.jsonl", event="merge_repeat")  # lost replies happened
+    retried = [tries for tries in cluster.sends.values() if len(tries) > 1]
+    assert retried and all(t is tries[0] for tries in retried for t in tries)  # the same s
 
 
 async def test_a_lost_reply_is_sent_again_unchanged_and_merged_once(cluster: Cluster) -> None:
@@ -307,6 +313,69 @@ async def test_a_resumed_global_server_resyncs_and_gets_the_lost_exchanges_once(
         await c.close()
 
 
+class LossyLink:
+    """The in-process link, except that the replies to the calls numbered in ``lose`` are lost
+    after the global server merged (the network dropped them)."""
+
+    def __init__(self, srv: GlobalServer, lose: set[int]) -> None:
+        self.link, self.lose, self.calls = InProcLink(srv), lose, 0
+
+    async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> ExchangeResult:
+        res = await self.link.exchange(group, delta, stats)
+        self.calls += 1
+        if self.calls in self.lose:
+            raise ConnectionResetError("reply lost")
+        return res
+
+
+async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_logs_bytes(
+        tmp_path: Path) -> None:
+    """A GroupServer in the global server's process (InProcLink), two replies in a row lost:
+    sparse both ways but the first answer and the final flush, nothing lost, bytes logged."""
+    n, k = 1000, 50
+    run = RunConfig(lr_warmup=0.0, workers=1, mode="ssp", compressor="topk", ratio=k / n)
+    srv = GlobalServer(ServerConfig(run=run, port=0, token=TOKEN, run_dir=str(tmp_path)),
+                       np.zeros(n, np.float32))
+    srv.groups[0] = GroupHandle(0, "", [0])
+    assert srv.weights is not None
+    gs = GroupServer(0, run, srv.weights, LossyLink(srv, {5, 6}), members=[0],
+                     writer=srv.rundir.writer("group-0"))
+    rng = np.random.default_rng(7)
+    applied = np.zeros(n, np.float64)
+    try:
+        for _ in range(30):
+            step = (rng.normal(size=n) * 0.01).astype(np.float32)
+            gs.weights += step
+            applied += step
+            await gs.flush()
+            if gs.xchg.pending is None:  # else its copy lacks what the lost reply set
+                np.testing.assert_array_equal(gs.xchg.w_sync, srv.replicas[0].known)
+        await gs.flush(final=True)
+    finally:
+        await gs.close()
+        await srv.close()
+    np.testing.assert_allclose(srv.weights, applied, atol=1e-4)  # one group: all of it, once
+    xchg = records(tmp_path / "group-0.jsonl", event="exchange")
+    assert len(records(tmp_path / "global.jsonl", event="merge_repeat")) == 2
+    assert [r["sent"] for r in xchg[:-1]] == [k] * (len(xchg) - 1) and xchg[-1]["sent"] == n
+    assert xchg[0]["got"] == n and all(0 < r["got"] <= 3 * k for r in xchg[1:-1])
+    up, down = xchg[-1]["bytes_to_global"], xchg[-1]["bytes_from_global"]
+    assert 0 < up < 4 * n * (len(xchg) / 3) and 4 * n < down < 4 * n * (len(xchg) / 3)
+
+
+async def _join_group(host: str, port: int, group: int, timeout: float = 30.0) -> Any:
+    """Connect as worker 0 to the group process, which refuses until it has its group id (it
+    takes it after the global server answers its PULL, just after the worker's ASSIGN)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return await transport.connect(host, port, role="worker", worker_id=0, group=group,
+                                           token=TOKEN)
+        except AuthError:
+            assert asyncio.get_running_loop().time() < deadline, "group process never ready"
+            await asyncio.sleep(0.01)
+
+
 def _start_group(tmp: Path, port: int) -> subprocess.Popen[bytes]:
     env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": TOKEN})
     log = open(tmp / "group.log", "wb")  # noqa: SIM115
@@ -341,8 +410,7 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
         await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=1.0))
         assign = await recv_as(ctl, protocol.Assign, 30)
         host, gport = parse_address(assign.address)
-        ch = await transport.connect(host or "127.0.0.1", gport, role="worker", worker_id=0,
-                                     group=assign.group, token=TOKEN)
+        ch = await _join_group(host or "127.0.0.1", gport, assign.group)
         await ch.recv()  # ACK with the starting clock
         clock = 0
         while True:
@@ -376,5 +444,5 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
     dense = n * 4 * len(xchg)  # one way, dense
     up, down = xchg[-1]["bytes_to_global"], xchg[-1]["bytes_from_global"]
     assert 0 < up < dense / 4 and 0 < down < dense / 4, (up, down, dense)
-    assert sum(r["sent"] < n for r in xchg) >= len(xchg) - 3  # sparse but for the flushes
-    assert sum(r["got"] < n for r in xchg) >= len(xchg) - 3
+    assert sum(r["sent"] < n for r in xchg) >= 0.9 * len(xchg)  # dense: the flushes at the end
+    assert all(r["got"] < n for r in xchg)  # the registering PULL reset the server's copy
