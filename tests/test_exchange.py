@@ -40,7 +40,8 @@ class FakeChannel:
     """The global server's side of a group process's connection, driven by hand."""
 
     def __init__(self, msg: Any) -> None:
-        self.msg, self.sent = msg, None
+        self.msg: Any = msg
+        self.sent: Any = None  # what the server answered
 
     async def recv(self) -> Any:
         return self.msg
