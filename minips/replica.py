@@ -11,7 +11,8 @@ most: ``idx = topk(G - known[g])``, sent as ``G[idx]`` (values to *set*, not to 
 Exactly once, and exact. Values to set are idempotent, so a lost reply does no harm: a group
 starts a new exchange (seq) only after the reply to the last one, so the indices sent since the
 last new seq (``unacked``) are the only ones the group may lack; the answer to a repeat sends
-them again with their current values, together with the new top-k. Either way the group's copy
+them again with their current values, together with the new top-k (after a dense answer that
+may have been lost, the answer to the repeat is dense again). Either way the group's copy
 equals ``known[g]`` bit for bit afterwards (copies, no arithmetic).
 
 Dense answers (``G`` itself, the group takes it whole as ``w_sync``): when the ratio is 1 (no
@@ -60,6 +61,7 @@ class Replica:
         self.ratio = ratio
         self.known: np.ndarray | None = None  # (n,) float32; None: unknown, answer dense
         self.unacked = np.empty(0, np.int64)  # indices sent since the group's last new seq
+        self.dense_unacked = False  # a dense answer went out since the group's last new seq
         self._selector = TopKSelector(size) if ratio < 1.0 else None
 
     def reset(self, weights: np.ndarray | None = None) -> None:
@@ -67,12 +69,13 @@ class Replica:
         keep = weights is not None and self.ratio < 1.0
         self.known = np.array(weights, dtype=np.float32) if keep else None
         self.unacked = np.empty(0, np.int64)
+        self.dense_unacked = False
 
     def answer(self, weights: np.ndarray, repeat: bool) -> np.ndarray | SparseGrad:
         """The reply to an exchange, the global weights being ``weights`` after its merge:
         a (n,) copy (dense) or the entries to set (sparse). ``repeat``: the exchange repeats
         the last one (its reply may have been lost)."""
-        if self.known is None or self._selector is None:
+        if self.known is None or self._selector is None or (repeat and self.dense_unacked):
             return self._dense(weights)
         diff = weights - self.known  # (n,) float32
         idx = top_entries(self._selector, diff, self.ratio)
@@ -81,10 +84,11 @@ class Replica:
             idx = np.union1d(self.unacked, idx)
         if idx.size > DENSE_AT * weights.size:
             return self._dense(weights)
-        self.unacked = idx
+        self.unacked, self.dense_unacked = idx, False
         return SparseGrad(idx.astype(np.uint32), self.known[idx], weights.size)
 
     def _dense(self, weights: np.ndarray) -> np.ndarray:
         out = np.array(weights, dtype=np.float32)
         self.reset(out)
+        self.dense_unacked = True  # if it is lost, the group's copy is anything: dense again
         return out

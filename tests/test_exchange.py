@@ -251,6 +251,17 @@ def test_the_repeat_answer_covers_the_lost_reply_whether_or_not_it_arrived() -> 
         np.testing.assert_array_equal(c, rep.known)
 
 
+def test_a_repeat_after_a_dense_answer_is_dense_again() -> None:
+    """A lost dense answer leaves the group's copy anywhere: the repeat resyncs it whole."""
+    rep = Replica(100, 0.1)
+    g = np.arange(100, dtype=np.float32)
+    assert isinstance(rep.answer(g, repeat=False), np.ndarray)  # first answer: dense, lost
+    again = rep.answer(g + 1, repeat=True)
+    np.testing.assert_array_equal(again, g + 1)  # dense again
+    assert isinstance(rep.answer(g + 2, repeat=False), sparse.SparseGrad)  # a new seq: it arrived
+    assert isinstance(rep.answer(g + 3, repeat=True), sparse.SparseGrad)
+
+
 def test_dense_answers_unknown_copy_nearly_dense_or_ratio_one() -> None:
     g = np.arange(100, dtype=np.float32)
     rep = Replica(100, 0.1)
@@ -331,15 +342,16 @@ class LossyLink:
 
 async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_logs_bytes(
         tmp_path: Path) -> None:
-    """A GroupServer in the global server's process (InProcLink), two replies in a row lost:
-    sparse both ways but the first answer and the final flush, nothing lost, bytes logged."""
+    """A GroupServer in the global server's process (InProcLink), its first (dense) reply lost,
+    later two in a row: sparse both ways but for the first answer and the final flush, nothing
+    lost, bytes logged."""
     n, k = 1000, 50
     run = RunConfig(lr_warmup=0.0, workers=1, mode="ssp", compressor="topk", ratio=k / n)
     srv = GlobalServer(ServerConfig(run=run, port=0, token=TOKEN, run_dir=str(tmp_path)),
                        np.zeros(n, np.float32))
     srv.groups[0] = GroupHandle(0, "", [0])
     assert srv.weights is not None
-    gs = GroupServer(0, run, srv.weights, LossyLink(srv, {5, 6}), members=[0],
+    gs = GroupServer(0, run, srv.weights, LossyLink(srv, {1, 5, 6}), members=[0],
                      writer=srv.rundir.writer("group-0"))
     rng = np.random.default_rng(7)
     applied = np.zeros(n, np.float64)
@@ -357,7 +369,7 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
         await srv.close()
     np.testing.assert_allclose(srv.weights, applied, atol=1e-4)  # one group: all of it, once
     xchg = records(tmp_path / "group-0.jsonl", event="exchange")
-    assert len(records(tmp_path / "global.jsonl", event="merge_repeat")) == 2
+    assert len(records(tmp_path / "global.jsonl", event="merge_repeat")) == 3
     assert [r["sent"] for r in xchg[:-1]] == [k] * (len(xchg) - 1) and xchg[-1]["sent"] == n
     assert xchg[0]["got"] == n and all(0 < r["got"] <= 3 * k for r in xchg[1:-1])
     up, down = xchg[-1]["bytes_to_global"], xchg[-1]["bytes_from_global"]
