@@ -69,6 +69,7 @@ class RunConfig:
     merge: str = "mean"  # global adds each group delta / k ("mean", k = groups) or whole ("sum")
     compressor: str = "none"  # sparse.make_compressor name
     ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
+    xchg_ratio: float | None = None  # group <-> global exchange kept fraction; None = auto
     compressor_opts: dict[str, Any] = field(default_factory=dict)  # extra compressor kwargs
     gdtopk_alpha: float = 1.0  # exponent of the per-group ratio policy
     gdtopk_direction: str = "slower-more"  # slower groups upload more (released code's choice)
@@ -101,6 +102,8 @@ class RunConfig:
         _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
         _check(self.merge in ("mean", "sum"), "merge", self.merge, "mean | sum")
         _check(0 < self.ratio <= 1, "ratio", self.ratio, "in (0, 1]")
+        _check(self.xchg_ratio is None or 0 < self.xchg_ratio <= 1, "xchg_ratio",
+               self.xchg_ratio, "in (0, 1] (or unset: automatic)")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
         _check(self.groups <= self.workers, "groups", self.groups,
                f"at most the number of workers ({self.workers})")

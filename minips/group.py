@@ -12,9 +12,10 @@ compare at one learning rate, and adding workers does not multiply the step size
 Every ``sync_every`` pushes the group exchanges with the global server through a ``GroupLink``
 (a direct call in-process, PUSH/WEIGHTS over TCP for a separate `minips group`); ``exchange.py``
 keeps the delta bookkeeping (no update is lost, each delta is merged exactly once, also when a
-reply is lost) and at most one exchange is in flight. When the budget is spent (``done``)
-every waiting PULL is answered with ``done`` and the group flushes a last delta; when its last
-worker leaves it flushes a ``final`` delta so the global server knows the group is finished.
+reply is lost; top-k both ways at ``xchg_ratio``, dense for a flush) and at most one exchange is
+in flight. When the budget is spent (``done``) every waiting PULL is answered with ``done`` and
+the group flushes a last delta; when its last worker leaves it flushes a ``final`` delta so the
+global server knows the group is finished.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
 from minips.gdtopk import IterTimer
 from minips.metrics import JsonlWriter
+from minips.replica import exchange_ratio
 
 __all__ = ["ExchangeResult", "GroupLink", "GroupServer"]  # the first two: from exchange.py
 
@@ -74,7 +76,8 @@ class GroupServer:
         """The training state: weights, optimizer, clocks (a `minips group` gets it late)."""
         self.group, self.run, self.link = group, run, link
         self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
-        self.xchg = Exchange(self.weights)  # delta since the last exchange, seq, counters
+        self.xchg = Exchange(self.weights, ratio=exchange_ratio(run))  # delta, seq, counters
+        self.xchg_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}  # exchanges so far
         self.opt = optim.SGD(self.weights.size, lr=run.lr, momentum=run.momentum,
                              weight_decay=run.weight_decay)
         # samples per epoch, for the lr warm-up and schedule (looked up only when one is on)
@@ -225,7 +228,8 @@ class GroupServer:
         """Send a lost exchange again first (same seq), then the delta since the last one."""
         pending = self.xchg.pending
         if pending is None or await self._send(pending):
-            if await self._send(self.xchg.begin(self.weights, self._extra(final))):
+            out = self.xchg.begin(self.weights, self._extra(final), dense=final or self.done)
+            if await self._send(out):
                 return
         self.finished = self.finished and not final  # the global server is away: retry later
 
@@ -238,9 +242,12 @@ class GroupServer:
             return False
         self.xchg.complete(self.weights, out, res)
         self.global_version = res.version
+        self.xchg_bytes["bytes_to_global"] += res.bytes_up
+        self.xchg_bytes["bytes_from_global"] += res.bytes_down
         self.log("exchange", exchange_s=self.now() - t, global_version=res.version,
                  seq=out.stats["seq"], min_clock=out.stats["min_clock"],
-                 max_clock=out.stats["max_clock"])
+                 max_clock=out.stats["max_clock"], sent=_entries(out.delta),
+                 got=_entries(res.weights), **self.xchg_bytes)
         if res.done and not self.done:
             self.finish()
         return True
@@ -412,7 +419,7 @@ class GroupServer:
                 "opt": self.opt.state_dict(), "clocks": dict(self.table.clocks),
                 "version": self.version, "global_version": self.global_version,
                 "counters": dict(self.counters), "ratio": self.ratio,
-                "exchange": self.xchg.state_dict()}
+                "exchange": self.xchg.state_dict(), "xchg_bytes": dict(self.xchg_bytes)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back what ``state_dict`` gave (checkpoint resume). The saved workers count as
@@ -425,3 +432,10 @@ class GroupServer:
         self.version, self.global_version = state["version"], state["global_version"]
         self.counters = {k: int(state["counters"].get(k, 0)) for k in ("pushes", "samples")}
         self.ratio = state["ratio"]
+        self.xchg_bytes = {k: int(state.get("xchg_bytes", {}).get(k, 0))  # 0 in older files
+                           for k in ("bytes_to_global", "bytes_from_global")}
+
+
+def _entries(d: Any) -> int:
+    """How many entries an exchange or its reply carried (dense: all)."""
+    return int(d.nnz if isinstance(d, sparse.SparseGrad) else d.size)

@@ -32,7 +32,7 @@ from minips.config import (
     server_ssl,
 )
 from minips.errors import ConfigError, RemoteProtocolError
-from minips.exchange import ExchangeResult
+from minips.exchange import Delta, ExchangeResult, push_message
 from minips.group import GroupServer
 from minips.metrics import RunDir
 from minips.unsaved import seqs_in
@@ -47,7 +47,9 @@ class TcpLink:
     """GroupLink over TCP for a `minips group` process: PUSH the delta, wait for WEIGHTS.
 
     The group's counters travel in the PUSH's codec map under "stats". A reader task owns the
-    channel: WEIGHTS answer the exchange in flight, LEAVE "done" finishes the group.
+    channel: WEIGHTS answer the exchange in flight, LEAVE "done" finishes the group. Each
+    exchange counts the channel's bytes since the last one (heartbeats and the registering
+    PULL included) as its ``bytes_up`` / ``bytes_down``.
     """
 
     def __init__(self, ch: Any) -> None:
@@ -56,6 +58,7 @@ class TcpLink:
         self._reply: asyncio.Future[Any] | None = None
         self.closed = asyncio.Event()
         self.reader: asyncio.Task[None] = asyncio.ensure_future(asyncio.sleep(0))
+        self._counted = (0, 0)  # the channel's bytes (sent, received) already counted
 
     async def request(self, msg: Any) -> Any:
         """Send ``msg`` and wait for the WEIGHTS that answers it (``ConnectionError`` when the
@@ -66,17 +69,18 @@ class TcpLink:
         await self.ch.send(msg)
         return await self._reply
 
-    async def exchange(self, group: int, delta: np.ndarray,
+    async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
-        encoding, codec, buffers = sparse.encode_gradient(delta)
-        reply = await self.request(protocol.Push(
-            clock=stats["version"], step_time=stats["step_time"], loss=stats["loss"],
-            samples=stats["samples"], encoding=encoding, codec={**codec, "stats": stats},
-            buffers=tuple(buffers)))
+        """PUSH ``delta`` (dense or sparse); the WEIGHTS reply holds the global weights
+        (``dense-f32``) or the entries of the group's copy to set (``sparse-v1``)."""
+        reply = await self.request(push_message(delta, stats))
         w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
-        return ExchangeResult(np.asarray(w, dtype=np.float32), reply.version, reply.done,
-                              int(reply.info.get("samples", 0)),
-                              seqs_in(reply.info, "saved_exchanges", stats["session"]))
+        up, down = self.ch.bytes_sent, self.ch.bytes_received
+        res = ExchangeResult(w, reply.version, reply.done, int(reply.info.get("samples", 0)),
+                             seqs_in(reply.info, "saved_exchanges", stats["session"]),
+                             up - self._counted[0], down - self._counted[1])
+        self._counted = (up, down)
+        return res
 
     async def read(self) -> None:
         """Dispatch what the global server sends until the channel closes."""

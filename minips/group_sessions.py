@@ -3,7 +3,9 @@
 A group process connects as role ``group`` before the grouping and waits in ``pending_groups``;
 ``external_group`` hands it a group (ASSIGN). The session is then: PULL -> WEIGHTS (the initial
 weights, ``info.members``), and PUSH(delta, counters in ``codec["stats"]``) -> WEIGHTS (the merged
-global weights) until LEAVE. A group process that connects after the grouping — restarted, or
+global weights, or with a sparse exchange the entries of the group's copy to set: replica.py)
+until LEAVE. A PULL resets the server's replica of the group's copy to the weights it answers.
+A group process that connects after the grouping — restarted, or
 reconnecting to a restarted global server — adopts a group whose server is gone, its own first.
 
 Invariant: a group has at most one connected group process (``GroupHandle.ch``); a merge that
@@ -20,8 +22,6 @@ import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from minips import protocol, sparse, validation
 from minips.config import reachable
@@ -129,12 +129,16 @@ async def _adopt(srv: GlobalServer, ch: Any) -> GroupHandle | None:
 async def _on_message(srv: GlobalServer, ch: Any, handle: GroupHandle) -> bool:
     """Handle one message of a group process; True when it left."""
     msg = await ch.recv()
-    if isinstance(msg, protocol.Pull):
-        await ch.send(_with_exchanges(srv.weights_message(members=handle.members), handle))
+    if isinstance(msg, protocol.Pull):  # the group takes these weights whole (replica.py)
+        assert srv.weights is not None
+        weights = srv.weights.copy()  # what goes out: merges may land before it is written
+        srv.replica(handle.id).reset(weights)
+        await ch.send(_with_exchanges(srv.weights_message(weights, members=handle.members),
+                                      handle))
     elif isinstance(msg, protocol.Push):
         assert srv.weights is not None
         delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, srv.weights.size)
-        res = srv.merge(handle.id, np.asarray(delta), validation.check_group_stats(msg.codec))
+        res = srv.merge(handle.id, delta, validation.check_group_stats(msg.codec))
         await ch.send(_with_exchanges(srv.weights_message(res.weights), handle))
     elif isinstance(msg, protocol.Leave):
         handle.final = True

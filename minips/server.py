@@ -59,9 +59,10 @@ from minips.config import (
     server_ssl,
 )
 from minips.errors import AuthError, RemoteProtocolError
-from minips.exchange import ExchangeResult
+from minips.exchange import Delta, ExchangeResult, push_message, wire_size
 from minips.group import GroupServer
 from minips.metrics import RunDir
+from minips.replica import Replica, exchange_ratio
 from minips.roster import GroupHandle, Roster, WorkerEntry
 
 __all__ = ["GlobalServer", "GroupHandle", "InProcLink", "WorkerEntry"]
@@ -83,6 +84,7 @@ class GlobalServer:
         self.roster = Roster(self.run, regroup=not cfg.external_groups)
         self.workers = self.roster.workers  # worker id -> WorkerEntry
         self.groups = self.roster.groups  # group id -> GroupHandle
+        self.replicas: dict[int, Replica] = {}  # group id -> what it holds of the weights
         self.pending_groups: list[Any] = []  # channels of external group servers not yet used
         self.done = False
         self.done_reason = ""
@@ -309,29 +311,40 @@ class GlobalServer:
 
     # -- merging -----------------------------------------------------------------------------
 
-    def merge(self, g: int, delta: np.ndarray, stats: dict[str, Any]) -> ExchangeResult:
-        """Add group ``g``'s delta to the global weights; return a copy of the result. An
+    def merge(self, g: int, delta: Delta, stats: dict[str, Any]) -> ExchangeResult:
+        """Add group ``g``'s delta (dense or sparse) to the global weights; answer with what
+        the group's copy of them lacks (``replica.py``: dense weights, or entries to set). An
         exchange that repeats the group's last (session, seq) (its reply was lost) is answered
-        without merging again."""
+        without merging again (with what the lost reply set, again)."""
         assert self.weights is not None
         h = self.groups[g]
         key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
-        if key[1] >= 0 and key == h.last_exchange:
+        repeat = key[1] >= 0 and key == h.last_exchange
+        if repeat:
             self.log("merge_repeat", group=g, seq=key[1])
         else:
             h.last_exchange = key
             self._add_delta(g, delta, stats)
-        return ExchangeResult(self.weights.copy(), self.version, self.done, self.samples)
+        reply = self.replica(g).answer(self.weights, repeat)
+        return ExchangeResult(reply, self.version, self.done, self.samples)
 
-    def _add_delta(self, g: int, delta: np.ndarray, stats: dict[str, Any]) -> None:
+    def replica(self, g: int) -> Replica:
+        """The global server's copy of what group ``g`` holds of the global weights."""
+        assert self.weights is not None
+        if g not in self.replicas:
+            self.replicas[g] = Replica(self.weights.size, exchange_ratio(self.run))
+        return self.replicas[g]
+
+    def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any]) -> None:
         """Merge one new exchange of group ``g``: weights, counters, its log line, the budget."""
         assert self.weights is not None
         h = self.groups[g]
-        if not run_end.delta_is_finite(self, g, delta):
+        values = delta.values if isinstance(delta, sparse.SparseGrad) else delta
+        if not run_end.delta_is_finite(self, g, values):
             return  # not applied: the run fails (diverged)
-        if self.run.merge == "mean" and len(self.groups) > 1:
-            delta = delta * np.float32(1.0 / len(self.groups))  # (n,) float32, a new array
-        self.weights += delta
+        mean = self.run.merge == "mean" and len(self.groups) > 1
+        scale = 1.0 / len(self.groups) if mean else 1.0
+        sparse.scatter_add(self.weights, delta, scale)
         self.version += 1
         self.samples += int(stats.get("samples", 0))
         h.merges += 1
@@ -382,9 +395,10 @@ class GlobalServer:
 
     # -- weights and traffic for the other roles-----------------------------------------------
 
-    def weights_message(self, weights: np.ndarray | None = None, final: bool = False,
+    def weights_message(self, weights: Delta | None = None, final: bool = False,
                         members: list[int] | None = None) -> Any:
-        """WEIGHTS with the global weights and the run's counters in ``info``."""
+        """WEIGHTS with the global weights (or an exchange's sparse answer: entries to set)
+        and the run's counters in ``info``."""
         w = self.weights if weights is None else weights
         w = w if w is not None else np.zeros(0, np.float32)
         encoding, codec, buffers = sparse.encode_gradient(w)
@@ -443,14 +457,18 @@ class GlobalServer:
 
 
 class InProcLink:
-    """GroupLink for a group server in the global server's process: a direct call."""
+    """GroupLink for a group server in the global server's process: a direct call. Its bytes
+    are those of the PUSH and WEIGHTS a `minips group` process would exchange instead."""
 
     def __init__(self, server: GlobalServer) -> None:
         self.server = server
 
-    async def exchange(self, group: int, delta: np.ndarray,
+    async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
-        return self.server.merge(group, delta, stats)
+        res = self.server.merge(group, delta, stats)
+        res.bytes_up = wire_size(push_message(delta, stats))
+        res.bytes_down = wire_size(self.server.weights_message(res.weights))
+        return res
 
 
 def _staleness(run: Any) -> int:

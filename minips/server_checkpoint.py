@@ -7,6 +7,8 @@ consistent with each other; arrays are copies. The last merged exchange of each 
 seq) is saved too, so a group process that resends an exchange the restored server already holds
 does not get it merged twice, and so that it can send again those the checkpoint lacks: each
 snapshot records it in ``GroupHandle.snapshots``, which the replies to group processes name.
+The global server's copies of what each group holds of the weights (``replica.py``) are not
+saved: after a resume each group's first answer is dense (a group process's PULL resets it).
 Failure handling: docs/operations.md.
 """
 

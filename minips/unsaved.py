@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from minips.sparse import SparseGrad, scatter_add
+
 __all__ = ["Tally", "Unsaved", "seqs_in"]
 
 
@@ -48,12 +50,13 @@ class Unsaved:
         self.n = n
         self.after: dict[int, Tally] = {start: Tally.zero(n)}  # seq -> what completed after it
 
-    def merged(self, seq: int, delta: np.ndarray, samples: int, saved: list[int]) -> None:
-        """Exchange ``seq`` got its reply, which named ``saved``: this session's seqs in the
-        server's last two snapshots."""
+    def merged(self, seq: int, delta: np.ndarray | SparseGrad, samples: int,
+               saved: list[int]) -> None:
+        """Exchange ``seq`` (which sent ``delta``, dense or sparse) got its reply, which named
+        ``saved``: this session's seqs in the server's last two snapshots."""
         for s, tally in self.after.items():
             if s < seq:  # a repeat whose first copy a snapshot holds adds nothing to it
-                tally.delta += delta
+                scatter_add(tally.delta, delta)
                 tally.samples += samples
         self.after.setdefault(seq, Tally.zero(self.n))
         keep = {seq, *saved}

@@ -397,7 +397,7 @@ BIG = 2_000_000  # float32 weights: 8 MB per WEIGHTS, more than the kernel buffe
 
 
 class NoGlobal:
-    async def exchange(self, group: int, delta: np.ndarray, stats: dict[str, Any]) -> Any:
+    async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> Any:
         raise AssertionError("no exchange expected")
 
 

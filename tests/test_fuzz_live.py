@@ -48,7 +48,7 @@ mutate = _script_module().mutate
 class NoGlobal:
     """Exchanges never happen in these tests (sync_every is huge)."""
 
-    async def exchange(self, group: int, delta: np.ndarray,
+    async def exchange(self, group: int, delta: Any,
                        stats: dict[str, Any]) -> ExchangeResult:
         raise AssertionError("no exchange expected")
 

@@ -30,7 +30,7 @@ class Global:
         self.stats: list[dict[str, Any]] = []
         self.samples = 0  # what the reply says all groups have trained on
 
-    async def exchange(self, group: int, delta: np.ndarray,
+    async def exchange(self, group: int, delta: Any,
                        stats: dict[str, Any]) -> ExchangeResult:
         if self.gate is not None:
             await self.gate.wait()

@@ -333,7 +333,7 @@ class ReplyLost:
     def __init__(self, srv: GlobalServer) -> None:
         self.link, self.lost = InProcLink(srv), 0
 
-    async def exchange(self, group: int, delta: np.ndarray, stats: dict[str, Any]) -> Any:
+    async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> Any:
         res = await self.link.exchange(group, delta, stats)
         if self.lost == 0:
             self.lost += 1
