@@ -48,6 +48,8 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--mode", "mode", str, "bsp | ssp | asp | gssp"),
     ("--compressor", "compressor", str, "none | fp16 | topk | dgc | randomk | gdtopk | losscomp"),
     ("--ratio", "ratio", finite, "kept fraction of gradient coordinates (0..1]"),
+    ("--down-ratio", "down_ratio", finite, "kept fraction of each publish of a group's weights "
+     "to its workers (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
     ("--workers", "workers", int, "number of workers"),
     ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
     ("--staleness", "staleness", int, "SSP bound, clocks"),

@@ -69,6 +69,9 @@ class RunConfig:
     merge: str = "mean"  # global adds each group delta / k ("mean", k = groups) or whole ("sum")
     compressor: str = "none"  # sparse.make_compressor name
     ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
+    # kept fraction of each publish of a group's weights to its workers (downlink.py); None: the
+    # run's ratio with a sparse compressor, dense (1.0) with none / fp16; 1.0: dense
+    down_ratio: float | None = None
     compressor_opts: dict[str, Any] = field(default_factory=dict)  # extra compressor kwargs
     gdtopk_alpha: float = 1.0  # exponent of the per-group ratio policy
     gdtopk_direction: str = "slower-more"  # slower groups upload more (released code's choice)
@@ -101,6 +104,8 @@ class RunConfig:
         _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
         _check(self.merge in ("mean", "sum"), "merge", self.merge, "mean | sum")
         _check(0 < self.ratio <= 1, "ratio", self.ratio, "in (0, 1]")
+        _check(self.down_ratio is None or 0 < self.down_ratio <= 1, "down_ratio",
+               self.down_ratio, "in (0, 1]")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
         _check(self.groups <= self.workers, "groups", self.groups,
                f"at most the number of workers ({self.workers})")
@@ -119,6 +124,13 @@ class RunConfig:
     def staleness_bound(self) -> int | None:
         """The SSP bound this mode uses: 0 for BSP, None (unbounded) for ASP."""
         return {"bsp": 0, "asp": None}.get(self.mode, self.staleness)
+
+    def downlink_ratio(self) -> float:
+        """The downlink's kept fraction: ``down_ratio``, or when None the run's ``ratio`` for
+        a sparse compressor and 1.0 (dense) for ``none`` / ``fp16``."""
+        if self.down_ratio is not None:
+            return self.down_ratio
+        return 1.0 if self.compressor in ("none", "fp16") else self.ratio
 
     @property
     def fixed_groups(self) -> int:
