@@ -72,7 +72,9 @@ class Downlink:
         self.dense_fraction = dense_fraction
         self.pub = 0  # publish version of w_pub
         self.log: collections.deque[np.ndarray] = collections.deque(maxlen=log_size)
-        self.published = 0  # coordinates published so far (for logs and tests)
+        self.published = 0  # coordinates published so far
+        self.forced = 0  # of them, those beyond k that the drift bound needed
+        self.answers = {"update": 0, "dense": 0}  # answers given, by kind
 
     def drift(self, weights: np.ndarray) -> float:
         """``||weights - w_pub|| / ||weights||`` now (0 when both are zero)."""
@@ -92,6 +94,7 @@ class Downlink:
         else:
             idx = self._select(np.abs(e[moved]), float(np.dot(weights, weights)))
             idx = np.sort(moved[idx])
+            self.forced += max(0, idx.size - self.k)
         self.w_pub[idx] = weights[idx]
         self.pub += 1
         self.log.append(idx.astype(np.uint32))
@@ -115,13 +118,16 @@ class Downlink:
         behind = self.pub - since
         if since < 0 or behind < 0 or behind > len(self.log):
             return self._dense()
+        self.answers["update"] += 1
         if behind == 0:
             return Answer(self.pub, since, SparseGrad.empty(self.n))
         entries = [self.log[-j] for j in range(1, behind + 1)]
         idx = entries[0] if behind == 1 else np.unique(np.concatenate(entries))
         if idx.size > self.dense_fraction * self.n:
+            self.answers["update"] -= 1
             return self._dense()
         return Answer(self.pub, since, SparseGrad(idx, self.w_pub[idx], self.n))
 
     def _dense(self) -> Answer:
+        self.answers["dense"] += 1
         return Answer(self.pub, -1, self.w_pub.copy())

@@ -384,7 +384,9 @@ def test_wrong_and_missing_tokens_are_refused_with_reasons() -> None:
 def test_version_mismatch_is_refused_with_reason() -> None:
     ch, sh = p.ClientHandshake("s", version=p.PROTOCOL_VERSION + 1), p.ServerHandshake("s")
     refuse = sh.on_hello(ch.hello)
-    assert isinstance(refuse, p.Refuse) and f"server speaks {p.PROTOCOL_VERSION}, client sent {p.PROTOCOL_VERSION + 1}" in refuse.reason
+    v = p.PROTOCOL_VERSION
+    assert isinstance(refuse, p.Refuse)
+    assert f"server speaks {v}, client sent {v + 1}" in refuse.reason
 
 
 def test_replayed_auth_fails_against_a_fresh_server_nonce() -> None:
@@ -411,8 +413,8 @@ def test_mac_is_hmac_sha256_of_the_documented_transcript() -> None:
 
     hello = p.Hello(role="worker", worker_id=5, nonce=bytes(range(32)))
     server_nonce = bytes(range(32, 64))
-    transcript = (b"minips-client-v1\x00" + bytes([p.PROTOCOL_VERSION, 6]) + b"worker" + struct.pack("<q", 5)
-                  + hello.nonce + server_nonce)
+    transcript = (b"minips-client-v1\x00" + bytes([p.PROTOCOL_VERSION, 6]) + b"worker"
+                  + struct.pack("<q", 5) + hello.nonce + server_nonce)
     want = hmac.new(b"k", transcript, hashlib.sha256).digest()
     assert p.make_mac("k", p.CLIENT_LABEL, hello, server_nonce) == want
 
