@@ -235,3 +235,33 @@ async def test_workers_on_a_real_socket_hold_w_pub_and_stay_within_the_drift_bou
         await gs.close()
     assert all(n == 29 for n in got)  # the first answer is the whole weights, then updates
     assert len(watch.at) > 30 and max(watch.drifts) <= DRIFT * (1 + 1e-6)
+
+
+async def test_a_group_server_honours_only_the_version_it_sent_on_this_connection() -> None:
+    """docs/protocol.md, section 3: an update answers only a PULL naming the version of the
+    last WEIGHTS on the same connection; any other `since` gets the whole weights."""
+    run = RunConfig(workers=1, mode="asp", compressor="topk", ratio=0.02, sync_every=1000)
+    gs = GroupServer(0, run, weights(), Global(weights()), members=[0])
+    port = await gs.serve("127.0.0.1", 0, TOKEN)
+
+    async def pull(ch: Any, clock: int, since: int) -> protocol.Weights:
+        await ch.send(protocol.Pull(clock=clock, since=since))
+        return await recv_as(ch, protocol.Weights)
+
+    try:
+        ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, group=0,
+                                     token=TOKEN, timeout=5)
+        clock = (await recv_as(ch, protocol.Ack)).clock
+        first = await pull(ch, clock, 7)  # a version this connection was never sent
+        assert first.since == -1 and first.encoding == "dense-f32"
+        again = await pull(ch, clock, first.version)
+        assert again.since == first.version and again.encoding == "sparse-v1"
+        await ch.close()
+        ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, group=0,
+                                     token=TOKEN, timeout=5)
+        clock = (await recv_as(ch, protocol.Ack)).clock
+        fresh = await pull(ch, clock, again.version)  # sent, but on the old connection
+        assert fresh.since == -1 and fresh.encoding == "dense-f32"
+        await ch.close()
+    finally:
+        await gs.close()
