@@ -41,7 +41,9 @@ def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) 
     assert summary["final_accuracy"] >= 0.80, summary  # the final weights, not the best seen
     assert summary["time_to_accuracy"]["0.80"] is not None
     assert summary["samples"] >= 3 * 60000
-    assert 0 < summary["bytes_up"] < summary["bytes_down"]  # sparse up, dense weights down
+    assert summary["bytes_up"] > 0
+    # sparse updates of the weights down: far less than a dense copy per step (bytes_raw)
+    assert 0 < summary["bytes_down"] < summary["bytes_raw"] / 10
 
     groups = {r["group"] for r in read_jsonl(run_dir / "worker-0.jsonl")}
     slow = {r["group"] for r in read_jsonl(run_dir / "worker-3.jsonl")}
