@@ -23,7 +23,8 @@ asynchronous group (docs/compression.md, "The downlink"):
 
 Public API: ``Downlink(weights, ratio, drift=DRIFT, log_size=LOG_SIZE,
 dense_fraction=DENSE_FRACTION)``, ``.publish(weights) -> int``, ``.answer(since) -> Answer``,
-``.drift(weights) -> float``; ``Answer(version, since, payload)``.
+``.drift(weights) -> float``; ``Answer(version, since, payload)``; and the worker's side,
+``apply_weights(copy, held, weights_msg, n)``.
 """
 
 from __future__ import annotations
@@ -31,13 +32,15 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from minips.sparse_codec import SparseGrad
+from minips.errors import RemoteProtocolError
+from minips.sparse_codec import SparseGrad, decode_gradient
 from minips.sparse_select import kept_count
 
-__all__ = ["Answer", "Downlink", "DRIFT", "LOG_SIZE", "DENSE_FRACTION"]
+__all__ = ["Answer", "Downlink", "apply_weights", "DRIFT", "LOG_SIZE", "DENSE_FRACTION"]
 
 DRIFT = 0.02  # bound on ||weights - w_pub|| / ||weights|| after every publish
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
@@ -131,3 +134,17 @@ class Downlink:
     def _dense(self) -> Answer:
         self.answers["dense"] += 1
         return Answer(self.pub, -1, self.w_pub.copy())
+
+
+def apply_weights(replica: np.ndarray | None, held: int, w: Any, size: int) -> np.ndarray:
+    """The weights WEIGHTS ``w`` brings a copy at version ``held`` to: its buffers whole
+    (``since`` -1), or ``replica`` with the coordinates they name set to their values (an
+    update must start from the version held). Raises RemoteProtocolError for a bad one."""
+    got = decode_gradient(w.encoding, w.codec, w.buffers, size)
+    if w.since < 0:
+        return np.asarray(got.to_dense() if isinstance(got, SparseGrad) else got)
+    if replica is None or w.since != held or not isinstance(got, SparseGrad):
+        raise RemoteProtocolError("WEIGHTS update does not fit the copy held",
+                                  expected=held, got=w.since)
+    replica[got.indices] = got.values
+    return replica

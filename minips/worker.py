@@ -52,11 +52,11 @@ import torch
 from minips import data, device, models, protocol, provenance, sparse, transport
 from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address, reachable
 from minips.device_compress import device_compressor
+from minips.downlink import apply_weights
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
 
-__all__ = ["Worker", "WorkerStopped", "apply_weights", "run_worker", "run_evaluator",
-           "evaluate_loop"]
+__all__ = ["Worker", "WorkerStopped", "run_worker", "run_evaluator", "evaluate_loop"]
 
 log = logging.getLogger("minips.worker")
 
@@ -409,20 +409,6 @@ class Worker:
             "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
             "bytes_wire": wire_bytes, "link_bytes_up": link.ch.bytes_sent,
             "link_bytes_down": link.ch.bytes_received, **phases})
-
-
-def apply_weights(replica: np.ndarray | None, held: int, w: Any, size: int) -> np.ndarray:
-    """The weights WEIGHTS ``w`` brings a copy at version ``held`` to: its buffers whole
-    (``since`` -1), or ``replica`` with the coordinates they name set to their values (an
-    update must start from the version held). Raises RemoteProtocolError for a bad one."""
-    got = sparse.decode_gradient(w.encoding, w.codec, w.buffers, size)
-    if w.since < 0:
-        return np.asarray(got.to_dense() if isinstance(got, sparse.SparseGrad) else got)
-    if replica is None or w.since != held or not isinstance(got, sparse.SparseGrad):
-        raise RemoteProtocolError("WEIGHTS update does not fit the copy held",
-                                  expected=held, got=w.since)
-    replica[got.indices] = got.values
-    return replica
 
 
 async def _connect(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int, *,

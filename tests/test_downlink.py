@@ -1,7 +1,7 @@
 """The compressed downlink (minips/downlink.py) and the worker's copy of a group's weights.
 
 Unit tests of the publish / answer rules, then a group server on a real socket: a worker-side
-copy kept with ``worker.apply_weights`` equals the group's ``w_pub`` bit for bit at every version
+copy kept with ``downlink.apply_weights`` equals the group's ``w_pub`` bit for bit at every version
 it was answered, and stays within the drift bound of the group's weights.
 """
 
@@ -17,10 +17,9 @@ from test_group import TOKEN, Global
 
 from minips import protocol, sparse, transport
 from minips.config import RunConfig
-from minips.downlink import DRIFT, Downlink
+from minips.downlink import DRIFT, Downlink, apply_weights
 from minips.errors import RemoteProtocolError
 from minips.group import GroupServer
-from minips.worker import apply_weights
 
 N = 1000
 
