@@ -187,7 +187,7 @@ function lz4Decompress(src, rawLen) {
 // Frames and messages (sections 1, 2, 3).
 
 const MAGIC = Buffer.from('MNPS', 'ascii');
-const VERSION = 1;
+const VERSION = 2;
 const MAX_FRAME = 512 * 1024 * 1024, MAX_META = 1024 * 1024, MAX_BUFFERS = 16, MAX_RAW = 512 * 1024 * 1024;
 
 const K = {
@@ -209,7 +209,7 @@ const SCHEMA = {
   [K.PUSH]: { ...STATS_KEYS, encoding: 'name', codec: 'map' },
   [K.ACK]: { clock: 'int', version: 'int' },
   [K.PULL]: { clock: 'int', since: 'id' },
-  [K.WEIGHTS]: { version: 'int', encoding: 'name', codec: 'map', done: 'bool', info: 'map' },
+  [K.WEIGHTS]: { version: 'int', since: 'id', encoding: 'name', codec: 'map', done: 'bool', info: 'map' },
   [K.HEARTBEAT]: { seq: 'int' },
   [K.LEAVE]: { reason: 'text' },
   [K.ERROR]: { code: 'name', reason: 'text' },
@@ -499,7 +499,9 @@ function halfToFloat(h) {
 
 /** The weights of a WEIGHTS message, after checking that its buffers say what `encoding` says. */
 function weightsOf(msg) {
-  const { encoding, codec } = msg.meta;
+  const { encoding, codec, since } = msg.meta;
+  // we keep no copy (PULL since -1), so the server owes us the whole weights (section 3)
+  if (since !== -1) throw new ProtocolBroken(`WEIGHTS is an update since ${since}; we pulled with since -1`);
   if (msg.buffers.length !== 1) {
     throw new ProtocolBroken(`WEIGHTS ${encoding} with ${msg.buffers.length} buffers, expected 1`);
   }

@@ -34,7 +34,7 @@ import msgpack
 
 PREFIX = struct.Struct("<4sBBBBII")  # magic, version, kind, nbuf, flags, meta_len, body_len
 TABLE_ENTRY = struct.Struct("<B3xII")  # codec, padding, wire_len, raw_len
-MAGIC, VERSION = b"MNPS", 1
+MAGIC, VERSION = b"MNPS", 2
 HELLO, CHALLENGE, AUTH, WELCOME, REFUSE, ASSIGN, STATS = 1, 2, 3, 4, 5, 6, 7
 PUSH, ACK, PULL, WEIGHTS, HEARTBEAT, LEAVE, ERROR = 8, 9, 10, 11, 12, 13, 14
 MAX_FRAME = 512 << 20  # section 6: the default limits
@@ -166,17 +166,19 @@ def pull_weights(host: str, port: int, key: bytes) -> tuple[dict[str, Any], byte
         handshake(sock, key)
         send(sock, PULL, {"clock": 0, "since": -1})
         kind, meta, buffers = recv_frame(sock)
-        if kind != WEIGHTS or meta.get("encoding") != "dense-f32" or len(buffers) != 1:
-            raise Broken(f"expected dense-f32 WEIGHTS, got kind {kind} {meta.get('encoding')}")
+        if (kind != WEIGHTS or meta.get("since") != -1 or meta.get("encoding") != "dense-f32"
+                or len(buffers) != 1):
+            raise Broken(f"expected whole dense-f32 WEIGHTS, got kind {kind} "
+                         f"{meta.get('encoding')}")
         send(sock, LEAVE, {"reason": "done"})
     return meta, buffers[0]
 
 
 def pull(sock: socket.socket, clock: int) -> array:
-    """PULL at ``clock``; the dense weights of the WEIGHTS that answers it."""
+    """PULL at ``clock`` (keeping no copy: ``since`` -1); the whole weights that answer it."""
     send(sock, PULL, {"clock": clock, "since": -1})
     meta, buffers = next_message(sock, WEIGHTS)
-    if meta["encoding"] != "dense-f32" or len(buffers) != 1:
+    if meta["since"] != -1 or meta["encoding"] != "dense-f32" or len(buffers) != 1:
         raise Broken(f"expected dense-f32 WEIGHTS, got {meta['encoding']}")
     return array("f", buffers[0])  # little-endian hosts: x86-64 and aarch64
 

@@ -50,6 +50,8 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--ratio", "ratio", finite, "kept fraction of gradient coordinates (0..1]"),
     ("--xchg-ratio", "xchg_ratio", finite, "kept fraction of the group <-> global exchange, "
      "both ways (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
+    ("--down-ratio", "down_ratio", finite, "kept fraction of each publish of a group's weights "
+     "to its workers (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
     ("--workers", "workers", int, "number of workers"),
     ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
     ("--staleness", "staleness", int, "SSP bound, clocks"),

@@ -31,6 +31,7 @@ import numpy as np
 
 from minips import optim, protocol, sparse, ssp, transport, validation
 from minips.config import RunConfig, dataset_train_size
+from minips.downlink import Downlink
 from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
 from minips.gdtopk import IterTimer
@@ -91,6 +92,8 @@ class GroupServer:
         self.counters = {"pushes": 0, "samples": 0}
         self.done = False  # budget spent; answer every PULL with done
         self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
+        down = run.downlink_ratio()  # PULL answers: sparse updates of w_pub, or dense weights
+        self.downlink = Downlink(self.weights, down) if down < 1 else None
         self._joined: set[int] = set()
         for w in members:
             self.expect(w)
@@ -197,24 +200,34 @@ class GroupServer:
 
     # -- weights ----------------------------------------------------------------------------
 
-    async def answer_pull(self, w: int) -> Any:
-        """Wait until ``w`` may start its next step (or the run is done); return WEIGHTS."""
+    async def answer_pull(self, w: int, since: int = -1) -> Any:
+        """Wait until ``w`` may start its next step (or the run is done); return WEIGHTS for a
+        worker that holds the published weights of version ``since`` (-1: none)."""
         waited: list[int] = []
         while not self._may_answer(w):
             waited = waited or [int(v) for v in self.table.waiting_for(w)]  # type: ignore[call-overload]
             self._changed.clear()
             await self._changed.wait()
-        return self.weights_message(w, waited)
+        return self.weights_message(w, waited, since)
 
     def _may_answer(self, w: int) -> bool:
         return self.done or w not in self.table or self.table.may_start(w)
 
-    def weights_message(self, w: int | None, waited_for: list[int]) -> Any:
-        encoding, codec, buffers = sparse.encode_gradient(self.weights)
+    def weights_message(self, w: int | None, waited_for: list[int], since: int = -1) -> Any:
+        """WEIGHTS for worker ``w`` holding version ``since``: the weights themselves (dense
+        downlink; version = updates applied), or, with a compressed downlink, a publish of the
+        largest changes and the update from ``since`` to it (``downlink.py``)."""
+        payload: sparse.SparseGrad | np.ndarray = self.weights
+        version, base = self.version, -1
+        if self.downlink is not None:
+            self.downlink.publish(self.weights)
+            answer = self.downlink.answer(since)
+            version, base, payload = answer.version, answer.since, answer.payload
+        encoding, codec, buffers = sparse.encode_gradient(payload)
         info = {"group": self.group, "waited_for": waited_for, "ratio": self.ratio,
                 "lead": self.table.lead(w) if w in self.table else 0,
                 "min_clock": self.table.min_clock()}
-        return protocol.Weights(version=self.version, encoding=encoding, codec=codec,
+        return protocol.Weights(version=version, since=base, encoding=encoding, codec=codec,
                                 buffers=tuple(buffers), done=self.done, info=info)
 
     # -- exchange with the global server -------------------------------------------------------
@@ -338,13 +351,14 @@ class GroupServer:
         WEIGHTS it pulled went out (SSP holds it like any other worker)."""
         await ch.send(protocol.Ack(clock=start, version=self.version))
         pulled: int | None = None  # clock of the last PULL: a PUSH must follow one
+        sent = -1  # version of the last WEIGHTS on this connection: the only `since` honoured
         while True:
             # one message per turn: a worker with many queued (a flood) takes turns with the rest
             await asyncio.sleep(0)
             msg = await ch.recv()
             if isinstance(msg, protocol.Pull):
                 pulled = msg.clock
-                await self._send_pull(ch, w)
+                sent = await self._send_pull(ch, w, msg.since if msg.since == sent else -1)
             elif isinstance(msg, protocol.Push):
                 validation.check_push_order(pulled, msg.clock)
                 pulled = None
@@ -360,25 +374,27 @@ class GroupServer:
         down = self._closed_bytes["bytes_out"] + sum(c.bytes_sent for c in self.channels.values())
         return {"bytes_in": up, "bytes_out": down}
 
-    async def _send_pull(self, ch: Any, w: int) -> None:
+    async def _send_pull(self, ch: Any, w: int, since: int) -> int:
         """Answer a PULL once SSP allows; give up as soon as the connection closes meanwhile
-        (the worker then leaves the group at once, not when its lease runs out)."""
+        (the worker then leaves the group at once, not when its lease runs out). Returns the
+        version the answer brought the worker to."""
         if self._may_answer(w):  # the common case: no wait, no tasks
+            reply = self.weights_message(w, [], since)
             with contextlib.suppress(ConnectionError):
-                await ch.send(self.weights_message(w, []))
-            return
-        answer = asyncio.ensure_future(self.answer_pull(w))
+                await ch.send(reply)
+            return int(reply.version)
+        answer = asyncio.ensure_future(self.answer_pull(w, since))
         closed = asyncio.ensure_future(ch.wait_closed())
         try:
             await asyncio.wait((answer, closed), return_when=asyncio.FIRST_COMPLETED)
         finally:
             answer.cancel()
             closed.cancel()
-        if answer.done():  # cancel() above only asked a pending one to stop
-            with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading
-                await ch.send(answer.result())
-        else:
+        if not answer.done():  # cancel() above only asked a pending one to stop
             raise ConnectionResetError("connection closed while its PULL waited")
+        with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading
+            await ch.send(answer.result())
+        return int(answer.result().version)
 
     async def _send_push(self, ch: Any, w: int, msg: Any) -> None:
         if w not in self.table:  # its lease expired while it was silent: rejoin and pull first

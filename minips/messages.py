@@ -51,7 +51,7 @@ __all__ = [
     "MESSAGE_TYPES", "WITH_BUFFERS", "meta_keys", "from_wire",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: WEIGHTS.since (a sparse update of a held copy, docs/protocol.md)
 NONCE_BYTES = 32  # fresh random bytes per handshake side, so a recorded handshake cannot replay
 MAC_BYTES = 32  # HMAC-SHA256 digest
 ROLES = ("worker", "group", "evaluator")
@@ -220,13 +220,17 @@ class Ack(Message):
 class Pull(Message):
     KIND = Kind.PULL
     clock: int = _f(integer())
-    since: int = _f(integer(-1), -1)  # -1: full weights, else a delta since that version
+    since: int = _f(integer(-1), -1)  # version of the weights the client holds; -1: none
 
 
 @dataclass(frozen=True, kw_only=True)
 class Weights(Message):
+    """``since`` -1: the buffers are the whole weights at ``version``; else they name the
+    coordinates that changed from version ``since`` to ``version`` with their new values."""
+
     KIND = Kind.WEIGHTS
     version: int = _f(integer())
+    since: int = _f(integer(-1), -1)  # -1: whole weights; else an update of the copy at since
     encoding: str = _f(text(MAX_NAME))
     codec: dict[str, Any] = _f(mapping, factory=dict)
     buffers: tuple[Any, ...] = _f(views, ())  # bytes-like; held as flat memoryviews

@@ -5,8 +5,11 @@ config from WELCOME.info, builds the model and its data shard, times ``calib_ste
 reports them (STATS, clock 0), then waits for ASSIGN (its group server, upload ratio, staleness).
 Then, on the group server's connection:
 
-    PULL(c) -> WEIGHTS          answered when the SSP bound allows; wait time and whom it waited
-                                for are logged
+    PULL(c, since) -> WEIGHTS   answered when the SSP bound allows; wait time and whom it waited
+                                for are logged. The worker keeps a copy of the group's published
+                                weights and names its version (``since``): the answer is either
+                                the whole weights or the coordinates that changed since
+                                (minips.downlink); a new connection starts from the whole weights
     gradient on the next batch  of its shard, in the reference loop's order (minips.reference)
     compress                    sparse.make_compressor, error feedback kept here (on the
                                 device for top-k flavours off the CPU: minips.device_compress)
@@ -49,6 +52,7 @@ import torch
 from minips import data, device, models, protocol, provenance, sparse, transport
 from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address, reachable
 from minips.device_compress import device_compressor
+from minips.downlink import apply_weights
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
 
@@ -125,6 +129,8 @@ class Worker:
         self.stopped_by = ""  # the ERROR that ended the run, if one did
         self.clock = 0
         self.samples = 0
+        self.replica: np.ndarray | None = None  # (n,) float32 the group's published weights
+        self.held = -1  # their version on the current group connection; -1: none
         self.writer: JsonlWriter | None = None
         self.ctl: Any = None
 
@@ -172,6 +178,8 @@ class Worker:
         host = sparse.make_compressor(run.compressor, size, ratio=run.ratio,
                                       seed=run.seed * 1000 + self.id, **run.compressor_opts)
         self.compressor = device_compressor(host, dev, on_device=self.cfg.compress_on_device)
+        # a compressor that rounds its values to float16 sends them as float16 (2 bytes each)
+        self.value_dtype = str(run.compressor_opts.get("value_dtype", "f32"))
         run_dir = RunDir(self.cfg.run_dir, t0=run.t0)
         self.writer = run_dir.writer(f"worker-{self.id}")
         self.device_file = run_dir.file(f"worker-{self.id}.device.json")
@@ -272,6 +280,7 @@ class Worker:
             ch.start_heartbeat(self.run_cfg.heartbeat_s)
             ch.start_silence_limit(self.run_cfg.lease_s)
             link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s)
+            self.held = -1  # a new connection (another group, a restarted one): whole weights
             try:
                 ack = await link.expect(protocol.Ack)
                 self.clock = int(ack.clock)  # the group's clock for us: pull before pushing
@@ -323,7 +332,7 @@ class Worker:
                 self.done = True
                 return
             t = time.monotonic()
-            await link.send(protocol.Pull(clock=self.clock))
+            await link.send(protocol.Pull(clock=self.clock, since=self.held))
             w = await link.expect(protocol.Weights)
             wait_s = time.monotonic() - t
             if w.done:
@@ -335,9 +344,10 @@ class Worker:
             await self._step(link, info, wait_s, t_step)
 
     def _load(self, w: Any) -> dict[str, Any]:
-        """Decode WEIGHTS into the model; returns its info."""
-        weights = sparse.decode_gradient(w.encoding, w.codec, w.buffers, self.compressor.size)
-        self.trainer.load(np.asarray(weights))
+        """Decode WEIGHTS into the copy held and the model; returns its info."""
+        self.replica = apply_weights(self.replica, self.held, w, self.compressor.size)
+        self.held = int(w.version)
+        self.trainer.load(self.replica)
         return dict(w.info)
 
     async def _step(self, link: Link, info: dict[str, Any], wait_s: float, t: float) -> None:
@@ -351,7 +361,7 @@ class Worker:
         self.compressor.observe_loss(loss)
         packet = self.compressor.compress(grad)
         lap.append(time.perf_counter())
-        encoding, codec, buffers = sparse.encode_gradient(packet)
+        encoding, codec, buffers = sparse.encode_gradient(packet, value_dtype=self.value_dtype)
         lap.append(time.perf_counter())
         step_time = await self._stretch(lap[-1] - t)
         push = protocol.Push(clock=self.clock + 1, step_time=step_time, loss=loss,

@@ -31,7 +31,8 @@ def test_preset_then_flags_override() -> None:
     run = run_config_from_args(args)
     assert run.mode == "ssp"  # flag wins
     assert run.compressor == PRESETS["demo"]["run"]["compressor"]  # preset kept
-    assert run.compressor_opts == {"warmup_epochs": 2}
+    preset_opts = PRESETS["demo"]["run"]["compressor_opts"]
+    assert run.compressor_opts == {**preset_opts, "warmup_epochs": 2}  # --copt wins its key
 
 
 def test_run_config_file_is_the_base(tmp_path: Path) -> None:

@@ -41,14 +41,12 @@ def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) 
     assert summary["final_accuracy"] >= 0.80, summary  # the final weights, not the best seen
     assert summary["time_to_accuracy"]["0.80"] is not None
     assert summary["samples"] >= 3 * 60000
-    assert 0 < summary["bytes_up"] < summary["bytes_down"]  # sparse up, dense weights down
+    assert summary["bytes_up"] > 0
+    # sparse updates of the weights down: far less than a dense copy per step (bytes_raw)
+    assert 0 < summary["bytes_down"] < summary["bytes_raw"] / 10
     hops = [summary[k] for k in HOP_COUNTERS]  # every hop counted, adding up to the total
     assert summary["bytes_total"] == sum(hops)
-    assert hops[0] > 0 and hops[1] > 0  # worker <-> group
-    exchanges = [r for g in (0, 1) for r in read_jsonl(run_dir / f"group-{g}.jsonl")
-                 if r.get("event") == "exchange"]
-    if any("bytes_to_global" in r for r in exchanges):  # the group servers count that hop
-        assert hops[2] > 0 and hops[3] > 0  # group <-> global
+    assert all(h > 0 for h in hops), hops  # worker <-> group and group <-> global
 
     groups = {r["group"] for r in read_jsonl(run_dir / "worker-0.jsonl")}
     slow = {r["group"] for r in read_jsonl(run_dir / "worker-3.jsonl")}

@@ -24,6 +24,8 @@ from test_plain_client import (
     start_server,
 )
 
+from minips.protocol import PROTOCOL_VERSION
+
 pytestmark = NO_NODE
 
 CLIENT = EXAMPLES / "node_client.mjs"
@@ -69,7 +71,7 @@ def read_frame(conn: socket.socket) -> tuple[int, bytes]:
             data += chunk
         return data
     prefix = exactly(16)
-    assert prefix[:5] == b"MNPS\x01"
+    assert prefix[:4] == b"MNPS" and prefix[4] == PROTOCOL_VERSION
     nbuf = prefix[6]
     rest = (12 * nbuf + int.from_bytes(prefix[8:12], "little")
             + int.from_bytes(prefix[12:16], "little"))

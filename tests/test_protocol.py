@@ -207,7 +207,7 @@ def test_raw_frame_helper_matches_encoder() -> None:
 @pytest.mark.parametrize("data, what", [
     (raw_frame(p.Kind.ACK, ACK, magic=b"HTTP"), "magic"),
     (raw_frame(99, ACK), "kind"),
-    (raw_frame(p.Kind.ACK, ACK, version=2), "version"),
+    (raw_frame(p.Kind.ACK, ACK, version=p.PROTOCOL_VERSION + 1), "version"),
     (raw_frame(p.Kind.ACK, ACK, flags=1), "flags"),
     (raw_frame(p.Kind.ACK, {"clock": 1}), "keys"),
     (raw_frame(p.Kind.ACK, {**ACK, "extra": 0}), "keys"),
@@ -294,14 +294,14 @@ def test_msgpack_lengths_over_their_limits_are_limit_exceeded(value: object, wha
 
 def test_bad_msgpack_is_a_protocol_error_not_a_limit() -> None:
     packed = msgpack.packb({"reason": "x"})[:-1]  # the map cut short
-    data = p.PREFIX.pack(p.MAGIC, 1, p.Kind.LEAVE, 0, 0, len(packed), 0) + packed
+    data = p.PREFIX.pack(p.MAGIC, p.PROTOCOL_VERSION, p.Kind.LEAVE, 0, 0, len(packed), 0) + packed
     with pytest.raises(RemoteProtocolError) as info:
         p.FrameDecoder().feed(data)
     assert not isinstance(info.value, LimitExceeded)
 
 
 def test_huge_lengths_in_prefix_are_refused_at_once() -> None:
-    prefix = struct.pack("<4sBBBBII", p.MAGIC, 1, p.Kind.PUSH, 1, 0, 10, 2**32 - 1)
+    prefix = struct.pack("<4sBBBBII", p.MAGIC, p.PROTOCOL_VERSION, p.Kind.PUSH, 1, 0, 10, 2**32 - 1)
     with pytest.raises(LimitExceeded):
         p.FrameDecoder(alloc=never_alloc).feed(prefix)
 
@@ -382,9 +382,11 @@ def test_wrong_and_missing_tokens_are_refused_with_reasons() -> None:
 
 
 def test_version_mismatch_is_refused_with_reason() -> None:
-    ch, sh = p.ClientHandshake("s", version=2), p.ServerHandshake("s")
+    ch, sh = p.ClientHandshake("s", version=p.PROTOCOL_VERSION + 1), p.ServerHandshake("s")
     refuse = sh.on_hello(ch.hello)
-    assert isinstance(refuse, p.Refuse) and "server speaks 1, client sent 2" in refuse.reason
+    v = p.PROTOCOL_VERSION
+    assert isinstance(refuse, p.Refuse)
+    assert f"server speaks {v}, client sent {v + 1}" in refuse.reason
 
 
 def test_replayed_auth_fails_against_a_fresh_server_nonce() -> None:
@@ -411,8 +413,8 @@ def test_mac_is_hmac_sha256_of_the_documented_transcript() -> None:
 
     hello = p.Hello(role="worker", worker_id=5, nonce=bytes(range(32)))
     server_nonce = bytes(range(32, 64))
-    transcript = (b"minips-client-v1\x00" + bytes([1, 6]) + b"worker" + struct.pack("<q", 5)
-                  + hello.nonce + server_nonce)
+    transcript = (b"minips-client-v1\x00" + bytes([p.PROTOCOL_VERSION, 6]) + b"worker"
+                  + struct.pack("<q", 5) + hello.nonce + server_nonce)
     want = hmac.new(b"k", transcript, hashlib.sha256).digest()
     assert p.make_mac("k", p.CLIENT_LABEL, hello, server_nonce) == want
 

@@ -101,8 +101,8 @@ def test_over_long_varints_are_accepted_up_to_five_bytes() -> None:
 def test_small_frame_table_is_checked_once_whole_large_one_before_its_body() -> None:
     def head(body_len: int, wire: int) -> bytes:  # one raw buffer whose table says ``wire``
         meta = b"\x80"  # an empty msgpack map: the table is what is wrong here
-        return (protocol.PREFIX.pack(protocol.MAGIC, 1, protocol.Kind.PUSH, 1, 0, len(meta),
-                                     body_len)
+        return (protocol.PREFIX.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, protocol.Kind.PUSH,
+                                     1, 0, len(meta), body_len)
                 + protocol.TABLE_ENTRY.pack(0, wire, wire) + meta)
 
     small = protocol.FrameDecoder()

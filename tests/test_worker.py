@@ -123,6 +123,9 @@ async def test_worker_records_and_evaluator(tmp_path: Path) -> None:
         assert key in recs[0], key
     assert all(r["step_time"] >= 0.03 - 1e-3 for r in recs)  # slowdown 3 x 10 ms
     assert all(r["bytes_wire"] < r["bytes_raw"] / 5 for r in recs)  # 5% top-k, varint
+    # the downlink too: the first PULL gets the whole weights, then updates of 5% (+ the drift
+    # bound) each: far less than 15 dense answers
+    assert recs[-1]["link_bytes_down"] < 15 * recs[0]["bytes_raw"] / 3
     fast = read_jsonl(tmp_path / "worker-0.jsonl")
     assert max(r["staleness"] for r in fast) <= 1
     evals = read_jsonl(tmp_path / "eval.jsonl")

@@ -1,0 +1,150 @@
+"""A group server's compressed downlink, sans-IO (numpy only: no asyncio, no torch, no clocks).
+
+Without it every PULL is answered with the whole weights. With it the group keeps a *published*
+replica ``w_pub`` with a publish version ``pub``, and every worker holds a copy of ``w_pub`` at
+some version. The scheme is DoubleSqueeze's server-side error feedback, adapted to an
+asynchronous group (docs/compression.md, "The downlink"):
+
+- **publish** (``publish(weights)``, on a PULL when the weights moved since the last publish):
+  ``e = weights - w_pub`` is the residual; its ``k = ratio * n`` largest ``|e|`` coordinates are
+  published: ``w_pub[idx] = weights[idx]``, ``pub += 1``, and ``idx`` goes into a bounded log.
+  What is not published stays in ``e`` (error feedback is implicit: nothing is lost, only
+  delayed), and a coordinate once published is exact (``w_pub`` takes the weights' own float32).
+- **drift bound**: after a publish ``||weights - w_pub||_2 <= drift * ||weights||_2``. When the
+  top-k would leave more, the publish takes the next largest coordinates too, as few as keep the
+  bound (so a jump of the weights, e.g. an exchange with the global server, goes out at once).
+- **answer** (``answer(since)``): a worker that holds version ``since`` still in the log gets the
+  coordinates published after it, with their values in ``w_pub`` now (a sparse *set*, not an
+  add: the merge of several publishes is exact, whatever order they came in). The worker writes
+  them into its copy and holds ``w_pub`` at ``pub`` exactly, bit for bit.
+- **dense resync** (``w_pub`` whole, ``since = -1``): for a worker that names no version or one
+  the log no longer has (first pull, reconnect, another group, plain clients), and when the
+  merged set is over ``dense_fraction`` of ``n`` (then dense is the smaller message).
+
+Public API: ``Downlink(weights, ratio, drift=DRIFT, log_size=LOG_SIZE,
+dense_fraction=DENSE_FRACTION)``, ``.publish(weights) -> int``, ``.answer(since) -> Answer``,
+``.drift(weights) -> float``; ``Answer(version, since, payload)``; and the worker's side,
+``apply_weights(copy, held, weights_msg, n)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from minips.errors import RemoteProtocolError
+from minips.sparse_codec import SparseGrad, decode_gradient
+from minips.sparse_select import kept_count
+
+__all__ = ["Answer", "Downlink", "apply_weights", "DRIFT", "LOG_SIZE", "DENSE_FRACTION"]
+
+DRIFT = 0.02  # bound on ||weights - w_pub|| / ||weights|| after every publish
+LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
+DENSE_FRACTION = 0.4  # a merged answer with more changed coordinates than this goes dense
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a PULL gets: ``payload`` brings a copy from version ``since`` to ``version``.
+
+    ``since`` -1: ``payload`` is ``w_pub`` whole, (n,) float32 (a copy, safe to send while the
+    group goes on). Otherwise a ``SparseGrad`` whose values are the new values of the
+    coordinates it names (set, not add)."""
+
+    version: int
+    since: int
+    payload: SparseGrad | np.ndarray
+
+
+class Downlink:
+    """The published replica of one group's weights, its version, and the log of publishes."""
+
+    def __init__(self, weights: np.ndarray, ratio: float, *, drift: float = DRIFT,
+                 log_size: int = LOG_SIZE, dense_fraction: float = DENSE_FRACTION) -> None:
+        if not 0 < ratio <= 1 or drift < 0 or log_size < 1 or not 0 < dense_fraction <= 1:
+            raise ValueError(f"bad downlink settings: ratio {ratio}, drift {drift}, "
+                             f"log_size {log_size}, dense_fraction {dense_fraction}")
+        self.w_pub = np.array(weights, dtype=np.float32)  # (n,) what the workers can hold
+        self.n = int(self.w_pub.size)
+        self.k = kept_count(ratio, self.n)  # coordinates per publish, before the drift bound
+        self.drift_bound = drift
+        self.dense_fraction = dense_fraction
+        self.pub = 0  # publish version of w_pub
+        self.log: collections.deque[np.ndarray] = collections.deque(maxlen=log_size)
+        self.published = 0  # coordinates published so far
+        self.forced = 0  # of them, those beyond k that the drift bound needed
+        self.answers = {"update": 0, "dense": 0}  # answers given, by kind
+
+    def drift(self, weights: np.ndarray) -> float:
+        """``||weights - w_pub|| / ||weights||`` now (0 when both are zero)."""
+        norm = float(np.linalg.norm(weights))
+        gap = float(np.linalg.norm(weights - self.w_pub))
+        return gap / norm if norm else (0.0 if gap == 0 else math.inf)
+
+    def publish(self, weights: np.ndarray) -> int:
+        """Publish the largest residuals (at least k, more if the drift bound needs them);
+        return how many coordinates changed (0: nothing to publish, the version stays)."""
+        e = weights - self.w_pub  # (n,) float32 residual
+        moved = np.flatnonzero(e)  # (m,) int64 coordinates where w_pub is behind
+        if moved.size == 0:
+            return 0
+        if moved.size <= self.k:
+            idx = moved
+        else:
+            idx = self._select(np.abs(e[moved]), float(np.dot(weights, weights)))
+            idx = np.sort(moved[idx])
+            self.forced += max(0, idx.size - self.k)
+        self.w_pub[idx] = weights[idx]
+        self.pub += 1
+        self.log.append(idx.astype(np.uint32))
+        self.published += int(idx.size)
+        return int(idx.size)
+
+    def _select(self, mag: np.ndarray, wsq: float) -> np.ndarray:
+        """Positions in ``mag`` (|residual| of the moved coordinates) to publish: the k largest,
+        or the fewest largest that leave ``sum(mag^2)`` of the rest within drift^2 * wsq."""
+        budget = self.drift_bound ** 2 * wsq
+        top = np.argpartition(mag, -self.k)[-self.k:]  # (k,) the k largest, any order
+        sq = mag.astype(np.float64) ** 2
+        if float(sq.sum()) - float(sq[top].sum()) <= budget:
+            return top
+        order = np.argsort(sq)  # ascending: the tail that may stay unpublished comes first
+        kept = int(np.searchsorted(np.cumsum(sq[order]), budget, side="right"))
+        return order[kept:]  # everything above the part whose squares fit the budget
+
+    def answer(self, since: int) -> Answer:
+        """The message for a worker that holds ``w_pub`` at version ``since`` (-1: none)."""
+        behind = self.pub - since
+        if since < 0 or behind < 0 or behind > len(self.log):
+            return self._dense()
+        self.answers["update"] += 1
+        if behind == 0:
+            return Answer(self.pub, since, SparseGrad.empty(self.n))
+        entries = [self.log[-j] for j in range(1, behind + 1)]
+        idx = entries[0] if behind == 1 else np.unique(np.concatenate(entries))
+        if idx.size > self.dense_fraction * self.n:
+            self.answers["update"] -= 1
+            return self._dense()
+        return Answer(self.pub, since, SparseGrad(idx, self.w_pub[idx], self.n))
+
+    def _dense(self) -> Answer:
+        self.answers["dense"] += 1
+        return Answer(self.pub, -1, self.w_pub.copy())
+
+
+def apply_weights(replica: np.ndarray | None, held: int, w: Any, size: int) -> np.ndarray:
+    """The weights WEIGHTS ``w`` brings a copy at version ``held`` to: its buffers whole
+    (``since`` -1), or ``replica`` with the coordinates they name set to their values (an
+    update must start from the version held). Raises RemoteProtocolError for a bad one."""
+    got = decode_gradient(w.encoding, w.codec, w.buffers, size)
+    if w.since < 0:
+        return np.asarray(got.to_dense() if isinstance(got, SparseGrad) else got)
+    if replica is None or w.since != held or not isinstance(got, SparseGrad):
+        raise RemoteProtocolError("WEIGHTS update does not fit the copy held",
+                                  expected=held, got=w.since)
+    replica[got.indices] = got.values
+    return replica

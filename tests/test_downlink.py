@@ -1,0 +1,266 @@
+"""The compressed downlink (minips/downlink.py) and the worker's copy of a group's weights.
+
+Unit tests of the publish / answer rules, then a group server on a real socket: a worker-side
+copy kept with ``downlink.apply_weights`` equals the group's ``w_pub`` bit for bit at every version
+it was answered, and stays within the drift bound of the group's weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import recv_as
+from test_group import TOKEN, Global
+
+from minips import protocol, sparse, transport
+from minips.config import RunConfig
+from minips.downlink import DRIFT, Downlink, apply_weights
+from minips.errors import RemoteProtocolError
+from minips.group import GroupServer
+
+N = 1000
+
+
+def weights(seed: int = 0, n: int = N) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+class Copy:
+    """What a worker holds: a copy of w_pub and its version, updated from answers."""
+
+    def __init__(self) -> None:
+        self.w: Any = None  # (n,) float32 once it holds a version
+        self.held = -1
+
+    def take(self, ans: Any) -> None:
+        enc, codec, bufs = sparse.encode_gradient(ans.payload)
+        msg = protocol.Weights(version=ans.version, since=ans.since, encoding=enc, codec=codec,
+                               buffers=tuple(bufs))
+        self.w = apply_weights(self.w, self.held, msg, N)
+        self.held = ans.version
+
+
+def update(ans: Any) -> sparse.SparseGrad:
+    """The payload of an answer that must be an update."""
+    assert isinstance(ans.payload, sparse.SparseGrad)
+    return ans.payload
+
+
+def test_publish_sends_the_largest_changes_and_keeps_the_rest_as_residual() -> None:
+    w = weights()
+    d = Downlink(w, 0.01, drift=1.0)
+    moved = w.copy()
+    moved[[5, 50, 500]] += [3.0, -2.0, 1.0]
+    moved[7] += 1e-3
+    assert d.k == 10
+    assert d.publish(moved) == 4 and d.pub == 1  # only 4 moved: all published, exactly
+    assert np.array_equal(d.w_pub, moved)
+    assert d.publish(moved) == 0 and d.pub == 1  # nothing moved: no new version
+    moved += np.linspace(-1e-3, 1e-3, N, dtype=np.float32)  # every coordinate moves a little
+    moved[[1, 2]] += 5.0
+    assert d.publish(moved) == 10
+    sent = np.flatnonzero(d.w_pub != w)
+    assert {1, 2}.issubset(sent.tolist()) and d.log[-1].size == 10
+    assert np.count_nonzero(d.w_pub != moved) == N - 10  # the rest waits
+
+
+def test_a_worker_that_follows_every_answer_holds_w_pub_bit_for_bit() -> None:
+    rng = np.random.default_rng(1)
+    w = weights()
+    d = Downlink(w, 0.02, drift=1.0)
+    copy = Copy()
+    copy.take(d.answer(-1))
+    assert copy.held == 0 and np.array_equal(copy.w, w)
+    for step in range(40):
+        w += (0.01 * rng.standard_normal(N)).astype(np.float32)
+        d.publish(w)
+        if step % 3:  # pulls now and then: behind by one or several publishes
+            ans = d.answer(copy.held)
+            assert ans.since == copy.held and isinstance(ans.payload, sparse.SparseGrad)
+            copy.take(ans)
+            assert copy.held == d.pub and np.array_equal(copy.w, d.w_pub)
+
+
+def test_dense_resync_for_no_version_an_unknown_one_or_one_too_far_behind() -> None:
+    w = weights()
+    d = Downlink(w, 0.01, drift=1.0, log_size=3)
+    for i in range(5):
+        w[i] += 1.0
+        d.publish(w)
+    assert d.pub == 5
+    for since in (-1, 1, 6, 99):  # none; the log holds 3..5 only; never published
+        ans = d.answer(since)
+        assert ans.since == -1 and ans.version == 5
+        assert np.array_equal(np.asarray(ans.payload), d.w_pub)
+    ans = d.answer(2)  # 3 publishes behind: in the log
+    assert ans.since == 2 and update(ans).indices.tolist() == [2, 3, 4]
+    empty = d.answer(5)
+    assert empty.since == 5 and update(empty).nnz == 0
+
+
+def test_a_nearly_dense_update_goes_dense() -> None:
+    w = weights()
+    d = Downlink(w, 0.3, drift=1.0, dense_fraction=0.4)
+    d.publish(w + 1.0)
+    assert d.answer(0).since == 0  # 30% of n: sparse
+    d.publish(w + 2.0)
+    assert d.answer(0).since == -1  # the two publishes name 60% of n: dense is smaller
+    assert d.answer(1).since == 1
+
+
+def test_drift_bound_publishes_as_much_as_it_needs_after_a_jump() -> None:
+    w = weights()
+    d = Downlink(w, 0.01, drift=0.05)
+    jumped = w + np.float32(0.2)  # an exchange: every coordinate moves by 0.2 (~20% of |w|)
+    count = d.publish(jumped)
+    assert count > d.k
+    assert d.drift(jumped) <= 0.05
+    assert count < N  # the fewest that keep the bound, not everything
+    small = jumped.copy()
+    small[:3] += 1e-4  # a small move publishes k, no more
+    assert d.publish(small) == d.k and d.drift(small) <= 0.05
+
+
+def test_no_update_is_lost_repeated_pulls_converge_to_the_weights_exactly() -> None:
+    rng = np.random.default_rng(2)
+    w = weights()
+    d = Downlink(w, 0.01, drift=1.0)
+    copy = Copy()
+    copy.take(d.answer(-1))
+    for _ in range(20):  # training: the weights move everywhere
+        w += (0.01 * rng.standard_normal(N)).astype(np.float32)
+        d.publish(w)
+        copy.take(d.answer(copy.held))
+    assert not np.array_equal(copy.w, w)  # 1% per publish cannot keep up
+    for _ in range(N // d.k + 1):  # the group stops changing; the worker keeps pulling
+        d.publish(w)
+        copy.take(d.answer(copy.held))
+    assert np.array_equal(d.w_pub, w) and np.array_equal(copy.w, w)
+
+
+def test_an_update_that_does_not_fit_the_copy_held_is_a_protocol_error() -> None:
+    d = Downlink(weights(), 0.01)
+    d.publish(weights(1))
+    ans = d.answer(0)
+    enc, codec, bufs = sparse.encode_gradient(ans.payload)
+    msg = protocol.Weights(version=1, since=0, encoding=enc, codec=codec, buffers=tuple(bufs))
+    with pytest.raises(RemoteProtocolError):
+        apply_weights(None, -1, msg, N)  # holds nothing
+    with pytest.raises(RemoteProtocolError):
+        apply_weights(weights(), 3, msg, N)  # holds another version
+
+
+def test_down_ratio_defaults_to_the_ratio_of_a_sparse_compressor_and_dense_otherwise() -> None:
+    assert RunConfig(compressor="none").downlink_ratio() == 1.0
+    assert RunConfig(compressor="fp16", ratio=0.1).downlink_ratio() == 1.0
+    assert RunConfig(compressor="gdtopk", ratio=0.02).downlink_ratio() == 0.02
+    assert RunConfig(compressor="topk", down_ratio=1.0).downlink_ratio() == 1.0
+    assert GroupServer(0, RunConfig(), weights(), Global(weights())).downlink is None
+
+
+def test_f16_values_go_out_as_two_bytes_each_and_decode_as_before() -> None:
+    idx = np.arange(0, 3000, 3, dtype=np.uint32)  # 1,000 coordinates
+    vals = np.linspace(-2, 2, 1000).astype(np.float16).astype(np.float32)
+    g = sparse.SparseGrad(idx, vals, 4000)
+    enc, codec, bufs = sparse.encode_gradient(g, value_dtype="f16")
+    assert codec["value"] == "f16" and memoryview(bufs[1]).nbytes == 2000
+    back = sparse.decode_gradient(enc, codec, bufs, 4000)
+    assert isinstance(back, sparse.SparseGrad)
+    assert np.array_equal(back.indices, idx) and np.array_equal(back.values, vals)
+
+
+class Watched:
+    """Records, at every answer a group server builds, w_pub by version and the drift of the
+    group's weights from it (what a worker holds can only be checked against its version: the
+    other worker's PULLs publish newer ones meanwhile)."""
+
+    def __init__(self, gs: GroupServer) -> None:
+        assert gs.downlink is not None
+        self.gs, self.down = gs, gs.downlink
+        self.at: dict[int, np.ndarray] = {}
+        self.drifts: list[float] = []
+        answer = self.down.answer
+
+        def watched(since: int) -> Any:
+            ans = answer(since)
+            self.at[ans.version] = self.down.w_pub.copy()
+            self.drifts.append(self.down.drift(gs.weights))
+            return ans
+
+        self.down.answer = watched  # type: ignore[method-assign]
+
+
+async def _worker_session(port: int, w_id: int, steps: int, watch: Watched) -> int:
+    """A worker on a real connection: PULL with the version held, check the copy against the
+    group's w_pub of that version, PUSH a made-up sparse gradient. Returns how many answers
+    were updates (not the whole weights)."""
+    ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=w_id, group=0,
+                                 token=TOKEN, timeout=5)
+    try:
+        clock = (await recv_as(ch, protocol.Ack)).clock
+        copy, held, updates = None, -1, 0
+        rng = np.random.default_rng(w_id)
+        for _ in range(steps):
+            await ch.send(protocol.Pull(clock=clock, since=held))
+            msg = await recv_as(ch, protocol.Weights)
+            copy = apply_weights(copy, held, msg, N)
+            held = msg.version
+            updates += msg.since >= 0
+            assert np.array_equal(copy, watch.at[held])  # bit for bit
+            idx = np.sort(rng.choice(N, 20, replace=False)).astype(np.uint32)
+            grad = sparse.SparseGrad(idx, rng.standard_normal(20).astype(np.float32), N)
+            enc, codec, bufs = sparse.encode_gradient(grad)
+            await ch.send(protocol.Push(clock=clock + 1, samples=1, encoding=enc, codec=codec,
+                                        buffers=tuple(bufs)))
+            clock = (await recv_as(ch, protocol.Ack)).clock
+        return updates
+    finally:
+        await ch.close()
+
+
+async def test_workers_on_a_real_socket_hold_w_pub_and_stay_within_the_drift_bound() -> None:
+    run = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.02, lr=0.5,
+                    momentum=0.9, sync_every=1000, lr_warmup=0)
+    gs = GroupServer(0, run, weights(), Global(weights()), members=[0, 1])
+    watch = Watched(gs)
+    port = await gs.serve("127.0.0.1", 0, TOKEN)
+    try:
+        got = await asyncio.wait_for(asyncio.gather(
+            *(_worker_session(port, w, 30, watch) for w in (0, 1))), 30)
+    finally:
+        await gs.close()
+    assert all(n == 29 for n in got)  # the first answer is the whole weights, then updates
+    assert len(watch.at) > 30 and max(watch.drifts) <= DRIFT * (1 + 1e-6)
+
+
+async def test_a_group_server_honours_only_the_version_it_sent_on_this_connection() -> None:
+    """docs/protocol.md, section 3: an update answers only a PULL naming the version of the
+    last WEIGHTS on the same connection; any other `since` gets the whole weights."""
+    run = RunConfig(workers=1, mode="asp", compressor="topk", ratio=0.02, sync_every=1000)
+    gs = GroupServer(0, run, weights(), Global(weights()), members=[0])
+    port = await gs.serve("127.0.0.1", 0, TOKEN)
+
+    async def pull(ch: Any, clock: int, since: int) -> protocol.Weights:
+        await ch.send(protocol.Pull(clock=clock, since=since))
+        return await recv_as(ch, protocol.Weights)
+
+    try:
+        ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, group=0,
+                                     token=TOKEN, timeout=5)
+        clock = (await recv_as(ch, protocol.Ack)).clock
+        first = await pull(ch, clock, 7)  # a version this connection was never sent
+        assert first.since == -1 and first.encoding == "dense-f32"
+        again = await pull(ch, clock, first.version)
+        assert again.since == first.version and again.encoding == "sparse-v1"
+        await ch.close()
+        ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, group=0,
+                                     token=TOKEN, timeout=5)
+        clock = (await recv_as(ch, protocol.Ack)).clock
+        fresh = await pull(ch, clock, again.version)  # sent, but on the old connection
+        assert fresh.since == -1 and fresh.encoding == "dense-f32"
+        await ch.close()
+    finally:
+        await gs.close()
