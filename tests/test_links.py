@@ -276,3 +276,19 @@ def _mentioning(text: str) -> list[int]:
         if text in cmd:
             pids.append(int(entry.name))
     return pids
+
+
+def test_plan_falls_back_to_the_pacer_only_when_asked_to(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    """auto takes the pacer where kernel shaping cannot run (saying why); kernel refuses;
+    pacer and a latency-only profile never touch the kernel."""
+    monkeypatch.setattr(netshape, "unavailable", lambda: "kernel shaping needs root (test)")
+    prof = parse_profile("10mbit")
+    assert netshape.plan(prof, 2, "auto") == ("pacer", None)
+    assert "needs root (test); the workers pace" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--link-shaping kernel: kernel shaping needs root"):
+        netshape.plan(prof, 2, "kernel")
+    assert netshape.plan(prof, 2, "pacer") == ("pacer", None)
+    assert netshape.plan(parse_profile("+5ms"), 2, "kernel") == ("none", None)
+    assert netshape.plan(None, 2, "auto") == ("none", None)
