@@ -24,8 +24,8 @@ Invariants:
 - ``recv`` has one reader at a time; a message reaches it with no queue hop beyond one future.
 - A paced channel (``Channel.set_pacing``, a worker's emulated link: ``links.Pacing``) writes a
   frame in chunks, each after its tokens are in the uplink bucket, one frame at a time (a lock:
-  a HEARTBEAT waits for the frame in progress); it reads at most a chunk per socket read and
-  pauses reading while the downlink bucket is in debt, so the peer's TCP waits as on a slow link.
+  a HEARTBEAT waits for the frame in progress); it reads as ``pacer.ReadPacer`` allows (reading
+  pauses while the downlink bucket is in debt, so the peer's TCP waits as on a slow link).
 
 Public API: ``Options``, ``Channel``, ``FrameProtocol`` (for ``transport.py``),
 ``tune_socket(sock, buffer_bytes)``, and the constants ``READ_TIMEOUT_S``, ``SEND_TIMEOUT_S``,
@@ -48,6 +48,7 @@ from minips import guard
 from minips import protocol as p
 from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from minips.links import Pacing, TokenBucket
+from minips.pacer import ReadPacer
 
 __all__ = [
     "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "SOCKET_BUFFER_BYTES", "WRITE_BYTES",
@@ -137,9 +138,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.queue: collections.deque[p.Message] = collections.deque()
         self.queued_bytes = 0  # bytes of the buffers of the queued messages
         self.paused = False  # reading paused because the queue is full
-        self.pace_hold = False  # reading paused until the downlink bucket is out of debt
         self.reading = True  # what the transport was last told (pause_reading / resume_reading)
-        self.down: TokenBucket | None = None  # the downlink bucket of a paced channel
+        self.pacer: ReadPacer | None = None  # the downlink of a paced channel
         self.waiter: asyncio.Future[None] | None = None  # a recv() waiting for a message
         self.drained: asyncio.Future[None] | None = None  # set while writing is paused
         self.closed = asyncio.Event()
@@ -172,8 +172,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.bytes_received += nbytes
         self.last_recv = self.loop.time()
-        if self.down is not None:
-            self._pace(nbytes)
+        if self.pacer is not None:
+            self.pacer.charge(nbytes)
         try:
             for msg in self.decoder.buffer_updated(nbytes):
                 self.conn.received_one(msg)  # one by one: messages before a bad one still count
@@ -189,7 +189,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         except RemoteProtocolError as e:
             self.fail(e, "limit_exceeded" if isinstance(e, LimitExceeded) else "protocol_error")
         if self.queue:
-            if not self.pace_hold:  # a paced message is ready once its bytes' time has passed
+            if not self.held:  # a paced message is ready once its bytes' time has passed
                 self._wake()
             if (len(self.queue) >= self.options.max_queued
                     or self.queued_bytes >= self.options.max_queued_bytes):
@@ -216,7 +216,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _set_reading(self) -> None:
         """Tell the transport to read or not: read unless the queue is full or the downlink
         bucket is in debt (two reasons, one switch)."""
-        wanted = not (self.paused or self.pace_hold)
+        wanted = not (self.paused or self.held)
         if wanted == self.reading or self.transport is None or self.transport.is_closing():
             return
         self.reading = wanted
@@ -225,32 +225,22 @@ class FrameProtocol(asyncio.BufferedProtocol):
         else:
             self.transport.pause_reading()
 
+    @property
+    def held(self) -> bool:
+        """Whether the downlink pacer holds reading (and queued messages) back."""
+        return self.pacer is not None and self.pacer.hold
+
     def set_downlink(self, bucket: TokenBucket | None) -> None:
-        """Pace reading to ``bucket`` (None: read at full speed): at most one chunk per read."""
-        self.down = bucket
-        if bucket is None:
-            self.get_buffer = self.decoder.get_buffer  # type: ignore[method-assign]
-            return
-        chunk, get = bucket.chunk(), self.decoder.get_buffer
-        self.get_buffer = lambda hint: get(hint)[:chunk]  # type: ignore[method-assign,assignment]
+        """Pace reading to ``bucket`` (None: read at full speed)."""
+        self.pacer = None if bucket is None else ReadPacer(bucket, self.loop, self._paced)
+        get = self.decoder.get_buffer
+        chunked = get if self.pacer is None else self.pacer.chunked(get)
+        self.get_buffer = chunked  # type: ignore[method-assign,assignment]
 
-    def _pace(self, nbytes: int) -> None:
-        """Charge a read to the downlink bucket; pause reading until its debt is repaid."""
-        assert self.down is not None
-        wait = self.down.take(nbytes, self.loop.time())
-        if wait > 0 and not self.pace_hold:
-            self.pace_hold = True
-            self._set_reading()
-            self.loop.call_later(wait, self._unhold)
-
-    def _unhold(self) -> None:
-        wait = self.down.take(0, self.loop.time()) if self.down is not None else 0.0
-        if wait > 0:  # a read that was under way when reading paused added to the debt
-            self.loop.call_later(wait, self._unhold)
-            return
-        self.pace_hold = False
+    def _paced(self) -> None:
+        """The pacer started or stopped holding: read or not; hand on what is queued."""
         self._set_reading()
-        if self.queue:
+        if self.queue and not self.held:
             self._wake()
 
     def _arm_timer(self, delay: float) -> None:
@@ -291,7 +281,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         self.decoder.release()  # a half-received frame is freed at once
-        self.pace_hold = False  # what is queued may be read at once
+        if self.pacer is not None:
+            self.pacer.stop()  # what is queued may be read at once
         self.closed.set()
         self._wake()
         self.resume_writing()
@@ -424,7 +415,7 @@ class Channel:
         proto = self._proto
         deadline = None if timeout is None else proto.loop.time() + timeout
         while True:
-            if proto.queue and not proto.pace_hold:
+            if proto.queue and not proto.held:
                 return proto.pop()
             if proto.error is not None:
                 raise proto.error
