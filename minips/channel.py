@@ -25,7 +25,7 @@ Invariants:
 - A paced channel (``Channel.set_pacing``, a worker's emulated link: ``links.Pacing``) writes a
   frame in chunks, each after its tokens are in the uplink bucket, one frame at a time (a lock:
   a HEARTBEAT waits for the frame in progress); it reads as ``pacer.ReadPacer`` allows (reading
-  pauses while the downlink bucket is in debt, so the peer's TCP waits as on a slow link).
+  pauses while the downlink bucket is in debt; past the receive buffer the peer's TCP waits).
 
 Public API: ``Options``, ``Channel``, ``FrameProtocol`` (for ``transport.py``),
 ``tune_socket(sock, buffer_bytes)``, and the constants ``READ_TIMEOUT_S``, ``SEND_TIMEOUT_S``,
