@@ -22,6 +22,10 @@ Invariants:
 - HEARTBEATs are counted as they arrive and never queued: a peer whose request is waiting can
   still prove it is alive.
 - ``recv`` has one reader at a time; a message reaches it with no queue hop beyond one future.
+- A paced channel (``Channel.set_pacing``, a worker's emulated link: ``links.Pacing``) writes a
+  frame in chunks, each after its tokens are in the uplink bucket, one frame at a time (a lock:
+  a HEARTBEAT waits for the frame in progress); it reads as ``pacer.ReadPacer`` allows (reading
+  pauses while the downlink bucket is in debt; past the receive buffer the peer's TCP waits).
 
 Public API: ``Options``, ``Channel``, ``FrameProtocol`` (for ``transport.py``),
 ``tune_socket(sock, buffer_bytes)``, and the constants ``READ_TIMEOUT_S``, ``SEND_TIMEOUT_S``,
@@ -43,6 +47,8 @@ from typing import Any, cast
 from minips import guard
 from minips import protocol as p
 from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
+from minips.links import Pacing, TokenBucket
+from minips.pacer import ReadPacer
 
 __all__ = [
     "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "SOCKET_BUFFER_BYTES", "WRITE_BYTES",
@@ -132,6 +138,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.queue: collections.deque[p.Message] = collections.deque()
         self.queued_bytes = 0  # bytes of the buffers of the queued messages
         self.paused = False  # reading paused because the queue is full
+        self.reading = True  # what the transport was last told (pause_reading / resume_reading)
+        self.pacer: ReadPacer | None = None  # the downlink of a paced channel
         self.waiter: asyncio.Future[None] | None = None  # a recv() waiting for a message
         self.drained: asyncio.Future[None] | None = None  # set while writing is paused
         self.closed = asyncio.Event()
@@ -164,6 +172,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.bytes_received += nbytes
         self.last_recv = self.loop.time()
+        if self.pacer is not None:
+            self.pacer.charge(nbytes)
         try:
             for msg in self.decoder.buffer_updated(nbytes):
                 self.conn.received_one(msg)  # one by one: messages before a bad one still count
@@ -179,7 +189,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         except RemoteProtocolError as e:
             self.fail(e, "limit_exceeded" if isinstance(e, LimitExceeded) else "protocol_error")
         if self.queue:
-            self._wake()
+            if not self.held:  # a paced message is ready once its bytes' time has passed
+                self._wake()
             if (len(self.queue) >= self.options.max_queued
                     or self.queued_bytes >= self.options.max_queued_bytes):
                 self._pause()
@@ -194,14 +205,43 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if (self.paused and len(self.queue) <= self.options.max_queued // 2
                 and self.queued_bytes <= self.options.max_queued_bytes // 2):
             self.paused = False
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.resume_reading()
+            self._set_reading()
         return msg
 
     def _pause(self) -> None:
-        if not self.paused and self.transport is not None:
+        if not self.paused:
             self.paused = True
+            self._set_reading()
+
+    def _set_reading(self) -> None:
+        """Tell the transport to read or not: read unless the queue is full or the downlink
+        bucket is in debt (two reasons, one switch)."""
+        wanted = not (self.paused or self.held)
+        if wanted == self.reading or self.transport is None or self.transport.is_closing():
+            return
+        self.reading = wanted
+        if wanted:
+            self.transport.resume_reading()
+        else:
             self.transport.pause_reading()
+
+    @property
+    def held(self) -> bool:
+        """Whether the downlink pacer holds reading (and queued messages) back."""
+        return self.pacer is not None and self.pacer.hold
+
+    def set_downlink(self, bucket: TokenBucket | None) -> None:
+        """Pace reading to ``bucket`` (None: read at full speed)."""
+        self.pacer = None if bucket is None else ReadPacer(bucket, self.loop, self._paced)
+        get = self.decoder.get_buffer
+        chunked = get if self.pacer is None else self.pacer.chunked(get)
+        self.get_buffer = chunked  # type: ignore[method-assign,assignment]
+
+    def _paced(self) -> None:
+        """The pacer started or stopped holding: read or not; hand on what is queued."""
+        self._set_reading()
+        if self.queue and not self.held:
+            self._wake()
 
     def _arm_timer(self, delay: float) -> None:
         self._timer = self.loop.call_later(delay, self._check_stall)
@@ -241,6 +281,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
         self.decoder.release()  # a half-received frame is freed at once
+        if self.pacer is not None:
+            self.pacer.stop()  # what is queued may be read at once
         self.closed.set()
         self._wake()
         self.resume_writing()
@@ -272,6 +314,8 @@ class Channel:
         self.welcome_info: dict[str, Any] = {}  # both sides: WELCOME's info map
         self.worker_id = -1  # the id in WELCOME
         self.bytes_sent = 0
+        self._up: TokenBucket | None = None  # the uplink bucket of a paced channel
+        self._send_lock = asyncio.Lock()  # a paced frame's chunks are never interleaved
         self._beat: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
 
@@ -309,8 +353,17 @@ class Channel:
         """Receive the next payload buffers into memory ``alloc`` returns (None: fresh arrays)."""
         self._proto.decoder.alloc = alloc or p.default_alloc
 
+    def set_pacing(self, pacing: Pacing | None) -> None:
+        """Send and read at the rates of ``pacing``'s buckets from now on (None: at full
+        speed); the buckets may be shared by several channels of one link."""
+        self._up = None if pacing is None else pacing.up
+        self._proto.set_downlink(None if pacing is None else pacing.down)
+
     async def send(self, msg: p.Message, *, compress: bool = False) -> None:
         """Send ``msg``; returns once the kernel has every byte (the caller may reuse buffers)."""
+        if self._up is not None:
+            async with self._send_lock:
+                return await self._send_paced(msg, compress, self._up)
         proto = self._proto
         if proto.error is not None:
             raise ConnectionResetError(f"connection is closed ({proto.error})")
@@ -323,13 +376,37 @@ class Channel:
                 self._transport.writelines(batch)
             self.bytes_sent += sum(map(len, frame))
         if proto.drained is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(proto.drained), proto.options.send_timeout)
-            except asyncio.TimeoutError:
-                self._transport.abort()
-                raise ConnectionError("send timed out: the peer stopped reading") from None
+            await self._drain()
+
+    async def _send_paced(self, msg: p.Message, compress: bool, bucket: TokenBucket) -> None:
+        """``send`` on a paced link: each chunk waits for its tokens, then is written."""
+        proto = self._proto
+        if proto.error is not None:
+            raise ConnectionResetError(f"connection is closed ({proto.error})")
+        frame = proto.conn.send(msg, compress=compress)
+        for batch in write_batches(frame, bucket.chunk()):
+            size = sum(map(len, batch))
+            wait = bucket.take(size, proto.loop.time())
+            if wait > 0:
+                await asyncio.sleep(wait)
             if proto.error is not None:
                 raise ConnectionResetError(f"connection lost while sending ({proto.error})")
+            self._transport.writelines(batch)
+            self.bytes_sent += size
+            if proto.drained is not None:
+                await self._drain()
+
+    async def _drain(self) -> None:
+        """Until the kernel took what was written (``send_timeout`` at most)."""
+        proto = self._proto
+        assert proto.drained is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(proto.drained), proto.options.send_timeout)
+        except asyncio.TimeoutError:
+            self._transport.abort()
+            raise ConnectionError("send timed out: the peer stopped reading") from None
+        if proto.error is not None:
+            raise ConnectionResetError(f"connection lost while sending ({proto.error})")
 
     async def recv(self, timeout: float | None = None) -> p.Message:
         """The next message (HEARTBEATs are absorbed). Raises ``RemoteProtocolError`` when the
@@ -338,7 +415,7 @@ class Channel:
         proto = self._proto
         deadline = None if timeout is None else proto.loop.time() + timeout
         while True:
-            if proto.queue:
+            if proto.queue and not proto.held:
                 return proto.pop()
             if proto.error is not None:
                 raise proto.error

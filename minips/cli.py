@@ -34,6 +34,7 @@ from minips.config import (
     parse_slowdowns,
 )
 from minips.errors import ConfigError, MiniPSError
+from minips.links import SHAPINGS
 
 __all__ = ["main", "build_parser", "run_config_from_args"]
 
@@ -153,9 +154,17 @@ def _add_local(sub: Any) -> None:
     loc = sub.add_parser("local", help="a whole cluster on this machine")
     _add_run_flags(loc)
     loc.add_argument("--slowdown", type=_slowdowns, help="factors F per worker: 1,1,2x2,4")
+    loc.add_argument("--link", metavar="PROFILE",
+                     help="the workers' links: 10mbit, 10mbit/40mbit (up/down), "
+                          "100,50,10mbit (per worker, last repeats), +5ms latency, or a file "
+                          "(docs/links.md)")
+    loc.add_argument("--link-shaping", choices=SHAPINGS, default="auto",
+                     help="kernel: namespaces + tc (root); pacer: token buckets in the workers; "
+                          "auto: kernel when possible (default)")
     loc.add_argument("--bandwidth", type=at_least(0), default=0.0,
-                     help="link cap, bytes/s (0 = none)")
-    loc.add_argument("--latency", type=at_least(0), default=0.0, help="added latency per send, s")
+                     help="deprecated: --link RATE (this in bytes/s, both directions)")
+    loc.add_argument("--latency", type=at_least(0), default=0.0,
+                     help="deprecated: --link +LATENCY (this in s)")
     _add_device(loc, per_worker=True)
     loc.add_argument("--out", default="runs", help="parent directory of the run directory")
     loc.add_argument("--name", help="run directory name (default: time-mode-compressor)")
@@ -230,7 +239,10 @@ def _add_clients(sub: Any) -> None:
                        help="worker id (-1 = assigned)")
         w.add_argument("--slowdown", type=at_least(0, strict=True), default=1.0,
                        help="emulated factor F")
-        w.add_argument("--bandwidth", type=at_least(0), default=0.0, help="link cap, bytes/s")
+        w.add_argument("--bandwidth", type=at_least(0), default=0.0,
+                       help="paced uplink, bytes/s (0 = none)")
+        w.add_argument("--bandwidth-down", type=at_least(0), default=0.0,
+                       help="paced downlink, bytes/s (0 = none)")
         w.add_argument("--latency", type=at_least(0), default=0.0,
                        help="added latency per send, s")
         w.add_argument("--run-dir", default=f"runs/{name}", help="metrics directory")
@@ -332,8 +344,9 @@ def _cmd_local(args: argparse.Namespace) -> int:
     checks.check_dir("--data-dir", run.data_dir)
     if args.workers is None and args.slowdown:
         run = dataclasses.replace(run, workers=len(slowdowns))
-    cfg = LaunchConfig(run=run, slowdowns=slowdowns, bandwidth_bps=args.bandwidth,
-                       latency_s=args.latency, out_dir=args.out, name=args.name,
+    link = checks.check_link(args.link, args.bandwidth, args.latency, run.workers)
+    cfg = LaunchConfig(run=run, slowdowns=slowdowns, link=link, link_shaping=args.link_shaping,
+                       out_dir=args.out, name=args.name,
                        progress=not args.no_progress, evaluator=not args.no_eval,
                        plot=not args.no_plot, timeout_s=args.timeout,
                        dashboard=args.dashboard, tensorboard=args.tensorboard,
@@ -394,6 +407,7 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
     checks.check_dir("--data-dir", args.data_dir)
     return WorkerConfig(server_host=host, server_port=port, token=_token(), tls_ca=args.tls_ca,
                         worker_id=args.id, slowdown=args.slowdown, bandwidth_bps=args.bandwidth,
+                        bandwidth_down_bps=getattr(args, "bandwidth_down", 0.0),
                         latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
                         torch_threads=args.threads, connect_timeout_s=args.timeout,
                         reconnect_s=args.reconnect, device=getattr(args, "device", "auto"),

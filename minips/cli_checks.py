@@ -25,6 +25,7 @@ import numpy as np
 from minips.config import RunConfig, client_ssl, parse_address, server_ssl
 from minips.data import DATASET_NAMES
 from minips.errors import ConfigError
+from minips.links import parse_profile
 from minips.model_table import MODEL_NAMES, PARAM_COUNTS
 from minips.sparse import COMPRESSORS, make_compressor
 
@@ -41,6 +42,7 @@ __all__ = [
     "check_tls_client",
     "check_address",
     "check_host",
+    "check_link",
     "speaks_tls",
 ]
 
@@ -246,3 +248,21 @@ def speaks_tls(host: str, port: int, timeout: float = TLS_PROBE_S) -> bool:
             return True
     except (OSError, ValueError):
         return False
+
+
+def check_link(link: str | None, bandwidth: float, latency: float, workers: int) -> str:
+    """`minips local`'s link profile ("" = none), checked: ``--link``, or the older
+    ``--bandwidth`` (bytes/s, both directions) and ``--latency`` (s) turned into one."""
+    if link and (bandwidth or latency):
+        raise ConfigError(f"--link {link} with --bandwidth/--latency: give the link once, e.g. "
+                          f"--link 80mbit+5ms")
+    if not link:
+        link = (f"{round(8 * bandwidth)}bit" if bandwidth else "") + \
+            (f"+{latency:g}s" if latency else "")
+        if not link:
+            return ""
+    profile = parse_profile(link)
+    if len(profile.rates) > workers:
+        raise ConfigError(f"--link {link}: {len(profile.rates)} rates for {workers} workers; "
+                          f"give at most one per worker (the last one repeats)")
+    return link

@@ -210,7 +210,8 @@ class WorkerConfig:
     tls_ca: str | None = None  # CA file to verify servers with; None = plain TCP
     worker_id: int = -1  # requested id; -1 = the server picks the next free one
     slowdown: float = 1.0  # emulated factor F: a step takes at least F x base_step_s
-    bandwidth_bps: float = 0.0  # emulated link rate on sends, bytes/s; 0 = unlimited
+    bandwidth_bps: float = 0.0  # paced uplink (sends) of the group connection, bytes/s; 0 = none
+    bandwidth_down_bps: float = 0.0  # paced downlink (reads) of it, bytes/s; 0 = none
     latency_s: float = 0.0  # emulated one-way latency added to every send
     run_dir: str = "runs/worker"  # metrics directory
     data_dir: str | None = None  # overrides the run's data_dir on this machine
@@ -244,8 +245,8 @@ class LaunchConfig:
 
     run: RunConfig = field(default_factory=RunConfig)  # the run's settings
     slowdowns: list[float] = field(default_factory=list)  # factor F per worker; [] = all 1.0
-    bandwidth_bps: float = 0.0  # emulated link rate of every worker, bytes/s; 0 = unlimited
-    latency_s: float = 0.0  # emulated one-way latency of every worker
+    link: str = ""  # --link profile of the workers' links (links.py); "" = not limited
+    link_shaping: str = "auto"  # auto | kernel (namespaces + tc) | pacer (token buckets)
     out_dir: str = "runs"  # parent of the run directory
     name: str | None = None  # run directory name; None = mode-compressor-time
     progress: bool = True  # draw the one-line progress display

@@ -8,6 +8,12 @@ starts the workers in parallel (importing torch takes seconds each), draws a pro
 the metrics files, and when the server exits (budget spent) collects the children, writes
 summary.json and the PNG charts and prints where they are.
 
+With ``--link`` the workers' links are shaped (``netshape.plan``): by the kernel, each worker
+in a network namespace of its own behind a rate-limited veth pair and the servers listening on
+the host end of worker 0's pair, or by token buckets in the workers (the pacer). link.json in
+the run directory (and ``link`` in summary.json) says which; the namespaces are removed when the
+run ends, and those of a launcher that was killed before the next kernel-shaped run starts.
+
 Invariants: every child runs in its own session, so Ctrl-C reaches the launcher only; the
 launcher then stops the children (SIGTERM, SIGKILL after ``grace_s``) and still writes the
 summary; SIGTERM does the same (status "terminated"). No child outlives ``run_local``, nor the
@@ -20,6 +26,7 @@ optionally with an evaluator child.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -33,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from minips import checkpoint, lifeline, metrics, provenance, transport
+from minips import checkpoint, lifeline, links, metrics, netshape, provenance, transport
 from minips.config import WILDCARD_HOSTS, LaunchConfig, ServerConfig
 from minips.errors import ConfigError, MiniPSError
 from minips.server import GlobalServer
@@ -78,8 +85,12 @@ def write_init(run_dir: Path, model: str, seed: int) -> Path:
 class Cluster:
     """The child processes of one local run."""
 
-    def __init__(self, cfg: LaunchConfig, run_dir: Path, token: str) -> None:
+    def __init__(self, cfg: LaunchConfig, run_dir: Path, token: str,
+                 link: links.LinkProfile | None = None) -> None:
         self.cfg = cfg
+        self.link = link  # the workers' links (--link), None: not limited
+        self.shaping = "none"  # how they are shaped: none | kernel | pacer
+        self.spaces: netshape.Namespaces | None = None  # the namespaces of kernel shaping
         self.run_dir = run_dir
         # children die with the launcher, by any signal (lifeline.py)
         self.env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": token,
@@ -90,13 +101,31 @@ class Cluster:
         self.children: dict[str, subprocess.Popen[bytes]] = {}  # "server", "worker-0", ...
         self.address = ""
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], netns: int = -1) -> subprocess.Popen[bytes]:
+        """``minips ARGS`` as a child (in worker ``netns``'s namespace when >= 0)."""
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
-        proc = subprocess.Popen([sys.executable, "-m", "minips", *args], env=self.env,
+        argv = [sys.executable, "-m", "minips", *args]
+        if netns >= 0 and self.spaces is not None:
+            argv = self.spaces.command(netns, argv)  # ip netns exec: execs, stays our child
+        proc = subprocess.Popen(argv, env=self.env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()  # the child holds its own descriptor
         self.children[name] = proc
         return proc
+
+    def shape(self) -> None:
+        """Set up the links' shaping (before any child starts) and write link.json."""
+        self.shaping, self.spaces = netshape.plan(self.link, self.cfg.run.workers,
+                                                  self.cfg.link_shaping)
+        if self.link is not None:
+            record = self.link.record(self.cfg.run.workers, self.shaping)
+            (self.run_dir / "link.json").write_text(json.dumps(record) + "\n")
+
+    def unshape(self) -> None:
+        """Remove the namespaces and veth pairs (after the children stopped)."""
+        if self.spaces is not None:
+            self.spaces.remove()
+            self.spaces = None
 
     def start_server(self, init: Path) -> str:
         """Start the global server on a free port; return its "host:port"."""
@@ -106,7 +135,8 @@ class Cluster:
         (self.run_dir / "dashboard.url").unlink(missing_ok=True)  # not a URL of an earlier run
         watch = [f"--{k}={v}" for k in ("dashboard", "tensorboard") if (v := getattr(self.cfg, k))]
         self.server = self._spawn("server", [
-            "server", "--host", "127.0.0.1", "--port", "0", "--run-dir", str(self.run_dir),
+            "server", "--host", self.spaces.server_host if self.spaces else "127.0.0.1",
+            "--port", "0", "--run-dir", str(self.run_dir),
             "--run-config", str(self.run_dir / "run.json"), "--init", str(init),
             "--ready-file", str(ready), "--quiet", *watch])
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -135,9 +165,21 @@ class Cluster:
         for i, factor in enumerate(self.cfg.factors()):
             self._spawn(f"worker-{i}", [
                 "worker", "--connect", self.address, "--id", str(i), "--slowdown", str(factor),
-                "--bandwidth", str(self.cfg.bandwidth_bps), "--latency", str(self.cfg.latency_s),
-                "--run-dir", str(self.run_dir), "--timeout", "60", "--device", self.cfg.device(i),
-                *(["--amp"] if self.cfg.amp else [])])
+                *self._link_args(i), "--run-dir", str(self.run_dir), "--timeout", "60",
+                "--device", self.cfg.device(i), *(["--amp"] if self.cfg.amp else [])],
+                netns=i if self.spaces else -1)
+
+    def _link_args(self, worker: int) -> list[str]:
+        """Worker flags of its link: the latency, and the pacer's rates (bytes/s) when the
+        workers pace their links themselves."""
+        if self.link is None:
+            return []
+        args = ["--latency", repr(self.link.latency_s)] if self.link.latency_s else []
+        if self.shaping == "pacer":
+            rate = self.link.rate(worker)
+            args += ["--bandwidth", repr(rate.up_bps / 8), "--bandwidth-down",
+                     repr(rate.down_bps / 8)]
+        return args
 
     def start_evaluator(self) -> None:
         self._spawn("evaluator", ["evaluator", "--connect", self.address,
@@ -278,10 +320,11 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
     token = os.environ.get("MINIPS_TOKEN") or secrets.token_hex(16)
     (run_dir / "launch.json").write_text(json.dumps(asdict(cfg), indent=2))
     print(f"minips local: run directory {run_dir}", file=sys.stderr, flush=True)
-    cluster = Cluster(cfg, run_dir, token)
+    cluster = Cluster(cfg, run_dir, token, links.parse_profile(cfg.link) if cfg.link else None)
     status = "done"
     previous = _on_sigterm(_terminate)
     try:
+        cluster.shape()
         cluster.start_server(write_init(run_dir, cfg.run.model, cfg.run.seed))
         cluster.start_workers()
         if cfg.evaluator:
@@ -305,6 +348,7 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
         status = "failed"
     finally:
         cluster.stop()
+        cluster.unshape()
         _on_sigterm(previous)
     return _finish(cfg, run_dir, status)
 
@@ -325,6 +369,8 @@ def _on_sigterm(handler: Any) -> Any:
 def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
     summary = metrics.summarize(run_dir, write=False)
     summary.update(status=status, run_dir=str(run_dir), slowdowns=cfg.factors())
+    with contextlib.suppress(OSError, ValueError):  # the link of a --link run (link.json)
+        summary["link"] = json.loads((run_dir / "link.json").read_text())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     pngs = _plot(run_dir) if cfg.plot and status != "terminated" else []
     acc = summary.get("final_accuracy")

@@ -28,7 +28,9 @@ Each step record carries the time of every phase (decode_s, compute_s, compress_
 push_s; wait_s is the pull) and the bytes copied from the device to the host (host_bytes).
 
 Emulated heterogeneity: slowdown F stretches every step with sleep (so results do not depend on
-CPU load); ``bandwidth_bps`` / ``latency_s`` delay each send by bytes / bandwidth + latency.
+CPU load); ``bandwidth_bps`` / ``bandwidth_down_bps`` pace the group connection's sends / reads
+with token buckets (``links.Pacing``, applied by ``channel.Channel.set_pacing``) and
+``latency_s`` delays each send (docs/links.md).
 
 The evaluator (role ``evaluator``) pulls the global weights every ``eval_every_s`` and writes
 accuracy, loss and the global counters to eval.jsonl until the run is done; when the global
@@ -49,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minips import data, device, models, protocol, provenance, sparse, transport
+from minips import data, device, links, models, protocol, provenance, sparse, transport
 from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address, reachable
 from minips.device_compress import device_compressor
 from minips.downlink import apply_weights
@@ -67,19 +69,21 @@ RECONNECT_ATTEMPTS = 10_000  # control reconnect: reconnect_s bounds it, not the
 
 
 class Link:
-    """A channel with the emulated bandwidth cap and latency applied to every send."""
+    """A channel on the worker's emulated link: paced to ``bandwidth_bps`` (sends) and
+    ``down_bps`` (reads), bytes/s, 0 = full speed, as bytes go out and come in; ``latency_s``
+    added before every send."""
 
-    def __init__(self, ch: Any, bandwidth_bps: float, latency_s: float) -> None:
+    def __init__(self, ch: Any, bandwidth_bps: float, latency_s: float,
+                 down_bps: float = 0.0) -> None:
         self.ch = ch
-        self.bandwidth_bps = bandwidth_bps
         self.latency_s = latency_s
+        pacing = links.Pacing.of(bandwidth_bps, down_bps, time.monotonic())
+        if pacing is not None:
+            ch.set_pacing(pacing)
 
     async def send(self, msg: Any) -> None:
-        delay = self.latency_s
-        if self.bandwidth_bps > 0:
-            delay += _payload_bytes(msg) / self.bandwidth_bps
-        if delay > 0:
-            await asyncio.sleep(delay)
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s)
         await self.ch.send(msg)
 
     async def expect(self, kind: type) -> Any:
@@ -108,11 +112,6 @@ class _Stopped(MiniPSError):
 
 class WorkerStopped(MiniPSError):
     """A server ended this worker's run with ERROR (``minips worker`` exits non-zero)."""
-
-
-def _payload_bytes(msg: Any) -> int:
-    """Bytes an emulated link delays a message for: its buffers plus a nominal header."""
-    return 64 + sum(memoryview(b).nbytes for b in getattr(msg, "buffers", ()))
 
 
 class Worker:
@@ -279,7 +278,8 @@ class Worker:
             # a silent group server is gone (stalled, or its machine vanished): leave it
             ch.start_heartbeat(self.run_cfg.heartbeat_s)
             ch.start_silence_limit(self.run_cfg.lease_s)
-            link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s)
+            link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s,
+                        self.cfg.bandwidth_down_bps)
             self.held = -1  # a new connection (another group, a restarted one): whole weights
             try:
                 ack = await link.expect(protocol.Ack)

@@ -167,7 +167,9 @@ def build_table(suite: Suite, runs_dir: Path) -> dict[str, Any]:
                                **aggregate(figures)}
     add_speedups(rows, suite.targets)
     return {"config": {**suite.run, "slowdowns": suite.slowdowns, "seeds": suite.seeds,
-                       "targets": list(suite.targets)}, "rows": rows, "missing": missing}
+                       "targets": list(suite.targets), "link": suite.link or None,
+                       "description": suite.description or None},
+            "rows": rows, "missing": missing}
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -193,7 +195,10 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
         targets = [f"{t:.2f}" for t in cfg["targets"]]
         out.append(f"## {sname}: {cfg['model']} on {cfg['dataset']}, slowdowns "
                    f"{cfg['slowdowns']}, {cfg['epochs']} epochs, lr {cfg['lr']} "
-                   f"({cfg.get('lr_schedule', 'constant')}), seeds {cfg['seeds']}\n")
+                   f"({cfg.get('lr_schedule', 'constant')}), seeds {cfg['seeds']}"
+                   f"{', links ' + cfg['link'] if cfg.get('link') else ''}\n")
+        if cfg.get("description"):
+            out.append(f"{cfg['description']}\n")
         head = (["experiment"] + [f"t→{float(t):.0%} (s)" for t in targets]
                 + ["final acc %", "tail acc %", "best acc %", "samples", "MB up", "MB down",
                    "MB to global", "MB from global", "MB total", "kept %", "staleness",

@@ -3,13 +3,17 @@
     python scripts/reproduce.py --quick        # LeNet-5 / Fashion-MNIST, 8 workers, ~20 min
     python scripts/reproduce.py --full         # 16 workers, 3 seeds, CIFAR-10 / seq2seq if present
     python scripts/reproduce.py --smoke        # two tiny runs (what the test executes)
+    python scripts/reproduce.py --link-suite   # fmnist8 over 20 mbit links: dense vs 1%, ~20 min
+    python scripts/reproduce.py --quick --link 10mbit   # any suite over shaped links
     python scripts/reproduce.py --quick --table-only   # rebuild table + plots from the runs
 
 Every run is a real `minips local` cluster (``minips.launch.run_local``) started one after
 another, never in parallel, so that their wall times compare. A *suite* fixes the model, the
 slowdown profile, the optimizer (lr, momentum, weight decay, batch), the seed(s), the initial
 weights (written from the seed by the launcher) and the samples budget; its *experiments* change
-only the mode and the compressor. Output under ``results/<name>/``:
+only the mode and the compressor. A suite may also put its workers behind bandwidth-limited
+links (``link``, a `minips local --link` profile, docs/links.md; ``--link`` sets one for every
+suite run). Output under ``results/<name>/``:
 
     runs/<suite>-<experiment>-s<seed>/   the run directory (config.json, launch.json = the full
                                          config with the seed, metrics, summary.json) plus
@@ -42,7 +46,8 @@ from typing import Any
 import numpy as np
 
 from minips.config import LaunchConfig, RunConfig
-from minips.errors import MiniPSError
+from minips.errors import ConfigError, MiniPSError
+from minips.links import SHAPINGS, parse_profile
 from minips.optim import SCHEDULES
 
 # The table module sits next to this file; a test loads this file by path, without scripts/ on
@@ -95,6 +100,9 @@ class Suite:
     experiments: list[Experiment]
     seeds: list[int] = field(default_factory=lambda: [0])
     targets: tuple[float, ...] = (0.80, 0.85)  # accuracies for time-to-accuracy
+    link: str = ""  # the workers' links (`minips local --link`); "" = not limited
+    link_shaping: str = "auto"  # auto | kernel | pacer (`minips local --link-shaping`)
+    description: str = ""  # why the suite is set up as it is (table.json says it)
 
 
 def matched_floor(slowdowns: Sequence[float], direction: str, ratio: float = RATIO) -> float:
@@ -180,12 +188,35 @@ def _smoke_suite() -> Suite:
     return Suite("smoke", run, [1.0, 2.0], exps, [0], targets=(0.3, 0.5))
 
 
+LINK_PROFILE = "20mbit"  # the link suite's links, every worker, both directions
+LINK_WHY = (
+    "fmnist8 (LeNet-5, Fashion-MNIST, slowdowns 1,1,1.5,1.5,2,2,4,4, 4 epochs, lr 0.05 "
+    "cosine) at the demo's 40 ms base step, every worker behind a 20 mbit link each way. A "
+    "dense LeNet-5 push or pull is 247 kB, 0.1 s at 20 mbit: measured (kernel shaping, 0.5 "
+    "epoch) a dense push took 91 ms and a pull 91 ms against a 40-160 ms step, and dense GSSP "
+    "trained 0.5 epoch in 27 s against 14 s unshaped, so dense training is communication-bound; "
+    "a 1% Top-K push took 0.9 ms. At 10 mbit a dense GSSP run would pass 4 min; at 20 mbit 4 "
+    "epochs take about 3.5 min. The wall-time cap (240 s) ends a run that has not finished its "
+    "4 epochs; time to 85% is what the rows compare.")
+
+
+def _link_suite() -> Suite:
+    """`--link-suite`: GSSP dense vs the compressors when the links, not the CPUs, limit."""
+    suite = _fmnist("link", QUICK_PROFILE, 4.0, [0])
+    suite.run.update(base_step_s=0.04, wall_s=240.0)
+    suite.experiments = [e for e in suite.experiments if e.label not in ("ssp", "asp")]
+    suite.link, suite.description = LINK_PROFILE, LINK_WHY
+    return suite
+
+
 def suites_for(size: str) -> list[Suite]:
-    """The suites of ``--quick``, ``--full`` or ``--smoke``."""
+    """The suites of ``--quick``, ``--full``, ``--smoke`` or ``--link-suite`` ("link")."""
     if size == "quick":
         return [_fmnist("fmnist8", QUICK_PROFILE, 4.0, [0])]
     if size == "full":
         return _full_suites()
+    if size == "link":
+        return [_link_suite()]
     return [_smoke_suite()]
 
 
@@ -196,7 +227,8 @@ def _launch_config(suite: Suite, exp: Experiment, seed: int, runs_dir: Path) -> 
     fields = {**suite.run, **exp.overrides, "seed": seed, "workers": len(suite.slowdowns)}
     return LaunchConfig(run=RunConfig(**fields).validate(), slowdowns=list(suite.slowdowns),
                         out_dir=str(runs_dir), name=run_name(suite, exp, seed),
-                        progress=False, plot=False)
+                        progress=False, plot=False, link=suite.link,
+                        link_shaping=suite.link_shaping)
 
 
 def run_one(suite: Suite, exp: Experiment, seed: int, runs_dir: Path, resume: bool) -> Path:
@@ -248,7 +280,8 @@ def run_suite(suite: Suite, runs_dir: Path, *, resume: bool = False,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    size = "full" if args.full else "smoke" if args.smoke else "quick"
+    size = ("full" if args.full else "smoke" if args.smoke else
+            "link" if args.link_suite else "quick")
     out = Path(args.out or ROOT / "results" / size)
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -279,13 +312,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
     """--epochs / --lr / --lr-schedule / --momentum / --base-step / --seeds (tuning and
-    partial reruns)."""
+    partial reruns), --link / --link-shaping (every run of the suite)."""
     for flag, key in (("epochs", "epochs"), ("lr", "lr"), ("lr_schedule", "lr_schedule"),
                       ("momentum", "momentum"), ("base_step", "base_step_s")):
         if getattr(args, flag) is not None:
             suite.run[key] = getattr(args, flag)
     if args.seeds:
         suite.seeds = [int(s) for s in args.seeds.split(",")]
+    if args.link is not None:
+        suite.link = args.link
+    if args.link_shaping is not None:
+        suite.link_shaping = args.link_shaping
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -294,6 +331,8 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--quick", action="store_true", help="8 workers, LeNet-5 (default)")
     size.add_argument("--full", action="store_true", help="16 workers, 3 seeds, more models")
     size.add_argument("--smoke", action="store_true", help="two tiny runs (tests)")
+    size.add_argument("--link-suite", action="store_true",
+                      help=f"fmnist8 over {LINK_PROFILE} links: BSP, GSSP, the compressors")
     p.add_argument("--out", help="output directory (default results/<size>)")
     p.add_argument("--suite", help="comma-separated suite names to run (e.g. fmnist16)")
     p.add_argument("--only", help="comma-separated experiment labels to run")
@@ -308,7 +347,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, help="override the momentum (every experiment)")
     p.add_argument("--base-step", type=float, help="override the emulated base step, s")
     p.add_argument("--seeds", help="override the seeds, e.g. 0,1,2")
+    p.add_argument("--link", type=_link, help="workers' links for every run, e.g. 10mbit "
+                   "(a `minips local --link` profile; docs/links.md)")
+    p.add_argument("--link-shaping", choices=SHAPINGS, help="auto (default), kernel or pacer")
     return p
+
+
+def _link(text: str) -> str:
+    """A --link profile, checked (argparse prints the one-line reason)."""
+    try:
+        parse_profile(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 if __name__ == "__main__":

@@ -144,15 +144,16 @@ class _Sink:
         self.sent.append(msg)
 
 
-async def test_link_emulates_bandwidth_and_latency() -> None:
+async def test_link_adds_its_latency_to_every_send() -> None:
+    """(Its rates pace the channel itself: tests/test_links.py, on real sockets.)"""
     sink = _Sink()
-    link = Link(sink, bandwidth_bps=1e6, latency_s=0.02)
+    link = Link(sink, bandwidth_bps=0.0, latency_s=0.02)
     msg = protocol.Push(clock=1, encoding="dense-f32", buffers=(bytes(50_000),))
     t = time.perf_counter()
     await link.send(msg)
     took = time.perf_counter() - t
     assert sink.sent == [msg]
-    assert 0.02 + 0.05 - 0.005 <= took < 0.5  # latency + 50 kB at 1 MB/s
+    assert 0.02 - 0.002 <= took < 0.5
 
 
 async def test_a_server_error_stops_the_worker_and_says_why(tmp_path: Path) -> None:

@@ -1,0 +1,205 @@
+"""Link profiles (`--link`) and the token bucket that paces a connection to a link's rate.
+
+A profile says how fast each worker's network link is, in both directions:
+
+    10mbit                            every worker, both directions
+    100,100,50,50,20,20,10,10mbit     one rate per worker (the last one repeats)
+    10mbit/40mbit                     uplink (worker -> servers) / downlink (servers -> worker)
+    20mbit+5ms                        with 5 ms of latency added to every message a worker sends
+    +5ms                              latency only, no rate limit
+    path/to/profile.txt               a file holding a profile (lines joined by commas, # comments)
+
+Rates are bits per second with a unit: ``bps`` (or ``bit``), ``kbit``, ``mbit``, ``gbit``
+(factors of 1000). A number without a unit takes the unit of the next rate that has one, so
+``100,50,10mbit`` is three rates in mbit. Latency units: ``us``, ``ms``, ``s``.
+
+``TokenBucket`` is sans-IO: ``take(n, now)`` answers how long to wait before ``n`` bytes may
+pass at the bucket's rate. ``Pacing`` holds a worker's two buckets (uplink, downlink);
+``channel.Channel.set_pacing`` applies them to a connection (docs/links.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from minips.errors import ConfigError
+
+__all__ = ["Rate", "LinkProfile", "parse_profile", "TokenBucket", "Pacing", "SHAPINGS",
+           "format_rate"]
+
+SHAPINGS = ("auto", "kernel", "pacer")  # --link-shaping choices
+_RATE_UNITS = {"bps": 1.0, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+_RATE_RE = re.compile(_NUMBER + r"\s*([a-z]*)")
+MAX_RATE_BPS = 1e12  # 1 tbit: beyond any link this runs on; a typo, most likely
+MAX_LATENCY_S = 10.0
+MAX_FILE_BYTES = 64 << 10  # a profile file is a few lines
+
+
+@dataclass(frozen=True)
+class Rate:
+    """One worker's link: bits per second each way."""
+
+    up_bps: float  # worker -> servers
+    down_bps: float  # servers -> worker
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """A parsed ``--link``: the text as given, one ``Rate`` per listed worker, the latency."""
+
+    text: str
+    rates: tuple[Rate, ...]
+    latency_s: float = 0.0
+
+    def rate(self, worker: int) -> Rate:
+        """Worker ``worker``'s rate: its entry, else the last one (0/0: not limited)."""
+        return self.rates[min(worker, len(self.rates) - 1)] if self.rates else Rate(0.0, 0.0)
+
+    def record(self, workers: int, shaping: str) -> dict[str, Any]:
+        """What the run directory's link.json (and summary.json's ``link``) say: rates in
+        bits/s per worker (empty when not limited) and the shaping used."""
+        return {"profile": self.text, "shaping": shaping, "latency_s": self.latency_s,
+                "rates": [{"worker": w, "up_bps": self.rate(w).up_bps,
+                           "down_bps": self.rate(w).down_bps}
+                          for w in range(workers if self.rates else 0)]}
+
+
+def parse_profile(text: str) -> LinkProfile:
+    """A ``--link`` value (or the name of a file holding one); ``ConfigError`` in one line
+    saying what is wrong otherwise."""
+    spec = text.strip()
+    if not spec:
+        raise ConfigError("--link: empty profile; expected e.g. 10mbit, 10mbit/40mbit, "
+                          "100,50,10mbit or 20mbit+5ms")
+    if spec.startswith(("/", "./", "../", "~")) or Path(spec).is_file():
+        spec = _read_file(os.path.expanduser(spec))
+    rates_text, plus, latency_text = spec.partition("+")
+    latency = _latency(latency_text) if plus else 0.0
+    if plus and not rates_text.strip():
+        return LinkProfile(text.strip(), (), latency)
+    entries = [e.strip() for e in rates_text.split(",")]
+    if any(not e for e in entries):
+        raise ConfigError(f"--link {text!r}: an empty rate between commas")
+    pairs = [e.split("/") for e in entries]
+    for e, pair in zip(entries, pairs, strict=True):
+        if len(pair) > 2:
+            raise ConfigError(f"--link {text!r}: {e!r} has more than one '/': expected UP/DOWN")
+    flat = _rates([r.strip() for pair in pairs for r in pair], text)
+    rates, i = [], 0
+    for pair in pairs:
+        up = flat[i]
+        down = flat[i + 1] if len(pair) == 2 else up
+        i += len(pair)
+        rates.append(Rate(up, down))
+    return LinkProfile(text.strip(), tuple(rates), latency)
+
+
+def _read_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--link {path}: cannot read the profile file ({exc})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(f"--link {path}: a profile file holds a few lines, not "
+                          f"{len(raw)}+ bytes")
+    lines = [line.split("#", 1)[0].strip() for line in raw.splitlines()]
+    spec = ",".join(line for line in lines if line)
+    if not spec:
+        raise ConfigError(f"--link {path}: the file holds no profile")
+    return spec.replace(",+", "+")  # a latency on a line of its own
+
+
+def _rates(tokens: list[str], text: str) -> list[float]:
+    """Bits per second of each rate token; one without a unit takes the next unit given."""
+    parsed: list[tuple[float, str]] = []
+    for tok in tokens:
+        m = _RATE_RE.fullmatch(tok.lower())
+        if m is None:
+            raise ConfigError(f"--link {text!r}: {tok!r} is not a rate; expected a number and "
+                              f"a unit ({', '.join(_RATE_UNITS)}), e.g. 10mbit")
+        unit = m.group(2)
+        if unit and unit not in _RATE_UNITS:
+            hint = " (bytes per second are not accepted: use bits, e.g. 80mbit for 10 MB/s)" \
+                if unit.endswith(("bps", "b/s")) else ""
+            raise ConfigError(f"--link {text!r}: unknown unit {unit!r} in {tok!r}; expected "
+                              f"one of {', '.join(_RATE_UNITS)}{hint}")
+        parsed.append((float(m.group(1)), unit))
+    out, unit = [0.0] * len(parsed), ""
+    for i in range(len(parsed) - 1, -1, -1):  # right to left: the next unit given applies
+        value, unit = parsed[i][0], parsed[i][1] or unit
+        if not unit:
+            raise ConfigError(f"--link {text!r}: {tokens[i]!r} has no unit; give one "
+                              f"({', '.join(_RATE_UNITS)}) on it or on a later rate")
+        bps = value * _RATE_UNITS[unit]
+        if not 0 < bps <= MAX_RATE_BPS or not math.isfinite(bps):
+            raise ConfigError(f"--link {text!r}: {tokens[i]!r} is out of range; a rate is "
+                              f"above 0 and at most 1000gbit")
+        out[i] = bps
+    return out
+
+
+def _latency(text: str) -> float:
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]+)", text.strip().lower())
+    if m is None or m.group(2) not in _LATENCY_UNITS:
+        raise ConfigError(f"--link: latency {text.strip()!r} is not a duration; expected e.g. "
+                          f"+5ms ({', '.join(_LATENCY_UNITS)})")
+    seconds = float(m.group(1)) * _LATENCY_UNITS[m.group(2)]
+    if seconds > MAX_LATENCY_S:
+        raise ConfigError(f"--link: latency {text.strip()!r} is above {MAX_LATENCY_S:g} s")
+    return seconds
+
+
+def format_rate(bps: float) -> str:
+    """A rate in profile syntax (whole bits per second: ``tc`` and ``parse_profile`` read it)."""
+    return f"{round(bps)}bit"
+
+
+class TokenBucket:
+    """``rate`` bytes per second with bursts of up to ``burst`` bytes (sans-IO: the caller
+    passes the time and waits). Tokens may go negative: a take larger than what the bucket holds
+    passes after the debt is repaid, so the long-run rate is exact whatever the chunk sizes."""
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        if rate <= 0 or burst <= 0:
+            raise ValueError("a token bucket needs a positive rate and burst")
+        self.rate, self.burst = float(rate), float(burst)
+        self.tokens, self.t = self.burst, now
+
+    def take(self, n: int, now: float) -> float:
+        """Take ``n`` bytes' tokens at time ``now``; seconds to wait before sending them."""
+        self.tokens = min(self.burst, self.tokens + (now - self.t) * self.rate)
+        self.t = now
+        self.tokens -= n
+        return -self.tokens / self.rate if self.tokens < 0 else 0.0
+
+    def chunk(self) -> int:
+        """Bytes to send or receive between two takes: about 10 ms of the rate (4 KiB to
+        256 KiB), so a large frame leaves smoothly rather than in one burst and one wait."""
+        return int(min(256 << 10, max(4 << 10, self.rate / 100)))
+
+
+@dataclass
+class Pacing:
+    """A worker's link in a pacer: uplink bucket (what it sends), downlink (what it reads)."""
+
+    up: TokenBucket | None
+    down: TokenBucket | None
+
+    @classmethod
+    def of(cls, up_bytes_s: float, down_bytes_s: float, now: float) -> Pacing | None:
+        """Buckets for the given rates in bytes/s (0: that direction unpaced); None when both
+        are 0. The burst is 10 ms of the rate, at least 4 KiB."""
+        def bucket(rate: float) -> TokenBucket | None:
+            return TokenBucket(rate, max(4096.0, rate / 100), now) if rate > 0 else None
+
+        if up_bytes_s <= 0 and down_bytes_s <= 0:
+            return None
+        return cls(bucket(up_bytes_s), bucket(down_bytes_s))
