@@ -2,10 +2,10 @@
 
 ``ReadPacer`` charges every read of a ``FrameProtocol`` to a ``links.TokenBucket``. While the
 bucket is in debt it *holds*: the protocol pauses reading (bytes wait in the socket's receive
-buffer, then the peer's TCP waits, as behind a slow link) and keeps complete messages from ``recv`` until their bytes' time has passed. Reads
-are cut to one chunk of the bucket (about 10 ms of the rate), so a large frame arrives at an
-even pace instead of in one socket read and one long pause. The uplink half (paced writes) is
-``Channel._send_paced`` in ``channel.py``.
+buffer, then the peer's TCP waits, as behind a slow link) and keeps complete messages from ``recv``
+until their bytes' time has passed. Reads are cut to one chunk of the bucket (about 10 ms of the
+rate), so a large frame arrives at an even pace instead of in one socket read and one long pause.
+The uplink half (paced writes) is ``Channel._send_paced`` in ``channel.py``.
 """
 
 from __future__ import annotations
