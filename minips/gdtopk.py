@@ -18,11 +18,12 @@ The policy (``RatioPolicy``), run by the global server:
    ``floor * (t_g / t_fastest) ** alpha`` (slower groups, which push less often, send more per
    push), ``slower-less`` ``floor * (t_slowest / t_g) ** alpha`` (slower groups send less, to
    narrow the gap), clamped to ``[lo, hi]`` = ``[target / SPREAD, min(1, target * SPREAD)]``.
-3. Level: ``floor`` is solved (bisection) so that the *worker-weighted* mean kept fraction,
-   ``sum_g n_g r_g / sum_g n_g`` with ``n_g`` the workers of group g, equals the target (the
-   run's ``ratio``). So ``--ratio`` means the same budget for ``gdtopk`` as for ``topk``: the
-   fraction an average worker keeps. (With ``slower-more`` and alpha 1 every worker then
-   uploads about the same bytes per second, whatever its group's speed.)
+3. Level: ``floor`` is solved (bisection) so that the *push-weighted* mean kept fraction,
+   ``sum_g p_g r_g / sum_g p_g`` with ``p_g = n_g / t_g`` the pushes per second of group g
+   (``n_g`` workers, smoothed iteration time ``t_g``), equals the target (the run's ``ratio``).
+   So ``--ratio`` means the same upload budget for ``gdtopk`` as for ``topk``: the mean kept
+   fraction of the pushes the cluster makes, hence the same bytes per push on average (the
+   matched-bytes comparison of docs/results.md), whatever the split between the groups.
 4. Hysteresis and rate: a new set of ratios is proposed at most every ``every_s`` seconds, and
    only when some group's ratio moved by more than ``eps`` (relative) from what it has now.
    When one changes, all are replaced, so the mean stays at the target.
@@ -99,12 +100,12 @@ class RatioPolicy:
 
     def compute(self, workers: Mapping[int, int]) -> dict[int, float]:
         """``{group: ratio}`` for the groups in ``workers`` (``{group: worker count}``) that
-        have a time, with the worker-weighted mean at the target."""
+        have a time, with the push-weighted mean at the target."""
         ids = sorted(g for g, n in workers.items() if g in self.times and n > 0)
         if not ids:
             return {}
-        weights = [workers[g] for g in ids]
         times = [self.times[g] for g in ids]
+        weights = [workers[g] / t for g, t in zip(ids, times, strict=True)]  # pushes per s
 
         def at(floor: float) -> list[float]:
             return compressors.gdtopk_ratios(times, floor=floor, alpha=self.alpha,

@@ -1,5 +1,5 @@
 """Tests for minips.gdtopk: the iteration timer of a group server and the dynamic GDTopK ratio
-policy (both directions, the worker-weighted mean held at the target, bounds, smoothing,
+policy (both directions, the push-weighted mean held at the target, bounds, smoothing,
 hysteresis and the rate limit), driven with made-up times."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from minips.gdtopk import EPS, SPREAD, IterTimer, RatioPolicy
 TARGET = 0.01
 
 
-def mean(ratios: dict[int, float], workers: dict[int, int]) -> float:
-    return sum(workers[g] * r for g, r in ratios.items()) / sum(workers[g] for g in ratios)
+def mean(ratios: dict[int, float], workers: dict[int, int], times: dict[int, float]) -> float:
+    """Mean kept fraction over the pushes: group g makes workers[g] / times[g] pushes per s."""
+    pushes = {g: workers[g] / times[g] for g in ratios}
+    return sum(pushes[g] * r for g, r in ratios.items()) / sum(pushes.values())
 
 
 def policy(direction: str = "slower-more", **kw: float) -> RatioPolicy:
@@ -35,14 +37,15 @@ def test_iter_timer_averages_each_worker_then_the_workers() -> None:
 
 
 @pytest.mark.parametrize("direction", ["slower-more", "slower-less"])
-def test_ratios_follow_the_direction_and_hold_the_worker_weighted_mean(direction: str) -> None:
+def test_ratios_follow_the_direction_and_hold_the_push_weighted_mean(direction: str) -> None:
     p = policy(direction)
     workers = {0: 4, 1: 2, 2: 2}
-    for g, t in {0: 0.1, 1: 0.2, 2: 0.4}.items():
+    times = {0: 0.1, 1: 0.2, 2: 0.4}
+    for g, t in times.items():
         p.observe(g, t, 0.0)
     r = p.propose(workers, now=0.0)
     assert r is not None and set(r) == {0, 1, 2}
-    assert mean(r, workers) == pytest.approx(TARGET, rel=1e-6)
+    assert mean(r, workers, times) == pytest.approx(TARGET, rel=1e-6)
     if direction == "slower-more":  # slower groups send more per push, in proportion
         assert r[0] < r[1] < r[2]
         assert r[1] / r[0] == pytest.approx(2.0) and r[2] / r[0] == pytest.approx(4.0)
@@ -54,14 +57,20 @@ def test_ratios_follow_the_direction_and_hold_the_worker_weighted_mean(direction
 
 def test_bounds_clamp_and_the_mean_is_still_held() -> None:
     p = policy()
-    for g, t in {0: 0.01, 1: 0.02, 2: 50.0}.items():  # one group 5000x slower
+    times = {0: 0.01, 1: 0.02, 2: 50.0}  # one group 5000x slower
+    for g, t in times.items():
         p.observe(g, t, 0.0)
     r = p.compute({0: 1, 1: 1, 2: 1})
-    assert r[0] == r[1] == pytest.approx(TARGET / SPREAD)  # the fast ones clamped at lo
-    assert mean(r, {0: 1, 1: 1, 2: 1}) == pytest.approx(TARGET, rel=1e-6)
-    r = p.compute({0: 20, 2: 1})  # many fast workers: the slow group's ratio hits hi
-    assert r[2] == pytest.approx(TARGET * SPREAD)
-    assert mean(r, {0: 20, 2: 1}) == pytest.approx(TARGET, rel=1e-6)
+    assert r[2] == pytest.approx(TARGET * SPREAD)  # the slow one clamped at hi
+    assert r[1] / r[0] == pytest.approx(2.0)  # the others keep their proportion
+    assert mean(r, {0: 1, 1: 1, 2: 1}, times) == pytest.approx(TARGET, rel=1e-6)
+    q = policy("slower-less")
+    times = {0: 0.01, 1: 50.0}
+    for g, t in times.items():
+        q.observe(g, t, 0.0)
+    r = q.compute({0: 1, 1: 20})  # the slow group's ratio hits lo, the fast one holds the mean
+    assert r[1] == pytest.approx(TARGET / SPREAD)
+    assert mean(r, {0: 1, 1: 20}, times) == pytest.approx(TARGET, rel=1e-6)
 
 
 def test_equal_times_give_every_group_the_target() -> None:
@@ -86,7 +95,7 @@ def test_changes_follow_the_times_with_smoothing_hysteresis_and_rate_limit() -> 
     assert p.propose(workers, now=3.0) is None  # rate limit: within 1 s of the last
     second = p.propose(workers, now=3.5)
     assert second is not None and second[1] / second[0] == pytest.approx(p.times[1] / 0.1)
-    assert mean(second, workers) == pytest.approx(TARGET)
+    assert mean(second, workers, p.times) == pytest.approx(TARGET)
     # a change smaller than EPS is not worth new ratios, however long one waits
     p.observe(1, p.times[1] * (1 + EPS / 4), 100.0)
     assert p.propose(workers, now=100.0) is None
