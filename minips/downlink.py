@@ -42,7 +42,7 @@ from minips.sparse_select import kept_count
 
 __all__ = ["Answer", "Downlink", "apply_weights", "DRIFT", "LOG_SIZE", "DENSE_FRACTION"]
 
-DRIFT = 0.02  # bound on ||weights - w_pub|| / ||weights|| after every publish
+DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
 DENSE_FRACTION = 0.4  # a merged answer with more changed coordinates than this goes dense
 
