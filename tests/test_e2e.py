@@ -43,7 +43,7 @@ def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) 
     assert summary["samples"] >= 3 * 60000
     assert summary["bytes_up"] > 0
     # sparse updates of the weights down: far less than a dense copy per step (bytes_raw)
-    assert 0 < summary["bytes_down"] < summary["bytes_raw"] / 10
+    assert 0 < summary["bytes_down"] < summary["bytes_raw"] / 5  # dense would be about 1x
     hops = [summary[k] for k in HOP_COUNTERS]  # every hop counted, adding up to the total
     assert summary["bytes_total"] == sum(hops)
     assert all(h > 0 for h in hops), hops  # worker <-> group and group <-> global
