@@ -56,10 +56,11 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def start_server(tmp: Path, model: str, workers: int, args: argparse.Namespace,
+def start_server(tmp: Path, model: str, workers: int, ratio: float, args: argparse.Namespace,
                  env: dict[str, str]) -> tuple[list[subprocess.Popen[bytes]], str]:
     """The global server (and, with --group-processes, one `minips group` process per group);
-    returns the processes, the global server first, and its address."""
+    returns the processes, the global server first, and its address. Its downlink and exchange
+    keep ``ratio`` (1: dense weights answer every PULL), unless --dense-down."""
     init = tmp / f"{model}.npy"
     if not init.exists():
         np.save(init, np.random.default_rng(0).normal(0, 0.05, MODELS[model]).astype(np.float32))
@@ -70,7 +71,8 @@ def start_server(tmp: Path, model: str, workers: int, args: argparse.Namespace,
            "--model", model, "--workers", str(workers), "--mode", "gssp",
            "--groups", str(min(args.groups, workers)), "--staleness", "1000000",
            "--compressor", "topk", "--checkpoint-every", "0", "--calib-timeout", "600",
-           "--lease", "60", "--heartbeat", "2"]
+           "--lease", "60", "--heartbeat", "2",
+           "--down-ratio", str(1.0 if args.dense_down else ratio), "--xchg-ratio", str(ratio)]
     groups = min(args.groups, workers) if args.group_processes else 0
     cmd += ["--external-groups", str(groups)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
@@ -174,7 +176,7 @@ def point(tmp: Path, model: str, ratio: float, workers: int, args: argparse.Name
           env: dict[str, str]) -> dict[str, Any]:
     """One figure: a fresh server and clients, the window, everything stopped."""
     active = min(workers, args.max_active[model])
-    servers, address = start_server(tmp, model, workers, args, env)
+    servers, address = start_server(tmp, model, workers, ratio, args, env)
     procs: list[Any] = []
     t = time.monotonic()
     try:
@@ -249,6 +251,9 @@ def main() -> int:
     ap.add_argument("--groups", type=int, default=4, help="group servers (GSSP groups)")
     ap.add_argument("--group-processes", action="store_true",
                     help="group servers as `minips group` processes (default: in the server's)")
+    ap.add_argument("--dense-down", action="store_true",
+                    help="answer every PULL with the dense weights (the downlink before it was "
+                    "compressed)")
     ap.add_argument("--profile", help="py-spy the server: collapsed stacks to PREFIX-...txt")
     ap.add_argument("--chart", help="write a PNG of pushes/s and p99 push->ACK here")
     ap.add_argument("--baseline", help="earlier --json outputs, FILE,...: drawn dashed, knee shown")
@@ -267,7 +272,7 @@ def main() -> int:
                     if not args.json:
                         print(json.dumps(points[-1]), flush=True)
     out = {"load_avg_start": load0, "load_avg_end": os.getloadavg(), "step_s": args.step_s,
-           "group_processes": args.group_processes,
+           "group_processes": args.group_processes, "dense_down": args.dense_down,
            "window_s": args.window_s, "clients": args.clients, "points": points,
            "knee_lenet5_1pct_p99_under_50ms": knee(points, "lenet5", 0.01, 50.0)}
     baseline = _load(args.baseline) if args.baseline else None

@@ -3,6 +3,9 @@
 Each worker speaks the protocol as `minips worker` does (docs/protocol.md section 9), without
 torch: HELLO / AUTH on the global server, STATS until ASSIGN, then its group server (HELLO, the
 ACK that gives its start clock). An *active* worker then loops PULL -> WEIGHTS, PUSH -> ACK,
+naming in each PULL the version its last WEIGHTS brought it to (``since``), as a worker does, so
+a compressed downlink answers with the update since then (the client tracks the version only:
+it does not keep the weights, which changes nothing on the server's side);
 one step every ``--step-s`` seconds (closed loop: a late step starts at once); its gradient is
 made up once (``--ratio`` of the ``--size`` coordinates, sparse-v1 with varint indices as a
 worker sends it, or dense-f32 at ratio 1). An *idle* worker stays connected and sends
@@ -110,12 +113,13 @@ async def steps(args: argparse.Namespace, grp: Any, clock: int, payload: tuple, 
     """PULL -> WEIGHTS, PUSH -> ACK, one step per ``step_s`` until ``stop``."""
     enc, codec, bufs = payload
     push_bytes = sum(b.nbytes if hasattr(b, "nbytes") else len(b) for b in bufs)
-    first = True
+    first, held = True, -1  # held: the version of the weights this worker would hold
     while not stop.is_set():
         t0 = time.monotonic()
-        await grp.send(protocol.Pull(clock=clock, since=-1))
+        await grp.send(protocol.Pull(clock=clock, since=held))
         weights = await grp.recv()
         t1 = time.monotonic()
+        held = int(weights.version)
         rec.pull.append((t1, t1 - t0, sum(b.nbytes for b in weights.buffers)))
         clock += 1
         await grp.send(protocol.Push(clock=clock, step_time=0.05, loss=2.3, samples=32,

@@ -116,7 +116,8 @@ def test_metrics_parse_with_prometheus_text_parser_during_the_run(live: LiveRun)
     assert alive == {"0": 2, "1": 2}
     assert fams["minips_pushes"].type == "counter"
     hops = {s.labels["hop"]: s.value for s in fams["minips_bytes"].samples}
-    assert set(hops) == {"worker_to_group", "group_to_worker"}
+    assert set(hops) == {"worker_to_group", "group_to_worker", "group_to_global",
+                         "global_to_group"}
     for name in ("minips_staleness", "minips_wait_seconds"):
         assert fams[name].type == "histogram"
         buckets = [s for s in fams[name].samples if s.name.endswith("_bucket")]

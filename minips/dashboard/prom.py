@@ -6,8 +6,9 @@ counters, ``_seconds`` / ``_bytes`` units):
 
 - ``minips_pushes_total{group}`` (worker pushes), ``minips_merges_total{group}`` (group
   deltas merged into the global weights), ``minips_samples_total``;
-- ``minips_bytes_total{hop}``: ``worker_to_group`` and ``group_to_worker`` (the run's totals on
-  the wire), and ``minips_group_bytes_total{group, direction}`` per group;
+- ``minips_bytes_total{hop}``: ``worker_to_group``, ``group_to_worker``, ``group_to_global`` and
+  ``global_to_group`` (the run's totals on the wire), and
+  ``minips_group_bytes_total{group, direction}`` per group;
 - ``minips_staleness`` and ``minips_wait_seconds`` histograms (one observation per push);
 - ``minips_workers_alive{group}``, ``minips_group_clock{group, bound}`` (min / max clock);
 - ``minips_checkpoint_age_seconds`` (absent until a checkpoint was written);
@@ -71,6 +72,8 @@ class RunCollector(Collector):
         hop = CounterMetricFamily("minips_bytes", "bytes on the wire, by hop", labels=["hop"])
         hop.add_metric(["worker_to_group"], self.state.totals["bytes_up"])
         hop.add_metric(["group_to_worker"], self.state.totals["bytes_down"])
+        hop.add_metric(["group_to_global"], self.state.totals["bytes_group_global"])
+        hop.add_metric(["global_to_group"], self.state.totals["bytes_global_group"])
         yield hop
         per = CounterMetricFamily("minips_group_bytes", "bytes between a group server and "
                                   "its workers", labels=["group", "direction"])
