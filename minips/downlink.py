@@ -78,6 +78,7 @@ class Downlink:
         self.published = 0  # coordinates published so far
         self.forced = 0  # of them, those beyond k that the drift bound needed
         self.answers = {"update": 0, "dense": 0}  # answers given, by kind
+        self.last_drift = 0.0  # ``drift(weights)`` right after the last publish
 
     def drift(self, weights: np.ndarray) -> float:
         """``||weights - w_pub|| / ||weights||`` now (0 when both are zero)."""
@@ -91,13 +92,18 @@ class Downlink:
         e = weights - self.w_pub  # (n,) float32 residual
         moved = np.flatnonzero(e)  # (m,) int64 coordinates where w_pub is behind
         if moved.size == 0:
+            self.last_drift = 0.0
             return 0
+        wsq = float(np.dot(weights, weights))
         if moved.size <= self.k:
             idx = moved
         else:
-            idx = self._select(np.abs(e[moved]), float(np.dot(weights, weights)))
+            idx = self._select(np.abs(e[moved]), wsq)
             idx = np.sort(moved[idx])
             self.forced += max(0, idx.size - self.k)
+        sent = e[idx].astype(np.float64)
+        left = max(0.0, float(np.dot(e, e)) - float(np.dot(sent, sent)))  # ||e||² not published
+        self.last_drift = math.sqrt(left / wsq) if wsq else 0.0
         self.w_pub[idx] = weights[idx]
         self.pub += 1
         self.log.append(idx.astype(np.uint32))
@@ -124,12 +130,20 @@ class Downlink:
         self.answers["update"] += 1
         if behind == 0:
             return Answer(self.pub, since, SparseGrad.empty(self.n))
-        entries = [self.log[-j] for j in range(1, behind + 1)]
-        idx = entries[0] if behind == 1 else np.unique(np.concatenate(entries))
+        idx = self.log[-1] if behind == 1 else self._union(behind)
         if idx.size > self.dense_fraction * self.n:
             self.answers["update"] -= 1
             return self._dense()
         return Answer(self.pub, since, SparseGrad(idx, self.w_pub[idx], self.n))
+
+    def _union(self, behind: int) -> np.ndarray:
+        """(m,) uint32 sorted coordinates of the last ``behind`` publishes, each once: marked
+        in an (n,) mask, O(n + their sizes) (np.unique sorts their concatenation: ~20 times
+        slower 64 publishes behind on LeNet-5)."""
+        mask = np.zeros(self.n, dtype=bool)
+        for j in range(1, behind + 1):
+            mask[self.log[-j]] = True
+        return np.flatnonzero(mask).astype(np.uint32)
 
     def _dense(self) -> Answer:
         self.answers["dense"] += 1

@@ -227,6 +227,8 @@ class GroupServer:
         info = {"group": self.group, "waited_for": waited_for, "ratio": self.ratio,
                 "lead": self.table.lead(w) if w in self.table else 0,
                 "min_clock": self.table.min_clock()}
+        if self.downlink is not None:  # how far the weights sent are from the group's
+            info["drift"] = round(self.downlink.last_drift, 6)
         return protocol.Weights(version=version, since=base, encoding=encoding, codec=codec,
                                 buffers=tuple(buffers), done=self.done, info=info)
 

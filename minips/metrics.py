@@ -21,7 +21,9 @@ Layout of a run directory (the writers in server.py / group.py / worker.py follo
                          samples / bytes_* are run totals so far (all workers, all directions)
     worker-<id>.jsonl    {"t", "worker", "group", "clock", "loss", "step_time", "wait_s",
                           "waited_for": [ids], "staleness", "bytes_raw", "bytes_wire", "samples",
-                          "kept_fraction"}      one line per push; bytes_* and samples of that push
+                          "kept_fraction", "drift"}  one line per push; bytes_* and samples of
+                                                that push; drift (compressed downlink only): how
+                                                far the group's weights were from those pulled
     group-<g>.jsonl      {"t", "event", "group", "version", "pushes", "samples", "bytes_in",
                           "bytes_out", ...}     counters are totals so far; "exchange" events
                          also "min_clock", "max_clock", "bytes_to_global", "bytes_from_global"

@@ -408,7 +408,8 @@ class Worker:
             "samples": push.samples, "epoch": epoch, "ratio": self.compressor.ratio,
             "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
             "bytes_wire": wire_bytes, "link_bytes_up": link.ch.bytes_sent,
-            "link_bytes_down": link.ch.bytes_received, **phases})
+            "link_bytes_down": link.ch.bytes_received, **phases,
+            **({"drift": info["drift"]} if "drift" in info else {})})
 
 
 async def _connect(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int, *,

@@ -20,10 +20,11 @@ from minips import cli_checks, netshape
 from minips import protocol as p
 from minips import transport as t
 from minips.config import LaunchConfig, RunConfig
+from minips.downlink import DRIFT
 from minips.errors import ConfigError
 from minips.launch import run_local
 from minips.links import LinkProfile, Pacing, Rate, TokenBucket, parse_profile
-from minips.metrics import read_jsonl
+from minips.metrics import HOP_COUNTERS, read_jsonl
 
 TOKEN = "links-secret-0123456789abcdef"
 M = 1e6
@@ -292,3 +293,35 @@ def test_plan_falls_back_to_the_pacer_only_when_asked_to(monkeypatch: pytest.Mon
     assert netshape.plan(prof, 2, "pacer") == ("pacer", None)
     assert netshape.plan(parse_profile("+5ms"), 2, "kernel") == ("none", None)
     assert netshape.plan(None, 2, "auto") == ("none", None)
+
+
+def _check_hops_and_drift(summary: dict[str, Any], run_dir: Path) -> None:
+    """Every hop counted (adding up to the total), the downlink compressed, and every worker's
+    weights within the downlink's drift bound of its group's when it pulled them."""
+    hops = [summary[k] for k in HOP_COUNTERS]
+    assert summary["bytes_total"] == sum(hops) and all(h > 0 for h in hops), hops
+    pulls = [r for w in (0, 1) for r in read_jsonl(run_dir / f"worker-{w}.jsonl") if "drift" in r]
+    assert len(pulls) >= 2 * STEPS - 2, len(pulls)  # every step's PULL said its drift
+    assert max(r["drift"] for r in pulls) <= DRIFT * (1 + 1e-5)
+    # sparse updates down: well under the dense weights every PULL would bring
+    assert summary["bytes_group_worker"] < 2 * STEPS * DENSE_BYTES / 5
+
+
+SPARSE = {"compressor": "topk", "ratio": 0.01, "mode": "asp", "lr": 0.05}
+
+
+@pytest.mark.timeout(120)
+def test_a_compressed_run_over_the_pacer_counts_every_hop_and_bounds_drift(
+        tmp_path: Path) -> None:
+    summary, run_dir = shaped_run(tmp_path, "20mbit/8mbit", "pacer", **SPARSE)
+    assert summary["status"] == "done" and summary["link"]["shaping"] == "pacer"
+    _check_hops_and_drift(summary, run_dir)
+
+
+@pytest.mark.timeout(120)
+def test_a_compressed_run_over_kernel_shaping_counts_every_hop_and_bounds_drift(
+        tmp_path: Path) -> None:
+    _kernel_or_skip()
+    summary, run_dir = shaped_run(tmp_path, "20mbit/8mbit", "kernel", **SPARSE)
+    assert summary["status"] == "done" and summary["link"]["shaping"] == "kernel"
+    _check_hops_and_drift(summary, run_dir)
