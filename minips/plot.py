@@ -73,15 +73,7 @@ def _accuracy_chart(runs: Sequence[Run], x: str, xlabel: str, path: Path) -> Pat
         if xs:
             ax.plot(xs, ys, marker=".", label=label)
             drawn += xs
-    if not drawn:
-        return None
-    positive = [v for v in drawn if v > 0]
-    if positive and max(positive) > 100 * min(positive):
-        ax.set_xscale("log")
-    ax.set(xlabel=xlabel, ylabel="test accuracy", title=f"Accuracy vs {xlabel.split(' (')[0]}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    return _save(fig, path)
+    return _finish_accuracy(fig, ax, drawn, xlabel, f"Accuracy vs {xlabel.split(' (')[0]}", path)
 
 
 def _total_bytes_chart(runs: Sequence[Run], path: Path) -> Path | None:
@@ -98,13 +90,20 @@ def _total_bytes_chart(runs: Sequence[Run], path: Path) -> Path | None:
               for t in ts]
         ax.plot(xs, accs, marker=".", label=label)
         drawn += xs
+    return _finish_accuracy(fig, ax, drawn, "MB on every hop (worker <-> group, group <-> global)",
+                            "Accuracy vs total bytes", path)
+
+
+def _finish_accuracy(fig: Any, ax: Any, drawn: list[float], xlabel: str, title: str,
+                     path: Path) -> Path | None:
+    """Label an accuracy chart and save it (None when nothing was drawn); a log x axis when
+    the x values span more than 100x (dense and sparse runs side by side)."""
     if not drawn:
         return None
     positive = [v for v in drawn if v > 0]
     if positive and max(positive) > 100 * min(positive):
-        ax.set_xscale("log")  # dense and sparse runs side by side
-    ax.set(xlabel="MB on every hop (worker <-> group, group <-> global)",
-           ylabel="test accuracy", title="Accuracy vs total bytes")
+        ax.set_xscale("log")
+    ax.set(xlabel=xlabel, ylabel="test accuracy", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return _save(fig, path)

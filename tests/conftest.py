@@ -164,3 +164,18 @@ async def recv_as(ch: Any, kind: type[M], timeout: float = 10.0) -> M:
     msg = await asyncio.wait_for(ch.recv(), timeout)
     assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
     return msg
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes (other than this one) whose command line contains ``text``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd:
+            pids.append(int(entry.name))
+    return pids

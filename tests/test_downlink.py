@@ -67,12 +67,18 @@ def test_publish_sends_the_largest_changes_and_keeps_the_rest_as_residual() -> N
     assert np.count_nonzero(d.w_pub != moved) == N - 10  # the rest waits
 
 
-def test_a_worker_that_follows_every_answer_holds_w_pub_bit_for_bit() -> None:
-    rng = np.random.default_rng(1)
+def started(ratio: float) -> tuple[np.ndarray, Downlink, Copy]:
+    """Weights, their downlink (no drift bound) and a worker's copy that took them dense."""
     w = weights()
-    d = Downlink(w, 0.02, drift=1.0)
+    d = Downlink(w, ratio, drift=1.0)
     copy = Copy()
     copy.take(d.answer(-1))
+    return w, d, copy
+
+
+def test_a_worker_that_follows_every_answer_holds_w_pub_bit_for_bit() -> None:
+    rng = np.random.default_rng(1)
+    w, d, copy = started(0.02)
     assert copy.held == 0 and np.array_equal(copy.w, w)
     for step in range(40):
         w += (0.01 * rng.standard_normal(N)).astype(np.float32)
@@ -126,10 +132,7 @@ def test_drift_bound_publishes_as_much_as_it_needs_after_a_jump() -> None:
 
 def test_no_update_is_lost_repeated_pulls_converge_to_the_weights_exactly() -> None:
     rng = np.random.default_rng(2)
-    w = weights()
-    d = Downlink(w, 0.01, drift=1.0)
-    copy = Copy()
-    copy.take(d.answer(-1))
+    w, d, copy = started(0.01)
     for _ in range(20):  # training: the weights move everywhere
         w += (0.01 * rng.standard_normal(N)).astype(np.float32)
         d.publish(w)

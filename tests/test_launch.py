@@ -12,26 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import processes_mentioning
 
 from minips import data, models
 from minips.config import LaunchConfig, RunConfig
 from minips.launch import Cluster, run_local
 from minips.metrics import read_jsonl
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    """Pids of live processes whose command line contains ``text``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmd:
-            pids.append(int(entry.name))
-    return pids
 
 
 @pytest.mark.timeout(120)
@@ -57,7 +43,7 @@ def test_local_bsp_run_writes_a_complete_run_directory(tmp_path: Path) -> None:
     kind = "synthetic" if test.meta["synthetic"] else "real"
     assert written["data"] == kind
     assert set(written["data_sources"]) == {"worker-0", "worker-1", "evaluator"}
-    assert not _processes_mentioning(str(run_dir))
+    assert not processes_mentioning(str(run_dir))
 
 
 @pytest.mark.timeout(120)
@@ -77,9 +63,9 @@ def test_ctrl_c_stops_every_child_and_still_writes_the_summary(tmp_path: Path) -
     assert summary["status"] == "interrupted"
     assert "run directory" in err
     deadline = time.monotonic() + 10
-    while _processes_mentioning(str(tmp_path / "cc")) and time.monotonic() < deadline:
+    while processes_mentioning(str(tmp_path / "cc")) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _processes_mentioning(str(tmp_path / "cc"))
+    assert not processes_mentioning(str(tmp_path / "cc"))
 
 
 def test_children_that_exit_with_an_error_are_named(tmp_path: Path) -> None:
@@ -111,7 +97,7 @@ def _start_local(tmp_path: Path, name: str) -> tuple[subprocess.Popen[str], list
     while not (worker_log.exists() and worker_log.stat().st_size > 0):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.1)
-    children = [p for p in _processes_mentioning(str(tmp_path / name)) if p != proc.pid]
+    children = [p for p in processes_mentioning(str(tmp_path / name)) if p != proc.pid]
     assert len(children) >= 4, children  # server, 2 workers, evaluator
     return proc, children
 

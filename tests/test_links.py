@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import run_on
+from conftest import processes_mentioning, run_on
 
 from minips import cli_checks, netshape
 from minips import protocol as p
@@ -256,27 +256,12 @@ def test_a_killed_launcher_takes_its_workers_and_the_next_run_its_namespaces(
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     deadline = time.monotonic() + 15
-    while _mentioning(str(tmp_path / "killed")) and time.monotonic() < deadline:
+    while processes_mentioning(str(tmp_path / "killed")) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _mentioning(str(tmp_path / "killed"))
+    assert not processes_mentioning(str(tmp_path / "killed"))
     assert netshape.leftovers(proc.pid)  # a SIGKILL runs no clean-up ...
     removed = netshape.remove_stale()  # ... the next run's does
     assert removed and netshape.leftovers(proc.pid) == []
-
-
-def _mentioning(text: str) -> list[int]:
-    """Pids of live processes whose command line contains ``text``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmd:
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_plan_falls_back_to_the_pacer_only_when_asked_to(monkeypatch: pytest.MonkeyPatch,
