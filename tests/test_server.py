@@ -70,6 +70,14 @@ async def test_refuses_wrong_secret_and_unknown_worker_id(tmp_path: Path) -> Non
         await srv.close()
 
 
+def push_mean(srv: GlobalServer, ratios: dict[int, float], workers: dict[int, int]) -> float:
+    """GDTopK's mean kept fraction over the pushes (gdtopk.py): group g makes workers[g] /
+    t_g pushes a second at the iteration time t_g its policy holds."""
+    times = srv.roster.policy.times  # type: ignore[union-attr]
+    pushes = {g: workers[g] / times[g] for g in ratios}
+    return sum(pushes[g] * r for g, r in ratios.items()) / sum(pushes.values())
+
+
 async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
     srv = make_server(tmp_path, np.zeros(8, np.float32), workers=4, mode="gssp",
                       compressor="gdtopk", ratio=0.004)
@@ -80,7 +88,8 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         assert [a.group for a in assigns] == [0, 0, 1, 1]
         assert assigns[0].address == assigns[1].address != assigns[2].address
         assert assigns[0].staleness == 3
-        assert (assigns[0].ratio + assigns[2].ratio) / 2 == pytest.approx(0.004)  # mean held
+        ratios = {0: assigns[0].ratio, 1: assigns[2].ratio}
+        assert push_mean(srv, ratios, {0: 2, 1: 2}) == pytest.approx(0.004)  # mean held
         assert assigns[2].ratio > 4 * assigns[0].ratio  # slower group sends more
         assert [srv.groups[g].server.ratio for g in (0, 1)] == [assigns[0].ratio,  # type: ignore[union-attr]
                                                                  assigns[2].ratio]
@@ -95,7 +104,8 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         later = [await next_assign(c) for c in chans]
         assert [a.group for a in later] == [0, 0, 1, 1]
         assert later[0].ratio == pytest.approx(5 * later[2].ratio)
-        assert (later[0].ratio + later[2].ratio) / 2 == pytest.approx(0.004)
+        ratios = {0: later[0].ratio, 1: later[2].ratio}
+        assert push_mean(srv, ratios, {0: 2, 1: 2}) == pytest.approx(0.004)
         assert srv.groups[0].server.ratio == later[0].ratio  # type: ignore[union-attr]
     finally:
         for ch in chans:
@@ -167,14 +177,15 @@ async def test_group_processes_get_their_gdtopk_ratio_and_every_change_of_it(
     try:
         first = {a.group: (a.ratio, ch) for ch in grps if (a := await next_assign(ch))}
         assert first[1][0] == pytest.approx(4 * first[0][0])  # slower-more: the slow one sends more
-        assert (first[0][0] + first[1][0]) / 2 == pytest.approx(0.01)  # the run's ratio: the mean
+        ratios = {g: r for g, (r, _) in first.items()}
+        assert push_mean(srv, ratios, {0: 1, 1: 1}) == pytest.approx(0.01)  # the run's ratio
         srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
         msg = push(1, np.zeros(4, np.float32))
         stats = {"samples": 1, "iter_time": 0.5, "session": 1, "seq": 1}
         await first[0][1].send(replace(msg, codec={**msg.codec, "stats": stats}))
         later = {g: (await next_assign(ch)).ratio for g, (_, ch) in first.items()}
         assert later[0] > later[1]  # group 0 now iterates slower than group 1's 0.04 s
-        assert (later[0] + later[1]) / 2 == pytest.approx(0.01)
+        assert push_mean(srv, later, {0: 1, 1: 1}) == pytest.approx(0.01)
         assert {g: h.ratio for g, h in srv.groups.items()} == later
     finally:
         for ch in ctls + grps:

@@ -96,7 +96,8 @@ def test_accept_sees_hello_and_can_refuse(loop: str) -> None:
 
 
 @pytest.mark.parametrize("kw, reason", [
-    ({"version": 2}, "protocol version mismatch: server speaks 1, client sent 2"),
+    ({"version": p.PROTOCOL_VERSION + 1}, "protocol version mismatch: server speaks "
+     f"{p.PROTOCOL_VERSION}, client sent {p.PROTOCOL_VERSION + 1}"),
     ({"token": "guess"}, "wrong token"),
     ({"token": ""}, "missing token"),
 ])
@@ -207,7 +208,7 @@ def test_msgpack_length_over_limit_is_answered_limit_exceeded(value: object) -> 
     docs/protocol.md section 6 and ``Limits`` say, counted as such; then the server closes.
     Sent after the handshake: before WELCOME a frame over 16 KiB is refused by its size alone."""
     packed = msgpack.packb({"reason": value})
-    data = p.PREFIX.pack(p.MAGIC, 1, p.Kind.LEAVE, 0, 0, len(packed), 0) + packed
+    data = p.PREFIX.pack(p.MAGIC, p.PROTOCOL_VERSION, p.Kind.LEAVE, 0, 0, len(packed), 0) + packed
 
     async def scenario() -> None:
         async with await start() as srv:
