@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +22,14 @@ import pytest
 
 from minips import lifeline, protocol
 from minips.metrics import read_jsonl
+
+# Tests send SIGINT to the processes they start (Ctrl-C). A shell that runs pytest in the
+# background (`cmd &` without job control) makes it ignore SIGINT, and an ignored signal stays
+# ignored across exec: the children never saw it, and the tests timed out (measured: a CI run
+# started with `nohup ... &`). A handler does not survive exec, so with one here the children
+# start with SIGINT's default, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def make_certificate(d: Path, *names: str) -> tuple[Path, Path]:
@@ -179,3 +188,15 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmd:
             pids.append(int(entry.name))
     return pids
+
+
+def interrupt(proc: subprocess.Popen[Any], timeout: float) -> tuple[Any, Any]:
+    """Ctrl-C ``proc`` and return its (stdout, stderr); one that has not ended after
+    ``timeout`` seconds is killed (no process outlives its test) and the timeout raised."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise

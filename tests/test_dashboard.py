@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import records, wait_for
+from conftest import interrupt, records, wait_for
 
 pytest.importorskip("aiohttp", reason="the dashboard extra is not installed")
 parser = pytest.importorskip("prometheus_client.parser")
@@ -63,8 +62,7 @@ class LiveRun:
 
     def stop(self) -> None:
         if self.proc.poll() is None:  # Ctrl-C: the launcher stops its children itself
-            self.proc.send_signal(signal.SIGINT)
-            self.proc.communicate(timeout=60)
+            interrupt(self.proc, 60)
 
 
 @pytest.fixture(scope="module")
@@ -188,8 +186,7 @@ def test_minips_dashboard_replays_the_finished_run(live: LiveRun) -> None:
         with urllib.request.urlopen(url + "state", timeout=10) as r:
             state = json.loads(r.read())
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=30)
+        interrupt(proc, 30)
     evals = [r for r in records(live.run_dir / "eval.jsonl") if "accuracy" in r]
     assert len(state["eval"]) == len(evals) and state["done"]
     assert {w["group"] for w in state["workers"]} == {0, 1}

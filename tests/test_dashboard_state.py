@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import recv_as, until, wait_for
+from conftest import interrupt, recv_as, until, wait_for
 
 from minips.dashboard.follow import Replay, RunFollower, Tail
 from minips.dashboard.state import Histogram, RunState
@@ -310,8 +309,7 @@ def test_minips_dashboard_follow_shows_records_as_they_are_appended(tmp_path: Pa
         got = wait_for("the appended record", evals, 30, (proc,))
         assert [e["accuracy"] for e in got] == [0.5]
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=30)
+        interrupt(proc, 30)
     assert proc.returncode == 0 and not (tmp_path / "dashboard.url").exists()
 
 

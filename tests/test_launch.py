@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import processes_mentioning
+from conftest import interrupt, processes_mentioning
 
 from minips import data, models
 from minips.config import LaunchConfig, RunConfig
@@ -57,8 +57,7 @@ def test_ctrl_c_stops_every_child_and_still_writes_the_summary(tmp_path: Path) -
     while not (worker_log.exists() and worker_log.stat().st_size > 0):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = interrupt(proc, 60)
     summary = json.loads((tmp_path / "cc" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
     assert "run directory" in err
