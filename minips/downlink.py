@@ -5,7 +5,8 @@ replica ``w_pub`` with a publish version ``pub``, and every worker holds a copy 
 some version. The scheme is DoubleSqueeze's server-side error feedback, adapted to an
 asynchronous group (docs/compression.md, "The downlink"):
 
-- **publish** (``publish(weights)``, on a PULL when the weights moved since the last publish):
+- **publish** (``publish(weights)``; the group server publishes once per turn of its event loop
+  that answers PULLs, however many it answers):
   ``e = weights - w_pub`` is the residual; its ``k = ratio * n`` largest ``|e|`` coordinates are
   published: ``w_pub[idx] = weights[idx]``, ``pub += 1``, and ``idx`` goes into a bounded log.
   What is not published stays in ``e`` (error feedback is implicit: nothing is lost, only
@@ -40,11 +41,12 @@ from minips.errors import RemoteProtocolError
 from minips.sparse_codec import SparseGrad, decode_gradient
 from minips.sparse_select import kept_count
 
-__all__ = ["Answer", "Downlink", "apply_weights", "DRIFT", "LOG_SIZE", "DENSE_FRACTION"]
+__all__ = ["Answer", "Downlink", "apply_weights", "top_k", "DRIFT", "LOG_SIZE", "DENSE_FRACTION"]
 
 DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
 DENSE_FRACTION = 0.4  # a merged answer with more changed coordinates than this goes dense
+SAMPLE_STRIDE = 31  # top_k's sample: every 31st value (2,000 of LeNet-5's 61,706)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class Downlink:
         self.forced = 0  # of them, those beyond k that the drift bound needed
         self.answers = {"update": 0, "dense": 0}  # answers given, by kind
         self.last_drift = 0.0  # ``drift(weights)`` right after the last publish
+        self._made: dict[int, Answer] = {}  # answers made since the last publish, by ``since``
 
     def drift(self, weights: np.ndarray) -> float:
         """``||weights - w_pub|| / ||weights||`` now (0 when both are zero)."""
@@ -90,31 +93,31 @@ class Downlink:
         """Publish the largest residuals (at least k, more if the drift bound needs them);
         return how many coordinates changed (0: nothing to publish, the version stays)."""
         e = weights - self.w_pub  # (n,) float32 residual
-        moved = np.flatnonzero(e)  # (m,) int64 coordinates where w_pub is behind
-        if moved.size == 0:
+        moved = int(np.count_nonzero(e))  # coordinates where w_pub is behind
+        if moved == 0:
             self.last_drift = 0.0
             return 0
         wsq = float(np.dot(weights, weights))
-        if moved.size <= self.k:
-            idx = moved
-        else:
-            idx = self._select(np.abs(e[moved]), wsq)
-            idx = np.sort(moved[idx])
+        if moved <= self.k:
+            idx = np.flatnonzero(e)
+        else:  # the k largest |e| are all non-zero: select over all n, no gather of the moved
+            idx = np.sort(self._select(np.abs(e), wsq))
             self.forced += max(0, idx.size - self.k)
         sent = e[idx].astype(np.float64)
         left = max(0.0, float(np.dot(e, e)) - float(np.dot(sent, sent)))  # ||e||² not published
         self.last_drift = math.sqrt(left / wsq) if wsq else 0.0
         self.w_pub[idx] = weights[idx]
         self.pub += 1
+        self._made.clear()
         self.log.append(idx.astype(np.uint32))
         self.published += int(idx.size)
         return int(idx.size)
 
     def _select(self, mag: np.ndarray, wsq: float) -> np.ndarray:
-        """Positions in ``mag`` (|residual| of the moved coordinates) to publish: the k largest,
-        or the fewest largest that leave ``sum(mag^2)`` of the rest within drift^2 * wsq."""
+        """Positions in ``mag`` ((n,) |residual|) to publish: the k largest, or the fewest
+        largest that leave ``sum(mag^2)`` of the rest within drift^2 * wsq."""
         budget = self.drift_bound ** 2 * wsq
-        top = np.argpartition(mag, -self.k)[-self.k:]  # (k,) the k largest, any order
+        top = top_k(mag, self.k)  # (k,) the k largest, any order
         sq = mag.astype(np.float64) ** 2
         if float(sq.sum()) - float(sq[top].sum()) <= budget:
             return top
@@ -123,16 +126,25 @@ class Downlink:
         return order[kept:]  # everything above the part whose squares fit the budget
 
     def answer(self, since: int) -> Answer:
-        """The message for a worker that holds ``w_pub`` at version ``since`` (-1: none)."""
+        """The message for a worker that holds ``w_pub`` at version ``since`` (-1: none).
+        Workers that pulled together hold the same version, so until the next publish an
+        answer is made once per ``since`` and then shared (it is never written to)."""
         behind = self.pub - since
         if since < 0 or behind < 0 or behind > len(self.log):
+            since = -1
+        made = self._made.get(since)
+        if made is None or made.version != self.pub:
+            made = self._made[since] = self._answer(since, behind)
+        self.answers["dense" if made.since < 0 else "update"] += 1
+        return made
+
+    def _answer(self, since: int, behind: int) -> Answer:
+        if since < 0:
             return self._dense()
-        self.answers["update"] += 1
         if behind == 0:
             return Answer(self.pub, since, SparseGrad.empty(self.n))
         idx = self.log[-1] if behind == 1 else self._union(behind)
         if idx.size > self.dense_fraction * self.n:
-            self.answers["update"] -= 1
             return self._dense()
         return Answer(self.pub, since, SparseGrad(idx, self.w_pub[idx], self.n))
 
@@ -146,8 +158,25 @@ class Downlink:
         return np.flatnonzero(mask).astype(np.uint32)
 
     def _dense(self) -> Answer:
-        self.answers["dense"] += 1
         return Answer(self.pub, -1, self.w_pub.copy())
+
+
+def top_k(mag: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the ``k`` largest of ``mag`` ((n,) >= 0), any order: the same set as
+    ``np.argpartition(mag, -k)[-k:]`` (up to ties), about 15 times faster on LeNet-5. A strided
+    sample of every ``SAMPLE_STRIDE``-th value gives a threshold a little under the k-th
+    largest; an exact top-k among the values above it follows. When fewer than k pass (an
+    unlucky sample), the whole array is partitioned."""
+    n = mag.size
+    sample = mag[::SAMPLE_STRIDE]
+    rank = sample.size - 1 - int(2 * k * sample.size / n)  # twice the fraction wanted
+    if k >= n or rank < sample.size // 2:  # a large k: the sample saves little
+        return np.argpartition(mag, -k)[-k:] if k < n else np.arange(n)
+    thr = np.partition(sample, rank)[rank]
+    cand = np.flatnonzero(mag >= thr)  # (c,) about 2k
+    if cand.size < k:
+        return np.argpartition(mag, -k)[-k:]
+    return cand[np.argpartition(mag[cand], -k)[-k:]]
 
 
 def apply_weights(replica: np.ndarray | None, held: int, w: Any, size: int) -> np.ndarray:

@@ -60,6 +60,7 @@ class GroupServer:
         self._changed = asyncio.Event()  # set whenever a waiting PULL may have become answerable
         self.ready = asyncio.Event()  # set once the group has its weights (setup)
         self._exchange_task: asyncio.Task[None] | None = None
+        self._publishing: asyncio.Future[None] | None = None  # the publish due this turn
         self._tasks: set[asyncio.Task[Any]] = set()
         self.server: Any = None
         self.port = 0
@@ -208,19 +209,38 @@ class GroupServer:
             waited = waited or [int(v) for v in self.table.waiting_for(w)]  # type: ignore[call-overload]
             self._changed.clear()
             await self._changed.wait()
+        await self._publish()
         return self.weights_message(w, waited, since)
 
     def _may_answer(self, w: int) -> bool:
         return self.done or w not in self.table or self.table.may_start(w)
 
+    async def _publish(self) -> None:
+        """With a compressed downlink: publish the weights' largest changes once for all the
+        PULLs this turn of the event loop answers (they arrived together, or a BSP round or the
+        staleness bound released them together), not once per PULL: a publish is O(n) (an exact
+        top-k), an answer only touches what it sends. Every such PULL still gets weights at
+        least as new as when it arrived."""
+        if self.downlink is None:
+            return
+        if self._publishing is None:
+            self._publishing = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(self._publish_now, self._publishing)
+        await asyncio.shield(self._publishing)  # a PULL given up on must not cancel the others'
+
+    def _publish_now(self, done: asyncio.Future[None]) -> None:
+        self._publishing = None
+        assert self.downlink is not None
+        self.downlink.publish(self.weights)
+        done.set_result(None)
+
     def weights_message(self, w: int | None, waited_for: list[int], since: int = -1) -> Any:
         """WEIGHTS for worker ``w`` holding version ``since``: the weights themselves (dense
-        downlink; version = updates applied), or, with a compressed downlink, a publish of the
-        largest changes and the update from ``since`` to it (``downlink.py``)."""
+        downlink; version = updates applied), or, with a compressed downlink, the update from
+        ``since`` to the last publish (``_publish``, ``downlink.py``)."""
         payload: sparse.SparseGrad | np.ndarray = self.weights
         version, base = self.version, -1
         if self.downlink is not None:
-            self.downlink.publish(self.weights)
             answer = self.downlink.answer(since)
             version, base, payload = answer.version, answer.since, answer.payload
         encoding, codec, buffers = sparse.encode_gradient(payload)
@@ -381,6 +401,7 @@ class GroupServer:
         (the worker then leaves the group at once, not when its lease runs out). Returns the
         version the answer brought the worker to."""
         if self._may_answer(w):  # the common case: no wait, no tasks
+            await self._publish()
             reply = self.weights_message(w, [], since)
             with contextlib.suppress(ConnectionError):
                 await ch.send(reply)

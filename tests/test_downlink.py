@@ -17,7 +17,7 @@ from test_group import TOKEN, Global
 
 from minips import protocol, sparse, transport
 from minips.config import RunConfig
-from minips.downlink import DRIFT, Downlink, apply_weights
+from minips.downlink import DRIFT, Downlink, apply_weights, top_k
 from minips.errors import RemoteProtocolError
 from minips.group import GroupServer
 
@@ -74,6 +74,36 @@ def started(ratio: float) -> tuple[np.ndarray, Downlink, Copy]:
     copy = Copy()
     copy.take(d.answer(-1))
     return w, d, copy
+
+
+@pytest.mark.parametrize("n,k", [(61_706, 617), (61_706, 30_000), (1_000, 10), (40, 3), (5, 5)])
+def test_top_k_finds_the_same_values_as_a_full_partition(n: int, k: int) -> None:
+    rng = np.random.default_rng(n + k)
+    for trial in range(10):
+        mag = np.abs(rng.standard_normal(n)).astype(np.float32)
+        if trial % 2:  # many zeros and repeated values: the sample's threshold is coarse
+            mag[rng.integers(0, n, n // 2)] = 0.0
+            mag[rng.integers(0, n, n // 4)] = 0.5
+        got = top_k(mag, k)
+        assert got.size == k == np.unique(got).size
+        assert np.array_equal(np.sort(mag[got]), np.sort(mag)[n - k:])
+
+
+def test_answers_are_made_once_per_version_held_until_the_next_publish() -> None:
+    w, d, _ = started(0.01)  # k = 10: each publish below sends all 10 that moved
+    for lo in (0, 10):
+        w[lo:lo + 10] += 1.0
+        d.publish(w)
+    first, again = d.answer(d.pub - 2), d.answer(d.pub - 2)
+    assert isinstance(first.payload, sparse.SparseGrad)
+    assert first is again and first.payload.indices.size == 20  # shared, not made twice
+    assert d.answer(-1) is d.answer(-1)
+    assert d.answers == {"update": 2, "dense": 3}  # every answer counted (one by started)
+    w[20:30] += 1.0
+    d.publish(w)
+    later = d.answer(d.pub - 3)
+    assert isinstance(later.payload, sparse.SparseGrad)
+    assert later is not first and later.payload.indices.size == 30
 
 
 def test_a_worker_that_follows_every_answer_holds_w_pub_bit_for_bit() -> None:
@@ -183,17 +213,17 @@ class Watched:
     def __init__(self, gs: GroupServer) -> None:
         assert gs.downlink is not None
         self.gs, self.down = gs, gs.downlink
-        self.at: dict[int, np.ndarray] = {}
+        self.at: dict[int, np.ndarray] = {self.down.pub: self.down.w_pub.copy()}
         self.drifts: list[float] = []
-        answer = self.down.answer
+        publish = self.down.publish
 
-        def watched(since: int) -> Any:
-            ans = answer(since)
-            self.at[ans.version] = self.down.w_pub.copy()
-            self.drifts.append(self.down.drift(gs.weights))
-            return ans
+        def watched(weights: np.ndarray) -> int:
+            count = publish(weights)
+            self.at[self.down.pub] = self.down.w_pub.copy()
+            self.drifts.append(self.down.drift(weights))
+            return count
 
-        self.down.answer = watched  # type: ignore[method-assign]
+        self.down.publish = watched  # type: ignore[method-assign]
 
 
 async def _worker_session(port: int, w_id: int, steps: int, watch: Watched) -> int:
@@ -236,7 +266,24 @@ async def test_workers_on_a_real_socket_hold_w_pub_and_stay_within_the_drift_bou
     finally:
         await gs.close()
     assert all(n == 29 for n in got)  # the first answer is the whole weights, then updates
-    assert len(watch.at) > 30 and max(watch.drifts) <= DRIFT * (1 + 1e-6)
+    # versions 0..29 at least: each of a worker's 29 pushes moved the weights before its next
+    # PULL (the first PULLs found nothing to publish; PULLs arriving together share a publish),
+    # and every publish left the weights within the bound
+    assert len(watch.at) >= 30 and max(watch.drifts) <= DRIFT * (1 + 1e-6)
+
+
+async def test_pulls_answered_in_one_turn_share_one_publish() -> None:
+    """A publish is O(n): PULLs the group answers in one turn of its event loop get one
+    publish between them, and the same version."""
+    run = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.02, sync_every=1000)
+    gs = GroupServer(0, run, weights(), Global(weights()), members=[0, 1])
+    assert gs.downlink is not None
+    gs.weights[:3] += 1.0  # a few coordinates: the answer is an update, not dense
+    first = await asyncio.wait_for(asyncio.gather(gs.answer_pull(0), gs.answer_pull(1)), 5)
+    assert gs.downlink.pub == 1 and [m.version for m in first] == [1, 1]
+    gs.weights[:3] += 1.0  # a few coordinates: the answer is an update, not dense
+    second = await asyncio.wait_for(gs.answer_pull(0, since=1), 5)  # a later turn: a new one
+    assert gs.downlink.pub == 2 and second.version == 2 and second.since == 1
 
 
 async def test_a_group_server_honours_only_the_version_it_sent_on_this_connection() -> None:
