@@ -21,6 +21,7 @@ from typing import Any
 
 from minips.errors import ConfigError
 from minips.optim import SCHEDULES
+from minips.sync import MODES, SyncPolicy, policy
 
 __all__ = [
     "MODES",
@@ -44,9 +45,6 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "is_loopback",
 ]
-
-MODES = ("bsp", "ssp", "asp", "gssp")
-
 
 @dataclass
 class RunConfig:
@@ -124,9 +122,19 @@ class RunConfig:
         return self
 
     @property
+    def sync(self) -> SyncPolicy:
+        """What this run's mode decides (``sync.POLICIES``)."""
+        return policy(self.mode)
+
+    @property
     def staleness_bound(self) -> int | None:
-        """The SSP bound this mode uses: 0 for BSP, None (unbounded) for ASP."""
-        return {"bsp": 0, "asp": None}.get(self.mode, self.staleness)
+        """The SSP bound inside a group: 0 for BSP, None (unbounded) for ASP."""
+        return self.sync.staleness_bound(self.staleness)
+
+    @property
+    def in_rounds(self) -> bool:
+        """Pushes are applied per complete round (a bound of 0: BSP, or SSP with s = 0)."""
+        return self.sync.in_rounds(self.staleness)
 
     def downlink_ratio(self) -> float:
         """The downlink's kept fraction: ``down_ratio``, or when None the run's ``ratio`` for
@@ -138,7 +146,7 @@ class RunConfig:
     @property
     def fixed_groups(self) -> int:
         """Group count: 1 for the single-group modes, ``groups`` (0 = auto) for GSSP."""
-        return self.groups if self.mode == "gssp" else 1
+        return self.sync.group_count(self.groups)
 
     def to_info(self) -> dict[str, Any]:
         """Plain map for WELCOME.info and config.json."""

@@ -117,7 +117,7 @@ class GroupServer:
         self._after_membership_change()
 
     def _after_membership_change(self) -> None:
-        if self.run.staleness_bound == 0:
+        if self.run.in_rounds:
             self._apply_rounds()
         self._changed.set()
         if not len(self.table) and self._joined and not self.finished:
@@ -149,7 +149,7 @@ class GroupServer:
         self.table.push(w, msg.clock, self.now())
         self.iters.push(w, self.now())
         self._count(msg)
-        if self.run.staleness_bound == 0:
+        if self.run.in_rounds:
             self.rounds.add(msg.clock, (grad, msg.samples))
             self._apply_rounds()
         else:
