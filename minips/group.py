@@ -155,7 +155,7 @@ class GroupServer:
         else:
             self._apply(grad, msg.samples, len(self.table))
         self._changed.set()
-        if self.xchg.since["pushes"] >= self.run.sync_every:
+        if self.run.sync.exchange_due(self.xchg.since["pushes"], self.run.sync_every):
             self.start_exchange()
         return protocol.Ack(clock=msg.clock, version=self.version)
 

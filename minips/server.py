@@ -342,8 +342,7 @@ class GlobalServer:
         values = delta.values if isinstance(delta, sparse.SparseGrad) else delta
         if not run_end.delta_is_finite(self, g, values):
             return  # not applied: the run fails (diverged)
-        mean = self.run.merge == "mean" and len(self.groups) > 1
-        scale = 1.0 / len(self.groups) if mean else 1.0
+        scale = self.run.sync.merge_scale(self.run.merge, len(self.groups))
         sparse.scatter_add(self.weights, delta, scale)
         self.version += 1
         self.samples += int(stats.get("samples", 0))

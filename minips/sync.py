@@ -10,8 +10,9 @@ one row of ``POLICIES`` (and its tests). What the columns decide:
 | asp  | none | on arrival, 1/(workers) of a step | 1 | no |
 | gssp | ``--staleness`` s | on arrival, 1/(group's workers) of a step | k (``--groups``) | yes |
 
-Every mode exchanges with the global server every ``sync_every`` pushes of a group and merges a
-group's delta by ``--merge`` (mean over groups or sum); with one group the two are the same.
+Every mode exchanges with the global server every ``sync_every`` pushes of a group
+(``exchange_due``) and merges a group's delta by ``--merge`` (``merge_scale``: mean over groups
+or sum; with one group the two are the same).
 A bound of 0 (BSP, or SSP with ``--staleness 0``) applies pushes in rounds: one SGD step on the
 mean of a round's gradients, which is synchronous SGD (``reference.train``).
 
@@ -45,6 +46,15 @@ class SyncPolicy:
     def group_count(self, groups: int) -> int:
         """Groups of a run: ``groups`` (0 = chosen from the step times) or 1."""
         return groups if self.grouped else 1
+
+    def exchange_due(self, pushes: int, sync_every: int) -> bool:
+        """A group exchanges with the global server after ``sync_every`` pushes (every mode)."""
+        return pushes >= sync_every
+
+    def merge_scale(self, merge: str, groups: int) -> float:
+        """The factor a group's delta is added to the global weights with: 1/k for ``mean``
+        over k > 1 groups, else 1 (``sum``, or one group: the delta is the whole update)."""
+        return 1.0 / groups if merge == "mean" and groups > 1 else 1.0
 
 
 POLICIES: dict[str, SyncPolicy] = {p.name: p for p in (

@@ -17,6 +17,14 @@ def test_the_table_has_the_four_modes_and_their_decisions() -> None:
                     "asp": (None, False, 1, False), "gssp": (3, False, 4, True)}
 
 
+def test_every_mode_exchanges_every_sync_every_pushes_and_merges_by_the_rule() -> None:
+    for m in MODES:
+        p = sync.policy(m)
+        assert [p.exchange_due(n, 4) for n in (3, 4, 5)] == [False, True, True]
+        assert (p.merge_scale("mean", 4), p.merge_scale("sum", 4), p.merge_scale("mean", 1)) == (
+            0.25, 1.0, 1.0)
+
+
 def test_a_bound_of_zero_applies_in_rounds_whatever_the_mode_is_called() -> None:
     assert sync.policy("ssp").in_rounds(0) and sync.policy("gssp").in_rounds(0)
     assert not sync.policy("asp").in_rounds(0)  # no bound at all
