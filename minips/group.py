@@ -31,7 +31,7 @@ import numpy as np
 
 from minips import optim, protocol, sparse, ssp, transport, validation
 from minips.config import RunConfig, dataset_train_size
-from minips.downlink import Downlink
+from minips.downlink import Downlink, held_version
 from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
 from minips.gdtopk import IterTimer
@@ -373,14 +373,14 @@ class GroupServer:
         WEIGHTS it pulled went out (SSP holds it like any other worker)."""
         await ch.send(protocol.Ack(clock=start, version=self.version))
         pulled: int | None = None  # clock of the last PULL: a PUSH must follow one
-        sent = -1  # version of the last WEIGHTS on this connection: the only `since` honoured
+        sent = -1  # version of the last WEIGHTS on this connection (downlink.held_version)
         while True:
             # one message per turn: a worker with many queued (a flood) takes turns with the rest
             await asyncio.sleep(0)
             msg = await ch.recv()
             if isinstance(msg, protocol.Pull):
                 pulled = msg.clock
-                sent = await self._send_pull(ch, w, msg.since if msg.since == sent else -1)
+                sent = await self._send_pull(ch, w, held_version(msg.since, sent))
             elif isinstance(msg, protocol.Push):
                 validation.check_push_order(pulled, msg.clock)
                 pulled = None
