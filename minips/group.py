@@ -231,8 +231,12 @@ class GroupServer:
     def _publish_now(self, done: asyncio.Future[None]) -> None:
         self._publishing = None
         assert self.downlink is not None
-        self.downlink.publish(self.weights)
-        done.set_result(None)
+        try:
+            self.downlink.publish(self.weights)
+        except Exception as exc:  # the PULLs waiting for it fail (their sessions end), not hang
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
 
     def weights_message(self, w: int | None, waited_for: list[int], since: int = -1) -> Any:
         """WEIGHTS for worker ``w`` holding version ``since``: the weights themselves (dense
