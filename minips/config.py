@@ -15,13 +15,15 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
-import ssl
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minips.errors import ConfigError
 from minips.optim import SCHEDULES
 from minips.sync import MODES, SyncPolicy, policy
+
+if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
+    import ssl
 
 __all__ = [
     "MODES",
@@ -357,6 +359,8 @@ def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     """TLS context for a listening server, or None for plain TCP."""
     if not cert:
         return None
+    import ssl
+
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
     return ctx
@@ -364,7 +368,11 @@ def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:
 
 def client_ssl(ca: str | None) -> ssl.SSLContext | None:
     """TLS context that verifies the server against ``ca``, or None for plain TCP."""
-    return ssl.create_default_context(cafile=ca) if ca else None
+    if not ca:
+        return None
+    import ssl
+
+    return ssl.create_default_context(cafile=ca)
 
 
 def is_loopback(host: str) -> bool:
