@@ -1,4 +1,4 @@
-"""The group's rules without IO (group_core.py): no asyncio, socket, ssl, time or torch inside;
+"""The rules without IO (group_core.py, global_core.py): no asyncio, socket, ssl, time or torch;
 driven in one thread with a fake clock they are synchronous SGD in BSP, and they reach the same
 weights and answers as the asyncio group server for the same order of events."""
 
@@ -58,8 +58,9 @@ def run(mode: str, compressor: str = "none") -> RunConfig:
                      momentum=0.9, weight_decay=5e-4, lr_warmup=0, sync_every=10_000)
 
 
-def test_the_core_imports_no_asyncio_socket_ssl_time_or_torch() -> None:
-    """A fresh interpreter that refuses those imports drives a core through 20 BSP rounds."""
+def test_the_cores_import_no_asyncio_socket_ssl_time_or_torch() -> None:
+    """A fresh interpreter that refuses those imports to minips drives a cluster in one thread
+    with a fake clock: a global core and two group cores of two workers each, exchanging."""
     script = textwrap.dedent("""
         import sys
         import numpy as np  # allowed, and it loads time (datetime) for itself
@@ -83,27 +84,40 @@ def test_the_core_imports_no_asyncio_socket_ssl_time_or_torch() -> None:
                 return None
 
         sys.meta_path.insert(0, Block())
-        import numpy as np
+        from minips import protocol, sparse
         from minips.config import RunConfig
+        from minips.global_core import GlobalCore
         from minips.group_core import GroupCore
-        from minips import sparse, protocol
+        from minips.roster import GroupHandle
+
         t = [0.0]
-        run = RunConfig(workers=2, mode="bsp", lr=0.1, lr_warmup=0, sync_every=10_000)
-        core = GroupCore(0, run, np.zeros(100, np.float32), object(), members=[0, 1],
-                         clock=lambda: t[0])
+        run = RunConfig(workers=4, mode="gssp", groups=2, lr=0.1, lr_warmup=0, sync_every=4)
+        glob = GlobalCore(run, np.zeros(100, np.float32), regroup=False,
+                          clock=lambda: t[0], wall=lambda: 1e9 + t[0])
+        cores = {}
+        for g in (0, 1):
+            glob.groups[g] = GroupHandle(g, "")
+            cores[g] = GroupCore(g, run, glob.weights, object(), members=[2 * g, 2 * g + 1],
+                                 clock=lambda: t[0])
         for r in range(20):
-            for w in (0, 1):
-                t[0] += 0.1
-                enc, codec, bufs = sparse.encode_gradient(np.ones(100, np.float32))
-                core.on_push(w, protocol.Push(clock=r + 1, samples=8, encoding=enc,
-                                              codec=codec, buffers=tuple(bufs)))
-        print(core.version, float(core.weights[0]))
+            for g, core in cores.items():
+                for w in (2 * g, 2 * g + 1):
+                    t[0] += 0.1
+                    enc, codec, bufs = sparse.encode_gradient(np.ones(100, np.float32))
+                    core.on_push(w, protocol.Push(clock=r + 1, samples=8, encoding=enc,
+                                                  codec=codec, buffers=tuple(bufs)))
+                if core.run.sync.exchange_due(core.xchg.since["pushes"], run.sync_every):
+                    out = core.xchg.begin(core.weights, core._extra(False), dense=False)
+                    res = glob.merge(g, core.xchg.delta(out), out.stats)
+                    core.xchg.complete(core.weights, out, res)
+        print(glob.version, glob.samples, float(glob.weights[0]))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stderr
-    version, first = out.stdout.split()
-    assert int(version) == 20 and float(first) < 0  # 20 rounds applied, against the gradient
+    merges, samples, first = out.stdout.split()
+    # 2 groups x 2 workers x 20 steps = 80 pushes of 8 samples, an exchange every 4 pushes
+    assert (int(merges), int(samples)) == (20, 640) and float(first) < 0  # against the gradient
 
 
 def test_two_workers_in_bsp_are_synchronous_sgd_on_the_core() -> None:
@@ -117,7 +131,7 @@ def test_two_workers_in_bsp_are_synchronous_sgd_on_the_core() -> None:
         for _ in (0, 1):
             idx = np.sort(rng.choice(N, 10, replace=False)).astype(np.uint32)
             grads.append(sparse.SparseGrad(idx, rng.standard_normal(10).astype(np.float32), N))
-        opt.step(ref_w, sparse.average(grads, N))
+        opt.step(ref_w, (grads[0].to_dense() + grads[1].to_dense()) / np.float32(2))  # the mean
     assert core.version == 30
     np.testing.assert_allclose(core.weights, ref_w, rtol=1e-6, atol=1e-7)
 
