@@ -19,9 +19,11 @@ An event queue orders what the real processes would do:
   the messages are the real protocol messages, so the bytes counted are the wire's.
 
 It writes a run directory as `minips local` does (config.json, worker-, group-, global- and
-eval-records with ``t`` in simulated seconds, final_weights.npy, summary.json), so ``minips
-plot`` and the dashboard's replay read it. What it leaves out: the handshake, heartbeats and
-leases (no worker fails), regrouping, and real models (the objective is synthetic).
+eval-records with ``t`` in simulated seconds, final_weights.npy, summary.json); ``minips plot``
+draws its worker and ratio charts (the evaluations have a loss, no accuracy). What it leaves
+out: the handshake, heartbeats and leases (no worker fails), regrouping, the batching of
+publishes per event-loop turn (each PULL publishes), and real models (the objective is
+synthetic).
 
 Public API: ``SimConfig``, ``simulate(cfg) -> summary``.
 """
