@@ -186,9 +186,10 @@ class Simulation:
     def at(self, delay: float, fn: Any, *args: Any) -> None:
         heapq.heappush(self.queue, (self.t + delay, next(self.seq), fn, args))
 
-    def send(self, w: int, nbytes: int, fn: Any, *args: Any) -> None:
-        """A message of worker ``w``'s link: after the link is free, latency + bytes / rate."""
-        start = max(self.t, self.busy[w])
+    def send(self, w: int, nbytes: int, fn: Any, *args: Any, after: float = 0.0) -> None:
+        """A message of worker ``w``'s link, sent ``after`` seconds from now: once the link is
+        free, latency + bytes / rate."""
+        start = max(self.t + after, self.busy[w])
         self.busy[w] = start + (nbytes / self.cfg.rate if self.cfg.rate else 0.0)
         heapq.heappush(self.queue, (self.busy[w] + self.cfg.latency_s, next(self.seq), fn, args))
 
@@ -253,9 +254,7 @@ class Simulation:
                   msg.info.get("waited_for", []), "step_time": step, "samples": push.samples,
                   "ratio": self.comp[w].ratio, "kept_fraction": self.comp[w].kept_fraction,
                   "bytes_raw": 4 * self.cfg.dim, "bytes_wire": nbytes}
-        self.t += step  # the push leaves when the step is computed
-        self.send(w, nbytes, self.push_arrives, w, push, record)
-        self.t -= step
+        self.send(w, nbytes, self.push_arrives, w, push, record, after=step)  # once computed
 
     def push_arrives(self, w: int, push: protocol.Push, record: dict[str, Any]) -> None:
         core = self.groups[self.group_of[w]]
