@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from minips import cli_checks as checks
-from minips import cli_ray, lifeline
+from minips import cli_ray, cli_simulate, lifeline
 from minips.cli_checks import at_least, finite, int_at_least
 from minips.config import (
     PRESETS,
@@ -321,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                 _add_dashboard):
         add(sub)
     cli_ray.add_parser(sub, _add_run_flags)
+    cli_simulate.add_parser(sub, _add_run_flags)
     return p
 
 
@@ -457,9 +458,13 @@ def _cmd_ray(args: argparse.Namespace) -> int:
     return cli_ray.command(args, run_config_from_args(args))
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    return cli_simulate.command(args, run_config_from_args(args))
+
+
 COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
             "worker": _cmd_worker, "evaluator": _cmd_evaluator, "plot": _cmd_plot,
-            "ray": _cmd_ray, "dashboard": _cmd_dashboard}
+            "ray": _cmd_ray, "simulate": _cmd_simulate, "dashboard": _cmd_dashboard}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

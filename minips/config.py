@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
-import ssl
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minips.errors import ConfigError
 from minips.optim import SCHEDULES
+from minips.sync import MODES, SyncPolicy, policy
+
+if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
+    import ssl
 
 __all__ = [
     "MODES",
@@ -44,9 +47,6 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "is_loopback",
 ]
-
-MODES = ("bsp", "ssp", "asp", "gssp")
-
 
 @dataclass
 class RunConfig:
@@ -124,9 +124,19 @@ class RunConfig:
         return self
 
     @property
+    def sync(self) -> SyncPolicy:
+        """What this run's mode decides (``sync.POLICIES``)."""
+        return policy(self.mode)
+
+    @property
     def staleness_bound(self) -> int | None:
-        """The SSP bound this mode uses: 0 for BSP, None (unbounded) for ASP."""
-        return {"bsp": 0, "asp": None}.get(self.mode, self.staleness)
+        """The SSP bound inside a group: 0 for BSP, None (unbounded) for ASP."""
+        return self.sync.staleness_bound(self.staleness)
+
+    @property
+    def in_rounds(self) -> bool:
+        """Pushes are applied per complete round (a bound of 0: BSP, or SSP with s = 0)."""
+        return self.sync.in_rounds(self.staleness)
 
     def downlink_ratio(self) -> float:
         """The downlink's kept fraction: ``down_ratio``, or when None the run's ``ratio`` for
@@ -138,7 +148,7 @@ class RunConfig:
     @property
     def fixed_groups(self) -> int:
         """Group count: 1 for the single-group modes, ``groups`` (0 = auto) for GSSP."""
-        return self.groups if self.mode == "gssp" else 1
+        return self.sync.group_count(self.groups)
 
     def to_info(self) -> dict[str, Any]:
         """Plain map for WELCOME.info and config.json."""
@@ -349,6 +359,8 @@ def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     """TLS context for a listening server, or None for plain TCP."""
     if not cert:
         return None
+    import ssl
+
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
     return ctx
@@ -356,7 +368,11 @@ def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:
 
 def client_ssl(ca: str | None) -> ssl.SSLContext | None:
     """TLS context that verifies the server against ``ca``, or None for plain TCP."""
-    return ssl.create_default_context(cafile=ca) if ca else None
+    if not ca:
+        return None
+    import ssl
+
+    return ssl.create_default_context(cafile=ca)
 
 
 def is_loopback(host: str) -> bool:

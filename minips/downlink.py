@@ -41,7 +41,8 @@ from minips.errors import RemoteProtocolError
 from minips.sparse_codec import SparseGrad, decode_gradient
 from minips.sparse_select import kept_count
 
-__all__ = ["Answer", "Downlink", "apply_weights", "top_k", "DRIFT", "LOG_SIZE", "DENSE_FRACTION"]
+__all__ = ["Answer", "Downlink", "apply_weights", "held_version", "top_k", "DRIFT", "LOG_SIZE",
+           "DENSE_FRACTION"]
 
 DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
@@ -159,6 +160,15 @@ class Downlink:
 
     def _dense(self) -> Answer:
         return Answer(self.pub, -1, self.w_pub.copy())
+
+
+def held_version(named: int, last_sent: int) -> int:
+    """The version a PULL's worker holds, as far as the group server can trust it: the
+    ``since`` it names only if that is the version of the last WEIGHTS sent on the same
+    connection (docs/protocol.md, section 3); else -1, and the answer is dense. A reconnect,
+    a worker moved from another group or a client that keeps no copy thus get the whole
+    weights, and a wrong ``since`` can never make a copy drift."""
+    return named if named == last_sent else -1
 
 
 def top_k(mag: np.ndarray, k: int) -> np.ndarray:

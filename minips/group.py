@@ -1,5 +1,9 @@
 """Group server: one group's model copy, SGD state and SSP clock table (numpy, asyncio, no torch).
 
+The rules live in ``group_core.GroupCore`` (no IO); ``GroupServer`` is their asyncio shell: it
+listens, runs one session per worker, holds a PULL until SSP allows it, exchanges with the
+global server in the background and expires silent workers.
+
 A group server accepts its workers' PULL / PUSH on its own port and applies their gradients to its
 copy of the weights with ``optim.SGD``. SSP inside the group: a PULL is answered only when
 ``ssp.ClockTable.may_start`` allows; BSP (staleness 0) averages the pushes of one clock
@@ -29,22 +33,21 @@ from typing import Any
 
 import numpy as np
 
-from minips import optim, protocol, sparse, ssp, transport, validation
-from minips.config import RunConfig, dataset_train_size
-from minips.downlink import Downlink
+from minips import protocol, sparse, transport, validation
+from minips.config import RunConfig
+from minips.downlink import held_version
 from minips.errors import AuthError, RemoteProtocolError
-from minips.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
-from minips.gdtopk import IterTimer
+from minips.exchange import ExchangeResult, GroupLink, Outgoing
+from minips.group_core import GroupCore
 from minips.metrics import JsonlWriter
-from minips.replica import exchange_ratio
 
 __all__ = ["ExchangeResult", "GroupLink", "GroupServer"]  # the first two: from exchange.py
 
 EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
 
 
-class GroupServer:
-    """State and message handling of one group; ``serve()`` puts it on a port.
+class GroupServer(GroupCore):
+    """One group's rules (``GroupCore``) on a port: sessions, waiting PULLs, exchanges, leases.
 
     Plain attributes hold the whole state (see ``state_dict``), so a checkpoint can save it.
     """
@@ -54,7 +57,6 @@ class GroupServer:
                  writer: JsonlWriter | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.writer = writer
-        self.now = clock
         self.channels: dict[int, Any] = {}  # worker id -> its open connection
         self._closed_bytes = {"bytes_in": 0, "bytes_out": 0}  # traffic of closed connections
         self._changed = asyncio.Event()  # set whenever a waiting PULL may have become answerable
@@ -64,64 +66,25 @@ class GroupServer:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.server: Any = None
         self.port = 0
-        self.finished = False  # final delta flushed
-        self.members: set[int] = set()  # worker ids the global server assigned here
         self.open_membership = False  # any worker id may join (a `minips group` process)
         self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
-        self.iters = IterTimer()  # time between a worker's pushes, for GDTopK (gdtopk.py)
-        self.group, self.run = group, run
-        if weights is not None and link is not None:
-            self.setup(group, run, weights, link, members or [])
+        super().__init__(group, run, weights, link, members=members, clock=clock)
 
     def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
               members: list[int]) -> None:
-        """The training state: weights, optimizer, clocks (a `minips group` gets it late)."""
-        self.group, self.run, self.link = group, run, link
-        self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
-        self.xchg = Exchange(self.weights, ratio=exchange_ratio(run))  # delta, seq, counters
-        self.xchg_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}  # exchanges so far
-        self.opt = optim.SGD(self.weights.size, lr=run.lr, momentum=run.momentum,
-                             weight_decay=run.weight_decay)
-        # samples per epoch, for the lr warm-up and schedule (looked up only when one is on)
-        self.train_size = (dataset_train_size(run.dataset, run.train_size)
-                           if run.lr_warmup > 0 or run.lr_schedule != "constant" else 0)
-        self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
-        self.rounds: ssp.Rounds[Any] = ssp.Rounds()
-        self.version = 0  # updates applied to self.weights
-        self.unapplied = 0  # samples pushed, not applied yet (a BSP round still open)
-        self.global_version = 0  # global version seen at the last exchange
-        self.counters = {"pushes": 0, "samples": 0}
-        self.done = False  # budget spent; answer every PULL with done
-        self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
-        down = run.downlink_ratio()  # PULL answers: sparse updates of w_pub, or dense weights
-        self.downlink = Downlink(self.weights, down) if down < 1 else None
-        self._joined: set[int] = set()
-        for w in members:
-            self.expect(w)
+        """The training state (``GroupCore.setup``); a `minips group` gets it late."""
+        super().setup(group, run, weights, link, members)
         self.ready.set()
 
-    # -- membership -----------------------------------------------------------------------
+    # -- hooks of the core ------------------------------------------------------------------
 
-    def expect(self, w: int) -> None:
-        """Count worker ``w`` in the group before it connects (so BSP rounds wait for it)."""
-        self.members.add(w)
-        self.table.join(w, self.now(), 0)
-
-    def _join(self, w: int) -> int:
-        self._joined.add(w)
-        self.finished = False  # a (re)grouped worker arrived: a final flush is due again
-        return self.table.join(w, self.now())
-
-    def _leave(self, w: int) -> None:
-        self.table.leave(w)
-        self._after_membership_change()
-
-    def _after_membership_change(self) -> None:
-        if self.run.staleness_bound == 0:
-            self._apply_rounds()
+    def wake(self) -> None:
         self._changed.set()
-        if not len(self.table) and self._joined and not self.finished:
-            self._spawn(self.flush(final=True))
+
+    def all_left(self) -> None:
+        self._spawn(self.flush(final=True))
+
+    # -- membership -----------------------------------------------------------------------
 
     async def _expire_loop(self) -> None:
         """Every EXPIRE_PERIOD_S: renew each worker's lease as of the last bytes its connection
@@ -141,64 +104,6 @@ class GroupServer:
                 self.log("expired", workers=list(expired))
                 self._after_membership_change()
 
-    # -- gradients --------------------------------------------------------------------------
-
-    def on_push(self, w: int, msg: Any) -> Any:
-        """Decode, account and apply (or queue, in BSP) one worker push; return the ACK."""
-        grad = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, self.weights.size)
-        self.table.push(w, msg.clock, self.now())
-        self.iters.push(w, self.now())
-        self._count(msg)
-        if self.run.staleness_bound == 0:
-            self.rounds.add(msg.clock, (grad, msg.samples))
-            self._apply_rounds()
-        else:
-            self._apply(grad, msg.samples, len(self.table))
-        self._changed.set()
-        if self.xchg.since["pushes"] >= self.run.sync_every:
-            self.start_exchange()
-        return protocol.Ack(clock=msg.clock, version=self.version)
-
-    def _count(self, msg: Any) -> None:
-        self.xchg.count(msg.samples, msg.step_time, msg.loss)
-        self.counters["pushes"] += 1
-        self.counters["samples"] += msg.samples
-        self.unapplied += msg.samples
-
-    def _apply_rounds(self) -> None:
-        """Apply each complete BSP round once: the mean of its gradients, one SGD step."""
-        for _, pushes in self.rounds.pop_complete(self.table.min_clock()):
-            grads = [g for g, _ in pushes]
-            self._apply(sparse.average(grads, self.weights.size), sum(n for _, n in pushes))
-
-    def _apply(self, grad: Any, samples: int, share: int = 1) -> None:
-        """One SGD step on ``samples`` samples; ``share`` > 1 applies 1/share of it (one push
-        of a round of share)."""
-        self.opt.lr = self.run.lr * self._lr_factor(samples) / max(1, share)
-        self.opt.step(self.weights, grad)
-        self.version += 1
-        self.unapplied -= samples
-
-    def _lr_factor(self, samples: int) -> float:
-        """The warm-up and decay for an update of ``samples`` (``optim.lr_factor``), at the
-        run's samples before it: all pushes counted (exchange.py) less those not applied yet.
-        A group that is the whole cluster (bsp, ssp, asp) knows that count exactly, so BSP is
-        synchronous SGD step for step (``reference.train``). A GSSP group knows the others'
-        samples as of its last exchange, and warms up on its own samples over its share of
-        the cluster (its live workers out of all workers)."""
-        if not self.train_size:
-            return 1.0
-        ramp = self.run.lr_warmup * self.train_size
-        budget = self.run.epochs * self.train_size
-        seen = self.xchg.cluster_samples() - self.unapplied
-        if self.run.fixed_groups == 1:
-            return optim.lr_factor(self.run.lr_schedule, seen=seen, step=samples, ramp=ramp,
-                                   budget=budget)
-        share = max(1, len(self.table)) / max(1, self.run.workers)
-        own = self.counters["samples"] - self.unapplied
-        return (optim.warmup_factor((own + samples) / share, ramp)
-                * optim.decay_at(self.run.lr_schedule, seen, budget))
-
     # -- weights ----------------------------------------------------------------------------
 
     async def answer_pull(self, w: int, since: int = -1) -> Any:
@@ -211,9 +116,6 @@ class GroupServer:
             await self._changed.wait()
         await self._publish()
         return self.weights_message(w, waited, since)
-
-    def _may_answer(self, w: int) -> bool:
-        return self.done or w not in self.table or self.table.may_start(w)
 
     async def _publish(self) -> None:
         """With a compressed downlink: publish the weights' largest changes once for all the
@@ -231,26 +133,12 @@ class GroupServer:
     def _publish_now(self, done: asyncio.Future[None]) -> None:
         self._publishing = None
         assert self.downlink is not None
-        self.downlink.publish(self.weights)
-        done.set_result(None)
-
-    def weights_message(self, w: int | None, waited_for: list[int], since: int = -1) -> Any:
-        """WEIGHTS for worker ``w`` holding version ``since``: the weights themselves (dense
-        downlink; version = updates applied), or, with a compressed downlink, the update from
-        ``since`` to the last publish (``_publish``, ``downlink.py``)."""
-        payload: sparse.SparseGrad | np.ndarray = self.weights
-        version, base = self.version, -1
-        if self.downlink is not None:
-            answer = self.downlink.answer(since)
-            version, base, payload = answer.version, answer.since, answer.payload
-        encoding, codec, buffers = sparse.encode_gradient(payload)
-        info = {"group": self.group, "waited_for": waited_for, "ratio": self.ratio,
-                "lead": self.table.lead(w) if w in self.table else 0,
-                "min_clock": self.table.min_clock()}
-        if self.downlink is not None:  # how far the weights sent are from the group's
-            info["drift"] = round(self.downlink.last_drift, 6)
-        return protocol.Weights(version=version, since=base, encoding=encoding, codec=codec,
-                                buffers=tuple(buffers), done=self.done, info=info)
+        try:
+            self.publish()
+        except Exception as exc:  # the PULLs waiting for it fail (their sessions end), not hang
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
 
     # -- exchange with the global server -------------------------------------------------------
 
@@ -286,24 +174,6 @@ class GroupServer:
         if res.done and not self.done:
             self.finish()
         return True
-
-    def _extra(self, final: bool) -> dict[str, Any]:
-        """Counters an exchange carries besides the pushes since the last one."""
-        return {"version": self.version, "final": final, **self.traffic(),
-                "iter_time": self.iters.take(),
-                "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
-
-    def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:
-        """Reconnected to a (restarted) global server that holds this group's exchanges up to
-        seq ``held``: take its weights, keep what this group applied since its last exchange
-        and what the server lost of its exchanges on top (sent with the next exchange), keep
-        clocks and optimizer state."""
-        w = np.asarray(weights, dtype=np.float32)
-        self.weights, replay = self.xchg.rebase(self.weights, w, held)
-        self.link = link
-        if held is not None:
-            self.log("resync", held_seq=held, seq=self.xchg.seq,
-                     replay_samples=-1 if replay is None else replay.samples)
 
     async def flush(self, final: bool = False) -> None:
         """Wait for the exchange in flight, then send what is left (``final``: the last one)."""
@@ -373,14 +243,14 @@ class GroupServer:
         WEIGHTS it pulled went out (SSP holds it like any other worker)."""
         await ch.send(protocol.Ack(clock=start, version=self.version))
         pulled: int | None = None  # clock of the last PULL: a PUSH must follow one
-        sent = -1  # version of the last WEIGHTS on this connection: the only `since` honoured
+        sent = -1  # version of the last WEIGHTS on this connection (downlink.held_version)
         while True:
             # one message per turn: a worker with many queued (a flood) takes turns with the rest
             await asyncio.sleep(0)
             msg = await ch.recv()
             if isinstance(msg, protocol.Pull):
                 pulled = msg.clock
-                sent = await self._send_pull(ch, w, msg.since if msg.since == sent else -1)
+                sent = await self._send_pull(ch, w, held_version(msg.since, sent))
             elif isinstance(msg, protocol.Push):
                 validation.check_push_order(pulled, msg.clock)
                 pulled = None
@@ -451,28 +321,6 @@ class GroupServer:
                                **fields, "version": self.version, **self.counters,
                                **self.traffic()})
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint needs to rebuild this group server."""
-        return {"group": self.group, "weights": self.weights.copy(),
-                "w_sync": self.xchg.w_sync.copy(),
-                "opt": self.opt.state_dict(), "clocks": dict(self.table.clocks),
-                "version": self.version, "global_version": self.global_version,
-                "counters": dict(self.counters), "ratio": self.ratio,
-                "exchange": self.xchg.state_dict(), "xchg_bytes": dict(self.xchg_bytes)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take back what ``state_dict`` gave (checkpoint resume). The saved workers count as
-        live again, each at its saved clock; one that does not come back expires by lease."""
-        self.weights[:] = np.asarray(state["weights"], dtype=np.float32)
-        saved = state.get("exchange", {"session": self.xchg.session, "seq": 0})  # older files
-        self.xchg.load_state_dict(saved, state["w_sync"])
-        self.opt.load_state_dict(state["opt"])
-        self.table.restore({int(w): int(c) for w, c in state["clocks"].items()}, self.now())
-        self.version, self.global_version = state["version"], state["global_version"]
-        self.counters = {k: int(state["counters"].get(k, 0)) for k in ("pushes", "samples")}
-        self.ratio = state["ratio"]
-        self.xchg_bytes = {k: int(state.get("xchg_bytes", {}).get(k, 0))  # 0 in older files
-                           for k in ("bytes_to_global", "bytes_from_global")}
 
 
 def _entries(d: Any) -> int:

@@ -21,14 +21,12 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from minips import protocol
 
 if TYPE_CHECKING:
     from minips.server import GlobalServer
 
-__all__ = ["budget_left", "every_group_final", "delta_is_finite", "fail", "REJOIN_POLL_S"]
+__all__ = ["budget_left", "every_group_final", "fail", "REJOIN_POLL_S"]
 
 log = logging.getLogger("minips.server")
 
@@ -74,15 +72,6 @@ async def _wait_for_workers(srv: GlobalServer, left: str) -> None:
     if not srv.done:
         srv.log("workers_back")
         log.warning("workers are back; training goes on")
-
-
-def delta_is_finite(srv: GlobalServer, g: int, delta: np.ndarray) -> bool:
-    """False (and the run failed) when group ``g``'s delta holds NaN or inf."""
-    if np.isfinite(np.sum(delta, dtype=np.float64)):  # any NaN / inf makes the sum one
-        return True
-    fail(srv, "diverged", f"group {g} sent a non-finite update (NaN or inf) at merge "
-         f"{srv.version}: the model diverged; try a lower --lr")
-    return False
 
 
 def fail(srv: GlobalServer, code: str, reason: str) -> None:

@@ -2,8 +2,9 @@
 
 Split by concept: ``roster.py`` (who is in which group, ratios; sans-IO), ``client_sessions.py``
 (worker control and evaluator sessions), ``group_sessions.py`` (external group processes),
-``server_checkpoint.py`` (snapshot and resume). This module holds the state they share, the
-lifecycle, the grouping I/O and ``merge``.
+``server_checkpoint.py`` (snapshot and resume), and ``global_core.py``: the rules without IO
+(the weights, ``merge``, the budget, GDTopK's ratios), of which ``GlobalServer`` is the asyncio
+shell. This module holds the lifecycle, admission, the grouping I/O and the hooks' IO.
 
 One asyncio process. Clients connect with role ``worker`` (control channel: STATS, HEARTBEAT,
 LEAVE; learns its group from ASSIGN), ``group`` (a separate `minips group` process: PUSH its
@@ -47,51 +48,39 @@ from minips import (
     protocol,
     run_end,
     server_checkpoint,
-    sparse,
     transport,
     validation,
 )
 from minips.config import (
     ServerConfig,
     check_bind,
-    dataset_train_size,
     format_address,
     server_ssl,
 )
 from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import Delta, ExchangeResult, push_message, wire_size
+from minips.global_core import GlobalCore
 from minips.group import GroupServer
 from minips.metrics import RunDir
-from minips.replica import Replica, exchange_ratio
-from minips.roster import GroupHandle, Roster, WorkerEntry
+from minips.roster import GroupHandle, WorkerEntry
 
 __all__ = ["GlobalServer", "GroupHandle", "InProcLink", "WorkerEntry"]
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 
 
-class GlobalServer:
-    """The global server's state and message handling (``start`` / ``wait_finished``)."""
+class GlobalServer(GlobalCore):
+    """The global server's rules (``GlobalCore``) on a port: sessions, grouping, budgets,
+    checkpoints (``start`` / ``wait_finished``)."""
 
     def __init__(self, cfg: ServerConfig, weights: np.ndarray | None = None) -> None:
         self.cfg = cfg
-        self.run = cfg.run
-        if not self.run.t0:
-            self.run.t0 = time.time()
-        self.weights = None if weights is None else np.array(weights, dtype=np.float32)
-        self.version = 0  # merges applied to self.weights
-        self.samples = 0  # training samples all groups reported
-        self.roster = Roster(self.run, regroup=not cfg.external_groups)
-        self.workers = self.roster.workers  # worker id -> WorkerEntry
-        self.groups = self.roster.groups  # group id -> GroupHandle
-        self.replicas: dict[int, Replica] = {}  # group id -> what it holds of the weights
+        if not cfg.run.t0:
+            cfg.run.t0 = time.time()
+        super().__init__(cfg.run, weights, regroup=not cfg.external_groups,
+                         clock=time.monotonic, wall=time.time)
         self.pending_groups: list[Any] = []  # channels of external group servers not yet used
-        self.done = False
-        self.done_reason = ""
-        self.failure = ""  # why the run ended short or broken ("" = it did not; run_end.py)
         self.rejoin: asyncio.Task[Any] | None = None  # waiting for every worker to come back
-        self.train_size = dataset_train_size(self.run.dataset, self.run.train_size)
-        self.started_training = 0.0  # time.time() when the groups were formed
         self.finished = asyncio.Event()
         self.evaluated_final = asyncio.Event()
         self.weights_ready = asyncio.Event()
@@ -283,16 +272,9 @@ class GlobalServer:
             with contextlib.suppress(ConnectionError):
                 await entry.ch.send(self.assign_msg(self.groups[g]))
 
-    def _update_ratios(self) -> None:
-        """GDTopK: when the ratio policy (roster.update_ratios, gdtopk.py) gives new ratios, log
-        them, hand each to its group server (in-process: its attribute; a `minips group`: a new
-        ASSIGN) and send every worker of those groups a new ASSIGN carrying its ratio."""
-        new = self.roster.update_ratios(time.monotonic())
-        if not new:
-            return
-        policy = self.roster.policy
-        self.log("ratios", ratios={str(g): r for g, r in new.items()},
-                 iter_time={str(g): policy.times.get(g) for g in new} if policy else {})
+    def on_ratios(self, new: dict[int, float]) -> None:
+        """Hand each new ratio to its group server (in-process: its attribute; a `minips group`:
+        a new ASSIGN) and send every worker of those groups a new ASSIGN carrying its ratio."""
         for g in new:
             h = self.groups[g]
             if h.server is not None:
@@ -303,78 +285,18 @@ class GlobalServer:
             if entry.group in new:
                 self.spawn(self.assign(entry, entry.group))
 
-    def _observe_iter_time(self, g: int, stats: dict[str, Any]) -> None:
-        """An exchange's measured iteration time (``iter_time``) feeds the GDTopK policy."""
-        if self.roster.policy is not None:
-            self.roster.observe_iter_time(g, stats.get("iter_time"), time.monotonic())
-            self._update_ratios()
+    def on_all_final(self) -> None:
+        run_end.every_group_final(self)
 
-    # -- merging -----------------------------------------------------------------------------
-
-    def merge(self, g: int, delta: Delta, stats: dict[str, Any]) -> ExchangeResult:
-        """Add group ``g``'s delta (dense or sparse) to the global weights; answer with what
-        the group's copy of them lacks (``replica.py``: dense weights, or entries to set). An
-        exchange that repeats the group's last (session, seq) (its reply was lost) is answered
-        without merging again (with what the lost reply set, again)."""
-        assert self.weights is not None
-        h = self.groups[g]
-        key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
-        repeat = key[1] >= 0 and key == h.last_exchange
-        if repeat:
-            self.log("merge_repeat", group=g, seq=key[1])
-        else:
-            h.last_exchange = key
-            self._add_delta(g, delta, stats)
-        reply = self.replica(g).answer(self.weights, repeat)
-        return ExchangeResult(reply, self.version, self.done, self.samples)
-
-    def replica(self, g: int) -> Replica:
-        """The global server's copy of what group ``g`` holds of the global weights."""
-        assert self.weights is not None
-        if g not in self.replicas:
-            self.replicas[g] = Replica(self.weights.size, exchange_ratio(self.run))
-        return self.replicas[g]
-
-    def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any]) -> None:
-        """Merge one new exchange of group ``g``: weights, counters, its log line, the budget."""
-        assert self.weights is not None
-        h = self.groups[g]
-        values = delta.values if isinstance(delta, sparse.SparseGrad) else delta
-        if not run_end.delta_is_finite(self, g, values):
-            return  # not applied: the run fails (diverged)
-        mean = self.run.merge == "mean" and len(self.groups) > 1
-        scale = 1.0 / len(self.groups) if mean else 1.0
-        sparse.scatter_add(self.weights, delta, scale)
-        self.version += 1
-        self.samples += int(stats.get("samples", 0))
-        h.merges += 1
-        h.final = bool(stats.get("final"))  # a non-final merge after a final one: it is back
-        h.traffic = {k: int(stats.get(k, 0)) for k in ("bytes_in", "bytes_out")}
-        self._observe_iter_time(g, stats)
-        self.log("merge", group=g, group_samples=stats.get("samples", 0),
-                  **{k: v for k, v in stats.items() if k not in ("version", "samples")})
-        self.check_budget()
-
-    def check_budget(self) -> None:
-        if self.run.epochs > 0 and self.samples >= self.run.epochs * self.train_size:
-            self.finish("epochs")
-        if self.groups and all(h.final for h in self.groups.values()):
-            run_end.every_group_final(self)  # the end, or a wait for the workers to rejoin
-
-    def trained_s(self) -> float:
-        """Seconds since the groups were formed (the wall budget's clock)."""
-        return time.time() - self.started_training if self.started_training else 0.0
+    def on_diverged(self, reason: str) -> None:
+        run_end.fail(self, "diverged", reason)
 
     async def _wall_budget(self) -> None:
         await asyncio.sleep(max(0.0, self.run.wall_s - self.trained_s()))
         self.finish("wall time")
 
-    def finish(self, reason: str) -> None:
+    def on_done(self) -> None:
         """Budget spent: tell groups and workers, then wait (bounded) for the final deltas."""
-        if self.done:
-            return
-        self.done, self.done_reason = True, reason
-        self.log("done", reason=reason)
         for h in self.groups.values():
             if h.server is not None:
                 h.server.finish()
@@ -393,29 +315,7 @@ class GlobalServer:
                 await asyncio.wait_for(self.finished.wait(), FINAL_FLUSH_S)
         self.finished.set()
 
-    # -- weights and traffic for the other roles-----------------------------------------------
-
-    def weights_message(self, weights: Delta | None = None, final: bool = False,
-                        members: list[int] | None = None) -> Any:
-        """WEIGHTS with the global weights (or an exchange's sparse answer: entries to set)
-        and the run's counters in ``info``."""
-        w = self.weights if weights is None else weights
-        w = w if w is not None else np.zeros(0, np.float32)
-        encoding, codec, buffers = sparse.encode_gradient(w)
-        info = {"samples": self.samples, "version": self.version, "t": time.time() - self.run.t0,
-                "size": int(w.size), "members": members or [],
-                "train_s": self.trained_s(),
-                "done_reason": self.done_reason, **self.traffic()}
-        return protocol.Weights(version=self.version, encoding=encoding, codec=codec,
-                                buffers=tuple(buffers), done=final or self.done, info=info)
-
-    def traffic(self) -> dict[str, int]:
-        """Worker <-> group bytes so far (external groups: as of their last exchange)."""
-        up = down = 0
-        for h in self.groups.values():
-            b = h.server.traffic() if h.server is not None else h.traffic
-            up, down = up + b.get("bytes_in", 0), down + b.get("bytes_out", 0)
-        return {"bytes_up": up, "bytes_down": down}
+    # -- traffic, evaluator ------------------------------------------------------------------
 
     def _has_evaluator(self) -> bool:
         return self.server is not None and any(

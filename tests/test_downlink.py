@@ -286,6 +286,24 @@ async def test_pulls_answered_in_one_turn_share_one_publish() -> None:
     assert gs.downlink.pub == 2 and second.version == 2 and second.since == 1
 
 
+async def test_a_publish_that_fails_fails_the_pulls_waiting_for_it_and_no_later_one() -> None:
+    run = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.02, sync_every=1000)
+    gs = GroupServer(0, run, weights(), Global(weights()), members=[0, 1])
+    assert gs.downlink is not None
+    publish = gs.downlink.publish
+
+    def broken(w: np.ndarray) -> int:
+        raise MemoryError("no room for the residual")
+
+    gs.downlink.publish = broken  # type: ignore[method-assign,assignment]
+    got = await asyncio.wait_for(asyncio.gather(gs.answer_pull(0), gs.answer_pull(1),
+                                                return_exceptions=True), 5)
+    assert all(isinstance(e, MemoryError) for e in got)  # both told, neither left waiting
+    gs.downlink.publish = publish  # type: ignore[method-assign]
+    gs.weights[:3] += 1.0
+    assert (await asyncio.wait_for(gs.answer_pull(0), 5)).version == 1
+
+
 async def test_a_group_server_honours_only_the_version_it_sent_on_this_connection() -> None:
     """docs/protocol.md, section 3: an update answers only a PULL naming the version of the
     last WEIGHTS on the same connection; any other `since` gets the whole weights."""

@@ -1,0 +1,85 @@
+"""`minips simulate` flags: the run flags of `minips local` plus the simulation's models.
+
+Kept apart from cli.py, as cli_ray.py is: ``cli`` calls ``add_parser`` and ``command``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from minips.config import RunConfig, parse_slowdowns
+from minips.errors import ConfigError
+
+__all__ = ["add_parser", "command"]
+
+
+def _slowdowns(text: str) -> list[float]:
+    try:
+        return parse_slowdowns(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _at_least_zero(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The `simulate` sub-command with every option and its default."""
+    p = sub.add_parser("simulate", help="the cluster as a discrete-event simulation (seconds "
+                       "for thousands of workers)",
+                       description="The global server's and the group servers' own rules "
+                       "(global_core.py, group_core.py) driven by an event queue in simulated "
+                       "time: workers with compute times and links, gradients of a synthetic "
+                       "objective. Writes a run directory like `minips local`.")
+    add_run_flags(p)
+    p.add_argument("--slowdown", type=_slowdowns, help="factors F per worker: 1,1,2x2,4 (a "
+                   "step takes F x --base-step; the last repeats; default 1)")
+    p.add_argument("--jitter", type=_at_least_zero, default=0.0,
+                   help="relative spread of a step's compute time (default 0)")
+    p.add_argument("--link-mbit", type=_at_least_zero, default=0.0,
+                   help="each worker's link, mbit/s each way (default 0: no limit)")
+    p.add_argument("--latency-ms", type=_at_least_zero, default=0.0,
+                   help="one-way latency of each message, ms (default 0)")
+    p.add_argument("--xchg-latency-ms", type=_at_least_zero, default=0.0,
+                   help="delay of a group's exchange with the global server, ms (default 0)")
+    p.add_argument("--dim", type=int, default=1000,
+                   help="coordinates of the synthetic objective (default 1000)")
+    p.add_argument("--noise", type=_at_least_zero, default=1.0,
+                   help="gradient noise of one sample per coordinate (default 1)")
+    p.add_argument("--max-pushes", type=int, default=0,
+                   help="stop after this many pushes (default 0: the --epochs budget)")
+    p.add_argument("--out", default="runs", help="parent directory of the run directory")
+    p.add_argument("--name", help="run directory name (default: time-sim-mode-compressor)")
+
+
+def command(args: argparse.Namespace, run: RunConfig) -> int:
+    """Run the simulation; print its summary's headline as JSON."""
+    from minips.simulate import SimConfig, simulate
+
+    if args.dim < 1 or args.max_pushes < 0:
+        raise ConfigError(f"--dim {args.dim} / --max-pushes {args.max_pushes}: expected "
+                          "--dim >= 1 and --max-pushes >= 0")
+    slowdowns = args.slowdown or [1.0]
+    if args.workers is None and args.slowdown:
+        run.workers = len(slowdowns)
+    if run.dataset != "synthetic" and not run.train_size:
+        run.dataset = "synthetic"  # the objective is synthetic: so are its samples
+    cfg = SimConfig(run=run, slowdowns=slowdowns, jitter=args.jitter,
+                    rate=args.link_mbit * 1e6 / 8, latency_s=args.latency_ms / 1e3,
+                    xchg_latency_s=args.xchg_latency_ms / 1e3, dim=args.dim, noise=args.noise,
+                    max_pushes=args.max_pushes, eval_every_s=run.eval_every_s,
+                    out_dir=args.out, name=args.name or "")
+    summary = simulate(cfg)
+    keys = ("run_dir", "mode", "compressor", "workers", "groups", "pushes", "samples",
+            "sim_s", "real_s", "mean_staleness", "mean_wait_s", "bytes_total")
+    json.dump({k: summary.get(k) for k in keys}, sys.stdout)
+    print()
+    return 0
