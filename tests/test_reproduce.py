@@ -138,6 +138,10 @@ def test_table_shows_every_hop_and_a_dash_for_tables_made_before_them():
     import repro_table
 
     old = json.loads((ROOT / "results" / "quick" / "table.json").read_text())
+    for suite in old["suites"].values():  # as a table made before the group <-> global hops
+        for row in suite["rows"].values():
+            for hop in repro_table.GLOBAL_HOPS:
+                row.pop(hop, None)
     md = repro_table.table_markdown("quick", old)  # rows without the hop figures
     head = next(line for line in md.splitlines() if line.startswith("| experiment"))
     assert "| MB to global | MB from global | MB total |" in head
