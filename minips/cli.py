@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 from minips import cli_checks as checks
 from minips import cli_ray, cli_simulate, lifeline
-from minips.cli_checks import at_least, finite, int_at_least
+from minips.cli_checks import at_least, finite, int_at_least, slowdown_factors
 from minips.config import (
     PRESETS,
     FieldError,
@@ -31,7 +31,6 @@ from minips.config import (
     ServerConfig,
     WorkerConfig,
     parse_address,
-    parse_slowdowns,
 )
 from minips.errors import ConfigError, MiniPSError
 from minips.links import SHAPINGS
@@ -118,13 +117,6 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     return run
 
 
-def _slowdowns(text: str) -> list[float]:
-    try:
-        return parse_slowdowns(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _key_value(text: str) -> tuple[str, Any]:
     """'k=v' -> (k, v) with v parsed as JSON when it parses (numbers, booleans), else text."""
     key, sep, value = text.partition("=")
@@ -153,7 +145,7 @@ def _add_local(sub: Any) -> None:
     """`minips local`: a whole cluster on this machine."""
     loc = sub.add_parser("local", help="a whole cluster on this machine")
     _add_run_flags(loc)
-    loc.add_argument("--slowdown", type=_slowdowns, help="factors F per worker: 1,1,2x2,4")
+    loc.add_argument("--slowdown", type=slowdown_factors, help="factors F per worker: 1,1,2x2,4")
     loc.add_argument("--link", metavar="PROFILE",
                      help="the workers' links: 10mbit, 10mbit/40mbit (up/down), "
                           "100,50,10mbit (per worker, last repeats), +5ms latency, or a file "

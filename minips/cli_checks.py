@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from minips.config import RunConfig, client_ssl, parse_address, server_ssl
+from minips.config import RunConfig, client_ssl, parse_address, parse_slowdowns, server_ssl
 from minips.data import DATASET_NAMES
 from minips.errors import ConfigError
 from minips.links import parse_profile
@@ -86,6 +86,14 @@ def int_at_least(low: int) -> Callable[[str], int]:
                                              f">= {low}")
         return value
     return check
+
+
+def slowdown_factors(text: str) -> list[float]:
+    """Type of --slowdown: factors per worker, 1,1,2x2,4 (``config.parse_slowdowns``)."""
+    try:
+        return parse_slowdowns(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def port(text: str) -> int:

@@ -11,24 +11,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from minips.config import RunConfig, parse_slowdowns
+from minips.cli_checks import at_least, slowdown_factors
+from minips.config import RunConfig
 from minips.errors import ConfigError
 
 __all__ = ["add_parser", "command"]
-
-
-def _slowdowns(text: str) -> list[float]:
-    try:
-        return parse_slowdowns(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _at_least_zero(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
 
 
 def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -40,19 +27,19 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
                        "time: workers with compute times and links, gradients of a synthetic "
                        "objective. Writes a run directory like `minips local`.")
     add_run_flags(p)
-    p.add_argument("--slowdown", type=_slowdowns, help="factors F per worker: 1,1,2x2,4 (a "
+    p.add_argument("--slowdown", type=slowdown_factors, help="factors F per worker: 1,1,2x2,4 (a "
                    "step takes F x --base-step; the last repeats; default 1)")
-    p.add_argument("--jitter", type=_at_least_zero, default=0.0,
+    p.add_argument("--jitter", type=at_least(0), default=0.0,
                    help="relative spread of a step's compute time (default 0)")
-    p.add_argument("--link-mbit", type=_at_least_zero, default=0.0,
+    p.add_argument("--link-mbit", type=at_least(0), default=0.0,
                    help="each worker's link, mbit/s each way (default 0: no limit)")
-    p.add_argument("--latency-ms", type=_at_least_zero, default=0.0,
+    p.add_argument("--latency-ms", type=at_least(0), default=0.0,
                    help="one-way latency of each message, ms (default 0)")
-    p.add_argument("--xchg-latency-ms", type=_at_least_zero, default=0.0,
+    p.add_argument("--xchg-latency-ms", type=at_least(0), default=0.0,
                    help="delay of a group's exchange with the global server, ms (default 0)")
     p.add_argument("--dim", type=int, default=1000,
                    help="coordinates of the synthetic objective (default 1000)")
-    p.add_argument("--noise", type=_at_least_zero, default=1.0,
+    p.add_argument("--noise", type=at_least(0), default=1.0,
                    help="gradient noise of one sample per coordinate (default 1)")
     p.add_argument("--max-pushes", type=int, default=0,
                    help="stop after this many pushes (default 0: the --epochs budget)")

@@ -133,8 +133,8 @@ class Downlink:
         behind = self.pub - since
         if since < 0 or behind < 0 or behind > len(self.log):
             since = -1
-        made = self._made.get(since)
-        if made is None or made.version != self.pub:
+        made = self._made.get(since)  # emptied by every publish
+        if made is None:
             made = self._made[since] = self._answer(since, behind)
         self.answers["dense" if made.since < 0 else "update"] += 1
         return made

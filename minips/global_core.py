@@ -28,7 +28,7 @@ import numpy as np
 
 from minips import protocol, sparse
 from minips.config import RunConfig, dataset_train_size
-from minips.exchange import Delta, ExchangeResult
+from minips.exchange import Delta, ExchangeResult, push_message, wire_size
 from minips.replica import Replica, exchange_ratio
 from minips.roster import Roster
 
@@ -92,6 +92,14 @@ class GlobalCore:
             self._add_delta(g, delta, stats)
         reply = self.replica(g).answer(self.weights, repeat)
         return ExchangeResult(reply, self.version, self.done, self.samples)
+
+    def merge_counted(self, g: int, delta: Delta, stats: dict[str, Any]) -> ExchangeResult:
+        """``merge`` for a group in this process (or a simulated one): its bytes are those of
+        the PUSH and WEIGHTS a `minips group` process would exchange instead."""
+        res = self.merge(g, delta, stats)
+        res.bytes_up = wire_size(push_message(delta, stats))
+        res.bytes_down = wire_size(self.weights_message(res.weights))
+        return res
 
     def replica(self, g: int) -> Replica:
         """The global server's copy of what group ``g`` holds of the global weights."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from minips import protocol, sparse, transport, validation
+from minips import protocol, transport, validation
 from minips.config import RunConfig
 from minips.downlink import held_version
 from minips.errors import AuthError, RemoteProtocolError
@@ -110,7 +110,7 @@ class GroupServer(GroupCore):
         """Wait until ``w`` may start its next step (or the run is done); return WEIGHTS for a
         worker that holds the published weights of version ``since`` (-1: none)."""
         waited: list[int] = []
-        while not self._may_answer(w):
+        while not self.may_answer(w):
             waited = waited or [int(v) for v in self.table.waiting_for(w)]  # type: ignore[call-overload]
             self._changed.clear()
             await self._changed.wait()
@@ -151,7 +151,7 @@ class GroupServer(GroupCore):
         """Send a lost exchange again first (same seq), then the delta since the last one."""
         pending = self.xchg.pending
         if pending is None or await self._send(pending):
-            out = self.xchg.begin(self.weights, self._extra(final), dense=final or self.done)
+            out = self.begin_exchange(final)
             if await self._send(out):
                 return
         self.finished = self.finished and not final  # the global server is away: retry later
@@ -163,15 +163,7 @@ class GroupServer(GroupCore):
             res = await self.link.exchange(self.group, self.xchg.delta(out), out.stats)
         except ConnectionError:
             return False
-        self.xchg.complete(self.weights, out, res)
-        self.global_version = res.version
-        self.xchg_bytes["bytes_to_global"] += res.bytes_up
-        self.xchg_bytes["bytes_from_global"] += res.bytes_down
-        self.log("exchange", exchange_s=self.now() - t, global_version=res.version,
-                 seq=out.stats["seq"], min_clock=out.stats["min_clock"],
-                 max_clock=out.stats["max_clock"], sent=_entries(out.delta),
-                 got=_entries(res.weights), **self.xchg_bytes)
-        if res.done and not self.done:
+        if self.exchanged(out, res, self.now() - t):
             self.finish()
         return True
 
@@ -270,7 +262,7 @@ class GroupServer(GroupCore):
         """Answer a PULL once SSP allows; give up as soon as the connection closes meanwhile
         (the worker then leaves the group at once, not when its lease runs out). Returns the
         version the answer brought the worker to."""
-        if self._may_answer(w):  # the common case: no wait, no tasks
+        if self.may_answer(w):  # the common case: no wait, no tasks
             await self._publish()
             reply = self.weights_message(w, [], since)
             with contextlib.suppress(ConnectionError):
@@ -320,9 +312,3 @@ class GroupServer(GroupCore):
             self.writer.write({"t": time.time() - self.run.t0, "event": event, "group": self.group,
                                **fields, "version": self.version, **self.counters,
                                **self.traffic()})
-
-
-
-def _entries(d: Any) -> int:
-    """How many entries an exchange or its reply carried (dense: all)."""
-    return int(d.nnz if isinstance(d, sparse.SparseGrad) else d.size)

@@ -25,7 +25,7 @@ import numpy as np
 from minips import optim, protocol, sparse, ssp
 from minips.config import RunConfig, dataset_train_size
 from minips.downlink import Downlink
-from minips.exchange import Exchange, GroupLink
+from minips.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
 from minips.gdtopk import IterTimer
 from minips.replica import exchange_ratio
 
@@ -155,7 +155,7 @@ class GroupCore:
 
     # -- weights ----------------------------------------------------------------------------
 
-    def _may_answer(self, w: int) -> bool:
+    def may_answer(self, w: int) -> bool:
         return self.done or w not in self.table or self.table.may_start(w)
 
     def publish(self) -> None:
@@ -184,11 +184,26 @@ class GroupCore:
 
     # -- exchange and checkpoint ---------------------------------------------------------
 
-    def _extra(self, final: bool) -> dict[str, Any]:
-        """Counters an exchange carries besides the pushes since the last one."""
-        return {"version": self.version, "final": final, **self.traffic(),
-                "iter_time": self.iters.take(),
-                "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
+    def begin_exchange(self, final: bool = False) -> Outgoing:
+        """The next exchange: the delta since the last one and the group's counters (dense
+        for a flush, ``final`` or after ``done``)."""
+        extra = {"version": self.version, "final": final, **self.traffic(),
+                 "iter_time": self.iters.take(),
+                 "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
+        return self.xchg.begin(self.weights, extra, dense=final or self.done)
+
+    def exchanged(self, out: Outgoing, res: ExchangeResult, seconds: float) -> bool:
+        """The global server's answer ``res`` to ``out`` (after ``seconds``): take it, count its
+        bytes, log it. True when it says the budget is spent and this group did not know yet."""
+        self.xchg.complete(self.weights, out, res)
+        self.global_version = res.version
+        self.xchg_bytes["bytes_to_global"] += res.bytes_up
+        self.xchg_bytes["bytes_from_global"] += res.bytes_down
+        self.log("exchange", exchange_s=seconds, global_version=res.version,
+                 seq=out.stats["seq"], min_clock=out.stats["min_clock"],
+                 max_clock=out.stats["max_clock"], sent=_entries(out.delta),
+                 got=_entries(res.weights), **self.xchg_bytes)
+        return bool(res.done) and not self.done
 
     def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:
         """Reconnected to a (restarted) global server that holds this group's exchanges up to
@@ -242,3 +257,8 @@ class GroupCore:
 
     def log(self, event: str, **fields: Any) -> None:
         """One line of the group's record (``event``, ``fields``)."""
+
+
+def _entries(d: Any) -> int:
+    """How many entries an exchange or its reply carried (dense: all)."""
+    return int(d.nnz if isinstance(d, sparse.SparseGrad) else d.size)

@@ -58,7 +58,7 @@ from minips.config import (
     server_ssl,
 )
 from minips.errors import AuthError, RemoteProtocolError
-from minips.exchange import Delta, ExchangeResult, push_message, wire_size
+from minips.exchange import Delta, ExchangeResult
 from minips.global_core import GlobalCore
 from minips.group import GroupServer
 from minips.metrics import RunDir
@@ -365,10 +365,7 @@ class InProcLink:
 
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
-        res = self.server.merge(group, delta, stats)
-        res.bytes_up = wire_size(push_message(delta, stats))
-        res.bytes_down = wire_size(self.server.weights_message(res.weights))
-        return res
+        return self.server.merge_counted(group, delta, stats)
 
 
 def _staleness(run: Any) -> int:

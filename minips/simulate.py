@@ -43,7 +43,7 @@ import numpy as np
 from minips import metrics, protocol, sparse
 from minips.config import RunConfig
 from minips.downlink import apply_weights
-from minips.exchange import push_message, wire_size
+from minips.exchange import wire_size
 from minips.global_core import GlobalCore
 from minips.group_core import GroupCore
 from minips.roster import GroupHandle
@@ -126,6 +126,10 @@ class SimGlobal(GlobalCore):
         self.writer = sim.rundir.writer("global")
         super().__init__(sim.run, weights, regroup=False, clock=lambda: sim.t,
                          wall=lambda: sim.run.t0 + sim.t)
+
+    def on_ratios(self, new: dict[int, float]) -> None:
+        for g in new:  # as the global server hands them to its in-process groups
+            self.sim.groups[g].ratio = self.groups[g].ratio
 
     def on_done(self) -> None:
         for core in self.sim.groups.values():
@@ -212,7 +216,7 @@ class Simulation:
     def pull_arrives(self, w: int) -> None:
         core = self.groups[self.group_of[w]]
         core.bytes["bytes_in"] += SMALL
-        if core._may_answer(w):
+        if core.may_answer(w):
             self.answer(core, w, [])
         else:
             core.pending.append((w, [int(v) for v in core.table.waiting_for(w)]))  # type: ignore[call-overload]
@@ -228,7 +232,7 @@ class Simulation:
         """Answer the held PULLs that SSP now allows (or all of them, when done)."""
         waiting, core.pending = core.pending, []
         for w, waited in waiting:
-            if core._may_answer(w):
+            if core.may_answer(w):
                 self.answer(core, w, waited)
             else:
                 core.pending.append((w, waited))
@@ -280,18 +284,9 @@ class Simulation:
     def exchange(self, g: int, final: bool = False) -> None:
         core = self.groups[g]
         core.in_flight = False
-        out = core.xchg.begin(core.weights, core._extra(final), dense=final or core.done)
-        delta = core.xchg.delta(out)
-        res = self.glob.merge(g, delta, out.stats)
-        res.bytes_up = wire_size(push_message(delta, out.stats))
-        res.bytes_down = wire_size(self.glob.weights_message(res.weights))
-        core.xchg.complete(core.weights, out, res)
-        core.global_version = res.version
-        core.xchg_bytes["bytes_to_global"] += res.bytes_up
-        core.xchg_bytes["bytes_from_global"] += res.bytes_down
-        core.ratio = self.glob.groups[g].ratio
-        core.log("exchange", global_version=res.version, seq=out.stats["seq"], **core.xchg_bytes)
-        if res.done and not core.done:
+        out = core.begin_exchange(final)
+        res = self.glob.merge_counted(g, core.xchg.delta(out), out.stats)
+        if core.exchanged(out, res, self.cfg.xchg_latency_s):
             core.done = True
             self.release(core)
 

@@ -41,7 +41,7 @@ def drive(core: GroupCore, rounds: int, seed: int) -> list[protocol.Weights]:
     answers = []
     for r in range(rounds):
         for w in (0, 1):
-            assert core._may_answer(w)
+            assert core.may_answer(w)
             core.publish()
             msg = core.weights_message(w, [], held[w])
             held[w] = msg.version
@@ -107,9 +107,9 @@ def test_the_cores_import_no_asyncio_socket_ssl_time_or_torch() -> None:
                     core.on_push(w, protocol.Push(clock=r + 1, samples=8, encoding=enc,
                                                   codec=codec, buffers=tuple(bufs)))
                 if core.run.sync.exchange_due(core.xchg.since["pushes"], run.sync_every):
-                    out = core.xchg.begin(core.weights, core._extra(False), dense=False)
-                    res = glob.merge(g, core.xchg.delta(out), out.stats)
-                    core.xchg.complete(core.weights, out, res)
+                    out = core.begin_exchange()
+                    res = glob.merge_counted(g, core.xchg.delta(out), out.stats)
+                    core.exchanged(out, res, 0.0)
         print(glob.version, glob.samples, float(glob.weights[0]))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
