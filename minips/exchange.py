@@ -48,9 +48,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import protocol, sparse
+from minips.compress.sparse_select import TopKSelector
 from minips.replica import top_entries
 from minips.sparse import SparseGrad
-from minips.sparse_select import TopKSelector
 from minips.unsaved import Tally, Unsaved
 
 __all__ = ["ExchangeResult", "GroupLink", "Outgoing", "Exchange", "Delta", "push_message",

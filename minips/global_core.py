@@ -58,7 +58,7 @@ class GlobalCore:
     # -- GDTopK ratios -----------------------------------------------------------------------
 
     def _update_ratios(self) -> None:
-        """GDTopK: when the ratio policy (roster.update_ratios, gdtopk.py) gives new ratios, log
+        """GDTopK: when the ratio policy (roster.update_ratios, ratios.py) gives new ratios, log
         them and hand them to ``on_ratios``."""
         new = self.roster.update_ratios(self.now())
         if not new:

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from minips import optim, protocol, sparse, ssp
+from minips.compress.ratios import IterTimer
 from minips.config import RunConfig, dataset_train_size
 from minips.downlink import Downlink
 from minips.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
-from minips.gdtopk import IterTimer
 from minips.replica import exchange_ratio
 
 __all__ = ["GroupCore"]
@@ -41,7 +41,7 @@ class GroupCore:
         self.now = clock
         self.finished = False  # final delta flushed
         self.members: set[int] = set()  # worker ids the global server assigned here
-        self.iters = IterTimer()  # time between a worker's pushes, for GDTopK (gdtopk.py)
+        self.iters = IterTimer()  # time between a worker's pushes, for GDTopK (compress/ratios.py)
         self.group, self.run = group, run
         if weights is not None and link is not None:
             self.setup(group, run, weights, link, members or [])

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from minips.compress.sparse_select import TopKSelector, kept_count
 from minips.sparse import SparseGrad
-from minips.sparse_select import TopKSelector, kept_count
 
 __all__ = ["DENSE_AT", "Replica", "exchange_ratio", "top_entries"]
 

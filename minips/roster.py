@@ -5,7 +5,7 @@ and GDTopK ratio (no asyncio, no sockets, no torch; time comes in as ``now``).
 ``admit``, forms the groups from ``first_assignment`` (``grouping.Regrouper``), asks
 ``maybe_regroup`` whether speeds drifted, moves workers with ``move``. GDTopK: ``first_ratios``
 sets the ratios the groups open with, every exchange's measured iteration time goes to
-``observe_iter_time``, and when ``update_ratios`` returns new ratios (``gdtopk.RatioPolicy``) the
+``observe_iter_time``, and when ``update_ratios`` returns new ratios (``RatioPolicy``) the
 server hands them to the group servers and sends the groups' workers a new ASSIGN.
 
 Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minips import gdtopk, grouping
+from minips import grouping
+from minips.compress.registry import ratio_policy
 from minips.config import RunConfig
 from minips.errors import AuthError
 
@@ -79,9 +80,8 @@ class Roster:
         self.regroup = regroup  # regroup when speeds drift (GSSP with in-process groups)
         self._regroup_at = -REGROUP_EVERY_S  # `now` of the last Regrouper update
         self._claimed: dict[int, float] = {}  # id -> `now` it was given to a handshake
-        self.policy = (gdtopk.RatioPolicy(run.ratio, direction=run.gdtopk_direction,
-                                          alpha=run.gdtopk_alpha)
-                       if run.compressor == "gdtopk" else None)  # GDTopK ratios per group
+        self.policy = ratio_policy(run.compressor, run.ratio, direction=run.gdtopk_direction,
+                                   alpha=run.gdtopk_alpha)  # GDTopK ratios per group, or None
 
     def admit(self, wanted: int, now: float = 0.0) -> int:
         """A worker id for a HELLO that asked for ``wanted`` (-1: ``free_id``). The id is held
@@ -187,7 +187,7 @@ class Roster:
         return self.policy.ratios.get(g, self.run.ratio) if self.policy else self.run.ratio
 
     def observe_iter_time(self, g: int, iter_time: Any, now: float) -> None:
-        """An exchange of group ``g`` reported its workers' mean iteration time (gdtopk.py)."""
+        """An exchange of group ``g`` reported its workers' mean iteration time (ratios.py)."""
         if self.policy is not None:
             self.policy.observe(g, iter_time, now)
 

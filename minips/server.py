@@ -17,7 +17,7 @@ step times into groups (one group for bsp/ssp/asp, ``grouping.assign_groups`` fo
 ``GroupServer`` per group on its own port (or hands the groups to the connected external group
 servers) and sends every worker ASSIGN(group address, ratio, staleness). Later STATS update the
 group step times. GDTopK: every exchange reports its group's measured iteration time
-(``iter_time``); the ratio policy (``gdtopk.py``) turns these into new ratios, at most once a
+(``iter_time``); the ratio policy (``compress.ratios``) turns these into new ratios, at most once a
 second and only for a change worth it, which go to the group servers and, as a new ASSIGN, to
 their workers (logged as a ``ratios`` event).
 

@@ -247,8 +247,7 @@ class Simulation:
         step = max(0.1 * base, base * (1 + self.cfg.jitter * self.rngs[w].standard_normal()))
         grad = self.objective.gradient(copy, self.run.batch_size, self.rngs[w])
         packet = self.comp[w].compress(grad)
-        enc, codec, bufs = sparse.encode_gradient(
-            packet, value_dtype=str(self.run.compressor_opts.get("value_dtype", "f32")))
+        enc, codec, bufs = self.comp[w].encode(packet)  # the encoding the compressor declares
         push = protocol.Push(clock=self.clock[w] + 1, step_time=step, loss=0.0,
                              samples=self.run.batch_size, encoding=enc, codec=codec,
                              buffers=tuple(bufs))

@@ -12,7 +12,7 @@ Then, on the group server's connection:
                                 (minips.downlink); a new connection starts from the whole weights
     gradient on the next batch  of its shard, in the reference loop's order (minips.reference)
     compress                    sparse.make_compressor, error feedback kept here (on the
-                                device for top-k flavours off the CPU: minips.device_compress)
+                                device for top-k flavours off the CPU: compress.device_compress)
     sleep                       so that the step takes max(compute, F x base_step_s)
     PUSH(c + 1) -> ACK
 
@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from minips import data, device, links, models, protocol, provenance, sparse, transport
+from minips.compress.device_compress import device_compressor
 from minips.config import RunConfig, WorkerConfig, client_ssl, parse_address, reachable
-from minips.device_compress import device_compressor
 from minips.downlink import apply_weights
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.metrics import JsonlWriter, RunDir
@@ -177,8 +177,6 @@ class Worker:
         host = sparse.make_compressor(run.compressor, size, ratio=run.ratio,
                                       seed=run.seed * 1000 + self.id, **run.compressor_opts)
         self.compressor = device_compressor(host, dev, on_device=self.cfg.compress_on_device)
-        # a compressor that rounds its values to float16 sends them as float16 (2 bytes each)
-        self.value_dtype = str(run.compressor_opts.get("value_dtype", "f32"))
         run_dir = RunDir(self.cfg.run_dir, t0=run.t0)
         self.writer = run_dir.writer(f"worker-{self.id}")
         self.device_file = run_dir.file(f"worker-{self.id}.device.json")
@@ -361,7 +359,7 @@ class Worker:
         self.compressor.observe_loss(loss)
         packet = self.compressor.compress(grad)
         lap.append(time.perf_counter())
-        encoding, codec, buffers = sparse.encode_gradient(packet, value_dtype=self.value_dtype)
+        encoding, codec, buffers = self.compressor.encode(packet)  # in the encoding it declares
         lap.append(time.perf_counter())
         step_time = await self._stretch(lap[-1] - t)
         push = protocol.Push(clock=self.clock + 1, step_time=step_time, loss=loss,

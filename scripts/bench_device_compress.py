@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from minips import models, sparse
+from minips.compress.device_compress import DeviceCompressor
 from minips.device import pick_device
-from minips.device_compress import DeviceCompressor
 
 SIZES = {"lenet5": models.PARAM_COUNTS["lenet5"], "resnet18": models.PARAM_COUNTS["resnet18"]}
 

@@ -117,7 +117,7 @@ def paper_experiments(groups: int) -> list[Experiment]:
     for direction in ("slower-more", "slower-less"):
         exps.append(Experiment(f"gssp+gdtopk-{direction}", {
             **gssp, "compressor": "gdtopk", "gdtopk_direction": direction,
-            "ratio": RATIO,  # the push-weighted mean kept fraction (minips/gdtopk.py)
+            "ratio": RATIO,  # the push-weighted mean kept fraction (minips/compress/ratios.py)
             "compressor_opts": no_warmup}))
     for comp in ("topk", "dgc", "losscomp"):
         exps.append(Experiment(f"gssp+{comp}", {**gssp, "compressor": comp, "ratio": RATIO,

@@ -1,4 +1,4 @@
-"""Tests for minips.compressors and minips.losscomp: every compressor on tiny hand-computed
+"""Tests for the compressors of minips.compress: every compressor on tiny hand-computed
 vectors, the error-feedback invariant, known statistics, the warm-up and GDTopK ratio policy, and
 LossComp's votes and kept fraction moving the documented way."""
 
@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from minips.compress.losscomp import LossCompCompressor
 from minips.errors import ConfigError, LocalProtocolError
-from minips.losscomp import LossCompCompressor
 from minips.sparse import (
     COMPRESSORS,
     SparseGrad,

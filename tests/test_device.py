@@ -1,4 +1,4 @@
-"""minips.device and minips.device_compress: device choice, flat-bound training, on-device top-k.
+"""minips.device and compress.device_compress: device choice, flat-bound training, on-device top-k.
 
 Every check runs on the CPU through the same code a CUDA worker uses (the device is a
 ``torch.device`` argument); ``test_cuda_*`` repeat the key ones on a GPU when one is present.
@@ -20,15 +20,15 @@ import torch
 from torch import nn
 
 from minips import models, sparse
-from minips.compressors import Compressor
-from minips.config import LaunchConfig, RunConfig, ServerConfig, WorkerConfig
-from minips.device import Trainer, bind_flat, pick_device
-from minips.device_compress import (
+from minips.compress.base import Compressor
+from minips.compress.device_compress import (
     DeviceCompressor,
     HostCompressor,
     TorchTopK,
     device_compressor,
 )
+from minips.config import LaunchConfig, RunConfig, ServerConfig, WorkerConfig
+from minips.device import Trainer, bind_flat, pick_device
 from minips.errors import ConfigError
 from minips.server import GlobalServer
 from minips.sparse_codec import SparseGrad

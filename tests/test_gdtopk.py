@@ -1,4 +1,4 @@
-"""Tests for minips.gdtopk: the iteration timer of a group server and the dynamic GDTopK ratio
+"""Tests for compress.ratios: the iteration timer of a group server and the dynamic GDTopK ratio
 policy (both directions, the push-weighted mean held at the target, bounds, smoothing,
 hysteresis and the rate limit), driven with made-up times."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from minips.gdtopk import EPS, SPREAD, IterTimer, RatioPolicy
+from minips.compress.ratios import EPS, SPREAD, IterTimer, RatioPolicy
 
 TARGET = 0.01
 

@@ -71,7 +71,7 @@ async def test_refuses_wrong_secret_and_unknown_worker_id(tmp_path: Path) -> Non
 
 
 def push_mean(srv: GlobalServer, ratios: dict[int, float], workers: dict[int, int]) -> float:
-    """GDTopK's mean kept fraction over the pushes (gdtopk.py): group g makes workers[g] /
+    """GDTopK's mean kept fraction over the pushes (compress/ratios.py): group g makes workers[g] /
     t_g pushes a second at the iteration time t_g its policy holds."""
     times = srv.roster.policy.times  # type: ignore[union-attr]
     pushes = {g: workers[g] / times[g] for g in ratios}

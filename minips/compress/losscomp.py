@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from minips.compressors import TopKCompressor
+from minips.compress.topk import TopKCompressor
 from minips.errors import ConfigError
 
 __all__ = ["LossCompCompressor"]
@@ -170,7 +170,7 @@ class LossCompCompressor(TopKCompressor):
 
     def remember_sent(self, idx: np.ndarray) -> None:
         """Book the (k',) int64 indices just sent: the next vote credits them, and the byte
-        budget counts them (``minips.device_compress`` calls this after selecting on a device)."""
+        budget counts them (``compress.device_compress`` calls this after selecting on a device)."""
         self.sent.append(idx)
         self.debt += (idx.size / self.size - self.ratio) / self.ratio
 

@@ -1,5 +1,6 @@
-"""GDTopK's dynamic ratio policy: each group's upload ratio from its measured iteration time
-(sans-IO: no asyncio, no sockets, no clock; time comes in as ``now``).
+"""GDTopK's server-side part: each group's upload ratio from its measured iteration time
+(sans-IO: no asyncio, no sockets, no clock; time comes in as ``now``). The group servers use
+``IterTimer``, the global server ``RatioPolicy`` (``GDTopKCompressor.ratio_policy`` builds it).
 
 The quantity. A group server measures its *iteration time*: the wall time between consecutive
 pushes of the same worker (compute, communication and waiting for the SSP bound together),
@@ -14,7 +15,7 @@ The policy (``RatioPolicy``), run by the global server:
    (``tau`` = 5 s): a fast group that exchanges ten times a second is smoothed over the same
    seconds as a slow one. A group that has not reported yet uses the step time the grouping
    saw (``seed``), replaced, not blended, by its first report.
-2. Shape: ``compressors.gdtopk_ratios`` with ``alpha``: ``slower-more`` gives a group
+2. Shape: ``gdtopk_ratios`` with ``alpha``: ``slower-more`` gives a group
    ``floor * (t_g / t_fastest) ** alpha`` (slower groups, which push less often, send more per
    push), ``slower-less`` ``floor * (t_slowest / t_g) ** alpha`` (slower groups send less, to
    narrow the gap), clamped to ``[lo, hi]`` = ``[target / SPREAD, min(1, target * SPREAD)]``.
@@ -32,17 +33,43 @@ The policy (``RatioPolicy``), run by the global server:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from minips import compressors
+from minips.errors import ConfigError
 
-__all__ = ["IterTimer", "RatioPolicy", "SPREAD", "EPS", "EVERY_S", "TAU_S"]
+__all__ = ["IterTimer", "RatioPolicy", "gdtopk_ratios", "SPREAD", "EPS", "EVERY_S", "TAU_S"]
 
 SPREAD = 10.0  # ratios stay within [target / SPREAD, target * SPREAD]
 EPS = 0.1  # relative change of some group's ratio that is worth sending new ratios
 EVERY_S = 1.0  # at most one new set of ratios per this many seconds
 TAU_S = 5.0  # time constant of the iteration times' moving average (seconds)
 FLOOR_RANGE = (1e-9, 1e3)  # where the bisection looks for the floor (clamping does the rest)
+
+
+def gdtopk_ratios(
+    group_step_times: Sequence[float],
+    *,
+    floor: float = 0.004,
+    alpha: float = 1.0,
+    direction: str = "slower-more",
+    lo: float = 0.001,
+    hi: float = 0.05,
+) -> list[float]:
+    """Per-group kept fraction from each group's step time (seconds): ``slower-more`` gives
+    ``floor * (t_g / t_fastest) ** alpha``, ``slower-less`` ``floor * (t_slowest / t_g) **
+    alpha``, clamped to ``[lo, hi]``."""
+    times = [float(t) for t in group_step_times]
+    if any(not math.isfinite(t) or t <= 0.0 for t in times):
+        raise ConfigError(f"group step times must be finite and > 0, got {times}")
+    if not 0.0 < lo <= hi <= 1.0 or alpha < 0.0:
+        raise ConfigError(f"need 0 < lo <= hi <= 1 and alpha >= 0, got {lo=}, {hi=}, {alpha=}")
+    if direction == "slower-more":
+        rel = [t / min(times) for t in times] if times else []
+    elif direction == "slower-less":
+        rel = [max(times) / t for t in times]
+    else:
+        raise ConfigError(f"direction must be 'slower-more' or 'slower-less', got {direction!r}")
+    return [min(hi, max(lo, floor * r**alpha)) for r in rel]
 
 
 class IterTimer:
@@ -108,8 +135,8 @@ class RatioPolicy:
         weights = [workers[g] / t for g, t in zip(ids, times, strict=True)]  # pushes per s
 
         def at(floor: float) -> list[float]:
-            return compressors.gdtopk_ratios(times, floor=floor, alpha=self.alpha,
-                                             direction=self.direction, lo=self.lo, hi=self.hi)
+            return gdtopk_ratios(times, floor=floor, alpha=self.alpha,
+                                 direction=self.direction, lo=self.lo, hi=self.hi)
 
         def mean(floor: float) -> float:
             return sum(w * r for w, r in zip(weights, at(floor), strict=True)) / sum(weights)

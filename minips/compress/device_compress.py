@@ -1,6 +1,6 @@
 """Compression on the worker's device: selection and error feedback where the gradient is.
 
-``device_compressor(host, device)`` wraps a compressor built by ``sparse.make_compressor`` (the
+``device_compressor(host, device)`` wraps a compressor built by ``make_compressor`` (the
 *host* compressor, which keeps the ratio, warm-up, GDTopK and LossComp bookkeeping) into one that
 takes the flat gradient as a torch tensor on ``device``:
 
@@ -28,10 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from minips.compressors import FP16_MAX, Compressor, TopKCompressor
-from minips.losscomp import LossCompCompressor
-from minips.sparse_codec import SparseGrad
-from minips.sparse_select import (
+from minips.compress.base import FP16_MAX, Compressor, WireSpec
+from minips.compress.losscomp import LossCompCompressor
+from minips.compress.sparse_select import (
     APPROX_MARGIN_STDS,
     EXACT_MARGIN_STDS,
     MAX_REFINES,
@@ -40,6 +39,8 @@ from minips.sparse_select import (
     SAMPLE_PER_DENSITY,
     kept_count,
 )
+from minips.compress.topk import TopKCompressor
+from minips.sparse_codec import SparseGrad
 
 __all__ = ["TorchTopK", "DeviceCompressor", "HostCompressor", "device_compressor",
            "runs_on_device"]
@@ -132,6 +133,16 @@ class _Wrapper:
     @property
     def kept_fraction(self) -> float:
         return self.host.kept_fraction
+
+    @property
+    def wire(self) -> WireSpec:
+        """The host compressor's wire encoding: what the worker sends."""
+        return self.host.wire
+
+    def encode(self, packet: SparseGrad | np.ndarray, *,
+               lz4: bool = False) -> tuple[str, dict[str, Any], list[Any]]:
+        """The host compressor's ``encode`` (the packet is on the host already)."""
+        return self.host.encode(packet, lz4=lz4)
 
     def set_ratio(self, r: float) -> None:
         self.host.set_ratio(r)
