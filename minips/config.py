@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from minips.compress.registry import is_sparse
 from minips.errors import ConfigError
 from minips.optim import SCHEDULES
 from minips.sync import MODES, SyncPolicy, policy
@@ -143,7 +144,7 @@ class RunConfig:
         a sparse compressor and 1.0 (dense) for ``none`` / ``fp16``."""
         if self.down_ratio is not None:
             return self.down_ratio
-        return 1.0 if self.compressor in ("none", "fp16") else self.ratio
+        return self.ratio if is_sparse(self.compressor) else 1.0
 
     @property
     def fixed_groups(self) -> int:

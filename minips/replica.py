@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from minips.compress.registry import is_sparse
 from minips.compress.sparse_select import TopKSelector, kept_count
 from minips.sparse import SparseGrad
 
 __all__ = ["DENSE_AT", "Replica", "exchange_ratio", "top_entries"]
 
 DENSE_AT = 0.5  # an answer with more than this fraction of entries goes dense (smaller then)
-DENSE_COMPRESSORS = ("none", "fp16")
 
 
 def exchange_ratio(run: Any) -> float:
@@ -45,7 +45,7 @@ def exchange_ratio(run: Any) -> float:
     ``ratio`` with a sparse compressor and 1.0 (dense) with ``none`` / ``fp16``."""
     if run.xchg_ratio is not None:
         return float(run.xchg_ratio)
-    return 1.0 if run.compressor in DENSE_COMPRESSORS else float(run.ratio)
+    return float(run.ratio) if is_sparse(run.compressor) else 1.0
 
 
 def top_entries(selector: TopKSelector, x: np.ndarray, ratio: float) -> np.ndarray:

@@ -14,6 +14,7 @@ from minips.compress import (
     COMPRESSORS,
     SparseCompressor,
     WireSpec,
+    is_sparse,
     make_compressor,
     ratio_policy,
     register,
@@ -42,6 +43,9 @@ def test_every_registered_compressor_declares_its_wire_encoding() -> None:
         assert c.wire == want, name
         enc, _, _ = c.encode(c.compress(grad()))
         assert enc == want.encoding
+        assert is_sparse(name) == want.sparse  # the exchange and downlink follow (replica, config)
+    with pytest.raises(ConfigError, match="unknown compressor"):
+        is_sparse("nope")
 
 
 @pytest.mark.parametrize("name", ["topk", "dgc", "randomk", "gdtopk", "losscomp"])

@@ -16,7 +16,13 @@ No I/O and no clocks; ``minips.sparse`` re-exports the names users import.
 from __future__ import annotations
 
 from minips.compress.base import Compressor, SparseCompressor, WireSpec
-from minips.compress.registry import COMPRESSORS, make_compressor, ratio_policy, register
+from minips.compress.registry import (
+    COMPRESSORS,
+    is_sparse,
+    make_compressor,
+    ratio_policy,
+    register,
+)
 
-__all__ = ["COMPRESSORS", "Compressor", "SparseCompressor", "WireSpec", "make_compressor",
-           "ratio_policy", "register"]
+__all__ = ["COMPRESSORS", "Compressor", "SparseCompressor", "WireSpec", "is_sparse",
+           "make_compressor", "ratio_policy", "register"]

@@ -144,6 +144,8 @@ class SparseCompressor(Compressor):
     """Shared part of the sparse compressors: pick indices, send ``acc`` there, keep the rest;
     ``value_dtype`` (``f32`` / ``f16``) is the values' type on the wire."""
 
+    wire = WireSpec(sparse=True)  # each instance sets its value type
+
     def __init__(self, size: int, *, ratio: float = 0.01, seed: int = 0,
                  error_feedback: bool = True, value_dtype: str = "f32") -> None:
         super().__init__(size, ratio=ratio, seed=seed, error_feedback=error_feedback)

@@ -20,7 +20,7 @@ from minips.compress.ratios import RatioPolicy
 from minips.compress.topk import TopKCompressor
 from minips.errors import ConfigError
 
-__all__ = ["COMPRESSORS", "make_compressor", "ratio_policy", "register"]
+__all__ = ["COMPRESSORS", "is_sparse", "make_compressor", "ratio_policy", "register"]
 
 COMPRESSORS: dict[str, type[Compressor]] = {
     "none": DenseCompressor,
@@ -65,6 +65,12 @@ def make_compressor(
         return cls(size, ratio=ratio, seed=seed, error_feedback=error_feedback, **opts)
     except TypeError as exc:  # an option this compressor does not take
         raise ConfigError(f"compressor {name!r}: {exc}") from exc
+
+
+def is_sparse(name: str) -> bool:
+    """Whether compressor ``name`` sends sparse packets (then the exchange and the downlink are
+    sparse too by default: ``replica.exchange_ratio``, ``RunConfig.downlink_ratio``)."""
+    return _lookup(name).wire.sparse
 
 
 def ratio_policy(name: str, target: float, *, direction: str = "slower-more",
