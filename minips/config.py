@@ -141,7 +141,8 @@ class RunConfig:
 
     def downlink_ratio(self) -> float:
         """The downlink's kept fraction: ``down_ratio``, or when None the run's ``ratio`` for
-        a sparse compressor and 1.0 (dense) for ``none`` / ``fp16``."""
+        a sparse compressor and 1.0 (dense) for a dense one (``none``, ``fp16``; its
+        declared wire encoding, ``compress.is_sparse``)."""
         if self.down_ratio is not None:
             return self.down_ratio
         return self.ratio if is_sparse(self.compressor) else 1.0

@@ -42,7 +42,8 @@ DENSE_AT = 0.5  # an answer with more than this fraction of entries goes dense (
 
 def exchange_ratio(run: Any) -> float:
     """The exchange's kept fraction (both ways): ``run.xchg_ratio``, or when unset the run's
-    ``ratio`` with a sparse compressor and 1.0 (dense) with ``none`` / ``fp16``."""
+    ``ratio`` with a sparse compressor and 1.0 (dense) with a dense one (``compress.is_sparse``:
+    ``none``, ``fp16``)."""
     if run.xchg_ratio is not None:
         return float(run.xchg_ratio)
     return float(run.ratio) if is_sparse(run.compressor) else 1.0
