@@ -1,25 +1,10 @@
 """Group server: one group's model copy, SGD state and SSP clock table (numpy, asyncio, no torch).
 
 The rules live in ``group_core.GroupCore`` (no IO); ``GroupServer`` is their asyncio shell: it
-listens, runs one session per worker, holds a PULL until SSP allows it, exchanges with the
-global server in the background and expires silent workers.
-
-A group server accepts its workers' PULL / PUSH on its own port and applies their gradients to its
-copy of the weights with ``optim.SGD``. SSP inside the group: a PULL is answered only when
-``ssp.ClockTable.may_start`` allows; BSP (staleness 0) averages the pushes of one clock
-(``ssp.Rounds``) and applies them once, at the lr of the round's place in the run (so W
-workers in BSP are synchronous SGD, schedule included: ``reference.train``); other modes apply
-each push as it arrives with the learning rate divided by the number of live workers m of the
-group, so that one round of m pushes moves the weights as far as one BSP step (the modes then
-compare at one learning rate, and adding workers does not multiply the step size).
-
-Every ``sync_every`` pushes the group exchanges with the global server through a ``GroupLink``
-(a direct call in-process, PUSH/WEIGHTS over TCP for a separate `minips group`); ``exchange.py``
-keeps the delta bookkeeping (no update is lost, each delta is merged exactly once, also when a
-reply is lost; top-k both ways at ``xchg_ratio``, dense for a flush) and at most one exchange is
-in flight. When the budget is spent (``done``) every waiting PULL is answered with ``done`` and
-the group flushes a last delta; when its last worker leaves it flushes a ``final`` delta so the
-global server knows the group is finished.
+listens, runs one session per worker, feeds the core each event with the time and performs the
+actions it returns (``group_actions.py``: sends the ACK, wakes held PULLs, exchanges with the
+global server in the background, logs), holds a PULL until SSP allows it and expires silent
+workers. The rules themselves are described in group_core.py's docstring.
 """
 
 from __future__ import annotations
@@ -38,8 +23,10 @@ from minips.config import RunConfig
 from minips.downlink import held_version
 from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import ExchangeResult, GroupLink, Outgoing
+from minips.group_actions import Action, AllLeft, BudgetSpent, Reply, StartExchange, Wake
 from minips.group_core import GroupCore
 from minips.metrics import JsonlWriter
+from minips.once_per_turn import OncePerTurn
 
 __all__ = ["ExchangeResult", "GroupLink", "GroupServer"]  # the first two: from exchange.py
 
@@ -56,33 +43,59 @@ class GroupServer(GroupCore):
                  link: GroupLink | None, *, members: list[int] | None = None,
                  writer: JsonlWriter | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.writer = writer
+        self.writer, self.clock = writer, clock
         self.channels: dict[int, Any] = {}  # worker id -> its open connection
         self._closed_bytes = {"bytes_in": 0, "bytes_out": 0}  # traffic of closed connections
         self._changed = asyncio.Event()  # set whenever a waiting PULL may have become answerable
         self.ready = asyncio.Event()  # set once the group has its weights (setup)
         self._exchange_task: asyncio.Task[None] | None = None
-        self._publishing: asyncio.Future[None] | None = None  # the publish due this turn
+        self._publish_turn = OncePerTurn(self.publish)  # one downlink publish per loop turn
         self._tasks: set[asyncio.Task[Any]] = set()
         self.server: Any = None
         self.port = 0
-        self.open_membership = False  # any worker id may join (a `minips group` process)
         self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
-        super().__init__(group, run, weights, link, members=members, clock=clock)
+        super().__init__(group, run, weights, link, members=members, now=clock())
 
     def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
-              members: list[int]) -> None:
+              members: list[int], *, now: float | None = None) -> None:
         """The training state (``GroupCore.setup``); a `minips group` gets it late."""
-        super().setup(group, run, weights, link, members)
+        super().setup(group, run, weights, link, members, now=self.clock() if now is None else now)
         self.ready.set()
 
-    # -- hooks of the core ------------------------------------------------------------------
+    # -- the core's entry points at this clock, and its actions performed ----------------------
 
-    def wake(self) -> None:
-        self._changed.set()
+    def expect(self, w: int, now: float | None = None) -> None:
+        super().expect(w, self.clock() if now is None else now)
 
-    def all_left(self) -> None:
-        self._spawn(self.flush(final=True))
+    def load_state_dict(self, state: dict[str, Any], now: float | None = None) -> None:
+        super().load_state_dict(state, self.clock() if now is None else now)
+
+    def on_push(self, w: int, msg: Any) -> Any:
+        """One PUSH of worker ``w`` (``GroupCore.push``): return its ACK."""
+        return self._perform(self.push(w, msg, self.clock()))
+
+    def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:
+        """A new global server holds this group's exchanges up to seq ``held``
+        (``GroupCore.rebase``)."""
+        self._perform(self.rebase(weights, link, held))
+
+    def _perform(self, actions: list[Action]) -> Any:
+        """Do what the core asked, in order; return its reply to the worker (None if none)."""
+        reply = None
+        for a in actions:
+            if isinstance(a, Reply):
+                reply = a.msg  # the session that passed the message in sends it
+            elif isinstance(a, Wake):
+                self._changed.set()
+            elif isinstance(a, StartExchange):
+                self.start_exchange()
+            elif isinstance(a, AllLeft):
+                self._spawn(self.flush(final=True))
+            elif isinstance(a, BudgetSpent):
+                self.finish()
+            else:
+                self.log(a.event, **a.fields)
+        return reply
 
     # -- membership -----------------------------------------------------------------------
 
@@ -93,16 +106,10 @@ class GroupServer(GroupCore):
         await self.ready.wait()
         while True:  # also after a final flush: workers may rejoin (close() cancels it)
             await asyncio.sleep(EXPIRE_PERIOD_S)
-            now = self.now()
-            for w, ch in self.channels.items():
-                silent = loop.time() - ch.last_recv
-                if not ch.closed and silent < self.run.lease_s:
-                    # renewed as of its last bytes, not of this check: a lease lasts lease_s
-                    self.table.heartbeat(w, now - silent)
-            expired = self.table.expire(now)
-            if expired:
-                self.log("expired", workers=list(expired))
-                self._after_membership_change()
+            now = self.clock()
+            heard = {w: now - (loop.time() - ch.last_recv)
+                     for w, ch in self.channels.items() if not ch.closed}
+            self._perform(self.tick(now, heard))
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -118,27 +125,10 @@ class GroupServer(GroupCore):
         return self.weights_message(w, waited, since)
 
     async def _publish(self) -> None:
-        """With a compressed downlink: publish the weights' largest changes once for all the
-        PULLs this turn of the event loop answers (they arrived together, or a BSP round or the
-        staleness bound released them together), not once per PULL: a publish is O(n) (an exact
-        top-k), an answer only touches what it sends. Every such PULL still gets weights at
-        least as new as when it arrived."""
-        if self.downlink is None:
-            return
-        if self._publishing is None:
-            self._publishing = asyncio.get_running_loop().create_future()
-            asyncio.get_running_loop().call_soon(self._publish_now, self._publishing)
-        await asyncio.shield(self._publishing)  # a PULL given up on must not cancel the others'
-
-    def _publish_now(self, done: asyncio.Future[None]) -> None:
-        self._publishing = None
-        assert self.downlink is not None
-        try:
-            self.publish()
-        except Exception as exc:  # the PULLs waiting for it fail (their sessions end), not hang
-            done.set_exception(exc)
-        else:
-            done.set_result(None)
+        """With a compressed downlink: publish once for all the PULLs this turn of the event
+        loop answers (``once_per_turn.py``)."""
+        if self.downlink is not None:
+            await self._publish_turn()
 
     # -- exchange with the global server -------------------------------------------------------
 
@@ -151,31 +141,34 @@ class GroupServer(GroupCore):
         """Send a lost exchange again first (same seq), then the delta since the last one."""
         pending = self.xchg.pending
         if pending is None or await self._send(pending):
-            out = self.begin_exchange(final)
+            out = self.begin_exchange(final, self.traffic())
             if await self._send(out):
                 return
         self.finished = self.finished and not final  # the global server is away: retry later
 
     async def _send(self, out: Outgoing) -> bool:
         """One exchange; False (``out`` stays pending) when the global server is away."""
-        t = self.now()
+        t = self.clock()
         try:
             res = await self.link.exchange(self.group, self.xchg.delta(out), out.stats)
         except ConnectionError:
             return False
-        if self.exchanged(out, res, self.now() - t):
-            self.finish()
+        self._perform(self.exchanged(out, res, self.clock() - t))
         return True
 
     async def flush(self, final: bool = False) -> None:
         """Wait for the exchange in flight, then send what is left (``final``: the last one)."""
-        while self._exchange_task is not None and not self._exchange_task.done():
-            await asyncio.wait([self._exchange_task])
+        await self.settle()
         if self.finished:
             return
         self.finished = final
         self._exchange_task = self._spawn(self._exchange(final))
         await asyncio.wait([self._exchange_task])
+
+    async def settle(self) -> None:
+        """Wait until no exchange is in flight."""
+        while self._exchange_task is not None and not self._exchange_task.done():
+            await asyncio.wait([self._exchange_task])
 
     def finish(self) -> None:
         """The budget is spent: release every waiting PULL with ``done``; flush a last delta."""
@@ -195,14 +188,9 @@ class GroupServer(GroupCore):
         return self.port
 
     def _accept(self, hello: Any) -> dict[str, Any]:
-        if hello.role != "worker":
-            raise AuthError(f"group server {self.group} accepts workers only")
-        if hello.group >= 0 and hello.group != self.group:  # e.g. a port reused after a restart
-            raise AuthError(f"this is group server {self.group}, not {hello.group}")
-        if not self.open_membership and hello.worker_id not in self.members:
-            raise AuthError(f"worker {hello.worker_id} is not a member of group {self.group}")
-        if self.open_membership and not 0 <= hello.worker_id < self.run.workers:
-            raise AuthError(f"worker id {hello.worker_id} out of range 0..{self.run.workers - 1}")
+        refused = self.refusal(hello)
+        if refused:
+            raise AuthError(refused)
         return {"group": self.group}
 
     async def handle(self, ch: Any) -> None:
@@ -214,9 +202,9 @@ class GroupServer(GroupCore):
             await validation.replace(old, w, self.rejected, f"group {self.group}")
         self.channels[w] = ch
         ch.start_heartbeat(self.run.heartbeat_s)  # so the worker can tell we are still here
-        start = self._join(w)
+        first = self._perform(self.join(w, self.clock()))  # the ACK with its starting clock
         try:
-            await self._session(ch, w, start)
+            await self._session(ch, w, first)
         except RemoteProtocolError as exc:
             await validation.reject(ch, exc, self.rejected, f"group {self.group}")
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -224,16 +212,16 @@ class GroupServer(GroupCore):
         finally:
             if self.channels.get(w) is ch:
                 del self.channels[w]
-                self._leave(w)
+                self._perform(self.leave(w))
             self._closed_bytes["bytes_in"] += ch.bytes_received
             self._closed_bytes["bytes_out"] += ch.bytes_sent
             await ch.close()
 
-    async def _session(self, ch: Any, w: int, start: int) -> None:
+    async def _session(self, ch: Any, w: int, first: Any) -> None:
         """One request at a time: the next message is not read before this one is answered, so
         a worker that sends ahead (a flood) waits on TCP, and its PUSH is taken only after the
         WEIGHTS it pulled went out (SSP holds it like any other worker)."""
-        await ch.send(protocol.Ack(clock=start, version=self.version))
+        await ch.send(first)
         pulled: int | None = None  # clock of the last PULL: a PUSH must follow one
         sent = -1  # version of the last WEIGHTS on this connection (downlink.held_version)
         while True:
@@ -263,23 +251,21 @@ class GroupServer(GroupCore):
         (the worker then leaves the group at once, not when its lease runs out). Returns the
         version the answer brought the worker to."""
         if self.may_answer(w):  # the common case: no wait, no tasks
-            await self._publish()
-            reply = self.weights_message(w, [], since)
-            with contextlib.suppress(ConnectionError):
-                await ch.send(reply)
-            return int(reply.version)
-        answer = asyncio.ensure_future(self.answer_pull(w, since))
-        closed = asyncio.ensure_future(ch.wait_closed())
-        try:
-            await asyncio.wait((answer, closed), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            answer.cancel()
-            closed.cancel()
-        if not answer.done():  # cancel() above only asked a pending one to stop
-            raise ConnectionResetError("connection closed while its PULL waited")
+            reply = await self.answer_pull(w, since)
+        else:
+            answer = asyncio.ensure_future(self.answer_pull(w, since))
+            closed = asyncio.ensure_future(ch.wait_closed())
+            try:
+                await asyncio.wait((answer, closed), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                answer.cancel()
+                closed.cancel()
+            if not answer.done():  # cancel() above only asked a pending one to stop
+                raise ConnectionResetError("connection closed while its PULL waited")
+            reply = answer.result()
         with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading
-            await ch.send(answer.result())
-        return int(answer.result().version)
+            await ch.send(reply)
+        return int(reply.version)
 
     async def _send_push(self, ch: Any, w: int, msg: Any) -> None:
         if w not in self.table:  # its lease expired while it was silent: rejoin and pull first

@@ -1,23 +1,36 @@
 """A group server's rules without IO: weights, SGD, clocks, rounds, the downlink's answers.
 
 ``GroupCore`` is what a group *decides*; ``group.GroupServer`` (asyncio) is how it talks. The
-core takes a message (a PUSH, a PULL that may be answered, an exchange's reply, a worker that
-joins or leaves) and returns the answer, with the time from an injected ``clock``; it imports
-no asyncio, sockets, clocks or torch (tests/test_group_core.py checks). What it needs from the
-IO side are four hooks, no-ops here, that the shell overrides:
+core's entry points take an incoming event and the time ``now`` and return the actions to
+perform (``group_actions.py``: ``Reply``, ``Wake``, ``StartExchange``, ``AllLeft``,
+``BudgetSpent``, ``Log``), in order; the IO side performs them:
 
-- ``wake()``: a waiting PULL may have become answerable (a push, a leave);
-- ``start_exchange()``: ``sync_every`` pushes since the last exchange;
-- ``all_left()``: the last worker left: a final exchange is due;
-- ``traffic()``: bytes from / to the group's workers, for the exchange's counters; and ``log``.
+- ``join(w, now)`` / ``leave(w)``: a worker's connection opens (``Reply``: its first ACK) or
+  closes; ``tick(now, heard)``: leases renewed as of each worker's last bytes, silent ones expire;
+- ``push(w, msg, now)``: a worker's PUSH (``Reply``: its ACK; ``Wake``; ``StartExchange``);
+- ``may_answer(w)``, ``publish()``, ``weights_message(w, waited, since)``: a PULL's answer;
+- ``begin_exchange(final, traffic)`` / ``exchanged(out, res, seconds)``: one exchange with the
+  global server (``Log``; ``BudgetSpent``); ``rebase(weights, link, held)``: a new global server.
 
-The rules themselves (SSP inside the group, BSP rounds as synchronous SGD, the learning rate of
-one push, the compressed downlink) are described in group.py's docstring.
+It imports no asyncio, sockets, clocks or torch (tests/test_group_core.py checks, and drives a
+whole cluster of these cores in one thread with a fake clock).
+
+The rules. A group applies its workers' gradients to its weights with ``optim.SGD``. SSP inside
+the group: a PULL is answered only when ``ssp.ClockTable.may_start`` allows; BSP (staleness 0)
+averages the pushes of one clock (``ssp.Rounds``) and applies them once, at the lr of the
+round's place in the run (so W workers in BSP are synchronous SGD, schedule included:
+``reference.train``); other modes apply each push as it arrives with the lr divided by the
+number m of live workers of the group, so one round of m pushes moves as far as one BSP step.
+Every ``sync_every`` pushes the group exchanges with the global server through a ``GroupLink``
+(a direct call in-process, PUSH/WEIGHTS over TCP for a `minips group`); ``exchange.py`` keeps
+the delta bookkeeping (nothing lost, each delta merged once, also when a reply is lost; top-k
+both ways at ``xchg_ratio``, dense for a flush); at most one exchange is in flight. When the
+budget is spent (``done``) every PULL is answered with ``done`` and the group flushes a last
+delta; when its last worker leaves it flushes a ``final`` one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +40,7 @@ from minips.compress.ratios import IterTimer
 from minips.config import RunConfig, dataset_train_size
 from minips.downlink import Downlink
 from minips.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
+from minips.group_actions import Action, AllLeft, BudgetSpent, Log, Reply, StartExchange, Wake
 from minips.replica import exchange_ratio
 
 __all__ = ["GroupCore"]
@@ -37,18 +51,19 @@ class GroupCore:
 
     def __init__(self, group: int, run: RunConfig, weights: np.ndarray | None,
                  link: GroupLink | None, *, members: list[int] | None = None,
-                 clock: Callable[[], float]) -> None:
-        self.now = clock
+                 now: float = 0.0) -> None:
         self.finished = False  # final delta flushed
         self.members: set[int] = set()  # worker ids the global server assigned here
+        self.open_membership = False  # any worker id may join (a `minips group` process)
         self.iters = IterTimer()  # time between a worker's pushes, for GDTopK (compress/ratios.py)
         self.group, self.run = group, run
         if weights is not None and link is not None:
-            self.setup(group, run, weights, link, members or [])
+            self.setup(group, run, weights, link, members or [], now=now)
 
     def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
-              members: list[int]) -> None:
-        """The training state: weights, optimizer, clocks (a `minips group` gets it late)."""
+              members: list[int], *, now: float) -> None:
+        """The training state: weights, optimizer, clocks (a `minips group` gets it late);
+        ``members`` count as joined at ``now``."""
         self.group, self.run, self.link = group, run, link
         self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
         self.xchg = Exchange(self.weights, ratio=exchange_ratio(run))  # delta, seq, counters
@@ -70,48 +85,81 @@ class GroupCore:
         self.downlink = Downlink(self.weights, down) if down < 1 else None
         self._joined: set[int] = set()
         for w in members:
-            self.expect(w)
+            self.expect(w, now)
 
     # -- membership -----------------------------------------------------------------------
 
-    def expect(self, w: int) -> None:
+    def expect(self, w: int, now: float) -> None:
         """Count worker ``w`` in the group before it connects (so BSP rounds wait for it)."""
         self.members.add(w)
-        self.table.join(w, self.now(), 0)
+        self.table.join(w, now, 0)
 
-    def _join(self, w: int) -> int:
+    def refusal(self, hello: Any) -> str:
+        """Why a HELLO may not open a session with this group ("": it may)."""
+        if hello.role != "worker":
+            return f"group server {self.group} accepts workers only"
+        if hello.group >= 0 and hello.group != self.group:  # e.g. a port reused after a restart
+            return f"this is group server {self.group}, not {hello.group}"
+        w = hello.worker_id
+        if not self.open_membership and w not in self.members:
+            return f"worker {w} is not a member of group {self.group}"
+        if self.open_membership and not 0 <= w < self.run.workers:
+            return f"worker id {w} out of range 0..{self.run.workers - 1}"
+        return ""
+
+    def join(self, w: int, now: float) -> list[Action]:
+        """Worker ``w`` connected: its first message is an ACK with its starting clock."""
         self._joined.add(w)
         self.finished = False  # a (re)grouped worker arrived: a final flush is due again
-        return self.table.join(w, self.now())
+        start = self.table.join(w, now)
+        return [Reply(w, protocol.Ack(clock=start, version=self.version))]
 
-    def _leave(self, w: int) -> None:
+    def leave(self, w: int) -> list[Action]:
+        """Worker ``w``'s connection closed (LEAVE, or it broke)."""
         self.table.leave(w)
-        self._after_membership_change()
+        return self._after_membership_change()
 
-    def _after_membership_change(self) -> None:
+    def tick(self, now: float, heard: dict[int, float]) -> list[Action]:
+        """A timer: renew each worker's lease as of ``heard[w]`` (when its connection last
+        carried bytes, if within ``lease_s``), then expire the workers silent for longer."""
+        for w, t in heard.items():
+            if now - t < self.run.lease_s:  # renewed as of its last bytes: a lease lasts lease_s
+                self.table.heartbeat(w, t)
+        expired = self.table.expire(now)
+        if not expired:
+            return []
+        return [Log("expired", {"workers": list(expired)}), *self._after_membership_change()]
+
+    def _after_membership_change(self) -> list[Action]:
         if self.run.in_rounds:
             self._apply_rounds()
-        self.wake()
+        actions: list[Action] = [Wake()]
         if not len(self.table) and self._joined and not self.finished:
-            self.all_left()
+            actions.append(AllLeft())
+        return actions
 
     # -- gradients --------------------------------------------------------------------------
 
-    def on_push(self, w: int, msg: Any) -> Any:
-        """Decode, account and apply (or queue, in BSP) one worker push; return the ACK."""
+    def push(self, w: int, msg: Any, now: float) -> list[Action]:
+        """Decode, account and apply (or queue, in BSP) one PUSH of worker ``w`` (a member of
+        the table): its ACK; ``Wake`` when the lowest clock moved (only that can release a
+        held PULL); ``StartExchange`` every ``sync_every`` pushes."""
         grad = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, self.weights.size)
-        self.table.push(w, msg.clock, self.now())
-        self.iters.push(w, self.now())
+        floor = self.table.min_clock()
+        self.table.push(w, msg.clock, now)
+        self.iters.push(w, now)
         self._count(msg)
         if self.run.in_rounds:
             self.rounds.add(msg.clock, (grad, msg.samples))
             self._apply_rounds()
         else:
             self._apply(grad, msg.samples, len(self.table))
-        self.wake()
+        actions: list[Action] = [Reply(w, protocol.Ack(clock=msg.clock, version=self.version))]
+        if self.table.min_clock() != floor or self.done:
+            actions.append(Wake())
         if self.run.sync.exchange_due(self.xchg.since["pushes"], self.run.sync_every):
-            self.start_exchange()
-        return protocol.Ack(clock=msg.clock, version=self.version)
+            actions.append(StartExchange())
+        return actions
 
     def _count(self, msg: Any) -> None:
         self.xchg.count(msg.samples, msg.step_time, msg.loss)
@@ -156,6 +204,7 @@ class GroupCore:
     # -- weights ----------------------------------------------------------------------------
 
     def may_answer(self, w: int) -> bool:
+        """A PULL of ``w`` may be answered now: SSP allows its next step, or the run is over."""
         return self.done or w not in self.table or self.table.may_start(w)
 
     def publish(self) -> None:
@@ -184,28 +233,31 @@ class GroupCore:
 
     # -- exchange and checkpoint ---------------------------------------------------------
 
-    def begin_exchange(self, final: bool = False) -> Outgoing:
-        """The next exchange: the delta since the last one and the group's counters (dense
-        for a flush, ``final`` or after ``done``)."""
-        extra = {"version": self.version, "final": final, **self.traffic(),
+    def begin_exchange(self, final: bool, traffic: dict[str, int]) -> Outgoing:
+        """The next exchange: the delta since the last one and the group's counters, with
+        ``traffic`` (bytes from / to its workers so far: ``bytes_in``, ``bytes_out``); dense
+        for a flush, ``final`` or after ``done``."""
+        extra = {"version": self.version, "final": final, **traffic,
                  "iter_time": self.iters.take(),
                  "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
         return self.xchg.begin(self.weights, extra, dense=final or self.done)
 
-    def exchanged(self, out: Outgoing, res: ExchangeResult, seconds: float) -> bool:
+    def exchanged(self, out: Outgoing, res: ExchangeResult, seconds: float) -> list[Action]:
         """The global server's answer ``res`` to ``out`` (after ``seconds``): take it, count its
-        bytes, log it. True when it says the budget is spent and this group did not know yet."""
+        bytes, log it; ``BudgetSpent`` when it says the run is over and this group did not know."""
         self.xchg.complete(self.weights, out, res)
         self.global_version = res.version
         self.xchg_bytes["bytes_to_global"] += res.bytes_up
         self.xchg_bytes["bytes_from_global"] += res.bytes_down
-        self.log("exchange", exchange_s=seconds, global_version=res.version,
-                 seq=out.stats["seq"], min_clock=out.stats["min_clock"],
-                 max_clock=out.stats["max_clock"], sent=_entries(out.delta),
-                 got=_entries(res.weights), **self.xchg_bytes)
-        return bool(res.done) and not self.done
+        actions: list[Action] = [Log("exchange", {
+            "exchange_s": seconds, "global_version": res.version, "seq": out.stats["seq"],
+            "min_clock": out.stats["min_clock"], "max_clock": out.stats["max_clock"],
+            "sent": _entries(out.delta), "got": _entries(res.weights), **self.xchg_bytes})]
+        if res.done and not self.done:
+            actions.append(BudgetSpent())
+        return actions
 
-    def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:
+    def rebase(self, weights: np.ndarray, link: GroupLink, held: int | None) -> list[Action]:
         """Reconnected to a (restarted) global server that holds this group's exchanges up to
         seq ``held``: take its weights, keep what this group applied since its last exchange
         and what the server lost of its exchanges on top (sent with the next exchange), keep
@@ -213,9 +265,10 @@ class GroupCore:
         w = np.asarray(weights, dtype=np.float32)
         self.weights, replay = self.xchg.rebase(self.weights, w, held)
         self.link = link
-        if held is not None:
-            self.log("resync", held_seq=held, seq=self.xchg.seq,
-                     replay_samples=-1 if replay is None else replay.samples)
+        if held is None:
+            return []
+        return [Log("resync", {"held_seq": held, "seq": self.xchg.seq,
+                               "replay_samples": -1 if replay is None else replay.samples})]
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint needs to rebuild this group server."""
@@ -226,37 +279,20 @@ class GroupCore:
                 "counters": dict(self.counters), "ratio": self.ratio,
                 "exchange": self.xchg.state_dict(), "xchg_bytes": dict(self.xchg_bytes)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], now: float) -> None:
         """Take back what ``state_dict`` gave (checkpoint resume). The saved workers count as
-        live again, each at its saved clock; one that does not come back expires by lease."""
+        live again at ``now``, each at its saved clock; one that does not come back expires by
+        lease."""
         self.weights[:] = np.asarray(state["weights"], dtype=np.float32)
         saved = state.get("exchange", {"session": self.xchg.session, "seq": 0})  # older files
         self.xchg.load_state_dict(saved, state["w_sync"])
         self.opt.load_state_dict(state["opt"])
-        self.table.restore({int(w): int(c) for w, c in state["clocks"].items()}, self.now())
+        self.table.restore({int(w): int(c) for w, c in state["clocks"].items()}, now)
         self.version, self.global_version = state["version"], state["global_version"]
         self.counters = {k: int(state["counters"].get(k, 0)) for k in ("pushes", "samples")}
         self.ratio = state["ratio"]
         self.xchg_bytes = {k: int(state.get("xchg_bytes", {}).get(k, 0))  # 0 in older files
                            for k in ("bytes_to_global", "bytes_from_global")}
-
-    # -- hooks: the IO side overrides them ----------------------------------------------------
-
-    def wake(self) -> None:
-        """A waiting PULL may have become answerable."""
-
-    def start_exchange(self) -> None:
-        """``sync_every`` pushes since the last exchange: one is due."""
-
-    def all_left(self) -> None:
-        """The last worker left the group: a final exchange is due."""
-
-    def traffic(self) -> dict[str, int]:
-        """Bytes received from / sent to this group's workers so far."""
-        return {"bytes_in": 0, "bytes_out": 0}
-
-    def log(self, event: str, **fields: Any) -> None:
-        """One line of the group's record (``event``, ``fields``)."""
 
 
 def _entries(d: Any) -> int:

@@ -45,6 +45,7 @@ from minips.config import RunConfig
 from minips.downlink import apply_weights
 from minips.exchange import wire_size
 from minips.global_core import GlobalCore
+from minips.group_actions import Action, BudgetSpent, Log, Reply, StartExchange, Wake
 from minips.group_core import GroupCore
 from minips.roster import GroupHandle
 
@@ -97,20 +98,33 @@ class NoLink:
 
 
 class SimGroup(GroupCore):
-    """A group core whose hooks talk to the simulation instead of sockets."""
+    """A group core whose actions (``group_actions.py``) the simulation performs."""
 
     def __init__(self, sim: Simulation, g: int, members: list[int]) -> None:
         self.sim, self.in_flight = sim, False
         self.pending: list[tuple[int, list[int]]] = []  # PULLs held: (worker, waited for)
         self.bytes = {"bytes_in": 0, "bytes_out": 0}
         self.writer = sim.rundir.writer(f"group-{g}")
-        super().__init__(g, sim.run, sim.glob.weights, NoLink(), members=members,
-                         clock=lambda: sim.t)
+        super().__init__(g, sim.run, sim.glob.weights, NoLink(), members=members, now=sim.t)
 
-    def start_exchange(self) -> None:
-        if not self.in_flight:
-            self.in_flight = True
-            self.sim.at(self.sim.cfg.xchg_latency_s, self.sim.exchange, self.group)
+    def perform(self, actions: list[Action]) -> Any:
+        """Do what the core asked; return its reply. A ``Wake`` releases the held PULLs last
+        (after an exchange is scheduled); the simulation has no leaves, so no ``AllLeft``."""
+        reply, wake = None, False
+        for a in actions:
+            if isinstance(a, Reply):
+                reply = a.msg
+            elif isinstance(a, StartExchange) and not self.in_flight:
+                self.in_flight = True
+                self.sim.at(self.sim.cfg.xchg_latency_s, self.sim.exchange, self.group)
+            elif isinstance(a, BudgetSpent):
+                self.done = wake = True
+            elif isinstance(a, Log):
+                self.log(a.event, **a.fields)
+            wake = wake or isinstance(a, Wake)
+        if wake:
+            self.sim.release(self)
+        return reply
 
     def traffic(self) -> dict[str, int]:
         return dict(self.bytes)
@@ -262,10 +276,7 @@ class Simulation:
     def push_arrives(self, w: int, push: protocol.Push, record: dict[str, Any]) -> None:
         core = self.groups[self.group_of[w]]
         core.bytes["bytes_in"] += wire_size(push)
-        floor = core.table.min_clock()
-        ack = core.on_push(w, push)
-        if core.table.min_clock() != floor or core.done:
-            self.release(core)
+        ack = core.perform(core.push(w, push, self.t))
         core.bytes["bytes_out"] += SMALL
         self.pushes += 1
         if self.cfg.max_pushes and self.pushes >= self.cfg.max_pushes and not self.glob.done:
@@ -283,11 +294,9 @@ class Simulation:
     def exchange(self, g: int, final: bool = False) -> None:
         core = self.groups[g]
         core.in_flight = False
-        out = core.begin_exchange(final)
+        out = core.begin_exchange(final, core.traffic())
         res = self.glob.merge_counted(g, core.xchg.delta(out), out.stats)
-        if core.exchanged(out, res, self.cfg.xchg_latency_s):
-            core.done = True
-            self.release(core)
+        core.perform(core.exchanged(out, res, self.cfg.xchg_latency_s))
 
     def evaluate(self, again: bool = True) -> None:
         assert self.glob.weights is not None

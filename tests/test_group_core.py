@@ -1,14 +1,19 @@
 """The rules without IO (group_core.py, global_core.py): no asyncio, socket, ssl, time or torch;
 driven in one thread with a fake clock they are synchronous SGD in BSP, and they reach the same
-weights and answers as the asyncio group server for the same order of events."""
+weights and answers as the asyncio servers for the same order of events (one group server, and
+a whole cluster: tests/noio_cluster.py)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
+import noio_cluster
 import numpy as np
 import pytest
 
@@ -34,8 +39,9 @@ def push(clock: int, grad: np.ndarray | sparse.SparseGrad, samples: int = 8) -> 
 
 
 def drive(core: GroupCore, rounds: int, seed: int) -> list[protocol.Weights]:
-    """Two workers in lock step: each pulls (the version it holds) and pushes; returns every
-    answer in order."""
+    """Two workers in lock step: each pulls (the version it holds) and pushes (through the
+    asyncio shell's ``on_push`` for a GroupServer, the core's ``push`` otherwise); returns
+    every answer in order."""
     rng = np.random.default_rng(seed)
     held = {0: -1, 1: -1}
     answers = []
@@ -49,7 +55,10 @@ def drive(core: GroupCore, rounds: int, seed: int) -> list[protocol.Weights]:
         for w in (0, 1):
             idx = np.sort(rng.choice(N, 10, replace=False)).astype(np.uint32)
             grad = sparse.SparseGrad(idx, rng.standard_normal(10).astype(np.float32), N)
-            core.on_push(w, push(r + 1, grad))
+            if isinstance(core, GroupServer):
+                core.on_push(w, push(r + 1, grad))
+            else:
+                core.push(w, push(r + 1, grad), 0.0)
     return answers
 
 
@@ -58,71 +67,115 @@ def run(mode: str, compressor: str = "none") -> RunConfig:
                      momentum=0.9, weight_decay=5e-4, lr_warmup=0, sync_every=10_000)
 
 
-def test_the_cores_import_no_asyncio_socket_ssl_time_or_torch() -> None:
-    """A fresh interpreter that refuses those imports to minips drives a cluster in one thread
-    with a fake clock: a global core and two group cores of two workers each, exchanging."""
-    script = textwrap.dedent("""
-        import sys
-        import numpy as np  # allowed, and it loads time (datetime) for itself
-        BLOCKED = {"asyncio", "socket", "_socket", "ssl", "selectors", "time", "torch"}
-        for name in list(sys.modules):
+BLOCK = textwrap.dedent("""
+    import sys
+    import numpy as np  # allowed, and it loads time (datetime) for itself
+    BLOCKED = {"asyncio", "socket", "_socket", "ssl", "selectors", "time", "torch"}
+    for name in list(sys.modules):
+        if name.split(".")[0] in BLOCKED:
+            del sys.modules[name]
+
+    class Block:
+        \"\"\"Refuses those modules to minips' own imports; the stdlib may load them.\"\"\"
+        def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in BLOCKED:
-                del sys.modules[name]
+                f = sys._getframe(1)
+                while f is not None and "importlib" in f.f_globals.get("__name__", ""):
+                    f = f.f_back
+                importer = "" if f is None else f.f_globals.get("__name__", "")
+                if importer.startswith("minips"):
+                    raise ImportError(f"{importer} imported {name}")
+                if name.split(".")[0] in {"asyncio", "torch"}:  # not even through the stdlib
+                    raise ImportError(f"{importer} imported {name}")
+            return None
 
-        class Block:
-            \"\"\"Refuses those modules to minips' own imports; the stdlib may load them.\"\"\"
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in BLOCKED:
-                    f = sys._getframe(1)
-                    while f is not None and "importlib" in f.f_globals.get("__name__", ""):
-                        f = f.f_back
-                    importer = "" if f is None else f.f_globals.get("__name__", "")
-                    if importer.startswith("minips"):
-                        raise ImportError(f"{importer} imported {name}")
-                    if name.split(".")[0] in {"asyncio", "torch"}:  # not even through the stdlib
-                        raise ImportError(f"{importer} imported {name}")
-                return None
+    sys.meta_path.insert(0, Block())
+""")
 
-        sys.meta_path.insert(0, Block())
-        from minips import protocol, sparse
-        from minips.config import RunConfig
-        from minips.global_core import GlobalCore
-        from minips.group_core import GroupCore
-        from minips.roster import GroupHandle
 
-        t = [0.0]
-        run = RunConfig(workers=4, mode="gssp", groups=2, lr=0.1, lr_warmup=0, sync_every=4)
-        glob = GlobalCore(run, np.zeros(100, np.float32), regroup=False,
-                          clock=lambda: t[0], wall=lambda: 1e9 + t[0])
-        cores = {}
-        for g in (0, 1):
-            glob.groups[g] = GroupHandle(g, "")
-            cores[g] = GroupCore(g, run, glob.weights, object(), members=[2 * g, 2 * g + 1],
-                                 clock=lambda: t[0])
-        for r in range(20):
-            for g, core in cores.items():
-                for w in (2 * g, 2 * g + 1):
-                    t[0] += 0.1
-                    enc, codec, bufs = sparse.encode_gradient(np.ones(100, np.float32))
-                    core.on_push(w, protocol.Push(clock=r + 1, samples=8, encoding=enc,
-                                                  codec=codec, buffers=tuple(bufs)))
-                if core.run.sync.exchange_due(core.xchg.since["pushes"], run.sync_every):
-                    out = core.begin_exchange()
-                    res = glob.merge_counted(g, core.xchg.delta(out), out.stats)
-                    core.exchanged(out, res, 0.0)
-        print(glob.version, glob.samples, float(glob.weights[0]))
+def run_without_io(compressor: str, out: Path) -> dict[str, Any]:
+    """tests/noio_cluster.py in a fresh interpreter that refuses asyncio, socket, ssl,
+    selectors, time and torch to minips: its weights, event order and figures."""
+    script = BLOCK + textwrap.dedent(f"""
+        import json
+        import noio_cluster
+        c = noio_cluster.run({compressor!r})
+        assert not {{"asyncio", "torch"}} & set(sys.modules)  # not even through the stdlib
+        np.savez({str(out)!r}, glob=c.glob.weights, **{{f"g{{g}}": k.weights
+                                                       for g, k in c.cores.items()}})
+        print(json.dumps({{"events": c.events, "merges": c.glob.version, "waits": c.waits,
+                          "samples": c.glob.samples, "logs": len(c.logs)}}))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, check=False)
-    assert out.returncode == 0, out.stderr
-    merges, samples, first = out.stdout.split()
-    # 2 groups x 2 workers x 20 steps = 80 pushes of 8 samples, an exchange every 4 pushes
-    assert (int(merges), int(samples)) == (20, 640) and float(first) < 0  # against the gradient
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False, env=env)
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))
+
+
+async def run_with_asyncio(compressor: str, events: list[Any],
+                           tmp_path: Path) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The same events in the same order through the asyncio servers: the real GlobalServer
+    and 4 GroupServers (in-process link), each PULL through ``answer_pull``, each PUSH through
+    ``on_push`` with its exchange awaited before the next event (as the cores ran it)."""
+    from minips.config import ServerConfig
+    from minips.server import GlobalServer, GroupHandle, InProcLink
+
+    cfg = ServerConfig(run=RunConfig(**noio_cluster.run_config(compressor)), port=0,
+                       run_dir=str(tmp_path), checkpoint_every_s=0)
+    srv = GlobalServer(cfg, noio_cluster.init_weights())
+    t = [0.0]
+    servers: dict[int, GroupServer] = {}
+    for g in sorted(set(noio_cluster.GROUP_OF.values())):
+        members = [w for w, h in noio_cluster.GROUP_OF.items() if h == g]
+        servers[g] = GroupServer(g, srv.run, srv.weights, InProcLink(srv), members=members,
+                                 clock=lambda: t[0])
+        srv.groups[g] = GroupHandle(g, "", members, server=servers[g])
+    workers, pushes = noio_cluster.Workers(compressor), {}
+    try:
+        for kind, who, t[0] in events:
+            if kind == "flush":
+                await servers[who].flush(final=True)
+                continue
+            gs = servers[noio_cluster.GROUP_OF[who]]
+            if kind == "pull":
+                assert gs.may_answer(who)  # it was answered then: it is now
+                pushes[who] = workers.step(who, await gs.answer_pull(who, workers.held[who]))
+            else:
+                workers.acked(who, gs.on_push(who, pushes.pop(who)))
+                await gs.settle()
+        assert srv.weights is not None
+        return srv.weights.copy(), [gs.weights.copy() for gs in servers.values()]
+    finally:
+        for gs in servers.values():
+            await gs.close()
+        await srv.close()
+
+
+@pytest.mark.parametrize("compressor", ["none", "topk"])
+async def test_a_whole_cluster_of_cores_without_io_trains_as_the_asyncio_servers_do(
+        compressor: str, tmp_path: Path) -> None:
+    """A GlobalCore, 4 GroupCores and 8 workers (softmax regression, numpy) in one thread with
+    a fake clock, in an interpreter without asyncio, sockets, clocks or torch: it learns, SSP
+    holds PULLs, groups exchange; the asyncio servers driven through the same event order end
+    with the same weights, bit for bit (the same float operations in the same order: the
+    cores are the servers' rules, the shells only carry the messages)."""
+    got = run_without_io(compressor, tmp_path / "noio.npz")
+    # 8 workers x 12 pushes of 16 samples; an exchange every 3 pushes of a group
+    assert (got["samples"], got["merges"]) == (8 * 12 * 16, 4 * 8 + 4)
+    assert got["waits"] > 0 and got["logs"] == got["merges"]  # one record per exchange
+    noio = np.load(tmp_path / "noio.npz")
+    before = noio_cluster.accuracy(noio_cluster.init_weights())
+    assert noio_cluster.accuracy(noio["glob"]) > before + 0.4
+    glob, groups = await run_with_asyncio(compressor, got["events"], tmp_path / "asyncio")
+    assert np.array_equal(glob, noio["glob"])
+    for g, weights in enumerate(groups):
+        assert np.array_equal(weights, noio[f"g{g}"])
 
 
 def test_two_workers_in_bsp_are_synchronous_sgd_on_the_core() -> None:
-    core = GroupCore(0, run("bsp"), np.zeros(N, np.float32), NoLink(), members=[0, 1],
-                     clock=lambda: 0.0)
+    core = GroupCore(0, run("bsp"), np.zeros(N, np.float32), NoLink(), members=[0, 1])
     drive(core, 30, seed=1)
     ref_w, opt = np.zeros(N, np.float32), optim.SGD(N, lr=0.1, momentum=0.9, weight_decay=5e-4)
     rng = np.random.default_rng(1)
@@ -142,7 +195,7 @@ async def test_the_asyncio_server_answers_as_the_core_does(mode: str, compressor
     """Same events in the same order: the same weights, versions and answers, bit for bit
     (with topk, the compressed downlink's sparse answers too)."""
     core = GroupCore(0, run(mode, compressor), np.zeros(N, np.float32), NoLink(),
-                     members=[0, 1], clock=lambda: 0.0)
+                     members=[0, 1])
     server = GroupServer(0, run(mode, compressor), np.zeros(N, np.float32), NoLink(),
                          members=[0, 1], clock=lambda: 0.0)
     try:
