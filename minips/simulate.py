@@ -110,7 +110,7 @@ class SimGroup(GroupCore):
     def perform(self, actions: list[Action]) -> Any:
         """Do what the core asked; return its reply. A ``Wake`` releases the held PULLs last
         (after an exchange is scheduled); the simulation has no leaves, so no ``AllLeft``."""
-        reply, wake = None, False
+        reply = None
         for a in actions:
             if isinstance(a, Reply):
                 reply = a.msg
@@ -118,11 +118,10 @@ class SimGroup(GroupCore):
                 self.in_flight = True
                 self.sim.at(self.sim.cfg.xchg_latency_s, self.sim.exchange, self.group)
             elif isinstance(a, BudgetSpent):
-                self.done = wake = True
+                self.done = True
             elif isinstance(a, Log):
                 self.log(a.event, **a.fields)
-            wake = wake or isinstance(a, Wake)
-        if wake:
+        if any(isinstance(a, Wake | BudgetSpent) for a in actions):
             self.sim.release(self)
         return reply
 
