@@ -20,6 +20,7 @@ import pytest
 from minips import optim, protocol, sparse
 from minips.config import RunConfig
 from minips.group import GroupServer
+from minips.group_actions import AllLeft, Log, Reply, StartExchange, Wake
 from minips.group_core import GroupCore
 
 N = 500
@@ -207,3 +208,22 @@ async def test_the_asyncio_server_answers_as_the_core_does(mode: str, compressor
         assert compressor == "none" or any(x.since >= 0 for x in a)  # updates, not only dense
     finally:
         await server.close()
+
+
+def test_the_core_answers_each_event_with_the_actions_due() -> None:
+    """join: the first ACK; a push: its ACK, ``Wake`` only when the lowest clock moved,
+    ``StartExchange`` every ``sync_every`` pushes; a lease running out: a log line and ``Wake``;
+    the last worker leaving: ``AllLeft``."""
+    core = GroupCore(0, RunConfig(workers=2, mode="ssp", lr_warmup=0, sync_every=3, lease_s=10),
+                     np.zeros(N, np.float32), NoLink(), members=[0, 1])
+    grad = np.ones(N, np.float32)
+    assert core.join(0, 0.0) == [Reply(0, protocol.Ack(clock=0, version=0))]
+    assert core.join(1, 0.0) == [Reply(1, protocol.Ack(clock=0, version=0))]
+    assert core.push(0, push(1, grad), 1.0) == [Reply(0, protocol.Ack(clock=1, version=1))]
+    assert core.push(1, push(1, grad), 1.0) == [Reply(1, protocol.Ack(clock=1, version=2)),
+                                                Wake()]  # the lowest clock: 0 -> 1
+    assert core.push(0, push(2, grad), 2.0) == [Reply(0, protocol.Ack(clock=2, version=3)),
+                                                StartExchange()]
+    assert core.tick(9.0, {0: 8.0, 1: 1.0}) == []  # both within their lease
+    assert core.tick(12.0, {0: 11.0}) == [Log("expired", {"workers": [1]}), Wake()]
+    assert core.leave(0) == [Wake(), AllLeft()]
