@@ -90,7 +90,7 @@ class Workers:
         shard = np.arange(w, SAMPLES, len(STEP_S))
         batch = np.random.default_rng(1000 * w + self.clock[w]).choice(shard, BATCH)
         loss, grad = loss_and_grad(copy, self.x[batch], self.y[batch])
-        enc, codec, bufs = sparse.encode_gradient(self.comp[w].compress(grad))
+        enc, codec, bufs = self.comp[w].encode(self.comp[w].compress(grad))  # as a worker does
         return protocol.Push(clock=self.clock[w] + 1, step_time=STEP_S[w], loss=loss,
                              samples=BATCH, encoding=enc, codec=codec, buffers=tuple(bufs))
 
