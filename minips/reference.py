@@ -34,6 +34,7 @@ from torch import nn
 
 from minips import data, models, optim
 from minips.errors import ConfigError
+from minips.model_nets import net_name
 
 __all__ = ["train", "sgd_step", "worker_streams"]
 
@@ -56,9 +57,9 @@ def worker_streams(ds: data.Dataset, workers: int, batch_size: int, seed: int
 
 
 def _model_name(model: nn.Module) -> str:
-    for name, cls in models._BUILDERS.items():
-        if type(model) is cls:
-            return name
+    name = net_name(model)
+    if name is not None:
+        return name
     raise ConfigError(f"cannot tell the loss of {type(model).__name__}; pass name=")
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minips import data
+from minips import data, data_files
 from minips.errors import ConfigError, DataError
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -162,7 +162,7 @@ def test_bad_idx_header_and_label_mismatch(tmp_path: Path) -> None:
 
 
 def test_cifar10_binary_batches(tmp_path: Path) -> None:
-    batches = write_cifar(tmp_path / data._CIFAR_SUBDIR)  # the archive's own folder name
+    batches = write_cifar(tmp_path / data_files.CIFAR_SUBDIR)  # the archive's own folder name
     train = load_local("cifar10", "train", tmp_path)
     test = load_local("cifar10", "test", tmp_path)
     assert train.x.shape == (20, 3, 32, 32) and test.x.shape == (4, 3, 32, 32)
@@ -190,10 +190,10 @@ def test_cifar10_truncated_and_corrupt(tmp_path: Path) -> None:
 
 def cifar_archive(tmp_path: Path) -> bytes:
     src = tmp_path / "src"
-    write_cifar(src / data._CIFAR_SUBDIR, per_batch=3)
+    write_cifar(src / data_files.CIFAR_SUBDIR, per_batch=3)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        tar.add(src / data._CIFAR_SUBDIR, arcname=data._CIFAR_SUBDIR)
+        tar.add(src / data_files.CIFAR_SUBDIR, arcname=data_files.CIFAR_SUBDIR)
     return buf.getvalue()
 
 

@@ -92,10 +92,10 @@ def test_epochs_and_history(small: data.Dataset) -> None:
         reference.train("lenet5", small, lr=0.1, seed=0, epochs=1, steps=3)
 
 
-def test_module_argument_and_alias(small: data.Dataset) -> None:
+def test_module_argument_same_as_name(small: data.Dataset) -> None:
     model = models.build_model("lenet5", seed=3)
     a, _ = reference.train(model, small, lr=0.05, seed=3, steps=3, batch_size=16)
-    b, _ = models.reference_train("lenet5", small, lr=0.05, seed=3, steps=3, batch_size=16)
+    b, _ = reference.train("lenet5", small, lr=0.05, seed=3, steps=3, batch_size=16)
     np.testing.assert_array_equal(a, b)
 
 
