@@ -4,7 +4,8 @@
 mode, compressor, budget). The global server owns it and sends it to every client in
 WELCOME.info (``to_info`` / ``from_info``), so a worker or group server needs nothing but the
 global server's address and the shared secret. The other dataclasses hold what is local to one
-process (addresses, emulated slowness, files).
+process (addresses, emulated slowness, files). Addresses, TLS and the bind check are in
+endpoints.py (re-exported here).
 
 Invariants: ``validate()`` raises ``ConfigError`` naming the field; ``from_info(to_info(c)) == c``.
 Units are in each field's comment; times are seconds, sizes bytes, rates bytes per second.
@@ -13,18 +14,25 @@ Units are in each field's comment; times are seconds, sizes bytes, rates bytes p
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from minips.compress.registry import is_sparse
+from minips.endpoints import (
+    MIN_SECRET_BYTES,
+    WILDCARD_HOSTS,
+    check_bind,
+    client_ssl,
+    format_address,
+    is_loopback,
+    parse_address,
+    reachable,
+    server_ssl,
+)
 from minips.errors import ConfigError
 from minips.optim import SCHEDULES
 from minips.sync import MODES, SyncPolicy, policy
-
-if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
-    import ssl
 
 __all__ = [
     "MODES",
@@ -48,6 +56,7 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "is_loopback",
 ]
+
 
 @dataclass
 class RunConfig:
@@ -281,40 +290,6 @@ class LaunchConfig:
         return self.devices[min(worker, len(self.devices) - 1)] if self.devices else "auto"
 
 
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: an address to listen on only
-
-
-def _split_address(text: str, default_port: int) -> tuple[str, str]:
-    """'host:port', 'host', ':port' or '[v6]:port' → (host without brackets, '' if none; port
-    text)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or (text.startswith("[") and not host.endswith("]")):  # 'host' or '[v6]'
-        host, port = text, str(default_port)
-    return host.removeprefix("[").removesuffix("]"), port
-
-
-def parse_address(text: str, default_port: int = 7070) -> tuple[str, int]:
-    """'host:port', 'host', ':port' or '[v6]:port' → (host, port), no host meaning 127.0.0.1;
-    raises ConfigError when malformed."""
-    host, port = _split_address(text, default_port)
-    try:
-        return host or "127.0.0.1", int(port)
-    except ValueError:
-        raise ConfigError(f"bad address {text!r}, expected HOST:PORT") from None
-
-
-def format_address(host: str, port: int) -> str:
-    """'host:port', with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def reachable(address: str, host: str) -> str:
-    """``address`` ('host:port') with an empty or wildcard host replaced by ``host``, a host
-    that is known to reach that machine."""
-    own = _split_address(address, 0)[0]
-    return format_address(host, parse_address(address)[1]) if own in WILDCARD_HOSTS else address
-
-
 def parse_slowdowns(text: str) -> list[float]:
     """'1,1,2x2,4' → [1, 1, 2, 2, 4]; 'FxN' repeats F N times."""
     out: list[float] = []
@@ -355,51 +330,3 @@ def dataset_train_size(name: str, override: int = 0) -> int:
     if name not in TRAIN_SIZES:
         raise ConfigError(f"unknown training set size of {name!r}; set train_size")
     return TRAIN_SIZES[name]
-
-
-def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:
-    """TLS context for a listening server, or None for plain TCP."""
-    if not cert:
-        return None
-    import ssl
-
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
-    return ctx
-
-
-def client_ssl(ca: str | None) -> ssl.SSLContext | None:
-    """TLS context that verifies the server against ``ca``, or None for plain TCP."""
-    if not ca:
-        return None
-    import ssl
-
-    return ssl.create_default_context(cafile=ca)
-
-
-def is_loopback(host: str) -> bool:
-    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
-
-
-MIN_SECRET_BYTES = 16  # a shorter secret on a reachable address could be guessed
-
-
-def check_bind(host: str, token: str, insecure: bool) -> None:
-    """Refuse to listen beyond this machine without a shared secret (unless ``insecure``) or
-    with one shorter than ``MIN_SECRET_BYTES``."""
-    if is_loopback(host):
-        return
-    if not token and not insecure:
-        raise ConfigError(f"refusing to listen on {host} without a secret: set MINIPS_TOKEN "
-                          f"(or pass --insecure to accept anyone who can reach this address)")
-    if token and len(token.encode()) < MIN_SECRET_BYTES:
-        raise ConfigError(
-            f"refusing to listen on {host} with a {len(token.encode())}-byte MINIPS_TOKEN: a "
-            f"secret for a non-loopback address needs at least {MIN_SECRET_BYTES} bytes; make "
-            "one with: python3 -c 'import secrets; print(secrets.token_hex(16))'")

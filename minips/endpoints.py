@@ -1,0 +1,104 @@
+"""Where the roles listen and connect, and how safely: addresses, TLS contexts, the bind check.
+
+``parse_address`` / ``format_address`` / ``reachable`` read and write 'host:port' (IPv6 in
+brackets; a wildcard host is replaced by one that reaches the machine). ``server_ssl`` /
+``client_ssl`` make TLS contexts (``ssl`` is imported only then). ``check_bind`` refuses to
+listen beyond loopback without a long enough shared secret. Re-exported by config.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import TYPE_CHECKING
+
+from minips.errors import ConfigError
+
+if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
+    import ssl
+
+__all__ = [
+    "WILDCARD_HOSTS", "parse_address", "format_address", "reachable", "server_ssl",
+    "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind",
+]
+
+
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: an address to listen on only
+
+
+def _split_address(text: str, default_port: int) -> tuple[str, str]:
+    """'host:port', 'host', ':port' or '[v6]:port' → (host without brackets, '' if none; port
+    text)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or (text.startswith("[") and not host.endswith("]")):  # 'host' or '[v6]'
+        host, port = text, str(default_port)
+    return host.removeprefix("[").removesuffix("]"), port
+
+
+def parse_address(text: str, default_port: int = 7070) -> tuple[str, int]:
+    """'host:port', 'host', ':port' or '[v6]:port' → (host, port), no host meaning 127.0.0.1;
+    raises ConfigError when malformed."""
+    host, port = _split_address(text, default_port)
+    try:
+        return host or "127.0.0.1", int(port)
+    except ValueError:
+        raise ConfigError(f"bad address {text!r}, expected HOST:PORT") from None
+
+
+def format_address(host: str, port: int) -> str:
+    """'host:port', with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def reachable(address: str, host: str) -> str:
+    """``address`` ('host:port') with an empty or wildcard host replaced by ``host``, a host
+    that is known to reach that machine."""
+    own = _split_address(address, 0)[0]
+    return format_address(host, parse_address(address)[1]) if own in WILDCARD_HOSTS else address
+
+
+def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:
+    """TLS context for a listening server, or None for plain TCP."""
+    if not cert:
+        return None
+    import ssl
+
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+def client_ssl(ca: str | None) -> ssl.SSLContext | None:
+    """TLS context that verifies the server against ``ca``, or None for plain TCP."""
+    if not ca:
+        return None
+    import ssl
+
+    return ssl.create_default_context(cafile=ca)
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+MIN_SECRET_BYTES = 16  # a shorter secret on a reachable address could be guessed
+
+
+def check_bind(host: str, token: str, insecure: bool) -> None:
+    """Refuse to listen beyond this machine without a shared secret (unless ``insecure``) or
+    with one shorter than ``MIN_SECRET_BYTES``."""
+    if is_loopback(host):
+        return
+    if not token and not insecure:
+        raise ConfigError(f"refusing to listen on {host} without a secret: set MINIPS_TOKEN "
+                          f"(or pass --insecure to accept anyone who can reach this address)")
+    if token and len(token.encode()) < MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"refusing to listen on {host} with a {len(token.encode())}-byte MINIPS_TOKEN: a "
+            f"secret for a non-loopback address needs at least {MIN_SECRET_BYTES} bytes; make "
+            "one with: python3 -c 'import secrets; print(secrets.token_hex(16))'")
