@@ -3,12 +3,14 @@
 ``parse_address`` / ``format_address`` / ``reachable`` read and write 'host:port' (IPv6 in
 brackets; a wildcard host is replaced by one that reaches the machine). ``server_ssl`` /
 ``client_ssl`` make TLS contexts (``ssl`` is imported only then). ``check_bind`` refuses to
-listen beyond loopback without a long enough shared secret. Re-exported by config.py.
+listen beyond loopback without a long enough shared secret, and ``shared_secret`` finds it
+($MINIPS_TOKEN unless given). Re-exported by config.py.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 from typing import TYPE_CHECKING
 
 from minips.errors import ConfigError
@@ -18,8 +20,15 @@ if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
 
 __all__ = [
     "WILDCARD_HOSTS", "parse_address", "format_address", "reachable", "server_ssl",
-    "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind",
+    "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind", "TOKEN_ENV", "shared_secret",
 ]
+
+TOKEN_ENV = "MINIPS_TOKEN"  # environment variable holding the shared secret
+
+
+def shared_secret(token: str | bytes | None) -> str | bytes | None:
+    """``token``, or $MINIPS_TOKEN when it is None (None when that is unset too)."""
+    return os.environ.get(TOKEN_ENV) if token is None else token
 
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: an address to listen on only
