@@ -136,7 +136,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluator(args: argparse.Namespace) -> int:
-    from minips.worker import run_evaluator
+    from minips.evaluator import run_evaluator
 
     run_evaluator(_worker_config(args))
     return 0

@@ -39,7 +39,6 @@ from minips.unsaved import seqs_in
 
 __all__ = ["TcpLink", "serve_group", "run_group_process"]
 
-RECONNECT_ATTEMPTS = 10_000  # reconnect_s bounds the reconnect, not the count
 POLL_S = 0.2  # how often the serving loop looks at the link and the group
 
 
@@ -107,7 +106,7 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     """Connect as role ``group``, take ASSIGN and the global weights; (re)load the group."""
     ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
                                  group=gs.group, token=cfg.token, timeout=timeout,
-                                 retries=RECONNECT_ATTEMPTS, ssl=client_ssl(cfg.tls_ca))
+                                 retries=None, ssl=client_ssl(cfg.tls_ca))  # net_retry.backoff
     run = RunConfig.from_info(ch.welcome_info)
     ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease
     link = TcpLink(ch)

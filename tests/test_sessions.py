@@ -114,11 +114,11 @@ async def test_concurrent_minus_one_hellos_get_different_ids(tmp_path: Path) -> 
 
 
 def test_a_worker_told_replaced_stops_instead_of_reconnecting() -> None:
-    from minips.worker import _Stopped  # torch: imported only here
+    from minips.worker_link import Stopped  # torch: imported only here
 
-    stop = _Stopped(protocol.Error(code="replaced", reason="another connection"))
+    stop = Stopped(protocol.Error(code="replaced", reason="another connection"))
     assert stop.final and "replaced" in stop.error
-    assert not _Stopped(protocol.Error(code="lease", reason="expired")).final
+    assert not Stopped(protocol.Error(code="lease", reason="expired")).final
 
 
 def test_an_id_is_held_for_its_handshake_and_freed_if_it_never_finishes() -> None:
