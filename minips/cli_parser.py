@@ -15,6 +15,7 @@ from minips.links import SHAPINGS
 
 __all__ = ["build_parser", "DESCRIPTION"]
 
+Subparsers = argparse._SubParsersAction  # what add_subparsers returns: one add_parser per command
 DESCRIPTION = "`minips` command line: server, group, worker, evaluator, local, plot."
 
 
@@ -31,7 +32,7 @@ def _add_insecure(p: argparse.ArgumentParser) -> None:
                    help="allow listening beyond loopback without MINIPS_TOKEN (anyone may join)")
 
 
-def _add_local(sub: Any) -> None:
+def _add_local(sub: Subparsers) -> None:
     """`minips local`: a whole cluster on this machine."""
     loc = sub.add_parser("local", help="a whole cluster on this machine")
     add_run_flags(loc)
@@ -67,7 +68,7 @@ def _add_watch(p: argparse.ArgumentParser) -> None:
                    help="write the run's series as TensorBoard scalars to DIR (default off)")
 
 
-def _add_server(sub: Any) -> None:
+def _add_server(sub: Subparsers) -> None:
     """`minips server`: the global server."""
     srv = sub.add_parser("server", help="the global server (numpy only)")
     add_run_flags(srv)
@@ -98,7 +99,7 @@ def _add_server(sub: Any) -> None:
     _add_tls(srv, server=True, client=False)
 
 
-def _add_group(sub: Any) -> None:
+def _add_group(sub: Subparsers) -> None:
     """`minips group`: a group server near its workers."""
     grp = sub.add_parser("group", help="a group server near its workers (numpy only)")
     grp.add_argument("--connect", required=True, help="global server HOST:PORT")
@@ -111,7 +112,7 @@ def _add_group(sub: Any) -> None:
     _add_tls(grp, server=True, client=True)
 
 
-def _add_clients(sub: Any) -> None:
+def _add_clients(sub: Subparsers) -> None:
     """`minips worker` and `minips evaluator`."""
     for name, help_ in (("worker", "a training worker (PyTorch)"),
                         ("evaluator", "pulls the global weights and measures test accuracy")):
@@ -140,7 +141,7 @@ def _add_clients(sub: Any) -> None:
         _add_tls(w, server=False, client=True)
 
 
-def _add_dashboard(sub: Any) -> None:
+def _add_dashboard(sub: Subparsers) -> None:
     """`minips dashboard`: replay a finished run in the browser."""
     d = sub.add_parser("dashboard", help="replay a finished run directory on the web dashboard")
     d.add_argument("run_dir", help="run directory to replay (runs/<run>)")
@@ -162,7 +163,7 @@ def _add_device(p: argparse.ArgumentParser, per_worker: bool = False) -> None:
                         "float16 with loss scaling")
 
 
-def _add_plot(sub: Any) -> None:
+def _add_plot(sub: Subparsers) -> None:
     """`minips plot`."""
     plt = sub.add_parser("plot", help="PNG charts from run directories")
     plt.add_argument("run_dirs", nargs="+", help="run directories to draw")

@@ -229,7 +229,7 @@ class Worker:
             del w  # the weights frame, a whole model's worth, is not kept through the step
             await self._step(link, info, wait_s, t_step)
 
-    def _load(self, w: Any) -> dict[str, Any]:
+    def _load(self, w: protocol.Weights) -> dict[str, Any]:
         """Decode WEIGHTS into the copy held and the model; returns its info."""
         self.replica = apply_weights(self.replica, self.held, w, self.compressor.size)
         self.held = int(w.version)
@@ -286,7 +286,8 @@ class Worker:
                                                    loss=loss, samples=self.samples))
 
     def _record(self, info: dict[str, Any], wait_s: float, step_time: float, loss: float,
-                push: Any, wire_bytes: int, epoch: int, link: Link, **phases: Any) -> None:
+                push: protocol.Push, wire_bytes: int, epoch: int, link: Link,
+                **phases: Any) -> None:
         assert self.writer is not None
         self.writer.write({
             "t": time.time() - self.run_cfg.t0, "worker": self.id, "group": info.get("group"),
