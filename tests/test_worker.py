@@ -10,6 +10,7 @@ import asyncio
 import socket
 import time
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -147,7 +148,7 @@ class _Sink:
 async def test_link_adds_its_latency_to_every_send() -> None:
     """(Its rates pace the channel itself: tests/test_links.py, on real sockets.)"""
     sink = _Sink()
-    link = Link(sink, bandwidth_bps=0.0, latency_s=0.02)
+    link = Link(cast(transport.Channel, sink), bandwidth_bps=0.0, latency_s=0.02)
     msg = protocol.Push(clock=1, encoding="dense-f32", buffers=(bytes(50_000),))
     t = time.perf_counter()
     await link.send(msg)
