@@ -5,7 +5,7 @@ mode, compressor, budget). The global server owns it and sends it to every clien
 WELCOME.info (``to_info`` / ``from_info``), so a worker or group server needs nothing but the
 global server's address and the shared secret. The other dataclasses hold what is local to one
 process (addresses, emulated slowness, files). Addresses, TLS and the bind check are in
-endpoints.py (re-exported here).
+endpoints.py, the named presets in presets.py (both re-exported here).
 
 Invariants: ``validate()`` raises ``ConfigError`` naming the field; ``from_info(to_info(c)) == c``.
 Units are in each field's comment; times are seconds, sizes bytes, rates bytes per second.
@@ -32,6 +32,7 @@ from minips.endpoints import (
 )
 from minips.errors import ConfigError
 from minips.optim import SCHEDULES
+from minips.presets import PRESETS
 from minips.sync import MODES, SyncPolicy, policy
 
 __all__ = [
@@ -242,22 +243,6 @@ class WorkerConfig:
     compress_on_device: bool | None = None  # select with torch on the device; None: off the CPU
     connect_timeout_s: float = 10.0  # give up on an unreachable server after this
     reconnect_s: float = 120.0  # how long to keep trying when a server is lost mid-run
-
-
-# Presets are named partial configs; CLI flags given explicitly override them. The demo is the
-# README's main job: 5 epochs at lr 0.05 end near 85% test accuracy in about a minute of training
-# on 2 cores (3 epochs at lr 0.1 ended at 79-82%). No DGC warm-up (at 25% kept it was ~70 MB of
-# the upload) and float16 values: about 27 MB up and 54 MB down (sparse downlink) for 85.8%.
-PRESETS: dict[str, dict[str, Any]] = {
-    "demo": {
-        "run": {"model": "lenet5", "dataset": "fashion-mnist", "mode": "gssp",
-                "compressor": "gdtopk", "workers": 8, "epochs": 5.0, "wall_s": 180.0,
-                "staleness": 3, "sync_every": 4, "base_step_s": 0.04, "lr": 0.05,
-                "lr_schedule": "cosine", "gdtopk_direction": "slower-less",
-                "compressor_opts": {"warmup_epochs": 0, "value_dtype": "f16"}},
-        "slowdowns": [1, 1, 1.5, 1.5, 2, 2, 4, 4],
-    },
-}
 
 
 @dataclass

@@ -15,7 +15,7 @@ import import_loops  # noqa: E402
 SPLIT = ("channel frame_protocol transport tcp_server net_retry endpoints worker worker_link "
          "worker_control worker_setup evaluator cli cli_flags cli_parser cli_checks launch "
          "cluster progress server_process metrics rundir hops config data data_files models "
-         "model_nets reference device plot").split()
+         "model_nets reference device plot presets").split()
 
 
 def test_late_and_type_checking_imports_count_as_edges(tmp_path: Path) -> None:
