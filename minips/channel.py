@@ -27,10 +27,9 @@ Invariants:
   a HEARTBEAT waits for the frame in progress); it reads as ``pacer.ReadPacer`` allows (reading
   pauses while the downlink bucket is in debt; past the receive buffer the peer's TCP waits).
 
-Public API: ``Channel``, ``write_batches``; re-exported from frame_protocol.py: ``Options``,
-``FrameProtocol`` (for ``transport.py``), ``tune_socket(sock, buffer_bytes)``, and the
-constants ``READ_TIMEOUT_S``, ``SEND_TIMEOUT_S``, ``HANDSHAKE_TIMEOUT_S``, ``MAX_QUEUED``,
-``MAX_QUEUED_BYTES``, ``SOCKET_BUFFER_BYTES``, ``WRITE_BYTES``.
+Public API: ``Channel``, ``write_batches``, and ``tune_socket(sock, buffer_bytes)``
+(re-exported from frame_protocol.py, which holds ``Options``, ``FrameProtocol`` and the
+timeout / queue constants).
 """
 
 from __future__ import annotations
@@ -42,25 +41,10 @@ from typing import Any
 
 from minips import protocol as p
 from minips.errors import LocalProtocolError
-from minips.frame_protocol import (
-    HANDSHAKE_TIMEOUT_S,
-    MAX_QUEUED,
-    MAX_QUEUED_BYTES,
-    READ_TIMEOUT_S,
-    SEND_TIMEOUT_S,
-    SOCKET_BUFFER_BYTES,
-    WRITE_BYTES,
-    FrameProtocol,
-    Options,
-    tune_socket,
-)
+from minips.frame_protocol import WRITE_BYTES, FrameProtocol, tune_socket
 from minips.links import Pacing, TokenBucket
 
-__all__ = [
-    "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "SOCKET_BUFFER_BYTES", "WRITE_BYTES",
-    "MAX_QUEUED", "MAX_QUEUED_BYTES", "Options", "FrameProtocol", "Channel", "tune_socket",
-    "write_batches",
-]
+__all__ = ["Channel", "write_batches", "tune_socket"]
 
 def _time_out(waiter: asyncio.Future[None]) -> None:
     """recv()'s deadline: its waiter raises TimeoutError (unless a message came first)."""

@@ -24,9 +24,10 @@ from typing import Any
 
 from minips import guard as g
 from minips import protocol as p
-from minips.channel import Channel, FrameProtocol, Options
+from minips.channel import Channel
 from minips.endpoints import shared_secret
 from minips.errors import AuthError, RemoteProtocolError
+from minips.frame_protocol import FrameProtocol, Options
 from minips.logcounts import CountingLog
 
 __all__ = ["Accept", "Handler", "Server", "serve"]

@@ -11,7 +11,7 @@ handshake failed is aborted.
 
 Public API:
 - ``install_uvloop() -> bool``: use uvloop's event loop policy where it imports.
-- ``Options``, ``Channel`` and the timeout / queue constants (defined in channel.py).
+- ``Channel`` (channel.py), ``Options`` and the timeout / queue constants (frame_protocol.py).
 - ``async connect(host, port, *, role, worker_id, token, timeout, retries, ssl, ...) -> Channel``
   raises ``AuthError`` on REFUSE, ``ConnectionError`` when unreachable within ``timeout``.
 - ``async serve(host, port, *, accept, handler, token, ssl, options) -> Server``:
@@ -36,7 +36,10 @@ import ssl as ssl_module
 
 from minips import net_retry
 from minips import protocol as p
-from minips.channel import (
+from minips.channel import Channel
+from minips.endpoints import TOKEN_ENV, shared_secret
+from minips.errors import AuthError
+from minips.frame_protocol import (
     HANDSHAKE_TIMEOUT_S,
     MAX_QUEUED,
     MAX_QUEUED_BYTES,
@@ -44,12 +47,9 @@ from minips.channel import (
     SEND_TIMEOUT_S,
     SOCKET_BUFFER_BYTES,
     WRITE_BYTES,
-    Channel,
     FrameProtocol,
     Options,
 )
-from minips.endpoints import TOKEN_ENV, shared_secret
-from minips.errors import AuthError
 from minips.tcp_server import Server, serve
 
 __all__ = [
