@@ -124,6 +124,7 @@ class Worker:
             raise WorkerStopped(self.control.stopped_by)
 
     def _setup(self) -> None:
+        """Model, data, compressor and files, once WELCOME told the run config."""
         parts = worker_setup.build(self.cfg, self.run_cfg, self.id)
         self.parts, self.trainer, self.compressor = parts, parts.trainer, parts.compressor
         self.stream, self.writer = parts.stream, parts.writer
@@ -132,8 +133,8 @@ class Worker:
         flat = self.trainer.host_weights()  # (n,) float32
         encoding, codec, buffers = sparse.encode_gradient(flat)
         await self.control.ch.send(protocol.Push(clock=0, encoding=encoding,
-                                          codec={**codec, "size": int(flat.size)},
-                                          buffers=tuple(buffers)))
+                                                 codec={**codec, "size": int(flat.size)},
+                                                 buffers=tuple(buffers)))
 
     async def _calibrate(self) -> None:
         """Time a few steps on the first batch (model, stream and compressor untouched)."""
@@ -144,7 +145,7 @@ class Worker:
             times.append(await self._stretch(time.perf_counter() - t))
         # The fastest step: other processes starting up only ever make a step slower.
         await self.control.ch.send(protocol.Stats(clock=0, step_time=float(np.min(times)),
-                                           loss=loss, samples=0))
+                                                  loss=loss, samples=0))
         self._stats_at = time.monotonic()
         self._recent: list[float] = []  # step times since the last STATS
 
