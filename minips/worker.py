@@ -284,7 +284,7 @@ class Worker:
             median, self._recent = float(np.median(self._recent)), []
             with contextlib.suppress(ConnectionError, MiniPSError):
                 await self.control.ch.send(protocol.Stats(clock=self.clock, step_time=median,
-                                                   loss=loss, samples=self.samples))
+                                                          loss=loss, samples=self.samples))
 
     def _record(self, info: dict[str, Any], wait_s: float, step_time: float, loss: float,
                 push: protocol.Push, wire_bytes: int, epoch: int, link: Link,
