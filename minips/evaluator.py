@@ -67,7 +67,7 @@ async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunC
     log.warning("evaluator: global server lost (%s); reconnecting for up to %.0f s", exc,
                 cfg.reconnect_s)
     ch = await connect_role(cfg, cfg.server_host, cfg.server_port, "evaluator", -1,
-                        timeout=cfg.reconnect_s, retries=None)
+                            timeout=cfg.reconnect_s, retries=None)
     writer.write({"t": time.time() - run.t0, "event": "server_back"})
     return ch
 

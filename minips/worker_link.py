@@ -64,9 +64,10 @@ class Stopped(MiniPSError):
 
 
 async def connect_role(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int, *,
-                   group: int = -1, timeout: float | None = None,
-                   retries: int | None = 5) -> Channel:
-    """One connection (``retries`` more attempts with backoff) within ``timeout`` seconds."""
+                       group: int = -1, timeout: float | None = None,
+                       retries: int | None = 5) -> Channel:
+    """One connection (``retries`` more attempts with backoff; None: as many as ``timeout``
+    allows) within ``timeout`` seconds (default: ``cfg.connect_timeout_s``)."""
     timeout = cfg.connect_timeout_s if timeout is None else timeout
     return await transport.connect(host, port, role=role, worker_id=worker_id, group=group,
                                    token=cfg.token, timeout=timeout, ssl=client_ssl(cfg.tls_ca),
