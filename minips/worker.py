@@ -248,8 +248,7 @@ class Worker:
         self.compressor.observe_loss(loss)
         packet = self.compressor.compress(grad)
         lap.append(time.perf_counter())
-        encoding, codec, buffers = sparse.encode_gradient(packet,
-                                                          value_dtype=self.parts.value_dtype)
+        encoding, codec, buffers = self.compressor.encode(packet)  # in the encoding it declares
         lap.append(time.perf_counter())
         step_time = await self._stretch(lap[-1] - t)
         push = protocol.Push(clock=self.clock + 1, step_time=step_time, loss=loss,

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from minips import data, device, models, provenance, sparse
+from minips.compress.device_compress import DeviceCompressor, HostCompressor, device_compressor
 from minips.config import RunConfig, WorkerConfig
-from minips.device_compress import DeviceCompressor, HostCompressor, device_compressor
 from minips.metrics import JsonlWriter, RunDir
 
 __all__ = ["Parts", "build"]
@@ -33,7 +33,6 @@ class Parts:
     first_batch: tuple[np.ndarray, np.ndarray]  # what calibration times (stream untouched)
     shard_size: int  # samples in the worker's shard
     compressor: HostCompressor | DeviceCompressor
-    value_dtype: str  # "f16" when the compressor rounds its values to float16, else "f32"
     writer: JsonlWriter  # worker-<id>.jsonl
     device_file: Path  # worker-<id>.device.json
     device_info: dict[str, Any]
@@ -65,7 +64,6 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
         trainer=trainer, stream=data.batch_stream(ds, shard, run.batch_size, run.seed),
         first_batch=(ds.x[shard[: run.batch_size]], ds.y[shard[: run.batch_size]]),
         shard_size=len(shard), compressor=compressor,
-        value_dtype=str(run.compressor_opts.get("value_dtype", "f32")),
         writer=run_dir.writer(f"worker-{worker_id}"),
         device_file=run_dir.file(f"worker-{worker_id}.device.json"), device_info=info)
     print(f"minips worker {worker_id}: " + ", ".join(
