@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from minips.cli_checks import at_least, slowdown_factors
+from minips.sim_timing import Failure, parse_failures
 from minips.config import RunConfig
 from minips.errors import ConfigError
 
@@ -24,8 +25,9 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
                        "for thousands of workers)",
                        description="The global server's and the group servers' own rules "
                        "(global_core.py, group_core.py) driven by an event queue in simulated "
-                       "time: workers with compute times and links, gradients of a synthetic "
-                       "objective. Writes a run directory like `minips local`.")
+                       "time: workers with compute times, links and failures, gradients of a "
+                       "synthetic objective or of the run's real model. Writes a run directory "
+                       "like `minips local`.")
     add_run_flags(p)
     p.add_argument("--slowdown", type=slowdown_factors, help="factors F per worker: 1,1,2x2,4 (a "
                    "step takes F x --base-step; the last repeats; default 1)")
@@ -35,6 +37,15 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
                    help="each worker's link, mbit/s each way (default 0: no limit)")
     p.add_argument("--latency-ms", type=at_least(0), default=0.0,
                    help="one-way latency of each message, ms (default 0)")
+    p.add_argument("--latency-jitter-ms", type=at_least(0), default=0.0,
+                   help="plus this times |N(0,1)| on each message, ms (default 0)")
+    p.add_argument("--fail", type=failures, default=[],
+                   help="workers that drop: W@T (worker W at T simulated s, for good) or "
+                   "W@T+D (rejoins D s later), comma separated (default none)")
+    p.add_argument("--objective", choices=("synthetic", "model"), default="synthetic",
+                   help="gradients of a synthetic quadratic (cheap, thousands of workers) or "
+                   "of the run's --model on its --dataset, as real workers (torch; default "
+                   "synthetic)")
     p.add_argument("--xchg-latency-ms", type=at_least(0), default=0.0,
                    help="delay of a group's exchange with the global server, ms (default 0)")
     p.add_argument("--dim", type=int, default=1000,
@@ -47,6 +58,14 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
     p.add_argument("--name", help="run directory name (default: time-sim-mode-compressor)")
 
 
+def failures(text: str) -> list[Failure]:
+    """Type of --fail (``sim_timing.parse_failures``)."""
+    try:
+        return parse_failures(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def command(args: argparse.Namespace, run: RunConfig) -> int:
     """Run the simulation; print its summary's headline as JSON."""
     from minips.simulate import SimConfig, simulate
@@ -57,16 +76,20 @@ def command(args: argparse.Namespace, run: RunConfig) -> int:
     slowdowns = args.slowdown or [1.0]
     if args.workers is None and args.slowdown:
         run.workers = len(slowdowns)
-    if run.dataset != "synthetic" and not run.train_size:
+    real = args.objective == "model"
+    if not real and run.dataset != "synthetic" and not run.train_size:
         run.dataset = "synthetic"  # the objective is synthetic: so are its samples
     cfg = SimConfig(run=run, slowdowns=slowdowns, jitter=args.jitter,
                     rate=args.link_mbit * 1e6 / 8, latency_s=args.latency_ms / 1e3,
-                    xchg_latency_s=args.xchg_latency_ms / 1e3, dim=args.dim, noise=args.noise,
+                    latency_jitter_s=args.latency_jitter_ms / 1e3, failures=args.fail,
+                    real=real, xchg_latency_s=args.xchg_latency_ms / 1e3, dim=args.dim,
+                    noise=args.noise,
                     max_pushes=args.max_pushes, eval_every_s=run.eval_every_s,
                     out_dir=args.out, name=args.name or "")
     summary = simulate(cfg)
     keys = ("run_dir", "mode", "compressor", "workers", "groups", "pushes", "samples",
-            "sim_s", "real_s", "mean_staleness", "mean_wait_s", "bytes_total")
+            "sim_s", "real_s", "mean_staleness", "mean_wait_s", "bytes_total",
+            "final_accuracy")
     json.dump({k: summary.get(k) for k in keys}, sys.stdout)
     print()
     return 0

@@ -1,38 +1,35 @@
 """`minips simulate`: a whole cluster as a discrete-event simulation on the real role cores.
 
-The global server and the group servers are ``GlobalCore`` and ``GroupCore``, the very rules the
-asyncio servers run (grouping, SSP/BSP inside a group, SGD and its learning rate, the compressed
-downlink, the exchanges and their merge, GDTopK's ratios, the budget); only time is simulated.
-An event queue orders what the real processes would do:
+The global server and the group servers are ``GlobalCore`` and ``GroupCore`` (``sim_cores``),
+the very rules the asyncio servers run (grouping, SSP/BSP inside a group, SGD and its learning
+rate, the compressed downlink, the exchanges and their merge, GDTopK's ratios, the budget);
+only time is simulated. An event queue orders what the real processes would do:
 
-    worker: PULL ─link─► group (held while SSP says wait) ─link─► WEIGHTS ─► compute ─► PUSH
-            ─link─► group applies it, ACK ─link─► worker, next PULL
+    worker: PULL ─link─► group (held while SSP says wait; the PULLs answered at one instant
+            share one publish) ─link─► WEIGHTS ─► compute ─► PUSH ─link─► group applies it,
+            ACK ─link─► worker, next PULL
 
-- **compute time** of a step: ``slowdown × base_step_s``, times ``1 + jitter·N(0, 1)`` (never
-  under a tenth of it);
-- **links**: each worker's messages take ``latency_s + bytes / rate`` each way (``rate`` in
-  bytes/s, 0 = no limit), one after another; the exchange of a group with the global server is
-  merged ``xchg_latency_s`` after it is due;
-- **gradients**: a synthetic objective, cheap for thousands of workers: a quadratic
-  ``0.5·mean(a·(w − w*)²)`` with curvatures ``a`` in [0.1, 1] and noise of ``noise / √batch``
-  per coordinate; workers compress with the run's compressor (``sparse.make_compressor``), and
-  the messages are the real protocol messages, so the bytes counted are the wire's.
+- compute times, links (rate, latency, jitter) and failures (a worker that drops and rejoins
+  later, or never): ``sim_timing``; a group's exchange with the global server is merged
+  ``xchg_latency_s`` after it is due;
+- gradients (``sim_objective``): a synthetic quadratic, cheap for thousands of workers, or
+  (``real=True``) the run's model on its data set as real workers compute them
+  (``sim_model``, torch); workers compress with the run's compressor and the messages are
+  the real protocol messages, so the bytes counted are the wire's.
 
 It writes a run directory as `minips local` does (config.json, worker-, group-, global- and
-eval-records with ``t`` in simulated seconds, final_weights.npy, summary.json); ``minips plot``
-draws its worker and ratio charts (the evaluations have a loss, no accuracy). What it leaves
-out: the handshake, heartbeats and leases (no worker fails), regrouping, the batching of
-publishes per event-loop turn (each PULL publishes), and real models (the objective is
-synthetic).
+eval-records with ``t`` in simulated seconds, final_weights.npy, summary.json); eval.jsonl
+has the accuracy too with a real model, so ``minips plot`` and ``summarize`` read it as a real
+run's. What it leaves out: the handshake, heartbeats and leases, regrouping.
 
-Public API: ``SimConfig``, ``simulate(cfg) -> summary``.
+Public API: ``SimConfig``, ``Simulation``, ``simulate(cfg) -> summary``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,12 +41,12 @@ from minips import metrics, protocol, sparse
 from minips.config import RunConfig
 from minips.downlink import apply_weights
 from minips.exchange import wire_size
-from minips.global_core import GlobalCore
-from minips.group_actions import Action, BudgetSpent, Log, Reply, StartExchange, Wake
-from minips.group_core import GroupCore
 from minips.roster import GroupHandle
+from minips.sim_cores import SimGlobal, SimGroup
+from minips.sim_objective import objective
+from minips.sim_timing import Failure, Links, StepTimes
 
-__all__ = ["SimConfig", "simulate"]
+__all__ = ["SimConfig", "Simulation", "simulate"]
 
 SMALL = 40  # bytes of a PULL or an ACK on the wire (a few fields)
 
@@ -60,98 +57,26 @@ class SimConfig:
 
     run: RunConfig
     slowdowns: list[float] = field(default_factory=lambda: [1.0])  # per worker, last repeats
+    step_times: list[float] = field(default_factory=list)  # s per worker (overrides slowdowns)
+    step_traces: list[list[float]] = field(default_factory=list)  # per worker: s of step k
     jitter: float = 0.0  # relative spread of a step's compute time
     rate: float = 0.0  # link bytes per second each way per worker (0: no limit)
     latency_s: float = 0.0  # one way, per message
+    latency_jitter_s: float = 0.0  # plus this times |N(0, 1)|
     xchg_latency_s: float = 0.0  # a group's exchange is merged this long after it is due
+    failures: list[Failure] = field(default_factory=list)
+    real: bool = False  # gradients of the run's model and data set (else synthetic)
+    model_opts: dict[str, Any] = field(default_factory=dict)  # sim_model: train=, test=
     dim: int = 1000  # coordinates of the synthetic objective
     noise: float = 1.0  # gradient noise of one sample, per coordinate
     max_pushes: int = 0  # stop after this many pushes (0: the run's epochs budget)
-    eval_every_s: float = 1.0  # simulated seconds between evaluations (the CLI: --eval-every)
+    eval_every_s: float = 0.0  # simulated seconds between evaluations (0: the run's)
     out_dir: str = "runs"
     name: str = ""
 
 
-class Quadratic:
-    """``0.5·mean(a·(w − w*)²)``; a batch's gradient is exact plus noise / √batch."""
-
-    def __init__(self, dim: int, noise: float, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        self.target = rng.standard_normal(dim).astype(np.float32)
-        self.curv = rng.uniform(0.1, 1.0, dim).astype(np.float32)
-        self.noise = noise
-
-    def loss(self, w: np.ndarray) -> float:
-        return float(0.5 * np.mean(self.curv * (w - self.target) ** 2))
-
-    def gradient(self, w: np.ndarray, batch: int, rng: np.random.Generator) -> np.ndarray:
-        g = self.curv * (w - self.target)
-        return (g + rng.standard_normal(w.size).astype(np.float32)
-                * np.float32(self.noise / math.sqrt(batch))).astype(np.float32)
-
-
-class NoLink:
-    """The group cores' link: unused, the simulation merges exchanges itself (``exchange``)."""
-
-    async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> Any:
-        raise RuntimeError("a simulated group exchanges through Simulation.exchange")
-
-
-class SimGroup(GroupCore):
-    """A group core whose actions (``group_actions.py``) the simulation performs."""
-
-    def __init__(self, sim: Simulation, g: int, members: list[int]) -> None:
-        self.sim, self.in_flight = sim, False
-        self.pending: list[tuple[int, list[int]]] = []  # PULLs held: (worker, waited for)
-        self.bytes = {"bytes_in": 0, "bytes_out": 0}
-        self.writer = sim.rundir.writer(f"group-{g}")
-        super().__init__(g, sim.run, sim.glob.weights, NoLink(), members=members, now=sim.t)
-
-    def perform(self, actions: list[Action]) -> Any:
-        """Do what the core asked; return its reply. A ``Wake`` releases the held PULLs last
-        (after an exchange is scheduled); the simulation has no leaves, so no ``AllLeft``."""
-        reply = None
-        for a in actions:
-            if isinstance(a, Reply):
-                reply = a.msg
-            elif isinstance(a, StartExchange) and not self.in_flight:
-                self.in_flight = True
-                self.sim.at(self.sim.cfg.xchg_latency_s, self.sim.exchange, self.group)
-            elif isinstance(a, BudgetSpent):
-                self.done = True
-            elif isinstance(a, Log):
-                self.log(a.event, **a.fields)
-        if any(isinstance(a, Wake | BudgetSpent) for a in actions):
-            self.sim.release(self)
-        return reply
-
-    def traffic(self) -> dict[str, int]:
-        return dict(self.bytes)
-
-    def log(self, event: str, **fields: Any) -> None:
-        self.writer.write({"t": self.sim.t, "event": event, "group": self.group, **fields,
-                           "version": self.version, **self.counters, **self.traffic()})
-
-
-class SimGlobal(GlobalCore):
-    def __init__(self, sim: Simulation, weights: np.ndarray) -> None:
-        self.sim = sim
-        self.writer = sim.rundir.writer("global")
-        super().__init__(sim.run, weights, regroup=False, clock=lambda: sim.t,
-                         wall=lambda: sim.run.t0 + sim.t)
-
-    def on_ratios(self, new: dict[int, float]) -> None:
-        for g in new:  # as the global server hands them to its in-process groups
-            self.sim.groups[g].ratio = self.groups[g].ratio
-
-    def on_done(self) -> None:
-        for core in self.sim.groups.values():
-            core.done = True
-            self.sim.release(core)
-
-    def log(self, event: str, **fields: Any) -> None:
-        self.writer.write({"t": self.sim.t, "event": event, **fields, "version": self.version,
-                           "samples": self.samples})
+def _per_worker(values: list[float], n: int) -> list[float]:
+    return [values[min(w, len(values) - 1)] for w in range(n)]
 
 
 class Simulation:
@@ -164,17 +89,37 @@ class Simulation:
         self.queue: list[tuple[float, int, Any, tuple[Any, ...]]] = []  # (time, seq, fn, args)
         self.rundir = metrics.RunDir(run_dir, t0=self.run.t0)
         self.rundir.write_config(self.run.to_info())
-        self.objective = Quadratic(cfg.dim, cfg.noise, self.run.seed)
-        n_w = self.run.workers
-        self.step_s = [self.run.base_step_s * cfg.slowdowns[min(w, len(cfg.slowdowns) - 1)]
-                       for w in range(n_w)]
-        self.glob = SimGlobal(self, np.zeros(cfg.dim, np.float32))
+        self.objective = objective(self.run, real=cfg.real, dim=cfg.dim, noise=cfg.noise,
+                                   **cfg.model_opts)
+        n_w, size = self.run.workers, self.objective.size
+        self.step_s = (_per_worker(cfg.step_times, n_w) if cfg.step_times else
+                       [self.run.base_step_s * f for f in _per_worker(cfg.slowdowns, n_w)])
+        self.steps = StepTimes(self.step_s, cfg.jitter, cfg.step_traces)
+        self.links = Links(n_w, cfg.rate, cfg.latency_s, cfg.latency_jitter_s, self.run.seed)
+        self.glob = SimGlobal(self, self.objective.initial())
+        self.groups: dict[int, SimGroup] = {}
+        self.group_of = self._assign(n_w)
+        self.rngs = [np.random.default_rng(self.run.seed * 1000 + w) for w in range(n_w)]
+        self.comp = [sparse.make_compressor(self.run.compressor, size, ratio=self.run.ratio,
+                                            seed=self.run.seed * 1000 + w,
+                                            **self.run.compressor_opts) for w in range(n_w)]
+        self.copy: list[np.ndarray | None] = [None] * n_w
+        self.held = [-1] * n_w
+        self.clock = [0] * n_w
+        self.gen = [0] * n_w  # a worker's connection: events of an older one are dropped
+        self.alive = [True] * n_w
+        self.pulled_at = [0.0] * n_w
+        self.records: list[list[dict[str, Any]]] = [[] for _ in range(n_w)]  # written at the end
+        self.eval_w = self.rundir.writer("eval")
+        self.pushes, self.evaluated = 0, -1
+
+    def _assign(self, n_w: int) -> dict[int, int]:
+        """The global core groups the workers by their step times; one group core each."""
         for w in range(n_w):
             self.glob.roster.admit(w)
             self.glob.workers[w].step_time = self.step_s[w]
         assignment = self.glob.roster.first_assignment() or dict.fromkeys(range(n_w), 0)
         self.glob.roster.first_ratios(assignment, 0.0)
-        self.groups: dict[int, SimGroup] = {}
         for g in sorted(set(assignment.values())):
             members = sorted(w for w, h in assignment.items() if h == g)
             self.glob.groups[g] = GroupHandle(g, f"sim:{g}", members=members,
@@ -184,19 +129,7 @@ class Simulation:
         self.glob.started_training = self.glob.wall()
         self.glob.log("groups", assignment={str(w): g for w, g in assignment.items()},
                       ratios={str(g): h.ratio for g, h in self.glob.groups.items()})
-        self.group_of = assignment
-        self.rngs = [np.random.default_rng(self.run.seed * 1000 + w) for w in range(n_w)]
-        self.comp = [sparse.make_compressor(self.run.compressor, cfg.dim, ratio=self.run.ratio,
-                                            seed=self.run.seed * 1000 + w,
-                                            **self.run.compressor_opts) for w in range(n_w)]
-        self.copy: list[np.ndarray | None] = [None] * n_w
-        self.held = [-1] * n_w
-        self.clock = [0] * n_w
-        self.pulled_at = [0.0] * n_w
-        self.busy = [0.0] * n_w  # each worker's link is busy until then
-        self.records: list[list[dict[str, Any]]] = [[] for _ in range(n_w)]  # written at the end
-        self.eval_w = self.rundir.writer("eval")
-        self.pushes = 0
+        return assignment
 
     # -- the queue ------------------------------------------------------------------------
 
@@ -204,25 +137,34 @@ class Simulation:
         heapq.heappush(self.queue, (self.t + delay, next(self.seq), fn, args))
 
     def send(self, w: int, nbytes: int, fn: Any, *args: Any, after: float = 0.0) -> None:
-        """A message of worker ``w``'s link, sent ``after`` seconds from now: once the link is
-        free, latency + bytes / rate."""
-        start = max(self.t + after, self.busy[w])
-        self.busy[w] = start + (nbytes / self.cfg.rate if self.cfg.rate else 0.0)
-        heapq.heappush(self.queue, (self.busy[w] + self.cfg.latency_s, next(self.seq), fn, args))
+        """A message on worker ``w``'s link, sent ``after`` seconds from now (sim_timing.Links);
+        ``fn(w, *args)`` runs when it arrives, unless ``w``'s connection dropped meanwhile."""
+        arrival = self.links.arrival(w, self.t + after, nbytes)
+        heapq.heappush(self.queue, (arrival, next(self.seq), self._deliver,
+                                    (w, self.gen[w], fn, args)))
+
+    def _deliver(self, w: int, gen: int, fn: Any, args: tuple[Any, ...]) -> None:
+        if gen == self.gen[w]:
+            fn(w, *args)
 
     def run_all(self) -> None:
         for w in range(self.run.workers):
-            self.pulled_at[w] = 0.0
-            self.send(w, SMALL, self.pull_arrives, w)
+            self.send(w, SMALL, self.pull_arrives)
+        for fail in self.cfg.failures:
+            if fail.worker < self.run.workers:
+                self.at(fail.at_s, self.fail, fail)
         self.at(0.0, self.evaluate)
         while self.queue:
-            self.t, _, fn, args = heapq.heappop(self.queue)
+            t, _, fn, args = heapq.heappop(self.queue)
+            if self.glob.done and fn in (self.fail, self.rejoin):
+                continue  # a failure after the end does not stretch the run
+            self.t = t
             fn(*args)
         for core in self.groups.values():  # what the groups hold that the global lacks
             if core.xchg.since["pushes"]:
                 self.exchange(core.group, final=True)
         self.glob.finish(self.glob.done_reason or "pushes")
-        self.evaluate(again=False)
+        self.evaluate(final=True)
 
     # -- a worker's step -------------------------------------------------------------------
 
@@ -230,47 +172,63 @@ class Simulation:
         core = self.groups[self.group_of[w]]
         core.bytes["bytes_in"] += SMALL
         if core.may_answer(w):
-            self.answer(core, w, [])
+            self._ready(core, w, [])
         else:
             core.pending.append((w, [int(v) for v in core.table.waiting_for(w)]))  # type: ignore[call-overload]
 
-    def answer(self, core: SimGroup, w: int, waited: list[int]) -> None:
+    def _ready(self, core: SimGroup, w: int, waited: list[int]) -> None:
+        """Answer ``w`` at the end of this instant, with the others answered at it."""
+        core.ready.append((w, waited))
+        if not core.flush_due:
+            core.flush_due = True
+            self.at(0.0, self._answer_ready, core)
+
+    def _answer_ready(self, core: SimGroup) -> None:
+        """One publish for every PULL answered at this instant, then their WEIGHTS."""
+        core.flush_due = False
+        ready, core.ready = core.ready, []
         core.publish()
-        msg = core.weights_message(w, waited, self.held[w])
-        nbytes = wire_size(msg)
-        core.bytes["bytes_out"] += nbytes
-        self.send(w, nbytes, self.weights_arrive, w, msg)
+        for w, waited in ready:
+            msg = core.weights_message(w, waited, self.held[w])
+            if msg.since < 0:  # the whole weights: a copy, as the socket's bytes would be
+                msg = dataclasses.replace(msg, buffers=tuple(np.array(b) for b in msg.buffers))
+            nbytes = wire_size(msg)
+            core.bytes["bytes_out"] += nbytes
+            self.send(w, nbytes, self.weights_arrive, msg)
 
     def release(self, core: SimGroup) -> None:
         """Answer the held PULLs that SSP now allows (or all of them, when done)."""
         waiting, core.pending = core.pending, []
         for w, waited in waiting:
             if core.may_answer(w):
-                self.answer(core, w, waited)
+                self._ready(core, w, waited)
             else:
                 core.pending.append((w, waited))
 
     def weights_arrive(self, w: int, msg: protocol.Weights) -> None:
         if msg.done:
             return
-        copy = self.copy[w] = apply_weights(self.copy[w], self.held[w], msg, self.cfg.dim)
+        copy = self.copy[w] = apply_weights(self.copy[w], self.held[w], msg,
+                                            self.objective.size)
         self.held[w] = msg.version
         wait_s = self.t - self.pulled_at[w]
-        base = self.step_s[w]
-        step = max(0.1 * base, base * (1 + self.cfg.jitter * self.rngs[w].standard_normal()))
-        grad = self.objective.gradient(copy, self.run.batch_size, self.rngs[w])
+        step = self.steps.next(w, self.rngs[w])
+        grad, loss = self.objective.gradient(w, copy, self.rngs[w])
+        if self.cfg.real:  # LossComp's schedule follows the loss a real worker sees
+            self.comp[w].observe_loss(loss)
         packet = self.comp[w].compress(grad)
         enc, codec, bufs = self.comp[w].encode(packet)  # the encoding the compressor declares
-        push = protocol.Push(clock=self.clock[w] + 1, step_time=step, loss=0.0,
+        push = protocol.Push(clock=self.clock[w] + 1, step_time=step, loss=loss,
                              samples=self.run.batch_size, encoding=enc, codec=codec,
                              buffers=tuple(bufs))
         nbytes = wire_size(push)
         record = {"worker": w, "group": msg.info.get("group"), "staleness":
                   msg.info.get("lead", 0), "wait_s": wait_s, "waited_for":
-                  msg.info.get("waited_for", []), "step_time": step, "samples": push.samples,
-                  "ratio": self.comp[w].ratio, "kept_fraction": self.comp[w].kept_fraction,
-                  "bytes_raw": 4 * self.cfg.dim, "bytes_wire": nbytes}
-        self.send(w, nbytes, self.push_arrives, w, push, record, after=step)  # once computed
+                  msg.info.get("waited_for", []), "step_time": step, "loss": loss,
+                  "samples": push.samples, "ratio": self.comp[w].ratio,
+                  "kept_fraction": self.comp[w].kept_fraction,
+                  "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes}
+        self.send(w, nbytes, self.push_arrives, push, record, after=step)  # once computed
 
     def push_arrives(self, w: int, push: protocol.Push, record: dict[str, Any]) -> None:
         core = self.groups[self.group_of[w]]
@@ -280,13 +238,40 @@ class Simulation:
         self.pushes += 1
         if self.cfg.max_pushes and self.pushes >= self.cfg.max_pushes and not self.glob.done:
             self.glob.finish("pushes")
-        self.send(w, SMALL, self.ack_arrives, w, ack, record)
+        self.send(w, SMALL, self.ack_arrives, ack, record)
 
     def ack_arrives(self, w: int, ack: protocol.Ack, record: dict[str, Any]) -> None:
         self.clock[w] = ack.clock
         self.records[w].append({"t": self.t, "clock": ack.clock, **record})
+        if self.run.max_steps and ack.clock >= self.run.max_steps:
+            self._drop(w)  # its cap: it leaves, as a real worker does (--max-steps)
+            return
         self.pulled_at[w] = self.t
-        self.send(w, SMALL, self.pull_arrives, w)
+        self.send(w, SMALL, self.pull_arrives)
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def fail(self, fail: Failure) -> None:
+        """``fail.worker``'s connection drops: what it had in flight is lost, its group sees it
+        leave (a BSP round stops waiting for it); it rejoins ``down_s`` later."""
+        if self.alive[fail.worker]:
+            self._drop(fail.worker)
+            if fail.down_s is not None:
+                self.at(fail.down_s, self.rejoin, fail.worker)
+
+    def _drop(self, w: int) -> None:
+        """``w``'s connection ends: its events in flight are dropped, its group sees it leave."""
+        self.alive[w], self.gen[w] = False, self.gen[w] + 1
+        core = self.groups[self.group_of[w]]
+        core.worker_left(w)
+
+    def rejoin(self, w: int) -> None:
+        """A new connection: the clock the group gives it, a fresh copy of the weights."""
+        self.alive[w] = True
+        self.links.reset(w, self.t)
+        self.clock[w] = self.groups[self.group_of[w]].worker_joined(w, self.t)
+        self.copy[w], self.held[w], self.pulled_at[w] = None, -1, self.t
+        self.send(w, SMALL, self.pull_arrives)
 
     # -- the group <-> global exchange and evaluation ---------------------------------------
 
@@ -297,16 +282,19 @@ class Simulation:
         res = self.glob.merge_counted(g, core.xchg.delta(out), out.stats)
         core.perform(core.exchanged(out, res, self.cfg.xchg_latency_s))
 
-    def evaluate(self, again: bool = True) -> None:
+    def evaluate(self, final: bool = False) -> None:
+        """A line of eval.jsonl for the global weights, when they changed (as the evaluator)."""
         assert self.glob.weights is not None
-        traffic = [c.traffic() for c in self.groups.values()]
-        self.eval_w.write({"t": self.t, "samples": self.glob.samples,
-                           "loss": self.objective.loss(self.glob.weights),
-                           "version": self.glob.version,
-                           "bytes_up": sum(b["bytes_in"] for b in traffic),
-                           "bytes_down": sum(b["bytes_out"] for b in traffic)})
-        if again and not self.glob.done:
-            self.at(self.cfg.eval_every_s, self.evaluate)
+        if self.glob.version != self.evaluated or final:
+            self.evaluated = self.glob.version
+            traffic = [c.traffic() for c in self.groups.values()]
+            self.eval_w.write({"t": self.t, "samples": self.glob.samples,
+                               **self.objective.evaluate(self.glob.weights),
+                               "version": self.glob.version, "final": final,
+                               "bytes_up": sum(b["bytes_in"] for b in traffic),
+                               "bytes_down": sum(b["bytes_out"] for b in traffic)})
+        if not final and not self.glob.done and self.queue:  # while anything is to happen
+            self.at(self.cfg.eval_every_s or self.run.eval_every_s, self.evaluate)
 
 
 def simulate(cfg: SimConfig) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """`minips simulate` (simulate.py): the role cores in simulated time write a real run directory;
-BSP on the simulator is synchronous SGD; the command's flags and errors."""
+BSP on the simulator is synchronous SGD; PULLs answered at one instant share one publish;
+workers that fail and rejoin; the command's flags and errors. The reference tests through
+the simulator's real model: tests/test_simulate_model.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ import numpy as np
 
 from minips import metrics, optim
 from minips.config import RunConfig
-from minips.simulate import Quadratic, SimConfig, simulate
+from minips.errors import ConfigError
+from minips.sim_objective import Quadratic
+from minips.sim_timing import Failure, Links, parse_failures
+from minips.simulate import SimConfig, Simulation, simulate
 
 SLOW = [1, 1, 1.5, 1.5, 2, 2, 4, 4]
 
@@ -44,15 +49,14 @@ def test_bsp_on_the_simulator_is_synchronous_sgd(tmp_path: Path) -> None:
     s = simulate(SimConfig(run=run, slowdowns=SLOW, dim=dim, max_pushes=8 * rounds,
                            out_dir=str(tmp_path), name="bsp"))
     assert 8 * rounds <= s["pushes"] < 8 * (rounds + 1)  # a last round left incomplete
-    objective = Quadratic(dim, 1.0, run.seed)
+    objective = Quadratic(dim, 1.0, run.seed, run.batch_size)
     rngs = [np.random.default_rng(run.seed * 1000 + w) for w in range(8)]
     w_ref = np.zeros(dim, np.float32)
     opt = optim.SGD(dim, lr=0.2, momentum=0.9, weight_decay=5e-4)
     for _ in range(rounds):
         grads = []
         for w in range(8):
-            rngs[w].standard_normal()  # the draw of the step's compute time
-            grads.append(objective.gradient(w_ref, run.batch_size, rngs[w]))
+            grads.append(objective.gradient(w, w_ref, rngs[w])[0])
         opt.step(w_ref, np.asarray(np.mean(grads, axis=0, dtype=np.float32)))
     final = np.load(tmp_path / "bsp" / "final_weights.npy")
     np.testing.assert_allclose(final, w_ref, rtol=1e-5, atol=1e-6)
@@ -82,3 +86,66 @@ def test_every_simulate_option_has_help() -> None:
         assert action.help, action.option_strings
     text = sim.format_help()
     assert "--link-mbit" in text and "--max-pushes" in text and "--jitter" in text
+
+
+def test_the_pulls_answered_at_one_instant_share_one_publish(tmp_path: Path) -> None:
+    """BSP, four workers of one speed, a compressed downlink: each round releases the four
+    PULLs at one instant, and the group publishes once for them, as the asyncio group server
+    publishes once per event-loop turn."""
+    run = RunConfig(workers=4, mode="bsp", compressor="topk", ratio=0.05, lr=0.05,
+                    lr_warmup=0, dataset="synthetic", epochs=100, base_step_s=0.01)
+    sim = Simulation(SimConfig(run=run, dim=400, max_pushes=4 * 30), tmp_path / "pub")
+    core = sim.groups[0]
+    calls: list[float] = []
+    publish = core.publish
+    core.publish = lambda: (calls.append(sim.t), publish())[1]  # type: ignore[method-assign]
+    sim.run_all()
+    answers = sum(len(r) for r in sim.records)
+    assert answers >= 4 * 30 and core.downlink is not None
+    assert len(calls) == len(set(calls))  # never twice at one instant
+    assert len(calls) <= answers // 4 + 2  # one per round, not one per PULL
+
+
+def test_a_worker_that_fails_and_rejoins(tmp_path: Path) -> None:
+    """Worker 3 drops at 1 s and rejoins at 3 s; worker 2 drops for good at 2 s. BSP rounds
+    stop waiting for each while it is gone; worker 3 steps again after it rejoins; the budget
+    is reached by those left."""
+    run = RunConfig(workers=4, mode="bsp", lr=0.05, lr_warmup=0, dataset="synthetic",
+                    epochs=100, base_step_s=0.1)
+    fails = [Failure(3, 1.0, 2.0), Failure(2, 2.05)]
+    s = simulate(SimConfig(run=run, dim=100, max_pushes=100, failures=fails,
+                           out_dir=str(tmp_path), name="fail"))
+    recs = {w: metrics.read_jsonl(tmp_path / "fail" / f"worker-{w}.jsonl") for w in range(4)}
+    t3 = [r["t"] for r in recs[3]]
+    assert any(t < 1.0 for t in t3) and not any(1.0 < t < 3.0 for t in t3)
+    assert any(t > 3.0 for t in t3)  # back after it rejoined
+    assert max(r["t"] for r in recs[2]) < 2.1 and s["pushes"] >= 100
+    assert len(recs[3]) < len(recs[0]) - 15  # it did not step while away (2 s, 20 rounds)
+    assert recs[3][-1]["clock"] == recs[0][-1]["clock"]  # rejoined at the group's clock
+    events = [r["event"] for r in metrics.read_jsonl(tmp_path / "fail" / "group-0.jsonl")]
+    assert events.count("left") == 2 and events.count("joined") == 1
+    assert s["sim_s"] < 10  # a failure due after the end does not stretch the run
+
+
+def test_links_keep_their_order_under_jitter_and_take_time_per_byte() -> None:
+    links = Links(1, rate=1000.0, latency_s=0.01, latency_jitter_s=0.05, seed=0)
+    arrivals = [links.arrival(0, 0.001 * i, 10) for i in range(200)]  # a burst
+    assert arrivals == sorted(arrivals)  # one TCP connection: in order
+    assert arrivals[-1] >= 200 * 10 / 1000.0  # 2,000 bytes at 1,000 bytes/s
+    spaced = [links.arrival(0, 10.0 + 0.2 * i, 10) for i in range(100)]
+    delays = [a - (10.0 + 0.2 * i) for i, a in enumerate(spaced)]
+    assert spaced == sorted(spaced) and min(delays) >= 0.02  # 10 ms sending + 10 ms latency
+    assert len({round(d, 9) for d in delays}) > 90  # jittered
+    plain = Links(1, rate=0.0, latency_s=0.01, latency_jitter_s=0.0, seed=0)
+    assert plain.arrival(0, 5.0, 10**9) == 5.01
+
+
+def test_failures_parse_and_refuse_bad_items() -> None:
+    assert parse_failures("3@10+5, 6@20") == [Failure(3, 10.0, 5.0), Failure(6, 20.0, None)]
+    for bad in ("3", "x@1", "3@-1", "3@1+inf", "-1@2"):
+        try:
+            parse_failures(bad)
+        except ConfigError as exc:
+            assert bad.split("+")[0].split(",")[0] in str(exc)
+        else:
+            raise AssertionError(bad)

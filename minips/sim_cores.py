@@ -1,0 +1,105 @@
+"""The role cores as the simulator drives them: ``GroupCore`` and ``GlobalCore`` whose hooks
+talk to the event queue (``simulate.Simulation``) instead of sockets.
+
+The rules are the cores' own; what is here is only what the asyncio shells do around them:
+hold the PULLs that SSP says wait (``pending``), gather the PULLs answered at one simulated
+instant so the group publishes once for them (``ready``: the asyncio group server publishes
+once per event-loop turn), count the bytes of the worker links, and write the group and
+global records with ``t`` in simulated seconds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from minips.global_core import GlobalCore
+from minips.group_actions import Action, AllLeft, BudgetSpent, Log, Reply, StartExchange, Wake
+from minips.group_core import GroupCore
+
+if TYPE_CHECKING:
+    from minips.simulate import Simulation
+
+__all__ = ["SimGroup", "SimGlobal"]
+
+
+class NoLink:
+    """The group cores' link: unused, the simulation merges exchanges itself (``exchange``)."""
+
+    async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> Any:
+        raise RuntimeError("a simulated group exchanges through Simulation.exchange")
+
+
+class SimGroup(GroupCore):
+    """A group core whose actions (``group_actions.py``) the simulation performs."""
+
+    def __init__(self, sim: Simulation, g: int, members: list[int]) -> None:
+        self.sim, self.in_flight = sim, False
+        self.pending: list[tuple[int, list[int]]] = []  # PULLs held: (worker, waited for)
+        self.ready: list[tuple[int, list[int]]] = []  # PULLs to answer at this instant
+        self.flush_due = False  # an answer of ``ready`` is queued at this instant
+        self.bytes = {"bytes_in": 0, "bytes_out": 0}
+        self.writer = sim.rundir.writer(f"group-{g}")
+        super().__init__(g, sim.run, sim.glob.weights, NoLink(), members=members, now=sim.t)
+
+    def perform(self, actions: list[Action]) -> Any:
+        """Do what the core asked; return its reply. A ``Wake`` releases the held PULLs last
+        (after an exchange is scheduled); ``AllLeft`` exchanges what the group holds."""
+        reply = None
+        for a in actions:
+            if isinstance(a, Reply):
+                reply = a.msg
+            elif isinstance(a, StartExchange | AllLeft) and not self.in_flight:
+                self.in_flight = True
+                self.sim.at(self.sim.cfg.xchg_latency_s, self.sim.exchange, self.group)
+            elif isinstance(a, BudgetSpent):
+                self.done = True
+            elif isinstance(a, Log):
+                self.log(a.event, **a.fields)
+        if any(isinstance(a, Wake | BudgetSpent) for a in actions):
+            self.sim.release(self)
+        return reply
+
+    def worker_left(self, w: int) -> None:
+        """``w``'s connection dropped: forget its PULLs, leave the clock table."""
+        self.pending = [p for p in self.pending if p[0] != w]
+        self.ready = [p for p in self.ready if p[0] != w]
+        self.log("left", worker=w)
+        self.perform(self.leave(w))
+
+    def worker_joined(self, w: int, now: float) -> int:
+        """``w`` connected again: the clock it starts from (its first ACK)."""
+        clock = int(self.perform(self.join(w, now)).clock)
+        self.log("joined", worker=w, clock=clock)
+        return clock
+
+    def traffic(self) -> dict[str, int]:
+        return dict(self.bytes)
+
+    def log(self, event: str, **fields: Any) -> None:
+        self.writer.write({"t": self.sim.t, "event": event, "group": self.group, **fields,
+                           "version": self.version, **self.counters, **self.traffic()})
+
+
+class SimGlobal(GlobalCore):
+    """The global core: GDTopK ratios go to the simulated groups, ``done`` releases them."""
+
+    def __init__(self, sim: Simulation, weights: np.ndarray) -> None:
+        self.sim = sim
+        self.writer = sim.rundir.writer("global")
+        super().__init__(sim.run, weights, regroup=False, clock=lambda: sim.t,
+                         wall=lambda: sim.run.t0 + sim.t)
+
+    def on_ratios(self, new: dict[int, float]) -> None:
+        for g in new:  # as the global server hands them to its in-process groups
+            self.sim.groups[g].ratio = self.groups[g].ratio
+
+    def on_done(self) -> None:
+        for core in self.sim.groups.values():
+            core.done = True
+            self.sim.release(core)
+
+    def log(self, event: str, **fields: Any) -> None:
+        self.writer.write({"t": self.sim.t, "event": event, **fields, "version": self.version,
+                           "samples": self.samples})

@@ -1,0 +1,101 @@
+"""The simulator's models of time: compute steps, links, and workers that fail.
+
+Sans-IO and clock-free: every function takes the simulated time it needs. ``simulate.py``
+asks them when a step starts, when a message is sent, and when a worker leaves or rejoins.
+
+- **compute**: a step of worker ``w`` takes ``step_s[w]`` (``slowdown × base_step_s``, or a
+  time measured on a real run), times ``1 + jitter·N(0, 1)``, never under a tenth of it; or,
+  given a trace per worker (the step times a real run measured, ``scripts/compare_simulate.py``),
+  its k-th step takes the trace's k-th time (past the trace's end: ``step_s[w]``, jittered);
+- **links**: each worker has one link; a message waits until the link is free, takes
+  ``bytes / rate`` on it (rate in bytes/s, 0 = no limit), then ``latency_s`` plus
+  ``latency_jitter_s·|N(0, 1)|`` to arrive, never before the link's previous message
+  (TCP keeps the order);
+- **failures**: ``Failure(worker, at_s, down_s)``: the worker's connection drops at ``at_s``
+  (what it had in flight is lost, its group sees it leave) and it rejoins ``down_s`` later
+  (``None``: never). ``parse_failures("3@10+5,6@20")`` reads the CLI's ``--fail``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minips.errors import ConfigError
+
+__all__ = ["Failure", "parse_failures", "Links", "StepTimes"]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Worker ``worker`` drops at simulated ``at_s``; rejoins ``down_s`` later (None: never)."""
+
+    worker: int
+    at_s: float
+    down_s: float | None = None
+
+
+def parse_failures(text: str) -> list[Failure]:
+    """``W@T`` (worker W leaves at T s for good) or ``W@T+D`` (rejoins D s later), comma
+    separated: ``"3@10+5,6@20"``. ConfigError names the bad item."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            worker, rest = item.split("@")
+            at, _, down = rest.partition("+")
+            fail = Failure(int(worker), float(at), float(down) if down else None)
+        except ValueError:
+            raise ConfigError(f"--fail {item!r}: expected W@T or W@T+D (worker, seconds)") \
+                from None
+        if fail.worker < 0 or not 0 <= fail.at_s < math.inf or (
+                fail.down_s is not None and not 0 <= fail.down_s < math.inf):
+            raise ConfigError(f"--fail {item!r}: worker and times must be >= 0 and finite")
+        out.append(fail)
+    return out
+
+
+class StepTimes:
+    """Each worker's compute time per step: ``base`` jittered, or its trace while it lasts."""
+
+    def __init__(self, base: list[float], jitter: float,
+                 traces: list[list[float]] | None = None) -> None:
+        self.base, self.jitter = base, jitter
+        self.traces = traces or [[] for _ in base]
+        self.steps = [0] * len(base)  # steps drawn so far, per worker
+
+    def next(self, w: int, rng: np.random.Generator) -> float:
+        """Worker ``w``'s next step (a draw from ``rng`` only when jittered)."""
+        k, trace = self.steps[w], self.traces[w]
+        self.steps[w] += 1
+        if k < len(trace):
+            return trace[k]
+        if not self.jitter:
+            return self.base[w]
+        return max(0.1 * self.base[w], self.base[w] * (1 + self.jitter * rng.standard_normal()))
+
+
+class Links:
+    """Every worker's link: when a message sent now arrives."""
+
+    def __init__(self, workers: int, rate: float, latency_s: float, latency_jitter_s: float,
+                 seed: int) -> None:
+        self.rate, self.latency_s, self.jitter_s = rate, latency_s, latency_jitter_s
+        self.busy = [0.0] * workers  # each link is busy sending until then
+        self.last = [0.0] * workers  # arrival time of each link's last message
+        self.rng = np.random.default_rng(seed)
+
+    def arrival(self, w: int, now: float, nbytes: int) -> float:
+        """Worker ``w``'s link takes a message of ``nbytes`` at ``now``: when it arrives."""
+        start = max(now, self.busy[w])
+        self.busy[w] = start + (nbytes / self.rate if self.rate else 0.0)
+        delay = self.latency_s
+        if self.jitter_s:
+            delay += self.jitter_s * abs(float(self.rng.standard_normal()))
+        self.last[w] = max(self.busy[w] + delay, self.last[w])
+        return self.last[w]
+
+    def reset(self, w: int, now: float) -> None:
+        """A new connection for ``w`` (after a failure): nothing queued on it."""
+        self.busy[w] = self.last[w] = now
