@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from minips.cli_checks import at_least, slowdown_factors
-from minips.sim_timing import Failure, parse_failures
 from minips.config import RunConfig
 from minips.errors import ConfigError
+from minips.sim_timing import Failure, parse_failures
 
 __all__ = ["add_parser", "command"]
 

@@ -31,17 +31,16 @@ import dataclasses
 import heapq
 import itertools
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from minips import metrics, protocol, sparse
-from minips.config import RunConfig
 from minips.downlink import apply_weights
 from minips.exchange import wire_size
 from minips.roster import GroupHandle
+from minips.sim_config import SimConfig, per_worker
 from minips.sim_cores import SimGlobal, SimGroup
 from minips.sim_objective import objective
 from minips.sim_timing import Failure, Links, StepTimes
@@ -49,34 +48,6 @@ from minips.sim_timing import Failure, Links, StepTimes
 __all__ = ["SimConfig", "Simulation", "simulate"]
 
 SMALL = 40  # bytes of a PULL or an ACK on the wire (a few fields)
-
-
-@dataclass
-class SimConfig:
-    """One simulated run: the run's settings and the models of time and gradients."""
-
-    run: RunConfig
-    slowdowns: list[float] = field(default_factory=lambda: [1.0])  # per worker, last repeats
-    step_times: list[float] = field(default_factory=list)  # s per worker (overrides slowdowns)
-    step_traces: list[list[float]] = field(default_factory=list)  # per worker: s of step k
-    jitter: float = 0.0  # relative spread of a step's compute time
-    rate: float = 0.0  # link bytes per second each way per worker (0: no limit)
-    latency_s: float = 0.0  # one way, per message
-    latency_jitter_s: float = 0.0  # plus this times |N(0, 1)|
-    xchg_latency_s: float = 0.0  # a group's exchange is merged this long after it is due
-    failures: list[Failure] = field(default_factory=list)
-    real: bool = False  # gradients of the run's model and data set (else synthetic)
-    model_opts: dict[str, Any] = field(default_factory=dict)  # sim_model: train=, test=
-    dim: int = 1000  # coordinates of the synthetic objective
-    noise: float = 1.0  # gradient noise of one sample, per coordinate
-    max_pushes: int = 0  # stop after this many pushes (0: the run's epochs budget)
-    eval_every_s: float = 0.0  # simulated seconds between evaluations (0: the run's)
-    out_dir: str = "runs"
-    name: str = ""
-
-
-def _per_worker(values: list[float], n: int) -> list[float]:
-    return [values[min(w, len(values) - 1)] for w in range(n)]
 
 
 class Simulation:
@@ -92,8 +63,8 @@ class Simulation:
         self.objective = objective(self.run, real=cfg.real, dim=cfg.dim, noise=cfg.noise,
                                    **cfg.model_opts)
         n_w, size = self.run.workers, self.objective.size
-        self.step_s = (_per_worker(cfg.step_times, n_w) if cfg.step_times else
-                       [self.run.base_step_s * f for f in _per_worker(cfg.slowdowns, n_w)])
+        self.step_s = (per_worker(cfg.step_times, n_w) if cfg.step_times else
+                       [self.run.base_step_s * f for f in per_worker(cfg.slowdowns, n_w)])
         self.steps = StepTimes(self.step_s, cfg.jitter, cfg.step_traces)
         self.links = Links(n_w, cfg.rate, cfg.latency_s, cfg.latency_jitter_s, self.run.seed)
         self.glob = SimGlobal(self, self.objective.initial())

@@ -1,0 +1,153 @@
+"""Does `minips simulate` reproduce a real run? A real `minips local` run against the simulator
+with the same settings and the real model (LeNet-5 on Fashion-MNIST), compared on per-group
+clocks, mean staleness and accuracy vs samples.
+
+    python scripts/compare_simulate.py                     # the quick profile (gssp, 4 epochs)
+    python scripts/compare_simulate.py --epochs 1          # a shorter run
+    python scripts/compare_simulate.py --real runs/quick4  # compare with a run already made
+
+The real run is reproduce.py's quick profile (fmnist8: 8 workers at slowdowns 1,1,1.5,1.5,2,2,
+4,4, base step 0.1 s, lr 0.05 cosine, GSSP 4 groups, staleness 3, dense) unless ``--real``
+names one. The simulator takes the real run's config.json and its measured times, in one of
+two calibrations (both are run and printed):
+
+- ``median``: each worker's step time is the median of what its steps took in the real run
+  (the time between two of its records less the PULL's wait and the PUSH's round trip),
+  unchanging; the one-way latency is half the median PUSH round trip;
+- ``trace``: the same, step by step (the k-th simulated step of a worker takes the time its
+  k-th real step took, the first from the group assignment), so the real run's start
+  offsets and hiccups (a step slowed by the shared CPUs) are replayed.
+
+Prints JSON: per calibration, per-group clocks (each group's highest final worker clock),
+mean staleness, accuracy at the real evaluations' sample counts (the simulator's curve
+interpolated in samples), and whether each is within 10% / 1 point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minips import metrics
+from minips.config import RunConfig
+from minips.simulate import SimConfig, simulate
+
+QUICK = ["--model", "lenet5", "--dataset", "fashion-mnist", "--workers", "8",
+         "--slowdown", "1,1,1.5,1.5,2,2,4,4", "--mode", "gssp", "--groups", "4",
+         "--staleness", "3", "--sync-every", "4", "--base-step", "0.1", "--lr", "0.05",
+         "--lr-schedule", "cosine", "--eval-every", "2", "--eval-limit", "5000",
+         "--wall-s", "400", "--device", "cpu", "--no-progress", "--no-plot"]
+
+
+def run_real(out: Path, epochs: float) -> Path:
+    """A real `minips local` run of the quick profile for ``epochs``; its run directory."""
+    cmd = [sys.executable, "-m", "minips", "local", *QUICK, "--epochs", str(epochs),
+           "--out", str(out), "--name", "real"]
+    subprocess.run(cmd, check=True, timeout=1800)
+    return out / "real"
+
+
+def worker_records(run_dir: Path, n: int) -> list[list[dict[str, Any]]]:
+    return [[r for r in metrics.read_jsonl(run_dir / f"worker-{w}.jsonl") if "clock" in r]
+            for w in range(n)]
+
+
+def calibration(run_dir: Path, n: int) -> dict[str, Any]:
+    """Step traces, medians and the one-way latency measured in the real run."""
+    start = next(r["t"] for r in metrics.read_jsonl(run_dir / "global.jsonl")
+                 if r.get("event") == "groups")
+    traces, pushes = [], []
+    for recs in worker_records(run_dir, n):
+        ts = [start] + [r["t"] for r in recs]
+        traces.append([max(0.0, b - a - r["wait_s"] - r.get("push_s", 0.0))
+                       for a, b, r in zip(ts, ts[1:], recs, strict=False)])
+        pushes += [r["push_s"] for r in recs if "push_s" in r]
+    return {"traces": traces, "medians": [float(np.median(t[1:] or t)) for t in traces],
+            "latency_s": float(np.median(pushes)) / 2 if pushes else 0.0}
+
+
+def group_clocks(run_dir: Path, n: int) -> dict[str, int]:
+    """Each group's highest final worker clock (groups as the workers' last records say)."""
+    out: dict[str, int] = {}
+    for recs in worker_records(run_dir, n):
+        if recs:
+            g = str(recs[-1]["group"])
+            out[g] = max(out.get(g, 0), int(recs[-1]["clock"]))
+    return dict(sorted(out.items()))
+
+
+def accuracy_at(evals: list[dict[str, Any]], samples: list[float]) -> list[float]:
+    pts = sorted((float(e["samples"]), float(e["accuracy"])) for e in evals if "accuracy" in e)
+    return list(np.interp(samples, [p[0] for p in pts], [p[1] for p in pts]))
+
+
+def compare(real_dir: Path, sim_dir: Path, n: int) -> dict[str, Any]:
+    real_s, sim_s = metrics.summarize(real_dir), metrics.summarize(sim_dir)
+    rc, sc = group_clocks(real_dir, n), group_clocks(sim_dir, n)
+    clock_err = {g: abs(sc.get(g, 0) - c) / max(1, c) for g, c in rc.items()}
+    rst, sst = real_s["mean_staleness"] or 0.0, sim_s["mean_staleness"] or 0.0
+    evals = [e for e in metrics.read_jsonl(real_dir / "eval.jsonl") if "accuracy" in e]
+    samples = [float(e["samples"]) for e in evals if e["samples"] > 0]
+    real_acc = [float(e["accuracy"]) for e in evals if e["samples"] > 0]
+    sim_acc = accuracy_at(metrics.read_jsonl(sim_dir / "eval.jsonl"), samples)
+    gap = [100 * (s - r) for s, r in zip(sim_acc, real_acc, strict=True)]
+    late = [g for x, g in zip(samples, gap, strict=True) if x >= samples[-1] / 2]
+    return {
+        "group_clocks": {"real": rc, "sim": sc,
+                         "rel_err": {g: round(e, 4) for g, e in clock_err.items()},
+                         "within_10pct": max(clock_err.values()) <= 0.10},
+        "mean_staleness": {"real": round(rst, 4), "sim": round(sst, 4),
+                           "rel_err": round(abs(sst - rst) / rst, 4) if rst else None,
+                           "within_10pct": abs(sst - rst) <= 0.10 * rst},
+        "accuracy_vs_samples": {
+            "points": [{"samples": int(x), "real": round(r, 4), "sim": round(s, 4)}
+                       for x, r, s in zip(samples, real_acc, sim_acc, strict=True)],
+            "max_abs_gap_points": round(max(map(abs, gap)), 2),
+            "mean_abs_gap_points": round(float(np.mean(np.abs(gap))), 2),
+            "max_abs_gap_second_half": round(max(map(abs, late)), 2),
+            "final": {"real": real_s["final_accuracy"], "sim": sim_s["final_accuracy"]},
+            "within_1pt": max(map(abs, gap)) <= 1.0},
+        "sim_real_s": None, "sim_s": None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--real", type=Path, help="a `minips local` run directory to compare with")
+    p.add_argument("--epochs", type=float, default=4.0, help="the real run's budget (default 4, "
+                   "the quick profile's)")
+    p.add_argument("--out", type=Path, help="where the runs go (default: a temporary directory)")
+    args = p.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="minips-compare-"))
+    real_dir = args.real or run_real(out, args.epochs)
+    run = RunConfig.from_info(json.loads((real_dir / "config.json").read_text()))
+    cal = calibration(real_dir, run.workers)
+    report: dict[str, Any] = {"real_run": str(real_dir), "epochs": run.epochs,
+                              "latency_s": round(cal["latency_s"], 5),
+                              "step_medians_s": [round(m, 4) for m in cal["medians"]]}
+    for name in ("median", "trace"):
+        sim_run = RunConfig.from_info({**run.to_info(), "t0": 0.0})
+        cfg = SimConfig(run=sim_run, real=True, step_times=cal["medians"],
+                        step_traces=cal["traces"] if name == "trace" else [],
+                        latency_s=cal["latency_s"], eval_every_s=run.eval_every_s / 4,
+                        out_dir=str(out), name=f"sim-{name}")
+        started = time.perf_counter()
+        s = simulate(cfg)
+        report[name] = compare(real_dir, Path(s["run_dir"]), run.workers)
+        report[name].update(sim_real_s=round(time.perf_counter() - started, 1),
+                            sim_s=round(s["sim_s"], 1))
+    report.update(cpu_count=os.cpu_count(), load_avg=os.getloadavg())
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
