@@ -54,6 +54,7 @@ def add_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None
                    help="gradient noise of one sample per coordinate (default 1)")
     p.add_argument("--max-pushes", type=int, default=0,
                    help="stop after this many pushes (default 0: the --epochs budget)")
+    p.add_argument("--no-plot", action="store_true", help="do not draw PNGs at the end")
     p.add_argument("--out", default="runs", help="parent directory of the run directory")
     p.add_argument("--name", help="run directory name (default: time-sim-mode-compressor)")
 
@@ -90,6 +91,19 @@ def command(args: argparse.Namespace, run: RunConfig) -> int:
     keys = ("run_dir", "mode", "compressor", "workers", "groups", "pushes", "samples",
             "sim_s", "real_s", "mean_staleness", "mean_wait_s", "bytes_total",
             "final_accuracy")
-    json.dump({k: summary.get(k) for k in keys}, sys.stdout)
+    headline = {k: summary.get(k) for k in keys}
+    if not args.no_plot:
+        headline["plots"] = _plot(summary["run_dir"])
+    json.dump(headline, sys.stdout)
     print()
     return 0
+
+
+def _plot(run_dir: str) -> list[str]:
+    """The charts `minips local` draws (none without matplotlib, the `plot` extra)."""
+    try:
+        from minips import plot
+    except ImportError as exc:
+        print(f"minips simulate: no plots ({exc})", file=sys.stderr)
+        return []
+    return [str(p) for p in plot.plot_runs([run_dir])]

@@ -104,18 +104,18 @@ def compare(real_dir: Path, sim_dir: Path, n: int) -> dict[str, Any]:
     return {
         "group_clocks": {"real": rc, "sim": sc,
                          "rel_err": {g: round(e, 4) for g, e in clock_err.items()},
-                         "within_10pct": max(clock_err.values()) <= 0.10},
+                         "within_10pct": bool(max(clock_err.values()) <= 0.10)},
         "mean_staleness": {"real": round(rst, 4), "sim": round(sst, 4),
                            "rel_err": round(abs(sst - rst) / rst, 4) if rst else None,
-                           "within_10pct": abs(sst - rst) <= 0.10 * rst},
+                           "within_10pct": bool(abs(sst - rst) <= 0.10 * rst)},
         "accuracy_vs_samples": {
-            "points": [{"samples": int(x), "real": round(r, 4), "sim": round(s, 4)}
+            "points": [{"samples": int(x), "real": round(r, 4), "sim": round(float(s), 4)}
                        for x, r, s in zip(samples, real_acc, sim_acc, strict=True)],
-            "max_abs_gap_points": round(max(map(abs, gap)), 2),
+            "max_abs_gap_points": round(float(max(map(abs, gap))), 2),
             "mean_abs_gap_points": round(float(np.mean(np.abs(gap))), 2),
-            "max_abs_gap_second_half": round(max(map(abs, late)), 2),
+            "max_abs_gap_second_half": round(float(max(map(abs, late))), 2),
             "final": {"real": real_s["final_accuracy"], "sim": sim_s["final_accuracy"]},
-            "within_1pt": max(map(abs, gap)) <= 1.0},
+            "within_1pt": bool(max(map(abs, gap)) <= 1.0)},
         "sim_real_s": None, "sim_s": None,
     }
 

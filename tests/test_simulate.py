@@ -72,6 +72,7 @@ def test_the_command_prints_its_summary_and_refuses_bad_flags(tmp_path: Path) ->
     got = json.loads(out.stdout)
     assert got["workers"] == 4 and got["pushes"] >= 400 and got["compressor"] == "gdtopk"
     assert (tmp_path / "cli" / "summary.json").exists()
+    assert got["plots"] and all(Path(p).exists() for p in got["plots"])  # as `minips local`
     bad = subprocess.run([*cmd[:4], "--dim", "0", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "--dim 0" in bad.stderr and "Traceback" not in bad.stderr
