@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_worker import reference_weights  # the real runner's reference, the same call
 
 from minips import data, metrics, models, reference
 from minips.config import RunConfig
@@ -46,13 +47,6 @@ def bsp_run(workers: int, momentum: float, steps: int) -> RunConfig:
     return RunConfig(mode="bsp", compressor="none", workers=workers, momentum=momentum,
                      max_steps=steps, base_step_s=0.01, lr=0.05, lr_warmup=0.0,
                      dataset="synthetic", epochs=0.0)
-
-
-def reference_weights(run: RunConfig, train_set: data.Dataset, workers: int) -> np.ndarray:
-    ref, _ = reference.train(run.model, train_set, lr=run.lr, seed=run.seed, steps=run.max_steps,
-                             workers=workers, momentum=run.momentum,
-                             weight_decay=run.weight_decay)
-    return ref
 
 
 @pytest.mark.timeout(120)
