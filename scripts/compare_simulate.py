@@ -12,8 +12,9 @@ names one. The simulator takes the real run's config.json and its measured times
 two calibrations (both are run and printed):
 
 - ``median``: each worker's step time is the median of what its steps took in the real run
-  (the time between two of its records less the PULL's wait and the PUSH's round trip),
-  unchanging; the one-way latency is half the median PUSH round trip;
+  (the time between two of its records less four one-way latencies, and less the PULL's
+  wait when SSP held it: the simulator adds those itself), unchanging; the one-way latency
+  is half the median PUSH round trip;
 - ``trace``: the same, step by step (the k-th simulated step of a worker takes the time its
   k-th real step took, the first from the group assignment), so the real run's start
   offsets and hiccups (a step slowed by the shared CPUs) are replayed.
@@ -65,14 +66,18 @@ def calibration(run_dir: Path, n: int) -> dict[str, Any]:
     """Step traces, medians and the one-way latency measured in the real run."""
     start = next(r["t"] for r in metrics.read_jsonl(run_dir / "global.jsonl")
                  if r.get("event") == "groups")
-    traces, pushes = [], []
-    for recs in worker_records(run_dir, n):
+    recs_all = worker_records(run_dir, n)
+    pushes = [r["push_s"] for recs in recs_all for r in recs if "push_s" in r]
+    lat = float(np.median(pushes)) / 2 if pushes else 0.0
+    traces = []
+    for recs in recs_all:
         ts = [start] + [r["t"] for r in recs]
-        traces.append([max(0.0, b - a - r["wait_s"] - r.get("push_s", 0.0))
+        # what a step took besides the simulator's own four message latencies and, when SSP
+        # held its PULL (waited_for), the wait the simulator makes itself
+        traces.append([max(0.0, b - a - 2 * lat - (r["wait_s"] if r["waited_for"] else 2 * lat))
                        for a, b, r in zip(ts, ts[1:], recs, strict=False)])
-        pushes += [r["push_s"] for r in recs if "push_s" in r]
     return {"traces": traces, "medians": [float(np.median(t[1:] or t)) for t in traces],
-            "latency_s": float(np.median(pushes)) / 2 if pushes else 0.0}
+            "latency_s": lat}
 
 
 def group_clocks(run_dir: Path, n: int) -> dict[str, int]:
