@@ -1,5 +1,6 @@
-"""The role cores as the simulator drives them: ``GroupCore`` and ``GlobalCore`` whose hooks
-talk to the event queue (``simulate.Simulation``) instead of sockets.
+"""The role cores as the simulator drives them: ``GroupCore`` whose actions
+(``group_actions.py``) and ``GlobalCore`` whose hooks the event queue (``simulate.Simulation``)
+performs instead of sockets.
 
 The rules are the cores' own; what is here is only what the asyncio shells do around them:
 hold the PULLs that SSP says wait (``pending``), gather the PULLs answered at one simulated
