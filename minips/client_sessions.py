@@ -1,10 +1,10 @@
 """The global server's sessions with workers (control channel) and evaluators.
 
 A worker's control session carries STATS (calibration at clock 0, then its measured speed every
-second), an optional PUSH of its initial weights (when the server had none yet: WELCOME said
-``need_init``; the first one to arrive is taken) and LEAVE; the server answers with ASSIGN when
-the worker's group or ratio is set or changes. An evaluator PULLs the global weights every few
-seconds until the run is over.
+second), an optional INIT_WEIGHTS with its initial weights (when the server had none yet:
+WELCOME said ``need_init``; the first one to arrive is taken) and LEAVE; the server answers
+with ASSIGN when the worker's group or ratio is set or changes. An evaluator PULLs the global
+weights every few seconds until the run is over.
 
 Invariants: a worker has at most one control channel (a new connection with its id replaces
 the old one, which gets ERROR ``replaced``); STATS clocks are not compared (they count steps in
@@ -25,9 +25,7 @@ from minips.roster import WorkerEntry
 if TYPE_CHECKING:
     from minips.server import GlobalServer
 
-__all__ = ["worker_session", "evaluator_session", "MAX_PARAMS"]
-
-MAX_PARAMS = 1 << 31  # model size a worker's initial weights may claim (float32 elements)
+__all__ = ["worker_session", "evaluator_session"]
 
 
 async def worker_session(srv: GlobalServer, ch: Any, w: int) -> None:
@@ -54,7 +52,7 @@ def _on_message(srv: GlobalServer, entry: WorkerEntry, msg: Any) -> None:
     if isinstance(msg, protocol.Stats):
         validation.check_stats(msg)
         srv.on_stats(entry, msg)
-    elif isinstance(msg, protocol.Push):
+    elif isinstance(msg, protocol.InitWeights):
         _on_initial(srv, initial_weights(msg))
     elif isinstance(msg, protocol.Leave):
         entry.left = True
@@ -74,19 +72,17 @@ def _on_initial(srv: GlobalServer, weights: np.ndarray) -> None:
 
 
 def initial_weights(msg: Any) -> np.ndarray:
-    """(n,) float32 initial weights a worker pushed (the server was started without --init)."""
-    size = msg.codec.get("size", 0)
-    if not isinstance(size, int) or not 0 < size <= MAX_PARAMS:
-        raise RemoteProtocolError("initial weights: bad size", expected=f"1..{MAX_PARAMS}",
-                                  got=size)
-    w = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, size)
+    """(n,) float32 initial weights a worker sent (the server was started without --init); their
+    size is checked by the message (``global_messages.MAX_PARAMS``)."""
+    w = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, msg.size)
     if not isinstance(w, np.ndarray):
         raise RemoteProtocolError("initial weights must be dense", got=msg.encoding)
     return w.astype(np.float32)
 
 
 async def evaluator_session(srv: GlobalServer, ch: Any) -> None:
-    """PULL -> WEIGHTS until LEAVE; the answer with the final weights sets ``evaluated_final``."""
+    """PULL -> GLOBAL_WEIGHTS until LEAVE; the answer with the final weights sets
+    ``evaluated_final``."""
     while True:
         msg = await ch.recv()
         if isinstance(msg, protocol.Leave):

@@ -41,7 +41,7 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
             t = time.monotonic()
             try:
                 await ch.send(protocol.Pull(clock=0))
-                w = await Link(ch, 0, 0).expect(protocol.Weights)
+                w = await Link(ch, 0, 0).expect(protocol.GlobalWeights)
             except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError,
                     Stopped) as exc:
                 if isinstance(exc, Stopped) and exc.final:
@@ -72,8 +72,8 @@ async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunC
     return ch
 
 
-def _evaluate_once(run: RunConfig, w: protocol.Weights, size: int, test: data.Dataset,
-                   writer: JsonlWriter) -> None:
+def _evaluate_once(run: RunConfig, w: protocol.GlobalWeights, size: int,
+                   test: data.Dataset, writer: JsonlWriter) -> None:
     flat = np.asarray(sparse.decode_gradient(w.encoding, w.codec, w.buffers, size))
     acc, loss = models.evaluate(run.model, flat, test)
     writer.write({**dict(w.info), "t": time.time() - run.t0, "version": w.version,

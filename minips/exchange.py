@@ -216,12 +216,13 @@ def _zero() -> dict[str, Any]:
 
 
 def push_message(delta: Delta, stats: dict[str, Any]) -> Any:
-    """The PUSH that carries one exchange of a group to the global server: ``delta`` (dense or
-    sparse) and the group's counters in ``codec["stats"]``."""
+    """The EXCHANGE that carries one exchange of a group to the global server: ``delta``
+    (dense or sparse) and the group's counters as its fields (a clock of None: -1, none;
+    counters the message has no field for stay home)."""
     encoding, codec, buffers = sparse.encode_gradient(delta)
-    return protocol.Push(clock=stats["version"], step_time=stats["step_time"],
-                         loss=stats["loss"], samples=stats["samples"], encoding=encoding,
-                         codec={**codec, "stats": stats}, buffers=tuple(buffers))
+    counters: dict[str, Any] = {k: -1 if v is None else v for k, v in stats.items()
+                if k in protocol.Exchange.INFO}
+    return protocol.Exchange(**counters, encoding=encoding, codec=codec, buffers=tuple(buffers))
 
 
 def wire_size(msg: Any) -> int:

@@ -10,8 +10,10 @@ Invariants:
   exactly that type within [lo, hi] passes without calling the check.
 
 Public API: ``Invalid``, ``Check``, ``integer``, ``number``, ``text``, ``blob``, ``boolean``,
-``names``, ``mapping``, ``views`` (a tuple of buffers), and the limits ``MAX_INT``,
-``MAX_TEXT``, ``MAX_NAME``, ``MAX_BUFFERS``, ``MAX_DEPTH``.
+``names``, ``ints`` (a list of ints), ``pairs`` (a list of [int, int]), ``mapping``,
+``vector_codec`` (the codec map of a vector payload: ``VALUE_TYPES``, ``INDEX_SCHEMES``),
+``views`` (a tuple of buffers), and the limits ``MAX_INT``, ``MAX_TEXT``, ``MAX_NAME``,
+``MAX_BUFFERS``, ``MAX_DEPTH``, ``MAX_LIST``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import Any
 
 __all__ = [
     "MAX_INT", "MAX_TEXT", "MAX_NAME", "MAX_BUFFERS", "MAX_DEPTH", "Invalid", "Check",
-    "integer", "number", "text", "blob", "boolean", "names", "mapping", "views",
+    "integer", "number", "text", "blob", "boolean", "names", "ints", "pairs", "mapping",
+    "views", "vector_codec", "VALUE_TYPES", "INDEX_SCHEMES", "MAX_LIST",
 ]
 
 MAX_BUFFERS = 16  # raw buffers per frame; sparse packets use 2-3
@@ -31,8 +34,9 @@ MAX_TEXT = 4096  # characters of a free-text field (reason, address)
 MAX_NAME = 64  # characters of a name field (role, code, encoding, capability)
 MAX_INT = 2**63 - 1  # ints are signed 64-bit on the wire
 MAX_DEPTH = 8  # nesting of lists/maps inside a map field
-
-
+MAX_LIST = 1 << 16  # ints in a list field (a group's members, the workers a PULL waited for)
+VALUE_TYPES = ("f32", "f16")  # a vector payload's value type (codec "value")
+INDEX_SCHEMES = ("varint", "u32")  # a sparse payload's index coding (codec "index")
 
 
 class Invalid(Exception):
@@ -102,6 +106,27 @@ def names(v: Any) -> tuple[str, ...]:
     return tuple([name(x) for x in v])
 
 
+def ints(maxlen: int = MAX_LIST, lo: int = -MAX_INT) -> Check:
+    def check(v: Any) -> list[int]:
+        if (not isinstance(v, (list, tuple)) or len(v) > maxlen
+                or not all(type(x) is int and lo <= x <= MAX_INT for x in v)):
+            raise Invalid(f"expected a list of <= {maxlen} ints >= {lo}")
+        return list(v)  # a list, as msgpack gives it back (records keep JSON lists)
+
+    return check
+
+
+def pairs(v: Any) -> list[list[int]]:
+    """A short list of [int, int] (an exchange's session and seq; -1: none)."""
+    pair = ints(2, -1)
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_NAME:
+        raise Invalid(f"expected a list of <= {MAX_NAME} [int, int] pairs")
+    out = [pair(x) for x in v]
+    if any(len(x) != 2 for x in out):
+        raise Invalid("expected [int, int] pairs")
+    return out
+
+
 _PRIMITIVES = frozenset({type(None), bool, int, float, str, bytes})
 
 
@@ -144,3 +169,28 @@ def views(v: Any) -> tuple[memoryview, ...]:
         return tuple([_flat(b) for b in v])
     except TypeError as e:
         raise Invalid(f"buffers must be C-contiguous bytes-like objects ({e})") from None
+
+
+def vector_codec(v: Any) -> dict[str, Any]:
+    """The codec map of a vector payload (sparse_codec.py): ``k`` (entries of a sparse
+    vector), ``index`` and ``value`` (its index coding and value type), ``lz4`` (one raw
+    length per buffer, when the buffers are lz4 blocks). Other keys are refused; what depends
+    on the model's size is checked on decode."""
+    if type(v) is not dict:
+        raise Invalid("expected a codec map")
+    for key, x in v.items():
+        if key == "k":
+            ok = type(x) is int and 0 <= x <= MAX_INT
+        elif key == "index":
+            ok = x in INDEX_SCHEMES
+        elif key == "value":
+            ok = x in VALUE_TYPES
+        elif key == "lz4":
+            ok = (isinstance(x, (list, tuple)) and len(x) <= MAX_BUFFERS
+                  and all(type(n) is int and 0 <= n <= MAX_INT for n in x))
+        else:
+            raise Invalid("codec keys are k, index, value and lz4")
+        if not ok:
+            raise Invalid(f"bad codec {key!r}: k is an int >= 0, index one of {INDEX_SCHEMES}, "
+                          f"value one of {VALUE_TYPES}, lz4 a list of raw lengths")
+    return v

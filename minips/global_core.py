@@ -151,17 +151,18 @@ class GlobalCore:
 
     def weights_message(self, weights: Delta | None = None, final: bool = False,
                         members: list[int] | None = None) -> Any:
-        """WEIGHTS with the global weights (or an exchange's sparse answer: entries to set)
-        and the run's counters in ``info``."""
+        """GLOBAL_WEIGHTS with the global weights (or an exchange's sparse answer: entries to
+        set) and the run's counters."""
         w = self.weights if weights is None else weights
         w = w if w is not None else np.zeros(0, np.float32)
         encoding, codec, buffers = sparse.encode_gradient(w)
-        info = {"samples": self.samples, "version": self.version, "t": self.wall() - self.run.t0,
-                "size": int(w.size), "members": members or [],
-                "train_s": self.trained_s(),
-                "done_reason": self.done_reason, **self.traffic()}
-        return protocol.Weights(version=self.version, encoding=encoding, codec=codec,
-                                buffers=tuple(buffers), done=final or self.done, info=info)
+        traffic = self.traffic()
+        return protocol.GlobalWeights(
+            version=self.version, done=final or self.done, size=int(w.size),
+            samples=self.samples, t=self.wall() - self.run.t0, train_s=self.trained_s(),
+            done_reason=self.done_reason, bytes_up=traffic["bytes_up"],
+            bytes_down=traffic["bytes_down"], members=members or [], encoding=encoding,
+            codec=codec, buffers=tuple(buffers))
 
     def traffic(self) -> dict[str, int]:
         """Worker <-> group bytes so far (external groups: as of their last exchange)."""

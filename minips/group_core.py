@@ -223,13 +223,13 @@ class GroupCore:
             answer = self.downlink.answer(since)
             version, base, payload = answer.version, answer.since, answer.payload
         encoding, codec, buffers = sparse.encode_gradient(payload)
-        info = {"group": self.group, "waited_for": waited_for, "ratio": self.ratio,
-                "lead": self.table.lead(w) if w in self.table else 0,
-                "min_clock": self.table.min_clock()}
-        if self.downlink is not None:  # how far the weights sent are from the group's
-            info["drift"] = round(self.downlink.last_drift, 6)
-        return protocol.Weights(version=version, since=base, encoding=encoding, codec=codec,
-                                buffers=tuple(buffers), done=self.done, info=info)
+        low = self.table.min_clock()
+        return protocol.Weights(  # drift: how far the weights sent are from the group's
+            version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
+            done=self.done, group=self.group, waited_for=waited_for, ratio=self.ratio,
+            lead=self.table.lead(w) if w in self.table else 0,
+            min_clock=-1 if low is None else low,
+            drift=-1.0 if self.downlink is None else round(self.downlink.last_drift, 6))
 
     # -- exchange and checkpoint ---------------------------------------------------------
 

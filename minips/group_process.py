@@ -2,17 +2,17 @@
 
 ``serve_group`` listens for the group's workers first (so their address is known), registers
 with the global server as role ``group`` (HELLO.address = where its workers connect), takes the
-group id from ASSIGN, PULLs the global weights (WEIGHTS.info: ``size``, ``members``) and serves
-until the global server says ``done``. ``TcpLink`` carries each exchange: PUSH(delta, counters in
-``codec["stats"]``) -> WEIGHTS.
+group id from ASSIGN, PULLs the global weights (GLOBAL_WEIGHTS: ``size``, ``members``) and
+serves until the global server says ``done``. ``TcpLink`` carries each exchange: EXCHANGE(delta,
+counters) -> EXCHANGE_REPLY.
 
 Faults: when the global server is lost, the group keeps serving its workers (their pushes are
 applied locally; exchanges wait) and reconnects with backoff and jitter for ``reconnect_s``; on
 reconnect it takes the global weights and keeps its own not-yet-sent delta on top
 (``GroupServer.reload``), so a global server resumed from a checkpoint gets this group's work
 since its last exchange, and the exchanges the checkpoint lacks once more (unsaved.py): each
-WEIGHTS from the global server names the seqs it holds. A replacement group process is given a
-group whose server is gone (``GlobalServer._adopt``) and starts from the global weights.
+EXCHANGE_REPLY from the global server names the seqs it holds. A replacement group process is
+given a group whose server is gone (``GlobalServer._adopt``) and starts from the global weights.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ POLL_S = 0.2  # how often the serving loop looks at the link and the group
 
 
 class TcpLink:
-    """GroupLink over TCP for a `minips group` process: PUSH the delta, wait for WEIGHTS.
+    """GroupLink over TCP for a `minips group` process: EXCHANGE the delta, wait for the reply.
 
-    The group's counters travel in the PUSH's codec map under "stats". A reader task owns the
-    channel: WEIGHTS answer the exchange in flight, LEAVE "done" finishes the group. Each
+    A reader task owns the channel: EXCHANGE_REPLY (or GLOBAL_WEIGHTS, for the registering
+    PULL) answers the request in flight, LEAVE "done" finishes the group. Each
     exchange counts the channel's bytes since the last one (heartbeats and the registering
     PULL included) as its ``bytes_up`` / ``bytes_down``.
     """
@@ -60,7 +60,7 @@ class TcpLink:
         self._counted = (0, 0)  # the channel's bytes (sent, received) already counted
 
     async def request(self, msg: Any) -> Any:
-        """Send ``msg`` and wait for the WEIGHTS that answers it (``ConnectionError`` when the
+        """Send ``msg`` and wait for the message that answers it (``ConnectionError`` when the
         global server is gone)."""
         if self.closed.is_set():
             raise ConnectionError("global server link is closed")
@@ -70,12 +70,12 @@ class TcpLink:
 
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
-        """PUSH ``delta`` (dense or sparse); the WEIGHTS reply holds the global weights
+        """EXCHANGE ``delta`` (dense or sparse); the reply holds the global weights
         (``dense-f32``) or the entries of the group's copy to set (``sparse-v1``)."""
         reply = await self.request(push_message(delta, stats))
         w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
         up, down = self.ch.bytes_sent, self.ch.bytes_received
-        res = ExchangeResult(w, reply.version, reply.done, int(reply.info.get("samples", 0)),
+        res = ExchangeResult(w, reply.version, reply.done, reply.samples,
                              seqs_in(reply.info, "saved_exchanges", stats["session"]),
                              up - self._counted[0], down - self._counted[1])
         self._counted = (up, down)
@@ -86,7 +86,8 @@ class TcpLink:
         try:
             while True:
                 msg = await self.ch.recv()
-                if isinstance(msg, protocol.Weights) and self._reply and not self._reply.done():
+                if (isinstance(msg, (protocol.ExchangeReply, protocol.GlobalWeights))
+                        and self._reply and not self._reply.done()):
                     self._reply.set_result(msg)
                 elif isinstance(msg, protocol.Assign) and self.group is not None:
                     self.group.ratio = msg.ratio
@@ -119,14 +120,16 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
         raise RemoteProtocolError("expected ASSIGN", got=type(assign).__name__)
     link.reader = asyncio.create_task(link.read())
     init = await link.request(protocol.Pull(clock=0))
+    if not isinstance(init, protocol.GlobalWeights):
+        raise RemoteProtocolError("expected GLOBAL_WEIGHTS", got=type(init).__name__)
     weights = np.asarray(sparse.decode_gradient(init.encoding, init.codec, init.buffers,
-                                                int(init.info["size"])))
+                                                init.size))
     if gs.group == int(assign.group) and gs.ready.is_set():
         held = seqs_in(init.info, "last_exchange", gs.xchg.session)
         gs.reload(weights, link, None if held is None else held[0])
     else:
         gs.setup(int(assign.group), run, weights, link,
-                 [int(w) for w in init.info.get("members", [])])
+                 list(init.members))
         gs.writer = RunDir(cfg.run_dir, t0=gs.run.t0).writer(f"group-{gs.group}")
         gs.open_membership = True  # late joiners are placed by the global server, not told here
     gs.ratio = float(assign.ratio)

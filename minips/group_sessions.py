@@ -1,8 +1,8 @@
 """The global server's sessions with external group servers (`minips group` processes).
 
 A group process connects as role ``group`` before the grouping and waits in ``pending_groups``;
-``external_group`` hands it a group (ASSIGN). The session is then: PULL -> WEIGHTS (the initial
-weights, ``info.members``), and PUSH(delta, counters in ``codec["stats"]``) -> WEIGHTS (the merged
+``external_group`` hands it a group (ASSIGN). The session is then: PULL -> GLOBAL_WEIGHTS (the
+initial weights, ``members``), and EXCHANGE(delta, counters) -> EXCHANGE_REPLY (the merged
 global weights, or with a sparse exchange the entries of the group's copy to set: replica.py)
 until LEAVE. A PULL resets the server's replica of the group's copy to the weights it answers.
 A group process that connects after the grouping — restarted, or
@@ -52,12 +52,19 @@ async def external_group(srv: GlobalServer, g: int, members: list[int]) -> Group
     return handle
 
 
-def _with_exchanges(msg: Any, handle: GroupHandle) -> Any:
-    """WEIGHTS for a group process, naming the exchanges the server holds (unsaved.py): its
-    last merged one and the last one in each of its last two checkpoint snapshots."""
-    return dataclasses.replace(msg, info={
-        **msg.info, "last_exchange": list(handle.last_exchange),
-        "saved_exchanges": [list(key) for key in handle.snapshots]})
+def _initial(msg: Any, handle: GroupHandle) -> Any:
+    """GLOBAL_WEIGHTS for a group process's PULL, naming the exchange the server merged last
+    (unsaved.py)."""
+    return dataclasses.replace(msg, last_exchange=list(handle.last_exchange))
+
+
+def _reply(msg: Any, handle: GroupHandle) -> Any:
+    """EXCHANGE_REPLY from the global weights message ``msg``: the merged weights (or the
+    entries to set) and the last exchange in each of the last two checkpoint snapshots."""
+    return protocol.ExchangeReply(
+        version=msg.version, done=msg.done, samples=msg.samples,
+        saved_exchanges=[list(key) for key in handle.snapshots], encoding=msg.encoding,
+        codec=msg.codec, buffers=msg.buffers)
 
 
 def _address(ch: Any) -> str:
@@ -133,13 +140,12 @@ async def _on_message(srv: GlobalServer, ch: Any, handle: GroupHandle) -> bool:
         assert srv.weights is not None
         weights = srv.weights.copy()  # what goes out: merges may land before it is written
         srv.replica(handle.id).reset(weights)
-        await ch.send(_with_exchanges(srv.weights_message(weights, members=handle.members),
-                                      handle))
-    elif isinstance(msg, protocol.Push):
+        await ch.send(_initial(srv.weights_message(weights, members=handle.members), handle))
+    elif isinstance(msg, protocol.Exchange):
         assert srv.weights is not None
         delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, srv.weights.size)
-        res = srv.merge(handle.id, delta, validation.check_group_stats(msg.codec))
-        await ch.send(_with_exchanges(srv.weights_message(res.weights), handle))
+        res = srv.merge(handle.id, delta, msg.info)
+        await ch.send(_reply(srv.weights_message(res.weights), handle))
     elif isinstance(msg, protocol.Leave):
         handle.final = True
         srv.check_budget()

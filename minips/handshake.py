@@ -82,8 +82,10 @@ TRANSITIONS: dict[tuple[Side, State, Kind], State] = {
     (_C, State.CHALLENGE, Kind.AUTH): State.AUTH,
     (_S, State.AUTH, Kind.WELCOME): State.OPEN,
     (_S, State.AUTH, Kind.REFUSE): State.CLOSED,
-    **{(_C, State.OPEN, k): State.OPEN for k in (Kind.STATS, Kind.PUSH, Kind.PULL)},
-    **{(_S, State.OPEN, k): State.OPEN for k in (Kind.ASSIGN, Kind.ACK, Kind.WEIGHTS)},
+    **{(_C, State.OPEN, k): State.OPEN for k in (Kind.STATS, Kind.PUSH, Kind.PULL,
+                                                  Kind.EXCHANGE, Kind.INIT_WEIGHTS)},
+    **{(_S, State.OPEN, k): State.OPEN for k in (Kind.ASSIGN, Kind.ACK, Kind.WEIGHTS,
+                                                  Kind.EXCHANGE_REPLY, Kind.GLOBAL_WEIGHTS)},
     **{(s, State.OPEN, k): State.OPEN for s in Side for k in (Kind.HEARTBEAT, Kind.LEAVE)},
     **{(s, st, Kind.ERROR): State.CLOSED for s in Side for st in State if st != State.CLOSED},
 }

@@ -1,141 +1,68 @@
-"""minips messages: the kinds and one frozen dataclass per kind, each field with its check.
+"""minips messages of the worker <-> server conversation, and how a peer's map becomes one.
 
 No networking, no clocks, no framing here: a message is a value that knows whether it is valid.
-``fields.py`` holds the checks, ``frames.py`` turns messages into bytes and back;
-docs/protocol.md, section 3, lists every field.
+``message_base.py`` holds ``Kind`` and the ``Message`` base class, ``fields.py`` the checks,
+``global_messages.py`` the kinds of the global server's conversations with group processes and
+evaluators, ``frames.py`` turns messages into bytes and back; docs/protocol.md, section 3,
+lists every field.
 
 Invariants:
-- A ``Message`` never exists with an invalid field: ``__post_init__`` runs every field's check
-  (a bad value raises ``LocalProtocolError``), and ``from_wire`` runs the same checks on a map a
-  peer sent (``RemoteProtocolError``). Checks cost time in proportion to the fields and values
-  present; a check may normalise a value (bytes-like -> bytes, buffers -> flat "B" memoryviews).
+- ``from_wire`` runs the same checks as a constructor on a map a peer sent
+  (``RemoteProtocolError``). Checks cost time in proportion to the fields and values present.
 - Each message's msgpack map holds exactly ``meta_keys(kind)``: every field except ``buffers``
   and HELLO's ``version`` (which travels in the frame prefix), in declaration order.
-- Only PUSH and WEIGHTS carry buffers; they are held as flat ``memoryview``s, never copied.
+- Only the kinds in ``WITH_BUFFERS`` carry buffers (a vector payload: ``encoding``, ``codec``,
+  ``buffers``, sparse_codec.py); they are held as flat ``memoryview``s, never copied.
 
-Public API: ``PROTOCOL_VERSION``, ``Kind``, ``Message`` and the 14 message classes,
-``MESSAGE_TYPES``, ``ROLES``, field limits (``NONCE_BYTES``, ``MAC_BYTES``, ``MAX_BUFFERS``,
-``MAX_TEXT``, ``MAX_NAME``, ``MAX_INT``), ``meta_keys(kind)``, ``from_wire(kind, version, meta,
-nbuf)``.
+Public API: ``PROTOCOL_VERSION``, ``Kind``, ``Message`` and the 18 message classes,
+``MESSAGE_TYPES``, ``WITH_BUFFERS``, ``ROLES``, field limits (``NONCE_BYTES``, ``MAC_BYTES``,
+``MAX_BUFFERS``, ``MAX_TEXT``, ``MAX_NAME``, ``MAX_INT``), ``meta_keys(kind)``,
+``from_wire(kind, version, meta, nbuf)``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
-from minips.errors import LocalProtocolError, RemoteProtocolError
+from minips.errors import RemoteProtocolError
 from minips.fields import (
     MAX_BUFFERS,
     MAX_INT,
     MAX_NAME,
     MAX_TEXT,
-    Check,
     Invalid,
     blob,
     boolean,
     integer,
+    ints,
     mapping,
     names,
     number,
     text,
+    vector_codec,
     views,
 )
+from minips.global_messages import Exchange, ExchangeReply, GlobalWeights, InitWeights
+from minips.message_base import (
+    MAC_BYTES,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    ROLES,
+    SCHEMAS,
+    Kind,
+    Message,
+    Reported,
+)
+from minips.message_base import checked as _f
 
 __all__ = [
     "PROTOCOL_VERSION", "NONCE_BYTES", "MAC_BYTES", "MAX_BUFFERS", "MAX_TEXT", "MAX_NAME",
     "MAX_INT", "ROLES", "Kind", "Message", "Hello", "Challenge", "Auth", "Welcome", "Refuse",
     "Assign", "Stats", "Push", "Ack", "Pull", "Weights", "Heartbeat", "Leave", "Error",
+    "Exchange", "ExchangeReply", "GlobalWeights", "InitWeights",
     "MESSAGE_TYPES", "WITH_BUFFERS", "meta_keys", "from_wire",
 ]
-
-PROTOCOL_VERSION = 2  # 2: WEIGHTS.since (a sparse update of a held copy, docs/protocol.md)
-NONCE_BYTES = 32  # fresh random bytes per handshake side, so a recorded handshake cannot replay
-MAC_BYTES = 32  # HMAC-SHA256 digest
-ROLES = ("worker", "group", "evaluator")
-
-
-class Kind(IntEnum):
-    """Message kind, the byte at offset 5 of every frame."""
-
-    HELLO = 1
-    CHALLENGE = 2
-    AUTH = 3
-    WELCOME = 4
-    REFUSE = 5
-    ASSIGN = 6
-    STATS = 7
-    PUSH = 8
-    ACK = 9
-    PULL = 10
-    WEIGHTS = 11
-    HEARTBEAT = 12
-    LEAVE = 13
-    ERROR = 14
-
-
-def _f(check: Check, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING) -> Any:
-    return field(default=default, default_factory=factory, metadata={"check": check})
-
-
-# ---------------------------------------------------------------------------------------------
-# Messages: docs/architecture.md has the table of who sends what.
-
-
-@dataclass(frozen=True, kw_only=True)
-class Message:
-    """Base class: validates every field with the check in its metadata."""
-
-    KIND: ClassVar[Kind]
-    NOT_IN_META: ClassVar[tuple[str, ...]] = ("buffers",)
-
-    def __post_init__(self) -> None:
-        values = self.__dict__  # frozen: normalised values are written straight into __dict__
-        for name, check, typ, lo, hi in _SCHEMAS[type(self)].checks:
-            value = values[name]
-            if type(value) is typ and lo <= value <= hi:
-                continue  # a number within its bounds: valid as it is (the common case)
-            try:
-                values[name] = check(value)
-            except Invalid as e:
-                where = f"{type(self).__name__}.{name}"
-                raise LocalProtocolError(f"{where}: {e}", expected=str(e), got=value) from None
-
-    def meta(self) -> dict[str, Any]:
-        """The msgpack map of this message: every field except ``buffers`` and HELLO's version."""
-        values = self.__dict__
-        return {name: values[name] for name in _SCHEMAS[type(self)].meta}
-
-
-@dataclass(frozen=True)
-class _Schema:
-    """What the code needs of a class's fields, computed once (dataclasses.fields() is slow)."""
-
-    # (field, check, type, lo, hi) in declaration order; a value of exactly that type within
-    # [lo, hi] is valid without calling check (numbers only; type None for other fields)
-    checks: tuple[tuple[str, Check, Any, Any, Any], ...]
-    wire_checks: tuple[tuple[str, Check, Any, Any, Any], ...]  # those of the map's fields
-    meta: tuple[str, ...]  # the fields in the msgpack map, in order
-    meta_set: frozenset[str]
-
-
-class _Schemas(dict[type, _Schema]):
-    """class -> _Schema, computed on first use; a hit is a plain dict lookup (no Python call)."""
-
-    def __missing__(self, cls: type[Message]) -> _Schema:
-        fields = dataclasses.fields(cls)
-        meta = tuple(f.name for f in fields if f.name not in cls.NOT_IN_META)
-        checks = tuple((f.name, f.metadata["check"], *getattr(f.metadata["check"], "fast",
-                                                               (None, 0, 0))) for f in fields)
-        wire_checks = tuple(c for c in checks if c[0] in meta)
-        schema = self[cls] = _Schema(checks, wire_checks, meta, frozenset(meta))
-        return schema
-
-
-_SCHEMAS = _Schemas()
-
 
 @dataclass(frozen=True, kw_only=True)
 class Hello(Message):
@@ -204,8 +131,8 @@ class Push(Message):
     step_time: float = _f(number(0.0), 0.0)
     loss: float = _f(number(), 0.0)
     samples: int = _f(integer(), 0)
-    encoding: str = _f(text(MAX_NAME))  # meaning of buffers, defined by sparse.py
-    codec: dict[str, Any] = _f(mapping, factory=dict)
+    encoding: str = _f(text(MAX_NAME))  # the vector payload: sparse_codec.py
+    codec: dict[str, Any] = _f(vector_codec, factory=dict)
     buffers: tuple[Any, ...] = _f(views, ())  # bytes-like; held as flat memoryviews
 
 
@@ -224,18 +151,33 @@ class Pull(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Weights(Message):
-    """``since`` -1: the buffers are the whole weights at ``version``; else they name the
-    coordinates that changed from version ``since`` to ``version`` with their new values."""
+class Weights(Reported):
+    """A group server's answer to a worker's PULL. ``since`` -1: the buffers are the whole
+    weights at ``version``; else they name the coordinates that changed from version ``since``
+    to ``version`` with their new values. The rest says where the worker stands."""
 
     KIND = Kind.WEIGHTS
+    INFO = ("group", "waited_for", "ratio", "lead", "min_clock", "drift")
     version: int = _f(integer())
     since: int = _f(integer(-1), -1)  # -1: whole weights; else an update of the copy at since
     encoding: str = _f(text(MAX_NAME))
-    codec: dict[str, Any] = _f(mapping, factory=dict)
+    codec: dict[str, Any] = _f(vector_codec, factory=dict)
     buffers: tuple[Any, ...] = _f(views, ())  # bytes-like; held as flat memoryviews
     done: bool = _f(boolean, False)
-    info: dict[str, Any] = _f(mapping, factory=dict)
+    group: int = _f(integer(-1), -1)  # the group server's group
+    waited_for: list[int] = _f(ints(), factory=list)  # the workers the answer waited for
+    ratio: float = _f(number(0.0, 1.0), 1.0)  # the group's upload ratio (GDTopK)
+    lead: int = _f(integer(-MAX_INT), 0)  # steps ahead of the group's slowest worker
+    min_clock: int = _f(integer(-1), -1)  # the group's lowest live clock; -1: none
+    drift: float = _f(number(-1.0), -1.0)  # compressed downlink: |sent - weights|; -1: dense
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The counters for a worker's record (``drift`` only with a compressed downlink)."""
+        out = super().info
+        if out["drift"] < 0:
+            del out["drift"]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,15 +202,16 @@ class Error(Message):
 MESSAGE_TYPES: dict[int, type[Message]] = {  # Kind (an int) -> class
     cls.KIND: cls
     for cls in (Hello, Challenge, Auth, Welcome, Refuse, Assign, Stats, Push, Ack, Pull,
-                Weights, Heartbeat, Leave, Error)
+                Weights, Heartbeat, Leave, Error, Exchange, ExchangeReply, GlobalWeights,
+                InitWeights)
 }
-WITH_BUFFERS = frozenset({Kind.PUSH, Kind.WEIGHTS})  # the kinds whose frames carry buffers
+WITH_BUFFERS = frozenset({Kind.PUSH, Kind.WEIGHTS, Kind.EXCHANGE, Kind.EXCHANGE_REPLY,
+                          Kind.GLOBAL_WEIGHTS, Kind.INIT_WEIGHTS})  # frames that carry buffers
 
 
 def meta_keys(kind: Kind) -> tuple[str, ...]:
     """The keys of ``kind``'s msgpack map, in the order they are sent."""
-    return _SCHEMAS[MESSAGE_TYPES[kind]].meta
-
+    return SCHEMAS[MESSAGE_TYPES[kind]].meta
 
 
 def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Message:
@@ -280,7 +223,7 @@ def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Messa
     the prefix's byte (a ``Kind`` or its int).
     """
     cls = MESSAGE_TYPES[kind]
-    schema = _SCHEMAS[cls]
+    schema = SCHEMAS[cls]
     if meta.keys() != schema.meta_set:
         raise RemoteProtocolError(f"{cls.KIND.name} header map has the wrong keys",
                                   expected=sorted(schema.meta), got=sorted(map(str, meta)))

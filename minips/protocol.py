@@ -2,11 +2,14 @@
 
 This package part contains no networking code at all: no asyncio, no sockets, no clocks. Bytes
 go in, messages come out (``FrameDecoder``); a message goes in, a list of buffers comes out
-(``encode``). docs/protocol.md describes every byte. The code lives in five modules, read in
+(``encode``). docs/protocol.md describes every byte. The code lives in these modules, read in
 this order:
 
 - ``fields.py``    the checks a message field can have (ints, finite numbers, text, maps, ...).
-- ``messages.py``  ``Kind``, one frozen dataclass per message, built from a peer's map.
+- ``message_base.py`` ``Kind`` and the ``Message`` base class (a frozen dataclass, fields checked).
+- ``messages.py``  one class per kind of the worker <-> server conversation; ``from_wire``.
+- ``global_messages.py`` the kinds of the global server's conversations with group processes,
+  evaluators and a worker bringing the initial weights.
 - ``frames.py``    the 16-byte prefix, the buffer table, ``Limits``, ``encode``, frame checks.
 - ``decoder.py``   ``FrameDecoder``: bytes in (whole or in pieces, zero-copy), messages out.
 - ``handshake.py`` connection ``State`` and ``TRANSITIONS``, ``Connection``, the HMAC handshake.
@@ -68,8 +71,12 @@ from minips.messages import (
     Auth,
     Challenge,
     Error,
+    Exchange,
+    ExchangeReply,
+    GlobalWeights,
     Heartbeat,
     Hello,
+    InitWeights,
     Kind,
     Leave,
     Message,
@@ -87,7 +94,8 @@ __all__ = [
     "MAX_INT", "ROLES", "CODEC_RAW", "CODEC_LZ4", "LZ4_MIN_BYTES", "COALESCE_BYTES",
     "SCRATCH_BYTES", "DIRECT_MIN_BYTES", "DIRECT_READ_BYTES", "DEFAULT_LIMITS",
     "Kind", "Message", "Hello", "Challenge", "Auth", "Welcome", "Refuse", "Assign", "Stats",
-    "Push", "Ack", "Pull", "Weights", "Heartbeat", "Leave", "Error", "MESSAGE_TYPES",
+    "Push", "Ack", "Pull", "Weights", "Heartbeat", "Leave", "Error", "Exchange",
+    "ExchangeReply", "GlobalWeights", "InitWeights", "MESSAGE_TYPES",
     "WITH_BUFFERS",
     "Limits", "Alloc", "encode", "default_alloc", "FrameDecoder", "Side", "State", "TRANSITIONS",
     "Connection", "CLIENT_LABEL", "SERVER_LABEL", "new_nonce", "make_mac", "ClientHandshake",

@@ -1,18 +1,19 @@
-"""Sparse gradients: the data type, its wire encoding, and how a server applies it.
+"""The vector payload (gradients, deltas, weights): the data type, its wire encoding, and how a
+server applies it.
 
-A ``SparseGrad`` is three things: ``indices`` (k,) uint32, strictly increasing (so sorted and
-unique), ``values`` (k,) float32, and ``size``, the length of the dense vector it stands for.
+A ``SparseGrad`` is ``indices`` (k,) uint32, strictly increasing (so sorted and unique),
+``values`` (k,) float32, ``size``, the length of the dense vector it stands for, and
+``value_dtype``, the value type it travels in (``"f16"``: its values are float16 numbers, and a
+compressor that rounded them says so here, so they take 2 bytes each on the wire).
 
-Wire format (the buffers of a PUSH; the ``codec`` map travels in the msgpack header):
+Wire format (the buffers of a message with a payload; ``encoding`` and the ``codec`` map travel
+in its msgpack header, ``fields.vector_codec`` checks the map's keys and types):
 
 - ``dense-f32`` / ``dense-f16``: one buffer, the whole vector, little-endian float32 / float16.
   codec ``{}``, or ``{"lz4": [raw_len]}`` when the buffer is lz4-compressed.
 - ``sparse-v1``: two buffers, indices then values. codec ``{"k": k, "index": "varint" | "u32",
   "value": "f32" | "f16", "lz4": [raw_len_indices, raw_len_values]}`` (``lz4`` only when used).
-  ``varint``: gap coding then LEB128. Gap ``g[0] = idx[0]``, ``g[i] = idx[i] - idx[i-1] - 1``, so
-  an increasing sequence gives gaps >= 0 (a run of neighbours is a run of zero bytes); each gap is
-  written in 7-bit groups, low group first, high bit set on every byte but the last (1 to 5 bytes
-  per index; about 1.3 bytes at 1% density). ``u32``: raw little-endian uint32 indices.
+  ``varint``: gap coding then LEB128 (varint.py); ``u32``: raw little-endian uint32 indices.
 
 Invariants: decoding trusts nothing. Every length, count, index, byte and float is checked and a
 bad packet raises ``RemoteProtocolError`` naming what was wrong; never an IndexError from numpy.
@@ -29,6 +30,8 @@ import lz4.block
 import numpy as np
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
+from minips.fields import INDEX_SCHEMES, VALUE_TYPES, Invalid, vector_codec
+from minips.varint import MAX_VARINT_BYTES, varint_decode, varint_encode
 
 __all__ = [
     "SparseGrad",
@@ -42,13 +45,12 @@ __all__ = [
 
 ENCODINGS = ("dense-f32", "dense-f16", "sparse-v1")
 _VALUE_DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
-_INDEX_SCHEMES = ("varint", "u32")
-MAX_VARINT_BYTES = 5  # a uint32 needs at most ceil(32 / 7) = 5 groups of 7 bits
 
 
 @dataclass(frozen=True)
 class SparseGrad:
-    """A sparse gradient: ``indices`` (k,) uint32 strictly increasing, ``values`` (k,) float32.
+    """A sparse gradient: ``indices`` (k,) uint32 strictly increasing, ``values`` (k,) float32,
+    sent as ``value_dtype`` (``"f16"`` when the values are float16 numbers already).
 
     The constructor checks dtypes and shapes (O(1)); ``check()`` also checks order and range
     (O(k)), which ``decode_gradient`` always does for data from the network.
@@ -57,9 +59,13 @@ class SparseGrad:
     indices: np.ndarray
     values: np.ndarray
     size: int
+    value_dtype: str = "f32"
 
     def __post_init__(self) -> None:
         i, v = self.indices, self.values
+        if self.value_dtype not in VALUE_TYPES:
+            raise LocalProtocolError("SparseGrad value_dtype", expected=VALUE_TYPES,
+                                     got=self.value_dtype)
         if i.dtype != np.uint32 or v.dtype != np.float32 or i.ndim != 1 or i.shape != v.shape:
             raise LocalProtocolError(
                 "SparseGrad needs (k,) uint32 indices and (k,) float32 values",
@@ -90,66 +96,6 @@ class SparseGrad:
         return SparseGrad(np.empty(0, np.uint32), np.empty(0, np.float32), size)
 
 
-# ---------------------------------------------------------------------------- varint
-
-
-def varint_encode(indices: np.ndarray) -> np.ndarray:
-    """Gap + LEB128 code of strictly increasing (k,) uint32 indices -> (m,) uint8 bytes."""
-    idx = indices.astype(np.uint32, copy=False)
-    if idx.size == 0:
-        return np.empty(0, np.uint8)
-    gaps = np.empty(idx.size, np.uint32)  # (k,) >= 0 for increasing input
-    gaps[0] = idx[0]
-    np.subtract(idx[1:], idx[:-1], out=gaps[1:])
-    gaps[1:] -= np.uint32(1)
-    nbytes = np.ones(idx.size, np.uint8)  # (k,) bytes per gap, 1..5
-    for j in range(1, MAX_VARINT_BYTES):
-        nbytes += gaps >= np.uint32(1 << (7 * j))
-    ends = np.cumsum(nbytes, dtype=np.int64)  # (k,) one past each gap's last byte
-    out = np.empty(int(ends[-1]), np.uint8)
-    # Byte j of every gap, then only the gaps that have a byte j + 1 (a shrinking subset:
-    # uint32 throughout, since mixing uint64 with Python ints goes through float64 and is slow).
-    group, nb, pos = gaps, nbytes, ends - nbytes
-    for j in range(MAX_VARINT_BYTES):
-        more = nb > j + 1  # (subset,) bool: another byte follows
-        out[pos + j] = (group & np.uint32(0x7F)).astype(np.uint8) | (more.view(np.uint8) << 7)
-        keep = np.flatnonzero(more)
-        if keep.size == 0:
-            break
-        group, nb, pos = group[keep] >> np.uint32(7), nb[keep], pos[keep]
-    return out
-
-
-def varint_decode(data: np.ndarray, k: int, size: int) -> np.ndarray:
-    """Inverse of ``varint_encode``; validates everything. Returns (k,) uint32 indices."""
-    ends = np.flatnonzero(data < 0x80)  # last byte of each varint
-    if ends.size != k or (k and ends[-1] != data.size - 1) or (k == 0 and data.size):
-        raise RemoteProtocolError(
-            "varint index buffer does not hold k whole numbers", expected=k, got=int(ends.size)
-        )
-    if k == 0:
-        return np.empty(0, np.uint32)
-    starts = np.empty_like(ends)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    lens = ends - starts + 1  # (k,) 1..5 if well formed
-    if int(lens.max()) > MAX_VARINT_BYTES or int(data[ends[lens == 5]].max(initial=0)) > 0x0F:
-        raise RemoteProtocolError("varint index larger than 32 bits")
-    payload = data & np.uint8(0x7F)  # (m,) uint8, the 7-bit groups
-    gaps = payload[starts].astype(np.uint32)  # (k,) low groups; < 2^32 checked above
-    sel = np.flatnonzero(lens > 1)  # the gaps with more groups, a shrinking subset
-    for j in range(1, MAX_VARINT_BYTES):
-        if sel.size == 0:
-            break
-        gaps[sel] |= payload[starts[sel] + j].astype(np.uint32) << np.uint32(7 * j)
-        sel = sel[lens[sel] > j + 1]
-    # idx[i] = sum of (gap + 1) up to i, minus 1; int64 holds k * 2^32.
-    idx = np.cumsum(gaps, dtype=np.int64) + np.arange(k, dtype=np.int64)  # (k,) increasing
-    if int(idx[-1]) >= size:
-        raise RemoteProtocolError("sparse index out of range", expected=size, got=int(idx[-1]))
-    return idx.astype(np.uint32)
-
-
 # ---------------------------------------------------------------------------- encode
 
 
@@ -164,16 +110,21 @@ def _maybe_lz4(buffers: list[Any], use_lz4: bool, codec: dict[str, Any]) -> list
 def encode_gradient(
     g: SparseGrad | np.ndarray,
     *,
-    value_dtype: str = "f32",
+    value_dtype: str | None = None,
     lz4: bool = False,
     index: str = "varint",
 ) -> tuple[str, dict[str, Any], list[Any]]:
-    """Encode a gradient for a PUSH -> ``(encoding, codec, buffers)``.
+    """Encode a vector payload -> ``(encoding, codec, buffers)``.
 
-    A dense float16 array is sent as ``dense-f16`` whatever ``value_dtype`` says (the fp16
-    compressor already rounded it, with the error kept in its residual).
+    ``value_dtype`` None: the vector's own (a ``SparseGrad``'s ``value_dtype``; ``f16`` for a
+    float16 array, as the fp16 compressor makes, ``f32`` otherwise). A dense float16 array is
+    sent as ``dense-f16`` whatever ``value_dtype`` says (the compressor already rounded it,
+    with the error kept in its residual).
     """
-    if value_dtype not in _VALUE_DTYPES or index not in _INDEX_SCHEMES:
+    if value_dtype is None:
+        half = isinstance(g, np.ndarray) and g.dtype == np.float16
+        value_dtype = g.value_dtype if isinstance(g, SparseGrad) else "f16" if half else "f32"
+    if value_dtype not in _VALUE_DTYPES or index not in INDEX_SCHEMES:
         raise LocalProtocolError("unknown value dtype or index scheme", got=(value_dtype, index))
     codec: dict[str, Any] = {}
     if isinstance(g, np.ndarray):
@@ -233,20 +184,6 @@ def _values(data: np.ndarray, dtype: np.dtype, count: int, allow_nonfinite: bool
     return vals
 
 
-def _codec_int(codec: dict[str, Any], key: str, hi: int) -> int:
-    v = codec.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
-        raise RemoteProtocolError(f"codec {key!r} must be an int in [0, {hi}]", got=v)
-    return v
-
-
-def _codec_str(codec: dict[str, Any], key: str, allowed: Sequence[str]) -> str:
-    v = codec.get(key)
-    if v not in allowed:
-        raise RemoteProtocolError(f"codec {key!r} must be one of {list(allowed)}", got=v)
-    return str(v)
-
-
 def _decode_indices(data: np.ndarray, scheme: str, k: int, size: int) -> np.ndarray:
     if scheme == "varint":
         return varint_decode(data, k, size)
@@ -273,21 +210,25 @@ def decode_gradient(
     Returns a (size,) float32 array for dense encodings, a checked ``SparseGrad`` otherwise.
     Raises RemoteProtocolError on anything malformed.
     """
-    if not isinstance(codec, dict):
-        raise RemoteProtocolError("codec must be a map", got=type(codec).__name__)
+    try:
+        vector_codec(codec)  # keys and types; what depends on ``size`` is checked below
+    except Invalid as exc:
+        raise RemoteProtocolError(str(exc), got=codec) from None
     if encoding in ("dense-f32", "dense-f16"):
         dtype = _VALUE_DTYPES["f16" if encoding == "dense-f16" else "f32"]
         (data,) = _unpack(codec, buffers, 1, [size * dtype.itemsize])
         return _values(data, dtype, size, allow_nonfinite)
     if encoding != "sparse-v1":
         raise RemoteProtocolError("unknown gradient encoding", expected=ENCODINGS, got=encoding)
-    k = _codec_int(codec, "k", size)
-    scheme = _codec_str(codec, "index", _INDEX_SCHEMES)
-    vdtype = _VALUE_DTYPES[_codec_str(codec, "value", tuple(_VALUE_DTYPES))]
+    k, scheme, value = codec.get("k"), codec.get("index"), codec.get("value")
+    if k is None or scheme is None or value is None or k > size:
+        raise RemoteProtocolError("sparse-v1 codec needs k <= size, index and value",
+                                  expected=size, got=codec)
+    vdtype = _VALUE_DTYPES[value]
     limits = [MAX_VARINT_BYTES * k if scheme == "varint" else 4 * k, k * vdtype.itemsize]
     ib, vb = _unpack(codec, buffers, 2, limits)
     indices = _decode_indices(ib, scheme, k, size)
-    return SparseGrad(indices, _values(vb, vdtype, k, allow_nonfinite), size)
+    return SparseGrad(indices, _values(vb, vdtype, k, allow_nonfinite), size, value)
 
 
 # ---------------------------------------------------------------------------- apply

@@ -2,8 +2,9 @@
 
 The protocol modules already check framing, types, lengths, limits and which message kinds a
 connection state allows; ``sparse.decode_gradient`` checks encodings, sizes, index bounds and
-NaN/inf. What is left is meaning that only a server knows: ranges of counters and times, clocks
-that go backwards, messages a role may not send in a session. A violation raises
+NaN/inf; a group's EXCHANGE counters are typed fields, checked by the message
+(global_messages.py). What is left is meaning that only a server knows: ranges of counters and
+times, clocks that go backwards, messages a role may not send in a session. A violation raises
 ``RemoteProtocolError``; ``reject`` then answers ERROR with the reason, logs (as counts) and
 counts it, and the caller closes that one connection (``replace`` ends a session that a new
 connection with the same worker id takes over, with ERROR ``replaced``). The model is never
@@ -22,7 +23,7 @@ from minips.errors import RemoteProtocolError
 from minips.logcounts import CountingLog
 
 __all__ = ["MAX_SAMPLES", "MAX_STEP_S", "REPLACED", "check_push", "check_push_order",
-           "check_stats", "check_group_stats", "replace", "unexpected", "reject"]
+           "check_stats", "replace", "unexpected", "reject"]
 
 log = logging.getLogger("minips.server")
 _counted = CountingLog(log)  # one line per kind and period, with counts: a flood is a few lines
@@ -30,9 +31,6 @@ _counted = CountingLog(log)  # one line per kind and period, with counts: a floo
 MAX_SAMPLES = 1 << 20  # samples one push may claim (a batch); more is a broken or hostile peer
 MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it is garbage
 REPLACED = "replaced"  # ERROR code: another connection with the same worker id took over
-MAX_SEQ = (1 << 53) - 1  # exchange session / seq: ints a double holds exactly
-GROUP_STATS_NUMBERS = ("pushes", "samples", "step_time", "loss", "bytes_in", "bytes_out",
-                       "iter_time")
 
 
 def _number(name: str, value: Any, lo: float, hi: float) -> None:
@@ -61,21 +59,6 @@ def check_stats(msg: Any) -> None:
     again when the worker moves to another group or its group server restarts."""
     _number("step_time", msg.step_time, 1e-9, MAX_STEP_S)
     _number("samples", msg.samples, 0, 1 << 62)
-
-
-def check_group_stats(codec: Any) -> dict[str, Any]:
-    """The counters a group process sends in ``codec["stats"]``: a map of finite numbers."""
-    stats = codec.get("stats", {})
-    if not isinstance(stats, dict):
-        raise RemoteProtocolError("codec.stats must be a map", got=type(stats).__name__)
-    for key in GROUP_STATS_NUMBERS:
-        if key in stats:
-            _number(f"stats.{key}", stats[key], 0 if key != "loss" else -1e30, 1e30)
-    for key in ("session", "seq"):  # the exchange's identity: ints, compared for equality
-        if key in stats and (type(stats[key]) is not int or not 0 <= stats[key] <= MAX_SEQ):
-            raise RemoteProtocolError(f"stats.{key} must be an int", expected=f"0..{MAX_SEQ}",
-                                      got=stats[key])
-    return dict(stats)
 
 
 async def replace(old: Any, w: int, counts: collections.Counter[str], where: str) -> None:

@@ -132,9 +132,8 @@ class Worker:
     async def _send_initial(self) -> None:
         flat = self.trainer.host_weights()  # (n,) float32
         encoding, codec, buffers = sparse.encode_gradient(flat)
-        await self.control.ch.send(protocol.Push(clock=0, encoding=encoding,
-                                                 codec={**codec, "size": int(flat.size)},
-                                                 buffers=tuple(buffers)))
+        await self.control.ch.send(protocol.InitWeights(size=int(flat.size), encoding=encoding,
+                                                        codec=codec, buffers=tuple(buffers)))
 
     async def _calibrate(self) -> None:
         """Time a few steps on the first batch (model, stream and compressor untouched)."""

@@ -32,6 +32,13 @@ trees = st.recursive(prims, lambda c: st.one_of(st.lists(c, max_size=4),
                      max_leaves=12)
 maps = st.dictionaries(names, trees, max_size=6)
 buffers = st.lists(st.binary(max_size=300), max_size=4).map(tuple)
+codecs = st.fixed_dictionaries({}, optional={
+    "k": uints, "index": st.sampled_from(["varint", "u32"]),
+    "value": st.sampled_from(["f32", "f16"]), "lz4": st.lists(uints, max_size=4)})
+int_lists = st.lists(st.integers(0, 2**63 - 1), max_size=8)
+seqs = st.integers(0, 2**53 - 1)
+counts = st.integers(0, 2**62)
+seconds = st.floats(0, 1e9)
 
 STRATEGIES = {
     p.Hello: st.builds(p.Hello, version=st.integers(0, 255), role=st.sampled_from(p.ROLES),
@@ -46,11 +53,32 @@ STRATEGIES = {
     p.Stats: st.builds(p.Stats, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
                        samples=uints),
     p.Push: st.builds(p.Push, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
-                      samples=uints, encoding=names, codec=maps, buffers=buffers),
+                      samples=uints, encoding=names, codec=codecs, buffers=buffers),
     p.Ack: st.builds(p.Ack, clock=uints, version=uints),
     p.Pull: st.builds(p.Pull, clock=uints, since=ids),
-    p.Weights: st.builds(p.Weights, version=uints, encoding=names, codec=maps, buffers=buffers,
-                         done=st.booleans(), info=maps),
+    p.Weights: st.builds(p.Weights, version=uints, since=ids, encoding=names, codec=codecs,
+                         buffers=buffers, done=st.booleans(), group=ids, waited_for=int_lists,
+                         ratio=st.floats(0, 1), lead=st.integers(-(2**63) + 1, 2**63 - 1),
+                         min_clock=ids, drift=st.floats(-1, 1e9)),
+    p.Exchange: st.builds(p.Exchange, session=seqs, seq=seqs, version=uints, final=st.booleans(),
+                          pushes=counts, samples=counts, step_time=seconds,
+                          loss=st.floats(-1e30, 1e30), iter_time=seconds, bytes_in=counts,
+                          bytes_out=counts, min_clock=ids, max_clock=ids, encoding=names,
+                          codec=codecs, buffers=buffers),
+    p.ExchangeReply: st.builds(p.ExchangeReply, version=uints, done=st.booleans(), samples=counts,
+                               saved_exchanges=st.lists(st.lists(st.integers(-1, 2**62),
+                                                                 min_size=2, max_size=2),
+                                                        max_size=3),
+                               encoding=names, codec=codecs, buffers=buffers),
+    p.GlobalWeights: st.builds(p.GlobalWeights, version=uints, done=st.booleans(),
+                               size=st.integers(0, 2**31), samples=counts, t=finite,
+                               train_s=seconds, done_reason=names, bytes_up=counts,
+                               bytes_down=counts, members=int_lists,
+                               last_exchange=st.one_of(st.just([]), st.lists(
+                                   st.integers(-1, 2**62), min_size=2, max_size=2)),
+                               encoding=names, codec=codecs, buffers=buffers),
+    p.InitWeights: st.builds(p.InitWeights, size=st.integers(1, 2**31), encoding=names,
+                             codec=codecs, buffers=buffers),
     p.Heartbeat: st.builds(p.Heartbeat, seq=uints),
     p.Leave: st.builds(p.Leave, reason=texts),
     p.Error: st.builds(p.Error, code=names, reason=texts),

@@ -1,6 +1,6 @@
 """docs/protocol.md's smaller statements, each checked against the code that keeps it.
 
-The initial-weights PUSH gets no reply; a PULL's clock must be the worker's own; over-long
+The INIT_WEIGHTS message gets no reply; a PULL's clock must be the worker's own; over-long
 varints are accepted up to 5 bytes; NaN and inf are refused in dense gradients too; a small
 frame's buffer table is checked once the frame is whole, a large one's before its body; a
 handshake that runs out of time is closed without ERROR; ``read_timeout`` counts silence, not
@@ -31,13 +31,13 @@ async def group_session(ctl: transport.Channel) -> tuple[transport.Channel, int]
     return ch, (await recv_as(ch, protocol.Ack, 5)).clock
 
 
-async def test_initial_weights_push_gets_no_reply(tmp_path: Path) -> None:
+async def test_init_weights_gets_no_reply(tmp_path: Path) -> None:
     srv = make_server(tmp_path, None, workers=1, mode="asp")
     port = await srv.start()
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
     try:
         encoding, codec, buffers = sparse.encode_gradient(np.ones(4, np.float32))
-        await ctl.send(protocol.Push(clock=0, encoding=encoding, codec={**codec, "size": 4},
+        await ctl.send(protocol.InitWeights(size=4, encoding=encoding, codec=codec,
                                      buffers=tuple(buffers)))
         await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=1.0))
         await recv_as(ctl, protocol.Assign, 5)  # the next message is ASSIGN, no ACK before it
@@ -157,7 +157,7 @@ async def test_heartbeat_seq_and_evaluator_address_are_not_checked(tmp_path: Pat
         for seq in (5, 5, 0):  # repeated and going back
             await ev.send(protocol.Heartbeat(seq=seq))
         await ev.send(protocol.Pull(clock=0))
-        assert (await recv_as(ev, protocol.Weights, 5)).info["size"] == 3
+        assert (await recv_as(ev, protocol.GlobalWeights, 5)).info["size"] == 3
         assert not srv.rejected and srv.server is not None
         assert srv.server.stats["protocol_errors"] == 0
     finally:

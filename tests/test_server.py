@@ -8,7 +8,6 @@ reply was lost merged exactly once.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import minips_server, records, recv_as, until
 
-from minips import protocol, roster, sparse, transport, validation
+from minips import messages, protocol, roster, sparse, transport
 from minips.config import RunConfig, ServerConfig, parse_address, reachable
 from minips.errors import AuthError, RemoteProtocolError
 from minips.group import GroupServer
@@ -43,9 +42,9 @@ async def join(port: int, wid: int, step_time: float) -> Any:
 
 
 async def next_assign(ch: Any) -> protocol.Assign:
-    """The next ASSIGN on a worker's or group's channel (HEARTBEAT, WEIGHTS skipped)."""
+    """The next ASSIGN on a worker's or group's channel (HEARTBEAT, WEIGHTS, EXCHANGE_REPLY skipped)."""
     while not isinstance(msg := await asyncio.wait_for(ch.recv(), 5), protocol.Assign):
-        assert isinstance(msg, (protocol.Heartbeat, protocol.Weights)), msg
+        assert isinstance(msg, (protocol.Heartbeat, protocol.Weights, protocol.ExchangeReply)), msg
     return msg
 
 
@@ -180,9 +179,9 @@ async def test_group_processes_get_their_gdtopk_ratio_and_every_change_of_it(
         ratios = {g: r for g, (r, _) in first.items()}
         assert push_mean(srv, ratios, {0: 1, 1: 1}) == pytest.approx(0.01)  # the run's ratio
         srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
-        msg = push(1, np.zeros(4, np.float32))
-        stats = {"samples": 1, "iter_time": 0.5, "session": 1, "seq": 1}
-        await first[0][1].send(replace(msg, codec={**msg.codec, "stats": stats}))
+        await first[0][1].send(protocol.Exchange(samples=1, iter_time=0.5, session=1, seq=1,
+                                                 encoding="dense-f32",
+                                                 buffers=(np.zeros(4, np.float32),)))
         later = {g: (await next_assign(ch)).ratio for g, (_, ch) in first.items()}
         assert later[0] > later[1]  # group 0 now iterates slower than group 1's 0.04 s
         assert push_mean(srv, later, {0: 1, 1: 1}) == pytest.approx(0.01)
@@ -229,12 +228,12 @@ async def test_initial_weights_from_first_worker_and_evaluator_view(tmp_path: Pa
     assert ctl.welcome_info["mode"] == "bsp"
     init = np.arange(5, dtype=np.float32)
     encoding, codec, buffers = sparse.encode_gradient(init)
-    await ctl.send(protocol.Push(clock=0, encoding=encoding, codec={**codec, "size": 5},
+    await ctl.send(protocol.InitWeights(size=5, encoding=encoding, codec=codec,
                                  buffers=tuple(buffers)))
     ev = await transport.connect("127.0.0.1", port, role="evaluator", token=TOKEN)
     try:
         await ev.send(protocol.Pull(clock=0))
-        w = await recv_as(ev, protocol.Weights, 5)
+        w = await recv_as(ev, protocol.GlobalWeights, 5)
         np.testing.assert_array_equal(np.frombuffer(w.buffers[0], np.float32), init)
         assert w.info["samples"] == 0 and "bytes_up" in w.info and w.done is False
     finally:
@@ -255,7 +254,7 @@ async def test_two_workers_both_told_need_init_both_push_and_both_stay(tmp_path:
         inits = [np.arange(5, dtype=np.float32) + 10 * i for i in range(2)]
         for ctl, init in zip(ctls, inits, strict=True):
             encoding, codec, buffers = sparse.encode_gradient(init)
-            await ctl.send(protocol.Push(clock=0, encoding=encoding, codec={**codec, "size": 5},
+            await ctl.send(protocol.InitWeights(size=5, encoding=encoding, codec=codec,
                                          buffers=tuple(buffers)))
         for i, ctl in enumerate(ctls):  # both control channels still carry STATS -> ASSIGN
             await ctl.send(protocol.Stats(clock=0, step_time=0.01 * (i + 1), loss=1.0,
@@ -276,7 +275,7 @@ async def test_initial_weights_of_another_size_are_refused(tmp_path: Path) -> No
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
     try:
         encoding, codec, buffers = sparse.encode_gradient(np.ones(6, np.float32))
-        await ctl.send(protocol.Push(clock=0, encoding=encoding, codec={**codec, "size": 6},
+        await ctl.send(protocol.InitWeights(size=6, encoding=encoding, codec=codec,
                                      buffers=tuple(buffers)))
         msg = await asyncio.wait_for(ctl.recv(), 10)
         assert isinstance(msg, protocol.Error) and msg.code == "invalid"
@@ -401,8 +400,10 @@ async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> N
         await srv.close()
     events = [r["event"] for r in read_jsonl(tmp_path / "global.jsonl")]
     assert events.count("merge_repeat") == 1 and events.count("merge") == 2
-    with pytest.raises(RemoteProtocolError):
-        validation.check_group_stats({"stats": {"session": 1, "seq": "7"}})
+    meta = protocol.Exchange(session=1, seq=7, encoding="dense-f32").meta()
+    with pytest.raises(RemoteProtocolError, match="seq"):
+        messages.from_wire(protocol.Kind.EXCHANGE, protocol.PROTOCOL_VERSION,
+                           {**meta, "seq": "7"}, 0)
 
 
 async def test_an_explicit_group_count_is_honoured_for_equal_workers(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from minips.sparse import (
     kept_count,
     scatter_add,
 )
-from minips.sparse_codec import varint_decode, varint_encode
+from minips.varint import varint_decode, varint_encode
 
 
 def sg(indices: list[int], values: list[float], size: int) -> SparseGrad:

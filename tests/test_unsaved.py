@@ -61,8 +61,7 @@ class Sim:
 
     def _send(self, out: Any, lose_reply: bool) -> bool:
         res = self.srv.merge(0, self.xchg.delta(out), out.stats)
-        reply = group_sessions._with_exchanges(self.srv.weights_message(res.weights),
-                                               self.srv.groups[0])
+        reply = group_sessions._reply(self.srv.weights_message(res.weights), self.srv.groups[0])
         if lose_reply:
             return False
         saved = seqs_in(reply.info, "saved_exchanges", self.xchg.session)
@@ -88,7 +87,7 @@ class Sim:
 
     async def reconnect(self) -> None:
         h = self.srv.groups[0]
-        info = group_sessions._with_exchanges(self.srv.weights_message(), h).info
+        info = group_sessions._initial(self.srv.weights_message(), h).info
         held = seqs_in(info, "last_exchange", self.xchg.session)
         assert held is not None and self.srv.weights is not None
         self.weights, _ = self.xchg.rebase(self.weights, self.srv.weights.copy(), held[0])
