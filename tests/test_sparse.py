@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minips import sparse
+from minips import protocol, sparse
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.sparse import (
     SparseGrad,
@@ -117,6 +117,36 @@ def test_dense_round_trips(use_lz4: bool) -> None:
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
     assert np.array_equal(out, x.astype(np.float16).astype(np.float32))
     assert encode_gradient(x, value_dtype="f16")[0] == "dense-f16"
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc", "randomk"])
+def test_a_compressor_with_f16_values_sends_two_bytes_per_value(name: str) -> None:
+    """The value type a compressor rounded to travels with its packet: 1,000 values take
+    2,000 bytes with value_dtype="f16" (4,000 with f32), and decode to the rounded values."""
+    n = 100_000
+    grad = np.random.default_rng(3).normal(size=n).astype(np.float32)
+    sizes = {}
+    for dtype in ("f32", "f16"):
+        comp = sparse.make_compressor(name, n, ratio=0.01, seed=0, value_dtype=dtype)
+        packet = comp.compress(grad)
+        assert isinstance(packet, SparseGrad) and packet.nnz == 1000
+        enc, codec, bufs = encode_gradient(packet)
+        sizes[dtype] = memoryview(bufs[1]).nbytes
+        out = decode_gradient(enc, codec, bufs, n)
+        assert isinstance(out, SparseGrad) and out.value_dtype == dtype
+        np.testing.assert_array_equal(out.values, packet.values)  # f16 rounding is exact
+    assert sizes == {"f32": 4000, "f16": 2000}
+
+
+def test_codec_keys_and_types_are_checked_in_one_place() -> None:
+    g = sg([1, 2], [1.0, 2.0], 10)
+    enc, codec, bufs = encode_gradient(g)
+    for bad in ({**codec, "size": 10}, {**codec, "value": "f64"}, {**codec, "k": -1},
+                {**codec, "lz4": "x"}, {**codec, "index": 7}):
+        with pytest.raises(RemoteProtocolError, match="codec"):
+            decode_gradient(enc, bad, bufs, 10)
+        with pytest.raises(LocalProtocolError, match="codec"):
+            protocol.Push(clock=1, encoding=enc, codec=bad, buffers=tuple(bufs))
 
 
 def test_lz4_shrinks_a_run_of_neighbours() -> None:
