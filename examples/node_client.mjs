@@ -187,12 +187,13 @@ function lz4Decompress(src, rawLen) {
 // Frames and messages (sections 1, 2, 3).
 
 const MAGIC = Buffer.from('MNPS', 'ascii');
-const VERSION = 2;
+const VERSION = 3;
 const MAX_FRAME = 512 * 1024 * 1024, MAX_META = 1024 * 1024, MAX_BUFFERS = 16, MAX_RAW = 512 * 1024 * 1024;
 
 const K = {
   HELLO: 1, CHALLENGE: 2, AUTH: 3, WELCOME: 4, REFUSE: 5, ASSIGN: 6, STATS: 7, PUSH: 8, ACK: 9,
-  PULL: 10, WEIGHTS: 11, HEARTBEAT: 12, LEAVE: 13, ERROR: 14,
+  PULL: 10, WEIGHTS: 11, HEARTBEAT: 12, LEAVE: 13, ERROR: 14, EXCHANGE: 15, EXCHANGE_REPLY: 16,
+  GLOBAL_WEIGHTS: 17, INIT_WEIGHTS: 18,
 };
 const NAME = Object.fromEntries(Object.entries(K).map(([n, k]) => [k, n]));
 
@@ -209,14 +210,25 @@ const SCHEMA = {
   [K.PUSH]: { ...STATS_KEYS, encoding: 'name', codec: 'map' },
   [K.ACK]: { clock: 'int', version: 'int' },
   [K.PULL]: { clock: 'int', since: 'id' },
-  [K.WEIGHTS]: { version: 'int', since: 'id', encoding: 'name', codec: 'map', done: 'bool', info: 'map' },
+  [K.WEIGHTS]: { version: 'int', since: 'id', encoding: 'name', codec: 'map', done: 'bool', group: 'id',
+    waited_for: 'array', ratio: 'ratio', lead: 'sint', min_clock: 'id', drift: 'float' },
   [K.HEARTBEAT]: { seq: 'int' },
   [K.LEAVE]: { reason: 'text' },
   [K.ERROR]: { code: 'name', reason: 'text' },
+  [K.EXCHANGE]: { session: 'int', seq: 'int', version: 'int', final: 'bool', pushes: 'int', samples: 'int',
+    step_time: 'float>=0', loss: 'float', iter_time: 'float>=0', bytes_in: 'int', bytes_out: 'int',
+    min_clock: 'id', max_clock: 'id', encoding: 'name', codec: 'map' },
+  [K.EXCHANGE_REPLY]: { version: 'int', done: 'bool', samples: 'int', saved_exchanges: 'array',
+    encoding: 'name', codec: 'map' },
+  [K.GLOBAL_WEIGHTS]: { version: 'int', done: 'bool', size: 'int', samples: 'int', t: 'float',
+    train_s: 'float>=0', done_reason: 'name', bytes_up: 'int', bytes_down: 'int', members: 'array',
+    last_exchange: 'array', encoding: 'name', codec: 'map' },
+  [K.INIT_WEIGHTS]: { size: 'int', encoding: 'name', codec: 'map' },
 };
-const WITH_BUFFERS = new Set([K.PUSH, K.WEIGHTS]);
+const WITH_BUFFERS = new Set([K.PUSH, K.WEIGHTS, K.EXCHANGE, K.EXCHANGE_REPLY, K.GLOBAL_WEIGHTS,
+  K.INIT_WEIGHTS]);
 const SERVER_KINDS = new Set([K.CHALLENGE, K.WELCOME, K.REFUSE, K.ASSIGN, K.ACK, K.WEIGHTS,
-  K.HEARTBEAT, K.LEAVE, K.ERROR]);
+  K.EXCHANGE_REPLY, K.GLOBAL_WEIGHTS, K.HEARTBEAT, K.LEAVE, K.ERROR]);
 const MAX_INT = 2n ** 63n - 1n;
 
 function isInt(v, min) {
@@ -229,6 +241,7 @@ function typeOk(type, v) {
   switch (type) {
     case 'int': return isInt(v, 0);
     case 'id': return isInt(v, -1);
+    case 'sint': return isInt(v, Number.MIN_SAFE_INTEGER) || (typeof v === 'bigint' && v >= -MAX_INT);
     case 'float': return typeof v === 'number' && Number.isFinite(v);
     case 'float>=0': return typeof v === 'number' && Number.isFinite(v) && v >= 0;
     case 'ratio': return typeof v === 'number' && v >= 0 && v <= 1;
@@ -375,7 +388,7 @@ class Connection {
     const name = NAME[kind];
     if (!SERVER_KINDS.has(kind)) throw new ProtocolBroken(`${name} sent by the server (a client's message)`);
     const allowed = { HELLO: ['CHALLENGE', 'REFUSE'], AUTH: ['WELCOME', 'REFUSE'],
-      OPEN: ['ASSIGN', 'ACK', 'WEIGHTS', 'HEARTBEAT', 'LEAVE'] }[this.state] ?? [];
+      OPEN: ['ASSIGN', 'ACK', 'WEIGHTS', 'EXCHANGE_REPLY', 'GLOBAL_WEIGHTS', 'HEARTBEAT', 'LEAVE'] }[this.state] ?? [];
     if (kind === K.ERROR) {
       this.state = 'CLOSED';
       throw new Refused(`error from server: ${meta.code}: ${meta.reason}`);
@@ -497,11 +510,14 @@ function halfToFloat(h) {
   return sign * (1 + frac / 1024) * 2 ** (exp - 15);
 }
 
-/** The weights of a WEIGHTS message, after checking that its buffers say what `encoding` says. */
+/** The weights of a WEIGHTS or GLOBAL_WEIGHTS message, after checking that its buffers say what
+ * `encoding` says. */
 function weightsOf(msg) {
-  const { encoding, codec, since } = msg.meta;
+  const { encoding, since, size } = msg.meta;
   // we keep no copy (PULL since -1), so the server owes us the whole weights (section 3)
-  if (since !== -1) throw new ProtocolBroken(`WEIGHTS is an update since ${since}; we pulled with since -1`);
+  if (since !== undefined && since !== -1) {
+    throw new ProtocolBroken(`WEIGHTS is an update since ${since}; we pulled with since -1`);
+  }
   if (msg.buffers.length !== 1) {
     throw new ProtocolBroken(`WEIGHTS ${encoding} with ${msg.buffers.length} buffers, expected 1`);
   }
@@ -510,7 +526,7 @@ function weightsOf(msg) {
   if (!width) throw new ProtocolBroken(`WEIGHTS with encoding ${encoding}, not a dense one`);
   if (buf.length % width) throw new ProtocolBroken(`${encoding} buffer of ${buf.length} bytes`);
   const n = buf.length / width;
-  if ('size' in codec && codec.size !== n) throw new ProtocolBroken(`codec size ${codec.size}, buffer holds ${n}`);
+  if (size !== undefined && size !== n) throw new ProtocolBroken(`GLOBAL_WEIGHTS size ${size}, buffer holds ${n}`);
   const w = new Float32Array(n);
   for (let i = 0; i < n; i++) w[i] = width === 4 ? buf.readFloatLE(4 * i) : halfToFloat(buf.readUInt16LE(2 * i));
   return { weights: w, raw: width === 4 ? buf : null };
@@ -530,11 +546,12 @@ async function evaluator(opts, secret) {
     { role: 'evaluator', worker_id: -1, group: -1 }, secret, opts.timeoutMs);
   try {
     conn.send(K.PULL, { clock: 0, since: -1 });
-    const msg = await conn.expect([K.WEIGHTS], { timeoutMs: opts.timeoutMs });
+    const msg = await conn.expect([K.GLOBAL_WEIGHTS], { timeoutMs: opts.timeoutMs });
     const { weights, raw } = weightsOf(msg);
     if (opts.out) fs.writeFileSync(opts.out, raw ?? float32Bytes(weights));
-    console.log(JSON.stringify({ encoding: msg.meta.encoding, params: weights.length,
-      version: msg.meta.version, done: msg.meta.done, info: plain(msg.meta.info) }));
+    const { encoding, codec, ...counters } = msg.meta;  // the run's counters (section 3)
+    console.log(JSON.stringify({ encoding, params: weights.length,
+      version: msg.meta.version, done: msg.meta.done, info: plain(counters) }));
     await conn.leave();
   } catch (e) { await conn.hangUp(e); throw e; }
 }

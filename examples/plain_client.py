@@ -3,7 +3,7 @@
 another language writes first, and the test suite runs it against a real `minips server`.
 
 As an evaluator (the default) it opens a session (HELLO, CHALLENGE, AUTH, WELCOME: section 5),
-PULLs the global weights once (section 3), checks the frame and the table (section 1), writes the
+PULLs the global weights once (GLOBAL_WEIGHTS, section 3), checks the frame and the table (section 1), writes the
 weights' raw little-endian float32 bytes to --out, prints one JSON line and says LEAVE.
 
 With --worker it follows a worker's sessions (section 9): STATS on the global server's control
@@ -34,9 +34,11 @@ import msgpack
 
 PREFIX = struct.Struct("<4sBBBBII")  # magic, version, kind, nbuf, flags, meta_len, body_len
 TABLE_ENTRY = struct.Struct("<B3xII")  # codec, padding, wire_len, raw_len
-MAGIC, VERSION = b"MNPS", 2
+MAGIC, VERSION = b"MNPS", 3
 HELLO, CHALLENGE, AUTH, WELCOME, REFUSE, ASSIGN, STATS = 1, 2, 3, 4, 5, 6, 7
 PUSH, ACK, PULL, WEIGHTS, HEARTBEAT, LEAVE, ERROR = 8, 9, 10, 11, 12, 13, 14
+GLOBAL_WEIGHTS = 17  # the global server's answer to a PULL (EXCHANGE 15, its reply 16 and
+# INIT_WEIGHTS 18 are a group process's and a first worker's; this client sends none)
 MAX_FRAME = 512 << 20  # section 6: the default limits
 MAX_META = 1 << 20
 MAX_BUFFERS = 16
@@ -161,14 +163,14 @@ def dial(host: str, port: int) -> socket.socket:
 
 
 def pull_weights(host: str, port: int, key: bytes) -> tuple[dict[str, Any], bytes]:
-    """One evaluator session: the WEIGHTS map and the weights' float32 bytes."""
+    """One evaluator session: the GLOBAL_WEIGHTS map and the weights' float32 bytes."""
     with dial(host, port) as sock:
         handshake(sock, key)
         send(sock, PULL, {"clock": 0, "since": -1})
         kind, meta, buffers = recv_frame(sock)
-        if (kind != WEIGHTS or meta.get("since") != -1 or meta.get("encoding") != "dense-f32"
-                or len(buffers) != 1):
-            raise Broken(f"expected whole dense-f32 WEIGHTS, got kind {kind} "
+        if (kind != GLOBAL_WEIGHTS or meta.get("encoding") != "dense-f32" or len(buffers) != 1
+                or len(buffers[0]) != 4 * meta.get("size", -1)):
+            raise Broken(f"expected dense-f32 GLOBAL_WEIGHTS of its size, got kind {kind} "
                          f"{meta.get('encoding')}")
         send(sock, LEAVE, {"reason": "done"})
     return meta, buffers[0]
