@@ -3,8 +3,9 @@
 another language writes first, and the test suite runs it against a real `minips server`.
 
 As an evaluator (the default) it opens a session (HELLO, CHALLENGE, AUTH, WELCOME: section 5),
-PULLs the global weights once (GLOBAL_WEIGHTS, section 3), checks the frame and the table (section 1), writes the
-weights' raw little-endian float32 bytes to --out, prints one JSON line and says LEAVE.
+PULLs the global weights once (GLOBAL_WEIGHTS, section 3), checks the frame and the table
+(section 1), writes the weights' raw little-endian float32 bytes to --out, prints one JSON
+line and says LEAVE.
 
 With --worker it follows a worker's sessions (section 9): STATS on the global server's control
 channel until ASSIGN, then on its group server one step: PULL, a PUSH of a made-up sparse-v1

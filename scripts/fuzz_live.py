@@ -59,6 +59,8 @@ VALID = [frame(m) for m in (
     p.Hello(role="evaluator", nonce=b"n" * 32), p.Auth(mac=b"m" * 32), p.Pull(clock=0),
     push(1), p.Heartbeat(seq=1), p.Leave(reason="bye"),
     p.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
+    p.Exchange(session=1, seq=1, samples=1, encoding="dense-f32", buffers=(bytes(4 * N),)),
+    p.InitWeights(size=N, encoding="dense-f32", buffers=(bytes(4 * N),)),
 )]
 
 

@@ -2,11 +2,12 @@
 which is not a minips dependency; tests/test_protocol.py holds the same invariant with random and
 mutated frames on every run).
 
-Each input is cut in two at a point its first byte chooses and fed to a FrameDecoder; every PUSH
-or WEIGHTS it yields goes through the server's checks (``validation``) and the gradient decoder
-(``sparse_codec.decode_gradient``), and the whole input also through a server-side
-``Connection`` (state machine). The invariant: any bytes give messages or ``RemoteProtocolError``,
-never another exception; atheris stops at the first other one and writes the input to a file.
+Each input is cut in two at a point its first byte chooses and fed to a FrameDecoder; every
+message it yields goes through the server's checks (``validation``), and each vector payload
+through the gradient decoder (``sparse_codec.decode_gradient``); the whole input also goes
+through a server-side ``Connection`` (state machine). The invariant: any bytes give messages
+or ``RemoteProtocolError``, never another exception; atheris stops at the first other one and
+writes the input to a file.
 
 Seeds: frames of every kind of gradient (sparse u32 and varint, f32 and f16, with and without lz4,
 dense) and of the other messages, written to CORPUS_DIR when it is empty.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import atheris
 
@@ -50,9 +52,15 @@ def seeds() -> list[bytes]:
                                  compress=lz4))
     enc, codec, bufs = sparse_codec.encode_gradient(rng.standard_normal(N).astype(np.float32))
     out.append(frame(p.Weights(version=1, encoding=enc, codec=codec, buffers=tuple(bufs),
-                               info={"a": [1, 2.0, "x"]})))
-    out.append(frame(p.Push(clock=0, encoding="dense-f32", buffers=(np.zeros(64, np.float32),),
-                            codec={"size": N, "stats": {"session": 1, "seq": 2, "samples": 5}})))
+                               group=2, waited_for=[1, 3], lead=1, min_clock=4)))
+    zeros = (np.zeros(64, np.float32),)
+    out.append(frame(p.Exchange(session=1, seq=2, samples=5, encoding="dense-f32",
+                                buffers=zeros)))
+    out.append(frame(p.ExchangeReply(version=3, saved_exchanges=[[1, 2], [-1, -1]],
+                                     encoding="dense-f32", buffers=zeros)))
+    out.append(frame(p.GlobalWeights(version=3, size=64, members=[0, 1], last_exchange=[1, 2],
+                                     encoding="dense-f32", buffers=zeros)))
+    out.append(frame(p.InitWeights(size=N, encoding=enc, codec=codec, buffers=tuple(bufs))))
     out.append(frame(p.Hello(nonce=bytes(32), capabilities=("a",), address="h:1")))
     out.append(frame(p.Stats(clock=1, step_time=0.1, loss=2.0, samples=3)))
     out.append(frame(p.Ack(clock=1, version=2)) + frame(p.Pull(clock=1)))
@@ -65,9 +73,9 @@ def check(msg: p.Message) -> None:
         validation.check_stats(msg)
     if isinstance(msg, p.Push):
         validation.check_push(msg)
-        validation.check_group_stats(msg.codec)
-    if isinstance(msg, (p.Push, p.Weights)):
-        sparse_codec.decode_gradient(msg.encoding, msg.codec, msg.buffers, N)
+    if msg.KIND in p.WITH_BUFFERS:  # every vector payload
+        payload: Any = msg
+        sparse_codec.decode_gradient(payload.encoding, payload.codec, payload.buffers, N)
 
 
 def one_input(data: bytes) -> None:

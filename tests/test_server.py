@@ -42,7 +42,8 @@ async def join(port: int, wid: int, step_time: float) -> Any:
 
 
 async def next_assign(ch: Any) -> protocol.Assign:
-    """The next ASSIGN on a worker's or group's channel (HEARTBEAT, WEIGHTS, EXCHANGE_REPLY skipped)."""
+    """The next ASSIGN on a worker's or group's channel (HEARTBEAT, WEIGHTS and EXCHANGE_REPLY
+    skipped)."""
     while not isinstance(msg := await asyncio.wait_for(ch.recv(), 5), protocol.Assign):
         assert isinstance(msg, (protocol.Heartbeat, protocol.Weights, protocol.ExchangeReply)), msg
     return msg
