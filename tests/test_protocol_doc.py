@@ -10,6 +10,7 @@ slowness; HEARTBEAT's ``seq`` and an evaluator's ``address`` are not checked.
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from conftest import recv_as, until
 from test_server import TOKEN, join, make_server, push
 
-from minips import protocol, sparse, transport
+from minips import messages, protocol, sparse, transport
 from minips.config import parse_address
 from minips.errors import RemoteProtocolError
 
@@ -163,3 +164,18 @@ async def test_heartbeat_seq_and_evaluator_address_are_not_checked(tmp_path: Pat
     finally:
         await ev.close()
         await srv.close()
+
+
+def test_section_3_lists_every_kind_with_every_key_of_its_map() -> None:
+    """Each row of section 3's table names its kind's number and name and every key of its map
+    (``messages.meta_keys``), so a client written from the page sends and checks whole maps."""
+    doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    rows = {int(m[1]): (m[2], m[3]) for m in
+            re.finditer(r"^\| *(\d+) *\| *([A-Z_]+) *\|[^|]*\|([^\n]*)$", doc, re.M)}
+    assert set(rows) == {int(k) for k in protocol.Kind}
+    for kind in protocol.Kind:
+        name, text = rows[int(kind)]
+        assert name == kind.name
+        keys = set(re.findall(r"`([a-z_]+)`", text))
+        missing = set(messages.meta_keys(kind)) - keys
+        assert not missing, f"{kind.name}: {sorted(missing)} not in docs/protocol.md section 3"
