@@ -13,9 +13,9 @@ Invariants:
   (a smaller scratch buffer, as a server uses before the handshake, grows to the frame's size).
 - ``widen(limits)`` raises the limits and the scratch buffer (a server, once the peer has
   authenticated); ``release()`` frees a frame in progress and the scratch (connection ended).
-- A bigger frame is read stage by stage (prefix, head, buffers) through the same checks; its
-  payload buffers of 64 KiB or more are received straight into the memory ``alloc`` returns, 64 KiB
-  per read.
+- A bigger frame is read stage by stage (prefix, head, buffers: ``partial_frame.py``) through
+  the same checks; its payload buffers of 64 KiB or more are received straight into the memory
+  ``alloc`` returns, 64 KiB per read.
 - Decoded buffers are flat writable ``memoryview``s: into one private copy of a small body, or
   into ``alloc``'s memory.
 
@@ -48,6 +48,7 @@ from minips.frames import (
     unpack_meta,
 )
 from minips.messages import PROTOCOL_VERSION, Kind, Message, from_wire
+from minips.partial_frame import PartialFrame
 
 __all__ = ["Alloc", "default_alloc", "FrameDecoder"]
 
@@ -60,25 +61,6 @@ _unpack_prefix = PREFIX.unpack_from
 def default_alloc(kind: Kind, index: int, nbytes: int) -> memoryview:
     """A fresh uninitialised uint8 array per buffer (np.empty does not zero it)."""
     return np.empty(nbytes, dtype=np.uint8).data
-
-
-
-class _Partial:
-    """A frame that arrives in pieces: what is known so far and where its body goes."""
-
-    __slots__ = ("version", "kind", "nbuf", "head_len", "body_len", "table", "msg", "bufs",
-                 "dest", "pos")
-
-    def __init__(self, prefix: tuple[Any, ...], head_len: int) -> None:
-        _, self.version, kind, self.nbuf, _, _, self.body_len = prefix
-        self.kind: Kind = KINDS[kind]
-        self.head_len = head_len
-        self.table: tuple[int, ...] = ()  # flat (codec, wire_len, raw_len) per buffer
-        self.msg: Message | None = None  # built (buffers empty) once table + meta are read
-        self.bufs: list[memoryview] = []
-        self.dest: memoryview | None = None  # where the current buffer's bytes go
-        self.pos = 0  # bytes of dest already filled
-
 
 
 class FrameDecoder:
@@ -99,7 +81,7 @@ class FrameDecoder:
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0  # unread bytes are _buf[_lo:_hi]
         self._direct = False  # the last get_buffer() handed out the destination itself
-        self._frame: _Partial | None = None  # a frame larger than 64 KiB, while it arrives
+        self._frame: PartialFrame | None = None  # a frame larger than 64 KiB, while it arrives
         self.error: RemoteProtocolError | None = None
 
     @property
@@ -231,7 +213,7 @@ class FrameDecoder:
                 if end - self._lo > len(self._buf):  # a small scratch (handshake): grow it
                     self._compact(end - self._lo)
                 return False  # get_buffer() keeps room for the rest of a frame this small
-            self._frame = _Partial(prefix, head_len)
+            self._frame = PartialFrame(prefix, head_len)
             self._lo = at
             return self._step(out)
         # a HELLO, REFUSE or ERROR of another version (check_prefix let it through)
@@ -273,8 +255,10 @@ class FrameDecoder:
             f.table, f.msg = self._head(f.kind, f.version, f.nbuf, f.body_len,
                                         self._view[self._lo:self._lo + f.head_len])
             self._lo += f.head_len
-        if f.nbuf and not self._fill_body(f):
-            return False
+        if f.nbuf:
+            self._lo = f.fill(self._view, self._lo, self._hi, self._allocate)
+            if len(f.bufs) < f.nbuf:
+                return False
         assert f.msg is not None
         if f.bufs:  # fields were checked at head time; the views are flat "B" already
             f.msg.__dict__["buffers"] = tuple(f.bufs)
@@ -294,45 +278,9 @@ class FrameDecoder:
         meta = unpack_meta(raw[table_len:], self.limits)
         return table, from_wire(kind, version, meta, nbuf)
 
-    def _fill_body(self, f: _Partial) -> bool:
-        """Copy what scratch holds into the current buffer(s); True once every buffer is done."""
-        while len(f.bufs) < f.nbuf:
-            if f.dest is None:
-                self._open_buffer(f)
-            assert f.dest is not None
-            take = min(f.dest.nbytes - f.pos, self._hi - self._lo)
-            if take:
-                f.dest[f.pos:f.pos + take] = self._view[self._lo:self._lo + take]
-                f.pos += take
-                self._lo += take
-            if f.pos < f.dest.nbytes:
-                return False
-            self._close_buffer(f)
-        return True
-
-    def _open_buffer(self, f: _Partial) -> None:
-        i = len(f.bufs)
-        codec, wire, raw = f.table[3 * i:3 * i + 3]
-        f.pos = 0
-        if codec == CODEC_LZ4:  # compressed bytes land in a temporary, decompressed on close
-            f.dest = np.empty(wire, dtype=np.uint8).data
-        else:
-            f.dest = self._allocate(f.kind, i, raw)
-
     def _allocate(self, kind: Kind, index: int, nbytes: int) -> memoryview:
         view = memoryview(self.alloc(kind, index, nbytes)).cast("B")
         if view.readonly or view.nbytes < nbytes:
             raise LocalProtocolError("alloc returned a read-only or short buffer", expected=nbytes,
                                      got=view.nbytes)
         return view[:nbytes]
-
-    def _close_buffer(self, f: _Partial) -> None:
-        i = len(f.bufs)
-        codec, raw = f.table[3 * i], f.table[3 * i + 2]
-        assert f.dest is not None
-        buf = f.dest
-        if codec == CODEC_LZ4:
-            buf = self._allocate(f.kind, i, raw)
-            buf[:] = decompress(f.dest, raw)
-        f.bufs.append(buf)
-        f.dest, f.pos = None, 0

@@ -11,7 +11,8 @@ this order:
 - ``global_messages.py`` the kinds of the global server's conversations with group processes,
   evaluators and a worker bringing the initial weights.
 - ``frames.py``    the 16-byte prefix, the buffer table, ``Limits``, ``encode``, frame checks.
-- ``decoder.py``   ``FrameDecoder``: bytes in (whole or in pieces, zero-copy), messages out.
+- ``decoder.py``   ``FrameDecoder``: bytes in (whole or in pieces, zero-copy), messages out;
+  ``partial_frame.py`` holds a big frame while it arrives.
 - ``handshake.py`` connection ``State`` and ``TRANSITIONS``, ``Connection``, the HMAC handshake.
 
 Invariants (each module states its own in full):
