@@ -173,9 +173,8 @@ def views(v: Any) -> tuple[memoryview, ...]:
 
 def vector_codec(v: Any) -> dict[str, Any]:
     """The codec map of a vector payload (sparse_codec.py): ``k`` (entries of a sparse
-    vector), ``index`` and ``value`` (its index coding and value type), ``lz4`` (one raw
-    length per buffer, when the buffers are lz4 blocks). Other keys are refused; what depends
-    on the model's size is checked on decode."""
+    vector), ``index`` and ``value`` (its index coding and value type). Other keys are
+    refused; what depends on the model's size is checked on decode."""
     if type(v) is not dict:
         raise Invalid("expected a codec map")
     for key, x in v.items():
@@ -185,12 +184,9 @@ def vector_codec(v: Any) -> dict[str, Any]:
             ok = x in INDEX_SCHEMES
         elif key == "value":
             ok = x in VALUE_TYPES
-        elif key == "lz4":
-            ok = (isinstance(x, (list, tuple)) and len(x) <= MAX_BUFFERS
-                  and all(type(n) is int and 0 <= n <= MAX_INT for n in x))
         else:
-            raise Invalid("codec keys are k, index, value and lz4")
+            raise Invalid("codec keys are k, index and value")
         if not ok:
             raise Invalid(f"bad codec {key!r}: k is an int >= 0, index one of {INDEX_SCHEMES}, "
-                          f"value one of {VALUE_TYPES}, lz4 a list of raw lengths")
+                          f"value one of {VALUE_TYPES}")
     return v

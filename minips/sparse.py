@@ -5,8 +5,8 @@ The worker builds a compressor with ``make_compressor`` and, every step, calls
 a server calls ``decode_gradient`` on the PUSH and ``scatter_add`` / ``accumulate`` to apply it;
 the global server asks ``ratio_policy`` for GDTopK's per-group upload ratios. The code lives in:
 
-- ``sparse_codec``: ``SparseGrad``, the wire encoding (delta + varint indices, f32/f16 values,
-  optional lz4) with full validation, ``scatter_add`` and ``accumulate``;
+- ``sparse_codec``: ``SparseGrad``, the wire encoding (delta + varint indices, f32/f16 values;
+  lz4 is the frame's) with full validation, ``scatter_add`` and ``accumulate``;
 - the package ``compress``: ``base`` (``Compressor``, error feedback, ``WireSpec``), one file per
   compressor (``none``, ``fp16``, ``topk``, ``dgc``, ``randomk``, ``gdtopk``, ``losscomp``),
   ``registry`` (``make_compressor``), ``sparse_select`` (sampled-threshold top-k) and ``ratios``

@@ -10,10 +10,13 @@ Wire format (the buffers of a message with a payload; ``encoding`` and the ``cod
 in its msgpack header, ``fields.vector_codec`` checks the map's keys and types):
 
 - ``dense-f32`` / ``dense-f16``: one buffer, the whole vector, little-endian float32 / float16.
-  codec ``{}``, or ``{"lz4": [raw_len]}`` when the buffer is lz4-compressed.
+  codec ``{}``.
 - ``sparse-v1``: two buffers, indices then values. codec ``{"k": k, "index": "varint" | "u32",
-  "value": "f32" | "f16", "lz4": [raw_len_indices, raw_len_values]}`` (``lz4`` only when used).
-  ``varint``: gap coding then LEB128 (varint.py); ``u32``: raw little-endian uint32 indices.
+  "value": "f32" | "f16"}``. ``varint``: gap coding then LEB128 (varint.py); ``u32``: raw
+  little-endian uint32 indices.
+
+lz4 is one layer, the frame's (``protocol.encode(msg, compress=True)``, a buffer table codec):
+the payload itself is never compressed.
 
 Invariants: decoding trusts nothing. Every length, count, index, byte and float is checked and a
 bad packet raises ``RemoteProtocolError`` naming what was wrong; never an IndexError from numpy.
@@ -26,12 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import lz4.block
 import numpy as np
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.fields import INDEX_SCHEMES, VALUE_TYPES, Invalid, vector_codec
-from minips.varint import MAX_VARINT_BYTES, varint_decode, varint_encode
+from minips.varint import varint_decode, varint_encode
 
 __all__ = [
     "SparseGrad",
@@ -99,19 +101,10 @@ class SparseGrad:
 # ---------------------------------------------------------------------------- encode
 
 
-def _maybe_lz4(buffers: list[Any], use_lz4: bool, codec: dict[str, Any]) -> list[Any]:
-    if not use_lz4:
-        return buffers
-    raws = [memoryview(b).cast("B") for b in buffers]
-    codec["lz4"] = [r.nbytes for r in raws]
-    return [lz4.block.compress(r, store_size=False) for r in raws]
-
-
 def encode_gradient(
     g: SparseGrad | np.ndarray,
     *,
     value_dtype: str | None = None,
-    lz4: bool = False,
     index: str = "varint",
 ) -> tuple[str, dict[str, Any], list[Any]]:
     """Encode a vector payload -> ``(encoding, codec, buffers)``.
@@ -131,11 +124,11 @@ def encode_gradient(
         half = g.dtype == np.float16 or value_dtype == "f16"
         wire = _VALUE_DTYPES["f16" if half else "f32"]  # little-endian on every host
         dense = np.ascontiguousarray(g, dtype=wire).ravel()
-        return ("dense-f16" if half else "dense-f32"), codec, _maybe_lz4([dense], lz4, codec)
+        return ("dense-f16" if half else "dense-f32"), codec, [dense]
     ib = varint_encode(g.indices) if index == "varint" else g.indices.astype("<u4")
     vb = g.values.astype(_VALUE_DTYPES[value_dtype])
     codec.update(k=g.nnz, index=index, value=value_dtype)
-    return "sparse-v1", codec, _maybe_lz4([ib, vb], lz4, codec)
+    return "sparse-v1", codec, [ib, vb]
 
 
 # ---------------------------------------------------------------------------- decode
@@ -149,27 +142,11 @@ def _as_bytes(buf: Any) -> np.ndarray:
         raise RemoteProtocolError(f"buffer is not bytes-like: {type(buf).__name__}") from exc
 
 
-def _unpack(codec: dict[str, Any], buffers: Sequence[Any], count: int, limits: list[int]) -> list:
-    """Check the buffer count and undo lz4; each raw length must not exceed its limit."""
+def _unpack(buffers: Sequence[Any], count: int) -> list[np.ndarray]:
+    """The ``count`` buffers as uint8 arrays (their lengths are checked by the caller)."""
     if len(buffers) != count:
         raise RemoteProtocolError("wrong number of buffers", expected=count, got=len(buffers))
-    raws = codec.get("lz4")
-    if raws is None:
-        return [_as_bytes(b) for b in buffers]
-    if not isinstance(raws, list) or len(raws) != count:
-        raise RemoteProtocolError("codec lz4 must list one raw length per buffer", got=raws)
-    out = []
-    for buf, raw, limit in zip(buffers, raws, limits, strict=True):
-        if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= limit:
-            raise RemoteProtocolError("lz4 raw length out of bounds", expected=limit, got=raw)
-        try:
-            data = lz4.block.decompress(bytes(_as_bytes(buf)), uncompressed_size=raw)
-        except lz4.block.LZ4BlockError as exc:
-            raise RemoteProtocolError(f"lz4 buffer does not decompress: {exc}") from exc
-        if len(data) != raw:
-            raise RemoteProtocolError("lz4 buffer has the wrong raw length", expected=raw)
-        out.append(np.frombuffer(data, dtype=np.uint8))
-    return out
+    return [_as_bytes(b) for b in buffers]
 
 
 def _values(data: np.ndarray, dtype: np.dtype, count: int, allow_nonfinite: bool) -> np.ndarray:
@@ -216,7 +193,7 @@ def decode_gradient(
         raise RemoteProtocolError(str(exc), got=codec) from None
     if encoding in ("dense-f32", "dense-f16"):
         dtype = _VALUE_DTYPES["f16" if encoding == "dense-f16" else "f32"]
-        (data,) = _unpack(codec, buffers, 1, [size * dtype.itemsize])
+        (data,) = _unpack(buffers, 1)
         return _values(data, dtype, size, allow_nonfinite)
     if encoding != "sparse-v1":
         raise RemoteProtocolError("unknown gradient encoding", expected=ENCODINGS, got=encoding)
@@ -225,8 +202,7 @@ def decode_gradient(
         raise RemoteProtocolError("sparse-v1 codec needs k <= size, index and value",
                                   expected=size, got=codec)
     vdtype = _VALUE_DTYPES[value]
-    limits = [MAX_VARINT_BYTES * k if scheme == "varint" else 4 * k, k * vdtype.itemsize]
-    ib, vb = _unpack(codec, buffers, 2, limits)
+    ib, vb = _unpack(buffers, 2)
     indices = _decode_indices(ib, scheme, k, size)
     return SparseGrad(indices, _values(vb, vdtype, k, allow_nonfinite), size, value)
 

@@ -34,7 +34,7 @@ maps = st.dictionaries(names, trees, max_size=6)
 buffers = st.lists(st.binary(max_size=300), max_size=4).map(tuple)
 codecs = st.fixed_dictionaries({}, optional={
     "k": uints, "index": st.sampled_from(["varint", "u32"]),
-    "value": st.sampled_from(["f32", "f16"]), "lz4": st.lists(uints, max_size=4)})
+    "value": st.sampled_from(["f32", "f16"])})
 int_lists = st.lists(st.integers(0, 2**63 - 1), max_size=8)
 seqs = st.integers(0, 2**53 - 1)
 counts = st.integers(0, 2**62)
