@@ -2,9 +2,9 @@
 server applies it.
 
 A ``SparseGrad`` is ``indices`` (k,) uint32, strictly increasing (so sorted and unique),
-``values`` (k,) float32, ``size``, the length of the dense vector it stands for, and
-``value_dtype``, the value type it travels in (``"f16"``: its values are float16 numbers, and a
-compressor that rounded them says so here, so they take 2 bytes each on the wire).
+``values`` (k,) float32, and ``size``, the length of the dense vector it stands for. The value
+type on the wire (``f32``: 4 bytes, ``f16``: 2) is the encoder's ``value_dtype``: a compressor
+declares it (``compress.base.WireSpec``) and ``Compressor.encode`` passes it here.
 
 Wire format (the buffers of a message with a payload; ``encoding`` and the ``codec`` map travel
 in its msgpack header, ``fields.vector_codec`` checks the map's keys and types):
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.fields import INDEX_SCHEMES, VALUE_TYPES, Invalid, vector_codec
+from minips.fields import INDEX_SCHEMES, Invalid, vector_codec
 from minips.varint import varint_decode, varint_encode
 
 __all__ = [
@@ -51,8 +51,7 @@ _VALUE_DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "f16": np.dty
 
 @dataclass(frozen=True)
 class SparseGrad:
-    """A sparse gradient: ``indices`` (k,) uint32 strictly increasing, ``values`` (k,) float32,
-    sent as ``value_dtype`` (``"f16"`` when the values are float16 numbers already).
+    """A sparse gradient: ``indices`` (k,) uint32 strictly increasing, ``values`` (k,) float32.
 
     The constructor checks dtypes and shapes (O(1)); ``check()`` also checks order and range
     (O(k)), which ``decode_gradient`` always does for data from the network.
@@ -61,13 +60,9 @@ class SparseGrad:
     indices: np.ndarray
     values: np.ndarray
     size: int
-    value_dtype: str = "f32"
 
     def __post_init__(self) -> None:
         i, v = self.indices, self.values
-        if self.value_dtype not in VALUE_TYPES:
-            raise LocalProtocolError("SparseGrad value_dtype", expected=VALUE_TYPES,
-                                     got=self.value_dtype)
         if i.dtype != np.uint32 or v.dtype != np.float32 or i.ndim != 1 or i.shape != v.shape:
             raise LocalProtocolError(
                 "SparseGrad needs (k,) uint32 indices and (k,) float32 values",
@@ -104,19 +99,14 @@ class SparseGrad:
 def encode_gradient(
     g: SparseGrad | np.ndarray,
     *,
-    value_dtype: str | None = None,
+    value_dtype: str = "f32",
     index: str = "varint",
 ) -> tuple[str, dict[str, Any], list[Any]]:
     """Encode a vector payload -> ``(encoding, codec, buffers)``.
 
-    ``value_dtype`` None: the vector's own (a ``SparseGrad``'s ``value_dtype``; ``f16`` for a
-    float16 array, as the fp16 compressor makes, ``f32`` otherwise). A dense float16 array is
-    sent as ``dense-f16`` whatever ``value_dtype`` says (the compressor already rounded it,
-    with the error kept in its residual).
+    A dense float16 array is sent as ``dense-f16`` whatever ``value_dtype`` says (the fp16
+    compressor already rounded it, with the error kept in its residual).
     """
-    if value_dtype is None:
-        half = isinstance(g, np.ndarray) and g.dtype == np.float16
-        value_dtype = g.value_dtype if isinstance(g, SparseGrad) else "f16" if half else "f32"
     if value_dtype not in _VALUE_DTYPES or index not in INDEX_SCHEMES:
         raise LocalProtocolError("unknown value dtype or index scheme", got=(value_dtype, index))
     codec: dict[str, Any] = {}
@@ -204,7 +194,7 @@ def decode_gradient(
     vdtype = _VALUE_DTYPES[value]
     ib, vb = _unpack(buffers, 2)
     indices = _decode_indices(ib, scheme, k, size)
-    return SparseGrad(indices, _values(vb, vdtype, k, allow_nonfinite), size, value)
+    return SparseGrad(indices, _values(vb, vdtype, k, allow_nonfinite), size)
 
 
 # ---------------------------------------------------------------------------- apply

@@ -117,10 +117,9 @@ class Compressor:
         self.residual += grad
         return self._compress(self.residual)
 
-    def encode(self, packet: SparseGrad | np.ndarray, *,
-               lz4: bool = False) -> tuple[str, dict[str, Any], list[Any]]:
+    def encode(self, packet: SparseGrad | np.ndarray) -> tuple[str, dict[str, Any], list[Any]]:
         """``(encoding, codec, buffers)`` of a packet ``compress`` returned, in ``self.wire``."""
-        return encode_gradient(packet, value_dtype=self.wire.dtype, lz4=lz4)
+        return encode_gradient(packet, value_dtype=self.wire.dtype)
 
     def decode(self, encoding: str, codec: dict[str, Any],
                buffers: Any) -> SparseGrad | np.ndarray:

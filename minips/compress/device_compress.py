@@ -139,10 +139,9 @@ class _Wrapper:
         """The host compressor's wire encoding: what the worker sends."""
         return self.host.wire
 
-    def encode(self, packet: SparseGrad | np.ndarray, *,
-               lz4: bool = False) -> tuple[str, dict[str, Any], list[Any]]:
+    def encode(self, packet: SparseGrad | np.ndarray) -> tuple[str, dict[str, Any], list[Any]]:
         """The host compressor's ``encode`` (the packet is on the host already)."""
-        return self.host.encode(packet, lz4=lz4)
+        return self.host.encode(packet)
 
     def set_ratio(self, r: float) -> None:
         self.host.set_ratio(r)
