@@ -6,7 +6,8 @@ and GDTopK ratio (no asyncio, no sockets, no torch; time comes in as ``now``).
 ``maybe_regroup`` whether speeds drifted, moves workers with ``move``. GDTopK: ``first_ratios``
 sets the ratios the groups open with, every exchange's measured iteration time goes to
 ``observe_iter_time``, and when ``update_ratios`` returns new ratios (``RatioPolicy``) the
-server hands them to the group servers and sends the groups' workers a new ASSIGN.
+server hands them to the group servers and sends the groups' workers a new ASSIGN. A group's
+ratio lives in its ``GroupHandle.peer`` (``group_peer.py``): in-process, the group server's own.
 
 Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
 is gone (``free_id``), so a worker restarted without its old id still finds a place.
@@ -19,7 +20,7 @@ members come from), so only workers whose group really changed are moved.
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,9 +29,10 @@ from minips import grouping
 from minips.compress.registry import ratio_policy
 from minips.config import RunConfig
 from minips.errors import AuthError
+from minips.group_peer import GroupPeer, NoGroup
 
 if TYPE_CHECKING:
-    from minips.group import GroupServer
+    from minips.channel import Channel
 
 __all__ = ["WorkerEntry", "GroupHandle", "Roster", "match_labels", "REGROUP_EVERY_S", "CLAIM_S"]
 
@@ -43,30 +45,40 @@ class WorkerEntry:
     """What the global server knows of one worker."""
 
     id: int
-    ch: Any = None  # control channel, None while disconnected
+    ch: Channel | None = None  # control channel, None while disconnected
     step_time: float | None = None  # last reported seconds per step
     clock: int = 0  # last reported clock
     group: int = -1  # assigned group, -1 before grouping
     left: bool = False  # sent LEAVE
 
 
-@dataclass
 class GroupHandle:
-    """One group as the global server sees it."""
+    """One group as the global server sees it; ``peer`` is its server, wherever it runs
+    (``group_peer.py``), and holds the group's ratio."""
 
-    id: int
-    address: str  # "host:port" where its workers connect
-    members: list[int] = field(default_factory=list)
-    ratio: float = 0.01  # GDTopK kept fraction for its workers
-    server: GroupServer | None = None  # in-process group server, else None
-    ch: Any = None  # channel of an external group server
-    step_time: float = 0.0  # smoothed mean worker step time, seconds
-    traffic: dict[str, int] = field(default_factory=dict)  # bytes_in/out it last reported
-    final: bool = False  # flushed its last delta
-    merges: int = 0
-    last_exchange: tuple[int, int] = (-1, -1)  # (session, seq) of the last merged exchange
-    # last_exchange as of the last two checkpoint snapshots, older first (unsaved.py)
-    snapshots: list[tuple[int, int]] = field(default_factory=lambda: [(-1, -1)] * 2)
+    def __init__(self, id: int, address: str, members: list[int] | None = None,
+                 ratio: float | None = None, peer: GroupPeer | None = None) -> None:
+        self.id = id
+        self.address = address  # "host:port" where its workers connect ("": none serves it)
+        self.members: list[int] = list(members or [])
+        self.peer: GroupPeer = peer if peer is not None else NoGroup()
+        if ratio is not None:
+            self.ratio = ratio
+        self.step_time = 0.0  # smoothed mean worker step time, seconds
+        self.final = False  # flushed its last delta
+        self.merges = 0
+        self.last_exchange = (-1, -1)  # (session, seq) of the last merged exchange
+        # last_exchange as of the last two checkpoint snapshots, older first (unsaved.py)
+        self.snapshots: list[tuple[int, int]] = [(-1, -1)] * 2
+
+    @property
+    def ratio(self) -> float:
+        """GDTopK kept fraction for its workers (owned by the peer)."""
+        return self.peer.ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        self.peer.ratio = value
 
 
 class Roster:
@@ -145,8 +157,7 @@ class Roster:
         handle = self.groups[g]
         handle.members.append(w)
         handle.final = False
-        if handle.server is not None:
-            handle.server.expect(w)
+        handle.peer.expect(w)
 
     def place_late(self, entry: WorkerEntry) -> int:
         """The group for a worker that reported after the grouping (nearest in speed)."""

@@ -1,6 +1,9 @@
 """How a global server's run ends: budget spent, every worker gone, or the model diverged.
 
-A run is over when its budget is spent (epochs, wall time: ``GlobalServer.finish``) or when
+The rules are the core's (``GlobalCore.budget_left``, the ``AllFinal`` and ``Fail`` actions);
+this module is the asyncio side: the wait, the console, the ERRORs.
+
+A run is over when its budget is spent (epochs, wall time: ``GlobalCore.finish``) or when
 every group has flushed its final delta because its last worker left. The second is a success
 only when nothing is left to train for (the workers' ``max_steps`` cap, or no budget at all).
 With budget left, every worker is gone at once only for a while (stopped, partitioned past the
@@ -17,77 +20,55 @@ Invariant: ``failure`` is "" for a run that ended normally, else one line saying
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
 
 from minips import protocol
+from minips.server_io import ServerIO, send_quiet
 
-if TYPE_CHECKING:
-    from minips.server import GlobalServer
-
-__all__ = ["budget_left", "every_group_final", "fail", "REJOIN_POLL_S"]
+__all__ = ["every_group_final", "fail", "REJOIN_POLL_S"]
 
 log = logging.getLogger("minips.server")
 
 REJOIN_POLL_S = 0.5  # how often the wait for workers looks whether a group is training again
 
 
-def budget_left(srv: GlobalServer) -> str:
-    """What is left of the budget ("" when it is spent, or when the workers end the run: a
-    ``max_steps`` cap or no budget at all)."""
-    run = srv.run
-    if run.max_steps > 0:
-        return ""
-    if run.epochs > 0 and srv.samples < run.epochs * srv.train_size:
-        return f"{srv.samples:,} of {int(run.epochs * srv.train_size):,} samples"
-    trained = srv.trained_s()
-    if run.wall_s > 0 and trained < run.wall_s:
-        return f"{trained:.0f} of {run.wall_s:.0f} s of training"
-    return ""
-
-
-def every_group_final(srv: GlobalServer) -> None:
+def every_group_final(io: ServerIO) -> None:
     """Every group flushed its final delta: end the run, or wait for the workers to rejoin."""
-    left = budget_left(srv)
+    left = io.core.budget_left()
     if not left:
-        srv.finish("workers left")
-        srv.finished.set()
-    elif srv.rejoin is None or srv.rejoin.done():
-        srv.rejoin = srv.spawn(_wait_for_workers(srv, left))
+        io.perform(io.core.finish("workers left"))
+        io.finished.set()
+    elif io.rejoin is None or io.rejoin.done():
+        io.rejoin = io.spawn(_wait_for_workers(io, left))
 
 
-async def _wait_for_workers(srv: GlobalServer, left: str) -> None:
-    wait = srv.cfg.rejoin_wait_s
-    srv.log("waiting_for_workers", wait_s=wait, left=left)
+async def _wait_for_workers(io: ServerIO, left: str) -> None:
+    core, wait = io.core, io.cfg.rejoin_wait_s
+    core.log("waiting_for_workers", wait_s=wait, left=left)
     log.warning("every worker is gone with budget left (%s); waiting up to %.0f s for them to "
                 "rejoin (--rejoin-wait)", left, wait)
     deadline = asyncio.get_running_loop().time() + wait
-    while not srv.done and all(h.final for h in srv.groups.values()):
+    while not core.done and all(h.final for h in core.groups.values()):
         if asyncio.get_running_loop().time() >= deadline:
-            fail(srv, "workers_gone", f"the run ended short of its budget: every worker was "
+            fail(io, "workers_gone", f"the run ended short of its budget: every worker was "
                  f"gone for {wait:.0f} s with {left} left (--rejoin-wait)")
             return
         await asyncio.sleep(REJOIN_POLL_S)
-    if not srv.done:
-        srv.log("workers_back")
+    if not core.done:
+        core.log("workers_back")
         log.warning("workers are back; training goes on")
 
 
-def fail(srv: GlobalServer, code: str, reason: str) -> None:
-    """End the run now because of ``reason`` (kept in ``srv.failure``); tell the workers."""
-    if srv.failure:
+def fail(io: ServerIO, code: str, reason: str) -> None:
+    """End the run now because of ``reason`` (kept in ``core.failure``); tell the workers."""
+    core = io.core
+    if core.failure:
         return
-    srv.failure = reason
-    srv.log("failed", code=code, reason=reason)
+    core.failure = reason
+    core.log("failed", code=code, reason=reason)
     log.error("%s", reason)
-    for entry in srv.workers.values():
+    for entry in core.workers.values():
         if entry.ch is not None:
-            srv.spawn(_send_error(entry.ch, code, reason))
-    srv.finish(code)
-    srv.finished.set()
-
-
-async def _send_error(ch: Any, code: str, reason: str) -> None:
-    with contextlib.suppress(ConnectionError, OSError):
-        await ch.send(protocol.Error(code=code, reason=reason))
+            io.spawn(send_quiet(entry.ch, protocol.Error(code=code, reason=reason)))
+    io.perform(core.finish(code))
+    io.finished.set()

@@ -1,10 +1,13 @@
 """Global server: admission, grouping, GDTopK ratios, authoritative weights, budget (no torch).
 
-Split by concept: ``roster.py`` (who is in which group, ratios; sans-IO), ``client_sessions.py``
-(worker control and evaluator sessions), ``group_sessions.py`` (external group processes),
-``server_checkpoint.py`` (snapshot and resume), and ``global_core.py``: the rules without IO
-(the weights, ``merge``, the budget, GDTopK's ratios), of which ``GlobalServer`` is the asyncio
-shell. This module holds the lifecycle, admission, the grouping I/O and the hooks' IO.
+Split by concept: ``global_core.py`` holds the rules without IO (the weights, ``merge``, the
+grouping decisions, the budget, GDTopK's ratios, the checkpoint's state), ``roster.py`` who is
+in which group; ``GlobalServer`` is their asyncio shell: it feeds the core messages and ticks and
+performs the actions it returns (``global_actions.py``). The sessions are ``client_sessions.py``
+(workers' control channels, evaluators) and ``group_sessions.py`` (`minips group` processes),
+sharing ``server_io.ServerIO``; ``server_checkpoint.py`` writes the checkpoint files and
+``run_end.py`` ends a run. A group's server is a ``group_peer.GroupPeer``: ``InProcGroup`` here,
+``group_sessions.RemoteGroup`` for a group process; the server never asks which.
 
 One asyncio process. Clients connect with role ``worker`` (control channel: STATS, HEARTBEAT,
 LEAVE; learns its group from ASSIGN), ``group`` (a separate `minips group` process: PUSH its
@@ -32,7 +35,6 @@ has flushed its final delta (or a grace period passed).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import os
 import time
@@ -48,30 +50,41 @@ from minips import (
     protocol,
     run_end,
     server_checkpoint,
+    server_groups,
     transport,
     validation,
 )
-from minips.config import (
-    ServerConfig,
-    check_bind,
-    format_address,
-    server_ssl,
-)
+from minips.channel import Channel
+from minips.config import ServerConfig, check_bind, format_address, server_ssl
 from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import Delta, ExchangeResult
+from minips.global_actions import (
+    Action,
+    AllFinal,
+    Done,
+    Fail,
+    FormGroups,
+    PlaceLate,
+    Regroup,
+    SendRatios,
+    WeightsReady,
+)
 from minips.global_core import GlobalCore
 from minips.group import GroupServer
+from minips.inproc_group import InProcGroup
+from minips.messages import Hello
 from minips.metrics import RunDir
 from minips.roster import GroupHandle, WorkerEntry
+from minips.server_io import ServerIO, send_quiet
 
-__all__ = ["GlobalServer", "GroupHandle", "InProcLink", "WorkerEntry"]
+__all__ = ["GlobalServer", "GroupHandle", "InProcGroup", "InProcLink", "WorkerEntry"]
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 
 
 class GlobalServer(GlobalCore):
     """The global server's rules (``GlobalCore``) on a port: sessions, grouping, budgets,
-    checkpoints (``start`` / ``wait_finished``)."""
+    checkpoints (``start`` / ``wait_finished``); ``io`` is what its sessions share."""
 
     def __init__(self, cfg: ServerConfig, weights: np.ndarray | None = None) -> None:
         self.cfg = cfg
@@ -79,25 +92,13 @@ class GlobalServer(GlobalCore):
             cfg.run.t0 = time.time()
         super().__init__(cfg.run, weights, regroup=not cfg.external_groups,
                          clock=time.monotonic, wall=time.time)
-        self.pending_groups: list[Any] = []  # channels of external group servers not yet used
-        self.rejoin: asyncio.Task[Any] | None = None  # waiting for every worker to come back
-        self.finished = asyncio.Event()
-        self.evaluated_final = asyncio.Event()
-        self.weights_ready = asyncio.Event()
-        self.grouped = asyncio.Event()
-        self.calib_expired = False  # calib_timeout_s passed: the next STATS forms the groups
-        self.groups_opened = asyncio.Event()  # every group has its handle (ch may be None)
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
+        self.io = ServerIO(cfg, self, self.perform, self.open_group)
         self._restored: dict[str, Any] | None = None  # checkpoint state to resume from
-        self.saving: asyncio.Future[Any] | None = None  # checkpoint write in flight
-        self.server: Any = None
+        self.server: transport.Server | None = None
         self.port = 0
         self.rundir = RunDir(cfg.run_dir, t0=self.run.t0)
         self.rundir.write_config(self.run.to_info())
         self.writer = self.rundir.writer("global")
-        if self.weights is not None:
-            self.weights_ready.set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -109,34 +110,33 @@ class GlobalServer(GlobalCore):
         self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
                                             accept=self._accept, handler=self._handle, ssl=ssl)
         self.port = int(self.server.port)
-        server_checkpoint.clean(self)  # temp files of writes killed midway
+        server_checkpoint.clean(self.io)  # temp files of writes killed midway
         if self._restored is not None:
-            await server_checkpoint.reopen(self, self._restored)
+            await server_groups.reopen(self.io, self._restored)
         else:
-            self.spawn(self._grouping_deadline())
+            self.io.spawn(self._grouping_deadline())
         if self.cfg.ready_file:
             _write_atomic(self.cfg.ready_file, f"{self.cfg.host} {self.port}\n")
         return self.port
 
     async def wait_finished(self) -> None:
         """Until the run is over and (if one is connected) the evaluator saw the final weights."""
-        await self.finished.wait()
+        await self.io.finished.wait()
         if self._has_evaluator():
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.evaluated_final.wait(), self.cfg.linger_s)
+                await asyncio.wait_for(self.io.evaluated_final.wait(), self.cfg.linger_s)
 
     async def close(self) -> None:
         """Save the final weights and a last checkpoint, close every connection and group."""
         if self.weights is not None:
             np.save(Path(self.cfg.run_dir) / "final_weights.npy", self.weights)
-        if self.saving is not None:
-            await asyncio.gather(self.saving, return_exceptions=True)
-        if self.grouped.is_set() and self.cfg.checkpoint_every_s > 0:
+        if self.io.saving is not None:
+            await asyncio.gather(self.io.saving, return_exceptions=True)
+        if self.grouped and self.cfg.checkpoint_every_s > 0:
             checkpoint.save(self.checkpoint_path, self.checkpoint_state())
         for g in self.groups.values():
-            if g.server is not None:
-                await g.server.close()
-        for t in list(self._tasks):
+            await g.peer.close()
+        for t in list(self.io.tasks):
             t.cancel()
         if self.server is not None:
             self.server.close()
@@ -146,7 +146,7 @@ class GlobalServer(GlobalCore):
 
     # -- admission ---------------------------------------------------------------------------
 
-    def _accept(self, hello: Any) -> dict[str, Any]:
+    def _accept(self, hello: Hello) -> dict[str, Any]:
         info = self.run.to_info()
         if hello.role == "worker":
             info["worker_id"] = self.roster.admit(int(hello.worker_id), time.monotonic())
@@ -155,89 +155,53 @@ class GlobalServer(GlobalCore):
             raise AuthError("this server runs its group servers in-process (no --external-groups)")
         return info
 
-    async def _handle(self, ch: Any) -> None:
+    async def _handle(self, ch: Channel) -> None:
+        assert ch.peer_hello is not None
         role = ch.peer_hello.role
         try:
             if role == "worker":
-                await client_sessions.worker_session(self, ch, int(ch.worker_id))
+                await client_sessions.worker_session(self.io, ch, int(ch.worker_id))
             elif role == "group":
-                await group_sessions.group_session(self, ch)
+                await group_sessions.group_session(self.io, ch)
             else:
-                await client_sessions.evaluator_session(self, ch)
+                await client_sessions.evaluator_session(self.io, ch)
         except RemoteProtocolError as exc:
-            await validation.reject(ch, exc, self.rejected, "global server")
+            await validation.reject(ch, exc, self.io.rejected, "global server")
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
 
-    # -- workers -----------------------------------------------------------------------------
+    # -- the core's actions ------------------------------------------------------------------
 
-    def on_stats(self, entry: WorkerEntry, msg: Any) -> None:
-        """A worker's measured speed: form the groups, place it, regroup or update ratios."""
-        entry.step_time, entry.clock = float(msg.step_time), int(msg.clock)
-        if not self.grouped.is_set():
-            if self.calib_expired or self.roster.all_reported():
-                self.spawn(self._form_groups())
-        elif entry.group < 0:
-            self.spawn(self._place_late(entry))
-        elif (new := self.roster.maybe_regroup(time.monotonic())) is not None:
-            self.spawn(self._regroup(new))
-        else:
-            self._update_ratios()
+    def perform(self, actions: list[Action]) -> None:
+        """Do what the core decided (``global_actions.py``), in order."""
+        for a in actions:
+            if isinstance(a, FormGroups):
+                self.io.spawn(server_groups.form_groups(self.io))
+            elif isinstance(a, PlaceLate):
+                self.io.spawn(server_groups.place_late(self.io, self.workers[a.worker]))
+            elif isinstance(a, Regroup):
+                self.io.spawn(server_groups.regroup(self.io, a.assignment))
+            elif isinstance(a, SendRatios):
+                server_groups.send_ratios(self.io, a.ratios)
+            elif isinstance(a, WeightsReady):
+                self.io.weights_ready.set()
+            elif isinstance(a, Done):
+                self._on_done()
+            elif isinstance(a, AllFinal):
+                run_end.every_group_final(self.io)
+            elif isinstance(a, Fail):
+                run_end.fail(self.io, a.code, a.reason)
 
     async def _grouping_deadline(self) -> None:
-        """After calib_timeout_s, group whoever reported; with nobody yet, the first STATS will
-        (on_stats), so a server started before its workers does not wait for all of them."""
         await asyncio.sleep(self.cfg.calib_timeout_s)
-        if self.grouped.is_set():
-            return
-        self.calib_expired = True
-        reported = sorted(self.roster.step_times())
-        self.log("calib_timeout", reported=reported, expected=self.run.workers)
-        if reported:
-            await self._form_groups()
-
-    async def _place_late(self, entry: WorkerEntry) -> None:
-        """A worker whose first STATS came after the groups were drawn up: once they are open,
-        the group nearest its speed."""
-        await self.groups_opened.wait()
-        if entry.group < 0:
-            await self.assign(entry, self.roster.place_late(entry))
-
-    # -- grouping ----------------------------------------------------------------------------
-
-    async def _form_groups(self) -> None:
-        if self.grouped.is_set():
-            return
-        self.grouped.set()
-        await self.weights_ready.wait()
-        times = self.roster.step_times()
-        assignment = self.roster.first_assignment()
-        self.roster.first_ratios(assignment, time.monotonic())  # open_group takes ratio_of(g)
-        for g in sorted(set(assignment.values())):
-            members = sorted(w for w, gg in assignment.items() if gg == g)
-            self.groups[g] = await self.open_group(g, members)
-            self.groups[g].step_time = float(np.mean([times[w] for w in members]))
-        self.started_training = time.time()
-        for w, g in assignment.items():  # before groups_opened: _place_late skips them
-            self.workers[w].group = g
-        self.log("groups", assignment={str(w): g for w, g in assignment.items()},
-                  ratios={str(g): h.ratio for g, h in self.groups.items()},
-                  addresses={str(g): h.address for g, h in self.groups.items()})
-        self.groups_opened.set()
-        for w, g in assignment.items():
-            await self.assign(self.workers[w], g)
-        self.start_budgets()
-
-    def start_budgets(self) -> None:
-        if self.run.wall_s > 0:
-            self.spawn(self._wall_budget())
-        if self.cfg.checkpoint_every_s > 0:
-            self.spawn(server_checkpoint.save_loop(self))
+        self.perform(self.calib_timeout(time.monotonic()))
 
     async def open_group(self, g: int, members: list[int]) -> GroupHandle:
+        """Group ``g``'s server: in this process on a port of its own, or the next waiting
+        `minips group` process (``--external-groups``)."""
         assert self.weights is not None
         if self.cfg.external_groups:
-            return await group_sessions.external_group(self, g, members)
+            return await group_sessions.external_group(self.io, g, members)
         writer = self.rundir.writer(f"group-{g}")
         gs = GroupServer(g, self.run, self.weights, InProcLink(self), members=members,
                          writer=writer)
@@ -247,109 +211,46 @@ class GlobalServer(GlobalCore):
         # no host (":port"): "where you reached the global server"; the worker fills in the name
         # it dialled, so DNS names, NAT and TLS names work as they do for the global server
         address = format_address(self.cfg.advertise_host or "", port)
-        return GroupHandle(g, address, members, gs.ratio, server=gs)
+        return GroupHandle(g, address, members, peer=InProcGroup(gs))
 
-    async def _regroup(self, assignment: dict[int, int]) -> None:
-        """Speeds drifted (``grouping.Regrouper`` said so): move workers, open new groups."""
-        assert self.weights is not None
-        moved = self.roster.moved(assignment)
-        for g in sorted(set(moved.values()) - set(self.groups)):
-            self.groups[g] = await self.open_group(g, [])
-        for w, g in moved.items():
-            self.roster.move(w, g)
-        self.log("regroup", moved={str(w): g for w, g in moved.items()})
-        self._update_ratios()
-        for w, g in moved.items():
-            await self.assign(self.workers[w], g)
-
-    def assign_msg(self, h: GroupHandle) -> Any:
-        return protocol.Assign(group=h.id, address=h.address, ratio=h.ratio,
-                               staleness=_staleness(self.run))
-
-    async def assign(self, entry: WorkerEntry, g: int) -> None:
-        entry.group = g
-        if entry.ch is not None and self.groups[g].address:  # "": its group server is away
-            with contextlib.suppress(ConnectionError):
-                await entry.ch.send(self.assign_msg(self.groups[g]))
-
-    def on_ratios(self, new: dict[int, float]) -> None:
-        """Hand each new ratio to its group server (in-process: its attribute; a `minips group`:
-        a new ASSIGN) and send every worker of those groups a new ASSIGN carrying its ratio."""
-        for g in new:
-            h = self.groups[g]
-            if h.server is not None:
-                h.server.ratio = h.ratio
-            elif h.ch is not None:
-                self.spawn(_send_quiet(h.ch, self.assign_msg(h)))
-        for entry in self.workers.values():
-            if entry.group in new:
-                self.spawn(self.assign(entry, entry.group))
-
-    def on_all_final(self) -> None:
-        run_end.every_group_final(self)
-
-    def on_diverged(self, reason: str) -> None:
-        run_end.fail(self, "diverged", reason)
-
-    async def _wall_budget(self) -> None:
-        await asyncio.sleep(max(0.0, self.run.wall_s - self.trained_s()))
-        self.finish("wall time")
-
-    def on_done(self) -> None:
+    def _on_done(self) -> None:
         """Budget spent: tell groups and workers, then wait (bounded) for the final deltas."""
         for h in self.groups.values():
-            if h.server is not None:
-                h.server.finish()
-            elif h.ch is not None:
-                self.spawn(_send_quiet(h.ch, protocol.Leave(reason="done")))
+            self.io.spawn(h.peer.finish())
         for entry in self.workers.values():
             if entry.ch is not None:
-                self.spawn(_send_quiet(entry.ch, protocol.Leave(reason="done")))
-        self.spawn(self._final_flush())
+                self.io.spawn(send_quiet(entry.ch, protocol.Leave(reason="done")))
+        self.io.spawn(self._final_flush())
 
     async def _final_flush(self) -> None:
-        """Wait at most FINAL_FLUSH_S for the groups' final deltas: every place that marks a
-        group final calls check_budget, which sets ``finished`` once all of them are."""
+        """Wait at most FINAL_FLUSH_S for the groups' final deltas: once all are final the
+        core says ``AllFinal``, which sets ``finished``."""
         if not all(h.final for h in self.groups.values()):
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.finished.wait(), FINAL_FLUSH_S)
-        self.finished.set()
-
-    # -- traffic, evaluator ------------------------------------------------------------------
+                await asyncio.wait_for(self.io.finished.wait(), FINAL_FLUSH_S)
+        self.io.finished.set()
 
     def _has_evaluator(self) -> bool:
         return self.server is not None and any(
             ch.peer_hello is not None and ch.peer_hello.role == "evaluator"
             for ch in self.server.channels)
 
-
-    # -- checkpoints (server_checkpoint.py, checkpoint.py, docs/operations.md) ----------------
+    # -- checkpoints (global_state.py, server_checkpoint.py, docs/operations.md) --------------
 
     @property
     def checkpoint_path(self) -> Path:
-        return server_checkpoint.path_of(self)
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """A consistent snapshot (no await inside); see ``server_checkpoint.snapshot``."""
-        return server_checkpoint.snapshot(self)
+        return server_checkpoint.path_of(self.cfg)
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Take a checkpoint's state (before ``start``); ``ConfigError`` when it belongs to
-        another model or config."""
-        server_checkpoint.restore(self, state)
+        """Take a checkpoint's state (before ``start``, which opens its groups again);
+        ``ConfigError`` when it belongs to another model or config."""
+        self.load_state_dict(state)
+        self.io.weights_ready.set()
         self._restored = state
 
     async def save_checkpoint(self) -> None:
         """Snapshot now and write it in a thread (the loop keeps serving)."""
-        await server_checkpoint.save(self)
-
-    # -- helpers -----------------------------------------------------------------------------
-
-    def spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        await server_checkpoint.save(self.io)
 
     def log(self, event: str, **fields: Any) -> None:
         self.writer.write({"t": time.time() - self.run.t0, "event": event, **fields,
@@ -357,25 +258,17 @@ class GlobalServer(GlobalCore):
 
 
 class InProcLink:
-    """GroupLink for a group server in the global server's process: a direct call. Its bytes
-    are those of the PUSH and WEIGHTS a `minips group` process would exchange instead."""
+    """The uplink (``exchange.GroupLink``) of a group server in this process: a direct call.
+    Its bytes are those of the PUSH and WEIGHTS a `minips group` process would exchange."""
 
     def __init__(self, server: GlobalServer) -> None:
         self.server = server
 
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
-        return self.server.merge_counted(group, delta, stats)
-
-
-def _staleness(run: Any) -> int:
-    s = run.staleness_bound
-    return -1 if s is None else int(s)
-
-
-async def _send_quiet(ch: Any, msg: Any) -> None:
-    with contextlib.suppress(ConnectionError, OSError):
-        await ch.send(msg)
+        res = self.server.merge_counted(group, delta, stats)
+        self.server.perform(self.server.take_actions())
+        return res
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -1,5 +1,5 @@
-"""The role cores as the simulator drives them: ``GroupCore`` whose actions
-(``group_actions.py``) and ``GlobalCore`` whose hooks the event queue (``simulate.Simulation``)
+"""The role cores as the simulator drives them: ``GroupCore`` and ``GlobalCore`` whose actions
+(``group_actions.py``, ``global_actions.py``) the event queue (``simulate.Simulation``)
 performs instead of sockets.
 
 The rules are the cores' own; what is here is only what the asyncio shells do around them:
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from minips import global_actions
 from minips.global_core import GlobalCore
 from minips.group_actions import Action, AllLeft, BudgetSpent, Log, Reply, StartExchange, Wake
 from minips.group_core import GroupCore
@@ -92,14 +93,16 @@ class SimGlobal(GlobalCore):
         super().__init__(sim.run, weights, regroup=False, clock=lambda: sim.t,
                          wall=lambda: sim.run.t0 + sim.t)
 
-    def on_ratios(self, new: dict[int, float]) -> None:
-        for g in new:  # as the global server hands them to its in-process groups
-            self.sim.groups[g].ratio = self.groups[g].ratio
-
-    def on_done(self) -> None:
-        for core in self.sim.groups.values():
-            core.done = True
-            self.sim.release(core)
+    def perform(self, actions: list[global_actions.Action]) -> None:
+        """What the core decided (global_actions.py): new ratios, the end of the run."""
+        for a in actions:
+            if isinstance(a, global_actions.SendRatios):
+                for g in a.ratios:  # as the global server's in-process groups read them
+                    self.sim.groups[g].ratio = self.groups[g].ratio
+            elif isinstance(a, global_actions.Done):
+                for core in self.sim.groups.values():
+                    core.done = True
+                    self.sim.release(core)
 
     def log(self, event: str, **fields: Any) -> None:
         self.writer.write({"t": self.sim.t, "event": event, **fields, "version": self.version,

@@ -134,7 +134,7 @@ class Simulation:
         for core in self.groups.values():  # what the groups hold that the global lacks
             if core.xchg.since["pushes"]:
                 self.exchange(core.group, final=True)
-        self.glob.finish(self.glob.done_reason or "pushes")
+        self.glob.perform(self.glob.finish(self.glob.done_reason or "pushes"))
         self.evaluate(final=True)
 
     # -- a worker's step -------------------------------------------------------------------
@@ -208,7 +208,7 @@ class Simulation:
         core.bytes["bytes_out"] += SMALL
         self.pushes += 1
         if self.cfg.max_pushes and self.pushes >= self.cfg.max_pushes and not self.glob.done:
-            self.glob.finish("pushes")
+            self.glob.perform(self.glob.finish("pushes"))
         self.send(w, SMALL, self.ack_arrives, ack, record)
 
     def ack_arrives(self, w: int, ack: protocol.Ack, record: dict[str, Any]) -> None:
@@ -251,6 +251,7 @@ class Simulation:
         core.in_flight = False
         out = core.begin_exchange(final, core.traffic())
         res = self.glob.merge_counted(g, core.xchg.delta(out), out.stats)
+        self.glob.perform(self.glob.take_actions())
         core.perform(core.exchanged(out, res, self.cfg.xchg_latency_s))
 
     def evaluate(self, final: bool = False) -> None:

@@ -108,7 +108,7 @@ class Cluster:
         if lose == "before":
             return False
         ch = FakeChannel(push_message(grp.xchg.delta(out), out.stats))
-        await group_sessions._on_message(self.srv, ch, self.srv.groups[grp.g])
+        await group_sessions._on_message(self.srv.io, ch, self.srv.groups[grp.g])  # type: ignore[arg-type]
         if lose == "after":
             return False
         reply = ch.sent
@@ -126,7 +126,7 @@ class Cluster:
         """The group process registers again: PULL -> WEIGHTS, ``reload``."""
         grp = self.groups[g]
         ch = FakeChannel(protocol.Pull(clock=0))
-        await group_sessions._on_message(self.srv, ch, self.srv.groups[g])
+        await group_sessions._on_message(self.srv.io, ch, self.srv.groups[g])  # type: ignore[arg-type]
         w = np.asarray(sparse.decode_gradient(ch.sent.encoding, ch.sent.codec, ch.sent.buffers,
                                               N))
         held = seqs_in(ch.sent.info, "last_exchange", grp.xchg.session)
@@ -417,7 +417,7 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
     proc = _start_group(tmp_path, port)
     grads = np.zeros(n, np.float64)
     try:
-        await until(lambda: bool(srv.pending_groups), 30)
+        await until(lambda: bool(srv.io.pending_groups), 30)
         ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0,
                                       token=TOKEN)
         await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=1.0))

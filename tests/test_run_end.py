@@ -52,7 +52,7 @@ async def test_every_worker_gone_with_budget_left_waits_then_fails_saying_why(
     try:
         ctl, ch = await train(port, [np.ones(2, np.float32)] * 2)
         await ch.close(leave="bye")  # its only worker leaves: the group flushes a final delta
-        await asyncio.wait_for(srv.finished.wait(), 10)
+        await asyncio.wait_for(srv.io.finished.wait(), 10)
         waiting = records(tmp_path / "global.jsonl", event="waiting_for_workers")
         assert waiting and waiting[0]["left"] == "2 of 100 samples"
         assert "short of its budget" in srv.failure and "2 of 100 samples" in srv.failure
@@ -67,7 +67,7 @@ async def test_without_budget_left_the_workers_leaving_ends_the_run(tmp_path: Pa
     try:
         ctl, ch = await train(port, [np.ones(2, np.float32)] * 2)
         await ch.close(leave="bye")
-        await asyncio.wait_for(srv.finished.wait(), 10)
+        await asyncio.wait_for(srv.io.finished.wait(), 10)
         assert srv.failure == "" and srv.done_reason == "workers left"
         await ctl.close()
     finally:
@@ -107,7 +107,7 @@ async def test_a_non_finite_update_stops_the_run_naming_the_cause(tmp_path: Path
         ctl, ch = await train(port, [huge, huge])
         err = await recv_as(ctl, protocol.Error)
         assert err.code == "diverged" and "non-finite" in err.reason
-        await asyncio.wait_for(srv.finished.wait(), 10)
+        await asyncio.wait_for(srv.io.finished.wait(), 10)
         assert "diverged" in srv.failure and "lower --lr" in srv.failure
         assert srv.weights is not None and np.isfinite(srv.weights).all()  # not applied
         await ch.close()

@@ -45,7 +45,7 @@ async def test_wrong_and_missing_secret_are_refused_with_a_reason(tmp_path: Path
         ch = await transport.connect("127.0.0.1", port, token=SECRET, timeout=3)
         assert ch.welcome_info["worker_id"] == 0  # the right secret still gets in
         await ch.close()
-        assert srv.server.stats["refused"] == 2
+        assert srv.server is not None and srv.server.stats["refused"] == 2
     finally:
         await srv.close()
 

@@ -22,7 +22,7 @@ from minips.group import GroupServer
 from minips.metrics import read_jsonl
 from minips.model_table import PARAM_COUNTS
 from minips.roster import match_labels
-from minips.server import GlobalServer, GroupHandle, InProcLink
+from minips.server import GlobalServer, GroupHandle, InProcGroup, InProcLink
 
 TOKEN = "server-test-secret-0123"
 
@@ -70,6 +70,13 @@ async def test_refuses_wrong_secret_and_unknown_worker_id(tmp_path: Path) -> Non
         await srv.close()
 
 
+def in_proc(srv: GlobalServer, g: int) -> GroupServer:
+    """Group ``g``'s server, which runs in ``srv``'s process."""
+    peer = srv.groups[g].peer
+    assert isinstance(peer, InProcGroup)
+    return peer.server
+
+
 def push_mean(srv: GlobalServer, ratios: dict[int, float], workers: dict[int, int]) -> float:
     """GDTopK's mean kept fraction over the pushes (compress/ratios.py): group g makes workers[g] /
     t_g pushes a second at the iteration time t_g its policy holds."""
@@ -91,8 +98,8 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         ratios = {0: assigns[0].ratio, 1: assigns[2].ratio}
         assert push_mean(srv, ratios, {0: 2, 1: 2}) == pytest.approx(0.004)  # mean held
         assert assigns[2].ratio > 4 * assigns[0].ratio  # slower group sends more
-        assert [srv.groups[g].server.ratio for g in (0, 1)] == [assigns[0].ratio,  # type: ignore[union-attr]
-                                                                 assigns[2].ratio]
+        assert [in_proc(srv, g).ratio for g in (0, 1)] == [assigns[0].ratio,
+                                                           assigns[2].ratio]
         host, gport = parse_address(assigns[2].address)
         ch = await transport.connect(host, gport, role="worker", worker_id=2, token=TOKEN)
         assert isinstance(await ch.recv(), protocol.Ack)
@@ -101,12 +108,13 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
         srv.roster.observe_iter_time(0, 0.5, 0.0)
         srv.merge(1, np.zeros(8, np.float32), {"samples": 1, "iter_time": 0.1})
+        srv.perform(srv.take_actions())  # the merge's actions: SendRatios
         later = [await next_assign(c) for c in chans]
         assert [a.group for a in later] == [0, 0, 1, 1]
         assert later[0].ratio == pytest.approx(5 * later[2].ratio)
         ratios = {0: later[0].ratio, 1: later[2].ratio}
         assert push_mean(srv, ratios, {0: 2, 1: 2}) == pytest.approx(0.004)
-        assert srv.groups[0].server.ratio == later[0].ratio  # type: ignore[union-attr]
+        assert in_proc(srv, 0).ratio == later[0].ratio  # one owner: what the group reads
     finally:
         for ch in chans:
             await ch.close()
@@ -263,7 +271,7 @@ async def test_two_workers_both_told_need_init_both_push_and_both_stay(tmp_path:
         for ctl in ctls:
             assert isinstance(await asyncio.wait_for(ctl.recv(), 10), protocol.Assign)
         assert srv.weights is not None and srv.weights.tolist() == inits[0].tolist()
-        assert not srv.rejected
+        assert not srv.io.rejected
     finally:
         for ctl in ctls:
             await ctl.close()
@@ -324,7 +332,7 @@ async def test_stats_clock_may_go_back_when_a_worker_changes_group_server(
             await until(lambda c=clock: srv.workers[0].clock == c, 5)  # type: ignore[misc]
         entry = srv.workers[0]
         assert entry.ch is not None and not entry.ch.closed and not chans[0].closed
-        assert srv.server.stats["protocol_errors"] == 0
+        assert srv.server is not None and srv.server.stats["protocol_errors"] == 0
     finally:
         for ch in chans:
             await ch.close()

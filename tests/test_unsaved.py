@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from minips import checkpoint, group_sessions
+from minips import checkpoint
 from minips.config import RunConfig, ServerConfig
 from minips.exchange import Exchange, ExchangeResult
 from minips.roster import GroupHandle
@@ -61,7 +61,7 @@ class Sim:
 
     def _send(self, out: Any, lose_reply: bool) -> bool:
         res = self.srv.merge(0, self.xchg.delta(out), out.stats)
-        reply = group_sessions._reply(self.srv.weights_message(res.weights), self.srv.groups[0])
+        reply = self.srv.group_reply(0, res.weights)
         if lose_reply:
             return False
         saved = seqs_in(reply.info, "saved_exchanges", self.xchg.session)
@@ -87,7 +87,7 @@ class Sim:
 
     async def reconnect(self) -> None:
         h = self.srv.groups[0]
-        info = group_sessions._initial(self.srv.weights_message(), h).info
+        info = self.srv.group_pull(h.id).info
         held = seqs_in(info, "last_exchange", self.xchg.session)
         assert held is not None and self.srv.weights is not None
         self.weights, _ = self.xchg.rebase(self.weights, self.srv.weights.copy(), held[0])

@@ -29,6 +29,7 @@ from minips.dashboard.follow import Replay, RunFollower
 from minips.dashboard.state import RunState
 from minips.dashboard.tboard import TensorBoardSink
 from minips.errors import ConfigError
+from minips.inproc_group import InProcGroup
 from minips.metrics import read_config
 
 if TYPE_CHECKING:
@@ -72,7 +73,8 @@ def check_extra() -> None:
 
 def probe(srv: GlobalServer, now: float) -> list[dict[str, Any]]:
     """The global server's view of each worker, as ``probe`` records for ``RunState.add``."""
-    tables = {g: h.server.table for g, h in srv.groups.items() if h.server is not None}
+    tables = {g: h.peer.server.table for g, h in srv.groups.items()
+              if isinstance(h.peer, InProcGroup)}
     clocks = {g: t.clocks for g, t in tables.items()}  # one copy per group, not per worker
     out = []
     for w, e in list(srv.workers.items()):
