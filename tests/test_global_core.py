@@ -1,0 +1,178 @@
+"""The global server's rules without IO (global_core.py): message in, actions out. Each entry
+point is driven in one thread with a fake clock and its returned actions checked; one group's
+ratio has one owner (group_peer.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minips import protocol, sparse
+from minips.config import RunConfig
+from minips.errors import ConfigError, RemoteProtocolError
+from minips.global_actions import (
+    AllFinal,
+    Done,
+    Fail,
+    FormGroups,
+    PlaceLate,
+    SendRatios,
+    WeightsReady,
+)
+from minips.global_core import GlobalCore
+from minips.group import GroupServer
+from minips.group_peer import NoGroup
+from minips.inproc_group import InProcGroup
+from minips.roster import GroupHandle
+
+N = 10
+
+
+def core(weights: np.ndarray | None = None, **run: object) -> GlobalCore:
+    t = [0.0]
+    cfg = RunConfig(lr_warmup=0.0, **run)  # type: ignore[arg-type]
+    return GlobalCore(cfg, weights, regroup=False, clock=lambda: t[0], wall=lambda: 1e9 + t[0])
+
+
+def stats(step_time: float, clock: int = 0) -> protocol.Stats:
+    return protocol.Stats(clock=clock, step_time=step_time, loss=1.0)
+
+
+def grouped(c: GlobalCore, groups: int = 1) -> None:
+    """Every worker in a group (as the shell's FormGroups does), no server behind it."""
+    for g in range(groups):
+        c.groups[g] = GroupHandle(g, f"h:{g}", [w for w in c.workers if w % groups == g])
+    for w in c.workers:
+        c.workers[w].group = w % groups
+
+
+def test_the_groups_form_once_when_every_worker_reported() -> None:
+    c = core(np.zeros(N, np.float32), workers=2)
+    for w in (0, 1):
+        c.roster.admit(w)
+    assert c.on_stats(0, stats(0.01), 0.0) == []  # one of two: wait
+    assert c.on_stats(1, stats(0.02), 0.0) == [FormGroups()]
+    assert c.on_stats(1, stats(0.02), 0.5) != [FormGroups()]  # drawn up once
+    assert c.workers[1].step_time == 0.02
+
+
+def test_the_calibration_deadline_groups_whoever_reported_or_the_next_to_report() -> None:
+    c = core(np.zeros(N, np.float32), workers=3)
+    assert c.calib_timeout(60.0) == []  # nobody yet: the first STATS will
+    c.roster.admit(2)
+    assert c.on_stats(2, stats(0.01), 61.0) == [FormGroups()]
+    assert c.calib_timeout(62.0) == []
+    late = core(np.zeros(N, np.float32), workers=3)
+    late.roster.admit(0)
+    assert late.on_stats(0, stats(0.01), 0.0) == []
+    assert late.calib_timeout(60.0) == [FormGroups()]
+
+
+def test_a_worker_reporting_after_the_grouping_is_placed_late() -> None:
+    c = core(np.zeros(N, np.float32), workers=2)
+    c.roster.admit(0)
+    c.on_stats(0, stats(0.01), 0.0)
+    c.calib_timeout(60.0)
+    grouped(c)
+    c.roster.admit(1)
+    assert c.on_stats(1, stats(0.02), 61.0) == [PlaceLate(1)]
+
+
+def test_the_first_initial_weights_are_taken_others_of_another_size_refused() -> None:
+    c = core(None)
+    assert c.on_initial(np.ones(N, np.float32)) == [WeightsReady()]
+    assert c.on_initial(np.zeros(N, np.float32)) == []  # a second worker's: dropped
+    assert c.weights is not None and c.weights.tolist() == [1.0] * N
+    with pytest.raises(RemoteProtocolError, match="another model size"):
+        c.on_initial(np.zeros(N + 1, np.float32))
+
+
+def test_a_non_finite_delta_is_not_merged_and_fails_the_run() -> None:
+    c = core(np.zeros(N, np.float32), workers=1)
+    c.roster.admit(0)
+    grouped(c)
+    bad = np.zeros(N, np.float32)
+    bad[3] = np.nan
+    c.merge(0, bad, {"samples": 4})
+    actions = c.take_actions()
+    assert len(actions) == 1 and isinstance(actions[0], Fail)
+    assert actions[0].code == "diverged" and "NaN or inf" in actions[0].reason
+    assert c.version == 0 and c.samples == 0 and c.weights is not None
+    assert np.isfinite(c.weights).all()
+    assert c.take_actions() == []  # the outbox was emptied
+
+
+def test_the_epochs_budget_says_done_once_and_every_final_group_says_all_final() -> None:
+    c = core(np.zeros(N, np.float32), workers=2, groups=2, mode="gssp", epochs=1.0,
+             train_size=10)
+    for w in (0, 1):
+        c.roster.admit(w)
+    grouped(c, 2)
+    c.merge(0, np.ones(N, np.float32), {"samples": 6, "session": 1, "seq": 1})
+    assert c.take_actions() == []
+    c.merge(1, np.ones(N, np.float32), {"samples": 6, "session": 2, "seq": 1, "final": True})
+    assert c.take_actions() == [Done("epochs")]
+    assert c.done and c.done_reason == "epochs" and c.finish("wall time") == []
+    assert c.group_left(0) == [AllFinal()]  # group 1's last merge was final
+    assert c.budget_left() == ""
+
+
+def test_group_answers_name_the_exchanges_held_and_a_repeat_is_not_merged_twice() -> None:
+    c = core(np.zeros(N, np.float32), workers=1)
+    c.roster.admit(0)
+    grouped(c)
+    pull = c.group_pull(0)
+    assert pull.info["members"] == [0] and pull.info["last_exchange"] == [-1, -1]
+    delta = np.full(N, 0.5, np.float32)
+    first = c.group_push(0, delta, {"samples": 2, "session": 7, "seq": 1})
+    again = c.group_push(0, delta, {"samples": 2, "session": 7, "seq": 1})  # reply was lost
+    assert c.version == 1 and c.samples == 2
+    assert first.info["last_exchange"] == again.info["last_exchange"] == [7, 1]
+    w = sparse.decode_gradient(again.encoding, again.codec, again.buffers, N)
+    assert np.asarray(w).tolist() == [0.5] * N
+    c.checkpoint_state()  # a snapshot records the exchange it holds
+    assert c.group_weights(0, delta).info["saved_exchanges"] == [[-1, -1], [7, 1]]
+
+
+def test_a_checkpoint_state_comes_back_into_a_new_core() -> None:
+    c = core(np.arange(N, dtype=np.float32), workers=2)
+    for w in (0, 1):
+        c.roster.admit(w)
+        c.on_stats(w, stats(0.01 * (w + 1)), 0.0)
+    grouped(c)
+    c.merge(0, np.ones(N, np.float32), {"samples": 3, "session": 1, "seq": 4})
+    state = c.checkpoint_state()
+    back = core(None, workers=2)
+    back.load_state_dict(state)
+    assert back.weights is not None and c.weights is not None
+    np.testing.assert_array_equal(back.weights, c.weights)
+    assert (back.version, back.samples) == (1, 3)
+    assert {w: (e.group, e.step_time) for w, e in back.workers.items()} == {
+        0: (0, 0.01), 1: (0, 0.02)}
+    assert state["groups"][0]["last_exchange"] == [1, 4] and state["groups"][0]["state"] is None
+    other = core(None, workers=2, lr=0.5)
+    with pytest.raises(ConfigError):
+        other.load_state_dict(state)
+
+
+def test_a_groups_ratio_has_one_owner_the_in_process_group_reads_it() -> None:
+    c = core(np.zeros(N, np.float32), workers=2, groups=2, mode="gssp", compressor="gdtopk",
+             ratio=0.01)
+    for w in (0, 1):
+        c.roster.admit(w)
+        c.on_stats(w, stats(0.01 * (w + 1)), 0.0)
+    gs = GroupServer(0, c.run, np.zeros(N, np.float32), object(), members=[0])  # type: ignore[arg-type]
+    c.groups[0] = GroupHandle(0, "h:0", [0], peer=InProcGroup(gs))
+    c.groups[1] = GroupHandle(1, "h:1", [1], peer=NoGroup(0.01))
+    for w in (0, 1):
+        c.workers[w].group = w
+    c.roster.policy.every_s = 0.0  # type: ignore[union-attr]
+    c.roster.observe_iter_time(0, 0.5, 0.0)
+    c.merge(1, np.zeros(N, np.float32), {"samples": 1, "iter_time": 0.1})
+    actions = c.take_actions()
+    ratios = next(a.ratios for a in actions if isinstance(a, SendRatios))
+    assert ratios[0] > ratios[1]  # group 0 is the slower one now: it sends more
+    assert gs.ratio == c.groups[0].ratio == ratios[0]  # written once, read by the group
+    assert c.assign_message(c.groups[1]).ratio == ratios[1]
+    c.groups[0].ratio = 0.5
+    assert gs.weights_message(0, []).info["ratio"] == 0.5
