@@ -12,7 +12,7 @@ reconnect it takes the global weights and keeps its own not-yet-sent delta on to
 (``GroupServer.reload``), so a global server resumed from a checkpoint gets this group's work
 since its last exchange, and the exchanges the checkpoint lacks once more (unsaved.py): each
 EXCHANGE_REPLY from the global server names the seqs it holds. A replacement group process is
-given a group whose server is gone (``GlobalServer._adopt``) and starts from the global weights.
+given a group whose server is gone (``group_sessions._adopt``); it starts from the global weights.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from minips import protocol, sparse, transport
+from minips.channel import Channel
 from minips.config import (
     GroupConfig,
     RunConfig,
@@ -51,7 +52,7 @@ class TcpLink:
     PULL included) as its ``bytes_up`` / ``bytes_down``.
     """
 
-    def __init__(self, ch: Any) -> None:
+    def __init__(self, ch: Channel) -> None:
         self.ch = ch
         self.group: GroupServer | None = None
         self._reply: asyncio.Future[Any] | None = None
