@@ -1,21 +1,17 @@
 """The global server's rules without IO: weights, merges, grouping decisions, budget, ratios.
 
 ``GlobalCore`` is what the global server *decides*; ``server.GlobalServer`` (asyncio) is how it
-talks, and ``simulate.py`` drives the same class with simulated time. Message in, actions out:
-each entry point takes a message (or a tick) and returns the answer to send and/or a list of
+talks, and ``simulate.py`` drives the same class in simulated time. Message in, actions out:
+each entry point takes a message (or a tick) and returns the answer and/or a list of
 ``global_actions`` (``FormGroups``, ``SendRatios``, ``Done``, ...) for the shell to perform:
-
-- a worker's STATS: ``on_stats(w, msg, now)``; its initial weights: ``on_initial(msg)``;
-- the grouping deadline: ``calib_timeout(now)``;
-- a group's exchange: ``merge(g, delta, stats) -> ExchangeResult`` (in-process) or, from a group
-  process, ``group_push(g, delta, stats) -> Weights``; its PULL: ``group_pull(g)``; its LEAVE:
-  ``group_left(g)``. An exchange's answer is returned; its actions wait in ``take_actions``;
-- the budget: ``finish(reason)``; checkpoints: ``checkpoint_state`` / ``load_state_dict``.
-
-The roster (``roster.py``, also sans-IO) holds who is in which group and each group's peer and
-ratio. Times come from two injected clocks (``clock``: monotonic seconds for GDTopK's policy,
+a worker's STATS ``on_stats(w, msg, now)``, its initial weights ``on_initial(weights)``, the
+grouping deadline ``calib_timeout(now)``, a regroup done ``regrouped(now)``, a group's exchange
+``merge`` (in-process; its actions wait in ``take_actions``) or ``group_push`` / ``group_pull``
+/ ``group_left`` (a group process), the budget ``finish(reason)``, checkpoints
+``checkpoint_state`` / ``load_state_dict``. The roster (``roster.py``) holds who is in which
+group and each group's peer and ratio. Times come from injected clocks (``clock``: monotonic,
 ``wall``: epoch seconds for records) or as ``now``; no asyncio, sockets, clocks or torch inside
-(tests/test_group_core.py checks). ``log(event, **fields)`` is the one hook (the run's record).
+(tests/test_group_core.py checks). ``log(event, **fields)`` is the one hook (the record).
 
 Invariants (server.py's docstring has the run's whole course): ``weights`` changes only in
 ``merge`` (weights += delta of one group scaled by the sync policy's merge rule, version += 1),
