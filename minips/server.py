@@ -54,21 +54,13 @@ from minips import (
     transport,
     validation,
 )
+from minips import (
+    global_actions as act,
+)
 from minips.channel import Channel
 from minips.config import ServerConfig, check_bind, format_address, server_ssl
 from minips.errors import AuthError, RemoteProtocolError
 from minips.exchange import Delta, ExchangeResult
-from minips.global_actions import (
-    Action,
-    AllFinal,
-    Done,
-    Fail,
-    FormGroups,
-    PlaceLate,
-    Regroup,
-    SendRatios,
-    WeightsReady,
-)
 from minips.global_core import GlobalCore
 from minips.group import GroupServer
 from minips.inproc_group import InProcGroup
@@ -172,24 +164,24 @@ class GlobalServer(GlobalCore):
 
     # -- the core's actions ------------------------------------------------------------------
 
-    def perform(self, actions: list[Action]) -> None:
+    def perform(self, actions: list[act.Action]) -> None:
         """Do what the core decided (``global_actions.py``), in order."""
         for a in actions:
-            if isinstance(a, FormGroups):
+            if isinstance(a, act.FormGroups):
                 self.io.spawn(server_groups.form_groups(self.io))
-            elif isinstance(a, PlaceLate):
+            elif isinstance(a, act.PlaceLate):
                 self.io.spawn(server_groups.place_late(self.io, self.workers[a.worker]))
-            elif isinstance(a, Regroup):
+            elif isinstance(a, act.Regroup):
                 self.io.spawn(server_groups.regroup(self.io, a.assignment))
-            elif isinstance(a, SendRatios):
+            elif isinstance(a, act.SendRatios):
                 server_groups.send_ratios(self.io, a.ratios)
-            elif isinstance(a, WeightsReady):
+            elif isinstance(a, act.WeightsReady):
                 self.io.weights_ready.set()
-            elif isinstance(a, Done):
+            elif isinstance(a, act.Done):
                 self._on_done()
-            elif isinstance(a, AllFinal):
+            elif isinstance(a, act.AllFinal):
                 run_end.every_group_final(self.io)
-            elif isinstance(a, Fail):
+            elif isinstance(a, act.Fail):
                 run_end.fail(self.io, a.code, a.reason)
 
     async def _grouping_deadline(self) -> None:
