@@ -1,13 +1,13 @@
 """The global server's roster: which workers exist, which group each is in, each group's speed
 and GDTopK ratio (no asyncio, no sockets, no torch; time comes in as ``now``).
 
-``GlobalServer`` owns one ``Roster`` and does the I/O around it: it admits workers through
-``admit``, forms the groups from ``first_assignment`` (``grouping.Regrouper``), asks
-``maybe_regroup`` whether speeds drifted, moves workers with ``move``. GDTopK: ``first_ratios``
-sets the ratios the groups open with, every exchange's measured iteration time goes to
-``observe_iter_time``, and when ``update_ratios`` returns new ratios (``RatioPolicy``) the
-server hands them to the group servers and sends the groups' workers a new ASSIGN. A group's
-ratio lives in its ``GroupHandle.peer`` (``group_peer.py``): in-process, the group server's own.
+``GlobalCore`` owns one ``Roster`` (its asyncio shell ``GlobalServer`` does the I/O around
+it): ``admit`` gives workers their ids, ``first_assignment`` forms the groups
+(``grouping.Regrouper``), ``maybe_regroup`` says whether speeds drifted, ``move`` moves workers.
+GDTopK: ``first_ratios`` sets the ratios the groups open with, every exchange's measured
+iteration time goes to ``observe_iter_time``, and when ``update_ratios`` returns new ratios
+(``RatioPolicy``) the core tells its shell to send them (``SendRatios``). A group's ratio
+lives in its ``GroupHandle.peer`` (``group_peer.py``): in-process, the group server's own.
 
 Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
 is gone (``free_id``), so a worker restarted without its old id still finds a place.
