@@ -121,7 +121,7 @@ async def run_with_asyncio(compressor: str, events: list[Any],
     and 4 GroupServers (in-process link), each PULL through ``answer_pull``, each PUSH through
     ``on_push`` with its exchange awaited before the next event (as the cores ran it)."""
     from minips.config import ServerConfig
-    from minips.server import GlobalServer, GroupHandle, InProcLink
+    from minips.server import GlobalServer, GroupHandle, InProcGroup, InProcLink
 
     cfg = ServerConfig(run=RunConfig(**noio_cluster.run_config(compressor)), port=0,
                        run_dir=str(tmp_path), checkpoint_every_s=0)
@@ -132,7 +132,7 @@ async def run_with_asyncio(compressor: str, events: list[Any],
         members = [w for w, h in noio_cluster.GROUP_OF.items() if h == g]
         servers[g] = GroupServer(g, srv.run, srv.weights, InProcLink(srv), members=members,
                                  clock=lambda: t[0])
-        srv.groups[g] = GroupHandle(g, "", members, server=servers[g])
+        srv.groups[g] = GroupHandle(g, "", members, peer=InProcGroup(servers[g]))
     workers, pushes = noio_cluster.Workers(compressor), {}
     try:
         for kind, who, t[0] in events:
