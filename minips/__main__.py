@@ -1,8 +1,8 @@
-"""`python -m minips ...` runs the command line (see minips/cli.py)."""
+"""`python -m minips ...` runs the command line (see minips/run/cli.py)."""
 
 import sys
 
-from minips.cli import main
+from minips.run.cli import main
 
 __all__: list[str] = []
 

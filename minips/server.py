@@ -43,31 +43,22 @@ from typing import Any
 
 import numpy as np
 
-from minips import (
-    checkpoint,
-    client_sessions,
-    group_sessions,
-    protocol,
-    run_end,
-    server_checkpoint,
-    server_groups,
-    transport,
-    validation,
-)
-from minips import (
-    global_actions as act,
-)
-from minips.channel import Channel
-from minips.config import ServerConfig, check_bind, format_address, server_ssl
+from minips.core import global_actions as act
+from minips.core.exchange import Delta, ExchangeResult
+from minips.core.global_core import GlobalCore
+from minips.core.roster import GroupHandle, WorkerEntry
 from minips.errors import AuthError, RemoteProtocolError
-from minips.exchange import Delta, ExchangeResult
-from minips.global_core import GlobalCore
-from minips.group import GroupServer
-from minips.inproc_group import InProcGroup
-from minips.messages import Hello
-from minips.metrics import RunDir
-from minips.roster import GroupHandle, WorkerEntry
-from minips.server_io import ServerIO, send_quiet
+from minips.net import transport
+from minips.net.channel import Channel
+from minips.run import checkpoint
+from minips.run.config import ServerConfig, check_bind, format_address, server_ssl
+from minips.run.metrics import RunDir
+from minips.serve import client_sessions, group_sessions, run_end, server_checkpoint, server_groups
+from minips.serve.group import GroupServer
+from minips.serve.inproc_group import InProcGroup
+from minips.serve.server_io import ServerIO, send_quiet
+from minips.wire import protocol, validation
+from minips.wire.messages import Hello
 
 __all__ = ["GlobalServer", "GroupHandle", "InProcGroup", "InProcLink", "WorkerEntry"]
 

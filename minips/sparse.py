@@ -24,7 +24,7 @@ from minips.compress.dgc import warmup_ratio
 from minips.compress.ratios import gdtopk_ratios
 from minips.compress.registry import COMPRESSORS, make_compressor, ratio_policy
 from minips.compress.sparse_select import TopKSelector, kept_count
-from minips.sparse_codec import (
+from minips.wire.sparse_codec import (
     ENCODINGS,
     SparseGrad,
     accumulate,

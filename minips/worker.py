@@ -10,8 +10,8 @@ Then, on the group server's connection:
                                 for are logged. The worker keeps a copy of the group's published
                                 weights and names its version (``since``): the answer is either
                                 the whole weights or the coordinates that changed since
-                                (minips.downlink); a new connection starts from the whole weights
-    gradient on the next batch  of its shard, in the reference loop's order (minips.reference)
+                                (core.downlink); a new connection starts from the whole weights
+    gradient on the next batch  of its shard, in the reference loop's order (minips.ml.reference)
     compress                    sparse.make_compressor, error feedback kept here (on the
                                 device for top-k flavours off the CPU: compress.device_compress)
     sleep                       so that the step takes max(compute, F x base_step_s)
@@ -22,11 +22,10 @@ then it sends LEAVE to both servers. Calibration does not touch the model, the d
 compressor, so N workers in BSP reproduce ``reference.train`` exactly.
 
 Device: ``cfg.device`` (``auto``: CUDA, then MPS, then CPU) holds the model, its flat weights
-and gradient (minips.device.Trainer); the worker prints it and writes it to
-``worker-<id>.device.json`` in the run directory, adding its resident memory (at the end and at
-its peak) when it leaves.
-Each step record carries the time of every phase (decode_s, compute_s, compress_s, encode_s,
-push_s; wait_s is the pull) and the bytes copied from the device to the host (host_bytes).
+and gradient (ml.device.Trainer); it goes to ``worker-<id>.device.json`` with the resident
+memory (at the end and at its peak). Each step record carries the time of every phase (decode_s,
+compute_s, compress_s, encode_s, push_s; wait_s is the pull) and the bytes copied from the
+device to the host (host_bytes).
 
 Emulated heterogeneity: slowdown F stretches every step with sleep (so results do not depend on
 CPU load); ``bandwidth_bps`` / ``bandwidth_down_bps`` pace the group connection's sends / reads
@@ -48,15 +47,19 @@ from typing import Any
 
 import numpy as np
 
-from minips import device, net_retry, protocol, sparse, transport, worker_setup
-from minips.channel import Channel
-from minips.config import RunConfig, WorkerConfig, parse_address, reachable
-from minips.downlink import apply_weights
+from minips import sparse
+from minips.client import worker_setup
+from minips.client.evaluator import evaluate_loop, run_evaluator
+from minips.client.worker_control import Control
+from minips.client.worker_link import Link, Stopped, connect_role, leave
+from minips.core.downlink import apply_weights
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
-from minips.evaluator import evaluate_loop, run_evaluator
-from minips.metrics import JsonlWriter
-from minips.worker_control import Control
-from minips.worker_link import Link, Stopped, connect_role, leave
+from minips.ml import device
+from minips.net import net_retry, transport
+from minips.net.channel import Channel
+from minips.run.config import RunConfig, WorkerConfig, parse_address, reachable
+from minips.run.metrics import JsonlWriter
+from minips.wire import protocol
 
 __all__ = ["Worker", "WorkerStopped", "Link", "run_worker", "run_evaluator", "evaluate_loop"]
 

@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-from minips import models, sparse
+from minips import sparse
 from minips.compress.device_compress import DeviceCompressor
-from minips.device import pick_device
+from minips.ml import models
+from minips.ml.device import pick_device
 
 SIZES = {"lenet5": models.PARAM_COUNTS["lenet5"], "resnet18": models.PARAM_COUNTS["resnet18"]}
 

@@ -40,10 +40,10 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
-from minips import protocol as p
-from minips import transport as t
-from minips.frames import TABLES
-from minips.sparse_codec import SparseGrad, encode_gradient
+from minips.net import transport as t
+from minips.wire import protocol as p
+from minips.wire.frames import TABLES
+from minips.wire.sparse_codec import SparseGrad, encode_gradient
 
 DENSE_N = 11_689_512  # ResNet-18 parameters (the dense test of bench_wire.py)
 LENET_N = 61_706  # LeNet-5 parameters

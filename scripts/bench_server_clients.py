@@ -29,9 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from minips import protocol, sparse, transport
-from minips.config import parse_address
+from minips import sparse
 from minips.errors import AuthError
+from minips.net import transport
+from minips.run.config import parse_address
+from minips.wire import protocol
 
 CONNECT_TIMEOUT_S = 120.0  # 1,024 handshakes on two busy cores take a while
 

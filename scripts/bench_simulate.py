@@ -15,8 +15,8 @@ import os
 import tempfile
 import time
 
-from minips.config import RunConfig
-from minips.simulate import SimConfig, simulate
+from minips.run.config import RunConfig
+from minips.sim.simulate import SimConfig, simulate
 
 
 def main() -> None:

@@ -45,9 +45,9 @@ from bench_rtt import (
     start_server,
 )
 
-from minips import protocol as p
-from minips import transport as t
-from minips.channel import tune_socket
+from minips.net import transport as t
+from minips.net.channel import tune_socket
+from minips.wire import protocol as p
 
 
 def log(*args: Any) -> None:

@@ -78,7 +78,7 @@ def run_once(model: str, args: argparse.Namespace, out: Path) -> Path:
 
 
 def figures(model: str, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from minips import data, models
+    from minips.ml import data, models
 
     lines = (run_dir / "worker-0.jsonl").read_text().splitlines()
     recs = [r for r in map(json.loads, lines) if "event" not in r][args.skip:]

@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from minips import metrics
-from minips.config import RunConfig
-from minips.simulate import SimConfig, simulate
+from minips.run import metrics
+from minips.run.config import RunConfig
+from minips.sim.simulate import SimConfig, simulate
 
 QUICK = ["--model", "lenet5", "--dataset", "fashion-mnist", "--workers", "8",
          "--slowdown", "1,1,1.5,1.5,2,2,4,4", "--mode", "gssp", "--groups", "4",

@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from minips import protocol as p
-from minips import sparse, transport
+from minips import sparse
 from minips.errors import MiniPSError
+from minips.net import transport
+from minips.wire import protocol as p
 
 TOKEN = "fuzz-live-secret-0123456789"
 N = 61_706  # LeNet-5, the server's default model (--init must match it)

@@ -26,9 +26,9 @@ import atheris
 with atheris.instrument_imports():
     import numpy as np
 
-    from minips import protocol as p
-    from minips import sparse_codec, validation
     from minips.errors import RemoteProtocolError
+    from minips.wire import protocol as p
+    from minips.wire import sparse_codec, validation
 
 N = 61_706  # LeNet-5's parameters: the size gradients are decoded against
 LIMITS = p.Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # small, to keep runs fast

@@ -7,7 +7,7 @@
     python scripts/reproduce.py --quick --link 10mbit   # any suite over shaped links
     python scripts/reproduce.py --quick --table-only   # rebuild table + plots from the runs
 
-Every run is a real `minips local` cluster (``minips.launch.run_local``) started one after
+Every run is a real `minips local` cluster (``minips.run.launch.run_local``) started one after
 another, never in parallel, so that their wall times compare. A *suite* fixes the model, the
 slowdown profile, the optimizer (lr, momentum, weight decay, batch), the seed(s), the initial
 weights (written from the seed by the launcher) and the samples budget; its *experiments* change
@@ -45,10 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from minips.config import LaunchConfig, RunConfig
+from minips.core.optim import SCHEDULES
 from minips.errors import ConfigError, MiniPSError
-from minips.links import SHAPINGS, parse_profile
-from minips.optim import SCHEDULES
+from minips.net.links import SHAPINGS, parse_profile
+from minips.run.config import LaunchConfig, RunConfig
 
 # The table module sits next to this file; a test loads this file by path, without scripts/ on
 # sys.path, so put it there before importing (running as a script has it already).
@@ -138,7 +138,7 @@ def _fmnist(name: str, profile: list[float], epochs: float, seeds: list[int]) ->
 
 
 def _cifar_present() -> bool:
-    from minips import data
+    from minips.ml import data
 
     try:
         data.load_dataset("cifar10", "test", download=False, fallback=False)
@@ -233,7 +233,7 @@ def run_one(suite: Suite, exp: Experiment, seed: int, runs_dir: Path, resume: bo
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = _launch_config(suite, exp, seed, runs_dir)
     load_before, started = os.getloadavg(), time.time()
-    from minips.launch import run_local  # imports torch lazily, only when a run starts
+    from minips.run.launch import run_local  # imports torch lazily, only when a run starts
 
     summary = run_local(cfg)
     extra = {"suite": suite.name, "experiment": asdict(exp), "seed": seed,
@@ -255,7 +255,7 @@ def _evaluate_final(run_dir: Path, run: RunConfig) -> dict[str, float] | None:
         return None
     import torch
 
-    from minips import data, models
+    from minips.ml import data, models
 
     torch.set_num_threads(1)
     test = data.load_dataset(run.dataset, "test", run.data_dir)

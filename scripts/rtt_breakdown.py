@@ -38,8 +38,8 @@ from unittest import mock
 
 import bench_rtt as b
 
-from minips import decoder, handshake, messages
-from minips import protocol as p
+from minips.wire import decoder, handshake, messages
+from minips.wire import protocol as p
 
 VARIANTS = ("minips", "free_codec", "no_checks")
 

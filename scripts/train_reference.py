@@ -1,4 +1,4 @@
-"""Train a model with the plain single-process loop (minips.reference) and report the result.
+"""Train a model with the plain single-process loop (minips.ml.reference) and report the result.
 
     python scripts/train_reference.py --model lenet5 --epochs 3 --json
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from minips import data, models, reference
+from minips.ml import data, models, reference
 
 __all__ = ["main", "run"]
 

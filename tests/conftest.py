@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from minips import lifeline, protocol
-from minips.metrics import read_jsonl
+from minips.net import lifeline
+from minips.run.metrics import read_jsonl
+from minips.wire import protocol
 
 # Tests send SIGINT to the processes they start (Ctrl-C). A shell that runs pytest in the
 # background (`cmd &` without job control) makes it ignore SIGINT, and an ignored signal stays

@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from minips import protocol, sparse
-from minips.config import RunConfig
-from minips.downlink import apply_weights
-from minips.global_core import GlobalCore
-from minips.group_actions import Action, Log, Reply, StartExchange, Wake
-from minips.group_core import GroupCore
-from minips.roster import GroupHandle
+from minips import sparse
+from minips.core.downlink import apply_weights
+from minips.core.global_core import GlobalCore
+from minips.core.group_actions import Action, Log, Reply, StartExchange, Wake
+from minips.core.group_core import GroupCore
+from minips.core.roster import GroupHandle
+from minips.run.config import RunConfig
+from minips.wire import protocol
 
 FEATURES, CLASSES, SAMPLES, BATCH = 20, 5, 400, 16
 SIZE = FEATURES * CLASSES + CLASSES  # flat weights: W (FEATURES x CLASSES), then b

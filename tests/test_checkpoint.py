@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minips import checkpoint
 from minips.errors import ConfigError, DataError
+from minips.run import checkpoint
 
 RUN = {"model": "lenet5", "dataset": "fashion-mnist", "mode": "gssp", "workers": 4, "groups": 2,
        "batch_size": 64, "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "staleness": 3,
@@ -98,7 +98,7 @@ async def test_the_server_removes_temp_files_of_writes_killed_midway(tmp_path: P
 
     from conftest import records
 
-    from minips.config import RunConfig, ServerConfig
+    from minips.run.config import RunConfig, ServerConfig
     from minips.server import GlobalServer
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import wait_ready_file
 
-from minips.cli import build_parser, main, run_config_from_args
-from minips.config import (
+from minips.errors import ConfigError
+from minips.run.cli import build_parser, main, run_config_from_args
+from minips.run.config import (
     PRESETS,
     RunConfig,
     format_address,
@@ -22,7 +23,6 @@ from minips.config import (
     parse_slowdowns,
     reachable,
 )
-from minips.errors import ConfigError
 
 
 def test_preset_then_flags_override() -> None:

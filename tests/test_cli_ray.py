@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from minips import cli
-from minips.cli_ray import ROLES
 from minips.errors import ConfigError
-from minips.ray_launch import Placement, parse_placement
+from minips.run import cli
+from minips.run.cli_ray import ROLES
+from minips.run.ray_launch import Placement, parse_placement
 
 
 def test_every_ray_option_has_help_with_its_default():

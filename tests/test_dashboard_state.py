@@ -264,7 +264,7 @@ def test_server_without_the_extra_says_how_to_get_it(tmp_path: Path) -> None:
                 if name.split(".")[0] == "aiohttp":
                     raise ImportError("blocked", name="aiohttp")
         sys.meta_path.insert(0, NoAiohttp())
-        from minips.cli import main
+        from minips.run.cli import main
         sys.exit(main())
     """)
     proc = subprocess.run([sys.executable, "-c", block, "server", "--port", "0", "--quiet",
@@ -317,10 +317,12 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
         tmp_path: Path) -> None:
     import numpy as np
 
-    from minips import protocol, sparse, transport
-    from minips.config import RunConfig, ServerConfig, parse_address
+    from minips import sparse
     from minips.dashboard.monitor import probe
+    from minips.net import transport
+    from minips.run.config import RunConfig, ServerConfig, parse_address
     from minips.server import GlobalServer
+    from minips.wire import protocol
 
     cfg = ServerConfig(run=RunConfig(workers=2, mode="bsp", lr_warmup=0.0), port=0,
                        token="t", run_dir=str(tmp_path), calib_timeout_s=10.0, linger_s=1.0)

@@ -1,4 +1,4 @@
-"""Tests for minips.data: real files, formats written by the tests, download, sharding, order."""
+"""Tests for minips.ml.data: real files, formats written by the tests, download, sharding, order."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minips import data, data_files
 from minips.errors import ConfigError, DataError
+from minips.ml import data, data_files
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion = pytest.mark.skipif(not FASHION.is_dir(), reason=f"{FASHION} not installed")
@@ -256,7 +256,7 @@ def test_unreachable_mirror_message_names_files_and_dir(tmp_path: Path) -> None:
 
 def test_synthetic_fallback_is_loud_and_recorded(tmp_path: Path,
                                                  caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="minips.data"):
+    with caplog.at_level(logging.WARNING, logger="minips.ml.data"):
         ds = data.load_dataset("cifar10", "test", tmp_path, download=False)
     assert ds.meta["synthetic"] is True and "no test files" in ds.meta["synthetic_reason"]
     assert ds.x.shape == (2000, 3, 32, 32) and ds.x.dtype == np.float32

@@ -1,4 +1,4 @@
-"""minips.device and compress.device_compress: device choice, flat-bound training, on-device top-k.
+"""ml.device and compress.device_compress: device choice, flat-bound training, on-device top-k.
 
 Every check runs on the CPU through the same code a CUDA worker uses (the device is a
 ``torch.device`` argument); ``test_cuda_*`` repeat the key ones on a GPU when one is present.
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from minips import models, sparse
+from minips import sparse
 from minips.compress.base import Compressor
 from minips.compress.device_compress import (
     DeviceCompressor,
@@ -27,11 +27,12 @@ from minips.compress.device_compress import (
     TorchTopK,
     device_compressor,
 )
-from minips.config import LaunchConfig, RunConfig, ServerConfig, WorkerConfig
-from minips.device import Trainer, bind_flat, pick_device
 from minips.errors import ConfigError
+from minips.ml import models
+from minips.ml.device import Trainer, bind_flat, pick_device
+from minips.run.config import LaunchConfig, RunConfig, ServerConfig, WorkerConfig
 from minips.server import GlobalServer
-from minips.sparse_codec import SparseGrad
+from minips.wire.sparse_codec import SparseGrad
 from minips.worker import Worker
 
 CPU = torch.device("cpu")
@@ -307,9 +308,10 @@ def test_worker_import_stays_lean() -> None:
                          timeout=120, check=True, cwd=Path(__file__).parent.parent)
     loaded = set(out.stdout.split())
     heavy = {m for m in loaded if not m.startswith("minips")}
-    servers = loaded & {"minips.server", "minips.group", "minips.group_process", "minips.ssp",
-                        "minips.grouping", "minips.launch", "minips.plot", "minips.checkpoint",
-                        "minips.server_checkpoint", "minips.roster"}
+    servers = loaded & {"minips.server", "minips.serve.group", "minips.serve.group_process",
+                        "minips.core.ssp", "minips.grouping", "minips.run.launch",
+                        "minips.run.plot", "minips.run.checkpoint",
+                        "minips.serve.server_checkpoint", "minips.core.roster"}
     assert not heavy and not servers, (heavy, servers)
 
 

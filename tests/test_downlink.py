@@ -1,4 +1,4 @@
-"""The compressed downlink (minips/downlink.py) and the worker's copy of a group's weights.
+"""The compressed downlink (minips/core/downlink.py) and the worker's copy of a group's weights.
 
 Unit tests of the publish / answer rules, then a group server on a real socket: a worker-side
 copy kept with ``downlink.apply_weights`` equals the group's ``w_pub`` bit for bit at every version
@@ -15,11 +15,13 @@ import pytest
 from conftest import recv_as
 from test_group import TOKEN, Global
 
-from minips import protocol, sparse, transport
-from minips.config import RunConfig
-from minips.downlink import DRIFT, Downlink, apply_weights, top_k
+from minips import sparse
+from minips.core.downlink import DRIFT, Downlink, apply_weights, top_k
 from minips.errors import RemoteProtocolError
-from minips.group import GroupServer
+from minips.net import transport
+from minips.run.config import RunConfig
+from minips.serve.group import GroupServer
+from minips.wire import protocol
 
 N = 1000
 

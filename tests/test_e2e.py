@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from minips.metrics import HOP_COUNTERS, read_jsonl
+from minips.run.metrics import HOP_COUNTERS, read_jsonl
 
 SUMMARY_KEYS = ("mode", "compressor", "workers", "groups", "final_accuracy", "best_accuracy",
                 "wall_s", "samples", "bytes_up", "bytes_down", "time_to_accuracy", "bytes_total")

@@ -21,15 +21,19 @@ import numpy as np
 import pytest
 from conftest import records, recv_as, until
 
-from minips import checkpoint, group_sessions, lifeline, protocol, sparse, transport
-from minips.config import RunConfig, ServerConfig, parse_address
+from minips import sparse
+from minips.core.exchange import Exchange, ExchangeResult, Outgoing, push_message
+from minips.core.replica import Replica, exchange_ratio
+from minips.core.roster import GroupHandle
+from minips.core.unsaved import seqs_in
 from minips.errors import AuthError
-from minips.exchange import Exchange, ExchangeResult, Outgoing, push_message
-from minips.group import GroupServer
-from minips.replica import Replica, exchange_ratio
-from minips.roster import GroupHandle
+from minips.net import lifeline, transport
+from minips.run import checkpoint
+from minips.run.config import RunConfig, ServerConfig, parse_address
+from minips.serve import group_sessions
+from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcLink
-from minips.unsaved import seqs_in
+from minips.wire import protocol
 
 TOKEN = "exchange-test-secret-0123"
 N = 500  # weights

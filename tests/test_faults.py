@@ -22,8 +22,10 @@ import numpy as np
 import pytest
 from conftest import records, recv_as, run_t0, steps, wait_for
 
-from minips import checkpoint, data, lifeline, models, provenance
-from minips.launch import write_init
+from minips.ml import data, models
+from minips.net import lifeline
+from minips.run import checkpoint, provenance
+from minips.run.launch import write_init
 
 TOKEN = "faults-secret"
 EVAL_SAMPLES = 2000  # test samples for the final accuracy (enough to tell 75% from chance)
@@ -405,7 +407,7 @@ async def raw_session(port: int, wid: int) -> tuple[Any, Any]:
     """A hand-driven authenticated connection (reader, writer), past the starting ACK."""
     import asyncio
 
-    from minips import protocol
+    from minips.wire import protocol
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     dec = protocol.FrameDecoder()
@@ -428,9 +430,11 @@ async def raw_session(port: int, wid: int) -> tuple[Any, Any]:
 async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_others() -> None:
     import asyncio
 
-    from minips import protocol, sparse, transport
-    from minips.config import RunConfig
-    from minips.group import GroupServer
+    from minips import sparse
+    from minips.net import transport
+    from minips.run.config import RunConfig
+    from minips.serve.group import GroupServer
+    from minips.wire import protocol
 
     run = RunConfig(mode="asp", sync_every=10**9, lr=1.0, momentum=0.0, weight_decay=0.0,
                     lr_warmup=0.0, workers=3)

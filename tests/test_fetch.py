@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from minips import fetch
 from minips.errors import DataError
+from minips.ml import fetch
 
 
 def make_tar_gz(path: Path, members: dict[str, bytes]) -> None:

@@ -22,10 +22,12 @@ import numpy as np
 import pytest
 from conftest import recv_as
 
-from minips import protocol, sparse, transport
-from minips.config import RunConfig
+from minips import sparse
 from minips.errors import RemoteProtocolError
-from minips.group import ExchangeResult, GroupServer
+from minips.net import transport
+from minips.run.config import RunConfig
+from minips.serve.group import ExchangeResult, GroupServer
+from minips.wire import protocol
 
 TOKEN = "fuzz-secret"
 SIZE = 64  # model size: small, so frames are small and many fit in a few seconds

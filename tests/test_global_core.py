@@ -4,16 +4,11 @@ ratio has one owner (group_peer.py)."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from minips import protocol, sparse
-from minips.config import RunConfig
-from minips.errors import ConfigError, RemoteProtocolError
-from minips.global_actions import (
+from minips import sparse
+from minips.core.global_actions import (
     AllFinal,
     Done,
     Fail,
@@ -22,11 +17,14 @@ from minips.global_actions import (
     SendRatios,
     WeightsReady,
 )
-from minips.global_core import GlobalCore
-from minips.group import GroupServer
-from minips.group_peer import NoGroup
-from minips.inproc_group import InProcGroup
-from minips.roster import GroupHandle
+from minips.core.global_core import GlobalCore
+from minips.core.group_peer import NoGroup
+from minips.core.roster import GroupHandle
+from minips.errors import ConfigError, RemoteProtocolError
+from minips.run.config import RunConfig
+from minips.serve.group import GroupServer
+from minips.serve.inproc_group import InProcGroup
+from minips.wire import protocol
 
 N = 10
 
@@ -179,34 +177,3 @@ def test_a_groups_ratio_has_one_owner_the_in_process_group_reads_it() -> None:
     assert c.assign_message(c.groups[1]).ratio == ratios[1]
     c.groups[0].ratio = 0.5
     assert gs.weights_message(0, []).info["ratio"] == 0.5
-
-
-GLOBAL_SIDE = ("server", "global_core", "global_actions", "global_state", "group_peer",
-               "inproc_group", "server_io", "server_groups", "client_sessions", "group_sessions",
-               "server_checkpoint", "run_end", "roster", "group_process")
-
-
-def test_the_global_servers_modules_are_in_no_import_loop() -> None:
-    """Every ``minips`` import counts, TYPE_CHECKING and function-level ones too: no module of
-    the global side can reach itself again."""
-    root = Path(__file__).parent.parent / "minips"
-    edges: dict[str, set[str]] = {}
-    for path in root.glob("*.py"):
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "minips":
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minips."):
-                deps.add(node.module.split(".")[1])  # type: ignore[union-attr]
-            elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names
-                         if a.name.startswith("minips.")}
-        edges[path.stem] = deps
-    for start in GLOBAL_SIDE:
-        seen, todo = set(), list(edges[start])
-        while todo:
-            m = todo.pop()
-            assert m != start, f"{start} imports itself back"
-            if m not in seen and m in edges:
-                seen.add(m)
-                todo.extend(edges[m])

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from conftest import recv_as
 
-from minips import protocol, sparse, transport
-from minips.config import RunConfig
-from minips.group import ExchangeResult, GroupServer
+from minips import sparse
+from minips.net import transport
+from minips.run.config import RunConfig
+from minips.serve.group import ExchangeResult, GroupServer
+from minips.wire import protocol
 
 TOKEN = "group-test"
 
@@ -184,7 +186,7 @@ async def test_cosine_lr_follows_this_group_then_every_group_s_samples() -> None
 
 
 def test_exchange_counts_cluster_samples_from_the_last_reply_on() -> None:
-    from minips.exchange import Exchange
+    from minips.core.exchange import Exchange
 
     xchg = Exchange(np.zeros(1, np.float32))
     xchg.count(64, 0.1, 2.0)

@@ -17,11 +17,13 @@ import noio_cluster
 import numpy as np
 import pytest
 
-from minips import optim, protocol, sparse
-from minips.config import RunConfig
-from minips.group import GroupServer
-from minips.group_actions import AllLeft, Log, Reply, StartExchange, Wake
-from minips.group_core import GroupCore
+from minips import sparse
+from minips.core import optim
+from minips.core.group_actions import AllLeft, Log, Reply, StartExchange, Wake
+from minips.core.group_core import GroupCore
+from minips.run.config import RunConfig
+from minips.serve.group import GroupServer
+from minips.wire import protocol
 
 N = 500
 
@@ -120,7 +122,7 @@ async def run_with_asyncio(compressor: str, events: list[Any],
     """The same events in the same order through the asyncio servers: the real GlobalServer
     and 4 GroupServers (in-process link), each PULL through ``answer_pull``, each PUSH through
     ``on_push`` with its exchange awaited before the next event (as the cores ran it)."""
-    from minips.config import ServerConfig
+    from minips.run.config import ServerConfig
     from minips.server import GlobalServer, GroupHandle, InProcGroup, InProcLink
 
     cfg = ServerConfig(run=RunConfig(**noio_cluster.run_config(compressor)), port=0,

@@ -1,4 +1,4 @@
-"""Tests for minips.guard (sans-IO, time passed in) and the handshake limits of a server-side
+"""Tests for minips.net.guard (sans-IO, time passed in) and the handshake limits of a server-side
 ``Connection``: caps on handshakes at once, back-off after failures, counted log lines, and
 frames before WELCOME bounded to 16 KiB."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from minips import guard
-from minips import protocol as p
 from minips.errors import LimitExceeded
+from minips.net import guard
+from minips.wire import protocol as p
 
 LIMITS = guard.Limits(max_pending=5, max_pending_per_source=2, free_failures=2,
                       backoff_first_s=1.0, backoff_max_s=4.0, forget_after_s=100.0)

@@ -32,8 +32,10 @@ import numpy as np
 import pytest
 from conftest import minips_server, recv_as, wait_for
 
-from minips import protocol, sparse, transport
+from minips import sparse
 from minips.errors import AuthError
+from minips.net import transport
+from minips.wire import protocol
 
 TOKEN = "hostile-test-secret-0123"
 N = 61_706  # LeNet-5's parameters, the server's default model

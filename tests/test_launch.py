@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from conftest import interrupt, processes_mentioning
 
-from minips import data, models
-from minips.config import LaunchConfig, RunConfig
-from minips.launch import Cluster, run_local
-from minips.metrics import read_jsonl
+from minips.ml import data, models
+from minips.run.config import LaunchConfig, RunConfig
+from minips.run.launch import Cluster, run_local
+from minips.run.metrics import read_jsonl
 
 
 @pytest.mark.timeout(120)
@@ -142,8 +142,8 @@ def test_every_worker_failing_ends_a_local_run_at_once(tmp_path: Path) -> None:
     sees that every worker exited with an error and stops the run now."""
     import numpy as np
 
-    from minips.launch import WorkersFailed
-    from minips.model_table import PARAM_COUNTS
+    from minips.ml.model_table import PARAM_COUNTS
+    from minips.run.launch import WorkersFailed
 
     cluster = Cluster(LaunchConfig(run=RunConfig(workers=2), out_dir=str(tmp_path)), tmp_path,
                       "token")

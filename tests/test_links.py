@@ -16,15 +16,16 @@ import numpy as np
 import pytest
 from conftest import processes_mentioning, run_on
 
-from minips import cli_checks, netshape
-from minips import protocol as p
-from minips import transport as t
-from minips.config import LaunchConfig, RunConfig
-from minips.downlink import DRIFT
+from minips.core.downlink import DRIFT
 from minips.errors import ConfigError
-from minips.launch import run_local
-from minips.links import LinkProfile, Pacing, Rate, TokenBucket, parse_profile
-from minips.metrics import HOP_COUNTERS, read_jsonl
+from minips.net import netshape
+from minips.net import transport as t
+from minips.net.links import LinkProfile, Pacing, Rate, TokenBucket, parse_profile
+from minips.run import cli_checks
+from minips.run.config import LaunchConfig, RunConfig
+from minips.run.launch import run_local
+from minips.run.metrics import HOP_COUNTERS, read_jsonl
+from minips.wire import protocol as p
 
 TOKEN = "links-secret-0123456789abcdef"
 M = 1e6

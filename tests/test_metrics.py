@@ -1,4 +1,4 @@
-"""Tests of minips.metrics: JSON-lines writer, run directory and summarize on a hand-made run."""
+"""Tests of minips.run.metrics: JSON-lines writer, run directory, summarize on a hand-made run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minips.metrics import (
+from minips.run.metrics import (
     HOP_COUNTERS,
     HOPS,
     JsonlWriter,
@@ -146,9 +146,10 @@ def test_run_dir_shares_t0_through_config(tmp_path):
 
 
 def test_summary_and_progress_line_say_whether_the_data_was_real(tmp_path, capsys):
-    from minips import data, provenance
-    from minips.config import LaunchConfig
-    from minips.launch import ProgressLine
+    from minips.ml import data
+    from minips.run import provenance
+    from minips.run.config import LaunchConfig
+    from minips.run.launch import ProgressLine
 
     real = {"name": "fashion-mnist", "split": "train", "synthetic": False, "source": "/d"}
     stand_in = data.load_dataset("fashion-mnist", "test", synthetic=True).meta
@@ -218,8 +219,8 @@ def test_hops_before_the_exchange_events_have_them_and_without_group_files(tmp_p
 
 
 def test_progress_line_shows_every_hop(tmp_path, capsys):
-    from minips.config import LaunchConfig
-    from minips.launch import ProgressLine
+    from minips.run.config import LaunchConfig
+    from minips.run.launch import ProgressLine
 
     line = ProgressLine(make_hop_run(tmp_path), LaunchConfig())
     live = live_hop_bytes(tmp_path)

@@ -1,4 +1,4 @@
-"""Tests for minips.models: each model's shape and count, flat-vector layout, loss, evaluate."""
+"""Tests for minips.ml.models: each model's shape and count, flat-vector layout, loss, evaluate."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from minips import data, models, reference
 from minips.errors import ConfigError
+from minips.ml import data, models, reference
 
 
 def small_batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Tests for minips.net_retry, the one backoff loop (transport.connect and a worker's group
+"""Tests for minips.net.net_retry, the one backoff loop (transport.connect and a worker's group
 reconnect use it): delays, deadline, attempt cap, fatal errors, wake-up."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from minips import net_retry
 from minips.errors import AuthError
+from minips.net import net_retry
 
 
 def test_delays_double_up_to_the_cap_with_jitter() -> None:

@@ -37,9 +37,10 @@ def test_blocker_really_blocks_torch() -> None:
 def test_server_modules_import_and_a_global_server_serves_without_torch() -> None:
     proc = _run("""
         import asyncio, sys
-        import minips.server, minips.group, minips.group_process, minips.protocol
-        import minips.transport, minips.sparse, minips.grouping, minips.ssp, minips.optim
-        import minips.metrics, minips.checkpoint, minips.cli
+        import minips.server, minips.serve.group, minips.serve.group_process, minips.wire.protocol
+        import minips.net.transport, minips.sparse, minips.grouping, minips.core.ssp
+        import minips.core.optim
+        import minips.run.metrics, minips.run.checkpoint, minips.run.cli
         import minips.dashboard.monitor, minips.dashboard.web  # --dashboard's server side
         assert "torch" not in sys.modules
         print("imports ok")
@@ -53,7 +54,7 @@ def test_minips_server_command_starts_without_torch(tmp_path: Path) -> None:
     ready = tmp_path / "server.addr"
     code = BLOCK_TORCH + textwrap.dedent("""
         import sys
-        from minips.cli import main
+        from minips.run.cli import main
         sys.exit(main())
     """)
     args = ["server", "--port", "0", "--workers", "1", "--quiet", "--ready-file", str(ready),

@@ -1,4 +1,4 @@
-"""Tests of minips.optim: the numpy SGD matches torch.optim.SGD step for step."""
+"""Tests of minips.core.optim: the numpy SGD matches torch.optim.SGD step for step."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from minips.core.optim import SGD
 from minips.errors import ConfigError
-from minips.optim import SGD
 
 
 @dataclass
@@ -122,7 +122,7 @@ def test_errors():
 
 
 def test_warmup_factor_ramps_linearly_then_stays_at_one() -> None:
-    from minips.optim import warmup_factor
+    from minips.core.optim import warmup_factor
 
     assert warmup_factor(0, 100.0) == 0.0
     assert warmup_factor(25, 100.0) == 0.25
@@ -132,7 +132,7 @@ def test_warmup_factor_ramps_linearly_then_stays_at_one() -> None:
 
 
 def test_decay_factor_constant_and_cosine_by_hand() -> None:
-    from minips.optim import decay_factor
+    from minips.core.optim import decay_factor
 
     assert decay_factor("constant", 0.7) == 1.0
     assert decay_factor("cosine", 0.0) == 1.0
@@ -148,7 +148,7 @@ def test_decay_factor_constant_and_cosine_by_hand() -> None:
 def test_lr_factor_warms_up_with_the_update_and_decays_before_it() -> None:
     """Synchronous SGD of 4 steps of 512 samples, warm-up over 1024, cosine over 2048: the warm-up
     counts each step's own samples, the decay is read before them, so no step is wasted."""
-    from minips.optim import lr_factor
+    from minips.core.optim import lr_factor
 
     factors = [lr_factor("cosine", seen=t * 512, step=512, ramp=1024, budget=2048)
                for t in range(4)]

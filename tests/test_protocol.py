@@ -1,4 +1,4 @@
-"""Tests for minips.protocol: round trips of every message, decoding in pieces, limits, state
+"""Tests for minips.wire.protocol: round trips of every message, decoding in pieces, limits, state
 machine and handshake, all without sockets."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minips import protocol as p
 from minips.errors import AuthError, LimitExceeded, LocalProtocolError, RemoteProtocolError
+from minips.wire import protocol as p
 
 # ---------------------------------------------------------------------------------------------
 # Strategies: one per message class, drawing every field from its valid range.

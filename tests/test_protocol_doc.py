@@ -18,10 +18,12 @@ import pytest
 from conftest import recv_as, until
 from test_server import TOKEN, join, make_server, push
 
-from minips import messages, protocol, sparse, transport
-from minips.config import parse_address
+from minips import sparse
 from minips.errors import RemoteProtocolError
-from minips.inproc_group import InProcGroup
+from minips.net import transport
+from minips.run.config import parse_address
+from minips.serve.inproc_group import InProcGroup
+from minips.wire import messages, protocol
 
 
 async def group_session(ctl: transport.Channel) -> tuple[transport.Channel, int]:

@@ -1,4 +1,4 @@
-"""Tests for the fast paths of minips.protocol: whole frames decoded in one step, frames split
+"""Tests for the fast paths of minips.wire.protocol: whole frames decoded in one step, frames split
 across reads, the checks of a map a peer sent, and the inline number checks of the constructor.
 """
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minips import protocol as p
 from minips.errors import LocalProtocolError, RemoteProtocolError
+from minips.wire import protocol as p
 
 
 def frame(msg: p.Message, **kw: object) -> bytes:

@@ -6,8 +6,8 @@ import random
 
 import numpy as np
 
-from minips import protocol as p
 from minips.errors import RemoteProtocolError
+from minips.wire import protocol as p
 
 LIMITS = p.Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # keep mutated sizes cheap
 

@@ -1,4 +1,4 @@
-"""Tests for minips.reference: the SGD formula, the documented batch order, and real training."""
+"""Tests for minips.ml.reference: the SGD formula, the documented batch order, and real training."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from minips import data, models, reference
 from minips.errors import ConfigError
+from minips.ml import data, models, reference
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion = pytest.mark.skipif(not FASHION.is_dir(), reason=f"{FASHION} not installed")

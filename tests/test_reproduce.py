@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minips import data, models
+from minips.ml import data, models
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = importlib.util.spec_from_file_location("reproduce", ROOT / "scripts" / "reproduce.py")

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from conftest import records, recv_as
 
-from minips import protocol, sparse, transport
-from minips.config import RunConfig, ServerConfig, parse_address
+from minips import sparse
+from minips.net import transport
+from minips.run.config import RunConfig, ServerConfig, parse_address
 from minips.server import GlobalServer
+from minips.wire import protocol
 
 TOKEN = "run-end-test"
 

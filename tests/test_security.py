@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 from conftest import make_certificate, minips_server, steps
 
-from minips import protocol, transport
-from minips.config import RunConfig, ServerConfig, check_bind, is_loopback
 from minips.errors import AuthError, ConfigError
+from minips.net import transport
+from minips.run.config import RunConfig, ServerConfig, check_bind, is_loopback
 from minips.server import GlobalServer
+from minips.wire import protocol
 
 SECRET = "s3cret-token-that-must-never-be-logged"
 PACKAGE = Path(__file__).resolve().parent.parent / "minips"

@@ -15,14 +15,17 @@ import numpy as np
 import pytest
 from conftest import minips_server, records, recv_as, until
 
-from minips import messages, protocol, roster, sparse, transport
-from minips.config import RunConfig, ServerConfig, parse_address, reachable
+from minips import sparse
+from minips.core import roster
+from minips.core.roster import match_labels
 from minips.errors import AuthError, RemoteProtocolError
-from minips.group import GroupServer
-from minips.metrics import read_jsonl
-from minips.model_table import PARAM_COUNTS
-from minips.roster import match_labels
+from minips.ml.model_table import PARAM_COUNTS
+from minips.net import transport
+from minips.run.config import RunConfig, ServerConfig, parse_address, reachable
+from minips.run.metrics import read_jsonl
+from minips.serve.group import GroupServer
 from minips.server import GlobalServer, GroupHandle, InProcGroup, InProcLink
+from minips.wire import messages, protocol
 
 TOKEN = "server-test-secret-0123"
 

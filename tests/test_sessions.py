@@ -17,9 +17,11 @@ import pytest
 from conftest import recv_as, until
 from test_server import TOKEN, in_proc, join, make_server
 
-from minips import protocol, roster, transport
-from minips.config import RunConfig, parse_address
+from minips.core import roster
 from minips.errors import AuthError
+from minips.net import transport
+from minips.run.config import RunConfig, parse_address
+from minips.wire import protocol
 
 
 async def connect(port: int, wid: int, group: int = -1,
@@ -113,7 +115,7 @@ async def test_concurrent_minus_one_hellos_get_different_ids(tmp_path: Path) -> 
 
 
 def test_a_worker_told_replaced_stops_instead_of_reconnecting() -> None:
-    from minips.worker_link import Stopped  # torch: imported only here
+    from minips.client.worker_link import Stopped  # torch: imported only here
 
     stop = Stopped(protocol.Error(code="replaced", reason="another connection"))
     assert stop.final and "replaced" in stop.error

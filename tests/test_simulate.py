@@ -12,12 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from minips import metrics, optim
-from minips.config import RunConfig
+from minips.core import optim
 from minips.errors import ConfigError
-from minips.sim_objective import Quadratic
-from minips.sim_timing import Failure, Links, parse_failures
-from minips.simulate import SimConfig, Simulation, simulate
+from minips.run import metrics
+from minips.run.config import RunConfig
+from minips.sim.sim_objective import Quadratic
+from minips.sim.sim_timing import Failure, Links, parse_failures
+from minips.sim.simulate import SimConfig, Simulation, simulate
 
 SLOW = [1, 1, 1.5, 1.5, 2, 2, 4, 4]
 
@@ -79,7 +80,7 @@ def test_the_command_prints_its_summary_and_refuses_bad_flags(tmp_path: Path) ->
 
 
 def test_every_simulate_option_has_help() -> None:
-    from minips import cli
+    from minips.run import cli
 
     parser = cli.build_parser()
     sim = parser._subparsers._group_actions[0].choices["simulate"]  # type: ignore[union-attr,index]
@@ -166,8 +167,8 @@ class NoTorch(importlib.abc.MetaPathFinder):
         if name == "torch" or name.startswith("torch."):
             raise ImportError("torch is blocked in this test")
 sys.meta_path.insert(0, NoTorch())
-from minips.config import RunConfig
-from minips.simulate import SimConfig, simulate
+from minips.run.config import RunConfig
+from minips.sim.simulate import SimConfig, simulate
 run = RunConfig(workers=4, mode="ssp", dataset="synthetic", epochs=100, lr_warmup=0)
 s = simulate(SimConfig(run=run, dim=50, max_pushes=40, out_dir={str(tmp_path)!r}, name="nt"))
 assert "torch" not in sys.modules and s["pushes"] >= 40

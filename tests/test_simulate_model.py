@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from test_worker import reference_weights  # the real runner's reference, the same call
 
-from minips import data, metrics, models, reference
-from minips.config import RunConfig
-from minips.simulate import SimConfig, simulate
+from minips.ml import data, models, reference
+from minips.run import metrics
+from minips.run.config import RunConfig
+from minips.sim.simulate import SimConfig, simulate
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minips import protocol, sparse
+from minips import sparse
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.sparse import (
     SparseGrad,
@@ -23,7 +23,8 @@ from minips.sparse import (
     kept_count,
     scatter_add,
 )
-from minips.varint import varint_decode, varint_encode
+from minips.wire import protocol
+from minips.wire.varint import varint_decode, varint_encode
 
 
 def sg(indices: list[int], values: list[float], size: int) -> SparseGrad:

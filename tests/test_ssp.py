@@ -1,4 +1,4 @@
-"""Tests of minips.ssp: the staleness bound under random event orders, leases, LEAVE, BSP rounds."""
+"""Tests of minips.core.ssp: staleness bound, random event orders, leases, LEAVE, BSP rounds."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minips.core.ssp import ClockError, ClockTable, Rounds
 from minips.errors import RemoteProtocolError
-from minips.ssp import ClockError, ClockTable, Rounds
 
 
 def test_bsp_lockstep_and_waiting_for():

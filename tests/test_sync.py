@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from minips import sync
-from minips.config import MODES, RunConfig
+from minips.core import sync
 from minips.errors import ConfigError
+from minips.run.config import MODES, RunConfig
 
 
 def test_the_table_has_the_four_modes_and_their_decisions() -> None:

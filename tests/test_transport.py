@@ -1,5 +1,5 @@
-"""Tests for minips.transport on real loopback sockets (port 0), on both the standard asyncio loop
-and uvloop: handshake outcomes, limits, read timeout, TLS, retry, heartbeats, back-pressure."""
+"""Tests for minips.net.transport on real loopback sockets (port 0), on both the standard asyncio
+loop and uvloop: handshake outcomes, limits, read timeout, TLS, retry, heartbeats, back-pressure."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from conftest import run_on, until
 
-from minips import protocol as p
-from minips import transport as t
-from minips.channel import write_batches
 from minips.errors import AuthError, RemoteProtocolError
+from minips.net import transport as t
+from minips.net.channel import write_batches
+from minips.wire import protocol as p
 
 TOKEN = "test-token"
 LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
@@ -110,7 +110,7 @@ def test_refusals_carry_reasons_on_both_sides(kw: dict[str, Any], reason: str,
                 await t.connect("127.0.0.1", srv.port, **kw)
             await until(lambda: srv.stats["refused"] == 1)
 
-    with caplog.at_level("WARNING", logger="minips.transport"):
+    with caplog.at_level("WARNING", logger="minips.net.transport"):
         run("uvloop", scenario())
     assert reason in caplog.text
 

@@ -1,4 +1,4 @@
-"""Tests for the receive queue of minips.transport on real loopback sockets: reading pauses when
+"""Tests for the receive queue of minips.net.transport on real loopback sockets: reading pauses when
 the buffers waiting for recv() reach ``Options.max_queued_bytes`` and resumes as they drain,
 with nothing lost or reordered; recv() wakes as soon as a message is queued."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import run_on, until
 
-from minips import protocol as p
-from minips import transport as t
+from minips.net import transport as t
+from minips.wire import protocol as p
 
 TOKEN = "queue-token"
 LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from minips import checkpoint
-from minips.config import RunConfig, ServerConfig
-from minips.exchange import Exchange, ExchangeResult
-from minips.roster import GroupHandle
+from minips.core.exchange import Exchange, ExchangeResult
+from minips.core.roster import GroupHandle
+from minips.core.unsaved import Unsaved, seqs_in
+from minips.run import checkpoint
+from minips.run.config import RunConfig, ServerConfig
 from minips.server import GlobalServer
-from minips.unsaved import Unsaved, seqs_in
 
 N = 3  # weights
 

@@ -1,7 +1,7 @@
 """Worker loop against a real global server on loopback (one process, one event loop).
 
 The reference tests of the issue: N workers in BSP through minips end with the weights of the
-plain single-process loop (minips.reference.train) on the same data order and seed.
+plain single-process loop (minips.ml.reference.train) on the same data order and seed.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 from conftest import records, until
 
-from minips import data, models, protocol, reference, transport
-from minips.config import RunConfig, ServerConfig, WorkerConfig
-from minips.metrics import read_jsonl
+from minips.ml import data, models, reference
+from minips.net import transport
+from minips.run.config import RunConfig, ServerConfig, WorkerConfig
+from minips.run.metrics import read_jsonl
 from minips.server import GlobalServer
+from minips.wire import protocol
 from minips.worker import Link, Worker, WorkerStopped, evaluate_loop
 
 TOKEN = "test-secret"

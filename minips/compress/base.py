@@ -31,7 +31,7 @@ import numpy as np
 
 from minips.compress.sparse_select import kept_count
 from minips.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from minips.sparse_codec import SparseGrad, decode_gradient, encode_gradient
+from minips.wire.sparse_codec import SparseGrad, decode_gradient, encode_gradient
 
 if TYPE_CHECKING:
     from minips.compress.ratios import RatioPolicy

@@ -40,7 +40,7 @@ from minips.compress.sparse_select import (
     kept_count,
 )
 from minips.compress.topk import TopKCompressor
-from minips.sparse_codec import SparseGrad
+from minips.wire.sparse_codec import SparseGrad
 
 __all__ = ["TorchTopK", "DeviceCompressor", "HostCompressor", "device_compressor",
            "runs_on_device"]

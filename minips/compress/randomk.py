@@ -9,7 +9,7 @@ import numpy as np
 
 from minips.compress.base import SparseCompressor
 from minips.errors import ConfigError
-from minips.sparse_codec import SparseGrad
+from minips.wire.sparse_codec import SparseGrad
 
 __all__ = ["RandomKCompressor"]
 

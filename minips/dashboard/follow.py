@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from minips.dashboard.state import RunState
-from minips.metrics import read_config, read_jsonl
+from minips.run.metrics import read_config, read_jsonl
 
 __all__ = ["Replay", "RunFollower", "Tail", "source_of"]
 

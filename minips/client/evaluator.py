@@ -1,0 +1,90 @@
+"""The evaluator (role ``evaluator``): it pulls the global weights every ``eval_every_s`` and
+writes accuracy, loss and the global counters to eval.jsonl until the run is done; when the
+global server is lost it reconnects for up to ``reconnect_s``, as a worker does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import torch
+
+from minips import sparse
+from minips.client.worker_link import Link, Stopped, connect_role, leave
+from minips.errors import RemoteProtocolError
+from minips.ml import data, models
+from minips.net import transport
+from minips.net.channel import Channel
+from minips.run import provenance
+from minips.run.config import RunConfig, WorkerConfig
+from minips.run.metrics import JsonlWriter, RunDir
+from minips.wire import protocol
+
+__all__ = ["evaluate_loop", "run_evaluator"]
+
+log = logging.getLogger("minips.worker")
+
+
+async def evaluate_loop(cfg: WorkerConfig) -> None:
+    """Pull the global weights every eval_every_s, evaluate, append to eval.jsonl; until done."""
+    torch.set_num_threads(cfg.torch_threads)
+    ch = await connect_role(cfg, cfg.server_host, cfg.server_port, "evaluator", -1)
+    run = RunConfig.from_info(dict(ch.welcome_info))
+    test = data.load_dataset(run.dataset, "test", cfg.data_dir or run.data_dir)
+    provenance.record(cfg.run_dir, "evaluator", test.meta)
+    if run.eval_limit:
+        test = test.subset(np.arange(min(run.eval_limit, len(test))))
+    writer = RunDir(cfg.run_dir, t0=run.t0).writer("eval")
+    size = models.param_count(run.model)
+    last = -1
+    try:
+        while True:
+            t = time.monotonic()
+            try:
+                await ch.send(protocol.Pull(clock=0))
+                w = await Link(ch, 0, 0).expect(protocol.GlobalWeights)
+            except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError,
+                    Stopped) as exc:
+                if isinstance(exc, Stopped) and exc.final:
+                    raise
+                ch = await _reconnect_evaluator(cfg, writer, run, exc)
+                continue
+            if w.version != last or w.done:
+                last = w.version
+                _evaluate_once(run, w, size, test, writer)
+            if w.done:
+                return
+            await asyncio.sleep(max(0.0, run.eval_every_s - (time.monotonic() - t)))
+    finally:
+        writer.close()
+        await leave(ch)
+
+
+async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunConfig,
+                               exc: BaseException) -> Channel:
+    """The global server is lost (it may come back with --resume): reconnect as a worker does,
+    for up to ``reconnect_s`` (then ConnectionError)."""
+    writer.write({"t": time.time() - run.t0, "event": "server_lost", "reason": str(exc)})
+    log.warning("evaluator: global server lost (%s); reconnecting for up to %.0f s", exc,
+                cfg.reconnect_s)
+    ch = await connect_role(cfg, cfg.server_host, cfg.server_port, "evaluator", -1,
+                            timeout=cfg.reconnect_s, retries=None)
+    writer.write({"t": time.time() - run.t0, "event": "server_back"})
+    return ch
+
+
+def _evaluate_once(run: RunConfig, w: protocol.GlobalWeights, size: int,
+                   test: data.Dataset, writer: JsonlWriter) -> None:
+    flat = np.asarray(sparse.decode_gradient(w.encoding, w.codec, w.buffers, size))
+    acc, loss = models.evaluate(run.model, flat, test)
+    writer.write({**dict(w.info), "t": time.time() - run.t0, "version": w.version,
+                  "accuracy": acc, "loss": loss, "final": bool(w.done)})
+
+
+def run_evaluator(cfg: WorkerConfig) -> None:
+    """`minips evaluator`: evaluate the global weights until the run is done."""
+    transport.install_uvloop()
+    asyncio.run(evaluate_loop(cfg))

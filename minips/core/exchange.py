@@ -1,0 +1,231 @@
+"""A group server's side of the exchange with the global server: the delta, its counters, and
+the rule that makes each exchange count exactly once (numpy, no asyncio, no torch).
+
+Every exchange sends (part of) what the group applied since the last one and takes (part of) the
+global weights back:
+
+    s       = topk(sent - w_sync)        sent = the group's weights when the exchange starts
+    w       = w_sync' + (w - w_sync - s) what was not sent, or applied meanwhile, is kept
+    w_sync' = the group's copy of the global weights after the reply
+
+The kept fraction is ``replica.exchange_ratio(run)`` (1.0: dense, ``s = sent - w_sync``, and the
+reply is the global weights G whole, so ``w = G + (w - sent)``, ``w_sync = G``). Sparse, the
+reply sets some entries of the group's copy (``replica.py``: the global server keeps the exact
+same copy, ``known[g]``, and sends where G differs from it most); a dense reply replaces it.
+What a sparse exchange leaves behind stays in ``w - w_sync`` (up) or in ``G - known[g]`` (down)
+and goes with a later exchange: error feedback by bookkeeping, nothing is lost. The exchange
+that flushes a group at the end (``final``, or after ``done``) sends everything left (dense).
+``Outgoing.sent`` keeps ``w_sync + s`` (the weights at the entries sent, ``w_sync`` elsewhere),
+so the rebase is one line whatever the ratio: ``w += w_sync' - sent``.
+
+Exactly once. Each exchange carries ``session`` (random, one per group server process) and
+``seq`` (1, 2, ... within the session) in its counters. The global server remembers the last
+(session, seq) it merged per group and answers a repeat without merging again. When the reply is
+lost (``ConnectionError``) the exchange stays *pending*: the next attempt sends the very same
+``s`` and counters under the same seq, so whether or not the first copy was merged, ``s`` lands
+once and the reconciliation above stays right (a repeat's answer also carries again what the
+lost reply set: ``replica.py``). Newer pushes go out with the exchange after that.
+
+Resume. A global server resumed from its checkpoint lacks the exchanges it merged after it;
+a `minips group` process keeps their sum (``unsaved.py``, bounded: a few vectors) and, told on
+reconnecting which seq the server holds, sends that sum again inside its next exchange.
+
+Progress. ``cluster_samples()`` estimates how many samples all groups have trained on: the
+global server's count in the last reply plus this group's samples counted since the exchange it
+answered began (for lr schedules). With one group it is exact.
+
+Invariant: ``w_sync`` is the group's exact copy of what the global server holds for it
+(``known[g]``, or G after a dense reply); ``pending`` is either None or the one exchange whose
+fate is unknown.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from minips import sparse
+from minips.compress.sparse_select import TopKSelector
+from minips.core.replica import top_entries
+from minips.core.unsaved import Tally, Unsaved
+from minips.sparse import SparseGrad
+from minips.wire import protocol
+
+__all__ = ["ExchangeResult", "GroupLink", "Outgoing", "Exchange", "Delta", "push_message",
+           "wire_size"]
+
+Delta = np.ndarray | SparseGrad  # (n,) float32 dense, or the entries sent
+
+
+@dataclass
+class ExchangeResult:
+    """What the global server answers to a group's delta."""
+
+    weights: Delta  # (n,) float32 global weights after the merge (a private copy), or the
+    # entries of the group's copy to set to their global values (replica.py)
+    version: int  # global version (merges applied so far)
+    done: bool  # the run's budget is spent: stop training
+    samples: int = 0  # training samples all groups reported so far (for lr schedules)
+    saved: list[int] | None = None  # this session's seqs in the server's last two snapshots
+    bytes_up: int = 0  # bytes this exchange carried to the global server (as on the wire)
+    bytes_down: int = 0  # bytes its reply carried back
+
+
+class GroupLink(Protocol):
+    """How a group server reaches the global server (in-process call or TCP)."""
+
+    async def exchange(self, group: int, delta: Delta,
+                       stats: dict[str, Any]) -> ExchangeResult:
+        """Send this group's delta and counters; return the merged global weights."""
+        ...
+
+
+@dataclass
+class Outgoing:
+    """One exchange on its way: what it sends, the weights that covers, its counters (seq)."""
+
+    sent: np.ndarray  # (n,) float32 w_sync + s: the group's weights where s was taken
+    stats: dict[str, Any]  # counters since the previous exchange, plus session and seq
+    delta: Delta  # s, sent again unchanged while the exchange is pending
+
+
+class Exchange:
+    """Delta bookkeeping of one group (see the module docstring)."""
+
+    def __init__(self, weights: np.ndarray, session: int | None = None,
+                 ratio: float = 1.0) -> None:
+        self.w_sync = np.array(weights, dtype=np.float32)  # (n,) the group's copy of global
+        self.ratio = ratio  # kept fraction of each exchange (1.0: dense)
+        self._selector = TopKSelector(self.w_sync.size) if ratio < 1.0 else None
+        self.session = secrets.randbits(52) if session is None else session  # fits a double
+        self.seq = 0  # seq of the last exchange started
+        self.pending: Outgoing | None = None  # an exchange whose reply was lost
+        self.since = _zero()  # worker pushes since the last exchange started
+        self.global_samples = 0  # all groups' samples, as the last reply said
+        self.samples_after = 0  # this group's samples counted since that reply
+        self.unsaved: Unsaved | None = None  # once the server names its snapshots (unsaved.py)
+        self.lost_track = 0  # resumes whose lost exchanges this record could not name
+
+    def count(self, samples: int, step_time: float, loss: float) -> None:
+        """Account one worker push for the next exchange's counters."""
+        s = self.since
+        s["pushes"] += 1
+        s["samples"] += samples
+        s["step_time"] += step_time
+        s["loss"] += loss
+        self.samples_after += samples
+
+    def begin(self, weights: np.ndarray, extra: dict[str, Any],
+              dense: bool = False) -> Outgoing:
+        """The pending exchange again, or a new one covering ``weights`` (``extra`` joins its
+        counters: version, final, traffic, clocks); ``dense``: send all of it (a flush)."""
+        if self.pending is not None:
+            return self.pending
+        s, n = self.since, max(1, self.since["pushes"])
+        self.seq += 1
+        stats = {"pushes": s["pushes"], "samples": s["samples"], "step_time": s["step_time"] / n,
+                 "loss": s["loss"] / n, **extra, "session": self.session, "seq": self.seq}
+        self.since = _zero()
+        self.pending = self._outgoing(weights, stats, dense)
+        return self.pending
+
+    def _outgoing(self, weights: np.ndarray, stats: dict[str, Any], dense: bool) -> Outgoing:
+        """``s``: all of ``weights - w_sync`` (dense) or its top entries."""
+        diff = weights - self.w_sync  # (n,) float32
+        if dense or self._selector is None:
+            return Outgoing(weights.copy(), stats, diff)
+        idx = top_entries(self._selector, diff, self.ratio)  # (k,) int64
+        sent = self.w_sync.copy()
+        sent[idx] = weights[idx]
+        return Outgoing(sent, stats, SparseGrad(idx.astype(np.uint32), diff[idx], diff.size))
+
+    def delta(self, out: Outgoing) -> Delta:
+        """What ``out`` sends: ``s``, the same on every attempt."""
+        return out.delta
+
+    def complete(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
+        """The global server answered ``out``: rebase ``weights`` (in place) on its weights."""
+        new = self.synced(res.weights)
+        weights += new - out.sent
+        if res.saved is not None:  # a `minips group` process: keep what a resume would lack
+            seq = out.stats["seq"]
+            self.unsaved = self.unsaved or Unsaved(weights.size, start=seq - 1)
+            self.unsaved.merged(seq, out.delta, out.stats["samples"], res.saved)
+        self.w_sync = new
+        self.pending = None
+        # the reply counts the samples up to ``out``; those counted since it began come on top
+        self.global_samples, self.samples_after = res.samples, self.since["samples"]
+
+    def synced(self, reply: Delta) -> np.ndarray:
+        """(n,) float32 the group's copy of the global weights after ``reply``: the dense
+        weights themselves, or ``w_sync`` with the reply's entries set."""
+        if isinstance(reply, np.ndarray):
+            return reply
+        new = self.w_sync.copy()
+        new[reply.indices] = reply.values
+        return new
+
+    def cluster_samples(self) -> int:
+        """All groups' samples as of the last reply, plus this group's since then."""
+        return self.global_samples + self.samples_after
+
+    def rebase(self, weights: np.ndarray, g: np.ndarray,
+               held: int | None = None) -> tuple[np.ndarray, Tally | None]:
+        """Reconnected to a (restarted) global server whose weights are ``g`` and which holds
+        this session's exchanges up to seq ``held`` (None: it did not say): return the group's
+        weights on top of ``g`` and what the server lost of the exchanges before the pending
+        one (it goes out again with the next exchange; unsaved.py); a pending exchange keeps
+        its delta."""
+        local = weights - self.w_sync  # (n,) applied here, not known to be held globally
+        if self.pending is not None:
+            self.pending.sent = g + (self.pending.sent - self.w_sync)
+        self.w_sync = np.array(g, dtype=np.float32)
+        replay = self.replay(held)
+        if replay is not None:
+            local += replay.delta
+            self.since["samples"] += replay.samples
+        return g + local, replay
+
+    def replay(self, held: int | None) -> Tally | None:
+        """What the server lost of this session's exchanges, when ``held`` says it."""
+        if held is None:
+            return None
+        pending = None if self.pending is None else self.pending.stats["seq"]
+        if self.unsaved is not None:
+            replay = self.unsaved.restore(held, pending)
+        elif self.seq - (pending is not None) == 0:  # no reply yet: nothing it could lack
+            replay = Tally.zero(self.w_sync.size)
+        else:  # the replies so far named no snapshot (an older global server)
+            replay = None
+        if replay is None:
+            self.lost_track += 1
+        return replay
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"session": self.session, "seq": self.seq}
+
+    def load_state_dict(self, state: dict[str, Any], w_sync: np.ndarray) -> None:
+        self.session, self.seq = int(state["session"]), int(state["seq"])
+        self.w_sync = np.array(w_sync, dtype=np.float32)
+
+
+def _zero() -> dict[str, Any]:
+    return {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
+
+
+def push_message(delta: Delta, stats: dict[str, Any]) -> Any:
+    """The EXCHANGE that carries one exchange of a group to the global server: ``delta``
+    (dense or sparse) and the group's counters as its fields (a clock of None: -1, none;
+    counters the message has no field for stay home)."""
+    encoding, codec, buffers = sparse.encode_gradient(delta)
+    counters: dict[str, Any] = {k: -1 if v is None else v for k, v in stats.items()
+                if k in protocol.Exchange.INFO}
+    return protocol.Exchange(**counters, encoding=encoding, codec=codec, buffers=tuple(buffers))
+
+
+def wire_size(msg: Any) -> int:
+    """Bytes ``msg`` takes on the wire (its frame: header and buffers, no TLS)."""
+    return sum(memoryview(b).nbytes for b in protocol.encode(msg))

@@ -1,0 +1,314 @@
+"""The global server's rules without IO: weights, merges, grouping decisions, budget, ratios.
+
+``GlobalCore`` is what the global server *decides*; ``server.GlobalServer`` (asyncio) is how it
+talks, and ``simulate.py`` drives the same class in simulated time. Message in, actions out:
+each entry point takes a message (or a tick) and returns the answer and/or a list of
+``global_actions`` (``FormGroups``, ``SendRatios``, ``Done``, ...) for the shell to perform:
+a worker's STATS ``on_stats(w, msg, now)``, its initial weights ``on_initial(weights)``, the
+grouping deadline ``calib_timeout(now)``, a regroup done ``regrouped(now)``, a group's exchange
+``merge`` (in-process; its actions wait in ``take_actions``) or ``group_push`` / ``group_pull``
+/ ``group_left`` (a group process), the budget ``finish(reason)``, checkpoints. The roster
+(``roster.py``) holds the groups, their peers and ratios. Times come from injected clocks or as
+``now``; no asyncio, sockets, clocks or torch inside (tests/test_group_core.py checks).
+``log(event, **fields)`` is the one hook (the record).
+
+Invariants (server.py's docstring has the run's whole course): ``weights`` changes only in
+``merge`` (weights += delta of one group scaled by the sync policy's merge rule, version += 1),
+so the global weights are the initial weights plus every delta any group sent; once ``done``,
+merges still land: nothing sent is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from minips import sparse
+from minips.core import global_state
+from minips.core.exchange import Delta, ExchangeResult, push_message, wire_size
+from minips.core.global_actions import (
+    Action,
+    AllFinal,
+    Done,
+    Fail,
+    FormGroups,
+    PlaceLate,
+    Regroup,
+    SendRatios,
+    WeightsReady,
+)
+from minips.core.replica import Replica, exchange_ratio
+from minips.core.roster import GroupHandle, Roster
+from minips.errors import RemoteProtocolError
+from minips.ml.model_table import dataset_train_size
+from minips.run.config import RunConfig
+from minips.wire import protocol
+
+__all__ = ["GlobalCore"]
+
+
+class GlobalCore:
+    """The global weights, their version, the run's samples and budget, the roster."""
+
+    def __init__(self, run: RunConfig, weights: np.ndarray | None, *, regroup: bool,
+                 clock: Callable[[], float], wall: Callable[[], float]) -> None:
+        self.run = run
+        self.now, self.wall = clock, wall
+        self.weights = None if weights is None else np.array(weights, dtype=np.float32)
+        self.version = 0  # merges applied to self.weights
+        self.samples = 0  # training samples all groups reported
+        self.roster = Roster(run, regroup=regroup)
+        self.workers = self.roster.workers  # worker id -> WorkerEntry
+        self.groups = self.roster.groups  # group id -> GroupHandle
+        self.replicas: dict[int, Replica] = {}  # group id -> what it holds of the weights
+        self.grouped = False  # the first groups are drawn up (FormGroups went out)
+        self.calib_expired = False  # calib_timeout_s passed: the next STATS forms the groups
+        self.done = False
+        self.done_reason = ""
+        self.failure = ""  # why the run ended short or broken ("" = it did not; run_end.py)
+        self.train_size = dataset_train_size(run.dataset, run.train_size)
+        self.started_training = 0.0  # wall time when the groups were formed
+        self._actions: list[Action] = []  # what the shell has still to do
+
+    def take_actions(self) -> list[Action]:
+        """The actions decided since the last call, in order (the outbox is emptied)."""
+        out, self._actions = self._actions, []
+        return out
+
+    # -- workers and grouping ----------------------------------------------------------------
+
+    def on_stats(self, w: int, msg: protocol.Stats, now: float) -> list[Action]:
+        """Worker ``w``'s measured speed: form the groups, place it, regroup or update ratios."""
+        entry = self.workers[w]
+        entry.step_time, entry.clock = float(msg.step_time), int(msg.clock)
+        if not self.grouped:
+            if self.calib_expired or self.roster.all_reported():
+                self.grouped = True
+                self._actions.append(FormGroups())
+        elif entry.group < 0:
+            self._actions.append(PlaceLate(w))
+        elif (new := self.roster.maybe_regroup(now)) is not None:
+            self._actions.append(Regroup(new))
+        else:
+            self._update_ratios(now)
+        return self.take_actions()
+
+    def calib_timeout(self, now: float) -> list[Action]:
+        """``calib_timeout_s`` passed: group whoever reported; with nobody yet, the first STATS
+        will, so a server started before its workers does not wait for all of them."""
+        if self.grouped:
+            return []
+        self.calib_expired = True
+        reported = sorted(self.roster.step_times())
+        self.log("calib_timeout", reported=reported, expected=self.run.workers)
+        if reported:
+            self.grouped = True
+            self._actions.append(FormGroups())
+        return self.take_actions()
+
+    def regrouped(self, now: float) -> list[Action]:
+        """Workers moved (a ``Regroup`` done): the groups' speeds and GDTopK's ratios anew."""
+        self._update_ratios(now)
+        return self.take_actions()
+
+    def on_initial(self, weights: np.ndarray) -> list[Action]:
+        """A worker's initial weights (WELCOME said ``need_init``): the first are taken; the
+        ones that follow are dropped if their size is the run's, else refused."""
+        if self.weights is None:
+            self.weights = weights
+            return [WeightsReady()]
+        if weights.size != self.weights.size:
+            raise RemoteProtocolError("initial weights of another model size",
+                                      expected=self.weights.size, got=weights.size)
+        return []
+
+    # -- GDTopK ratios -----------------------------------------------------------------------
+
+    def _update_ratios(self, now: float) -> None:
+        """GDTopK: when the ratio policy (roster.update_ratios, ratios.py) gives new ratios, log
+        them and send them (``SendRatios``)."""
+        new = self.roster.update_ratios(now)
+        if not new:
+            return
+        policy = self.roster.policy
+        self.log("ratios", ratios={str(g): r for g, r in new.items()},
+                 iter_time={str(g): policy.times.get(g) for g in new} if policy else {})
+        self._actions.append(SendRatios(new))
+
+    # -- the groups' exchanges ---------------------------------------------------------------
+
+    def merge(self, g: int, delta: Delta, stats: dict[str, Any]) -> ExchangeResult:
+        """Add group ``g``'s delta (dense or sparse) to the global weights; answer with what
+        the group's copy of them lacks (``replica.py``: dense weights, or entries to set). An
+        exchange that repeats the group's last (session, seq) (its reply was lost) is answered
+        without merging again (with what the lost reply set, again)."""
+        assert self.weights is not None
+        h = self.groups[g]
+        key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
+        repeat = key[1] >= 0 and key == h.last_exchange
+        if repeat:
+            self.log("merge_repeat", group=g, seq=key[1])
+        else:
+            h.last_exchange = key
+            self._add_delta(g, delta, stats)
+        reply = self.replica(g).answer(self.weights, repeat)
+        return ExchangeResult(reply, self.version, self.done, self.samples)
+
+    def merge_counted(self, g: int, delta: Delta, stats: dict[str, Any]) -> ExchangeResult:
+        """``merge`` for a group in this process (or a simulated one): its bytes are those of
+        the PUSH and WEIGHTS a `minips group` process would exchange instead."""
+        res = self.merge(g, delta, stats)
+        res.bytes_up = wire_size(push_message(delta, stats))
+        res.bytes_down = wire_size(self.weights_message(res.weights))
+        return res
+
+    def group_push(self, g: int, delta: Delta, stats: dict[str, Any]) -> protocol.ExchangeReply:
+        """A group process's EXCHANGE (its delta and counters): merge it; the reply names the
+        exchanges this server's snapshots hold (``group_reply``)."""
+        return self.group_reply(g, self.merge(g, delta, stats).weights)
+
+    def group_pull(self, g: int) -> protocol.GlobalWeights:
+        """A group process (registering, adopting, reconnecting) takes the global weights whole,
+        so the server's replica of its copy starts from them (replica.py); the answer names the
+        exchange the server merged last (unsaved.py)."""
+        assert self.weights is not None
+        weights = self.weights.copy()  # what goes out: merges may land before it is written
+        self.replica(g).reset(weights)
+        msg = self.weights_message(weights, members=self.groups[g].members)
+        return dataclasses.replace(msg, last_exchange=list(self.groups[g].last_exchange))
+
+    def group_reply(self, g: int, weights: Delta) -> protocol.ExchangeReply:
+        """EXCHANGE_REPLY: the merged weights (or the entries to set) and the last exchange in
+        each of the server's last two checkpoint snapshots (unsaved.py)."""
+        msg = self.weights_message(weights)
+        return protocol.ExchangeReply(
+            version=msg.version, done=msg.done, samples=msg.samples,
+            saved_exchanges=[list(key) for key in self.groups[g].snapshots],
+            encoding=msg.encoding, codec=msg.codec, buffers=msg.buffers)
+
+    def group_left(self, g: int) -> list[Action]:
+        """Group ``g``'s server said LEAVE: it is final."""
+        self.groups[g].final = True
+        self._check_budget()
+        return self.take_actions()
+
+    def replica(self, g: int) -> Replica:
+        """The global server's copy of what group ``g`` holds of the global weights."""
+        assert self.weights is not None
+        if g not in self.replicas:
+            self.replicas[g] = Replica(self.weights.size, exchange_ratio(self.run))
+        return self.replicas[g]
+
+    def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any]) -> None:
+        """Merge one new exchange of group ``g``: weights, counters, its log line, the budget."""
+        assert self.weights is not None
+        h = self.groups[g]
+        values = delta.values if isinstance(delta, sparse.SparseGrad) else delta
+        if not np.isfinite(np.sum(values, dtype=np.float64)):  # any NaN / inf makes the sum one
+            self._actions.append(Fail("diverged", f"group {g} sent a non-finite update (NaN or "
+                                      f"inf) at merge {self.version}: the model diverged; try a "
+                                      f"lower --lr"))
+            return  # not applied: the run fails
+        scale = self.run.sync.merge_scale(self.run.merge, len(self.groups))
+        sparse.scatter_add(self.weights, delta, scale)
+        self.version += 1
+        self.samples += int(stats.get("samples", 0))
+        h.merges += 1
+        h.final = bool(stats.get("final"))  # a non-final merge after a final one: it is back
+        h.peer.reported(stats)
+        if self.roster.policy is not None:  # the exchange's iteration time feeds GDTopK
+            self.roster.observe_iter_time(g, stats.get("iter_time"), self.now())
+            self._update_ratios(self.now())
+        self.log("merge", group=g, group_samples=stats.get("samples", 0),
+                 **{k: v for k, v in stats.items() if k not in ("version", "samples")})
+        self._check_budget()
+
+    # -- the budget --------------------------------------------------------------------------
+
+    def _check_budget(self) -> None:
+        if self.run.epochs > 0 and self.samples >= self.run.epochs * self.train_size:
+            self._finish("epochs")
+        if self.groups and all(h.final for h in self.groups.values()):
+            self._actions.append(AllFinal())  # the end, or a wait for the workers to rejoin
+
+    def budget_left(self) -> str:
+        """What is left of the budget ("" when it is spent, or when the workers end the run: a
+        ``max_steps`` cap or no budget at all)."""
+        run = self.run
+        if run.max_steps > 0:
+            return ""
+        if run.epochs > 0 and self.samples < run.epochs * self.train_size:
+            return f"{self.samples:,} of {int(run.epochs * self.train_size):,} samples"
+        trained = self.trained_s()
+        if run.wall_s > 0 and trained < run.wall_s:
+            return f"{trained:.0f} of {run.wall_s:.0f} s of training"
+        return ""
+
+    def trained_s(self) -> float:
+        """Seconds since the groups were formed (the wall budget's clock)."""
+        return self.wall() - self.started_training if self.started_training else 0.0
+
+    def finish(self, reason: str) -> list[Action]:
+        """Budget spent (or the run failed): ``done``, logged; ``Done`` tells the rest."""
+        self._finish(reason)
+        return self.take_actions()
+
+    def _finish(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done, self.done_reason = True, reason
+        self.log("done", reason=reason)
+        self._actions.append(Done(reason))
+
+    # -- checkpoints (global_state.py) ---------------------------------------------------------
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """A consistent snapshot of the run (``global_state.snapshot``)."""
+        assert self.weights is not None
+        return global_state.snapshot(self.run, self.roster, self.weights, version=self.version,
+                                     samples=self.samples, saved_at=self.wall(),
+                                     train_s=self.wall() - self.started_training)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's weights, counters and workers (``ConfigError`` when it belongs to
+        another model or config); its groups come back with ``global_state.restore_group``."""
+        self.weights = global_state.restore_workers(self.run, self.roster, state)
+        self.version, self.samples = state["version"], state["samples"]
+
+    # -- weights and traffic for the other roles-----------------------------------------------
+
+    def weights_message(self, weights: Delta | None = None, final: bool = False,
+                        members: list[int] | None = None) -> protocol.GlobalWeights:
+        """GLOBAL_WEIGHTS with the global weights (or an exchange's sparse answer: entries to
+        set) and the run's counters."""
+        w = self.weights if weights is None else weights
+        w = w if w is not None else np.zeros(0, np.float32)
+        encoding, codec, buffers = sparse.encode_gradient(w)
+        traffic = self.traffic()
+        return protocol.GlobalWeights(
+            version=self.version, done=final or self.done, size=int(w.size),
+            samples=self.samples, t=self.wall() - self.run.t0, train_s=self.trained_s(),
+            done_reason=self.done_reason, bytes_up=traffic["bytes_up"],
+            bytes_down=traffic["bytes_down"], members=members or [], encoding=encoding,
+            codec=codec, buffers=tuple(buffers))
+
+    def assign_message(self, h: GroupHandle) -> protocol.Assign:
+        """ASSIGN for group ``h``: its address, ratio and the run's staleness bound."""
+        s = self.run.staleness_bound
+        return protocol.Assign(group=h.id, address=h.address, ratio=h.ratio,
+                               staleness=-1 if s is None else int(s))
+
+    def traffic(self) -> dict[str, int]:
+        """Worker <-> group bytes so far (group processes: as of their last exchange)."""
+        up = down = 0
+        for h in self.groups.values():
+            b = h.peer.traffic()
+            up, down = up + b.get("bytes_in", 0), down + b.get("bytes_out", 0)
+        return {"bytes_up": up, "bytes_down": down}
+
+    def log(self, event: str, **fields: Any) -> None:
+        """One line of the run's record (the shell writes it)."""
+

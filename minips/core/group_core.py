@@ -1,0 +1,303 @@
+"""A group server's rules without IO: weights, SGD, clocks, rounds, the downlink's answers.
+
+``GroupCore`` is what a group *decides*; ``group.GroupServer`` (asyncio) is how it talks. The
+core's entry points take an incoming event and the time ``now`` and return the actions to
+perform (``group_actions.py``: ``Reply``, ``Wake``, ``StartExchange``, ``AllLeft``,
+``BudgetSpent``, ``Log``), in order; the IO side performs them:
+
+- ``join(w, now)`` / ``leave(w)``: a worker's connection opens (``Reply``: its first ACK) or
+  closes; ``tick(now, heard)``: leases renewed as of each worker's last bytes, silent ones expire;
+- ``push(w, msg, now)``: a worker's PUSH (``Reply``: its ACK; ``Wake``; ``StartExchange``);
+- ``may_answer(w)``, ``publish()``, ``weights_message(w, waited, since)``: a PULL's answer;
+- ``begin_exchange(final, traffic)`` / ``exchanged(out, res, seconds)``: one exchange with the
+  global server (``Log``; ``BudgetSpent``); ``rebase(weights, link, held)``: a new global server.
+
+It imports no asyncio, sockets, clocks or torch (tests/test_group_core.py checks, and drives a
+whole cluster of these cores in one thread with a fake clock).
+
+The rules. A group applies its workers' gradients to its weights with ``optim.SGD``. SSP inside
+the group: a PULL is answered only when ``ssp.ClockTable.may_start`` allows; BSP (staleness 0)
+averages the pushes of one clock (``ssp.Rounds``) and applies them once, at the lr of the
+round's place in the run (so W workers in BSP are synchronous SGD, schedule included:
+``reference.train``); other modes apply each push as it arrives with the lr divided by the
+number m of live workers of the group, so one round of m pushes moves as far as one BSP step.
+Every ``sync_every`` pushes the group exchanges with the global server through a ``GroupLink``
+(a direct call in-process, PUSH/WEIGHTS over TCP for a `minips group`); ``exchange.py`` keeps
+the delta bookkeeping (nothing lost, each delta merged once, also when a reply is lost; top-k
+both ways at ``xchg_ratio``, dense for a flush); at most one exchange is in flight. When the
+budget is spent (``done``) every PULL is answered with ``done`` and the group flushes a last
+delta; when its last worker leaves it flushes a ``final`` one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from minips import sparse
+from minips.compress.ratios import IterTimer
+from minips.core import optim, ssp
+from minips.core.downlink import Downlink
+from minips.core.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
+from minips.core.group_actions import Action, AllLeft, BudgetSpent, Log, Reply, StartExchange, Wake
+from minips.core.replica import exchange_ratio
+from minips.ml.model_table import dataset_train_size
+from minips.run.config import RunConfig
+from minips.wire import protocol
+
+__all__ = ["GroupCore"]
+
+
+class GroupCore:
+    """State and rules of one group. Plain attributes hold the whole state (``state_dict``)."""
+
+    def __init__(self, group: int, run: RunConfig, weights: np.ndarray | None,
+                 link: GroupLink | None, *, members: list[int] | None = None,
+                 now: float = 0.0) -> None:
+        self.finished = False  # final delta flushed
+        self.members: set[int] = set()  # worker ids the global server assigned here
+        self.open_membership = False  # any worker id may join (a `minips group` process)
+        self.iters = IterTimer()  # time between a worker's pushes, for GDTopK (compress/ratios.py)
+        self.group, self.run = group, run
+        if weights is not None and link is not None:
+            self.setup(group, run, weights, link, members or [], now=now)
+
+    def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
+              members: list[int], *, now: float) -> None:
+        """The training state: weights, optimizer, clocks (a `minips group` gets it late);
+        ``members`` count as joined at ``now``."""
+        self.group, self.run, self.link = group, run, link
+        self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
+        self.xchg = Exchange(self.weights, ratio=exchange_ratio(run))  # delta, seq, counters
+        self.xchg_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}  # exchanges so far
+        self.opt = optim.SGD(self.weights.size, lr=run.lr, momentum=run.momentum,
+                             weight_decay=run.weight_decay)
+        # samples per epoch, for the lr warm-up and schedule (looked up only when one is on)
+        self.train_size = (dataset_train_size(run.dataset, run.train_size)
+                           if run.lr_warmup > 0 or run.lr_schedule != "constant" else 0)
+        self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
+        self.rounds: ssp.Rounds[Any] = ssp.Rounds()
+        self.version = 0  # updates applied to self.weights
+        self.unapplied = 0  # samples pushed, not applied yet (a BSP round still open)
+        self.global_version = 0  # global version seen at the last exchange
+        self.counters = {"pushes": 0, "samples": 0}
+        self.done = False  # budget spent; answer every PULL with done
+        self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
+        down = run.downlink_ratio()  # PULL answers: sparse updates of w_pub, or dense weights
+        self.downlink = Downlink(self.weights, down) if down < 1 else None
+        self._joined: set[int] = set()
+        for w in members:
+            self.expect(w, now)
+
+    # -- membership -----------------------------------------------------------------------
+
+    def expect(self, w: int, now: float) -> None:
+        """Count worker ``w`` in the group before it connects (so BSP rounds wait for it)."""
+        self.members.add(w)
+        self.table.join(w, now, 0)
+
+    def refusal(self, hello: Any) -> str:
+        """Why a HELLO may not open a session with this group ("": it may)."""
+        if hello.role != "worker":
+            return f"group server {self.group} accepts workers only"
+        if hello.group >= 0 and hello.group != self.group:  # e.g. a port reused after a restart
+            return f"this is group server {self.group}, not {hello.group}"
+        w = hello.worker_id
+        if not self.open_membership and w not in self.members:
+            return f"worker {w} is not a member of group {self.group}"
+        if self.open_membership and not 0 <= w < self.run.workers:
+            return f"worker id {w} out of range 0..{self.run.workers - 1}"
+        return ""
+
+    def join(self, w: int, now: float) -> list[Action]:
+        """Worker ``w`` connected: its first message is an ACK with its starting clock."""
+        self._joined.add(w)
+        self.finished = False  # a (re)grouped worker arrived: a final flush is due again
+        start = self.table.join(w, now)
+        return [Reply(w, protocol.Ack(clock=start, version=self.version))]
+
+    def leave(self, w: int) -> list[Action]:
+        """Worker ``w``'s connection closed (LEAVE, or it broke)."""
+        self.table.leave(w)
+        return self._after_membership_change()
+
+    def tick(self, now: float, heard: dict[int, float]) -> list[Action]:
+        """A timer: renew each worker's lease as of ``heard[w]`` (when its connection last
+        carried bytes, if within ``lease_s``), then expire the workers silent for longer."""
+        for w, t in heard.items():
+            if now - t < self.run.lease_s:  # renewed as of its last bytes: a lease lasts lease_s
+                self.table.heartbeat(w, t)
+        expired = self.table.expire(now)
+        if not expired:
+            return []
+        return [Log("expired", {"workers": list(expired)}), *self._after_membership_change()]
+
+    def _after_membership_change(self) -> list[Action]:
+        if self.run.in_rounds:
+            self._apply_rounds()
+        actions: list[Action] = [Wake()]
+        if not len(self.table) and self._joined and not self.finished:
+            actions.append(AllLeft())
+        return actions
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def push(self, w: int, msg: Any, now: float) -> list[Action]:
+        """Decode, account and apply (or queue, in BSP) one PUSH of worker ``w`` (a member of
+        the table): its ACK; ``Wake`` when the lowest clock moved (only that can release a
+        held PULL); ``StartExchange`` every ``sync_every`` pushes."""
+        grad = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, self.weights.size)
+        floor = self.table.min_clock()
+        self.table.push(w, msg.clock, now)
+        self.iters.push(w, now)
+        self._count(msg)
+        if self.run.in_rounds:
+            self.rounds.add(msg.clock, (grad, msg.samples))
+            self._apply_rounds()
+        else:
+            self._apply(grad, msg.samples, len(self.table))
+        actions: list[Action] = [Reply(w, protocol.Ack(clock=msg.clock, version=self.version))]
+        if self.table.min_clock() != floor or self.done:
+            actions.append(Wake())
+        if self.run.sync.exchange_due(self.xchg.since["pushes"], self.run.sync_every):
+            actions.append(StartExchange())
+        return actions
+
+    def _count(self, msg: Any) -> None:
+        self.xchg.count(msg.samples, msg.step_time, msg.loss)
+        self.counters["pushes"] += 1
+        self.counters["samples"] += msg.samples
+        self.unapplied += msg.samples
+
+    def _apply_rounds(self) -> None:
+        """Apply each complete BSP round once: the mean of its gradients, one SGD step."""
+        for _, pushes in self.rounds.pop_complete(self.table.min_clock()):
+            grads = [g for g, _ in pushes]
+            self._apply(sparse.average(grads, self.weights.size), sum(n for _, n in pushes))
+
+    def _apply(self, grad: Any, samples: int, share: int = 1) -> None:
+        """One SGD step on ``samples`` samples; ``share`` > 1 applies 1/share of it (one push
+        of a round of share)."""
+        self.opt.lr = self.run.lr * self._lr_factor(samples) / max(1, share)
+        self.opt.step(self.weights, grad)
+        self.version += 1
+        self.unapplied -= samples
+
+    def _lr_factor(self, samples: int) -> float:
+        """The warm-up and decay for an update of ``samples`` (``optim.lr_factor``), at the
+        run's samples before it: all pushes counted (exchange.py) less those not applied yet.
+        A group that is the whole cluster (bsp, ssp, asp) knows that count exactly, so BSP is
+        synchronous SGD step for step (``reference.train``). A GSSP group knows the others'
+        samples as of its last exchange, and warms up on its own samples over its share of
+        the cluster (its live workers out of all workers)."""
+        if not self.train_size:
+            return 1.0
+        ramp = self.run.lr_warmup * self.train_size
+        budget = self.run.epochs * self.train_size
+        seen = self.xchg.cluster_samples() - self.unapplied
+        if self.run.fixed_groups == 1:
+            return optim.lr_factor(self.run.lr_schedule, seen=seen, step=samples, ramp=ramp,
+                                   budget=budget)
+        share = max(1, len(self.table)) / max(1, self.run.workers)
+        own = self.counters["samples"] - self.unapplied
+        return (optim.warmup_factor((own + samples) / share, ramp)
+                * optim.decay_at(self.run.lr_schedule, seen, budget))
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def may_answer(self, w: int) -> bool:
+        """A PULL of ``w`` may be answered now: SSP allows its next step, or the run is over."""
+        return self.done or w not in self.table or self.table.may_start(w)
+
+    def publish(self) -> None:
+        """With a compressed downlink, publish the weights' largest changes (``downlink.py``);
+        the PULLs answered after it get the update up to it."""
+        if self.downlink is not None:
+            self.downlink.publish(self.weights)
+
+    def weights_message(self, w: int | None, waited_for: list[int], since: int = -1) -> Any:
+        """WEIGHTS for worker ``w`` holding version ``since``: the weights themselves (dense
+        downlink; version = updates applied), or, with a compressed downlink, the update from
+        ``since`` to the last publish (``publish``, ``downlink.py``)."""
+        payload: sparse.SparseGrad | np.ndarray = self.weights
+        version, base = self.version, -1
+        if self.downlink is not None:
+            answer = self.downlink.answer(since)
+            version, base, payload = answer.version, answer.since, answer.payload
+        encoding, codec, buffers = sparse.encode_gradient(payload)
+        low = self.table.min_clock()
+        return protocol.Weights(  # drift: how far the weights sent are from the group's
+            version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
+            done=self.done, group=self.group, waited_for=waited_for, ratio=self.ratio,
+            lead=self.table.lead(w) if w in self.table else 0,
+            min_clock=-1 if low is None else low,
+            drift=-1.0 if self.downlink is None else round(self.downlink.last_drift, 6))
+
+    # -- exchange and checkpoint ---------------------------------------------------------
+
+    def begin_exchange(self, final: bool, traffic: dict[str, int]) -> Outgoing:
+        """The next exchange: the delta since the last one and the group's counters, with
+        ``traffic`` (bytes from / to its workers so far: ``bytes_in``, ``bytes_out``); dense
+        for a flush, ``final`` or after ``done``."""
+        extra = {"version": self.version, "final": final, **traffic,
+                 "iter_time": self.iters.take(),
+                 "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
+        return self.xchg.begin(self.weights, extra, dense=final or self.done)
+
+    def exchanged(self, out: Outgoing, res: ExchangeResult, seconds: float) -> list[Action]:
+        """The global server's answer ``res`` to ``out`` (after ``seconds``): take it, count its
+        bytes, log it; ``BudgetSpent`` when it says the run is over and this group did not know."""
+        self.xchg.complete(self.weights, out, res)
+        self.global_version = res.version
+        self.xchg_bytes["bytes_to_global"] += res.bytes_up
+        self.xchg_bytes["bytes_from_global"] += res.bytes_down
+        actions: list[Action] = [Log("exchange", {
+            "exchange_s": seconds, "global_version": res.version, "seq": out.stats["seq"],
+            "min_clock": out.stats["min_clock"], "max_clock": out.stats["max_clock"],
+            "sent": _entries(out.delta), "got": _entries(res.weights), **self.xchg_bytes})]
+        if res.done and not self.done:
+            actions.append(BudgetSpent())
+        return actions
+
+    def rebase(self, weights: np.ndarray, link: GroupLink, held: int | None) -> list[Action]:
+        """Reconnected to a (restarted) global server that holds this group's exchanges up to
+        seq ``held``: take its weights, keep what this group applied since its last exchange
+        and what the server lost of its exchanges on top (sent with the next exchange), keep
+        clocks and optimizer state."""
+        w = np.asarray(weights, dtype=np.float32)
+        self.weights, replay = self.xchg.rebase(self.weights, w, held)
+        self.link = link
+        if held is None:
+            return []
+        return [Log("resync", {"held_seq": held, "seq": self.xchg.seq,
+                               "replay_samples": -1 if replay is None else replay.samples})]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to rebuild this group server."""
+        return {"group": self.group, "weights": self.weights.copy(),
+                "w_sync": self.xchg.w_sync.copy(),
+                "opt": self.opt.state_dict(), "clocks": dict(self.table.clocks),
+                "version": self.version, "global_version": self.global_version,
+                "counters": dict(self.counters), "ratio": self.ratio,
+                "exchange": self.xchg.state_dict(), "xchg_bytes": dict(self.xchg_bytes)}
+
+    def load_state_dict(self, state: dict[str, Any], now: float) -> None:
+        """Take back what ``state_dict`` gave (checkpoint resume). The saved workers count as
+        live again at ``now``, each at its saved clock; one that does not come back expires by
+        lease."""
+        self.weights[:] = np.asarray(state["weights"], dtype=np.float32)
+        saved = state.get("exchange", {"session": self.xchg.session, "seq": 0})  # older files
+        self.xchg.load_state_dict(saved, state["w_sync"])
+        self.opt.load_state_dict(state["opt"])
+        self.table.restore({int(w): int(c) for w, c in state["clocks"].items()}, now)
+        self.version, self.global_version = state["version"], state["global_version"]
+        self.counters = {k: int(state["counters"].get(k, 0)) for k in ("pushes", "samples")}
+        self.ratio = state["ratio"]
+        self.xchg_bytes = {k: int(state.get("xchg_bytes", {}).get(k, 0))  # 0 in older files
+                           for k in ("bytes_to_global", "bytes_from_global")}
+
+
+def _entries(d: Any) -> int:
+    """How many entries an exchange or its reply carried (dense: all)."""
+    return int(d.nnz if isinstance(d, sparse.SparseGrad) else d.size)

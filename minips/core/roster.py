@@ -1,0 +1,244 @@
+"""The global server's roster: which workers exist, which group each is in, each group's speed
+and GDTopK ratio (no asyncio, no sockets, no torch; time comes in as ``now``).
+
+``GlobalCore`` owns one ``Roster`` (its asyncio shell ``GlobalServer`` does the I/O around
+it): ``admit`` gives workers their ids, ``first_assignment`` forms the groups
+(``grouping.Regrouper``), ``maybe_regroup`` says whether speeds drifted, ``move`` moves workers.
+GDTopK: ``first_ratios`` sets the ratios the groups open with, every exchange's measured
+iteration time goes to ``observe_iter_time``, and when ``update_ratios`` returns new ratios
+(``RatioPolicy``) the core tells its shell to send them (``SendRatios``). A group's ratio
+lives in its ``GroupHandle.peer`` (``group_peer.py``): in-process, the group server's own.
+
+Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
+is gone (``free_id``), so a worker restarted without its old id still finds a place.
+
+Invariants: a worker with ``group >= 0`` is listed in exactly that group's ``members``; group ids
+stay stable across a regroup (``match_labels`` names new groups after the old group most of their
+members come from), so only workers whose group really changed are moved.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from minips import grouping
+from minips.compress.registry import ratio_policy
+from minips.core.group_peer import GroupPeer, NoGroup
+from minips.errors import AuthError
+from minips.run.config import RunConfig
+
+if TYPE_CHECKING:
+    from minips.net.channel import Channel
+
+__all__ = ["WorkerEntry", "GroupHandle", "Roster", "match_labels", "REGROUP_EVERY_S", "CLAIM_S"]
+
+REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
+CLAIM_S = 10.0  # s an id given to a handshake is held for it (the handshake's own time limit)
+
+
+@dataclass
+class WorkerEntry:
+    """What the global server knows of one worker."""
+
+    id: int
+    ch: Channel | None = None  # control channel, None while disconnected
+    step_time: float | None = None  # last reported seconds per step
+    clock: int = 0  # last reported clock
+    group: int = -1  # assigned group, -1 before grouping
+    left: bool = False  # sent LEAVE
+
+
+class GroupHandle:
+    """One group as the global server sees it; ``peer`` is its server, wherever it runs
+    (``group_peer.py``), and holds the group's ratio."""
+
+    def __init__(self, id: int, address: str, members: list[int] | None = None,
+                 ratio: float | None = None, peer: GroupPeer | None = None) -> None:
+        self.id = id
+        self.address = address  # "host:port" where its workers connect ("": none serves it)
+        self.members: list[int] = list(members or [])
+        self.peer: GroupPeer = peer if peer is not None else NoGroup()
+        if ratio is not None:
+            self.ratio = ratio
+        self.step_time = 0.0  # smoothed mean worker step time, seconds
+        self.final = False  # flushed its last delta
+        self.merges = 0
+        self.last_exchange = (-1, -1)  # (session, seq) of the last merged exchange
+        # last_exchange as of the last two checkpoint snapshots, older first (unsaved.py)
+        self.snapshots: list[tuple[int, int]] = [(-1, -1)] * 2
+
+    @property
+    def ratio(self) -> float:
+        """GDTopK kept fraction for its workers (owned by the peer)."""
+        return self.peer.ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        self.peer.ratio = value
+
+
+class Roster:
+    """Workers, groups and the grouping policy of one run (see the module docstring)."""
+
+    def __init__(self, run: RunConfig, *, regroup: bool) -> None:
+        self.run = run
+        self.workers: dict[int, WorkerEntry] = {}
+        self.groups: dict[int, GroupHandle] = {}
+        self.regrouper = grouping.Regrouper(k=run.fixed_groups or None, max_k=run.max_groups)
+        self.regroup = regroup  # regroup when speeds drift (GSSP with in-process groups)
+        self._regroup_at = -REGROUP_EVERY_S  # `now` of the last Regrouper update
+        self._claimed: dict[int, float] = {}  # id -> `now` it was given to a handshake
+        self.policy = ratio_policy(run.compressor, run.ratio, direction=run.gdtopk_direction,
+                                   alpha=run.gdtopk_alpha)  # GDTopK ratios per group, or None
+
+    def admit(self, wanted: int, now: float = 0.0) -> int:
+        """A worker id for a HELLO that asked for ``wanted`` (-1: ``free_id``). The id is held
+        for the handshake that asked (until ``seated``, at most CLAIM_S), so two HELLOs with -1
+        at once never get the same id."""
+        if wanted < 0:
+            wanted = self.free_id(now)
+        if wanted >= self.run.workers:
+            raise AuthError(f"worker id {wanted} out of range 0..{self.run.workers - 1}")
+        self.workers.setdefault(wanted, WorkerEntry(wanted))
+        self._claimed[wanted] = now
+        return wanted
+
+    def free_id(self, now: float) -> int:
+        """The lowest id never given out, else the lowest whose worker is gone (no control
+        connection: it crashed, was lost or left), so a restarted worker that does not send its
+        old id still gets in, with a gone worker's shard and group."""
+        held = {w for w, t in self._claimed.items() if now - t < CLAIM_S}
+        unused = [i for i in range(self.run.workers) if i not in self.workers]
+        gone = [w for w, e in sorted(self.workers.items()) if e.ch is None and w not in held]
+        free = unused + gone
+        if not free:
+            raise AuthError(f"no free worker id: all {self.run.workers} are connected")
+        return free[0]
+
+    def seated(self, w: int) -> None:
+        """Worker ``w``'s session started (its control connection is in its entry)."""
+        self._claimed.pop(w, None)
+
+    def step_times(self, live_only: bool = False) -> dict[int, float]:
+        """``{worker: seconds per step}`` of the workers that reported one."""
+        return {w: e.step_time for w, e in self.workers.items()
+                if e.step_time and not (live_only and e.left)}
+
+    def all_reported(self) -> bool:
+        return len(self.step_times()) >= self.run.workers
+
+    def first_assignment(self) -> dict[int, int]:
+        """``{worker: group}`` for the first grouping (group 0 = fastest)."""
+        return self.regrouper.update(self.step_times()) or {}
+
+    def maybe_regroup(self, now: float) -> dict[int, int] | None:
+        """A new assignment when the Regrouper's hysteresis says the speeds drifted, else None."""
+        if not (self.regroup and self.run.sync.regroup) or now - self._regroup_at < REGROUP_EVERY_S:
+            return None  # one look per period, so the Regrouper's patience counts periods
+        self._regroup_at = now
+        new = self.regrouper.update(self.step_times(live_only=True))
+        old = {w: e.group for w, e in self.workers.items()}
+        return None if new is None else match_labels(new, old)
+
+    def moved(self, assignment: dict[int, int]) -> dict[int, int]:
+        """The workers whose group ``assignment`` changes, with their new group."""
+        return {w: g for w, g in assignment.items() if self.workers[w].group != g}
+
+    def move(self, w: int, g: int) -> None:
+        """Move worker ``w`` (grouped) to the open group ``g``."""
+        self.groups[self.workers[w].group].members.remove(w)
+        self.add_member(g, w)
+
+    def add_member(self, g: int, w: int) -> None:
+        handle = self.groups[g]
+        handle.members.append(w)
+        handle.final = False
+        handle.peer.expect(w)
+
+    def place_late(self, entry: WorkerEntry) -> int:
+        """The group for a worker that reported after the grouping (nearest in speed)."""
+        t = entry.step_time or 1.0
+        g = grouping.nearest_group(t, {g: h.step_time for g, h in self.groups.items()})
+        self.regrouper.place(entry.id, t)
+        self.add_member(g, entry.id)
+        return g
+
+    def rehome(self, lost: int, live: set[int]) -> dict[int, int]:
+        """Move every member of group ``lost`` (its server is gone, no replacement came) to the
+        ``live`` group nearest in speed; return ``{worker: new group}`` (empty: nowhere to go)."""
+        times = {g: self.groups[g].step_time for g in live}
+        if not times:
+            return {}
+        moved = {}
+        for w in list(self.groups[lost].members):
+            g = grouping.nearest_group(self.workers[w].step_time or 1.0, times)
+            self.move(w, g)
+            self.regrouper.assignment[w] = g
+            moved[w] = g
+        return moved
+
+    def first_ratios(self, assignment: dict[int, int], now: float) -> None:
+        """GDTopK: the ratios of the first grouping, from the workers' step times (before the
+        groups open, so each group server starts with its own; ``ratio_of``)."""
+        if self.policy is None:
+            return
+        times = self.step_times()
+        counts = collections.Counter(assignment.values())
+        for g in counts:
+            self.policy.seed(g, float(np.mean([times[w] for w, h in assignment.items()
+                                               if h == g])))
+        self.policy.propose(counts, now)
+
+    def ratio_of(self, g: int) -> float:
+        """Group ``g``'s GDTopK ratio as the policy last set it (the run's ratio otherwise)."""
+        return self.policy.ratios.get(g, self.run.ratio) if self.policy else self.run.ratio
+
+    def observe_iter_time(self, g: int, iter_time: Any, now: float) -> None:
+        """An exchange of group ``g`` reported its workers' mean iteration time (ratios.py)."""
+        if self.policy is not None:
+            self.policy.observe(g, iter_time, now)
+
+    def update_ratios(self, now: float) -> dict[int, float]:
+        """Refresh each group's mean step time from its members' STATS; with GDTopK, the new
+        ``{group: ratio}`` of every group with workers when the policy (rate limit, hysteresis)
+        proposes new ones, now in the group handles; {} otherwise."""
+        for h in self.groups.values():
+            times = [t for w in h.members if (t := self.workers[w].step_time)]
+            if times:
+                h.step_time = float(np.mean(times))
+        if self.policy is None or not self.groups:
+            return {}
+        for g, h in self.groups.items():
+            self.policy.seed(g, h.step_time)  # a group that has not reported its iteration time
+        new = self.policy.propose({g: len(h.members) for g, h in self.groups.items()}, now)
+        for g, r in (new or {}).items():
+            self.groups[g].ratio = r
+        return new or {}
+
+    def restore_regrouper(self) -> None:
+        """After a resume: the Regrouper starts from the saved assignment, not from scratch."""
+        times = self.step_times()
+        if times:
+            self.regrouper.update(times)
+            self.regrouper.assignment = {w: e.group for w, e in self.workers.items()
+                                         if e.step_time and e.group >= 0}
+
+
+def match_labels(new: dict[int, int], old: dict[int, int]) -> dict[int, int]:
+    """Rename the new groups after the old group most of their members come from (greedy, by
+    overlap), so a regroup moves only the workers whose group really changed."""
+    overlap: dict[tuple[int, int], int] = {}
+    for w, g in new.items():
+        overlap[g, old.get(w, -1)] = overlap.get((g, old.get(w, -1)), 0) + 1
+    rename: dict[int, int] = {}
+    for (g, h), _ in sorted(overlap.items(), key=lambda kv: -kv[1]):
+        if g not in rename and h >= 0 and h not in rename.values():
+            rename[g] = h
+    spare = (i for i in range(len(new) + len(old) + 1) if i not in rename.values())
+    for g in sorted(set(new.values()) - set(rename)):
+        rename[g] = next(spare)
+    return {w: rename[g] for w, g in new.items()}

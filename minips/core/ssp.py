@@ -1,0 +1,264 @@
+"""Sans-IO clock table of one group: the SSP staleness bound, leases, LEAVE, who waits for whom.
+
+A group server keeps one ``ClockTable``. It holds no sockets and reads no clock: every call that
+depends on time takes ``now`` (seconds, any monotonic origin), so tests and simulators drive it
+with made-up times.
+
+Vocabulary. A worker's *clock* is the number of pushes it has made. A worker at clock ``c`` that
+wants to start step ``c + 1`` (PULL) may do so only while ``c - min_clock() <= s``, where the
+minimum is over the *live* workers of the table and ``s`` is the staleness bound (0 = BSP,
+``None`` = ASP, no bound). Its PUSH then carries clock ``c + 1``.
+
+Invariants the table keeps (tests/test_ssp.py checks them under random event orders):
+
+- ``min_clock()`` never decreases: joins are clamped to at least the current minimum, and a
+  worker that leaves or whose lease expires simply stops counting.
+- Over the live workers, ``max clock - min clock <= s + 1``: a push is accepted only from a
+  worker that ``may_start`` (and the minimum cannot fall between its PULL and its PUSH).
+- A clock moves forward by exactly one per push; any other clock raises ``ClockError``, which
+  the server turns into an ERROR to that worker.
+
+A worker that left is remembered: when it rejoins it gets back its old clock, raised to the
+group's current minimum, and must pull the weights at that clock before pushing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from minips.core.clock_counts import ClockCounts
+from minips.errors import RemoteProtocolError
+
+__all__ = ["ClockError", "ClockTable", "Rounds"]
+
+W = Hashable  # a worker id; the servers use ints
+T = TypeVar("T")
+
+
+class ClockError(RemoteProtocolError):
+    """A worker sent a clock the table cannot accept (wrong value, unknown or expired worker).
+
+    ``worker`` is the offender; ``expected``/``got`` describe the clock (see ``ProtocolError``).
+    """
+
+    def __init__(self, msg: str, *, worker: W, expected: object = None, got: object = None):
+        super().__init__(msg, expected=expected, got=got)
+        self.worker = worker
+
+
+@dataclass
+class _Entry:
+    clock: int  # pushes made so far
+    last_seen: float  # `now` of the last join / heartbeat / push (lease start)
+
+
+@dataclass
+class ClockTable:
+    """Clocks and leases of the workers of one group (see the module docstring).
+
+    ``staleness``: the bound ``s`` in steps; 0 = BSP, ``None`` = ASP (no bound).
+    ``lease_s``: a worker with no heartbeat or push for longer than this is expired by
+    ``expire(now)``; ``math.inf`` disables leases.
+    """
+
+    staleness: int | None
+    lease_s: float
+    _live: dict[W, _Entry] = field(default_factory=dict, init=False, repr=False)
+    _gone: dict[W, int] = field(default_factory=dict, init=False, repr=False)  # last clocks
+    _floor: int = field(default=0, init=False, repr=False)  # highest minimum seen so far
+    # the live clocks as a multiset: min_clock / max_clock in O(1) (clock_counts.py)
+    _counts: ClockCounts = field(default_factory=ClockCounts, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.staleness is not None and self.staleness < 0:
+            raise ValueError(f"staleness must be >= 0 or None, got {self.staleness}")
+        if not self.lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def join(self, w: W, now: float, clock: int | None = None) -> int:
+        """Add (or re-add) worker ``w`` and return the clock it starts from.
+
+        The clock is ``clock`` if given, else the one ``w`` had when it left, else the current
+        minimum; it is then clamped to ``[min, min + s + 1]`` so a joiner neither drags the
+        group back nor breaks the bound. Joining while already live just renews the lease.
+        """
+        if w in self._live:
+            self._live[w].last_seen = now
+            return self._live[w].clock
+        lo = self._lowest()
+        wanted = clock if clock is not None else self._gone.pop(w, lo)
+        hi = math.inf if self.staleness is None else lo + self.staleness + 1
+        start = int(min(max(wanted, lo), hi))
+        self._live[w] = _Entry(start, now)
+        self._counts.add(start)
+        return start
+
+    def restore(self, clocks: dict[W, int], now: float) -> None:
+        """Make exactly ``clocks`` the live workers (a checkpoint's table), leases from ``now``.
+
+        The saved clocks kept the invariants when they were saved, so they must still: clocks
+        are ints >= 0 and ``max - min <= s + 1``; otherwise ``ValueError`` (nothing changes).
+        The minimum becomes the floor, so a later join cannot start below it.
+        """
+        if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in clocks.values()):
+            raise ValueError(f"clocks must be ints >= 0, got {clocks!r}")
+        if clocks and self.staleness is not None:
+            spread = max(clocks.values()) - min(clocks.values())
+            if spread > self.staleness + 1:
+                raise ValueError(f"clocks {clocks!r} spread {spread} steps, beyond the bound "
+                                 f"s + 1 = {self.staleness + 1}")
+        self._live = {w: _Entry(c, now) for w, c in clocks.items()}
+        self._counts = ClockCounts(list(clocks.values()))
+        self._gone = {w: c for w, c in self._gone.items() if w not in clocks}
+        self._floor = max(self._floor, min(clocks.values(), default=0))
+
+    def leave(self, w: W) -> None:
+        """Remove ``w`` (LEAVE or closed connection); its clock is kept for a later rejoin."""
+        entry = self._live.pop(w, None)
+        if entry is not None:
+            self._gone[w] = entry.clock
+            self._counts.remove(entry.clock)
+            self._raise_floor()
+
+    def heartbeat(self, w: W, now: float) -> bool:
+        """Renew ``w``'s lease. False when ``w`` is not live (expired or never joined)."""
+        entry = self._live.get(w)
+        if entry is None:
+            return False
+        entry.last_seen = max(entry.last_seen, now)
+        return True
+
+    def expire(self, now: float) -> list[W]:
+        """Remove and return the workers silent for more than ``lease_s`` before ``now``."""
+        dead = [w for w, e in self._live.items() if now - e.last_seen > self.lease_s]
+        for w in dead:
+            self.leave(w)
+        return dead
+
+    # -- clocks -------------------------------------------------------------------------------
+
+    def push(self, w: W, clock: int, now: float) -> int:
+        """Record ``w``'s push of step ``clock`` (its clock before the push + 1); return it.
+
+        Raises ``ClockError`` when ``w`` is not live, when ``clock`` is not exactly one ahead,
+        or when ``w`` was not allowed to start that step (it did not wait for its PULL).
+        """
+        entry = self._live.get(w)
+        if entry is None:
+            raise ClockError(
+                f"worker {w!r} pushed clock {clock} but is not live (left or lease expired)",
+                worker=w, expected="a live worker (join first)", got=clock,
+            )
+        if clock != entry.clock + 1:
+            raise ClockError(
+                f"worker {w!r} pushed clock {clock}, expected {entry.clock + 1}",
+                worker=w, expected=entry.clock + 1, got=clock,
+            )
+        if not self.may_start(w):
+            raise ClockError(
+                f"worker {w!r} pushed clock {clock} beyond the staleness bound "
+                f"{self.staleness} (slowest live clock {self.min_clock()})",
+                worker=w, expected=f"clock <= {self._lowest() + (self.staleness or 0) + 1}",
+                got=clock,
+            )
+        self._counts.move(entry.clock, clock)
+        entry.clock = clock
+        entry.last_seen = max(entry.last_seen, now)
+        self._raise_floor()
+        return clock
+
+    def may_start(self, w: W) -> bool:
+        """True when ``w`` (at clock c) may start step c + 1: ``c - min_clock() <= s``."""
+        clock = self._entry(w).clock
+        return self.staleness is None or clock - self._lowest() <= self.staleness
+
+    def waiting_for(self, w: W) -> list[W]:
+        """The live workers holding the minimum clock that ``w`` waits for ([] if it may start)."""
+        if self.may_start(w):
+            return []
+        low = self._lowest()
+        return [v for v, e in self._live.items() if e.clock == low]
+
+    def lead(self, w: W) -> int:
+        """How many steps ``w`` is ahead of the slowest live worker (its staleness, >= 0)."""
+        return self._entry(w).clock - self._lowest()
+
+    def min_clock(self) -> int | None:
+        """Smallest clock among live workers, or None when no worker is live."""
+        return self._counts.low
+
+    def max_clock(self) -> int | None:
+        """Largest clock among live workers, or None when no worker is live."""
+        return self._counts.high
+
+    @property
+    def clocks(self) -> dict[W, int]:
+        """A copy of ``{worker: clock}`` for the live workers."""
+        return {w: e.clock for w, e in self._live.items()}
+
+    @property
+    def live(self) -> list[W]:
+        """The live workers, in join order."""
+        return list(self._live)
+
+    def __contains__(self, w: object) -> bool:
+        return w in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _entry(self, w: W) -> _Entry:
+        entry = self._live.get(w)
+        if entry is None:
+            raise ClockError(f"worker {w!r} is not live", worker=w, expected="a live worker")
+        return entry
+
+    def _lowest(self) -> int:
+        # With nobody live the last minimum stands in, so a lone rejoiner cannot go backwards.
+        low = self.min_clock()
+        return self._floor if low is None else low
+
+    def _raise_floor(self) -> None:
+        low = self.min_clock()
+        if low is not None and low > self._floor:
+            self._floor = low
+
+
+class Rounds(Generic[T]):
+    """BSP rounds: collect the pushes of each clock, release a clock once all live pushed it.
+
+    The group server ``add``s every accepted push (``item`` is whatever it needs, e.g. the decoded
+    gradient) and after each push, LEAVE or expiry calls ``pop_complete(table.min_clock())``:
+    a clock ``c`` is complete when every live worker's clock is ``>= c``. Each complete round is
+    returned once, in clock order, so it can be averaged and applied exactly once. A worker that
+    leaves mid-round does not block it; what it already pushed still counts.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[int, list[T]] = {}
+        self.applied = 0  # highest clock already returned by pop_complete
+
+    def add(self, clock: int, item: T) -> None:
+        """Queue ``item`` for round ``clock``; a clock already released is refused."""
+        if clock <= self.applied:
+            raise ValueError(f"round {clock} was already applied (applied up to {self.applied})")
+        self._pending.setdefault(clock, []).append(item)
+
+    def pop_complete(self, complete_through: int | None) -> list[tuple[int, list[T]]]:
+        """Return ``[(clock, items)]`` for every pending clock ``<= complete_through``."""
+        if complete_through is None:
+            return []  # nobody live: keep the pushes until someone joins and completes the round
+        done = sorted(c for c in self._pending if c <= complete_through)
+        self.applied = max(self.applied, complete_through)
+        return [(c, self._pending.pop(c)) for c in done]
+
+    def pending(self, clock: int) -> int:
+        """How many pushes are queued for ``clock``."""
+        return len(self._pending.get(clock, ()))

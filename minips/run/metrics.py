@@ -1,0 +1,241 @@
+"""A run read back, and its summary: ``load_run`` -> ``Run``, ``summarize`` -> summary.json.
+
+Every role appends one JSON object per line to its own file in the run directory; ``summarize``
+reads them back (tolerating missing files and the truncated last line a killed process leaves)
+and writes ``summary.json``. ``t`` is seconds since the run's ``t0`` (unix time, kept in
+``config.json``), so files written by different processes share one time axis.
+
+Bytes per hop are counted in hops.py; the files and their writers are in rundir.py, whose
+docstring shows the layout of a run directory. Both are re-exported here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minips.run import provenance
+from minips.run.hops import HOP_COUNTERS, HOPS, hop_bytes, live_hop_bytes, total_bytes_series
+from minips.run.rundir import (
+    JsonlWriter,
+    RunDir,
+    dump_json,
+    num,
+    read_config,
+    read_jsonl,
+    tail_jsonl,
+)
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "JsonlWriter",
+    "RunDir",
+    "Run",
+    "read_config",
+    "read_jsonl",
+    "time_to_accuracy",
+    "load_run",
+    "summarize",
+    "HOPS",
+    "HOP_COUNTERS",
+    "hop_bytes",
+    "total_bytes_series",
+    "tail_jsonl",
+    "live_hop_bytes",
+]
+
+# Accuracy targets reported by time_to_accuracy unless config.json lists its own "targets".
+DEFAULT_TARGETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
+
+
+@dataclass
+class Run:
+    """Everything a run directory holds, read back; each list is sorted by ``t``."""
+
+    path: Path
+    config: dict[str, Any]
+    eval: list[dict[str, Any]] = field(default_factory=list)
+    workers: dict[Any, list[dict[str, Any]]] = field(default_factory=dict)  # id -> pushes
+    groups: dict[Any, list[dict[str, Any]]] = field(default_factory=dict)  # id -> records
+    events: list[dict[str, Any]] = field(default_factory=list)  # global.jsonl
+
+    @property
+    def start_t(self) -> float:
+        """``t`` when training started: the first ``groups`` event (workers assigned), else 0.
+
+        Start-up (process spawn, imports, calibration) differs from run to run and says
+        nothing about the training mode, so times-to-accuracy and charts count from here.
+        """
+        starts = [num(r.get("t")) for r in self.events if r.get("event") == "groups"]
+        return next((t for t in starts if t is not None), 0.0)
+
+    @property
+    def label(self) -> str:
+        """``mode/compressor`` for legends (the directory name when the config is missing)."""
+        mode, comp = self.config.get("mode"), self.config.get("compressor")
+        if not mode:
+            return self.path.name
+        return f"{mode}/{comp}" if comp else str(mode)
+
+
+def _by_t(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(records, key=lambda r: num(r.get("t")) or 0.0)
+
+
+def _numbered(path: Path, prefix: str) -> dict[Any, list[dict[str, Any]]]:
+    """``{id: records}`` for the files ``<prefix>-<id>.jsonl`` (int ids when they are ints)."""
+    out: dict[Any, list[dict[str, Any]]] = {}
+    for f in sorted(path.glob(f"{prefix}-*.jsonl")):
+        key = f.stem[len(prefix) + 1:]
+        out[int(key) if re.fullmatch(r"\d+", key) else key] = _by_t(read_jsonl(f))
+    return out
+
+
+def load_run(run_dir: str | os.PathLike[str]) -> Run:
+    """Read every metrics file of a run directory (missing files read as empty)."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no run directory at {path}")
+    return Run(path=path, config=read_config(path),
+               eval=_by_t(read_jsonl(path / "eval.jsonl")),
+               workers=_numbered(path, "worker"), groups=_numbered(path, "group"),
+               events=_by_t(read_jsonl(path / "global.jsonl")))
+
+
+# -- summary -------------------------------------------------------------------------------------
+
+
+def _values(records: Iterable[Mapping[str, Any]], key: str) -> list[float]:
+    return [v for v in (num(r.get(key)) for r in records) if v is not None]
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _last(records: list[dict[str, Any]], key: str) -> float | None:
+    vals = _values(records, key)
+    return vals[-1] if vals else None
+
+
+def time_to_accuracy(evals: list[dict[str, Any]], targets: Iterable[float],
+                     start: float = 0.0) -> dict[str, Any]:
+    """``{"0.80": seconds from start to the first accuracy >= 0.80, or None}`` per target."""
+    out: dict[str, Any] = {}
+    for target in targets:
+        hit = [num(r.get("t")) for r in evals if (num(r.get("accuracy")) or 0.0) >= target]
+        t = next((t for t in hit if t is not None), None)
+        out[f"{target:.2f}"] = None if t is None else max(t - start, 0.0)
+    return out
+
+
+def _wall_s(run: Run, pushes: list[dict[str, Any]]) -> float | None:
+    done = [r for r in run.events if r.get("event") == "done"]
+    if done and num(done[-1].get("t")) is not None:
+        return num(done[-1].get("t"))
+    ts = _values(run.eval + pushes + run.events, "t")
+    ts += _values([r for g in run.groups.values() for r in g], "t")
+    return max(ts) if ts else None
+
+
+def _groups(run: Run) -> int | None:
+    """Number of groups: the group files, else the workers' group fields, else the config."""
+    if run.groups:
+        return len(run.groups)
+    seen = {r.get("group") for recs in run.workers.values() for r in recs} - {None}
+    if seen:
+        return len(seen)
+    groups = run.config.get("groups")
+    return groups if isinstance(groups, int) and groups > 0 else None
+
+
+def _traffic(run: Run, pushes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Samples and bytes: the evaluator's run totals, else the sums of per-role files."""
+    group_out = [_last(recs, "bytes_out") for recs in run.groups.values()]
+    fallback_down = sum(b for b in group_out if b is not None) if run.groups else None
+    samples = _last(run.eval, "samples")
+    up, down = _last(run.eval, "bytes_up"), _last(run.eval, "bytes_down")
+    return {
+        "samples": samples if samples is not None else sum(_values(pushes, "samples")),
+        "bytes_up": up if up is not None else sum(_values(pushes, "bytes_wire")),
+        "bytes_down": down if down is not None else fallback_down,
+        "bytes_raw": sum(_values(pushes, "bytes_raw")),
+    }
+
+
+def _hops(run: Run, traffic: Mapping[str, Any]) -> dict[str, int]:
+    """``hop_bytes`` of the run; without group files, worker <-> group from ``traffic``."""
+    if any(run.groups.values()):
+        return hop_bytes(run.groups)
+    up, down = int(traffic["bytes_up"] or 0), int(traffic["bytes_down"] or 0)
+    return {"bytes_worker_group": up, "bytes_group_worker": down, "bytes_group_global": 0,
+            "bytes_global_group": 0, "bytes_total": up + down}
+
+
+def _per_worker(run: Run) -> dict[str, dict[str, Any]]:
+    """Per worker: group, steps, mean wait and staleness, and how often others waited for it."""
+    blamed: dict[str, int] = {}
+    for recs in run.workers.values():
+        for r in recs:
+            for v in r.get("waited_for") or []:
+                blamed[str(v)] = blamed.get(str(v), 0) + 1
+    out = {}
+    for w, recs in run.workers.items():
+        groups = [r.get("group") for r in recs if r.get("group") is not None]
+        out[str(w)] = {"group": groups[-1] if groups else None, "steps": len(recs),
+                       "mean_step_s": _mean(_values(recs, "step_time")),
+                       "mean_wait_s": _mean(_values(recs, "wait_s")),
+                       "mean_staleness": _mean(_values(recs, "staleness")),
+                       "waited_for_by_others": blamed.get(str(w), 0)}
+    return out
+
+
+def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | None = None,
+              write: bool = True) -> dict[str, Any]:
+    """Headline figures of a run; also written to ``<run_dir>/summary.json`` when ``write``.
+
+    Keys: mode, compressor, model, dataset, workers, groups, final_accuracy, best_accuracy,
+    final_loss, wall_s (t0 to the end), train_start_s (t0 to the ``groups`` event), train_s,
+    samples, samples_per_s (over train_s), bytes_up, bytes_down (worker <-> group only, as the
+    evaluator saw them), bytes_raw, bytes_worker_group, bytes_group_worker, bytes_group_global,
+    bytes_global_group, bytes_total (every hop; see the module docstring), time_to_accuracy
+    (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
+    mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
+    mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}), data ("real",
+    "synthetic", "mixed": provenance.py) and data_sources ({role: its data-<role>.json}). A
+    figure the files cannot give is None.
+    """
+    run = load_run(run_dir)
+    pushes = [r for recs in run.workers.values() for r in recs]
+    cfg = run.config
+    accs = _values(run.eval, "accuracy")
+    wall, start = _wall_s(run, pushes), run.start_t
+    train = max(wall - start, 0.0) if wall is not None else None
+    traffic = _traffic(run, pushes)
+    staleness = _values(pushes, "staleness")
+    sources = provenance.read(run.path)  # real files or the synthetic stand-in, per process
+    summary: dict[str, Any] = {
+        "mode": cfg.get("mode"), "compressor": cfg.get("compressor"),
+        "model": cfg.get("model"), "dataset": cfg.get("dataset"),
+        "workers": len(run.workers) or cfg.get("workers"), "groups": _groups(run),
+        "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs, default=None),
+        "final_loss": _last(run.eval, "loss"), "wall_s": wall, "train_start_s": start,
+        "train_s": train, **traffic, **_hops(run, traffic),
+        "samples_per_s": traffic["samples"] / train if train else None,
+        "time_to_accuracy": time_to_accuracy(run.eval, targets or cfg.get("targets")
+                                             or DEFAULT_TARGETS, start),
+        "mean_staleness": _mean(staleness), "max_staleness": max(staleness, default=None),
+        "mean_wait_s": _mean(_values(pushes, "wait_s")),
+        "mean_kept_fraction": _mean(_values(pushes, "kept_fraction")),
+        "steps": len(pushes), "eval_points": len(run.eval),
+        "regroups": sum(1 for r in run.events if r.get("event") == "regroup"),
+        "per_worker": _per_worker(run),
+        "data": provenance.verdict(sources), "data_sources": sources,
+    }
+    if write:
+        dump_json(run.path / "summary.json", summary)
+    return summary

@@ -1,0 +1,301 @@
+"""Group server: one group's model copy, SGD state and SSP clock table (numpy, asyncio, no torch).
+
+The rules live in ``group_core.GroupCore`` (no IO); ``GroupServer`` is their asyncio shell: it
+listens, runs one session per worker, feeds the core each event with the time and performs the
+actions it returns (``group_actions.py``: sends the ACK, wakes held PULLs, exchanges with the
+global server in the background, logs), holds a PULL until SSP allows it and expires silent
+workers. The rules themselves are described in group_core.py's docstring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from minips.core.downlink import held_version
+from minips.core.exchange import ExchangeResult, GroupLink, Outgoing
+from minips.core.group_actions import Action, AllLeft, BudgetSpent, Reply, StartExchange, Wake
+from minips.core.group_core import GroupCore
+from minips.errors import AuthError, RemoteProtocolError
+from minips.net import transport
+from minips.run.config import RunConfig
+from minips.run.metrics import JsonlWriter
+from minips.serve.once_per_turn import OncePerTurn
+from minips.wire import protocol, validation
+
+__all__ = ["ExchangeResult", "GroupLink", "GroupServer"]  # the first two: from exchange.py
+
+EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
+
+
+class GroupServer(GroupCore):
+    """One group's rules (``GroupCore``) on a port: sessions, waiting PULLs, exchanges, leases.
+
+    Plain attributes hold the whole state (see ``state_dict``), so a checkpoint can save it.
+    """
+
+    def __init__(self, group: int, run: RunConfig, weights: np.ndarray | None,
+                 link: GroupLink | None, *, members: list[int] | None = None,
+                 writer: JsonlWriter | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.writer, self.clock = writer, clock
+        self.channels: dict[int, Any] = {}  # worker id -> its open connection
+        self._closed_bytes = {"bytes_in": 0, "bytes_out": 0}  # traffic of closed connections
+        self._changed = asyncio.Event()  # set whenever a waiting PULL may have become answerable
+        self.ready = asyncio.Event()  # set once the group has its weights (setup)
+        self._exchange_task: asyncio.Task[None] | None = None
+        self._publish_turn = OncePerTurn(self.publish)  # one downlink publish per loop turn
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.server: Any = None
+        self.port = 0
+        self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
+        super().__init__(group, run, weights, link, members=members, now=clock())
+
+    def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
+              members: list[int], *, now: float | None = None) -> None:
+        """The training state (``GroupCore.setup``); a `minips group` gets it late."""
+        super().setup(group, run, weights, link, members, now=self.clock() if now is None else now)
+        self.ready.set()
+
+    # -- the core's entry points at this clock, and its actions performed ----------------------
+
+    def expect(self, w: int, now: float | None = None) -> None:
+        super().expect(w, self.clock() if now is None else now)
+
+    def load_state_dict(self, state: dict[str, Any], now: float | None = None) -> None:
+        super().load_state_dict(state, self.clock() if now is None else now)
+
+    def on_push(self, w: int, msg: Any) -> Any:
+        """One PUSH of worker ``w`` (``GroupCore.push``): return its ACK."""
+        return self._perform(self.push(w, msg, self.clock()))
+
+    def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:
+        """A new global server holds this group's exchanges up to seq ``held``
+        (``GroupCore.rebase``)."""
+        self._perform(self.rebase(weights, link, held))
+
+    def _perform(self, actions: list[Action]) -> Any:
+        """Do what the core asked, in order; return its reply to the worker (None if none)."""
+        reply = None
+        for a in actions:
+            if isinstance(a, Reply):
+                reply = a.msg  # the session that passed the message in sends it
+            elif isinstance(a, Wake):
+                self._changed.set()
+            elif isinstance(a, StartExchange):
+                self.start_exchange()
+            elif isinstance(a, AllLeft):
+                self._spawn(self.flush(final=True))
+            elif isinstance(a, BudgetSpent):
+                self.finish()
+            else:
+                self.log(a.event, **a.fields)
+        return reply
+
+    # -- membership -----------------------------------------------------------------------
+
+    async def _expire_loop(self) -> None:
+        """Every EXPIRE_PERIOD_S: renew each worker's lease as of the last bytes its connection
+        carried, then expire the workers silent for more than lease_s."""
+        loop = asyncio.get_running_loop()
+        await self.ready.wait()
+        while True:  # also after a final flush: workers may rejoin (close() cancels it)
+            await asyncio.sleep(EXPIRE_PERIOD_S)
+            now = self.clock()
+            heard = {w: now - (loop.time() - ch.last_recv)
+                     for w, ch in self.channels.items() if not ch.closed}
+            self._perform(self.tick(now, heard))
+
+    # -- weights ----------------------------------------------------------------------------
+
+    async def answer_pull(self, w: int, since: int = -1) -> Any:
+        """Wait until ``w`` may start its next step (or the run is done); return WEIGHTS for a
+        worker that holds the published weights of version ``since`` (-1: none)."""
+        waited: list[int] = []
+        while not self.may_answer(w):
+            waited = waited or [int(v) for v in self.table.waiting_for(w)]  # type: ignore[call-overload]
+            self._changed.clear()
+            await self._changed.wait()
+        await self._publish()
+        return self.weights_message(w, waited, since)
+
+    async def _publish(self) -> None:
+        """With a compressed downlink: publish once for all the PULLs this turn of the event
+        loop answers (``once_per_turn.py``)."""
+        if self.downlink is not None:
+            await self._publish_turn()
+
+    # -- exchange with the global server -------------------------------------------------------
+
+    def start_exchange(self) -> None:
+        """Start an asynchronous exchange unless one is already in flight."""
+        if self._exchange_task is None or self._exchange_task.done():
+            self._exchange_task = self._spawn(self._exchange())
+
+    async def _exchange(self, final: bool = False) -> None:
+        """Send a lost exchange again first (same seq), then the delta since the last one."""
+        pending = self.xchg.pending
+        if pending is None or await self._send(pending):
+            out = self.begin_exchange(final, self.traffic())
+            if await self._send(out):
+                return
+        self.finished = self.finished and not final  # the global server is away: retry later
+
+    async def _send(self, out: Outgoing) -> bool:
+        """One exchange; False (``out`` stays pending) when the global server is away."""
+        t = self.clock()
+        try:
+            res = await self.link.exchange(self.group, self.xchg.delta(out), out.stats)
+        except ConnectionError:
+            return False
+        self._perform(self.exchanged(out, res, self.clock() - t))
+        return True
+
+    async def flush(self, final: bool = False) -> None:
+        """Wait for the exchange in flight, then send what is left (``final``: the last one)."""
+        await self.settle()
+        if self.finished:
+            return
+        self.finished = final
+        self._exchange_task = self._spawn(self._exchange(final))
+        await asyncio.wait([self._exchange_task])
+
+    async def settle(self) -> None:
+        """Wait until no exchange is in flight."""
+        while self._exchange_task is not None and not self._exchange_task.done():
+            await asyncio.wait([self._exchange_task])
+
+    def finish(self) -> None:
+        """The budget is spent: release every waiting PULL with ``done``; flush a last delta."""
+        self.done = True
+        self._changed.set()
+        self._spawn(self.flush(final=not len(self.table)))
+
+    # -- network --------------------------------------------------------------------------
+
+    async def serve(self, host: str, port: int, token: str, ssl: Any = None,
+                    options: transport.Options | None = None) -> int:
+        """Listen for this group's workers (``options``: timeouts, buffers); return the port."""
+        self.server = await transport.serve(host, port, token=token, accept=self._accept,
+                                            handler=self.handle, ssl=ssl, options=options)
+        self.port = int(self.server.port)
+        self._spawn(self._expire_loop())
+        return self.port
+
+    def _accept(self, hello: Any) -> dict[str, Any]:
+        refused = self.refusal(hello)
+        if refused:
+            raise AuthError(refused)
+        return {"group": self.group}
+
+    async def handle(self, ch: Any) -> None:
+        """One worker connection, one request at a time (``_session``)."""
+        await self.ready.wait()
+        w = int(ch.worker_id)
+        old = self.channels.pop(w, None)
+        if old is not None:  # the newest connection with an id wins; the old one is told why
+            await validation.replace(old, w, self.rejected, f"group {self.group}")
+        self.channels[w] = ch
+        ch.start_heartbeat(self.run.heartbeat_s)  # so the worker can tell we are still here
+        first = self._perform(self.join(w, self.clock()))  # the ACK with its starting clock
+        try:
+            await self._session(ch, w, first)
+        except RemoteProtocolError as exc:
+            await validation.reject(ch, exc, self.rejected, f"group {self.group}")
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if self.channels.get(w) is ch:
+                del self.channels[w]
+                self._perform(self.leave(w))
+            self._closed_bytes["bytes_in"] += ch.bytes_received
+            self._closed_bytes["bytes_out"] += ch.bytes_sent
+            await ch.close()
+
+    async def _session(self, ch: Any, w: int, first: Any) -> None:
+        """One request at a time: the next message is not read before this one is answered, so
+        a worker that sends ahead (a flood) waits on TCP, and its PUSH is taken only after the
+        WEIGHTS it pulled went out (SSP holds it like any other worker)."""
+        await ch.send(first)
+        pulled: int | None = None  # clock of the last PULL: a PUSH must follow one
+        sent = -1  # version of the last WEIGHTS on this connection (downlink.held_version)
+        while True:
+            # one message per turn: a worker with many queued (a flood) takes turns with the rest
+            await asyncio.sleep(0)
+            msg = await ch.recv()
+            if isinstance(msg, protocol.Pull):
+                pulled = msg.clock
+                sent = await self._send_pull(ch, w, held_version(msg.since, sent))
+            elif isinstance(msg, protocol.Push):
+                validation.check_push_order(pulled, msg.clock)
+                pulled = None
+                await self._send_push(ch, w, msg)
+            elif isinstance(msg, protocol.Leave):
+                return
+            else:
+                raise validation.unexpected(msg, "worker")
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes received from / sent to this group's workers so far."""
+        up = self._closed_bytes["bytes_in"] + sum(c.bytes_received for c in self.channels.values())
+        down = self._closed_bytes["bytes_out"] + sum(c.bytes_sent for c in self.channels.values())
+        return {"bytes_in": up, "bytes_out": down}
+
+    async def _send_pull(self, ch: Any, w: int, since: int) -> int:
+        """Answer a PULL once SSP allows; give up as soon as the connection closes meanwhile
+        (the worker then leaves the group at once, not when its lease runs out). Returns the
+        version the answer brought the worker to."""
+        if self.may_answer(w):  # the common case: no wait, no tasks
+            reply = await self.answer_pull(w, since)
+        else:
+            answer = asyncio.ensure_future(self.answer_pull(w, since))
+            closed = asyncio.ensure_future(ch.wait_closed())
+            try:
+                await asyncio.wait((answer, closed), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                answer.cancel()
+                closed.cancel()
+            if not answer.done():  # cancel() above only asked a pending one to stop
+                raise ConnectionResetError("connection closed while its PULL waited")
+            reply = answer.result()
+        with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading
+            await ch.send(reply)
+        return int(reply.version)
+
+    async def _send_push(self, ch: Any, w: int, msg: Any) -> None:
+        if w not in self.table:  # its lease expired while it was silent: rejoin and pull first
+            await ch.send(protocol.Error(code="lease", reason=f"worker {w}: lease expired, "
+                                         "reconnect and pull the current weights"))
+            raise ConnectionResetError("lease expired")
+        validation.check_push(msg)
+        await ch.send(self.on_push(w, msg))
+
+    async def close(self) -> None:
+        """Stop listening and cancel the background tasks."""
+        self.finished = True
+        for t in list(self._tasks):
+            t.cancel()
+        for ch in list(self.channels.values()):
+            await ch.close()
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await self.server.wait_closed()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def log(self, event: str, **fields: Any) -> None:
+        if self.writer is not None:
+            self.writer.write({"t": time.time() - self.run.t0, "event": event, "group": self.group,
+                               **fields, "version": self.version, **self.counters,
+                               **self.traffic()})

@@ -1,0 +1,172 @@
+"""A group server as its own process (`minips group`): the TCP link to the global server.
+
+``serve_group`` listens for the group's workers first (so their address is known), registers
+with the global server as role ``group`` (HELLO.address = where its workers connect), takes the
+group id from ASSIGN, PULLs the global weights (GLOBAL_WEIGHTS: ``size``, ``members``) and
+serves until the global server says ``done``. ``TcpLink`` carries each exchange: EXCHANGE(delta,
+counters) -> EXCHANGE_REPLY.
+
+Faults: when the global server is lost, the group keeps serving its workers (their pushes are
+applied locally; exchanges wait) and reconnects with backoff and jitter for ``reconnect_s``; on
+reconnect it takes the global weights and keeps its own not-yet-sent delta on top
+(``GroupServer.reload``), so a global server resumed from a checkpoint gets this group's work
+since its last exchange, and the exchanges the checkpoint lacks once more (unsaved.py): each
+EXCHANGE_REPLY from the global server names the seqs it holds. A replacement group process is
+given a group whose server is gone (``group_sessions._adopt``); it starts from the global weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from minips import sparse
+from minips.core.exchange import Delta, ExchangeResult, push_message
+from minips.core.unsaved import seqs_in
+from minips.errors import ConfigError, RemoteProtocolError
+from minips.net import transport
+from minips.net.channel import Channel
+from minips.run.config import (
+    GroupConfig,
+    RunConfig,
+    check_bind,
+    client_ssl,
+    format_address,
+    server_ssl,
+)
+from minips.run.metrics import RunDir
+from minips.serve.group import GroupServer
+from minips.wire import protocol
+
+__all__ = ["TcpLink", "serve_group", "run_group_process"]
+
+POLL_S = 0.2  # how often the serving loop looks at the link and the group
+
+
+class TcpLink:
+    """GroupLink over TCP for a `minips group` process: EXCHANGE the delta, wait for the reply.
+
+    A reader task owns the channel: EXCHANGE_REPLY (or GLOBAL_WEIGHTS, for the registering
+    PULL) answers the request in flight, LEAVE "done" finishes the group. Each
+    exchange counts the channel's bytes since the last one (heartbeats and the registering
+    PULL included) as its ``bytes_up`` / ``bytes_down``.
+    """
+
+    def __init__(self, ch: Channel) -> None:
+        self.ch = ch
+        self.group: GroupServer | None = None
+        self._reply: asyncio.Future[Any] | None = None
+        self.closed = asyncio.Event()
+        self.reader: asyncio.Task[None] = asyncio.ensure_future(asyncio.sleep(0))
+        self._counted = (0, 0)  # the channel's bytes (sent, received) already counted
+
+    async def request(self, msg: Any) -> Any:
+        """Send ``msg`` and wait for the message that answers it (``ConnectionError`` when the
+        global server is gone)."""
+        if self.closed.is_set():
+            raise ConnectionError("global server link is closed")
+        self._reply = asyncio.get_running_loop().create_future()
+        await self.ch.send(msg)
+        return await self._reply
+
+    async def exchange(self, group: int, delta: Delta,
+                       stats: dict[str, Any]) -> ExchangeResult:
+        """EXCHANGE ``delta`` (dense or sparse); the reply holds the global weights
+        (``dense-f32``) or the entries of the group's copy to set (``sparse-v1``)."""
+        reply = await self.request(push_message(delta, stats))
+        w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
+        up, down = self.ch.bytes_sent, self.ch.bytes_received
+        res = ExchangeResult(w, reply.version, reply.done, reply.samples,
+                             seqs_in(reply.info, "saved_exchanges", stats["session"]),
+                             up - self._counted[0], down - self._counted[1])
+        self._counted = (up, down)
+        return res
+
+    async def read(self) -> None:
+        """Dispatch what the global server sends until the channel closes."""
+        try:
+            while True:
+                msg = await self.ch.recv()
+                if (isinstance(msg, (protocol.ExchangeReply, protocol.GlobalWeights))
+                        and self._reply and not self._reply.done()):
+                    self._reply.set_result(msg)
+                elif isinstance(msg, protocol.Assign) and self.group is not None:
+                    self.group.ratio = msg.ratio
+                elif isinstance(msg, protocol.Leave) and self.group is not None:
+                    self.group.finish()
+        except (ConnectionError, RemoteProtocolError) as exc:
+            if self._reply is not None and not self._reply.done():
+                self._reply.set_exception(ConnectionError(f"global server gone: {exc}"))
+        finally:
+            self.closed.set()
+            if self._reply is not None and not self._reply.done():
+                self._reply.set_exception(ConnectionError("global server link closed"))
+
+
+async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
+                    timeout: float) -> TcpLink:
+    """Connect as role ``group``, take ASSIGN and the global weights; (re)load the group."""
+    ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
+                                 group=gs.group, token=cfg.token, timeout=timeout,
+                                 retries=None, ssl=client_ssl(cfg.tls_ca))  # net_retry.backoff
+    run = RunConfig.from_info(ch.welcome_info)
+    ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease
+    link = TcpLink(ch)
+    assign = await ch.recv()
+    if isinstance(assign, protocol.Error):  # e.g. every group has its server already
+        await ch.close()
+        raise ConfigError(f"the global server refused this group server: {assign.reason}")
+    if not isinstance(assign, protocol.Assign):
+        await ch.close()
+        raise RemoteProtocolError("expected ASSIGN", got=type(assign).__name__)
+    link.reader = asyncio.create_task(link.read())
+    init = await link.request(protocol.Pull(clock=0))
+    if not isinstance(init, protocol.GlobalWeights):
+        raise RemoteProtocolError("expected GLOBAL_WEIGHTS", got=type(init).__name__)
+    weights = np.asarray(sparse.decode_gradient(init.encoding, init.codec, init.buffers,
+                                                init.size))
+    if gs.group == int(assign.group) and gs.ready.is_set():
+        held = seqs_in(init.info, "last_exchange", gs.xchg.session)
+        gs.reload(weights, link, None if held is None else held[0])
+    else:
+        gs.setup(int(assign.group), run, weights, link,
+                 list(init.members))
+        gs.writer = RunDir(cfg.run_dir, t0=gs.run.t0).writer(f"group-{gs.group}")
+        gs.open_membership = True  # late joiners are placed by the global server, not told here
+    gs.ratio = float(assign.ratio)
+    link.group = gs
+    return link
+
+
+async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer:
+    """Listen, register with the global server, take the group it assigns; serve until done,
+    reconnecting to the global server when it is lost."""
+    check_bind(cfg.host, cfg.token, cfg.insecure)
+    gs = GroupServer(-1, RunConfig(), None, None)
+    port = await gs.serve(cfg.host, cfg.port, cfg.token, server_ssl(cfg.tls_cert, cfg.tls_key))
+    # a wildcard host is replaced by the global server (group_sessions._address)
+    address = format_address(cfg.advertise_host or cfg.host, port)
+    if announce:
+        print(f"minips group listening on {address}, registering with "
+              f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
+    link = await _register(cfg, gs, address, cfg.connect_timeout_s)
+    try:
+        while not (gs.finished and gs.done):  # all workers gone is not the end: they may rejoin
+            if link.closed.is_set():
+                gs.log("global_lost")
+                link = await _register(cfg, gs, address, cfg.reconnect_s)
+                gs.log("global_back")
+            await asyncio.sleep(POLL_S)
+    finally:
+        link.reader.cancel()
+        await gs.close()
+        await link.ch.close(leave="done")
+    return gs
+
+
+def run_group_process(cfg: GroupConfig) -> None:
+    """`minips group`: register with the global server, then serve the assigned workers."""
+    transport.install_uvloop()
+    asyncio.run(serve_group(cfg))

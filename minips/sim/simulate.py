@@ -1,0 +1,292 @@
+"""`minips simulate`: a whole cluster as a discrete-event simulation on the real role cores.
+
+The global server and the group servers are ``GlobalCore`` and ``GroupCore`` (``sim_cores``),
+the very rules the asyncio servers run (grouping, SSP/BSP inside a group, SGD and its learning
+rate, the compressed downlink, the exchanges and their merge, GDTopK's ratios, the budget);
+only time is simulated. An event queue orders what the real processes would do:
+
+    worker: PULL ─link─► group (held while SSP says wait; the PULLs answered at one instant
+            share one publish) ─link─► WEIGHTS ─► compute ─► PUSH ─link─► group applies it,
+            ACK ─link─► worker, next PULL
+
+- compute times, links (rate, latency, jitter) and failures (a worker that drops and rejoins
+  later, or never): ``sim_timing``; a group's exchange with the global server is merged
+  ``xchg_latency_s`` after it is due;
+- gradients (``sim_objective``): a synthetic quadratic, cheap for thousands of workers, or
+  (``real=True``) the run's model on its data set as real workers compute them
+  (``sim_model``, torch); workers compress with the run's compressor and the messages are
+  the real protocol messages, so the bytes counted are the wire's.
+
+It writes a run directory as `minips local` does (config.json, worker-, group-, global- and
+eval-records with ``t`` in simulated seconds, final_weights.npy, summary.json); eval.jsonl
+has the accuracy too with a real model, so ``minips plot`` and ``summarize`` read it as a real
+run's. What it leaves out: the handshake, heartbeats and leases, regrouping.
+
+Public API: ``SimConfig``, ``Simulation``, ``simulate(cfg) -> summary``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from minips import sparse
+from minips.core.downlink import apply_weights
+from minips.core.exchange import wire_size
+from minips.core.roster import GroupHandle
+from minips.run import metrics
+from minips.sim.sim_config import SimConfig, per_worker
+from minips.sim.sim_cores import SimGlobal, SimGroup
+from minips.sim.sim_objective import objective
+from minips.sim.sim_timing import Failure, Links, StepTimes
+from minips.wire import protocol
+
+__all__ = ["SimConfig", "Simulation", "simulate"]
+
+SMALL = 40  # bytes of a PULL or an ACK on the wire (a few fields)
+
+
+class Simulation:
+    """The event queue, the workers' state and the cores (``simulate`` runs it)."""
+
+    def __init__(self, cfg: SimConfig, run_dir: Path) -> None:
+        self.cfg, self.run = cfg, cfg.run
+        self.run.t0 = self.run.t0 or time.time()
+        self.t, self.seq = 0.0, itertools.count()
+        self.queue: list[tuple[float, int, Any, tuple[Any, ...]]] = []  # (time, seq, fn, args)
+        self.rundir = metrics.RunDir(run_dir, t0=self.run.t0)
+        self.rundir.write_config(self.run.to_info())
+        self.objective = objective(self.run, real=cfg.real, dim=cfg.dim, noise=cfg.noise,
+                                   **cfg.model_opts)
+        n_w, size = self.run.workers, self.objective.size
+        self.step_s = (per_worker(cfg.step_times, n_w) if cfg.step_times else
+                       [self.run.base_step_s * f for f in per_worker(cfg.slowdowns, n_w)])
+        self.steps = StepTimes(self.step_s, cfg.jitter, cfg.step_traces)
+        self.links = Links(n_w, cfg.rate, cfg.latency_s, cfg.latency_jitter_s, self.run.seed)
+        self.glob = SimGlobal(self, self.objective.initial())
+        self.groups: dict[int, SimGroup] = {}
+        self.group_of = self._assign(n_w)
+        self.rngs = [np.random.default_rng(self.run.seed * 1000 + w) for w in range(n_w)]
+        self.comp = [sparse.make_compressor(self.run.compressor, size, ratio=self.run.ratio,
+                                            seed=self.run.seed * 1000 + w,
+                                            **self.run.compressor_opts) for w in range(n_w)]
+        self.copy: list[np.ndarray | None] = [None] * n_w
+        self.held = [-1] * n_w
+        self.clock = [0] * n_w
+        self.gen = [0] * n_w  # a worker's connection: events of an older one are dropped
+        self.alive = [True] * n_w
+        self.pulled_at = [0.0] * n_w
+        self.records: list[list[dict[str, Any]]] = [[] for _ in range(n_w)]  # written at the end
+        self.eval_w = self.rundir.writer("eval")
+        self.pushes, self.evaluated = 0, -1
+
+    def _assign(self, n_w: int) -> dict[int, int]:
+        """The global core groups the workers by their step times; one group core each."""
+        for w in range(n_w):
+            self.glob.roster.admit(w)
+            self.glob.workers[w].step_time = self.step_s[w]
+        assignment = self.glob.roster.first_assignment() or dict.fromkeys(range(n_w), 0)
+        self.glob.roster.first_ratios(assignment, 0.0)
+        for g in sorted(set(assignment.values())):
+            members = sorted(w for w, h in assignment.items() if h == g)
+            self.glob.groups[g] = GroupHandle(g, f"sim:{g}", members=members,
+                                              ratio=self.glob.roster.ratio_of(g))
+            self.groups[g] = SimGroup(self, g, members)
+            self.groups[g].ratio = self.glob.groups[g].ratio
+        self.glob.started_training = self.glob.wall()
+        self.glob.log("groups", assignment={str(w): g for w, g in assignment.items()},
+                      ratios={str(g): h.ratio for g, h in self.glob.groups.items()})
+        return assignment
+
+    # -- the queue ------------------------------------------------------------------------
+
+    def at(self, delay: float, fn: Any, *args: Any) -> None:
+        heapq.heappush(self.queue, (self.t + delay, next(self.seq), fn, args))
+
+    def send(self, w: int, nbytes: int, fn: Any, *args: Any, after: float = 0.0) -> None:
+        """A message on worker ``w``'s link, sent ``after`` seconds from now (sim_timing.Links);
+        ``fn(w, *args)`` runs when it arrives, unless ``w``'s connection dropped meanwhile."""
+        arrival = self.links.arrival(w, self.t + after, nbytes)
+        heapq.heappush(self.queue, (arrival, next(self.seq), self._deliver,
+                                    (w, self.gen[w], fn, args)))
+
+    def _deliver(self, w: int, gen: int, fn: Any, args: tuple[Any, ...]) -> None:
+        if gen == self.gen[w]:
+            fn(w, *args)
+
+    def run_all(self) -> None:
+        for w in range(self.run.workers):
+            self.send(w, SMALL, self.pull_arrives)
+        for fail in self.cfg.failures:
+            if fail.worker < self.run.workers:
+                self.at(fail.at_s, self.fail, fail)
+        self.at(0.0, self.evaluate)
+        while self.queue:
+            t, _, fn, args = heapq.heappop(self.queue)
+            if self.glob.done and fn in (self.fail, self.rejoin):
+                continue  # a failure after the end does not stretch the run
+            self.t = t
+            fn(*args)
+        for core in self.groups.values():  # what the groups hold that the global lacks
+            if core.xchg.since["pushes"]:
+                self.exchange(core.group, final=True)
+        self.glob.perform(self.glob.finish(self.glob.done_reason or "pushes"))
+        self.evaluate(final=True)
+
+    # -- a worker's step -------------------------------------------------------------------
+
+    def pull_arrives(self, w: int) -> None:
+        core = self.groups[self.group_of[w]]
+        core.bytes["bytes_in"] += SMALL
+        if core.may_answer(w):
+            self._ready(core, w, [])
+        else:
+            core.pending.append((w, [int(v) for v in core.table.waiting_for(w)]))  # type: ignore[call-overload]
+
+    def _ready(self, core: SimGroup, w: int, waited: list[int]) -> None:
+        """Answer ``w`` at the end of this instant, with the others answered at it."""
+        core.ready.append((w, waited))
+        if not core.flush_due:
+            core.flush_due = True
+            self.at(0.0, self._answer_ready, core)
+
+    def _answer_ready(self, core: SimGroup) -> None:
+        """One publish for every PULL answered at this instant, then their WEIGHTS."""
+        core.flush_due = False
+        ready, core.ready = core.ready, []
+        core.publish()
+        for w, waited in ready:
+            msg = core.weights_message(w, waited, self.held[w])
+            if msg.since < 0:  # the whole weights: a copy, as the socket's bytes would be
+                msg = dataclasses.replace(msg, buffers=tuple(np.array(b) for b in msg.buffers))
+            nbytes = wire_size(msg)
+            core.bytes["bytes_out"] += nbytes
+            self.send(w, nbytes, self.weights_arrive, msg)
+
+    def release(self, core: SimGroup) -> None:
+        """Answer the held PULLs that SSP now allows (or all of them, when done)."""
+        waiting, core.pending = core.pending, []
+        for w, waited in waiting:
+            if core.may_answer(w):
+                self._ready(core, w, waited)
+            else:
+                core.pending.append((w, waited))
+
+    def weights_arrive(self, w: int, msg: protocol.Weights) -> None:
+        if msg.done:
+            return
+        copy = self.copy[w] = apply_weights(self.copy[w], self.held[w], msg,
+                                            self.objective.size)
+        self.held[w] = msg.version
+        wait_s = self.t - self.pulled_at[w]
+        step = self.steps.next(w, self.rngs[w])
+        grad, loss = self.objective.gradient(w, copy, self.rngs[w])
+        if self.cfg.real:  # LossComp's schedule follows the loss a real worker sees
+            self.comp[w].observe_loss(loss)
+        packet = self.comp[w].compress(grad)
+        enc, codec, bufs = self.comp[w].encode(packet)  # the encoding the compressor declares
+        push = protocol.Push(clock=self.clock[w] + 1, step_time=step, loss=loss,
+                             samples=self.run.batch_size, encoding=enc, codec=codec,
+                             buffers=tuple(bufs))
+        nbytes = wire_size(push)
+        record = {"worker": w, "group": msg.info.get("group"), "staleness":
+                  msg.info.get("lead", 0), "wait_s": wait_s, "waited_for":
+                  msg.info.get("waited_for", []), "step_time": step, "loss": loss,
+                  "samples": push.samples, "ratio": self.comp[w].ratio,
+                  "kept_fraction": self.comp[w].kept_fraction,
+                  "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes}
+        self.send(w, nbytes, self.push_arrives, push, record, after=step)  # once computed
+
+    def push_arrives(self, w: int, push: protocol.Push, record: dict[str, Any]) -> None:
+        core = self.groups[self.group_of[w]]
+        core.bytes["bytes_in"] += wire_size(push)
+        ack = core.perform(core.push(w, push, self.t))
+        core.bytes["bytes_out"] += SMALL
+        self.pushes += 1
+        if self.cfg.max_pushes and self.pushes >= self.cfg.max_pushes and not self.glob.done:
+            self.glob.perform(self.glob.finish("pushes"))
+        self.send(w, SMALL, self.ack_arrives, ack, record)
+
+    def ack_arrives(self, w: int, ack: protocol.Ack, record: dict[str, Any]) -> None:
+        self.clock[w] = ack.clock
+        self.records[w].append({"t": self.t, "clock": ack.clock, **record})
+        if self.run.max_steps and ack.clock >= self.run.max_steps:
+            self._drop(w)  # its cap: it leaves, as a real worker does (--max-steps)
+            return
+        self.pulled_at[w] = self.t
+        self.send(w, SMALL, self.pull_arrives)
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def fail(self, fail: Failure) -> None:
+        """``fail.worker``'s connection drops: what it had in flight is lost, its group sees it
+        leave (a BSP round stops waiting for it); it rejoins ``down_s`` later."""
+        if self.alive[fail.worker]:
+            self._drop(fail.worker)
+            if fail.down_s is not None:
+                self.at(fail.down_s, self.rejoin, fail.worker)
+
+    def _drop(self, w: int) -> None:
+        """``w``'s connection ends: its events in flight are dropped, its group sees it leave."""
+        self.alive[w], self.gen[w] = False, self.gen[w] + 1
+        core = self.groups[self.group_of[w]]
+        core.worker_left(w)
+
+    def rejoin(self, w: int) -> None:
+        """A new connection: the clock the group gives it, a fresh copy of the weights."""
+        self.alive[w] = True
+        self.links.reset(w, self.t)
+        self.clock[w] = self.groups[self.group_of[w]].worker_joined(w, self.t)
+        self.copy[w], self.held[w], self.pulled_at[w] = None, -1, self.t
+        self.send(w, SMALL, self.pull_arrives)
+
+    # -- the group <-> global exchange and evaluation ---------------------------------------
+
+    def exchange(self, g: int, final: bool = False) -> None:
+        core = self.groups[g]
+        core.in_flight = False
+        out = core.begin_exchange(final, core.traffic())
+        res = self.glob.merge_counted(g, core.xchg.delta(out), out.stats)
+        self.glob.perform(self.glob.take_actions())
+        core.perform(core.exchanged(out, res, self.cfg.xchg_latency_s))
+
+    def evaluate(self, final: bool = False) -> None:
+        """A line of eval.jsonl for the global weights, when they changed (as the evaluator)."""
+        assert self.glob.weights is not None
+        if self.glob.version != self.evaluated or final:
+            self.evaluated = self.glob.version
+            traffic = [c.traffic() for c in self.groups.values()]
+            self.eval_w.write({"t": self.t, "samples": self.glob.samples,
+                               **self.objective.evaluate(self.glob.weights),
+                               "version": self.glob.version, "final": final,
+                               "bytes_up": sum(b["bytes_in"] for b in traffic),
+                               "bytes_down": sum(b["bytes_out"] for b in traffic)})
+        if not final and not self.glob.done and self.queue:  # while anything is to happen
+            self.at(self.cfg.eval_every_s or self.run.eval_every_s, self.evaluate)
+
+
+def simulate(cfg: SimConfig) -> dict[str, Any]:
+    """Run ``cfg`` to its budget; return the run's summary (also in summary.json)."""
+    name = cfg.name or f"{time.strftime('%Y%m%d-%H%M%S')}-sim-{cfg.run.mode}-{cfg.run.compressor}"
+    run_dir = Path(cfg.out_dir) / name
+    sim = Simulation(cfg, run_dir)
+    started = time.perf_counter()
+    sim.run_all()
+    for writer in [sim.glob.writer, sim.eval_w, *(c.writer for c in sim.groups.values())]:
+        writer.close()
+    for w, records in enumerate(sim.records):  # one file open at a time, whatever the workers
+        with sim.rundir.writer(f"worker-{w}") as writer:
+            for record in records:
+                writer.write(record)
+    assert sim.glob.weights is not None
+    np.save(run_dir / "final_weights.npy", sim.glob.weights)
+    summary = metrics.summarize(run_dir)
+    summary.update(run_dir=str(run_dir), pushes=sim.pushes,
+                   sim_s=sim.t, real_s=time.perf_counter() - started)
+    return summary

@@ -1,0 +1,1 @@
+"""The wire: message kinds, frames, the sans-IO codec and handshake; no IO."""

@@ -1,0 +1,89 @@
+"""Checks the servers apply to message fields beyond the wire schema, and how a violation ends.
+
+The protocol modules already check framing, types, lengths, limits and which message kinds a
+connection state allows; ``sparse.decode_gradient`` checks encodings, sizes, index bounds and
+NaN/inf; a group's EXCHANGE counters are typed fields, checked by the message
+(global_messages.py). What is left is meaning that only a server knows: ranges of counters and
+times, clocks that go backwards, messages a role may not send in a session. A violation raises
+``RemoteProtocolError``; ``reject`` then answers ERROR with the reason, logs (as counts) and
+counts it, and the caller closes that one connection (``replace`` ends a session that a new
+connection with the same worker id takes over, with ERROR ``replaced``). The model is never
+touched by a rejected message: every check runs before anything is applied.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from typing import Any
+
+from minips.core import ssp
+from minips.errors import RemoteProtocolError
+from minips.net.logcounts import CountingLog
+
+__all__ = ["MAX_SAMPLES", "MAX_STEP_S", "REPLACED", "check_push", "check_push_order",
+           "check_stats", "replace", "unexpected", "reject"]
+
+log = logging.getLogger("minips.server")
+_counted = CountingLog(log)  # one line per kind and period, with counts: a flood is a few lines
+
+MAX_SAMPLES = 1 << 20  # samples one push may claim (a batch); more is a broken or hostile peer
+MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it is garbage
+REPLACED = "replaced"  # ERROR code: another connection with the same worker id took over
+
+
+def _number(name: str, value: Any, lo: float, hi: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or not lo <= value <= hi:
+        raise RemoteProtocolError(f"{name} out of range", expected=f"[{lo}, {hi}]", got=value)
+
+
+def check_push(msg: Any) -> None:
+    """A worker's PUSH counters: samples, step time, loss (the gradient is checked on decode)."""
+    _number("samples", msg.samples, 0, MAX_SAMPLES)
+    _number("step_time", msg.step_time, 0.0, MAX_STEP_S)
+    _number("loss", msg.loss, -1e30, 1e30)
+
+
+def check_push_order(pulled: int | None, clock: int) -> None:
+    """A worker's PUSH follows its PULL (clock ``pulled``) and carries the next clock."""
+    if pulled is None or clock != pulled + 1:
+        raise RemoteProtocolError("PUSH must follow a PULL at the clock before it",
+                                  expected=None if pulled is None else pulled + 1, got=clock)
+
+
+def check_stats(msg: Any) -> None:
+    """A worker's STATS: a positive finite step time and a sample count. Its clock is not
+    compared with the last one: it counts steps in the worker's current group, and starts
+    again when the worker moves to another group or its group server restarts."""
+    _number("step_time", msg.step_time, 1e-9, MAX_STEP_S)
+    _number("samples", msg.samples, 0, 1 << 62)
+
+
+async def replace(old: Any, w: int, counts: collections.Counter[str], where: str) -> None:
+    """A new connection with worker id ``w`` takes the session over: the old one is told why
+    (ERROR ``replaced``) and closed. A worker that gets it stops rather than reconnecting, so two
+    processes started with one id do not evict each other without end."""
+    counts[REPLACED] += 1
+    log.warning("%s: worker %d connected again; its connection from %s is replaced", where, w,
+                old.peername)
+    await old.send_error(REPLACED, f"another connection with worker id {w} took this session "
+                         "over (is a second worker running with this id?)")
+    await old.close()
+
+
+def unexpected(msg: Any, role: str) -> RemoteProtocolError:
+    """The error for a message kind this role may not send here."""
+    return RemoteProtocolError(f"{type(msg).__name__.upper()} not allowed from a {role} here",
+                               got=type(msg).__name__)
+
+
+async def reject(ch: Any, exc: Exception, counts: collections.Counter[str], where: str) -> None:
+    """Tell the peer why (ERROR), log and count it; the caller then closes the connection."""
+    code = "clock" if isinstance(exc, ssp.ClockError) else "invalid"
+    counts[code] += 1
+    _counted.note(f"{where}: rejected", f"{ch.peername}: {exc} (expected "
+                  f"{getattr(exc, 'expected', None)}, got {getattr(exc, 'got', None)!r})")
+    await ch.send_error(code, str(exc))
+
