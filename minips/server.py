@@ -53,11 +53,18 @@ from minips.net.channel import Channel
 from minips.run import checkpoint
 from minips.run.config import ServerConfig, check_bind, format_address, server_ssl
 from minips.run.metrics import RunDir
-from minips.serve import client_sessions, group_sessions, run_end, server_checkpoint, server_groups
+from minips.serve import (
+    client_sessions,
+    group_sessions,
+    run_end,
+    server_checkpoint,
+    server_groups,
+    validation,
+)
 from minips.serve.group import GroupServer
 from minips.serve.inproc_group import InProcGroup
 from minips.serve.server_io import ServerIO, send_quiet
-from minips.wire import protocol, validation
+from minips.wire import protocol
 from minips.wire.messages import Hello
 
 __all__ = ["GlobalServer", "GroupHandle", "InProcGroup", "InProcLink", "WorkerEntry"]

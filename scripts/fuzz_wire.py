@@ -27,8 +27,9 @@ with atheris.instrument_imports():
     import numpy as np
 
     from minips.errors import RemoteProtocolError
+    from minips.serve import validation
     from minips.wire import protocol as p
-    from minips.wire import sparse_codec, validation
+    from minips.wire import sparse_codec
 
 N = 61_706  # LeNet-5's parameters: the size gradients are decoded against
 LIMITS = p.Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # small, to keep runs fast

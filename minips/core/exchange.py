@@ -216,7 +216,7 @@ def _zero() -> dict[str, Any]:
     return {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
 
 
-def push_message(delta: Delta, stats: dict[str, Any]) -> Any:
+def push_message(delta: Delta, stats: dict[str, Any]) -> protocol.Exchange:
     """The EXCHANGE that carries one exchange of a group to the global server: ``delta``
     (dense or sparse) and the group's counters as its fields (a clock of None: -1, none;
     counters the message has no field for stay home)."""
@@ -226,6 +226,6 @@ def push_message(delta: Delta, stats: dict[str, Any]) -> Any:
     return protocol.Exchange(**counters, encoding=encoding, codec=codec, buffers=tuple(buffers))
 
 
-def wire_size(msg: Any) -> int:
+def wire_size(msg: protocol.Message) -> int:
     """Bytes ``msg`` takes on the wire (its frame: header and buffers, no TLS)."""
     return sum(memoryview(b).nbytes for b in protocol.encode(msg))

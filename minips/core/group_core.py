@@ -97,7 +97,7 @@ class GroupCore:
         self.members.add(w)
         self.table.join(w, now, 0)
 
-    def refusal(self, hello: Any) -> str:
+    def refusal(self, hello: protocol.Hello) -> str:
         """Why a HELLO may not open a session with this group ("": it may)."""
         if hello.role != "worker":
             return f"group server {self.group} accepts workers only"
@@ -143,7 +143,7 @@ class GroupCore:
 
     # -- gradients --------------------------------------------------------------------------
 
-    def push(self, w: int, msg: Any, now: float) -> list[Action]:
+    def push(self, w: int, msg: protocol.Push, now: float) -> list[Action]:
         """Decode, account and apply (or queue, in BSP) one PUSH of worker ``w`` (a member of
         the table): its ACK; ``Wake`` when the lowest clock moved (only that can release a
         held PULL); ``StartExchange`` every ``sync_every`` pushes."""
@@ -164,7 +164,7 @@ class GroupCore:
             actions.append(StartExchange())
         return actions
 
-    def _count(self, msg: Any) -> None:
+    def _count(self, msg: protocol.Push) -> None:
         self.xchg.count(msg.samples, msg.step_time, msg.loss)
         self.counters["pushes"] += 1
         self.counters["samples"] += msg.samples

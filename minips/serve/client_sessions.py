@@ -24,8 +24,9 @@ from minips import sparse
 from minips.core.roster import WorkerEntry
 from minips.errors import RemoteProtocolError
 from minips.net.channel import Channel
+from minips.serve import validation
 from minips.serve.server_io import ServerIO
-from minips.wire import protocol, validation
+from minips.wire import protocol
 
 __all__ = ["worker_session", "evaluator_session", "initial_weights"]
 

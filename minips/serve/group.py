@@ -24,10 +24,12 @@ from minips.core.group_actions import Action, AllLeft, BudgetSpent, Reply, Start
 from minips.core.group_core import GroupCore
 from minips.errors import AuthError, RemoteProtocolError
 from minips.net import transport
+from minips.net.channel import Channel
 from minips.run.config import RunConfig
 from minips.run.metrics import JsonlWriter
+from minips.serve import validation
 from minips.serve.once_per_turn import OncePerTurn
-from minips.wire import protocol, validation
+from minips.wire import protocol
 
 __all__ = ["ExchangeResult", "GroupLink", "GroupServer"]  # the first two: from exchange.py
 
@@ -45,7 +47,7 @@ class GroupServer(GroupCore):
                  writer: JsonlWriter | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.writer, self.clock = writer, clock
-        self.channels: dict[int, Any] = {}  # worker id -> its open connection
+        self.channels: dict[int, Channel] = {}  # worker id -> its open connection
         self._closed_bytes = {"bytes_in": 0, "bytes_out": 0}  # traffic of closed connections
         self._changed = asyncio.Event()  # set whenever a waiting PULL may have become answerable
         self.ready = asyncio.Event()  # set once the group has its weights (setup)
@@ -71,16 +73,16 @@ class GroupServer(GroupCore):
     def load_state_dict(self, state: dict[str, Any], now: float | None = None) -> None:
         super().load_state_dict(state, self.clock() if now is None else now)
 
-    def on_push(self, w: int, msg: Any) -> Any:
+    def on_push(self, w: int, msg: protocol.Push) -> protocol.Ack:
         """One PUSH of worker ``w`` (``GroupCore.push``): return its ACK."""
-        return self._perform(self.push(w, msg, self.clock()))
+        return _ack(self._perform(self.push(w, msg, self.clock())))
 
     def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:
         """A new global server holds this group's exchanges up to seq ``held``
         (``GroupCore.rebase``)."""
         self._perform(self.rebase(weights, link, held))
 
-    def _perform(self, actions: list[Action]) -> Any:
+    def _perform(self, actions: list[Action]) -> protocol.Message | None:
         """Do what the core asked, in order; return its reply to the worker (None if none)."""
         reply = None
         for a in actions:
@@ -188,13 +190,13 @@ class GroupServer(GroupCore):
         self._spawn(self._expire_loop())
         return self.port
 
-    def _accept(self, hello: Any) -> dict[str, Any]:
+    def _accept(self, hello: protocol.Hello) -> dict[str, Any]:
         refused = self.refusal(hello)
         if refused:
             raise AuthError(refused)
         return {"group": self.group}
 
-    async def handle(self, ch: Any) -> None:
+    async def handle(self, ch: Channel) -> None:
         """One worker connection, one request at a time (``_session``)."""
         await self.ready.wait()
         w = int(ch.worker_id)
@@ -203,7 +205,7 @@ class GroupServer(GroupCore):
             await validation.replace(old, w, self.rejected, f"group {self.group}")
         self.channels[w] = ch
         ch.start_heartbeat(self.run.heartbeat_s)  # so the worker can tell we are still here
-        first = self._perform(self.join(w, self.clock()))  # the ACK with its starting clock
+        first = _ack(self._perform(self.join(w, self.clock())))  # the ACK with its starting clock
         try:
             await self._session(ch, w, first)
         except RemoteProtocolError as exc:
@@ -218,7 +220,7 @@ class GroupServer(GroupCore):
             self._closed_bytes["bytes_out"] += ch.bytes_sent
             await ch.close()
 
-    async def _session(self, ch: Any, w: int, first: Any) -> None:
+    async def _session(self, ch: Channel, w: int, first: protocol.Message) -> None:
         """One request at a time: the next message is not read before this one is answered, so
         a worker that sends ahead (a flood) waits on TCP, and its PUSH is taken only after the
         WEIGHTS it pulled went out (SSP holds it like any other worker)."""
@@ -247,7 +249,7 @@ class GroupServer(GroupCore):
         down = self._closed_bytes["bytes_out"] + sum(c.bytes_sent for c in self.channels.values())
         return {"bytes_in": up, "bytes_out": down}
 
-    async def _send_pull(self, ch: Any, w: int, since: int) -> int:
+    async def _send_pull(self, ch: Channel, w: int, since: int) -> int:
         """Answer a PULL once SSP allows; give up as soon as the connection closes meanwhile
         (the worker then leaves the group at once, not when its lease runs out). Returns the
         version the answer brought the worker to."""
@@ -268,7 +270,7 @@ class GroupServer(GroupCore):
             await ch.send(reply)
         return int(reply.version)
 
-    async def _send_push(self, ch: Any, w: int, msg: Any) -> None:
+    async def _send_push(self, ch: Channel, w: int, msg: protocol.Push) -> None:
         if w not in self.table:  # its lease expired while it was silent: rejoin and pull first
             await ch.send(protocol.Error(code="lease", reason=f"worker {w}: lease expired, "
                                          "reconnect and pull the current weights"))
@@ -299,3 +301,10 @@ class GroupServer(GroupCore):
             self.writer.write({"t": time.time() - self.run.t0, "event": event, "group": self.group,
                                **fields, "version": self.version, **self.counters,
                                **self.traffic()})
+
+
+def _ack(reply: protocol.Message | None) -> protocol.Ack:
+    """The core's reply to a join or a PUSH, which is always an ACK."""
+    if not isinstance(reply, protocol.Ack):
+        raise RuntimeError(f"the group core answered with {reply!r}, not an ACK")
+    return reply

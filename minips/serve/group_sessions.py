@@ -28,8 +28,9 @@ from minips.core.roster import GroupHandle
 from minips.errors import ConfigError
 from minips.net.channel import Channel
 from minips.run.config import reachable
+from minips.serve import validation
 from minips.serve.server_io import ServerIO, send_quiet
-from minips.wire import protocol, validation
+from minips.wire import protocol
 
 __all__ = ["RemoteGroup", "external_group", "group_session"]
 

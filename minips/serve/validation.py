@@ -20,7 +20,9 @@ from typing import Any
 
 from minips.core import ssp
 from minips.errors import RemoteProtocolError
+from minips.net.channel import Channel
 from minips.net.logcounts import CountingLog
+from minips.wire import protocol
 
 __all__ = ["MAX_SAMPLES", "MAX_STEP_S", "REPLACED", "check_push", "check_push_order",
            "check_stats", "replace", "unexpected", "reject"]
@@ -39,7 +41,7 @@ def _number(name: str, value: Any, lo: float, hi: float) -> None:
         raise RemoteProtocolError(f"{name} out of range", expected=f"[{lo}, {hi}]", got=value)
 
 
-def check_push(msg: Any) -> None:
+def check_push(msg: protocol.Push) -> None:
     """A worker's PUSH counters: samples, step time, loss (the gradient is checked on decode)."""
     _number("samples", msg.samples, 0, MAX_SAMPLES)
     _number("step_time", msg.step_time, 0.0, MAX_STEP_S)
@@ -53,7 +55,7 @@ def check_push_order(pulled: int | None, clock: int) -> None:
                                   expected=None if pulled is None else pulled + 1, got=clock)
 
 
-def check_stats(msg: Any) -> None:
+def check_stats(msg: protocol.Stats) -> None:
     """A worker's STATS: a positive finite step time and a sample count. Its clock is not
     compared with the last one: it counts steps in the worker's current group, and starts
     again when the worker moves to another group or its group server restarts."""
@@ -61,7 +63,7 @@ def check_stats(msg: Any) -> None:
     _number("samples", msg.samples, 0, 1 << 62)
 
 
-async def replace(old: Any, w: int, counts: collections.Counter[str], where: str) -> None:
+async def replace(old: Channel, w: int, counts: collections.Counter[str], where: str) -> None:
     """A new connection with worker id ``w`` takes the session over: the old one is told why
     (ERROR ``replaced``) and closed. A worker that gets it stops rather than reconnecting, so two
     processes started with one id do not evict each other without end."""
@@ -73,13 +75,13 @@ async def replace(old: Any, w: int, counts: collections.Counter[str], where: str
     await old.close()
 
 
-def unexpected(msg: Any, role: str) -> RemoteProtocolError:
+def unexpected(msg: protocol.Message, role: str) -> RemoteProtocolError:
     """The error for a message kind this role may not send here."""
     return RemoteProtocolError(f"{type(msg).__name__.upper()} not allowed from a {role} here",
                                got=type(msg).__name__)
 
 
-async def reject(ch: Any, exc: Exception, counts: collections.Counter[str], where: str) -> None:
+async def reject(ch: Channel, exc: Exception, counts: collections.Counter[str], where: str) -> None:
     """Tell the peer why (ERROR), log and count it; the caller then closes the connection."""
     code = "clock" if isinstance(exc, ssp.ClockError) else "invalid"
     counts[code] += 1
