@@ -145,3 +145,13 @@ def test_the_public_api_is_explicit_and_light():
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) >= 10
+
+
+def test_pyproject_ships_every_subpackage():
+    """A non-editable install copies only the packages pyproject.toml lists."""
+    text = (ROOT / "pyproject.toml").read_text()  # no tomllib: Python 3.10 has none
+    block = re.search(r"^packages = \[(.*?)\]", text, re.S | re.M)
+    assert block, "pyproject.toml lists no packages"
+    listed = set(re.findall(r'"([\w.]+)"', block.group(1)))
+    present = {module_name(p) for p in PKG.rglob("__init__.py")}
+    assert listed == present, (sorted(present - listed), sorted(listed - present))
