@@ -51,6 +51,8 @@ _LAZY = {
     "summarize": "minips.run.metrics",
     "train_reference": "minips.ml.reference",
 }
+# public names whose attribute in their module is spelled differently
+_ATTR = {"train_reference": "train"}
 
 __all__ = [
     "MiniPSError",
@@ -73,10 +75,6 @@ def __getattr__(name: str) -> Any:
     value = module if name == "protocol" else getattr(module, _ATTR.get(name, name))
     globals()[name] = value
     return value
-
-
-# public names whose attribute in their module is spelled differently
-_ATTR = {"train_reference": "train"}
 
 
 def __dir__() -> list[str]:

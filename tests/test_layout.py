@@ -36,9 +36,8 @@ def imported(node: ast.AST, here: str, known: set[str]) -> set[str]:
                 out.add(alias.name)
     elif isinstance(node, ast.ImportFrom):
         base = node.module or ""
-        if node.level:
-            anchor = here.split(".")[: -node.level] if node.level else []
-            base = ".".join(anchor + ([base] if base else []))
+        if node.level:  # relative: from the module's package, up level - 1 more
+            base = ".".join(here.split(".")[: -node.level] + ([base] if base else []))
         if not base.startswith("minips"):
             return out
         for alias in node.names:
@@ -90,7 +89,7 @@ def test_the_cycle_finder_finds_a_loop_and_accepts_a_tree():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_the_graph_sees_type_checking_and_function_level_imports(tmp_path):
+def test_the_graph_sees_type_checking_and_function_level_imports():
     src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from minips.x import Y\n" \
           "def f():\n    from minips import z\n"
     edges: set[str] = set()
