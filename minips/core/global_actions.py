@@ -21,7 +21,7 @@ actions; the asyncio shell (``server.py``) performs them over real connections, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["Action", "AllFinal", "Done", "Fail", "FormGroups", "PlaceLate", "Regroup",
            "SendRatios", "WeightsReady"]
@@ -43,14 +43,14 @@ class PlaceLate:
 class Regroup:
     """Move workers: ``{worker: new group}`` (group ids matched to the old ones)."""
 
-    assignment: dict[int, int] = field(default_factory=dict)
+    assignment: dict[int, int]
 
 
 @dataclass(frozen=True)
 class SendRatios:
     """GDTopK's new ratios ``{group: ratio}``, to deliver to the groups and their workers."""
 
-    ratios: dict[int, float] = field(default_factory=dict)
+    ratios: dict[int, float]
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,12 @@ from minips.core import global_actions
 from minips.core.global_core import GlobalCore
 from minips.core.group_actions import Action, AllLeft, BudgetSpent, Log, Reply, StartExchange, Wake
 from minips.core.group_core import GroupCore
+from minips.core.group_peer import NoGroup
 from minips.run.config import RunConfig
 from minips.run.rundir import RunDir
 from minips.sim.sim_config import SimConfig
 
-__all__ = ["SimGroup", "SimGlobal"]
+__all__ = ["SimGlobal", "SimGroup", "SimPeer"]
 
 
 class Host(Protocol):
@@ -101,8 +102,27 @@ class SimGroup(GroupCore):
                            "version": self.version, **self.counters, **self.traffic()})
 
 
+class SimPeer(NoGroup):
+    """A simulated group as the global core sees it (``group_peer.GroupPeer``): its ratio *is*
+    the group core's attribute, as an in-process group server's (``serve/inproc_group.py``);
+    its traffic is what its exchanges reported, as a group process's."""
+
+    def __init__(self, core: SimGroup) -> None:
+        self.core = core
+        super().__init__(core.ratio)
+
+    @property  # type: ignore[override]
+    def ratio(self) -> float:
+        return self.core.ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        self.core.ratio = value
+
+
 class SimGlobal(GlobalCore):
-    """The global core: GDTopK ratios go to the simulated groups, ``done`` releases them."""
+    """The global core: ``done`` releases the simulated groups (GDTopK's ratios are already in
+    them: ``SimPeer``)."""
 
     def __init__(self, sim: Host, weights: np.ndarray) -> None:
         self.sim = sim
@@ -111,12 +131,9 @@ class SimGlobal(GlobalCore):
                          wall=lambda: sim.run.t0 + sim.t)
 
     def perform(self, actions: list[global_actions.Action]) -> None:
-        """What the core decided (global_actions.py): new ratios, the end of the run."""
+        """What the core decided (global_actions.py): the end of the run."""
         for a in actions:
-            if isinstance(a, global_actions.SendRatios):
-                for g in a.ratios:  # as the global server's in-process groups read them
-                    self.sim.groups[g].ratio = self.groups[g].ratio
-            elif isinstance(a, global_actions.Done):
+            if isinstance(a, global_actions.Done):
                 for core in self.sim.groups.values():
                     core.done = True
                     self.sim.release(core)

@@ -42,7 +42,7 @@ from minips.core.exchange import wire_size
 from minips.core.roster import GroupHandle
 from minips.run import metrics
 from minips.sim.sim_config import SimConfig, per_worker
-from minips.sim.sim_cores import SimGlobal, SimGroup
+from minips.sim.sim_cores import SimGlobal, SimGroup, SimPeer
 from minips.sim.sim_objective import objective
 from minips.sim.sim_timing import Failure, Links, StepTimes
 from minips.wire import protocol
@@ -95,10 +95,10 @@ class Simulation:
         self.glob.roster.first_ratios(assignment, 0.0)
         for g in sorted(set(assignment.values())):
             members = sorted(w for w, h in assignment.items() if h == g)
-            self.glob.groups[g] = GroupHandle(g, f"sim:{g}", members=members,
-                                              ratio=self.glob.roster.ratio_of(g))
             self.groups[g] = SimGroup(self, g, members)
-            self.groups[g].ratio = self.glob.groups[g].ratio
+            self.glob.groups[g] = GroupHandle(g, f"sim:{g}", members=members,
+                                              ratio=self.glob.roster.ratio_of(g),
+                                              peer=SimPeer(self.groups[g]))
         self.glob.started_training = self.glob.wall()
         self.glob.log("groups", assignment={str(w): g for w, g in assignment.items()},
                       ratios={str(g): h.ratio for g, h in self.glob.groups.items()})
