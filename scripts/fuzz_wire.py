@@ -46,11 +46,9 @@ def seeds() -> list[bytes]:
     out = []
     for index in ("u32", "varint"):
         for value in ("f32", "f16"):
-            for lz4 in (False, True):
-                enc, codec, bufs = sparse_codec.encode_gradient(grad, value_dtype=value,
-                                                                index=index)
-                out.append(frame(p.Push(clock=3, encoding=enc, codec=codec, buffers=tuple(bufs)),
-                                 compress=lz4))
+            enc, codec, bufs = sparse_codec.encode_gradient(grad, value_dtype=value, index=index)
+            push = p.Push(clock=3, encoding=enc, codec=codec, buffers=tuple(bufs))
+            out += [frame(push, compress=lz4) for lz4 in (False, True)]
     enc, codec, bufs = sparse_codec.encode_gradient(rng.standard_normal(N).astype(np.float32))
     out.append(frame(p.Weights(version=1, encoding=enc, codec=codec, buffers=tuple(bufs),
                                group=2, waited_for=[1, 3], lead=1, min_clock=4)))

@@ -31,6 +31,7 @@ import numpy as np
 
 from minips.compress.sparse_select import kept_count
 from minips.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from minips.wire.fields import VALUE_TYPES
 from minips.wire.sparse_codec import SparseGrad, decode_gradient, encode_gradient
 
 if TYPE_CHECKING:
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["FP16_MAX", "WireSpec", "Compressor", "SparseCompressor", "as_float32"]
 
 FP16_MAX = 65504.0  # largest finite float16
-DTYPES = ("f32", "f16")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class WireSpec:
     dtype: str = "f32"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
+        if self.dtype not in VALUE_TYPES:  # the wire's value types
             raise ConfigError(f"value_dtype must be 'f32' or 'f16', got {self.dtype!r}")
 
     @property

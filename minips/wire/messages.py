@@ -205,8 +205,8 @@ MESSAGE_TYPES: dict[int, type[Message]] = {  # Kind (an int) -> class
                 Weights, Heartbeat, Leave, Error, Exchange, ExchangeReply, GlobalWeights,
                 InitWeights)
 }
-WITH_BUFFERS = frozenset({Kind.PUSH, Kind.WEIGHTS, Kind.EXCHANGE, Kind.EXCHANGE_REPLY,
-                          Kind.GLOBAL_WEIGHTS, Kind.INIT_WEIGHTS})  # frames that carry buffers
+WITH_BUFFERS = frozenset(  # frames that carry buffers: the kinds with a vector payload
+    kind for kind, cls in MESSAGE_TYPES.items() if "buffers" in cls.__dataclass_fields__)
 
 
 def meta_keys(kind: Kind) -> tuple[str, ...]:

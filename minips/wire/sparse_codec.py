@@ -115,8 +115,9 @@ def encode_gradient(
         wire = _VALUE_DTYPES["f16" if half else "f32"]  # little-endian on every host
         dense = np.ascontiguousarray(g, dtype=wire).ravel()
         return ("dense-f16" if half else "dense-f32"), codec, [dense]
-    ib = varint_encode(g.indices) if index == "varint" else g.indices.astype("<u4")
-    vb = g.values.astype(_VALUE_DTYPES[value_dtype])
+    # on a little-endian host the packet's own arrays, not copies (as for a dense vector)
+    ib = varint_encode(g.indices) if index == "varint" else g.indices.astype("<u4", copy=False)
+    vb = g.values.astype(_VALUE_DTYPES[value_dtype], copy=False)
     codec.update(k=g.nnz, index=index, value=value_dtype)
     return "sparse-v1", codec, [ib, vb]
 
