@@ -41,6 +41,24 @@ def test_a_gssp_simulation_writes_a_run_directory_that_the_summary_reads(tmp_pat
     assert s["mean_staleness"] is not None and s["sim_s"] > 0
 
 
+def test_gdtopk_workers_upload_at_their_groups_ratio(tmp_path: Path) -> None:
+    """The global core gives each group its GDTopK ratio; every worker compresses at it, as a
+    real worker does once ASSIGN tells it (slower-more: the slowest group keeps the most)."""
+    run = RunConfig(workers=8, mode="gssp", compressor="gdtopk", ratio=0.02, lr=0.02,
+                    lr_warmup=0, dataset="synthetic", epochs=100, base_step_s=0.04)
+    simulate(SimConfig(run=run, slowdowns=SLOW, dim=2000, max_pushes=800,
+                       out_dir=str(tmp_path), name="gdt"))
+    grouped = next(r for r in metrics.read_jsonl(tmp_path / "gdt" / "global.jsonl")
+                   if r["event"] == "groups")
+    ratios = {int(g): r for g, r in grouped["ratios"].items()}
+    assert len(set(ratios.values())) > 1  # the groups were given different ratios
+    for w in range(8):
+        recs = metrics.read_jsonl(tmp_path / "gdt" / f"worker-{w}.jsonl")
+        group = recs[0]["group"]
+        assert recs[0]["ratio"] == ratios[group], (w, group, recs[0]["ratio"], ratios)
+    assert ratios[max(ratios)] > ratios[min(ratios)]
+
+
 def test_bsp_on_the_simulator_is_synchronous_sgd(tmp_path: Path) -> None:
     """Eight workers in BSP, dense: 25 rounds equal 25 SGD steps on the mean of the eight
     gradients, drawn from the same random streams (momentum and weight decay included)."""

@@ -185,6 +185,8 @@ class Simulation:
                                             self.objective.size)
         self.held[w] = msg.version
         wait_s = self.t - self.pulled_at[w]
+        if msg.ratio != self.comp[w].ratio:  # GDTopK: a real worker gets it by ASSIGN
+            self.comp[w].set_ratio(msg.ratio)
         step = self.steps.next(w, self.rngs[w])
         grad, loss = self.objective.gradient(w, copy, self.rngs[w])
         if self.cfg.real:  # LossComp's schedule follows the loss a real worker sees
