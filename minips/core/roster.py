@@ -206,10 +206,7 @@ class Roster:
         """Refresh each group's mean step time from its members' STATS; with GDTopK, the new
         ``{group: ratio}`` of every group with workers when the policy (rate limit, hysteresis)
         proposes new ones, now in the group handles; {} otherwise."""
-        for h in self.groups.values():
-            times = [t for w in h.members if (t := self.workers[w].step_time)]
-            if times:
-                h.step_time = float(np.mean(times))
+        self.refresh_step_times()
         if self.policy is None or not self.groups:
             return {}
         for g, h in self.groups.items():
@@ -218,6 +215,13 @@ class Roster:
         for g, r in (new or {}).items():
             self.groups[g].ratio = r
         return new or {}
+
+    def refresh_step_times(self) -> None:
+        """Each group's step time: the mean of its members' last reported ones."""
+        for h in self.groups.values():
+            times = [t for w in h.members if (t := self.workers[w].step_time)]
+            if times:
+                h.step_time = float(np.mean(times))
 
     def restore_regrouper(self) -> None:
         """After a resume: the Regrouper starts from the saved assignment, not from scratch."""
