@@ -86,6 +86,7 @@ class GlobalServer(GlobalCore):
         self._restored: dict[str, Any] | None = None  # checkpoint state to resume from
         self.server: transport.Server | None = None
         self.port = 0
+        self._ssl: Any = None  # the TLS context (start), shared with in-process group servers
         self.rundir = RunDir(cfg.run_dir, t0=self.run.t0)
         self.rundir.write_config(self.run.to_info())
         self.writer = self.rundir.writer("global")
@@ -96,9 +97,10 @@ class GlobalServer(GlobalCore):
         """Listen, start the grouping deadline (or reopen the checkpoint's groups); return the
         bound port. Refuses a non-loopback address without a secret unless ``insecure``."""
         check_bind(self.cfg.host, self.cfg.token, self.cfg.insecure)  # group servers' host too
-        ssl = server_ssl(self.cfg.tls_cert, self.cfg.tls_key)
+        self._ssl = server_ssl(self.cfg.tls_cert, self.cfg.tls_key)
         self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
-                                            accept=self._accept, handler=self._handle, ssl=ssl)
+                                            accept=self._accept, handler=self._handle,
+                                            ssl=self._ssl)
         self.port = int(self.server.port)
         server_checkpoint.clean(self.io)  # temp files of writes killed midway
         if self._restored is not None:
@@ -196,8 +198,7 @@ class GlobalServer(GlobalCore):
         gs = GroupServer(g, self.run, self.weights, InProcLink(self), members=members,
                          writer=writer)
         gs.ratio = self.roster.ratio_of(g)
-        port = await gs.serve(self.cfg.host, 0, self.cfg.token,
-                              server_ssl(self.cfg.tls_cert, self.cfg.tls_key))
+        port = await gs.serve(self.cfg.host, 0, self.cfg.token, self._ssl)
         # no host (":port"): "where you reached the global server"; the worker fills in the name
         # it dialled, so DNS names, NAT and TLS names work as they do for the global server
         address = format_address(self.cfg.advertise_host or "", port)

@@ -167,10 +167,18 @@ class Roster:
         self.add_member(g, entry.id)
         return g
 
-    def rehome(self, lost: int, live: set[int]) -> dict[int, int]:
+    def orphan(self, prefer: int) -> GroupHandle | None:
+        """A group no server serves, for a group process that connects after the grouping:
+        group ``prefer`` (its own) first, else the first in the roster; None when every group
+        has its server."""
+        orphans = [h for h in self.groups.values() if not h.peer.connected]
+        return min(orphans, key=lambda h: h.id != prefer, default=None)
+
+    def rehome(self, lost: int) -> dict[int, int]:
         """Move every member of group ``lost`` (its server is gone, no replacement came) to the
-        ``live`` group nearest in speed; return ``{worker: new group}`` (empty: nowhere to go)."""
-        times = {g: self.groups[g].step_time for g in live}
+        group with a connected server nearest in speed; return ``{worker: new group}`` (empty:
+        nowhere to go). Once they moved, ``lost`` no longer holds the end of the run (final)."""
+        times = {g: h.step_time for g, h in self.groups.items() if h.peer.connected}
         if not times:
             return {}
         moved = {}
@@ -179,6 +187,8 @@ class Roster:
             self.move(w, g)
             self.regrouper.assignment[w] = g
             moved[w] = g
+        if moved:
+            self.groups[lost].final = True
         return moved
 
     def first_ratios(self, assignment: dict[int, int], now: float) -> None:
@@ -206,10 +216,7 @@ class Roster:
         """Refresh each group's mean step time from its members' STATS; with GDTopK, the new
         ``{group: ratio}`` of every group with workers when the policy (rate limit, hysteresis)
         proposes new ones, now in the group handles; {} otherwise."""
-        for h in self.groups.values():
-            times = [t for w in h.members if (t := self.workers[w].step_time)]
-            if times:
-                h.step_time = float(np.mean(times))
+        self.refresh_step_times()
         if self.policy is None or not self.groups:
             return {}
         for g, h in self.groups.items():
@@ -218,6 +225,13 @@ class Roster:
         for g, r in (new or {}).items():
             self.groups[g].ratio = r
         return new or {}
+
+    def refresh_step_times(self) -> None:
+        """Each group's step time: the mean of its members' last reported ones."""
+        for h in self.groups.values():
+            times = [t for w in h.members if (t := self.workers[w].step_time)]
+            if times:
+                h.step_time = float(np.mean(times))
 
     def restore_regrouper(self) -> None:
         """After a resume: the Regrouper starts from the saved assignment, not from scratch."""

@@ -57,14 +57,14 @@ class Server:
     over a cap or in back-off are closed at once, unread. Refusals are logged as counts."""
 
     def __init__(self, accept: Accept, handler: Handler, token: str | bytes | None,
-                 options: Options, guard: g.Guard | None = None) -> None:
+                 options: Options) -> None:
         self.accept, self.handler, self.token, self.options = accept, handler, token, options
         self.host, self.port = "", 0
         self.channels: set[Channel] = set()
         self.stats = collections.Counter({k: 0 for k in (
             "connections", "accepted", "refused", "protocol_errors", "limit_exceeded",
             "read_timeouts", "handshake_timeouts", "handler_errors", "turned_away")})
-        self.guard = guard or g.Guard()
+        self.guard = g.Guard(options.guard)
         self.counted = CountingLog(log)  # refusals, as counts
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -191,7 +191,7 @@ async def serve(host: str, port: int, *, accept: Accept, handler: Handler,
     ``token`` defaults to $MINIPS_TOKEN; with one set, clients without it are refused.
     """
     options = options or Options()
-    server = Server(accept, handler, token, options, g.Guard(options.guard))
+    server = Server(accept, handler, token, options)
 
     def factory() -> FrameProtocol:
         proto = FrameProtocol(p.Connection(p.Side.SERVER, alloc=options.alloc,

@@ -11,7 +11,8 @@ handshake failed is aborted.
 
 Public API:
 - ``install_uvloop() -> bool``: use uvloop's event loop policy where it imports.
-- ``Channel`` (channel.py), ``Options`` and the timeout / queue constants (frame_protocol.py).
+- ``Channel`` (channel.py), ``Options`` and the socket sizes ``SOCKET_BUFFER_BYTES`` /
+  ``WRITE_BYTES`` (frame_protocol.py, which also holds the timeout and queue constants).
 - ``async connect(host, port, *, role, worker_id, token, timeout, retries, ssl, ...) -> Channel``
   raises ``AuthError`` on REFUSE, ``ConnectionError`` when unreachable within ``timeout``.
 - ``async serve(host, port, *, accept, handler, token, ssl, options) -> Server``:
@@ -37,25 +38,14 @@ import ssl as ssl_module
 from minips.errors import AuthError
 from minips.net import net_retry
 from minips.net.channel import Channel
-from minips.net.endpoints import TOKEN_ENV, shared_secret
-from minips.net.frame_protocol import (
-    HANDSHAKE_TIMEOUT_S,
-    MAX_QUEUED,
-    MAX_QUEUED_BYTES,
-    READ_TIMEOUT_S,
-    SEND_TIMEOUT_S,
-    SOCKET_BUFFER_BYTES,
-    WRITE_BYTES,
-    FrameProtocol,
-    Options,
-)
+from minips.net.endpoints import shared_secret
+from minips.net.frame_protocol import SOCKET_BUFFER_BYTES, WRITE_BYTES, FrameProtocol, Options
 from minips.net.tcp_server import Server, serve
 from minips.wire import protocol as p
 
 __all__ = [
-    "READ_TIMEOUT_S", "SEND_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "MAX_QUEUED", "MAX_QUEUED_BYTES",
-    "SOCKET_BUFFER_BYTES", "WRITE_BYTES", "TOKEN_ENV", "install_uvloop", "Options", "Channel",
-    "Server", "connect", "serve",
+    "SOCKET_BUFFER_BYTES", "WRITE_BYTES", "install_uvloop", "Options", "Channel", "Server",
+    "connect", "serve",
 ]
 
 

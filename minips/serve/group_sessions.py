@@ -116,11 +116,9 @@ async def _rehome_later(io: ServerIO, handle: GroupHandle, wait: float) -> None:
     core = io.core
     if handle.peer.connected or core.done:  # adopted meanwhile, or over
         return
-    live = {g for g, h in core.groups.items() if h.peer.connected}
-    moved = core.roster.rehome(handle.id, live)
+    moved = core.roster.rehome(handle.id)  # the empty group no longer holds the end of the run
     if not moved:
         return  # no live group: a replacement may still come
-    handle.final = True
     core.log("rehomed", group=handle.id, moved={str(w): g for w, g in moved.items()})
     log.warning("group %d: no group server took it over in %.0f s; its workers %s moved to "
                 "group(s) %s", handle.id, wait, sorted(moved), sorted(set(moved.values())))
@@ -132,13 +130,11 @@ async def _adopt(io: ServerIO, ch: Channel) -> GroupHandle | None:
     """Give a (re)started group process the group no server serves (its own first)."""
     core = io.core
     assert ch.peer_hello is not None
-    orphans = sorted((h for h in core.groups.values() if not h.peer.connected),
-                     key=lambda h: h.id != ch.peer_hello.group)  # type: ignore[union-attr]
-    if not orphans:
+    handle = core.roster.orphan(ch.peer_hello.group)
+    if handle is None:
         await ch.send_error("refused", f"every one of the run's {len(core.groups)} groups "
                             "already has a group server")
         return None
-    handle = orphans[0]
     handle.peer = RemoteGroup(ch, handle.ratio, handle.peer.traffic())
     handle.address = _address(ch)
     await ch.send(core.assign_message(handle))

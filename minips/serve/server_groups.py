@@ -13,8 +13,6 @@ import asyncio
 import time
 from typing import Any
 
-import numpy as np
-
 from minips.core import global_state
 from minips.core.roster import GroupHandle, WorkerEntry
 from minips.serve import server_checkpoint
@@ -27,13 +25,12 @@ async def form_groups(io: ServerIO) -> None:
     """The first grouping: open each group, tell every worker its group, start the budgets."""
     core = io.core
     await io.weights_ready.wait()
-    times = core.roster.step_times()
     assignment = core.roster.first_assignment()
     core.roster.first_ratios(assignment, time.monotonic())  # open_group takes ratio_of(g)
     for g in sorted(set(assignment.values())):
         members = sorted(w for w, gg in assignment.items() if gg == g)
         core.groups[g] = await io.open_group(g, members)
-        core.groups[g].step_time = float(np.mean([times[w] for w in members]))
+    core.roster.refresh_step_times()
     core.started_training = time.time()
     for w, g in assignment.items():  # before groups_opened: place_late skips them
         core.workers[w].group = g
