@@ -205,7 +205,7 @@ class Simulation:
 
     def push_arrives(self, w: int, push: protocol.Push, record: dict[str, Any]) -> None:
         core = self.groups[self.group_of[w]]
-        core.bytes["bytes_in"] += wire_size(push)
+        core.bytes["bytes_in"] += record["bytes_wire"]  # wire_size(push), counted once sent
         ack = core.perform(core.push(w, push, self.t))
         core.bytes["bytes_out"] += SMALL
         self.pushes += 1
