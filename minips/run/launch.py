@@ -20,8 +20,7 @@ summary; SIGTERM does the same (status "terminated"). No child outlives ``run_lo
 launcher's death by any signal, SIGKILL included (``lifeline.py``: each child watches it).
 
 The child processes are managed by ``cluster.Cluster``, the progress line is progress.py, and
-`minips server`'s process is server_process.py (``run_server``, ``serve_run``); the names are
-re-exported here.
+`minips server`'s process is server_process.py (``run_server``, ``serve_run``).
 """
 
 from __future__ import annotations
@@ -44,11 +43,8 @@ from minips.net import links
 from minips.run import metrics
 from minips.run.cluster import Cluster, WorkersFailed
 from minips.run.config import LaunchConfig
-from minips.run.progress import ProgressLine
-from minips.run.server_process import run_server, serve_run
 
-__all__ = ["Cluster", "ProgressLine", "Terminated", "WorkersFailed", "run_local", "make_run_dir",
-           "write_init", "serve_run", "run_server"]
+__all__ = ["Cluster", "Terminated", "WorkersFailed", "run_local", "make_run_dir", "write_init"]
 
 
 class Terminated(MiniPSError):
