@@ -54,8 +54,7 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
     ds = data.load_dataset(run.dataset, "train", cfg.data_dir or run.data_dir)
     provenance.record(cfg.run_dir, f"worker-{worker_id}", ds.meta)
     shard = data.shard_indices(len(ds), worker_id, run.workers, run.seed)
-    size = sum(p.numel() for p in model.parameters())
-    compressor = device_compressor(run.worker_compressor(size, worker_id), dev,
+    compressor = device_compressor(run.worker_compressor(trainer.size, worker_id), dev,
                                    on_device=cfg.compress_on_device)
     run_dir = RunDir(cfg.run_dir, t0=run.t0)
     info = {"worker": worker_id, **device.describe(dev, cfg.amp),
