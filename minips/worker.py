@@ -90,15 +90,6 @@ class Worker:
         self.held = -1  # their version on the current group connection; -1: none
         self.writer: JsonlWriter | None = None  # set up once WELCOME told the run config
 
-    @property
-    def done(self) -> bool:
-        """Whether the run is over (for this worker)."""
-        return self.control.done
-
-    @done.setter
-    def done(self, value: bool) -> None:
-        self.control.done = value
-
     # -- setup -------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -159,7 +150,7 @@ class Worker:
     # -- training ----------------------------------------------------------------------------
 
     async def _train(self) -> None:
-        while not self.done:
+        while not self.control.done:
             ch = await self._connect_group()
             if ch is None:
                 return
@@ -191,7 +182,7 @@ class Worker:
         told = ""  # the address whose failure was reported (once each, not every retry)
 
         async def attempt(left: float) -> Channel | None:
-            if self.done:
+            if self.control.done:
                 return None
             # no host (an in-process group server): the one we reached the global server at
             address = reachable(self.control.address(), self.cfg.server_host)
@@ -216,16 +207,16 @@ class Worker:
     async def _loop(self, link: Link, address: str) -> None:
         """Steps on one group server until done, the cap, or a new group address."""
         cap = self.run_cfg.max_steps
-        while not self.done and address == self.control.address():
+        while not self.control.done and address == self.control.address():
             if cap and self.clock >= cap:
-                self.done = True
+                self.control.done = True
                 return
             t = time.monotonic()
             await link.send(protocol.Pull(clock=self.clock, since=self.held))
             w = await link.expect(protocol.Weights)
             wait_s = time.monotonic() - t
             if w.done:
-                self.done = True
+                self.control.done = True
                 return
             t_step = time.perf_counter()
             info = self._load(w)

@@ -57,16 +57,15 @@ def run_real(out: Path, epochs: float) -> Path:
     return out / "real"
 
 
-def worker_records(run_dir: Path, n: int) -> list[list[dict[str, Any]]]:
-    return [[r for r in metrics.read_jsonl(run_dir / f"worker-{w}.jsonl") if "clock" in r]
-            for w in range(n)]
+def worker_records(run: metrics.Run, n: int) -> list[list[dict[str, Any]]]:
+    """Each worker's pushes (its records with a clock)."""
+    return [[r for r in run.workers.get(w, []) if "clock" in r] for w in range(n)]
 
 
-def calibration(run_dir: Path, n: int) -> dict[str, Any]:
+def calibration(run: metrics.Run, n: int) -> dict[str, Any]:
     """Step traces, medians and the one-way latency measured in the real run."""
-    start = next(r["t"] for r in metrics.read_jsonl(run_dir / "global.jsonl")
-                 if r.get("event") == "groups")
-    recs_all = worker_records(run_dir, n)
+    start = run.start_t  # the groups event: training starts
+    recs_all = worker_records(run, n)
     pushes = [r["push_s"] for recs in recs_all for r in recs if "push_s" in r]
     lat = float(np.median(pushes)) / 2 if pushes else 0.0
     traces = []
@@ -80,10 +79,10 @@ def calibration(run_dir: Path, n: int) -> dict[str, Any]:
             "latency_s": lat}
 
 
-def group_clocks(run_dir: Path, n: int) -> dict[str, int]:
+def group_clocks(run: metrics.Run, n: int) -> dict[str, int]:
     """Each group's highest final worker clock (groups as the workers' last records say)."""
     out: dict[str, int] = {}
-    for recs in worker_records(run_dir, n):
+    for recs in worker_records(run, n):
         if recs:
             g = str(recs[-1]["group"])
             out[g] = max(out.get(g, 0), int(recs[-1]["clock"]))
@@ -97,13 +96,14 @@ def accuracy_at(evals: list[dict[str, Any]], samples: list[float]) -> list[float
 
 def compare(real_dir: Path, sim_dir: Path, n: int) -> dict[str, Any]:
     real_s, sim_s = metrics.summarize(real_dir), metrics.summarize(sim_dir)
-    rc, sc = group_clocks(real_dir, n), group_clocks(sim_dir, n)
+    real, sim = metrics.load_run(real_dir), metrics.load_run(sim_dir)
+    rc, sc = group_clocks(real, n), group_clocks(sim, n)
     clock_err = {g: abs(sc.get(g, 0) - c) / max(1, c) for g, c in rc.items()}
     rst, sst = real_s["mean_staleness"] or 0.0, sim_s["mean_staleness"] or 0.0
-    evals = [e for e in metrics.read_jsonl(real_dir / "eval.jsonl") if "accuracy" in e]
+    evals = [e for e in real.eval if "accuracy" in e]
     samples = [float(e["samples"]) for e in evals if e["samples"] > 0]
     real_acc = [float(e["accuracy"]) for e in evals if e["samples"] > 0]
-    sim_acc = accuracy_at(metrics.read_jsonl(sim_dir / "eval.jsonl"), samples)
+    sim_acc = accuracy_at(sim.eval, samples)
     gap = [100 * (s - r) for s, r in zip(sim_acc, real_acc, strict=True)]
     late = [g for x, g in zip(samples, gap, strict=True) if x >= samples[-1] / 2]
     return {
@@ -134,8 +134,9 @@ def main() -> None:
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="minips-compare-"))
     real_dir = args.real or run_real(out, args.epochs)
-    run = RunConfig.from_info(json.loads((real_dir / "config.json").read_text()))
-    cal = calibration(real_dir, run.workers)
+    real = metrics.load_run(real_dir)
+    run = RunConfig.from_info(real.config)
+    cal = calibration(real, run.workers)
     report: dict[str, Any] = {"real_run": str(real_dir), "epochs": run.epochs,
                               "latency_s": round(cal["latency_s"], 5),
                               "step_medians_s": [round(m, 4) for m in cal["medians"]]}

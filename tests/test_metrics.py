@@ -149,7 +149,7 @@ def test_summary_and_progress_line_say_whether_the_data_was_real(tmp_path, capsy
     from minips.ml import data
     from minips.run import provenance
     from minips.run.config import LaunchConfig
-    from minips.run.launch import ProgressLine
+    from minips.run.progress import ProgressLine
 
     real = {"name": "fashion-mnist", "split": "train", "synthetic": False, "source": "/d"}
     stand_in = data.load_dataset("fashion-mnist", "test", synthetic=True).meta
@@ -220,7 +220,7 @@ def test_hops_before_the_exchange_events_have_them_and_without_group_files(tmp_p
 
 def test_progress_line_shows_every_hop(tmp_path, capsys):
     from minips.run.config import LaunchConfig
-    from minips.run.launch import ProgressLine
+    from minips.run.progress import ProgressLine
 
     line = ProgressLine(make_hop_run(tmp_path), LaunchConfig())
     live = live_hop_bytes(tmp_path)

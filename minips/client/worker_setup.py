@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from minips import sparse
 from minips.compress.device_compress import DeviceCompressor, HostCompressor, device_compressor
 from minips.ml import data, device, models
 from minips.run import provenance
@@ -55,10 +54,8 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
     ds = data.load_dataset(run.dataset, "train", cfg.data_dir or run.data_dir)
     provenance.record(cfg.run_dir, f"worker-{worker_id}", ds.meta)
     shard = data.shard_indices(len(ds), worker_id, run.workers, run.seed)
-    size = sum(p.numel() for p in model.parameters())
-    host = sparse.make_compressor(run.compressor, size, ratio=run.ratio,
-                                  seed=run.seed * 1000 + worker_id, **run.compressor_opts)
-    compressor = device_compressor(host, dev, on_device=cfg.compress_on_device)
+    compressor = device_compressor(run.worker_compressor(trainer.size, worker_id), dev,
+                                   on_device=cfg.compress_on_device)
     run_dir = RunDir(cfg.run_dir, t0=run.t0)
     info = {"worker": worker_id, **device.describe(dev, cfg.amp),
             "compress_on_device": compressor.on_device}

@@ -73,7 +73,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    from minips.run.launch import run_server
+    from minips.run.server_process import run_server
 
     checks.check_host("--host", args.host)
     if not args.eval:  # --eval with --tls-cert is refused anyway (run_server says why)

@@ -69,6 +69,7 @@ def failures(text: str) -> list[Failure]:
 
 def command(args: argparse.Namespace, run: RunConfig) -> int:
     """Run the simulation; print its summary's headline as JSON."""
+    from minips.run.plot import plot_run
     from minips.sim.simulate import SimConfig, simulate
 
     if args.dim < 1 or args.max_pushes < 0:
@@ -93,17 +94,7 @@ def command(args: argparse.Namespace, run: RunConfig) -> int:
             "final_accuracy")
     headline = {k: summary.get(k) for k in keys}
     if not args.no_plot:
-        headline["plots"] = _plot(summary["run_dir"])
+        headline["plots"] = plot_run(summary["run_dir"], "minips simulate")
     json.dump(headline, sys.stdout)
     print()
     return 0
-
-
-def _plot(run_dir: str) -> list[str]:
-    """The charts `minips local` draws (none without matplotlib, the `plot` extra)."""
-    try:
-        from minips.run import plot
-    except ImportError as exc:
-        print(f"minips simulate: no plots ({exc})", file=sys.stderr)
-        return []
-    return [str(p) for p in plot.plot_runs([run_dir])]

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from minips.compress.registry import is_sparse
+from minips.compress.base import Compressor
+from minips.compress.registry import is_sparse, make_compressor
 from minips.core.optim import SCHEDULES
 from minips.core.sync import MODES, SyncPolicy, policy
 from minips.errors import ConfigError
@@ -154,6 +155,12 @@ class RunConfig:
         if self.down_ratio is not None:
             return self.down_ratio
         return self.ratio if is_sparse(self.compressor) else 1.0
+
+    def worker_compressor(self, size: int, worker: int) -> Compressor:
+        """The compressor worker ``worker`` builds for ``size`` coordinates (its seed:
+        ``seed * 1000 + worker``); worker_setup.py and the simulator both take it."""
+        return make_compressor(self.compressor, size, ratio=self.ratio,
+                               seed=self.seed * 1000 + worker, **self.compressor_opts)
 
     @property
     def fixed_groups(self) -> int:

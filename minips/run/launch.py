@@ -20,8 +20,7 @@ summary; SIGTERM does the same (status "terminated"). No child outlives ``run_lo
 launcher's death by any signal, SIGKILL included (``lifeline.py``: each child watches it).
 
 The child processes are managed by ``cluster.Cluster``, the progress line is progress.py, and
-`minips server`'s process is server_process.py (``run_server``, ``serve_run``); the names are
-re-exported here.
+`minips server`'s process is server_process.py (``run_server``, ``serve_run``).
 """
 
 from __future__ import annotations
@@ -44,11 +43,9 @@ from minips.net import links
 from minips.run import metrics
 from minips.run.cluster import Cluster, WorkersFailed
 from minips.run.config import LaunchConfig
-from minips.run.progress import ProgressLine
-from minips.run.server_process import run_server, serve_run
+from minips.run.plot import plot_run
 
-__all__ = ["Cluster", "ProgressLine", "Terminated", "WorkersFailed", "run_local", "make_run_dir",
-           "write_init", "serve_run", "run_server"]
+__all__ = ["Cluster", "Terminated", "WorkersFailed", "run_local", "make_run_dir", "write_init"]
 
 
 class Terminated(MiniPSError):
@@ -141,7 +138,7 @@ def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
     with contextlib.suppress(OSError, ValueError):  # the link of a --link run (link.json)
         summary["link"] = json.loads((run_dir / "link.json").read_text())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    pngs = _plot(run_dir) if cfg.plot and status != "terminated" else []
+    pngs = plot_run(run_dir, "minips local") if cfg.plot and status != "terminated" else []
     acc = summary.get("final_accuracy")
     print(f"minips local: {status} in {summary.get('wall_s') or 0:.1f} s, final accuracy "
           f"{acc if acc is None else round(acc, 4)} ({summary.get('data') or 'unknown'} data)"
@@ -150,12 +147,3 @@ def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
     for p in pngs:
         print(f"  plot:          {p}", file=sys.stderr, flush=True)
     return summary
-
-
-def _plot(run_dir: Path) -> list[str]:
-    try:
-        from minips.run import plot
-    except ImportError as exc:  # matplotlib is the `plot` extra
-        print(f"minips local: no plots ({exc})", file=sys.stderr)
-        return []
-    return [str(p) for p in plot.plot_runs([str(run_dir)])]

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import bisect
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from minips.run.metrics import Run, load_run, total_bytes_series
 
-__all__ = ["plot_runs", "DPI"]
+__all__ = ["plot_runs", "plot_run", "DPI"]
 
 DPI = 100  # keeps a chart around 30-80 KB
 SIZE = (7.0, 4.5)  # inches
@@ -189,3 +190,13 @@ def plot_runs(run_dirs: Iterable[str | os.PathLike[str]],
         written.append(_ratios_chart(run, label, out / f"{name}-ratios.png"))
         written.append(_workers_chart(run, label, out / f"{name}-workers.png"))
     return [p for p in written if p is not None]
+
+
+def plot_run(run_dir: str | os.PathLike[str], who: str) -> list[str]:
+    """The charts `minips local` and `minips simulate` draw at the end of a run: their paths,
+    or none (said on stderr, as ``who``) without matplotlib, the `plot` extra."""
+    try:
+        return [str(p) for p in plot_runs([run_dir])]
+    except ImportError as exc:
+        print(f"{who}: no plots ({exc})", file=sys.stderr)
+        return []

@@ -5,16 +5,16 @@ read from the tails of the run directory's files (redrawn in place on a terminal
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from minips.errors import MiniPSError
+from minips.ml.model_table import dataset_train_size
 from minips.run import metrics, provenance
 from minips.run.config import LaunchConfig
+from minips.run.rundir import tail_jsonl
 
 __all__ = ["ProgressLine"]
 
@@ -57,8 +57,6 @@ class ProgressLine:
 
 
 def _train_size(cfg: LaunchConfig) -> int:
-    from minips.ml.model_table import dataset_train_size
-
     try:
         return dataset_train_size(cfg.run.dataset, cfg.run.train_size)
     except MiniPSError:
@@ -67,17 +65,4 @@ def _train_size(cfg: LaunchConfig) -> int:
 
 def _last_record(path: Path) -> dict[str, Any]:
     """The last complete JSON line of a file ({} when none), reading only its tail."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
-            lines = f.read().splitlines()
-    except OSError:
-        return {}
-    for line in reversed(lines):
-        try:
-            rec = json.loads(line)
-            if isinstance(rec, dict):
-                return rec
-        except ValueError:
-            continue
-    return {}
+    return (tail_jsonl(path, 8192) or [{}])[-1]

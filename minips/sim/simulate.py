@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from minips import sparse
 from minips.core.downlink import apply_weights
 from minips.core.exchange import wire_size
 from minips.core.roster import GroupHandle
@@ -73,9 +72,7 @@ class Simulation:
         self.groups: dict[int, SimGroup] = {}
         self.group_of = self._assign(n_w)
         self.rngs = [np.random.default_rng(self.run.seed * 1000 + w) for w in range(n_w)]
-        self.comp = [sparse.make_compressor(self.run.compressor, size, ratio=self.run.ratio,
-                                            seed=self.run.seed * 1000 + w,
-                                            **self.run.compressor_opts) for w in range(n_w)]
+        self.comp = [self.run.worker_compressor(size, w) for w in range(n_w)]
         self.copy: list[np.ndarray | None] = [None] * n_w
         self.held = [-1] * n_w
         self.clock = [0] * n_w
@@ -207,7 +204,7 @@ class Simulation:
 
     def push_arrives(self, w: int, push: protocol.Push, record: dict[str, Any]) -> None:
         core = self.groups[self.group_of[w]]
-        core.bytes["bytes_in"] += wire_size(push)
+        core.bytes["bytes_in"] += record["bytes_wire"]  # wire_size(push), counted once sent
         ack = core.perform(core.push(w, push, self.t))
         core.bytes["bytes_out"] += SMALL
         self.pushes += 1
