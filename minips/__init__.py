@@ -41,11 +41,11 @@ _LAZY = {
     "Worker": "minips.worker",
     "run_worker": "minips.worker",
     # compression and grouping, usable from a user's own training loop
-    "make_compressor": "minips.sparse",
+    "make_compressor": "minips.compress.registry",
     "SparseGrad": "minips.sparse",
     "assign_groups": "minips.grouping",
     # the wire, for clients in other languages or tools
-    "protocol": "minips.wire.protocol",
+    "messages": "minips.wire.messages",
     # simulation, run directories, the reference trainer
     "simulate": "minips.sim.simulate",
     "summarize": "minips.run.metrics",
@@ -72,7 +72,7 @@ def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'minips' has no attribute {name!r}")
     module = importlib.import_module(_LAZY[name])
-    value = module if name == "protocol" else getattr(module, _ATTR.get(name, name))
+    value = module if name == "messages" else getattr(module, _ATTR.get(name, name))
     globals()[name] = value
     return value
 

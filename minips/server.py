@@ -3,7 +3,7 @@
 Split by concept: ``global_core.py`` holds the rules without IO (the weights, ``merge``, the
 grouping decisions, the budget, GDTopK's ratios, the checkpoint's state), ``roster.py`` who is
 in which group; ``GlobalServer`` is their asyncio shell: it feeds the core messages and ticks and
-performs the actions it returns (``global_actions.py``). The sessions are ``client_sessions.py``
+performs the actions it returns (``global_core.py``). The sessions are ``client_sessions.py``
 (workers' control channels, evaluators) and ``group_sessions.py`` (`minips group` processes),
 sharing ``server_io.ServerIO``; ``server_checkpoint.py`` writes the checkpoint files and
 ``run_end.py`` ends a run. A group's server is a ``group_peer.GroupPeer``: ``InProcGroup`` here,
@@ -43,16 +43,17 @@ from typing import Any
 
 import numpy as np
 
-from minips.core import global_actions as act
+from minips.core import global_core
 from minips.core.exchange import Delta, ExchangeResult
 from minips.core.global_core import GlobalCore
-from minips.core.roster import GroupHandle, WorkerEntry
+from minips.core.roster import GroupHandle
 from minips.errors import AuthError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
+from minips.net.endpoints import check_bind, format_address, server_ssl
 from minips.run import checkpoint
-from minips.run.config import ServerConfig, check_bind, format_address, server_ssl
-from minips.run.metrics import RunDir
+from minips.run.config import ServerConfig
+from minips.run.rundir import RunDir
 from minips.serve import (
     client_sessions,
     group_sessions,
@@ -64,10 +65,10 @@ from minips.serve import (
 from minips.serve.group import GroupServer
 from minips.serve.inproc_group import InProcGroup
 from minips.serve.server_io import ServerIO, send_quiet
-from minips.wire import protocol
+from minips.wire import messages
 from minips.wire.messages import Hello
 
-__all__ = ["GlobalServer", "GroupHandle", "InProcGroup", "InProcLink", "WorkerEntry"]
+__all__ = ["GlobalServer", "InProcLink"]
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 
@@ -164,24 +165,24 @@ class GlobalServer(GlobalCore):
 
     # -- the core's actions ------------------------------------------------------------------
 
-    def perform(self, actions: list[act.Action]) -> None:
-        """Do what the core decided (``global_actions.py``), in order."""
+    def perform(self, actions: list[global_core.Action]) -> None:
+        """Do what the core decided (``global_core.py``), in order."""
         for a in actions:
-            if isinstance(a, act.FormGroups):
+            if isinstance(a, global_core.FormGroups):
                 self.io.spawn(server_groups.form_groups(self.io))
-            elif isinstance(a, act.PlaceLate):
+            elif isinstance(a, global_core.PlaceLate):
                 self.io.spawn(server_groups.place_late(self.io, self.workers[a.worker]))
-            elif isinstance(a, act.Regroup):
+            elif isinstance(a, global_core.Regroup):
                 self.io.spawn(server_groups.regroup(self.io, a.assignment))
-            elif isinstance(a, act.SendRatios):
+            elif isinstance(a, global_core.SendRatios):
                 server_groups.send_ratios(self.io, a.ratios)
-            elif isinstance(a, act.WeightsReady):
+            elif isinstance(a, global_core.WeightsReady):
                 self.io.weights_ready.set()
-            elif isinstance(a, act.Done):
+            elif isinstance(a, global_core.Done):
                 self._on_done()
-            elif isinstance(a, act.AllFinal):
+            elif isinstance(a, global_core.AllFinal):
                 run_end.every_group_final(self.io)
-            elif isinstance(a, act.Fail):
+            elif isinstance(a, global_core.Fail):
                 run_end.fail(self.io, a.code, a.reason)
 
     async def _grouping_deadline(self) -> None:
@@ -210,7 +211,7 @@ class GlobalServer(GlobalCore):
             self.io.spawn(h.peer.finish())
         for entry in self.workers.values():
             if entry.ch is not None:
-                self.io.spawn(send_quiet(entry.ch, protocol.Leave(reason="done")))
+                self.io.spawn(send_quiet(entry.ch, messages.Leave(reason="done")))
         self.io.spawn(self._final_flush())
 
     async def _final_flush(self) -> None:
@@ -226,7 +227,7 @@ class GlobalServer(GlobalCore):
             ch.peer_hello is not None and ch.peer_hello.role == "evaluator"
             for ch in self.server.channels)
 
-    # -- checkpoints (global_state.py, server_checkpoint.py, docs/operations.md) --------------
+    # -- checkpoints (global_core.py, server_checkpoint.py, docs/operations.md) --------------
 
     @property
     def checkpoint_path(self) -> Path:

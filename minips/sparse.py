@@ -1,54 +1,428 @@
-"""Gradient compression: the one module the worker and the servers import for it.
+"""Gap + LEB128 coding of a sparse vector's indices (the ``varint`` index scheme of
+sparse.py), vectorised numpy: no Python loop runs per element.
 
-The worker builds a compressor with ``make_compressor`` and, every step, calls
-``compress(grad)`` then the compressor's ``encode`` (the wire encoding it declares) for the PUSH;
-a server calls ``decode_gradient`` on the PUSH and ``scatter_add`` / ``accumulate`` to apply it;
-the global server asks ``ratio_policy`` for GDTopK's per-group upload ratios. The code lives in:
+Gap ``g[0] = idx[0]``, ``g[i] = idx[i] - idx[i-1] - 1``, so an increasing sequence gives gaps
+>= 0 (a run of neighbours is a run of zero bytes); each gap is written in 7-bit groups, low
+group first, high bit set on every byte but the last (1 to 5 bytes per index; about 1.3 bytes
+at 1% density). Decoding trusts nothing: a bad buffer raises ``RemoteProtocolError``.
 
-- ``sparse_codec``: ``SparseGrad``, the wire encoding (delta + varint indices, f32/f16 values;
-  lz4 is the frame's) with full validation, ``scatter_add`` and ``accumulate``;
-- the package ``compress``: ``base`` (``Compressor``, error feedback, ``WireSpec``), one file per
-  compressor (``none``, ``fp16``, ``topk``, ``dgc``, ``randomk``, ``gdtopk``, ``losscomp``),
-  ``registry`` (``make_compressor``), ``sparse_select`` (sampled-threshold top-k) and ``ratios``
-  (GDTopK's ratio policy).
+Public API: ``varint_encode``, ``varint_decode``, ``MAX_VARINT_BYTES``.
 
-Invariants kept across them: no torch, no I/O, no clocks; sparse indices are uint32 strictly
-increasing; decoding raises ``RemoteProtocolError`` on any bad packet. docs/compression.md gives
-every rule, parameter and default, and the measured speed.
+The vector payload (gradients, deltas, weights): the data type, its wire encoding, and how a
+server applies it.
+
+A ``SparseGrad`` is ``indices`` (k,) uint32, strictly increasing (so sorted and unique),
+``values`` (k,) float32, and ``size``, the length of the dense vector it stands for. The value
+type on the wire (``f32``: 4 bytes, ``f16``: 2) is the encoder's ``value_dtype``: a compressor
+declares it (``compress.base.WireSpec``) and ``Compressor.encode`` passes it here.
+
+Wire format (the buffers of a message with a payload; ``encoding`` and the ``codec`` map travel
+in its msgpack header, ``fields.vector_codec`` checks the map's keys and types):
+
+- ``dense-f32`` / ``dense-f16``: one buffer, the whole vector, little-endian float32 / float16.
+  codec ``{}``.
+- ``sparse-v1``: two buffers, indices then values. codec ``{"k": k, "index": "varint" | "u32",
+  "value": "f32" | "f16"}``. ``varint``: gap coding then LEB128 (sparse.py); ``u32``: raw
+  little-endian uint32 indices.
+
+lz4 is one layer, the frame's (``protocol.encode(msg, compress=True)``, a buffer table codec):
+the payload itself is never compressed.
+
+Invariants: decoding trusts nothing. Every length, count, index, byte and float is checked and a
+bad packet raises ``RemoteProtocolError`` naming what was wrong; never an IndexError from numpy.
+Everything here is vectorised numpy: no Python loop runs per element.
+
+Fast selection of the largest entries of a score vector (sampled threshold, DGC style).
+
+``TopKSelector`` picks the k entries of largest magnitude of a float32 vector x (a gradient, or a
+non-negative score) in a few streaming passes instead of a full sort or partition, and without
+ever writing |x| out in full:
+
+1. sample ``s`` scores at random positions (s about 1024 / density, at most n / 8) and take the
+   sample quantile that should leave ``k * (1 + margin)`` entries above it;
+2. one pass ``|x| >= threshold``, computed in cache-sized chunks into a reused bool mask, then
+   ``np.flatnonzero`` gives the candidates, already sorted;
+3. too few candidates (< k): lower the threshold in proportion to the miss and go back to 2, at
+   most ``MAX_REFINES`` times, then fall back to one full partition (always correct);
+4. exact mode (``tolerance=0``): an exact partition among the candidates only (O(candidates),
+   about 1.15 k) keeps exactly k. Approximate (DGC) mode: the quantile aims at
+   ``k * (1 + max(tolerance / 2, 2 standard errors))`` and any count in
+   ``[k, k * (1 + tolerance)]`` is sent as is (no partition at all); more than that is trimmed to
+   exactly k.
+
+Invariants: the result is (k',) int64 indices, strictly increasing, and they are the k' largest
+magnitudes; exact mode gives k' == k, approximate mode k <= k' <= k * (1 + tolerance), so it never
+keeps less of the gradient than the exact top-k. Ties at the threshold are broken by position
+(lowest index first). Scratch buffers are kept between calls: a selector is built once per
+gradient size and reused every step.
 """
 
 from __future__ import annotations
 
-from minips.compress.base import Compressor, WireSpec
-from minips.compress.dgc import warmup_ratio
-from minips.compress.ratios import gdtopk_ratios
-from minips.compress.registry import COMPRESSORS, make_compressor, ratio_policy
-from minips.compress.sparse_select import TopKSelector, kept_count
-from minips.wire.sparse_codec import (
-    ENCODINGS,
-    SparseGrad,
-    accumulate,
-    average,
-    decode_gradient,
-    encode_gradient,
-    scatter_add,
-)
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from minips.errors import LocalProtocolError, RemoteProtocolError
+from minips.wire.messages import INDEX_SCHEMES, Invalid, vector_codec
 
 __all__ = [
-    "COMPRESSORS",
-    "ENCODINGS",
-    "Compressor",
+    "varint_encode",
+    "varint_decode",
+    "MAX_VARINT_BYTES",
     "SparseGrad",
-    "TopKSelector",
-    "WireSpec",
+    "ENCODINGS",
+    "encode_gradient",
+    "decode_gradient",
+    "scatter_add",
     "accumulate",
     "average",
-    "decode_gradient",
-    "encode_gradient",
-    "gdtopk_ratios",
+    "TopKSelector",
     "kept_count",
-    "make_compressor",
-    "ratio_policy",
-    "scatter_add",
-    "warmup_ratio",
 ]
+
+
+# -- varint: Gap + LEB128 coding of a sparse vector's indices (the ``varint`` index scheme of
+
+MAX_VARINT_BYTES = 5  # a uint32 needs at most ceil(32 / 7) = 5 groups of 7 bits
+
+
+def varint_encode(indices: np.ndarray) -> np.ndarray:
+    """Gap + LEB128 code of strictly increasing (k,) uint32 indices -> (m,) uint8 bytes."""
+    idx = indices.astype(np.uint32, copy=False)
+    if idx.size == 0:
+        return np.empty(0, np.uint8)
+    gaps = np.empty(idx.size, np.uint32)  # (k,) >= 0 for increasing input
+    gaps[0] = idx[0]
+    np.subtract(idx[1:], idx[:-1], out=gaps[1:])
+    gaps[1:] -= np.uint32(1)
+    nbytes = np.ones(idx.size, np.uint8)  # (k,) bytes per gap, 1..5
+    for j in range(1, MAX_VARINT_BYTES):
+        nbytes += gaps >= np.uint32(1 << (7 * j))
+    ends = np.cumsum(nbytes, dtype=np.int64)  # (k,) one past each gap's last byte
+    out = np.empty(int(ends[-1]), np.uint8)
+    # Byte j of every gap, then only the gaps that have a byte j + 1 (a shrinking subset:
+    # uint32 throughout, since mixing uint64 with Python ints goes through float64 and is slow).
+    group, nb, pos = gaps, nbytes, ends - nbytes
+    for j in range(MAX_VARINT_BYTES):
+        more = nb > j + 1  # (subset,) bool: another byte follows
+        out[pos + j] = (group & np.uint32(0x7F)).astype(np.uint8) | (more.view(np.uint8) << 7)
+        keep = np.flatnonzero(more)
+        if keep.size == 0:
+            break
+        group, nb, pos = group[keep] >> np.uint32(7), nb[keep], pos[keep]
+    return out
+
+
+def varint_decode(data: np.ndarray, k: int, size: int) -> np.ndarray:
+    """Inverse of ``varint_encode``; validates everything. Returns (k,) uint32 indices."""
+    ends = np.flatnonzero(data < 0x80)  # last byte of each varint
+    if ends.size != k or (k and ends[-1] != data.size - 1) or (k == 0 and data.size):
+        raise RemoteProtocolError(
+            "varint index buffer does not hold k whole numbers", expected=k, got=int(ends.size)
+        )
+    if k == 0:
+        return np.empty(0, np.uint32)
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lens = ends - starts + 1  # (k,) 1..5 if well formed
+    if int(lens.max()) > MAX_VARINT_BYTES or int(data[ends[lens == 5]].max(initial=0)) > 0x0F:
+        raise RemoteProtocolError("varint index larger than 32 bits")
+    payload = data & np.uint8(0x7F)  # (m,) uint8, the 7-bit groups
+    gaps = payload[starts].astype(np.uint32)  # (k,) low groups; < 2^32 checked above
+    sel = np.flatnonzero(lens > 1)  # the gaps with more groups, a shrinking subset
+    for j in range(1, MAX_VARINT_BYTES):
+        if sel.size == 0:
+            break
+        gaps[sel] |= payload[starts[sel] + j].astype(np.uint32) << np.uint32(7 * j)
+        sel = sel[lens[sel] > j + 1]
+    # idx[i] = sum of (gap + 1) up to i, minus 1; int64 holds k * 2^32.
+    idx = np.cumsum(gaps, dtype=np.int64) + np.arange(k, dtype=np.int64)  # (k,) increasing
+    if int(idx[-1]) >= size:
+        raise RemoteProtocolError("sparse index out of range", expected=size, got=int(idx[-1]))
+    return idx.astype(np.uint32)
+
+
+# -- sparse_codec: The vector payload (gradients, deltas, weights): the data type, its wire enco...
+
+ENCODINGS = ("dense-f32", "dense-f16", "sparse-v1")
+_VALUE_DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
+
+
+@dataclass(frozen=True)
+class SparseGrad:
+    """A sparse gradient: ``indices`` (k,) uint32 strictly increasing, ``values`` (k,) float32.
+
+    The constructor checks dtypes and shapes (O(1)); ``check()`` also checks order and range
+    (O(k)), which ``decode_gradient`` always does for data from the network.
+    """
+
+    indices: np.ndarray
+    values: np.ndarray
+    size: int
+
+    def __post_init__(self) -> None:
+        i, v = self.indices, self.values
+        if i.dtype != np.uint32 or v.dtype != np.float32 or i.ndim != 1 or i.shape != v.shape:
+            raise LocalProtocolError(
+                "SparseGrad needs (k,) uint32 indices and (k,) float32 values",
+                expected="uint32/float32 of one length",
+                got=f"{i.dtype}{i.shape}/{v.dtype}{v.shape}",
+            )
+        if self.size < 0 or i.size > self.size:
+            raise LocalProtocolError("SparseGrad has more entries than its size", got=self.size)
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indices.size)
+
+    def check(self) -> None:
+        """Raise LocalProtocolError unless indices are strictly increasing and < size."""
+        i = self.indices
+        if i.size and (int(i[-1]) >= self.size or np.any(i[1:] <= i[:-1])):
+            raise LocalProtocolError("SparseGrad indices not strictly increasing below size")
+
+    def to_dense(self) -> np.ndarray:
+        """(size,) float32 with the values at their indices and zeros elsewhere."""
+        out = np.zeros(self.size, dtype=np.float32)
+        out[self.indices] = self.values
+        return out
+
+    @staticmethod
+    def empty(size: int) -> SparseGrad:
+        return SparseGrad(np.empty(0, np.uint32), np.empty(0, np.float32), size)
+
+
+# ---------------------------------------------------------------------------- encode
+
+
+def encode_gradient(
+    g: SparseGrad | np.ndarray,
+    *,
+    value_dtype: str = "f32",
+    index: str = "varint",
+) -> tuple[str, dict[str, Any], list[Any]]:
+    """Encode a vector payload -> ``(encoding, codec, buffers)``.
+
+    A dense float16 array is sent as ``dense-f16`` whatever ``value_dtype`` says (the fp16
+    compressor already rounded it, with the error kept in its residual).
+    """
+    if value_dtype not in _VALUE_DTYPES or index not in INDEX_SCHEMES:
+        raise LocalProtocolError("unknown value dtype or index scheme", got=(value_dtype, index))
+    codec: dict[str, Any] = {}
+    if isinstance(g, np.ndarray):
+        half = g.dtype == np.float16 or value_dtype == "f16"
+        wire = _VALUE_DTYPES["f16" if half else "f32"]  # little-endian on every host
+        dense = np.ascontiguousarray(g, dtype=wire).ravel()
+        return ("dense-f16" if half else "dense-f32"), codec, [dense]
+    # on a little-endian host the packet's own arrays, not copies (as for a dense vector)
+    ib = varint_encode(g.indices) if index == "varint" else g.indices.astype("<u4", copy=False)
+    vb = g.values.astype(_VALUE_DTYPES[value_dtype], copy=False)
+    codec.update(k=g.nnz, index=index, value=value_dtype)
+    return "sparse-v1", codec, [ib, vb]
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+def _as_bytes(buf: Any) -> np.ndarray:
+    """Any bytes-like object -> (m,) uint8 view, without copying."""
+    try:
+        return np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8)
+    except (TypeError, ValueError) as exc:
+        raise RemoteProtocolError(f"buffer is not bytes-like: {type(buf).__name__}") from exc
+
+
+def _unpack(buffers: Sequence[Any], count: int) -> list[np.ndarray]:
+    """The ``count`` buffers as uint8 arrays (their lengths are checked by the caller)."""
+    if len(buffers) != count:
+        raise RemoteProtocolError("wrong number of buffers", expected=count, got=len(buffers))
+    return [_as_bytes(b) for b in buffers]
+
+
+def _values(data: np.ndarray, dtype: np.dtype, count: int, allow_nonfinite: bool) -> np.ndarray:
+    """(count,) float32 from raw bytes, length and finiteness checked."""
+    if data.size != count * dtype.itemsize:
+        raise RemoteProtocolError(
+            "value buffer has the wrong length", expected=count * dtype.itemsize, got=data.size
+        )
+    vals = data.view(dtype).astype(np.float32)
+    if not allow_nonfinite and not np.isfinite(vals).all():
+        raise RemoteProtocolError("gradient holds NaN or inf", got=int((~np.isfinite(vals)).sum()))
+    return vals
+
+
+def _decode_indices(data: np.ndarray, scheme: str, k: int, size: int) -> np.ndarray:
+    if scheme == "varint":
+        return varint_decode(data, k, size)
+    if data.size != 4 * k:
+        raise RemoteProtocolError("index buffer length is not 4 k", expected=4 * k, got=data.size)
+    idx = data.view("<u4").astype(np.uint32)
+    if k and int(idx.max()) >= size:
+        raise RemoteProtocolError("sparse index out of range", expected=size, got=int(idx.max()))
+    if k > 1 and bool(np.any(idx[1:] <= idx[:-1])):
+        raise RemoteProtocolError("sparse indices not strictly increasing")
+    return idx
+
+
+def decode_gradient(
+    encoding: str,
+    codec: dict[str, Any],
+    buffers: Sequence[Any],
+    size: int,
+    *,
+    allow_nonfinite: bool = False,
+) -> SparseGrad | np.ndarray:
+    """Decode and validate a PUSH payload for a model of ``size`` parameters.
+
+    Returns a (size,) float32 array for dense encodings, a checked ``SparseGrad`` otherwise.
+    Raises RemoteProtocolError on anything malformed.
+    """
+    try:
+        vector_codec(codec)  # keys and types; what depends on ``size`` is checked below
+    except Invalid as exc:
+        raise RemoteProtocolError(str(exc), got=codec) from None
+    if encoding in ("dense-f32", "dense-f16"):
+        dtype = _VALUE_DTYPES["f16" if encoding == "dense-f16" else "f32"]
+        (data,) = _unpack(buffers, 1)
+        return _values(data, dtype, size, allow_nonfinite)
+    if encoding != "sparse-v1":
+        raise RemoteProtocolError("unknown gradient encoding", expected=ENCODINGS, got=encoding)
+    k, scheme, value = codec.get("k"), codec.get("index"), codec.get("value")
+    if k is None or scheme is None or value is None or k > size:
+        raise RemoteProtocolError("sparse-v1 codec needs k <= size, index and value",
+                                  expected=size, got=codec)
+    vdtype = _VALUE_DTYPES[value]
+    ib, vb = _unpack(buffers, 2)
+    indices = _decode_indices(ib, scheme, k, size)
+    return SparseGrad(indices, _values(vb, vdtype, k, allow_nonfinite), size)
+
+
+# ---------------------------------------------------------------------------- apply
+
+
+def scatter_add(target: np.ndarray, sg: SparseGrad | np.ndarray, scale: float = 1.0) -> None:
+    """``target += scale * g`` in place; O(nnz) for a SparseGrad."""
+    if isinstance(sg, np.ndarray):
+        if sg.shape != target.shape:
+            raise LocalProtocolError("dense shape mismatch", expected=target.shape, got=sg.shape)
+        target += np.float32(scale) * sg if scale != 1.0 else sg
+        return
+    if sg.size != target.size:
+        raise LocalProtocolError("sparse gradient size mismatch", expected=target.size, got=sg.size)
+    # np.add.at: numpy >= 1.25 has a fast path for it (1.2 ms for 117k entries, fancy-index +=
+    # takes 3.3 ms as it converts the uint32 indices and gathers first).
+    np.add.at(target, sg.indices, np.float32(scale) * sg.values if scale != 1.0 else sg.values)
+
+
+def accumulate(grads: Sequence[SparseGrad], size: int) -> SparseGrad:
+    """Sum of sparse gradients as one SparseGrad; O(m log m) in the total nnz m, not O(size)."""
+    for g in grads:
+        if g.size != size:
+            raise LocalProtocolError("sparse gradient size mismatch", expected=size, got=g.size)
+    if not grads:
+        return SparseGrad.empty(size)
+    idx = np.concatenate([g.indices for g in grads])  # (m,) uint32, repeats across grads
+    vals = np.concatenate([g.values for g in grads])  # (m,) float32
+    uniq, inverse = np.unique(idx, return_inverse=True)  # uniq sorted unique (u,) uint32
+    sums = np.bincount(inverse.ravel(), weights=vals, minlength=uniq.size)  # (u,) float64
+    return SparseGrad(uniq.astype(np.uint32), sums.astype(np.float32), size)
+
+
+def average(grads: Sequence[SparseGrad | np.ndarray], size: int) -> SparseGrad | np.ndarray:
+    """Mean of one BSP round's gradients, dense or sparse: (size,) float32, or the gradient
+    itself when the round has just one."""
+    if len(grads) == 1:
+        return grads[0]
+    total = np.zeros(size, dtype=np.float32)  # (size,) float32: rounds mix dense and sparse
+    for g in grads:
+        scatter_add(total, g)
+    total /= np.float32(len(grads))
+    return total
+
+
+# -- sparse_select: Fast selection of the largest entries of a score vector (sampled threshold, ...
+
+SAMPLE_PER_DENSITY = 1024  # sample about this many entries above the threshold: ~3% count error
+MAX_SAMPLE = 1 << 18  # cap on the sample (random gathers cost ~10 ns each)
+MIN_SAMPLE = 4096
+EXACT_MARGIN_STDS = 4.0  # exact mode aims this many standard errors above k, so one pass suffices
+APPROX_MARGIN_STDS = 2.0  # approximate mode: at least this many (a miss below k costs a pass)
+MAX_REFINES = 3  # lower the threshold at most this many times before a full partition
+CHUNK = 1 << 18  # entries per |x| >= t chunk: 1 MiB of float32 stays in cache between the 2 ops
+# (measured: 2^18 takes 3.5 ms on 11.7M entries, whole-array abs + compare 5.8 ms, 2^13 7.5 ms)
+
+
+def kept_count(ratio: float, size: int) -> int:
+    """Number of entries a kept fraction means: round(ratio * size), at least 1 if ratio > 0."""
+    if ratio <= 0.0 or size == 0:
+        return 0
+    return min(size, max(1, int(round(ratio * size))))
+
+
+class TopKSelector:
+    """Reusable sampled-threshold top-k by magnitude over (n,) float32; see the module docstring."""
+
+    def __init__(self, size: int, seed: int = 0, *, tolerance: float = 0.0) -> None:
+        self.size = size
+        self.tolerance = tolerance  # 0 -> exact k; DGC uses 0.1 -> k to 1.1 k
+        self.rng = np.random.default_rng(seed)
+        self._mask = np.empty(size, dtype=np.bool_)  # (n,) scratch for |x| >= threshold
+        self._chunk = np.empty(min(size, CHUNK), dtype=np.float32)  # |x| of one chunk
+        self.refines = 0  # threshold retries in the last call (for tests and stats)
+
+    def select(self, score: np.ndarray, k: int) -> np.ndarray:
+        """(k',) int64 sorted indices of the largest ``|score|`` entries; ``score`` (n,) float32."""
+        n = score.size
+        self.refines = 0
+        if k <= 0:
+            return np.empty(0, dtype=np.int64)
+        if k >= n:
+            return np.arange(n, dtype=np.int64)
+        if n <= 8 * MIN_SAMPLE:  # small vectors: a full partition is cheapest and exact
+            return self._trim(score, np.arange(n, dtype=np.int64), k)
+        return self._sampled(score, k)
+
+    def _sampled(self, score: np.ndarray, k: int) -> np.ndarray:
+        n = score.size
+        p = k / n
+        s = int(min(MAX_SAMPLE, n // 8, max(MIN_SAMPLE, SAMPLE_PER_DENSITY / p)))
+        sample = np.abs(score[self.rng.integers(0, n, size=s)])  # (s,) float32
+        std = 1.0 / np.sqrt(p * s)  # relative standard error of the count a quantile predicts
+        if self.tolerance > 0.0:  # land inside [k, k (1 + tol)]; overshoot is trimmed cheaply
+            margin = max(self.tolerance / 2, APPROX_MARGIN_STDS * std)
+        else:  # overshoot by enough that a second pass is rarely needed
+            margin = EXACT_MARGIN_STDS * std + 0.02
+        want = k * (1.0 + margin)
+        for _ in range(MAX_REFINES + 1):
+            # The sample entry that leaves about want/n of the sample above it.
+            pos = int(np.clip(s - round(want / n * s), 0, s - 1))
+            cand = self._above(score, np.partition(sample, pos)[pos])
+            if cand.size >= k:
+                if cand.size <= k * (1.0 + self.tolerance):
+                    return cand
+                return self._trim(score, cand, k)
+            self.refines += 1
+            want *= (1.0 + margin) * k / max(cand.size, 1)  # too few: aim lower by the miss
+        return self._trim(score, np.arange(n, dtype=np.int64), k)
+
+    def _above(self, score: np.ndarray, threshold: np.floating) -> np.ndarray:
+        mask, buf = self._mask, self._chunk
+        for lo in range(0, score.size, CHUNK):
+            part = score[lo : lo + CHUNK]
+            chunk = np.abs(part, out=buf[: part.size])
+            np.greater_equal(chunk, threshold, out=mask[lo : lo + part.size])
+        return np.flatnonzero(mask)  # (c,) int64, sorted
+
+    @staticmethod
+    def _trim(score: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
+        """Exactly the k largest among sorted candidates ``cand``, kept in index order."""
+        vals = np.abs(score[cand])  # (c,) float32
+        kth = np.partition(vals, vals.size - k)[vals.size - k]  # k-th largest value
+        keep = vals > kth
+        ties = np.flatnonzero(vals == kth)[: k - int(keep.sum())]  # fill with lowest-index ties
+        keep[ties] = True
+        return cand[keep]

@@ -12,7 +12,7 @@ Then, on the group server's connection:
                                 the whole weights or the coordinates that changed since
                                 (core.downlink); a new connection starts from the whole weights
     gradient on the next batch  of its shard, in the reference loop's order (minips.ml.reference)
-    compress                    sparse.make_compressor, error feedback kept here (on the
+    compress                    registry.make_compressor, error feedback kept here (on the
                                 device for top-k flavours off the CPU: compress.device_compress)
     sleep                       so that the step takes max(compute, F x base_step_s)
     PUSH(c + 1) -> ACK
@@ -32,36 +32,273 @@ CPU load); ``bandwidth_bps`` / ``bandwidth_down_bps`` pace the group connection'
 with token buckets (``links.Pacing``, applied by ``channel.Channel.set_pacing``) and
 ``latency_s`` delays each send (docs/links.md; ``worker_link.Link``).
 
-Parts: worker_control.py (the session with the global server: ASSIGN, the end, reconnecting),
-worker_setup.py (model, data shard, compressor, files), worker_link.py (connections, ``Link``),
+Parts: worker.py (the session with the global server: ASSIGN, the end, reconnecting),
+worker.py (model, data shard, compressor, files), worker.py (connections, ``Link``),
 evaluator.py (``evaluate_loop``, ``run_evaluator``, re-exported here).
+
+A worker's (or the evaluator's) side of its connections: ``connect_role`` opens one with the
+settings of a ``WorkerConfig``, ``Link`` is a channel on the worker's emulated link (pacing and
+latency, docs/links.md), ``Stopped`` says how a server ended the session, ``leave`` says
+goodbye.
+
+What a worker builds from the run config before it trains: the model bound to its device
+(``device.Trainer``), its data shard and endless batch stream (in ``reference.train``'s order),
+its compressor (top-k selection on the device where it runs off the CPU), its metrics writer,
+and ``worker-<id>.device.json`` (where it computes; its resident memory once it leaves).
+
+A worker's session with the global server, its control channel: WELCOME (the run config),
+ASSIGN (its group server, upload ratio, staleness; again on regrouping or a new GDTopK ratio),
+and the end of the run (LEAVE "done", or ERROR). When the global server is lost mid-run the
+session reconnects for up to ``reconnect_s`` (it may come back with ``--resume``).
+
+The worker's training loop (worker.py) reads ``assign`` and ``done`` and waits on ``assigned`` /
+``changed``; STATS go out on ``ch``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import sys
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from minips import sparse
-from minips.client import worker_setup
-from minips.client.evaluator import evaluate_loop, run_evaluator
-from minips.client.worker_control import Control
-from minips.client.worker_link import Link, Stopped, connect_role, leave
+from minips.compress.device_compress import DeviceCompressor, HostCompressor, device_compressor
 from minips.core.downlink import apply_weights
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
-from minips.ml import device
-from minips.net import net_retry, transport
+from minips.ml import data, device, models
+from minips.net import links, transport
 from minips.net.channel import Channel
-from minips.run.config import RunConfig, WorkerConfig, parse_address, reachable
-from minips.run.metrics import JsonlWriter
-from minips.wire import protocol
+from minips.net.endpoints import client_ssl, parse_address, reachable
+from minips.run import metrics
+from minips.run.config import RunConfig, WorkerConfig
+from minips.run.rundir import JsonlWriter, RunDir
+from minips.wire import messages
 
-__all__ = ["Worker", "WorkerStopped", "Link", "run_worker", "run_evaluator", "evaluate_loop"]
+__all__ = [
+    "Link",
+    "Stopped",
+    "connect_role",
+    "leave",
+    "Parts",
+    "build",
+    "Control",
+    "Worker",
+    "WorkerStopped",
+    "run_worker",
+]
+
+
+# -- worker_link: A worker's (or the evaluator's) side of its connections: ``connect_role`` open...
+
+M = TypeVar("M", bound=messages.Message)
+
+
+class Link:
+    """A channel on the worker's emulated link: paced to ``bandwidth_bps`` (sends) and
+    ``down_bps`` (reads), bytes/s, 0 = full speed, as bytes go out and come in; ``latency_s``
+    added before every send."""
+
+    def __init__(self, ch: Channel, bandwidth_bps: float, latency_s: float,
+                 down_bps: float = 0.0) -> None:
+        self.ch = ch
+        self.latency_s = latency_s
+        pacing = links.Pacing.of(bandwidth_bps, down_bps, time.monotonic())
+        if pacing is not None:
+            ch.set_pacing(pacing)
+
+    async def send(self, msg: messages.Message) -> None:
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s)
+        await self.ch.send(msg)
+
+    async def expect(self, kind: type[M]) -> M:
+        """Next message of type ``kind``; heartbeats are skipped, ERROR / LEAVE raise."""
+        while True:
+            msg = await self.ch.recv()
+            if isinstance(msg, kind):
+                return msg
+            if isinstance(msg, (messages.Error, messages.Leave)):
+                raise Stopped(msg)
+
+
+class Stopped(MiniPSError):
+    """The server ended the session: LEAVE "done" or ERROR end the run, another LEAVE (a group
+    server shutting down) only this connection."""
+
+    def __init__(self, msg: messages.Error | messages.Leave) -> None:
+        super().__init__(f"{type(msg).__name__}: {msg.reason}")
+        self.error = ""  # why, when an ERROR ended the run
+        if isinstance(msg, messages.Error):
+            self.final = msg.code != "lease"  # an expired lease only asks for a rejoin
+            self.error = f"the group server sent ERROR {msg.code}: {msg.reason}"
+        else:
+            self.final = msg.reason == "done"
+
+
+async def connect_role(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int, *,
+                       group: int = -1, timeout: float | None = None,
+                       retries: int | None = 5) -> Channel:
+    """One connection (``retries`` more attempts with backoff; None: as many as ``timeout``
+    allows) within ``timeout`` seconds (default: ``cfg.connect_timeout_s``)."""
+    timeout = cfg.connect_timeout_s if timeout is None else timeout
+    return await transport.connect(host, port, role=role, worker_id=worker_id, group=group,
+                                   token=cfg.token, timeout=timeout, ssl=client_ssl(cfg.tls_ca),
+                                   retries=retries)
+
+
+async def leave(ch: Channel) -> None:
+    """Say LEAVE and close (whatever state the connection is in)."""
+    with contextlib.suppress(Exception):
+        await ch.close(leave="bye")
+
+
+# -- worker_setup: What a worker builds from the run config before it trains: the model bound to...
+
+@dataclass
+class Parts:
+    """A worker's model, data and compressor, and the files it writes."""
+
+    trainer: device.Trainer
+    stream: Iterator[tuple[int, np.ndarray, np.ndarray]]  # (epoch, x, y) batches, endless
+    first_batch: tuple[np.ndarray, np.ndarray]  # what calibration times (stream untouched)
+    shard_size: int  # samples in the worker's shard
+    compressor: HostCompressor | DeviceCompressor
+    writer: JsonlWriter  # worker-<id>.jsonl
+    device_file: Path  # worker-<id>.device.json
+    device_info: dict[str, Any]
+
+    def save_device_info(self, **more: Any) -> None:
+        """Write worker-<id>.device.json with ``more`` added (resident memory at the end)."""
+        self.device_info.update(more)
+        self.device_file.write_text(json.dumps(self.device_info) + "\n")
+
+
+def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
+    """Build worker ``worker_id``'s parts, print where it computes and write that down."""
+    torch.set_num_threads(cfg.torch_threads)
+    dev = device.pick_device(cfg.device)
+    model = models.build_model(run.model, run.seed)
+    model.train()
+    trainer = device.Trainer(model, run.model, dev, amp=cfg.amp)
+    ds = data.load_dataset(run.dataset, "train", cfg.data_dir or run.data_dir)
+    metrics.record(cfg.run_dir, f"worker-{worker_id}", ds.meta)
+    shard = data.shard_indices(len(ds), worker_id, run.workers, run.seed)
+    compressor = device_compressor(run.worker_compressor(trainer.size, worker_id), dev,
+                                   on_device=cfg.compress_on_device)
+    run_dir = RunDir(cfg.run_dir, t0=run.t0)
+    info = {"worker": worker_id, **device.describe(dev, cfg.amp),
+            "compress_on_device": compressor.on_device}
+    parts = Parts(
+        trainer=trainer, stream=data.batch_stream(ds, shard, run.batch_size, run.seed),
+        first_batch=(ds.x[shard[: run.batch_size]], ds.y[shard[: run.batch_size]]),
+        shard_size=len(shard), compressor=compressor,
+        writer=run_dir.writer(f"worker-{worker_id}"),
+        device_file=run_dir.file(f"worker-{worker_id}.device.json"), device_info=info)
+    print(f"minips worker {worker_id}: " + ", ".join(
+        f"{k} {v}" for k, v in info.items() if k != "worker"), file=sys.stderr, flush=True)
+    parts.save_device_info()
+    return parts
+
+
+# -- worker_control: A worker's session with the global server, its control channel: WELCOME (th...
+
+def _no_ratio(ratio: float) -> None:
+    """``Control.on_ratio`` until the worker has a compressor: nothing to set."""
+
+
+class Control:
+    """The control session of one worker. ``event(name, **fields)`` records what happened to
+    it (lost, back, gave up, stopped) in the worker's metrics file."""
+
+    ch: Channel  # the control channel (set by ``open``, replaced on reconnect)
+
+    def __init__(self, cfg: WorkerConfig, event: Callable[..., None]) -> None:
+        self.cfg, self.event = cfg, event
+        self.worker_id = cfg.worker_id  # the id the global server gave (WELCOME)
+        self.heartbeat_s = 0.0  # from the run config, once known
+        self.on_ratio: Callable[[float], None] = _no_ratio  # a new upload ratio (ASSIGN)
+        self.assign: messages.Assign | None = None  # latest ASSIGN
+        self.assigned = asyncio.Event()  # the first ASSIGN (or the end) arrived
+        self.changed = asyncio.Event()  # set by every ASSIGN; cleared by its waiter
+        self.done = False  # the run is over
+        self.stopped_by = ""  # the ERROR that ended the run, if one did
+
+    async def open(self) -> dict[str, Any]:
+        """Connect to the global server; returns WELCOME's info (the run config)."""
+        self.ch = await connect_role(self.cfg, self.cfg.server_host, self.cfg.server_port,
+                                     "worker", self.cfg.worker_id)
+        info = dict(self.ch.welcome_info)
+        self.worker_id = int(info.get("worker_id", self.cfg.worker_id))
+        return info
+
+    def address(self) -> str:
+        """The assigned group server's address (after the first ASSIGN)."""
+        assert self.assign is not None
+        return str(self.assign.address)
+
+    def group(self) -> int:
+        """The assigned group (after the first ASSIGN)."""
+        assert self.assign is not None
+        return int(self.assign.group)
+
+    async def loop(self) -> None:
+        """Read the control channel; when the global server is lost mid-run, reconnect with
+        backoff until ``reconnect_s`` has passed."""
+        while not self.done:
+            await self._read()
+            if self.done:
+                return
+            self.event("control_lost")
+            try:
+                self.ch = await connect_role(self.cfg, self.cfg.server_host,
+                                             self.cfg.server_port, "worker", self.worker_id,
+                                             timeout=self.cfg.reconnect_s, retries=None)
+            except (ConnectionError, AuthError) as exc:
+                self.event("control_gave_up", reason=str(exc))
+                return
+            self.ch.start_heartbeat(self.heartbeat_s)
+            self.event("control_back")
+
+    async def _read(self) -> None:
+        """ASSIGN (group, ratio), LEAVE "done", ERROR; returns when the channel closes."""
+        with contextlib.suppress(ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError):
+            while True:
+                msg = await self.ch.recv()
+                if isinstance(msg, messages.Assign):
+                    self.assign = msg
+                    self.on_ratio(msg.ratio)
+                    self.assigned.set()
+                    self.changed.set()
+                elif isinstance(msg, messages.Error):
+                    self.end(f"the global server sent ERROR {msg.code}: {msg.reason}")
+                    return
+                elif isinstance(msg, messages.Leave) and msg.reason == "done":
+                    self.end()
+                    return
+                elif isinstance(msg, messages.Leave):
+                    return
+
+    def end(self, error: str = "") -> None:
+        """The run is over: normally (LEAVE "done"), or cut short by a server's ``error``."""
+        if error and not self.done:
+            self.stopped_by = error
+            self.event("stopped", reason=error)
+        self.done = True
+        self.assigned.set()
+        self.changed.set()
+
+
+# -- worker: The worker's face: its training loop (PyTorch; with evaluator.py the only torch cod...
 
 log = logging.getLogger("minips.worker")
 
@@ -77,7 +314,7 @@ class WorkerStopped(MiniPSError):
 class Worker:
     """One training worker; ``await Worker(cfg).run()``."""
 
-    parts: worker_setup.Parts  # model, data, compressor, files (``_setup``)
+    parts: Parts  # model, data, compressor, files (``_setup``)
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
@@ -119,14 +356,14 @@ class Worker:
 
     def _setup(self) -> None:
         """Model, data, compressor and files, once WELCOME told the run config."""
-        parts = worker_setup.build(self.cfg, self.run_cfg, self.id)
+        parts = build(self.cfg, self.run_cfg, self.id)
         self.parts, self.trainer, self.compressor = parts, parts.trainer, parts.compressor
         self.stream, self.writer = parts.stream, parts.writer
 
     async def _send_initial(self) -> None:
         flat = self.trainer.host_weights()  # (n,) float32
         encoding, codec, buffers = sparse.encode_gradient(flat)
-        await self.control.ch.send(protocol.InitWeights(size=int(flat.size), encoding=encoding,
+        await self.control.ch.send(messages.InitWeights(size=int(flat.size), encoding=encoding,
                                                         codec=codec, buffers=tuple(buffers)))
 
     async def _calibrate(self) -> None:
@@ -137,7 +374,7 @@ class Worker:
             loss, _ = await asyncio.to_thread(self.trainer.gradient, *self.parts.first_batch)
             times.append(await self._stretch(time.perf_counter() - t))
         # The fastest step: other processes starting up only ever make a step slower.
-        await self.control.ch.send(protocol.Stats(clock=0, step_time=float(np.min(times)),
+        await self.control.ch.send(messages.Stats(clock=0, step_time=float(np.min(times)),
                                                   loss=loss, samples=0))
         self._stats_at = time.monotonic()
         self._recent: list[float] = []  # step times since the last STATS
@@ -163,7 +400,7 @@ class Worker:
                         self.cfg.bandwidth_down_bps)
             self.held = -1  # a new connection (another group, a restarted one): whole weights
             try:
-                ack = await link.expect(protocol.Ack)
+                ack = await link.expect(messages.Ack)
                 self.clock = int(ack.clock)  # the group's clock for us: pull before pushing
                 await self._loop(link, self.control.address())
             except Stopped as exc:
@@ -199,7 +436,7 @@ class Worker:
                                 "up to %.0f s", self.id, address, exc, self.cfg.reconnect_s)
                 raise
 
-        return await net_retry.backoff(
+        return await transport.backoff(
             attempt, timeout=self.cfg.reconnect_s, what="group server lost",
             retry_on=(ConnectionError, AuthError), first=RECONNECT_FIRST_S,
             most=RECONNECT_MAX_S, wake=self.control.changed)
@@ -212,8 +449,8 @@ class Worker:
                 self.control.done = True
                 return
             t = time.monotonic()
-            await link.send(protocol.Pull(clock=self.clock, since=self.held))
-            w = await link.expect(protocol.Weights)
+            await link.send(messages.Pull(clock=self.clock, since=self.held))
+            w = await link.expect(messages.Weights)
             wait_s = time.monotonic() - t
             if w.done:
                 self.control.done = True
@@ -223,7 +460,7 @@ class Worker:
             del w  # the weights frame, a whole model's worth, is not kept through the step
             await self._step(link, info, wait_s, t_step)
 
-    def _load(self, w: protocol.Weights) -> dict[str, Any]:
+    def _load(self, w: messages.Weights) -> dict[str, Any]:
         """Decode WEIGHTS into the copy held and the model; returns its info."""
         self.replica = apply_weights(self.replica, self.held, w, self.compressor.size)
         self.held = int(w.version)
@@ -244,13 +481,13 @@ class Worker:
         encoding, codec, buffers = self.compressor.encode(packet)  # in the encoding it declares
         lap.append(time.perf_counter())
         step_time = await self._stretch(lap[-1] - t)
-        push = protocol.Push(clock=self.clock + 1, step_time=step_time, loss=loss,
+        push = messages.Push(clock=self.clock + 1, step_time=step_time, loss=loss,
                              samples=len(yb), encoding=encoding, codec=codec,
                              buffers=tuple(buffers))
         sent_before, t_push = link.ch.bytes_sent, time.perf_counter()
         await link.send(push)
         wire_bytes = link.ch.bytes_sent - sent_before  # the whole frame, as counted by the channel
-        await link.expect(protocol.Ack)
+        await link.expect(messages.Ack)
         push_s = time.perf_counter() - t_push
         self.clock += 1
         self.samples += len(yb)
@@ -275,11 +512,11 @@ class Worker:
             self._stats_at = time.monotonic()
             median, self._recent = float(np.median(self._recent)), []
             with contextlib.suppress(ConnectionError, MiniPSError):
-                await self.control.ch.send(protocol.Stats(clock=self.clock, step_time=median,
+                await self.control.ch.send(messages.Stats(clock=self.clock, step_time=median,
                                                           loss=loss, samples=self.samples))
 
     def _record(self, info: dict[str, Any], wait_s: float, step_time: float, loss: float,
-                push: protocol.Push, wire_bytes: int, epoch: int, link: Link,
+                push: messages.Push, wire_bytes: int, epoch: int, link: Link,
                 **phases: Any) -> None:
         assert self.writer is not None
         self.writer.write({
@@ -298,5 +535,3 @@ def run_worker(cfg: WorkerConfig) -> None:
     device.pick_device(cfg.device)  # a device that is not here fails before connecting
     transport.install_uvloop()
     asyncio.run(Worker(cfg).run())
-
-

@@ -89,8 +89,8 @@ def monitor_cpu(run_dir: Path) -> dict[str, float]:
     """CPU seconds the dashboard's own work takes for a recorded run, in this process: parse
     every record, add it to the state tick by tick and encode one page message per tick, as
     the monitor does for one open page (the live monitor reads the same lines from the files)."""
-    from minips.dashboard.follow import Replay
     from minips.dashboard.monitor import TICK_S
+    from minips.dashboard.state import Replay
     from minips.dashboard.tboard import TensorBoardSink
 
     t = time.process_time()

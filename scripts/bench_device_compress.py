@@ -31,11 +31,12 @@ from typing import Any
 import torch
 
 from minips import sparse
+from minips.compress import registry
 from minips.compress.device_compress import DeviceCompressor
-from minips.ml import models
+from minips.ml import model_table
 from minips.ml.device import pick_device
 
-SIZES = {"lenet5": models.PARAM_COUNTS["lenet5"], "resnet18": models.PARAM_COUNTS["resnet18"]}
+SIZES = {"lenet5": model_table.PARAM_COUNTS["lenet5"], "resnet18": model_table.PARAM_COUNTS["resnet18"]}
 
 
 def sync(device: torch.device) -> None:
@@ -59,8 +60,8 @@ def timed(fn: Callable[[int], Any], reps: int, device: torch.device) -> float:
 def one(name: str, n: int, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     grads = [torch.randn(n, generator=gen, device=device) for _ in range(args.reps + 1)]
-    dev = DeviceCompressor(sparse.make_compressor(name, n, ratio=args.ratio), device)
-    host = sparse.make_compressor(name, n, ratio=args.ratio)
+    dev = DeviceCompressor(registry.make_compressor(name, n, ratio=args.ratio), device)
+    host = registry.make_compressor(name, n, ratio=args.ratio)
     k = sparse.kept_count(args.ratio, n)
     select_ms = timed(lambda i: dev.selector.select(grads[i], k), args.reps, device)
     compress_ms = timed(lambda i: dev.compress(grads[i]), args.reps, device)

@@ -40,10 +40,12 @@ from typing import Any, cast
 import msgpack
 import numpy as np
 
+from minips.net import channel
 from minips.net import transport as t
-from minips.wire import protocol as p
+from minips.net.transport import serve
+from minips.sparse import SparseGrad, encode_gradient
+from minips.wire import frames, messages
 from minips.wire.frames import TABLES
-from minips.wire.sparse_codec import SparseGrad, encode_gradient
 
 DENSE_N = 11_689_512  # ResNet-18 parameters (the dense test of bench_wire.py)
 LENET_N = 61_706  # LeNet-5 parameters
@@ -70,11 +72,11 @@ def pin(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def into(arr: np.ndarray) -> p.Alloc:
+def into(arr: np.ndarray) -> frames.Alloc:
     """An allocator that receives a payload of arr's size straight into arr (zero-copy)."""
 
-    def alloc(kind: p.Kind, index: int, nbytes: int) -> memoryview:
-        return arr.data.cast("B") if nbytes == arr.nbytes else p.default_alloc(kind, index, nbytes)
+    def alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
+        return arr.data.cast("B") if nbytes == arr.nbytes else frames.default_alloc(kind, index, nbytes)
 
     return alloc
 
@@ -86,13 +88,13 @@ def minips_server(port_q: Any, cpu: int | None = None, dense: bool = True) -> No
     t.install_uvloop()
     buf = np.zeros(DENSE_N, dtype=np.float32)  # (n,) f32, receives every dense PUSH in place
 
-    async def handler(ch: t.Channel) -> None:
+    async def handler(ch: channel.Channel) -> None:
         while True:
             msg = await ch.recv()
-            if isinstance(msg, p.Push):
-                await ch.send(p.Ack(clock=msg.clock, version=msg.clock))
-            elif isinstance(msg, p.Pull):
-                await ch.send(p.Weights(version=msg.clock, encoding="dense", buffers=(buf,)))
+            if isinstance(msg, messages.Push):
+                await ch.send(messages.Ack(clock=msg.clock, version=msg.clock))
+            elif isinstance(msg, messages.Pull):
+                await ch.send(messages.Weights(version=msg.clock, encoding="dense", buffers=(buf,)))
             else:
                 done.set()
                 return
@@ -100,8 +102,8 @@ def minips_server(port_q: Any, cpu: int | None = None, dense: bool = True) -> No
     async def main() -> None:
         global done
         done = asyncio.Event()
-        srv = await t.serve("127.0.0.1", 0, token=TOKEN, accept=lambda h: {}, handler=handler,
-                            options=t.Options(alloc=into(buf) if dense else None))
+        srv = await serve("127.0.0.1", 0, token=TOKEN, accept=lambda h: {}, handler=handler,
+                            options=channel.Options(alloc=into(buf) if dense else None))
         port_q.put(srv.port)
         await done.wait()
         srv.close()
@@ -113,13 +115,13 @@ def minips_server(port_q: Any, cpu: int | None = None, dense: bool = True) -> No
 done: asyncio.Event
 
 
-def sparse_push() -> p.Push:
+def sparse_push() -> messages.Push:
     """A worker's PUSH of a 1% LeNet-5 gradient, encoded by the real sparse codec."""
     rng = np.random.default_rng(1)
     idx = np.sort(rng.choice(LENET_N, SPARSE_K, replace=False)).astype(np.uint32)  # (k,) u32
     val = rng.standard_normal(SPARSE_K).astype(np.float32)  # (k,) f32
     encoding, codec, buffers = encode_gradient(SparseGrad(idx, val, LENET_N))
-    return p.Push(clock=1, step_time=0.01, loss=2.3, samples=64, encoding=encoding,
+    return messages.Push(clock=1, step_time=0.01, loss=2.3, samples=64, encoding=encoding,
                   codec=codec, buffers=tuple(buffers))
 
 
@@ -212,7 +214,7 @@ class FloorServer(asyncio.BufferedProtocol):
     both with struct and msgpack alone: the wire format's cost in Python, nothing else."""
 
     def __init__(self, stop: asyncio.Future[None]) -> None:
-        self.stop, self.buf, self.hi = stop, bytearray(p.SCRATCH_BYTES), 0
+        self.stop, self.buf, self.hi = stop, bytearray(frames.SCRATCH_BYTES), 0
         self.view = memoryview(self.buf)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -224,15 +226,15 @@ class FloorServer(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.hi += nbytes
         at = 0
-        while self.hi - at >= p.PREFIX.size:
-            _, _, _, nbuf, _, meta_len, body_len = p.PREFIX.unpack_from(self.buf, at)
-            head = at + p.PREFIX.size + p.TABLE_ENTRY.size * nbuf
+        while self.hi - at >= frames.PREFIX.size:
+            _, _, _, nbuf, _, meta_len, body_len = frames.PREFIX.unpack_from(self.buf, at)
+            head = at + frames.PREFIX.size + frames.TABLE_ENTRY.size * nbuf
             end = head + meta_len + body_len
             if end > self.hi:
                 break
             meta = msgpack.unpackb(self.view[head:head + meta_len])
             self.body = self.buf[head + meta_len:end]  # the copy a decoder makes
-            self.transport.write(floor_frame(p.Kind.ACK, {"clock": meta["clock"],
+            self.transport.write(floor_frame(messages.Kind.ACK, {"clock": meta["clock"],
                                                           "version": meta["clock"]}))
             at = end
         self.view[:self.hi - at] = self.view[at:self.hi]
@@ -247,9 +249,9 @@ def floor_frame(kind: int, meta: dict[str, Any], buffers: tuple[Any, ...] = ()) 
     """A frame of the minips format built with one struct and one msgpack call."""
     packed = msgpack.packb(meta)
     sizes = [b.nbytes for b in buffers]
-    head = p.PREFIX.pack(p.MAGIC, p.PROTOCOL_VERSION, kind, len(buffers), 0, len(packed),
+    head = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, kind, len(buffers), 0, len(packed),
                          sum(sizes))
-    table = TABLES[len(buffers)].pack(*[x for n in sizes for x in (p.CODEC_RAW, n, n)])
+    table = TABLES[len(buffers)].pack(*[x for n in sizes for x in (frames.CODEC_RAW, n, n)])
     return b"".join([head, table, packed, *buffers])
 
 
@@ -266,9 +268,9 @@ class FloorClient(asyncio.Protocol):
         self.waiter: asyncio.Future[Any] | None = None
 
     def data_received(self, data: bytes) -> None:
-        meta_len = p.PREFIX.unpack_from(data)[5]  # one ACK per read: a reply to one request
+        meta_len = frames.PREFIX.unpack_from(data)[5]  # one ACK per read: a reply to one request
         if self.waiter is not None:
-            self.waiter.set_result(msgpack.unpackb(data[p.PREFIX.size:p.PREFIX.size + meta_len]))
+            self.waiter.set_result(msgpack.unpackb(data[frames.PREFIX.size:frames.PREFIX.size + meta_len]))
 
 
 class EchoClient(asyncio.Protocol):
@@ -305,8 +307,8 @@ async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]
     """Round trips in µs per kind, in alternating batches of 50 of each."""
     ch = await t.connect("127.0.0.1", ports["minips"], token=TOKEN)
     push = sparse_push()
-    frame = b"".join(p.encode(push))
-    ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
+    frame = b"".join(frames.encode(push))
+    ack = b"".join(frames.encode(messages.Ack(clock=push.clock, version=push.clock)))
     meta = push.meta()  # the floor packs the same map
 
     async def minips_round() -> None:
@@ -320,7 +322,7 @@ async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]
                                           lambda: frame),
               "floor": await request_client(  # encodes the PUSH the floor's way every time
                   ports["floor"], FloorClient,
-                  lambda: floor_frame(p.Kind.PUSH, meta, push.buffers))}
+                  lambda: floor_frame(messages.Kind.PUSH, meta, push.buffers))}
     times: dict[str, list[float]] = {name: [] for name in rounds}
     for _ in range(max(1, iters // 50)):
         for name, round_trip in rounds.items():
@@ -340,8 +342,8 @@ def run_rtt(iters: int, cpu: int | None, server_cpu: int | None,
     (None: unpinned); ``minips_target`` runs the minips server process (rtt_breakdown.py swaps
     it for variants)."""
     push = sparse_push()
-    frame_len = sum(len(b) for b in p.encode(push))
-    ack = b"".join(p.encode(p.Ack(clock=push.clock, version=push.clock)))
+    frame_len = sum(len(b) for b in frames.encode(push))
+    ack = b"".join(frames.encode(messages.Ack(clock=push.clock, version=push.clock)))
     servers = {"minips": start_server(minips_target, server_cpu, False),
                "echo": start_server(echo_server, server_cpu),
                "hop": start_server(hop_server, server_cpu, frame_len, ack),

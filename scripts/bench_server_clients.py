@@ -32,8 +32,8 @@ import numpy as np
 from minips import sparse
 from minips.errors import AuthError
 from minips.net import transport
-from minips.run.config import parse_address
-from minips.wire import protocol
+from minips.net.endpoints import parse_address
+from minips.wire import messages
 
 CONNECT_TIMEOUT_S = 120.0  # 1,024 handshakes on two busy cores take a while
 
@@ -70,8 +70,8 @@ async def control(host: str, port: int, step_time: float, token: str) -> tuple[A
     ch = await transport.connect(host, port, role="worker", token=token,
                                  timeout=CONNECT_TIMEOUT_S, retries=20)
     ch.start_heartbeat(2.0)
-    await ch.send(protocol.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
-    while not isinstance(msg := await ch.recv(), protocol.Assign):
+    await ch.send(messages.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
+    while not isinstance(msg := await ch.recv(), messages.Assign):
         pass
     return ch, msg
 
@@ -118,17 +118,17 @@ async def steps(args: argparse.Namespace, grp: Any, clock: int, payload: tuple, 
     first, held = True, -1  # held: the version of the weights this worker would hold
     while not stop.is_set():
         t0 = time.monotonic()
-        await grp.send(protocol.Pull(clock=clock, since=held))
+        await grp.send(messages.Pull(clock=clock, since=held))
         weights = await grp.recv()
         t1 = time.monotonic()
         held = int(weights.version)
         rec.pull.append((t1, t1 - t0, sum(b.nbytes for b in weights.buffers)))
         clock += 1
-        await grp.send(protocol.Push(clock=clock, step_time=0.05, loss=2.3, samples=32,
+        await grp.send(messages.Push(clock=clock, step_time=0.05, loss=2.3, samples=32,
                                      encoding=enc, codec=codec, buffers=bufs))
         ack = await grp.recv()
         t2 = time.monotonic()
-        assert isinstance(ack, protocol.Ack), ack
+        assert isinstance(ack, messages.Ack), ack
         rec.push.append((t2, t2 - t1, push_bytes))
         if first:
             first = False

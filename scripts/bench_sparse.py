@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from minips.compress.registry import make_compressor
 from minips.sparse import (
     SparseGrad,
     TopKSelector,
     decode_gradient,
     encode_gradient,
     kept_count,
-    make_compressor,
     scatter_add,
 )
 

@@ -45,9 +45,10 @@ from bench_rtt import (
     start_server,
 )
 
+from minips.net import channel
 from minips.net import transport as t
 from minips.net.channel import tune_socket
-from minips.wire import protocol as p
+from minips.wire import frames, messages
 
 
 def log(*args: Any) -> None:
@@ -65,15 +66,15 @@ class MinipsDense:
         self.loop = asyncio.new_event_loop()  # a uvloop loop once install_uvloop() ran
         self.vec = np.random.default_rng(0).standard_normal(DENSE_N).astype(np.float32)
         self.back = np.empty_like(self.vec)  # (n,) f32, WEIGHTS land here without a copy
-        options = t.Options(alloc=into(self.back))
+        options = channel.Options(alloc=into(self.back))
         self.ch = self.loop.run_until_complete(
             t.connect("127.0.0.1", port, token=TOKEN, options=options))
-        self.push = p.Push(clock=0, encoding="dense-f32", buffers=(self.vec,))
+        self.push = messages.Push(clock=0, encoding="dense-f32", buffers=(self.vec,))
 
     async def _round(self) -> None:
         await self.ch.send(self.push)
         await self.ch.recv()
-        await self.ch.send(p.Pull(clock=0))
+        await self.ch.send(messages.Pull(clock=0))
         await self.ch.recv()
 
     def round(self) -> float:
@@ -95,7 +96,7 @@ def raw_server(port_q: Any, nbytes: int, rounds: int) -> None:
     with socket.create_server(("127.0.0.1", 0)) as lsock:
         port_q.put(lsock.getsockname()[1])
         conn, _ = lsock.accept()
-    tune_socket(conn, t.SOCKET_BUFFER_BYTES)  # like for like with a minips connection
+    tune_socket(conn, channel.SOCKET_BUFFER_BYTES)  # like for like with a minips connection
     buf = np.empty(nbytes, dtype=np.uint8).data  # numpy memory, as minips receives into
     with conn:
         for _ in range(rounds):
@@ -104,14 +105,14 @@ def raw_server(port_q: Any, nbytes: int, rounds: int) -> None:
 
 
 def send_all(sock: socket.socket, buf: memoryview) -> None:
-    for start in range(0, len(buf), t.WRITE_BYTES):
-        sock.sendall(buf[start:start + t.WRITE_BYTES])
+    for start in range(0, len(buf), channel.WRITE_BYTES):
+        sock.sendall(buf[start:start + channel.WRITE_BYTES])
 
 
 def recv_exactly(sock: socket.socket, buf: memoryview) -> None:
     got = 0
     while got < len(buf):
-        n = sock.recv_into(buf[got:got + p.DIRECT_READ_BYTES])
+        n = sock.recv_into(buf[got:got + frames.DIRECT_READ_BYTES])
         if n == 0:
             raise ConnectionError("peer closed")
         got += n
@@ -127,7 +128,7 @@ class RawDense:
         self.send = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).data
         self.back = np.empty(nbytes, dtype=np.uint8).data
         self.sock = socket.create_connection(("127.0.0.1", port))
-        tune_socket(self.sock, t.SOCKET_BUFFER_BYTES)
+        tune_socket(self.sock, channel.SOCKET_BUFFER_BYTES)
 
     def round(self) -> float:
         began = time.perf_counter()
@@ -239,7 +240,7 @@ def main() -> None:
     result.update(rtt_figures(args.rtt_iters, None, None, "_unpinned"))
     result.update({
         "dense_bytes_each_way": DENSE_N * 4,
-        "push_frame_bytes": sum(len(b) for b in p.encode(sparse_push())),
+        "push_frame_bytes": sum(len(b) for b in frames.encode(sparse_push())),
         "iters": args.iters, "rtt_iters": args.rtt_iters, "rtt_cpu": args.cpu,
         "cpus": os.cpu_count(), "load_avg_1min_before": load_before,
     })

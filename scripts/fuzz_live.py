@@ -37,8 +37,8 @@ import numpy as np
 
 from minips import sparse
 from minips.errors import MiniPSError
-from minips.net import transport
-from minips.wire import protocol as p
+from minips.net import channel, transport
+from minips.wire import frames, handshake, messages
 
 TOKEN = "fuzz-live-secret-0123456789"
 N = 61_706  # LeNet-5, the server's default model (--init must match it)
@@ -46,22 +46,22 @@ SOURCES = [f"127.0.1.{i}" for i in range(1, 256)]
 PER_SESSION = 32  # mutated frames at most per authenticated session
 
 
-def frame(msg: p.Message) -> bytes:
-    return b"".join(bytes(memoryview(b).cast("B")) for b in p.encode(msg))
+def frame(msg: messages.Message) -> bytes:
+    return b"".join(bytes(memoryview(b).cast("B")) for b in frames.encode(msg))
 
 
-def push(clock: int) -> p.Push:
+def push(clock: int) -> messages.Push:
     grad = sparse.SparseGrad(np.array([1, 5, 9], np.uint32), np.ones(3, np.float32), N)
     encoding, codec, buffers = sparse.encode_gradient(grad)
-    return p.Push(clock=clock, samples=1, encoding=encoding, codec=codec, buffers=tuple(buffers))
+    return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec, buffers=tuple(buffers))
 
 
 VALID = [frame(m) for m in (
-    p.Hello(role="evaluator", nonce=b"n" * 32), p.Auth(mac=b"m" * 32), p.Pull(clock=0),
-    push(1), p.Heartbeat(seq=1), p.Leave(reason="bye"),
-    p.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
-    p.Exchange(session=1, seq=1, samples=1, encoding="dense-f32", buffers=(bytes(4 * N),)),
-    p.InitWeights(size=N, encoding="dense-f32", buffers=(bytes(4 * N),)),
+    messages.Hello(role="evaluator", nonce=b"n" * 32), messages.Auth(mac=b"m" * 32), messages.Pull(clock=0),
+    push(1), messages.Heartbeat(seq=1), messages.Leave(reason="bye"),
+    messages.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
+    messages.Exchange(session=1, seq=1, samples=1, encoding="dense-f32", buffers=(bytes(4 * N),)),
+    messages.InitWeights(size=N, encoding="dense-f32", buffers=(bytes(4 * N),)),
 )]
 
 
@@ -96,8 +96,8 @@ async def fresh(port: int, src: str, data: bytes) -> None:
 async def session(port: int, src: str, rng: random.Random) -> int:
     """Handshake, then mutated frames until closed; the number of frames sent."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(src, 0))
-    conn = p.Connection(p.Side.CLIENT)
-    hs = p.ClientHandshake(TOKEN, role="evaluator")
+    conn = handshake.Connection(handshake.Side.CLIENT)
+    hs = handshake.ClientHandshake(TOKEN, role="evaluator")
     sent = 0
     try:
         writer.write(b"".join(conn.send(hs.hello)))
@@ -114,7 +114,7 @@ async def session(port: int, src: str, rng: random.Random) -> int:
     return sent
 
 
-async def next_msg(reader: asyncio.StreamReader, conn: p.Connection) -> Any:
+async def next_msg(reader: asyncio.StreamReader, conn: handshake.Connection) -> Any:
     while True:
         data = await asyncio.wait_for(reader.read(1 << 16), 5)
         if not data:
@@ -196,16 +196,16 @@ class GoodWorker(threading.Thread):
             self.error = f"{type(e).__name__}: {e}"
 
     async def _work(self) -> None:
-        opts = transport.Options(heartbeat=1.0)
+        opts = channel.Options(heartbeat=1.0)
         ctl = await transport.connect("127.0.0.1", self.port, role="worker", worker_id=0,
                                       token=TOKEN, options=opts)
-        await ctl.send(p.Stats(clock=0, step_time=0.01, loss=2.3, samples=1))
+        await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=2.3, samples=1))
         assign = await asyncio.wait_for(ctl.recv(), 30)
         grp = await transport.connect("127.0.0.1", int(assign.address.rsplit(":", 1)[1]),
                                       role="worker", worker_id=0, token=TOKEN, options=opts)
         clock = (await asyncio.wait_for(grp.recv(), 10)).clock
         while not self.stop.is_set():
-            await grp.send(p.Pull(clock=clock))
+            await grp.send(messages.Pull(clock=clock))
             await asyncio.wait_for(grp.recv(), 10)
             await grp.send(push(clock + 1))
             clock = (await asyncio.wait_for(grp.recv(), 10)).clock

@@ -4,7 +4,7 @@ mutated frames on every run).
 
 Each input is cut in two at a point its first byte chooses and fed to a FrameDecoder; every
 message it yields goes through the server's checks (``validation``), and each vector payload
-through the gradient decoder (``sparse_codec.decode_gradient``); the whole input also goes
+through the gradient decoder (``sparse.decode_gradient``); the whole input also goes
 through a server-side ``Connection`` (state machine). The invariant: any bytes give messages
 or ``RemoteProtocolError``, never another exception; atheris stops at the first other one and
 writes the input to a file.
@@ -26,61 +26,62 @@ import atheris
 with atheris.instrument_imports():
     import numpy as np
 
+    from minips import sparse
     from minips.errors import RemoteProtocolError
     from minips.serve import validation
-    from minips.wire import protocol as p
-    from minips.wire import sparse_codec
+    from minips.wire import frames, handshake, messages
+    from minips.wire.frames import FrameDecoder
 
 N = 61_706  # LeNet-5's parameters: the size gradients are decoded against
-LIMITS = p.Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # small, to keep runs fast
+LIMITS = frames.Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # small, to keep runs fast
 
 
-def frame(msg: p.Message, compress: bool = False) -> bytes:
-    return b"".join(p.encode(msg, compress=compress))
+def frame(msg: messages.Message, compress: bool = False) -> bytes:
+    return b"".join(frames.encode(msg, compress=compress))
 
 
 def seeds() -> list[bytes]:
     rng = np.random.default_rng(0)
-    grad = sparse_codec.SparseGrad(np.sort(rng.choice(N, 300, replace=False)).astype(np.uint32),
+    grad = sparse.SparseGrad(np.sort(rng.choice(N, 300, replace=False)).astype(np.uint32),
                                    rng.standard_normal(300).astype(np.float32), N)
     out = []
     for index in ("u32", "varint"):
         for value in ("f32", "f16"):
-            enc, codec, bufs = sparse_codec.encode_gradient(grad, value_dtype=value, index=index)
-            push = p.Push(clock=3, encoding=enc, codec=codec, buffers=tuple(bufs))
+            enc, codec, bufs = sparse.encode_gradient(grad, value_dtype=value, index=index)
+            push = messages.Push(clock=3, encoding=enc, codec=codec, buffers=tuple(bufs))
             out += [frame(push, compress=lz4) for lz4 in (False, True)]
-    enc, codec, bufs = sparse_codec.encode_gradient(rng.standard_normal(N).astype(np.float32))
-    out.append(frame(p.Weights(version=1, encoding=enc, codec=codec, buffers=tuple(bufs),
+    enc, codec, bufs = sparse.encode_gradient(rng.standard_normal(N).astype(np.float32))
+    out.append(frame(messages.Weights(version=1, encoding=enc, codec=codec, buffers=tuple(bufs),
                                group=2, waited_for=[1, 3], lead=1, min_clock=4)))
     zeros = (np.zeros(64, np.float32),)
-    out.append(frame(p.Exchange(session=1, seq=2, samples=5, encoding="dense-f32",
+    out.append(frame(messages.Exchange(session=1, seq=2, samples=5, encoding="dense-f32",
                                 buffers=zeros)))
-    out.append(frame(p.ExchangeReply(version=3, saved_exchanges=[[1, 2], [-1, -1]],
+    out.append(frame(messages.ExchangeReply(version=3, saved_exchanges=[[1, 2], [-1, -1]],
                                      encoding="dense-f32", buffers=zeros)))
-    out.append(frame(p.GlobalWeights(version=3, size=64, members=[0, 1], last_exchange=[1, 2],
+    out.append(frame(messages.GlobalWeights(version=3, size=64, members=[0, 1], last_exchange=[1, 2],
                                      encoding="dense-f32", buffers=zeros)))
-    out.append(frame(p.InitWeights(size=N, encoding=enc, codec=codec, buffers=tuple(bufs))))
-    out.append(frame(p.Hello(nonce=bytes(32), capabilities=("a",), address="h:1")))
-    out.append(frame(p.Stats(clock=1, step_time=0.1, loss=2.0, samples=3)))
-    out.append(frame(p.Ack(clock=1, version=2)) + frame(p.Pull(clock=1)))
+    out.append(frame(messages.InitWeights(size=N, encoding=enc, codec=codec, buffers=tuple(bufs))))
+    out.append(frame(messages.Hello(nonce=bytes(32), capabilities=("a",), address="h:1")))
+    out.append(frame(messages.Stats(clock=1, step_time=0.1, loss=2.0, samples=3)))
+    out.append(frame(messages.Ack(clock=1, version=2)) + frame(messages.Pull(clock=1)))
     return [b"\x05" + s for s in out]  # first byte: where the input is cut in two
 
 
-def check(msg: p.Message) -> None:
+def check(msg: messages.Message) -> None:
     """What a server does with a message before it uses it."""
-    if isinstance(msg, p.Stats):
+    if isinstance(msg, messages.Stats):
         validation.check_stats(msg)
-    if isinstance(msg, p.Push):
+    if isinstance(msg, messages.Push):
         validation.check_push(msg)
-    if msg.KIND in p.WITH_BUFFERS:  # every vector payload
+    if msg.KIND in messages.WITH_BUFFERS:  # every vector payload
         payload: Any = msg
-        sparse_codec.decode_gradient(payload.encoding, payload.codec, payload.buffers, N)
+        sparse.decode_gradient(payload.encoding, payload.codec, payload.buffers, N)
 
 
 def one_input(data: bytes) -> None:
     cut, data = (data[0] % 64, data[1:]) if data else (0, data)
-    decoder = p.FrameDecoder(limits=LIMITS)
-    msgs: list[p.Message] = []
+    decoder = FrameDecoder(limits=LIMITS)
+    msgs: list[messages.Message] = []
     try:
         msgs += decoder.feed(data[:cut])
         msgs += decoder.feed(data[cut:])
@@ -92,7 +93,7 @@ def one_input(data: bytes) -> None:
         except RemoteProtocolError:
             pass
     try:
-        p.Connection(p.Side.SERVER, limits=LIMITS).receive(data)
+        handshake.Connection(handshake.Side.SERVER, limits=LIMITS).receive(data)
     except RemoteProtocolError:
         pass
 

@@ -38,8 +38,9 @@ from unittest import mock
 
 import bench_rtt as b
 
-from minips.wire import decoder, handshake, messages
-from minips.wire import protocol as p
+from minips.wire import handshake, messages
+from minips.wire import frames as frames_mod
+from minips.wire.frames import PREFIX, TABLE_ENTRY, FrameDecoder
 
 VARIANTS = ("minips", "free_codec", "no_checks")
 
@@ -47,18 +48,18 @@ VARIANTS = ("minips", "free_codec", "no_checks")
 def _cached_codec() -> list[Any]:
     """Patches that encode PUSH and ACK once and decode them once (the what-if free codec)."""
     push = b.sparse_push()
-    frames = {p.Kind.PUSH: p.encode(push), p.Kind.ACK: p.encode(p.Ack(clock=1, version=1))}
-    decoded = {int(kind): p.FrameDecoder().feed(b"".join(f))[0] for kind, f in frames.items()}
-    encode, next_frame = handshake.encode, decoder.FrameDecoder._next
+    frames = {messages.Kind.PUSH: frames_mod.encode(push), messages.Kind.ACK: frames_mod.encode(messages.Ack(clock=1, version=1))}
+    decoded = {int(kind): FrameDecoder().feed(b"".join(f))[0] for kind, f in frames.items()}
+    encode, next_frame = frames_mod.encode, FrameDecoder._next
 
-    def cached_encode(msg: p.Message, **kw: Any) -> list[Any]:
+    def cached_encode(msg: messages.Message, **kw: Any) -> list[Any]:
         frame = frames.get(msg.KIND)
         return frame if frame is not None else encode(msg, **kw)
 
-    def cached_next(self: Any, out: list[p.Message]) -> bool:
+    def cached_next(self: Any, out: list[messages.Message]) -> bool:
         if self._frame is None:
-            _, _, kind, nbuf, _, meta_len, body_len = p.PREFIX.unpack_from(self._buf, self._lo)
-            end = self._lo + p.PREFIX.size + p.TABLE_ENTRY.size * nbuf + meta_len + body_len
+            _, _, kind, nbuf, _, meta_len, body_len = PREFIX.unpack_from(self._buf, self._lo)
+            end = self._lo + PREFIX.size + TABLE_ENTRY.size * nbuf + meta_len + body_len
             if kind in decoded and end <= self._hi:
                 self._lo = end
                 out.append(decoded[kind])
@@ -66,13 +67,13 @@ def _cached_codec() -> list[Any]:
         return next_frame(self, out)  # the handshake, decoded for real
 
     return [mock.patch.object(handshake, "encode", cached_encode),
-            mock.patch.object(decoder.FrameDecoder, "_next", cached_next)]
+            mock.patch.object(FrameDecoder, "_next", cached_next)]
 
 
 def _unchecked() -> list[Any]:
     """A patch that builds received messages from their maps without any field check."""
 
-    def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> p.Message:
+    def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> messages.Message:
         cls = messages.MESSAGE_TYPES[kind]
         if kind in messages.WITH_BUFFERS:
             meta["buffers"] = ()
@@ -82,7 +83,7 @@ def _unchecked() -> list[Any]:
         object.__setattr__(msg, "__dict__", meta)
         return msg
 
-    return [mock.patch.object(decoder, "from_wire", from_wire)]
+    return [mock.patch.object(frames_mod, "from_wire", from_wire)]
 
 
 PATCHES: dict[str, Callable[[], list[Any]]] = {

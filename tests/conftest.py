@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 import pytest
 
 from minips.net import lifeline
-from minips.run.metrics import read_jsonl
-from minips.wire import protocol
+from minips.run.rundir import read_jsonl
+from minips.wire import messages
 
 # Tests send SIGINT to the processes they start (Ctrl-C). A shell that runs pytest in the
 # background (`cmd &` without job control) makes it ignore SIGINT, and an ignored signal stays
@@ -166,7 +166,7 @@ def run_on(loop: str, coro: Coroutine[Any, Any, Any], timeout: float = 20.0) -> 
         ev.close()
 
 
-M = TypeVar("M", bound=protocol.Message)
+M = TypeVar("M", bound=messages.Message)
 
 
 async def recv_as(ch: Any, kind: type[M], timeout: float = 10.0) -> M:

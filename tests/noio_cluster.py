@@ -18,14 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from minips import sparse
+from minips.compress import registry
 from minips.core.downlink import apply_weights
 from minips.core.global_core import GlobalCore
-from minips.core.group_actions import Action, Log, Reply, StartExchange, Wake
-from minips.core.group_core import GroupCore
+from minips.core.group_core import Action, GroupCore, Log, Reply, StartExchange, Wake
 from minips.core.roster import GroupHandle
 from minips.run.config import RunConfig
-from minips.wire import protocol
+from minips.wire import messages
 
 FEATURES, CLASSES, SAMPLES, BATCH = 20, 5, 400, 16
 SIZE = FEATURES * CLASSES + CLASSES  # flat weights: W (FEATURES x CLASSES), then b
@@ -81,10 +80,10 @@ class Workers:
         n = len(STEP_S)
         self.copy: list[np.ndarray | None] = [None] * n
         self.held, self.clock = [-1] * n, [0] * n
-        self.comp = [sparse.make_compressor(compressor, SIZE, ratio=0.2, seed=w)
+        self.comp = [registry.make_compressor(compressor, SIZE, ratio=0.2, seed=w)
                      for w in range(n)]
 
-    def step(self, w: int, msg: protocol.Weights) -> protocol.Push:
+    def step(self, w: int, msg: messages.Weights) -> messages.Push:
         """Take the WEIGHTS ``msg``, compute a gradient on this step's batch, return the PUSH."""
         copy = self.copy[w] = apply_weights(self.copy[w], self.held[w], msg, SIZE)
         self.held[w] = msg.version
@@ -92,10 +91,10 @@ class Workers:
         batch = np.random.default_rng(1000 * w + self.clock[w]).choice(shard, BATCH)
         loss, grad = loss_and_grad(copy, self.x[batch], self.y[batch])
         enc, codec, bufs = self.comp[w].encode(self.comp[w].compress(grad))  # as a worker does
-        return protocol.Push(clock=self.clock[w] + 1, step_time=STEP_S[w], loss=loss,
+        return messages.Push(clock=self.clock[w] + 1, step_time=STEP_S[w], loss=loss,
                              samples=BATCH, encoding=enc, codec=codec, buffers=tuple(bufs))
 
-    def acked(self, w: int, ack: protocol.Ack) -> None:
+    def acked(self, w: int, ack: messages.Ack) -> None:
         self.clock[w] = ack.clock
 
 
@@ -153,7 +152,7 @@ class Cluster:
         push = self.workers.step(w, core.weights_message(w, [], self.workers.held[w]))
         self.at(STEP_S[w], "push", w, push)
 
-    def push(self, w: int, msg: protocol.Push) -> None:
+    def push(self, w: int, msg: messages.Push) -> None:
         core = self.cores[GROUP_OF[w]]
         self.events.append(("push", w, self.t))
         self.perform(core, core.push(w, msg, self.t))

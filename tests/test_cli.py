@@ -14,15 +14,10 @@ import pytest
 from conftest import wait_ready_file
 
 from minips.errors import ConfigError
-from minips.run.cli import build_parser, main, run_config_from_args
-from minips.run.config import (
-    PRESETS,
-    RunConfig,
-    format_address,
-    parse_address,
-    parse_slowdowns,
-    reachable,
-)
+from minips.net.endpoints import format_address, parse_address, reachable
+from minips.run.cli import main
+from minips.run.config import RunConfig, parse_slowdowns
+from minips.run.flags import PRESETS, build_parser, run_config_from_args
 
 
 def test_preset_then_flags_override() -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from minips.errors import ConfigError
-from minips.run import cli
-from minips.run.cli_ray import ROLES
-from minips.run.ray_launch import Placement, parse_placement
+from minips.run import cli, flags
+from minips.run.flags import ROLES
+from minips.run.ray_cluster import Placement, parse_placement
 
 
 def test_every_ray_option_has_help_with_its_default():
-    parser = cli.build_parser()
+    parser = flags.build_parser()
     ray_parser = parser._subparsers._group_actions[0].choices["ray"]  # type: ignore[union-attr]
     text = ray_parser.format_help()
     for action in ray_parser._actions:

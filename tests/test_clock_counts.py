@@ -1,4 +1,4 @@
-"""Tests of minips.core.clock_counts: O(1) lowest / highest clock vs a brute-force multiset."""
+"""Tests of minips.core.ssp: O(1) lowest / highest clock vs a brute-force multiset."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minips.core.clock_counts import NEIGHBOUR_PROBES, ClockCounts
+from minips.core.ssp import NEIGHBOUR_PROBES, ClockCounts
 
 # (op, clock): clocks spread wider than NEIGHBOUR_PROBES so the one-pass fallback runs too
 OP = st.tuples(st.sampled_from(["add", "remove", "move", "move"]),

@@ -10,16 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from minips.compress import (
-    COMPRESSORS,
-    SparseCompressor,
-    WireSpec,
-    is_sparse,
-    make_compressor,
-    ratio_policy,
-    register,
-)
+from minips.compress.base import SparseCompressor, WireSpec
 from minips.compress.ratios import RatioPolicy
+from minips.compress.registry import COMPRESSORS, is_sparse, make_compressor, ratio_policy, register
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.sparse import SparseGrad, encode_gradient, scatter_add
 

@@ -11,17 +11,11 @@ import numpy as np
 import pytest
 
 from minips.compress.losscomp import LossCompCompressor
+from minips.compress.ratios import gdtopk_ratios
+from minips.compress.registry import COMPRESSORS, make_compressor
+from minips.compress.topk import warmup_ratio
 from minips.errors import ConfigError, LocalProtocolError
-from minips.sparse import (
-    COMPRESSORS,
-    SparseGrad,
-    decode_gradient,
-    encode_gradient,
-    gdtopk_ratios,
-    make_compressor,
-    scatter_add,
-    warmup_ratio,
-)
+from minips.sparse import SparseGrad, decode_gradient, encode_gradient, scatter_add
 
 F32 = np.float32
 

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 from conftest import interrupt, recv_as, until, wait_for
 
-from minips.dashboard.follow import Replay, RunFollower, Tail
-from minips.dashboard.state import Histogram, RunState
+from minips.dashboard.state import Histogram, Replay, RunFollower, RunState, Tail
 from minips.dashboard.tboard import EventWriter, TensorBoardSink, crc32c
 from minips.errors import ConfigError
 
@@ -109,7 +108,7 @@ def test_prometheus_collector_exposes_the_state_in_the_text_format() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from minips.dashboard.prom import RunCollector
+    from minips.dashboard.web import RunCollector
 
     s = RunState(CONFIG)
     s.add("worker", push(0, 1.0, 1, wait_s=0.02))
@@ -210,7 +209,7 @@ def test_tensorboard_reads_back_the_scalars_written_by_hand(tmp_path: Path) -> N
 
 async def test_token_is_asked_for_when_set_and_a_wide_address_needs_one(tmp_path: Path) -> None:
     aiohttp = pytest.importorskip("aiohttp")
-    from minips.dashboard import Monitor, MonitorConfig
+    from minips.dashboard.monitor import Monitor, MonitorConfig
     from minips.dashboard.web import Ticker, make_app, start_site
 
     app = make_app(RunState(CONFIG), lambda: 0.0, Ticker(), token="s3cret")
@@ -320,9 +319,10 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
     from minips import sparse
     from minips.dashboard.monitor import probe
     from minips.net import transport
-    from minips.run.config import RunConfig, ServerConfig, parse_address
+    from minips.net.endpoints import parse_address
+    from minips.run.config import RunConfig, ServerConfig
     from minips.server import GlobalServer
-    from minips.wire import protocol
+    from minips.wire import messages
 
     cfg = ServerConfig(run=RunConfig(workers=2, mode="bsp", lr_warmup=0.0), port=0,
                        token="t", run_dir=str(tmp_path), calib_timeout_s=10.0, linger_s=1.0)
@@ -332,17 +332,17 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
     try:
         for w in (0, 1):
             ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=w, token="t")
-            await ch.send(protocol.Stats(clock=0, step_time=0.01, loss=2.0))
+            await ch.send(messages.Stats(clock=0, step_time=0.01, loss=2.0))
             ctl.append(ch)
         for w, ch in enumerate(ctl):
-            host, gport = parse_address((await recv_as(ch, protocol.Assign)).address)
+            host, gport = parse_address((await recv_as(ch, messages.Assign)).address)
             grp.append(await transport.connect(host, gport, role="worker", worker_id=w,
                                                token="t"))
             await asyncio.wait_for(grp[-1].recv(), 10)  # ACK: its start clock
-        await grp[0].send(protocol.Pull(clock=0))
-        assert isinstance(await asyncio.wait_for(grp[0].recv(), 10), protocol.Weights)
+        await grp[0].send(messages.Pull(clock=0))
+        assert isinstance(await asyncio.wait_for(grp[0].recv(), 10), messages.Weights)
         encoding, codec, buffers = sparse.encode_gradient(np.ones(4, np.float32))
-        await grp[0].send(protocol.Push(clock=1, samples=1, encoding=encoding, codec=codec,
+        await grp[0].send(messages.Push(clock=1, samples=1, encoding=encoding, codec=codec,
                                         buffers=tuple(buffers)))
         await asyncio.wait_for(grp[0].recv(), 10)
         seen = {r["worker"]: r for r in probe(srv, 5.0)}
@@ -360,7 +360,7 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
 def test_a_failing_tick_is_printed_once_and_the_monitor_goes_on(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from minips.dashboard import Monitor, MonitorConfig
+    from minips.dashboard.monitor import Monitor, MonitorConfig
 
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     (tmp_path / "eval.jsonl").write_text(json.dumps({"t": 1.0, "accuracy": 0.5}) + "\n")

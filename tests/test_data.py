@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from minips.errors import ConfigError, DataError
 from minips.ml import data, data_files
+from minips.ml.data import batch_stream, iterate_batches, shard_indices
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion = pytest.mark.skipif(not FASHION.is_dir(), reason=f"{FASHION} not installed")
@@ -147,7 +148,7 @@ def test_bad_idx_header_and_label_mismatch(tmp_path: Path) -> None:
     bad = tmp_path / "x.idx"
     bad.write_bytes(b"\x00\x00\x0d\x03" + bytes(20))  # float32 element type, not ubyte
     with pytest.raises(DataError, match="not an IDX file"):
-        data.read_idx(bad, 3)
+        data_files.read_idx(bad, 3)
     write_mnist(tmp_path / "m", gz=False)
     (tmp_path / "m" / "train-labels-idx1-ubyte").write_bytes(idx_bytes(np.zeros(11, np.uint8)))
     with pytest.raises(DataError, match="12 images but .* has 11"):
@@ -203,7 +204,7 @@ def test_download_verified_cifar_archive(tmp_path: Path, http_dir: tuple[Path, s
     (root / "cifar-10-binary.tar.gz").write_bytes(archive)
     digest = hashlib.sha256(archive).hexdigest()
     dest = tmp_path / "dl"
-    data.download("cifar10", dest, mirror=url, checksums={"cifar-10-binary.tar.gz": digest})
+    data_files.download("cifar10", dest, mirror=url, checksums={"cifar-10-binary.tar.gz": digest})
     assert not (dest / "cifar-10-binary.tar.gz").exists()  # archive removed once extracted
     ds = load_local("cifar10", "train", dest)
     assert ds.x.shape == (15, 3, 32, 32) and ds.meta["synthetic"] is False
@@ -225,7 +226,7 @@ def test_corrupt_archive_with_matching_checksum(tmp_path: Path, http_dir: tuple[
     (root / "cifar-10-binary.tar.gz").write_bytes(junk)
     sums = {"cifar-10-binary.tar.gz": hashlib.sha256(junk).hexdigest()}
     with pytest.raises(DataError, match="cifar-10-binary.tar.gz: corrupt or truncated archive"):
-        data.download("cifar10", tmp_path / "dl", mirror=url, checksums=sums)
+        data_files.download("cifar10", tmp_path / "dl", mirror=url, checksums=sums)
 
 
 @needs_fashion
@@ -234,7 +235,7 @@ def test_download_real_fashion_files_from_loopback(tmp_path: Path, http_dir: tup
     root, url = http_dir
     for f in FASHION.iterdir():  # the real files, so the pinned SHA-256 digests must match
         (root / f.name).write_bytes(f.read_bytes())
-    data.download("fashion-mnist", tmp_path / "dl", mirror=url)
+    data_files.download("fashion-mnist", tmp_path / "dl", mirror=url)
     ds = data.load_dataset("fashion-mnist", "test", tmp_path / "dl", download=False)
     assert ds.meta["source"] == str(tmp_path / "dl") and np.bincount(ds.y).tolist() == [1000] * 10
 
@@ -297,31 +298,31 @@ def test_translation_task() -> None:
 def test_shards_are_disjoint_and_cover(n: int, workers: int, seed: int,
                                        data_weights: list[float]) -> None:
     for weights in (None, data_weights[:workers]):
-        shards = [data.shard_indices(n, k, workers, seed, weights) for k in range(workers)]
+        shards = [shard_indices(n, k, workers, seed, weights) for k in range(workers)]
         joined = np.concatenate(shards)
         assert joined.dtype == np.int64 and np.array_equal(np.sort(joined), np.arange(n))
-        again = data.shard_indices(n, workers - 1, workers, seed, weights)
+        again = shard_indices(n, workers - 1, workers, seed, weights)
         np.testing.assert_array_equal(again, shards[-1])
 
 
 def test_shard_sizes_follow_weights() -> None:
-    sizes = [len(data.shard_indices(1000, k, 3, 7, [1, 2, 1])) for k in range(3)]
+    sizes = [len(shard_indices(1000, k, 3, 7, [1, 2, 1])) for k in range(3)]
     assert sizes == [250, 500, 250]
-    equal = [len(data.shard_indices(60_000, k, 2, 0)) for k in range(2)]
+    equal = [len(shard_indices(60_000, k, 2, 0)) for k in range(2)]
     assert equal == [30_000, 30_000]
     for bad in ([1, 2], [1, 0, 1], [1, float("nan"), 1]):
         with pytest.raises(ConfigError):
-            data.shard_indices(10, 0, 3, 0, bad)
+            shard_indices(10, 0, 3, 0, bad)
     with pytest.raises(ConfigError):
-        data.shard_indices(10, 3, 3, 0)
+        shard_indices(10, 3, 3, 0)
 
 
 def test_batch_order_is_deterministic_per_seed_and_epoch() -> None:
     ds = data.Dataset(np.arange(50, dtype=np.float32)[:, None], np.arange(50, dtype=np.int64))
-    shard = data.shard_indices(50, 1, 2, seed=3)
-    one = [y.tolist() for _, y in data.iterate_batches(ds, shard, 8, seed=3, epoch=0)]
-    two = [y.tolist() for _, y in data.iterate_batches(ds, shard, 8, seed=3, epoch=0)]
-    other = [y.tolist() for _, y in data.iterate_batches(ds, shard, 8, seed=3, epoch=1)]
+    shard = shard_indices(50, 1, 2, seed=3)
+    one = [y.tolist() for _, y in iterate_batches(ds, shard, 8, seed=3, epoch=0)]
+    two = [y.tolist() for _, y in iterate_batches(ds, shard, 8, seed=3, epoch=0)]
+    other = [y.tolist() for _, y in iterate_batches(ds, shard, 8, seed=3, epoch=1)]
     assert one == two and one != other
     assert len(one) == 25 // 8 and all(len(b) == 8 for b in one)  # last partial batch dropped
     flat: list[int] = sum(one, [])
@@ -332,10 +333,10 @@ def test_batch_order_is_deterministic_per_seed_and_epoch() -> None:
 
 def test_subset_gives_the_same_batches() -> None:
     ds = data.Dataset(np.arange(90, dtype=np.float32)[:, None], np.arange(90, dtype=np.int64))
-    shard = data.shard_indices(90, 2, 3, seed=1)
+    shard = shard_indices(90, 2, 3, seed=1)
     small = ds.subset(shard)
-    full = list(data.iterate_batches(ds, shard, 7, seed=1, epoch=4))
-    local = list(data.iterate_batches(small, np.arange(len(shard)), 7, seed=1, epoch=4))
+    full = list(iterate_batches(ds, shard, 7, seed=1, epoch=4))
+    local = list(iterate_batches(small, np.arange(len(shard)), 7, seed=1, epoch=4))
     assert len(full) == len(local) == 4
     for (xa, ya), (xb, yb) in zip(full, local, strict=True):
         assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
@@ -343,8 +344,8 @@ def test_subset_gives_the_same_batches() -> None:
 
 def test_batch_stream_moves_through_epochs() -> None:
     ds = data.Dataset(np.zeros((20, 1), np.float32), np.arange(20, dtype=np.int64))
-    stream = data.batch_stream(ds, np.arange(20), 6, seed=0)
+    stream = batch_stream(ds, np.arange(20), 6, seed=0)
     epochs = [next(stream)[0] for _ in range(7)]
     assert epochs == [0, 0, 0, 1, 1, 1, 2]
     with pytest.raises(ConfigError):
-        next(data.batch_stream(ds, np.arange(5), 6, seed=0))
+        next(batch_stream(ds, np.arange(5), 6, seed=0))

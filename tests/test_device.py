@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from minips import sparse
+from minips.compress import registry
 from minips.compress.base import Compressor
 from minips.compress.device_compress import (
     DeviceCompressor,
@@ -32,7 +32,7 @@ from minips.ml import models
 from minips.ml.device import Trainer, bind_flat, pick_device
 from minips.run.config import LaunchConfig, RunConfig, ServerConfig, WorkerConfig
 from minips.server import GlobalServer
-from minips.wire.sparse_codec import SparseGrad
+from minips.sparse import SparseGrad
 from minips.worker import Worker
 
 CPU = torch.device("cpu")
@@ -165,8 +165,8 @@ def grads(n: int, steps: int, seed: int = 1) -> list[np.ndarray]:
 
 def twins(name: str, n: int, device: torch.device,
           **opts: Any) -> tuple[Compressor, DeviceCompressor]:
-    host = sparse.make_compressor(name, n, ratio=0.01, seed=5, **opts)
-    dev = device_compressor(sparse.make_compressor(name, n, ratio=0.01, seed=5, **opts),
+    host = registry.make_compressor(name, n, ratio=0.01, seed=5, **opts)
+    dev = device_compressor(registry.make_compressor(name, n, ratio=0.01, seed=5, **opts),
                             device, on_device=True)
     assert isinstance(dev, DeviceCompressor)
     return host, dev
@@ -234,8 +234,8 @@ def test_compressors_without_a_device_twin_run_on_the_host() -> None:
     table: list[tuple[str, dict[str, Any]]] = [("none", {}), ("fp16", {}), ("randomk", {}),
                                                ("losscomp", {"vote_weight": 0.3})]
     for name, opts in table:
-        host = sparse.make_compressor(name, n, ratio=0.1, seed=2, **opts)
-        twin = sparse.make_compressor(name, n, ratio=0.1, seed=2, **opts)
+        host = registry.make_compressor(name, n, ratio=0.1, seed=2, **opts)
+        twin = registry.make_compressor(name, n, ratio=0.1, seed=2, **opts)
         wrapped = device_compressor(twin, CPU, on_device=True)
         assert isinstance(wrapped, HostCompressor)
         for g in grads(n, 3):
@@ -249,7 +249,7 @@ def test_compressors_without_a_device_twin_run_on_the_host() -> None:
 
 
 def test_default_is_on_device_only_off_the_cpu() -> None:
-    host = sparse.make_compressor("topk", 100, ratio=0.1)
+    host = registry.make_compressor("topk", 100, ratio=0.1)
     assert isinstance(device_compressor(host, CPU), HostCompressor)
 
 

@@ -21,7 +21,7 @@ from minips.errors import RemoteProtocolError
 from minips.net import transport
 from minips.run.config import RunConfig
 from minips.serve.group import GroupServer
-from minips.wire import protocol
+from minips.wire import messages
 
 N = 1000
 
@@ -39,7 +39,7 @@ class Copy:
 
     def take(self, ans: Any) -> None:
         enc, codec, bufs = sparse.encode_gradient(ans.payload)
-        msg = protocol.Weights(version=ans.version, since=ans.since, encoding=enc, codec=codec,
+        msg = messages.Weights(version=ans.version, since=ans.since, encoding=enc, codec=codec,
                                buffers=tuple(bufs))
         self.w = apply_weights(self.w, self.held, msg, N)
         self.held = ans.version
@@ -181,7 +181,7 @@ def test_an_update_that_does_not_fit_the_copy_held_is_a_protocol_error() -> None
     d.publish(weights(1))
     ans = d.answer(0)
     enc, codec, bufs = sparse.encode_gradient(ans.payload)
-    msg = protocol.Weights(version=1, since=0, encoding=enc, codec=codec, buffers=tuple(bufs))
+    msg = messages.Weights(version=1, since=0, encoding=enc, codec=codec, buffers=tuple(bufs))
     with pytest.raises(RemoteProtocolError):
         apply_weights(None, -1, msg, N)  # holds nothing
     with pytest.raises(RemoteProtocolError):
@@ -235,12 +235,12 @@ async def _worker_session(port: int, w_id: int, steps: int, watch: Watched) -> i
     ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=w_id, group=0,
                                  token=TOKEN, timeout=5)
     try:
-        clock = (await recv_as(ch, protocol.Ack)).clock
+        clock = (await recv_as(ch, messages.Ack)).clock
         copy, held, updates = None, -1, 0
         rng = np.random.default_rng(w_id)
         for _ in range(steps):
-            await ch.send(protocol.Pull(clock=clock, since=held))
-            msg = await recv_as(ch, protocol.Weights)
+            await ch.send(messages.Pull(clock=clock, since=held))
+            msg = await recv_as(ch, messages.Weights)
             copy = apply_weights(copy, held, msg, N)
             held = msg.version
             updates += msg.since >= 0
@@ -248,9 +248,9 @@ async def _worker_session(port: int, w_id: int, steps: int, watch: Watched) -> i
             idx = np.sort(rng.choice(N, 20, replace=False)).astype(np.uint32)
             grad = sparse.SparseGrad(idx, rng.standard_normal(20).astype(np.float32), N)
             enc, codec, bufs = sparse.encode_gradient(grad)
-            await ch.send(protocol.Push(clock=clock + 1, samples=1, encoding=enc, codec=codec,
+            await ch.send(messages.Push(clock=clock + 1, samples=1, encoding=enc, codec=codec,
                                         buffers=tuple(bufs)))
-            clock = (await recv_as(ch, protocol.Ack)).clock
+            clock = (await recv_as(ch, messages.Ack)).clock
         return updates
     finally:
         await ch.close()
@@ -313,14 +313,14 @@ async def test_a_group_server_honours_only_the_version_it_sent_on_this_connectio
     gs = GroupServer(0, run, weights(), Global(weights()), members=[0])
     port = await gs.serve("127.0.0.1", 0, TOKEN)
 
-    async def pull(ch: Any, clock: int, since: int) -> protocol.Weights:
-        await ch.send(protocol.Pull(clock=clock, since=since))
-        return await recv_as(ch, protocol.Weights)
+    async def pull(ch: Any, clock: int, since: int) -> messages.Weights:
+        await ch.send(messages.Pull(clock=clock, since=since))
+        return await recv_as(ch, messages.Weights)
 
     try:
         ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, group=0,
                                      token=TOKEN, timeout=5)
-        clock = (await recv_as(ch, protocol.Ack)).clock
+        clock = (await recv_as(ch, messages.Ack)).clock
         first = await pull(ch, clock, 7)  # a version this connection was never sent
         assert first.since == -1 and first.encoding == "dense-f32"
         again = await pull(ch, clock, first.version)
@@ -328,7 +328,7 @@ async def test_a_group_server_honours_only_the_version_it_sent_on_this_connectio
         await ch.close()
         ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, group=0,
                                      token=TOKEN, timeout=5)
-        clock = (await recv_as(ch, protocol.Ack)).clock
+        clock = (await recv_as(ch, messages.Ack)).clock
         fresh = await pull(ch, clock, again.version)  # sent, but on the old connection
         assert fresh.since == -1 and fresh.encoding == "dense-f32"
         await ch.close()

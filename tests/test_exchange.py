@@ -1,4 +1,4 @@
-"""The compressed group <-> global exchange (exchange.py, replica.py): top-k up, the global
+"""The compressed group <-> global exchange (exchange.py, exchange.py): top-k up, the global
 server's replica answering top-k entries to set down, exactly once under lost replies, dense
 resyncs; against the real ``GlobalServer`` merge and group session (``group_sessions``) with
 made-up pushes, and once with a real `minips group` process over loopback.
@@ -22,18 +22,25 @@ import pytest
 from conftest import records, recv_as, until
 
 from minips import sparse
-from minips.core.exchange import Exchange, ExchangeResult, Outgoing, push_message
-from minips.core.replica import Replica, exchange_ratio
+from minips.core.exchange import (
+    Exchange,
+    ExchangeResult,
+    Outgoing,
+    Replica,
+    exchange_ratio,
+    push_message,
+    seqs_in,
+)
 from minips.core.roster import GroupHandle
-from minips.core.unsaved import seqs_in
 from minips.errors import AuthError
 from minips.net import lifeline, transport
+from minips.net.endpoints import parse_address
 from minips.run import checkpoint
-from minips.run.config import RunConfig, ServerConfig, parse_address
+from minips.run.config import RunConfig, ServerConfig
 from minips.serve import group_sessions
 from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcLink
-from minips.wire import protocol
+from minips.wire import messages
 
 TOKEN = "exchange-test-secret-0123"
 N = 500  # weights
@@ -129,7 +136,7 @@ class Cluster:
     async def reconnect(self, g: int) -> None:
         """The group process registers again: PULL -> WEIGHTS, ``reload``."""
         grp = self.groups[g]
-        ch = FakeChannel(protocol.Pull(clock=0))
+        ch = FakeChannel(messages.Pull(clock=0))
         await group_sessions._on_message(self.srv.io, ch, self.srv.groups[g])  # type: ignore[arg-type]
         w = np.asarray(sparse.decode_gradient(ch.sent.encoding, ch.sent.codec, ch.sent.buffers,
                                               N))
@@ -424,15 +431,15 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
         await until(lambda: bool(srv.io.pending_groups), 30)
         ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0,
                                       token=TOKEN)
-        await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=1.0))
-        assign = await recv_as(ctl, protocol.Assign, 30)
+        await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
+        assign = await recv_as(ctl, messages.Assign, 30)
         host, gport = parse_address(assign.address)
         ch = await _join_group(host or "127.0.0.1", gport, assign.group)
         await ch.recv()  # ACK with the starting clock
         clock = 0
         while True:
-            await ch.send(protocol.Pull(clock=clock))
-            weights = await recv_as(ch, protocol.Weights)
+            await ch.send(messages.Pull(clock=clock))
+            weights = await recv_as(ch, messages.Weights)
             if weights.done:
                 break
             w = np.asarray(sparse.decode_gradient(weights.encoding, weights.codec,
@@ -441,9 +448,9 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
             grads += grad
             clock += 1
             enc, codec, bufs = sparse.encode_gradient(grad)
-            await ch.send(protocol.Push(clock=clock, samples=1, encoding=enc, codec=codec,
+            await ch.send(messages.Push(clock=clock, samples=1, encoding=enc, codec=codec,
                                         buffers=tuple(bufs)))
-            await recv_as(ch, protocol.Ack)
+            await recv_as(ch, messages.Ack)
         await ch.close(leave="bye")
         await asyncio.wait_for(srv.wait_finished(), 30)
         await ctl.close(leave="bye")

@@ -24,7 +24,7 @@ from conftest import records, recv_as, run_t0, steps, wait_for
 
 from minips.ml import data, models
 from minips.net import lifeline
-from minips.run import checkpoint, provenance
+from minips.run import checkpoint, metrics
 from minips.run.launch import write_init
 
 TOKEN = "faults-secret"
@@ -90,8 +90,8 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 def final_accuracy(run_dir: Path) -> float:
     """Test accuracy of the run's final weights; the workers must have trained on real data."""
-    sources = provenance.read(run_dir)
-    assert sources and provenance.verdict(sources) == "real", sources
+    sources = metrics.read(run_dir)
+    assert sources and metrics.verdict(sources) == "real", sources
     test = data.load_dataset("fashion-mnist", "test", fallback=False)  # real data, or fail
     test = test.subset(np.arange(EVAL_SAMPLES))
     acc, _ = models.evaluate("lenet5", np.load(run_dir / "final_weights.npy"), test)
@@ -407,11 +407,11 @@ async def raw_session(port: int, wid: int) -> tuple[Any, Any]:
     """A hand-driven authenticated connection (reader, writer), past the starting ACK."""
     import asyncio
 
-    from minips.wire import protocol
+    from minips.wire import frames, handshake, messages
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    dec = protocol.FrameDecoder()
-    client = protocol.ClientHandshake(TOKEN, role="worker", worker_id=wid)
+    dec = frames.FrameDecoder()
+    client = handshake.ClientHandshake(TOKEN, role="worker", worker_id=wid)
 
     async def next_msg() -> Any:
         while True:
@@ -419,10 +419,10 @@ async def raw_session(port: int, wid: int) -> tuple[Any, Any]:
             if msgs:
                 return msgs[0]
 
-    writer.writelines(protocol.encode(client.hello))
-    writer.writelines(protocol.encode(client.on_challenge(await next_msg())))
-    assert isinstance(await next_msg(), protocol.Welcome)
-    assert isinstance(await next_msg(), protocol.Ack)
+    writer.writelines(frames.encode(client.hello))
+    writer.writelines(frames.encode(client.on_challenge(await next_msg())))
+    assert isinstance(await next_msg(), messages.Welcome)
+    assert isinstance(await next_msg(), messages.Ack)
     return reader, writer
 
 
@@ -431,15 +431,15 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
     import asyncio
 
     from minips import sparse
-    from minips.net import transport
+    from minips.net import channel, transport
     from minips.run.config import RunConfig
     from minips.serve.group import GroupServer
-    from minips.wire import protocol
+    from minips.wire import frames, messages
 
     run = RunConfig(mode="asp", sync_every=10**9, lr=1.0, momentum=0.0, weight_decay=0.0,
                     lr_warmup=0.0, workers=3)
     gs = GroupServer(0, run, np.zeros(BIG, np.float32), NoGlobal(), members=[0, 1, 2])
-    port = await gs.serve("127.0.0.1", 0, TOKEN, options=transport.Options(
+    port = await gs.serve("127.0.0.1", 0, TOKEN, options=channel.Options(
         read_timeout=1.0, send_timeout=1.0, socket_buffer=0))
     try:
         good = await transport.connect("127.0.0.1", port, role="worker", worker_id=0,
@@ -447,7 +447,7 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
         await good.recv()
         _, stall_w = await raw_session(port, 1)
         pull = b"".join(bytes(memoryview(b).cast("B")) for b in
-                        protocol.encode(protocol.Pull(clock=0)))
+                        frames.encode(messages.Pull(clock=0)))
         stall_w.write(pull[: len(pull) // 2])  # half a frame, then silence
         _, deaf_w = await raw_session(port, 2)
         for _ in range(8):  # asks for 64 MB of weights and never reads them
@@ -455,11 +455,11 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
 
         grad = sparse.encode_gradient(np.full(BIG, 1e-3, np.float32))
         for clock in range(6):  # the well-behaved worker is served all along
-            await good.send(protocol.Pull(clock=clock))
-            assert isinstance(await asyncio.wait_for(good.recv(), 10), protocol.Weights)
-            await good.send(protocol.Push(clock=clock + 1, samples=1, encoding=grad[0],
+            await good.send(messages.Pull(clock=clock))
+            assert isinstance(await asyncio.wait_for(good.recv(), 10), messages.Weights)
+            await good.send(messages.Push(clock=clock + 1, samples=1, encoding=grad[0],
                                           codec=grad[1], buffers=tuple(grad[2])))
-            assert (await recv_as(good, protocol.Ack)).clock == clock + 1
+            assert (await recv_as(good, messages.Ack)).clock == clock + 1
 
         deadline = asyncio.get_running_loop().time() + 20
         while gs.server.stats["read_timeouts"] < 1 or 2 in gs.channels or 1 in gs.channels:

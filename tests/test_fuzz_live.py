@@ -23,11 +23,12 @@ import pytest
 from conftest import recv_as
 
 from minips import sparse
+from minips.core.exchange import ExchangeResult
 from minips.errors import RemoteProtocolError
 from minips.net import transport
 from minips.run.config import RunConfig
-from minips.serve.group import ExchangeResult, GroupServer
-from minips.wire import protocol
+from minips.serve.group import GroupServer
+from minips.wire import frames, messages
 
 TOKEN = "fuzz-secret"
 SIZE = 64  # model size: small, so frames are small and many fit in a few seconds
@@ -58,23 +59,23 @@ class NoGlobal:
 def push_msg(clock: int, values: np.ndarray, indices: np.ndarray | None = None) -> Any:
     grad: Any = values if indices is None else sparse.SparseGrad(indices, values, SIZE)
     encoding, codec, buffers = sparse.encode_gradient(grad)
-    return protocol.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
+    return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
                          buffers=tuple(buffers))
 
 
 def frame(msg: Any) -> bytes:
-    return b"".join(bytes(memoryview(b).cast("B")) for b in protocol.encode(msg))
+    return b"".join(bytes(memoryview(b).cast("B")) for b in frames.encode(msg))
 
 
 VALID = [frame(m) for m in (
-    protocol.Hello(role="worker", worker_id=0, nonce=b"n" * 32),
-    protocol.Auth(mac=b"m" * 32),
-    protocol.Pull(clock=0),
+    messages.Hello(role="worker", worker_id=0, nonce=b"n" * 32),
+    messages.Auth(mac=b"m" * 32),
+    messages.Pull(clock=0),
     push_msg(1, np.ones(SIZE, np.float32)),
     push_msg(1, np.ones(3, np.float32), np.array([1, 5, 9], np.uint32)),
-    protocol.Heartbeat(seq=1),
-    protocol.Leave(reason="bye"),
-    protocol.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
+    messages.Heartbeat(seq=1),
+    messages.Leave(reason="bye"),
+    messages.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
 )]
 
 
@@ -112,11 +113,11 @@ async def start_group() -> tuple[GroupServer, int]:
 
 async def good_worker_step(ch: Any, clock: int) -> int:
     """One PULL -> WEIGHTS -> PUSH -> ACK round of the well-behaved worker."""
-    await ch.send(protocol.Pull(clock=clock))
-    assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Weights)
+    await ch.send(messages.Pull(clock=clock))
+    assert isinstance(await asyncio.wait_for(ch.recv(), 5), messages.Weights)
     await ch.send(push_msg(clock + 1, np.full(SIZE, 0.5, np.float32)))
     ack = await asyncio.wait_for(ch.recv(), 5)
-    assert isinstance(ack, protocol.Ack) and ack.clock == clock + 1
+    assert isinstance(ack, messages.Ack) and ack.clock == clock + 1
     return clock + 1
 
 
@@ -137,7 +138,7 @@ def invalid_after_auth(rng: random.Random) -> Any:
     ones = np.ones(SIZE, np.float32)
 
     def raw_push(clock: int, **fields: Any) -> Any:
-        return protocol.Push(clock=clock, codec={}, buffers=(ones,), **fields)
+        return messages.Push(clock=clock, codec={}, buffers=(ones,), **fields)
 
     choices = [
         lambda clock: push_msg(clock, ones),  # clock did not advance
@@ -149,7 +150,7 @@ def invalid_after_auth(rng: random.Random) -> Any:
         lambda clock: raw_push(clock + 1, samples=10**9, encoding="dense-f32"),  # huge batch
         lambda clock: raw_push(clock + 1, samples=1, encoding="nope"),  # unknown encoding
         lambda clock: raw_push(clock + 1, samples=1, step_time=-1.0, encoding="dense-f32"),
-        lambda clock: protocol.Stats(clock=clock, step_time=0.1, loss=1.0, samples=1),  # not here
+        lambda clock: messages.Stats(clock=clock, step_time=0.1, loss=1.0, samples=1),  # not here
     ]
     return rng.choice(choices)
 
@@ -162,15 +163,15 @@ async def invalid_session(port: int, wid: int, make: Any) -> str:
     except ConnectionError:
         return "connect-failed"
     try:
-        ack = await recv_as(ch, protocol.Ack, 5)  # the starting ACK: our clock
+        ack = await recv_as(ch, messages.Ack, 5)  # the starting ACK: our clock
         try:
-            await ch.send(protocol.Pull(clock=ack.clock))
-            assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Weights)
+            await ch.send(messages.Pull(clock=ack.clock))
+            assert isinstance(await asyncio.wait_for(ch.recv(), 5), messages.Weights)
             await ch.send(make(ack.clock))
         except Exception:  # our own side refused to encode it: nothing reached the server
             return "local"
         reply = await asyncio.wait_for(ch.recv(), 5)
-        return reply.code if isinstance(reply, protocol.Error) else type(reply).__name__
+        return reply.code if isinstance(reply, messages.Error) else type(reply).__name__
     except RemoteProtocolError as exc:
         return f"error:{exc}"
     except ConnectionError:
@@ -212,7 +213,7 @@ async def fuzz_scenario(raw_inputs: int, invalid_inputs: int, seed: int) -> None
         assert gs.version == version + 1
         late = await transport.connect("127.0.0.1", port, role="worker", worker_id=199,
                                        token=TOKEN)
-        assert isinstance(await asyncio.wait_for(late.recv(), 5), protocol.Ack)
+        assert isinstance(await asyncio.wait_for(late.recv(), 5), messages.Ack)
         await late.close()
         await good.close()
         print(f"fuzz: {raw_inputs} raw inputs in {raw_s:.1f} s, {invalid_inputs} invalid "

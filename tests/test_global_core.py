@@ -1,6 +1,6 @@
 """The global server's rules without IO (global_core.py): message in, actions out. Each entry
 point is driven in one thread with a fake clock and its returned actions checked; one group's
-ratio has one owner (group_peer.py)."""
+ratio has one owner (roster.py)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,22 @@ import numpy as np
 import pytest
 
 from minips import sparse
-from minips.core.global_actions import (
+from minips.core.global_core import (
     AllFinal,
     Done,
     Fail,
     FormGroups,
+    GlobalCore,
     PlaceLate,
     SendRatios,
     WeightsReady,
 )
-from minips.core.global_core import GlobalCore
-from minips.core.group_peer import NoGroup
-from minips.core.roster import GroupHandle
+from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.run.config import RunConfig
 from minips.serve.group import GroupServer
 from minips.serve.inproc_group import InProcGroup
-from minips.wire import protocol
+from minips.wire import messages
 
 N = 10
 
@@ -35,8 +34,8 @@ def core(weights: np.ndarray | None = None, **run: object) -> GlobalCore:
     return GlobalCore(cfg, weights, regroup=False, clock=lambda: t[0], wall=lambda: 1e9 + t[0])
 
 
-def stats(step_time: float, clock: int = 0) -> protocol.Stats:
-    return protocol.Stats(clock=clock, step_time=step_time, loss=1.0)
+def stats(step_time: float, clock: int = 0) -> messages.Stats:
+    return messages.Stats(clock=clock, step_time=step_time, loss=1.0)
 
 
 def grouped(c: GlobalCore, groups: int = 1) -> None:

@@ -11,10 +11,11 @@ import pytest
 from conftest import recv_as
 
 from minips import sparse
+from minips.core.exchange import ExchangeResult
 from minips.net import transport
 from minips.run.config import RunConfig
-from minips.serve.group import ExchangeResult, GroupServer
-from minips.wire import protocol
+from minips.serve.group import GroupServer
+from minips.wire import messages
 
 TOKEN = "group-test"
 
@@ -47,9 +48,9 @@ def plain(mode: str, **kw: Any) -> RunConfig:
     return RunConfig(mode=mode, lr=1.0, momentum=0.0, weight_decay=0.0, lr_warmup=0.0, **kw)
 
 
-def push(clock: int, grad: Any) -> protocol.Push:
+def push(clock: int, grad: Any) -> messages.Push:
     encoding, codec, buffers = sparse.encode_gradient(grad)
-    return protocol.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
+    return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
                          buffers=tuple(buffers))
 
 
@@ -145,24 +146,24 @@ async def test_wire_session_ack_pull_push_and_bad_clock() -> None:
     port = await gs.serve("127.0.0.1", 0, TOKEN)
     ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=7, token=TOKEN)
     try:
-        assert isinstance(await ch.recv(), protocol.Ack)  # starting clock 0
-        await ch.send(protocol.Pull(clock=0))
+        assert isinstance(await ch.recv(), messages.Ack)  # starting clock 0
+        await ch.send(messages.Pull(clock=0))
         w = await ch.recv()
-        assert isinstance(w, protocol.Weights) and w.info["group"] == 3
+        assert isinstance(w, messages.Weights) and w.info["group"] == 3
         for clock in (1, 2):
             if clock > 1:
-                await ch.send(protocol.Pull(clock=clock - 1))
-                assert isinstance(await ch.recv(), protocol.Weights)
+                await ch.send(messages.Pull(clock=clock - 1))
+                assert isinstance(await ch.recv(), messages.Weights)
             await ch.send(push(clock, vec(1, 1, 1)))
-            assert (await recv_as(ch, protocol.Ack)).clock == clock
+            assert (await recv_as(ch, messages.Ack)).clock == clock
         await asyncio.wait_for(gs.flush(), 2)
         np.testing.assert_allclose(glob.weights, vec(-1, 0, 1))
         assert glob.stats[0]["pushes"] == 2
-        await ch.send(protocol.Pull(clock=4))  # claims clock 4 while the server says 2
-        assert isinstance(await ch.recv(), protocol.Weights)
+        await ch.send(messages.Pull(clock=4))  # claims clock 4 while the server says 2
+        assert isinstance(await ch.recv(), messages.Weights)
         await ch.send(push(5, vec(1, 1, 1)))  # skips clocks 3 and 4
         err = await ch.recv()
-        assert isinstance(err, protocol.Error) and err.code == "clock"
+        assert isinstance(err, messages.Error) and err.code == "clock"
     finally:
         await ch.close()
         await gs.close()
@@ -207,7 +208,8 @@ async def test_global_merge_of_k_groups_is_the_mean_of_their_deltas(
     the global weights move by the mean of their deltas (delta / 3 each), or by their sum."""
     from test_server import make_server
 
-    from minips.server import GroupHandle, InProcLink
+    from minips.core.roster import GroupHandle
+    from minips.server import InProcLink
 
     srv = make_server(tmp_path, np.zeros(4, np.float32), workers=3, mode="asp", lr=1.0,
                       momentum=0.0, weight_decay=0.0, sync_every=1, merge=merge)

@@ -19,11 +19,10 @@ import pytest
 
 from minips import sparse
 from minips.core import optim
-from minips.core.group_actions import AllLeft, Log, Reply, StartExchange, Wake
-from minips.core.group_core import GroupCore
+from minips.core.group_core import AllLeft, GroupCore, Log, Reply, StartExchange, Wake
 from minips.run.config import RunConfig
 from minips.serve.group import GroupServer
-from minips.wire import protocol
+from minips.wire import messages
 
 N = 500
 
@@ -35,13 +34,13 @@ class NoLink:
         raise AssertionError("the core does not exchange")
 
 
-def push(clock: int, grad: np.ndarray | sparse.SparseGrad, samples: int = 8) -> protocol.Push:
+def push(clock: int, grad: np.ndarray | sparse.SparseGrad, samples: int = 8) -> messages.Push:
     enc, codec, bufs = sparse.encode_gradient(grad)
-    return protocol.Push(clock=clock, samples=samples, encoding=enc, codec=codec,
+    return messages.Push(clock=clock, samples=samples, encoding=enc, codec=codec,
                          buffers=tuple(bufs))
 
 
-def drive(core: GroupCore, rounds: int, seed: int) -> list[protocol.Weights]:
+def drive(core: GroupCore, rounds: int, seed: int) -> list[messages.Weights]:
     """Two workers in lock step: each pulls (the version it holds) and pushes (through the
     asyncio shell's ``on_push`` for a GroupServer, the core's ``push`` otherwise); returns
     every answer in order."""
@@ -122,8 +121,10 @@ async def run_with_asyncio(compressor: str, events: list[Any],
     """The same events in the same order through the asyncio servers: the real GlobalServer
     and 4 GroupServers (in-process link), each PULL through ``answer_pull``, each PUSH through
     ``on_push`` with its exchange awaited before the next event (as the cores ran it)."""
+    from minips.core.roster import GroupHandle
     from minips.run.config import ServerConfig
-    from minips.server import GlobalServer, GroupHandle, InProcGroup, InProcLink
+    from minips.serve.inproc_group import InProcGroup
+    from minips.server import GlobalServer, InProcLink
 
     cfg = ServerConfig(run=RunConfig(**noio_cluster.run_config(compressor)), port=0,
                        run_dir=str(tmp_path), checkpoint_every_s=0)
@@ -219,12 +220,12 @@ def test_the_core_answers_each_event_with_the_actions_due() -> None:
     core = GroupCore(0, RunConfig(workers=2, mode="ssp", lr_warmup=0, sync_every=3, lease_s=10),
                      np.zeros(N, np.float32), NoLink(), members=[0, 1])
     grad = np.ones(N, np.float32)
-    assert core.join(0, 0.0) == [Reply(0, protocol.Ack(clock=0, version=0))]
-    assert core.join(1, 0.0) == [Reply(1, protocol.Ack(clock=0, version=0))]
-    assert core.push(0, push(1, grad), 1.0) == [Reply(0, protocol.Ack(clock=1, version=1))]
-    assert core.push(1, push(1, grad), 1.0) == [Reply(1, protocol.Ack(clock=1, version=2)),
+    assert core.join(0, 0.0) == [Reply(0, messages.Ack(clock=0, version=0))]
+    assert core.join(1, 0.0) == [Reply(1, messages.Ack(clock=0, version=0))]
+    assert core.push(0, push(1, grad), 1.0) == [Reply(0, messages.Ack(clock=1, version=1))]
+    assert core.push(1, push(1, grad), 1.0) == [Reply(1, messages.Ack(clock=1, version=2)),
                                                 Wake()]  # the lowest clock: 0 -> 1
-    assert core.push(0, push(2, grad), 2.0) == [Reply(0, protocol.Ack(clock=2, version=3)),
+    assert core.push(0, push(2, grad), 2.0) == [Reply(0, messages.Ack(clock=2, version=3)),
                                                 StartExchange()]
     assert core.tick(9.0, {0: 8.0, 1: 1.0}) == []  # both within their lease
     assert core.tick(12.0, {0: 11.0}) == [Log("expired", {"workers": [1]}), Wake()]

@@ -9,7 +9,7 @@ import pytest
 
 from minips.errors import LimitExceeded
 from minips.net import guard
-from minips.wire import protocol as p
+from minips.wire import frames, handshake, messages
 
 LIMITS = guard.Limits(max_pending=5, max_pending_per_source=2, free_failures=2,
                       backoff_first_s=1.0, backoff_max_s=4.0, forget_after_s=100.0)
@@ -63,26 +63,26 @@ def test_log_summary_gives_the_first_line_then_counts_once_a_period() -> None:
 
 
 def test_a_server_connection_takes_only_handshake_frames_until_welcome() -> None:
-    server = p.Connection(p.Side.SERVER)
-    big = p.PREFIX.pack(p.MAGIC, p.PROTOCOL_VERSION, p.Kind.PUSH, 1, 0, 10, 500 << 20)
+    server = handshake.Connection(handshake.Side.SERVER)
+    big = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH, 1, 0, 10, 500 << 20)
     with pytest.raises(LimitExceeded, match="buffer count"):
         server.receive(big)
-    hello = p.Hello(role="worker", nonce=b"n" * 32, address="h" * 4096)  # the longest address
-    server = p.Connection(p.Side.SERVER)
-    assert server.receive(b"".join(p.encode(hello))) == [hello]
-    server.send(p.Challenge(nonce=b"c" * 32))
-    server.receive(b"".join(p.encode(p.Auth(mac=b"m" * 32))))
-    server.send(p.Welcome(worker_id=0, mac=b"", info={}))
-    push = p.Push(clock=1, encoding="dense-f32", buffers=(np.ones(1 << 20, np.float32),))
-    got = server.receive(b"".join(bytes(memoryview(b).cast("B")) for b in p.encode(push)))
-    assert len(got) == 1 and isinstance(got[0], p.Push)
+    hello = messages.Hello(role="worker", nonce=b"n" * 32, address="h" * 4096)  # the longest address
+    server = handshake.Connection(handshake.Side.SERVER)
+    assert server.receive(b"".join(frames.encode(hello))) == [hello]
+    server.send(messages.Challenge(nonce=b"c" * 32))
+    server.receive(b"".join(frames.encode(messages.Auth(mac=b"m" * 32))))
+    server.send(messages.Welcome(worker_id=0, mac=b"", info={}))
+    push = messages.Push(clock=1, encoding="dense-f32", buffers=(np.ones(1 << 20, np.float32),))
+    got = server.receive(b"".join(bytes(memoryview(b).cast("B")) for b in frames.encode(push)))
+    assert len(got) == 1 and isinstance(got[0], messages.Push)
     assert got[0].buffers[0].nbytes == 4 << 20  # full size after WELCOME
 
 
 def test_a_client_connection_is_not_limited_before_welcome() -> None:
-    client = p.Connection(p.Side.CLIENT)
-    client.send(p.Hello(role="worker", nonce=b"n" * 32))
-    client.receive(b"".join(p.encode(p.Challenge(nonce=b"c" * 32))))
-    client.send(p.Auth(mac=b""))
-    welcome = p.Welcome(worker_id=0, mac=b"", info={"config": "x" * 60_000})
-    assert client.receive(b"".join(p.encode(welcome))) == [welcome]
+    client = handshake.Connection(handshake.Side.CLIENT)
+    client.send(messages.Hello(role="worker", nonce=b"n" * 32))
+    client.receive(b"".join(frames.encode(messages.Challenge(nonce=b"c" * 32))))
+    client.send(messages.Auth(mac=b""))
+    welcome = messages.Welcome(worker_id=0, mac=b"", info={"config": "x" * 60_000})
+    assert client.receive(b"".join(frames.encode(welcome))) == [welcome]

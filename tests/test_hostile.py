@@ -34,8 +34,8 @@ from conftest import minips_server, recv_as, wait_for
 
 from minips import sparse
 from minips.errors import AuthError
-from minips.net import transport
-from minips.wire import protocol
+from minips.net import channel, transport
+from minips.wire import frames, handshake, messages
 
 TOKEN = "hostile-test-secret-0123"
 N = 61_706  # LeNet-5's parameters, the server's default model
@@ -89,9 +89,9 @@ def big_push_head(claimed: int) -> bytes:
     """Prefix, table and map of a PUSH frame whose one raw buffer claims ``claimed`` bytes."""
     meta = msgpack.packb({"clock": 1, "step_time": 0.0, "loss": 0.0, "samples": 1,
                           "encoding": "dense-f32", "codec": {}})
-    prefix = protocol.PREFIX.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, protocol.Kind.PUSH,
+    prefix = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH,
                                   1, 0, len(meta), claimed)
-    return prefix + protocol.TABLE_ENTRY.pack(0, claimed, claimed) + meta
+    return prefix + frames.TABLE_ENTRY.pack(0, claimed, claimed) + meta
 
 
 def send_some(sock: socket.socket, data: bytes, total: int) -> int:
@@ -199,8 +199,8 @@ async def guess(host: str, port: int, source: str, token: str) -> str:
     sock.setblocking(False)
     try:
         await loop.sock_connect(sock, (host, port))
-        conn = protocol.Connection(protocol.Side.CLIENT)
-        hs = protocol.ClientHandshake(token, role="evaluator")
+        conn = handshake.Connection(handshake.Side.CLIENT)
+        hs = handshake.ClientHandshake(token, role="evaluator")
         await loop.sock_sendall(sock, b"".join(conn.send(hs.hello)))
         reply = await read_message(loop, sock, conn)
         await loop.sock_sendall(sock, b"".join(conn.send(hs.on_challenge(reply))))
@@ -214,7 +214,7 @@ async def guess(host: str, port: int, source: str, token: str) -> str:
         sock.close()
 
 
-async def read_message(loop: Any, sock: socket.socket, conn: protocol.Connection) -> Any:
+async def read_message(loop: Any, sock: socket.socket, conn: handshake.Connection) -> Any:
     while True:
         data = await loop.sock_recv(sock, 65536)
         if not data:
@@ -273,18 +273,18 @@ GRAD = sparse.encode_gradient(sparse.SparseGrad(  # (encoding, codec, buffers): 
     np.arange(8, dtype=np.uint32), np.full(8, 1e-3, np.float32), N))
 
 
-def push_msg(clock: int) -> protocol.Push:
+def push_msg(clock: int) -> messages.Push:
     encoding, codec, buffers = GRAD
-    return protocol.Push(clock=clock, step_time=0.03, loss=2.3, samples=32, encoding=encoding,
+    return messages.Push(clock=clock, step_time=0.03, loss=2.3, samples=32, encoding=encoding,
                          codec=codec, buffers=tuple(buffers))
 
 
 async def join(host: str, port: int, w: int) -> tuple[Any, Any, int]:
     """Worker ``w`` joins: control channel, STATS, ASSIGN, its group; (ctl, group ch, clock)."""
     ctl = await transport.connect(host, port, role="worker", worker_id=w, token=TOKEN,
-                                  options=transport.Options(heartbeat=1.0))
-    await ctl.send(protocol.Stats(clock=0, step_time=0.03, loss=2.3, samples=32))
-    assign = await recv_as(ctl, protocol.Assign, 30)
+                                  options=channel.Options(heartbeat=1.0))
+    await ctl.send(messages.Stats(clock=0, step_time=0.03, loss=2.3, samples=32))
+    assign = await recv_as(ctl, messages.Assign, 30)
     gport = int(assign.address.rsplit(":", 1)[1])
     grp, clock = await join_group(host, gport, w, assign.group)
     return ctl, grp, clock
@@ -292,8 +292,8 @@ async def join(host: str, port: int, w: int) -> tuple[Any, Any, int]:
 
 async def join_group(host: str, gport: int, w: int, group: int) -> tuple[Any, int]:
     grp = await transport.connect(host, gport, role="worker", worker_id=w, token=TOKEN,
-                                  group=group, options=transport.Options(heartbeat=1.0))
-    ack = await recv_as(grp, protocol.Ack, 10)
+                                  group=group, options=channel.Options(heartbeat=1.0))
+    ack = await recv_as(grp, messages.Ack, 10)
     return grp, ack.clock
 
 
@@ -312,11 +312,11 @@ async def good_worker(host: str, port: int, w: int, steps: list[float],
 
 async def step(grp: Any, clock: int) -> int:
     """One step of a worker that computes for 30 ms; its new clock."""
-    await grp.send(protocol.Pull(clock=clock))
-    await recv_as(grp, protocol.Weights, 30)
+    await grp.send(messages.Pull(clock=clock))
+    await recv_as(grp, messages.Weights, 30)
     await asyncio.sleep(0.03)
     await grp.send(push_msg(clock + 1))
-    return (await recv_as(grp, protocol.Ack, 30)).clock
+    return (await recv_as(grp, messages.Ack, 30)).clock
 
 
 async def flood(host: str, port: int, w: int) -> None:
@@ -339,7 +339,7 @@ async def flood(host: str, port: int, w: int) -> None:
 
 async def write_pulls(grp: Any, clock: int) -> None:
     tr = grp._transport
-    pulls = b"".join(b"".join(protocol.encode(protocol.Pull(clock=clock)))
+    pulls = b"".join(b"".join(frames.encode(messages.Pull(clock=clock)))
                      for _ in range(FLOOD_BATCH))
     while not grp.closed:
         tr.write(pulls)

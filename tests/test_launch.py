@@ -17,7 +17,7 @@ from conftest import interrupt, processes_mentioning
 from minips.ml import data, models
 from minips.run.config import LaunchConfig, RunConfig
 from minips.run.launch import Cluster, run_local
-from minips.run.metrics import read_jsonl
+from minips.run.rundir import read_jsonl
 
 
 @pytest.mark.timeout(120)

@@ -18,14 +18,15 @@ from conftest import processes_mentioning, run_on
 
 from minips.core.downlink import DRIFT
 from minips.errors import ConfigError
-from minips.net import netshape
+from minips.net import channel, netshape, transport
 from minips.net import transport as t
 from minips.net.links import LinkProfile, Pacing, Rate, TokenBucket, parse_profile
-from minips.run import cli_checks
+from minips.run import checks
 from minips.run.config import LaunchConfig, RunConfig
 from minips.run.launch import run_local
-from minips.run.metrics import HOP_COUNTERS, read_jsonl
-from minips.wire import protocol as p
+from minips.run.metrics import HOP_COUNTERS
+from minips.run.rundir import read_jsonl
+from minips.wire import messages
 
 TOKEN = "links-secret-0123456789abcdef"
 M = 1e6
@@ -84,14 +85,14 @@ def test_a_profile_file_holds_one_rate_a_line_with_comments(tmp_path: Path) -> N
 
 
 def test_local_flags_become_one_profile() -> None:
-    assert cli_checks.check_link(None, 0.0, 0.0, 8) == ""
-    assert cli_checks.check_link("10mbit", 0.0, 0.0, 8) == "10mbit"
-    assert parse_profile(cli_checks.check_link(None, 1e6, 0.01, 2)) == \
+    assert checks.check_link(None, 0.0, 0.0, 8) == ""
+    assert checks.check_link("10mbit", 0.0, 0.0, 8) == "10mbit"
+    assert parse_profile(checks.check_link(None, 1e6, 0.01, 2)) == \
         LinkProfile("8000000bit+0.01s", (Rate(8e6, 8e6),), 0.01)  # the deprecated flags
     with pytest.raises(ConfigError, match="give the link once"):
-        cli_checks.check_link("10mbit", 1e6, 0.0, 2)
+        checks.check_link("10mbit", 1e6, 0.0, 2)
     with pytest.raises(ConfigError, match="3 rates for 2 workers"):
-        cli_checks.check_link("1,2,3mbit", 0.0, 0.0, 2)
+        checks.check_link("1,2,3mbit", 0.0, 0.0, 2)
 
 
 def test_a_bad_link_flag_is_one_line_and_exit_2() -> None:
@@ -116,24 +117,24 @@ PAYLOAD = 400_000  # bytes of one message's buffer
 RATE = 2_000_000.0  # bytes/s: the payload takes 0.2 s
 
 
-async def _serve_weights(ch: t.Channel) -> None:
+async def _serve_weights(ch: channel.Channel) -> None:
     """ACK every PUSH; answer PULL with a PAYLOAD-byte WEIGHTS; until LEAVE."""
     weights = np.zeros(PAYLOAD // 4, np.float32)
     while True:
         msg = await ch.recv()
-        if isinstance(msg, p.Push):
+        if isinstance(msg, messages.Push):
             assert sum(len(memoryview(b).cast("B")) for b in msg.buffers) == PAYLOAD
-            await ch.send(p.Ack(clock=msg.clock, version=0))
-        elif isinstance(msg, p.Pull):
-            await ch.send(p.Weights(version=1, encoding="dense-f32", buffers=(weights,)))
-        elif isinstance(msg, p.Leave):
+            await ch.send(messages.Ack(clock=msg.clock, version=0))
+        elif isinstance(msg, messages.Pull):
+            await ch.send(messages.Weights(version=1, encoding="dense-f32", buffers=(weights,)))
+        elif isinstance(msg, messages.Leave):
             return
 
 
 async def _timed_transfers(pacing: Pacing | None) -> tuple[float, float]:
     """Seconds for a PAYLOAD-byte PUSH (until its ACK) and a PAYLOAD-byte WEIGHTS (from PULL)
     over loopback, the client paced by ``pacing``; heartbeats run meanwhile."""
-    srv = await t.serve("127.0.0.1", 0, token=TOKEN, handler=_serve_weights,
+    srv = await transport.serve("127.0.0.1", 0, token=TOKEN, handler=_serve_weights,
                         accept=lambda hello: {"worker_id": 0})
     try:
         ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
@@ -141,14 +142,14 @@ async def _timed_transfers(pacing: Pacing | None) -> tuple[float, float]:
         ch.start_heartbeat(0.005)  # small frames that must not land inside a paced one
         loop_time = time.perf_counter
         t0 = loop_time()
-        await ch.send(p.Push(clock=1, encoding="dense-f32", buffers=(bytes(PAYLOAD),)))
-        assert isinstance(await ch.recv(10), p.Ack)
+        await ch.send(messages.Push(clock=1, encoding="dense-f32", buffers=(bytes(PAYLOAD),)))
+        assert isinstance(await ch.recv(10), messages.Ack)
         up = loop_time() - t0
         t0 = loop_time()
-        await ch.send(p.Pull(clock=1))
+        await ch.send(messages.Pull(clock=1))
         weights = await ch.recv(10)
         down = loop_time() - t0
-        assert isinstance(weights, p.Weights) and weights.buffers[0].nbytes == PAYLOAD
+        assert isinstance(weights, messages.Weights) and weights.buffers[0].nbytes == PAYLOAD
         await ch.close(leave="bye")
         return up, down
     finally:

@@ -37,7 +37,7 @@ def test_blocker_really_blocks_torch() -> None:
 def test_server_modules_import_and_a_global_server_serves_without_torch() -> None:
     proc = _run("""
         import asyncio, sys
-        import minips.server, minips.serve.group, minips.serve.group_process, minips.wire.protocol
+        import minips.server, minips.serve.group, minips.serve.group_process, minips.wire.messages
         import minips.net.transport, minips.sparse, minips.grouping, minips.core.ssp
         import minips.core.optim
         import minips.run.metrics, minips.run.checkpoint, minips.run.cli

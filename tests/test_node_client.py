@@ -24,7 +24,7 @@ from test_plain_client import (
     start_server,
 )
 
-from minips.wire.protocol import PROTOCOL_VERSION
+from minips.wire.messages import PROTOCOL_VERSION
 
 pytestmark = NO_NODE
 

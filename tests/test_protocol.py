@@ -1,4 +1,4 @@
-"""Tests for minips.wire.protocol: round trips of every message, decoding in pieces, limits, state
+"""Tests for minips.wire.messages: round trips of every message, decoding in pieces, limits, state
 machine and handshake, all without sockets."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import AuthError, LimitExceeded, LocalProtocolError, RemoteProtocolError
-from minips.wire import protocol as p
+from minips.wire import frames, handshake, messages
 
 # ---------------------------------------------------------------------------------------------
 # Strategies: one per message class, drawing every field from its valid range.
@@ -21,10 +21,10 @@ from minips.wire import protocol as p
 ids = st.integers(-1, 2**63 - 1)
 uints = st.integers(0, 2**63 - 1)
 finite = st.floats(allow_nan=False, allow_infinity=False)
-names = st.text(max_size=p.MAX_NAME)
+names = st.text(max_size=messages.MAX_NAME)
 texts = st.text(max_size=200)
-nonces = st.binary(min_size=p.NONCE_BYTES, max_size=p.NONCE_BYTES)
-macs = st.one_of(st.just(b""), st.binary(min_size=p.MAC_BYTES, max_size=p.MAC_BYTES))
+nonces = st.binary(min_size=messages.NONCE_BYTES, max_size=messages.NONCE_BYTES)
+macs = st.one_of(st.just(b""), st.binary(min_size=messages.MAC_BYTES, max_size=messages.MAC_BYTES))
 prims = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), finite, texts,
                   st.binary(max_size=64))
 trees = st.recursive(prims, lambda c: st.one_of(st.lists(c, max_size=4),
@@ -41,74 +41,74 @@ counts = st.integers(0, 2**62)
 seconds = st.floats(0, 1e9)
 
 STRATEGIES = {
-    p.Hello: st.builds(p.Hello, version=st.integers(0, 255), role=st.sampled_from(p.ROLES),
+    messages.Hello: st.builds(messages.Hello, version=st.integers(0, 255), role=st.sampled_from(messages.ROLES),
                        worker_id=ids, nonce=nonces, capabilities=st.lists(names, max_size=5),
                        address=texts, group=ids),
-    p.Challenge: st.builds(p.Challenge, nonce=nonces),
-    p.Auth: st.builds(p.Auth, mac=macs),
-    p.Welcome: st.builds(p.Welcome, worker_id=ids, mac=macs, info=maps),
-    p.Refuse: st.builds(p.Refuse, code=names, reason=texts),
-    p.Assign: st.builds(p.Assign, group=uints, address=texts, ratio=st.floats(0, 1),
+    messages.Challenge: st.builds(messages.Challenge, nonce=nonces),
+    messages.Auth: st.builds(messages.Auth, mac=macs),
+    messages.Welcome: st.builds(messages.Welcome, worker_id=ids, mac=macs, info=maps),
+    messages.Refuse: st.builds(messages.Refuse, code=names, reason=texts),
+    messages.Assign: st.builds(messages.Assign, group=uints, address=texts, ratio=st.floats(0, 1),
                         staleness=ids),
-    p.Stats: st.builds(p.Stats, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
+    messages.Stats: st.builds(messages.Stats, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
                        samples=uints),
-    p.Push: st.builds(p.Push, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
+    messages.Push: st.builds(messages.Push, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
                       samples=uints, encoding=names, codec=codecs, buffers=buffers),
-    p.Ack: st.builds(p.Ack, clock=uints, version=uints),
-    p.Pull: st.builds(p.Pull, clock=uints, since=ids),
-    p.Weights: st.builds(p.Weights, version=uints, since=ids, encoding=names, codec=codecs,
+    messages.Ack: st.builds(messages.Ack, clock=uints, version=uints),
+    messages.Pull: st.builds(messages.Pull, clock=uints, since=ids),
+    messages.Weights: st.builds(messages.Weights, version=uints, since=ids, encoding=names, codec=codecs,
                          buffers=buffers, done=st.booleans(), group=ids, waited_for=int_lists,
                          ratio=st.floats(0, 1), lead=st.integers(-(2**63) + 1, 2**63 - 1),
                          min_clock=ids, drift=st.floats(-1, 1e9)),
-    p.Exchange: st.builds(p.Exchange, session=seqs, seq=seqs, version=uints, final=st.booleans(),
+    messages.Exchange: st.builds(messages.Exchange, session=seqs, seq=seqs, version=uints, final=st.booleans(),
                           pushes=counts, samples=counts, step_time=seconds,
                           loss=st.floats(-1e30, 1e30), iter_time=seconds, bytes_in=counts,
                           bytes_out=counts, min_clock=ids, max_clock=ids, encoding=names,
                           codec=codecs, buffers=buffers),
-    p.ExchangeReply: st.builds(p.ExchangeReply, version=uints, done=st.booleans(), samples=counts,
+    messages.ExchangeReply: st.builds(messages.ExchangeReply, version=uints, done=st.booleans(), samples=counts,
                                saved_exchanges=st.lists(st.lists(st.integers(-1, 2**62),
                                                                  min_size=2, max_size=2),
                                                         max_size=3),
                                encoding=names, codec=codecs, buffers=buffers),
-    p.GlobalWeights: st.builds(p.GlobalWeights, version=uints, done=st.booleans(),
+    messages.GlobalWeights: st.builds(messages.GlobalWeights, version=uints, done=st.booleans(),
                                size=st.integers(0, 2**31), samples=counts, t=finite,
                                train_s=seconds, done_reason=names, bytes_up=counts,
                                bytes_down=counts, members=int_lists,
                                last_exchange=st.one_of(st.just([]), st.lists(
                                    st.integers(-1, 2**62), min_size=2, max_size=2)),
                                encoding=names, codec=codecs, buffers=buffers),
-    p.InitWeights: st.builds(p.InitWeights, size=st.integers(1, 2**31), encoding=names,
+    messages.InitWeights: st.builds(messages.InitWeights, size=st.integers(1, 2**31), encoding=names,
                              codec=codecs, buffers=buffers),
-    p.Heartbeat: st.builds(p.Heartbeat, seq=uints),
-    p.Leave: st.builds(p.Leave, reason=texts),
-    p.Error: st.builds(p.Error, code=names, reason=texts),
+    messages.Heartbeat: st.builds(messages.Heartbeat, seq=uints),
+    messages.Leave: st.builds(messages.Leave, reason=texts),
+    messages.Error: st.builds(messages.Error, code=names, reason=texts),
 }
 any_message = st.one_of(*STRATEGIES.values())
 
 
-def frame(msg: p.Message, **kw: object) -> bytes:
-    return b"".join(bytes(b) for b in p.encode(msg, **kw))  # type: ignore[arg-type]
+def frame(msg: messages.Message, **kw: object) -> bytes:
+    return b"".join(bytes(b) for b in frames.encode(msg, **kw))  # type: ignore[arg-type]
 
 
 def test_every_kind_has_a_strategy() -> None:
-    assert set(STRATEGIES) == set(p.MESSAGE_TYPES.values())
+    assert set(STRATEGIES) == set(messages.MESSAGE_TYPES.values())
 
 
 @settings(max_examples=300, deadline=None)
 @given(msg=any_message, compress=st.booleans())
-def test_round_trip_every_kind(msg: p.Message, compress: bool) -> None:
-    assert p.FrameDecoder().feed(frame(msg, compress=compress)) == [msg]
+def test_round_trip_every_kind(msg: messages.Message, compress: bool) -> None:
+    assert frames.FrameDecoder().feed(frame(msg, compress=compress)) == [msg]
 
 
 @settings(max_examples=60, deadline=None)
 @given(msgs=st.lists(any_message, min_size=1, max_size=5))
-def test_decode_whole_bytewise_and_with_trailing_bytes(msgs: list[p.Message]) -> None:
+def test_decode_whole_bytewise_and_with_trailing_bytes(msgs: list[messages.Message]) -> None:
     data = b"".join(frame(m) for m in msgs)
-    assert p.FrameDecoder().feed(data) == msgs
-    dec = p.FrameDecoder()
+    assert frames.FrameDecoder().feed(data) == msgs
+    dec = frames.FrameDecoder()
     got = [m for i in range(len(data)) for m in dec.feed(data[i:i + 1])]
     assert got == msgs and not dec.in_frame
-    dec = p.FrameDecoder()
+    dec = frames.FrameDecoder()
     assert dec.feed(data + data[:7]) == msgs  # the start of a next frame waits for more
     assert dec.in_frame
     assert dec.feed(data[7:]) == msgs
@@ -117,12 +117,12 @@ def test_decode_whole_bytewise_and_with_trailing_bytes(msgs: list[p.Message]) ->
 def test_large_buffers_round_trip_and_compress() -> None:
     weights = np.arange(300_000, dtype=np.float32)  # 1.2 MB, over the direct-receive size
     zeros = np.zeros(100_000, dtype=np.float32)  # compresses to almost nothing
-    msg = p.Weights(version=3, encoding="dense", buffers=(weights, zeros))
+    msg = messages.Weights(version=3, encoding="dense", buffers=(weights, zeros))
     plain, packed = frame(msg), frame(msg, compress=True)
     assert len(packed) < len(plain) - 390_000
     for data in (plain, packed):
-        (got,) = p.FrameDecoder().feed(data)
-        assert isinstance(got, p.Weights)
+        (got,) = frames.FrameDecoder().feed(data)
+        assert isinstance(got, messages.Weights)
         assert np.array_equal(np.frombuffer(got.buffers[0], np.float32), weights)
         assert not np.frombuffer(got.buffers[1], np.float32).any()
 
@@ -132,21 +132,21 @@ def test_custom_alloc_receives_into_preallocated_array() -> None:
     target = np.empty_like(weights)
     calls = []
 
-    def alloc(kind: p.Kind, index: int, nbytes: int) -> memoryview:
+    def alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
         calls.append((kind, index, nbytes))
         return target.data.cast("B")
 
-    dec = p.FrameDecoder(alloc=alloc)
-    data = frame(p.Weights(version=1, encoding="dense", buffers=(weights,)))
+    dec = frames.FrameDecoder(alloc=alloc)
+    data = frame(messages.Weights(version=1, encoding="dense", buffers=(weights,)))
     for i in range(0, len(data), 70_001):  # the zero-copy pair, in uneven chunks
         chunk = data[i:i + 70_001]
-        got: list[p.Message] = []
+        got: list[messages.Message] = []
         while chunk:
             room = dec.get_buffer()
             n = min(len(room), len(chunk))
             room[:n], chunk = chunk[:n], chunk[n:]
             got += dec.buffer_updated(n)
-    assert calls == [(p.Kind.WEIGHTS, 0, weights.nbytes)] and isinstance(got[0], p.Weights)
+    assert calls == [(messages.Kind.WEIGHTS, 0, weights.nbytes)] and isinstance(got[0], messages.Weights)
     assert np.array_equal(target, weights)
     assert np.shares_memory(np.frombuffer(got[0].buffers[0], np.uint8), target)
 
@@ -154,8 +154,8 @@ def test_custom_alloc_receives_into_preallocated_array() -> None:
 def test_a_big_payload_is_read_into_its_destination_a_few_kib_at_a_time() -> None:
     weights = np.arange(1_000_000, dtype=np.float32)  # 4 MB
     target = np.empty_like(weights)
-    dec = p.FrameDecoder(alloc=lambda kind, index, nbytes: target.data.cast("B"))
-    data = memoryview(frame(p.Weights(version=1, encoding="dense", buffers=(weights,))))
+    dec = frames.FrameDecoder(alloc=lambda kind, index, nbytes: target.data.cast("B"))
+    data = memoryview(frame(messages.Weights(version=1, encoding="dense", buffers=(weights,))))
     target_bytes = np.frombuffer(target, np.uint8)
     direct, got = [], []
     while data:  # a socket with everything waiting: each read fills the room it is given
@@ -165,16 +165,16 @@ def test_a_big_payload_is_read_into_its_destination_a_few_kib_at_a_time() -> Non
         if np.shares_memory(np.frombuffer(room, np.uint8), target_bytes):
             direct.append(n)
         got += dec.buffer_updated(n)
-    assert isinstance(got[0], p.Weights) and np.array_equal(target, weights)
-    assert max(direct) == p.DIRECT_READ_BYTES
+    assert isinstance(got[0], messages.Weights) and np.array_equal(target, weights)
+    assert max(direct) == frames.DIRECT_READ_BYTES
     # the rest came through the scratch buffer: with the head, and a last piece under 64 KiB
-    assert sum(direct) >= weights.nbytes - p.SCRATCH_BYTES - p.DIRECT_MIN_BYTES
+    assert sum(direct) >= weights.nbytes - frames.SCRATCH_BYTES - frames.DIRECT_MIN_BYTES
 
 
 def test_alloc_must_return_a_big_enough_writable_buffer() -> None:
-    dec = p.FrameDecoder(alloc=lambda kind, i, n: b"x" * n)
+    dec = frames.FrameDecoder(alloc=lambda kind, i, n: b"x" * n)
     with pytest.raises(LocalProtocolError):
-        dec.feed(frame(p.Push(clock=0, encoding="d", buffers=(b"abc",))))
+        dec.feed(frame(messages.Push(clock=0, encoding="d", buffers=(b"abc",))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,20 +182,20 @@ def test_alloc_must_return_a_big_enough_writable_buffer() -> None:
 
 
 @pytest.mark.parametrize("make", [
-    lambda: p.Ack(clock=-1),
-    lambda: p.Ack(clock=True),
-    lambda: p.Ack(clock=2**63),
-    lambda: p.Stats(clock=0, step_time=float("nan"), loss=0.0),
-    lambda: p.Stats(clock=0, step_time=-1.0, loss=0.0),
-    lambda: p.Assign(group=0, address="", ratio=1.5, staleness=0),
-    lambda: p.Hello(role="boss", nonce=bytes(32)),
-    lambda: p.Hello(nonce=bytes(31)),
-    lambda: p.Leave(reason="x" * (p.MAX_TEXT + 1)),
-    lambda: p.Welcome(worker_id=0, mac=b"", info={1: 2}),  # type: ignore[dict-item]
-    lambda: p.Welcome(worker_id=0, mac=b"", info={"a": object()}),
-    lambda: p.Push(clock=0, encoding="d", buffers=(np.zeros((4, 4))[:, 0],)),
-    lambda: p.Push(clock=0, encoding="d", buffers=(b"",) * (p.MAX_BUFFERS + 1)),
-    lambda: p.Weights(version=0, encoding="d", done=1),  # type: ignore[arg-type]
+    lambda: messages.Ack(clock=-1),
+    lambda: messages.Ack(clock=True),
+    lambda: messages.Ack(clock=2**63),
+    lambda: messages.Stats(clock=0, step_time=float("nan"), loss=0.0),
+    lambda: messages.Stats(clock=0, step_time=-1.0, loss=0.0),
+    lambda: messages.Assign(group=0, address="", ratio=1.5, staleness=0),
+    lambda: messages.Hello(role="boss", nonce=bytes(32)),
+    lambda: messages.Hello(nonce=bytes(31)),
+    lambda: messages.Leave(reason="x" * (messages.MAX_TEXT + 1)),
+    lambda: messages.Welcome(worker_id=0, mac=b"", info={1: 2}),  # type: ignore[dict-item]
+    lambda: messages.Welcome(worker_id=0, mac=b"", info={"a": object()}),
+    lambda: messages.Push(clock=0, encoding="d", buffers=(np.zeros((4, 4))[:, 0],)),
+    lambda: messages.Push(clock=0, encoding="d", buffers=(b"",) * (messages.MAX_BUFFERS + 1)),
+    lambda: messages.Weights(version=0, encoding="d", done=1),  # type: ignore[arg-type]
 ])
 def test_invalid_fields_are_local_errors(make: object) -> None:
     with pytest.raises(LocalProtocolError) as info:
@@ -205,7 +205,7 @@ def test_invalid_fields_are_local_errors(make: object) -> None:
 
 def test_buffers_are_flat_views_without_copy() -> None:
     arr = np.ones((3, 4), dtype=np.float32)
-    msg = p.Push(clock=0, encoding="dense", buffers=(arr,))
+    msg = messages.Push(clock=0, encoding="dense", buffers=(arr,))
     assert msg.buffers[0].nbytes == 48 and msg.buffers[0].format == "B"
     assert np.shares_memory(np.frombuffer(msg.buffers[0], np.uint8), arr)
 
@@ -214,13 +214,13 @@ def test_buffers_are_flat_views_without_copy() -> None:
 # Malformed frames and limits
 
 
-def raw_frame(kind: int, meta: object, *, version: int = p.PROTOCOL_VERSION, magic: bytes = p.MAGIC,
+def raw_frame(kind: int, meta: object, *, version: int = messages.PROTOCOL_VERSION, magic: bytes = frames.MAGIC,
               entries: tuple[tuple[int, int, int], ...] = (), body: bytes = b"", flags: int = 0,
               body_len: int | None = None) -> bytes:
     packed = msgpack.packb(meta, use_bin_type=True)
-    table = b"".join(p.TABLE_ENTRY.pack(*e) for e in entries)
+    table = b"".join(frames.TABLE_ENTRY.pack(*e) for e in entries)
     blen = len(body) if body_len is None else body_len
-    return p.PREFIX.pack(magic, version, kind, len(entries), flags, len(packed), blen) + table \
+    return frames.PREFIX.pack(magic, version, kind, len(entries), flags, len(packed), blen) + table \
         + packed + body
 
 
@@ -229,80 +229,80 @@ PUSH = {"clock": 1, "step_time": 0.0, "loss": 0.0, "samples": 0, "encoding": "d"
 
 
 def test_raw_frame_helper_matches_encoder() -> None:
-    assert raw_frame(p.Kind.ACK, ACK) == frame(p.Ack(clock=1, version=2))
+    assert raw_frame(messages.Kind.ACK, ACK) == frame(messages.Ack(clock=1, version=2))
 
 
 @pytest.mark.parametrize("data, what", [
-    (raw_frame(p.Kind.ACK, ACK, magic=b"HTTP"), "magic"),
+    (raw_frame(messages.Kind.ACK, ACK, magic=b"HTTP"), "magic"),
     (raw_frame(99, ACK), "kind"),
-    (raw_frame(p.Kind.ACK, ACK, version=p.PROTOCOL_VERSION + 1), "version"),
-    (raw_frame(p.Kind.ACK, ACK, flags=1), "flags"),
-    (raw_frame(p.Kind.ACK, {"clock": 1}), "keys"),
-    (raw_frame(p.Kind.ACK, {**ACK, "extra": 0}), "keys"),
-    (raw_frame(p.Kind.ACK, {"clock": "1", "version": 2}), "ACK"),
-    (raw_frame(p.Kind.ACK, [1, 2]), "not a map"),
-    (raw_frame(p.Kind.ACK, ACK, entries=((0, 3, 3),), body=b"abc"), "no buffers"),
-    (raw_frame(p.Kind.PUSH, PUSH, entries=((2, 3, 3),), body=b"abc"), "codec"),
-    (raw_frame(p.Kind.PUSH, PUSH, entries=((0, 3, 4),), body=b"abc"), "raw"),
-    (raw_frame(p.Kind.PUSH, PUSH, entries=((0, 3, 3),), body=b"abcd"), "add up"),
-    (raw_frame(p.Kind.PUSH, PUSH, entries=((1, 3, 100),), body=b"abc"), "lz4"),
-    (raw_frame(p.Kind.HEARTBEAT, {"seq": 0}) [:-1] + b"\xc1", "msgpack"),
+    (raw_frame(messages.Kind.ACK, ACK, version=messages.PROTOCOL_VERSION + 1), "version"),
+    (raw_frame(messages.Kind.ACK, ACK, flags=1), "flags"),
+    (raw_frame(messages.Kind.ACK, {"clock": 1}), "keys"),
+    (raw_frame(messages.Kind.ACK, {**ACK, "extra": 0}), "keys"),
+    (raw_frame(messages.Kind.ACK, {"clock": "1", "version": 2}), "ACK"),
+    (raw_frame(messages.Kind.ACK, [1, 2]), "not a map"),
+    (raw_frame(messages.Kind.ACK, ACK, entries=((0, 3, 3),), body=b"abc"), "no buffers"),
+    (raw_frame(messages.Kind.PUSH, PUSH, entries=((2, 3, 3),), body=b"abc"), "codec"),
+    (raw_frame(messages.Kind.PUSH, PUSH, entries=((0, 3, 4),), body=b"abc"), "raw"),
+    (raw_frame(messages.Kind.PUSH, PUSH, entries=((0, 3, 3),), body=b"abcd"), "add up"),
+    (raw_frame(messages.Kind.PUSH, PUSH, entries=((1, 3, 100),), body=b"abc"), "lz4"),
+    (raw_frame(messages.Kind.HEARTBEAT, {"seq": 0}) [:-1] + b"\xc1", "msgpack"),
 ])
 def test_malformed_frames_are_remote_errors(data: bytes, what: str) -> None:
     with pytest.raises(RemoteProtocolError, match=what):
-        p.FrameDecoder().feed(data)
+        frames.FrameDecoder().feed(data)
 
 
 def test_lz4_output_must_match_announced_size() -> None:
     packed = lz4.block.compress(bytes(10_000), store_size=False)
-    data = raw_frame(p.Kind.PUSH, PUSH, entries=((1, len(packed), 5_000),), body=packed)
+    data = raw_frame(messages.Kind.PUSH, PUSH, entries=((1, len(packed), 5_000),), body=packed)
     with pytest.raises(RemoteProtocolError, match="lz4"):
-        p.FrameDecoder().feed(data)
+        frames.FrameDecoder().feed(data)
 
 
 def test_hello_refuse_error_decode_in_any_version() -> None:
-    hello = p.Hello(version=7, nonce=bytes(32))
-    assert p.FrameDecoder().feed(frame(hello)) == [hello]
-    refuse = raw_frame(p.Kind.REFUSE, {"code": "version", "reason": "no"}, version=9)
-    assert p.FrameDecoder().feed(refuse) == [p.Refuse(code="version", reason="no")]
+    hello = messages.Hello(version=7, nonce=bytes(32))
+    assert frames.FrameDecoder().feed(frame(hello)) == [hello]
+    refuse = raw_frame(messages.Kind.REFUSE, {"code": "version", "reason": "no"}, version=9)
+    assert frames.FrameDecoder().feed(refuse) == [messages.Refuse(code="version", reason="no")]
 
 
 def test_decoder_stays_failed_and_returns_messages_before_the_error() -> None:
-    dec = p.FrameDecoder()
-    good = frame(p.Heartbeat(seq=1))
-    assert dec.feed(good + b"GARBAGE-GARBAGE-") == [p.Heartbeat(seq=1)]
+    dec = frames.FrameDecoder()
+    good = frame(messages.Heartbeat(seq=1))
+    assert dec.feed(good + b"GARBAGE-GARBAGE-") == [messages.Heartbeat(seq=1)]
     assert isinstance(dec.error, RemoteProtocolError)
     with pytest.raises(RemoteProtocolError):
         dec.feed(good)
 
 
-def never_alloc(kind: p.Kind, index: int, nbytes: int) -> memoryview:
+def never_alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
     raise AssertionError("allocated before the limit check")
 
 
-BIG = p.Push(clock=0, encoding="d", buffers=(bytes(5000), bytes(5000)))
+BIG = messages.Push(clock=0, encoding="d", buffers=(bytes(5000), bytes(5000)))
 
 
 @pytest.mark.parametrize("limits, data", [
-    (p.Limits(max_frame_bytes=9000), frame(BIG)),
-    (p.Limits(max_buffers=1), frame(BIG)),
-    (p.Limits(max_meta_bytes=10), frame(BIG)),
-    (p.Limits(max_raw_bytes=9000), frame(BIG, compress=True)),
-    (p.Limits(max_str_len=10), frame(p.Leave(reason="x" * 11))),
-    (p.Limits(max_bin_len=16), frame(p.Challenge(nonce=bytes(32)))),
-    (p.Limits(max_array_len=2), frame(p.Welcome(worker_id=0, mac=b"", info={"a": [1, 2, 3]}))),
-    (p.Limits(max_map_len=2), frame(p.Welcome(worker_id=0, mac=b"", info={}))),
+    (frames.Limits(max_frame_bytes=9000), frame(BIG)),
+    (frames.Limits(max_buffers=1), frame(BIG)),
+    (frames.Limits(max_meta_bytes=10), frame(BIG)),
+    (frames.Limits(max_raw_bytes=9000), frame(BIG, compress=True)),
+    (frames.Limits(max_str_len=10), frame(messages.Leave(reason="x" * 11))),
+    (frames.Limits(max_bin_len=16), frame(messages.Challenge(nonce=bytes(32)))),
+    (frames.Limits(max_array_len=2), frame(messages.Welcome(worker_id=0, mac=b"", info={"a": [1, 2, 3]}))),
+    (frames.Limits(max_map_len=2), frame(messages.Welcome(worker_id=0, mac=b"", info={}))),
 ])
-def test_every_limit_is_checked_before_allocation(limits: p.Limits, data: bytes) -> None:
-    dec = p.FrameDecoder(limits=limits, alloc=never_alloc)
+def test_every_limit_is_checked_before_allocation(limits: frames.Limits, data: bytes) -> None:
+    dec = frames.FrameDecoder(limits=limits, alloc=never_alloc)
     with pytest.raises(RemoteProtocolError):
         dec.feed(data)
 
 
 def test_limit_errors_carry_limit_and_value() -> None:
-    dec = p.FrameDecoder(limits=p.Limits(max_frame_bytes=9000))
+    dec = frames.FrameDecoder(limits=frames.Limits(max_frame_bytes=9000))
     with pytest.raises(LimitExceeded) as info:
-        dec.feed(frame(BIG)[:p.PREFIX.size])  # the prefix alone is enough to refuse
+        dec.feed(frame(BIG)[:frames.PREFIX.size])  # the prefix alone is enough to refuse
     assert info.value.expected == 9000 and info.value.got > 9000
 
 
@@ -316,38 +316,38 @@ def test_msgpack_lengths_over_their_limits_are_limit_exceeded(value: object, wha
                                                               limit: int) -> None:
     """docs/protocol.md section 6: the msgpack limits are limits like the others."""
     with pytest.raises(LimitExceeded) as info:
-        p.FrameDecoder().feed(raw_frame(p.Kind.LEAVE, {"reason": value}))
+        frames.FrameDecoder().feed(raw_frame(messages.Kind.LEAVE, {"reason": value}))
     assert (info.value.expected, info.value.got) == (limit, got) and what in str(info.value)
 
 
 def test_bad_msgpack_is_a_protocol_error_not_a_limit() -> None:
     packed = msgpack.packb({"reason": "x"})[:-1]  # the map cut short
-    data = p.PREFIX.pack(p.MAGIC, p.PROTOCOL_VERSION, p.Kind.LEAVE, 0, 0, len(packed), 0) + packed
+    data = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0, len(packed), 0) + packed
     with pytest.raises(RemoteProtocolError) as info:
-        p.FrameDecoder().feed(data)
+        frames.FrameDecoder().feed(data)
     assert not isinstance(info.value, LimitExceeded)
 
 
 def test_huge_lengths_in_prefix_are_refused_at_once() -> None:
-    prefix = struct.pack("<4sBBBBII", p.MAGIC, p.PROTOCOL_VERSION, p.Kind.PUSH, 1, 0, 10, 2**32 - 1)
+    prefix = struct.pack("<4sBBBBII", frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH, 1, 0, 10, 2**32 - 1)
     with pytest.raises(LimitExceeded):
-        p.FrameDecoder(alloc=never_alloc).feed(prefix)
+        frames.FrameDecoder(alloc=never_alloc).feed(prefix)
 
 
 def test_encoder_refuses_frames_over_its_limits() -> None:
     with pytest.raises(LocalProtocolError):
-        p.encode(BIG, limits=p.Limits(max_frame_bytes=9000))
+        frames.encode(BIG, limits=frames.Limits(max_frame_bytes=9000))
 
 
 # ---------------------------------------------------------------------------------------------
 # Connection state machine
 
 
-def handshake_pair(token: str | None = "secret") -> tuple[p.Connection, p.Connection]:
-    client, server = p.Connection(p.Side.CLIENT), p.Connection(p.Side.SERVER)
-    ch, sh = p.ClientHandshake(token, role="worker"), p.ServerHandshake(token)
+def handshake_pair(token: str | None = "secret") -> tuple[handshake.Connection, handshake.Connection]:
+    client, server = handshake.Connection(handshake.Side.CLIENT), handshake.Connection(handshake.Side.SERVER)
+    ch, sh = handshake.ClientHandshake(token, role="worker"), handshake.ServerHandshake(token)
 
-    def deliver(src: p.Connection, dst: p.Connection, msg: p.Message) -> p.Message:
+    def deliver(src: handshake.Connection, dst: handshake.Connection, msg: messages.Message) -> messages.Message:
         (got,) = dst.receive(b"".join(bytes(b) for b in src.send(msg)))
         return got
 
@@ -362,32 +362,32 @@ def handshake_pair(token: str | None = "secret") -> tuple[p.Connection, p.Connec
 
 def test_states_walk_through_the_handshake_to_open() -> None:
     client, server = handshake_pair()
-    assert client.state == server.state == p.State.OPEN
-    assert server.receive(frame(p.Pull(clock=0))) == [p.Pull(clock=0)]
+    assert client.state == server.state == handshake.State.OPEN
+    assert server.receive(frame(messages.Pull(clock=0))) == [messages.Pull(clock=0)]
 
 
 def test_nothing_but_hello_before_the_handshake() -> None:
     with pytest.raises(LocalProtocolError) as info:
-        p.Connection(p.Side.CLIENT).send(p.Pull(clock=0))
+        handshake.Connection(handshake.Side.CLIENT).send(messages.Pull(clock=0))
     assert info.value.expected == ["ERROR", "HELLO"]
     with pytest.raises(RemoteProtocolError):
-        p.Connection(p.Side.SERVER).receive(frame(p.Push(clock=0, encoding="d")))
+        handshake.Connection(handshake.Side.SERVER).receive(frame(messages.Push(clock=0, encoding="d")))
 
 
 def test_no_hello_after_the_handshake_and_directions_are_enforced() -> None:
     client, server = handshake_pair()
     with pytest.raises(RemoteProtocolError):
-        server.receive(frame(p.Hello(nonce=bytes(32))))
+        server.receive(frame(messages.Hello(nonce=bytes(32))))
     with pytest.raises(LocalProtocolError):
-        client.send(p.Ack(clock=0))  # ACK goes server -> client only
+        client.send(messages.Ack(clock=0))  # ACK goes server -> client only
 
 
 def test_error_closes_the_connection() -> None:
     client, server = handshake_pair()
-    server.receive(b"".join(bytes(b) for b in client.send(p.Error(code="x", reason="bye"))))
-    assert client.state == server.state == p.State.CLOSED
+    server.receive(b"".join(bytes(b) for b in client.send(messages.Error(code="x", reason="bye"))))
+    assert client.state == server.state == handshake.State.CLOSED
     with pytest.raises(LocalProtocolError):
-        client.send(p.Heartbeat())
+        client.send(messages.Heartbeat())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,40 +396,40 @@ def test_error_closes_the_connection() -> None:
 
 def test_server_without_token_accepts_client_without_token() -> None:
     client, server = handshake_pair(token=None)
-    assert client.state == p.State.OPEN
+    assert client.state == handshake.State.OPEN
 
 
 def test_wrong_and_missing_tokens_are_refused_with_reasons() -> None:
     for client_token, reason in (("guess", "wrong token"), (None, "missing token")):
-        ch, sh = p.ClientHandshake(client_token), p.ServerHandshake("secret")
+        ch, sh = handshake.ClientHandshake(client_token), handshake.ServerHandshake("secret")
         ch.on_challenge(sh.on_hello(ch.hello))  # type: ignore[arg-type]
-        refuse = sh.on_auth(ch.on_challenge(p.Challenge(nonce=sh.nonce)))
+        refuse = sh.on_auth(ch.on_challenge(messages.Challenge(nonce=sh.nonce)))
         assert refuse is not None and reason in refuse.reason
         with pytest.raises(AuthError, match=reason):
             ch.on_reply(refuse)
 
 
 def test_version_mismatch_is_refused_with_reason() -> None:
-    ch, sh = p.ClientHandshake("s", version=p.PROTOCOL_VERSION + 1), p.ServerHandshake("s")
+    ch, sh = handshake.ClientHandshake("s", version=messages.PROTOCOL_VERSION + 1), handshake.ServerHandshake("s")
     refuse = sh.on_hello(ch.hello)
-    v = p.PROTOCOL_VERSION
-    assert isinstance(refuse, p.Refuse)
+    v = messages.PROTOCOL_VERSION
+    assert isinstance(refuse, messages.Refuse)
     assert f"server speaks {v}, client sent {v + 1}" in refuse.reason
 
 
 def test_replayed_auth_fails_against_a_fresh_server_nonce() -> None:
-    ch, first = p.ClientHandshake("secret"), p.ServerHandshake("secret")
+    ch, first = handshake.ClientHandshake("secret"), handshake.ServerHandshake("secret")
     first.on_hello(ch.hello)
-    recorded = ch.on_challenge(p.Challenge(nonce=first.nonce))
+    recorded = ch.on_challenge(messages.Challenge(nonce=first.nonce))
     assert first.on_auth(recorded) is None
-    second = p.ServerHandshake("secret")  # an eavesdropper replays HELLO then AUTH
+    second = handshake.ServerHandshake("secret")  # an eavesdropper replays HELLO then AUTH
     second.on_hello(ch.hello)
     refuse = second.on_auth(recorded)
     assert refuse is not None and "wrong token" in refuse.reason
 
 
 def test_client_checks_the_server_proof() -> None:
-    ch, impostor = p.ClientHandshake("secret"), p.ServerHandshake("other")
+    ch, impostor = handshake.ClientHandshake("secret"), handshake.ServerHandshake("other")
     ch.on_challenge(impostor.on_hello(ch.hello))  # type: ignore[arg-type]
     with pytest.raises(AuthError, match="prove"):
         ch.on_reply(impostor.welcome(0, {}))
@@ -439,12 +439,12 @@ def test_mac_is_hmac_sha256_of_the_documented_transcript() -> None:
     import hashlib
     import hmac
 
-    hello = p.Hello(role="worker", worker_id=5, nonce=bytes(range(32)))
+    hello = messages.Hello(role="worker", worker_id=5, nonce=bytes(range(32)))
     server_nonce = bytes(range(32, 64))
-    transcript = (b"minips-client-v1\x00" + bytes([p.PROTOCOL_VERSION, 6]) + b"worker"
+    transcript = (b"minips-client-v1\x00" + bytes([messages.PROTOCOL_VERSION, 6]) + b"worker"
                   + struct.pack("<q", 5) + hello.nonce + server_nonce)
     want = hmac.new(b"k", transcript, hashlib.sha256).digest()
-    assert p.make_mac("k", p.CLIENT_LABEL, hello, server_nonce) == want
+    assert handshake.make_mac("k", handshake.CLIENT_LABEL, hello, server_nonce) == want
 
 
 def test_worked_example_in_docs_matches_the_encoder() -> None:
@@ -454,7 +454,7 @@ def test_worked_example_in_docs_matches_the_encoder() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
     blocks = re.findall(r"```hex\n(.*?)```", doc, re.S)
     dumps = [bytes.fromhex(" ".join(line[6:] for line in b.splitlines())) for b in blocks]
-    push = p.Push(clock=7, step_time=0.25, loss=1.5, samples=64, encoding="sparse-v1",
+    push = messages.Push(clock=7, step_time=0.25, loss=1.5, samples=64, encoding="sparse-v1",
                   codec={"k": 2, "index": "u32", "value": "f32"},
                   buffers=(np.array([3, 17], np.uint32), np.array([0.5, -1.25], np.float32)))
-    assert dumps == [frame(push), frame(p.Ack(clock=7, version=8))]
+    assert dumps == [frame(push), frame(messages.Ack(clock=7, version=8))]

@@ -1,4 +1,4 @@
-"""Tests for the fast paths of minips.wire.protocol: whole frames decoded in one step, frames split
+"""Tests for the fast paths of minips.wire.messages: whole frames decoded in one step, frames split
 across reads, the checks of a map a peer sent, and the inline number checks of the constructor.
 """
 
@@ -14,30 +14,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.wire import protocol as p
+from minips.wire import frames, messages
 
 
-def frame(msg: p.Message, **kw: object) -> bytes:
-    return b"".join(bytes(b) for b in p.encode(msg, **kw))  # type: ignore[arg-type]
+def frame(msg: messages.Message, **kw: object) -> bytes:
+    return b"".join(bytes(b) for b in frames.encode(msg, **kw))  # type: ignore[arg-type]
 
 
-def raw(kind: int, meta: object, version: int = p.PROTOCOL_VERSION) -> bytes:
+def raw(kind: int, meta: object, version: int = messages.PROTOCOL_VERSION) -> bytes:
     """A frame without buffers around any msgpack value (for maps a peer could send)."""
     packed = msgpack.packb(meta, use_bin_type=True)
-    return p.PREFIX.pack(p.MAGIC, version, kind, 0, 0, len(packed), 0) + packed
+    return frames.PREFIX.pack(frames.MAGIC, version, kind, 0, 0, len(packed), 0) + packed
 
 
-SPARSE = p.Push(clock=3, step_time=0.5, loss=1.25, samples=64, encoding="sparse-v1",
+SPARSE = messages.Push(clock=3, step_time=0.5, loss=1.25, samples=64, encoding="sparse-v1",
                 codec={"k": 2, "index": "u32", "value": "f32"},
                 buffers=(np.array([3, 17], np.uint32), np.array([0.5, -1.25], np.float32)))
-STREAM = [p.Ack(clock=1, version=2), SPARSE, p.Heartbeat(seq=9), SPARSE, p.Pull(clock=4)]
+STREAM = [messages.Ack(clock=1, version=2), SPARSE, messages.Heartbeat(seq=9), SPARSE, messages.Pull(clock=4)]
 STREAM_BYTES = b"".join(frame(m) for m in STREAM)
 
 
 @settings(max_examples=100, deadline=None)
 @given(cuts=st.lists(st.integers(0, len(STREAM_BYTES)), max_size=8))
 def test_small_frames_split_anywhere_decode_the_same(cuts: list[int]) -> None:
-    dec, got, at = p.FrameDecoder(), [], 0
+    dec, got, at = frames.FrameDecoder(), [], 0
     for cut in sorted(cuts) + [len(STREAM_BYTES)]:
         got += dec.feed(STREAM_BYTES[at:cut])
         at = cut
@@ -45,7 +45,7 @@ def test_small_frames_split_anywhere_decode_the_same(cuts: list[int]) -> None:
 
 
 def test_half_a_small_frame_waits_without_a_partial_state() -> None:
-    dec = p.FrameDecoder()
+    dec = frames.FrameDecoder()
     data = frame(SPARSE)
     assert dec.feed(data[:20]) == [] and dec.in_frame
     assert dec.feed(data[20:]) == [SPARSE] and not dec.in_frame
@@ -56,28 +56,28 @@ def test_frame_over_64k_already_whole_in_scratch(custom_alloc: bool) -> None:
     payload = np.arange(30_000, dtype=np.float32)  # 120 KB, under the 256 KiB scratch
     dest = np.zeros_like(payload)
 
-    def alloc(kind: p.Kind, index: int, nbytes: int) -> memoryview:
-        assert (kind, index, nbytes) == (p.Kind.WEIGHTS, 0, payload.nbytes)
+    def alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
+        assert (kind, index, nbytes) == (messages.Kind.WEIGHTS, 0, payload.nbytes)
         return dest.data.cast("B")
 
-    dec = p.FrameDecoder(alloc=alloc if custom_alloc else None)
-    [msg] = dec.feed(frame(p.Weights(version=1, encoding="dense-f32", buffers=(payload,))))
+    dec = frames.FrameDecoder(alloc=alloc if custom_alloc else None)
+    [msg] = dec.feed(frame(messages.Weights(version=1, encoding="dense-f32", buffers=(payload,))))
     got = np.frombuffer(msg.buffers[0], dtype=np.float32)  # type: ignore[attr-defined]
     assert np.array_equal(got, payload)
     assert np.shares_memory(got, dest) == custom_alloc
 
 
 def test_lz4_buffer_of_a_whole_small_frame() -> None:
-    msg = p.Push(clock=0, encoding="dense-f32", buffers=(bytes(20_000), b"tail"))
+    msg = messages.Push(clock=0, encoding="dense-f32", buffers=(bytes(20_000), b"tail"))
     data = frame(msg, compress=True)
     assert len(data) < 1000  # the zeros were compressed
-    assert p.FrameDecoder().feed(data) == [msg]
+    assert frames.FrameDecoder().feed(data) == [msg]
 
 
 def test_decoded_buffers_are_writable_and_survive_later_frames() -> None:
-    dec = p.FrameDecoder()
+    dec = frames.FrameDecoder()
     [first] = dec.feed(frame(SPARSE))
-    other = p.Push(clock=4, encoding="sparse-v1", buffers=(bytes(8), bytes(8)))
+    other = messages.Push(clock=4, encoding="sparse-v1", buffers=(bytes(8), bytes(8)))
     dec.feed(frame(other) * 3)
     assert first == SPARSE
     view = first.buffers[0]  # type: ignore[attr-defined]
@@ -89,27 +89,27 @@ ACK = {"clock": 1, "version": 2}
 
 
 @pytest.mark.parametrize("kind, meta, field", [
-    (p.Kind.ACK, {**ACK, "clock": True}, "clock"),  # bool is not an int on the wire
-    (p.Kind.ACK, {**ACK, "clock": -1}, "clock"),
-    (p.Kind.ACK, {**ACK, "version": 2**64 - 1}, "version"),
-    (p.Kind.ACK, {**ACK, "clock": 1.0}, "clock"),
-    (p.Kind.STATS, {"clock": 0, "step_time": math.nan, "loss": 0.0, "samples": 0}, "step_time"),
-    (p.Kind.STATS, {"clock": 0, "step_time": 1.0, "loss": math.inf, "samples": 0}, "loss"),
-    (p.Kind.STATS, {"clock": 0, "step_time": -1.0, "loss": 0.0, "samples": 0}, "step_time"),
-    (p.Kind.ASSIGN, {"group": 0, "address": "", "ratio": 1.5, "staleness": 0}, "ratio"),
-    (p.Kind.ERROR, {"code": "x" * 65, "reason": ""}, "code"),
-    (p.Kind.WELCOME, {"worker_id": 0, "mac": b"", "info": {"a": [[[[[[[[[1]]]]]]]]]}}, "info"),
-    (p.Kind.LEAVE, {"reason": b"bytes"}, "reason"),
+    (messages.Kind.ACK, {**ACK, "clock": True}, "clock"),  # bool is not an int on the wire
+    (messages.Kind.ACK, {**ACK, "clock": -1}, "clock"),
+    (messages.Kind.ACK, {**ACK, "version": 2**64 - 1}, "version"),
+    (messages.Kind.ACK, {**ACK, "clock": 1.0}, "clock"),
+    (messages.Kind.STATS, {"clock": 0, "step_time": math.nan, "loss": 0.0, "samples": 0}, "step_time"),
+    (messages.Kind.STATS, {"clock": 0, "step_time": 1.0, "loss": math.inf, "samples": 0}, "loss"),
+    (messages.Kind.STATS, {"clock": 0, "step_time": -1.0, "loss": 0.0, "samples": 0}, "step_time"),
+    (messages.Kind.ASSIGN, {"group": 0, "address": "", "ratio": 1.5, "staleness": 0}, "ratio"),
+    (messages.Kind.ERROR, {"code": "x" * 65, "reason": ""}, "code"),
+    (messages.Kind.WELCOME, {"worker_id": 0, "mac": b"", "info": {"a": [[[[[[[[[1]]]]]]]]]}}, "info"),
+    (messages.Kind.LEAVE, {"reason": b"bytes"}, "reason"),
 ])
 def test_a_bad_field_from_the_peer_is_a_remote_error_naming_it(
-        kind: p.Kind, meta: dict[str, object], field: str) -> None:
+        kind: messages.Kind, meta: dict[str, object], field: str) -> None:
     with pytest.raises(RemoteProtocolError, match=field) as info:
-        p.FrameDecoder().feed(raw(kind, meta))
+        frames.FrameDecoder().feed(raw(kind, meta))
     assert info.value.got == meta[field] or info.value.got != info.value.got  # nan != nan
 
 
 def test_an_int_is_accepted_where_a_float_is_expected() -> None:
-    [stats] = p.FrameDecoder().feed(raw(p.Kind.STATS, {"clock": 0, "step_time": 2, "loss": -3,
+    [stats] = frames.FrameDecoder().feed(raw(messages.Kind.STATS, {"clock": 0, "step_time": 2, "loss": -3,
                                                         "samples": 5}))
     assert type(stats.step_time) is float and stats.step_time == 2.0  # type: ignore[attr-defined]
     assert type(stats.loss) is float  # type: ignore[attr-defined]
@@ -117,25 +117,25 @@ def test_an_int_is_accepted_where_a_float_is_expected() -> None:
 
 def test_keys_in_another_order_decode_and_encode_canonically() -> None:
     meta = {"version": 2, "clock": 1}  # a peer may order the map as it likes
-    [ack] = p.FrameDecoder().feed(raw(p.Kind.ACK, meta))
-    assert ack == p.Ack(clock=1, version=2)
-    assert frame(ack) == frame(p.Ack(clock=1, version=2))
+    [ack] = frames.FrameDecoder().feed(raw(messages.Kind.ACK, meta))
+    assert ack == messages.Ack(clock=1, version=2)
+    assert frame(ack) == frame(messages.Ack(clock=1, version=2))
 
 
 def test_hello_version_comes_from_the_prefix() -> None:
-    hello = p.Hello(version=5, nonce=bytes(32))
+    hello = messages.Hello(version=5, nonce=bytes(32))
     data = frame(hello)
     assert struct.unpack_from("<B", data, 4) == (5,)
-    assert p.FrameDecoder().feed(data)[0].version == 5  # type: ignore[attr-defined]
+    assert frames.FrameDecoder().feed(data)[0].version == 5  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("make", [
-    lambda: p.Ack(clock=True),
-    lambda: p.Ack(clock=2**63),
-    lambda: p.Stats(clock=0, step_time=math.inf, loss=0.0),
-    lambda: p.Stats(clock=0, step_time=0.0, loss=math.nan),
-    lambda: p.Stats(clock=0, step_time=0.0, loss=np.float64(1.0)),  # a float subclass
-    lambda: p.Assign(group=0, address="", ratio=-0.1, staleness=0),
+    lambda: messages.Ack(clock=True),
+    lambda: messages.Ack(clock=2**63),
+    lambda: messages.Stats(clock=0, step_time=math.inf, loss=0.0),
+    lambda: messages.Stats(clock=0, step_time=0.0, loss=math.nan),
+    lambda: messages.Stats(clock=0, step_time=0.0, loss=np.float64(1.0)),  # a float subclass
+    lambda: messages.Assign(group=0, address="", ratio=-0.1, staleness=0),
 ])
 def test_constructor_number_checks_refuse_what_the_wire_would(make: object) -> None:
     with pytest.raises(LocalProtocolError):
@@ -143,5 +143,5 @@ def test_constructor_number_checks_refuse_what_the_wire_would(make: object) -> N
 
 
 def test_constructor_normalises_ints_to_floats() -> None:
-    stats = p.Stats(clock=0, step_time=1, loss=2)
+    stats = messages.Stats(clock=0, step_time=1, loss=2)
     assert type(stats.step_time) is float and type(stats.loss) is float

@@ -7,31 +7,32 @@ import random
 import numpy as np
 
 from minips.errors import RemoteProtocolError
-from minips.wire import protocol as p
+from minips.wire import messages
+from minips.wire.frames import MAGIC, FrameDecoder, Limits, encode
 
-LIMITS = p.Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # keep mutated sizes cheap
+LIMITS = Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # keep mutated sizes cheap
 
 
 def seed_frames() -> list[bytes]:
-    msgs: list[p.Message] = [
-        p.Hello(nonce=bytes(32), capabilities=("lz4",), address="h:1"),
-        p.Challenge(nonce=bytes(range(32))),
-        p.Auth(mac=bytes(32)),
-        p.Welcome(worker_id=1, mac=b"", info={"a": [1, 2.5, None], "b": {"c": "d"}}),
-        p.Refuse(code="auth", reason="wrong"),
-        p.Assign(group=0, address="x:1", ratio=0.01, staleness=3),
-        p.Stats(clock=1, step_time=0.1, loss=2.3, samples=64),
-        p.Push(clock=2, encoding="topk", codec={"k": 3}, buffers=(np.arange(3, dtype=np.uint32),
+    msgs: list[messages.Message] = [
+        messages.Hello(nonce=bytes(32), capabilities=("lz4",), address="h:1"),
+        messages.Challenge(nonce=bytes(range(32))),
+        messages.Auth(mac=bytes(32)),
+        messages.Welcome(worker_id=1, mac=b"", info={"a": [1, 2.5, None], "b": {"c": "d"}}),
+        messages.Refuse(code="auth", reason="wrong"),
+        messages.Assign(group=0, address="x:1", ratio=0.01, staleness=3),
+        messages.Stats(clock=1, step_time=0.1, loss=2.3, samples=64),
+        messages.Push(clock=2, encoding="topk", codec={"k": 3}, buffers=(np.arange(3, dtype=np.uint32),
                                                                    np.ones(3, np.float32))),
-        p.Ack(clock=2, version=7),
-        p.Pull(clock=2, since=5),
-        p.Weights(version=1, encoding="dense", buffers=(bytes(600),), done=True),
-        p.Heartbeat(seq=9),
-        p.Leave(reason="done"),
-        p.Error(code="x", reason="y"),
+        messages.Ack(clock=2, version=7),
+        messages.Pull(clock=2, since=5),
+        messages.Weights(version=1, encoding="dense", buffers=(bytes(600),), done=True),
+        messages.Heartbeat(seq=9),
+        messages.Leave(reason="done"),
+        messages.Error(code="x", reason="y"),
     ]
-    frames = [b"".join(bytes(b) for b in p.encode(m)) for m in msgs]
-    frames.append(b"".join(bytes(b) for b in p.encode(msgs[10], compress=True)))
+    frames = [b"".join(bytes(b) for b in encode(m)) for m in msgs]
+    frames.append(b"".join(bytes(b) for b in encode(msgs[10], compress=True)))
     return frames
 
 
@@ -54,12 +55,12 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
 
 
 def decode_all(data: bytes, rng: random.Random) -> None:
-    dec = p.FrameDecoder(limits=LIMITS)
+    dec = FrameDecoder(limits=LIMITS)
     try:
         while data:
             n = rng.choice((1, 7, 64, len(data)))
             for msg in dec.feed(data[:n]):
-                assert isinstance(msg, p.Message)
+                assert isinstance(msg, messages.Message)
             data = data[n:]
     except RemoteProtocolError:
         pass
@@ -73,4 +74,4 @@ def test_random_and_mutated_frames_give_only_messages_or_remote_errors() -> None
         decode_all(mutate(rng, base), rng)
     for _ in range(2_000):  # pure noise, sometimes behind a valid magic and version
         noise = rng.randbytes(rng.randint(0, 64))
-        decode_all((p.MAGIC + b"\x01" if rng.random() < 0.5 else b"") + noise, rng)
+        decode_all((MAGIC + b"\x01" if rng.random() < 0.5 else b"") + noise, rng)

@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip ins
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from minips.run.config import RunConfig  # noqa: E402
-from minips.run.ray_launch import (  # noqa: E402
+from minips.run.ray_cluster import (
     RayConfig,
     collect,
     free_port,

@@ -13,6 +13,7 @@ import torch
 
 from minips.errors import ConfigError
 from minips.ml import data, models, reference
+from minips.ml.data import iterate_batches, shard_indices
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion = pytest.mark.skipif(not FASHION.is_dir(), reason=f"{FASHION} not installed")
@@ -51,11 +52,11 @@ def torch_loop(ds: data.Dataset, steps: int, workers: int, lr: float) -> np.ndar
     """
     model = models.build_model("lenet5", seed=3)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
-    shards = [data.shard_indices(len(ds), k, workers, 3) for k in range(workers)]
+    shards = [shard_indices(len(ds), k, workers, 3) for k in range(workers)]
     per_epoch = min(len(s) // 16 for s in shards)
     for step in range(steps):
         epoch, i = divmod(step, per_epoch)
-        batches = [list(data.iterate_batches(ds, s, 16, 3, epoch))[i] for s in shards]
+        batches = [list(iterate_batches(ds, s, 16, 3, epoch))[i] for s in shards]
         x = torch.from_numpy(np.concatenate([b[0] for b in batches]))
         y = torch.from_numpy(np.concatenate([b[1] for b in batches]))
         opt.zero_grad()

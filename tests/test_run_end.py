@@ -14,9 +14,10 @@ from conftest import records, recv_as
 
 from minips import sparse
 from minips.net import transport
-from minips.run.config import RunConfig, ServerConfig, parse_address
+from minips.net.endpoints import parse_address
+from minips.run.config import RunConfig, ServerConfig
 from minips.server import GlobalServer
-from minips.wire import protocol
+from minips.wire import messages
 
 TOKEN = "run-end-test"
 
@@ -32,18 +33,18 @@ def make_server(tmp_path: Path, rejoin_wait_s: float, **run: Any) -> GlobalServe
 async def train(port: int, grads: list[np.ndarray]) -> tuple[Any, Any]:
     """Worker 0 joins, pushes ``grads`` to its group; (control channel, group channel)."""
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, token=TOKEN)
-    await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=2.3))
-    host, gport = parse_address((await recv_as(ctl, protocol.Assign)).address)
+    await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=2.3))
+    host, gport = parse_address((await recv_as(ctl, messages.Assign)).address)
     ch = await transport.connect(host, gport, role="worker", worker_id=0, token=TOKEN)
-    clock = (await recv_as(ch, protocol.Ack)).clock
+    clock = (await recv_as(ch, messages.Ack)).clock
     for g in grads:
-        await ch.send(protocol.Pull(clock=clock))
-        await recv_as(ch, protocol.Weights)
+        await ch.send(messages.Pull(clock=clock))
+        await recv_as(ch, messages.Weights)
         encoding, codec, buffers = sparse.encode_gradient(g)
         clock += 1
-        await ch.send(protocol.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
+        await ch.send(messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
                                     buffers=tuple(buffers)))
-        await recv_as(ch, protocol.Ack)
+        await recv_as(ch, messages.Ack)
     return ctl, ch
 
 
@@ -107,7 +108,7 @@ async def test_a_non_finite_update_stops_the_run_naming_the_cause(tmp_path: Path
     try:
         huge = np.full(2, 3e38, np.float32)  # finite; two steps overflow float32 to -inf
         ctl, ch = await train(port, [huge, huge])
-        err = await recv_as(ctl, protocol.Error)
+        err = await recv_as(ctl, messages.Error)
         assert err.code == "diverged" and "non-finite" in err.reason
         await asyncio.wait_for(srv.io.finished.wait(), 10)
         assert "diverged" in srv.failure and "lower --lr" in srv.failure

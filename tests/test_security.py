@@ -21,9 +21,10 @@ from conftest import make_certificate, minips_server, steps
 
 from minips.errors import AuthError, ConfigError
 from minips.net import transport
-from minips.run.config import RunConfig, ServerConfig, check_bind, is_loopback
+from minips.net.endpoints import check_bind, is_loopback
+from minips.run.config import RunConfig, ServerConfig
 from minips.server import GlobalServer
-from minips.wire import protocol
+from minips.wire import frames, handshake, messages
 
 SECRET = "s3cret-token-that-must-never-be-logged"
 PACKAGE = Path(__file__).resolve().parent.parent / "minips"
@@ -51,18 +52,18 @@ async def test_wrong_and_missing_secret_are_refused_with_a_reason(tmp_path: Path
         await srv.close()
 
 
-async def _raw_handshake(port: int, hello: protocol.Hello, auth: protocol.Auth | None,
-                         client: protocol.ClientHandshake) -> tuple[Any, protocol.Auth]:
+async def _raw_handshake(port: int, hello: messages.Hello, auth: messages.Auth | None,
+                         client: handshake.ClientHandshake) -> tuple[Any, messages.Auth]:
     """Speak the handshake frame by frame; send ``auth`` (a recorded one) or compute it.
     Returns the server's reply to AUTH and the AUTH that was sent."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    dec = protocol.FrameDecoder()
+    dec = frames.FrameDecoder()
     try:
-        writer.writelines(protocol.encode(hello))
+        writer.writelines(frames.encode(hello))
         challenge = await _next(reader, dec)
-        assert isinstance(challenge, protocol.Challenge)
+        assert isinstance(challenge, messages.Challenge)
         sent = auth if auth is not None else client.on_challenge(challenge)
-        writer.writelines(protocol.encode(sent))
+        writer.writelines(frames.encode(sent))
         return await _next(reader, dec), sent
     finally:
         writer.close()
@@ -79,12 +80,12 @@ async def test_a_replayed_handshake_is_refused(tmp_path: Path) -> None:
     srv = make_server(tmp_path)
     port = await srv.start()
     try:
-        client = protocol.ClientHandshake(SECRET, role="worker", worker_id=1)
+        client = handshake.ClientHandshake(SECRET, role="worker", worker_id=1)
         reply, recorded = await _raw_handshake(port, client.hello, None, client)
-        assert isinstance(reply, protocol.Welcome)
+        assert isinstance(reply, messages.Welcome)
         # An eavesdropper replays the same HELLO and AUTH: the server's nonce is new.
         replay, _ = await _raw_handshake(port, client.hello, recorded, client)
-        assert isinstance(replay, protocol.Refuse) and "HMAC" in replay.reason
+        assert isinstance(replay, messages.Refuse) and "HMAC" in replay.reason
     finally:
         await srv.close()
 

@@ -17,15 +17,17 @@ from conftest import minips_server, records, recv_as, until
 
 from minips import sparse
 from minips.core import roster
-from minips.core.roster import match_labels
+from minips.core.roster import GroupHandle, match_labels
 from minips.errors import AuthError, RemoteProtocolError
 from minips.ml.model_table import PARAM_COUNTS
 from minips.net import transport
-from minips.run.config import RunConfig, ServerConfig, parse_address, reachable
-from minips.run.metrics import read_jsonl
+from minips.net.endpoints import parse_address, reachable
+from minips.run.config import RunConfig, ServerConfig
+from minips.run.rundir import read_jsonl
 from minips.serve.group import GroupServer
-from minips.server import GlobalServer, GroupHandle, InProcGroup, InProcLink
-from minips.wire import messages, protocol
+from minips.serve.inproc_group import InProcGroup
+from minips.server import GlobalServer, InProcLink
+from minips.wire import messages
 
 TOKEN = "server-test-secret-0123"
 
@@ -40,21 +42,21 @@ def make_server(tmp_path: Path, init: np.ndarray | None = None, host: str = "127
 
 async def join(port: int, wid: int, step_time: float) -> Any:
     ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=wid, token=TOKEN)
-    await ch.send(protocol.Stats(clock=0, step_time=step_time, loss=2.3))
+    await ch.send(messages.Stats(clock=0, step_time=step_time, loss=2.3))
     return ch
 
 
-async def next_assign(ch: Any) -> protocol.Assign:
+async def next_assign(ch: Any) -> messages.Assign:
     """The next ASSIGN on a worker's or group's channel (HEARTBEAT, WEIGHTS and EXCHANGE_REPLY
     skipped)."""
-    while not isinstance(msg := await asyncio.wait_for(ch.recv(), 5), protocol.Assign):
-        assert isinstance(msg, (protocol.Heartbeat, protocol.Weights, protocol.ExchangeReply)), msg
+    while not isinstance(msg := await asyncio.wait_for(ch.recv(), 5), messages.Assign):
+        assert isinstance(msg, (messages.Heartbeat, messages.Weights, messages.ExchangeReply)), msg
     return msg
 
 
-def push(clock: int, grad: np.ndarray, samples: int = 1) -> protocol.Push:
+def push(clock: int, grad: np.ndarray, samples: int = 1) -> messages.Push:
     encoding, codec, buffers = sparse.encode_gradient(grad)
-    return protocol.Push(clock=clock, samples=samples, encoding=encoding, codec=codec,
+    return messages.Push(clock=clock, samples=samples, encoding=encoding, codec=codec,
                          buffers=tuple(buffers))
 
 
@@ -105,7 +107,7 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
                                                            assigns[2].ratio]
         host, gport = parse_address(assigns[2].address)
         ch = await transport.connect(host, gport, role="worker", worker_id=2, token=TOKEN)
-        assert isinstance(await ch.recv(), protocol.Ack)
+        assert isinstance(await ch.recv(), messages.Ack)
         await ch.close()
         # measured iteration times (exchanges) turn the ratios around: group 0 is now slower
         srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
@@ -138,8 +140,8 @@ async def test_on_every_interface_a_worker_reaches_its_group_where_it_reached_th
     port = await srv.start()
     ctl = await transport.connect("127.0.0.2", port, role="worker", worker_id=0, token=TOKEN)
     try:
-        await ctl.send(protocol.Stats(clock=0, step_time=0.01, loss=2.3))
-        assign = await recv_as(ctl, protocol.Assign, 5)
+        await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=2.3))
+        assign = await recv_as(ctl, messages.Assign, 5)
         assert assign.address.startswith(":")
         host, gport = parse_address(reachable(assign.address, "127.0.0.2"))
         assert host == "127.0.0.2"
@@ -147,7 +149,7 @@ async def test_on_every_interface_a_worker_reaches_its_group_where_it_reached_th
         assert groups[0]["addresses"] == {"0": f":{gport}"}  # the port, for firewalls
         ch = await transport.connect(host, gport, role="worker", worker_id=0, group=assign.group,
                                      token=TOKEN)
-        assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Ack)
+        assert isinstance(await asyncio.wait_for(ch.recv(), 5), messages.Ack)
         await ch.close()
     finally:
         await ctl.close()
@@ -167,8 +169,8 @@ async def test_a_group_process_on_every_interface_is_announced_at_its_connection
     try:
         to_group = await asyncio.wait_for(grp.recv(), 5)
         to_worker = await asyncio.wait_for(ctl.recv(), 5)
-        assert isinstance(to_worker, protocol.Assign) and to_worker.address == "127.0.0.1:7123"
-        assert isinstance(to_group, protocol.Assign) and to_group.group == to_worker.group
+        assert isinstance(to_worker, messages.Assign) and to_worker.address == "127.0.0.1:7123"
+        assert isinstance(to_group, messages.Assign) and to_group.group == to_worker.group
     finally:
         await ctl.close()
         await grp.close()
@@ -191,7 +193,7 @@ async def test_group_processes_get_their_gdtopk_ratio_and_every_change_of_it(
         ratios = {g: r for g, (r, _) in first.items()}
         assert push_mean(srv, ratios, {0: 1, 1: 1}) == pytest.approx(0.01)  # the run's ratio
         srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
-        await first[0][1].send(protocol.Exchange(samples=1, iter_time=0.5, session=1, seq=1,
+        await first[0][1].send(messages.Exchange(samples=1, iter_time=0.5, session=1, seq=1,
                                                  encoding="dense-f32",
                                                  buffers=(np.zeros(4, np.float32),)))
         later = {g: (await next_assign(ch)).ratio for g, (_, ch) in first.items()}
@@ -214,14 +216,14 @@ async def test_epoch_budget_ends_the_run_and_nothing_is_lost(tmp_path: Path) -> 
     ch = await transport.connect(host, gport, role="worker", worker_id=0, token=TOKEN)
     await ch.recv()  # ACK with the starting clock
     for clock in (1, 2, 3):
-        await ch.send(protocol.Pull(clock=clock - 1))
-        assert (await recv_as(ch, protocol.Weights)).done is False
+        await ch.send(messages.Pull(clock=clock - 1))
+        assert (await recv_as(ch, messages.Weights)).done is False
         await ch.send(push(clock, np.ones(2, np.float32)))
         await ch.recv()
     leave = await asyncio.wait_for(ctl.recv(), 5)  # budget: 3 samples = 1 epoch
-    assert isinstance(leave, protocol.Leave) and leave.reason == "done"
-    await ch.send(protocol.Pull(clock=3))
-    assert (await recv_as(ch, protocol.Weights)).done is True
+    assert isinstance(leave, messages.Leave) and leave.reason == "done"
+    await ch.send(messages.Pull(clock=3))
+    assert (await recv_as(ch, messages.Weights)).done is True
     await ch.close(leave="bye")
     await ctl.close(leave="bye")
     await asyncio.wait_for(srv.wait_finished(), 5)
@@ -240,12 +242,12 @@ async def test_initial_weights_from_first_worker_and_evaluator_view(tmp_path: Pa
     assert ctl.welcome_info["mode"] == "bsp"
     init = np.arange(5, dtype=np.float32)
     encoding, codec, buffers = sparse.encode_gradient(init)
-    await ctl.send(protocol.InitWeights(size=5, encoding=encoding, codec=codec,
+    await ctl.send(messages.InitWeights(size=5, encoding=encoding, codec=codec,
                                  buffers=tuple(buffers)))
     ev = await transport.connect("127.0.0.1", port, role="evaluator", token=TOKEN)
     try:
-        await ev.send(protocol.Pull(clock=0))
-        w = await recv_as(ev, protocol.GlobalWeights, 5)
+        await ev.send(messages.Pull(clock=0))
+        w = await recv_as(ev, messages.GlobalWeights, 5)
         np.testing.assert_array_equal(np.frombuffer(w.buffers[0], np.float32), init)
         assert w.info["samples"] == 0 and "bytes_up" in w.info and w.done is False
     finally:
@@ -266,13 +268,13 @@ async def test_two_workers_both_told_need_init_both_push_and_both_stay(tmp_path:
         inits = [np.arange(5, dtype=np.float32) + 10 * i for i in range(2)]
         for ctl, init in zip(ctls, inits, strict=True):
             encoding, codec, buffers = sparse.encode_gradient(init)
-            await ctl.send(protocol.InitWeights(size=5, encoding=encoding, codec=codec,
+            await ctl.send(messages.InitWeights(size=5, encoding=encoding, codec=codec,
                                          buffers=tuple(buffers)))
         for i, ctl in enumerate(ctls):  # both control channels still carry STATS -> ASSIGN
-            await ctl.send(protocol.Stats(clock=0, step_time=0.01 * (i + 1), loss=1.0,
+            await ctl.send(messages.Stats(clock=0, step_time=0.01 * (i + 1), loss=1.0,
                                           samples=1))
         for ctl in ctls:
-            assert isinstance(await asyncio.wait_for(ctl.recv(), 10), protocol.Assign)
+            assert isinstance(await asyncio.wait_for(ctl.recv(), 10), messages.Assign)
         assert srv.weights is not None and srv.weights.tolist() == inits[0].tolist()
         assert not srv.io.rejected
     finally:
@@ -287,10 +289,10 @@ async def test_initial_weights_of_another_size_are_refused(tmp_path: Path) -> No
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
     try:
         encoding, codec, buffers = sparse.encode_gradient(np.ones(6, np.float32))
-        await ctl.send(protocol.InitWeights(size=6, encoding=encoding, codec=codec,
+        await ctl.send(messages.InitWeights(size=6, encoding=encoding, codec=codec,
                                      buffers=tuple(buffers)))
         msg = await asyncio.wait_for(ctl.recv(), 10)
-        assert isinstance(msg, protocol.Error) and msg.code == "invalid"
+        assert isinstance(msg, messages.Error) and msg.code == "invalid"
         assert "another model size" in msg.reason
         assert srv.weights is not None and srv.weights.tolist() == [0.0] * 5
     finally:
@@ -309,9 +311,9 @@ async def test_drifting_speed_moves_a_worker_to_another_group(
         monkeypatch.setattr(roster, "REGROUP_EVERY_S", 0.0)
         for _ in range(12):  # worker 1 became as slow as 2 and 3; worker 0 stays fast
             for ch, t in zip(chans, [0.01, 0.08, 0.08, 0.08], strict=True):
-                await ch.send(protocol.Stats(clock=1, step_time=t, loss=2.0))
+                await ch.send(messages.Stats(clock=1, step_time=t, loss=2.0))
         moved = await asyncio.wait_for(chans[1].recv(), 5)
-        assert isinstance(moved, protocol.Assign) and moved.group == 1
+        assert isinstance(moved, messages.Assign) and moved.group == 1
         assert moved.address == first[2].address
     finally:
         for ch in chans:
@@ -329,9 +331,9 @@ async def test_stats_clock_may_go_back_when_a_worker_changes_group_server(
     chans = [await join(port, w, t) for w, t in enumerate([0.01, 0.08])]
     try:
         for ch in chans:
-            assert isinstance(await asyncio.wait_for(ch.recv(), 5), protocol.Assign)
+            assert isinstance(await asyncio.wait_for(ch.recv(), 5), messages.Assign)
         for clock in (9, 1, 2):  # 9 steps on the old group server, then 1, 2 on its successor
-            await chans[0].send(protocol.Stats(clock=clock, step_time=0.01, loss=2.0))
+            await chans[0].send(messages.Stats(clock=clock, step_time=0.01, loss=2.0))
             await until(lambda c=clock: srv.workers[0].clock == c, 5)  # type: ignore[misc]
         entry = srv.workers[0]
         assert entry.ch is not None and not entry.ch.closed and not chans[0].closed
@@ -379,13 +381,13 @@ async def test_workers_after_the_calibration_deadline_are_assigned_after_their_f
             for w in (0, 1):
                 chans.append(await transport.connect(host, int(port), role="worker",
                                                      worker_id=w, token=TOKEN))
-                await chans[-1].send(protocol.Stats(clock=0, step_time=0.01, loss=2.3))
-                assign = await recv_as(chans[-1], protocol.Assign)
+                await chans[-1].send(messages.Stats(clock=0, step_time=0.01, loss=2.3))
+                assign = await recv_as(chans[-1], messages.Assign)
                 assert assign.group == 0 and assign.staleness == -1  # asp: one group, no bound
             ghost, gport = parse_address(reachable(assign.address, host))
             chans.append(await transport.connect(ghost, gport, role="worker", worker_id=1,
                                                  token=TOKEN, group=assign.group))
-            await recv_as(chans[-1], protocol.Ack)  # the group server takes the late worker
+            await recv_as(chans[-1], messages.Ack)  # the group server takes the late worker
         finally:
             for ch in chans:
                 await ch.close()
@@ -412,9 +414,9 @@ async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> N
         await srv.close()
     events = [r["event"] for r in read_jsonl(tmp_path / "global.jsonl")]
     assert events.count("merge_repeat") == 1 and events.count("merge") == 2
-    meta = protocol.Exchange(session=1, seq=7, encoding="dense-f32").meta()
+    meta = messages.Exchange(session=1, seq=7, encoding="dense-f32").meta()
     with pytest.raises(RemoteProtocolError, match="seq"):
-        messages.from_wire(protocol.Kind.EXCHANGE, protocol.PROTOCOL_VERSION,
+        messages.from_wire(messages.Kind.EXCHANGE, messages.PROTOCOL_VERSION,
                            {**meta, "seq": "7"}, 0)
 
 
@@ -424,7 +426,7 @@ async def test_an_explicit_group_count_is_honoured_for_equal_workers(tmp_path: P
     port = await srv.start()
     chans = [await join(port, w, 0.04) for w in range(2)]
     try:
-        assigns = [await recv_as(ch, protocol.Assign) for ch in chans]
+        assigns = [await recv_as(ch, messages.Assign) for ch in chans]
         assert sorted(a.group for a in assigns) == [0, 1]
         assert assigns[0].address != assigns[1].address
     finally:

@@ -19,20 +19,21 @@ from test_server import TOKEN, in_proc, join, make_server
 
 from minips.core import roster
 from minips.errors import AuthError
-from minips.net import transport
-from minips.run.config import RunConfig, parse_address
-from minips.wire import protocol
+from minips.net import channel, transport
+from minips.net.endpoints import parse_address
+from minips.run.config import RunConfig
+from minips.wire import messages
 
 
 async def connect(port: int, wid: int, group: int = -1,
-                  host: str = "127.0.0.1") -> transport.Channel:
+                  host: str = "127.0.0.1") -> channel.Channel:
     return await transport.connect(host, port, role="worker", worker_id=wid, group=group,
                                    token=TOKEN, timeout=5)
 
 
-async def told_replaced(ch: transport.Channel) -> None:
+async def told_replaced(ch: channel.Channel) -> None:
     """The old connection gets ERROR replaced, then the server closes it."""
-    error = await recv_as(ch, protocol.Error, 5)
+    error = await recv_as(ch, messages.Error, 5)
     assert error.code == "replaced" and "worker id 0" in error.reason
     with pytest.raises(ConnectionError):
         await asyncio.wait_for(ch.recv(), 5)
@@ -47,8 +48,8 @@ async def test_second_control_connection_with_an_id_replaces_the_first_and_says_
         await until(lambda: srv.workers[0].ch is not None)
         second = await connect(port, 0)
         await told_replaced(first)
-        await second.send(protocol.Stats(clock=0, step_time=0.01, loss=1.0))
-        assert (await recv_as(second, protocol.Assign, 5)).group == 0  # the newcomer goes on
+        await second.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
+        assert (await recv_as(second, messages.Assign, 5)).group == 0  # the newcomer goes on
         assert srv.io.rejected["replaced"] == 1
         await second.close()
     finally:
@@ -61,17 +62,17 @@ async def test_second_group_connection_with_an_id_replaces_the_first_and_says_so
     srv = make_server(tmp_path, np.zeros(3, np.float32), workers=1, mode="asp")
     port = await srv.start()
     ctl = await join(port, 0, 0.01)
-    chans: list[transport.Channel] = []
+    chans: list[channel.Channel] = []
     try:
-        assign = await recv_as(ctl, protocol.Assign, 5)
+        assign = await recv_as(ctl, messages.Assign, 5)
         host, gport = parse_address(assign.address)
         chans.append(await connect(gport, 0, assign.group, host))
-        await recv_as(chans[0], protocol.Ack, 5)
+        await recv_as(chans[0], messages.Ack, 5)
         chans.append(await connect(gport, 0, assign.group, host))
         await told_replaced(chans[0])
-        start = await recv_as(chans[1], protocol.Ack, 5)
-        await chans[1].send(protocol.Pull(clock=start.clock))
-        assert (await recv_as(chans[1], protocol.Weights, 5)).done is False
+        start = await recv_as(chans[1], messages.Ack, 5)
+        await chans[1].send(messages.Pull(clock=start.clock))
+        assert (await recv_as(chans[1], messages.Weights, 5)).done is False
         assert in_proc(srv, 0).rejected["replaced"] == 1
     finally:
         for ch in (*chans, ctl):
@@ -115,11 +116,11 @@ async def test_concurrent_minus_one_hellos_get_different_ids(tmp_path: Path) -> 
 
 
 def test_a_worker_told_replaced_stops_instead_of_reconnecting() -> None:
-    from minips.client.worker_link import Stopped  # torch: imported only here
+    from minips.worker import Stopped
 
-    stop = Stopped(protocol.Error(code="replaced", reason="another connection"))
+    stop = Stopped(messages.Error(code="replaced", reason="another connection"))
     assert stop.final and "replaced" in stop.error
-    assert not Stopped(protocol.Error(code="lease", reason="expired")).final
+    assert not Stopped(messages.Error(code="lease", reason="expired")).final
 
 
 def test_an_id_is_held_for_its_handshake_and_freed_if_it_never_finishes() -> None:

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips import sparse
+from minips.compress import registry
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.sparse import (
     SparseGrad,
@@ -22,9 +23,10 @@ from minips.sparse import (
     encode_gradient,
     kept_count,
     scatter_add,
+    varint_decode,
+    varint_encode,
 )
-from minips.wire import protocol
-from minips.wire.varint import varint_decode, varint_encode
+from minips.wire import frames, messages
 
 
 def sg(indices: list[int], values: list[float], size: int) -> SparseGrad:
@@ -125,7 +127,7 @@ def test_a_compressor_with_f16_values_sends_two_bytes_per_value(name: str) -> No
     grad = np.random.default_rng(3).normal(size=n).astype(np.float32)
     sizes = {}
     for dtype in ("f32", "f16"):
-        comp = sparse.make_compressor(name, n, ratio=0.01, seed=0, value_dtype=dtype)
+        comp = registry.make_compressor(name, n, ratio=0.01, seed=0, value_dtype=dtype)
         packet = comp.compress(grad)
         assert isinstance(packet, SparseGrad) and packet.nnz == 1000
         enc, codec, bufs = comp.encode(packet)
@@ -144,17 +146,17 @@ def test_codec_keys_and_types_are_checked_in_one_place() -> None:
         with pytest.raises(RemoteProtocolError, match="codec"):
             decode_gradient(enc, bad, bufs, 10)
         with pytest.raises(LocalProtocolError, match="codec"):
-            protocol.Push(clock=1, encoding=enc, codec=bad, buffers=tuple(bufs))
+            messages.Push(clock=1, encoding=enc, codec=bad, buffers=tuple(bufs))
 
 
 def test_the_frames_lz4_layer_shrinks_a_run_of_neighbours() -> None:
     """lz4 is one layer, the frame's: 5,000 neighbours' zero gap bytes shrink to a few."""
     g = SparseGrad(np.arange(5000, dtype=np.uint32), np.zeros(5000, np.float32), 10000)
     enc, codec, bufs = encode_gradient(g)
-    push = protocol.Push(clock=1, encoding=enc, codec=codec, buffers=tuple(bufs))
-    packed = sum(memoryview(b).nbytes for b in protocol.encode(push, compress=True))
-    assert packed < 400 < sum(memoryview(b).nbytes for b in protocol.encode(push))
-    [back] = protocol.FrameDecoder().feed(b"".join(protocol.encode(push, compress=True)))
+    push = messages.Push(clock=1, encoding=enc, codec=codec, buffers=tuple(bufs))
+    packed = sum(memoryview(b).nbytes for b in frames.encode(push, compress=True))
+    assert packed < 400 < sum(memoryview(b).nbytes for b in frames.encode(push))
+    [back] = frames.FrameDecoder().feed(b"".join(frames.encode(push, compress=True)))
     out = decode_gradient(back.encoding, back.codec, back.buffers, 10000)  # type: ignore[attr-defined]
     assert isinstance(out, SparseGrad) and np.array_equal(out.indices, g.indices)
 

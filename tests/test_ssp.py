@@ -187,7 +187,7 @@ def _check(t: ClockTable, s: int | None, last_min: int) -> int:
         assert t.min_clock() is None and t.max_clock() is None
         return last_min
     low = min(clocks.values())
-    # the table's O(1) ends (clock_counts.py) against a scan of its workers
+    # the table's O(1) ends (ssp.py) against a scan of its workers
     assert (t.min_clock(), t.max_clock()) == (low, max(clocks.values()))
     assert low >= last_min, "the minimum clock went backwards"
     assert any(t.may_start(w) for w in clocks), "deadlock: no live worker may start"

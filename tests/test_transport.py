@@ -17,9 +17,10 @@ import pytest
 from conftest import run_on, until
 
 from minips.errors import AuthError, RemoteProtocolError
+from minips.net import channel, transport
 from minips.net import transport as t
 from minips.net.channel import write_batches
-from minips.wire import protocol as p
+from minips.wire import frames, handshake, messages
 
 TOKEN = "test-token"
 LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
@@ -29,27 +30,27 @@ def run(loop: str, coro: Coroutine[Any, Any, Any]) -> Any:
     return run_on(loop, coro, 20)
 
 
-async def echo_handler(ch: t.Channel) -> None:
+async def echo_handler(ch: channel.Channel) -> None:
     """Answer PUSH with ACK and PULL with WEIGHTS of a fixed array until LEAVE."""
     weights = np.arange(1000, dtype=np.float32)
     while True:
         msg = await ch.recv()
-        if isinstance(msg, p.Push):
-            await ch.send(p.Ack(clock=msg.clock, version=len(msg.buffers)))
-        elif isinstance(msg, p.Pull):
-            await ch.send(p.Weights(version=msg.clock, encoding="dense", buffers=(weights,)))
-        elif isinstance(msg, p.Leave):
+        if isinstance(msg, messages.Push):
+            await ch.send(messages.Ack(clock=msg.clock, version=len(msg.buffers)))
+        elif isinstance(msg, messages.Pull):
+            await ch.send(messages.Weights(version=msg.clock, encoding="dense", buffers=(weights,)))
+        elif isinstance(msg, messages.Leave):
             return
 
 
-def accept_all(hello: p.Hello) -> dict[str, Any]:
+def accept_all(hello: messages.Hello) -> dict[str, Any]:
     return {"worker_id": 7 if hello.worker_id < 0 else hello.worker_id, "mode": "ssp"}
 
 
-async def start(handler: Callable[[t.Channel], Awaitable[None]] = echo_handler,
-                **kw: Any) -> t.Server:
+async def start(handler: Callable[[channel.Channel], Awaitable[None]] = echo_handler,
+                **kw: Any) -> transport.Server:
     kw.setdefault("token", TOKEN)
-    return await t.serve("127.0.0.1", 0, accept=kw.pop("accept", accept_all), handler=handler,
+    return await transport.serve("127.0.0.1", 0, accept=kw.pop("accept", accept_all), handler=handler,
                          **kw)
 
 
@@ -63,11 +64,11 @@ def test_handshake_accepted_and_messages_flow(loop: str) -> None:
         async with await start() as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, capabilities=("lz4",))
             assert ch.worker_id == 7 and ch.welcome_info == {"worker_id": 7, "mode": "ssp"}
-            await ch.send(p.Push(clock=1, encoding="dense", buffers=(b"ab", b"cd")))
-            assert await ch.recv() == p.Ack(clock=1, version=2)
-            await ch.send(p.Pull(clock=4))
+            await ch.send(messages.Push(clock=1, encoding="dense", buffers=(b"ab", b"cd")))
+            assert await ch.recv() == messages.Ack(clock=1, version=2)
+            await ch.send(messages.Pull(clock=4))
             weights = await ch.recv()
-            assert isinstance(weights, p.Weights) and weights.version == 4
+            assert isinstance(weights, messages.Weights) and weights.version == 4
             assert np.array_equal(np.frombuffer(weights.buffers[0], np.float32), np.arange(1000))
             await ch.close(leave="bye")
             await until(lambda: not srv.channels)
@@ -79,7 +80,7 @@ def test_handshake_accepted_and_messages_flow(loop: str) -> None:
 
 @LOOPS
 def test_accept_sees_hello_and_can_refuse(loop: str) -> None:
-    def accept(hello: p.Hello) -> dict[str, Any]:
+    def accept(hello: messages.Hello) -> dict[str, Any]:
         if hello.role != "evaluator":
             raise AuthError(f"role {hello.role} not welcome")
         return {}
@@ -96,8 +97,8 @@ def test_accept_sees_hello_and_can_refuse(loop: str) -> None:
 
 
 @pytest.mark.parametrize("kw, reason", [
-    ({"version": p.PROTOCOL_VERSION + 1}, "protocol version mismatch: server speaks "
-     f"{p.PROTOCOL_VERSION}, client sent {p.PROTOCOL_VERSION + 1}"),
+    ({"version": messages.PROTOCOL_VERSION + 1}, "protocol version mismatch: server speaks "
+     f"{messages.PROTOCOL_VERSION}, client sent {messages.PROTOCOL_VERSION + 1}"),
     ({"token": "guess"}, "wrong token"),
     ({"token": ""}, "missing token"),
 ])
@@ -137,8 +138,8 @@ def test_client_refuses_a_server_without_the_secret() -> None:
     run("asyncio", scenario())
 
 
-async def read_frame(reader: asyncio.StreamReader) -> p.Message:
-    dec = p.FrameDecoder()
+async def read_frame(reader: asyncio.StreamReader) -> messages.Message:
+    dec = frames.FrameDecoder()
     while True:
         data = await reader.read(65536)
         assert data, "connection closed before a whole frame"
@@ -147,29 +148,29 @@ async def read_frame(reader: asyncio.StreamReader) -> p.Message:
             return msgs[0]
 
 
-def raw(msg: p.Message) -> bytes:
-    return b"".join(bytes(b) for b in p.encode(msg))
+def raw(msg: messages.Message) -> bytes:
+    return b"".join(bytes(b) for b in frames.encode(msg))
 
 
 @LOOPS
 def test_replayed_handshake_is_refused(loop: str) -> None:
     async def scenario() -> None:
         async with await start() as srv:
-            hs = p.ClientHandshake(TOKEN)
+            hs = handshake.ClientHandshake(TOKEN)
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
             writer.write(raw(hs.hello))
             challenge = await read_frame(reader)
             auth = hs.on_challenge(challenge)  # type: ignore[arg-type]
             writer.write(raw(auth))
-            assert isinstance(await read_frame(reader), p.Welcome)
+            assert isinstance(await read_frame(reader), messages.Welcome)
             writer.close()
             # An eavesdropper replays the recorded HELLO and AUTH on a new connection.
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
             writer.write(raw(hs.hello))
-            assert isinstance(await read_frame(reader), p.Challenge)
+            assert isinstance(await read_frame(reader), messages.Challenge)
             writer.write(raw(auth))
             refuse = await read_frame(reader)
-            assert isinstance(refuse, p.Refuse) and "wrong token" in refuse.reason
+            assert isinstance(refuse, messages.Refuse) and "wrong token" in refuse.reason
             writer.close()
             await until(lambda: srv.stats["refused"] == 1)
 
@@ -182,20 +183,20 @@ def test_replayed_handshake_is_refused(loop: str) -> None:
 
 @LOOPS
 def test_frame_over_limit_closes_that_connection_only(loop: str) -> None:
-    options = t.Options(limits=p.Limits(max_frame_bytes=1 << 20))
+    options = channel.Options(limits=frames.Limits(max_frame_bytes=1 << 20))
 
     async def scenario() -> None:
         async with await start(options=options) as srv:
             bad = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             good = await t.connect("127.0.0.1", srv.port, token=TOKEN)
-            await bad.send(p.Push(clock=0, encoding="dense", buffers=(bytes(2 << 20),)))
+            await bad.send(messages.Push(clock=0, encoding="dense", buffers=(bytes(2 << 20),)))
             error = await bad.recv()
-            assert isinstance(error, p.Error) and error.code == "limit_exceeded"
+            assert isinstance(error, messages.Error) and error.code == "limit_exceeded"
             assert "frame size" in error.reason
             with pytest.raises(ConnectionError):
                 await bad.recv()
-            await good.send(p.Push(clock=3, encoding="dense"))
-            assert await good.recv() == p.Ack(clock=3, version=0)
+            await good.send(messages.Push(clock=3, encoding="dense"))
+            assert await good.recv() == messages.Ack(clock=3, version=0)
             await until(lambda: srv.stats["limit_exceeded"] == 1)
             await good.close()
 
@@ -208,18 +209,18 @@ def test_msgpack_length_over_limit_is_answered_limit_exceeded(value: object) -> 
     docs/protocol.md section 6 and ``Limits`` say, counted as such; then the server closes.
     Sent after the handshake: before WELCOME a frame over 16 KiB is refused by its size alone."""
     packed = msgpack.packb({"reason": value})
-    data = p.PREFIX.pack(p.MAGIC, p.PROTOCOL_VERSION, p.Kind.LEAVE, 0, 0, len(packed), 0) + packed
+    data = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0, len(packed), 0) + packed
 
     async def scenario() -> None:
         async with await start() as srv:
-            hs = p.ClientHandshake(TOKEN)
+            hs = handshake.ClientHandshake(TOKEN)
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
             writer.write(raw(hs.hello))
             writer.write(raw(hs.on_challenge(await read_frame(reader))))  # type: ignore[arg-type]
-            assert isinstance(await read_frame(reader), p.Welcome)
+            assert isinstance(await read_frame(reader), messages.Welcome)
             writer.write(data)
             error = await read_frame(reader)
-            assert isinstance(error, p.Error) and error.code == "limit_exceeded", error
+            assert isinstance(error, messages.Error) and error.code == "limit_exceeded", error
             assert await reader.read() == b""
             await until(lambda: srv.stats["limit_exceeded"] == 1)
             assert srv.stats["protocol_errors"] == 0
@@ -230,14 +231,14 @@ def test_msgpack_length_over_limit_is_answered_limit_exceeded(value: object) -> 
 
 @LOOPS
 def test_half_frame_then_silence_is_cut_off_by_read_timeout(loop: str) -> None:
-    options = t.Options(read_timeout=0.3)
+    options = channel.Options(read_timeout=0.3)
 
     async def scenario() -> None:
         async with await start(options=options) as srv:
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-            writer.write(raw(p.Hello(nonce=bytes(32)))[:10])  # a prefix cut short, then nothing
+            writer.write(raw(messages.Hello(nonce=bytes(32)))[:10])  # a prefix cut short, then nothing
             error = await read_frame(reader)
-            assert isinstance(error, p.Error) and "read timeout" in error.reason
+            assert isinstance(error, messages.Error) and "read timeout" in error.reason
             assert await reader.read() == b""  # then the server closed
             assert srv.stats["read_timeouts"] == 1
             writer.close()
@@ -251,7 +252,7 @@ def test_garbage_gets_error_then_close_and_is_counted() -> None:
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             error = await read_frame(reader)
-            assert isinstance(error, p.Error) and "magic" in error.reason
+            assert isinstance(error, messages.Error) and "magic" in error.reason
             await until(lambda: srv.stats["protocol_errors"] == 1)
             writer.close()
 
@@ -259,8 +260,8 @@ def test_garbage_gets_error_then_close_and_is_counted() -> None:
 
 
 def test_out_of_order_message_from_peer_raises_remote_error_in_recv() -> None:
-    async def handler(ch: t.Channel) -> None:
-        ch._transport.write(raw(p.Challenge(nonce=bytes(32))))  # bypass our own state checks
+    async def handler(ch: channel.Channel) -> None:
+        ch._transport.write(raw(messages.Challenge(nonce=bytes(32))))  # bypass our own state checks
         await ch.recv()
 
     async def scenario() -> None:
@@ -288,7 +289,7 @@ def test_connect_retries_until_the_server_appears(loop: str) -> None:
         port = free_port()
         attempt = asyncio.create_task(t.connect("127.0.0.1", port, token=TOKEN, retries=50))
         await asyncio.sleep(0.3)  # let a few attempts fail first
-        srv = await t.serve("127.0.0.1", port, token=TOKEN, accept=accept_all,
+        srv = await transport.serve("127.0.0.1", port, token=TOKEN, accept=accept_all,
                             handler=echo_handler)
         ch = await attempt
         await ch.close()
@@ -309,19 +310,19 @@ def test_unreachable_address_gives_connection_error_within_timeout() -> None:
     run("asyncio", scenario())
 
 
-async def heartbeating_client(srv: t.Server) -> tuple[t.Channel, t.Channel]:
+async def heartbeating_client(srv: transport.Server) -> tuple[channel.Channel, channel.Channel]:
     """A client that sends HEARTBEAT every 50 ms, and the server's side of its connection."""
-    ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, options=t.Options(heartbeat=0.05))
+    ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, options=channel.Options(heartbeat=0.05))
     await until(lambda: len(srv.channels) == 1)
     (server_side,) = srv.channels
     return ch, server_side
 
 
-def silence_limited(errors: list[BaseException]) -> Callable[[t.Channel], Awaitable[None]]:
+def silence_limited(errors: list[BaseException]) -> Callable[[channel.Channel], Awaitable[None]]:
     """A handler that limits its connection's silence to 0.3 s, then waits for a message;
     ``errors`` gets why the connection ended, if it did."""
 
-    async def limited(ch: t.Channel) -> None:
+    async def limited(ch: channel.Channel) -> None:
         ch.start_silence_limit(0.3)
         try:
             await ch.recv()
@@ -333,7 +334,7 @@ def silence_limited(errors: list[BaseException]) -> Callable[[t.Channel], Awaita
 
 @LOOPS
 def test_heartbeats_refresh_last_recv_and_stop_on_close(loop: str) -> None:
-    async def quiet(ch: t.Channel) -> None:
+    async def quiet(ch: channel.Channel) -> None:
         await ch.recv()  # heartbeats are absorbed; this returns at LEAVE
 
     async def scenario() -> None:
@@ -351,7 +352,7 @@ def test_heartbeats_refresh_last_recv_and_stop_on_close(loop: str) -> None:
 @LOOPS
 def test_abort_wakes_a_waiting_recv_with_the_reason_and_the_server_sees_the_close(
         loop: str) -> None:
-    async def quiet(ch: t.Channel) -> None:
+    async def quiet(ch: channel.Channel) -> None:
         await ch.recv()  # raises when the client is gone
 
     async def scenario() -> None:
@@ -364,7 +365,7 @@ def test_abort_wakes_a_waiting_recv_with_the_reason_and_the_server_sees_the_clos
                 await asyncio.wait_for(waiting, 5)
             await until(lambda: not srv.channels)
             with pytest.raises(ConnectionError):
-                await ch.send(p.Pull(clock=1))
+                await ch.send(messages.Pull(clock=1))
 
     run(loop, scenario())
 
@@ -409,23 +410,23 @@ def test_silence_limit_is_not_fooled_by_a_stall_of_our_own_loop(loop: str) -> No
 def test_send_to_a_peer_that_stopped_reading_times_out(loop: str) -> None:
     outcome: asyncio.Future[BaseException] | None = None
 
-    async def flood(ch: t.Channel) -> None:
+    async def flood(ch: channel.Channel) -> None:
         assert outcome is not None
         await ch.recv()
         big = np.zeros(16 << 20, dtype=np.uint8)
         try:
             for version in range(100):
-                await ch.send(p.Weights(version=version, encoding="dense", buffers=(big,)))
+                await ch.send(messages.Weights(version=version, encoding="dense", buffers=(big,)))
         except ConnectionError as e:
             outcome.set_result(e)
 
     async def scenario() -> None:
         nonlocal outcome
         outcome = asyncio.get_running_loop().create_future()
-        async with await start(handler=flood, options=t.Options(send_timeout=0.5)) as srv:
+        async with await start(handler=flood, options=channel.Options(send_timeout=0.5)) as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             ch._transport.pause_reading()  # fault injection: this client stops reading
-            await ch.send(p.Pull(clock=0))
+            await ch.send(messages.Pull(clock=0))
             err = await asyncio.wait_for(outcome, 10)
             assert "stopped reading" in str(err)
             await ch.close()
@@ -438,22 +439,22 @@ def test_large_payload_lands_in_the_preallocated_array(loop: str) -> None:
     weights = np.random.default_rng(0).standard_normal(3_000_000).astype(np.float32)
     target = np.empty_like(weights)
 
-    async def send_weights(ch: t.Channel) -> None:
+    async def send_weights(ch: channel.Channel) -> None:
         await ch.recv()
-        await ch.send(p.Weights(version=1, encoding="dense", buffers=(weights,)))
+        await ch.send(messages.Weights(version=1, encoding="dense", buffers=(weights,)))
         await ch.recv()
 
-    def alloc(kind: p.Kind, index: int, nbytes: int) -> memoryview:
-        return target.data.cast("B") if nbytes == target.nbytes else p.default_alloc(
+    def alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
+        return target.data.cast("B") if nbytes == target.nbytes else frames.default_alloc(
             kind, index, nbytes)
 
     async def scenario() -> None:
         async with await start(handler=send_weights) as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN,
-                                 options=t.Options(alloc=alloc))
-            await ch.send(p.Pull(clock=0))
+                                 options=channel.Options(alloc=alloc))
+            await ch.send(messages.Pull(clock=0))
             msg = await ch.recv()
-            assert isinstance(msg, p.Weights)
+            assert isinstance(msg, messages.Weights)
             assert np.shares_memory(np.frombuffer(msg.buffers[0], np.uint8), target)
             assert np.array_equal(target, weights)
             await ch.close(leave="done")
@@ -463,7 +464,7 @@ def test_large_payload_lands_in_the_preallocated_array(loop: str) -> None:
 
 def test_a_big_frame_is_written_in_batches_of_about_the_write_size() -> None:
     big = np.arange(700_000, dtype=np.float32)  # 2.8 MB: cut into three pieces
-    frame = p.encode(p.Push(clock=3, encoding="sparse", buffers=(
+    frame = frames.encode(messages.Push(clock=3, encoding="sparse", buffers=(
         np.arange(30_000, dtype=np.int32), big, np.ones(5, np.float32))))
     size = 1 << 20
     batches = list(write_batches(frame, size))
@@ -479,7 +480,7 @@ def test_a_big_frame_is_written_in_batches_of_about_the_write_size() -> None:
 
 
 def test_a_frame_under_the_write_size_is_one_batch_as_it_was() -> None:
-    frame = p.encode(p.Weights(version=1, encoding="dense", buffers=(np.ones(50_000, np.float32),)))
+    frame = frames.encode(messages.Weights(version=1, encoding="dense", buffers=(np.ones(50_000, np.float32),)))
     assert list(write_batches(frame, 1 << 20)) == [frame]
 
 
@@ -500,8 +501,8 @@ def test_tls_with_self_signed_certificate(loop: str, tls_files: tuple[Path, Path
                                  server_hostname="localhost")
             assert ch._transport.get_extra_info("ssl_object") is not None
             payload = np.arange(200_000, dtype=np.float32)
-            await ch.send(p.Push(clock=5, encoding="dense", buffers=(payload,)))
-            assert await ch.recv() == p.Ack(clock=5, version=1)
+            await ch.send(messages.Push(clock=5, encoding="dense", buffers=(payload,)))
+            assert await ch.recv() == messages.Ack(clock=5, version=1)
             await ch.close(leave="bye")
             with pytest.raises(ConnectionError):  # a plain client cannot talk to a TLS server
                 await t.connect("127.0.0.1", srv.port, token=TOKEN, timeout=1.0, retries=0)
@@ -519,19 +520,19 @@ def test_over_tls_a_server_may_speak_first_after_the_handshake(
     server_ctx.load_cert_chain(cert, key)
     client_ctx = ssl.create_default_context(cafile=str(cert))
 
-    async def speak_first(ch: t.Channel) -> None:
-        await ch.send(p.Ack(clock=3, version=4))
+    async def speak_first(ch: channel.Channel) -> None:
+        await ch.send(messages.Ack(clock=3, version=4))
         ones = np.ones(300_000, np.float32)  # a big frame: written in batches, over TLS
-        await ch.send(p.Weights(version=4, encoding="dense", buffers=(ones,)))
+        await ch.send(messages.Weights(version=4, encoding="dense", buffers=(ones,)))
         await ch.recv()
 
     async def scenario() -> None:
         async with await start(handler=speak_first, ssl=server_ctx) as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, ssl=client_ctx,
                                  server_hostname="localhost")
-            assert await asyncio.wait_for(ch.recv(), 5) == p.Ack(clock=3, version=4)
+            assert await asyncio.wait_for(ch.recv(), 5) == messages.Ack(clock=3, version=4)
             weights = await asyncio.wait_for(ch.recv(), 5)
-            assert isinstance(weights, p.Weights)
+            assert isinstance(weights, messages.Weights)
             assert np.array_equal(np.frombuffer(weights.buffers[0], np.float32), np.ones(300_000))
             await ch.close(leave="bye")
 
@@ -539,22 +540,22 @@ def test_over_tls_a_server_may_speak_first_after_the_handshake(
 
 
 def test_a_failing_handler_sends_error_and_the_server_keeps_serving() -> None:
-    async def buggy(ch: t.Channel) -> None:
+    async def buggy(ch: channel.Channel) -> None:
         msg = await ch.recv()
-        if isinstance(msg, p.Pull):
+        if isinstance(msg, messages.Pull):
             raise ValueError("boom")
-        await ch.send(p.Ack(clock=1, version=0))
+        await ch.send(messages.Ack(clock=1, version=0))
 
     async def scenario() -> None:
         async with await start(handler=buggy) as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
-            await ch.send(p.Pull(clock=0))
+            await ch.send(messages.Pull(clock=0))
             error = await ch.recv()
-            assert isinstance(error, p.Error) and error.code == "internal"
+            assert isinstance(error, messages.Error) and error.code == "internal"
             assert "ValueError: boom" in error.reason
             other = await t.connect("127.0.0.1", srv.port, token=TOKEN)
-            await other.send(p.Push(clock=1, encoding="d"))
-            assert await other.recv() == p.Ack(clock=1, version=0)
+            await other.send(messages.Push(clock=1, encoding="d"))
+            assert await other.recv() == messages.Ack(clock=1, version=0)
             await other.close()
             assert srv.stats["handler_errors"] == 1
 

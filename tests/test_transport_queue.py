@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from conftest import run_on, until
 
+from minips.net import channel, transport
 from minips.net import transport as t
-from minips.wire import protocol as p
+from minips.wire import messages
 
 TOKEN = "queue-token"
 LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
@@ -28,36 +29,36 @@ def run(loop: str, coro: Coroutine[Any, Any, Any]) -> Any:
 @pytest.mark.timeout(60)
 def test_reading_pauses_at_the_byte_bound_and_resumes_without_loss(loop: str) -> None:
     bound, pushes = 2 * MiB, 8
-    server_side: list[t.Channel] = []
+    server_side: list[channel.Channel] = []
     go = asyncio.Event()  # binds to the loop on first use (Python >= 3.10)
 
-    async def hold_then_drain(ch: t.Channel) -> None:
+    async def hold_then_drain(ch: channel.Channel) -> None:
         server_side.append(ch)
         await go.wait()
         clocks = []
         for _ in range(pushes):
             msg = await ch.recv()
-            assert isinstance(msg, p.Push) and msg.buffers[0][0] == msg.clock
+            assert isinstance(msg, messages.Push) and msg.buffers[0][0] == msg.clock
             clocks.append(msg.clock)
         assert clocks == list(range(pushes))
-        await ch.send(p.Ack(clock=pushes, version=pushes))
+        await ch.send(messages.Ack(clock=pushes, version=pushes))
         await ch.recv()  # LEAVE
 
     async def scenario() -> None:
-        options = t.Options(max_queued_bytes=bound)
-        async with await t.serve("127.0.0.1", 0, accept=lambda h: {}, handler=hold_then_drain,
+        options = channel.Options(max_queued_bytes=bound)
+        async with await transport.serve("127.0.0.1", 0, accept=lambda h: {}, handler=hold_then_drain,
                                  token=TOKEN, options=options) as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             for clock in range(pushes):  # 8 MiB in all: the kernel buffers take what we don't
                 payload = np.full(MiB, clock, dtype=np.uint8)
-                await ch.send(p.Push(clock=clock, encoding="raw", buffers=(payload,)))
+                await ch.send(messages.Push(clock=clock, encoding="raw", buffers=(payload,)))
             await until(lambda: bool(server_side) and server_side[0]._proto.paused)
             proto = server_side[0]._proto
             assert bound <= proto.queued_bytes <= bound + MiB  # the bound plus one frame
             assert len(proto.queue) < pushes
             go.set()
             ack = await ch.recv()
-            assert ack == p.Ack(clock=pushes, version=pushes)
+            assert ack == messages.Ack(clock=pushes, version=pushes)
             assert not proto.paused and proto.queued_bytes == 0
             await ch.close(leave="bye")
 
@@ -66,17 +67,17 @@ def test_reading_pauses_at_the_byte_bound_and_resumes_without_loss(loop: str) ->
 
 @LOOPS
 def test_messages_already_queued_are_returned_in_order_without_waiting(loop: str) -> None:
-    async def burst(ch: t.Channel) -> None:
+    async def burst(ch: channel.Channel) -> None:
         await ch.recv()
         for seq in range(50):  # one write each; the client reads them in whatever chunks
-            await ch.send(p.Ack(clock=seq, version=0))
+            await ch.send(messages.Ack(clock=seq, version=0))
         await ch.recv()
 
     async def scenario() -> None:
-        async with await t.serve("127.0.0.1", 0, accept=lambda h: {}, handler=burst,
+        async with await transport.serve("127.0.0.1", 0, accept=lambda h: {}, handler=burst,
                                  token=TOKEN) as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
-            await ch.send(p.Pull(clock=0))
+            await ch.send(messages.Pull(clock=0))
             got = [await ch.recv(timeout=5) for _ in range(50)]
             assert [m.clock for m in got] == list(range(50))  # type: ignore[attr-defined]
             assert ch._proto.queued_bytes == 0
@@ -87,13 +88,13 @@ def test_messages_already_queued_are_returned_in_order_without_waiting(loop: str
 
 @LOOPS
 def test_recv_timeout_counts_from_the_call_even_through_heartbeats(loop: str) -> None:
-    async def beat_only(ch: t.Channel) -> None:
+    async def beat_only(ch: channel.Channel) -> None:
         for seq in range(1000):  # heartbeats wake recv() but are not messages
-            await ch.send(p.Heartbeat(seq=seq))
+            await ch.send(messages.Heartbeat(seq=seq))
             await asyncio.sleep(0.02)
 
     async def scenario() -> None:
-        async with await t.serve("127.0.0.1", 0, accept=lambda h: {}, handler=beat_only,
+        async with await transport.serve("127.0.0.1", 0, accept=lambda h: {}, handler=beat_only,
                                  token=TOKEN) as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             began = asyncio.get_running_loop().time()

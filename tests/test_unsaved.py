@@ -1,5 +1,5 @@
 """A `minips group` process's exchanges that a global server resumed from its checkpoint lacks
-are sent again exactly once (unsaved.py, exchange.py), against the real merge, snapshot and
+are sent again exactly once (exchange.py, exchange.py), against the real merge, snapshot and
 resume of ``GlobalServer`` with made-up seqs; no group process, no network for the group side.
 
 Deltas are whole numbers, so every sum is exact: after each resume and the exchanges that
@@ -15,9 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from minips.core.exchange import Exchange, ExchangeResult
+from minips.core.exchange import Exchange, ExchangeResult, Unsaved, seqs_in
 from minips.core.roster import GroupHandle
-from minips.core.unsaved import Unsaved, seqs_in
 from minips.run import checkpoint
 from minips.run.config import RunConfig, ServerConfig
 from minips.server import GlobalServer

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 from conftest import records, until
 
+from minips.evaluator import evaluate_loop
 from minips.ml import data, models, reference
-from minips.net import transport
+from minips.net import channel, transport
 from minips.run.config import RunConfig, ServerConfig, WorkerConfig
-from minips.run.metrics import read_jsonl
+from minips.run.rundir import read_jsonl
 from minips.server import GlobalServer
-from minips.wire import protocol
-from minips.worker import Link, Worker, WorkerStopped, evaluate_loop
+from minips.wire import messages
+from minips.worker import Link, Worker, WorkerStopped
 
 TOKEN = "test-secret"
 
@@ -150,8 +151,8 @@ class _Sink:
 async def test_link_adds_its_latency_to_every_send() -> None:
     """(Its rates pace the channel itself: tests/test_links.py, on real sockets.)"""
     sink = _Sink()
-    link = Link(cast(transport.Channel, sink), bandwidth_bps=0.0, latency_s=0.02)
-    msg = protocol.Push(clock=1, encoding="dense-f32", buffers=(bytes(50_000),))
+    link = Link(cast(channel.Channel, sink), bandwidth_bps=0.0, latency_s=0.02)
+    msg = messages.Push(clock=1, encoding="dense-f32", buffers=(bytes(50_000),))
     t = time.perf_counter()
     await link.send(msg)
     took = time.perf_counter() - t
@@ -164,9 +165,9 @@ async def test_a_server_error_stops_the_worker_and_says_why(tmp_path: Path) -> N
     (``minips worker`` then exits non-zero with that line) instead of ending as if done."""
     run = RunConfig(workers=1, calib_steps=1)
 
-    async def server(ch: transport.Channel) -> None:
-        assert isinstance(await ch.recv(), protocol.Stats)  # the calibration
-        await ch.send(protocol.Error(code="invalid", reason="test: this worker must stop"))
+    async def server(ch: channel.Channel) -> None:
+        assert isinstance(await ch.recv(), messages.Stats)  # the calibration
+        await ch.send(messages.Error(code="invalid", reason="test: this worker must stop"))
 
     srv = await transport.serve("127.0.0.1", 0, token=TOKEN, handler=server,
                                 accept=lambda hello: {**run.to_info(), "worker_id": 0})
@@ -191,12 +192,12 @@ async def test_an_unreachable_group_server_is_reported_once_while_retrying(
         closed.bind(("127.0.0.1", 0))
         dead = closed.getsockname()[1]
 
-        async def server(ch: transport.Channel) -> None:
-            assert isinstance(await ch.recv(), protocol.Stats)  # the calibration
-            await ch.send(protocol.Assign(group=0, address=f":{dead}", ratio=0.01, staleness=3))
+        async def server(ch: channel.Channel) -> None:
+            assert isinstance(await ch.recv(), messages.Stats)  # the calibration
+            await ch.send(messages.Assign(group=0, address=f":{dead}", ratio=0.01, staleness=3))
             await until(lambda: bool(records(tmp_path / "worker-0.jsonl",
                                              event="group_unreachable")), 30)
-            await ch.send(protocol.Leave(reason="done"))
+            await ch.send(messages.Leave(reason="done"))
             await ch.recv()
 
         srv = await transport.serve("127.0.0.1", 0, token=TOKEN, handler=server,

@@ -10,19 +10,7 @@
 - ``device_compress``: selection and error feedback on the worker's torch device (the only
   module here that imports torch; nothing imports it from this package's ``__init__``).
 
-No I/O and no clocks; ``minips.sparse`` re-exports the names users import.
+No I/O and no clocks.
 """
 
-from __future__ import annotations
-
-from minips.compress.base import Compressor, SparseCompressor, WireSpec
-from minips.compress.registry import (
-    COMPRESSORS,
-    is_sparse,
-    make_compressor,
-    ratio_policy,
-    register,
-)
-
-__all__ = ["COMPRESSORS", "Compressor", "SparseCompressor", "WireSpec", "is_sparse",
-           "make_compressor", "ratio_policy", "register"]
+__all__: list[str] = []

@@ -29,10 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minips.compress.sparse_select import kept_count
 from minips.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from minips.wire.fields import VALUE_TYPES
-from minips.wire.sparse_codec import SparseGrad, decode_gradient, encode_gradient
+from minips.sparse import SparseGrad, decode_gradient, encode_gradient, kept_count
+from minips.wire.messages import VALUE_TYPES
 
 if TYPE_CHECKING:
     from minips.compress.ratios import RatioPolicy

@@ -30,17 +30,17 @@ import torch
 
 from minips.compress.base import FP16_MAX, Compressor, WireSpec
 from minips.compress.losscomp import LossCompCompressor
-from minips.compress.sparse_select import (
+from minips.compress.topk import TopKCompressor
+from minips.sparse import (
     APPROX_MARGIN_STDS,
     EXACT_MARGIN_STDS,
     MAX_REFINES,
     MAX_SAMPLE,
     MIN_SAMPLE,
     SAMPLE_PER_DENSITY,
+    SparseGrad,
     kept_count,
 )
-from minips.compress.topk import TopKCompressor
-from minips.wire.sparse_codec import SparseGrad
 
 __all__ = ["TorchTopK", "DeviceCompressor", "HostCompressor", "device_compressor",
            "runs_on_device"]

@@ -10,14 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from minips.compress.base import Compressor
-from minips.compress.dgc import DGCCompressor
-from minips.compress.fp16 import Fp16Compressor
-from minips.compress.gdtopk import GDTopKCompressor
+from minips.compress.dense import DenseCompressor, Fp16Compressor
 from minips.compress.losscomp import LossCompCompressor
-from minips.compress.none import DenseCompressor
-from minips.compress.randomk import RandomKCompressor
 from minips.compress.ratios import RatioPolicy
-from minips.compress.topk import TopKCompressor
+from minips.compress.topk import DGCCompressor, GDTopKCompressor, RandomKCompressor, TopKCompressor
 from minips.errors import ConfigError
 
 __all__ = ["COMPRESSORS", "is_sparse", "make_compressor", "ratio_policy", "register"]

@@ -1,17 +1,44 @@
 """``topk``: exactly the k = round(ratio * n) largest |acc| (acc = residual + gradient), found by
-``sparse_select.TopKSelector`` (sampled threshold + exact partition of the candidates)."""
+``sparse_select.TopKSelector`` (sampled threshold + exact partition of the candidates).
+
+``dgc``: Deep Gradient Compression's sampled threshold, keeping the largest k to
+k * (1 + tolerance) (``tolerance=0.1``), and DGC's warm-up (``warmup_epochs=4`` turns it on).
+
+``warmup_ratio(epoch, final, start=0.25, decay=0.25, epochs=4)``: the kept fraction
+``max(final, start * decay ** floor(epoch))`` for epoch < epochs (25%, 6.25%, 1.56%, 0.39%),
+then ``final``.
+
+``gdtopk``: DGC selection at the ratio the global server sets for this worker's group, with
+DGC's warm-up on by default. Its server-side part is ``ratio_policy``: the global server's
+``ratios.RatioPolicy`` turns each group's measured iteration time into its ratio (the rule is
+in ``compress/ratios.py`` and docs/compression.md).
+
+``randomk``: k uniform random indices per step from a seeded generator; without error feedback,
+``unbiased=True`` scales the values by n/k so that the expected packet is the gradient.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from minips.compress.base import SparseCompressor
-from minips.compress.sparse_select import TopKSelector
+from minips.compress.ratios import RatioPolicy
+from minips.errors import ConfigError
+from minips.sparse import SparseGrad, TopKSelector
 
-__all__ = ["TopKCompressor"]
+__all__ = [
+    "TopKCompressor",
+    "DGCCompressor",
+    "warmup_ratio",
+    "GDTopKCompressor",
+    "RandomKCompressor",
+]
 
+
+# -- topk: topk``: exactly the k = round(ratio * n) largest |acc| (acc = residual + gradient), f...
 
 class TopKCompressor(SparseCompressor):
     """``topk``: exactly the k largest |acc| (sampled threshold + exact partition of candidates)."""
@@ -25,3 +52,77 @@ class TopKCompressor(SparseCompressor):
 
     def _select(self, acc: np.ndarray, k: int) -> np.ndarray:
         return self.selector.select(acc, k)  # ranks by |acc|
+
+
+# -- dgc: dgc``: Deep Gradient Compression's sampled threshold, keeping the largest k to
+
+def warmup_ratio(
+    epoch: float, final: float, *, start: float = 0.25, decay: float = 0.25, epochs: int = 4
+) -> float:
+    """DGC warm-up: kept fraction for ``epoch`` (float) falling from ``start`` to ``final``."""
+    if epoch >= epochs:
+        return final
+    return max(final, start * decay ** math.floor(max(epoch, 0.0)))
+
+
+class DGCCompressor(TopKCompressor):
+    """``dgc``: DGC's sampled threshold, keeping k to k * (1 + tolerance); optional warm-up."""
+
+    name = "dgc"
+
+    def __init__(self, size: int, *, tolerance: float = 0.1, warmup_epochs: int = 0,
+                 **kw: Any) -> None:
+        if not 0.0 <= tolerance < 1.0:
+            raise ConfigError(f"tolerance must be in [0, 1), got {tolerance}")
+        self.tolerance = tolerance
+        self.warmup_epochs = warmup_epochs  # 0: no warm-up
+        super().__init__(size, **kw)
+
+    def current_ratio(self) -> float:
+        if self.warmup_epochs <= 0:
+            return self.ratio
+        return warmup_ratio(self.epoch, self.ratio, epochs=self.warmup_epochs)
+
+
+# -- gdtopk: gdtopk``: DGC selection at the ratio the global server sets for this worker's group...
+
+class GDTopKCompressor(DGCCompressor):
+    """``gdtopk``: DGC selection at the ratio the global server sets for this worker's group."""
+
+    name = "gdtopk"
+
+    def __init__(self, size: int, *, ratio: float = 0.004, warmup_epochs: int = 4,
+                 **kw: Any) -> None:
+        super().__init__(size, ratio=ratio, warmup_epochs=warmup_epochs, **kw)
+
+    @classmethod
+    def ratio_policy(cls, target: float, *, direction: str, alpha: float) -> RatioPolicy:
+        """Per-group ratios whose push-weighted mean is ``target`` (``ratios.RatioPolicy``)."""
+        return RatioPolicy(target, direction=direction, alpha=alpha)
+
+
+# -- randomk: randomk``: k uniform random indices per step from a seeded generator; without erro...
+
+class RandomKCompressor(SparseCompressor):
+    """``randomk``: k indices drawn uniformly without replacement from a seeded generator."""
+
+    name = "randomk"
+
+    def __init__(self, size: int, *, unbiased: bool = False, **kw: Any) -> None:
+        super().__init__(size, **kw)
+        self.rng = np.random.default_rng(self.seed)
+        self.unbiased = unbiased  # scale by n/k so E[sent] = grad (only without error feedback)
+        if unbiased and self.error_feedback:
+            raise ConfigError("randomk: unbiased scaling is for error_feedback=False only")
+
+    def _select(self, acc: np.ndarray, k: int) -> np.ndarray:
+        idx = self.rng.choice(self.size, size=k, replace=False, shuffle=False)
+        idx.sort()
+        return idx.astype(np.int64)
+
+    def _compress(self, acc: np.ndarray) -> SparseGrad:
+        sg = super()._compress(acc)
+        if not self.unbiased or sg.nnz == 0:
+            return sg
+        scaled = sg.values * np.float32(self.size / sg.nnz)
+        return SparseGrad(sg.indices, scaled, sg.size)

@@ -37,9 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from minips.compress.sparse_select import kept_count
 from minips.errors import RemoteProtocolError
-from minips.wire.sparse_codec import SparseGrad, decode_gradient
+from minips.sparse import SparseGrad, decode_gradient, kept_count
 
 __all__ = ["Answer", "Downlink", "apply_weights", "held_version", "top_k", "DRIFT", "LOG_SIZE",
            "DENSE_FRACTION"]

@@ -10,7 +10,7 @@ global weights back:
 
 The kept fraction is ``replica.exchange_ratio(run)`` (1.0: dense, ``s = sent - w_sync``, and the
 reply is the global weights G whole, so ``w = G + (w - sent)``, ``w_sync = G``). Sparse, the
-reply sets some entries of the group's copy (``replica.py``: the global server keeps the exact
+reply sets some entries of the group's copy (``exchange.py``: the global server keeps the exact
 same copy, ``known[g]``, and sends where G differs from it most); a dense reply replaces it.
 What a sparse exchange leaves behind stays in ``w - w_sync`` (up) or in ``G - known[g]`` (down)
 and goes with a later exchange: error feedback by bookkeeping, nothing is lost. The exchange
@@ -24,10 +24,10 @@ Exactly once. Each exchange carries ``session`` (random, one per group server pr
 lost (``ConnectionError``) the exchange stays *pending*: the next attempt sends the very same
 ``s`` and counters under the same seq, so whether or not the first copy was merged, ``s`` lands
 once and the reconciliation above stays right (a repeat's answer also carries again what the
-lost reply set: ``replica.py``). Newer pushes go out with the exchange after that.
+lost reply set: ``exchange.py``). Newer pushes go out with the exchange after that.
 
 Resume. A global server resumed from its checkpoint lacks the exchanges it merged after it;
-a `minips group` process keeps their sum (``unsaved.py``, bounded: a few vectors) and, told on
+a `minips group` process keeps their sum (``exchange.py``, bounded: a few vectors) and, told on
 reconnecting which seq the server holds, sends that sum again inside its next exchange.
 
 Progress. ``cluster_samples()`` estimates how many samples all groups have trained on: the
@@ -37,6 +37,52 @@ answered began (for lr schedules). With one group it is exact.
 Invariant: ``w_sync`` is the group's exact copy of what the global server holds for it
 (``known[g]``, or G after a dense reply); ``pending`` is either None or the one exchange whose
 fate is unknown.
+
+A `minips group` process's record of the work the global server may hold only in memory, so
+that a global server resumed from its checkpoint gets it again, exactly once (numpy, sans-IO).
+
+The global server's checkpoint holds, per group, the (session, seq) of the last exchange merged
+into it. Each reply to an exchange names that seq for the server's last two snapshots
+(``saved_exchanges``), and the WEIGHTS that answer a PULL name the server's current last merged
+exchange (``last_exchange``). On reconnecting, a group compares that with what it sent: a server
+resumed from a checkpoint at seq ``c`` lacks exactly the exchanges after ``c`` that it had merged,
+and the group sends their sum (deltas and samples) once more, inside its next exchange.
+
+Bounded memory. ``after[s]`` is the sum of the exchanges completed with seq > s; only three seqs
+are kept: the last one completed and the two the last reply named. That is enough: the server
+writes one snapshot at a time and takes the next only once the previous write is done, so its
+checkpoint file is one of its last two snapshots; a snapshot taken after the merge that the last
+reply answered holds the last completed seq (or the pending one, whose resend is then answered as
+a repeat), and one taken before it was among the last two that reply named.
+
+Invariant: for each seq ``s`` in ``after``, ``after[s]`` is the sum of the completed exchanges
+with seq > s that the global server's state may lack if it is rolled back to ``s``.
+
+The compressed group <-> global exchange: its kept fraction, the top-k it sends, and the
+global server's replica of what each group holds of the global weights (numpy, sans-IO).
+
+Up, a group sends ``s = topk(sent - w_sync)`` (exchange.py); what it does not send stays in its
+``w - w_sync`` and goes with a later exchange (error feedback by bookkeeping). Down, the global
+server keeps ``known[g]``, the exact copy group ``g`` holds of the global weights (its ``w_sync``),
+and answers an exchange with the entries where the global weights ``G`` and ``known[g]`` differ
+most: ``idx = topk(G - known[g])``, sent as ``G[idx]`` (values to *set*, not to add), and
+``known[g][idx] = G[idx]``. What is not sent stays in ``G - known[g]`` and goes later.
+
+Exactly once, and exact. Values to set are idempotent, so a lost reply does no harm: a group
+starts a new exchange (seq) only after the reply to the last one, so the indices sent since the
+last new seq (``unacked``) are the only ones the group may lack; the answer to a repeat sends
+them again with their current values, together with the new top-k (after a dense answer that
+may have been lost, the answer to the repeat is dense again). Either way the group's copy
+equals ``known[g]`` bit for bit afterwards (copies, no arithmetic).
+
+Dense answers (``G`` itself, the group takes it whole as ``w_sync``): when the ratio is 1 (no
+replica is kept then, as before this compression), when the replica is unknown (a new group, a
+global server resumed from its checkpoint: ``known`` is not saved), and when the sparse answer
+would be nearly dense (``DENSE_AT``). A group process's PULL (registering, adopting, reconnecting)
+answers with ``G`` dense, so the replica is reset to it (``reset``).
+
+Invariant: when ``known`` is not None, a group that got every reply holds ``known`` exactly, and
+one that lost the last replies holds ``known`` except at ``unacked``.
 """
 
 from __future__ import annotations
@@ -48,14 +94,152 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
-from minips.compress.sparse_select import TopKSelector
-from minips.core.replica import top_entries
-from minips.core.unsaved import Tally, Unsaved
-from minips.sparse import SparseGrad
-from minips.wire import protocol
+from minips.compress.registry import is_sparse
+from minips.sparse import SparseGrad, TopKSelector, kept_count, scatter_add
+from minips.wire import frames, messages
 
-__all__ = ["ExchangeResult", "GroupLink", "Outgoing", "Exchange", "Delta", "push_message",
-           "wire_size"]
+__all__ = [
+    "Tally",
+    "Unsaved",
+    "seqs_in",
+    "DENSE_AT",
+    "Replica",
+    "exchange_ratio",
+    "top_entries",
+    "ExchangeResult",
+    "GroupLink",
+    "Outgoing",
+    "Exchange",
+    "Delta",
+    "push_message",
+    "wire_size",
+]
+
+
+# -- unsaved: A `minips group` process's record of the work the global server may hold only in m...
+
+@dataclass
+class Tally:
+    """What some exchanges sent, summed: the deltas and the samples they counted."""
+
+    delta: np.ndarray  # (n,) float32
+    samples: int = 0
+
+    @classmethod
+    def zero(cls, n: int) -> Tally:
+        return cls(np.zeros(n, np.float32))
+
+
+class Unsaved:
+    """The exchanges of one group session that the global server's checkpoint may lack."""
+
+    def __init__(self, n: int, start: int = 0) -> None:
+        self.n = n
+        self.after: dict[int, Tally] = {start: Tally.zero(n)}  # seq -> what completed after it
+
+    def merged(self, seq: int, delta: np.ndarray | SparseGrad, samples: int,
+               saved: list[int]) -> None:
+        """Exchange ``seq`` (which sent ``delta``, dense or sparse) got its reply, which named
+        ``saved``: this session's seqs in the server's last two snapshots."""
+        for s, tally in self.after.items():
+            if s < seq:  # a repeat whose first copy a snapshot holds adds nothing to it
+                scatter_add(tally.delta, delta)
+                tally.samples += samples
+        self.after.setdefault(seq, Tally.zero(self.n))
+        keep = {seq, *saved}
+        self.after = {s: t for s, t in self.after.items() if s in keep}
+
+    def restore(self, c: int, pending: int | None) -> Tally | None:
+        """The server holds this session's exchanges up to seq ``c`` now (0: none): return what
+        to send again, or None when this record cannot say (the work after ``c`` stays lost)."""
+        if c in self.after:
+            replay = self.after[c]
+        elif c == pending:  # the exchange whose reply was lost is in the checkpoint
+            replay = Tally.zero(self.n)
+        else:
+            self.after = {c: Tally.zero(self.n)}
+            return None
+        # seqs above c are gone from the server's history; below it, the replay is sent anew
+        self.after = {s: Tally(t.delta - replay.delta, t.samples - replay.samples)
+                      for s, t in self.after.items() if s < c}
+        self.after[c] = Tally.zero(self.n)
+        return replay
+
+
+def seqs_in(info: dict[str, Any], key: str, session: int) -> list[int] | None:
+    """The seqs of ``session`` that ``info[key]`` names (a [session, seq] pair or a list of
+    them): 0 for a pair of another session or none; None when the server did not say (an older
+    global server) or said something malformed."""
+    value = info.get(key)
+    pairs = [value] if isinstance(value, list) and value and type(value[0]) is int else value
+    if not isinstance(pairs, list) or not pairs or not all(
+            isinstance(p, list) and len(p) == 2 and all(type(v) is int for v in p)
+            for p in pairs):
+        return None
+    return [q if s == session and q >= 0 else 0 for s, q in pairs]
+
+
+# -- replica: The compressed group <-> global exchange: its kept fraction, the top-k it sends, a...
+
+DENSE_AT = 0.5  # an answer with more than this fraction of entries goes dense (smaller then)
+
+
+def exchange_ratio(run: Any) -> float:
+    """The exchange's kept fraction (both ways): ``run.xchg_ratio``, or when unset the run's
+    ``ratio`` with a sparse compressor and 1.0 (dense) with a dense one (``compress.is_sparse``:
+    ``none``, ``fp16``)."""
+    if run.xchg_ratio is not None:
+        return float(run.xchg_ratio)
+    return float(run.ratio) if is_sparse(run.compressor) else 1.0
+
+
+def top_entries(selector: TopKSelector, x: np.ndarray, ratio: float) -> np.ndarray:
+    """(k,) int64 sorted indices of the ``ratio`` largest ``|x|`` entries, zeros left out."""
+    idx = selector.select(x, kept_count(ratio, x.size))
+    return idx[x[idx] != 0]
+
+
+class Replica:
+    """``known[g]`` of one group and the indices of the replies it may have lost."""
+
+    def __init__(self, size: int, ratio: float) -> None:
+        self.ratio = ratio
+        self.known: np.ndarray | None = None  # (n,) float32; None: unknown, answer dense
+        self.unacked = np.empty(0, np.int64)  # indices sent since the group's last new seq
+        self.dense_unacked = False  # a dense answer went out since the group's last new seq
+        self._selector = TopKSelector(size) if ratio < 1.0 else None
+
+    def reset(self, weights: np.ndarray | None = None) -> None:
+        """The group took ``weights`` whole (a dense answer or a PULL); None: unknown."""
+        keep = weights is not None and self.ratio < 1.0
+        self.known = np.array(weights, dtype=np.float32) if keep else None
+        self.unacked = np.empty(0, np.int64)
+        self.dense_unacked = False
+
+    def answer(self, weights: np.ndarray, repeat: bool) -> np.ndarray | SparseGrad:
+        """The reply to an exchange, the global weights being ``weights`` after its merge:
+        a (n,) copy (dense) or the entries to set (sparse). ``repeat``: the exchange repeats
+        the last one (its reply may have been lost)."""
+        if self.known is None or self._selector is None or (repeat and self.dense_unacked):
+            return self._dense(weights)
+        diff = weights - self.known  # (n,) float32
+        idx = top_entries(self._selector, diff, self.ratio)
+        self.known[idx] = weights[idx]
+        if repeat:
+            idx = np.union1d(self.unacked, idx)
+        if idx.size > DENSE_AT * weights.size:
+            return self._dense(weights)
+        self.unacked, self.dense_unacked = idx, False
+        return SparseGrad(idx.astype(np.uint32), self.known[idx], weights.size)
+
+    def _dense(self, weights: np.ndarray) -> np.ndarray:
+        out = np.array(weights, dtype=np.float32)
+        self.reset(out)
+        self.dense_unacked = True  # if it is lost, the group's copy is anything: dense again
+        return out
+
+
+# -- exchange: A group server's side of the exchange with the global server: the delta, its coun...
 
 Delta = np.ndarray | SparseGrad  # (n,) float32 dense, or the entries sent
 
@@ -65,7 +249,7 @@ class ExchangeResult:
     """What the global server answers to a group's delta."""
 
     weights: Delta  # (n,) float32 global weights after the merge (a private copy), or the
-    # entries of the group's copy to set to their global values (replica.py)
+    # entries of the group's copy to set to their global values (exchange.py)
     version: int  # global version (merges applied so far)
     done: bool  # the run's budget is spent: stop training
     samples: int = 0  # training samples all groups reported so far (for lr schedules)
@@ -106,7 +290,7 @@ class Exchange:
         self.since = _zero()  # worker pushes since the last exchange started
         self.global_samples = 0  # all groups' samples, as the last reply said
         self.samples_after = 0  # this group's samples counted since that reply
-        self.unsaved: Unsaved | None = None  # once the server names its snapshots (unsaved.py)
+        self.unsaved: Unsaved | None = None  # once the server names its snapshots (exchange.py)
         self.lost_track = 0  # resumes whose lost exchanges this record could not name
 
     def count(self, samples: int, step_time: float, loss: float) -> None:
@@ -177,7 +361,7 @@ class Exchange:
         """Reconnected to a (restarted) global server whose weights are ``g`` and which holds
         this session's exchanges up to seq ``held`` (None: it did not say): return the group's
         weights on top of ``g`` and what the server lost of the exchanges before the pending
-        one (it goes out again with the next exchange; unsaved.py); a pending exchange keeps
+        one (it goes out again with the next exchange; exchange.py); a pending exchange keeps
         its delta."""
         local = weights - self.w_sync  # (n,) applied here, not known to be held globally
         if self.pending is not None:
@@ -216,16 +400,16 @@ def _zero() -> dict[str, Any]:
     return {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
 
 
-def push_message(delta: Delta, stats: dict[str, Any]) -> protocol.Exchange:
+def push_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
     """The EXCHANGE that carries one exchange of a group to the global server: ``delta``
     (dense or sparse) and the group's counters as its fields (a clock of None: -1, none;
     counters the message has no field for stay home)."""
     encoding, codec, buffers = sparse.encode_gradient(delta)
     counters: dict[str, Any] = {k: -1 if v is None else v for k, v in stats.items()
-                if k in protocol.Exchange.INFO}
-    return protocol.Exchange(**counters, encoding=encoding, codec=codec, buffers=tuple(buffers))
+                if k in messages.Exchange.INFO}
+    return messages.Exchange(**counters, encoding=encoding, codec=codec, buffers=tuple(buffers))
 
 
-def wire_size(msg: protocol.Message) -> int:
+def wire_size(msg: messages.Message) -> int:
     """Bytes ``msg`` takes on the wire (its frame: header and buffers, no TLS)."""
-    return sum(memoryview(b).nbytes for b in protocol.encode(msg))
+    return sum(memoryview(b).nbytes for b in frames.encode(msg))

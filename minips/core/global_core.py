@@ -16,39 +16,180 @@ Invariants (server.py's docstring has the run's whole course): ``weights`` chang
 ``merge`` (weights += delta of one group scaled by the sync policy's merge rule, version += 1),
 so the global weights are the initial weights plus every delta any group sent; once ``done``,
 merges still land: nothing sent is lost.
+
+What the global server's rules (``global_core.py``) ask their shell to do (sans-IO).
+
+``GlobalCore``'s entry points take a message (or a tick) and ``now`` and return a list of these
+actions; the asyncio shell (``server.py``) performs them over real connections, the simulator
+(``simulate.py``) over simulated ones. Each is a frozen dataclass, so a test compares them.
+
+- ``FormGroups``: every expected worker reported (or the calibration time passed): open the
+  groups of ``Roster.first_assignment`` and send each worker its ASSIGN.
+- ``PlaceLate(worker)``: a worker reported after the grouping: once the groups are open, put it
+  in the group nearest its speed.
+- ``Regroup(assignment)``: the speeds drifted (``grouping.Regrouper``): move these workers.
+- ``SendRatios(ratios)``: GDTopK chose new ratios ``{group: ratio}`` (already in the groups):
+  tell the group servers that do not read them in-process and every worker of those groups.
+- ``WeightsReady``: the first initial weights arrived; the grouping may go on.
+- ``Done(reason)``: the budget is spent: tell the groups and the workers, wait for the final
+  deltas (bounded).
+- ``AllFinal``: every group flushed its final delta: end the run, or wait for the workers to
+  rejoin when budget is left (``run_end.py``).
+- ``Fail(code, reason)``: the run fails now (``diverged``: a group sent NaN or inf).
+
+What a global checkpoint holds and how its parts come back (numpy, sans-IO, no files).
+
+``GlobalCore.checkpoint_state`` / ``load_state_dict`` use these; ``server_checkpoint.py`` writes and
+reads the file (``checkpoint.py``: atomic, no pickle). A snapshot is taken in one call (no
+``await`` inside), so the global weights, the counters and each in-process group's weights,
+optimizer state and clocks are consistent with each other; arrays are copies. The last merged
+exchange of each group (session, seq) is saved too, so a group process that resends an exchange
+the restored server already holds does not get it merged twice, and so that it can send again
+those the checkpoint lacks: each snapshot records it in ``GroupHandle.snapshots``, which the
+replies to group processes name (exchange.py). The global server's copies of what each group
+holds of the weights (``exchange.py``) are not saved: after a resume each group's first answer is
+dense (a group process's PULL resets it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from minips import sparse
-from minips.core import global_state
-from minips.core.exchange import Delta, ExchangeResult, push_message, wire_size
-from minips.core.global_actions import (
-    Action,
-    AllFinal,
-    Done,
-    Fail,
-    FormGroups,
-    PlaceLate,
-    Regroup,
-    SendRatios,
-    WeightsReady,
+from minips.core.exchange import (
+    Delta,
+    ExchangeResult,
+    Replica,
+    exchange_ratio,
+    push_message,
+    wire_size,
 )
-from minips.core.replica import Replica, exchange_ratio
-from minips.core.roster import GroupHandle, Roster
+from minips.core.roster import GroupHandle, Roster, WorkerEntry
 from minips.errors import RemoteProtocolError
 from minips.ml.model_table import dataset_train_size
+from minips.run import checkpoint
 from minips.run.config import RunConfig
-from minips.wire import protocol
+from minips.wire import messages
 
-__all__ = ["GlobalCore"]
+__all__ = [
+    "Action",
+    "AllFinal",
+    "Done",
+    "Fail",
+    "FormGroups",
+    "PlaceLate",
+    "Regroup",
+    "SendRatios",
+    "WeightsReady",
+    "snapshot",
+    "restore_workers",
+    "restore_group",
+    "GlobalCore",
+]
 
+
+# -- global_actions: What the global server's rules (``global_core.py``) ask their shell to do (...
+
+@dataclass(frozen=True)
+class FormGroups:
+    """Open the first groups and assign every worker."""
+
+
+@dataclass(frozen=True)
+class PlaceLate:
+    """Put ``worker`` (reported after the grouping) in the group nearest its speed."""
+
+    worker: int
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """Move workers: ``{worker: new group}`` (group ids matched to the old ones)."""
+
+    assignment: dict[int, int]
+
+
+@dataclass(frozen=True)
+class SendRatios:
+    """GDTopK's new ratios ``{group: ratio}``, to deliver to the groups and their workers."""
+
+    ratios: dict[int, float]
+
+
+@dataclass(frozen=True)
+class WeightsReady:
+    """The global weights exist now (a worker pushed the initial weights)."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """The budget is spent (``reason``: epochs, wall time, workers left, ...)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class AllFinal:
+    """Every group flushed its final delta."""
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The run fails now: ``code`` (one word, the ERROR sent to the workers) and why."""
+
+    code: str
+    reason: str
+
+
+Action = FormGroups | PlaceLate | Regroup | SendRatios | WeightsReady | Done | AllFinal | Fail
+
+
+# -- global_state: What a global checkpoint holds and how its parts come back (numpy, sans-IO, n...
+
+def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: int,
+             samples: int, saved_at: float, train_s: float) -> dict[str, Any]:
+    """The checkpoint state now (see the module docstring); marks each group's snapshots."""
+    for h in roster.groups.values():  # replies to group processes name these (exchange.py)
+        h.snapshots = [h.snapshots[-1], h.last_exchange]
+    groups = {g: {"members": list(h.members), "ratio": h.ratio, "step_time": h.step_time,
+                  "merges": h.merges, "last_exchange": list(h.last_exchange),
+                  "state": h.peer.state_dict()}
+              for g, h in roster.groups.items()}
+    workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock}
+               for w, e in roster.workers.items()}
+    return {"format": checkpoint.FORMAT, "saved_at": saved_at, "t0": run.t0,
+            "fingerprint": checkpoint.fingerprint(run.to_info(), weights.size),
+            "train_s": train_s, "weights": weights.copy(), "version": version,
+            "samples": samples, "workers": workers, "groups": groups}
+
+
+def restore_workers(run: RunConfig, roster: Roster, state: dict[str, Any]) -> np.ndarray:
+    """The checkpoint's workers, each with its group and last speed (none connected yet); return
+    its weights. ``ConfigError`` when it belongs to another model or config."""
+    weights = np.asarray(state["weights"], dtype=np.float32)
+    checkpoint.check_compatible(state, run.to_info(), weights.size)
+    for key, e in state["workers"].items():
+        roster.workers[int(key)] = WorkerEntry(int(key), step_time=e["step_time"],
+                                               clock=e["clock"], group=e["group"])
+    return weights
+
+
+def restore_group(h: GroupHandle, saved: dict[str, Any]) -> None:
+    """Group ``h`` (opened again, in-process or waiting for its group process) as saved."""
+    if saved["state"] is not None:
+        h.peer.load_state_dict(saved["state"])
+    h.ratio, h.step_time, h.merges = saved["ratio"], saved["step_time"], saved["merges"]
+    session, seq = saved.get("last_exchange", (-1, -1))  # absent in older checkpoints
+    h.last_exchange = (int(session), int(seq))
+    h.snapshots = [h.last_exchange] * 2  # the checkpoint file is the one snapshot there is
+
+
+# -- global_core: The global server's rules without IO: weights, merges, grouping decisions, bud...
 
 class GlobalCore:
     """The global weights, their version, the run's samples and budget, the roster."""
@@ -80,7 +221,7 @@ class GlobalCore:
 
     # -- workers and grouping ----------------------------------------------------------------
 
-    def on_stats(self, w: int, msg: protocol.Stats, now: float) -> list[Action]:
+    def on_stats(self, w: int, msg: messages.Stats, now: float) -> list[Action]:
         """Worker ``w``'s measured speed: form the groups, place it, regroup or update ratios."""
         entry = self.workers[w]
         entry.step_time, entry.clock = float(msg.step_time), int(msg.clock)
@@ -142,7 +283,7 @@ class GlobalCore:
 
     def merge(self, g: int, delta: Delta, stats: dict[str, Any]) -> ExchangeResult:
         """Add group ``g``'s delta (dense or sparse) to the global weights; answer with what
-        the group's copy of them lacks (``replica.py``: dense weights, or entries to set). An
+        the group's copy of them lacks (``exchange.py``: dense weights, or entries to set). An
         exchange that repeats the group's last (session, seq) (its reply was lost) is answered
         without merging again (with what the lost reply set, again)."""
         assert self.weights is not None
@@ -165,26 +306,26 @@ class GlobalCore:
         res.bytes_down = wire_size(self.weights_message(res.weights))
         return res
 
-    def group_push(self, g: int, delta: Delta, stats: dict[str, Any]) -> protocol.ExchangeReply:
+    def group_push(self, g: int, delta: Delta, stats: dict[str, Any]) -> messages.ExchangeReply:
         """A group process's EXCHANGE (its delta and counters): merge it; the reply names the
         exchanges this server's snapshots hold (``group_reply``)."""
         return self.group_reply(g, self.merge(g, delta, stats).weights)
 
-    def group_pull(self, g: int) -> protocol.GlobalWeights:
+    def group_pull(self, g: int) -> messages.GlobalWeights:
         """A group process (registering, adopting, reconnecting) takes the global weights whole,
-        so the server's replica of its copy starts from them (replica.py); the answer names the
-        exchange the server merged last (unsaved.py)."""
+        so the server's replica of its copy starts from them (exchange.py); the answer names the
+        exchange the server merged last (exchange.py)."""
         assert self.weights is not None
         weights = self.weights.copy()  # what goes out: merges may land before it is written
         self.replica(g).reset(weights)
         msg = self.weights_message(weights, members=self.groups[g].members)
         return dataclasses.replace(msg, last_exchange=list(self.groups[g].last_exchange))
 
-    def group_reply(self, g: int, weights: Delta) -> protocol.ExchangeReply:
+    def group_reply(self, g: int, weights: Delta) -> messages.ExchangeReply:
         """EXCHANGE_REPLY: the merged weights (or the entries to set) and the last exchange in
-        each of the server's last two checkpoint snapshots (unsaved.py)."""
+        each of the server's last two checkpoint snapshots (exchange.py)."""
         msg = self.weights_message(weights)
-        return protocol.ExchangeReply(
+        return messages.ExchangeReply(
             version=msg.version, done=msg.done, samples=msg.samples,
             saved_exchanges=[list(key) for key in self.groups[g].snapshots],
             encoding=msg.encoding, codec=msg.codec, buffers=msg.buffers)
@@ -263,42 +404,42 @@ class GlobalCore:
         self.log("done", reason=reason)
         self._actions.append(Done(reason))
 
-    # -- checkpoints (global_state.py) ---------------------------------------------------------
+    # -- checkpoints (global_core.py) ---------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """A consistent snapshot of the run (``global_state.snapshot``)."""
+        """A consistent snapshot of the run (``snapshot``)."""
         assert self.weights is not None
-        return global_state.snapshot(self.run, self.roster, self.weights, version=self.version,
+        return snapshot(self.run, self.roster, self.weights, version=self.version,
                                      samples=self.samples, saved_at=self.wall(),
                                      train_s=self.wall() - self.started_training)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A checkpoint's weights, counters and workers (``ConfigError`` when it belongs to
-        another model or config); its groups come back with ``global_state.restore_group``."""
-        self.weights = global_state.restore_workers(self.run, self.roster, state)
+        another model or config); its groups come back with ``restore_group``."""
+        self.weights = restore_workers(self.run, self.roster, state)
         self.version, self.samples = state["version"], state["samples"]
 
     # -- weights and traffic for the other roles-----------------------------------------------
 
     def weights_message(self, weights: Delta | None = None, final: bool = False,
-                        members: list[int] | None = None) -> protocol.GlobalWeights:
+                        members: list[int] | None = None) -> messages.GlobalWeights:
         """GLOBAL_WEIGHTS with the global weights (or an exchange's sparse answer: entries to
         set) and the run's counters."""
         w = self.weights if weights is None else weights
         w = w if w is not None else np.zeros(0, np.float32)
         encoding, codec, buffers = sparse.encode_gradient(w)
         traffic = self.traffic()
-        return protocol.GlobalWeights(
+        return messages.GlobalWeights(
             version=self.version, done=final or self.done, size=int(w.size),
             samples=self.samples, t=self.wall() - self.run.t0, train_s=self.trained_s(),
             done_reason=self.done_reason, bytes_up=traffic["bytes_up"],
             bytes_down=traffic["bytes_down"], members=members or [], encoding=encoding,
             codec=codec, buffers=tuple(buffers))
 
-    def assign_message(self, h: GroupHandle) -> protocol.Assign:
+    def assign_message(self, h: GroupHandle) -> messages.Assign:
         """ASSIGN for group ``h``: its address, ratio and the run's staleness bound."""
         s = self.run.staleness_bound
-        return protocol.Assign(group=h.id, address=h.address, ratio=h.ratio,
+        return messages.Assign(group=h.id, address=h.address, ratio=h.ratio,
                                staleness=-1 if s is None else int(s))
 
     def traffic(self) -> dict[str, int]:
@@ -311,4 +452,3 @@ class GlobalCore:
 
     def log(self, event: str, **fields: Any) -> None:
         """One line of the run's record (the shell writes it)."""
-

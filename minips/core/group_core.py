@@ -2,7 +2,7 @@
 
 ``GroupCore`` is what a group *decides*; ``group.GroupServer`` (asyncio) is how it talks. The
 core's entry points take an incoming event and the time ``now`` and return the actions to
-perform (``group_actions.py``: ``Reply``, ``Wake``, ``StartExchange``, ``AllLeft``,
+perform (``group_core.py``: ``Reply``, ``Wake``, ``StartExchange``, ``AllLeft``,
 ``BudgetSpent``, ``Log``), in order; the IO side performs them:
 
 - ``join(w, now)`` / ``leave(w)``: a worker's connection opens (``Reply``: its first ACK) or
@@ -27,10 +27,18 @@ the delta bookkeeping (nothing lost, each delta merged once, also when a reply i
 both ways at ``xchg_ratio``, dense for a flush); at most one exchange is in flight. When the
 budget is spent (``done``) every PULL is answered with ``done`` and the group flushes a last
 delta; when its last worker leaves it flushes a ``final`` one.
+
+What a group core asks its IO side to do: the actions ``GroupCore``'s entry points return.
+
+``GroupCore`` (group_core.py) takes a message or a timer tick and the time, changes its state
+and returns a list of these actions, in the order they are due, like ``messages.py`` returns
+messages for bytes (and h11 events for HTTP). The IO side performs them: ``group.GroupServer``
+over asyncio, the simulator (simulate.py) with simulated time, a test by hand. No IO here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,15 +47,69 @@ from minips import sparse
 from minips.compress.ratios import IterTimer
 from minips.core import optim, ssp
 from minips.core.downlink import Downlink
-from minips.core.exchange import Exchange, ExchangeResult, GroupLink, Outgoing
-from minips.core.group_actions import Action, AllLeft, BudgetSpent, Log, Reply, StartExchange, Wake
-from minips.core.replica import exchange_ratio
+from minips.core.exchange import Exchange, ExchangeResult, GroupLink, Outgoing, exchange_ratio
 from minips.ml.model_table import dataset_train_size
 from minips.run.config import RunConfig
-from minips.wire import protocol
+from minips.wire import messages
 
-__all__ = ["GroupCore"]
+__all__ = [
+    "Action",
+    "AllLeft",
+    "BudgetSpent",
+    "Log",
+    "Reply",
+    "StartExchange",
+    "Wake",
+    "GroupCore",
+]
 
+
+# -- group_actions: What a group core asks its IO side to do: the actions ``GroupCore``'s entry ...
+
+@dataclass(frozen=True)
+class Reply:
+    """Send ``msg`` (an ACK) to worker ``worker``, the one whose message this answers."""
+
+    worker: int
+    msg: Any
+
+
+@dataclass(frozen=True)
+class Wake:
+    """The group's lowest clock or its membership changed: a held PULL may be answerable now
+    (``GroupCore.may_answer``)."""
+
+
+@dataclass(frozen=True)
+class StartExchange:
+    """``sync_every`` pushes since the last exchange: start one with the global server unless
+    one is in flight (``GroupCore.begin_exchange``)."""
+
+
+@dataclass(frozen=True)
+class AllLeft:
+    """The group's last worker left: a final exchange is due (a ``final`` flush)."""
+
+
+@dataclass(frozen=True)
+class BudgetSpent:
+    """The global server's answer says the run is over: answer every PULL with ``done`` and
+    flush a last delta (``GroupServer.finish``)."""
+
+
+@dataclass(frozen=True)
+class Log:
+    """One line of the group's record: ``event`` and its ``fields`` (the IO side adds the time
+    and the group's counters)."""
+
+    event: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+Action = Reply | Wake | StartExchange | AllLeft | BudgetSpent | Log
+
+
+# -- group_core: A group server's rules without IO: weights, SGD, clocks, rounds, the downlink's...
 
 class GroupCore:
     """State and rules of one group. Plain attributes hold the whole state (``state_dict``)."""
@@ -97,7 +159,7 @@ class GroupCore:
         self.members.add(w)
         self.table.join(w, now, 0)
 
-    def refusal(self, hello: protocol.Hello) -> str:
+    def refusal(self, hello: messages.Hello) -> str:
         """Why a HELLO may not open a session with this group ("": it may)."""
         if hello.role != "worker":
             return f"group server {self.group} accepts workers only"
@@ -115,7 +177,7 @@ class GroupCore:
         self._joined.add(w)
         self.finished = False  # a (re)grouped worker arrived: a final flush is due again
         start = self.table.join(w, now)
-        return [Reply(w, protocol.Ack(clock=start, version=self.version))]
+        return [Reply(w, messages.Ack(clock=start, version=self.version))]
 
     def leave(self, w: int) -> list[Action]:
         """Worker ``w``'s connection closed (LEAVE, or it broke)."""
@@ -143,7 +205,7 @@ class GroupCore:
 
     # -- gradients --------------------------------------------------------------------------
 
-    def push(self, w: int, msg: protocol.Push, now: float) -> list[Action]:
+    def push(self, w: int, msg: messages.Push, now: float) -> list[Action]:
         """Decode, account and apply (or queue, in BSP) one PUSH of worker ``w`` (a member of
         the table): its ACK; ``Wake`` when the lowest clock moved (only that can release a
         held PULL); ``StartExchange`` every ``sync_every`` pushes."""
@@ -157,14 +219,14 @@ class GroupCore:
             self._apply_rounds()
         else:
             self._apply(grad, msg.samples, len(self.table))
-        actions: list[Action] = [Reply(w, protocol.Ack(clock=msg.clock, version=self.version))]
+        actions: list[Action] = [Reply(w, messages.Ack(clock=msg.clock, version=self.version))]
         if self.table.min_clock() != floor or self.done:
             actions.append(Wake())
         if self.run.sync.exchange_due(self.xchg.since["pushes"], self.run.sync_every):
             actions.append(StartExchange())
         return actions
 
-    def _count(self, msg: protocol.Push) -> None:
+    def _count(self, msg: messages.Push) -> None:
         self.xchg.count(msg.samples, msg.step_time, msg.loss)
         self.counters["pushes"] += 1
         self.counters["samples"] += msg.samples
@@ -227,7 +289,7 @@ class GroupCore:
             version, base, payload = answer.version, answer.since, answer.payload
         encoding, codec, buffers = sparse.encode_gradient(payload)
         low = self.table.min_clock()
-        return protocol.Weights(  # drift: how far the weights sent are from the group's
+        return messages.Weights(  # drift: how far the weights sent are from the group's
             version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
             done=self.done, group=self.group, waited_for=waited_for, ratio=self.ratio,
             lead=self.table.lead(w) if w in self.table else 0,

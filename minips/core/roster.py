@@ -7,7 +7,7 @@ it): ``admit`` gives workers their ids, ``first_assignment`` forms the groups
 GDTopK: ``first_ratios`` sets the ratios the groups open with, every exchange's measured
 iteration time goes to ``observe_iter_time``, and when ``update_ratios`` returns new ratios
 (``RatioPolicy``) the core tells its shell to send them (``SendRatios``). A group's ratio
-lives in its ``GroupHandle.peer`` (``group_peer.py``): in-process, the group server's own.
+lives in its ``GroupHandle.peer`` (``roster.py``): in-process, the group server's own.
 
 Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
 is gone (``free_id``), so a worker restarted without its old id still finds a place.
@@ -15,26 +15,124 @@ is gone (``free_id``), so a worker restarted without its old id still finds a pl
 Invariants: a worker with ``group >= 0`` is listed in exactly that group's ``members``; group ids
 stay stable across a regroup (``match_labels`` names new groups after the old group most of their
 members come from), so only workers whose group really changed are moved.
+
+The global server's one view of a group's server, wherever it runs (sans-IO interface).
+
+A group's server runs in the global server's process (``server.InProcGroup``) or as a separate
+`minips group` process behind a TCP channel (``group_sessions.RemoteGroup``); while none serves a
+group (a resumed run waiting for its group processes, a lost one) it is ``NoGroup``. The global
+side calls the same methods on each and never asks which it is.
+
+The group's GDTopK ratio has one owner: ``GroupPeer.ratio``. In-process it *is* the group
+server's attribute, so the group reads it where the roster writes it; for a group process it is
+the value last sent, and ``send_ratio`` carries a new one over the wire (ASSIGN).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from minips.wire.messages import Assign
 import collections
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from minips import grouping
 from minips.compress.registry import ratio_policy
-from minips.core.group_peer import GroupPeer, NoGroup
 from minips.errors import AuthError
 from minips.run.config import RunConfig
 
 if TYPE_CHECKING:
     from minips.net.channel import Channel
 
-__all__ = ["WorkerEntry", "GroupHandle", "Roster", "match_labels", "REGROUP_EVERY_S", "CLAIM_S"]
+__all__ = [
+    "GroupPeer",
+    "NoGroup",
+    "WorkerEntry",
+    "GroupHandle",
+    "Roster",
+    "match_labels",
+    "REGROUP_EVERY_S",
+    "CLAIM_S",
+]
+
+
+# -- group_peer: The global server's one view of a group's server, wherever it runs (sans-IO int...
+
+class GroupPeer(Protocol):
+    """What the global server does with one group's server."""
+
+    ratio: float  # the group's GDTopK kept fraction (the one owner of it)
+
+    @property
+    def connected(self) -> bool:
+        """A group server serves the group now (a lost group process: False)."""
+
+    def expect(self, w: int) -> None:
+        """Worker ``w`` joins the group (placed late, moved by a regroup)."""
+
+    def traffic(self) -> dict[str, int]:
+        """Worker <-> group bytes (``bytes_in``, ``bytes_out``) as far as known here."""
+
+    def reported(self, stats: dict[str, Any]) -> None:
+        """The counters of the group's last merged exchange (a group process's traffic)."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The group's training state for a checkpoint (None: it is not in this process)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a checkpoint's training state back (in-process only)."""
+
+    async def send_ratio(self, assign: Assign) -> None:
+        """Tell the group server its new ratio (an ASSIGN), unless it reads ``ratio`` itself."""
+
+    async def finish(self) -> None:
+        """The budget is spent: the group flushes its final delta."""
+
+    async def close(self) -> None:
+        """The global server closes: stop the group's server if it runs here."""
+
+
+class NoGroup:
+    """No group server serves the group now: it keeps the ratio and the last traffic known."""
+
+    def __init__(self, ratio: float = 0.01, traffic: dict[str, int] | None = None) -> None:
+        self.ratio = ratio
+        self._traffic = dict(traffic or {})
+
+    @property
+    def connected(self) -> bool:
+        return False
+
+    def expect(self, w: int) -> None:
+        """A group process learns its members from the global server's replies."""
+
+    def traffic(self) -> dict[str, int]:
+        return self._traffic
+
+    def reported(self, stats: dict[str, Any]) -> None:
+        self._traffic = {k: int(stats.get(k, 0)) for k in ("bytes_in", "bytes_out")}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to load: the group's state lives in its own process."""
+
+    async def send_ratio(self, assign: Assign) -> None:
+        """Nobody to tell: the group process that adopts the group gets it in its ASSIGN."""
+
+    async def finish(self) -> None:
+        """Nobody to tell."""
+
+    async def close(self) -> None:
+        """Nothing runs here."""
+
+
+# -- roster: The global server's roster: which workers exist, which group each is in, each group...
 
 REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
 CLAIM_S = 10.0  # s an id given to a handshake is held for it (the handshake's own time limit)
@@ -54,7 +152,7 @@ class WorkerEntry:
 
 class GroupHandle:
     """One group as the global server sees it; ``peer`` is its server, wherever it runs
-    (``group_peer.py``), and holds the group's ratio."""
+    (``roster.py``), and holds the group's ratio."""
 
     def __init__(self, id: int, address: str, members: list[int] | None = None,
                  ratio: float | None = None, peer: GroupPeer | None = None) -> None:
@@ -68,7 +166,7 @@ class GroupHandle:
         self.final = False  # flushed its last delta
         self.merges = 0
         self.last_exchange = (-1, -1)  # (session, seq) of the last merged exchange
-        # last_exchange as of the last two checkpoint snapshots, older first (unsaved.py)
+        # last_exchange as of the last two checkpoint snapshots, older first (exchange.py)
         self.snapshots: list[tuple[int, int]] = [(-1, -1)] * 2
 
     @property

@@ -1,8 +1,8 @@
 """Watching a run: a live web dashboard, Prometheus /metrics and TensorBoard event files.
 
 Read in this order: ``state.py`` (what is known of a run, from its metrics records; sans-IO),
-``follow.py`` (tailing a run directory live, or replaying a finished one), ``tboard.py``
-(TensorBoard event files written by hand), ``prom.py`` (the Prometheus collector), ``web.py``
+``state.py`` (tailing a run directory live, or replaying a finished one), ``tboard.py``
+(TensorBoard event files written by hand), ``web.py`` (the Prometheus collector), ``web.py``
 (the aiohttp routes and the event stream), ``monitor.py`` (the task that ties them together in
 the global server's process or in ``minips dashboard``). The page is ``static/index.html``.
 
@@ -10,6 +10,4 @@ The web part needs the ``dashboard`` extra (aiohttp, prometheus_client); the res
 Nothing here imports torch.
 """
 
-from minips.dashboard.monitor import Monitor, MonitorConfig, check_extra
-
-__all__ = ["Monitor", "MonitorConfig", "check_extra"]
+__all__: list[str] = []

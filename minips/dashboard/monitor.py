@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from minips.dashboard.follow import Replay, RunFollower
-from minips.dashboard.state import RunState
+from minips.dashboard.state import Replay, RunFollower, RunState
 from minips.dashboard.tboard import TensorBoardSink
 from minips.errors import ConfigError
-from minips.run.config import check_bind, format_address, is_loopback, parse_address
-from minips.run.metrics import read_config
+from minips.net.endpoints import check_bind, format_address, is_loopback, parse_address
+from minips.run.rundir import read_config
 from minips.serve.inproc_group import InProcGroup
 
 if TYPE_CHECKING:

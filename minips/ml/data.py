@@ -1,4 +1,4 @@
-"""Data sets for workers: real loaders, download (verified in fetch.py), sharding, batch order.
+"""Data sets for workers: real loaders, download (verified in data_files.py), sharding, batch order.
 
 Real sets: MNIST and Fashion-MNIST from IDX files (gzip or raw), CIFAR-10 from its binary batches.
 Files are looked for in ``data_dir`` (when given), then ``~/.cache/minips/<name>`` (or
@@ -15,15 +15,32 @@ Invariants:
   ``pad_to`` = 32 by default, the input LeNet-5 expects; ``pad_to=None`` keeps 28x28.
 - The "translation" set (the seq2seq task, generated in code) is the one exception:
   ``x`` int64 (N, SRC_LEN) source tokens, ``y`` int64 (N, TGT_LEN) target tokens, see below.
-- Sharding and batch order live in shards.py, the generators in synthetic.py, the real sets'
+- Sharding and batch order live in data.py, the generators in data.py, the real sets'
   files (specs, readers, search, download) in data_files.py; all are re-exported here so
   workers import everything data-related from one module.
+
+Generated data: the stand-in images and the seq2seq translation task.
+
+Nothing here reads files. ``make_synthetic_images`` is the last-resort stand-in for a real image
+set (data.py announces it loudly when used); ``make_translation`` generates the toy translation
+task on which the seq2seq model is trained, since no translation corpus is available offline.
+
+Sharding and batch order: which samples a worker trains on, and in which order.
+
+Invariants:
+- Shards from ``shard_indices`` are disjoint, cover 0..n-1 and depend only on their arguments.
+- ``iterate_batches(ds, idx, b, seed, epoch)`` permutes the shard ``idx`` with
+  ``numpy.random.default_rng([seed, epoch])`` and yields consecutive slices of ``b`` samples,
+  dropping the last partial batch, so every step sees exactly ``b`` samples. A worker's step k
+  uses its own epoch-local stream: epoch 0's batches, then epoch 1's, ... (``batch_stream``).
+The reference loop (reference.py) and the worker (worker.py) both call these, which is what
+makes a 1-worker BSP run through minips equal to the single-process loop.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,27 +49,139 @@ import numpy as np
 
 from minips.errors import ConfigError, DataError
 from minips.ml import data_files
-from minips.ml.data_files import DATASET_NAMES, cache_dir, download, read_cifar_batch, read_idx
-from minips.ml.fetch import fetch_file
-from minips.ml.shards import batch_stream, iterate_batches, num_batches, shard_indices
-from minips.ml.synthetic import (
-    BOS,
-    EOS,
-    PAD,
-    SRC_LEN,
-    TGT_LEN,
-    VOCAB,
-    WORDS,
-    make_synthetic_images,
-    make_translation,
-)
 
 __all__ = [
-    "Dataset", "DATASET_NAMES", "load_dataset", "download", "fetch_file", "read_idx",
-    "read_cifar_batch", "cache_dir", "make_synthetic_images", "make_translation",
-    "shard_indices", "num_batches", "iterate_batches", "batch_stream", "PAD", "BOS", "EOS",
-    "WORDS", "VOCAB", "SRC_LEN", "TGT_LEN",
+    "make_synthetic_images",
+    "make_translation",
+    "PAD",
+    "BOS",
+    "EOS",
+    "WORDS",
+    "VOCAB",
+    "SRC_LEN",
+    "TGT_LEN",
+    "shard_indices",
+    "num_batches",
+    "iterate_batches",
+    "batch_stream",
+    "Dataset",
+    "load_dataset",
 ]
+
+
+# -- synthetic: Generated data: the stand-in images and the seq2seq translation task.
+
+def make_synthetic_images(n: int, shape: tuple[int, int, int], num_classes: int = 10,
+                          seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Learnable stand-in images: a fixed smooth template per class plus noise.
+
+    Returns (x (n, C, H, W) float32, roughly zero mean / unit variance, y (n,) int64).
+    Templates depend only on ``shape`` and ``num_classes``; ``seed`` picks the samples.
+    """
+    c, h, w = shape
+    trng = np.random.default_rng(12345)
+    coarse = trng.standard_normal((num_classes, c, 4, 4)).astype(np.float32)
+    # nearest-neighbour upsampling of a 4x4 pattern -> smooth (num_classes, C, H, W) templates
+    rows, cols = np.arange(h) * 4 // h, np.arange(w) * 4 // w
+    templates = coarse[:, :, rows][:, :, :, cols]
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, num_classes, n).astype(np.int64)
+    x = templates[y] + 1.5 * rng.standard_normal((n, c, h, w), dtype=np.float32)
+    return x / np.float32(1.8), y
+
+
+# The seq2seq task. Source sentences are 3..SRC_LEN words over WORDS word ids; the
+# "translation" maps each word through a fixed bijection and reverses the word order, so the
+# decoder must attend to a position that moves with every output step.
+PAD, BOS, EOS = 0, 1, 2  # token ids shared by both vocabularies
+WORDS = 24  # word ids are 3 .. 3 + WORDS - 1
+VOCAB = 3 + WORDS  # size of the source and of the target vocabulary
+SRC_LEN, TGT_LEN = 10, 12  # padded lengths; target = BOS + up to 10 words + EOS
+
+
+def make_translation(n: int, seed: int, exclude: set[bytes] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` sentence pairs -> (src (n, SRC_LEN) int64, tgt (n, TGT_LEN) int64), PAD-padded.
+
+    Pairs whose source is in ``exclude`` (``src_row.tobytes()``) are skipped, which keeps the
+    test split disjoint from the training split.
+    """
+    lexicon = 3 + np.random.default_rng(777).permutation(WORDS)  # word id -> target word id
+    rng = np.random.default_rng(seed)
+    src = np.zeros((n, SRC_LEN), np.int64)
+    tgt = np.zeros((n, TGT_LEN), np.int64)
+    i = 0
+    while i < n:
+        length = int(rng.integers(3, SRC_LEN + 1))
+        words = rng.integers(0, WORDS, length)
+        src[i, :length] = 3 + words
+        if exclude is not None and src[i].tobytes() in exclude:
+            src[i] = PAD
+            continue
+        tgt[i, 0], tgt[i, 1:length + 1], tgt[i, length + 1] = BOS, lexicon[words[::-1]], EOS
+        i += 1
+    return src, tgt
+
+
+# -- shards: Sharding and batch order: which samples a worker trains on, and in which order.
+
+def _shard_bounds(n: int, num_workers: int, weights: Sequence[float] | None) -> np.ndarray:
+    """(num_workers + 1,) int64 cut points 0 = b0 <= b1 <= ... = n, sized by ``weights``."""
+    w = np.ones(num_workers) if weights is None else np.asarray(weights, np.float64)
+    if w.shape != (num_workers,) or not np.all(np.isfinite(w)) or np.any(w <= 0):
+        raise ConfigError(f"weights must be {num_workers} positive numbers, got {weights!r}")
+    cuts = np.rint(np.cumsum(w) / w.sum() * n).astype(np.int64)
+    return np.concatenate([[0], cuts[:-1], [n]])
+
+
+def shard_indices(n: int, worker_id: int, num_workers: int, seed: int,
+                  weights: Sequence[float] | None = None) -> np.ndarray:
+    """Worker ``worker_id``'s shard of samples 0..n-1 -> (m,) int64, sorted.
+
+    One permutation from ``seed`` is cut into ``num_workers`` consecutive pieces, piece sizes
+    proportional to ``weights`` (e.g. measured speeds; equal when None), so shards are disjoint
+    and together cover every sample.
+    """
+    if not 0 <= worker_id < num_workers:
+        raise ConfigError(f"worker_id {worker_id} not in 0..{num_workers - 1}")
+    perm = np.random.default_rng(seed).permutation(n)
+    bounds = _shard_bounds(n, num_workers, weights)
+    return np.sort(perm[bounds[worker_id]:bounds[worker_id + 1]]).astype(np.int64)
+
+
+def num_batches(shard_size: int, batch_size: int) -> int:
+    """Batches per epoch of a shard (the last partial batch is dropped)."""
+    return shard_size // batch_size
+
+
+def iterate_batches(ds: Any, indices: np.ndarray, batch_size: int, seed: int, epoch: int
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield (x (b, ...) , y (b, ...)) batches of one epoch over ``indices``, in a fixed order.
+
+    The order is ``indices[default_rng([seed, epoch]).permutation(len(indices))]`` cut into
+    consecutive slices of ``batch_size``; the last partial slice is dropped.
+    """
+    if batch_size <= 0:
+        raise ConfigError(f"batch_size must be positive, got {batch_size}")
+    order = indices[np.random.default_rng([seed, epoch]).permutation(len(indices))]
+    for start in range(0, num_batches(len(order), batch_size) * batch_size, batch_size):
+        idx = order[start:start + batch_size]  # (b,) int64
+        yield ds.x[idx], ds.y[idx]
+
+
+def batch_stream(ds: Any, indices: np.ndarray, batch_size: int, seed: int,
+                 start_epoch: int = 0) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Endless (epoch, x, y): epoch ``start_epoch``'s batches, then the next epoch's, ..."""
+    if num_batches(len(indices), batch_size) == 0:
+        raise ConfigError(f"shard of {len(indices)} samples has no full batch of {batch_size}")
+    epoch = start_epoch
+    while True:
+        for xb, yb in iterate_batches(ds, indices, batch_size, seed, epoch):
+            yield epoch, xb, yb
+        epoch += 1
+
+
+# -- data: Data sets for workers: real loaders, download (verified in data_files.py), sharding, batch...
 
 log = logging.getLogger(__name__)
 

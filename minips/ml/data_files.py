@@ -2,29 +2,113 @@
 
 ``SPECS`` pins each real set: its files per split, shape, normalisation, base URL and SHA-256
 digests. ``find_or_download`` looks in ``data_dir``, then ``cache_dir(name)``, then the system
-directories, and downloads into the first (verified in fetch.py) when allowed; ``decode`` reads
+directories, and downloads into the first (verified in data_files.py) when allowed; ``decode`` reads
 IDX (gzip or raw) or CIFAR-10 binary batches into checked uint8 images and int64 labels.
 ``data.py`` builds ``Dataset``s from them.
+
+Download and verify: files fetched over HTTP(S) are kept only if their SHA-256 matches.
+
+Invariants:
+- A file appears under its name only whole and verified: bytes go to ``<name>.<pid>.part`` and
+  are renamed once the digest matches; a mismatch, a network error or a file over
+  ``MAX_DOWNLOAD_BYTES`` leaves nothing behind and raises (``DataError`` for what we refuse).
+- Archives are never extracted by their own member paths: only members we name are written.
+
+Public API: ``fetch_file(url, dest, sha256, timeout=...)``, ``extract_members(archive, dest,
+wanted)``, ``DOWNLOAD_TIMEOUT_S``, ``MAX_DOWNLOAD_BYTES``, ``CHUNK_BYTES``.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import logging
 import os
+import tarfile
+import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from minips.errors import ConfigError, DataError
-from minips.ml.fetch import extract_members, fetch_file
 
 __all__ = [
-    "Spec", "SPECS", "CIFAR_SUBDIR", "DATASET_NAMES", "read_idx", "read_cifar_batch",
-    "cache_dir", "download", "spec_of", "find_or_download", "decode",
+    "DOWNLOAD_TIMEOUT_S",
+    "MAX_DOWNLOAD_BYTES",
+    "CHUNK_BYTES",
+    "fetch_file",
+    "extract_members",
+    "Spec",
+    "SPECS",
+    "CIFAR_SUBDIR",
+    "DATASET_NAMES",
+    "read_idx",
+    "read_cifar_batch",
+    "cache_dir",
+    "download",
+    "spec_of",
+    "find_or_download",
+    "decode",
 ]
+
+
+# -- fetch: Download and verify: files fetched over HTTP(S) are kept only if their SHA-256 matches.
+
+DOWNLOAD_TIMEOUT_S = 30.0  # per socket operation: an unreachable network fails fast
+MAX_DOWNLOAD_BYTES = 256 * 2**20  # largest pinned file is the 170 MB CIFAR-10 archive
+CHUNK_BYTES = 1 << 20  # download read size
+
+
+def _copy_hashed(resp: Any, out: Any, digest: Any, url: str) -> None:
+    """Stream ``resp`` into ``out`` and ``digest``, refusing more than MAX_DOWNLOAD_BYTES."""
+    total = 0
+    while chunk := resp.read(CHUNK_BYTES):
+        total += len(chunk)
+        if total > MAX_DOWNLOAD_BYTES:
+            raise DataError(f"{url}: larger than {MAX_DOWNLOAD_BYTES} bytes, refused")
+        digest.update(chunk)
+        out.write(chunk)
+
+
+def fetch_file(url: str, dest: Path, sha256: str, *, timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
+    """Download ``url`` to ``dest``, keeping it only if its SHA-256 is ``sha256``."""
+    part = dest.with_name(f"{dest.name}.{os.getpid()}.part")  # workers may fetch at once
+    digest = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            dest.parent.mkdir(parents=True, exist_ok=True)  # only once a server answered
+            with open(part, "wb") as out:
+                _copy_hashed(resp, out, digest, url)
+        if digest.hexdigest() != sha256:
+            raise DataError(f"{url}: SHA-256 mismatch, file refused (expected {sha256}, "
+                            f"got {digest.hexdigest()})")
+        part.replace(dest)
+    finally:
+        part.unlink(missing_ok=True)
+    return dest
+
+
+def extract_members(archive: Path, dest: Path, wanted: set[str]) -> None:
+    """Copy the members named in ``wanted`` out of a .tar.gz into ``dest`` (never trusting
+    member paths: only names we listed are written)."""
+    for name in wanted:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar.getmembers():
+                src = tar.extractfile(member) if member.name in wanted else None
+                if src is not None:  # write aside, then rename: readers never see half a file
+                    tmp = dest / f"{member.name}.{os.getpid()}.part"
+                    tmp.write_bytes(src.read())
+                    tmp.replace(dest / member.name)
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        raise DataError(f"{archive}: corrupt or truncated archive ({exc})") from exc
+
+
+# -- data_files: Where the real data sets' files are, how they are read, and how they are fetched.
 
 log = logging.getLogger("minips.ml.data")
 

@@ -4,8 +4,8 @@ What ``train`` does, exactly, so that N minips workers in BSP mode can reproduce
 
 1. ``model = models.build_model(name, seed)``; ``w = models.get_flat(model)`` (n,) float32;
    momentum buffer ``v = 0`` (n,) float32.
-2. Worker k of W (``workers=W``) owns ``shard_k = data.shard_indices(len(ds), k, W, seed)``
-   and reads the endless stream ``data.batch_stream(ds, shard_k, batch_size, seed)``: epoch 0's
+2. Worker k of W (``workers=W``) owns ``shard_k = shard_indices(len(ds), k, W, seed)``
+   and reads the endless stream ``batch_stream(ds, shard_k, batch_size, seed)``: epoch 0's
    batches in ``iterate_batches`` order, then epoch 1's, ... (each worker counts its own epochs).
 3. Step t: every worker takes its next batch and computes ``g_k``, the gradient of
    ``models.batch_loss`` (mean over its batch) at ``w``; ``g = (g_0 + ... + g_{W-1}) / W``.
@@ -35,7 +35,8 @@ from torch import nn
 from minips.core import optim
 from minips.errors import ConfigError
 from minips.ml import data, models
-from minips.ml.model_nets import net_name
+from minips.ml.data import batch_stream, num_batches, shard_indices
+from minips.ml.models import net_name
 
 __all__ = ["train", "sgd_step", "worker_streams"]
 
@@ -52,9 +53,9 @@ def sgd_step(w: np.ndarray, v: np.ndarray, g: np.ndarray, *, lr: float, momentum
 def worker_streams(ds: data.Dataset, workers: int, batch_size: int, seed: int
                    ) -> tuple[list[Iterator[tuple[int, np.ndarray, np.ndarray]]], int]:
     """Each worker's batch stream and the number of steps in one epoch (smallest shard)."""
-    shards = [data.shard_indices(len(ds), k, workers, seed) for k in range(workers)]
-    streams = [data.batch_stream(ds, s, batch_size, seed) for s in shards]
-    return streams, min(data.num_batches(len(s), batch_size) for s in shards)
+    shards = [shard_indices(len(ds), k, workers, seed) for k in range(workers)]
+    streams = [batch_stream(ds, s, batch_size, seed) for s in shards]
+    return streams, min(num_batches(len(s), batch_size) for s in shards)
 
 
 def _model_name(model: nn.Module) -> str:

@@ -16,21 +16,43 @@ Rates are bits per second with a unit: ``bps`` (or ``bit``), ``kbit``, ``mbit``,
 ``TokenBucket`` is sans-IO: ``take(n, now)`` answers how long to wait before ``n`` bytes may
 pass at the bucket's rate. ``Pacing`` holds a worker's two buckets (uplink, downlink);
 ``channel.Channel.set_pacing`` applies them to a connection (docs/links.md).
+
+Reading a socket no faster than a link: the downlink half of a paced channel.
+
+``ReadPacer`` charges every read of a ``FrameProtocol`` to a ``links.TokenBucket``. While the
+bucket is in debt it *holds*: the protocol pauses reading (bytes wait in the socket's receive
+buffer, then the peer's TCP waits, as behind a slow link) and keeps complete messages from ``recv``
+until their bytes' time has passed. Reads are cut to one chunk of the bucket (about 10 ms of the
+rate), so a large frame arrives at an even pace instead of in one socket read and one long pause.
+The uplink half (paced writes) is ``Channel._send_paced`` in ``channel.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from minips.errors import ConfigError
 
-__all__ = ["Rate", "LinkProfile", "parse_profile", "TokenBucket", "Pacing", "SHAPINGS",
-           "format_rate"]
+__all__ = [
+    "Rate",
+    "LinkProfile",
+    "parse_profile",
+    "TokenBucket",
+    "Pacing",
+    "SHAPINGS",
+    "format_rate",
+    "ReadPacer",
+]
+
+
+# -- links: Link profiles (`--link`) and the token bucket that paces a connection to a link's rate.
 
 SHAPINGS = ("auto", "kernel", "pacer")  # --link-shaping choices
 _RATE_UNITS = {"bps": 1.0, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -203,3 +225,39 @@ class Pacing:
         if up_bytes_s <= 0 and down_bytes_s <= 0:
             return None
         return cls(bucket(up_bytes_s), bucket(down_bytes_s))
+
+
+# -- pacer: Reading a socket no faster than a link: the downlink half of a paced channel.
+
+class ReadPacer:
+    """Holds reading while ``bucket`` is in debt; calls ``changed()`` when ``hold`` flips."""
+
+    def __init__(self, bucket: TokenBucket, loop: asyncio.AbstractEventLoop,
+                 changed: Callable[[], None]) -> None:
+        self.bucket, self.loop, self.changed = bucket, loop, changed
+        self.hold = False  # reading paused and messages kept until the debt is repaid
+
+    def chunked(self, get_buffer: Callable[[int], memoryview]) -> Callable[[int], memoryview]:
+        """``get_buffer`` handing the socket at most one chunk of the bucket per read."""
+        chunk = self.bucket.chunk()
+        return lambda hint: get_buffer(hint)[:chunk]
+
+    def charge(self, nbytes: int) -> None:
+        """A read of ``nbytes``: hold until the bucket has paid for it."""
+        wait = self.bucket.take(nbytes, self.loop.time())
+        if wait > 0 and not self.hold:
+            self.hold = True
+            self.changed()
+            self.loop.call_later(wait, self._release)
+
+    def _release(self) -> None:
+        wait = self.bucket.take(0, self.loop.time())
+        if wait > 0:  # a read under way when reading paused added to the debt
+            self.loop.call_later(wait, self._release)
+            return
+        self.hold = False
+        self.changed()
+
+    def stop(self) -> None:
+        """The connection closed: hold nothing back (a pending release changes nothing)."""
+        self.hold = False

@@ -1,10 +1,10 @@
 """minips over asyncio: ``connect`` (with retry) and ``serve``, each running its half of the
 handshake, then handing out a ``Channel`` (channel.py) that sends and receives whole messages.
 
-All protocol decisions live in the sans-IO modules (``minips.wire.protocol``); this module only
+All protocol decisions live in the sans-IO modules (``minips.wire.messages``); this module only
 opens connections and runs the handshake over them. It is the entry point: the listening side
-(``serve``, ``Server``) is in tcp_server.py, with its invariants; the retry loop is
-``net_retry.backoff``.
+(``serve``, ``Server``) is in transport.py, with its invariants; the retry loop is
+``backoff``.
 
 Invariants: ``connect`` takes at most ``timeout`` seconds, retries included; a connection whose
 handshake failed is aborted.
@@ -12,7 +12,7 @@ handshake failed is aborted.
 Public API:
 - ``install_uvloop() -> bool``: use uvloop's event loop policy where it imports.
 - ``Channel`` (channel.py), ``Options`` and the socket sizes ``SOCKET_BUFFER_BYTES`` /
-  ``WRITE_BYTES`` (frame_protocol.py, which also holds the timeout and queue constants).
+  ``WRITE_BYTES`` (channel.py, which also holds the timeout and queue constants).
 - ``async connect(host, port, *, role, worker_id, token, timeout, retries, ssl, ...) -> Channel``
   raises ``AuthError`` on REFUSE, ``ConnectionError`` when unreachable within ``timeout``.
 - ``async serve(host, port, *, accept, handler, token, ssl, options) -> Server``:
@@ -28,26 +28,348 @@ Public API:
   limit_exceeded, read_timeouts, handshake_timeouts, handler_errors, turned_away: closed
   unread by ``guard``), ``guard``, ``channels``, ``close()``, ``wait_closed()``; also an async
   context manager.
+
+Log lines that count instead of repeating: the first event of a kind is logged at once, the
+rest as "N times in the last S s" at most once a period (``guard.LogSummary`` decides; this
+module owns the logger and the asyncio timer that flushes counts nobody followed up).
+
+Invariant: a flood of refused or rejected peers costs a few log lines per period, not one line
+per peer, and no count is lost: pending counts are logged within 1.5 periods, or at ``flush``.
+
+Public API: ``CountingLog(logger)`` with ``note(kind, detail)`` and ``flush()``.
+
+The one retry loop of minips: exponential backoff with jitter, bounded by a deadline.
+
+Every place that tries to reach a peer again uses ``backoff``: ``transport.connect`` (a client's
+connection and handshake, hence also a `minips group` process registering and reconnecting with
+the global server) and a worker reaching its group server (``worker._connect_group``).
+
+Rules: the first attempt is made at once; after a failure of a kind in ``retry_on`` the loop
+waits ``first``, then twice as long each time up to ``most``, each delay times a random factor
+in [0.5, 1) (jitter: peers that lost a server together do not come back in step), and never past
+the deadline; a set ``wake`` event cuts a wait short (a worker told of a new group address tries
+it at once). It gives up with ``ConnectionError`` once the deadline has passed or ``attempts``
+were made; any other exception (or one in ``fatal``: a refused secret) passes through at once.
+
+The listening side of minips over asyncio: ``serve`` and ``Server``, which run the server
+half of the handshake on each connection, then hand the ``Channel`` to the handler.
+
+Invariants (see also transport.py):
+- A server handler only ever sees an authenticated channel: HELLO, CHALLENGE, AUTH and WELCOME
+  have passed within ``handshake_timeout``, and ``accept`` agreed.
+- Before that a connection costs a few KB (16 KiB frames at most, handshake.py), at most
+  ``Options.guard.max_pending_per_source`` of them per address and ``max_pending`` in all are in
+  the handshake, and an address that failed the secret too often waits (guard.py).
+- A peer's protocol error, a refused or timed-out handshake, or a failing ``accept`` /
+  ``handler`` closes that one connection (the peer is told why, with ERROR or REFUSE) and is
+  counted in ``Server.stats``; the server keeps serving the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import inspect
+import logging
+import random
 import ssl as ssl_module
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from minips.errors import AuthError
-from minips.net import net_retry
-from minips.net.channel import Channel
+from minips.errors import AuthError, RemoteProtocolError
+from minips.net import guard as g
+from minips.net.channel import Channel, FrameProtocol, Options
 from minips.net.endpoints import shared_secret
-from minips.net.frame_protocol import SOCKET_BUFFER_BYTES, WRITE_BYTES, FrameProtocol, Options
-from minips.net.tcp_server import Server, serve
-from minips.wire import protocol as p
+from minips.net.guard import LogSummary
+from minips.wire import handshake, messages
 
 __all__ = [
-    "SOCKET_BUFFER_BYTES", "WRITE_BYTES", "install_uvloop", "Options", "Channel", "Server",
-    "connect", "serve",
+    "CountingLog",
+    "FIRST_S",
+    "MOST_S",
+    "delay",
+    "backoff",
+    "Accept",
+    "Handler",
+    "Server",
+    "serve",
+    "install_uvloop",
+    "connect",
 ]
 
+
+# -- logcounts: Log lines that count instead of repeating: the first event of a kind is logged a...
+
+class CountingLog:
+    """``note`` events of a kind; lines go to ``logger`` at WARNING level."""
+
+    def __init__(self, logger: logging.Logger, period_s: float | None = None) -> None:
+        self.logger = logger
+        self.summary = LogSummary() if period_s is None else LogSummary(period_s)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def note(self, kind: str, detail: str) -> None:
+        """Count one event; log it now if it is the first of its kind in a period."""
+        loop = asyncio.get_running_loop()
+        line = self.summary.event(kind, detail, loop.time())
+        if line is not None:
+            self.logger.warning("%s", line)
+        elif self._timer is None:
+            self._timer = loop.call_later(self.summary.period_s, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        for line in self.summary.due(loop.time()):
+            self.logger.warning("%s", line)
+        if self.summary.counts:  # a kind whose period has not passed yet
+            self._timer = loop.call_later(self.summary.period_s / 2, self._due)
+
+    def flush(self) -> None:
+        """Log every count still pending (at shutdown)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for line in self.summary.flush(asyncio.get_running_loop().time()):
+            self.logger.warning("%s", line)
+
+
+# -- net_retry: The one retry loop of minips: exponential backoff with jitter, bounded by a dead...
+
+T = TypeVar("T")
+
+FIRST_S, MOST_S = 0.05, 2.0  # the first and the longest wait between attempts, s
+
+
+def delay(failures: int, first: float = FIRST_S, most: float = MOST_S,
+          rng: Callable[[float, float], float] = random.uniform) -> float:
+    """The wait after the ``failures``-th failure in a row (1, 2, ...): ``first`` doubled each
+    time up to ``most``, times a random factor in [0.5, 1)."""
+    return min(most, first * 2 ** (failures - 1)) * rng(0.5, 1.0)
+
+
+def _ignore(exc: BaseException) -> None:
+    """``on_fail``'s default: a failure is only retried."""
+
+
+async def backoff(attempt: Callable[[float], Awaitable[T]], *, timeout: float, what: str,
+                  retry_on: tuple[type[BaseException], ...] = (OSError, asyncio.TimeoutError),
+                  fatal: tuple[type[BaseException], ...] = (),
+                  attempts: int | None = None, first: float = FIRST_S, most: float = MOST_S,
+                  on_fail: Callable[[BaseException], None] = _ignore,
+                  wake: asyncio.Event | None = None) -> T:
+    """``await attempt(seconds left)`` until it returns, retrying failures in ``retry_on`` (but
+    not in ``fatal``) for up to ``timeout`` seconds and ``attempts`` attempts (None: as many as
+    fit).
+
+    ``on_fail(exc)`` sees each retried failure. Raises ``ConnectionError`` naming ``what``, the
+    number of attempts and the last failure once the deadline or ``attempts`` is reached."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    failures = 0
+    while True:
+        try:
+            return await attempt(max(0.0, deadline - loop.time()))
+        except fatal:
+            raise
+        except retry_on as exc:
+            failures += 1
+            on_fail(exc)
+            left = deadline - loop.time()
+            if left <= 0 or (attempts is not None and failures >= attempts):
+                raise ConnectionError(f"{what} within {timeout} s ({failures} attempts): "
+                                      f"{exc!r}") from None
+            await _wait(min(delay(failures, first, most), left), wake)
+
+
+async def _wait(seconds: float, wake: asyncio.Event | None) -> None:
+    """Sleep ``seconds``, or less when ``wake`` is set meanwhile (it is cleared first)."""
+    if wake is None:
+        await asyncio.sleep(seconds)
+        return
+    wake.clear()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(wake.wait(), seconds)
+
+
+# -- tcp_server: The listening side of minips over asyncio: ``serve`` and ``Server``, which run ...
+
+log = logging.getLogger("minips.net.transport")
+
+Accept = Callable[[messages.Hello], "dict[str, Any] | Awaitable[dict[str, Any]]"]
+Handler = Callable[[Channel], Awaitable[None]]
+_TURNED_AWAY = {  # guard.admit's reasons, as an operator reads them
+    "backoff": "too many failed handshakes (wrong secret): it must wait",
+    "per_source": "too many handshakes open from this address at once",
+    "total": "too many handshakes open at once",
+}
+
+
+def _source(ch: Channel) -> str:
+    """The peer's address without the port: what limits and back-off are kept per."""
+    peer = ch.peername
+    return str(peer[0]) if isinstance(peer, tuple) else "local"
+
+
+class Server:
+    """A listening minips server: handshakes each connection, then runs ``handler`` on it.
+
+    Before a peer has authenticated, ``guard`` (guard.py) caps how many handshakes run at once
+    (per source address and in total) and makes a source that keeps failing wait; connections
+    over a cap or in back-off are closed at once, unread. Refusals are logged as counts."""
+
+    def __init__(self, accept: Accept, handler: Handler, token: str | bytes | None,
+                 options: Options) -> None:
+        self.accept, self.handler, self.token, self.options = accept, handler, token, options
+        self.host, self.port = "", 0
+        self.channels: set[Channel] = set()
+        self.stats = collections.Counter({k: 0 for k in (
+            "connections", "accepted", "refused", "protocol_errors", "limit_exceeded",
+            "read_timeouts", "handshake_timeouts", "handler_errors", "turned_away")})
+        self.guard = g.Guard(options.guard)
+        self.counted = CountingLog(log)  # refusals, as counts
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _made(self, proto: FrameProtocol) -> None:
+        self.stats["connections"] += 1
+        ch = Channel(proto)
+        source = _source(ch)
+        why = self.guard.admit(source, proto.loop.time())
+        if why:  # closed unread: costs no handshake, no HMAC, no buffer
+            self._turn_away(source, why)
+            ch.close_nowait()
+            return
+        self.guard.opened(source)
+        task = asyncio.create_task(self._serve_one(ch, source))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _turn_away(self, source: str, why: str) -> None:
+        """Count and log a connection the guard said no to (``why``: a ``guard.admit`` reason)."""
+        self.stats["turned_away"] += 1
+        self.counted.note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
+
+    async def _serve_one(self, ch: Channel, source: str) -> None:
+        try:
+            if await self._admit(ch, source):
+                self.channels.add(ch)
+                await self.handler(ch)
+        except (RemoteProtocolError, ConnectionError):
+            pass  # the protocol already counted it and told the peer
+        except Exception as e:  # a bug in accept() or handler(): tell the peer, keep serving
+            self.stats["handler_errors"] += 1
+            log.exception("handler failed for %s", ch.peername)
+            await ch.send_error("internal", f"{type(e).__name__}: {e}")
+        finally:
+            self.channels.discard(ch)
+            await ch.close()
+
+    async def _admit(self, ch: Channel, source: str) -> bool:
+        """Run the handshake; False (and counted) when it was refused or failed."""
+        try:
+            await asyncio.wait_for(self._handshake(ch, source), self.options.handshake_timeout)
+        except AuthError as e:
+            self.stats["refused"] += 1
+            self.counted.note("refused", f"{source}: {e.reason}")
+            return False
+        except asyncio.TimeoutError:
+            self.stats["handshake_timeouts"] += 1
+            return False
+        finally:
+            self.guard.closed(source)
+        self.stats["accepted"] += 1
+        return True
+
+    def _check_auth(self, hs: handshake.ServerHandshake, auth: messages.Auth, source: str) -> messages.Refuse | None:
+        """``hs.on_auth`` with the source's back-off applied: a source still in back-off is cut
+        off before its MAC is even checked; a wrong MAC starts or lengthens its back-off."""
+        now = asyncio.get_running_loop().time()
+        if self.guard.backoff_left(source, now) > 0:
+            self._turn_away(source, "backoff")
+            raise ConnectionAbortedError("source in back-off")
+        refuse = hs.on_auth(auth)
+        if refuse is None:
+            self.guard.succeeded(source)
+        elif (wait := self.guard.failed(source, now)) > 0:
+            self.counted.note("back-off", f"{source} failed {self.guard.failures(source)} "
+                              f"handshakes in a row: refused for {wait:.1f} s")
+        return refuse
+
+    async def _handshake(self, ch: Channel, source: str) -> None:
+        hs = handshake.ServerHandshake(shared_secret(self.token))
+        hello = await ch.recv()
+        assert isinstance(hello, messages.Hello)  # the state machine allows nothing else first
+        reply = hs.on_hello(hello)
+        await ch.send(reply)
+        if isinstance(reply, messages.Refuse):
+            raise AuthError(reply.reason)
+        auth = await ch.recv()
+        assert isinstance(auth, messages.Auth)
+        refuse = self._check_auth(hs, auth, source)
+        info: dict[str, Any] = {}
+        if refuse is None:
+            try:
+                got = self.accept(hello)
+                info = await got if inspect.isawaitable(got) else got
+            except AuthError as e:
+                refuse = messages.Refuse(code="refused", reason=e.reason[: messages.MAX_TEXT])
+        if refuse is not None:
+            await ch.send(refuse)
+            raise AuthError(refuse.reason)
+        ch.peer_hello, ch.welcome_info = hello, info
+        ch.worker_id = int(info.get("worker_id", hello.worker_id))
+        await ch.send(hs.welcome(ch.worker_id, info))
+        if self.options.heartbeat:
+            ch.start_heartbeat(self.options.heartbeat)
+
+    def close(self) -> None:
+        """Stop listening and close every connection."""
+        self.counted.flush()
+        if self._server is not None:
+            self._server.close()
+        for ch in list(self.channels):
+            ch.close_nowait()
+
+    async def wait_closed(self) -> None:
+        if self._server is not None:
+            await self._server.wait_closed()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+        await self.wait_closed()
+
+
+async def serve(host: str, port: int, *, accept: Accept, handler: Handler,
+                token: str | bytes | None = None, ssl: ssl_module.SSLContext | None = None,
+                options: Options | None = None) -> Server:
+    """Listen on host:port (port 0: any free port, see ``Server.port``) and serve minips.
+
+    ``token`` defaults to $MINIPS_TOKEN; with one set, clients without it are refused.
+    """
+    options = options or Options()
+    server = Server(accept, handler, token, options)
+
+    def factory() -> FrameProtocol:
+        proto = FrameProtocol(handshake.Connection(handshake.Side.SERVER, alloc=options.alloc,
+                                            limits=options.limits), options)
+        proto.on_made, proto.stats = server._made, server.stats
+        return proto
+
+    loop = asyncio.get_running_loop()
+    server._server = await loop.create_server(factory, host, port, ssl=ssl)
+    sockname = server._server.sockets[0].getsockname()
+    server.host, server.port = sockname[0], sockname[1]
+    return server
+
+
+# -- transport: minips over asyncio: ``connect`` (with retry) and ``serve``, each running its ha...
 
 def install_uvloop() -> bool:
     """Make new event loops uvloop loops when uvloop is installed; True if it is."""
@@ -63,29 +385,29 @@ def install_uvloop() -> bool:
 # Client
 
 
-async def _open(host: str, port: int, side: p.Side, options: Options,
+async def _open(host: str, port: int, side: handshake.Side, options: Options,
                 ssl: ssl_module.SSLContext | None, server_hostname: str | None) -> Channel:
     loop = asyncio.get_running_loop()
-    conn = p.Connection(side, alloc=options.alloc, limits=options.limits)
+    conn = handshake.Connection(side, alloc=options.alloc, limits=options.limits)
     _, proto = await loop.create_connection(
         lambda: FrameProtocol(conn, options), host, port, ssl=ssl,
         server_hostname=(server_hostname or host) if ssl else None)
     return Channel(proto)
 
 
-async def _client_handshake(ch: Channel, hs: p.ClientHandshake) -> None:
+async def _client_handshake(ch: Channel, hs: handshake.ClientHandshake) -> None:
     await ch.send(hs.hello)
     reply = await ch.recv()
-    if isinstance(reply, p.Challenge):
+    if isinstance(reply, messages.Challenge):
         await ch.send(hs.on_challenge(reply))
         reply = await ch.recv()
     welcome = hs.on_reply(reply)
     ch.welcome_info, ch.worker_id = welcome.info, welcome.worker_id
 
 
-async def _attempt(host: str, port: int, hs: p.ClientHandshake, options: Options,
+async def _attempt(host: str, port: int, hs: handshake.ClientHandshake, options: Options,
                    ssl: ssl_module.SSLContext | None, server_hostname: str | None) -> Channel:
-    ch = await _open(host, port, p.Side.CLIENT, options, ssl, server_hostname)
+    ch = await _open(host, port, handshake.Side.CLIENT, options, ssl, server_hostname)
     try:
         await _client_handshake(ch, hs)
     except BaseException:
@@ -101,10 +423,10 @@ async def connect(
     capabilities: tuple[str, ...] = (), address: str = "", group: int = -1,
     token: str | bytes | None = None, timeout: float = 10.0, retries: int | None = 5,
     ssl: ssl_module.SSLContext | None = None, server_hostname: str | None = None,
-    options: Options | None = None, version: int = p.PROTOCOL_VERSION,
+    options: Options | None = None, version: int = messages.PROTOCOL_VERSION,
 ) -> Channel:
     """Connect and handshake; retry unreachable addresses with exponential backoff and jitter
-    (``net_retry.backoff``), ``retries`` times (None: as often as ``timeout`` allows).
+    (``backoff``), ``retries`` times (None: as often as ``timeout`` allows).
 
     ``token`` defaults to $MINIPS_TOKEN ("" means none). The whole call, retries included, takes
     at most ``timeout`` seconds. ``version`` exists so tests can speak a wrong one.
@@ -112,12 +434,12 @@ async def connect(
     opts = options or Options()
 
     async def attempt(left: float) -> Channel:
-        hs = p.ClientHandshake(shared_secret(token), version=version, role=role,
+        hs = handshake.ClientHandshake(shared_secret(token), version=version, role=role,
                                worker_id=worker_id, capabilities=capabilities, address=address,
                                group=group)
         return await asyncio.wait_for(_attempt(host, port, hs, opts, ssl, server_hostname), left)
 
     # refused, reset, unreachable, too slow: tried again; AuthError (REFUSE) passes through
-    return await net_retry.backoff(attempt, timeout=timeout,
+    return await backoff(attempt, timeout=timeout,
                                    what=f"could not connect to {host}:{port}", fatal=(AuthError,),
                                    attempts=None if retries is None else retries + 1)

@@ -1,7 +1,7 @@
 """`minips` command line: server, group, worker, evaluator, local, plot.
 
-One command per role and ``main``; the parser is in cli_parser.py, the run settings' flags in
-cli_flags.py. The CLI only parses flags into the config dataclasses of ``minips.run.config`` and
+One command per role and ``main``; the parser is in flags.py, the run settings' flags in
+flags.py. The CLI only parses flags into the config dataclasses of ``minips.run.config`` and
 calls one entry point per role; it holds no logic of its own. torch is imported lazily (workers,
 the evaluator and `local`), so `minips server` and `minips group` run on machines without it.
 The shared secret comes from the environment (MINIPS_TOKEN), never from a flag, so it does not
@@ -9,32 +9,138 @@ show in `ps`.
 
 Run settings resolve in this order: RunConfig defaults, then ``--preset``, then explicit flags.
 Errors the user can fix (bad flag, unreachable address, wrong secret) print one line and exit 2.
+
+`minips server`'s process: a ``GlobalServer`` (fresh, or resumed from its checkpoint) served
+until its run is over, with the dashboard / TensorBoard monitor and an evaluator child when
+asked.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from minips.errors import ConfigError, MiniPSError
-from minips.net import lifeline
-from minips.run import cli_checks as checks
-from minips.run import cli_ray, cli_simulate
-from minips.run.cli_flags import run_config_from_args
-from minips.run.cli_parser import build_parser
-from minips.run.config import (
-    PRESETS,
-    GroupConfig,
-    LaunchConfig,
-    ServerConfig,
-    WorkerConfig,
-    parse_address,
+from minips.net import lifeline, transport
+from minips.net.endpoints import WILDCARD_HOSTS, parse_address
+from minips.run import checkpoint, flags
+from minips.run.checks import (
+    check_address,
+    check_dir,
+    check_host,
+    check_init,
+    check_link,
+    check_tls_client,
+    check_tls_server,
+    speaks_tls,
 )
+from minips.run.config import GroupConfig, LaunchConfig, ServerConfig, WorkerConfig
+from minips.run.flags import PRESETS, build_parser, run_config_from_args
+from minips.server import GlobalServer
 
-__all__ = ["main", "build_parser", "run_config_from_args"]
+__all__ = ["serve_run", "run_server", "main"]
+
+
+# -- server_process: minips server`'s process: a ``GlobalServer`` (fresh, or resumed from its ch...
+
+async def serve_run(cfg: ServerConfig, *, announce: bool = True,
+                    spawn_evaluator: bool = False) -> GlobalServer:
+    """Run a global server until its run is over; return it (closed) for inspection.
+    With ``cfg.resume`` it starts from the checkpoint (refused if from another config)."""
+    srv = _make_server(cfg)
+    port = await srv.start()
+    try:  # after the ready file: importing the dashboard's packages does not delay workers
+        monitor = await _start_monitor(cfg, srv)
+    except BaseException:  # e.g. its port is taken: the error ends the server, cleanly
+        await srv.close()
+        raise
+    if announce:
+        _announce(cfg, port)
+    child = _spawn_evaluator(cfg, port) if spawn_evaluator else None
+    try:
+        await srv.wait_finished()
+    finally:
+        await srv.close()
+        if monitor is not None:
+            await monitor.stop()
+        if child is not None:
+            await asyncio.get_running_loop().run_in_executor(None, _reap, child)
+    return srv
+
+
+async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
+    """The dashboard / TensorBoard monitor of ``--dashboard`` / ``--tensorboard``, or None."""
+    if not (cfg.dashboard or cfg.tensorboard):
+        return None
+    from minips.dashboard.monitor import Monitor, MonitorConfig
+
+    monitor = Monitor(MonitorConfig(run_dir=cfg.run_dir, dashboard=cfg.dashboard,
+                                    tensorboard=cfg.tensorboard, token=cfg.token,
+                                    insecure=cfg.insecure), srv)
+    url = await monitor.start()
+    if url:
+        print(f"minips server: dashboard at {url}  (Prometheus: {url.split('?')[0].rstrip('/')}"
+              f"/metrics)", flush=True)
+    return monitor
+
+
+def _make_server(cfg: ServerConfig) -> GlobalServer:
+    if not cfg.resume:
+        return GlobalServer(cfg, np.load(cfg.init_path) if cfg.init_path else None)
+    state = checkpoint.load(cfg.checkpoint_path or Path(cfg.run_dir) / "checkpoint.npz")
+    checkpoint.check_compatible(state, cfg.run.to_info(), np.asarray(state["weights"]).size)
+    cfg.run.t0 = float(state["t0"])  # metrics keep one time axis across the restart
+    srv = GlobalServer(cfg, None)
+    srv.restore(state)
+    return srv
+
+
+def _announce(cfg: ServerConfig, port: int) -> None:
+    host = cfg.host if cfg.host not in WILDCARD_HOSTS else "<this-host>"
+    print(f"minips server listening on {cfg.host}:{port} ({cfg.run.mode}, "
+          f"{cfg.run.compressor}, waiting for {cfg.run.workers} workers)\n"
+          f"  join with:  MINIPS_TOKEN=... minips worker --connect {host}:{port}\n"
+          f"  group:      MINIPS_TOKEN=... minips group --connect {host}:{port} "
+          f"--listen <this-host>:7071", flush=True)
+
+
+def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False,
+               announce: bool = True) -> GlobalServer:
+    """`minips server`: serve one run (optionally with an evaluator child process); return
+    the closed server (``failure`` says whether the run ended short)."""
+    if spawn_evaluator and cfg.tls_cert:
+        raise ConfigError("--eval cannot be used with --tls-cert: the evaluator child would have "
+                          "to verify the certificate by a name this machine resolves; start "
+                          "'minips evaluator --connect NAME:PORT --tls-ca CA' instead")
+    transport.install_uvloop()
+    return asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
+
+
+def _spawn_evaluator(cfg: ServerConfig, port: int) -> subprocess.Popen[bytes]:
+    host = "127.0.0.1" if cfg.host in WILDCARD_HOSTS else cfg.host
+    cmd = [sys.executable, "-m", "minips", "evaluator", "--connect", f"{host}:{port}",
+           "--run-dir", cfg.run_dir, "--timeout", "30"]
+    return subprocess.Popen(cmd, env=lifeline.child_env())
+
+
+def _reap(child: subprocess.Popen[bytes]) -> None:
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+# -- cli: minips` command line: server, group, worker, evaluator, local, plot.
 
 TOKEN_ENV = "MINIPS_TOKEN"
 
@@ -56,10 +162,10 @@ def _cmd_local(args: argparse.Namespace) -> int:
     if args.slowdown and args.workers is not None and len(args.slowdown) != args.workers:
         raise ConfigError(f"--slowdown {len(args.slowdown)} factors for --workers "
                           f"{args.workers}: give one per worker (FxN repeats F N times)")
-    checks.check_dir("--data-dir", run.data_dir)
+    check_dir("--data-dir", run.data_dir)
     if args.workers is None and args.slowdown:
         run = dataclasses.replace(run, workers=len(slowdowns))
-    link = checks.check_link(args.link, args.bandwidth, args.latency, run.workers)
+    link = check_link(args.link, args.bandwidth, args.latency, run.workers)
     cfg = LaunchConfig(run=run, slowdowns=slowdowns, link=link, link_shaping=args.link_shaping,
                        out_dir=args.out, name=args.name,
                        progress=not args.no_progress, evaluator=not args.no_eval,
@@ -73,11 +179,10 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    from minips.run.server_process import run_server
 
-    checks.check_host("--host", args.host)
+    check_host("--host", args.host)
     if not args.eval:  # --eval with --tls-cert is refused anyway (run_server says why)
-        checks.check_tls_server(args.tls_cert, args.tls_key)
+        check_tls_server(args.tls_cert, args.tls_key)
     cfg = ServerConfig(run=run_config_from_args(args), host=args.host, port=args.port,
                        token=_token(), tls_cert=args.tls_cert, tls_key=args.tls_key,
                        run_dir=args.run_dir, init_path=args.init,
@@ -88,7 +193,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
                        rejoin_wait_s=args.rejoin_wait,
                        dashboard=args.dashboard, tensorboard=args.tensorboard)
     if not args.resume:
-        checks.check_init(args.init, cfg.run.model)
+        check_init(args.init, cfg.run.model)
     if 0 < cfg.run.fixed_groups != args.external_groups > 0:
         raise ConfigError(f"--external-groups {args.external_groups}: this run forms "
                           f"{cfg.run.fixed_groups} group(s) (--mode {cfg.run.mode}, --groups "
@@ -104,10 +209,10 @@ def _cmd_server(args: argparse.Namespace) -> int:
 def _cmd_group(args: argparse.Namespace) -> int:
     from minips.serve.group_process import run_group_process
 
-    shost, sport = checks.check_address("--connect", args.connect, 7070)
-    host, port = checks.check_address("--listen", args.listen, 7071, listen=True)
-    checks.check_tls_server(args.tls_cert, args.tls_key)
-    checks.check_tls_client(args.tls_ca)
+    shost, sport = check_address("--connect", args.connect, 7070)
+    host, port = check_address("--listen", args.listen, 7071, listen=True)
+    check_tls_server(args.tls_cert, args.tls_key)
+    check_tls_client(args.tls_ca)
     cfg = GroupConfig(server_host=shost, server_port=sport, host=host, port=port,
                       advertise_host=args.advertise, token=_token(), tls_cert=args.tls_cert,
                       tls_key=args.tls_key, tls_ca=args.tls_ca, run_dir=args.run_dir,
@@ -117,9 +222,9 @@ def _cmd_group(args: argparse.Namespace) -> int:
 
 
 def _worker_config(args: argparse.Namespace) -> WorkerConfig:
-    host, port = checks.check_address("--connect", args.connect, 7070)
-    checks.check_tls_client(args.tls_ca)
-    checks.check_dir("--data-dir", args.data_dir)
+    host, port = check_address("--connect", args.connect, 7070)
+    check_tls_client(args.tls_ca)
+    check_dir("--data-dir", args.data_dir)
     return WorkerConfig(server_host=host, server_port=port, token=_token(), tls_ca=args.tls_ca,
                         worker_id=args.id, slowdown=args.slowdown, bandwidth_bps=args.bandwidth,
                         bandwidth_down_bps=getattr(args, "bandwidth_down", 0.0),
@@ -137,7 +242,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluator(args: argparse.Namespace) -> int:
-    from minips.client.evaluator import run_evaluator
+    from minips.evaluator import run_evaluator
 
     run_evaluator(_worker_config(args))
     return 0
@@ -146,7 +251,7 @@ def _cmd_evaluator(args: argparse.Namespace) -> int:
 def _check_watch(args: argparse.Namespace) -> None:
     """Before anything starts: --dashboard needs its extra and a well-formed address."""
     if args.dashboard:
-        from minips.dashboard import check_extra
+        from minips.dashboard.monitor import check_extra
 
         parse_address(args.dashboard)
         check_extra()
@@ -169,11 +274,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_ray(args: argparse.Namespace) -> int:
-    return cli_ray.command(args, run_config_from_args(args))
+    return flags.ray_command(args, run_config_from_args(args))
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    return cli_simulate.command(args, run_config_from_args(args))
+    return flags.simulate_command(args, run_config_from_args(args))
 
 
 COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
@@ -200,7 +305,7 @@ def _explain(args: argparse.Namespace, exc: BaseException) -> str:
     if (isinstance(exc, ConnectionError) and getattr(args, "connect", None)
             and not getattr(args, "tls_ca", None)):
         host, port = parse_address(args.connect)
-        if checks.speaks_tls(host, port):
+        if speaks_tls(host, port):
             return (f"{args.connect}: the server speaks TLS; pass --tls-ca CA_FILE (the CA or "
                     f"the server's own certificate)")
     return str(exc)

@@ -5,7 +5,7 @@ mode, compressor, budget). The global server owns it and sends it to every clien
 WELCOME.info (``to_info`` / ``from_info``), so a worker or group server needs nothing but the
 global server's address and the shared secret. The other dataclasses hold what is local to one
 process (addresses, emulated slowness, files). Addresses, TLS and the bind check are in
-endpoints.py, the named presets in presets.py (both re-exported here).
+endpoints.py, the named presets in flags.py (both re-exported here).
 
 Invariants: ``validate()`` raises ``ConfigError`` naming the field; ``from_info(to_info(c)) == c``.
 Units are in each field's comment; times are seconds, sizes bytes, rates bytes per second.
@@ -23,38 +23,15 @@ from minips.compress.registry import is_sparse, make_compressor
 from minips.core.optim import SCHEDULES
 from minips.core.sync import MODES, SyncPolicy, policy
 from minips.errors import ConfigError
-from minips.net.endpoints import (
-    MIN_SECRET_BYTES,
-    WILDCARD_HOSTS,
-    check_bind,
-    client_ssl,
-    format_address,
-    is_loopback,
-    parse_address,
-    reachable,
-    server_ssl,
-)
-from minips.run.presets import PRESETS
 
 __all__ = [
-    "MODES",
-    "PRESETS",
     "RunConfig",
     "ServerConfig",
     "FieldError",
     "GroupConfig",
     "WorkerConfig",
     "LaunchConfig",
-    "WILDCARD_HOSTS",
-    "parse_address",
-    "format_address",
-    "reachable",
     "parse_slowdowns",
-    "server_ssl",
-    "client_ssl",
-    "check_bind",
-    "MIN_SECRET_BYTES",
-    "is_loopback",
 ]
 
 
@@ -158,7 +135,7 @@ class RunConfig:
 
     def worker_compressor(self, size: int, worker: int) -> Compressor:
         """The compressor worker ``worker`` builds for ``size`` coordinates (its seed:
-        ``seed * 1000 + worker``); worker_setup.py and the simulator both take it."""
+        ``seed * 1000 + worker``); worker.py and the simulator both take it."""
         return make_compressor(self.compressor, size, ratio=self.ratio,
                                seed=self.seed * 1000 + worker, **self.compressor_opts)
 

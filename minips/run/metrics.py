@@ -5,24 +5,42 @@ reads them back (tolerating missing files and the truncated last line a killed p
 and writes ``summary.json``. ``t`` is seconds since the run's ``t0`` (unix time, kept in
 ``config.json``), so files written by different processes share one time axis.
 
-Bytes per hop are counted in hops.py; the files and their writers are in rundir.py, whose
+Bytes per hop are counted in metrics.py; the files and their writers are in rundir.py, whose
 docstring shows the layout of a run directory. Both are re-exported here.
+
+Where a run's data came from: the real files, or the synthetic stand-in ``data.load_dataset``
+falls back to when they are missing (no torch, no sockets).
+
+Every process that loads a data set records it in the run directory as ``data-<role>.json``
+(each worker its train split, the evaluator its test split): ``{"role", "dataset", "split",
+"synthetic", "source", "reason"}``. ``summarize`` (metrics.py) and the progress line of
+`minips local` fold the records into one word with ``verdict``.
+
+Invariant: a run counts as ``"real"`` only when every record says real; one synthetic record
+makes it ``"mixed"`` (or ``"synthetic"`` when all are), so a stand-in never goes unnoticed.
+
+Bytes per hop of a run, from its group files.
+
+Bytes per hop. ``summarize`` (and ``live_hop_bytes``, for the progress line) count every hop
+a run's bytes travel, from the group files: worker -> group (``bytes_worker_group``, the group
+servers' ``bytes_in``), group -> worker (``bytes_group_worker``, ``bytes_out``), group -> global
+(``bytes_group_global``, ``bytes_to_global``) and global -> group (``bytes_global_group``,
+``bytes_from_global``), and ``bytes_total``, their sum. These are running totals per group; one
+that drops (a restarted group process) is added up segment by segment. ``bytes_up`` /
+``bytes_down`` keep their old meaning: the worker <-> group hop only, as the evaluator saw it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minips.run import provenance
-from minips.run.hops import HOP_COUNTERS, HOPS, hop_bytes, live_hop_bytes, total_bytes_series
 from minips.run.rundir import (
-    JsonlWriter,
-    RunDir,
     dump_json,
     num,
     read_config,
@@ -31,22 +49,132 @@ from minips.run.rundir import (
 )
 
 __all__ = [
+    "record",
+    "read",
+    "verdict",
+    "HOP_COUNTERS",
+    "HOPS",
+    "hop_bytes",
+    "total_bytes_series",
+    "live_hop_bytes",
     "DEFAULT_TARGETS",
-    "JsonlWriter",
-    "RunDir",
     "Run",
-    "read_config",
-    "read_jsonl",
     "time_to_accuracy",
     "load_run",
     "summarize",
-    "HOPS",
-    "HOP_COUNTERS",
-    "hop_bytes",
-    "total_bytes_series",
-    "tail_jsonl",
-    "live_hop_bytes",
 ]
+
+
+# -- provenance: Where a run's data came from: the real files, or the synthetic stand-in ``data....
+
+def record(run_dir: str | os.PathLike[str], role: str, meta: Mapping[str, Any]) -> Path:
+    """Write ``data-<role>.json`` for a data set's ``meta`` (``Dataset.meta``); return its path."""
+    path = Path(run_dir) / f"data-{role}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"role": role, "dataset": meta.get("name"), "split": meta.get("split"),
+             "synthetic": bool(meta.get("synthetic")), "source": meta.get("source"),
+             "reason": meta.get("synthetic_reason", "")}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a reader never sees half of it
+    tmp.write_text(json.dumps(entry, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def read(run_dir: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
+    """``{role: record}`` of every ``data-*.json`` in the run directory (unreadable: skipped)."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in sorted(Path(run_dir).glob("data-*.json")):
+        try:
+            rec = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict):
+            out[f.stem[len("data-"):]] = rec
+    return out
+
+
+def verdict(records: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """``"real"``, ``"synthetic"`` or ``"mixed"`` over the records; None when there are none."""
+    kinds = {bool(r.get("synthetic")) for r in records.values()}
+    if not kinds:
+        return None
+    if kinds == {False}:
+        return "real"
+    return "synthetic" if kinds == {True} else "mixed"
+
+
+# -- hops: Bytes per hop of a run, from its group files.
+
+# bytes of each hop: the summary key and the running counter in group-<g>.jsonl that holds it
+HOP_COUNTERS = {
+    "bytes_worker_group": "bytes_in",  # workers -> their group server (every record)
+    "bytes_group_worker": "bytes_out",  # group server -> its workers (every record)
+    "bytes_group_global": "bytes_to_global",  # group -> global server ("exchange" events)
+    "bytes_global_group": "bytes_from_global",  # global server -> group ("exchange" events)
+}
+HOPS = (*HOP_COUNTERS, "bytes_total")
+
+
+class _Running:
+    """The total of running counters that may start again from 0 (a restarted `minips group`
+    process, a new channel): each drop banks the value before it."""
+
+    def __init__(self) -> None:
+        self.banked: dict[Any, float] = {}
+        self.last: dict[Any, float] = {}
+
+    def add(self, key: Any, value: float) -> None:
+        if value < self.last.get(key, 0.0):
+            self.banked[key] = self.banked.get(key, 0.0) + self.last[key]
+        self.last[key] = value
+
+    def total(self, match: Callable[[Any], bool] = lambda k: True) -> int:
+        return int(sum(self.banked.get(k, 0.0) + v for k, v in self.last.items() if match(k)))
+
+
+def _replay(groups: Mapping[Any, list[dict[str, Any]]],
+            each: Callable[[float, _Running], None] | None = None) -> _Running:
+    """The running hop counters of the group records (``{group: records}``), all groups merged
+    in time order; ``each(t, totals so far)`` is called after every record."""
+    merged = sorted(((num(r.get("t")) or 0.0, g, r) for g, recs in groups.items() for r in recs),
+                    key=lambda x: x[0])
+    running = _Running()
+    for t, g, r in merged:
+        for counter in HOP_COUNTERS.values():
+            v = num(r.get(counter))
+            if v is not None:
+                running.add((g, counter), v)
+        if each is not None:
+            each(t, running)
+    return running
+
+
+def hop_bytes(groups: Mapping[Any, list[dict[str, Any]]]) -> dict[str, int]:
+    """Bytes of every hop (``HOPS``) from the group records (``{group: records}``): the
+    worker <-> group hop from the group servers' ``bytes_in`` / ``bytes_out``, the group <->
+    global hop from the ``bytes_to_global`` / ``bytes_from_global`` of their exchange events
+    (0 where the records lack them), summed over the groups; ``bytes_total`` is their sum."""
+    running = _replay(groups)
+    out = {hop: running.total(lambda k, c=counter: k[1] == c)  # type: ignore[misc]
+           for hop, counter in HOP_COUNTERS.items()}
+    return {**out, "bytes_total": sum(out.values())}
+
+
+def total_bytes_series(groups: Mapping[Any, list[dict[str, Any]]]) -> list[tuple[float, int]]:
+    """(t, bytes of all hops so far) after each group record, in time order (for charts)."""
+    out: list[tuple[float, int]] = []
+    _replay(groups, lambda t, running: out.append((t, running.total())))
+    return out
+
+
+def live_hop_bytes(run_dir: str | os.PathLike[str]) -> dict[str, int] | None:
+    """``hop_bytes`` of a running run from the tails of its group files (None before any); a
+    restart older than the tail is not seen (a progress display's figure, not the summary's)."""
+    files = sorted(Path(run_dir).glob("group-*.jsonl"))
+    return hop_bytes({f.stem: tail_jsonl(f) for f in files}) if files else None
+
+
+# -- metrics: A run read back, and its summary: ``load_run`` -> ``Run``, ``summarize`` -> summar...
 
 # Accuracy targets reported by time_to_accuracy unless config.json lists its own "targets".
 DEFAULT_TARGETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
@@ -206,7 +334,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
     mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
     mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}), data ("real",
-    "synthetic", "mixed": provenance.py) and data_sources ({role: its data-<role>.json}). A
+    "synthetic", "mixed": metrics.py) and data_sources ({role: its data-<role>.json}). A
     figure the files cannot give is None.
     """
     run = load_run(run_dir)
@@ -217,7 +345,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     train = max(wall - start, 0.0) if wall is not None else None
     traffic = _traffic(run, pushes)
     staleness = _values(pushes, "staleness")
-    sources = provenance.read(run.path)  # real files or the synthetic stand-in, per process
+    sources = read(run.path)  # real files or the synthetic stand-in, per process
     summary: dict[str, Any] = {
         "mode": cfg.get("mode"), "compressor": cfg.get("compressor"),
         "model": cfg.get("model"), "dataset": cfg.get("dataset"),
@@ -234,7 +362,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "steps": len(pushes), "eval_points": len(run.eval),
         "regroups": sum(1 for r in run.events if r.get("event") == "regroup"),
         "per_worker": _per_worker(run),
-        "data": provenance.verdict(sources), "data_sources": sources,
+        "data": verdict(sources), "data_sources": sources,
     }
     if write:
         dump_json(run.path / "summary.json", summary)

@@ -20,7 +20,7 @@ Layout of a run directory (the writers in server.py / group.py / worker.py follo
     global.jsonl         {"t", "event", ...}    events: merge, groups, joined, left, ratios, ...
                          ("ratios": {"ratios": {g: kept fraction}, "iter_time": {g: seconds}},
                          each change of the GDTopK ratios; the first ones are in "groups")
-    data-<role>.json     real data or the synthetic stand-in, per process (provenance.py)
+    data-<role>.json     real data or the synthetic stand-in, per process (metrics.py)
     summary.json         written by summarize()
 """
 

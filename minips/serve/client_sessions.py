@@ -26,7 +26,7 @@ from minips.errors import RemoteProtocolError
 from minips.net.channel import Channel
 from minips.serve import validation
 from minips.serve.server_io import ServerIO
-from minips.wire import protocol
+from minips.wire import messages
 
 __all__ = ["worker_session", "evaluator_session", "initial_weights"]
 
@@ -51,22 +51,22 @@ async def worker_session(io: ServerIO, ch: Channel, w: int) -> None:
             core.log("left", worker=w, reason="leave" if entry.left else "connection lost")
 
 
-def _on_message(io: ServerIO, entry: WorkerEntry, msg: protocol.Message) -> None:
+def _on_message(io: ServerIO, entry: WorkerEntry, msg: messages.Message) -> None:
     """Handle one control message."""
-    if isinstance(msg, protocol.Stats):
+    if isinstance(msg, messages.Stats):
         validation.check_stats(msg)
         io.perform(io.core.on_stats(entry.id, msg, time.monotonic()))
-    elif isinstance(msg, protocol.InitWeights):
+    elif isinstance(msg, messages.InitWeights):
         io.perform(io.core.on_initial(initial_weights(msg)))
-    elif isinstance(msg, protocol.Leave):
+    elif isinstance(msg, messages.Leave):
         entry.left = True
     else:
         raise validation.unexpected(msg, "worker on the control channel")
 
 
-def initial_weights(msg: protocol.InitWeights) -> np.ndarray:
+def initial_weights(msg: messages.InitWeights) -> np.ndarray:
     """(n,) float32 initial weights a worker sent (the server was started without --init); their
-    size is checked by the message (``global_messages.MAX_PARAMS``)."""
+    size is checked by the message (``messages.MAX_PARAMS``)."""
     w = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, msg.size)
     if not isinstance(w, np.ndarray):
         raise RemoteProtocolError("initial weights must be dense", got=msg.encoding)
@@ -77,9 +77,9 @@ async def evaluator_session(io: ServerIO, ch: Channel) -> None:
     """PULL -> WEIGHTS until LEAVE; the answer with the final weights sets ``evaluated_final``."""
     while True:
         msg = await ch.recv()
-        if isinstance(msg, protocol.Leave):
+        if isinstance(msg, messages.Leave):
             return
-        if not isinstance(msg, protocol.Pull):
+        if not isinstance(msg, messages.Pull):
             raise validation.unexpected(msg, "evaluator")
         await io.weights_ready.wait()
         final = io.core.done and io.finished.is_set()

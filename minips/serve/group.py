@@ -2,9 +2,16 @@
 
 The rules live in ``group_core.GroupCore`` (no IO); ``GroupServer`` is their asyncio shell: it
 listens, runs one session per worker, feeds the core each event with the time and performs the
-actions it returns (``group_actions.py``: sends the ACK, wakes held PULLs, exchanges with the
+actions it returns (``group_core.py``: sends the ACK, wakes held PULLs, exchanges with the
 global server in the background, logs), holds a PULL until SSP allows it and expires silent
 workers. The rules themselves are described in group_core.py's docstring.
+
+``OncePerTurn``: one call of a function per turn of the asyncio event loop, shared by all.
+
+A group server publishes its compressed downlink (``downlink.py``, an O(n) exact top-k) once for
+all the PULLs it answers in one turn of its loop (they arrived together, or a BSP round or the
+staleness bound released them together), not once per PULL; every such PULL still gets weights
+at least as new as when it arrived.
 """
 
 from __future__ import annotations
@@ -19,19 +26,54 @@ from typing import Any
 import numpy as np
 
 from minips.core.downlink import held_version
-from minips.core.exchange import ExchangeResult, GroupLink, Outgoing
-from minips.core.group_actions import Action, AllLeft, BudgetSpent, Reply, StartExchange, Wake
-from minips.core.group_core import GroupCore
+from minips.core.exchange import GroupLink, Outgoing
+from minips.core.group_core import (
+    Action,
+    AllLeft,
+    BudgetSpent,
+    GroupCore,
+    Reply,
+    StartExchange,
+    Wake,
+)
 from minips.errors import AuthError, RemoteProtocolError
-from minips.net import transport
+from minips.net import channel, transport
 from minips.net.channel import Channel
 from minips.run.config import RunConfig
-from minips.run.metrics import JsonlWriter
+from minips.run.rundir import JsonlWriter
 from minips.serve import validation
-from minips.serve.once_per_turn import OncePerTurn
-from minips.wire import protocol
+from minips.wire import messages
 
-__all__ = ["ExchangeResult", "GroupLink", "GroupServer"]  # the first two: from exchange.py
+__all__ = ["OncePerTurn", "GroupServer"]
+
+
+# -- once_per_turn: OncePerTurn``: one call of a function per turn of the asyncio event loop, sh...
+
+class OncePerTurn:
+    """``await once()`` runs ``fn`` soon, once for every caller awaiting in this turn."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+        self._due: asyncio.Future[None] | None = None  # the call due this turn
+
+    async def __call__(self) -> None:
+        if self._due is None:
+            loop = asyncio.get_running_loop()
+            self._due = loop.create_future()
+            loop.call_soon(self._run, self._due)
+        await asyncio.shield(self._due)  # a caller given up on must not cancel the others'
+
+    def _run(self, due: asyncio.Future[None]) -> None:
+        self._due = None
+        try:
+            self.fn()
+        except Exception as exc:  # the callers waiting for it fail (their sessions end), not hang
+            due.set_exception(exc)
+        else:
+            due.set_result(None)
+
+
+# -- group: Group server: one group's model copy, SGD state and SSP clock table (numpy, asyncio,...
 
 EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
 
@@ -73,7 +115,7 @@ class GroupServer(GroupCore):
     def load_state_dict(self, state: dict[str, Any], now: float | None = None) -> None:
         super().load_state_dict(state, self.clock() if now is None else now)
 
-    def on_push(self, w: int, msg: protocol.Push) -> protocol.Ack:
+    def on_push(self, w: int, msg: messages.Push) -> messages.Ack:
         """One PUSH of worker ``w`` (``GroupCore.push``): return its ACK."""
         return _ack(self._perform(self.push(w, msg, self.clock())))
 
@@ -82,7 +124,7 @@ class GroupServer(GroupCore):
         (``GroupCore.rebase``)."""
         self._perform(self.rebase(weights, link, held))
 
-    def _perform(self, actions: list[Action]) -> protocol.Message | None:
+    def _perform(self, actions: list[Action]) -> messages.Message | None:
         """Do what the core asked, in order; return its reply to the worker (None if none)."""
         reply = None
         for a in actions:
@@ -129,7 +171,7 @@ class GroupServer(GroupCore):
 
     async def _publish(self) -> None:
         """With a compressed downlink: publish once for all the PULLs this turn of the event
-        loop answers (``once_per_turn.py``)."""
+        loop answers (``group.py``)."""
         if self.downlink is not None:
             await self._publish_turn()
 
@@ -182,7 +224,7 @@ class GroupServer(GroupCore):
     # -- network --------------------------------------------------------------------------
 
     async def serve(self, host: str, port: int, token: str, ssl: Any = None,
-                    options: transport.Options | None = None) -> int:
+                    options: channel.Options | None = None) -> int:
         """Listen for this group's workers (``options``: timeouts, buffers); return the port."""
         self.server = await transport.serve(host, port, token=token, accept=self._accept,
                                             handler=self.handle, ssl=ssl, options=options)
@@ -190,7 +232,7 @@ class GroupServer(GroupCore):
         self._spawn(self._expire_loop())
         return self.port
 
-    def _accept(self, hello: protocol.Hello) -> dict[str, Any]:
+    def _accept(self, hello: messages.Hello) -> dict[str, Any]:
         refused = self.refusal(hello)
         if refused:
             raise AuthError(refused)
@@ -220,7 +262,7 @@ class GroupServer(GroupCore):
             self._closed_bytes["bytes_out"] += ch.bytes_sent
             await ch.close()
 
-    async def _session(self, ch: Channel, w: int, first: protocol.Message) -> None:
+    async def _session(self, ch: Channel, w: int, first: messages.Message) -> None:
         """One request at a time: the next message is not read before this one is answered, so
         a worker that sends ahead (a flood) waits on TCP, and its PUSH is taken only after the
         WEIGHTS it pulled went out (SSP holds it like any other worker)."""
@@ -231,14 +273,14 @@ class GroupServer(GroupCore):
             # one message per turn: a worker with many queued (a flood) takes turns with the rest
             await asyncio.sleep(0)
             msg = await ch.recv()
-            if isinstance(msg, protocol.Pull):
+            if isinstance(msg, messages.Pull):
                 pulled = msg.clock
                 sent = await self._send_pull(ch, w, held_version(msg.since, sent))
-            elif isinstance(msg, protocol.Push):
+            elif isinstance(msg, messages.Push):
                 validation.check_push_order(pulled, msg.clock)
                 pulled = None
                 await self._send_push(ch, w, msg)
-            elif isinstance(msg, protocol.Leave):
+            elif isinstance(msg, messages.Leave):
                 return
             else:
                 raise validation.unexpected(msg, "worker")
@@ -270,9 +312,9 @@ class GroupServer(GroupCore):
             await ch.send(reply)
         return int(reply.version)
 
-    async def _send_push(self, ch: Channel, w: int, msg: protocol.Push) -> None:
+    async def _send_push(self, ch: Channel, w: int, msg: messages.Push) -> None:
         if w not in self.table:  # its lease expired while it was silent: rejoin and pull first
-            await ch.send(protocol.Error(code="lease", reason=f"worker {w}: lease expired, "
+            await ch.send(messages.Error(code="lease", reason=f"worker {w}: lease expired, "
                                          "reconnect and pull the current weights"))
             raise ConnectionResetError("lease expired")
         validation.check_push(msg)
@@ -303,8 +345,8 @@ class GroupServer(GroupCore):
                                **self.traffic()})
 
 
-def _ack(reply: protocol.Message | None) -> protocol.Ack:
+def _ack(reply: messages.Message | None) -> messages.Ack:
     """The core's reply to a join or a PUSH, which is always an ACK."""
-    if not isinstance(reply, protocol.Ack):
+    if not isinstance(reply, messages.Ack):
         raise RuntimeError(f"the group core answered with {reply!r}, not an ACK")
     return reply

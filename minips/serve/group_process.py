@@ -10,7 +10,7 @@ Faults: when the global server is lost, the group keeps serving its workers (the
 applied locally; exchanges wait) and reconnects with backoff and jitter for ``reconnect_s``; on
 reconnect it takes the global weights and keeps its own not-yet-sent delta on top
 (``GroupServer.reload``), so a global server resumed from a checkpoint gets this group's work
-since its last exchange, and the exchanges the checkpoint lacks once more (unsaved.py): each
+since its last exchange, and the exchanges the checkpoint lacks once more (exchange.py): each
 EXCHANGE_REPLY from the global server names the seqs it holds. A replacement group process is
 given a group whose server is gone (``group_sessions._adopt``); it starts from the global weights.
 """
@@ -23,22 +23,15 @@ from typing import Any
 import numpy as np
 
 from minips import sparse
-from minips.core.exchange import Delta, ExchangeResult, push_message
-from minips.core.unsaved import seqs_in
+from minips.core.exchange import Delta, ExchangeResult, push_message, seqs_in
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
-from minips.run.config import (
-    GroupConfig,
-    RunConfig,
-    check_bind,
-    client_ssl,
-    format_address,
-    server_ssl,
-)
-from minips.run.metrics import RunDir
+from minips.net.endpoints import check_bind, client_ssl, format_address, server_ssl
+from minips.run.config import GroupConfig, RunConfig
+from minips.run.rundir import RunDir
 from minips.serve.group import GroupServer
-from minips.wire import protocol
+from minips.wire import messages
 
 __all__ = ["TcpLink", "serve_group", "run_group_process"]
 
@@ -89,12 +82,12 @@ class TcpLink:
         try:
             while True:
                 msg = await self.ch.recv()
-                if (isinstance(msg, (protocol.ExchangeReply, protocol.GlobalWeights))
+                if (isinstance(msg, (messages.ExchangeReply, messages.GlobalWeights))
                         and self._reply and not self._reply.done()):
                     self._reply.set_result(msg)
-                elif isinstance(msg, protocol.Assign) and self.group is not None:
+                elif isinstance(msg, messages.Assign) and self.group is not None:
                     self.group.ratio = msg.ratio
-                elif isinstance(msg, protocol.Leave) and self.group is not None:
+                elif isinstance(msg, messages.Leave) and self.group is not None:
                     self.group.finish()
         except (ConnectionError, RemoteProtocolError) as exc:
             if self._reply is not None and not self._reply.done():
@@ -115,15 +108,15 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease
     link = TcpLink(ch)
     assign = await ch.recv()
-    if isinstance(assign, protocol.Error):  # e.g. every group has its server already
+    if isinstance(assign, messages.Error):  # e.g. every group has its server already
         await ch.close()
         raise ConfigError(f"the global server refused this group server: {assign.reason}")
-    if not isinstance(assign, protocol.Assign):
+    if not isinstance(assign, messages.Assign):
         await ch.close()
         raise RemoteProtocolError("expected ASSIGN", got=type(assign).__name__)
     link.reader = asyncio.create_task(link.read())
-    init = await link.request(protocol.Pull(clock=0))
-    if not isinstance(init, protocol.GlobalWeights):
+    init = await link.request(messages.Pull(clock=0))
+    if not isinstance(init, messages.GlobalWeights):
         raise RemoteProtocolError("expected GLOBAL_WEIGHTS", got=type(init).__name__)
     weights = np.asarray(sparse.decode_gradient(init.encoding, init.codec, init.buffers,
                                                 init.size))

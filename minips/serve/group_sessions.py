@@ -1,10 +1,10 @@
 """The global server's sessions with external group servers (`minips group` processes; asyncio).
 
 A group process connects as role ``group`` before the grouping and waits in ``pending_groups``;
-``external_group`` hands it a group (ASSIGN) behind a ``RemoteGroup`` peer (``group_peer.py``).
+``external_group`` hands it a group (ASSIGN) behind a ``RemoteGroup`` peer (``roster.py``).
 The session is then: PULL -> GLOBAL_WEIGHTS (the initial weights, ``members``), and
 EXCHANGE(delta, counters) -> EXCHANGE_REPLY (the merged global weights, or with a sparse exchange
-the entries of the group's copy to set: replica.py) until LEAVE; the answers are the core's
+the entries of the group's copy to set: exchange.py) until LEAVE; the answers are the core's
 (``GlobalCore.group_pull`` / ``group_push`` / ``group_left``). A group process that connects
 after the grouping — restarted, or reconnecting to a restarted global server — adopts a group
 no server serves, its own first.
@@ -23,14 +23,13 @@ import logging
 import time
 
 from minips import sparse
-from minips.core.group_peer import NoGroup
-from minips.core.roster import GroupHandle
+from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError
 from minips.net.channel import Channel
-from minips.run.config import reachable
+from minips.net.endpoints import reachable
 from minips.serve import validation
 from minips.serve.server_io import ServerIO, send_quiet
-from minips.wire import protocol
+from minips.wire import messages
 
 __all__ = ["RemoteGroup", "external_group", "group_session"]
 
@@ -51,11 +50,11 @@ class RemoteGroup(NoGroup):
     def connected(self) -> bool:
         return True
 
-    async def send_ratio(self, assign: protocol.Assign) -> None:
+    async def send_ratio(self, assign: messages.Assign) -> None:
         await send_quiet(self.ch, assign)
 
     async def finish(self) -> None:
-        await send_quiet(self.ch, protocol.Leave(reason="done"))
+        await send_quiet(self.ch, messages.Leave(reason="done"))
 
 
 async def external_group(io: ServerIO, g: int, members: list[int]) -> GroupHandle:
@@ -147,15 +146,15 @@ async def _adopt(io: ServerIO, ch: Channel) -> GroupHandle | None:
 async def _on_message(io: ServerIO, ch: Channel, handle: GroupHandle) -> bool:
     """Handle one message of a group process; True when it left."""
     core, msg = io.core, await ch.recv()
-    if isinstance(msg, protocol.Pull):  # the group takes these weights whole (replica.py)
+    if isinstance(msg, messages.Pull):  # the group takes these weights whole (exchange.py)
         await ch.send(core.group_pull(handle.id))
-    elif isinstance(msg, protocol.Exchange):
+    elif isinstance(msg, messages.Exchange):
         assert core.weights is not None
         delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, core.weights.size)
         reply = core.group_push(handle.id, delta, msg.info)
         io.perform(core.take_actions())
         await ch.send(reply)
-    elif isinstance(msg, protocol.Leave):
+    elif isinstance(msg, messages.Leave):
         io.perform(core.group_left(handle.id))
         return True
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from minips.serve.group import GroupServer
-from minips.wire import protocol
+from minips.wire import messages
 
 __all__ = ["InProcGroup"]
 
@@ -49,7 +49,7 @@ class InProcGroup:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.server.load_state_dict(state)
 
-    async def send_ratio(self, assign: protocol.Assign) -> None:
+    async def send_ratio(self, assign: messages.Assign) -> None:
         """It reads ``ratio`` itself."""
 
     async def finish(self) -> None:

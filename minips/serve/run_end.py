@@ -23,7 +23,7 @@ import asyncio
 import logging
 
 from minips.serve.server_io import ServerIO, send_quiet
-from minips.wire import protocol
+from minips.wire import messages
 
 __all__ = ["every_group_final", "fail", "REJOIN_POLL_S"]
 
@@ -69,6 +69,6 @@ def fail(io: ServerIO, code: str, reason: str) -> None:
     log.error("%s", reason)
     for entry in core.workers.values():
         if entry.ch is not None:
-            io.spawn(send_quiet(entry.ch, protocol.Error(code=code, reason=reason)))
+            io.spawn(send_quiet(entry.ch, messages.Error(code=code, reason=reason)))
     io.perform(core.finish(code))
     io.finished.set()

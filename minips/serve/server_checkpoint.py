@@ -1,7 +1,7 @@
 """The global server's checkpoint files: where they go, the periodic save, stale temp files.
 
 What a checkpoint holds and how its parts come back is sans-IO: ``GlobalCore.checkpoint_state`` /
-``load_state_dict`` and ``global_state.py``. This module does the IO: ``checkpoint.py`` writes
+``load_state_dict`` and ``global_core.py``. This module does the IO: ``checkpoint.py`` writes
 the file (atomic, no pickle) in a thread while the loop keeps serving, every
 ``checkpoint_every_s`` until the budget is spent. Failure handling: docs/operations.md.
 """

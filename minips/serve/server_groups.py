@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Any
 
-from minips.core import global_state
+from minips.core import global_core
 from minips.core.roster import GroupHandle, WorkerEntry
 from minips.serve import server_checkpoint
 from minips.serve.server_io import ServerIO
@@ -99,7 +99,7 @@ async def reopen(io: ServerIO, state: dict[str, Any]) -> None:
         g, members = int(key), list(saved["members"])
         h = (GroupHandle(g, "", members) if io.cfg.external_groups
              else await io.open_group(g, members))
-        global_state.restore_group(h, saved)
+        global_core.restore_group(h, saved)
         core.groups[g] = h
     core.roster.restore_regrouper()
     core.started_training = time.time() - float(state["train_s"])

@@ -15,8 +15,7 @@ import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from minips.core.global_actions import Action
-from minips.core.global_core import GlobalCore
+from minips.core.global_core import Action, GlobalCore
 from minips.core.roster import GroupHandle, WorkerEntry
 from minips.net.channel import Channel
 from minips.run.config import ServerConfig
@@ -33,7 +32,7 @@ class ServerIO:
     def __init__(self, cfg: ServerConfig, core: GlobalCore,
                  perform: Callable[[list[Action]], None], open_group: OpenGroup) -> None:
         self.cfg, self.core = cfg, core
-        self.perform = perform  # do what the core decided (global_actions.py)
+        self.perform = perform  # do what the core decided (global_core.py)
         self.open_group = open_group  # start group g's server (or hand g to a group process)
         self.finished = asyncio.Event()  # the run is over
         self.evaluated_final = asyncio.Event()  # the evaluator got the final weights

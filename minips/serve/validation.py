@@ -3,7 +3,7 @@
 The protocol modules already check framing, types, lengths, limits and which message kinds a
 connection state allows; ``sparse.decode_gradient`` checks encodings, sizes, index bounds and
 NaN/inf; a group's EXCHANGE counters are typed fields, checked by the message
-(global_messages.py). What is left is meaning that only a server knows: ranges of counters and
+(messages.py). What is left is meaning that only a server knows: ranges of counters and
 times, clocks that go backwards, messages a role may not send in a session. A violation raises
 ``RemoteProtocolError``; ``reject`` then answers ERROR with the reason, logs (as counts) and
 counts it, and the caller closes that one connection (``replace`` ends a session that a new
@@ -21,8 +21,8 @@ from typing import Any
 from minips.core import ssp
 from minips.errors import RemoteProtocolError
 from minips.net.channel import Channel
-from minips.net.logcounts import CountingLog
-from minips.wire import protocol
+from minips.net.transport import CountingLog
+from minips.wire import messages
 
 __all__ = ["MAX_SAMPLES", "MAX_STEP_S", "REPLACED", "check_push", "check_push_order",
            "check_stats", "replace", "unexpected", "reject"]
@@ -41,7 +41,7 @@ def _number(name: str, value: Any, lo: float, hi: float) -> None:
         raise RemoteProtocolError(f"{name} out of range", expected=f"[{lo}, {hi}]", got=value)
 
 
-def check_push(msg: protocol.Push) -> None:
+def check_push(msg: messages.Push) -> None:
     """A worker's PUSH counters: samples, step time, loss (the gradient is checked on decode)."""
     _number("samples", msg.samples, 0, MAX_SAMPLES)
     _number("step_time", msg.step_time, 0.0, MAX_STEP_S)
@@ -55,7 +55,7 @@ def check_push_order(pulled: int | None, clock: int) -> None:
                                   expected=None if pulled is None else pulled + 1, got=clock)
 
 
-def check_stats(msg: protocol.Stats) -> None:
+def check_stats(msg: messages.Stats) -> None:
     """A worker's STATS: a positive finite step time and a sample count. Its clock is not
     compared with the last one: it counts steps in the worker's current group, and starts
     again when the worker moves to another group or its group server restarts."""
@@ -75,7 +75,7 @@ async def replace(old: Channel, w: int, counts: collections.Counter[str], where:
     await old.close()
 
 
-def unexpected(msg: protocol.Message, role: str) -> RemoteProtocolError:
+def unexpected(msg: messages.Message, role: str) -> RemoteProtocolError:
     """The error for a message kind this role may not send here."""
     return RemoteProtocolError(f"{type(msg).__name__.upper()} not allowed from a {role} here",
                                got=type(msg).__name__)

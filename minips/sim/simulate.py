@@ -23,6 +23,20 @@ has the accuracy too with a real model, so ``minips plot`` and ``summarize`` rea
 run's. What it leaves out: the handshake, heartbeats and leases, regrouping.
 
 Public API: ``SimConfig``, ``Simulation``, ``simulate(cfg) -> summary``.
+
+What one simulated run is: the run's settings and the simulator's models of time and
+gradients (``simulate.simulate`` runs it; ``minips simulate``'s flags fill it).
+
+The role cores as the simulator drives them: ``GroupCore`` and ``GlobalCore`` whose actions
+(``group_core.py``, ``global_core.py``) the event queue (``simulate.Simulation``, seen
+here as the ``Host`` it is, so the two modules do not import each other) performs instead of
+sockets.
+
+The rules are the cores' own; what is here is only what the asyncio shells do around them:
+hold the PULLs that SSP says wait (``pending``), gather the PULLs answered at one simulated
+instant so the group publishes once for them (``ready``: the asyncio group server publishes
+once per event-loop turn), count the bytes of the worker links, and write the group and
+global records with ``t`` in simulated seconds.
 """
 
 from __future__ import annotations
@@ -31,22 +45,185 @@ import dataclasses
 import heapq
 import itertools
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from minips.core import global_core
 from minips.core.downlink import apply_weights
 from minips.core.exchange import wire_size
-from minips.core.roster import GroupHandle
-from minips.run import metrics
-from minips.sim.sim_config import SimConfig, per_worker
-from minips.sim.sim_cores import SimGlobal, SimGroup, SimPeer
-from minips.sim.sim_objective import objective
-from minips.sim.sim_timing import Failure, Links, StepTimes
-from minips.wire import protocol
+from minips.core.global_core import GlobalCore
+from minips.core.group_core import (
+    Action,
+    AllLeft,
+    BudgetSpent,
+    GroupCore,
+    Log,
+    Reply,
+    StartExchange,
+    Wake,
+)
+from minips.core.roster import GroupHandle, NoGroup
+from minips.run import metrics, rundir
+from minips.run.config import RunConfig
+from minips.run.rundir import RunDir
+from minips.sim.timing import Failure, Links, StepTimes, objective
+from minips.wire import messages
 
-__all__ = ["SimConfig", "Simulation", "simulate"]
+__all__ = ["SimConfig", "per_worker", "SimGlobal", "SimGroup", "SimPeer", "Simulation", "simulate"]
+
+
+# -- sim_config: What one simulated run is: the run's settings and the simulator's models of tim...
+
+@dataclass
+class SimConfig:
+    """One simulated run: the run's settings and the models of time and gradients."""
+
+    run: RunConfig
+    slowdowns: list[float] = field(default_factory=lambda: [1.0])  # per worker, last repeats
+    step_times: list[float] = field(default_factory=list)  # s per worker (overrides slowdowns)
+    step_traces: list[list[float]] = field(default_factory=list)  # per worker: s of step k
+    jitter: float = 0.0  # relative spread of a step's compute time
+    rate: float = 0.0  # link bytes per second each way per worker (0: no limit)
+    latency_s: float = 0.0  # one way, per message
+    latency_jitter_s: float = 0.0  # plus this times |N(0, 1)|
+    xchg_latency_s: float = 0.0  # a group's exchange is merged this long after it is due
+    failures: list[Failure] = field(default_factory=list)
+    real: bool = False  # gradients of the run's model and data set (else synthetic)
+    model_opts: dict[str, Any] = field(default_factory=dict)  # sim_model: train=, test=
+    dim: int = 1000  # coordinates of the synthetic objective
+    noise: float = 1.0  # gradient noise of one sample, per coordinate
+    max_pushes: int = 0  # stop after this many pushes (0: the run's epochs budget)
+    eval_every_s: float = 0.0  # simulated seconds between evaluations (0: the run's)
+    out_dir: str = "runs"
+    name: str = ""
+
+
+def per_worker(values: list[float], n: int) -> list[float]:
+    """``values`` for workers 0..n-1, the last one repeated."""
+    return [values[min(w, len(values) - 1)] for w in range(n)]
+
+
+# -- sim_cores: The role cores as the simulator drives them: ``GroupCore`` and ``GlobalCore`` wh...
+
+class Host(Protocol):
+    """What the cores here use of the simulation (``simulate.Simulation``) that drives them."""
+
+    t: float
+    cfg: SimConfig
+    run: RunConfig
+    rundir: RunDir
+    glob: SimGlobal
+    groups: dict[int, SimGroup]
+
+    def at(self, delay: float, fn: Callable[..., Any], *args: Any) -> None: ...
+    def exchange(self, g: int, final: bool = False) -> None: ...
+    def release(self, core: SimGroup) -> None: ...
+
+
+class NoLink:
+    """The group cores' link: unused, the simulation merges exchanges itself (``exchange``)."""
+
+    async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> Any:
+        raise RuntimeError("a simulated group exchanges through Simulation.exchange")
+
+
+class SimGroup(GroupCore):
+    """A group core whose actions (``group_core.py``) the simulation performs."""
+
+    def __init__(self, sim: Host, g: int, members: list[int]) -> None:
+        self.sim, self.in_flight = sim, False
+        self.pending: list[tuple[int, list[int]]] = []  # PULLs held: (worker, waited for)
+        self.ready: list[tuple[int, list[int]]] = []  # PULLs to answer at this instant
+        self.flush_due = False  # an answer of ``ready`` is queued at this instant
+        self.bytes = {"bytes_in": 0, "bytes_out": 0}
+        self.writer = sim.rundir.writer(f"group-{g}")
+        super().__init__(g, sim.run, sim.glob.weights, NoLink(), members=members, now=sim.t)
+
+    def perform(self, actions: list[Action]) -> Any:
+        """Do what the core asked; return its reply. A ``Wake`` releases the held PULLs last
+        (after an exchange is scheduled); ``AllLeft`` exchanges what the group holds."""
+        reply = None
+        for a in actions:
+            if isinstance(a, Reply):
+                reply = a.msg
+            elif isinstance(a, StartExchange | AllLeft) and not self.in_flight:
+                self.in_flight = True
+                self.sim.at(self.sim.cfg.xchg_latency_s, self.sim.exchange, self.group)
+            elif isinstance(a, BudgetSpent):
+                self.done = True
+            elif isinstance(a, Log):
+                self.log(a.event, **a.fields)
+        if any(isinstance(a, Wake | BudgetSpent) for a in actions):
+            self.sim.release(self)
+        return reply
+
+    def worker_left(self, w: int) -> None:
+        """``w``'s connection dropped: forget its PULLs, leave the clock table."""
+        self.pending = [p for p in self.pending if p[0] != w]
+        self.ready = [p for p in self.ready if p[0] != w]
+        self.log("left", worker=w)
+        self.perform(self.leave(w))
+
+    def worker_joined(self, w: int, now: float) -> int:
+        """``w`` connected again: the clock it starts from (its first ACK)."""
+        clock = int(self.perform(self.join(w, now)).clock)
+        self.log("joined", worker=w, clock=clock)
+        return clock
+
+    def traffic(self) -> dict[str, int]:
+        return dict(self.bytes)
+
+    def log(self, event: str, **fields: Any) -> None:
+        self.writer.write({"t": self.sim.t, "event": event, "group": self.group, **fields,
+                           "version": self.version, **self.counters, **self.traffic()})
+
+
+class SimPeer(NoGroup):
+    """A simulated group as the global core sees it (``group_peer.GroupPeer``): its ratio *is*
+    the group core's attribute, as an in-process group server's (``serve/inproc_group.py``);
+    its traffic is what its exchanges reported, as a group process's."""
+
+    def __init__(self, core: SimGroup) -> None:
+        self.core = core
+        super().__init__(core.ratio)
+
+    @property  # type: ignore[override]
+    def ratio(self) -> float:
+        return self.core.ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        self.core.ratio = value
+
+
+class SimGlobal(GlobalCore):
+    """The global core: ``done`` releases the simulated groups (GDTopK's ratios are already in
+    them: ``SimPeer``)."""
+
+    def __init__(self, sim: Host, weights: np.ndarray) -> None:
+        self.sim = sim
+        self.writer = sim.rundir.writer("global")
+        super().__init__(sim.run, weights, regroup=False, clock=lambda: sim.t,
+                         wall=lambda: sim.run.t0 + sim.t)
+
+    def perform(self, actions: list[global_core.Action]) -> None:
+        """What the core decided (global_core.py): the end of the run."""
+        for a in actions:
+            if isinstance(a, global_core.Done):
+                for core in self.sim.groups.values():
+                    core.done = True
+                    self.sim.release(core)
+
+    def log(self, event: str, **fields: Any) -> None:
+        self.writer.write({"t": self.sim.t, "event": event, **fields, "version": self.version,
+                           "samples": self.samples})
+
+
+# -- simulate: minips simulate`: a whole cluster as a discrete-event simulation on the real role...
 
 SMALL = 40  # bytes of a PULL or an ACK on the wire (a few fields)
 
@@ -59,7 +236,7 @@ class Simulation:
         self.run.t0 = self.run.t0 or time.time()
         self.t, self.seq = 0.0, itertools.count()
         self.queue: list[tuple[float, int, Any, tuple[Any, ...]]] = []  # (time, seq, fn, args)
-        self.rundir = metrics.RunDir(run_dir, t0=self.run.t0)
+        self.rundir = rundir.RunDir(run_dir, t0=self.run.t0)
         self.rundir.write_config(self.run.to_info())
         self.objective = objective(self.run, real=cfg.real, dim=cfg.dim, noise=cfg.noise,
                                    **cfg.model_opts)
@@ -175,7 +352,7 @@ class Simulation:
             else:
                 core.pending.append((w, waited))
 
-    def weights_arrive(self, w: int, msg: protocol.Weights) -> None:
+    def weights_arrive(self, w: int, msg: messages.Weights) -> None:
         if msg.done:
             return
         copy = self.copy[w] = apply_weights(self.copy[w], self.held[w], msg,
@@ -190,7 +367,7 @@ class Simulation:
             self.comp[w].observe_loss(loss)
         packet = self.comp[w].compress(grad)
         enc, codec, bufs = self.comp[w].encode(packet)  # the encoding the compressor declares
-        push = protocol.Push(clock=self.clock[w] + 1, step_time=step, loss=loss,
+        push = messages.Push(clock=self.clock[w] + 1, step_time=step, loss=loss,
                              samples=self.run.batch_size, encoding=enc, codec=codec,
                              buffers=tuple(bufs))
         nbytes = wire_size(push)
@@ -202,7 +379,7 @@ class Simulation:
                   "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes}
         self.send(w, nbytes, self.push_arrives, push, record, after=step)  # once computed
 
-    def push_arrives(self, w: int, push: protocol.Push, record: dict[str, Any]) -> None:
+    def push_arrives(self, w: int, push: messages.Push, record: dict[str, Any]) -> None:
         core = self.groups[self.group_of[w]]
         core.bytes["bytes_in"] += record["bytes_wire"]  # wire_size(push), counted once sent
         ack = core.perform(core.push(w, push, self.t))
@@ -212,7 +389,7 @@ class Simulation:
             self.glob.perform(self.glob.finish("pushes"))
         self.send(w, SMALL, self.ack_arrives, ack, record)
 
-    def ack_arrives(self, w: int, ack: protocol.Ack, record: dict[str, Any]) -> None:
+    def ack_arrives(self, w: int, ack: messages.Ack, record: dict[str, Any]) -> None:
         self.clock[w] = ack.clock
         self.records[w].append({"t": self.t, "clock": ack.clock, **record})
         if self.run.max_steps and ack.clock >= self.run.max_steps:

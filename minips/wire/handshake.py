@@ -24,8 +24,7 @@ from enum import IntEnum
 from typing import Any
 
 from minips.errors import AuthError, LocalProtocolError, RemoteProtocolError
-from minips.wire.decoder import Alloc, FrameDecoder
-from minips.wire.frames import DEFAULT_LIMITS, SCRATCH_BYTES, Limits, encode
+from minips.wire.frames import DEFAULT_LIMITS, SCRATCH_BYTES, Alloc, FrameDecoder, Limits, encode
 from minips.wire.messages import (
     NONCE_BYTES,
     PROTOCOL_VERSION,

@@ -13,17 +13,18 @@ import numpy as np
 import torch
 
 from minips import sparse
-from minips.client.worker_link import Link, Stopped, connect_role, leave
 from minips.errors import RemoteProtocolError
 from minips.ml import data, models
 from minips.net import transport
 from minips.net.channel import Channel
-from minips.run import provenance
+from minips.run import metrics
 from minips.run.config import RunConfig, WorkerConfig
-from minips.run.metrics import JsonlWriter, RunDir
-from minips.wire import protocol
+from minips.run.rundir import JsonlWriter, RunDir
+from minips.wire import messages
+from minips.worker import Link, Stopped, connect_role, leave
 
 __all__ = ["evaluate_loop", "run_evaluator"]
+
 
 log = logging.getLogger("minips.worker")
 
@@ -34,7 +35,7 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     ch = await connect_role(cfg, cfg.server_host, cfg.server_port, "evaluator", -1)
     run = RunConfig.from_info(dict(ch.welcome_info))
     test = data.load_dataset(run.dataset, "test", cfg.data_dir or run.data_dir)
-    provenance.record(cfg.run_dir, "evaluator", test.meta)
+    metrics.record(cfg.run_dir, "evaluator", test.meta)
     if run.eval_limit:
         test = test.subset(np.arange(min(run.eval_limit, len(test))))
     writer = RunDir(cfg.run_dir, t0=run.t0).writer("eval")
@@ -44,8 +45,8 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
         while True:
             t = time.monotonic()
             try:
-                await ch.send(protocol.Pull(clock=0))
-                w = await Link(ch, 0, 0).expect(protocol.GlobalWeights)
+                await ch.send(messages.Pull(clock=0))
+                w = await Link(ch, 0, 0).expect(messages.GlobalWeights)
             except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError,
                     Stopped) as exc:
                 if isinstance(exc, Stopped) and exc.final:
@@ -76,7 +77,7 @@ async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunC
     return ch
 
 
-def _evaluate_once(run: RunConfig, w: protocol.GlobalWeights, size: int,
+def _evaluate_once(run: RunConfig, w: messages.GlobalWeights, size: int,
                    test: data.Dataset, writer: JsonlWriter) -> None:
     flat = np.asarray(sparse.decode_gradient(w.encoding, w.codec, w.buffers, size))
     acc, loss = models.evaluate(run.model, flat, test)

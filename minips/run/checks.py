@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from minips.compress.registry import COMPRESSORS, make_compressor
 from minips.errors import ConfigError
-from minips.ml.data import DATASET_NAMES
+from minips.ml.data_files import DATASET_NAMES
 from minips.ml.model_table import MODEL_NAMES, PARAM_COUNTS
+from minips.net.endpoints import client_ssl, parse_address, server_ssl
 from minips.net.links import parse_profile
-from minips.run.config import RunConfig, client_ssl, parse_address, parse_slowdowns, server_ssl
-from minips.sparse import COMPRESSORS, make_compressor
+from minips.run.config import RunConfig, parse_slowdowns
 
 __all__ = [
     "finite",
@@ -45,6 +46,7 @@ __all__ = [
     "check_link",
     "speaks_tls",
 ]
+
 
 TLS_PROBE_S = 3.0  # how long ``speaks_tls`` waits for a server's TLS handshake
 
