@@ -28,10 +28,10 @@ __version__ = "0.1.0"
 # name -> module that defines it; read by __getattr__ below.
 _LAZY = {
     # configuration of a run and of each role
-    "RunConfig": "minips.run.config",
-    "ServerConfig": "minips.run.config",
-    "GroupConfig": "minips.run.config",
-    "WorkerConfig": "minips.run.config",
+    "RunConfig": "minips.core.config",
+    "ServerConfig": "minips.server",
+    "GroupConfig": "minips.serve.group_process",
+    "WorkerConfig": "minips.core.config",
     # the roles: sans-IO cores and the processes that drive them
     "SyncPolicy": "minips.core.sync",
     "GroupCore": "minips.core.group_core",
@@ -48,7 +48,7 @@ _LAZY = {
     "messages": "minips.wire.messages",
     # simulation, run directories, the reference trainer
     "simulate": "minips.sim.simulate",
-    "summarize": "minips.run.metrics",
+    "summarize": "minips.record.metrics",
     "train_reference": "minips.ml.reference",
 }
 # public names whose attribute in their module is spelled differently

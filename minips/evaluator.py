@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from minips import sparse
+from minips.core.config import RunConfig, WorkerConfig
 from minips.errors import RemoteProtocolError
 from minips.ml import data, models
 from minips.net import transport
 from minips.net.channel import Channel
-from minips.run import metrics
-from minips.run.config import RunConfig, WorkerConfig
-from minips.run.rundir import JsonlWriter, RunDir
+from minips.record.metrics import record
+from minips.record.rundir import JsonlWriter, RunDir
 from minips.wire import messages
 from minips.worker import Link, Stopped, connect_role, leave
 
@@ -35,7 +35,7 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     ch = await connect_role(cfg, cfg.server_host, cfg.server_port, "evaluator", -1)
     run = RunConfig.from_info(dict(ch.welcome_info))
     test = data.load_dataset(run.dataset, "test", cfg.data_dir or run.data_dir)
-    metrics.record(cfg.run_dir, "evaluator", test.meta)
+    record(cfg.run_dir, "evaluator", test.meta)
     if run.eval_limit:
         test = test.subset(np.arange(min(run.eval_limit, len(test))))
     writer = RunDir(cfg.run_dir, t0=run.t0).writer("eval")

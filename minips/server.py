@@ -38,12 +38,14 @@ import asyncio
 import contextlib
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from minips.core import global_core
+from minips.core.config import RunConfig
 from minips.core.exchange import Delta, ExchangeResult
 from minips.core.global_core import GlobalCore
 from minips.core.roster import GroupHandle
@@ -51,9 +53,8 @@ from minips.errors import AuthError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.net.endpoints import check_bind, format_address, server_ssl
-from minips.run import checkpoint
-from minips.run.config import ServerConfig
-from minips.run.rundir import RunDir
+from minips.record import checkpoint
+from minips.record.rundir import RunDir
 from minips.serve import (
     client_sessions,
     group_sessions,
@@ -68,7 +69,11 @@ from minips.serve.server_io import ServerIO, send_quiet
 from minips.wire import messages
 from minips.wire.messages import Hello
 
-__all__ = ["GlobalServer", "InProcLink"]
+__all__ = [
+    "GlobalServer",
+    "InProcLink",
+    "ServerConfig",
+]
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 
@@ -267,3 +272,31 @@ def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     Path(tmp).write_text(text)
     os.replace(tmp, path)
+
+
+@dataclass
+class ServerConfig:
+    """The global server process."""
+
+    run: RunConfig = field(default_factory=RunConfig)  # the run it serves
+    host: str = "127.0.0.1"  # listen address
+    port: int = 7070  # listen port; 0 = any free port
+    token: str = ""  # shared secret (MINIPS_TOKEN)
+    tls_cert: str | None = None  # PEM certificate file; None = plain TCP
+    tls_key: str | None = None  # PEM key file for tls_cert
+    run_dir: str = "runs/server"  # where metrics, config.json and final weights go
+    init_path: str | None = None  # .npy initial flat weights; None = take them from a worker
+    external_groups: int = 0  # group servers expected as separate processes; 0 = in-process
+    # host told to workers for in-process group servers (they listen on ``host``); None: the host
+    # each worker reached this server at (ASSIGN carries ":port")
+    advertise_host: str | None = None
+    calib_timeout_s: float = 60.0  # group the workers that reported after this long
+    ready_file: str | None = None  # write "host port" here once listening (launcher)
+    linger_s: float = 15.0  # after the budget, wait this long for the final evaluator pull
+    rejoin_wait_s: float = 120.0  # every worker gone with budget left: wait this long for them
+    checkpoint_path: str | None = None  # checkpoint file; None = <run_dir>/checkpoint.npz
+    checkpoint_every_s: float = 30.0  # seconds between checkpoints; 0 = none
+    resume: bool = False  # start from checkpoint_path instead of init_path / a worker
+    insecure: bool = False  # allow a non-loopback listen address without a secret
+    dashboard: str = ""  # HOST:PORT of the live web dashboard and /metrics; "" = none
+    tensorboard: str = ""  # directory for TensorBoard event files; "" = none

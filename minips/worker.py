@@ -73,15 +73,15 @@ import torch
 
 from minips import sparse
 from minips.compress.device_compress import DeviceCompressor, HostCompressor, device_compressor
+from minips.core.config import RunConfig
 from minips.core.downlink import apply_weights
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.ml import data, device, models
 from minips.net import links, transport
 from minips.net.channel import Channel
 from minips.net.endpoints import client_ssl, parse_address, reachable
-from minips.run import metrics
-from minips.run.config import RunConfig, WorkerConfig
-from minips.run.rundir import JsonlWriter, RunDir
+from minips.record.metrics import record
+from minips.record.rundir import JsonlWriter, RunDir
 from minips.wire import messages
 
 __all__ = [
@@ -191,7 +191,7 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
     model.train()
     trainer = device.Trainer(model, run.model, dev, amp=cfg.amp)
     ds = data.load_dataset(run.dataset, "train", cfg.data_dir or run.data_dir)
-    metrics.record(cfg.run_dir, f"worker-{worker_id}", ds.meta)
+    record(cfg.run_dir, f"worker-{worker_id}", ds.meta)
     shard = data.shard_indices(len(ds), worker_id, run.workers, run.seed)
     compressor = device_compressor(run.worker_compressor(trainer.size, worker_id), dev,
                                    on_device=cfg.compress_on_device)
@@ -535,3 +535,6 @@ def run_worker(cfg: WorkerConfig) -> None:
     device.pick_device(cfg.device)  # a device that is not here fails before connecting
     transport.install_uvloop()
     asyncio.run(Worker(cfg).run())
+
+
+

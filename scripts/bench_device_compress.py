@@ -33,10 +33,10 @@ import torch
 from minips import sparse
 from minips.compress import registry
 from minips.compress.device_compress import DeviceCompressor
-from minips.ml import model_table
+from minips.core import config
 from minips.ml.device import pick_device
 
-SIZES = {"lenet5": model_table.PARAM_COUNTS["lenet5"], "resnet18": model_table.PARAM_COUNTS["resnet18"]}
+SIZES = {"lenet5": config.PARAM_COUNTS["lenet5"], "resnet18": config.PARAM_COUNTS["resnet18"]}
 
 
 def sync(device: torch.device) -> None:

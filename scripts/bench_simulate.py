@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 
-from minips.run.config import RunConfig
+from minips.core.config import RunConfig
 from minips.sim.simulate import SimConfig, simulate
 
 

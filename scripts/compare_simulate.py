@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from minips.run import metrics
-from minips.run.config import RunConfig
+from minips.core.config import RunConfig
+from minips.record.metrics import Run, load_run, summarize
 from minips.sim.simulate import SimConfig, simulate
 
 QUICK = ["--model", "lenet5", "--dataset", "fashion-mnist", "--workers", "8",
@@ -57,12 +57,12 @@ def run_real(out: Path, epochs: float) -> Path:
     return out / "real"
 
 
-def worker_records(run: metrics.Run, n: int) -> list[list[dict[str, Any]]]:
+def worker_records(run: Run, n: int) -> list[list[dict[str, Any]]]:
     """Each worker's pushes (its records with a clock)."""
     return [[r for r in run.workers.get(w, []) if "clock" in r] for w in range(n)]
 
 
-def calibration(run: metrics.Run, n: int) -> dict[str, Any]:
+def calibration(run: Run, n: int) -> dict[str, Any]:
     """Step traces, medians and the one-way latency measured in the real run."""
     start = run.start_t  # the groups event: training starts
     recs_all = worker_records(run, n)
@@ -79,7 +79,7 @@ def calibration(run: metrics.Run, n: int) -> dict[str, Any]:
             "latency_s": lat}
 
 
-def group_clocks(run: metrics.Run, n: int) -> dict[str, int]:
+def group_clocks(run: Run, n: int) -> dict[str, int]:
     """Each group's highest final worker clock (groups as the workers' last records say)."""
     out: dict[str, int] = {}
     for recs in worker_records(run, n):
@@ -95,8 +95,8 @@ def accuracy_at(evals: list[dict[str, Any]], samples: list[float]) -> list[float
 
 
 def compare(real_dir: Path, sim_dir: Path, n: int) -> dict[str, Any]:
-    real_s, sim_s = metrics.summarize(real_dir), metrics.summarize(sim_dir)
-    real, sim = metrics.load_run(real_dir), metrics.load_run(sim_dir)
+    real_s, sim_s = summarize(real_dir), summarize(sim_dir)
+    real, sim = load_run(real_dir), load_run(sim_dir)
     rc, sc = group_clocks(real, n), group_clocks(sim, n)
     clock_err = {g: abs(sc.get(g, 0) - c) / max(1, c) for g, c in rc.items()}
     rst, sst = real_s["mean_staleness"] or 0.0, sim_s["mean_staleness"] or 0.0
@@ -134,7 +134,7 @@ def main() -> None:
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="minips-compare-"))
     real_dir = args.real or run_real(out, args.epochs)
-    real = metrics.load_run(real_dir)
+    real = load_run(real_dir)
     run = RunConfig.from_info(real.config)
     cal = calibration(real, run.workers)
     report: dict[str, Any] = {"real_run": str(real_dir), "epochs": run.epochs,

@@ -7,7 +7,7 @@ Invariants: a run directory is ``<runs>/<suite>-<experiment>-s<seed>`` (``run_na
 only when its summary.json says ``"status": "done"`` (``run_done``); unfinished runs are left
 out of the table and listed under ``missing``; a time to accuracy that a seed never reached
 counts as infinitely slow in the median; speedups compare the highest target both rows reached.
-Bytes: ``bytes_up`` / ``bytes_down`` are the worker <-> group hop; the ``metrics.HOPS`` figures
+Bytes: ``bytes_up`` / ``bytes_down`` are the worker <-> group hop; the ``HOPS`` figures
 add the group <-> global hop and ``bytes_total`` (tables made before them show –).
 """
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minips.run import metrics
+from minips.record.metrics import HOPS, Run, load_run, summarize
 
 if TYPE_CHECKING:  # the suite types live in reproduce.py, which imports this module
     from reproduce import Experiment, Suite
@@ -54,7 +54,7 @@ def run_done(run_dir: Path) -> bool:
 # -- table -------------------------------------------------------------------------------------
 
 
-def _overrun(run: metrics.Run, slowdowns: list[float], base: float) -> float | None:
+def _overrun(run: Run, slowdowns: list[float], base: float) -> float | None:
     """Largest ratio over workers of mean step time to F x base (1.0: sleep set the pace)."""
     worst = None
     for w, recs in run.workers.items():
@@ -67,10 +67,10 @@ def _overrun(run: metrics.Run, slowdowns: list[float], base: float) -> float | N
 
 def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
     """The table's figures of one run directory."""
-    s = metrics.summarize(run_dir, targets=targets, write=False)
+    s = summarize(run_dir, targets=targets, write=False)
     launch = json.loads((run_dir / "launch.json").read_text())
     extra = _read_json(run_dir / "reproduce.json")
-    run = metrics.load_run(run_dir)
+    run = load_run(run_dir)
     done = [e for e in run.events if e.get("event") == "done"]
     final = extra.get("final_full_test") or {}
     return {
@@ -79,7 +79,7 @@ def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
         "best_accuracy": s["best_accuracy"], "curve_final_accuracy": s["final_accuracy"],
         "tail_accuracy": _tail_mean(run.eval, TAIL_POINTS),
         "samples": s["samples"], "bytes_up": s["bytes_up"], "bytes_down": s["bytes_down"],
-        **{hop: s[hop] for hop in metrics.HOPS},  # every hop (bytes_up/down: worker <-> group)
+        **{hop: s[hop] for hop in HOPS},  # every hop (bytes_up/down: worker <-> group)
         "mean_staleness": s["mean_staleness"], "max_staleness": s["max_staleness"],
         "mean_wait_s": s["mean_wait_s"], "mean_kept_fraction": s["mean_kept_fraction"],
         "train_s": s["train_s"], "samples_per_s": s["samples_per_s"], "groups": s["groups"],
@@ -224,7 +224,7 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
 
 def _curve(run_dir: Path, x: str) -> tuple[list[float], list[float]]:
     """(x, accuracy) of a run's evaluations; x = seconds since the training start or MB up."""
-    run = metrics.load_run(run_dir)
+    run = load_run(run_dir)
     pts = [(r[x], r["accuracy"]) for r in run.eval
            if isinstance(r.get(x), (int, float)) and isinstance(r.get("accuracy"), float)]
     x0, scale = (run.start_t, 1.0) if x == "t" else (0.0, 1e-6)

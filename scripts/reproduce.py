@@ -45,10 +45,11 @@ from typing import Any
 
 import numpy as np
 
+from minips.core.config import RunConfig
 from minips.core.optim import SCHEDULES
 from minips.errors import ConfigError, MiniPSError
 from minips.net.links import SHAPINGS, parse_profile
-from minips.run.config import LaunchConfig, RunConfig
+from minips.run.launch import LaunchConfig
 
 # The table module sits next to this file; a test loads this file by path, without scripts/ on
 # sys.path, so put it there before importing (running as a script has it already).

@@ -38,8 +38,8 @@ from unittest import mock
 
 import bench_rtt as b
 
-from minips.wire import handshake, messages
 from minips.wire import frames as frames_mod
+from minips.wire import handshake, messages
 from minips.wire.frames import PREFIX, TABLE_ENTRY, FrameDecoder
 
 VARIANTS = ("minips", "free_codec", "no_checks")

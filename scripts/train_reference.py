@@ -17,14 +17,15 @@ from typing import Any
 
 import torch
 
-from minips.ml import data, model_table, models, reference
+from minips.core import config
+from minips.ml import data, models, reference
 
 __all__ = ["main", "run"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="lenet5", choices=model_table.MODEL_NAMES)
+    p.add_argument("--model", default="lenet5", choices=config.MODEL_NAMES)
     p.add_argument("--dataset", default=None, help="default: the model's own data set")
     p.add_argument("--data-dir", default=None, help="directory holding the data files")
     p.add_argument("--synthetic", action="store_true", help="use the synthetic stand-in")
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Load data, train, evaluate; returns the result record."""
     torch.set_num_threads(args.threads)
-    name = args.dataset or model_table.DEFAULT_DATASET[args.model]
+    name = args.dataset or config.DEFAULT_DATASET[args.model]
     t0 = time.perf_counter()
     train = data.load_dataset(name, "train", args.data_dir, synthetic=args.synthetic)
     test = data.load_dataset(name, "test", args.data_dir, synthetic=args.synthetic)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import pytest
 
 from minips.net import lifeline
-from minips.run.rundir import read_jsonl
+from minips.record.rundir import read_jsonl
 from minips.wire import messages
 
 # Tests send SIGINT to the processes they start (Ctrl-C). A shell that runs pytest in the

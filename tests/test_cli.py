@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from conftest import wait_ready_file
 
+from minips.core.config import RunConfig
 from minips.errors import ConfigError
 from minips.net.endpoints import format_address, parse_address, reachable
 from minips.run.cli import main
-from minips.run.config import RunConfig, parse_slowdowns
 from minips.run.flags import PRESETS, build_parser, run_config_from_args
+from minips.run.launch import parse_slowdowns
 
 
 def test_preset_then_flags_override() -> None:

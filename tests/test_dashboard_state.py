@@ -317,11 +317,11 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
     import numpy as np
 
     from minips import sparse
+    from minips.core.config import RunConfig
     from minips.dashboard.monitor import probe
     from minips.net import transport
     from minips.net.endpoints import parse_address
-    from minips.run.config import RunConfig, ServerConfig
-    from minips.server import GlobalServer
+    from minips.server import GlobalServer, ServerConfig
     from minips.wire import messages
 
     cfg = ServerConfig(run=RunConfig(workers=2, mode="bsp", lr_warmup=0.0), port=0,

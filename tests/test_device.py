@@ -27,11 +27,12 @@ from minips.compress.device_compress import (
     TorchTopK,
     device_compressor,
 )
+from minips.core.config import RunConfig, WorkerConfig
 from minips.errors import ConfigError
 from minips.ml import models
 from minips.ml.device import Trainer, bind_flat, pick_device
-from minips.run.config import LaunchConfig, RunConfig, ServerConfig, WorkerConfig
-from minips.server import GlobalServer
+from minips.run.launch import LaunchConfig
+from minips.server import GlobalServer, ServerConfig
 from minips.sparse import SparseGrad
 from minips.worker import Worker
 

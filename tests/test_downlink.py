@@ -16,10 +16,10 @@ from conftest import recv_as
 from test_group import TOKEN, Global
 
 from minips import sparse
+from minips.core.config import RunConfig
 from minips.core.downlink import DRIFT, Downlink, apply_weights, top_k
 from minips.errors import RemoteProtocolError
 from minips.net import transport
-from minips.run.config import RunConfig
 from minips.serve.group import GroupServer
 from minips.wire import messages
 

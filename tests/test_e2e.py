@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from minips.run.metrics import HOP_COUNTERS
-from minips.run.rundir import read_jsonl
+from minips.record.metrics import HOP_COUNTERS
+from minips.record.rundir import read_jsonl
 
 SUMMARY_KEYS = ("mode", "compressor", "workers", "groups", "final_accuracy", "best_accuracy",
                 "wall_s", "samples", "bytes_up", "bytes_down", "time_to_accuracy", "bytes_total")

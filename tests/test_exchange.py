@@ -22,6 +22,7 @@ import pytest
 from conftest import records, recv_as, until
 
 from minips import sparse
+from minips.core.config import RunConfig
 from minips.core.exchange import (
     Exchange,
     ExchangeResult,
@@ -35,11 +36,10 @@ from minips.core.roster import GroupHandle
 from minips.errors import AuthError
 from minips.net import lifeline, transport
 from minips.net.endpoints import parse_address
-from minips.run import checkpoint
-from minips.run.config import RunConfig, ServerConfig
+from minips.record.checkpoint import load, save
 from minips.serve import group_sessions
 from minips.serve.group import GroupServer
-from minips.server import GlobalServer, InProcLink
+from minips.server import GlobalServer, InProcLink, ServerConfig
 from minips.wire import messages
 
 TOKEN = "exchange-test-secret-0123"
@@ -146,13 +146,13 @@ class Cluster:
 
     def snapshot(self) -> None:
         path = self.tmp / f"snapshot-{len(self.files)}.npz"
-        checkpoint.save(path, self.srv.checkpoint_state())
+        save(path, self.srv.checkpoint_state())
         self.files.append(path)
 
     async def resume(self) -> None:
         """kill -9 and --resume from the last snapshot; every group reconnects."""
         self.srv = self._server()
-        self.srv.restore(checkpoint.load(self.files[-1]))
+        self.srv.restore(load(self.files[-1]))
         await self.srv.start()
         self.servers.append(self.srv)
         for g in range(len(self.groups)):

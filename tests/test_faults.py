@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 from conftest import records, recv_as, run_t0, steps, wait_for
 
+from minips.core.global_core import FORMAT, fingerprint
 from minips.ml import data, models
 from minips.net import lifeline
-from minips.run import checkpoint, metrics
+from minips.record.checkpoint import load, save
+from minips.record.metrics import read, verdict
 from minips.run.launch import write_init
 
 TOKEN = "faults-secret"
@@ -90,8 +92,8 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
 
 def final_accuracy(run_dir: Path) -> float:
     """Test accuracy of the run's final weights; the workers must have trained on real data."""
-    sources = metrics.read(run_dir)
-    assert sources and metrics.verdict(sources) == "real", sources
+    sources = read(run_dir)
+    assert sources and verdict(sources) == "real", sources
     test = data.load_dataset("fashion-mnist", "test", fallback=False)  # real data, or fail
     test = test.subset(np.arange(EVAL_SAMPLES))
     acc, _ = models.evaluate("lenet5", np.load(run_dir / "final_weights.npy"), test)
@@ -219,11 +221,11 @@ def test_global_server_killed_then_resumed_from_checkpoint(procs: Procs) -> None
     workers = [procs.worker(address, i) for i in range(2)]
     ckpt = d / "checkpoint.npz"
     wait_for("a checkpoint after some training", lambda: ckpt.exists() and
-             checkpoint.load(ckpt)["samples"] >= 15000, 120, (server,))
+             load(ckpt)["samples"] >= 15000, 120, (server,))
 
     server.send_signal(signal.SIGKILL)
     server.wait()
-    saved = checkpoint.load(ckpt)
+    saved = load(ckpt)
     lost = samples_now(d) - saved["samples"]  # merged after the last checkpoint: lost
     assert 0 <= lost <= 2 * 60000 * 1.0  # bounded by one checkpoint period of training
 
@@ -260,11 +262,11 @@ def test_external_group_trains_on_while_the_global_server_is_down_and_resumes_wi
     workers = [procs.worker(address, i) for i in range(2)]
     ckpt = d / "checkpoint.npz"
     wait_for("merges after a checkpoint of some training", lambda: ckpt.exists() and (
-        15000 <= checkpoint.load(ckpt)["samples"] < samples_now(d) - 256), 120, (server, group))
+        15000 <= load(ckpt)["samples"] < samples_now(d) - 256), 120, (server, group))
 
     server.send_signal(signal.SIGKILL)
     server.wait()
-    saved = checkpoint.load(ckpt)
+    saved = load(ckpt)
     merged = samples_now(d)
     assert merged > saved["samples"], "no merge after the last checkpoint: nothing to test"
     before = [len(steps(d / f"worker-{i}.jsonl")) for i in range(2)]
@@ -346,9 +348,9 @@ def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group
 def test_resume_refuses_a_checkpoint_of_another_config(procs: Procs) -> None:
     d = procs.run_dir
     run = dict(model="lenet5", dataset="fashion-mnist", mode="ssp", workers=2)
-    state = {"format": checkpoint.FORMAT, "fingerprint": checkpoint.fingerprint(run, 10),
+    state = {"format": FORMAT, "fingerprint": fingerprint(run, 10),
              "weights": np.zeros(10, np.float32)}
-    checkpoint.save(d / "checkpoint.npz", state)
+    save(d / "checkpoint.npz", state)
     out = subprocess.run([sys.executable, "-m", "minips", "server", "--port", "0", "--run-dir",
                           str(d), "--resume", "--mode", "bsp", "--workers", "2", "--quiet"],
                          env=procs.env, capture_output=True, text=True, timeout=50)
@@ -431,8 +433,8 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
     import asyncio
 
     from minips import sparse
+    from minips.core.config import RunConfig
     from minips.net import channel, transport
-    from minips.run.config import RunConfig
     from minips.serve.group import GroupServer
     from minips.wire import frames, messages
 

@@ -23,10 +23,10 @@ import pytest
 from conftest import recv_as
 
 from minips import sparse
+from minips.core.config import RunConfig
 from minips.core.exchange import ExchangeResult
 from minips.errors import RemoteProtocolError
 from minips.net import transport
-from minips.run.config import RunConfig
 from minips.serve.group import GroupServer
 from minips.wire import frames, messages
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from minips import sparse
+from minips.core.config import RunConfig
 from minips.core.global_core import (
     AllFinal,
     Done,
@@ -20,7 +21,6 @@ from minips.core.global_core import (
 )
 from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
-from minips.run.config import RunConfig
 from minips.serve.group import GroupServer
 from minips.serve.inproc_group import InProcGroup
 from minips.wire import messages

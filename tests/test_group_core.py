@@ -19,8 +19,8 @@ import pytest
 
 from minips import sparse
 from minips.core import optim
+from minips.core.config import RunConfig
 from minips.core.group_core import AllLeft, GroupCore, Log, Reply, StartExchange, Wake
-from minips.run.config import RunConfig
 from minips.serve.group import GroupServer
 from minips.wire import messages
 
@@ -122,9 +122,8 @@ async def run_with_asyncio(compressor: str, events: list[Any],
     and 4 GroupServers (in-process link), each PULL through ``answer_pull``, each PUSH through
     ``on_push`` with its exchange awaited before the next event (as the cores ran it)."""
     from minips.core.roster import GroupHandle
-    from minips.run.config import ServerConfig
     from minips.serve.inproc_group import InProcGroup
-    from minips.server import GlobalServer, InProcLink
+    from minips.server import GlobalServer, InProcLink, ServerConfig
 
     cfg = ServerConfig(run=RunConfig(**noio_cluster.run_config(compressor)), port=0,
                        run_dir=str(tmp_path), checkpoint_every_s=0)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from conftest import interrupt, processes_mentioning
 
+from minips.core.config import RunConfig
 from minips.ml import data, models
-from minips.run.config import LaunchConfig, RunConfig
-from minips.run.launch import Cluster, run_local
-from minips.run.rundir import read_jsonl
+from minips.record.rundir import read_jsonl
+from minips.run.launch import Cluster, LaunchConfig, run_local
 
 
 @pytest.mark.timeout(120)
@@ -142,7 +142,7 @@ def test_every_worker_failing_ends_a_local_run_at_once(tmp_path: Path) -> None:
     sees that every worker exited with an error and stops the run now."""
     import numpy as np
 
-    from minips.ml.model_table import PARAM_COUNTS
+    from minips.core.config import PARAM_COUNTS
     from minips.run.launch import WorkersFailed
 
     cluster = Cluster(LaunchConfig(run=RunConfig(workers=2), out_dir=str(tmp_path)), tmp_path,

@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 from conftest import processes_mentioning, run_on
 
+from minips.core.config import RunConfig
 from minips.core.downlink import DRIFT
 from minips.errors import ConfigError
 from minips.net import channel, netshape, transport
 from minips.net import transport as t
 from minips.net.links import LinkProfile, Pacing, Rate, TokenBucket, parse_profile
+from minips.record.metrics import HOP_COUNTERS
+from minips.record.rundir import read_jsonl
 from minips.run import checks
-from minips.run.config import LaunchConfig, RunConfig
-from minips.run.launch import run_local
-from minips.run.metrics import HOP_COUNTERS
-from minips.run.rundir import read_jsonl
+from minips.run.launch import LaunchConfig, run_local
 from minips.wire import messages
 
 TOKEN = "links-secret-0123456789abcdef"

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minips.run.metrics import (
+from minips.record.metrics import (
     HOP_COUNTERS,
     HOPS,
     live_hop_bytes,
@@ -16,7 +16,7 @@ from minips.run.metrics import (
     summarize,
     total_bytes_series,
 )
-from minips.run.rundir import JsonlWriter, RunDir, read_jsonl
+from minips.record.rundir import JsonlWriter, RunDir, read_jsonl
 
 CONFIG = {"mode": "gssp", "compressor": "gdtopk", "model": "lenet5", "dataset": "fashion-mnist",
           "workers": 2, "groups": 0, "seed": 0, "t0": 1000.0}
@@ -145,9 +145,8 @@ def test_run_dir_shares_t0_through_config(tmp_path):
 
 def test_summary_and_progress_line_say_whether_the_data_was_real(tmp_path, capsys):
     from minips.ml import data
-    from minips.run import metrics
-    from minips.run.config import LaunchConfig
-    from minips.run.launch import ProgressLine
+    from minips.record.metrics import record
+    from minips.run.launch import LaunchConfig, ProgressLine
 
     real = {"name": "fashion-mnist", "split": "train", "synthetic": False, "source": "/d"}
     stand_in = data.load_dataset("fashion-mnist", "test", synthetic=True).meta
@@ -155,18 +154,18 @@ def test_summary_and_progress_line_say_whether_the_data_was_real(tmp_path, capsy
     line = ProgressLine(tmp_path, LaunchConfig())
     line.draw(final=True)
     assert "data ?" in capsys.readouterr().err
-    metrics.record(tmp_path, "worker-0", real)
+    record(tmp_path, "worker-0", real)
     assert summarize(tmp_path, write=False)["data"] == "real"
     line.draw(final=True)
     assert "data real" in capsys.readouterr().err
-    metrics.record(tmp_path, "evaluator", stand_in)
+    record(tmp_path, "evaluator", stand_in)
     summary = summarize(tmp_path)
     assert summary["data"] == "mixed" and summary["data_sources"]["evaluator"]["synthetic"]
     assert summary["data_sources"]["worker-0"]["source"] == "/d"
     assert json.loads((tmp_path / "summary.json").read_text())["data"] == "mixed"
     line.draw(final=True)
     assert "SYNTHETIC DATA" in capsys.readouterr().err
-    metrics.record(tmp_path, "worker-0", stand_in)
+    record(tmp_path, "worker-0", stand_in)
     assert summarize(tmp_path, write=False)["data"] == "synthetic"
 
 
@@ -217,8 +216,7 @@ def test_hops_before_the_exchange_events_have_them_and_without_group_files(tmp_p
 
 
 def test_progress_line_shows_every_hop(tmp_path, capsys):
-    from minips.run.config import LaunchConfig
-    from minips.run.launch import ProgressLine
+    from minips.run.launch import LaunchConfig, ProgressLine
 
     line = ProgressLine(make_hop_run(tmp_path), LaunchConfig())
     live = live_hop_bytes(tmp_path)

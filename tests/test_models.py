@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from minips.core import config
 from minips.errors import ConfigError
-from minips.ml import data, model_table, models, reference
+from minips.ml import data, models, reference
 
 
 def small_batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +33,7 @@ def _one_thread(one_torch_thread: None) -> None:
 
 @pytest.fixture(scope="module")
 def built() -> dict[str, torch.nn.Module]:
-    return {name: models.build_model(name, seed=0) for name in model_table.MODEL_NAMES}
+    return {name: models.build_model(name, seed=0) for name in config.MODEL_NAMES}
 
 
 def test_lenet5_is_the_classic_61706() -> None:
@@ -42,14 +43,14 @@ def test_lenet5_is_the_classic_61706() -> None:
                       (84, 120), (84,), (10, 84), (10,)]
 
 
-@pytest.mark.parametrize("name", model_table.MODEL_NAMES)
+@pytest.mark.parametrize("name", config.MODEL_NAMES)
 def test_parameter_count_as_documented(name: str, built: dict[str, torch.nn.Module]) -> None:
     count = sum(p.numel() for p in built[name].parameters())
-    assert count == model_table.PARAM_COUNTS[name] == models.param_count(name)
+    assert count == config.PARAM_COUNTS[name] == models.param_count(name)
     assert f"{count:,}" in models.__doc__  # the table in the module docstring
 
 
-@pytest.mark.parametrize("name", model_table.MODEL_NAMES)
+@pytest.mark.parametrize("name", config.MODEL_NAMES)
 def test_forward_backward_small_batch(name: str, built: dict[str, torch.nn.Module]) -> None:
     model = built[name]
     model.train()
@@ -59,7 +60,7 @@ def test_forward_backward_small_batch(name: str, built: dict[str, torch.nn.Modul
     loss.backward()
     assert loss.ndim == 0 and torch.isfinite(loss)
     grad = models.get_flat_grad(model)
-    assert grad.dtype == np.float32 and grad.shape == (model_table.PARAM_COUNTS[name],)
+    assert grad.dtype == np.float32 and grad.shape == (config.PARAM_COUNTS[name],)
     assert np.all(np.isfinite(grad))
     for pname, _, offset, size in models.layout(model):  # every tensor receives gradient
         assert np.any(grad[offset:offset + size]), pname
@@ -67,7 +68,7 @@ def test_forward_backward_small_batch(name: str, built: dict[str, torch.nn.Modul
         assert model(x).shape == (2, 10)
 
 
-@pytest.mark.parametrize("name", model_table.MODEL_NAMES)
+@pytest.mark.parametrize("name", config.MODEL_NAMES)
 def test_flat_round_trip_is_exact(name: str, built: dict[str, torch.nn.Module]) -> None:
     model = built[name]
     rows = models.layout(model)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from minips.run.plot import plot_runs
-from minips.run.rundir import RunDir
+from minips.record.plot import plot_runs
+from minips.record.rundir import RunDir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

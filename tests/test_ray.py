@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip ins
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from minips.run.config import RunConfig  # noqa: E402
+from minips.core.config import RunConfig
 from minips.run.ray_cluster import (
     RayConfig,
     collect,

@@ -13,10 +13,10 @@ import pytest
 from conftest import records, recv_as
 
 from minips import sparse
+from minips.core.config import RunConfig
 from minips.net import transport
 from minips.net.endpoints import parse_address
-from minips.run.config import RunConfig, ServerConfig
-from minips.server import GlobalServer
+from minips.server import GlobalServer, ServerConfig
 from minips.wire import messages
 
 TOKEN = "run-end-test"

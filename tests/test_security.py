@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 from conftest import make_certificate, minips_server, steps
 
+from minips.core.config import RunConfig
 from minips.errors import AuthError, ConfigError
 from minips.net import transport
 from minips.net.endpoints import check_bind, is_loopback
-from minips.run.config import RunConfig, ServerConfig
-from minips.server import GlobalServer
+from minips.server import GlobalServer, ServerConfig
 from minips.wire import frames, handshake, messages
 
 SECRET = "s3cret-token-that-must-never-be-logged"

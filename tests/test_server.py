@@ -17,16 +17,15 @@ from conftest import minips_server, records, recv_as, until
 
 from minips import sparse
 from minips.core import roster
+from minips.core.config import PARAM_COUNTS, RunConfig
 from minips.core.roster import GroupHandle, match_labels
 from minips.errors import AuthError, RemoteProtocolError
-from minips.ml.model_table import PARAM_COUNTS
 from minips.net import transport
 from minips.net.endpoints import parse_address, reachable
-from minips.run.config import RunConfig, ServerConfig
-from minips.run.rundir import read_jsonl
+from minips.record.rundir import read_jsonl
 from minips.serve.group import GroupServer
 from minips.serve.inproc_group import InProcGroup
-from minips.server import GlobalServer, InProcLink
+from minips.server import GlobalServer, InProcLink, ServerConfig
 from minips.wire import messages
 
 TOKEN = "server-test-secret-0123"

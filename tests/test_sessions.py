@@ -18,10 +18,10 @@ from conftest import recv_as, until
 from test_server import TOKEN, in_proc, join, make_server
 
 from minips.core import roster
+from minips.core.config import RunConfig
 from minips.errors import AuthError
 from minips.net import channel, transport
 from minips.net.endpoints import parse_address
-from minips.run.config import RunConfig
 from minips.wire import messages
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from minips.core import optim
+from minips.core.config import RunConfig
 from minips.errors import ConfigError
-from minips.run import metrics, rundir
-from minips.run.config import RunConfig
+from minips.record.metrics import HOPS
+from minips.record.rundir import read_jsonl
 from minips.sim.simulate import SimConfig, Simulation, simulate
 from minips.sim.timing import Failure, Links, Quadratic, parse_failures
 
@@ -30,9 +31,9 @@ def test_a_gssp_simulation_writes_a_run_directory_that_the_summary_reads(tmp_pat
                            name="sim"))
     assert s["pushes"] == s["steps"] >= 2000 and s["groups"] == 4
     assert s["samples"] == 64 * s["steps"]  # every push counted once, by the global server too
-    assert all(s[h] > 0 for h in metrics.HOPS)
+    assert all(s[h] > 0 for h in HOPS)
     assert s["bytes_worker_group"] < 0.1 * s["bytes_raw"]  # 2% uploads, as on the wire
-    evals = rundir.read_jsonl(tmp_path / "sim" / "eval.jsonl")
+    evals = read_jsonl(tmp_path / "sim" / "eval.jsonl")
     assert evals[-1]["loss"] < evals[0]["loss"] / 5  # it trains
     per = s["per_worker"]
     fast, slow = per["0"]["steps"], per["7"]["steps"]
@@ -47,12 +48,12 @@ def test_gdtopk_workers_upload_at_their_groups_ratio(tmp_path: Path) -> None:
                     lr_warmup=0, dataset="synthetic", epochs=100, base_step_s=0.04)
     simulate(SimConfig(run=run, slowdowns=SLOW, dim=2000, max_pushes=800,
                        out_dir=str(tmp_path), name="gdt"))
-    grouped = next(r for r in rundir.read_jsonl(tmp_path / "gdt" / "global.jsonl")
+    grouped = next(r for r in read_jsonl(tmp_path / "gdt" / "global.jsonl")
                    if r["event"] == "groups")
     ratios = {int(g): r for g, r in grouped["ratios"].items()}
     assert len(set(ratios.values())) > 1  # the groups were given different ratios
     for w in range(8):
-        recs = rundir.read_jsonl(tmp_path / "gdt" / f"worker-{w}.jsonl")
+        recs = read_jsonl(tmp_path / "gdt" / f"worker-{w}.jsonl")
         group = recs[0]["group"]
         assert recs[0]["ratio"] == ratios[group], (w, group, recs[0]["ratio"], ratios)
     assert ratios[max(ratios)] > ratios[min(ratios)]
@@ -139,14 +140,14 @@ def test_a_worker_that_fails_and_rejoins(tmp_path: Path) -> None:
     fails = [Failure(3, 1.0, 2.0), Failure(2, 2.05)]
     s = simulate(SimConfig(run=run, dim=100, max_pushes=100, failures=fails,
                            out_dir=str(tmp_path), name="fail"))
-    recs = {w: rundir.read_jsonl(tmp_path / "fail" / f"worker-{w}.jsonl") for w in range(4)}
+    recs = {w: read_jsonl(tmp_path / "fail" / f"worker-{w}.jsonl") for w in range(4)}
     t3 = [r["t"] for r in recs[3]]
     assert any(t < 1.0 for t in t3) and not any(1.0 < t < 3.0 for t in t3)
     assert any(t > 3.0 for t in t3)  # back after it rejoined
     assert max(r["t"] for r in recs[2]) < 2.1 and s["pushes"] >= 100
     assert len(recs[3]) < len(recs[0]) - 15  # it did not step while away (2 s, 20 rounds)
     assert recs[3][-1]["clock"] == recs[0][-1]["clock"]  # rejoined at the group's clock
-    events = [r["event"] for r in rundir.read_jsonl(tmp_path / "fail" / "group-0.jsonl")]
+    events = [r["event"] for r in read_jsonl(tmp_path / "fail" / "group-0.jsonl")]
     assert events.count("left") == 2 and events.count("joined") == 1
     assert s["sim_s"] < 10  # a failure due after the end does not stretch the run
 

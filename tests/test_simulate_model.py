@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from test_worker import reference_weights  # the real runner's reference, the same call
 
+from minips.core.config import RunConfig
 from minips.ml import data, models, reference
-from minips.run import metrics, rundir
-from minips.run.config import RunConfig
+from minips.record.metrics import summarize
+from minips.record.rundir import read_jsonl
 from minips.sim.simulate import SimConfig, simulate
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -84,6 +85,6 @@ def test_eight_workers_bsp_are_synchronous_sgd_with_the_lr_schedule(
                              weight_decay=run.weight_decay, lr_warmup=run.lr_warmup,
                              lr_schedule=run.lr_schedule, train_size=run.train_size)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
-    evals = rundir.read_jsonl(tmp_path / "ref" / "eval.jsonl")
+    evals = read_jsonl(tmp_path / "ref" / "eval.jsonl")
     assert len(evals) > 3 and all(0.0 <= e["accuracy"] <= 1.0 for e in evals)
-    assert metrics.summarize(tmp_path / "ref")["final_accuracy"] == evals[-1]["accuracy"]
+    assert summarize(tmp_path / "ref")["final_accuracy"] == evals[-1]["accuracy"]

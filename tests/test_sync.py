@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from minips.core import sync
+from minips.core.config import RunConfig
 from minips.core.sync import MODES
 from minips.errors import ConfigError
-from minips.run.config import RunConfig
 
 
 def test_the_table_has_the_four_modes_and_their_decisions() -> None:

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from minips.core.config import RunConfig
 from minips.core.exchange import Exchange, ExchangeResult, Unsaved, seqs_in
 from minips.core.roster import GroupHandle
-from minips.run import checkpoint
-from minips.run.config import RunConfig, ServerConfig
-from minips.server import GlobalServer
+from minips.record.checkpoint import load, save
+from minips.server import GlobalServer, ServerConfig
 
 N = 3  # weights
 
@@ -70,7 +70,7 @@ class Sim:
 
     def snapshot(self) -> None:
         path = self.tmp / f"snapshot-{len(self.files)}.npz"
-        checkpoint.save(path, self.srv.checkpoint_state())
+        save(path, self.srv.checkpoint_state())
         self.files.append(path)
 
     async def resume(self, newest_written: bool = True) -> None:
@@ -79,7 +79,7 @@ class Sim:
         path = self.files[-1 if newest_written or len(self.files) < 2 else -2]
         self.files = [path]
         self.srv = self._server()
-        self.srv.restore(checkpoint.load(path))
+        self.srv.restore(load(path))
         await self.srv.start()
         self.servers.append(self.srv)
         await self.reconnect()

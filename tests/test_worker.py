@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from conftest import records, until
 
+from minips.core.config import RunConfig, WorkerConfig
 from minips.evaluator import evaluate_loop
 from minips.ml import data, models, reference
 from minips.net import channel, transport
-from minips.run.config import RunConfig, ServerConfig, WorkerConfig
-from minips.run.rundir import read_jsonl
-from minips.server import GlobalServer
+from minips.record.rundir import read_jsonl
+from minips.server import GlobalServer, ServerConfig
 from minips.wire import messages
 from minips.worker import Link, Worker, WorkerStopped
 

@@ -94,7 +94,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
-from minips.compress.registry import is_sparse
 from minips.sparse import SparseGrad, TopKSelector, kept_count, scatter_add
 from minips.wire import frames, messages
 
@@ -190,6 +189,8 @@ def exchange_ratio(run: Any) -> float:
     ``none``, ``fp16``)."""
     if run.xchg_ratio is not None:
         return float(run.xchg_ratio)
+    from minips.compress.registry import is_sparse  # the plug-ins load with a run, not the rules
+
     return float(run.ratio) if is_sparse(run.compressor) else 1.0
 
 

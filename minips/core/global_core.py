@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from minips import sparse
+from minips.core.config import RunConfig, dataset_train_size
 from minips.core.exchange import (
     Delta,
     ExchangeResult,
@@ -70,10 +71,7 @@ from minips.core.exchange import (
     wire_size,
 )
 from minips.core.roster import GroupHandle, Roster, WorkerEntry
-from minips.errors import RemoteProtocolError
-from minips.ml.model_table import dataset_train_size
-from minips.run import checkpoint
-from minips.run.config import RunConfig
+from minips.errors import ConfigError, RemoteProtocolError
 from minips.wire import messages
 
 __all__ = [
@@ -90,6 +88,10 @@ __all__ = [
     "restore_workers",
     "restore_group",
     "GlobalCore",
+    "FORMAT",
+    "FINGERPRINT_FIELDS",
+    "fingerprint",
+    "check_compatible",
 ]
 
 
@@ -162,8 +164,8 @@ def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: in
               for g, h in roster.groups.items()}
     workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock}
                for w, e in roster.workers.items()}
-    return {"format": checkpoint.FORMAT, "saved_at": saved_at, "t0": run.t0,
-            "fingerprint": checkpoint.fingerprint(run.to_info(), weights.size),
+    return {"format": FORMAT, "saved_at": saved_at, "t0": run.t0,
+            "fingerprint": fingerprint(run.to_info(), weights.size),
             "train_s": train_s, "weights": weights.copy(), "version": version,
             "samples": samples, "workers": workers, "groups": groups}
 
@@ -172,7 +174,7 @@ def restore_workers(run: RunConfig, roster: Roster, state: dict[str, Any]) -> np
     """The checkpoint's workers, each with its group and last speed (none connected yet); return
     its weights. ``ConfigError`` when it belongs to another model or config."""
     weights = np.asarray(state["weights"], dtype=np.float32)
-    checkpoint.check_compatible(state, run.to_info(), weights.size)
+    check_compatible(state, run.to_info(), weights.size)
     for key, e in state["workers"].items():
         roster.workers[int(key)] = WorkerEntry(int(key), step_time=e["step_time"],
                                                clock=e["clock"], group=e["group"])
@@ -452,3 +454,27 @@ class GlobalCore:
 
     def log(self, event: str, **fields: Any) -> None:
         """One line of the run's record (the shell writes it)."""
+
+
+FORMAT = 1  # bump when the meaning of the stored map changes
+
+
+FINGERPRINT_FIELDS = ("model", "dataset", "mode", "workers", "groups", "batch_size", "lr",
+                      "momentum", "weight_decay", "staleness", "sync_every", "merge",
+                      "compressor", "ratio", "seed")  # RunConfig fields a resume must share
+
+
+def fingerprint(run_info: dict[str, Any], size: int) -> dict[str, Any]:
+    """The run settings a checkpoint is only valid for, plus the model's vector size."""
+    return {**{k: run_info.get(k) for k in FINGERPRINT_FIELDS}, "size": int(size)}
+
+
+def check_compatible(state: dict[str, Any], run_info: dict[str, Any], size: int) -> None:
+    """Raise ``ConfigError`` naming each field where the checkpoint and this run differ."""
+    if state.get("format") != FORMAT:
+        raise ConfigError(f"checkpoint format {state.get('format')!r}, this build reads {FORMAT}")
+    saved, ours = state.get("fingerprint", {}), fingerprint(run_info, size)
+    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in ours.items()
+            if saved.get(k) != v]
+    if diff:
+        raise ConfigError("checkpoint is from another model/config: " + "; ".join(diff))

@@ -46,10 +46,9 @@ import numpy as np
 from minips import sparse
 from minips.compress.ratios import IterTimer
 from minips.core import optim, ssp
+from minips.core.config import RunConfig, dataset_train_size
 from minips.core.downlink import Downlink
 from minips.core.exchange import Exchange, ExchangeResult, GroupLink, Outgoing, exchange_ratio
-from minips.ml.model_table import dataset_train_size
-from minips.run.config import RunConfig
 from minips.wire import messages
 
 __all__ = [

@@ -41,9 +41,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minips import grouping
-from minips.compress.registry import ratio_policy
+from minips.core.config import RunConfig
 from minips.errors import AuthError
-from minips.run.config import RunConfig
 
 if TYPE_CHECKING:
     from minips.net.channel import Channel
@@ -190,6 +189,8 @@ class Roster:
         self.regroup = regroup  # regroup when speeds drift (GSSP with in-process groups)
         self._regroup_at = -REGROUP_EVERY_S  # `now` of the last Regrouper update
         self._claimed: dict[int, float] = {}  # id -> `now` it was given to a handshake
+        from minips.compress.registry import ratio_policy  # plug-ins load with a run
+
         self.policy = ratio_policy(run.compressor, run.ratio, direction=run.gdtopk_direction,
                                    alpha=run.gdtopk_alpha)  # GDTopK ratios per group, or None
 

@@ -28,7 +28,7 @@ from minips.dashboard.state import Replay, RunFollower, RunState
 from minips.dashboard.tboard import TensorBoardSink
 from minips.errors import ConfigError
 from minips.net.endpoints import check_bind, format_address, is_loopback, parse_address
-from minips.run.rundir import read_config
+from minips.record.rundir import read_config
 from minips.serve.inproc_group import InProcGroup
 
 if TYPE_CHECKING:

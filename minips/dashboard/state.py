@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minips.run.rundir import read_config, read_jsonl
+from minips.record.rundir import read_config, read_jsonl
 
 __all__ = [
     "EVENT_KINDS",

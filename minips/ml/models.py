@@ -44,10 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minips.core.config import MODEL_NAMES, PARAM_COUNTS
 from minips.errors import ConfigError
 from minips.ml import data
 from minips.ml.data import PAD, VOCAB
-from minips.ml.model_table import MODEL_NAMES, PARAM_COUNTS
 
 __all__ = [
     "LeNet5",

@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from minips.compress.registry import COMPRESSORS, make_compressor
+from minips.core.config import MODEL_NAMES, PARAM_COUNTS, RunConfig
 from minips.errors import ConfigError
 from minips.ml.data_files import DATASET_NAMES
-from minips.ml.model_table import MODEL_NAMES, PARAM_COUNTS
 from minips.net.endpoints import client_ssl, parse_address, server_ssl
 from minips.net.links import parse_profile
-from minips.run.config import RunConfig, parse_slowdowns
+from minips.run.launch import parse_slowdowns
 
 __all__ = [
     "finite",

@@ -29,10 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from minips.core.config import WorkerConfig
+from minips.core.global_core import check_compatible
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, transport
 from minips.net.endpoints import WILDCARD_HOSTS, parse_address
-from minips.run import checkpoint, flags
+from minips.record.checkpoint import load
+from minips.run import flags
 from minips.run.checks import (
     check_address,
     check_dir,
@@ -43,9 +46,10 @@ from minips.run.checks import (
     check_tls_server,
     speaks_tls,
 )
-from minips.run.config import GroupConfig, LaunchConfig, ServerConfig, WorkerConfig
 from minips.run.flags import PRESETS, build_parser, run_config_from_args
-from minips.server import GlobalServer
+from minips.run.launch import LaunchConfig
+from minips.serve.group_process import GroupConfig
+from minips.server import GlobalServer, ServerConfig
 
 __all__ = ["serve_run", "run_server", "main"]
 
@@ -96,8 +100,8 @@ async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
 def _make_server(cfg: ServerConfig) -> GlobalServer:
     if not cfg.resume:
         return GlobalServer(cfg, np.load(cfg.init_path) if cfg.init_path else None)
-    state = checkpoint.load(cfg.checkpoint_path or Path(cfg.run_dir) / "checkpoint.npz")
-    checkpoint.check_compatible(state, cfg.run.to_info(), np.asarray(state["weights"]).size)
+    state = load(cfg.checkpoint_path or Path(cfg.run_dir) / "checkpoint.npz")
+    check_compatible(state, cfg.run.to_info(), np.asarray(state["weights"]).size)
     cfg.run.t0 = float(state["t0"])  # metrics keep one time axis across the restart
     srv = GlobalServer(cfg, None)
     srv.restore(state)
@@ -266,7 +270,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from minips.run.plot import plot_runs
+    from minips.record.plot import plot_runs
 
     for path in plot_runs(args.run_dirs, out_dir=args.out):
         print(path)

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from minips.core.config import FieldError, RunConfig
 from minips.errors import ConfigError
 from minips.net.links import SHAPINGS
 from minips.run.checks import (
@@ -39,7 +40,7 @@ from minips.run.checks import (
     port,
     slowdown_factors,
 )
-from minips.run.config import FieldError, RunConfig, parse_slowdowns
+from minips.run.launch import parse_slowdowns
 from minips.sim.timing import Failure, parse_failures
 
 __all__ = [
@@ -282,7 +283,7 @@ def failures(text: str) -> list[Failure]:
 
 def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
     """Run the simulation; print its summary's headline as JSON."""
-    from minips.run.plot import plot_run
+    from minips.record.plot import plot_run
     from minips.sim.simulate import SimConfig, simulate
 
     if args.dim < 1 or args.max_pushes < 0:

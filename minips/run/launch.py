@@ -45,20 +45,18 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from minips.errors import MiniPSError
-from minips.ml.model_table import dataset_train_size
+from minips.core.config import RunConfig, dataset_train_size
+from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, links, netshape
-from minips.run import metrics
-from minips.run.config import LaunchConfig
-from minips.run.metrics import HOP_COUNTERS, live_hop_bytes
-from minips.run.plot import plot_run
-from minips.run.rundir import tail_jsonl
+from minips.record.metrics import HOP_COUNTERS, live_hop_bytes, read, summarize, verdict
+from minips.record.plot import plot_run
+from minips.record.rundir import tail_jsonl
 
 __all__ = [
     "ProgressLine",
@@ -70,6 +68,8 @@ __all__ = [
     "run_local",
     "make_run_dir",
     "write_init",
+    "LaunchConfig",
+    "parse_slowdowns",
 ]
 
 
@@ -101,7 +101,7 @@ class ProgressLine:
             "bytes_worker_group": gl.get("bytes_up", 0) or 0,
             "bytes_group_worker": gl.get("bytes_down", 0) or 0}
         mb = {k: hops.get(k, 0) / 1e6 for k in HOP_COUNTERS}
-        kind = metrics.verdict(metrics.read(self.run_dir))  # None until a process loaded
+        kind = verdict(read(self.run_dir))  # None until a process loaded
         data_s = "SYNTHETIC DATA" if kind in ("synthetic", "mixed") else f"data {kind or '?'}"
         text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.cfg.run.mode}/"
                 f"{self.cfg.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
@@ -383,7 +383,7 @@ def _on_sigterm(handler: Any) -> Any:
 
 
 def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
-    summary = metrics.summarize(run_dir, write=False)
+    summary = summarize(run_dir, write=False)
     summary.update(status=status, run_dir=str(run_dir), slowdowns=cfg.factors())
     with contextlib.suppress(OSError, ValueError):  # the link of a --link run (link.json)
         summary["link"] = json.loads((run_dir / "link.json").read_text())
@@ -397,3 +397,47 @@ def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
     for p in pngs:
         print(f"  plot:          {p}", file=sys.stderr, flush=True)
     return summary
+
+
+@dataclass
+class LaunchConfig:
+    """`minips local`: a whole cluster of processes on this machine."""
+
+    run: RunConfig = field(default_factory=RunConfig)  # the run's settings
+    slowdowns: list[float] = field(default_factory=list)  # factor F per worker; [] = all 1.0
+    link: str = ""  # --link profile of the workers' links (links.py); "" = not limited
+    link_shaping: str = "auto"  # auto | kernel (namespaces + tc) | pacer (token buckets)
+    out_dir: str = "runs"  # parent of the run directory
+    name: str | None = None  # run directory name; None = mode-compressor-time
+    progress: bool = True  # draw the one-line progress display
+    evaluator: bool = True  # start the evaluator process
+    plot: bool = True  # draw the PNGs at the end
+    timeout_s: float = 0.0  # hard stop of the whole cluster; 0 = budget + a margin
+    grace_s: float = 5.0  # SIGTERM to SIGKILL delay when stopping children
+    dashboard: str = ""  # HOST:PORT of the server's live dashboard; "" = none
+    tensorboard: str = ""  # directory for the server's TensorBoard event files; "" = none
+    devices: list[str] = field(default_factory=lambda: ["auto"])  # per worker; last repeats
+    amp: bool = False  # workers use mixed precision where their device supports it
+
+    def factors(self) -> list[float]:
+        """Slowdown factor of each of the run's workers (missing ones are 1.0)."""
+        given = list(self.slowdowns)[: self.run.workers]
+        return given + [1.0] * (self.run.workers - len(given))
+
+    def device(self, worker: int) -> str:
+        """``--device`` of worker ``worker``: its entry in ``devices``, else the last one."""
+        return self.devices[min(worker, len(self.devices) - 1)] if self.devices else "auto"
+
+
+def parse_slowdowns(text: str) -> list[float]:
+    """'1,1,2x2,4' → [1, 1, 2, 2, 4]; 'FxN' repeats F N times."""
+    out: list[float] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        factor, _, count = part.partition("x")
+        try:
+            out += [float(factor)] * int(count or 1)
+        except ValueError:
+            raise ConfigError(f"bad slowdown {part!r}, expected F or FxN") from None
+    if any(f <= 0 for f in out):
+        raise ConfigError(f"slowdown factors must be > 0, got {out}")
+    return out

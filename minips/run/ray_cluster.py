@@ -47,9 +47,9 @@ from typing import Any
 
 import ray
 
+from minips.core.config import RunConfig
 from minips.errors import ConfigError
-from minips.run import metrics
-from minips.run.config import RunConfig
+from minips.record.metrics import summarize
 
 __all__ = [
     "RoleActor",
@@ -338,7 +338,7 @@ def run_ray(cfg: RayConfig) -> dict[str, Any]:
         stop_roles(roles)
         if started:
             ray.shutdown()
-    summary = metrics.summarize(run_dir, write=False) if (run_dir / "config.json").exists() else {}
+    summary = summarize(run_dir, write=False) if (run_dir / "config.json").exists() else {}
     summary.update(status=status, run_dir=str(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     print(f"minips ray: {status}; run directory {run_dir}", file=sys.stderr, flush=True)

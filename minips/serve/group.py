@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from minips.core.config import RunConfig
 from minips.core.downlink import held_version
 from minips.core.exchange import GroupLink, Outgoing
 from minips.core.group_core import (
@@ -39,8 +40,7 @@ from minips.core.group_core import (
 from minips.errors import AuthError, RemoteProtocolError
 from minips.net import channel, transport
 from minips.net.channel import Channel
-from minips.run.config import RunConfig
-from minips.run.rundir import JsonlWriter
+from minips.record.rundir import JsonlWriter
 from minips.serve import validation
 from minips.wire import messages
 

@@ -18,22 +18,28 @@ given a group whose server is gone (``group_sessions._adopt``); it starts from t
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from minips import sparse
+from minips.core.config import RunConfig
 from minips.core.exchange import Delta, ExchangeResult, push_message, seqs_in
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.net.endpoints import check_bind, client_ssl, format_address, server_ssl
-from minips.run.config import GroupConfig, RunConfig
-from minips.run.rundir import RunDir
+from minips.record.rundir import RunDir
 from minips.serve.group import GroupServer
 from minips.wire import messages
 
-__all__ = ["TcpLink", "serve_group", "run_group_process"]
+__all__ = [
+    "TcpLink",
+    "serve_group",
+    "run_group_process",
+    "GroupConfig",
+]
 
 POLL_S = 0.2  # how often the serving loop looks at the link and the group
 
@@ -163,3 +169,24 @@ def run_group_process(cfg: GroupConfig) -> None:
     """`minips group`: register with the global server, then serve the assigned workers."""
     transport.install_uvloop()
     asyncio.run(serve_group(cfg))
+
+
+@dataclass
+class GroupConfig:
+    """A group server running as its own process (`minips group`)."""
+
+    server_host: str = "127.0.0.1"  # global server address
+    server_port: int = 7070  # global server port
+    host: str = "127.0.0.1"  # listen address for this group's workers
+    port: int = 7071  # listen port; 0 = any free port
+    # host told to workers; None: ``host``, or, when that is a wildcard, the address the global
+    # server sees this process connect from
+    advertise_host: str | None = None
+    token: str = ""  # shared secret (MINIPS_TOKEN)
+    tls_cert: str | None = None  # PEM certificate to serve workers with
+    tls_key: str | None = None  # key for tls_cert
+    tls_ca: str | None = None  # CA file to verify the global server; None = plain TCP
+    run_dir: str = "runs/group"  # metrics directory
+    connect_timeout_s: float = 10.0  # give up on an unreachable global server after this
+    reconnect_s: float = 120.0  # how long to keep trying when the global server is lost
+    insecure: bool = False  # allow a non-loopback listen address without a secret

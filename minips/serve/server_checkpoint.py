@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from minips.run import checkpoint
-from minips.run.config import ServerConfig
+from minips.record import checkpoint as checkpoint_mod
+from minips.record.checkpoint import remove_stale_temps
 from minips.serve.server_io import ServerIO
+
+if TYPE_CHECKING:  # the server's config, for annotations only (server.py imports this)
+    from minips.server import ServerConfig
 
 __all__ = ["path_of", "save", "save_loop", "clean"]
 
@@ -26,7 +30,7 @@ def path_of(cfg: ServerConfig) -> Path:
 
 def clean(io: ServerIO) -> None:
     """Delete the temporary files of checkpoint writes that were killed midway."""
-    removed = checkpoint.remove_stale_temps(path_of(io.cfg))
+    removed = remove_stale_temps(path_of(io.cfg))
     if removed:
         io.core.log("checkpoint_temps_removed", files=[str(p) for p in removed])
 
@@ -42,6 +46,6 @@ async def save(io: ServerIO) -> None:
     """Snapshot now, write it in a thread (the loop keeps serving), log its size."""
     t = time.monotonic()
     state = io.core.checkpoint_state()
-    io.saving = asyncio.ensure_future(asyncio.to_thread(checkpoint.save, path_of(io.cfg), state))
+    io.saving = asyncio.ensure_future(asyncio.to_thread(checkpoint_mod.save, path_of(io.cfg), state))
     size = await asyncio.shield(io.saving)
     io.core.log("checkpoint", bytes=size, write_s=time.monotonic() - t)

@@ -13,13 +13,15 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minips.core.global_core import Action, GlobalCore
 from minips.core.roster import GroupHandle, WorkerEntry
 from minips.net.channel import Channel
-from minips.run.config import ServerConfig
 from minips.wire.messages import Message
+
+if TYPE_CHECKING:  # the server's config, for annotations only (server.py imports this)
+    from minips.server import ServerConfig
 
 __all__ = ["OpenGroup", "ServerIO", "send_quiet"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from minips.core.config import RunConfig
 from minips.ml import data, device, models, reference
-from minips.run.config import RunConfig
 
 __all__ = ["ModelObjective"]
 

@@ -53,6 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips.core import global_core
+from minips.core.config import RunConfig
 from minips.core.downlink import apply_weights
 from minips.core.exchange import wire_size
 from minips.core.global_core import GlobalCore
@@ -67,9 +68,8 @@ from minips.core.group_core import (
     Wake,
 )
 from minips.core.roster import GroupHandle, NoGroup
-from minips.run import metrics, rundir
-from minips.run.config import RunConfig
-from minips.run.rundir import RunDir
+from minips.record.metrics import summarize
+from minips.record.rundir import RunDir
 from minips.sim.timing import Failure, Links, StepTimes, objective
 from minips.wire import messages
 
@@ -236,7 +236,7 @@ class Simulation:
         self.run.t0 = self.run.t0 or time.time()
         self.t, self.seq = 0.0, itertools.count()
         self.queue: list[tuple[float, int, Any, tuple[Any, ...]]] = []  # (time, seq, fn, args)
-        self.rundir = rundir.RunDir(run_dir, t0=self.run.t0)
+        self.rundir = RunDir(run_dir, t0=self.run.t0)
         self.rundir.write_config(self.run.to_info())
         self.objective = objective(self.run, real=cfg.real, dim=cfg.dim, noise=cfg.noise,
                                    **cfg.model_opts)
@@ -462,7 +462,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
                 writer.write(record)
     assert sim.glob.weights is not None
     np.save(run_dir / "final_weights.npy", sim.glob.weights)
-    summary = metrics.summarize(run_dir)
+    summary = summarize(run_dir)
     summary.update(run_dir=str(run_dir), pushes=sim.pushes,
                    sim_s=sim.t, real_s=time.perf_counter() - started)
     return summary

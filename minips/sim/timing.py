@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from minips.core.config import RunConfig
 from minips.errors import ConfigError
-from minips.run.config import RunConfig
 
 __all__ = [
     "Failure",

@@ -29,32 +29,16 @@ from typing import Any
 
 import numpy as np
 
-from minips.errors import ConfigError, DataError
+from minips.errors import DataError
 
-__all__ = ["FORMAT", "FINGERPRINT_FIELDS", "fingerprint", "check_compatible", "save", "load",
-           "remove_stale_temps"]
+__all__ = ["save", "load", "remove_stale_temps"]
 
-FORMAT = 1  # bump when the meaning of the stored map changes
+
 META = "__meta__"  # archive member that holds the JSON map
-FINGERPRINT_FIELDS = ("model", "dataset", "mode", "workers", "groups", "batch_size", "lr",
-                      "momentum", "weight_decay", "staleness", "sync_every", "merge",
-                      "compressor", "ratio", "seed")  # RunConfig fields a resume must share
 
 
-def fingerprint(run_info: dict[str, Any], size: int) -> dict[str, Any]:
-    """The run settings a checkpoint is only valid for, plus the model's vector size."""
-    return {**{k: run_info.get(k) for k in FINGERPRINT_FIELDS}, "size": int(size)}
 
 
-def check_compatible(state: dict[str, Any], run_info: dict[str, Any], size: int) -> None:
-    """Raise ``ConfigError`` naming each field where the checkpoint and this run differ."""
-    if state.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint format {state.get('format')!r}, this build reads {FORMAT}")
-    saved, ours = state.get("fingerprint", {}), fingerprint(run_info, size)
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in ours.items()
-            if saved.get(k) != v]
-    if diff:
-        raise ConfigError("checkpoint is from another model/config: " + "; ".join(diff))
 
 
 def _split(obj: Any, path: str, arrays: dict[str, np.ndarray]) -> Any:
@@ -149,3 +133,4 @@ def load(path: str | Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         # a truncated or overwritten archive: zipfile raises BadZipFile, np.load ValueError
         raise DataError(f"checkpoint {path} is damaged: {exc}") from None
+

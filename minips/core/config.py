@@ -1,4 +1,12 @@
-"""Configuration: one dataclass per role, filled by the CLI, checked once in ``validate()``.
+"""The models minips knows by name, the length of each one's flat weight vector, and the
+training set sizes of the known data sets (no torch).
+
+``models.py`` builds the models with torch; the servers and the command line, which never import
+torch, check a ``--model`` name and the size of an ``--init`` file against this table.
+
+Invariant: ``PARAM_COUNTS[name] == models.param_count(name)`` for every name (tests/test_models.py).
+
+Configuration: one dataclass per role, filled by the CLI, checked once in ``validate()``.
 
 ``RunConfig`` holds what every role of one training run must agree on (model, data, optimizer,
 mode, compressor, budget). The global server owns it and sends it to every client in
@@ -16,24 +24,53 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from minips.compress.base import Compressor
-from minips.compress.registry import is_sparse, make_compressor
 from minips.core.optim import SCHEDULES
 from minips.core.sync import MODES, SyncPolicy, policy
 from minips.errors import ConfigError
 
+if TYPE_CHECKING:
+    from minips.compress.base import Compressor
+
+
 __all__ = [
+    "MODEL_NAMES",
+    "PARAM_COUNTS",
+    "DEFAULT_DATASET",
+    "TRAIN_SIZES",
+    "dataset_train_size",
     "RunConfig",
-    "ServerConfig",
     "FieldError",
-    "GroupConfig",
     "WorkerConfig",
-    "LaunchConfig",
-    "parse_slowdowns",
 ]
 
+
+# -- model_table: The models minips knows by name, the length of each one's flat weight vector, ...
+
+MODEL_NAMES = ("lenet5", "resnet18", "vgg19", "resnet9", "seq2seq")
+PARAM_COUNTS = {"lenet5": 61_706, "resnet18": 11_173_962, "vgg19": 20_040_522,
+                "resnet9": 6_573_120, "seq2seq": 109_499}  # float32 elements of the flat vector
+DEFAULT_DATASET = {"lenet5": "fashion-mnist", "resnet18": "cifar10", "vgg19": "cifar10",
+                   "resnet9": "cifar10", "seq2seq": "translation"}
+
+
+# Training set sizes of the known data sets (samples), for the epoch budget on the server,
+# which never loads data. A data set not listed here needs RunConfig.train_size. "synthetic" is
+# data.py's stand-in (10,000 training images, data._SYNTH_SIZES), not a copy of a real set's size.
+TRAIN_SIZES = {"fashion-mnist": 60000, "mnist": 60000, "cifar10": 50000, "synthetic": 10000}
+
+
+def dataset_train_size(name: str, override: int = 0) -> int:
+    """Samples in the training split of ``name`` (``override`` wins when > 0)."""
+    if override > 0:
+        return override
+    if name not in TRAIN_SIZES:
+        raise ConfigError(f"unknown training set size of {name!r}; set train_size")
+    return TRAIN_SIZES[name]
+
+
+# -- config: Configuration: one dataclass per role, filled by the CLI, checked once in ``validat...
 
 @dataclass
 class RunConfig:
@@ -131,11 +168,17 @@ class RunConfig:
         declared wire encoding, ``compress.is_sparse``)."""
         if self.down_ratio is not None:
             return self.down_ratio
+        from minips.compress.registry import (
+            is_sparse,  # the plug-ins load with a run, not the rules
+        )
+
         return self.ratio if is_sparse(self.compressor) else 1.0
 
     def worker_compressor(self, size: int, worker: int) -> Compressor:
         """The compressor worker ``worker`` builds for ``size`` coordinates (its seed:
         ``seed * 1000 + worker``); worker.py and the simulator both take it."""
+        from minips.compress.registry import make_compressor
+
         return make_compressor(self.compressor, size, ratio=self.ratio,
                                seed=self.seed * 1000 + worker, **self.compressor_opts)
 
@@ -155,53 +198,27 @@ class RunConfig:
         return cls(**{k: v for k, v in info.items() if k in names})
 
 
-@dataclass
-class ServerConfig:
-    """The global server process."""
-
-    run: RunConfig = field(default_factory=RunConfig)  # the run it serves
-    host: str = "127.0.0.1"  # listen address
-    port: int = 7070  # listen port; 0 = any free port
-    token: str = ""  # shared secret (MINIPS_TOKEN)
-    tls_cert: str | None = None  # PEM certificate file; None = plain TCP
-    tls_key: str | None = None  # PEM key file for tls_cert
-    run_dir: str = "runs/server"  # where metrics, config.json and final weights go
-    init_path: str | None = None  # .npy initial flat weights; None = take them from a worker
-    external_groups: int = 0  # group servers expected as separate processes; 0 = in-process
-    # host told to workers for in-process group servers (they listen on ``host``); None: the host
-    # each worker reached this server at (ASSIGN carries ":port")
-    advertise_host: str | None = None
-    calib_timeout_s: float = 60.0  # group the workers that reported after this long
-    ready_file: str | None = None  # write "host port" here once listening (launcher)
-    linger_s: float = 15.0  # after the budget, wait this long for the final evaluator pull
-    rejoin_wait_s: float = 120.0  # every worker gone with budget left: wait this long for them
-    checkpoint_path: str | None = None  # checkpoint file; None = <run_dir>/checkpoint.npz
-    checkpoint_every_s: float = 30.0  # seconds between checkpoints; 0 = none
-    resume: bool = False  # start from checkpoint_path instead of init_path / a worker
-    insecure: bool = False  # allow a non-loopback listen address without a secret
-    dashboard: str = ""  # HOST:PORT of the live web dashboard and /metrics; "" = none
-    tensorboard: str = ""  # directory for TensorBoard event files; "" = none
 
 
-@dataclass
-class GroupConfig:
-    """A group server running as its own process (`minips group`)."""
 
-    server_host: str = "127.0.0.1"  # global server address
-    server_port: int = 7070  # global server port
-    host: str = "127.0.0.1"  # listen address for this group's workers
-    port: int = 7071  # listen port; 0 = any free port
-    # host told to workers; None: ``host``, or, when that is a wildcard, the address the global
-    # server sees this process connect from
-    advertise_host: str | None = None
-    token: str = ""  # shared secret (MINIPS_TOKEN)
-    tls_cert: str | None = None  # PEM certificate to serve workers with
-    tls_key: str | None = None  # key for tls_cert
-    tls_ca: str | None = None  # CA file to verify the global server; None = plain TCP
-    run_dir: str = "runs/group"  # metrics directory
-    connect_timeout_s: float = 10.0  # give up on an unreachable global server after this
-    reconnect_s: float = 120.0  # how long to keep trying when the global server is lost
-    insecure: bool = False  # allow a non-loopback listen address without a secret
+
+
+
+
+
+
+
+class FieldError(ConfigError):
+    """A RunConfig field out of range (the CLI names the field's flag instead of the field)."""
+
+    def __init__(self, name: str, got: Any, expected: str) -> None:
+        super().__init__(f"config field {name} = {got!r}, expected {expected}")
+        self.name, self.got, self.expected = name, got, expected
+
+
+def _check(ok: bool, name: str, got: Any, expected: str) -> None:
+    if not ok:
+        raise FieldError(name, got, expected)
 
 
 @dataclass
@@ -225,60 +242,3 @@ class WorkerConfig:
     compress_on_device: bool | None = None  # select with torch on the device; None: off the CPU
     connect_timeout_s: float = 10.0  # give up on an unreachable server after this
     reconnect_s: float = 120.0  # how long to keep trying when a server is lost mid-run
-
-
-@dataclass
-class LaunchConfig:
-    """`minips local`: a whole cluster of processes on this machine."""
-
-    run: RunConfig = field(default_factory=RunConfig)  # the run's settings
-    slowdowns: list[float] = field(default_factory=list)  # factor F per worker; [] = all 1.0
-    link: str = ""  # --link profile of the workers' links (links.py); "" = not limited
-    link_shaping: str = "auto"  # auto | kernel (namespaces + tc) | pacer (token buckets)
-    out_dir: str = "runs"  # parent of the run directory
-    name: str | None = None  # run directory name; None = mode-compressor-time
-    progress: bool = True  # draw the one-line progress display
-    evaluator: bool = True  # start the evaluator process
-    plot: bool = True  # draw the PNGs at the end
-    timeout_s: float = 0.0  # hard stop of the whole cluster; 0 = budget + a margin
-    grace_s: float = 5.0  # SIGTERM to SIGKILL delay when stopping children
-    dashboard: str = ""  # HOST:PORT of the server's live dashboard; "" = none
-    tensorboard: str = ""  # directory for the server's TensorBoard event files; "" = none
-    devices: list[str] = field(default_factory=lambda: ["auto"])  # per worker; last repeats
-    amp: bool = False  # workers use mixed precision where their device supports it
-
-    def factors(self) -> list[float]:
-        """Slowdown factor of each of the run's workers (missing ones are 1.0)."""
-        given = list(self.slowdowns)[: self.run.workers]
-        return given + [1.0] * (self.run.workers - len(given))
-
-    def device(self, worker: int) -> str:
-        """``--device`` of worker ``worker``: its entry in ``devices``, else the last one."""
-        return self.devices[min(worker, len(self.devices) - 1)] if self.devices else "auto"
-
-
-def parse_slowdowns(text: str) -> list[float]:
-    """'1,1,2x2,4' → [1, 1, 2, 2, 4]; 'FxN' repeats F N times."""
-    out: list[float] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        factor, _, count = part.partition("x")
-        try:
-            out += [float(factor)] * int(count or 1)
-        except ValueError:
-            raise ConfigError(f"bad slowdown {part!r}, expected F or FxN") from None
-    if any(f <= 0 for f in out):
-        raise ConfigError(f"slowdown factors must be > 0, got {out}")
-    return out
-
-
-class FieldError(ConfigError):
-    """A RunConfig field out of range (the CLI names the field's flag instead of the field)."""
-
-    def __init__(self, name: str, got: Any, expected: str) -> None:
-        super().__init__(f"config field {name} = {got!r}, expected {expected}")
-        self.name, self.got, self.expected = name, got, expected
-
-
-def _check(ok: bool, name: str, got: Any, expected: str) -> None:
-    if not ok:
-        raise FieldError(name, got, expected)

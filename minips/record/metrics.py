@@ -40,13 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minips.run.rundir import (
-    dump_json,
-    num,
-    read_config,
-    read_jsonl,
-    tail_jsonl,
-)
+from minips.record.rundir import dump_json, num, read_config, read_jsonl, tail_jsonl
 
 __all__ = [
     "record",
@@ -64,8 +58,6 @@ __all__ = [
     "summarize",
 ]
 
-
-# -- provenance: Where a run's data came from: the real files, or the synthetic stand-in ``data....
 
 def record(run_dir: str | os.PathLike[str], role: str, meta: Mapping[str, Any]) -> Path:
     """Write ``data-<role>.json`` for a data set's ``meta`` (``Dataset.meta``); return its path."""

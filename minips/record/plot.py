@@ -28,9 +28,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from minips.run.metrics import Run, load_run, total_bytes_series
+from minips.record.metrics import Run, load_run, total_bytes_series
 
 __all__ = ["plot_runs", "plot_run", "DPI"]
+
 
 DPI = 100  # keeps a chart around 30-80 KB
 SIZE = (7.0, 4.5)  # inches
