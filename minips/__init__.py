@@ -42,7 +42,7 @@ _LAZY = {
     "run_worker": "minips.worker",
     # compression and grouping, usable from a user's own training loop
     "make_compressor": "minips.compress.registry",
-    "SparseGrad": "minips.sparse",
+    "SparseVector": "minips.sparse",
     "assign_groups": "minips.grouping",
     # the wire, for clients in other languages or tools
     "messages": "minips.wire.messages",

@@ -79,7 +79,7 @@ async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunC
 
 def _evaluate_once(run: RunConfig, w: messages.GlobalWeights, size: int,
                    test: data.Dataset, writer: JsonlWriter) -> None:
-    flat = np.asarray(sparse.decode_gradient(w.encoding, w.codec, w.buffers, size))
+    flat = np.asarray(sparse.decode_vector(w.encoding, w.codec, w.buffers, size))
     acc, loss = models.evaluate(run.model, flat, test)
     writer.write({**dict(w.info), "t": time.time() - run.t0, "version": w.version,
                   "accuracy": acc, "loss": loss, "final": bool(w.done)})

@@ -11,7 +11,7 @@ Public API: ``varint_encode``, ``varint_decode``, ``MAX_VARINT_BYTES``.
 The vector payload (gradients, deltas, weights): the data type, its wire encoding, and how a
 server applies it.
 
-A ``SparseGrad`` is ``indices`` (k,) uint32, strictly increasing (so sorted and unique),
+A ``SparseVector`` is ``indices`` (k,) uint32, strictly increasing (so sorted and unique),
 ``values`` (k,) float32, and ``size``, the length of the dense vector it stands for. The value
 type on the wire (``f32``: 4 bytes, ``f16``: 2) is the encoder's ``value_dtype``: a compressor
 declares it (``compress.base.WireSpec``) and ``Compressor.encode`` passes it here.
@@ -72,11 +72,11 @@ __all__ = [
     "varint_encode",
     "varint_decode",
     "MAX_VARINT_BYTES",
-    "SparseGrad",
+    "SparseVector",
     "ENCODINGS",
-    "encode_gradient",
-    "decode_gradient",
-    "scatter_add",
+    "encode_vector",
+    "decode_vector",
+    "add_into",
     "accumulate",
     "average",
     "TopKSelector",
@@ -153,11 +153,11 @@ _VALUE_DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "f16": np.dty
 
 
 @dataclass(frozen=True)
-class SparseGrad:
+class SparseVector:
     """A sparse gradient: ``indices`` (k,) uint32 strictly increasing, ``values`` (k,) float32.
 
     The constructor checks dtypes and shapes (O(1)); ``check()`` also checks order and range
-    (O(k)), which ``decode_gradient`` always does for data from the network.
+    (O(k)), which ``decode_vector`` always does for data from the network.
     """
 
     indices: np.ndarray
@@ -168,12 +168,12 @@ class SparseGrad:
         i, v = self.indices, self.values
         if i.dtype != np.uint32 or v.dtype != np.float32 or i.ndim != 1 or i.shape != v.shape:
             raise LocalProtocolError(
-                "SparseGrad needs (k,) uint32 indices and (k,) float32 values",
+                "SparseVector needs (k,) uint32 indices and (k,) float32 values",
                 expected="uint32/float32 of one length",
                 got=f"{i.dtype}{i.shape}/{v.dtype}{v.shape}",
             )
         if self.size < 0 or i.size > self.size:
-            raise LocalProtocolError("SparseGrad has more entries than its size", got=self.size)
+            raise LocalProtocolError("SparseVector has more entries than its size", got=self.size)
 
     @property
     def nnz(self) -> int:
@@ -183,7 +183,7 @@ class SparseGrad:
         """Raise LocalProtocolError unless indices are strictly increasing and < size."""
         i = self.indices
         if i.size and (int(i[-1]) >= self.size or np.any(i[1:] <= i[:-1])):
-            raise LocalProtocolError("SparseGrad indices not strictly increasing below size")
+            raise LocalProtocolError("SparseVector indices not strictly increasing below size")
 
     def to_dense(self) -> np.ndarray:
         """(size,) float32 with the values at their indices and zeros elsewhere."""
@@ -192,15 +192,15 @@ class SparseGrad:
         return out
 
     @staticmethod
-    def empty(size: int) -> SparseGrad:
-        return SparseGrad(np.empty(0, np.uint32), np.empty(0, np.float32), size)
+    def empty(size: int) -> SparseVector:
+        return SparseVector(np.empty(0, np.uint32), np.empty(0, np.float32), size)
 
 
 # ---------------------------------------------------------------------------- encode
 
 
-def encode_gradient(
-    g: SparseGrad | np.ndarray,
+def encode_vector(
+    g: SparseVector | np.ndarray,
     *,
     value_dtype: str = "f32",
     index: str = "varint",
@@ -268,17 +268,17 @@ def _decode_indices(data: np.ndarray, scheme: str, k: int, size: int) -> np.ndar
     return idx
 
 
-def decode_gradient(
+def decode_vector(
     encoding: str,
     codec: dict[str, Any],
     buffers: Sequence[Any],
     size: int,
     *,
     allow_nonfinite: bool = False,
-) -> SparseGrad | np.ndarray:
+) -> SparseVector | np.ndarray:
     """Decode and validate a PUSH payload for a model of ``size`` parameters.
 
-    Returns a (size,) float32 array for dense encodings, a checked ``SparseGrad`` otherwise.
+    Returns a (size,) float32 array for dense encodings, a checked ``SparseVector`` otherwise.
     Raises RemoteProtocolError on anything malformed.
     """
     try:
@@ -298,14 +298,14 @@ def decode_gradient(
     vdtype = _VALUE_DTYPES[value]
     ib, vb = _unpack(buffers, 2)
     indices = _decode_indices(ib, scheme, k, size)
-    return SparseGrad(indices, _values(vb, vdtype, k, allow_nonfinite), size)
+    return SparseVector(indices, _values(vb, vdtype, k, allow_nonfinite), size)
 
 
 # ---------------------------------------------------------------------------- apply
 
 
-def scatter_add(target: np.ndarray, sg: SparseGrad | np.ndarray, scale: float = 1.0) -> None:
-    """``target += scale * g`` in place; O(nnz) for a SparseGrad."""
+def add_into(target: np.ndarray, sg: SparseVector | np.ndarray, scale: float = 1.0) -> None:
+    """``target += scale * g`` in place; O(nnz) for a SparseVector."""
     if isinstance(sg, np.ndarray):
         if sg.shape != target.shape:
             raise LocalProtocolError("dense shape mismatch", expected=target.shape, got=sg.shape)
@@ -318,28 +318,36 @@ def scatter_add(target: np.ndarray, sg: SparseGrad | np.ndarray, scale: float = 
     np.add.at(target, sg.indices, np.float32(scale) * sg.values if scale != 1.0 else sg.values)
 
 
-def accumulate(grads: Sequence[SparseGrad], size: int) -> SparseGrad:
-    """Sum of sparse gradients as one SparseGrad; O(m log m) in the total nnz m, not O(size)."""
+
+def set_into(target: np.ndarray, v: SparseVector) -> None:
+    """``target[v.indices] = v.values`` in place: entries to *set* (an exchange's or a downlink's
+    answer carries the values the receiver's copy should hold), O(nnz)."""
+    if v.size != target.size:
+        raise LocalProtocolError("sparse vector size mismatch", expected=target.size, got=v.size)
+    target[v.indices] = v.values
+
+def accumulate(grads: Sequence[SparseVector], size: int) -> SparseVector:
+    """Sum of sparse gradients as one SparseVector; O(m log m) in the total nnz m, not O(size)."""
     for g in grads:
         if g.size != size:
             raise LocalProtocolError("sparse gradient size mismatch", expected=size, got=g.size)
     if not grads:
-        return SparseGrad.empty(size)
+        return SparseVector.empty(size)
     idx = np.concatenate([g.indices for g in grads])  # (m,) uint32, repeats across grads
     vals = np.concatenate([g.values for g in grads])  # (m,) float32
     uniq, inverse = np.unique(idx, return_inverse=True)  # uniq sorted unique (u,) uint32
     sums = np.bincount(inverse.ravel(), weights=vals, minlength=uniq.size)  # (u,) float64
-    return SparseGrad(uniq.astype(np.uint32), sums.astype(np.float32), size)
+    return SparseVector(uniq.astype(np.uint32), sums.astype(np.float32), size)
 
 
-def average(grads: Sequence[SparseGrad | np.ndarray], size: int) -> SparseGrad | np.ndarray:
+def average(grads: Sequence[SparseVector | np.ndarray], size: int) -> SparseVector | np.ndarray:
     """Mean of one BSP round's gradients, dense or sparse: (size,) float32, or the gradient
     itself when the round has just one."""
     if len(grads) == 1:
         return grads[0]
     total = np.zeros(size, dtype=np.float32)  # (size,) float32: rounds mix dense and sparse
     for g in grads:
-        scatter_add(total, g)
+        add_into(total, g)
     total /= np.float32(len(grads))
     return total
 

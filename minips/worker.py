@@ -362,7 +362,7 @@ class Worker:
 
     async def _send_initial(self) -> None:
         flat = self.trainer.host_weights()  # (n,) float32
-        encoding, codec, buffers = sparse.encode_gradient(flat)
+        encoding, codec, buffers = sparse.encode_vector(flat)
         await self.control.ch.send(messages.InitWeights(size=int(flat.size), encoding=encoding,
                                                         codec=codec, buffers=tuple(buffers)))
 

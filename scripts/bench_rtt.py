@@ -43,7 +43,7 @@ import numpy as np
 from minips.net import channel
 from minips.net import transport as t
 from minips.net.transport import serve
-from minips.sparse import SparseGrad, encode_gradient
+from minips.sparse import SparseVector, encode_vector
 from minips.wire import frames, messages
 from minips.wire.frames import TABLES
 
@@ -120,7 +120,7 @@ def sparse_push() -> messages.Push:
     rng = np.random.default_rng(1)
     idx = np.sort(rng.choice(LENET_N, SPARSE_K, replace=False)).astype(np.uint32)  # (k,) u32
     val = rng.standard_normal(SPARSE_K).astype(np.float32)  # (k,) f32
-    encoding, codec, buffers = encode_gradient(SparseGrad(idx, val, LENET_N))
+    encoding, codec, buffers = encode_vector(SparseVector(idx, val, LENET_N))
     return messages.Push(clock=1, step_time=0.01, loss=2.3, samples=64, encoding=encoding,
                   codec=codec, buffers=tuple(buffers))
 

@@ -57,11 +57,11 @@ def made_up_gradient(size: int, ratio: float, seed: int) -> tuple[str, dict[str,
     """The PUSH payload every step of one worker sends: k = ratio * size coordinates."""
     rng = np.random.default_rng(seed)
     if ratio >= 1:
-        return sparse.encode_gradient(rng.normal(0, 1e-4, size).astype(np.float32))
+        return sparse.encode_vector(rng.normal(0, 1e-4, size).astype(np.float32))
     k = max(1, int(size * ratio))
     idx = np.sort(rng.choice(size, k, replace=False)).astype(np.uint32)  # (k,) sorted unique
-    g = sparse.SparseGrad(idx, rng.normal(0, 1e-4, k).astype(np.float32), size)
-    enc, codec, bufs = sparse.encode_gradient(g)
+    g = sparse.SparseVector(idx, rng.normal(0, 1e-4, k).astype(np.float32), size)
+    enc, codec, bufs = sparse.encode_vector(g)
     return enc, codec, tuple(bufs)
 
 

@@ -5,8 +5,8 @@ for kept fractions 1% and 0.1%, it measures (median of ``--repeats`` timed runs 
 
 - ``torch_topk_ms``: ``torch.topk(x.abs(), k)``, what a user would write (default threads);
 - ``dgc_ms`` / ``topk_ms``: our sampled-threshold selection by |x| (approximate / exact k) +
-  ``encode_gradient`` of the same k; ``speedup_* = torch_topk_ms / ours``;
-- ``encode_ms`` (encoding alone), ``decode_apply_ms`` (``decode_gradient`` + ``scatter_add``),
+  ``encode_vector`` of the same k; ``speedup_* = torch_topk_ms / ours``;
+- ``encode_ms`` (encoding alone), ``decode_apply_ms`` (``decode_vector`` + ``add_into``),
   ``compress_ms`` (the whole ``Compressor.compress`` call, error feedback included);
 - ``bytes_per_index`` (varint), ``bytes_per_value``, ``dgc_kept_over_k`` and ``energy_kept``: the
   squared norm DGC keeps divided by what the exact top-k keeps (1.0 = as good as exact), and
@@ -33,12 +33,12 @@ import torch
 
 from minips.compress.registry import make_compressor
 from minips.sparse import (
-    SparseGrad,
+    SparseVector,
     TopKSelector,
-    decode_gradient,
-    encode_gradient,
+    add_into,
+    decode_vector,
+    encode_vector,
     kept_count,
-    scatter_add,
 )
 
 RESNET18_SIZE = 11_689_512
@@ -59,8 +59,8 @@ def timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
 def select_and_encode(x: np.ndarray, sel: TopKSelector, k: int) -> tuple:
     """What a worker does per step without error feedback: |x|, select, gather, encode."""
     idx = sel.select(x, k)  # ranks by |x| in cache-sized chunks
-    g = SparseGrad(idx.astype(np.uint32), x[idx], x.size)
-    return g, encode_gradient(g)
+    g = SparseVector(idx.astype(np.uint32), x[idx], x.size)
+    return g, encode_vector(g)
 
 
 def bench_fraction(x: np.ndarray, frac: float, repeats: int) -> dict[str, Any]:
@@ -70,10 +70,10 @@ def bench_fraction(x: np.ndarray, frac: float, repeats: int) -> dict[str, Any]:
     exact, approx = TopKSelector(n, seed=1), TopKSelector(n, seed=1, tolerance=0.1)
     topk_ms, (g_exact, _) = timed(lambda: select_and_encode(x, exact, k), repeats)
     dgc_ms, (g_dgc, packet) = timed(lambda: select_and_encode(x, approx, k), repeats)
-    encode_ms, _ = timed(lambda: encode_gradient(g_dgc), repeats)
+    encode_ms, _ = timed(lambda: encode_vector(g_dgc), repeats)
     target = np.zeros(n, np.float32)
     enc, codec, bufs = packet
-    decode_ms, _ = timed(lambda: scatter_add(target, decode_gradient(enc, codec, bufs, n)), repeats)
+    decode_ms, _ = timed(lambda: add_into(target, decode_vector(enc, codec, bufs, n)), repeats)
     comp = make_compressor("dgc", n, ratio=frac, seed=1)
     compress_ms, _ = timed(lambda: comp.compress(x), repeats)
     total = float(np.square(x, dtype=np.float64).sum())

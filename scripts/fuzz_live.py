@@ -51,8 +51,8 @@ def frame(msg: messages.Message) -> bytes:
 
 
 def push(clock: int) -> messages.Push:
-    grad = sparse.SparseGrad(np.array([1, 5, 9], np.uint32), np.ones(3, np.float32), N)
-    encoding, codec, buffers = sparse.encode_gradient(grad)
+    grad = sparse.SparseVector(np.array([1, 5, 9], np.uint32), np.ones(3, np.float32), N)
+    encoding, codec, buffers = sparse.encode_vector(grad)
     return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec, buffers=tuple(buffers))
 
 

@@ -4,7 +4,7 @@ mutated frames on every run).
 
 Each input is cut in two at a point its first byte chooses and fed to a FrameDecoder; every
 message it yields goes through the server's checks (``validation``), and each vector payload
-through the gradient decoder (``sparse.decode_gradient``); the whole input also goes
+through the gradient decoder (``sparse.decode_vector``); the whole input also goes
 through a server-side ``Connection`` (state machine). The invariant: any bytes give messages
 or ``RemoteProtocolError``, never another exception; atheris stops at the first other one and
 writes the input to a file.
@@ -42,15 +42,15 @@ def frame(msg: messages.Message, compress: bool = False) -> bytes:
 
 def seeds() -> list[bytes]:
     rng = np.random.default_rng(0)
-    grad = sparse.SparseGrad(np.sort(rng.choice(N, 300, replace=False)).astype(np.uint32),
+    grad = sparse.SparseVector(np.sort(rng.choice(N, 300, replace=False)).astype(np.uint32),
                                    rng.standard_normal(300).astype(np.float32), N)
     out = []
     for index in ("u32", "varint"):
         for value in ("f32", "f16"):
-            enc, codec, bufs = sparse.encode_gradient(grad, value_dtype=value, index=index)
+            enc, codec, bufs = sparse.encode_vector(grad, value_dtype=value, index=index)
             push = messages.Push(clock=3, encoding=enc, codec=codec, buffers=tuple(bufs))
             out += [frame(push, compress=lz4) for lz4 in (False, True)]
-    enc, codec, bufs = sparse.encode_gradient(rng.standard_normal(N).astype(np.float32))
+    enc, codec, bufs = sparse.encode_vector(rng.standard_normal(N).astype(np.float32))
     out.append(frame(messages.Weights(version=1, encoding=enc, codec=codec, buffers=tuple(bufs),
                                group=2, waited_for=[1, 3], lead=1, min_clock=4)))
     zeros = (np.zeros(64, np.float32),)
@@ -75,7 +75,7 @@ def check(msg: messages.Message) -> None:
         validation.check_push(msg)
     if msg.KIND in messages.WITH_BUFFERS:  # every vector payload
         payload: Any = msg
-        sparse.decode_gradient(payload.encoding, payload.codec, payload.buffers, N)
+        sparse.decode_vector(payload.encoding, payload.codec, payload.buffers, N)
 
 
 def one_input(data: bytes) -> None:

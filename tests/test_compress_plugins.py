@@ -14,7 +14,7 @@ from minips.compress.base import SparseCompressor, WireSpec
 from minips.compress.ratios import RatioPolicy
 from minips.compress.registry import COMPRESSORS, is_sparse, make_compressor, ratio_policy, register
 from minips.errors import ConfigError, RemoteProtocolError
-from minips.sparse import SparseGrad, encode_gradient, scatter_add
+from minips.sparse import SparseVector, add_into, encode_vector
 
 N = 1000
 EXPECTED_WIRE = {
@@ -46,12 +46,12 @@ def test_f16_sparse_values_travel_in_two_bytes_and_decode_back(name: str) -> Non
     c = make_compressor(name, N, ratio=0.1, value_dtype="f16")
     assert c.wire == WireSpec(sparse=True, dtype="f16")
     packet = c.compress(grad())
-    assert isinstance(packet, SparseGrad)
+    assert isinstance(packet, SparseVector)
     enc, codec, bufs = c.encode(packet)
     assert memoryview(bufs[1]).nbytes == 2 * packet.nnz  # values: float16 on the wire
-    assert (enc, codec) == encode_gradient(packet, value_dtype="f16")[:2]
+    assert (enc, codec) == encode_vector(packet, value_dtype="f16")[:2]
     back = c.decode(enc, codec, bufs)
-    assert isinstance(back, SparseGrad)
+    assert isinstance(back, SparseVector)
     np.testing.assert_array_equal(back.indices, packet.indices)
     np.testing.assert_array_equal(back.values, packet.values)  # already rounded: exact
 
@@ -83,8 +83,8 @@ def test_torch_tensor_gives_the_same_packets_as_numpy(name: str) -> None:
         assert w.grad is not None
         a, b = from_np.compress(g), from_torch.compress(w.grad.clone())
         w.grad = None
-        if isinstance(a, SparseGrad):
-            assert isinstance(b, SparseGrad)
+        if isinstance(a, SparseVector):
+            assert isinstance(b, SparseVector)
             np.testing.assert_array_equal(a.indices, b.indices)
             np.testing.assert_array_equal(a.values, b.values)
         else:
@@ -107,7 +107,7 @@ def test_torch_loop_sum_sent_plus_residual_is_sum_of_gradients() -> None:
         g = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         total += g.numpy()
         packet = comp.decode(*comp.encode(comp.compress(g)))
-        scatter_add(applied, packet)
+        add_into(applied, packet)
     assert comp.residual is not None
     np.testing.assert_allclose(applied + comp.residual, total, atol=1e-5)
 
@@ -131,7 +131,7 @@ def test_a_user_compressor_is_one_class_and_one_register_call() -> None:
     try:
         c = make_compressor("every-other-test", 6, ratio=0.5)
         first = c.compress(np.arange(6, dtype=np.float32))
-        assert isinstance(first, SparseGrad)
+        assert isinstance(first, SparseVector)
         np.testing.assert_array_equal(first.indices, [0, 2, 4])
         assert c.residual is not None
         np.testing.assert_array_equal(c.residual, [0, 1, 0, 3, 0, 5])  # error feedback

@@ -15,7 +15,7 @@ from minips.compress.ratios import gdtopk_ratios
 from minips.compress.registry import COMPRESSORS, make_compressor
 from minips.compress.topk import warmup_ratio
 from minips.errors import ConfigError, LocalProtocolError
-from minips.sparse import SparseGrad, decode_gradient, encode_gradient, scatter_add
+from minips.sparse import SparseVector, add_into, decode_vector, encode_vector
 
 F32 = np.float32
 
@@ -57,11 +57,11 @@ def test_magnitude_compressors_hand_computed(name: str) -> None:
     opts: dict[str, Any] = {"warmup_epochs": 0} if name == "gdtopk" else {}
     c = make_compressor(name, 4, ratio=0.5, **opts)
     out = c.compress(vec(0.1, -3, 2, 0.5))
-    assert isinstance(out, SparseGrad)
+    assert isinstance(out, SparseVector)
     assert out.indices.tolist() == [1, 2] and out.values.tolist() == [-3, 2]
     assert c.residual is not None and c.residual.tolist() == [F32(0.1), 0, 0, 0.5]
     out = c.compress(vec(1, 0, 0, 0))  # the residual is added back before selecting
-    assert isinstance(out, SparseGrad)
+    assert isinstance(out, SparseVector)
     assert out.indices.tolist() == [0, 3] and out.values.tolist() == [F32(1.1), 0.5]
     assert c.kept_fraction == 0.5
 
@@ -70,14 +70,14 @@ def test_randomk_hand_checked() -> None:
     c = make_compressor("randomk", 10, ratio=0.3, seed=5)
     g = np.arange(10, dtype=F32)
     out = c.compress(g)
-    assert isinstance(out, SparseGrad) and out.nnz == 3
+    assert isinstance(out, SparseVector) and out.nnz == 3
     assert np.all(np.diff(out.indices.astype(int)) > 0)
     assert np.array_equal(out.values, g[out.indices])
     again = make_compressor("randomk", 10, ratio=0.3, seed=5).compress(g)
-    assert isinstance(again, SparseGrad) and np.array_equal(again.indices, out.indices)
+    assert isinstance(again, SparseVector) and np.array_equal(again.indices, out.indices)
     unbiased = make_compressor("randomk", 10, ratio=0.3, seed=5, error_feedback=False,
                                unbiased=True).compress(g)
-    assert isinstance(unbiased, SparseGrad)
+    assert isinstance(unbiased, SparseVector)
     np.testing.assert_allclose(unbiased.values, g[out.indices] * 10 / 3, rtol=1e-6)
 
 
@@ -86,7 +86,7 @@ def test_without_error_feedback_the_input_is_untouched() -> None:
     g = vec(1, 2, 3, 4)
     c.compress(g)
     out = c.compress(g)
-    assert isinstance(out, SparseGrad) and out.indices.tolist() == [3]
+    assert isinstance(out, SparseVector) and out.indices.tolist() == [3]
     assert g.tolist() == [1, 2, 3, 4] and c.residual is None
 
 
@@ -124,9 +124,9 @@ def test_error_feedback_conserves_the_gradient_sum(name: str, value_dtype: str) 
         grads += g
         c.set_epoch(step / 20)
         c.observe_loss(2.0 * math.exp(-step / 30) + 0.05 * rng.normal())
-        enc, codec, bufs = encode_gradient(c.compress(g), value_dtype=value_dtype)
+        enc, codec, bufs = encode_vector(c.compress(g), value_dtype=value_dtype)
         part = np.zeros(n, F32)
-        scatter_add(part, decode_gradient(enc, codec, bufs, n))  # what the server receives
+        add_into(part, decode_vector(enc, codec, bufs, n))  # what the server receives
         sent += part
     assert c.residual is not None
     np.testing.assert_allclose(sent + c.residual, grads, atol=2e-4)
@@ -142,7 +142,7 @@ def test_randomk_keeps_density_of_the_energy() -> None:
     for seed in range(5):
         c = make_compressor("randomk", n, ratio=density, seed=seed)
         out = c.compress(g)
-        assert isinstance(out, SparseGrad)
+        assert isinstance(out, SparseVector)
         energy = np.square(out.values, dtype=np.float64).sum()
         shares.append(energy / np.square(g, dtype=np.float64).sum())
     assert np.mean(shares) == pytest.approx(density, rel=0.05)
@@ -152,7 +152,7 @@ def test_topk_drops_the_known_energy_share() -> None:
     n, p = 1_000_000, 0.01
     g = np.random.default_rng(5).laplace(size=n).astype(F32)
     out = make_compressor("topk", n, ratio=p).compress(g)
-    assert isinstance(out, SparseGrad) and out.nnz == 10_000
+    assert isinstance(out, SparseVector) and out.nnz == 10_000
     t = -math.log(p)  # see test_sparse: the top 1% of a Laplace holds p (t^2 + 2t + 2) / 2
     kept = np.square(out.values, dtype=np.float64).sum() / np.square(g, dtype=np.float64).sum()
     assert 1 - kept == pytest.approx(1 - p * (t * t + 2 * t + 2) / 2, abs=0.005)
@@ -229,7 +229,7 @@ def test_losscomp_votes_follow_the_loss_and_steer_selection() -> None:
     assert c.residual is not None
     c.residual[:] = 0.0
     out = c.compress(tie)  # same magnitude: the good record wins (k is < 10: loss falling)
-    assert isinstance(out, SparseGrad) and out.nnz > 0
+    assert isinstance(out, SparseVector) and out.nnz > 0
     assert set(out.indices.tolist()) <= set(a.tolist())
 
 
@@ -295,5 +295,5 @@ def test_losscomp_without_losses_is_topk() -> None:
     g = np.random.default_rng(6).laplace(size=3000).astype(F32)
     a = make_compressor("losscomp", 3000, ratio=0.02).compress(g)
     b = make_compressor("topk", 3000, ratio=0.02).compress(g)
-    assert isinstance(a, SparseGrad) and isinstance(b, SparseGrad)
+    assert isinstance(a, SparseVector) and isinstance(b, SparseVector)
     assert np.array_equal(a.indices, b.indices) and np.array_equal(a.values, b.values)

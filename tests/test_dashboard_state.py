@@ -341,7 +341,7 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
             await asyncio.wait_for(grp[-1].recv(), 10)  # ACK: its start clock
         await grp[0].send(messages.Pull(clock=0))
         assert isinstance(await asyncio.wait_for(grp[0].recv(), 10), messages.Weights)
-        encoding, codec, buffers = sparse.encode_gradient(np.ones(4, np.float32))
+        encoding, codec, buffers = sparse.encode_vector(np.ones(4, np.float32))
         await grp[0].send(messages.Push(clock=1, samples=1, encoding=encoding, codec=codec,
                                         buffers=tuple(buffers)))
         await asyncio.wait_for(grp[0].recv(), 10)

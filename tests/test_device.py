@@ -33,7 +33,7 @@ from minips.ml import models
 from minips.ml.device import Trainer, bind_flat, pick_device
 from minips.run.launch import LaunchConfig
 from minips.server import GlobalServer, ServerConfig
-from minips.sparse import SparseGrad
+from minips.sparse import SparseVector
 from minips.worker import Worker
 
 CPU = torch.device("cpu")
@@ -181,7 +181,7 @@ def check_exact_topk_equals_numpy(device: torch.device, name: str, **opts: Any) 
             dev.observe_loss(1.0 / (step + 1))
             a = host.compress(g)
             b = dev.compress(torch.from_numpy(g).to(device))
-            assert isinstance(a, SparseGrad) and isinstance(b, SparseGrad)
+            assert isinstance(a, SparseVector) and isinstance(b, SparseVector)
             np.testing.assert_array_equal(a.indices, b.indices)
             np.testing.assert_array_equal(a.values, b.values)
             per_entry = 6 if opts.get("value_dtype") == "f16" else 8
@@ -206,7 +206,7 @@ def test_dgc_on_device_keeps_the_largest_and_the_feedback_invariant(name: str) -
         assert dev.residual is not None
         acc = dev.residual_host() + g
         out = dev.compress(torch.from_numpy(g))
-        assert isinstance(out, SparseGrad)
+        assert isinstance(out, SparseVector)
         k = round(0.01 * n)
         assert k <= out.nnz <= 1.1 * k
         assert np.all(np.diff(out.indices.astype(np.int64)) > 0)
@@ -222,11 +222,11 @@ def test_gdtopk_ratio_and_warmup_reach_the_device_selection() -> None:
     n = 100_000
     _, dev = twins("gdtopk", n, CPU)  # warm-up on: 25% in epoch 0
     out = dev.compress(torch.zeros(n).normal_())
-    assert isinstance(out, SparseGrad) and out.nnz >= 0.25 * n
+    assert isinstance(out, SparseVector) and out.nnz >= 0.25 * n
     dev.set_epoch(10.0)
     dev.set_ratio(0.002)
     out = dev.compress(torch.zeros(n).normal_())
-    assert isinstance(out, SparseGrad) and 200 <= out.nnz <= 220
+    assert isinstance(out, SparseVector) and 200 <= out.nnz <= 220
     assert dev.ratio == 0.002
 
 
@@ -241,8 +241,8 @@ def test_compressors_without_a_device_twin_run_on_the_host() -> None:
         assert isinstance(wrapped, HostCompressor)
         for g in grads(n, 3):
             a, b = host.compress(g), wrapped.compress(torch.from_numpy(g))
-            if isinstance(a, SparseGrad):
-                assert isinstance(b, SparseGrad)
+            if isinstance(a, SparseVector):
+                assert isinstance(b, SparseVector)
                 np.testing.assert_array_equal(a.indices, b.indices)
                 a, b = a.values, b.values
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -38,16 +38,16 @@ class Copy:
         self.held = -1
 
     def take(self, ans: Any) -> None:
-        enc, codec, bufs = sparse.encode_gradient(ans.payload)
+        enc, codec, bufs = sparse.encode_vector(ans.payload)
         msg = messages.Weights(version=ans.version, since=ans.since, encoding=enc, codec=codec,
                                buffers=tuple(bufs))
         self.w = apply_weights(self.w, self.held, msg, N)
         self.held = ans.version
 
 
-def update(ans: Any) -> sparse.SparseGrad:
+def update(ans: Any) -> sparse.SparseVector:
     """The payload of an answer that must be an update."""
-    assert isinstance(ans.payload, sparse.SparseGrad)
+    assert isinstance(ans.payload, sparse.SparseVector)
     return ans.payload
 
 
@@ -97,14 +97,14 @@ def test_answers_are_made_once_per_version_held_until_the_next_publish() -> None
         w[lo:lo + 10] += 1.0
         d.publish(w)
     first, again = d.answer(d.pub - 2), d.answer(d.pub - 2)
-    assert isinstance(first.payload, sparse.SparseGrad)
+    assert isinstance(first.payload, sparse.SparseVector)
     assert first is again and first.payload.indices.size == 20  # shared, not made twice
     assert d.answer(-1) is d.answer(-1)
     assert d.answers == {"update": 2, "dense": 3}  # every answer counted (one by started)
     w[20:30] += 1.0
     d.publish(w)
     later = d.answer(d.pub - 3)
-    assert isinstance(later.payload, sparse.SparseGrad)
+    assert isinstance(later.payload, sparse.SparseVector)
     assert later is not first and later.payload.indices.size == 30
 
 
@@ -117,7 +117,7 @@ def test_a_worker_that_follows_every_answer_holds_w_pub_bit_for_bit() -> None:
         d.publish(w)
         if step % 3:  # pulls now and then: behind by one or several publishes
             ans = d.answer(copy.held)
-            assert ans.since == copy.held and isinstance(ans.payload, sparse.SparseGrad)
+            assert ans.since == copy.held and isinstance(ans.payload, sparse.SparseVector)
             copy.take(ans)
             assert copy.held == d.pub and np.array_equal(copy.w, d.w_pub)
 
@@ -180,7 +180,7 @@ def test_an_update_that_does_not_fit_the_copy_held_is_a_protocol_error() -> None
     d = Downlink(weights(), 0.01)
     d.publish(weights(1))
     ans = d.answer(0)
-    enc, codec, bufs = sparse.encode_gradient(ans.payload)
+    enc, codec, bufs = sparse.encode_vector(ans.payload)
     msg = messages.Weights(version=1, since=0, encoding=enc, codec=codec, buffers=tuple(bufs))
     with pytest.raises(RemoteProtocolError):
         apply_weights(None, -1, msg, N)  # holds nothing
@@ -199,11 +199,11 @@ def test_down_ratio_defaults_to_the_ratio_of_a_sparse_compressor_and_dense_other
 def test_f16_values_go_out_as_two_bytes_each_and_decode_as_before() -> None:
     idx = np.arange(0, 3000, 3, dtype=np.uint32)  # 1,000 coordinates
     vals = np.linspace(-2, 2, 1000).astype(np.float16).astype(np.float32)
-    g = sparse.SparseGrad(idx, vals, 4000)
-    enc, codec, bufs = sparse.encode_gradient(g, value_dtype="f16")
+    g = sparse.SparseVector(idx, vals, 4000)
+    enc, codec, bufs = sparse.encode_vector(g, value_dtype="f16")
     assert codec["value"] == "f16" and memoryview(bufs[1]).nbytes == 2000
-    back = sparse.decode_gradient(enc, codec, bufs, 4000)
-    assert isinstance(back, sparse.SparseGrad)
+    back = sparse.decode_vector(enc, codec, bufs, 4000)
+    assert isinstance(back, sparse.SparseVector)
     assert np.array_equal(back.indices, idx) and np.array_equal(back.values, vals)
 
 
@@ -246,8 +246,8 @@ async def _worker_session(port: int, w_id: int, steps: int, watch: Watched) -> i
             updates += msg.since >= 0
             assert np.array_equal(copy, watch.at[held])  # bit for bit
             idx = np.sort(rng.choice(N, 20, replace=False)).astype(np.uint32)
-            grad = sparse.SparseGrad(idx, rng.standard_normal(20).astype(np.float32), N)
-            enc, codec, bufs = sparse.encode_gradient(grad)
+            grad = sparse.SparseVector(idx, rng.standard_normal(20).astype(np.float32), N)
+            enc, codec, bufs = sparse.encode_vector(grad)
             await ch.send(messages.Push(clock=clock + 1, samples=1, encoding=enc, codec=codec,
                                         buffers=tuple(bufs)))
             clock = (await recv_as(ch, messages.Ack)).clock

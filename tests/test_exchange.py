@@ -123,11 +123,11 @@ class Cluster:
         if lose == "after":
             return False
         reply = ch.sent
-        w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, N)
+        w = sparse.decode_vector(reply.encoding, reply.codec, reply.buffers, N)
         grp.xchg.complete(grp.weights, out, ExchangeResult(
             w, reply.version, reply.done, reply.info["samples"],
             seqs_in(reply.info, "saved_exchanges", grp.xchg.session)))
-        sparse.scatter_add(grp.merged, _f64(grp.xchg.delta(out)))
+        sparse.add_into(grp.merged, _f64(grp.xchg.delta(out)))
         known = self.srv.replicas[grp.g].known
         np.testing.assert_array_equal(grp.xchg.w_sync, self.srv.weights if known is None
                                       else known)  # the group's copy is exact
@@ -138,7 +138,7 @@ class Cluster:
         grp = self.groups[g]
         ch = FakeChannel(messages.Pull(clock=0))
         await group_sessions._on_message(self.srv.io, ch, self.srv.groups[g])  # type: ignore[arg-type]
-        w = np.asarray(sparse.decode_gradient(ch.sent.encoding, ch.sent.codec, ch.sent.buffers,
+        w = np.asarray(sparse.decode_vector(ch.sent.encoding, ch.sent.codec, ch.sent.buffers,
                                               N))
         held = seqs_in(ch.sent.info, "last_exchange", grp.xchg.session)
         assert held is not None
@@ -179,7 +179,7 @@ class Cluster:
 def _f64(d: Any) -> Any:
     if isinstance(d, np.ndarray):
         return d.astype(np.float64)
-    return sparse.SparseGrad(d.indices, d.values, d.size)
+    return sparse.SparseVector(d.indices, d.values, d.size)
 
 
 @pytest.fixture
@@ -224,7 +224,7 @@ async def test_a_lost_reply_is_sent_again_unchanged_and_merged_once(cluster: Clu
     pending = cluster.groups[0].xchg.pending
     assert pending is not None
     sent = pending.delta
-    assert isinstance(sent, sparse.SparseGrad) and sent.nnz == round(RATIO * N)
+    assert isinstance(sent, sparse.SparseVector) and sent.nnz == round(RATIO * N)
     lost = cluster.srv.replicas[0].unacked.copy()  # what the lost reply set
     version = cluster.srv.version
     cluster.push(1)
@@ -248,11 +248,11 @@ def test_the_repeat_answer_covers_the_lost_reply_whether_or_not_it_arrived() -> 
     g1 = g0.copy()
     g1[:10] = np.arange(1, 11)
     lost = rep.answer(g1, repeat=False)
-    assert isinstance(lost, sparse.SparseGrad)
+    assert isinstance(lost, sparse.SparseVector)
     g2 = g1.copy()
     g2[20:30] = 50.0
     again = rep.answer(g2, repeat=True)
-    assert isinstance(again, sparse.SparseGrad)
+    assert isinstance(again, sparse.SparseVector)
     assert set(lost.indices) <= set(again.indices)
     assert rep.known is not None
     missed, got = g0.copy(), g0.copy()  # the group's copy: the lost reply missed, or arrived
@@ -269,8 +269,8 @@ def test_a_repeat_after_a_dense_answer_is_dense_again() -> None:
     assert isinstance(rep.answer(g, repeat=False), np.ndarray)  # first answer: dense, lost
     again = rep.answer(g + 1, repeat=True)
     np.testing.assert_array_equal(again, g + 1)  # dense again
-    assert isinstance(rep.answer(g + 2, repeat=False), sparse.SparseGrad)  # a new seq: it arrived
-    assert isinstance(rep.answer(g + 3, repeat=True), sparse.SparseGrad)
+    assert isinstance(rep.answer(g + 2, repeat=False), sparse.SparseVector)  # a new seq: it arrived
+    assert isinstance(rep.answer(g + 3, repeat=True), sparse.SparseVector)
 
 
 def test_dense_answers_unknown_copy_nearly_dense_or_ratio_one() -> None:
@@ -278,7 +278,7 @@ def test_dense_answers_unknown_copy_nearly_dense_or_ratio_one() -> None:
     rep = Replica(100, 0.1)
     assert isinstance(rep.answer(g, repeat=False), np.ndarray)  # unknown copy: dense
     assert rep.known is not None and isinstance(rep.answer(g + 1, repeat=False),
-                                                sparse.SparseGrad)
+                                                sparse.SparseVector)
     rep.reset(None)  # e.g. a new group: resync
     assert isinstance(rep.answer(g, repeat=False), np.ndarray)
     wide = Replica(100, 0.6)  # an answer of 60% of the entries is larger sparse than dense
@@ -442,12 +442,12 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
             weights = await recv_as(ch, messages.Weights)
             if weights.done:
                 break
-            w = np.asarray(sparse.decode_gradient(weights.encoding, weights.codec,
+            w = np.asarray(sparse.decode_vector(weights.encoding, weights.codec,
                                                   weights.buffers, n))
             grad = w - target  # (n,) float32: the gradient of |w - target|^2 / 2
             grads += grad
             clock += 1
-            enc, codec, bufs = sparse.encode_gradient(grad)
+            enc, codec, bufs = sparse.encode_vector(grad)
             await ch.send(messages.Push(clock=clock, samples=1, encoding=enc, codec=codec,
                                         buffers=tuple(bufs)))
             await recv_as(ch, messages.Ack)

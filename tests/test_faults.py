@@ -455,7 +455,7 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
         for _ in range(8):  # asks for 64 MB of weights and never reads them
             deaf_w.write(pull)
 
-        grad = sparse.encode_gradient(np.full(BIG, 1e-3, np.float32))
+        grad = sparse.encode_vector(np.full(BIG, 1e-3, np.float32))
         for clock in range(6):  # the well-behaved worker is served all along
             await good.send(messages.Pull(clock=clock))
             assert isinstance(await asyncio.wait_for(good.recv(), 10), messages.Weights)

@@ -57,8 +57,8 @@ class NoGlobal:
 
 
 def push_msg(clock: int, values: np.ndarray, indices: np.ndarray | None = None) -> Any:
-    grad: Any = values if indices is None else sparse.SparseGrad(indices, values, SIZE)
-    encoding, codec, buffers = sparse.encode_gradient(grad)
+    grad: Any = values if indices is None else sparse.SparseVector(indices, values, SIZE)
+    encoding, codec, buffers = sparse.encode_vector(grad)
     return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
                          buffers=tuple(buffers))
 

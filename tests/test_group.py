@@ -49,7 +49,7 @@ def plain(mode: str, **kw: Any) -> RunConfig:
 
 
 def push(clock: int, grad: Any) -> messages.Push:
-    encoding, codec, buffers = sparse.encode_gradient(grad)
+    encoding, codec, buffers = sparse.encode_vector(grad)
     return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
                          buffers=tuple(buffers))
 
@@ -63,7 +63,7 @@ async def test_bsp_averages_one_round_and_applies_it_once() -> None:
                      Global(np.zeros(3)), members=[0, 1])
     gs.on_push(0, push(1, vec(2, 0, 4)))
     assert gs.version == 0 and not gs.weights.any()  # waits for worker 1
-    ack = gs.on_push(1, push(1, sparse.SparseGrad(np.array([1], np.uint32), vec(6), 3)))
+    ack = gs.on_push(1, push(1, sparse.SparseVector(np.array([1], np.uint32), vec(6), 3)))
     np.testing.assert_array_equal(gs.weights, vec(-1, -3, -2))
     assert gs.version == 1 and ack.version == 1
 

@@ -34,8 +34,8 @@ class NoLink:
         raise AssertionError("the core does not exchange")
 
 
-def push(clock: int, grad: np.ndarray | sparse.SparseGrad, samples: int = 8) -> messages.Push:
-    enc, codec, bufs = sparse.encode_gradient(grad)
+def push(clock: int, grad: np.ndarray | sparse.SparseVector, samples: int = 8) -> messages.Push:
+    enc, codec, bufs = sparse.encode_vector(grad)
     return messages.Push(clock=clock, samples=samples, encoding=enc, codec=codec,
                          buffers=tuple(bufs))
 
@@ -56,7 +56,7 @@ def drive(core: GroupCore, rounds: int, seed: int) -> list[messages.Weights]:
             answers.append(msg)
         for w in (0, 1):
             idx = np.sort(rng.choice(N, 10, replace=False)).astype(np.uint32)
-            grad = sparse.SparseGrad(idx, rng.standard_normal(10).astype(np.float32), N)
+            grad = sparse.SparseVector(idx, rng.standard_normal(10).astype(np.float32), N)
             if isinstance(core, GroupServer):
                 core.on_push(w, push(r + 1, grad))
             else:
@@ -186,7 +186,7 @@ def test_two_workers_in_bsp_are_synchronous_sgd_on_the_core() -> None:
         grads = []
         for _ in (0, 1):
             idx = np.sort(rng.choice(N, 10, replace=False)).astype(np.uint32)
-            grads.append(sparse.SparseGrad(idx, rng.standard_normal(10).astype(np.float32), N))
+            grads.append(sparse.SparseVector(idx, rng.standard_normal(10).astype(np.float32), N))
         opt.step(ref_w, (grads[0].to_dense() + grads[1].to_dense()) / np.float32(2))  # the mean
     assert core.version == 30
     np.testing.assert_allclose(core.weights, ref_w, rtol=1e-6, atol=1e-7)

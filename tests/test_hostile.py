@@ -269,7 +269,7 @@ def test_a_short_secret_is_refused_on_a_public_address(cmd: list[str]) -> None:
 FLOOD_BATCH = 64  # PULLs the flooder writes at a time
 
 
-GRAD = sparse.encode_gradient(sparse.SparseGrad(  # (encoding, codec, buffers): 8 coordinates
+GRAD = sparse.encode_vector(sparse.SparseVector(  # (encoding, codec, buffers): 8 coordinates
     np.arange(8, dtype=np.uint32), np.full(8, 1e-3, np.float32), N))
 
 

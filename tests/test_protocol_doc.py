@@ -22,7 +22,7 @@ from minips.errors import RemoteProtocolError
 from minips.net import channel, transport
 from minips.net.endpoints import parse_address
 from minips.serve.inproc_group import InProcGroup
-from minips.sparse import SparseGrad, decode_gradient, encode_gradient
+from minips.sparse import SparseVector, decode_vector, encode_vector
 from minips.wire import frames, messages
 
 
@@ -40,7 +40,7 @@ async def test_init_weights_gets_no_reply(tmp_path: Path) -> None:
     port = await srv.start()
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
     try:
-        encoding, codec, buffers = encode_gradient(np.ones(4, np.float32))
+        encoding, codec, buffers = encode_vector(np.ones(4, np.float32))
         await ctl.send(messages.InitWeights(size=4, encoding=encoding, codec=codec,
                                      buffers=tuple(buffers)))
         await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
@@ -95,10 +95,10 @@ def test_over_long_varints_are_accepted_up_to_five_bytes() -> None:
     values = np.ones(2, np.float32).tobytes()
     # gaps 3 (as 83 80 00: three bytes for a one-byte number) and 0 (as 80 80 80 80 00)
     index = bytes([0x83, 0x80, 0x00, 0x80, 0x80, 0x80, 0x80, 0x00])
-    g = decode_gradient("sparse-v1", sparse_codec(2), [index, values], 10)
-    assert isinstance(g, SparseGrad) and g.indices.tolist() == [3, 4]
+    g = decode_vector("sparse-v1", sparse_codec(2), [index, values], 10)
+    assert isinstance(g, SparseVector) and g.indices.tolist() == [3, 4]
     with pytest.raises(RemoteProtocolError, match="larger than 32 bits"):  # six bytes
-        decode_gradient("sparse-v1", sparse_codec(1),
+        decode_vector("sparse-v1", sparse_codec(1),
                                [bytes([0x80] * 5 + [0x00]), values[:4]], 10)
 
 

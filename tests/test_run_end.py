@@ -40,7 +40,7 @@ async def train(port: int, grads: list[np.ndarray]) -> tuple[Any, Any]:
     for g in grads:
         await ch.send(messages.Pull(clock=clock))
         await recv_as(ch, messages.Weights)
-        encoding, codec, buffers = sparse.encode_gradient(g)
+        encoding, codec, buffers = sparse.encode_vector(g)
         clock += 1
         await ch.send(messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
                                     buffers=tuple(buffers)))

@@ -54,7 +54,7 @@ async def next_assign(ch: Any) -> messages.Assign:
 
 
 def push(clock: int, grad: np.ndarray, samples: int = 1) -> messages.Push:
-    encoding, codec, buffers = sparse.encode_gradient(grad)
+    encoding, codec, buffers = sparse.encode_vector(grad)
     return messages.Push(clock=clock, samples=samples, encoding=encoding, codec=codec,
                          buffers=tuple(buffers))
 
@@ -240,7 +240,7 @@ async def test_initial_weights_from_first_worker_and_evaluator_view(tmp_path: Pa
     assert ctl.worker_id == 0 and ctl.welcome_info["need_init"] is True
     assert ctl.welcome_info["mode"] == "bsp"
     init = np.arange(5, dtype=np.float32)
-    encoding, codec, buffers = sparse.encode_gradient(init)
+    encoding, codec, buffers = sparse.encode_vector(init)
     await ctl.send(messages.InitWeights(size=5, encoding=encoding, codec=codec,
                                  buffers=tuple(buffers)))
     ev = await transport.connect("127.0.0.1", port, role="evaluator", token=TOKEN)
@@ -266,7 +266,7 @@ async def test_two_workers_both_told_need_init_both_push_and_both_stay(tmp_path:
         assert all(c.welcome_info["need_init"] is True for c in ctls)
         inits = [np.arange(5, dtype=np.float32) + 10 * i for i in range(2)]
         for ctl, init in zip(ctls, inits, strict=True):
-            encoding, codec, buffers = sparse.encode_gradient(init)
+            encoding, codec, buffers = sparse.encode_vector(init)
             await ctl.send(messages.InitWeights(size=5, encoding=encoding, codec=codec,
                                          buffers=tuple(buffers)))
         for i, ctl in enumerate(ctls):  # both control channels still carry STATS -> ASSIGN
@@ -287,7 +287,7 @@ async def test_initial_weights_of_another_size_are_refused(tmp_path: Path) -> No
     port = await srv.start()
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
     try:
-        encoding, codec, buffers = sparse.encode_gradient(np.ones(6, np.float32))
+        encoding, codec, buffers = sparse.encode_vector(np.ones(6, np.float32))
         await ctl.send(messages.InitWeights(size=6, encoding=encoding, codec=codec,
                                      buffers=tuple(buffers)))
         msg = await asyncio.wait_for(ctl.recv(), 10)

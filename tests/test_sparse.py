@@ -16,31 +16,31 @@ from minips import sparse
 from minips.compress import registry
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.sparse import (
-    SparseGrad,
+    SparseVector,
     TopKSelector,
     accumulate,
-    decode_gradient,
-    encode_gradient,
+    add_into,
+    decode_vector,
+    encode_vector,
     kept_count,
-    scatter_add,
     varint_decode,
     varint_encode,
 )
 from minips.wire import frames, messages
 
 
-def sg(indices: list[int], values: list[float], size: int) -> SparseGrad:
-    return SparseGrad(np.array(indices, np.uint32), np.array(values, np.float32), size)
+def sg(indices: list[int], values: list[float], size: int) -> SparseVector:
+    return SparseVector(np.array(indices, np.uint32), np.array(values, np.float32), size)
 
 
-# ---------------------------------------------------------------------------- SparseGrad
+# ---------------------------------------------------------------------------- SparseVector
 
 
 def test_sparsegrad_checks_dtypes_and_shapes() -> None:
     with pytest.raises(LocalProtocolError):
-        SparseGrad(np.array([1], np.int64), np.array([1.0], np.float32), 4)
+        SparseVector(np.array([1], np.int64), np.array([1.0], np.float32), 4)
     with pytest.raises(LocalProtocolError):
-        SparseGrad(np.array([1, 2], np.uint32), np.array([1.0], np.float32), 4)
+        SparseVector(np.array([1, 2], np.uint32), np.array([1.0], np.float32), 4)
     with pytest.raises(LocalProtocolError):
         sg([0, 1, 2], [1, 2, 3], 2)
     with pytest.raises(LocalProtocolError):
@@ -75,7 +75,7 @@ def test_varint_bytes_per_index_at_one_percent() -> None:
 
 
 @st.composite
-def sparse_grads(draw: st.DrawFn) -> SparseGrad:
+def sparse_grads(draw: st.DrawFn) -> SparseVector:
     size = draw(st.integers(0, 3000))
     mode = draw(st.sampled_from(["empty", "full", "random"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -86,7 +86,7 @@ def sparse_grads(draw: st.DrawFn) -> SparseGrad:
     else:
         idx = np.flatnonzero(rng.random(size) < draw(st.floats(0.0, 1.0)))
     vals = rng.laplace(size=idx.size).astype(np.float32)
-    return SparseGrad(idx.astype(np.uint32), vals, size)
+    return SparseVector(idx.astype(np.uint32), vals, size)
 
 
 @settings(max_examples=150, deadline=None)
@@ -95,11 +95,11 @@ def sparse_grads(draw: st.DrawFn) -> SparseGrad:
     value_dtype=st.sampled_from(["f32", "f16"]),
     index=st.sampled_from(["varint", "u32"]),
 )
-def test_sparse_round_trip(g: SparseGrad, value_dtype: str, index: str) -> None:
-    enc, codec, bufs = encode_gradient(g, value_dtype=value_dtype, index=index)
+def test_sparse_round_trip(g: SparseVector, value_dtype: str, index: str) -> None:
+    enc, codec, bufs = encode_vector(g, value_dtype=value_dtype, index=index)
     assert enc == "sparse-v1"
-    back = decode_gradient(enc, codec, [bytes(memoryview(b)) for b in bufs], g.size)
-    assert isinstance(back, SparseGrad) and back.size == g.size
+    back = decode_vector(enc, codec, [bytes(memoryview(b)) for b in bufs], g.size)
+    assert isinstance(back, SparseVector) and back.size == g.size
     assert np.array_equal(back.indices, g.indices)
     want = g.values.astype(np.float16).astype(np.float32) if value_dtype == "f16" else g.values
     assert np.array_equal(back.values, want)
@@ -107,16 +107,16 @@ def test_sparse_round_trip(g: SparseGrad, value_dtype: str, index: str) -> None:
 
 def test_dense_round_trips() -> None:
     x = np.random.default_rng(1).normal(size=1000).astype(np.float32)
-    enc, codec, bufs = encode_gradient(x)
+    enc, codec, bufs = encode_vector(x)
     assert enc == "dense-f32"
-    dense = decode_gradient(enc, codec, bufs, 1000)
+    dense = decode_vector(enc, codec, bufs, 1000)
     assert isinstance(dense, np.ndarray) and np.array_equal(dense, x)
-    enc, codec, bufs = encode_gradient(x.astype(np.float16))
+    enc, codec, bufs = encode_vector(x.astype(np.float16))
     assert enc == "dense-f16"
-    out = decode_gradient(enc, codec, bufs, 1000)
+    out = decode_vector(enc, codec, bufs, 1000)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
     assert np.array_equal(out, x.astype(np.float16).astype(np.float32))
-    assert encode_gradient(x, value_dtype="f16")[0] == "dense-f16"
+    assert encode_vector(x, value_dtype="f16")[0] == "dense-f16"
 
 
 @pytest.mark.parametrize("name", ["topk", "dgc", "randomk"])
@@ -129,43 +129,43 @@ def test_a_compressor_with_f16_values_sends_two_bytes_per_value(name: str) -> No
     for dtype in ("f32", "f16"):
         comp = registry.make_compressor(name, n, ratio=0.01, seed=0, value_dtype=dtype)
         packet = comp.compress(grad)
-        assert isinstance(packet, SparseGrad) and packet.nnz == 1000
+        assert isinstance(packet, SparseVector) and packet.nnz == 1000
         enc, codec, bufs = comp.encode(packet)
         sizes[dtype] = memoryview(bufs[1]).nbytes
         out = comp.decode(enc, codec, bufs)
-        assert isinstance(out, SparseGrad) and codec["value"] == dtype
+        assert isinstance(out, SparseVector) and codec["value"] == dtype
         np.testing.assert_array_equal(out.values, packet.values)  # f16 rounding is exact
     assert sizes == {"f32": 4000, "f16": 2000}
 
 
 def test_codec_keys_and_types_are_checked_in_one_place() -> None:
     g = sg([1, 2], [1.0, 2.0], 10)
-    enc, codec, bufs = encode_gradient(g)
+    enc, codec, bufs = encode_vector(g)
     for bad in ({**codec, "size": 10}, {**codec, "value": "f64"}, {**codec, "k": -1},
                 {**codec, "lz4": [8]}, {**codec, "index": 7}):
         with pytest.raises(RemoteProtocolError, match="codec"):
-            decode_gradient(enc, bad, bufs, 10)
+            decode_vector(enc, bad, bufs, 10)
         with pytest.raises(LocalProtocolError, match="codec"):
             messages.Push(clock=1, encoding=enc, codec=bad, buffers=tuple(bufs))
 
 
 def test_the_frames_lz4_layer_shrinks_a_run_of_neighbours() -> None:
     """lz4 is one layer, the frame's: 5,000 neighbours' zero gap bytes shrink to a few."""
-    g = SparseGrad(np.arange(5000, dtype=np.uint32), np.zeros(5000, np.float32), 10000)
-    enc, codec, bufs = encode_gradient(g)
+    g = SparseVector(np.arange(5000, dtype=np.uint32), np.zeros(5000, np.float32), 10000)
+    enc, codec, bufs = encode_vector(g)
     push = messages.Push(clock=1, encoding=enc, codec=codec, buffers=tuple(bufs))
     packed = sum(memoryview(b).nbytes for b in frames.encode(push, compress=True))
     assert packed < 400 < sum(memoryview(b).nbytes for b in frames.encode(push))
     [back] = frames.FrameDecoder().feed(b"".join(frames.encode(push, compress=True)))
-    out = decode_gradient(back.encoding, back.codec, back.buffers, 10000)  # type: ignore[attr-defined]
-    assert isinstance(out, SparseGrad) and np.array_equal(out.indices, g.indices)
+    out = decode_vector(back.encoding, back.codec, back.buffers, 10000)  # type: ignore[attr-defined]
+    assert isinstance(out, SparseVector) and np.array_equal(out.indices, g.indices)
 
 
 # ---------------------------------------------------------------------------- malformed packets
 
 
 def good(size: int = 100) -> tuple[str, dict, list]:
-    enc, codec, bufs = encode_gradient(sg([3, 10, 99], [1.0, -2.0, 0.5], size))
+    enc, codec, bufs = encode_vector(sg([3, 10, 99], [1.0, -2.0, 0.5], size))
     return enc, codec, [bytes(memoryview(b)) for b in bufs]
 
 
@@ -177,7 +177,7 @@ def u32_packet(indices: list[int], k: int | None = None) -> tuple[str, dict, lis
 
 # (encoding, codec, buffers) of a bad packet; the codec may even be of a wrong type
 BAD_PACKETS: dict[str, Callable[[], tuple[str, Any, list[Any]]]] = {
-    "index out of range (varint)": lambda: encode_gradient(sg([3, 100], [1.0, 2.0], 101)),
+    "index out of range (varint)": lambda: encode_vector(sg([3, 100], [1.0, 2.0], 101)),
     "index out of range (u32)": lambda: u32_packet([1, 100]),
     "unsorted (u32)": lambda: u32_packet([5, 3]),
     "duplicate (u32)": lambda: u32_packet([5, 5]),
@@ -209,21 +209,21 @@ BAD_PACKETS: dict[str, Callable[[], tuple[str, Any, list[Any]]]] = {
 def test_malformed_packets_raise_remote_error(case: str) -> None:
     enc, codec, bufs = BAD_PACKETS[case]()
     with pytest.raises(RemoteProtocolError):
-        decode_gradient(enc, codec, bufs, 100)
+        decode_vector(enc, codec, bufs, 100)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_nonfinite_values_refused_unless_allowed(bad: float) -> None:
     g = sg([1, 2], [1.0, bad], 10)
     for value_dtype in ("f32", "f16"):
-        enc, codec, bufs = encode_gradient(g, value_dtype=value_dtype)
+        enc, codec, bufs = encode_vector(g, value_dtype=value_dtype)
         with pytest.raises(RemoteProtocolError, match="NaN or inf"):
-            decode_gradient(enc, codec, bufs, 10)
-        out = decode_gradient(enc, codec, bufs, 10, allow_nonfinite=True)
-        assert isinstance(out, SparseGrad) and not np.isfinite(out.values[1])
-    enc, codec, bufs = encode_gradient(g.to_dense())
+            decode_vector(enc, codec, bufs, 10)
+        out = decode_vector(enc, codec, bufs, 10, allow_nonfinite=True)
+        assert isinstance(out, SparseVector) and not np.isfinite(out.values[1])
+    enc, codec, bufs = encode_vector(g.to_dense())
     with pytest.raises(RemoteProtocolError):
-        decode_gradient(enc, codec, bufs, 10)
+        decode_vector(enc, codec, bufs, 10)
 
 
 @settings(max_examples=300, deadline=None)
@@ -239,10 +239,10 @@ def test_any_bytes_give_a_gradient_or_a_remote_error(
 ) -> None:
     codec = {"k": k, "index": index, "value": value}
     try:
-        out = decode_gradient(encoding, codec, data, 50, allow_nonfinite=True)
+        out = decode_vector(encoding, codec, data, 50, allow_nonfinite=True)
     except RemoteProtocolError:
         return
-    if isinstance(out, SparseGrad):
+    if isinstance(out, SparseVector):
         out.check()
     else:
         assert out.shape == (50,)
@@ -253,12 +253,12 @@ def test_any_bytes_give_a_gradient_or_a_remote_error(
 
 def test_scatter_add_hand_computed() -> None:
     target = np.array([1, 1, 1, 1, 1], np.float32)
-    scatter_add(target, sg([0, 3], [2.0, -4.0], 5), scale=0.5)
+    add_into(target, sg([0, 3], [2.0, -4.0], 5), scale=0.5)
     assert target.tolist() == [2, 1, 1, -1, 1]
-    scatter_add(target, np.ones(5, np.float32))
+    add_into(target, np.ones(5, np.float32))
     assert target.tolist() == [3, 2, 2, 0, 2]
     with pytest.raises(LocalProtocolError):
-        scatter_add(target, sg([0], [1.0], 6))
+        add_into(target, sg([0], [1.0], 6))
 
 
 def test_accumulate_hand_computed() -> None:
@@ -272,12 +272,12 @@ def test_accumulate_hand_computed() -> None:
 def test_accumulate_matches_dense_sum() -> None:
     rng = np.random.default_rng(3)
     grads = [
-        SparseGrad(np.sort(rng.choice(10_000, 300, replace=False)).astype(np.uint32),
+        SparseVector(np.sort(rng.choice(10_000, 300, replace=False)).astype(np.uint32),
                    rng.normal(size=300).astype(np.float32), 10_000) for _ in range(5)
     ]
     dense = np.zeros(10_000, np.float32)
     for g in grads:
-        scatter_add(dense, g)
+        add_into(dense, g)
     np.testing.assert_allclose(accumulate(grads, 10_000).to_dense(), dense, atol=1e-6)
 
 
@@ -395,6 +395,6 @@ def test_selection_property(n: int, density: float, kind: str, tolerance: float,
 
 def test_average_of_a_round_mixes_dense_and_sparse() -> None:
     dense = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
-    sg = sparse.SparseGrad(np.array([1, 3], np.uint32), np.array([4.0, -2.0], np.float32), 4)
+    sg = sparse.SparseVector(np.array([1, 3], np.uint32), np.array([4.0, -2.0], np.float32), 4)
     np.testing.assert_array_equal(sparse.average([dense, sg], 4), [0.5, 3.0, 1.5, 1.0])
     assert sparse.average([sg], 4) is sg  # a round of one is applied as it came

@@ -1,7 +1,7 @@
 """What every compressor is: error feedback, the wire encoding it declares, and its decoder.
 
 A compressor is built once per worker (``compress.make_compressor``) and called every step:
-``compress(grad (n,) float32) -> SparseGrad | np.ndarray``. ``grad`` may be a numpy array or a
+``compress(grad (n,) float32) -> SparseVector | np.ndarray``. ``grad`` may be a numpy array or a
 torch tensor (anything with ``.detach().cpu().numpy()``; this module never imports torch), so a
 user can call a compressor from their own training loop. With error feedback (the default) it
 keeps a residual r (n,) float32: ``acc = r + grad``; it sends part of ``acc`` and keeps the rest,
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from minips.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from minips.sparse import SparseGrad, decode_gradient, encode_gradient, kept_count
+from minips.sparse import SparseVector, decode_vector, encode_vector, kept_count
 from minips.wire.messages import VALUE_TYPES
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Compressor:
     def observe_loss(self, loss: float) -> None:
         """The training loss of the step about to be compressed (LossComp uses it)."""
 
-    def compress(self, grad: Any) -> SparseGrad | np.ndarray:
+    def compress(self, grad: Any) -> SparseVector | np.ndarray:
         """Compress one (n,) float32 gradient (numpy or torch); error feedback keeps what is
         not sent."""
         if not isinstance(grad, np.ndarray):
@@ -116,20 +116,20 @@ class Compressor:
         self.residual += grad
         return self._compress(self.residual)
 
-    def encode(self, packet: SparseGrad | np.ndarray) -> tuple[str, dict[str, Any], list[Any]]:
+    def encode(self, packet: SparseVector | np.ndarray) -> tuple[str, dict[str, Any], list[Any]]:
         """``(encoding, codec, buffers)`` of a packet ``compress`` returned, in ``self.wire``."""
-        return encode_gradient(packet, value_dtype=self.wire.dtype)
+        return encode_vector(packet, value_dtype=self.wire.dtype)
 
     def decode(self, encoding: str, codec: dict[str, Any],
-               buffers: Any) -> SparseGrad | np.ndarray:
+               buffers: Any) -> SparseVector | np.ndarray:
         """The packet back from ``encode``'s output; RemoteProtocolError if it is not in this
         compressor's encoding or is malformed."""
         if encoding != self.wire.encoding:
             raise RemoteProtocolError("packet not in the compressor's encoding",
                                       expected=self.wire.encoding, got=encoding)
-        return decode_gradient(encoding, codec, buffers, self.size)
+        return decode_vector(encoding, codec, buffers, self.size)
 
-    def _compress(self, acc: np.ndarray) -> SparseGrad | np.ndarray:
+    def _compress(self, acc: np.ndarray) -> SparseVector | np.ndarray:
         raise NotImplementedError
 
     def _keep_back(self, sent: np.ndarray, where: Any = slice(None)) -> None:
@@ -158,7 +158,7 @@ class SparseCompressor(Compressor):
         """The kept fraction the next compress() will use."""
         return self.ratio
 
-    def _compress(self, acc: np.ndarray) -> SparseGrad:
+    def _compress(self, acc: np.ndarray) -> SparseVector:
         k = kept_count(self.current_ratio(), self.size)
         idx = self._select(acc, k)  # (k',) int64, strictly increasing
         values = acc[idx]  # (k',) float32, a copy
@@ -166,7 +166,7 @@ class SparseCompressor(Compressor):
             values = np.clip(values, -FP16_MAX, FP16_MAX).astype(np.float16).astype(np.float32)
         self._keep_back(values, idx)
         self.kept_fraction = idx.size / self.size if self.size else 0.0
-        return SparseGrad(idx.astype(np.uint32), values, self.size)
+        return SparseVector(idx.astype(np.uint32), values, self.size)
 
     def _select(self, acc: np.ndarray, k: int) -> np.ndarray:
         raise NotImplementedError

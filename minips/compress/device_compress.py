@@ -38,7 +38,7 @@ from minips.sparse import (
     MAX_SAMPLE,
     MIN_SAMPLE,
     SAMPLE_PER_DENSITY,
-    SparseGrad,
+    SparseVector,
     kept_count,
 )
 
@@ -139,7 +139,7 @@ class _Wrapper:
         """The host compressor's wire encoding: what the worker sends."""
         return self.host.wire
 
-    def encode(self, packet: SparseGrad | np.ndarray) -> tuple[str, dict[str, Any], list[Any]]:
+    def encode(self, packet: SparseVector | np.ndarray) -> tuple[str, dict[str, Any], list[Any]]:
         """The host compressor's ``encode`` (the packet is on the host already)."""
         return self.host.encode(packet)
 
@@ -158,7 +158,7 @@ class HostCompressor(_Wrapper):
 
     on_device = False
 
-    def compress(self, grad: torch.Tensor) -> SparseGrad | np.ndarray:
+    def compress(self, grad: torch.Tensor) -> SparseVector | np.ndarray:
         host = grad.detach().cpu()  # a view on the CPU; a copy from an accelerator
         self.host_bytes = 0 if grad.device.type == "cpu" else 4 * grad.numel()
         return self.host.compress(host.numpy())
@@ -181,7 +181,7 @@ class DeviceCompressor(_Wrapper):
             self.residual = torch.zeros(host.size, dtype=torch.float32, device=device)
             host.residual = None  # the host copy would only go stale
 
-    def compress(self, grad: torch.Tensor) -> SparseGrad:
+    def compress(self, grad: torch.Tensor) -> SparseVector:
         """Select from ``residual + grad`` (n,) float32 on the device; return host arrays."""
         if grad.shape != (self.size,):
             raise ValueError(f"gradient has shape {tuple(grad.shape)}, expected ({self.size},)")
@@ -195,7 +195,7 @@ class DeviceCompressor(_Wrapper):
             values = wire.float()
         if self.residual is not None:
             self.residual.index_put_((idx,), -values, accumulate=True)
-        out = SparseGrad(idx.to(torch.int32).cpu().numpy().view(np.uint32),
+        out = SparseVector(idx.to(torch.int32).cpu().numpy().view(np.uint32),
                          wire.cpu().numpy().astype(np.float32, copy=False), self.size)
         self.host_bytes = (4 + wire.element_size()) * out.nnz
         self.top.kept_fraction = out.nnz / self.size if self.size else 0.0

@@ -27,7 +27,7 @@ import numpy as np
 from minips.compress.base import SparseCompressor
 from minips.compress.ratios import RatioPolicy
 from minips.errors import ConfigError
-from minips.sparse import SparseGrad, TopKSelector
+from minips.sparse import SparseVector, TopKSelector
 
 __all__ = [
     "TopKCompressor",
@@ -120,9 +120,9 @@ class RandomKCompressor(SparseCompressor):
         idx.sort()
         return idx.astype(np.int64)
 
-    def _compress(self, acc: np.ndarray) -> SparseGrad:
+    def _compress(self, acc: np.ndarray) -> SparseVector:
         sg = super()._compress(acc)
         if not self.unbiased or sg.nnz == 0:
             return sg
         scaled = sg.values * np.float32(self.size / sg.nnz)
-        return SparseGrad(sg.indices, scaled, sg.size)
+        return SparseVector(sg.indices, scaled, sg.size)

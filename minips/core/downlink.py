@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from minips.errors import RemoteProtocolError
-from minips.sparse import SparseGrad, decode_gradient, kept_count
+from minips.sparse import SparseVector, decode_vector, kept_count
 
 __all__ = ["Answer", "Downlink", "apply_weights", "held_version", "top_k", "DRIFT", "LOG_SIZE",
            "DENSE_FRACTION"]
@@ -54,12 +54,12 @@ class Answer:
     """What a PULL gets: ``payload`` brings a copy from version ``since`` to ``version``.
 
     ``since`` -1: ``payload`` is ``w_pub`` whole, (n,) float32 (a copy, safe to send while the
-    group goes on). Otherwise a ``SparseGrad`` whose values are the new values of the
+    group goes on). Otherwise a ``SparseVector`` whose values are the new values of the
     coordinates it names (set, not add)."""
 
     version: int
     since: int
-    payload: SparseGrad | np.ndarray
+    payload: SparseVector | np.ndarray
 
 
 class Downlink:
@@ -142,11 +142,11 @@ class Downlink:
         if since < 0:
             return self._dense()
         if behind == 0:
-            return Answer(self.pub, since, SparseGrad.empty(self.n))
+            return Answer(self.pub, since, SparseVector.empty(self.n))
         idx = self.log[-1] if behind == 1 else self._union(behind)
         if idx.size > self.dense_fraction * self.n:
             return self._dense()
-        return Answer(self.pub, since, SparseGrad(idx, self.w_pub[idx], self.n))
+        return Answer(self.pub, since, SparseVector(idx, self.w_pub[idx], self.n))
 
     def _union(self, behind: int) -> np.ndarray:
         """(m,) uint32 sorted coordinates of the last ``behind`` publishes, each once: marked
@@ -192,10 +192,10 @@ def apply_weights(replica: np.ndarray | None, held: int, w: Any, size: int) -> n
     """The weights WEIGHTS ``w`` brings a copy at version ``held`` to: its buffers whole
     (``since`` -1), or ``replica`` with the coordinates they name set to their values (an
     update must start from the version held). Raises RemoteProtocolError for a bad one."""
-    got = decode_gradient(w.encoding, w.codec, w.buffers, size)
+    got = decode_vector(w.encoding, w.codec, w.buffers, size)
     if w.since < 0:
-        return np.asarray(got.to_dense() if isinstance(got, SparseGrad) else got)
-    if replica is None or w.since != held or not isinstance(got, SparseGrad):
+        return np.asarray(got.to_dense() if isinstance(got, SparseVector) else got)
+    if replica is None or w.since != held or not isinstance(got, SparseVector):
         raise RemoteProtocolError("WEIGHTS update does not fit the copy held",
                                   expected=held, got=w.since)
     replica[got.indices] = got.values

@@ -94,7 +94,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
-from minips.sparse import SparseGrad, TopKSelector, kept_count, scatter_add
+from minips.sparse import SparseVector, TopKSelector, add_into, kept_count
 from minips.wire import frames, messages
 
 __all__ = [
@@ -136,13 +136,13 @@ class Unsaved:
         self.n = n
         self.after: dict[int, Tally] = {start: Tally.zero(n)}  # seq -> what completed after it
 
-    def merged(self, seq: int, delta: np.ndarray | SparseGrad, samples: int,
+    def merged(self, seq: int, delta: np.ndarray | SparseVector, samples: int,
                saved: list[int]) -> None:
         """Exchange ``seq`` (which sent ``delta``, dense or sparse) got its reply, which named
         ``saved``: this session's seqs in the server's last two snapshots."""
         for s, tally in self.after.items():
             if s < seq:  # a repeat whose first copy a snapshot holds adds nothing to it
-                scatter_add(tally.delta, delta)
+                add_into(tally.delta, delta)
                 tally.samples += samples
         self.after.setdefault(seq, Tally.zero(self.n))
         keep = {seq, *saved}
@@ -217,7 +217,7 @@ class Replica:
         self.unacked = np.empty(0, np.int64)
         self.dense_unacked = False
 
-    def answer(self, weights: np.ndarray, repeat: bool) -> np.ndarray | SparseGrad:
+    def answer(self, weights: np.ndarray, repeat: bool) -> np.ndarray | SparseVector:
         """The reply to an exchange, the global weights being ``weights`` after its merge:
         a (n,) copy (dense) or the entries to set (sparse). ``repeat``: the exchange repeats
         the last one (its reply may have been lost)."""
@@ -231,7 +231,7 @@ class Replica:
         if idx.size > DENSE_AT * weights.size:
             return self._dense(weights)
         self.unacked, self.dense_unacked = idx, False
-        return SparseGrad(idx.astype(np.uint32), self.known[idx], weights.size)
+        return SparseVector(idx.astype(np.uint32), self.known[idx], weights.size)
 
     def _dense(self, weights: np.ndarray) -> np.ndarray:
         out = np.array(weights, dtype=np.float32)
@@ -242,7 +242,7 @@ class Replica:
 
 # -- exchange: A group server's side of the exchange with the global server: the delta, its coun...
 
-Delta = np.ndarray | SparseGrad  # (n,) float32 dense, or the entries sent
+Delta = np.ndarray | SparseVector  # (n,) float32 dense, or the entries sent
 
 
 @dataclass
@@ -325,7 +325,7 @@ class Exchange:
         idx = top_entries(self._selector, diff, self.ratio)  # (k,) int64
         sent = self.w_sync.copy()
         sent[idx] = weights[idx]
-        return Outgoing(sent, stats, SparseGrad(idx.astype(np.uint32), diff[idx], diff.size))
+        return Outgoing(sent, stats, SparseVector(idx.astype(np.uint32), diff[idx], diff.size))
 
     def delta(self, out: Outgoing) -> Delta:
         """What ``out`` sends: ``s``, the same on every attempt."""
@@ -405,7 +405,7 @@ def push_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
     """The EXCHANGE that carries one exchange of a group to the global server: ``delta``
     (dense or sparse) and the group's counters as its fields (a clock of None: -1, none;
     counters the message has no field for stay home)."""
-    encoding, codec, buffers = sparse.encode_gradient(delta)
+    encoding, codec, buffers = sparse.encode_vector(delta)
     counters: dict[str, Any] = {k: -1 if v is None else v for k, v in stats.items()
                 if k in messages.Exchange.INFO}
     return messages.Exchange(**counters, encoding=encoding, codec=codec, buffers=tuple(buffers))

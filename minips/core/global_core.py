@@ -349,14 +349,14 @@ class GlobalCore:
         """Merge one new exchange of group ``g``: weights, counters, its log line, the budget."""
         assert self.weights is not None
         h = self.groups[g]
-        values = delta.values if isinstance(delta, sparse.SparseGrad) else delta
+        values = delta.values if isinstance(delta, sparse.SparseVector) else delta
         if not np.isfinite(np.sum(values, dtype=np.float64)):  # any NaN / inf makes the sum one
             self._actions.append(Fail("diverged", f"group {g} sent a non-finite update (NaN or "
                                       f"inf) at merge {self.version}: the model diverged; try a "
                                       f"lower --lr"))
             return  # not applied: the run fails
         scale = self.run.sync.merge_scale(self.run.merge, len(self.groups))
-        sparse.scatter_add(self.weights, delta, scale)
+        sparse.add_into(self.weights, delta, scale)
         self.version += 1
         self.samples += int(stats.get("samples", 0))
         h.merges += 1
@@ -429,7 +429,7 @@ class GlobalCore:
         set) and the run's counters."""
         w = self.weights if weights is None else weights
         w = w if w is not None else np.zeros(0, np.float32)
-        encoding, codec, buffers = sparse.encode_gradient(w)
+        encoding, codec, buffers = sparse.encode_vector(w)
         traffic = self.traffic()
         return messages.GlobalWeights(
             version=self.version, done=final or self.done, size=int(w.size),

@@ -208,7 +208,7 @@ class GroupCore:
         """Decode, account and apply (or queue, in BSP) one PUSH of worker ``w`` (a member of
         the table): its ACK; ``Wake`` when the lowest clock moved (only that can release a
         held PULL); ``StartExchange`` every ``sync_every`` pushes."""
-        grad = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, self.weights.size)
+        grad = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, self.weights.size)
         floor = self.table.min_clock()
         self.table.push(w, msg.clock, now)
         self.iters.push(w, now)
@@ -281,12 +281,12 @@ class GroupCore:
         """WEIGHTS for worker ``w`` holding version ``since``: the weights themselves (dense
         downlink; version = updates applied), or, with a compressed downlink, the update from
         ``since`` to the last publish (``publish``, ``downlink.py``)."""
-        payload: sparse.SparseGrad | np.ndarray = self.weights
+        payload: sparse.SparseVector | np.ndarray = self.weights
         version, base = self.version, -1
         if self.downlink is not None:
             answer = self.downlink.answer(since)
             version, base, payload = answer.version, answer.since, answer.payload
-        encoding, codec, buffers = sparse.encode_gradient(payload)
+        encoding, codec, buffers = sparse.encode_vector(payload)
         low = self.table.min_clock()
         return messages.Weights(  # drift: how far the weights sent are from the group's
             version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
@@ -361,4 +361,4 @@ class GroupCore:
 
 def _entries(d: Any) -> int:
     """How many entries an exchange or its reply carried (dense: all)."""
-    return int(d.nnz if isinstance(d, sparse.SparseGrad) else d.size)
+    return int(d.nnz if isinstance(d, sparse.SparseVector) else d.size)

@@ -9,7 +9,7 @@ against torch on the same sequence of gradients)::
     w = w - lr * v                            otherwise
 
 A gradient is either dense, ``(n,) float32``, or sparse: any object with ``indices`` ``(k,)``
-integer, ``values`` ``(k,)`` float and ``size == n`` (``sparse.SparseGrad`` fits; this module does
+integer, ``values`` ``(k,)`` float and ``size == n`` (``sparse.SparseVector`` fits; this module does
 not import it). A sparse gradient means zeros elsewhere, so weight decay and momentum still touch
 every coordinate, as they would in torch. Repeated indices are summed.
 

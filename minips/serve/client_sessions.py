@@ -67,7 +67,7 @@ def _on_message(io: ServerIO, entry: WorkerEntry, msg: messages.Message) -> None
 def initial_weights(msg: messages.InitWeights) -> np.ndarray:
     """(n,) float32 initial weights a worker sent (the server was started without --init); their
     size is checked by the message (``messages.MAX_PARAMS``)."""
-    w = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, msg.size)
+    w = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, msg.size)
     if not isinstance(w, np.ndarray):
         raise RemoteProtocolError("initial weights must be dense", got=msg.encoding)
     return w.astype(np.float32)

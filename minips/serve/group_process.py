@@ -75,7 +75,7 @@ class TcpLink:
         """EXCHANGE ``delta`` (dense or sparse); the reply holds the global weights
         (``dense-f32``) or the entries of the group's copy to set (``sparse-v1``)."""
         reply = await self.request(push_message(delta, stats))
-        w = sparse.decode_gradient(reply.encoding, reply.codec, reply.buffers, delta.size)
+        w = sparse.decode_vector(reply.encoding, reply.codec, reply.buffers, delta.size)
         up, down = self.ch.bytes_sent, self.ch.bytes_received
         res = ExchangeResult(w, reply.version, reply.done, reply.samples,
                              seqs_in(reply.info, "saved_exchanges", stats["session"]),
@@ -124,7 +124,7 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     init = await link.request(messages.Pull(clock=0))
     if not isinstance(init, messages.GlobalWeights):
         raise RemoteProtocolError("expected GLOBAL_WEIGHTS", got=type(init).__name__)
-    weights = np.asarray(sparse.decode_gradient(init.encoding, init.codec, init.buffers,
+    weights = np.asarray(sparse.decode_vector(init.encoding, init.codec, init.buffers,
                                                 init.size))
     if gs.group == int(assign.group) and gs.ready.is_set():
         held = seqs_in(init.info, "last_exchange", gs.xchg.session)

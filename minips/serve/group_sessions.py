@@ -150,7 +150,7 @@ async def _on_message(io: ServerIO, ch: Channel, handle: GroupHandle) -> bool:
         await ch.send(core.group_pull(handle.id))
     elif isinstance(msg, messages.Exchange):
         assert core.weights is not None
-        delta = sparse.decode_gradient(msg.encoding, msg.codec, msg.buffers, core.weights.size)
+        delta = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, core.weights.size)
         reply = core.group_push(handle.id, delta, msg.info)
         io.perform(core.take_actions())
         await ch.send(reply)

@@ -1,7 +1,7 @@
 """Checks the servers apply to message fields beyond the wire schema, and how a violation ends.
 
 The protocol modules already check framing, types, lengths, limits and which message kinds a
-connection state allows; ``sparse.decode_gradient`` checks encodings, sizes, index bounds and
+connection state allows; ``sparse.decode_vector`` checks encodings, sizes, index bounds and
 NaN/inf; a group's EXCHANGE counters are typed fields, checked by the message
 (messages.py). What is left is meaning that only a server knows: ranges of counters and
 times, clocks that go backwards, messages a role may not send in a session. A violation raises
