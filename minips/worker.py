@@ -73,7 +73,7 @@ import torch
 
 from minips import sparse
 from minips.compress.device_compress import DeviceCompressor, HostCompressor, device_compressor
-from minips.core.config import RunConfig
+from minips.core.config import RunConfig, WorkerConfig
 from minips.core.downlink import apply_weights
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.ml import data, device, models
