@@ -76,7 +76,8 @@ def into(arr: np.ndarray) -> frames.Alloc:
     """An allocator that receives a payload of arr's size straight into arr (zero-copy)."""
 
     def alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
-        return arr.data.cast("B") if nbytes == arr.nbytes else frames.default_alloc(kind, index, nbytes)
+        return arr.data.cast("B") if nbytes == arr.nbytes else frames.default_alloc(kind, index,
+                                                                                    nbytes)
 
     return alloc
 
@@ -249,7 +250,8 @@ def floor_frame(kind: int, meta: dict[str, Any], buffers: tuple[Any, ...] = ()) 
     """A frame of the minips format built with one struct and one msgpack call."""
     packed = msgpack.packb(meta)
     sizes = [b.nbytes for b in buffers]
-    head = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, kind, len(buffers), 0, len(packed),
+    head = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, kind, len(buffers), 0,
+                              len(packed),
                          sum(sizes))
     table = TABLES[len(buffers)].pack(*[x for n in sizes for x in (frames.CODEC_RAW, n, n)])
     return b"".join([head, table, packed, *buffers])
@@ -270,7 +272,8 @@ class FloorClient(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         meta_len = frames.PREFIX.unpack_from(data)[5]  # one ACK per read: a reply to one request
         if self.waiter is not None:
-            self.waiter.set_result(msgpack.unpackb(data[frames.PREFIX.size:frames.PREFIX.size + meta_len]))
+            start = frames.PREFIX.size
+            self.waiter.set_result(msgpack.unpackb(data[start:start + meta_len]))
 
 
 class EchoClient(asyncio.Protocol):

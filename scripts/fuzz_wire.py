@@ -58,7 +58,8 @@ def seeds() -> list[bytes]:
                                 buffers=zeros)))
     out.append(frame(messages.ExchangeReply(version=3, saved_exchanges=[[1, 2], [-1, -1]],
                                      encoding="dense-f32", buffers=zeros)))
-    out.append(frame(messages.GlobalWeights(version=3, size=64, members=[0, 1], last_exchange=[1, 2],
+    out.append(frame(messages.GlobalWeights(version=3, size=64, members=[0, 1], last_exchange=[1,
+                                                                                               2],
                                      encoding="dense-f32", buffers=zeros)))
     out.append(frame(messages.InitWeights(size=N, encoding=enc, codec=codec, buffers=tuple(bufs))))
     out.append(frame(messages.Hello(nonce=bytes(32), capabilities=("a",), address="h:1")))

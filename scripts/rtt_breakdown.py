@@ -48,7 +48,8 @@ VARIANTS = ("minips", "free_codec", "no_checks")
 def _cached_codec() -> list[Any]:
     """Patches that encode PUSH and ACK once and decode them once (the what-if free codec)."""
     push = b.sparse_push()
-    frames = {messages.Kind.PUSH: frames_mod.encode(push), messages.Kind.ACK: frames_mod.encode(messages.Ack(clock=1, version=1))}
+    frames = {messages.Kind.PUSH: frames_mod.encode(push),
+              messages.Kind.ACK: frames_mod.encode(messages.Ack(clock=1, version=1))}
     decoded = {int(kind): FrameDecoder().feed(b"".join(f))[0] for kind, f in frames.items()}
     encode, next_frame = frames_mod.encode, FrameDecoder._next
 

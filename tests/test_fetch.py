@@ -1,4 +1,5 @@
-"""data_files.py: downloads are kept only whole and verified; archives yield only the named members."""
+"""data_files.py: downloads are kept only whole and verified; archives yield only the named
+members."""
 
 from __future__ import annotations
 

@@ -64,10 +64,12 @@ def test_log_summary_gives_the_first_line_then_counts_once_a_period() -> None:
 
 def test_a_server_connection_takes_only_handshake_frames_until_welcome() -> None:
     server = handshake.Connection(handshake.Side.SERVER)
-    big = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH, 1, 0, 10, 500 << 20)
+    big = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH, 1, 0, 10,
+                             500 << 20)
     with pytest.raises(LimitExceeded, match="buffer count"):
         server.receive(big)
-    hello = messages.Hello(role="worker", nonce=b"n" * 32, address="h" * 4096)  # the longest address
+    hello = messages.Hello(role="worker", nonce=b"n" * 32,
+                           address="h" * 4096)  # the longest address
     server = handshake.Connection(handshake.Side.SERVER)
     assert server.receive(b"".join(frames.encode(hello))) == [hello]
     server.send(messages.Challenge(nonce=b"c" * 32))

@@ -180,7 +180,8 @@ def test_no_module_only_forwards_and_every_import_names_the_defining_module():
     mods = modules()
     info = {name: top_level(ast.parse(path.read_text())) for name, path in mods.items()}
     forwarded = []
-    for path in [*PKG.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").glob("*.py")]:
+    for path in [*PKG.rglob("*.py"), *(ROOT / "tests").glob("*.py"),
+                 *(ROOT / "scripts").glob("*.py")]:
         here = module_name(path) if path.is_relative_to(PKG) else str(path.relative_to(ROOT))
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minips"):

@@ -41,7 +41,8 @@ counts = st.integers(0, 2**62)
 seconds = st.floats(0, 1e9)
 
 STRATEGIES = {
-    messages.Hello: st.builds(messages.Hello, version=st.integers(0, 255), role=st.sampled_from(messages.ROLES),
+    messages.Hello: st.builds(messages.Hello, version=st.integers(0, 255),
+                              role=st.sampled_from(messages.ROLES),
                        worker_id=ids, nonce=nonces, capabilities=st.lists(names, max_size=5),
                        address=texts, group=ids),
     messages.Challenge: st.builds(messages.Challenge, nonce=nonces),
@@ -56,16 +57,19 @@ STRATEGIES = {
                       samples=uints, encoding=names, codec=codecs, buffers=buffers),
     messages.Ack: st.builds(messages.Ack, clock=uints, version=uints),
     messages.Pull: st.builds(messages.Pull, clock=uints, since=ids),
-    messages.Weights: st.builds(messages.Weights, version=uints, since=ids, encoding=names, codec=codecs,
+    messages.Weights: st.builds(messages.Weights, version=uints, since=ids, encoding=names,
+                                codec=codecs,
                          buffers=buffers, done=st.booleans(), group=ids, waited_for=int_lists,
                          ratio=st.floats(0, 1), lead=st.integers(-(2**63) + 1, 2**63 - 1),
                          min_clock=ids, drift=st.floats(-1, 1e9)),
-    messages.Exchange: st.builds(messages.Exchange, session=seqs, seq=seqs, version=uints, final=st.booleans(),
+    messages.Exchange: st.builds(messages.Exchange, session=seqs, seq=seqs, version=uints,
+                                 final=st.booleans(),
                           pushes=counts, samples=counts, step_time=seconds,
                           loss=st.floats(-1e30, 1e30), iter_time=seconds, bytes_in=counts,
                           bytes_out=counts, min_clock=ids, max_clock=ids, encoding=names,
                           codec=codecs, buffers=buffers),
-    messages.ExchangeReply: st.builds(messages.ExchangeReply, version=uints, done=st.booleans(), samples=counts,
+    messages.ExchangeReply: st.builds(messages.ExchangeReply, version=uints, done=st.booleans(),
+                                      samples=counts,
                                saved_exchanges=st.lists(st.lists(st.integers(-1, 2**62),
                                                                  min_size=2, max_size=2),
                                                         max_size=3),
@@ -77,7 +81,8 @@ STRATEGIES = {
                                last_exchange=st.one_of(st.just([]), st.lists(
                                    st.integers(-1, 2**62), min_size=2, max_size=2)),
                                encoding=names, codec=codecs, buffers=buffers),
-    messages.InitWeights: st.builds(messages.InitWeights, size=st.integers(1, 2**31), encoding=names,
+    messages.InitWeights: st.builds(messages.InitWeights, size=st.integers(1, 2**31),
+                                    encoding=names,
                              codec=codecs, buffers=buffers),
     messages.Heartbeat: st.builds(messages.Heartbeat, seq=uints),
     messages.Leave: st.builds(messages.Leave, reason=texts),
@@ -146,7 +151,8 @@ def test_custom_alloc_receives_into_preallocated_array() -> None:
             n = min(len(room), len(chunk))
             room[:n], chunk = chunk[:n], chunk[n:]
             got += dec.buffer_updated(n)
-    assert calls == [(messages.Kind.WEIGHTS, 0, weights.nbytes)] and isinstance(got[0], messages.Weights)
+    assert calls == [(messages.Kind.WEIGHTS, 0, weights.nbytes)] and isinstance(got[0],
+                                                                                messages.Weights)
     assert np.array_equal(target, weights)
     assert np.shares_memory(np.frombuffer(got[0].buffers[0], np.uint8), target)
 
@@ -214,13 +220,15 @@ def test_buffers_are_flat_views_without_copy() -> None:
 # Malformed frames and limits
 
 
-def raw_frame(kind: int, meta: object, *, version: int = messages.PROTOCOL_VERSION, magic: bytes = frames.MAGIC,
+def raw_frame(kind: int, meta: object, *, version: int = messages.PROTOCOL_VERSION,
+              magic: bytes = frames.MAGIC,
               entries: tuple[tuple[int, int, int], ...] = (), body: bytes = b"", flags: int = 0,
               body_len: int | None = None) -> bytes:
     packed = msgpack.packb(meta, use_bin_type=True)
     table = b"".join(frames.TABLE_ENTRY.pack(*e) for e in entries)
     blen = len(body) if body_len is None else body_len
-    return frames.PREFIX.pack(magic, version, kind, len(entries), flags, len(packed), blen) + table \
+    return frames.PREFIX.pack(magic, version, kind, len(entries), flags, len(packed),
+                              blen) + table \
         + packed + body
 
 
@@ -290,7 +298,8 @@ BIG = messages.Push(clock=0, encoding="d", buffers=(bytes(5000), bytes(5000)))
     (frames.Limits(max_raw_bytes=9000), frame(BIG, compress=True)),
     (frames.Limits(max_str_len=10), frame(messages.Leave(reason="x" * 11))),
     (frames.Limits(max_bin_len=16), frame(messages.Challenge(nonce=bytes(32)))),
-    (frames.Limits(max_array_len=2), frame(messages.Welcome(worker_id=0, mac=b"", info={"a": [1, 2, 3]}))),
+    (frames.Limits(max_array_len=2), frame(messages.Welcome(worker_id=0, mac=b"", info={"a": [1, 2,
+                                                                                              3]}))),
     (frames.Limits(max_map_len=2), frame(messages.Welcome(worker_id=0, mac=b"", info={}))),
 ])
 def test_every_limit_is_checked_before_allocation(limits: frames.Limits, data: bytes) -> None:
@@ -322,14 +331,16 @@ def test_msgpack_lengths_over_their_limits_are_limit_exceeded(value: object, wha
 
 def test_bad_msgpack_is_a_protocol_error_not_a_limit() -> None:
     packed = msgpack.packb({"reason": "x"})[:-1]  # the map cut short
-    data = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0, len(packed), 0) + packed
+    data = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0,
+                              len(packed), 0) + packed
     with pytest.raises(RemoteProtocolError) as info:
         frames.FrameDecoder().feed(data)
     assert not isinstance(info.value, LimitExceeded)
 
 
 def test_huge_lengths_in_prefix_are_refused_at_once() -> None:
-    prefix = struct.pack("<4sBBBBII", frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH, 1, 0, 10, 2**32 - 1)
+    prefix = struct.pack("<4sBBBBII", frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH,
+                         1, 0, 10, 2**32 - 1)
     with pytest.raises(LimitExceeded):
         frames.FrameDecoder(alloc=never_alloc).feed(prefix)
 
@@ -343,11 +354,14 @@ def test_encoder_refuses_frames_over_its_limits() -> None:
 # Connection state machine
 
 
-def handshake_pair(token: str | None = "secret") -> tuple[handshake.Connection, handshake.Connection]:
-    client, server = handshake.Connection(handshake.Side.CLIENT), handshake.Connection(handshake.Side.SERVER)
+def handshake_pair(token: str | None = "secret") -> tuple[handshake.Connection,
+                                                          handshake.Connection]:
+    client = handshake.Connection(handshake.Side.CLIENT)
+    server = handshake.Connection(handshake.Side.SERVER)
     ch, sh = handshake.ClientHandshake(token, role="worker"), handshake.ServerHandshake(token)
 
-    def deliver(src: handshake.Connection, dst: handshake.Connection, msg: messages.Message) -> messages.Message:
+    def deliver(src: handshake.Connection, dst: handshake.Connection,
+                msg: messages.Message) -> messages.Message:
         (got,) = dst.receive(b"".join(bytes(b) for b in src.send(msg)))
         return got
 
@@ -371,7 +385,8 @@ def test_nothing_but_hello_before_the_handshake() -> None:
         handshake.Connection(handshake.Side.CLIENT).send(messages.Pull(clock=0))
     assert info.value.expected == ["ERROR", "HELLO"]
     with pytest.raises(RemoteProtocolError):
-        handshake.Connection(handshake.Side.SERVER).receive(frame(messages.Push(clock=0, encoding="d")))
+        handshake.Connection(handshake.Side.SERVER).receive(frame(messages.Push(clock=0,
+                                                                                encoding="d")))
 
 
 def test_no_hello_after_the_handshake_and_directions_are_enforced() -> None:
@@ -410,7 +425,8 @@ def test_wrong_and_missing_tokens_are_refused_with_reasons() -> None:
 
 
 def test_version_mismatch_is_refused_with_reason() -> None:
-    ch, sh = handshake.ClientHandshake("s", version=messages.PROTOCOL_VERSION + 1), handshake.ServerHandshake("s")
+    ch = handshake.ClientHandshake("s", version=messages.PROTOCOL_VERSION + 1)
+    sh = handshake.ServerHandshake("s")
     refuse = sh.on_hello(ch.hello)
     v = messages.PROTOCOL_VERSION
     assert isinstance(refuse, messages.Refuse)

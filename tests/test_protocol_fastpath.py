@@ -30,7 +30,8 @@ def raw(kind: int, meta: object, version: int = messages.PROTOCOL_VERSION) -> by
 SPARSE = messages.Push(clock=3, step_time=0.5, loss=1.25, samples=64, encoding="sparse-v1",
                 codec={"k": 2, "index": "u32", "value": "f32"},
                 buffers=(np.array([3, 17], np.uint32), np.array([0.5, -1.25], np.float32)))
-STREAM = [messages.Ack(clock=1, version=2), SPARSE, messages.Heartbeat(seq=9), SPARSE, messages.Pull(clock=4)]
+STREAM = [messages.Ack(clock=1, version=2), SPARSE, messages.Heartbeat(seq=9), SPARSE,
+          messages.Pull(clock=4)]
 STREAM_BYTES = b"".join(frame(m) for m in STREAM)
 
 
@@ -93,12 +94,14 @@ ACK = {"clock": 1, "version": 2}
     (messages.Kind.ACK, {**ACK, "clock": -1}, "clock"),
     (messages.Kind.ACK, {**ACK, "version": 2**64 - 1}, "version"),
     (messages.Kind.ACK, {**ACK, "clock": 1.0}, "clock"),
-    (messages.Kind.STATS, {"clock": 0, "step_time": math.nan, "loss": 0.0, "samples": 0}, "step_time"),
+    (messages.Kind.STATS, {"clock": 0, "step_time": math.nan, "loss": 0.0, "samples": 0},
+     "step_time"),
     (messages.Kind.STATS, {"clock": 0, "step_time": 1.0, "loss": math.inf, "samples": 0}, "loss"),
     (messages.Kind.STATS, {"clock": 0, "step_time": -1.0, "loss": 0.0, "samples": 0}, "step_time"),
     (messages.Kind.ASSIGN, {"group": 0, "address": "", "ratio": 1.5, "staleness": 0}, "ratio"),
     (messages.Kind.ERROR, {"code": "x" * 65, "reason": ""}, "code"),
-    (messages.Kind.WELCOME, {"worker_id": 0, "mac": b"", "info": {"a": [[[[[[[[[1]]]]]]]]]}}, "info"),
+    (messages.Kind.WELCOME, {"worker_id": 0, "mac": b"", "info": {"a": [[[[[[[[[1]]]]]]]]]}},
+     "info"),
     (messages.Kind.LEAVE, {"reason": b"bytes"}, "reason"),
 ])
 def test_a_bad_field_from_the_peer_is_a_remote_error_naming_it(
@@ -109,7 +112,8 @@ def test_a_bad_field_from_the_peer_is_a_remote_error_naming_it(
 
 
 def test_an_int_is_accepted_where_a_float_is_expected() -> None:
-    [stats] = frames.FrameDecoder().feed(raw(messages.Kind.STATS, {"clock": 0, "step_time": 2, "loss": -3,
+    [stats] = frames.FrameDecoder().feed(raw(messages.Kind.STATS, {"clock": 0, "step_time": 2,
+                                                                   "loss": -3,
                                                         "samples": 5}))
     assert type(stats.step_time) is float and stats.step_time == 2.0  # type: ignore[attr-defined]
     assert type(stats.loss) is float  # type: ignore[attr-defined]

@@ -24,8 +24,8 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip ins
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from minips.core.config import RunConfig
-from minips.run.ray_cluster import (
+from minips.core.config import RunConfig  # noqa: E402
+from minips.run.ray_cluster import (  # noqa: E402
     RayConfig,
     collect,
     free_port,

@@ -50,7 +50,8 @@ def accept_all(hello: messages.Hello) -> dict[str, Any]:
 async def start(handler: Callable[[channel.Channel], Awaitable[None]] = echo_handler,
                 **kw: Any) -> transport.Server:
     kw.setdefault("token", TOKEN)
-    return await transport.serve("127.0.0.1", 0, accept=kw.pop("accept", accept_all), handler=handler,
+    return await transport.serve("127.0.0.1", 0, accept=kw.pop("accept", accept_all),
+                                 handler=handler,
                          **kw)
 
 
@@ -209,7 +210,8 @@ def test_msgpack_length_over_limit_is_answered_limit_exceeded(value: object) -> 
     docs/protocol.md section 6 and ``Limits`` say, counted as such; then the server closes.
     Sent after the handshake: before WELCOME a frame over 16 KiB is refused by its size alone."""
     packed = msgpack.packb({"reason": value})
-    data = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0, len(packed), 0) + packed
+    data = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0,
+                              len(packed), 0) + packed
 
     async def scenario() -> None:
         async with await start() as srv:
@@ -236,7 +238,8 @@ def test_half_frame_then_silence_is_cut_off_by_read_timeout(loop: str) -> None:
     async def scenario() -> None:
         async with await start(options=options) as srv:
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
-            writer.write(raw(messages.Hello(nonce=bytes(32)))[:10])  # a prefix cut short, then nothing
+            # a prefix cut short, then nothing
+            writer.write(raw(messages.Hello(nonce=bytes(32)))[:10])
             error = await read_frame(reader)
             assert isinstance(error, messages.Error) and "read timeout" in error.reason
             assert await reader.read() == b""  # then the server closed
@@ -312,7 +315,8 @@ def test_unreachable_address_gives_connection_error_within_timeout() -> None:
 
 async def heartbeating_client(srv: transport.Server) -> tuple[channel.Channel, channel.Channel]:
     """A client that sends HEARTBEAT every 50 ms, and the server's side of its connection."""
-    ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, options=channel.Options(heartbeat=0.05))
+    ch = await t.connect("127.0.0.1", srv.port, token=TOKEN,
+                         options=channel.Options(heartbeat=0.05))
     await until(lambda: len(srv.channels) == 1)
     (server_side,) = srv.channels
     return ch, server_side
@@ -480,7 +484,8 @@ def test_a_big_frame_is_written_in_batches_of_about_the_write_size() -> None:
 
 
 def test_a_frame_under_the_write_size_is_one_batch_as_it_was() -> None:
-    frame = frames.encode(messages.Weights(version=1, encoding="dense", buffers=(np.ones(50_000, np.float32),)))
+    frame = frames.encode(messages.Weights(version=1, encoding="dense", buffers=(np.ones(50_000,
+                                                                                         np.float32),)))
     assert list(write_batches(frame, 1 << 20)) == [frame]
 
 

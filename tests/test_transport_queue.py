@@ -46,7 +46,8 @@ def test_reading_pauses_at_the_byte_bound_and_resumes_without_loss(loop: str) ->
 
     async def scenario() -> None:
         options = channel.Options(max_queued_bytes=bound)
-        async with await transport.serve("127.0.0.1", 0, accept=lambda h: {}, handler=hold_then_drain,
+        async with await transport.serve("127.0.0.1", 0, accept=lambda h: {},
+                                         handler=hold_then_drain,
                                  token=TOKEN, options=options) as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             for clock in range(pushes):  # 8 MiB in all: the kernel buffers take what we don't

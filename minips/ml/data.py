@@ -181,7 +181,7 @@ def batch_stream(ds: Any, indices: np.ndarray, batch_size: int, seed: int,
         epoch += 1
 
 
-# -- data: Data sets for workers: real loaders, download (verified in data_files.py), sharding, batch...
+# -- data: Data sets for workers: real loaders, download, sharding, batch order
 
 log = logging.getLogger(__name__)
 

@@ -265,7 +265,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self.stats is not None:
                 self.stats[_STAT_OF_REASON[reason]] += 1
             if self.transport is not None and self.conn.state != handshake.State.CLOSED:
-                frame = self.conn.send(messages.Error(code=reason, reason=str(err)[: messages.MAX_TEXT]))
+                frame = self.conn.send(messages.Error(code=reason,
+                                                      reason=str(err)[: messages.MAX_TEXT]))
                 self.transport.writelines(frame)
         if self.transport is not None:
             self.transport.close()
@@ -498,7 +499,8 @@ class Channel:
         """Send ERROR(code, reason) if the connection still allows it (before closing)."""
         if not self.closed and self._proto.conn.state != handshake.State.CLOSED:
             with contextlib.suppress(ConnectionError):
-                await self.send(messages.Error(code=code[: messages.MAX_NAME], reason=reason[: messages.MAX_TEXT]))
+                await self.send(messages.Error(code=code[: messages.MAX_NAME],
+                                               reason=reason[: messages.MAX_TEXT]))
 
     def abort(self, reason: str) -> None:
         """Drop the connection now, without LEAVE; a waiting ``recv`` raises

@@ -282,7 +282,8 @@ class Server:
         self.stats["accepted"] += 1
         return True
 
-    def _check_auth(self, hs: handshake.ServerHandshake, auth: messages.Auth, source: str) -> messages.Refuse | None:
+    def _check_auth(self, hs: handshake.ServerHandshake, auth: messages.Auth,
+                    source: str) -> messages.Refuse | None:
         """``hs.on_auth`` with the source's back-off applied: a source still in back-off is cut
         off before its MAC is even checked; a wrong MAC starts or lengthens its back-off."""
         now = asyncio.get_running_loop().time()

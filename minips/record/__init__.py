@@ -1,2 +1,3 @@
-"""A run's record: its directory and JSON-lines metrics, the summary and charts read back from them, and
-checkpoint files. Every role writes here; the launcher and the dashboard read it. No torch."""
+"""A run's record: its directory and JSON-lines metrics, the summary and charts read back from
+them, and checkpoint files. Every role writes here; the launcher and the dashboard read it. No
+torch."""
