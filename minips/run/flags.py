@@ -279,7 +279,7 @@ def add_simulate_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentPars
 
 
 def failures(text: str) -> list[Failure]:
-    """Type of --fail (``sim_timing.parse_failures``)."""
+    """Type of --fail (``timing.parse_failures``, sim/timing.py)."""
     try:
         return parse_failures(text)
     except ConfigError as exc:
