@@ -1,22 +1,31 @@
-"""The models minips knows by name, the length of each one's flat weight vector, and the
-training set sizes of the known data sets (no torch).
+"""Configuration of a run's rules: one dataclass per role, filled by the CLI, checked once in
+``validate()``, and the table of known models and data sets it is checked against (no torch).
 
-``models.py`` builds the models with torch; the servers and the command line, which never import
-torch, check a ``--model`` name and the size of an ``--init`` file against this table.
+The file holds, in order:
 
-Invariant: ``PARAM_COUNTS[name] == models.param_count(name)`` for every name (tests/test_models.py).
+- The model table: the models minips knows by name (``MODEL_NAMES``), the length of each one's
+  flat weight vector (``PARAM_COUNTS``), each one's default data set, and the training set sizes
+  of the known data sets (``TRAIN_SIZES``). ``ml/models.py`` builds the models with torch; the
+  servers and the command line, which never import torch, check a ``--model`` name and the size
+  of an ``--init`` file against this table.
+- ``RunConfig``: what every role of one training run must agree on (model, data, optimizer,
+  mode, compressor, budget). The global server owns it and sends it to every client in
+  WELCOME.info (``to_info`` / ``from_info``), so a worker or group server needs nothing but the
+  global server's address and the shared secret.
+- ``FieldError`` and ``WorkerConfig``: what is local to one process (addresses, emulated
+  slowness, files).
 
-Configuration: one dataclass per role, filled by the CLI, checked once in ``validate()``.
+Addresses, TLS and the bind check are in net/endpoints.py, the named presets in run/flags.py;
+this module imports neither (the rules never import the launcher, the CLI or net/).
 
-``RunConfig`` holds what every role of one training run must agree on (model, data, optimizer,
-mode, compressor, budget). The global server owns it and sends it to every client in
-WELCOME.info (``to_info`` / ``from_info``), so a worker or group server needs nothing but the
-global server's address and the shared secret. The other dataclasses hold what is local to one
-process (addresses, emulated slowness, files). Addresses, TLS and the bind check are in
-endpoints.py, the named presets in flags.py (both re-exported here).
+Invariants:
+- ``PARAM_COUNTS[name] == models.param_count(name)`` for every name (tests/test_models.py).
+- ``validate()`` raises ``ConfigError`` (a ``FieldError``) naming the field;
+  ``from_info(to_info(c)) == c``.
+- Units are in each field's comment; times are seconds, sizes bytes, rates bytes per second.
 
-Invariants: ``validate()`` raises ``ConfigError`` naming the field; ``from_info(to_info(c)) == c``.
-Units are in each field's comment; times are seconds, sizes bytes, rates bytes per second.
+Public API: ``MODEL_NAMES``, ``PARAM_COUNTS``, ``DEFAULT_DATASET``, ``TRAIN_SIZES``,
+``dataset_train_size``, ``RunConfig``, ``FieldError``, ``WorkerConfig``.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ __all__ = [
 ]
 
 
-# -- model_table: The models minips knows by name, the length of each one's flat weight vector, ...
+# -- the model table: known models, their sizes, the known data sets -------------------------------
 
 MODEL_NAMES = ("lenet5", "resnet18", "vgg19", "resnet9", "seq2seq")
 PARAM_COUNTS = {"lenet5": 61_706, "resnet18": 11_173_962, "vgg19": 20_040_522,
@@ -70,7 +79,7 @@ def dataset_train_size(name: str, override: int = 0) -> int:
     return TRAIN_SIZES[name]
 
 
-# -- config: Configuration: one dataclass per role, filled by the CLI, checked once in ``validat...
+# -- the configuration of a run and of one worker --------------------------------------------------
 
 @dataclass
 class RunConfig:

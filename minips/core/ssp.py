@@ -2,7 +2,9 @@
 
 A group server keeps one ``ClockTable``. It holds no sockets and reads no clock: every call that
 depends on time takes ``now`` (seconds, any monotonic origin), so tests and simulators drive it
-with made-up times.
+with made-up times. The file holds, in order: ``ClockCounts``, the multiset of live clocks the
+table keeps its ends in; ``ClockError``; ``ClockTable``; and ``Rounds``, the BSP rounds a group
+server applies once each.
 
 Vocabulary. A worker's *clock* is the number of pushes it has made. A worker at clock ``c`` that
 wants to start step ``c + 1`` (PULL) may do so only while ``c - min_clock() <= s``, where the
@@ -21,12 +23,11 @@ Invariants the table keeps (tests/test_ssp.py checks them under random event ord
 A worker that left is remembered: when it rejoins it gets back its old clock, raised to the
 group's current minimum, and must pull the weights at that clock before pushing.
 
-How many live workers sit at each clock, with the lowest and highest clock kept up to date.
-
-``ssp.ClockTable`` asks for the minimum clock on every PUSH and PULL and for both ends on every
-exchange with the global server; scanning its workers each time costs O(workers) per message,
-which showed in profiles of a server with hundreds of workers per group. This multiset answers
-both in O(1) and updates them in O(1) for the moves a table makes all the time:
+``ClockCounts`` counts how many live workers sit at each clock, with the lowest and highest
+clock kept up to date. The table asks for the minimum clock on every PUSH and PULL and for both
+ends on every exchange with the global server; scanning its workers each time costs O(workers)
+per message, which showed in profiles of a server with hundreds of workers per group. The
+multiset answers both in O(1) and updates them in O(1) for the moves a table makes all the time:
 
 - ``move(c, c + 1)`` (a push) adds the new clock before removing the old one, so when the old
   clock was the lowest and empties, the next lowest is right beside it;
@@ -37,6 +38,8 @@ both in O(1) and updates them in O(1) for the moves a table makes all the time:
 
 Invariant: ``low == min(clocks)`` and ``high == max(clocks)`` of the multiset, both None when it
 is empty (tests/test_clock_counts.py checks it against a brute-force multiset).
+
+Public API: ``ClockCounts``, ``ClockError``, ``ClockTable``, ``Rounds``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from minips.errors import RemoteProtocolError
 __all__ = ["ClockCounts", "ClockError", "ClockTable", "Rounds"]
 
 
-# -- clock_counts: How many live workers sit at each clock, with the lowest and highest clock ke...
+# -- the live clocks as a multiset, its ends kept in O(1) ------------------------------------------
 
 NEIGHBOUR_PROBES = 8  # clocks tried next to an emptied end before one pass over all of them
 
@@ -106,7 +109,7 @@ class ClockCounts:
         return min(self._count) if step > 0 else max(self._count)
 
 
-# -- ssp: Sans-IO clock table of one group: the SSP staleness bound, leases, LEAVE, who waits fo...
+# -- the clock table: staleness bound, leases, LEAVE; BSP rounds -----------------------------------
 
 W = Hashable  # a worker id; the servers use ints
 T = TypeVar("T")
@@ -143,7 +146,7 @@ class ClockTable:
     _live: dict[W, _Entry] = field(default_factory=dict, init=False, repr=False)
     _gone: dict[W, int] = field(default_factory=dict, init=False, repr=False)  # last clocks
     _floor: int = field(default=0, init=False, repr=False)  # highest minimum seen so far
-    # the live clocks as a multiset: min_clock / max_clock in O(1) (ssp.py)
+    # the live clocks as a multiset: min_clock / max_clock in O(1) (ClockCounts above)
     _counts: ClockCounts = field(default_factory=ClockCounts, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,10 +1,22 @@
-"""What the dashboard knows about a run, built from its metrics records (sans-IO, no clocks).
+"""What the dashboard knows about a run, and how it follows a run directory's files (sans-IO,
+no clocks).
+
+The file holds, in order: ``RunState`` (with ``Histogram`` and ``WorkerView``), what is known of
+a run, built from its metrics records; then ``Tail``, ``RunFollower`` and ``Replay``, which
+follow a run directory's JSON-lines files, live (tail) or as a replay (by run time).
 
 ``RunState.add(source, record)`` takes one JSON-lines record of the run directory (``source``:
-``eval``, ``global``, ``group``, ``worker``; see metrics.py for the fields) or one ``probe``
-record (the global server's live view of a worker: group, clock, step time, alive, waiting).
-Live runs and replays feed the same records, so both draw the same page; ``now`` (seconds since
-the run's t0) is passed in by the caller.
+``eval``, ``global``, ``group``, ``worker``; see record/rundir.py for the fields) or one
+``probe`` record (the global server's live view of a worker: group, clock, step time, alive,
+waiting). Live runs and replays feed the same records, so both draw the same page; ``now``
+(seconds since the run's t0) is passed in by the caller.
+
+``Tail`` reads what was appended to one file since the last call, keeping a partial last line
+for the next call (a writer may be in the middle of it). ``RunFollower`` tails every metrics
+file of a run directory (new worker and group files appear during a run) and hands each
+complete record to ``RunState.add``; ``Replay`` does the same for a finished run, releasing
+the records in run-time order up to a horizon that advances ``speed`` times faster than the
+wall clock. Both take the time as an argument; neither sleeps.
 
 Invariants: every series only grows (``since`` cursors stay valid); a worker's state is derived
 from what was added, never from a clock read here:
@@ -15,17 +27,11 @@ from what was added, never from a clock read here:
 - ``pulling``: less time since its last push than its last pull took (it is fetching weights);
 - ``computing``: otherwise; ``done`` once the run is over.
 
-Following a run directory's JSON-lines files: live (tail) or as a replay (by run time).
+Each line is handed over exactly once and only whole; a file that shrinks (a new run in the same
+directory) is read again from its start.
 
-``Tail`` reads what was appended to one file since the last call, keeping a partial last line
-for the next call (a writer may be in the middle of it). ``RunFollower`` tails every metrics
-file of a run directory (new worker and group files appear during a run) and hands each
-complete record to ``RunState.add``; ``Replay`` does the same for a finished run, releasing
-the records in run-time order up to a horizon that advances ``speed`` times faster than the
-wall clock. Both take the time as an argument; neither sleeps.
-
-Invariants: each line is handed over exactly once and only whole; a file that shrinks (a new
-run in the same directory) is read again from its start.
+Public API: ``EVENT_KINDS``, ``STALENESS_BUCKETS``, ``WAIT_BUCKETS``, ``Histogram``,
+``RunState``, ``WorkerView``, ``Replay``, ``RunFollower``, ``Tail``, ``source_of``.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ __all__ = [
 ]
 
 
-# -- state: What the dashboard knows about a run, built from its metrics records (sans-IO, no cl...
+# -- what is known of a run, built from its metrics records ----------------------------------------
 
 # global.jsonl / group / worker events shown on the page (merges are counted, not listed)
 EVENT_KINDS = frozenset({
@@ -316,7 +322,7 @@ def _config_brief(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: cfg.get(k) for k in keys}
 
 
-# -- follow: Following a run directory's JSON-lines files: live (tail) or as a replay (by run ti...
+# -- following a run directory: live (tail) or as a replay (by run time) ---------------------------
 
 MAX_READ_BYTES = 4 << 20  # per file and call: a huge backlog is taken in slices, not at once
 

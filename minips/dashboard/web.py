@@ -1,5 +1,9 @@
 """The dashboard's HTTP side (aiohttp): the page, its event stream and Prometheus /metrics.
 
+The file holds, in order: ``RunCollector``, the Prometheus metrics of a run, read from a
+``RunState`` at scrape time (prometheus_client); then the web app (``Ticker``, ``make_app``,
+``start_site``).
+
 Routes: ``/`` the single static page (``static/index.html``, plain canvas charts, no build
 step), ``/state`` one JSON snapshot, ``/events`` server-sent events (one ``RunState.update``
 message per tick: the tables plus what the series gained), ``/metrics`` Prometheus' text format.
@@ -8,11 +12,9 @@ Invariants: every route checks the token when one is set (``?token=`` or ``Autho
 Bearer``, compared in constant time); a client that goes away costs nothing but its handler;
 this module only reads the state, the ``Monitor`` feeds it.
 
-Prometheus metrics of a run, read from a ``RunState`` at scrape time (prometheus_client).
-
-A custom collector, so nothing is counted twice and the training path does no extra work: the
-figures are those the dashboard already holds. Names follow Prometheus' conventions (``_total``
-counters, ``_seconds`` / ``_bytes`` units):
+The collector is a custom one, so nothing is counted twice and the training path does no extra
+work: the figures are those the dashboard already holds. Names follow Prometheus' conventions
+(``_total`` counters, ``_seconds`` / ``_bytes`` units):
 
 - ``minips_pushes_total{group}`` (worker pushes), ``minips_merges_total{group}`` (group
   deltas merged into the global weights), ``minips_samples_total``;
@@ -23,6 +25,8 @@ counters, ``_seconds`` / ``_bytes`` units):
 - ``minips_workers_alive{group}``, ``minips_group_clock{group, bound}`` (min / max clock);
 - ``minips_checkpoint_age_seconds`` (absent until a checkpoint was written);
 - ``minips_accuracy`` / ``minips_loss`` (the last evaluation).
+
+Public API: ``RunCollector``, ``Ticker``, ``make_app``, ``start_site``.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from minips.dashboard.state import Histogram, RunState
 __all__ = ["RunCollector", "Ticker", "make_app", "start_site"]
 
 
-# -- prom: Prometheus metrics of a run, read from a ``RunState`` at scrape time (prometheus_clie...
+# -- Prometheus metrics of a run, read from a RunState at scrape time ------------------------------
 
 class RunCollector(Collector):
     """Yields the run's metrics as of ``now()`` (run seconds) each time it is scraped."""
@@ -124,7 +128,7 @@ def _histogram(name: str, doc: str, h: Histogram) -> Metric:
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.total)
 
 
-# -- web: The dashboard's HTTP side (aiohttp): the page, its event stream and Prometheus /metrics.
+# -- the web app: the page, its event stream, /state and /metrics ----------------------------------
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -1,4 +1,15 @@
-"""Data sets for workers: real loaders, download (verified in data_files.py), sharding, batch order.
+"""Data sets for workers: generated data, sharding and batch order, and the loader of real sets.
+
+The file holds, in order:
+
+- Generated data: the stand-in images and the seq2seq translation task. Nothing there reads
+  files. ``make_synthetic_images`` is the last-resort stand-in for a real image set (the loader
+  announces it loudly when used); ``make_translation`` generates the toy translation task on
+  which the seq2seq model is trained, since no translation corpus is available offline.
+- Sharding and batch order: which samples a worker trains on, and in which order
+  (``shard_indices``, ``num_batches``, ``iterate_batches``, ``batch_stream``).
+- ``Dataset`` and ``load_dataset``, the loader of real sets. The real sets' files (specs,
+  readers, search, download and its verification) are in data_files.py, which it calls.
 
 Real sets: MNIST and Fashion-MNIST from IDX files (gzip or raw), CIFAR-10 from its binary batches.
 Files are looked for in ``data_dir`` (when given), then ``~/.cache/minips/<name>`` (or
@@ -15,26 +26,17 @@ Invariants:
   ``pad_to`` = 32 by default, the input LeNet-5 expects; ``pad_to=None`` keeps 28x28.
 - The "translation" set (the seq2seq task, generated in code) is the one exception:
   ``x`` int64 (N, SRC_LEN) source tokens, ``y`` int64 (N, TGT_LEN) target tokens, see below.
-- Sharding and batch order live in data.py, the generators in data.py, the real sets'
-  files (specs, readers, search, download) in data_files.py; all are re-exported here so
-  workers import everything data-related from one module.
-
-Generated data: the stand-in images and the seq2seq translation task.
-
-Nothing here reads files. ``make_synthetic_images`` is the last-resort stand-in for a real image
-set (data.py announces it loudly when used); ``make_translation`` generates the toy translation
-task on which the seq2seq model is trained, since no translation corpus is available offline.
-
-Sharding and batch order: which samples a worker trains on, and in which order.
-
-Invariants:
 - Shards from ``shard_indices`` are disjoint, cover 0..n-1 and depend only on their arguments.
 - ``iterate_batches(ds, idx, b, seed, epoch)`` permutes the shard ``idx`` with
   ``numpy.random.default_rng([seed, epoch])`` and yields consecutive slices of ``b`` samples,
   dropping the last partial batch, so every step sees exactly ``b`` samples. A worker's step k
   uses its own epoch-local stream: epoch 0's batches, then epoch 1's, ... (``batch_stream``).
-The reference loop (reference.py) and the worker (worker.py) both call these, which is what
-makes a 1-worker BSP run through minips equal to the single-process loop.
+  The reference loop (reference.py) and the worker (worker.py) both call these, which is what
+  makes a 1-worker BSP run through minips equal to the single-process loop.
+
+Public API: ``make_synthetic_images``, ``make_translation`` and its vocabulary (``PAD``, ``BOS``,
+``EOS``, ``WORDS``, ``VOCAB``, ``SRC_LEN``, ``TGT_LEN``), ``shard_indices``, ``num_batches``,
+``iterate_batches``, ``batch_stream``, ``Dataset``, ``load_dataset``.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ __all__ = [
 ]
 
 
-# -- synthetic: Generated data: the stand-in images and the seq2seq translation task.
+# -- generated data: the stand-in images and the seq2seq translation task --------------------------
 
 def make_synthetic_images(n: int, shape: tuple[int, int, int], num_classes: int = 10,
                           seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +125,7 @@ def make_translation(n: int, seed: int, exclude: set[bytes] | None = None
     return src, tgt
 
 
-# -- shards: Sharding and batch order: which samples a worker trains on, and in which order.
+# -- sharding and batch order: which samples a worker trains on, in which order --------------------
 
 def _shard_bounds(n: int, num_workers: int, weights: Sequence[float] | None) -> np.ndarray:
     """(num_workers + 1,) int64 cut points 0 = b0 <= b1 <= ... = n, sized by ``weights``."""
@@ -181,7 +183,7 @@ def batch_stream(ds: Any, indices: np.ndarray, batch_size: int, seed: int,
         epoch += 1
 
 
-# -- data: Data sets for workers: real loaders, download, sharding, batch order
+# -- the data sets: real loaders, with a synthetic stand-in ----------------------------------------
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """Where the real data sets' files are, how they are read, and how they are fetched.
 
-``SPECS`` pins each real set: its files per split, shape, normalisation, base URL and SHA-256
-digests. ``find_or_download`` looks in ``data_dir``, then ``cache_dir(name)``, then the system
-directories, and downloads into the first (verified in data_files.py) when allowed; ``decode`` reads
-IDX (gzip or raw) or CIFAR-10 binary batches into checked uint8 images and int64 labels.
+The file holds, in order: download and verify (``fetch_file``, ``extract_members``): files
+fetched over HTTP(S) are kept only if their SHA-256 matches; then the real sets. ``SPECS`` pins
+each real set: its files per split, shape, normalisation, base URL and SHA-256 digests.
+``find_or_download`` looks in ``data_dir``, then ``cache_dir(name)``, then the system
+directories, and downloads into the first (verified by ``fetch_file``) when allowed; ``decode``
+reads IDX (gzip or raw) or CIFAR-10 binary batches into checked uint8 images and int64 labels.
 ``data.py`` builds ``Dataset``s from them.
-
-Download and verify: files fetched over HTTP(S) are kept only if their SHA-256 matches.
 
 Invariants:
 - A file appears under its name only whole and verified: bytes go to ``<name>.<pid>.part`` and
@@ -15,7 +15,9 @@ Invariants:
 - Archives are never extracted by their own member paths: only members we name are written.
 
 Public API: ``fetch_file(url, dest, sha256, timeout=...)``, ``extract_members(archive, dest,
-wanted)``, ``DOWNLOAD_TIMEOUT_S``, ``MAX_DOWNLOAD_BYTES``, ``CHUNK_BYTES``.
+wanted)``, ``DOWNLOAD_TIMEOUT_S``, ``MAX_DOWNLOAD_BYTES``, ``CHUNK_BYTES``, ``Spec``, ``SPECS``,
+``CIFAR_SUBDIR``, ``DATASET_NAMES``, ``read_idx``, ``read_cifar_batch``, ``cache_dir``,
+``download``, ``spec_of``, ``find_or_download``, ``decode``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ __all__ = [
 ]
 
 
-# -- fetch: Download and verify: files fetched over HTTP(S) are kept only if their SHA-256 matches.
+# -- download and verify: a file is kept only if its SHA-256 matches -------------------------------
 
 DOWNLOAD_TIMEOUT_S = 30.0  # per socket operation: an unreachable network fails fast
 MAX_DOWNLOAD_BYTES = 256 * 2**20  # largest pinned file is the 170 MB CIFAR-10 archive
@@ -108,7 +110,7 @@ def extract_members(archive: Path, dest: Path, wanted: set[str]) -> None:
         raise DataError(f"{archive}: corrupt or truncated archive ({exc})") from exc
 
 
-# -- data_files: Where the real data sets' files are, how they are read, and how they are fetched.
+# -- the real data sets: specs, file formats, locating and downloading -----------------------------
 
 log = logging.getLogger("minips.ml.data")
 

@@ -14,7 +14,8 @@ seq2seq   109,499     bidirectional GRU encoder, Bahdanau attention, GRU decoder
                       (translation, the synthetic task in data.py)
 ========  ==========  ===============================================================
 
-The modules themselves are in ``models.py`` (re-exported here).
+The file holds, in order: the networks as torch modules and ``NETS`` (name -> class); building
+them by name (``build_model``, ``param_count``); the flat parameters; loss and evaluation.
 
 Flat layout: ``layout(model)`` lists the *parameters* (``model.named_parameters()`` order, which
 the code fixes) as (name, shape, offset, size); ``get_flat`` / ``set_flat`` / ``get_flat_grad``
@@ -27,10 +28,9 @@ re-estimates them for the weights it tests: from a few batches of ``train_for_bn
 otherwise each test batch is normalised with its own statistics (batch 1000, close to the
 population's).
 
-The networks of the paper, as torch modules, and ``NETS``, name -> class.
-
-``models.py`` builds them by name (``build_model``) and gives the flat-parameter view; the table
-of names, parameter counts and default data sets is in its docstring.
+Public API: ``LeNet5``, ``ResNet18``, ``VGG19``, ``ResNet9``, ``Seq2Seq``, ``NETS``,
+``net_name``, ``build_model``, ``param_count``, ``layout``, ``layout_digest``, ``get_flat``,
+``set_flat``, ``get_flat_grad``, ``batch_loss``, ``evaluate``, ``recalibrate_bn``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-# -- model_nets: The networks of the paper, as torch modules, and ``NETS``, name -> class.
+# -- the networks of the paper, as torch modules ---------------------------------------------------
 
 class LeNet5(nn.Module):
     """LeNet-5 on 1x32x32 input (28x28 sets are padded by ``data.load_dataset``)."""
@@ -246,7 +246,7 @@ def net_name(model: nn.Module) -> str | None:
     return None
 
 
-# -- models: The paper's models, built by name, and the flat-parameter view servers and workers ...
+# -- the models by name, and their flat parameters -------------------------------------------------
 
 def build_model(name: str, seed: int, **opts: Any) -> nn.Module:
     """A freshly initialised model; same (name, seed, opts, torch version) -> same weights.

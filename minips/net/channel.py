@@ -1,8 +1,13 @@
-"""One minips connection under asyncio: ``Channel``, the object a server handler or a client
-sends and receives whole messages with, over the socket protocol of channel.py.
+"""One minips connection under asyncio: ``FrameProtocol``, the socket side, and ``Channel``, the
+object a server handler or a client sends and receives whole messages with.
 
-All protocol decisions live in the sans-IO modules (``minips.wire.messages``); this module only
-moves bytes. Receiving is zero-copy: ``asyncio.BufferedProtocol`` hands the socket the decoder's own
+All protocol decisions live in the sans-IO modules (``minips.wire``); this module only moves
+bytes. The file holds, in order: a connection's settings (``Options``, the timeout, socket and
+queue constants, ``tune_socket``); ``FrameProtocol`` (an ``asyncio.BufferedProtocol``), which
+feeds the bytes the socket reads to the sans-IO decoder and queues whole messages for
+``Channel.recv``; and ``Channel`` with ``write_batches``.
+
+Receiving is zero-copy: ``asyncio.BufferedProtocol`` hands the socket the decoder's own
 buffers, so a large payload lands straight in the array the ``alloc`` callable chose. Sending
 hands the frame header and the caller's buffers (16 KiB and up) to the transport without joining
 them; with uvloop that is one writev.
@@ -24,21 +29,13 @@ Invariants:
 - ``recv`` has one reader at a time; a message reaches it with no queue hop beyond one future.
 - A paced channel (``Channel.set_pacing``, a worker's emulated link: ``links.Pacing``) writes a
   frame in chunks, each after its tokens are in the uplink bucket, one frame at a time (a lock:
-  a HEARTBEAT waits for the frame in progress); it reads as ``pacer.ReadPacer`` allows (reading
+  a HEARTBEAT waits for the frame in progress); it reads as ``links.ReadPacer`` allows (reading
   pauses while the downlink bucket is in debt; past the receive buffer the peer's TCP waits).
 
-Public API: ``Channel``, ``write_batches``, and ``tune_socket(sock, buffer_bytes)``
-(re-exported from channel.py, which holds ``Options``, ``FrameProtocol`` and the
-timeout / queue constants).
-
-The socket side of one minips connection: ``FrameProtocol`` (an ``asyncio.BufferedProtocol``)
-feeds the bytes the socket reads to the sans-IO decoder and queues whole messages for
-``channel.Channel.recv``; ``Options`` holds a connection's settings.
-
-Receiving is zero-copy: the socket reads straight into the decoder's own buffers, so a large
-payload lands in the array the ``alloc`` callable chose. The invariants (queue bounds and
-back-pressure, read timeout in the middle of a frame, HEARTBEATs counted and never queued, a
-paced downlink) are listed in channel.py's docstring.
+Public API: ``Options``, ``FrameProtocol``, ``tune_socket(sock, buffer_bytes)``, ``Channel``,
+``write_batches``, and the constants ``READ_TIMEOUT_S``, ``SEND_TIMEOUT_S``,
+``HANDSHAKE_TIMEOUT_S``, ``SOCKET_BUFFER_BYTES``, ``WRITE_BYTES``, ``MAX_QUEUED``,
+``MAX_QUEUED_BYTES``.
 """
 
 from __future__ import annotations
@@ -74,7 +71,7 @@ __all__ = [
 ]
 
 
-# -- frame_protocol: The socket side of one minips connection: ``FrameProtocol`` (an ``asyncio.B...
+# -- the socket side: settings, FrameProtocol feeding the decoder ----------------------------------
 
 log = logging.getLogger("minips.net.transport")
 
@@ -302,7 +299,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.drained = None
 
 
-# -- channel: One minips connection under asyncio: ``Channel``, the object a server handler or a...
+# -- the channel: whole messages out and in --------------------------------------------------------
 
 def _time_out(waiter: asyncio.Future[None]) -> None:
     """recv()'s deadline: its waiter raises TimeoutError (unless a message came first)."""

@@ -4,7 +4,7 @@
 brackets; a wildcard host is replaced by one that reaches the machine). ``server_ssl`` /
 ``client_ssl`` make TLS contexts (``ssl`` is imported only then). ``check_bind`` refuses to
 listen beyond loopback without a long enough shared secret, and ``shared_secret`` finds it
-($MINIPS_TOKEN unless given). Re-exported by config.py.
+($MINIPS_TOKEN unless given).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Link profiles (`--link`) and the token bucket that paces a connection to a link's rate.
+"""Emulated network links: link profiles (`--link`), the token bucket that paces a connection to
+a link's rate, and the read pacer that is the downlink half of a paced channel.
 
 A profile says how fast each worker's network link is, in both directions:
 
@@ -13,18 +14,21 @@ Rates are bits per second with a unit: ``bps`` (or ``bit``), ``kbit``, ``mbit``,
 (factors of 1000). A number without a unit takes the unit of the next rate that has one, so
 ``100,50,10mbit`` is three rates in mbit. Latency units: ``us``, ``ms``, ``s``.
 
-``TokenBucket`` is sans-IO: ``take(n, now)`` answers how long to wait before ``n`` bytes may
-pass at the bucket's rate. ``Pacing`` holds a worker's two buckets (uplink, downlink);
-``channel.Channel.set_pacing`` applies them to a connection (docs/links.md).
+The file holds, in order: the profiles (``Rate``, ``LinkProfile``, ``parse_profile``,
+``format_rate``); ``TokenBucket``, sans-IO: ``take(n, now)`` answers how long to wait before
+``n`` bytes may pass at the bucket's rate; ``Pacing``, a worker's two buckets (uplink, downlink),
+which ``channel.Channel.set_pacing`` applies to a connection (docs/links.md); and ``ReadPacer``,
+reading a socket no faster than a link.
 
-Reading a socket no faster than a link: the downlink half of a paced channel.
-
-``ReadPacer`` charges every read of a ``FrameProtocol`` to a ``links.TokenBucket``. While the
-bucket is in debt it *holds*: the protocol pauses reading (bytes wait in the socket's receive
-buffer, then the peer's TCP waits, as behind a slow link) and keeps complete messages from ``recv``
+``ReadPacer`` charges every read of a ``FrameProtocol`` to a ``TokenBucket``. While the bucket
+is in debt it *holds*: the protocol pauses reading (bytes wait in the socket's receive buffer,
+then the peer's TCP waits, as behind a slow link) and keeps complete messages from ``recv``
 until their bytes' time has passed. Reads are cut to one chunk of the bucket (about 10 ms of the
 rate), so a large frame arrives at an even pace instead of in one socket read and one long pause.
 The uplink half (paced writes) is ``Channel._send_paced`` in ``channel.py``.
+
+Public API: ``Rate``, ``LinkProfile``, ``parse_profile``, ``format_rate``, ``SHAPINGS`` (the
+``--link-shaping`` choices), ``TokenBucket``, ``Pacing``, ``ReadPacer``.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ __all__ = [
 ]
 
 
-# -- links: Link profiles (`--link`) and the token bucket that paces a connection to a link's rate.
+# -- link profiles and the token bucket ------------------------------------------------------------
 
 SHAPINGS = ("auto", "kernel", "pacer")  # --link-shaping choices
 _RATE_UNITS = {"bps": 1.0, "bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -227,7 +231,7 @@ class Pacing:
         return cls(bucket(up_bytes_s), bucket(down_bytes_s))
 
 
-# -- pacer: Reading a socket no faster than a link: the downlink half of a paced channel.
+# -- the read pacer: reading a socket no faster than a link ----------------------------------------
 
 class ReadPacer:
     """Holds reading while ``bucket`` is in debt; calls ``changed()`` when ``hold`` flips."""

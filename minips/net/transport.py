@@ -1,60 +1,31 @@
 """minips over asyncio: ``connect`` (with retry) and ``serve``, each running its half of the
 handshake, then handing out a ``Channel`` (channel.py) that sends and receives whole messages.
 
-All protocol decisions live in the sans-IO modules (``minips.wire.messages``); this module only
-opens connections and runs the handshake over them. It is the entry point: the listening side
-(``serve``, ``Server``) is in transport.py, with its invariants; the retry loop is
-``backoff``.
+All protocol decisions live in the sans-IO modules (``minips.wire``); this module only opens
+connections and runs the handshake over them. The file holds, in order:
 
-Invariants: ``connect`` takes at most ``timeout`` seconds, retries included; a connection whose
-handshake failed is aborted.
+- ``CountingLog``: log lines that count instead of repeating. The first event of a kind is
+  logged at once, the rest as "N times in the last S s" at most once a period
+  (``guard.LogSummary`` decides; this module owns the logger and the asyncio timer that flushes
+  counts nobody followed up).
+- ``backoff``, the one retry loop of minips: exponential backoff with jitter, bounded by a
+  deadline. Every place that tries to reach a peer again uses it: ``connect`` (a client's
+  connection and handshake, hence also a `minips group` process registering and reconnecting
+  with the global server) and a worker reaching its group server (``worker._connect_group``).
+- The listening side: ``serve`` and ``Server``, which run the server half of the handshake on
+  each connection, then hand the ``Channel`` to the handler.
+- The client side: ``install_uvloop`` and ``connect``.
 
-Public API:
-- ``install_uvloop() -> bool``: use uvloop's event loop policy where it imports.
-- ``Channel`` (channel.py), ``Options`` and the socket sizes ``SOCKET_BUFFER_BYTES`` /
-  ``WRITE_BYTES`` (channel.py, which also holds the timeout and queue constants).
-- ``async connect(host, port, *, role, worker_id, token, timeout, retries, ssl, ...) -> Channel``
-  raises ``AuthError`` on REFUSE, ``ConnectionError`` when unreachable within ``timeout``.
-- ``async serve(host, port, *, accept, handler, token, ssl, options) -> Server``:
-  ``accept(hello) -> dict`` (may be async) returns WELCOME's info (key ``worker_id`` sets the id
-  sent back) or raises ``AuthError(reason)`` to refuse; then ``await handler(channel)``.
-- ``Channel``: ``send(msg, compress=False)``, ``recv(timeout=None)`` (HEARTBEATs are absorbed;
-  one reader at a time), ``send_error(code, reason)``, ``set_alloc(alloc)``, ``peer_hello``,
-  ``welcome_info``, ``worker_id``, ``last_recv`` (``loop.time()`` of the last bytes),
-  ``bytes_sent``/``bytes_received``, ``start_heartbeat(interval)``,
-  ``start_silence_limit(seconds)`` (abort once the peer sent nothing that long), ``error``,
-  ``close(leave=None)``, ``close_nowait()``, ``abort(reason)``.
-- ``Server``: ``host``, ``port``, ``stats`` (connections, accepted, refused, protocol_errors,
-  limit_exceeded, read_timeouts, handshake_timeouts, handler_errors, turned_away: closed
-  unread by ``guard``), ``guard``, ``channels``, ``close()``, ``wait_closed()``; also an async
-  context manager.
-
-Log lines that count instead of repeating: the first event of a kind is logged at once, the
-rest as "N times in the last S s" at most once a period (``guard.LogSummary`` decides; this
-module owns the logger and the asyncio timer that flushes counts nobody followed up).
-
-Invariant: a flood of refused or rejected peers costs a few log lines per period, not one line
-per peer, and no count is lost: pending counts are logged within 1.5 periods, or at ``flush``.
-
-Public API: ``CountingLog(logger)`` with ``note(kind, detail)`` and ``flush()``.
-
-The one retry loop of minips: exponential backoff with jitter, bounded by a deadline.
-
-Every place that tries to reach a peer again uses ``backoff``: ``transport.connect`` (a client's
-connection and handshake, hence also a `minips group` process registering and reconnecting with
-the global server) and a worker reaching its group server (``worker._connect_group``).
-
-Rules: the first attempt is made at once; after a failure of a kind in ``retry_on`` the loop
-waits ``first``, then twice as long each time up to ``most``, each delay times a random factor
-in [0.5, 1) (jitter: peers that lost a server together do not come back in step), and never past
-the deadline; a set ``wake`` event cuts a wait short (a worker told of a new group address tries
-it at once). It gives up with ``ConnectionError`` once the deadline has passed or ``attempts``
-were made; any other exception (or one in ``fatal``: a refused secret) passes through at once.
-
-The listening side of minips over asyncio: ``serve`` and ``Server``, which run the server
-half of the handshake on each connection, then hand the ``Channel`` to the handler.
-
-Invariants (see also transport.py):
+Invariants:
+- ``connect`` takes at most ``timeout`` seconds, retries included; a connection whose handshake
+  failed is aborted.
+- ``backoff`` makes the first attempt at once; after a failure of a kind in ``retry_on`` it
+  waits ``first``, then twice as long each time up to ``most``, each delay times a random
+  factor in [0.5, 1) (jitter: peers that lost a server together do not come back in step), and
+  never past the deadline; a set ``wake`` event cuts a wait short (a worker told of a new group
+  address tries it at once). It gives up with ``ConnectionError`` once the deadline has passed
+  or ``attempts`` were made; any other exception (or one in ``fatal``: a refused secret) passes
+  through at once.
 - A server handler only ever sees an authenticated channel: HELLO, CHALLENGE, AUTH and WELCOME
   have passed within ``handshake_timeout``, and ``accept`` agreed.
 - Before that a connection costs a few KB (16 KiB frames at most, handshake.py), at most
@@ -63,6 +34,33 @@ Invariants (see also transport.py):
 - A peer's protocol error, a refused or timed-out handshake, or a failing ``accept`` /
   ``handler`` closes that one connection (the peer is told why, with ERROR or REFUSE) and is
   counted in ``Server.stats``; the server keeps serving the others.
+- A flood of refused or rejected peers costs a few log lines per period, not one line per peer,
+  and no count is lost: pending counts are logged within 1.5 periods, or at ``flush``.
+
+Public API:
+- ``CountingLog(logger)`` with ``note(kind, detail)`` and ``flush()``.
+- ``backoff``, ``delay`` and its defaults ``FIRST_S`` / ``MOST_S``.
+- ``install_uvloop() -> bool``: use uvloop's event loop policy where it imports.
+- ``async connect(host, port, *, role, worker_id, token, timeout, retries, ssl, ...) -> Channel``
+  raises ``AuthError`` on REFUSE, ``ConnectionError`` when unreachable within ``timeout``.
+- ``async serve(host, port, *, accept, handler, token, ssl, options) -> Server``:
+  ``accept(hello) -> dict`` (may be async; ``Accept``) returns WELCOME's info (key
+  ``worker_id`` sets the id sent back) or raises ``AuthError(reason)`` to refuse; then
+  ``await handler(channel)`` (``Handler``).
+- ``Server``: ``host``, ``port``, ``stats`` (connections, accepted, refused, protocol_errors,
+  limit_exceeded, read_timeouts, handshake_timeouts, handler_errors, turned_away: closed
+  unread by ``guard``), ``guard``, ``channels``, ``close()``, ``wait_closed()``; also an async
+  context manager.
+
+The ``Channel`` that ``connect`` and the handler get (``send(msg, compress=False)``,
+``recv(timeout=None)`` (HEARTBEATs are absorbed; one reader at a time),
+``send_error(code, reason)``, ``set_alloc(alloc)``, ``peer_hello``, ``welcome_info``,
+``worker_id``, ``last_recv`` (``loop.time()`` of the last bytes),
+``bytes_sent``/``bytes_received``, ``start_heartbeat(interval)``,
+``start_silence_limit(seconds)`` (abort once the peer sent nothing that long), ``error``,
+``close(leave=None)``, ``close_nowait()``, ``abort(reason)``), its ``Options`` and the socket
+sizes ``SOCKET_BUFFER_BYTES`` / ``WRITE_BYTES`` are defined in channel.py, with the timeout and
+queue constants.
 """
 
 from __future__ import annotations
@@ -99,7 +97,7 @@ __all__ = [
 ]
 
 
-# -- logcounts: Log lines that count instead of repeating: the first event of a kind is logged a...
+# -- log lines that count instead of repeating -----------------------------------------------------
 
 class CountingLog:
     """``note`` events of a kind; lines go to ``logger`` at WARNING level."""
@@ -135,7 +133,7 @@ class CountingLog:
             self.logger.warning("%s", line)
 
 
-# -- net_retry: The one retry loop of minips: exponential backoff with jitter, bounded by a dead...
+# -- the one retry loop: exponential backoff with jitter, bounded by a deadline --------------------
 
 T = TypeVar("T")
 
@@ -193,7 +191,7 @@ async def _wait(seconds: float, wake: asyncio.Event | None) -> None:
         await asyncio.wait_for(wake.wait(), seconds)
 
 
-# -- tcp_server: The listening side of minips over asyncio: ``serve`` and ``Server``, which run ...
+# -- the listening side: serve and Server ----------------------------------------------------------
 
 log = logging.getLogger("minips.net.transport")
 
@@ -370,7 +368,7 @@ async def serve(host: str, port: int, *, accept: Accept, handler: Handler,
     return server
 
 
-# -- transport: minips over asyncio: ``connect`` (with retry) and ``serve``, each running its ha...
+# -- the client side: connect, with retry ----------------------------------------------------------
 
 def install_uvloop() -> bool:
     """Make new event loops uvloop loops when uvloop is installed; True if it is."""

@@ -3,31 +3,34 @@
 Every role appends one JSON object per line to its own file in the run directory; ``summarize``
 reads them back (tolerating missing files and the truncated last line a killed process leaves)
 and writes ``summary.json``. ``t`` is seconds since the run's ``t0`` (unix time, kept in
-``config.json``), so files written by different processes share one time axis.
+``config.json``), so files written by different processes share one time axis. The files and
+their writers are in rundir.py, whose docstring shows the layout of a run directory.
 
-Bytes per hop are counted in metrics.py; the files and their writers are in rundir.py, whose
-docstring shows the layout of a run directory. Both are re-exported here.
+The file holds, in order:
 
-Where a run's data came from: the real files, or the synthetic stand-in ``data.load_dataset``
-falls back to when they are missing (no torch, no sockets).
-
-Every process that loads a data set records it in the run directory as ``data-<role>.json``
-(each worker its train split, the evaluator its test split): ``{"role", "dataset", "split",
-"synthetic", "source", "reason"}``. ``summarize`` (metrics.py) and the progress line of
-`minips local` fold the records into one word with ``verdict``.
+- Where a run's data came from: the real files, or the synthetic stand-in
+  ``data.load_dataset`` falls back to when they are missing (no torch, no sockets). Every
+  process that loads a data set records it in the run directory as ``data-<role>.json`` (each
+  worker its train split, the evaluator its test split): ``{"role", "dataset", "split",
+  "synthetic", "source", "reason"}`` (``record``, ``read``). ``summarize`` and the progress line
+  of `minips local` fold the records into one word with ``verdict``.
+- Bytes per hop, from a run's group files. ``summarize`` (and ``live_hop_bytes``, for the
+  progress line) count every hop a run's bytes travel: worker -> group
+  (``bytes_worker_group``, the group servers' ``bytes_in``), group -> worker
+  (``bytes_group_worker``, ``bytes_out``), group -> global (``bytes_group_global``,
+  ``bytes_to_global``) and global -> group (``bytes_global_group``, ``bytes_from_global``), and
+  ``bytes_total``, their sum. These are running totals per group; one that drops (a restarted
+  group process) is added up segment by segment. ``bytes_up`` / ``bytes_down`` keep their old
+  meaning: the worker <-> group hop only, as the evaluator saw it.
+- The run read back (``Run``, ``load_run``), then the summary (``time_to_accuracy``,
+  ``summarize``).
 
 Invariant: a run counts as ``"real"`` only when every record says real; one synthetic record
 makes it ``"mixed"`` (or ``"synthetic"`` when all are), so a stand-in never goes unnoticed.
 
-Bytes per hop of a run, from its group files.
-
-Bytes per hop. ``summarize`` (and ``live_hop_bytes``, for the progress line) count every hop
-a run's bytes travel, from the group files: worker -> group (``bytes_worker_group``, the group
-servers' ``bytes_in``), group -> worker (``bytes_group_worker``, ``bytes_out``), group -> global
-(``bytes_group_global``, ``bytes_to_global``) and global -> group (``bytes_global_group``,
-``bytes_from_global``), and ``bytes_total``, their sum. These are running totals per group; one
-that drops (a restarted group process) is added up segment by segment. ``bytes_up`` /
-``bytes_down`` keep their old meaning: the worker <-> group hop only, as the evaluator saw it.
+Public API: ``record``, ``read``, ``verdict``, ``HOP_COUNTERS``, ``HOPS``, ``hop_bytes``,
+``total_bytes_series``, ``live_hop_bytes``, ``DEFAULT_TARGETS``, ``Run``, ``time_to_accuracy``,
+``load_run``, ``summarize``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ __all__ = [
     "summarize",
 ]
 
+
+# -- where a run's data came from: one data-<role>.json per process --------------------------------
 
 def record(run_dir: str | os.PathLike[str], role: str, meta: Mapping[str, Any]) -> Path:
     """Write ``data-<role>.json`` for a data set's ``meta`` (``Dataset.meta``); return its path."""
@@ -95,7 +100,7 @@ def verdict(records: Mapping[str, Mapping[str, Any]]) -> str | None:
     return "synthetic" if kinds == {True} else "mixed"
 
 
-# -- hops: Bytes per hop of a run, from its group files.
+# -- bytes per hop, from the group files -----------------------------------------------------------
 
 # bytes of each hop: the summary key and the running counter in group-<g>.jsonl that holds it
 HOP_COUNTERS = {
@@ -166,7 +171,7 @@ def live_hop_bytes(run_dir: str | os.PathLike[str]) -> dict[str, int] | None:
     return hop_bytes({f.stem: tail_jsonl(f) for f in files}) if files else None
 
 
-# -- metrics: A run read back, and its summary: ``load_run`` -> ``Run``, ``summarize`` -> summar...
+# -- the run read back -----------------------------------------------------------------------------
 
 # Accuracy targets reported by time_to_accuracy unless config.json lists its own "targets".
 DEFAULT_TARGETS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9)
@@ -326,7 +331,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
     mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
     mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}), data ("real",
-    "synthetic", "mixed": metrics.py) and data_sources ({role: its data-<role>.json}). A
+    "synthetic", "mixed": ``verdict``) and data_sources ({role: its data-<role>.json}). A
     figure the files cannot give is None.
     """
     run = load_run(run_dir)

@@ -1,18 +1,23 @@
 """`minips` command line: server, group, worker, evaluator, local, plot.
 
-One command per role and ``main``; the parser is in flags.py, the run settings' flags in
-flags.py. The CLI only parses flags into the config dataclasses of ``minips.run.config`` and
-calls one entry point per role; it holds no logic of its own. torch is imported lazily (workers,
-the evaluator and `local`), so `minips server` and `minips group` run on machines without it.
-The shared secret comes from the environment (MINIPS_TOKEN), never from a flag, so it does not
-show in `ps`.
+The file holds, in order: `minips server`'s process (``serve_run``, ``run_server``): a
+``GlobalServer`` (fresh, or resumed from its checkpoint) served until its run is over, with the
+dashboard / TensorBoard monitor and an evaluator child when asked; then one command per role and
+``main``.
 
-Run settings resolve in this order: RunConfig defaults, then ``--preset``, then explicit flags.
-Errors the user can fix (bad flag, unreachable address, wrong secret) print one line and exit 2.
+The parser and the run settings' flags are in flags.py. The CLI only parses flags into the
+config dataclasses of each role (``RunConfig`` and ``WorkerConfig`` in core/config.py,
+``ServerConfig`` in server.py, ``GroupConfig`` in serve/group_process.py, ``LaunchConfig`` in
+launch.py) and calls one entry point per role; it holds no logic of its own. torch is imported
+lazily (workers, the evaluator and `local`), so `minips server` and `minips group` run on
+machines without it. The shared secret comes from the environment (MINIPS_TOKEN), never from a
+flag, so it does not show in `ps`.
 
-`minips server`'s process: a ``GlobalServer`` (fresh, or resumed from its checkpoint) served
-until its run is over, with the dashboard / TensorBoard monitor and an evaluator child when
-asked.
+Run settings resolve in this order: RunConfig defaults, then ``--run-config``, then
+``--preset``, then explicit flags (``flags.run_config_from_args``). Errors the user can fix (bad
+flag, unreachable address, wrong secret) print one line and exit 2.
+
+Public API: ``serve_run``, ``run_server``, ``main``.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from minips.server import GlobalServer, ServerConfig
 __all__ = ["serve_run", "run_server", "main"]
 
 
-# -- server_process: minips server`'s process: a ``GlobalServer`` (fresh, or resumed from its ch...
+# -- `minips server`'s process: a GlobalServer served until its run is over ------------------------
 
 async def serve_run(cfg: ServerConfig, *, announce: bool = True,
                     spawn_evaluator: bool = False) -> GlobalServer:
@@ -144,7 +149,7 @@ def _reap(child: subprocess.Popen[bytes]) -> None:
         child.wait()
 
 
-# -- cli: minips` command line: server, group, worker, evaluator, local, plot.
+# -- one command per role, and main ----------------------------------------------------------------
 
 TOKEN_ENV = "MINIPS_TOKEN"
 

@@ -1,23 +1,28 @@
-"""Named sets of defaults (``--preset``): partial run configs (``"run"``: RunConfig fields) and
-`minips local`'s per-worker slowdowns; flags given explicitly override them.
+"""The `minips` command line's flags: presets, the run settings, the `ray` and `simulate`
+sub-commands, and the argument parser that holds them all.
 
-The run settings on the command line: one flag per ``RunConfig`` field (``RUN_FLAGS``), and
-``run_config_from_args``, which resolves them: RunConfig defaults, then ``--run-config``, then
-``--preset``, then explicit flags, checked with errors that name the flag.
+The file holds, in order:
 
-``add_run_flags`` adds them to a sub-command (`local`, `server`, `ray`, `simulate`).
+- Named sets of defaults (``--preset``, ``PRESETS``): partial run configs (``"run"``:
+  RunConfig fields) and `minips local`'s per-worker slowdowns; flags given explicitly override
+  them.
+- The run settings: one flag per ``RunConfig`` field (``RUN_FLAGS``), and
+  ``run_config_from_args``, which resolves them: RunConfig defaults, then ``--run-config``, then
+  ``--preset``, then explicit flags, checked with errors that name the flag. ``add_run_flags``
+  adds them to a sub-command (`local`, `server`, `ray`, `simulate`).
+- `minips ray` flags: the run flags of `minips local` plus where each role goes on Ray
+  (``add_ray_parser``, ``ray_command``), so the Ray options read in one place. Nothing here
+  imports ray: ``minips ray --help`` works without it installed (``ray_command`` imports
+  ray_cluster.py when it runs).
+- `minips simulate` flags: the run flags of `minips local` plus the simulation's models
+  (``add_simulate_parser``, ``simulate_command``).
+- The `minips` argument parser: one sub-command per role, errors in one line, help that shows
+  the defaults. ``build_parser`` is all cli.py needs to parse; it calls ``ray_command`` and
+  ``simulate_command`` for those two sub-commands.
 
-`minips ray` flags: the run flags of `minips local` plus where each role goes on Ray.
-
-Kept apart from cli.py so the Ray options read in one place; ``cli`` calls ``add_parser`` and
-``command``. Nothing here imports ray: ``minips ray --help`` works without it installed.
-
-`minips simulate` flags: the run flags of `minips local` plus the simulation's models.
-
-Kept apart from cli.py, as flags.py is: ``cli`` calls ``add_parser`` and ``command``.
-
-The `minips` argument parser: one sub-command per role, errors in one line, help that shows
-the defaults. ``build_parser`` is all cli.py needs; the run settings' flags are in flags.py.
+Public API: ``PRESETS``, ``RUN_FLAGS``, ``FLAG_OF``, ``add_run_flags``, ``run_config_from_args``,
+``add_ray_parser``, ``ray_command``, ``add_simulate_parser``, ``simulate_command``,
+``build_parser``, ``DESCRIPTION``.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ __all__ = [
 ]
 
 
-# -- presets: Named sets of defaults (``--preset``): partial run configs (``"run"``: RunConfig f...
+# -- named sets of defaults (--preset) -------------------------------------------------------------
 
 # Presets are named partial configs; CLI flags given explicitly override them. The demo is the
 # README's main job: 5 epochs at lr 0.05 end near 85% test accuracy in about a minute of training
@@ -76,7 +81,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# -- cli_flags: The run settings on the command line: one flag per ``RunConfig`` field (``RUN_FL...
+# -- the run settings: one flag per RunConfig field ------------------------------------------------
 
 # (flag, RunConfig field, type, help) for the run settings shared by `local` and `server`.
 RUN_FLAGS: list[tuple[str, str, Any, str]] = [
@@ -167,7 +172,7 @@ def _key_value(text: str) -> tuple[str, Any]:
         return key, value
 
 
-# -- cli_ray: minips ray` flags: the run flags of `minips local` plus where each role goes on Ray.
+# -- `minips ray` flags: the run flags plus where each role goes on Ray ----------------------------
 
 ROLES = ("server", "group", "worker", "evaluator")
 DEFAULT_RESOURCES = {"server": "", "group": "", "worker": "CPU=1", "evaluator": ""}
@@ -231,7 +236,7 @@ def ray_command(args: argparse.Namespace, run: RunConfig) -> int:
     return 0 if run_ray(cfg).get("status") == "done" else 1
 
 
-# -- cli_simulate: minips simulate` flags: the run flags of `minips local` plus the simulation's...
+# -- `minips simulate` flags: the run flags plus the simulation's models ---------------------------
 
 def add_simulate_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None]) -> None:
     """The `simulate` sub-command with every option and its default."""
@@ -274,7 +279,7 @@ def add_simulate_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentPars
 
 
 def failures(text: str) -> list[Failure]:
-    """Type of --fail (``sim_timing.parse_failures``)."""
+    """Type of --fail (``timing.parse_failures``, sim/timing.py)."""
     try:
         return parse_failures(text)
     except ConfigError as exc:
@@ -314,7 +319,7 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
     return 0
 
 
-# -- cli_parser: The `minips` argument parser: one sub-command per role, errors in one line, hel...
+# -- the `minips` argument parser: one sub-command per role ----------------------------------------
 
 Subparsers = argparse._SubParsersAction  # what add_subparsers returns: one add_parser per command
 DESCRIPTION = "`minips` command line: server, group, worker, evaluator, local, plot."

@@ -8,6 +8,17 @@ starts the workers in parallel (importing torch takes seconds each), draws a pro
 the metrics files, and when the server exits (budget spent) collects the children, writes
 summary.json and the PNG charts and prints where they are.
 
+The file holds, in order:
+
+- ``ProgressLine``, `minips local`'s progress line: time, epochs, merges, test accuracy and the
+  MB of every hop, read from the tails of the run directory's files (redrawn in place on a
+  terminal, a line every 10 s in a log).
+- ``Cluster``, the child processes of one run: the global server, the workers and the
+  evaluator, each `python -m minips ROLE` in a session of its own, with their logs in
+  ``<run dir>/logs``; the links' shaping (``netshape.plan``) around them.
+- ``run_local`` and its ``LaunchConfig``. `minips server`'s process is in cli.py
+  (``run_server``, ``serve_run``).
+
 With ``--link`` the workers' links are shaped (``netshape.plan``): by the kernel, each worker
 in a network namespace of its own behind a rate-limited veth pair and the servers listening on
 the host end of worker 0's pair, or by token buckets in the workers (the pacer). link.json in
@@ -15,24 +26,14 @@ the run directory (and ``link`` in summary.json) says which; the namespaces are 
 run ends, and those of a launcher that was killed before the next kernel-shaped run starts.
 
 Invariants: every child runs in its own session, so Ctrl-C reaches the launcher only; the
-launcher then stops the children (SIGTERM, SIGKILL after ``grace_s``) and still writes the
-summary; SIGTERM does the same (status "terminated"). No child outlives ``run_local``, nor the
-launcher's death by any signal, SIGKILL included (``lifeline.py``: each child watches it).
+launcher then stops the children (``Cluster.stop``: SIGTERM to each child's session, SIGKILL
+after ``grace_s``) and still writes the summary; SIGTERM does the same (status "terminated").
+No child outlives ``run_local``, nor the launcher's death by any signal, SIGKILL included
+(``lifeline.py``: each child watches it).
 
-The child processes are managed by ``cluster.Cluster``, the progress line is launch.py, and
-`minips server`'s process is cli.py (``run_server``, ``serve_run``).
-
-`minips local`'s progress line: time, epochs, merges, test accuracy and the MB of every hop,
-read from the tails of the run directory's files (redrawn in place on a terminal, a line every
-10 s in a log).
-
-The child processes of one `minips local` run: the global server, the workers and the
-evaluator, each `python -m minips ROLE` in a session of its own, with their logs in
-``<run dir>/logs``; the links' shaping (``netshape.plan``) around them.
-
-Invariants: every child runs in its own session, so Ctrl-C reaches the launcher only; ``stop``
-sends SIGTERM to each child's session, SIGKILL after ``grace_s``. No child outlives its launcher
-by any signal, SIGKILL included (``lifeline.py``: each child watches it).
+Public API: ``ProgressLine``, ``Cluster``, ``WorkersFailed``, ``READY_TIMEOUT_S``,
+``EXIT_TIMEOUT_S``, ``Terminated``, ``run_local``, ``make_run_dir``, ``write_init``,
+``LaunchConfig``, ``parse_slowdowns``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ __all__ = [
 ]
 
 
-# -- progress: minips local`'s progress line: time, epochs, merges, test accuracy and the MB of ...
+# -- the progress line -----------------------------------------------------------------------------
 
 class ProgressLine:
     """One self-overwriting status line: time, samples / epochs, accuracy, and the MB of every
@@ -124,7 +125,7 @@ def _last_record(path: Path) -> dict[str, Any]:
     return (tail_jsonl(path, 8192) or [{}])[-1]
 
 
-# -- cluster: The child processes of one `minips local` run: the global server, the workers and the
+# -- the child processes of one run ----------------------------------------------------------------
 
 READY_TIMEOUT_S = 60.0  # the server must be listening within this long
 EXIT_TIMEOUT_S = 30.0  # after the server exits, workers and evaluator get this long to leave
@@ -296,7 +297,7 @@ def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-# -- launch: minips local`: a whole cluster on this machine, from the run directory to the summary.
+# -- `minips local`: run directory, cluster, summary -----------------------------------------------
 
 class Terminated(MiniPSError):
     """SIGTERM reached the launcher: stop the cluster, write the summary, exit 143."""

@@ -1,11 +1,28 @@
-"""The Ray actor of `minips ray`: one minips role (server, group, worker, evaluator) as a child
-process on the node Ray placed the actor on (imports ray; only `minips ray` imports this module).
+"""`minips ray`: the cluster of `minips local` placed on a Ray cluster, one Ray actor per role.
 
-Ray places the actor and restarts it when it dies; the role itself is the ordinary `minips`
-command, so roles talk to each other over minips' own TCP protocol with its HMAC handshake (and
-TLS when configured), exactly as when started by hand. Ray carries no training traffic.
+This module imports ray; only `minips ray` imports it, and lazily (``flags.ray_command``), so
+the rest of minips runs without ray installed. The file holds, in order:
+
+- ``RoleActor``, the Ray actor: one minips role (server, group, worker, evaluator) as a child
+  process on the node Ray placed the actor on. Ray places the actor and restarts it when it
+  dies; the role itself is the ordinary `minips` command, so roles talk to each other over
+  minips' own TCP protocol with its HMAC handshake (and TLS when configured), exactly as when
+  started by hand. Ray carries no training traffic.
+- The driver (``RayConfig``, ``Placement``, ``start_roles``, ``run_ray``): every role is a
+  ``RoleActor`` that runs the ordinary `minips` command of that role as a child process on its
+  node: the global server (in-process group servers, or ``external_groups`` `minips group`
+  actors), the workers and the evaluator. Ray only places the actors, by resources and node
+  labels, and restarts one that dies (``max_restarts``): the global server then resumes from its
+  checkpoint (``--resume``), a worker rejoins under its id. The training traffic is minips' own
+  TCP protocol, authenticated with MINIPS_TOKEN as always.
+
+The driver waits for the global server to finish the run (its budget), gives the other roles
+``EXIT_TIMEOUT_S`` to end, collects every role's files into one run directory on the driver's
+machine (metrics, logs under logs/; files over ``MAX_COLLECT_BYTES`` stay on their node), writes
+summary.json and kills every actor, also when interrupted or when something fails.
 
 Invariants:
+- No role outlives ``run_ray``.
 - The child dies with the actor: it is started with PR_SET_PDEATHSIG = SIGKILL, so a killed actor
   (``ray.kill``, a node failure, the driver ending) leaves no minips process behind.
 - A restarted actor starts its role again in the same directory on its node. The global server's
@@ -14,19 +31,8 @@ Invariants:
 - ``{node_ip}`` and ``{dir}`` in the role's arguments become this node's address and the role's
   directory, which only the actor knows.
 
-`minips ray`: the cluster of `minips local` placed on a Ray cluster (imports ray lazily).
-
-Every role is a Ray actor (``ray_roles.RoleActor``) that runs the ordinary `minips` command of
-that role as a child process on its node: the global server (in-process group servers, or
-``external_groups`` `minips group` actors), the workers and the evaluator. Ray only places the
-actors, by resources and node labels, and restarts one that dies (``max_restarts``): the global
-server then resumes from its checkpoint (``--resume``), a worker rejoins under its id. The
-training traffic is minips' own TCP protocol, authenticated with MINIPS_TOKEN as always.
-
-The driver waits for the global server to finish the run (its budget), gives the other roles
-``EXIT_TIMEOUT_S`` to end, collects every role's files into one run directory on the driver's
-machine (metrics, logs under logs/), writes summary.json and kills every actor, also when
-interrupted or when something fails: no role outlives ``run_ray``.
+Public API: ``RoleActor``, ``MAX_COLLECT_BYTES``, ``RayConfig``, ``Placement``, ``run_ray``,
+``parse_placement``, ``start_roles``.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ __all__ = [
 ]
 
 
-# -- ray_roles: The Ray actor of `minips ray`: one minips role (server, group, worker, evaluator...
+# -- the Ray actor: one minips role as a child process on its node ---------------------------------
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 MAX_COLLECT_BYTES = 256 << 20  # files larger than this stay on the node (e.g. big checkpoints)
@@ -164,7 +170,7 @@ class RoleActor:
 RemoteRole: Any = ray.remote(RoleActor)  # the actor class; options (resources, restarts) per role
 
 
-# -- ray_launch: minips ray`: the cluster of `minips local` placed on a Ray cluster (imports ray...
+# -- the driver: place the roles, wait for the run, collect its files ------------------------------
 
 READY_TIMEOUT_S = 120.0  # the global server must listen within this long (actor start included)
 EXIT_TIMEOUT_S = 60.0  # after the server exits, the other roles get this long to end

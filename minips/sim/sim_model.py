@@ -2,7 +2,7 @@
 train it (the only simulator module that imports torch; the role cores never do).
 
 Worker ``k`` of ``W`` reads the batch stream a real worker reads (``reference.worker_streams``:
-its shard of ``shards.shard_indices``, epochs in ``shards.batch_stream`` order) and computes its
+its shard of ``data.shard_indices``, epochs in ``data.batch_stream`` order) and computes its
 gradient with ``device.Trainer`` on the CPU, as ``worker.py`` does; the initial weights are
 ``models.build_model(model, seed)``'s, as ``minips local`` writes them to init.npy. An
 evaluation is ``models.evaluate`` on the test set's first ``eval_limit`` samples, as the

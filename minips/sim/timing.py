@@ -1,31 +1,35 @@
-"""The simulator's models of time: compute steps, links, and workers that fail.
+"""The simulator's models: of time (compute steps, links, workers that fail) and of what the
+simulated workers train (a cheap synthetic objective, or a real small model).
 
 Sans-IO and clock-free: every function takes the simulated time it needs. ``simulate.py``
 asks them when a step starts, when a message is sent, and when a worker leaves or rejoins.
+The file holds, in order:
 
-- **compute**: a step of worker ``w`` takes ``step_s[w]`` (``slowdown × base_step_s``, or a
-  time measured on a real run), times ``1 + jitter·N(0, 1)``, never under a tenth of it; or,
-  given a trace per worker (the step times a real run measured, ``scripts/compare_simulate.py``),
-  its k-th step takes the trace's k-th time (past the trace's end: ``step_s[w]``, jittered);
-- **links**: each worker has one link; a message waits until the link is free, takes
-  ``bytes / rate`` on it (rate in bytes/s, 0 = no limit), then ``latency_s`` plus
-  ``latency_jitter_s·|N(0, 1)|`` to arrive, never before the link's previous message
-  (TCP keeps the order);
 - **failures**: ``Failure(worker, at_s, down_s)``: the worker's connection drops at ``at_s``
   (what it had in flight is lost, its group sees it leave) and it rejoins ``down_s`` later
   (``None``: never). ``parse_failures("3@10+5,6@20")`` reads the CLI's ``--fail``.
+- **compute** (``StepTimes``): a step of worker ``w`` takes ``step_s[w]`` (``slowdown ×
+  base_step_s``, or a time measured on a real run), times ``1 + jitter·N(0, 1)``, never under a
+  tenth of it; or, given a trace per worker (the step times a real run measured,
+  ``scripts/compare_simulate.py``), its k-th step takes the trace's k-th time (past the trace's
+  end: ``step_s[w]``, jittered);
+- **links** (``Links``): each worker has one link; a message waits until the link is free,
+  takes ``bytes / rate`` on it (rate in bytes/s, 0 = no limit), then ``latency_s`` plus
+  ``latency_jitter_s·|N(0, 1)|`` to arrive, never before the link's previous message
+  (TCP keeps the order);
+- **objectives** (``Objective``): both kinds offer the same four things to ``simulate.py``:
+  ``size`` (coordinates), ``initial()`` (the starting weights),
+  ``gradient(worker, w, rng) -> (grad, loss)`` (one worker's next batch at weights ``w``) and
+  ``evaluate(w) -> {"loss", ["accuracy"]}`` (a line of eval.jsonl).
 
-What the simulated workers train: a cheap synthetic objective, or a real small model.
+  - ``Quadratic``: ``0.5·mean(a·(w − w*)²)`` with curvatures ``a`` in [0.1, 1] and a batch's
+    noise of ``noise / √batch`` per coordinate; thousands of workers in seconds.
+  - ``sim_model.ModelObjective``: the run's model and data set through the code a real worker
+    runs (``models``, ``data``, ``device.Trainer``); it imports torch, so ``objective`` imports
+    it only when asked for it.
 
-Both offer the same four things to ``simulate.py``: ``size`` (coordinates), ``initial()``
-(the starting weights), ``gradient(worker, w, rng) -> (grad, loss)`` (one worker's next
-batch at weights ``w``) and ``evaluate(w) -> {"loss", ["accuracy"]}`` (a line of eval.jsonl).
-
-- ``Quadratic``: ``0.5·mean(a·(w − w*)²)`` with curvatures ``a`` in [0.1, 1] and a batch's
-  noise of ``noise / √batch`` per coordinate; thousands of workers in seconds.
-- ``sim_model.ModelObjective``: the run's model and data set through the code a real worker
-  runs (``models``, ``data``, ``device.Trainer``); it imports torch, so ``objective`` imports it
-  only when asked for it.
+Public API: ``Failure``, ``parse_failures``, ``Links``, ``StepTimes``, ``Objective``,
+``Quadratic``, ``objective``.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ __all__ = [
 ]
 
 
-# -- sim_timing: The simulator's models of time: compute steps, links, and workers that fail.
+# -- the models of time: failures, compute steps, links --------------------------------------------
 
 @dataclass(frozen=True)
 class Failure:
@@ -125,7 +129,7 @@ class Links:
         self.busy[w] = self.last[w] = now
 
 
-# -- sim_objective: What the simulated workers train: a cheap synthetic objective, or a real sma...
+# -- what the simulated workers train --------------------------------------------------------------
 
 class Objective(Protocol):
     size: int

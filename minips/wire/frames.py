@@ -1,5 +1,12 @@
-"""minips framing, sans-IO: the fixed prefix, the buffer table, limits, ``encode``, and the
-checks a decoder (``frames.py``) runs on each part of a frame. No networking code at all.
+"""minips framing, sans-IO: messages in, bytes out, and bytes in, messages out.
+
+No networking code at all, no clocks and no connection state (``handshake.py``). The file holds,
+in order: the fixed prefix, the buffer table and the limits; ``encode``; the checks a decoder
+runs on each part of a frame, in the order its bytes arrive; ``PartialFrame``, a frame larger
+than 64 KiB while it arrives (its prefix, table and message so far, and the buffers its body is
+copied into); and ``FrameDecoder``, which takes bytes with ``feed(data)`` or, zero-copy, through
+``get_buffer()`` / ``buffer_updated(n)`` (the ``asyncio.BufferedProtocol`` pair) and returns the
+messages they complete.
 
 A frame is (all integers little-endian; docs/protocol.md, section 1, has every byte):
 
@@ -12,51 +19,30 @@ A frame is (all integers little-endian; docs/protocol.md, section 1, has every b
 
 Invariants:
 - Every length is checked against a named limit (``Limits``) before anything of that size is
-  allocated; lz4 output is bounded by the raw_len the table announced.
+  allocated; lz4 output is bounded by the raw_len the table announced (``decompress`` checks
+  its length).
 - Decoding any bytes gives messages or raises ``RemoteProtocolError`` (``LimitExceeded`` for a
-  limit), never another exception; after one the decoder stays failed. Misuse on our side raises
-  ``LocalProtocolError``.
+  limit), never another exception; after one the decoder stays failed (``error``). Misuse on
+  our side raises ``LocalProtocolError``.
 - HELLO, REFUSE and ERROR are decoded whatever the version byte says (their layout is frozen),
   so a peer speaking another version can still be refused with a readable reason.
-- A frame already whole in the scratch buffer is decoded in one step (the common case for small
-  messages); a frame that arrives in pieces goes through the same checks stage by stage, and its
-  large payload buffers are received straight into the memory ``alloc`` returns.
-
-Public API: ``MAGIC``, ``PREFIX``, ``TABLE_ENTRY``, the ``MAX_*`` limits, ``Limits``, ``Alloc``,
-``default_alloc``, ``encode(msg, *, compress=False) -> list[buffer]``, ``FrameDecoder``.
-
-A frame larger than 64 KiB while it arrives, sans-IO: its prefix, table and message so far,
-and the buffers its body is copied into (``decoder.FrameDecoder`` reads big frames stage by
-stage through it).
-
-Invariants: a buffer of the table is filled in order, exactly ``wire_len`` bytes; a raw one
-lands in the memory ``allocate`` returns (no copy after it), an lz4 one in a temporary that is
-decompressed into ``allocate``'s memory once whole (``frames.decompress`` checks its length).
-
-Public API: ``PartialFrame``, ``Allocate``.
-
-minips frame decoder, sans-IO: bytes in, messages out.
-
-``FrameDecoder`` takes bytes with ``feed(data)`` or, zero-copy, through ``get_buffer()`` /
-``buffer_updated(n)`` (the ``asyncio.BufferedProtocol`` pair) and returns the messages they
-complete. It has no networking code, no clocks and no connection state (``handshake.py``).
-
-Invariants:
-- Any bytes give messages or raise ``RemoteProtocolError`` (``LimitExceeded`` for a limit), never
-  another exception; after one the decoder stays failed (``error``). Every length is checked
-  against ``Limits`` (frames.py) before anything of that size is allocated.
 - A frame of up to 64 KiB is decoded in one step once it is whole in the scratch buffer (the
   common case: ACKs, PULLs, sparse PUSHes); ``get_buffer`` always keeps room for the rest of it
   (a smaller scratch buffer, as a server uses before the handshake, grows to the frame's size).
 - ``widen(limits)`` raises the limits and the scratch buffer (a server, once the peer has
   authenticated); ``release()`` frees a frame in progress and the scratch (connection ended).
-- A bigger frame is read stage by stage (prefix, head, buffers: ``frames.py``) through
-  the same checks; its payload buffers of 64 KiB or more are received straight into the memory
-  ``alloc`` returns, 64 KiB per read.
+- A bigger frame is read stage by stage (prefix, head, buffers: ``PartialFrame``) through the
+  same checks; its payload buffers of 64 KiB or more are received straight into the memory
+  ``alloc`` returns, 64 KiB per read. A buffer of the table is filled in order, exactly
+  ``wire_len`` bytes; a raw one lands in the memory ``allocate`` returns (no copy after it), an
+  lz4 one in a temporary that is decompressed into ``allocate``'s memory once whole.
 - Decoded buffers are flat writable ``memoryview``s: into one private copy of a small body, or
   into ``alloc``'s memory.
 
-Public API: ``Alloc``, ``default_alloc``, ``FrameDecoder``.
+Public API: ``MAGIC``, ``PREFIX``, ``TABLE_ENTRY``, the ``MAX_*`` limits, ``Limits``,
+``encode(msg, *, compress=False) -> list[buffer]``, the decoder's checks (``check_prefix``,
+``check_table``, ``unpack_meta``, ``decompress``), ``PartialFrame``, ``Allocate``, ``Alloc``,
+``default_alloc``, ``FrameDecoder``.
 """
 
 from __future__ import annotations
@@ -112,7 +98,7 @@ __all__ = [
 ]
 
 
-# -- frames: minips framing, sans-IO: the fixed prefix, the buffer table, limits, ``encode``, an...
+# -- the frame layout: prefix, buffer table, limits ------------------------------------------------
 
 MAGIC = b"MNPS"
 PREFIX = struct.Struct("<4sBBBBII")  # magic, version, kind, nbuf, flags, meta_len, body_len
@@ -308,7 +294,7 @@ def decompress(wire: memoryview, raw: int) -> bytes:
     return data
 
 
-# -- partial_frame: A frame larger than 64 KiB while it arrives, sans-IO: its prefix, table and ...
+# -- a frame larger than 64 KiB while it arrives ---------------------------------------------------
 
 Allocate = Callable[[Kind, int, int], memoryview]  # (kind, buffer index, nbytes) -> flat view
 
@@ -367,7 +353,7 @@ class PartialFrame:
         self.dest, self.pos = None, 0
 
 
-# -- decoder: minips frame decoder, sans-IO: bytes in, messages out.
+# -- the frame decoder: bytes in, messages out -----------------------------------------------------
 
 Alloc = Callable[[Kind, int, int], Any]  # (kind, buffer index, nbytes) -> writable buffer
 

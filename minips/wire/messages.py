@@ -1,26 +1,20 @@
-"""minips messages of the worker <-> server conversation, and how a peer's map becomes one.
+"""minips messages, sans-IO: every kind of message a peer may send, as a value that checks itself.
 
-No networking, no clocks, no framing here: a message is a value that knows whether it is valid.
-``messages.py`` holds ``Kind`` and the ``Message`` base class, ``messages.py`` the checks,
-``messages.py`` the kinds of the global server's conversations with group processes and
-evaluators, ``frames.py`` turns messages into bytes and back; docs/protocol.md, section 3,
-lists every field.
+No networking, no clocks, no framing here: a message is a frozen dataclass that knows whether it
+is valid; ``frames.py`` turns messages into bytes and back. docs/protocol.md, section 3, lists
+every field. The file holds, in order:
 
-Invariants:
-- ``from_wire`` runs the same checks as a constructor on a map a peer sent
-  (``RemoteProtocolError``). Checks cost time in proportion to the fields and values present.
-- Each message's msgpack map holds exactly ``meta_keys(kind)``: every field except ``buffers``
-  and HELLO's ``version`` (which travels in the frame prefix), in declaration order.
-- Only the kinds in ``WITH_BUFFERS`` carry buffers (a vector payload: ``encoding``, ``codec``,
-  ``buffers``, sparse.py); they are held as flat ``memoryview``s, never copied.
-
-Public API: ``PROTOCOL_VERSION``, ``Kind``, ``Message`` and the 18 message classes,
-``MESSAGE_TYPES``, ``WITH_BUFFERS``, ``ROLES``, field limits (``NONCE_BYTES``, ``MAC_BYTES``,
-``MAX_BUFFERS``, ``MAX_TEXT``, ``MAX_NAME``, ``MAX_INT``), ``meta_keys(kind)``,
-``from_wire(kind, version, meta, nbuf)``.
-
-Checks for message fields, sans-IO: each takes a value and returns it (normalised) or raises
-``Invalid`` saying what was expected. ``messages.py`` attaches one to every field.
+- the field checks: each takes a value and returns it (normalised) or raises ``Invalid`` saying
+  what was expected; every message field carries one;
+- the message machinery: ``PROTOCOL_VERSION``, ``Kind``, the ``Message`` base class,
+  ``Reported`` and the field schemas;
+- the global server's conversations: with a group process (EXCHANGE and its EXCHANGE_REPLY;
+  GLOBAL_WEIGHTS answering its first PULL), with an evaluator (GLOBAL_WEIGHTS answering each
+  PULL) and with a worker that brings the initial weights (INIT_WEIGHTS). Each carries one
+  vector payload (``encoding``, ``codec``, ``buffers``: sparse.py) and its counters as typed
+  fields;
+- the worker <-> server conversation, then the table of kinds and how a peer's map becomes a
+  message (``from_wire``).
 
 Invariants:
 - A check accepts exactly what docs/protocol.md, section 2, allows: ints are exact ``int`` (not
@@ -29,43 +23,31 @@ Invariants:
 - A check never copies what it accepts, except to normalise (int -> float, bytes-like -> bytes,
   buffer -> flat "B" memoryview). Number checks carry ``fast = (type, lo, hi)``: a value of
   exactly that type within [lo, hi] passes without calling the check.
-
-Public API: ``Invalid``, ``Check``, ``integer``, ``number``, ``text``, ``blob``, ``boolean``,
-``names``, ``ints`` (a list of ints), ``pairs`` (a list of [int, int]), ``mapping``,
-``vector_codec`` (the codec map of a vector payload: ``VALUE_TYPES``, ``INDEX_SCHEMES``),
-``views`` (a tuple of buffers), and the limits ``MAX_INT``, ``MAX_TEXT``, ``MAX_NAME``,
-``MAX_BUFFERS``, ``MAX_DEPTH``, ``MAX_LIST``.
-
-minips message machinery: the kinds, the ``Message`` base class and its field schemas.
-
-No networking, no clocks, no framing here. A message is a frozen dataclass whose fields each
-carry a check from ``messages.py``; ``messages.py`` (the worker <-> server conversation) and
-``messages.py`` (the global server's conversations with group processes, evaluators
-and a worker's initial weights) declare the kinds on top of this.
-
-Invariants:
 - A ``Message`` never exists with an invalid field: ``__post_init__`` runs every field's check
-  (a bad value raises ``LocalProtocolError``). A check may normalise a value (bytes-like ->
-  bytes, buffers -> flat "B" memoryviews).
-- A message's msgpack map holds every field except those in ``NOT_IN_META`` (``buffers``, and
-  HELLO's ``version``, which travels in the frame prefix), in declaration order.
+  (a bad value raises ``LocalProtocolError``).
+- ``from_wire`` runs the same checks as a constructor on a map a peer sent
+  (``RemoteProtocolError``). Checks cost time in proportion to the fields and values present.
+  The servers read a message's counters as they are, with no further checks; ``info`` is the
+  map of a message's counters for the receiver's records and merges.
+- Each message's msgpack map holds exactly ``meta_keys(kind)``: every field except those in
+  ``NOT_IN_META`` (``buffers``, and HELLO's ``version``, which travels in the frame prefix), in
+  declaration order.
+- Only the kinds in ``WITH_BUFFERS`` carry buffers (a vector payload: ``encoding``, ``codec``,
+  ``buffers``, sparse.py); they are held as flat ``memoryview``s, never copied.
 
-Public API: ``PROTOCOL_VERSION``, ``NONCE_BYTES``, ``MAC_BYTES``, ``ROLES``, ``Kind``,
-``Message``, ``Reported`` (a message whose counters also read as an ``info`` map), ``Schema``,
-``SCHEMAS`` (class -> ``Schema``), ``checked`` (a dataclass field with its check).
-
-minips messages of the global server's conversations: with a group process (EXCHANGE and
-its EXCHANGE_REPLY; GLOBAL_WEIGHTS answering its first PULL), with an evaluator
-(GLOBAL_WEIGHTS answering each PULL) and with a worker that brings the initial weights
-(INIT_WEIGHTS). Each carries one vector payload (``encoding``, ``codec``, ``buffers``:
-sparse.py) and its counters as typed fields; docs/protocol.md, section 3, lists them.
-
-Invariant: every field has its check (``messages.py``), run by the constructor and, for a peer's
-map, by ``messages.from_wire``; the servers read the counters as they are, with no further
-checks. ``info`` is the map of a message's counters for the receiver's records and merges.
-
-Public API: ``Exchange``, ``ExchangeReply``, ``GlobalWeights``, ``InitWeights``, ``MAX_SEQ``,
-``MAX_PARAMS``, ``MAX_COUNT``.
+Public API:
+- checks: ``Invalid``, ``Check``, ``integer``, ``number``, ``text``, ``blob``, ``boolean``,
+  ``names``, ``ints`` (a list of ints), ``pairs`` (a list of [int, int]), ``mapping``,
+  ``vector_codec`` (the codec map of a vector payload: ``VALUE_TYPES``, ``INDEX_SCHEMES``),
+  ``views`` (a tuple of buffers);
+- limits: ``MAX_INT``, ``MAX_TEXT``, ``MAX_NAME``, ``MAX_BUFFERS``, ``MAX_DEPTH``, ``MAX_LIST``,
+  ``NONCE_BYTES``, ``MAC_BYTES``, ``MAX_SEQ``, ``MAX_PARAMS``, ``MAX_COUNT``;
+- machinery: ``PROTOCOL_VERSION``, ``ROLES``, ``Kind``, ``Message``, ``Reported`` (a message
+  whose counters also read as an ``info`` map), ``Schema``, ``SCHEMAS`` (class -> ``Schema``),
+  ``checked`` (a dataclass field with its check);
+- the 18 message classes (``Exchange``, ``ExchangeReply``, ``GlobalWeights``, ``InitWeights``
+  and the worker <-> server kinds ``Hello`` ... ``Error``), ``MESSAGE_TYPES``, ``WITH_BUFFERS``,
+  ``meta_keys(kind)``, ``from_wire(kind, version, meta, nbuf)``.
 """
 
 from __future__ import annotations
@@ -140,7 +122,7 @@ __all__ = [
 ]
 
 
-# -- fields: Checks for message fields, sans-IO: each takes a value and returns it (normalised) ...
+# -- the field checks: a value in, the value (normalised) or Invalid out ---------------------------
 
 MAX_BUFFERS = 16  # raw buffers per frame; sparse packets use 2-3
 MAX_TEXT = 4096  # characters of a free-text field (reason, address)
@@ -305,7 +287,7 @@ def vector_codec(v: Any) -> dict[str, Any]:
     return v
 
 
-# -- message_base: minips message machinery: the kinds, the ``Message`` base class and its field...
+# -- the message machinery: kinds, the Message base class, field schemas ---------------------------
 
 # 2: WEIGHTS.since (a sparse update of a held copy); 3: typed conversations (EXCHANGE,
 # EXCHANGE_REPLY, GLOBAL_WEIGHTS, INIT_WEIGHTS; WEIGHTS' counters as fields; a checked codec)
@@ -340,7 +322,7 @@ class Kind(IntEnum):
 
 def checked(check: Check, default: Any = dataclasses.MISSING,
             factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field validated by ``check`` (``messages.py``)."""
+    """A dataclass field validated by ``check`` (one of the field checks above)."""
     return field(default=default, default_factory=factory, metadata={"check": check})
 
 
@@ -410,7 +392,7 @@ class _Schemas(dict[type, Schema]):
 SCHEMAS = _Schemas()
 
 
-# -- global_messages: minips messages of the global server's conversations: with a group process...
+# -- the global server's conversations: group processes, evaluators, initial weights ---------------
 
 MAX_SEQ = (1 << 53) - 1  # exchange session / seq: ints a double holds exactly
 MAX_PARAMS = 1 << 31  # model size initial weights may claim (float32 elements)
@@ -499,7 +481,7 @@ class InitWeights(Reported):
     buffers: tuple[Any, ...] = checked(views, ())
 
 
-# -- messages: minips messages of the worker <-> server conversation, and how a peer's map becom...
+# -- the worker <-> server conversation, and how a peer's map becomes a message --------------------
 
 @dataclass(frozen=True, kw_only=True)
 class Hello(Message):
