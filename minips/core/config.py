@@ -207,16 +207,6 @@ class RunConfig:
         return cls(**{k: v for k, v in info.items() if k in names})
 
 
-
-
-
-
-
-
-
-
-
-
 class FieldError(ConfigError):
     """A RunConfig field out of range (the CLI names the field's flag instead of the field)."""
 

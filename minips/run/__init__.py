@@ -1,2 +1,2 @@
-"""Running minips: configuration, the command line, the one-machine launcher, Ray, run directories,
-metrics and plots."""
+"""Running minips: the command line, the one-machine launcher (`minips local`) and Ray. The top
+layer: it builds each role's config and starts the roles; nothing below imports it."""
