@@ -1,4 +1,4 @@
-"""What every compressor is: error feedback, the wire encoding it declares, and its decoder.
+"""What every compressor is: error feedback and the wire encoding it declares.
 
 A compressor is built once per worker (``compress.make_compressor``) and called every step:
 ``compress(grad (n,) float32) -> SparseVector | np.ndarray``. ``grad`` may be a numpy array or a
@@ -10,10 +10,10 @@ the final residual equals the sum of the gradients (up to float32 rounding).
 
 Each compressor declares its wire encoding, ``wire = WireSpec(sparse, dtype)``: dense or sparse,
 float32 or float16 values. ``encode(packet)`` turns what ``compress`` returned into the PUSH's
-``(encoding, codec, buffers)`` with that encoding (the worker sends exactly this), and
-``decode(...)`` is its inverse, refusing a packet of another encoding. A sparse compressor with
-``value_dtype="f16"`` rounds its values to float16 before it sends them and keeps the rounding
-error in the residual, so sending them as 2-byte floats loses nothing.
+``(encoding, codec, buffers)`` with that encoding (the worker sends exactly this; the receiver
+decodes it with ``sparse.decode_vector``). A sparse compressor with ``value_dtype="f16"`` rounds
+its values to float16 before it sends them and keeps the rounding error in the residual, so
+sending them as 2-byte floats loses nothing.
 
 A compressor may also bring a server-side part: ``ratio_policy(target, ...)`` returns the object
 the global server asks for per-group ratios (GDTopK, ``compress.ratios.RatioPolicy``), or None.
@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from minips.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from minips.sparse import SparseVector, decode_vector, encode_vector, kept_count
+from minips.errors import ConfigError, LocalProtocolError
+from minips.sparse import SparseVector, encode_vector, kept_count
 from minips.wire.messages import VALUE_TYPES
 
 if TYPE_CHECKING:
@@ -119,15 +119,6 @@ class Compressor:
     def encode(self, packet: SparseVector | np.ndarray) -> tuple[str, dict[str, Any], list[Any]]:
         """``(encoding, codec, buffers)`` of a packet ``compress`` returned, in ``self.wire``."""
         return encode_vector(packet, value_dtype=self.wire.dtype)
-
-    def decode(self, encoding: str, codec: dict[str, Any],
-               buffers: Any) -> SparseVector | np.ndarray:
-        """The packet back from ``encode``'s output; RemoteProtocolError if it is not in this
-        compressor's encoding or is malformed."""
-        if encoding != self.wire.encoding:
-            raise RemoteProtocolError("packet not in the compressor's encoding",
-                                      expected=self.wire.encoding, got=encoding)
-        return decode_vector(encoding, codec, buffers, self.size)
 
     def _compress(self, acc: np.ndarray) -> SparseVector | np.ndarray:
         raise NotImplementedError
