@@ -52,9 +52,9 @@ vectorised numpy: no Python loop runs per element.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -333,7 +333,6 @@ def average(grads: Sequence[SparseVector | np.ndarray], size: int) -> SparseVect
 
 # ---------------------------------------------------------------------------- top-k
 
-V = TypeVar("V", bound=Sized)  # a selector's vectors: np.ndarray here, torch.Tensor in the twin
 SAMPLE_PER_DENSITY = 1024  # sample about this many entries above the threshold: ~3% count error
 MAX_SAMPLE = 1 << 18  # cap on the sample (random gathers cost ~10 ns each)
 MIN_SAMPLE = 4096
@@ -351,7 +350,7 @@ def kept_count(ratio: float, size: int) -> int:
     return min(size, max(1, int(round(ratio * size))))
 
 
-class TopKSelector(Generic[V]):
+class TopKSelector:
     """Reusable top-k by magnitude over (n,) float32, exact or sampled; see the module docstring.
 
     Built once per vector size and reused every step (it keeps its scratch buffers and its
@@ -364,8 +363,9 @@ class TopKSelector(Generic[V]):
         self.refines = 0  # threshold retries in the last call (for tests and stats)
         self._mask, self._mag = self._scratch(size)  # |x| >= threshold, and |x|
 
-    def select(self, score: V, k: int) -> V:
-        """(k',) int64 sorted indices of the largest ``|score|`` entries; ``score`` (n,) float32."""
+    def select(self, score: Any, k: int) -> Any:
+        """(k',) int64 sorted indices of the largest ``|score|`` entries; ``score`` (n,) float32,
+        a numpy array (a torch tensor for ``TorchTopK``: the indices are one too, beside it)."""
         n = len(score)
         self.refines = 0
         if k <= 0:

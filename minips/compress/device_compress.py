@@ -34,7 +34,7 @@ from minips.sparse import SparseVector, TopKSelector
 __all__ = ["TorchTopK", "DeviceArrays", "device_compressor"]
 
 
-class TorchTopK(TopKSelector[torch.Tensor]):
+class TorchTopK(TopKSelector):
     """``TopKSelector`` on (n,) float32 torch tensors: (k',) int64 sorted indices on the device."""
 
     def __init__(self, size: int, device: torch.device, seed: int = 0, *,
