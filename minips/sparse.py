@@ -1,15 +1,5 @@
-"""Gap + LEB128 coding of a sparse vector's indices (the ``varint`` index scheme of
-sparse.py), vectorised numpy: no Python loop runs per element.
-
-Gap ``g[0] = idx[0]``, ``g[i] = idx[i] - idx[i-1] - 1``, so an increasing sequence gives gaps
->= 0 (a run of neighbours is a run of zero bytes); each gap is written in 7-bit groups, low
-group first, high bit set on every byte but the last (1 to 5 bytes per index; about 1.3 bytes
-at 1% density). Decoding trusts nothing: a bad buffer raises ``RemoteProtocolError``.
-
-Public API: ``varint_encode``, ``varint_decode``, ``MAX_VARINT_BYTES``.
-
-The vector payload (gradients, deltas, weights): the data type, its wire encoding, and how a
-server applies it.
+"""The vector payload (gradients, deltas, weights): the data type, its wire encoding, how a
+receiver applies it, and the one top-k by magnitude that chooses its entries.
 
 A ``SparseVector`` is ``indices`` (k,) uint32, strictly increasing (so sorted and unique),
 ``values`` (k,) float32, and ``size``, the length of the dense vector it stands for. The value
@@ -17,26 +7,23 @@ type on the wire (``f32``: 4 bytes, ``f16``: 2) is the encoder's ``value_dtype``
 declares it (``compress.base.WireSpec``) and ``Compressor.encode`` passes it here.
 
 Wire format (the buffers of a message with a payload; ``encoding`` and the ``codec`` map travel
-in its msgpack header, ``fields.vector_codec`` checks the map's keys and types):
+in its msgpack header, ``messages.vector_codec`` checks the map's keys and types):
 
 - ``dense-f32`` / ``dense-f16``: one buffer, the whole vector, little-endian float32 / float16.
   codec ``{}``.
 - ``sparse-v1``: two buffers, indices then values. codec ``{"k": k, "index": "varint" | "u32",
-  "value": "f32" | "f16"}``. ``varint``: gap coding then LEB128 (sparse.py); ``u32``: raw
-  little-endian uint32 indices.
+  "value": "f32" | "f16"}``. ``u32``: raw little-endian uint32 indices. ``varint``: gap coding,
+  ``g[0] = idx[0]``, ``g[i] = idx[i] - idx[i-1] - 1`` (so a run of neighbours is a run of zero
+  bytes), each gap in 7-bit groups, low group first, high bit set on every byte but the last
+  (1 to 5 bytes per index; about 1.3 bytes at 1% density).
 
-lz4 is one layer, the frame's (``protocol.encode(msg, compress=True)``, a buffer table codec):
+lz4 is one layer, the frame's (``frames.encode(msg, compress=True)``, a buffer table codec):
 the payload itself is never compressed.
 
-Invariants: decoding trusts nothing. Every length, count, index, byte and float is checked and a
-bad packet raises ``RemoteProtocolError`` naming what was wrong; never an IndexError from numpy.
-Everything here is vectorised numpy: no Python loop runs per element.
-
-Fast selection of the largest entries of a score vector (sampled threshold, DGC style).
-
-``TopKSelector`` picks the k entries of largest magnitude of a float32 vector x (a gradient, or a
-non-negative score) in a few streaming passes instead of a full sort or partition, and without
-ever writing |x| out in full:
+Selection. ``TopKSelector`` picks the k entries of largest magnitude of an (n,) float32 vector
+(a gradient, a residual, a non-negative score) for every caller: the compressors, the
+downlink's publish and the group <-> global exchange. It works in a few streaming passes instead
+of a full sort or partition, and never writes |x| out in full:
 
 1. sample ``s`` scores at random positions (s about 1024 / density, at most n / 8) and take the
    sample quantile that should leave ``k * (1 + margin)`` entries above it;
@@ -44,17 +31,23 @@ ever writing |x| out in full:
    ``np.flatnonzero`` gives the candidates, already sorted;
 3. too few candidates (< k): lower the threshold in proportion to the miss and go back to 2, at
    most ``MAX_REFINES`` times, then fall back to one full partition (always correct);
-4. exact mode (``tolerance=0``): an exact partition among the candidates only (O(candidates),
-   about 1.15 k) keeps exactly k. Approximate (DGC) mode: the quantile aims at
+4. two modes. Exact (``tolerance=0``): an exact partition among the candidates only
+   (O(candidates), about 1.15 k) keeps exactly k; the result does not depend on the sample,
+   only the time does. Sampled (DGC, ``tolerance > 0``): the quantile aims at
    ``k * (1 + max(tolerance / 2, 2 standard errors))`` and any count in
-   ``[k, k * (1 + tolerance)]`` is sent as is (no partition at all); more than that is trimmed to
-   exactly k.
+   ``[k, k * (1 + tolerance)]`` is sent as is (no partition at all); more is trimmed to k.
 
-Invariants: the result is (k',) int64 indices, strictly increasing, and they are the k' largest
-magnitudes; exact mode gives k' == k, approximate mode k <= k' <= k * (1 + tolerance), so it never
-keeps less of the gradient than the exact top-k. Ties at the threshold are broken by position
-(lowest index first). Scratch buffers are kept between calls: a selector is built once per
-gradient size and reused every step.
+Vectors of at most ``8 * MIN_SAMPLE`` entries skip the sample: one exact partition. The array
+steps (gather, k-th value, ``>=`` mask, nonzero) are small methods, so the torch twin
+(``compress.device_compress.TorchTopK``) overrides only them and runs this very algorithm, with
+the sample positions drawn from the same numpy generator: same seed, same indices.
+
+Invariants: decoding trusts nothing. Every length, count, index, byte and float is checked and a
+bad packet raises ``RemoteProtocolError`` naming what was wrong; never an IndexError from numpy.
+Selection returns (k',) int64 indices, strictly increasing: the k' largest magnitudes, ties at
+the threshold broken by position (lowest index first); exact mode gives k' == k, sampled mode
+k <= k' <= k * (1 + tolerance), so it never keeps less than the exact top-k. Everything here is
+vectorised numpy: no Python loop runs per element.
 """
 
 from __future__ import annotations
@@ -77,14 +70,14 @@ __all__ = [
     "encode_vector",
     "decode_vector",
     "add_into",
-    "accumulate",
+    "set_into",
     "average",
     "TopKSelector",
     "kept_count",
 ]
 
 
-# -- varint: Gap + LEB128 coding of a sparse vector's indices (the ``varint`` index scheme of
+# ---------------------------------------------------------------------------- varint
 
 MAX_VARINT_BYTES = 5  # a uint32 needs at most ceil(32 / 7) = 5 groups of 7 bits
 
@@ -146,7 +139,7 @@ def varint_decode(data: np.ndarray, k: int, size: int) -> np.ndarray:
     return idx.astype(np.uint32)
 
 
-# -- sparse_codec: The vector payload (gradients, deltas, weights): the data type, its wire enco...
+# ---------------------------------------------------------------------------- the vector
 
 ENCODINGS = ("dense-f32", "dense-f16", "sparse-v1")
 _VALUE_DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}
@@ -318,26 +311,12 @@ def add_into(target: np.ndarray, sg: SparseVector | np.ndarray, scale: float = 1
     np.add.at(target, sg.indices, np.float32(scale) * sg.values if scale != 1.0 else sg.values)
 
 
-
 def set_into(target: np.ndarray, v: SparseVector) -> None:
     """``target[v.indices] = v.values`` in place: entries to *set* (an exchange's or a downlink's
     answer carries the values the receiver's copy should hold), O(nnz)."""
     if v.size != target.size:
         raise LocalProtocolError("sparse vector size mismatch", expected=target.size, got=v.size)
     target[v.indices] = v.values
-
-def accumulate(grads: Sequence[SparseVector], size: int) -> SparseVector:
-    """Sum of sparse gradients as one SparseVector; O(m log m) in the total nnz m, not O(size)."""
-    for g in grads:
-        if g.size != size:
-            raise LocalProtocolError("sparse gradient size mismatch", expected=size, got=g.size)
-    if not grads:
-        return SparseVector.empty(size)
-    idx = np.concatenate([g.indices for g in grads])  # (m,) uint32, repeats across grads
-    vals = np.concatenate([g.values for g in grads])  # (m,) float32
-    uniq, inverse = np.unique(idx, return_inverse=True)  # uniq sorted unique (u,) uint32
-    sums = np.bincount(inverse.ravel(), weights=vals, minlength=uniq.size)  # (u,) float64
-    return SparseVector(uniq.astype(np.uint32), sums.astype(np.float32), size)
 
 
 def average(grads: Sequence[SparseVector | np.ndarray], size: int) -> SparseVector | np.ndarray:
@@ -352,7 +331,7 @@ def average(grads: Sequence[SparseVector | np.ndarray], size: int) -> SparseVect
     return total
 
 
-# -- sparse_select: Fast selection of the largest entries of a score vector (sampled threshold, ...
+# ---------------------------------------------------------------------------- top-k
 
 SAMPLE_PER_DENSITY = 1024  # sample about this many entries above the threshold: ~3% count error
 MAX_SAMPLE = 1 << 18  # cap on the sample (random gathers cost ~10 ns each)
@@ -372,33 +351,38 @@ def kept_count(ratio: float, size: int) -> int:
 
 
 class TopKSelector:
-    """Reusable sampled-threshold top-k by magnitude over (n,) float32; see the module docstring."""
+    """Reusable top-k by magnitude over (n,) float32, exact or sampled; see the module docstring.
+
+    Built once per vector size and reused every step (it keeps its scratch buffers and its
+    generator). The array steps at the end are numpy; ``TorchTopK`` overrides only them."""
 
     def __init__(self, size: int, seed: int = 0, *, tolerance: float = 0.0) -> None:
         self.size = size
         self.tolerance = tolerance  # 0 -> exact k; DGC uses 0.1 -> k to 1.1 k
-        self.rng = np.random.default_rng(seed)
-        self._mask = np.empty(size, dtype=np.bool_)  # (n,) scratch for |x| >= threshold
-        self._chunk = np.empty(min(size, CHUNK), dtype=np.float32)  # |x| of one chunk
+        self.rng = np.random.default_rng(seed)  # the sample's positions (numpy in the twin too)
         self.refines = 0  # threshold retries in the last call (for tests and stats)
+        self._mask, self._mag = self._scratch(size)  # |x| >= threshold, and |x|
 
-    def select(self, score: np.ndarray, k: int) -> np.ndarray:
-        """(k',) int64 sorted indices of the largest ``|score|`` entries; ``score`` (n,) float32."""
-        n = score.size
+    def select(self, score: Any, k: int) -> Any:
+        """(k',) int64 sorted indices of the largest ``|score|`` entries; ``score`` (n,) float32,
+        a numpy array (a torch tensor for ``TorchTopK``: the indices are one too, beside it)."""
+        n = len(score)
         self.refines = 0
         if k <= 0:
-            return np.empty(0, dtype=np.int64)
+            return self._arange(0)
         if k >= n:
-            return np.arange(n, dtype=np.int64)
+            return self._arange(n)
+        mag = self._magnitude(score)
         if n <= 8 * MIN_SAMPLE:  # small vectors: a full partition is cheapest and exact
-            return self._trim(score, np.arange(n, dtype=np.int64), k)
-        return self._sampled(score, k)
+            return self._trim(mag, self._arange(n), k)
+        return self._sampled(mag, k)
 
-    def _sampled(self, score: np.ndarray, k: int) -> np.ndarray:
-        n = score.size
+    def _sampled(self, score: Any, k: int) -> Any:
+        n = len(score)
         p = k / n
         s = int(min(MAX_SAMPLE, n // 8, max(MIN_SAMPLE, SAMPLE_PER_DENSITY / p)))
-        sample = np.abs(score[self.rng.integers(0, n, size=s)])  # (s,) float32
+        at = self._positions(self.rng.integers(0, n, size=s))  # (s,) int64
+        sample = self._abs_at(score, at)  # (s,) float32
         std = 1.0 / np.sqrt(p * s)  # relative standard error of the count a quantile predicts
         if self.tolerance > 0.0:  # land inside [k, k (1 + tol)]; overshoot is trimmed cheaply
             margin = max(self.tolerance / 2, APPROX_MARGIN_STDS * std)
@@ -408,29 +392,52 @@ class TopKSelector:
         for _ in range(MAX_REFINES + 1):
             # The sample entry that leaves about want/n of the sample above it.
             pos = int(np.clip(s - round(want / n * s), 0, s - 1))
-            cand = self._above(score, np.partition(sample, pos)[pos])
-            if cand.size >= k:
-                if cand.size <= k * (1.0 + self.tolerance):
-                    return cand
-                return self._trim(score, cand, k)
+            cand = self._above(score, self._kth(sample, pos))  # (c,) int64, sorted
+            c = len(cand)
+            if c >= k:
+                return cand if c <= k * (1.0 + self.tolerance) else self._trim(score, cand, k)
             self.refines += 1
-            want *= (1.0 + margin) * k / max(cand.size, 1)  # too few: aim lower by the miss
-        return self._trim(score, np.arange(n, dtype=np.int64), k)
+            want *= (1.0 + margin) * k / max(c, 1)  # too few: aim lower by the miss
+        return self._trim(score, self._arange(n), k)
 
-    def _above(self, score: np.ndarray, threshold: np.floating) -> np.ndarray:
-        mask, buf = self._mask, self._chunk
+    def _trim(self, score: Any, cand: Any, k: int) -> Any:
+        """Exactly the k largest among sorted candidates ``cand``, kept in index order."""
+        vals = self._abs_at(score, cand)  # (c,) float32
+        kth = self._kth(vals, len(vals) - k)  # the k-th largest value
+        keep = vals > kth
+        ties = self._nonzero(vals == kth)[: k - int(keep.sum())]  # fill with lowest-index ties
+        keep[ties] = True
+        return cand[keep]
+
+    # -- the array steps, in numpy (``compress.device_compress.TorchTopK`` does each in torch)
+
+    def _scratch(self, size: int) -> tuple[Any, Any]:
+        """(n,) bool mask and (chunk,) float32 |x| of one chunk, reused by every call."""
+        return np.empty(size, dtype=np.bool_), np.empty(min(size, CHUNK), dtype=np.float32)
+
+    def _arange(self, n: int) -> Any:
+        return np.arange(n, dtype=np.int64)
+
+    def _magnitude(self, score: Any) -> Any:
+        return score  # |x| is taken where it is read: chunk by chunk, or at a few positions
+
+    def _positions(self, at: np.ndarray) -> Any:
+        return at
+
+    def _abs_at(self, score: Any, at: Any) -> Any:
+        return np.abs(score[at])
+
+    def _kth(self, v: Any, pos: int) -> Any:
+        """The value at 0-based position ``pos`` of ``v`` sorted."""
+        return np.partition(v, pos)[pos]
+
+    def _nonzero(self, mask: Any) -> Any:
+        return np.flatnonzero(mask)
+
+    def _above(self, score: Any, threshold: Any) -> Any:
+        mask, buf = self._mask, self._mag
         for lo in range(0, score.size, CHUNK):
             part = score[lo : lo + CHUNK]
             chunk = np.abs(part, out=buf[: part.size])
             np.greater_equal(chunk, threshold, out=mask[lo : lo + part.size])
         return np.flatnonzero(mask)  # (c,) int64, sorted
-
-    @staticmethod
-    def _trim(score: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
-        """Exactly the k largest among sorted candidates ``cand``, kept in index order."""
-        vals = np.abs(score[cand])  # (c,) float32
-        kth = np.partition(vals, vals.size - k)[vals.size - k]  # k-th largest value
-        keep = vals > kth
-        ties = np.flatnonzero(vals == kth)[: k - int(keep.sum())]  # fill with lowest-index ties
-        keep[ties] = True
-        return cand[keep]

@@ -72,7 +72,8 @@ import numpy as np
 import torch
 
 from minips import sparse
-from minips.compress.device_compress import DeviceCompressor, HostCompressor, device_compressor
+from minips.compress.base import Compressor
+from minips.compress.device_compress import device_compressor
 from minips.core.config import RunConfig, WorkerConfig
 from minips.core.downlink import apply_weights
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
@@ -172,7 +173,7 @@ class Parts:
     stream: Iterator[tuple[int, np.ndarray, np.ndarray]]  # (epoch, x, y) batches, endless
     first_batch: tuple[np.ndarray, np.ndarray]  # what calibration times (stream untouched)
     shard_size: int  # samples in the worker's shard
-    compressor: HostCompressor | DeviceCompressor
+    compressor: Compressor  # placed on the device where it can be (device_compressor)
     writer: JsonlWriter  # worker-<id>.jsonl
     device_file: Path  # worker-<id>.device.json
     device_info: dict[str, Any]

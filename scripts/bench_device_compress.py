@@ -4,8 +4,9 @@ For the gradient sizes of LeNet-5 and ResNet-18 at ``--ratio`` kept, with ``topk
 and ``dgc`` (k to 1.1 k), on ``--device`` (default ``auto``: CUDA, then MPS, then the CPU):
 
 - ``select_ms``: median time of the selection alone (``TorchTopK.select``) on the device;
-- ``compress_ms``: median time of a whole ``DeviceCompressor.compress``: error feedback add,
-  selection, residual update, and the copy of the k' indices and values to the host;
+- ``compress_ms``: median time of a whole ``compress`` of a compressor placed on the device
+  (``device_compressor``): error feedback add, selection, residual update, and the copy of the
+  k' indices and values to the host;
 - ``numpy_compress_ms``: the host compressor (numpy, the CPU worker's default) on the same
   gradients, for comparison;
 - ``host_bytes``: bytes copied device -> host per step (8 per kept entry: int32 index, float32
@@ -32,7 +33,7 @@ import torch
 
 from minips import sparse
 from minips.compress import registry
-from minips.compress.device_compress import DeviceCompressor
+from minips.compress.device_compress import device_compressor
 from minips.core import config
 from minips.ml.device import pick_device
 
@@ -60,7 +61,8 @@ def timed(fn: Callable[[int], Any], reps: int, device: torch.device) -> float:
 def one(name: str, n: int, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     grads = [torch.randn(n, generator=gen, device=device) for _ in range(args.reps + 1)]
-    dev = DeviceCompressor(registry.make_compressor(name, n, ratio=args.ratio), device)
+    dev = device_compressor(registry.make_compressor(name, n, ratio=args.ratio), device,
+                            on_device=True)
     host = registry.make_compressor(name, n, ratio=args.ratio)
     k = sparse.kept_count(args.ratio, n)
     select_ms = timed(lambda i: dev.selector.select(grads[i], k), args.reps, device)

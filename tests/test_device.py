@@ -1,4 +1,5 @@
-"""ml.device and compress.device_compress: device choice, flat-bound training, on-device top-k.
+"""ml.device and compress.device_compress: device choice, flat-bound training, on-device top-k
+(the torch twin of ``sparse.TopKSelector``, bit for bit) and compression.
 
 Every check runs on the CPU through the same code a CUDA worker uses (the device is a
 ``torch.device`` argument); ``test_cuda_*`` repeat the key ones on a GPU when one is present.
@@ -21,19 +22,14 @@ from torch import nn
 
 from minips.compress import registry
 from minips.compress.base import Compressor
-from minips.compress.device_compress import (
-    DeviceCompressor,
-    HostCompressor,
-    TorchTopK,
-    device_compressor,
-)
+from minips.compress.device_compress import TorchTopK, device_compressor
 from minips.core.config import RunConfig, WorkerConfig
 from minips.errors import ConfigError
 from minips.ml import models
 from minips.ml.device import Trainer, bind_flat, pick_device
 from minips.run.launch import LaunchConfig
 from minips.server import GlobalServer, ServerConfig
-from minips.sparse import SparseVector
+from minips.sparse import SparseVector, TopKSelector, kept_count
 from minips.worker import Worker
 
 CPU = torch.device("cpu")
@@ -164,16 +160,46 @@ def grads(n: int, steps: int, seed: int = 1) -> list[np.ndarray]:
     return [rng.standard_normal(n).astype(np.float32) * rng.uniform(0.1, 2) for _ in range(steps)]
 
 
-def twins(name: str, n: int, device: torch.device,
-          **opts: Any) -> tuple[Compressor, DeviceCompressor]:
+def on_host(t: Any) -> np.ndarray:
+    """(n,) float32 numpy copy of a residual, wherever it lives."""
+    assert t is not None
+    return t.cpu().numpy().copy() if isinstance(t, torch.Tensor) else np.array(t)
+
+
+def check_torch_topk_equals_numpy(device: torch.device) -> None:
+    """Same vector, seed and k: the same indices (so the same values), in both modes."""
+    rng = np.random.default_rng(11)
+    for n in (5000, 200_000):  # a full partition, and the sampled threshold
+        for tolerance in (0.0, 0.1):
+            ours = TopKSelector(n, 3, tolerance=tolerance)
+            twin = TorchTopK(n, device, 3, tolerance=tolerance)
+            for density, kind in [(0.01, "laplace"), (0.001, "ties"), (0.1, "zeros")] * 2:
+                x = rng.laplace(size=n).astype(np.float32)
+                if kind == "ties":
+                    x = rng.integers(-3, 4, size=n).astype(np.float32)
+                elif kind == "zeros":
+                    x[rng.random(n) < 0.995] = 0.0
+                k = kept_count(density, n)
+                want = ours.select(x, k)
+                got = twin.select(torch.from_numpy(x).to(device), k)
+                assert got.dtype == torch.int64 and got.device.type == device.type
+                np.testing.assert_array_equal(got.cpu().numpy(), want)
+                assert twin.refines == ours.refines
+
+
+def test_torch_topk_equals_the_numpy_one_bit_for_bit() -> None:
+    check_torch_topk_equals_numpy(CPU)
+
+
+def twins(name: str, n: int, device: torch.device, **opts: Any) -> tuple[Compressor, Compressor]:
     host = registry.make_compressor(name, n, ratio=0.01, seed=5, **opts)
     dev = device_compressor(registry.make_compressor(name, n, ratio=0.01, seed=5, **opts),
                             device, on_device=True)
-    assert isinstance(dev, DeviceCompressor)
+    assert dev.on_device and not host.on_device
     return host, dev
 
 
-def check_exact_topk_equals_numpy(device: torch.device, name: str, **opts: Any) -> None:
+def check_device_equals_numpy(device: torch.device, name: str, **opts: Any) -> None:
     for n in (5000, 200_000):  # a full partition, and the sampled threshold
         host, dev = twins(name, n, device, **opts)
         for step, g in enumerate(grads(n, 6)):
@@ -186,14 +212,14 @@ def check_exact_topk_equals_numpy(device: torch.device, name: str, **opts: Any) 
             np.testing.assert_array_equal(a.values, b.values)
             per_entry = 6 if opts.get("value_dtype") == "f16" else 8
             assert dev.host_bytes == per_entry * b.nnz and dev.kept_fraction == host.kept_fraction
-        assert host.residual is not None
-        np.testing.assert_array_equal(host.residual, dev.residual_host())
+        np.testing.assert_array_equal(on_host(host.residual), on_host(dev.residual))
 
 
 @pytest.mark.parametrize("name,opts", [("topk", {}), ("topk", {"value_dtype": "f16"}),
-                                       ("losscomp", {})])
-def test_exact_selection_on_device_equals_numpy(name: str, opts: dict[str, Any]) -> None:
-    check_exact_topk_equals_numpy(CPU, name, **opts)
+                                       ("losscomp", {}), ("dgc", {}),
+                                       ("gdtopk", {"warmup_epochs": 0})])
+def test_selection_on_device_equals_numpy(name: str, opts: dict[str, Any]) -> None:
+    check_device_equals_numpy(CPU, name, **opts)
 
 
 @pytest.mark.parametrize("name", ["dgc", "gdtopk"])
@@ -203,8 +229,7 @@ def test_dgc_on_device_keeps_the_largest_and_the_feedback_invariant(name: str) -
     dev.set_ratio(0.01)
     total_sent, total_grad = np.zeros(n), np.zeros(n)
     for g in grads(n, 8):
-        assert dev.residual is not None
-        acc = dev.residual_host() + g
+        acc = on_host(dev.residual) + g
         out = dev.compress(torch.from_numpy(g))
         assert isinstance(out, SparseVector)
         k = round(0.01 * n)
@@ -215,7 +240,7 @@ def test_dgc_on_device_keeps_the_largest_and_the_feedback_invariant(name: str) -
         np.testing.assert_array_equal(out.values, acc[out.indices])
         np.add.at(total_sent, out.indices, out.values)
         total_grad += g
-    np.testing.assert_allclose(total_sent + dev.residual_host(), total_grad, atol=1e-4)
+    np.testing.assert_allclose(total_sent + on_host(dev.residual), total_grad, atol=1e-4)
 
 
 def test_gdtopk_ratio_and_warmup_reach_the_device_selection() -> None:
@@ -237,21 +262,28 @@ def test_compressors_without_a_device_twin_run_on_the_host() -> None:
     for name, opts in table:
         host = registry.make_compressor(name, n, ratio=0.1, seed=2, **opts)
         twin = registry.make_compressor(name, n, ratio=0.1, seed=2, **opts)
-        wrapped = device_compressor(twin, CPU, on_device=True)
-        assert isinstance(wrapped, HostCompressor)
+        placed = device_compressor(twin, CPU, on_device=True)
+        assert placed is twin and not placed.on_device
         for g in grads(n, 3):
-            a, b = host.compress(g), wrapped.compress(torch.from_numpy(g))
+            a, b = host.compress(g), placed.compress(torch.from_numpy(g))
             if isinstance(a, SparseVector):
                 assert isinstance(b, SparseVector)
                 np.testing.assert_array_equal(a.indices, b.indices)
                 a, b = a.values, b.values
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        assert wrapped.host_bytes == 0  # on the CPU the gradient is shared, not copied
+        assert placed.host_bytes == 0  # on the CPU the gradient is shared, not copied
 
 
 def test_default_is_on_device_only_off_the_cpu() -> None:
     host = registry.make_compressor("topk", 100, ratio=0.1)
-    assert isinstance(device_compressor(host, CPU), HostCompressor)
+    assert not device_compressor(host, CPU).on_device
+
+
+def test_a_compressor_moves_to_the_device_only_before_it_compresses() -> None:
+    c = registry.make_compressor("topk", 100, ratio=0.1)
+    c.compress(np.ones(100, np.float32))
+    with pytest.raises(RuntimeError, match="before its first compress"):
+        device_compressor(c, CPU, on_device=True)
 
 
 def test_torch_topk_ties_go_to_the_lowest_index() -> None:
@@ -328,8 +360,14 @@ def test_cuda_trainer_matches_a_plain_model(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @CUDA
-def test_cuda_exact_selection_equals_numpy() -> None:
-    check_exact_topk_equals_numpy(torch.device("cuda"), "topk")
+def test_cuda_topk_equals_the_numpy_one_bit_for_bit() -> None:
+    check_torch_topk_equals_numpy(torch.device("cuda"))
+
+
+@CUDA
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+def test_cuda_selection_equals_numpy(name: str) -> None:
+    check_device_equals_numpy(torch.device("cuda"), name)
 
 
 @CUDA

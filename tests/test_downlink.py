@@ -17,7 +17,7 @@ from test_group import TOKEN, Global
 
 from minips import sparse
 from minips.core.config import RunConfig
-from minips.core.downlink import DRIFT, Downlink, apply_weights, top_k
+from minips.core.downlink import DRIFT, Downlink, apply_weights
 from minips.errors import RemoteProtocolError
 from minips.net import transport
 from minips.serve.group import GroupServer
@@ -79,16 +79,22 @@ def started(ratio: float) -> tuple[np.ndarray, Downlink, Copy]:
 
 
 @pytest.mark.parametrize("n,k", [(61_706, 617), (61_706, 30_000), (1_000, 10), (40, 3), (5, 5)])
-def test_top_k_finds_the_same_values_as_a_full_partition(n: int, k: int) -> None:
+def test_a_publish_sends_the_k_largest_changes(n: int, k: int) -> None:
     rng = np.random.default_rng(n + k)
     for trial in range(10):
-        mag = np.abs(rng.standard_normal(n)).astype(np.float32)
+        w = weights(trial, n)
+        d = Downlink(w, k / n, drift=1.0)  # no drift bound: exactly the top k
+        assert d.k == k
+        step = rng.standard_normal(n).astype(np.float32)
         if trial % 2:  # many zeros and repeated values: the sample's threshold is coarse
-            mag[rng.integers(0, n, n // 2)] = 0.0
-            mag[rng.integers(0, n, n // 4)] = 0.5
-        got = top_k(mag, k)
-        assert got.size == k == np.unique(got).size
-        assert np.array_equal(np.sort(mag[got]), np.sort(mag)[n - k:])
+            step[rng.integers(0, n, n // 2)] = 0.0
+            step[rng.integers(0, n, n // 4)] = 0.5
+        moved = w + step
+        mag = np.abs(moved - w)
+        d.publish(moved)
+        got = d.log[-1]
+        assert got.size == min(k, np.count_nonzero(mag)) == np.unique(got).size
+        assert np.array_equal(np.sort(mag[got]), np.sort(mag)[n - got.size:])
 
 
 def test_answers_are_made_once_per_version_held_until_the_next_publish() -> None:

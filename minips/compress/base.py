@@ -1,4 +1,4 @@
-"""What every compressor is: error feedback, the wire encoding it declares, and its decoder.
+"""What every compressor is: error feedback and the wire encoding it declares.
 
 A compressor is built once per worker (``compress.make_compressor``) and called every step:
 ``compress(grad (n,) float32) -> SparseVector | np.ndarray``. ``grad`` may be a numpy array or a
@@ -10,10 +10,17 @@ the final residual equals the sum of the gradients (up to float32 rounding).
 
 Each compressor declares its wire encoding, ``wire = WireSpec(sparse, dtype)``: dense or sparse,
 float32 or float16 values. ``encode(packet)`` turns what ``compress`` returned into the PUSH's
-``(encoding, codec, buffers)`` with that encoding (the worker sends exactly this), and
-``decode(...)`` is its inverse, refusing a packet of another encoding. A sparse compressor with
-``value_dtype="f16"`` rounds its values to float16 before it sends them and keeps the rounding
-error in the residual, so sending them as 2-byte floats loses nothing.
+``(encoding, codec, buffers)`` with that encoding (the worker sends exactly this; the receiver
+decodes it with ``sparse.decode_vector``). A sparse compressor with ``value_dtype="f16"`` rounds
+its values to float16 before it sends them and keeps the rounding error in the residual, so
+sending them as 2-byte floats loses nothing.
+
+Where the arrays live is one seam, ``arrays``: a compressor asks it for the gradient in its
+array type, a zero residual, the top-k selector, float16 rounding and the packet it returns, and
+does the rest of the error-feedback arithmetic with operators numpy and torch share
+(``r += g``, ``acc[idx]``, ``r[idx] -= v``). ``HostArrays`` (numpy, the default) is here;
+``compress.device_compress.DeviceArrays`` is its torch twin, which ``place`` installs for the
+compressors that say ``device_ready``.
 
 A compressor may also bring a server-side part: ``ratio_policy(target, ...)`` returns the object
 the global server asks for per-group ratios (GDTopK, ``compress.ratios.RatioPolicy``), or None.
@@ -25,18 +32,19 @@ A new compressor is one file that subclasses ``Compressor`` (dense) or ``SparseC
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from minips.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from minips.sparse import SparseVector, decode_vector, encode_vector, kept_count
+from minips.errors import ConfigError, LocalProtocolError
+from minips.sparse import SparseVector, TopKSelector, encode_vector, kept_count
 from minips.wire.messages import VALUE_TYPES
 
 if TYPE_CHECKING:
     from minips.compress.ratios import RatioPolicy
 
-__all__ = ["FP16_MAX", "WireSpec", "Compressor", "SparseCompressor", "as_float32"]
+__all__ = ["FP16_MAX", "WireSpec", "as_float32", "Arrays", "HostArrays", "Compressor",
+           "SparseCompressor"]
 
 FP16_MAX = 65504.0  # largest finite float16
 
@@ -67,6 +75,57 @@ def as_float32(grad: Any) -> np.ndarray:
     return np.asarray(grad, dtype=np.float32)
 
 
+class Arrays(Protocol):
+    """Where a compressor keeps and computes its (n,) arrays (the module docstring's seam)."""
+
+    on_device: bool  # True: the gradient stays where it is, only the packet crosses
+
+    def gradient(self, grad: Any) -> tuple[Any, int]:
+        """``grad`` as this side's (n,) float32 array, and the bytes copied to get it."""
+        ...
+
+    def zeros(self, n: int) -> Any:
+        """A (n,) float32 residual of zeros."""
+        ...
+
+    def selector(self, size: int, seed: int, tolerance: float) -> TopKSelector:
+        """The top-k by magnitude (``sparse.TopKSelector`` or its twin) for this side's arrays."""
+        ...
+
+    def half(self, values: Any) -> Any:
+        """``values`` (k,) float32 rounded through float16, clipped to +-FP16_MAX."""
+        ...
+
+    def packet(self, idx: Any, values: Any, size: int, dtype: str) -> tuple[SparseVector, int]:
+        """The host ``SparseVector`` of ``idx`` (k,) int64 sorted and ``values`` (k,) float32
+        (``dtype`` ``f16``: already rounded), and the bytes copied to the host to make it."""
+        ...
+
+
+class HostArrays:
+    """``Arrays`` in numpy on the host: a torch gradient is copied there (a view on the CPU)."""
+
+    on_device = False
+
+    def gradient(self, grad: Any) -> tuple[np.ndarray, int]:
+        out = as_float32(grad)
+        device = getattr(getattr(grad, "device", None), "type", "cpu")  # numpy 2 says "cpu"
+        return out, 0 if device == "cpu" else out.nbytes
+
+    def zeros(self, n: int) -> np.ndarray:
+        return np.zeros(n, np.float32)
+
+    def selector(self, size: int, seed: int, tolerance: float) -> TopKSelector:
+        return TopKSelector(size, seed, tolerance=tolerance)
+
+    def half(self, values: np.ndarray) -> np.ndarray:
+        return np.clip(values, -FP16_MAX, FP16_MAX).astype(np.float16).astype(np.float32)
+
+    def packet(self, idx: np.ndarray, values: np.ndarray, size: int,
+               dtype: str) -> tuple[SparseVector, int]:
+        return SparseVector(idx.astype(np.uint32), values, size), 0
+
+
 class Compressor:
     """Base class: error-feedback memory, the common knobs and the wire encoding; subclasses
     choose what to send (``_compress``)."""
@@ -79,11 +138,33 @@ class Compressor:
         self.size = size
         self.seed = seed
         self.error_feedback = error_feedback
-        self.residual = np.zeros(size, np.float32) if error_feedback else None  # (n,) float32
+        self.arrays: Arrays = HostArrays()  # where the residual lives and selection runs
+        self.residual = self.arrays.zeros(size) if error_feedback else None  # (n,) float32
         self.ratio = 1.0
         self.set_ratio(ratio)
         self.epoch = 0.0
         self.kept_fraction = 1.0  # fraction of coordinates sent by the last compress()
+        self.host_bytes = 0  # bytes the last compress() copied from a device to the host
+
+    @property
+    def device_ready(self) -> bool:
+        """Whether every array step of ``compress`` goes through ``arrays`` (then ``place``
+        may move them to a device); a compressor that computes in numpy itself says False."""
+        return False
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the residual and the selection are on a device (``place``)."""
+        return self.arrays.on_device
+
+    def place(self, arrays: Arrays) -> None:
+        """Keep the residual and run the selection with ``arrays`` from now on: called once,
+        before the first ``compress`` (the residual starts at zeros there)."""
+        if self.residual is not None and self.residual.any():
+            raise RuntimeError("place() moves a compressor before its first compress()")
+        self.arrays = arrays
+        if self.residual is not None:
+            self.residual = arrays.zeros(self.size)
 
     @classmethod
     def ratio_policy(cls, target: float, *, direction: str, alpha: float) -> RatioPolicy | None:
@@ -106,28 +187,18 @@ class Compressor:
     def compress(self, grad: Any) -> SparseVector | np.ndarray:
         """Compress one (n,) float32 gradient (numpy or torch); error feedback keeps what is
         not sent."""
-        if not isinstance(grad, np.ndarray):
-            grad = as_float32(grad)
-        if grad.shape != (self.size,):
+        grad, self.host_bytes = self.arrays.gradient(grad)  # (n,) float32 where we compute
+        if tuple(grad.shape) != (self.size,):
             raise LocalProtocolError("gradient has the wrong shape", expected=self.size,
-                                     got=grad.shape)
+                                     got=tuple(grad.shape))
         if self.residual is None:
-            return self._compress(np.asarray(grad, dtype=np.float32))
+            return self._compress(grad)
         self.residual += grad
         return self._compress(self.residual)
 
     def encode(self, packet: SparseVector | np.ndarray) -> tuple[str, dict[str, Any], list[Any]]:
         """``(encoding, codec, buffers)`` of a packet ``compress`` returned, in ``self.wire``."""
         return encode_vector(packet, value_dtype=self.wire.dtype)
-
-    def decode(self, encoding: str, codec: dict[str, Any],
-               buffers: Any) -> SparseVector | np.ndarray:
-        """The packet back from ``encode``'s output; RemoteProtocolError if it is not in this
-        compressor's encoding or is malformed."""
-        if encoding != self.wire.encoding:
-            raise RemoteProtocolError("packet not in the compressor's encoding",
-                                      expected=self.wire.encoding, got=encoding)
-        return decode_vector(encoding, codec, buffers, self.size)
 
     def _compress(self, acc: np.ndarray) -> SparseVector | np.ndarray:
         raise NotImplementedError
@@ -160,13 +231,19 @@ class SparseCompressor(Compressor):
 
     def _compress(self, acc: np.ndarray) -> SparseVector:
         k = kept_count(self.current_ratio(), self.size)
-        idx = self._select(acc, k)  # (k',) int64, strictly increasing
+        idx = self._select(acc, k)  # (k',) int64, strictly increasing, beside acc
         values = acc[idx]  # (k',) float32, a copy
         if self.value_dtype == "f16":
-            values = np.clip(values, -FP16_MAX, FP16_MAX).astype(np.float16).astype(np.float32)
+            values = self.arrays.half(values)
         self._keep_back(values, idx)
-        self.kept_fraction = idx.size / self.size if self.size else 0.0
-        return SparseVector(idx.astype(np.uint32), values, self.size)
+        packet, copied = self.arrays.packet(idx, values, self.size, self.value_dtype)
+        self.host_bytes += copied
+        self.kept_fraction = packet.nnz / self.size if self.size else 0.0
+        self._sent(packet)
+        return packet
 
     def _select(self, acc: np.ndarray, k: int) -> np.ndarray:
         raise NotImplementedError
+
+    def _sent(self, packet: SparseVector) -> None:
+        """Told what this step sends (host arrays), once it is made; LossComp books it."""

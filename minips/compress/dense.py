@@ -13,7 +13,7 @@ from minips.compress.base import FP16_MAX, Compressor, WireSpec
 __all__ = ["DenseCompressor", "Fp16Compressor"]
 
 
-# -- none: none``: the whole gradient in float32, nothing kept back (the dense baseline).
+# ---------------------------------------------------------------------------- none
 
 class DenseCompressor(Compressor):
     """``none``: the whole gradient in float32."""
@@ -30,7 +30,7 @@ class DenseCompressor(Compressor):
         return out
 
 
-# -- fp16: fp16``: the whole gradient in float16 (clipped to +-65504), 2 bytes a value on the wi...
+# ---------------------------------------------------------------------------- fp16
 
 class Fp16Compressor(DenseCompressor):
     """``fp16``: the whole gradient in float16; the rounding error stays in the residual."""

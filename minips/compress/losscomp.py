@@ -51,6 +51,7 @@ import numpy as np
 
 from minips.compress.topk import TopKCompressor
 from minips.errors import ConfigError
+from minips.sparse import SparseVector
 
 __all__ = ["LossCompCompressor"]
 
@@ -164,15 +165,16 @@ class LossCompCompressor(TopKCompressor):
             score *= factor
         else:
             score = acc  # the selector ranks by |acc|
-        idx = self.selector.select(score, k)
-        self.remember_sent(idx)
-        return idx
+        return self.selector.select(score, k)
 
-    def remember_sent(self, idx: np.ndarray) -> None:
-        """Book the (k',) int64 indices just sent: the next vote credits them, and the byte
-        budget counts them (``compress.device_compress`` calls this after selecting on a device)."""
-        self.sent.append(idx)
-        self.debt += (idx.size / self.size - self.ratio) / self.ratio
+    @property
+    def device_ready(self) -> bool:
+        return self.p["vote_weight"] == 0.0  # steering votes are (n,) numpy arrays on the host
+
+    def _sent(self, packet: SparseVector) -> None:
+        """Book the indices just sent: the next vote credits them, the byte budget counts them."""
+        self.sent.append(packet.indices.astype(np.int64))
+        self.debt += (packet.nnz / self.size - self.ratio) / self.ratio
 
     def _vote_factor(self) -> np.ndarray:
         """(n,) float32: 1 + vote_weight * clip(soft(t, vote_dead) / vote_scale, -1, 1)."""

@@ -1,5 +1,5 @@
 """``topk``: exactly the k = round(ratio * n) largest |acc| (acc = residual + gradient), found by
-``sparse_select.TopKSelector`` (sampled threshold + exact partition of the candidates).
+``sparse.TopKSelector`` (sampled threshold + exact partition of the candidates).
 
 ``dgc``: Deep Gradient Compression's sampled threshold, keeping the largest k to
 k * (1 + tolerance) (``tolerance=0.1``), and DGC's warm-up (``warmup_epochs=4`` turns it on).
@@ -15,6 +15,10 @@ in ``compress/ratios.py`` and docs/compression.md).
 
 ``randomk``: k uniform random indices per step from a seeded generator; without error feedback,
 ``unbiased=True`` scales the values by n/k so that the expected packet is the gradient.
+
+``topk``, ``dgc`` and ``gdtopk`` touch no array but through ``arrays`` (their selector and the
+residual), so they run on a device as well (``compress.device_compress``); ``randomk`` draws its
+indices with numpy and stays on the host.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from minips.compress.base import SparseCompressor
+from minips.compress.base import Arrays, SparseCompressor
 from minips.compress.ratios import RatioPolicy
 from minips.errors import ConfigError
-from minips.sparse import SparseVector, TopKSelector
+from minips.sparse import SparseVector
 
 __all__ = [
     "TopKCompressor",
@@ -38,7 +42,7 @@ __all__ = [
 ]
 
 
-# -- topk: topk``: exactly the k = round(ratio * n) largest |acc| (acc = residual + gradient), f...
+# ---------------------------------------------------------------------------- topk
 
 class TopKCompressor(SparseCompressor):
     """``topk``: exactly the k largest |acc| (sampled threshold + exact partition of candidates)."""
@@ -48,13 +52,21 @@ class TopKCompressor(SparseCompressor):
 
     def __init__(self, size: int, **kw: Any) -> None:
         super().__init__(size, **kw)
-        self.selector = TopKSelector(size, self.seed, tolerance=self.tolerance)
+        self.selector = self.arrays.selector(size, self.seed, self.tolerance)
+
+    @property
+    def device_ready(self) -> bool:
+        return True  # the selector and the residual are all the arrays it touches
+
+    def place(self, arrays: Arrays) -> None:
+        super().place(arrays)
+        self.selector = arrays.selector(self.size, self.seed, self.tolerance)
 
     def _select(self, acc: np.ndarray, k: int) -> np.ndarray:
         return self.selector.select(acc, k)  # ranks by |acc|
 
 
-# -- dgc: dgc``: Deep Gradient Compression's sampled threshold, keeping the largest k to
+# ---------------------------------------------------------------------------- dgc
 
 def warmup_ratio(
     epoch: float, final: float, *, start: float = 0.25, decay: float = 0.25, epochs: int = 4
@@ -84,7 +96,7 @@ class DGCCompressor(TopKCompressor):
         return warmup_ratio(self.epoch, self.ratio, epochs=self.warmup_epochs)
 
 
-# -- gdtopk: gdtopk``: DGC selection at the ratio the global server sets for this worker's group...
+# ---------------------------------------------------------------------------- gdtopk
 
 class GDTopKCompressor(DGCCompressor):
     """``gdtopk``: DGC selection at the ratio the global server sets for this worker's group."""
@@ -101,7 +113,7 @@ class GDTopKCompressor(DGCCompressor):
         return RatioPolicy(target, direction=direction, alpha=alpha)
 
 
-# -- randomk: randomk``: k uniform random indices per step from a seeded generator; without erro...
+# ---------------------------------------------------------------------------- randomk
 
 class RandomKCompressor(SparseCompressor):
     """``randomk``: k indices drawn uniformly without replacement from a seeded generator."""

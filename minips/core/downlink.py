@@ -38,15 +38,14 @@ from typing import Any
 import numpy as np
 
 from minips.errors import RemoteProtocolError
-from minips.sparse import SparseVector, decode_vector, kept_count
+from minips.sparse import SparseVector, TopKSelector, decode_vector, kept_count
 
-__all__ = ["Answer", "Downlink", "apply_weights", "held_version", "top_k", "DRIFT", "LOG_SIZE",
+__all__ = ["Answer", "Downlink", "apply_weights", "held_version", "DRIFT", "LOG_SIZE",
            "DENSE_FRACTION"]
 
 DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
 DENSE_FRACTION = 0.4  # a merged answer with more changed coordinates than this goes dense
-SAMPLE_STRIDE = 31  # top_k's sample: every 31st value (2,000 of LeNet-5's 61,706)
 
 
 @dataclass(frozen=True)
@@ -73,6 +72,7 @@ class Downlink:
         self.w_pub = np.array(weights, dtype=np.float32)  # (n,) what the workers can hold
         self.n = int(self.w_pub.size)
         self.k = kept_count(ratio, self.n)  # coordinates per publish, before the drift bound
+        self.top = TopKSelector(self.n)  # exact: the k largest |residual|
         self.drift_bound = drift
         self.dense_fraction = dense_fraction
         self.pub = 0  # publish version of w_pub
@@ -117,7 +117,7 @@ class Downlink:
         """Positions in ``mag`` ((n,) |residual|) to publish: the k largest, or the fewest
         largest that leave ``sum(mag^2)`` of the rest within drift^2 * wsq."""
         budget = self.drift_bound ** 2 * wsq
-        top = top_k(mag, self.k)  # (k,) the k largest, any order
+        top = self.top.select(mag, self.k)  # (k,) int64 sorted, the k largest
         sq = mag.astype(np.float64) ** 2
         if float(sq.sum()) - float(sq[top].sum()) <= budget:
             return top
@@ -168,24 +168,6 @@ def held_version(named: int, last_sent: int) -> int:
     a worker moved from another group or a client that keeps no copy thus get the whole
     weights, and a wrong ``since`` can never make a copy drift."""
     return named if named == last_sent else -1
-
-
-def top_k(mag: np.ndarray, k: int) -> np.ndarray:
-    """Positions of the ``k`` largest of ``mag`` ((n,) >= 0), any order: the same set as
-    ``np.argpartition(mag, -k)[-k:]`` (up to ties), about 15 times faster on LeNet-5. A strided
-    sample of every ``SAMPLE_STRIDE``-th value gives a threshold a little under the k-th
-    largest; an exact top-k among the values above it follows. When fewer than k pass (an
-    unlucky sample), the whole array is partitioned."""
-    n = mag.size
-    sample = mag[::SAMPLE_STRIDE]
-    rank = sample.size - 1 - int(2 * k * sample.size / n)  # twice the fraction wanted
-    if k >= n or rank < sample.size // 2:  # a large k: the sample saves little
-        return np.argpartition(mag, -k)[-k:] if k < n else np.arange(n)
-    thr = np.partition(sample, rank)[rank]
-    cand = np.flatnonzero(mag >= thr)  # (c,) about 2k
-    if cand.size < k:
-        return np.argpartition(mag, -k)[-k:]
-    return cand[np.argpartition(mag[cand], -k)[-k:]]
 
 
 def apply_weights(replica: np.ndarray | None, held: int, w: Any, size: int) -> np.ndarray:
