@@ -1,6 +1,6 @@
 """Tables and charts of scripts/reproduce.py: per-run figures, medians over seeds, Markdown, PNGs.
 
-Reads only what a finished run left on disk (summary via ``minips.run.metrics``, launch.json,
+Reads only what a finished run left on disk (summary via ``minips.record.metrics``, launch.json,
 reproduce.json, eval.jsonl); never starts a run and never imports torch.
 
 Invariants: a run directory is ``<runs>/<suite>-<experiment>-s<seed>`` (``run_name``) and counts

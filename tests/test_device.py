@@ -343,7 +343,7 @@ def test_worker_import_stays_lean() -> None:
     heavy = {m for m in loaded if not m.startswith("minips")}
     servers = loaded & {"minips.server", "minips.serve.group", "minips.serve.group_process",
                         "minips.core.ssp", "minips.grouping", "minips.run.launch",
-                        "minips.run.plot", "minips.run.checkpoint",
+                        "minips.record.plot", "minips.record.checkpoint",
                         "minips.serve.server_checkpoint", "minips.core.roster"}
     assert not heavy and not servers, (heavy, servers)
 

@@ -40,7 +40,7 @@ def test_server_modules_import_and_a_global_server_serves_without_torch() -> Non
         import minips.server, minips.serve.group, minips.serve.group_process, minips.wire.messages
         import minips.net.transport, minips.sparse, minips.grouping, minips.core.ssp
         import minips.core.optim
-        import minips.run.metrics, minips.run.checkpoint, minips.run.cli
+        import minips.record.metrics, minips.record.checkpoint, minips.run.cli
         import minips.dashboard.monitor, minips.dashboard.web  # --dashboard's server side
         assert "torch" not in sys.modules
         print("imports ok")

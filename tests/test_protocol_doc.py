@@ -87,7 +87,7 @@ async def test_nan_or_inf_in_a_dense_gradient_is_refused(tmp_path: Path, bad: fl
         await srv.close()
 
 
-def sparse_codec(k: int) -> dict[str, object]:
+def sparse_v1_codec(k: int) -> dict[str, object]:
     return {"k": k, "index": "varint", "value": "f32"}
 
 
@@ -95,10 +95,10 @@ def test_over_long_varints_are_accepted_up_to_five_bytes() -> None:
     values = np.ones(2, np.float32).tobytes()
     # gaps 3 (as 83 80 00: three bytes for a one-byte number) and 0 (as 80 80 80 80 00)
     index = bytes([0x83, 0x80, 0x00, 0x80, 0x80, 0x80, 0x80, 0x00])
-    g = decode_vector("sparse-v1", sparse_codec(2), [index, values], 10)
+    g = decode_vector("sparse-v1", sparse_v1_codec(2), [index, values], 10)
     assert isinstance(g, SparseVector) and g.indices.tolist() == [3, 4]
     with pytest.raises(RemoteProtocolError, match="larger than 32 bits"):  # six bytes
-        decode_vector("sparse-v1", sparse_codec(1),
+        decode_vector("sparse-v1", sparse_v1_codec(1),
                                [bytes([0x80] * 5 + [0x00]), values[:4]], 10)
 
 

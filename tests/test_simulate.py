@@ -185,7 +185,7 @@ class NoTorch(importlib.abc.MetaPathFinder):
         if name == "torch" or name.startswith("torch."):
             raise ImportError("torch is blocked in this test")
 sys.meta_path.insert(0, NoTorch())
-from minips.run.config import RunConfig
+from minips.core.config import RunConfig
 from minips.sim.simulate import SimConfig, simulate
 run = RunConfig(workers=4, mode="ssp", dataset="synthetic", epochs=100, lr_warmup=0)
 s = simulate(SimConfig(run=run, dim=50, max_pushes=40, out_dir={str(tmp_path)!r}, name="nt"))
