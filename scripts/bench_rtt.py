@@ -4,8 +4,8 @@ echo and an await-based "hop" server, client and servers in separate processes o
 Figures (one run, printed as one JSON object with --json), medians of batches of 50 that take
 turns so that all see the same machine load:
 - rtt_us_p50: PUSH carrying a 1% sparse gradient of LeNet-5 (61,706 parameters, 617 kept,
-  encoded by sparse.encode_vector as a worker does) and its ACK; echo_rtt_us_p50: a bare uvloop echo of
-  as many bytes as that PUSH frame; rtt_ratio = the first / the second.
+  encoded by sparse.encode_vector as a worker does) and its ACK; echo_rtt_us_p50: a bare uvloop
+  echo of as many bytes as that PUSH frame; rtt_ratio = the first / the second.
 - hop_rtt_us_p50: the same PUSH bytes answered with ACK-sized bytes by a task that a future
   wakes (what any await-based asyncio server pays, with no protocol work at all).
 - floor_rtt_us_p50: the same PUSH and ACK frames, encoded and decoded in the least Python the
