@@ -279,8 +279,8 @@ async def train(tmp_path: Path, on_device: bool) -> np.ndarray:
         await asyncio.wait_for(srv.wait_finished(), 30)
     finally:
         await srv.close()
-    assert srv.weights is not None
-    return np.array(srv.weights)
+    assert srv.core.weights is not None
+    return np.array(srv.core.weights)
 
 
 @pytest.mark.timeout(180)
