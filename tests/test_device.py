@@ -312,7 +312,7 @@ def test_worker_import_stays_lean() -> None:
     servers = loaded & {"minips.server", "minips.serve.group", "minips.serve.group_process",
                         "minips.core.ssp", "minips.grouping", "minips.run.launch",
                         "minips.run.plot", "minips.run.checkpoint",
-                        "minips.serve.server_checkpoint", "minips.core.roster"}
+                        "minips.serve.sessions", "minips.core.roster"}
     assert not heavy and not servers, (heavy, servers)
 
 

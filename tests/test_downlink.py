@@ -193,7 +193,7 @@ def test_down_ratio_defaults_to_the_ratio_of_a_sparse_compressor_and_dense_other
     assert RunConfig(compressor="fp16", ratio=0.1).downlink_ratio() == 1.0
     assert RunConfig(compressor="gdtopk", ratio=0.02).downlink_ratio() == 0.02
     assert RunConfig(compressor="topk", down_ratio=1.0).downlink_ratio() == 1.0
-    assert GroupServer(0, RunConfig(), weights(), Global(weights())).downlink is None
+    assert GroupServer(0, RunConfig(), weights(), Global(weights())).core.downlink is None
 
 
 def test_f16_values_go_out_as_two_bytes_each_and_decode_as_before() -> None:
