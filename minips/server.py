@@ -2,16 +2,17 @@
 
 Split by concept: ``global_core.py`` holds the rules without IO (the weights, ``merge``, the
 grouping decisions, the budget, GDTopK's ratios, the checkpoint's state), ``roster.py`` who is
-in which group; ``GlobalServer`` is their asyncio shell: it feeds the core messages and ticks and
-performs the actions it returns (``global_core.py``). The sessions are ``client_sessions.py``
-(workers' control channels, evaluators) and ``group_sessions.py`` (`minips group` processes),
-sharing ``server_io.ServerIO``; ``server_checkpoint.py`` writes the checkpoint files and
-``run_end.py`` ends a run. A group's server is a ``group_peer.GroupPeer``: ``InProcGroup`` here,
-``group_sessions.RemoteGroup`` for a group process; the server never asks which.
+in which group; ``GlobalServer`` is their asyncio shell: it *holds* a ``GlobalCore`` (``core``),
+feeds it messages and ticks and performs the actions it returns (``global_core.py``): it opens
+the groups, tells workers their group, ends the run, writes the record and the checkpoint
+files. It never writes the core's fields. The sessions are ``serve/sessions.py`` (workers'
+control channels, evaluators, `minips group` processes). A group's server is a
+``roster.GroupPeer``: ``InProcGroup`` here, ``sessions.RemoteGroup`` for a group process; the
+server never asks which.
 
 One asyncio process. Clients connect with role ``worker`` (control channel: STATS, HEARTBEAT,
-LEAVE; learns its group from ASSIGN), ``group`` (a separate `minips group` process: PUSH its
-delta, get WEIGHTS) or ``evaluator`` (PULL the global weights every few seconds).
+LEAVE; learns its group from ASSIGN), ``group`` (a separate `minips group` process: EXCHANGE its
+delta, get EXCHANGE_REPLY) or ``evaluator`` (PULL the global weights every few seconds).
 
 A run goes: workers connect and report their calibrated step time (STATS at clock 0); when all
 ``run.workers`` reported (or ``calib_timeout_s`` passed: at once if anyone reported, else at the
@@ -24,20 +25,39 @@ group step times. GDTopK: every exchange reports its group's measured iteration 
 second and only for a change worth it, which go to the group servers and, as a new ASSIGN, to
 their workers (logged as a ``ratios`` event).
 
+How a run ends: its budget is spent (epochs, wall time: ``GlobalCore.finish``), or every group
+has flushed its final delta because its last worker left. The second is a success only when
+nothing is left to train for (the workers' ``max_steps`` cap, or no budget at all). With budget
+left, every worker is gone at once only for a while (stopped, partitioned past the lease,
+restarted), so the server waits ``rejoin_wait_s`` for them, saying so on its console; a group's
+first non-final merge means they are back. If none comes back in time, the run ends with
+``failure`` set and `minips server` exits 3, naming the cause. A merge whose delta is not finite
+(NaN or inf: the model diverged) is not applied; the run ends at once with ``failure`` set, and
+every connected worker gets ERROR "diverged".
+
+Checkpoints: what one holds is the core's (``GlobalCore.checkpoint_state`` / ``load_state_dict``);
+the server writes the file (``checkpoint.py``: atomic, no pickle) in a thread while the loop keeps
+serving, every ``checkpoint_every_s`` until the budget is spent. Failure handling:
+docs/operations.md.
+
 Invariants: ``weights`` changes only in ``merge`` (weights += delta of one group, version += 1;
 with ``merge="mean"`` the delta is divided by the number of groups k, so k groups together move
 the weights as far as one group would: GSSP then compares with SSP at one learning rate), so the
 global weights are the initial weights plus every delta any group sent (scaled). Once the budget is
 spent (``done``) merges still land — nothing sent is lost — and the run ends when every group
-has flushed its final delta (or a grace period passed).
+has flushed its final delta (or a grace period passed). ``core.failure`` is "" for a run that
+ended normally, else one line saying why not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import os
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,55 +66,68 @@ import numpy as np
 
 from minips.core import global_core
 from minips.core.config import RunConfig
-from minips.core.exchange import Delta, ExchangeResult
+from minips.core.exchange import Delta, ExchangeResult, exchange_message
 from minips.core.global_core import GlobalCore
+from minips.core.group_core import Log
 from minips.core.roster import GroupHandle
 from minips.errors import AuthError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.net.endpoints import check_bind, format_address, server_ssl
 from minips.record import checkpoint
+from minips.record.checkpoint import remove_stale_temps
 from minips.record.rundir import RunDir
-from minips.serve import (
-    client_sessions,
-    group_sessions,
-    run_end,
-    server_checkpoint,
-    server_groups,
-    validation,
-)
+from minips.serve import sessions, validation
 from minips.serve.group import GroupServer
-from minips.serve.inproc_group import InProcGroup
-from minips.serve.server_io import ServerIO, send_quiet
-from minips.wire import messages
+from minips.serve.sessions import send_quiet
+from minips.wire import frames, messages
 from minips.wire.messages import Hello
 
 __all__ = [
     "GlobalServer",
+    "InProcGroup",
     "InProcLink",
     "ServerConfig",
+    "exchange_bytes",
+    "wire_size",
+    "FINAL_FLUSH_S",
+    "REJOIN_POLL_S",
 ]
 
+log = logging.getLogger("minips.server")
+
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
+REJOIN_POLL_S = 0.5  # how often the wait for workers looks whether a group is training again
 
 
-class GlobalServer(GlobalCore):
-    """The global server's rules (``GlobalCore``) on a port: sessions, grouping, budgets,
-    checkpoints (``start`` / ``wait_finished``); ``io`` is what its sessions share."""
+class GlobalServer:
+    """The global server's rules (``core``, a ``GlobalCore``) on a port: sessions, grouping,
+    budgets, checkpoints (``start`` / ``wait_finished``)."""
 
     def __init__(self, cfg: ServerConfig, weights: np.ndarray | None = None) -> None:
         self.cfg = cfg
         if not cfg.run.t0:
             cfg.run.t0 = time.time()
-        super().__init__(cfg.run, weights, regroup=not cfg.external_groups,
-                         clock=time.monotonic, wall=time.time)
-        self.io = ServerIO(cfg, self, self.perform, self.open_group)
+        self.core = GlobalCore(cfg.run, weights, regroup=not cfg.external_groups,
+                               clock=time.monotonic, wall=time.time)
+        self.controls: dict[int, Channel] = {}  # worker id -> its control channel
+        self.finished = asyncio.Event()  # the run is over
+        self.evaluated_final = asyncio.Event()  # the evaluator got the final weights
+        self.weights_ready = asyncio.Event()  # the global weights exist
+        self.groups_opened = asyncio.Event()  # every group of the grouping has its handle
+        if weights is not None:
+            self.weights_ready.set()
+        self.pending_groups: list[Channel] = []  # group processes not given a group yet
+        self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
+        self.rejoin: asyncio.Task[None] | None = None  # waiting for every worker to come back
+        self.saving: asyncio.Future[int] | None = None  # checkpoint write in flight
+        self.tasks: set[asyncio.Task[Any]] = set()
         self._restored: dict[str, Any] | None = None  # checkpoint state to resume from
         self.server: transport.Server | None = None
         self.port = 0
         self._ssl: Any = None  # the TLS context (start), shared with in-process group servers
-        self.rundir = RunDir(cfg.run_dir, t0=self.run.t0)
-        self.rundir.write_config(self.run.to_info())
+        self.rundir = RunDir(cfg.run_dir, t0=cfg.run.t0)
+        self.rundir.write_config(cfg.run.to_info())
         self.writer = self.rundir.writer("global")
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -108,33 +141,34 @@ class GlobalServer(GlobalCore):
                                             accept=self._accept, handler=self._handle,
                                             ssl=self._ssl)
         self.port = int(self.server.port)
-        server_checkpoint.clean(self.io)  # temp files of writes killed midway
+        self._clean_temps()
         if self._restored is not None:
-            await server_groups.reopen(self.io, self._restored)
+            await self._reopen(self._restored)
         else:
-            self.io.spawn(self._grouping_deadline())
+            self.spawn(self._grouping_deadline())
         if self.cfg.ready_file:
             _write_atomic(self.cfg.ready_file, f"{self.cfg.host} {self.port}\n")
         return self.port
 
     async def wait_finished(self) -> None:
         """Until the run is over and (if one is connected) the evaluator saw the final weights."""
-        await self.io.finished.wait()
+        await self.finished.wait()
         if self._has_evaluator():
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.io.evaluated_final.wait(), self.cfg.linger_s)
+                await asyncio.wait_for(self.evaluated_final.wait(), self.cfg.linger_s)
 
     async def close(self) -> None:
         """Save the final weights and a last checkpoint, close every connection and group."""
-        if self.weights is not None:
-            np.save(Path(self.cfg.run_dir) / "final_weights.npy", self.weights)
-        if self.io.saving is not None:
-            await asyncio.gather(self.io.saving, return_exceptions=True)
-        if self.grouped and self.cfg.checkpoint_every_s > 0:
-            checkpoint.save(self.checkpoint_path, self.checkpoint_state())
-        for g in self.groups.values():
+        core = self.core
+        if core.weights is not None:
+            np.save(Path(self.cfg.run_dir) / "final_weights.npy", core.weights)
+        if self.saving is not None:
+            await asyncio.gather(self.saving, return_exceptions=True)
+        if core.grouped and self.cfg.checkpoint_every_s > 0:
+            checkpoint.save(self.checkpoint_path, core.checkpoint_state())
+        for g in core.groups.values():
             await g.peer.close()
-        for t in list(self.io.tasks):
+        for t in list(self.tasks):
             t.cancel()
         if self.server is not None:
             self.server.close()
@@ -142,13 +176,31 @@ class GlobalServer(GlobalCore):
                 await self.server.wait_closed()
         self.writer.close()
 
+    @property
+    def failure(self) -> str:
+        """Why the run ended short of its budget or broke ("": it did not; ``GlobalCore.fail``)."""
+        return self.core.failure
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background; ``close`` cancels what is left."""
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def log(self, event: str, **fields: Any) -> None:
+        """One line of the run's record, with the run's counters."""
+        core = self.core
+        self.writer.write({"t": time.time() - core.run.t0, "event": event, **fields,
+                           "version": core.version, "samples": core.samples, **core.traffic()})
+
     # -- admission ---------------------------------------------------------------------------
 
     def _accept(self, hello: Hello) -> dict[str, Any]:
-        info = self.run.to_info()
+        info = self.core.run.to_info()
         if hello.role == "worker":
-            info["worker_id"] = self.roster.admit(int(hello.worker_id), time.monotonic())
-            info["need_init"] = self.weights is None
+            info["worker_id"] = self.core.admit(int(hello.worker_id), time.monotonic())
+            info["need_init"] = self.core.weights is None
         elif hello.role == "group" and not self.cfg.external_groups:
             raise AuthError("this server runs its group servers in-process (no --external-groups)")
         return info
@@ -158,114 +210,297 @@ class GlobalServer(GlobalCore):
         role = ch.peer_hello.role
         try:
             if role == "worker":
-                await client_sessions.worker_session(self.io, ch, int(ch.worker_id))
+                await sessions.worker_session(self, ch, int(ch.worker_id))
             elif role == "group":
-                await group_sessions.group_session(self.io, ch)
+                await sessions.group_session(self, ch)
             else:
-                await client_sessions.evaluator_session(self.io, ch)
+                await sessions.evaluator_session(self, ch)
         except RemoteProtocolError as exc:
-            await validation.reject(ch, exc, self.io.rejected, "global server")
+            await validation.reject(ch, exc, self.rejected, "global server")
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
-
-    # -- the core's actions ------------------------------------------------------------------
-
-    def perform(self, actions: list[global_core.Action]) -> None:
-        """Do what the core decided (``global_core.py``), in order."""
-        for a in actions:
-            if isinstance(a, global_core.FormGroups):
-                self.io.spawn(server_groups.form_groups(self.io))
-            elif isinstance(a, global_core.PlaceLate):
-                self.io.spawn(server_groups.place_late(self.io, self.workers[a.worker]))
-            elif isinstance(a, global_core.Regroup):
-                self.io.spawn(server_groups.regroup(self.io, a.assignment))
-            elif isinstance(a, global_core.SendRatios):
-                server_groups.send_ratios(self.io, a.ratios)
-            elif isinstance(a, global_core.WeightsReady):
-                self.io.weights_ready.set()
-            elif isinstance(a, global_core.Done):
-                self._on_done()
-            elif isinstance(a, global_core.AllFinal):
-                run_end.every_group_final(self.io)
-            elif isinstance(a, global_core.Fail):
-                run_end.fail(self.io, a.code, a.reason)
-
-    async def _grouping_deadline(self) -> None:
-        await asyncio.sleep(self.cfg.calib_timeout_s)
-        self.perform(self.calib_timeout(time.monotonic()))
-
-    async def open_group(self, g: int, members: list[int]) -> GroupHandle:
-        """Group ``g``'s server: in this process on a port of its own, or the next waiting
-        `minips group` process (``--external-groups``)."""
-        assert self.weights is not None
-        if self.cfg.external_groups:
-            return await group_sessions.external_group(self.io, g, members)
-        writer = self.rundir.writer(f"group-{g}")
-        gs = GroupServer(g, self.run, self.weights, InProcLink(self), members=members,
-                         writer=writer)
-        gs.ratio = self.roster.ratio_of(g)
-        port = await gs.serve(self.cfg.host, 0, self.cfg.token, self._ssl)
-        # no host (":port"): "where you reached the global server"; the worker fills in the name
-        # it dialled, so DNS names, NAT and TLS names work as they do for the global server
-        address = format_address(self.cfg.advertise_host or "", port)
-        return GroupHandle(g, address, members, peer=InProcGroup(gs))
-
-    def _on_done(self) -> None:
-        """Budget spent: tell groups and workers, then wait (bounded) for the final deltas."""
-        for h in self.groups.values():
-            self.io.spawn(h.peer.finish())
-        for entry in self.workers.values():
-            if entry.ch is not None:
-                self.io.spawn(send_quiet(entry.ch, messages.Leave(reason="done")))
-        self.io.spawn(self._final_flush())
-
-    async def _final_flush(self) -> None:
-        """Wait at most FINAL_FLUSH_S for the groups' final deltas: once all are final the
-        core says ``AllFinal``, which sets ``finished``."""
-        if not all(h.final for h in self.groups.values()):
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.io.finished.wait(), FINAL_FLUSH_S)
-        self.io.finished.set()
 
     def _has_evaluator(self) -> bool:
         return self.server is not None and any(
             ch.peer_hello is not None and ch.peer_hello.role == "evaluator"
             for ch in self.server.channels)
 
-    # -- checkpoints (global_core.py, server_checkpoint.py, docs/operations.md) --------------
+    # -- the core's actions ------------------------------------------------------------------
+
+    def perform(self, actions: list[global_core.Action]) -> None:
+        """Do what the core decided (``global_core.py``), in order."""
+        for a in actions:
+            if isinstance(a, Log):
+                self.log(a.event, **a.fields)
+            elif isinstance(a, global_core.FormGroups):
+                self.spawn(self._form_groups())
+            elif isinstance(a, global_core.PlaceLate):
+                self.spawn(self._place_late(a.worker))
+            elif isinstance(a, global_core.Regroup):
+                self.spawn(self._regroup(a.assignment))
+            elif isinstance(a, global_core.SendRatios):
+                self._send_ratios(a.ratios)
+            elif isinstance(a, global_core.WeightsReady):
+                self.weights_ready.set()
+            elif isinstance(a, global_core.Done):
+                self._on_done()
+            elif isinstance(a, global_core.AllFinal):
+                self._every_group_final()
+            elif isinstance(a, global_core.Fail):
+                self._tell_failure(a.code, a.reason)
+            elif isinstance(a, global_core.Rehomed):
+                for w in a.moved:
+                    self.spawn(self.tell_group(w))
+
+    async def tell_group(self, w: int) -> None:
+        """Tell worker ``w`` its group (ASSIGN) if it is connected and the group has a server
+        ("" address: it is away)."""
+        ch, g = self.controls.get(w), self.core.workers[w].group
+        if ch is not None and g >= 0 and self.core.groups[g].address:
+            with contextlib.suppress(ConnectionError):
+                await ch.send(self.core.assign_message(self.core.groups[g]))
+
+    # -- grouping ----------------------------------------------------------------------------
+
+    async def _grouping_deadline(self) -> None:
+        await asyncio.sleep(self.cfg.calib_timeout_s)
+        self.perform(self.core.calib_timeout(time.monotonic()))
+
+    async def _form_groups(self) -> None:
+        """The first grouping: open each group, tell every worker its group, start the budgets."""
+        await self.weights_ready.wait()
+        assignment = self.core.first_assignment(time.monotonic())
+        handles = []
+        for g in sorted(set(assignment.values())):
+            members = sorted(w for w, gg in assignment.items() if gg == g)
+            handles.append(await self.open_group(g, members))
+        self.perform(self.core.groups_formed(handles, assignment))
+        self.groups_opened.set()
+        for w in assignment:
+            await self.tell_group(w)
+        self._start_budgets()
+
+    async def open_group(self, g: int, members: list[int]) -> GroupHandle:
+        """Group ``g``'s server: in this process on a port of its own, or the next waiting
+        `minips group` process (``--external-groups``)."""
+        core = self.core
+        assert core.weights is not None
+        if self.cfg.external_groups:
+            return await sessions.external_group(self, g, members, self.cfg.calib_timeout_s)
+        gs = GroupServer(g, core.run, core.weights, InProcLink(self), members=members,
+                         writer=self.rundir.writer(f"group-{g}"))
+        gs.set_ratio(core.ratio_of(g))
+        port = await gs.serve(self.cfg.host, 0, self.cfg.token, self._ssl)
+        # no host (":port"): "where you reached the global server"; the worker fills in the name
+        # it dialled, so DNS names, NAT and TLS names work as they do for the global server
+        address = format_address(self.cfg.advertise_host or "", port)
+        return GroupHandle(g, address, members, ratio=core.ratio_of(g), peer=InProcGroup(gs))
+
+    async def _place_late(self, w: int) -> None:
+        """A worker whose first STATS came after the groups were drawn up: once they are open,
+        the group nearest its speed."""
+        await self.groups_opened.wait()
+        if self.core.place_late(w) is not None:
+            await self.tell_group(w)
+
+    async def _regroup(self, assignment: dict[int, int]) -> None:
+        """Speeds drifted (``grouping.Regrouper`` said so): move workers, open new groups."""
+        core = self.core
+        moves = core.roster.moved(assignment)
+        for g in sorted(set(moves.values()) - set(core.groups)):
+            core.group_opened(await self.open_group(g, []))
+        self.perform(core.moved(moves, time.monotonic()))
+        for w in moves:
+            await self.tell_group(w)
+
+    def _send_ratios(self, new: dict[int, float]) -> None:
+        """GDTopK's new ratios (already in the groups' handles): to the group servers and to
+        every worker of those groups (a new ASSIGN)."""
+        core = self.core
+        for g in new:
+            core.groups[g].peer.send_ratio(core.assign_message(core.groups[g]))
+        for w, entry in core.workers.items():
+            if entry.group in new:
+                self.spawn(self.tell_group(w))
+
+    def _start_budgets(self) -> None:
+        """The wall-time budget's timer and the periodic checkpoint, once the groups exist."""
+        if self.core.run.wall_s > 0:
+            self.spawn(self._wall_budget())
+        if self.cfg.checkpoint_every_s > 0:
+            self.spawn(self._save_loop())
+
+    async def _wall_budget(self) -> None:
+        await asyncio.sleep(max(0.0, self.core.run.wall_s - self.core.trained_s()))
+        self.perform(self.core.finish("wall time"))
+
+    # -- the end of a run --------------------------------------------------------------------
+
+    def _on_done(self) -> None:
+        """Budget spent: tell groups and workers, then wait (bounded) for the final deltas."""
+        for h in self.core.groups.values():
+            self.spawn(h.peer.finish())
+        for ch in self.controls.values():
+            self.spawn(send_quiet(ch, messages.Leave(reason="done")))
+        self.spawn(self._final_flush())
+
+    async def _final_flush(self) -> None:
+        """Wait at most FINAL_FLUSH_S for the groups' final deltas: once all are final the
+        core says ``AllFinal``, which sets ``finished``."""
+        if not all(h.final for h in self.core.groups.values()):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.finished.wait(), FINAL_FLUSH_S)
+        self.finished.set()
+
+    def _every_group_final(self) -> None:
+        """Every group flushed its final delta: end the run, or wait for the workers to rejoin."""
+        left = self.core.budget_left()
+        if not left:
+            self.perform(self.core.finish("workers left"))
+            self.finished.set()
+        elif self.rejoin is None or self.rejoin.done():
+            self.rejoin = self.spawn(self._wait_for_workers(left))
+
+    async def _wait_for_workers(self, left: str) -> None:
+        core, wait = self.core, self.cfg.rejoin_wait_s
+        self.log("waiting_for_workers", wait_s=wait, left=left)
+        log.warning("every worker is gone with budget left (%s); waiting up to %.0f s for them to "
+                    "rejoin (--rejoin-wait)", left, wait)
+        deadline = asyncio.get_running_loop().time() + wait
+        while not core.done and all(h.final for h in core.groups.values()):
+            if asyncio.get_running_loop().time() >= deadline:
+                self.perform(core.fail("workers_gone", f"the run ended short of its budget: "
+                                       f"every worker was gone for {wait:.0f} s with {left} left "
+                                       "(--rejoin-wait)"))
+                return
+            await asyncio.sleep(REJOIN_POLL_S)
+        if not core.done:
+            self.log("workers_back")
+            log.warning("workers are back; training goes on")
+
+    def _tell_failure(self, code: str, reason: str) -> None:
+        """The run fails (``core.failure``): say why, tell the workers; the run is over."""
+        log.error("%s", reason)
+        for ch in self.controls.values():
+            self.spawn(send_quiet(ch, messages.Error(code=code, reason=reason)))
+        self.finished.set()
+
+    # -- checkpoints (global_core.py, checkpoint.py, docs/operations.md) ---------------------
 
     @property
     def checkpoint_path(self) -> Path:
-        return server_checkpoint.path_of(self.cfg)
+        """Where the server keeps its checkpoint (``--checkpoint`` or run_dir/checkpoint.npz)."""
+        return Path(self.cfg.checkpoint_path or Path(self.cfg.run_dir) / "checkpoint.npz")
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take a checkpoint's state (before ``start``, which opens its groups again);
         ``ConfigError`` when it belongs to another model or config."""
-        self.load_state_dict(state)
-        self.io.weights_ready.set()
+        self.perform(self.core.load_state_dict(state))
         self._restored = state
 
-    async def save_checkpoint(self) -> None:
-        """Snapshot now and write it in a thread (the loop keeps serving)."""
-        await server_checkpoint.save(self.io)
+    async def _reopen(self, state: dict[str, Any]) -> None:
+        """Open a checkpoint's groups again (the core took the rest: ``restore``): in-process
+        ones with their saved state; a group process adopts its group when it connects."""
+        handles = {}
+        for key, saved in sorted(state["groups"].items(), key=lambda kv: int(kv[0])):
+            g, members = int(key), list(saved["members"])
+            handles[g] = (GroupHandle(g, "", members) if self.cfg.external_groups
+                          else await self.open_group(g, members))
+        self.core.resume(handles, state)
+        for h in handles.values():  # the saved ratios, to the group servers here
+            h.peer.send_ratio(self.core.assign_message(h))
+        self.groups_opened.set()
+        self.log("resumed", checkpoint=str(self.checkpoint_path), saved_at=state["saved_at"])
+        self._start_budgets()
 
-    def log(self, event: str, **fields: Any) -> None:
-        self.writer.write({"t": time.time() - self.run.t0, "event": event, **fields,
-                           "version": self.version, "samples": self.samples, **self.traffic()})
+    def _clean_temps(self) -> None:
+        """Delete the temporary files of checkpoint writes that were killed midway."""
+        removed = remove_stale_temps(self.checkpoint_path)
+        if removed:
+            self.log("checkpoint_temps_removed", files=[str(p) for p in removed])
+
+    async def _save_loop(self) -> None:
+        """Checkpoint every ``checkpoint_every_s`` until the budget is spent."""
+        while not self.core.done:
+            await asyncio.sleep(self.cfg.checkpoint_every_s)
+            await self._save()
+
+    async def _save(self) -> None:
+        """Snapshot now, write it in a thread (the loop keeps serving), log its size."""
+        t = time.monotonic()
+        state = self.core.checkpoint_state()
+        self.saving = asyncio.ensure_future(asyncio.to_thread(checkpoint.save,
+                                                              self.checkpoint_path, state))
+        size = await asyncio.shield(self.saving)
+        self.log("checkpoint", bytes=size, write_s=time.monotonic() - t)
+
+
+# -- a group server in this process ------------------------------------------------------------
+
+class InProcGroup:
+    """``GroupPeer`` (``roster.py``) of a group server the global server started itself: direct
+    calls. Its uplink (the group's ``exchange.GroupLink``) is ``InProcLink``."""
+
+    def __init__(self, server: GroupServer) -> None:
+        self.server = server
+
+    @property
+    def connected(self) -> bool:
+        return True
+
+    def expect(self, w: int) -> None:
+        self.server.expect(w)
+
+    def traffic(self) -> dict[str, int]:
+        return self.server.traffic()
+
+    def reported(self, stats: dict[str, Any]) -> None:
+        """Its traffic is read live (``traffic``)."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.server.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.server.load_state_dict(state)
+
+    def send_ratio(self, assign: messages.Assign) -> None:
+        self.server.set_ratio(assign.ratio)
+
+    async def finish(self) -> None:
+        self.server.finish()
+
+    async def close(self) -> None:
+        await self.server.close()
 
 
 class InProcLink:
     """The uplink (``exchange.GroupLink``) of a group server in this process: a direct call.
-    Its bytes are those of the PUSH and WEIGHTS a `minips group` process would exchange."""
+    Its bytes are those of the EXCHANGE and EXCHANGE_REPLY a `minips group` process would
+    exchange instead (``exchange_bytes``)."""
 
     def __init__(self, server: GlobalServer) -> None:
         self.server = server
 
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
-        res = self.server.merge_counted(group, delta, stats)
-        self.server.perform(self.server.take_actions())
+        core = self.server.core
+        res, actions = core.merge(group, delta, stats)
+        res.bytes_up, res.bytes_down = exchange_bytes(core, group, delta, stats, res)
+        self.server.perform(actions)
         return res
+
+
+def wire_size(msg: messages.Message) -> int:
+    """Bytes ``msg`` takes on the wire (its frame: header and buffers, no TLS)."""
+    return sum(memoryview(b).nbytes for b in frames.encode(msg))
+
+
+def exchange_bytes(core: GlobalCore, g: int, delta: Delta, stats: dict[str, Any],
+                   res: ExchangeResult) -> tuple[int, int]:
+    """(up, down): the bytes of the EXCHANGE that would carry group ``g``'s ``delta`` and of
+    the EXCHANGE_REPLY that would answer it with ``res``, had the group its own process."""
+    return (wire_size(exchange_message(delta, stats)),
+            wire_size(core.exchange_reply(g, res.weights)))
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -33,13 +33,6 @@ STEPS = 12  # pushes per worker
 GROUP_OF = {w: w // 2 for w in range(len(STEP_S))}  # 4 groups of 2 workers
 
 
-class NoLink:
-    """The cores' link, never called: the cluster exchanges through ``Cluster.exchange``."""
-
-    async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> Any:
-        raise AssertionError("the cluster exchanges itself")
-
-
 def run_config(compressor: str) -> dict[str, Any]:
     """RunConfig fields of the cluster (the asyncio run builds its GlobalServer from them)."""
     return {"workers": len(STEP_S), "mode": "gssp", "groups": 4, "staleness": 1, "lr": 0.5,
@@ -114,10 +107,14 @@ class Cluster:
         self.glob = GlobalCore(self.run, init_weights(), regroup=False, clock=lambda: self.t,
                                wall=lambda: 1e9 + self.t)
         self.cores: dict[int, GroupCore] = {}
+        handles = []
         for g in sorted(set(GROUP_OF.values())):
             members = [w for w, h in GROUP_OF.items() if h == g]
-            self.glob.groups[g] = GroupHandle(g, "", members)
-            self.cores[g] = GroupCore(g, self.run, self.glob.weights, NoLink(), members=members)
+            handles.append(GroupHandle(g, "", members))
+            self.cores[g] = GroupCore(g, self.run, self.glob.weights, members=members)
+        for w in GROUP_OF:
+            self.glob.admit(w, 0.0)
+        self.glob.groups_formed(handles, dict(GROUP_OF))  # its record line: none kept here
         self.workers = Workers(compressor)
         self.held: dict[int, list[int]] = {g: [] for g in self.cores}  # PULLs SSP holds
         self.waits = 0  # PULLs SSP held
@@ -176,7 +173,7 @@ class Cluster:
 
     def exchange(self, core: GroupCore, final: bool = False) -> None:
         out = core.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
-        res = self.glob.merge_counted(core.group, core.xchg.delta(out), out.stats)
+        res, _ = self.glob.merge(core.group, out.delta, out.stats)  # no shell: its Log lines
         self.perform(core, core.exchanged(out, res, 0.0))
 
 

@@ -311,8 +311,8 @@ async def train(tmp_path: Path, on_device: bool) -> np.ndarray:
         await asyncio.wait_for(srv.wait_finished(), 30)
     finally:
         await srv.close()
-    assert srv.weights is not None
-    return np.array(srv.weights)
+    assert srv.core.weights is not None
+    return np.array(srv.core.weights)
 
 
 @pytest.mark.timeout(180)
@@ -344,7 +344,7 @@ def test_worker_import_stays_lean() -> None:
     servers = loaded & {"minips.server", "minips.serve.group", "minips.serve.group_process",
                         "minips.core.ssp", "minips.grouping", "minips.run.launch",
                         "minips.record.plot", "minips.record.checkpoint",
-                        "minips.serve.server_checkpoint", "minips.core.roster"}
+                        "minips.serve.sessions", "minips.core.roster"}
     assert not heavy and not servers, (heavy, servers)
 
 

@@ -199,7 +199,7 @@ def test_down_ratio_defaults_to_the_ratio_of_a_sparse_compressor_and_dense_other
     assert RunConfig(compressor="fp16", ratio=0.1).downlink_ratio() == 1.0
     assert RunConfig(compressor="gdtopk", ratio=0.02).downlink_ratio() == 0.02
     assert RunConfig(compressor="topk", down_ratio=1.0).downlink_ratio() == 1.0
-    assert GroupServer(0, RunConfig(), weights(), Global(weights())).downlink is None
+    assert GroupServer(0, RunConfig(), weights(), Global(weights())).core.downlink is None
 
 
 def test_f16_values_go_out_as_two_bytes_each_and_decode_as_before() -> None:
@@ -219,8 +219,8 @@ class Watched:
     other worker's PULLs publish newer ones meanwhile)."""
 
     def __init__(self, gs: GroupServer) -> None:
-        assert gs.downlink is not None
-        self.gs, self.down = gs, gs.downlink
+        assert gs.core.downlink is not None
+        self.gs, self.down = gs, gs.core.downlink
         self.at: dict[int, np.ndarray] = {self.down.pub: self.down.w_pub.copy()}
         self.drifts: list[float] = []
         publish = self.down.publish
@@ -285,30 +285,30 @@ async def test_pulls_answered_in_one_turn_share_one_publish() -> None:
     publish between them, and the same version."""
     run = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.02, sync_every=1000)
     gs = GroupServer(0, run, weights(), Global(weights()), members=[0, 1])
-    assert gs.downlink is not None
-    gs.weights[:3] += 1.0  # a few coordinates: the answer is an update, not dense
+    assert gs.core.downlink is not None
+    gs.core.weights[:3] += 1.0  # a few coordinates: the answer is an update, not dense
     first = await asyncio.wait_for(asyncio.gather(gs.answer_pull(0), gs.answer_pull(1)), 5)
-    assert gs.downlink.pub == 1 and [m.version for m in first] == [1, 1]
-    gs.weights[:3] += 1.0  # a few coordinates: the answer is an update, not dense
+    assert gs.core.downlink.pub == 1 and [m.version for m in first] == [1, 1]
+    gs.core.weights[:3] += 1.0  # a few coordinates: the answer is an update, not dense
     second = await asyncio.wait_for(gs.answer_pull(0, since=1), 5)  # a later turn: a new one
-    assert gs.downlink.pub == 2 and second.version == 2 and second.since == 1
+    assert gs.core.downlink.pub == 2 and second.version == 2 and second.since == 1
 
 
 async def test_a_publish_that_fails_fails_the_pulls_waiting_for_it_and_no_later_one() -> None:
     run = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.02, sync_every=1000)
     gs = GroupServer(0, run, weights(), Global(weights()), members=[0, 1])
-    assert gs.downlink is not None
-    publish = gs.downlink.publish
+    assert gs.core.downlink is not None
+    publish = gs.core.downlink.publish
 
     def broken(w: np.ndarray) -> int:
         raise MemoryError("no room for the residual")
 
-    gs.downlink.publish = broken  # type: ignore[method-assign,assignment]
+    gs.core.downlink.publish = broken  # type: ignore[method-assign,assignment]
     got = await asyncio.wait_for(asyncio.gather(gs.answer_pull(0), gs.answer_pull(1),
                                                 return_exceptions=True), 5)
     assert all(isinstance(e, MemoryError) for e in got)  # both told, neither left waiting
-    gs.downlink.publish = publish  # type: ignore[method-assign]
-    gs.weights[:3] += 1.0
+    gs.core.downlink.publish = publish  # type: ignore[method-assign]
+    gs.core.weights[:3] += 1.0
     assert (await asyncio.wait_for(gs.answer_pull(0), 5)).version == 1
 
 

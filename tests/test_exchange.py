@@ -1,6 +1,6 @@
 """The compressed group <-> global exchange (exchange.py, exchange.py): top-k up, the global
 server's replica answering top-k entries to set down, exactly once under lost replies, dense
-resyncs; against the real ``GlobalServer`` merge and group session (``group_sessions``) with
+resyncs; against the real ``GlobalServer`` merge and group session (``sessions``) with
 made-up pushes, and once with a real `minips group` process over loopback.
 
 Every exchange goes through the wire encoding: the group's PUSH is built as a group process
@@ -28,8 +28,8 @@ from minips.core.exchange import (
     ExchangeResult,
     Outgoing,
     Replica,
+    exchange_message,
     exchange_ratio,
-    push_message,
     seqs_in,
 )
 from minips.core.roster import GroupHandle
@@ -37,7 +37,7 @@ from minips.errors import AuthError
 from minips.net import lifeline, transport
 from minips.net.endpoints import parse_address
 from minips.record.checkpoint import load, save
-from minips.serve import group_sessions
+from minips.serve import sessions
 from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcLink, ServerConfig
 from minips.wire import messages
@@ -83,11 +83,12 @@ class Cluster:
     def __init__(self, tmp: Path, groups: int, rng: np.random.Generator, **run: Any) -> None:
         self.tmp, self.rng, self.run = tmp, rng, run
         self.srv = self._server()
-        self.srv.weights = rng.normal(size=N).astype(np.float32)
-        self.initial = self.srv.weights.astype(np.float64)
+        self.srv.perform(self.srv.core.on_initial(rng.normal(size=N).astype(np.float32)))
+        assert self.srv.core.weights is not None
+        self.initial = self.srv.core.weights.astype(np.float64)
         for g in range(groups):
-            self.srv.groups[g] = GroupHandle(g, "", [g])
-        self.groups = [Group(g, self.srv.weights) for g in range(groups)]
+            self.srv.core.group_opened(GroupHandle(g, "", [g]))
+        self.groups = [Group(g, self.srv.core.weights) for g in range(groups)]
         self.servers = [self.srv]
         self.files: list[Path] = []
         self.sends: dict[tuple[int, int], list[Any]] = {}  # (group, seq) -> what each try sent
@@ -115,11 +116,11 @@ class Cluster:
         await self._send(grp, grp.xchg.begin(grp.weights, {"version": 0}, dense=dense), lose)
 
     async def _send(self, grp: Group, out: Outgoing, lose: str) -> bool:
-        self.sends.setdefault((grp.g, out.stats["seq"]), []).append(grp.xchg.delta(out))
+        self.sends.setdefault((grp.g, out.stats["seq"]), []).append(out.delta)
         if lose == "before":
             return False
-        ch = FakeChannel(push_message(grp.xchg.delta(out), out.stats))
-        await group_sessions._on_message(self.srv.io, ch, self.srv.groups[grp.g])  # type: ignore[arg-type]
+        ch = FakeChannel(exchange_message(out.delta, out.stats))
+        await sessions._on_group_message(self.srv, ch, self.srv.core.groups[grp.g])  # type: ignore[arg-type]
         if lose == "after":
             return False
         reply = ch.sent
@@ -127,9 +128,9 @@ class Cluster:
         grp.xchg.complete(grp.weights, out, ExchangeResult(
             w, reply.version, reply.done, reply.info["samples"],
             seqs_in(reply.info, "saved_exchanges", grp.xchg.session)))
-        sparse.add_into(grp.merged, _f64(grp.xchg.delta(out)))
-        known = self.srv.replicas[grp.g].known
-        np.testing.assert_array_equal(grp.xchg.w_sync, self.srv.weights if known is None
+        sparse.add_into(grp.merged, _f64(out.delta))
+        known = self.srv.core.replicas[grp.g].known
+        np.testing.assert_array_equal(grp.xchg.w_sync, self.srv.core.weights if known is None
                                       else known)  # the group's copy is exact
         return True
 
@@ -137,7 +138,7 @@ class Cluster:
         """The group process registers again: PULL -> WEIGHTS, ``reload``."""
         grp = self.groups[g]
         ch = FakeChannel(messages.Pull(clock=0))
-        await group_sessions._on_message(self.srv.io, ch, self.srv.groups[g])  # type: ignore[arg-type]
+        await sessions._on_group_message(self.srv, ch, self.srv.core.groups[g])  # type: ignore[arg-type]
         w = np.asarray(sparse.decode_vector(ch.sent.encoding, ch.sent.codec, ch.sent.buffers,
                                               N))
         held = seqs_in(ch.sent.info, "last_exchange", grp.xchg.session)
@@ -146,7 +147,7 @@ class Cluster:
 
     def snapshot(self) -> None:
         path = self.tmp / f"snapshot-{len(self.files)}.npz"
-        save(path, self.srv.checkpoint_state())
+        save(path, self.srv.core.checkpoint_state())
         self.files.append(path)
 
     async def resume(self) -> None:
@@ -204,12 +205,12 @@ async def test_sparse_both_ways_loses_nothing_and_merges_each_exchange_once(
     cluster.assert_nothing_lost()
     # the global weights hold every group's work once, each divided by k = 2 (merge = mean)
     srv = cluster.srv
-    assert srv.weights is not None
+    assert srv.core.weights is not None
     applied = sum(grp.applied for grp in cluster.groups)
-    np.testing.assert_allclose(srv.weights, cluster.initial + applied / 2, atol=1e-4)
+    np.testing.assert_allclose(srv.core.weights, cluster.initial + applied / 2, atol=1e-4)
     merges = records(cluster.tmp / "global.jsonl", event="merge")
-    assert srv.samples == sum(m["group_samples"] for m in merges)
-    assert srv.samples == 8 * sum(grp.pushes for grp in cluster.groups)  # each counted once
+    assert srv.core.samples == sum(m["group_samples"] for m in merges)
+    assert srv.core.samples == 8 * sum(grp.pushes for grp in cluster.groups)  # each counted once
     assert records(cluster.tmp / "global.jsonl", event="merge_repeat")  # lost replies happened
     retried = [tries for tries in cluster.sends.values() if len(tries) > 1]
     assert retried and all(t is tries[0] for tries in retried for t in tries)  # the same s
@@ -225,13 +226,13 @@ async def test_a_lost_reply_is_sent_again_unchanged_and_merged_once(cluster: Clu
     assert pending is not None
     sent = pending.delta
     assert isinstance(sent, sparse.SparseVector) and sent.nnz == round(RATIO * N)
-    lost = cluster.srv.replicas[0].unacked.copy()  # what the lost reply set
-    version = cluster.srv.version
+    lost = cluster.srv.core.replicas[0].unacked.copy()  # what the lost reply set
+    version = cluster.srv.core.version
     cluster.push(1)
     await cluster.exchange(1)  # the global weights move meanwhile
     cluster.push(0)
     await cluster.exchange(0)  # seq 2 again (a repeat), then seq 3
-    assert cluster.srv.version == version + 2  # group 1's and seq 3: seq 2 not twice
+    assert cluster.srv.core.version == version + 2  # group 1's and seq 3: seq 2 not twice
     assert cluster.groups[0].xchg.seq == 3
     repeat = records(cluster.tmp / "global.jsonl", event="merge_repeat")
     assert [r["seq"] for r in repeat] == [2]
@@ -303,7 +304,7 @@ def test_a_flush_sends_everything_and_a_dense_exchange_is_the_old_rule() -> None
     x = Exchange(w0, ratio=RATIO)
     w = np.linspace(-1, 1, N).astype(np.float32)
     out = x.begin(w, {}, dense=True)
-    np.testing.assert_array_equal(x.delta(out), w)  # all of it
+    np.testing.assert_array_equal(out.delta, w)  # all of it
     g = np.full(N, 0.5, np.float32)
     old = w + (g - w)  # the dense rule, w += G - sent, bit for bit
     x.complete(w, out, ExchangeResult(g, 1, False))
@@ -324,14 +325,14 @@ async def test_a_resumed_global_server_resyncs_and_gets_the_lost_exchanges_once(
             await c.exchange(0)  # merged, not in the checkpoint: sent again once
         c.push(0)
         await c.resume()
-        assert c.srv.replicas[0].known is not None  # the PULL reset it: sparse at once
+        assert c.srv.core.replicas[0].known is not None  # the PULL reset it: sparse at once
         c.push(0)
         await c.exchange(0)
         await c.flush_all()
-        assert c.srv.weights is not None
+        assert c.srv.core.weights is not None
         # one group: the global weights are the initial ones plus all it applied, once
-        np.testing.assert_allclose(c.srv.weights, c.initial + c.groups[0].applied, atol=1e-4)
-        assert c.srv.samples == 8 * c.groups[0].pushes
+        np.testing.assert_allclose(c.srv.core.weights, c.initial + c.groups[0].applied, atol=1e-4)
+        assert c.srv.core.samples == 8 * c.groups[0].pushes
     finally:
         await c.close()
 
@@ -360,25 +361,25 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
     run = RunConfig(lr_warmup=0.0, workers=1, mode="ssp", compressor="topk", ratio=k / n)
     srv = GlobalServer(ServerConfig(run=run, port=0, token=TOKEN, run_dir=str(tmp_path)),
                        np.zeros(n, np.float32))
-    srv.groups[0] = GroupHandle(0, "", [0])
-    assert srv.weights is not None
-    gs = GroupServer(0, run, srv.weights, LossyLink(srv, {1, 5, 6}), members=[0],
+    srv.core.group_opened(GroupHandle(0, "", [0]))
+    assert srv.core.weights is not None
+    gs = GroupServer(0, run, srv.core.weights, LossyLink(srv, {1, 5, 6}), members=[0],
                      writer=srv.rundir.writer("group-0"))
     rng = np.random.default_rng(7)
     applied = np.zeros(n, np.float64)
     try:
         for _ in range(30):
             step = (rng.normal(size=n) * 0.01).astype(np.float32)
-            gs.weights += step
+            gs.core.weights += step
             applied += step
             await gs.flush()
-            if gs.xchg.pending is None:  # else its copy lacks what the lost reply set
-                np.testing.assert_array_equal(gs.xchg.w_sync, srv.replicas[0].known)
+            if gs.core.xchg.pending is None:  # else its copy lacks what the lost reply set
+                np.testing.assert_array_equal(gs.core.xchg.w_sync, srv.core.replicas[0].known)
         await gs.flush(final=True)
     finally:
         await gs.close()
         await srv.close()
-    np.testing.assert_allclose(srv.weights, applied, atol=1e-4)  # one group: all of it, once
+    np.testing.assert_allclose(srv.core.weights, applied, atol=1e-4)  # one group: all of it, once
     xchg = records(tmp_path / "group-0.jsonl", event="exchange")
     assert len(records(tmp_path / "global.jsonl", event="merge_repeat")) == 3
     assert [r["sent"] for r in xchg[:-1]] == [k] * (len(xchg) - 1) and xchg[-1]["sent"] == n
@@ -428,7 +429,7 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
     proc = _start_group(tmp_path, port)
     grads = np.zeros(n, np.float64)
     try:
-        await until(lambda: bool(srv.io.pending_groups), 30)
+        await until(lambda: bool(srv.pending_groups), 30)
         ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0,
                                       token=TOKEN)
         await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
@@ -460,10 +461,10 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
             proc.kill()
             proc.wait()
         await srv.close()
-    assert srv.weights is not None and srv.samples == clock
+    assert srv.core.weights is not None and srv.core.samples == clock
     # nothing lost: one group, no momentum: the global weights are -lr times every gradient
-    np.testing.assert_allclose(srv.weights, -lr * grads, atol=1e-3)
-    assert np.linalg.norm(srv.weights - target) < 0.05 * np.linalg.norm(target)  # converged
+    np.testing.assert_allclose(srv.core.weights, -lr * grads, atol=1e-3)
+    assert np.linalg.norm(srv.core.weights - target) < 0.05 * np.linalg.norm(target)  # converged
     xchg = records(tmp_path / "group-0.jsonl", event="exchange")
     dense = n * 4 * len(xchg)  # one way, dense
     up, down = xchg[-1]["bytes_to_global"], xchg[-1]["bytes_from_global"]

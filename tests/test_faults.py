@@ -467,7 +467,7 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
         while gs.server.stats["read_timeouts"] < 1 or 2 in gs.channels or 1 in gs.channels:
             assert asyncio.get_running_loop().time() < deadline, (gs.server.stats, gs.channels)
             await asyncio.sleep(0.05)
-        assert set(gs.channels) == {0} and gs.version == 6
+        assert set(gs.channels) == {0} and gs.core.version == 6
         await good.close()
         stall_w.close()
         deaf_w.close()

@@ -187,18 +187,18 @@ async def fuzz_scenario(raw_inputs: int, invalid_inputs: int, seed: int) -> None
                                        token=TOKEN)
         await asyncio.wait_for(good.recv(), 5)
         clock = await good_worker_step(good, 0)
-        before, version = gs.weights.copy(), gs.version
+        before, version = gs.core.weights.copy(), gs.core.version
 
         t = time.monotonic()
         await asyncio.wait_for(run_raw_fuzz(port, raw_inputs, seed), 120)
         raw_s = time.monotonic() - t
-        assert np.array_equal(gs.weights, before) and gs.version == version
+        assert np.array_equal(gs.core.weights, before) and gs.core.version == version
 
         rng = random.Random(seed + 1)
         codes = await asyncio.gather(*(
             invalid_session(port, 1 + i % 150, invalid_after_auth(rng))
             for i in range(invalid_inputs)))
-        assert np.array_equal(gs.weights, before) and gs.version == version
+        assert np.array_equal(gs.core.weights, before) and gs.core.version == version
         delivered = [c for c in codes if c not in ("local",)]
         # "lease": with hundreds of sessions in this one event loop, a session can stay silent
         # past its lease before it pushes; that PUSH is refused too, as it must be.
@@ -210,7 +210,7 @@ async def fuzz_scenario(raw_inputs: int, invalid_inputs: int, seed: int) -> None
         assert sum(gs.rejected.values()) > 0
 
         clock = await good_worker_step(good, clock)  # still served, never disturbed
-        assert gs.version == version + 1
+        assert gs.core.version == version + 1
         late = await transport.connect("127.0.0.1", port, role="worker", worker_id=199,
                                        token=TOKEN)
         assert isinstance(await asyncio.wait_for(late.recv(), 5), messages.Ack)

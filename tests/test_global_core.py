@@ -10,6 +10,7 @@ import pytest
 from minips import sparse
 from minips.core.config import RunConfig
 from minips.core.global_core import (
+    Action,
     AllFinal,
     Done,
     Fail,
@@ -19,10 +20,11 @@ from minips.core.global_core import (
     SendRatios,
     WeightsReady,
 )
+from minips.core.group_core import Log
 from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.serve.group import GroupServer
-from minips.serve.inproc_group import InProcGroup
+from minips.server import InProcGroup
 from minips.wire import messages
 
 N = 10
@@ -40,10 +42,14 @@ def stats(step_time: float, clock: int = 0) -> messages.Stats:
 
 def grouped(c: GlobalCore, groups: int = 1) -> None:
     """Every worker in a group (as the shell's FormGroups does), no server behind it."""
-    for g in range(groups):
-        c.groups[g] = GroupHandle(g, f"h:{g}", [w for w in c.workers if w % groups == g])
-    for w in c.workers:
-        c.workers[w].group = w % groups
+    handles = [GroupHandle(g, f"h:{g}", [w for w in c.workers if w % groups == g])
+               for g in range(groups)]
+    c.groups_formed(handles, {w: w % groups for w in c.workers})
+
+
+def decided(actions: list[Action]) -> list[Action]:
+    """The actions other than the record's lines."""
+    return [a for a in actions if not isinstance(a, Log)]
 
 
 def test_the_groups_form_once_when_every_worker_reported() -> None:
@@ -58,14 +64,14 @@ def test_the_groups_form_once_when_every_worker_reported() -> None:
 
 def test_the_calibration_deadline_groups_whoever_reported_or_the_next_to_report() -> None:
     c = core(np.zeros(N, np.float32), workers=3)
-    assert c.calib_timeout(60.0) == []  # nobody yet: the first STATS will
+    assert decided(c.calib_timeout(60.0)) == []  # nobody yet: the first STATS will
     c.roster.admit(2)
     assert c.on_stats(2, stats(0.01), 61.0) == [FormGroups()]
-    assert c.calib_timeout(62.0) == []
+    assert decided(c.calib_timeout(62.0)) == []
     late = core(np.zeros(N, np.float32), workers=3)
     late.roster.admit(0)
     assert late.on_stats(0, stats(0.01), 0.0) == []
-    assert late.calib_timeout(60.0) == [FormGroups()]
+    assert decided(late.calib_timeout(60.0)) == [FormGroups()]
 
 
 def test_a_worker_reporting_after_the_grouping_is_placed_late() -> None:
@@ -93,13 +99,13 @@ def test_a_non_finite_delta_is_not_merged_and_fails_the_run() -> None:
     grouped(c)
     bad = np.zeros(N, np.float32)
     bad[3] = np.nan
-    c.merge(0, bad, {"samples": 4})
-    actions = c.take_actions()
-    assert len(actions) == 1 and isinstance(actions[0], Fail)
-    assert actions[0].code == "diverged" and "NaN or inf" in actions[0].reason
+    _, actions = c.merge(0, bad, {"samples": 4})
+    fail, done = decided(actions)
+    assert isinstance(fail, Fail) and done == Done("diverged")
+    assert fail.code == "diverged" and "NaN or inf" in fail.reason == c.failure
     assert c.version == 0 and c.samples == 0 and c.weights is not None
     assert np.isfinite(c.weights).all()
-    assert c.take_actions() == []  # the outbox was emptied
+    assert c.fail("workers_gone", "later") == []  # the first failure is the one kept
 
 
 def test_the_epochs_budget_says_done_once_and_every_final_group_says_all_final() -> None:
@@ -108,10 +114,11 @@ def test_the_epochs_budget_says_done_once_and_every_final_group_says_all_final()
     for w in (0, 1):
         c.roster.admit(w)
     grouped(c, 2)
-    c.merge(0, np.ones(N, np.float32), {"samples": 6, "session": 1, "seq": 1})
-    assert c.take_actions() == []
-    c.merge(1, np.ones(N, np.float32), {"samples": 6, "session": 2, "seq": 1, "final": True})
-    assert c.take_actions() == [Done("epochs")]
+    _, actions = c.merge(0, np.ones(N, np.float32), {"samples": 6, "session": 1, "seq": 1})
+    assert decided(actions) == []
+    _, actions = c.merge(1, np.ones(N, np.float32), {"samples": 6, "session": 2, "seq": 1,
+                                                     "final": True})
+    assert decided(actions) == [Done("epochs")]
     assert c.done and c.done_reason == "epochs" and c.finish("wall time") == []
     assert c.group_left(0) == [AllFinal()]  # group 1's last merge was final
     assert c.budget_left() == ""
@@ -124,14 +131,14 @@ def test_group_answers_name_the_exchanges_held_and_a_repeat_is_not_merged_twice(
     pull = c.group_pull(0)
     assert pull.info["members"] == [0] and pull.info["last_exchange"] == [-1, -1]
     delta = np.full(N, 0.5, np.float32)
-    first = c.group_push(0, delta, {"samples": 2, "session": 7, "seq": 1})
-    again = c.group_push(0, delta, {"samples": 2, "session": 7, "seq": 1})  # reply was lost
+    first, _ = c.on_exchange(0, delta, {"samples": 2, "session": 7, "seq": 1})
+    again, _ = c.on_exchange(0, delta, {"samples": 2, "session": 7, "seq": 1})  # reply lost
     assert c.version == 1 and c.samples == 2 and first.samples == again.samples == 2
     assert c.group_pull(0).info["last_exchange"] == [7, 1]
     w = sparse.decode_vector(again.encoding, again.codec, again.buffers, N)
     assert np.asarray(w).tolist() == [0.5] * N
     c.checkpoint_state()  # a snapshot records the exchange it holds
-    assert c.group_reply(0, delta).saved_exchanges == [[-1, -1], [7, 1]]
+    assert c.exchange_reply(0, delta).saved_exchanges == [[-1, -1], [7, 1]]
 
 
 def test_a_checkpoint_state_comes_back_into_a_new_core() -> None:
@@ -155,24 +162,24 @@ def test_a_checkpoint_state_comes_back_into_a_new_core() -> None:
         other.load_state_dict(state)
 
 
-def test_a_groups_ratio_has_one_owner_the_in_process_group_reads_it() -> None:
+def test_a_groups_ratio_has_one_owner_the_shell_hands_it_to_the_group() -> None:
+    """The roster sets a group's GDTopK ratio; the core says ``SendRatios``, and the shell gives
+    it to the group server (here in-process: its core's ``set_ratio``) and to its workers."""
     c = core(np.zeros(N, np.float32), workers=2, groups=2, mode="gssp", compressor="gdtopk",
              ratio=0.01)
     for w in (0, 1):
         c.roster.admit(w)
         c.on_stats(w, stats(0.01 * (w + 1)), 0.0)
-    gs = GroupServer(0, c.run, np.zeros(N, np.float32), object(), members=[0])  # type: ignore[arg-type]
-    c.groups[0] = GroupHandle(0, "h:0", [0], peer=InProcGroup(gs))
-    c.groups[1] = GroupHandle(1, "h:1", [1], peer=NoGroup(0.01))
-    for w in (0, 1):
-        c.workers[w].group = w
+    gs = GroupServer(0, c.run, np.zeros(N, np.float32), None, members=[0])
+    c.groups_formed([GroupHandle(0, "h:0", [0], peer=InProcGroup(gs)),
+                     GroupHandle(1, "h:1", [1], peer=NoGroup())], {0: 0, 1: 1})
     c.roster.policy.every_s = 0.0  # type: ignore[union-attr]
     c.roster.observe_iter_time(0, 0.5, 0.0)
-    c.merge(1, np.zeros(N, np.float32), {"samples": 1, "iter_time": 0.1})
-    actions = c.take_actions()
+    _, actions = c.merge(1, np.zeros(N, np.float32), {"samples": 1, "iter_time": 0.1})
     ratios = next(a.ratios for a in actions if isinstance(a, SendRatios))
     assert ratios[0] > ratios[1]  # group 0 is the slower one now: it sends more
-    assert gs.ratio == c.groups[0].ratio == ratios[0]  # written once, read by the group
+    assert c.groups[0].ratio == ratios[0]  # the one copy, the roster's
     assert c.assign_message(c.groups[1]).ratio == ratios[1]
-    c.groups[0].ratio = 0.5
-    assert gs.weights_message(0, []).info["ratio"] == 0.5
+    for g in ratios:  # what GlobalServer does with SendRatios
+        c.groups[g].peer.send_ratio(c.assign_message(c.groups[g]))
+    assert gs.core.weights_message(0, []).info["ratio"] == ratios[0]

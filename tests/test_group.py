@@ -62,10 +62,10 @@ async def test_bsp_averages_one_round_and_applies_it_once() -> None:
     gs = GroupServer(0, plain("bsp", sync_every=100), np.zeros(3, np.float32),
                      Global(np.zeros(3)), members=[0, 1])
     gs.on_push(0, push(1, vec(2, 0, 4)))
-    assert gs.version == 0 and not gs.weights.any()  # waits for worker 1
+    assert gs.core.version == 0 and not gs.core.weights.any()  # waits for worker 1
     ack = gs.on_push(1, push(1, sparse.SparseVector(np.array([1], np.uint32), vec(6), 3)))
-    np.testing.assert_array_equal(gs.weights, vec(-1, -3, -2))
-    assert gs.version == 1 and ack.version == 1
+    np.testing.assert_array_equal(gs.core.weights, vec(-1, -3, -2))
+    assert gs.core.version == 1 and ack.version == 1
 
 
 async def test_ssp_pull_waits_for_the_slowest_and_says_whom() -> None:
@@ -98,9 +98,9 @@ async def test_lease_expiry_releases_the_waiting_worker() -> None:
         await asyncio.sleep(0.05)
         assert not pull.done()
         now[0] = 60.0  # worker 1's lease (and 0's, but 0's pull keeps it) runs out
-        gs.table.heartbeat(0, now[0])
+        gs.core.table.heartbeat(0, now[0])
         w = await asyncio.wait_for(pull, 3)
-        assert 1 not in gs.table and w.done is False
+        assert 1 not in gs.core.table and w.done is False
     finally:
         expire.cancel()
 
@@ -124,7 +124,7 @@ async def test_exchange_in_flight_loses_no_update(groups: int) -> None:
         await gs.flush(final=True)
     np.testing.assert_allclose(glob.weights, -total / groups, rtol=1e-5, atol=1e-5)
     if groups == 1:
-        np.testing.assert_allclose(servers[0].weights, glob.weights, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(servers[0].core.weights, glob.weights, rtol=1e-5, atol=1e-5)
     assert glob.stats[-1]["final"] is True
     assert sum(s["pushes"] for s in glob.stats) == 5 * groups
 
@@ -177,13 +177,13 @@ async def test_cosine_lr_follows_this_group_then_every_group_s_samples() -> None
     gs = GroupServer(0, run, np.zeros(1, np.float32), glob, members=[0])
     for clock in (1, 2, 3, 4):  # seen before each step: 0, 1, 2, 3 -> factors 1, .854, .5, .146
         gs.on_push(0, push(clock, vec(1)))
-    np.testing.assert_allclose(gs.weights, vec(-2.5), rtol=1e-6)
+    np.testing.assert_allclose(gs.core.weights, vec(-2.5), rtol=1e-6)
     # a new group learns from its first exchange that the cluster has trained on 2 samples
     fresh = GroupServer(0, run, np.zeros(1, np.float32), glob, members=[0])
     glob.samples = 2
     await asyncio.wait_for(fresh.flush(), 5)
     fresh.on_push(0, push(1, vec(1)))  # seen = 2 of 4: factor 0.5
-    np.testing.assert_allclose(fresh.weights, vec(-0.5), rtol=1e-6)
+    np.testing.assert_allclose(fresh.core.weights, vec(-0.5), rtol=1e-6)
 
 
 def test_exchange_counts_cluster_samples_from_the_last_reply_on() -> None:
@@ -214,9 +214,9 @@ async def test_global_merge_of_k_groups_is_the_mean_of_their_deltas(
     srv = make_server(tmp_path, np.zeros(4, np.float32), workers=3, mode="asp", lr=1.0,
                       momentum=0.0, weight_decay=0.0, sync_every=1, merge=merge)
     for g in range(3):
-        srv.groups[g] = GroupHandle(g, "", [g])
-    assert srv.weights is not None
-    servers = [GroupServer(g, srv.run, srv.weights, InProcLink(srv), members=[g])
+        srv.core.group_opened(GroupHandle(g, "", [g]))
+    assert srv.core.weights is not None
+    servers = [GroupServer(g, srv.core.run, srv.core.weights, InProcLink(srv), members=[g])
                for g in range(3)]
     grads = [vec(3, 0, 0, 6), vec(0, 3, 0, 6), vec(0, 0, 3, -3)]
     try:
@@ -225,8 +225,8 @@ async def test_global_merge_of_k_groups_is_the_mean_of_their_deltas(
         for gs in servers:
             await gs.flush(final=True)
         expected = -np.float32(scale) * np.sum(grads, axis=0)
-        np.testing.assert_allclose(srv.weights, expected, rtol=1e-6)
-        assert srv.version >= 3 and sum(h.merges for h in srv.groups.values()) >= 3
+        np.testing.assert_allclose(srv.core.weights, expected, rtol=1e-6)
+        assert srv.core.version >= 3 and sum(h.merges for h in srv.core.groups.values()) >= 3
     finally:
         for gs in servers:
             await gs.close()

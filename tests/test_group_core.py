@@ -28,7 +28,7 @@ N = 500
 
 
 class NoLink:
-    """The core never calls its link (the shell exchanges); a GroupLink that says so."""
+    """The shell's link, never called here (no exchange is due); a GroupLink that says so."""
 
     async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> Any:
         raise AssertionError("the core does not exchange")
@@ -47,11 +47,12 @@ def drive(core: GroupCore, rounds: int, seed: int) -> list[messages.Weights]:
     rng = np.random.default_rng(seed)
     held = {0: -1, 1: -1}
     answers = []
+    rules = core.core if isinstance(core, GroupServer) else core
     for r in range(rounds):
         for w in (0, 1):
-            assert core.may_answer(w)
-            core.publish()
-            msg = core.weights_message(w, [], held[w])
+            assert rules.may_answer(w)
+            rules.publish()
+            msg = rules.weights_message(w, [], held[w])
             held[w] = msg.version
             answers.append(msg)
         for w in (0, 1):
@@ -122,19 +123,22 @@ async def run_with_asyncio(compressor: str, events: list[Any],
     and 4 GroupServers (in-process link), each PULL through ``answer_pull``, each PUSH through
     ``on_push`` with its exchange awaited before the next event (as the cores ran it)."""
     from minips.core.roster import GroupHandle
-    from minips.serve.inproc_group import InProcGroup
-    from minips.server import GlobalServer, InProcLink, ServerConfig
+    from minips.server import GlobalServer, InProcGroup, InProcLink, ServerConfig
 
     cfg = ServerConfig(run=RunConfig(**noio_cluster.run_config(compressor)), port=0,
                        run_dir=str(tmp_path), checkpoint_every_s=0)
     srv = GlobalServer(cfg, noio_cluster.init_weights())
     t = [0.0]
     servers: dict[int, GroupServer] = {}
+    handles = []
     for g in sorted(set(noio_cluster.GROUP_OF.values())):
         members = [w for w, h in noio_cluster.GROUP_OF.items() if h == g]
-        servers[g] = GroupServer(g, srv.run, srv.weights, InProcLink(srv), members=members,
-                                 clock=lambda: t[0])
-        srv.groups[g] = GroupHandle(g, "", members, peer=InProcGroup(servers[g]))
+        servers[g] = GroupServer(g, srv.core.run, srv.core.weights, InProcLink(srv),
+                                 members=members, clock=lambda: t[0])
+        handles.append(GroupHandle(g, "", members, peer=InProcGroup(servers[g])))
+    for w in noio_cluster.GROUP_OF:
+        srv.core.admit(w, 0.0)
+    srv.perform(srv.core.groups_formed(handles, dict(noio_cluster.GROUP_OF)))
     workers, pushes = noio_cluster.Workers(compressor), {}
     try:
         for kind, who, t[0] in events:
@@ -143,13 +147,13 @@ async def run_with_asyncio(compressor: str, events: list[Any],
                 continue
             gs = servers[noio_cluster.GROUP_OF[who]]
             if kind == "pull":
-                assert gs.may_answer(who)  # it was answered then: it is now
+                assert gs.core.may_answer(who)  # it was answered then: it is now
                 pushes[who] = workers.step(who, await gs.answer_pull(who, workers.held[who]))
             else:
                 workers.acked(who, gs.on_push(who, pushes.pop(who)))
                 await gs.settle()
-        assert srv.weights is not None
-        return srv.weights.copy(), [gs.weights.copy() for gs in servers.values()]
+        assert srv.core.weights is not None
+        return srv.core.weights.copy(), [gs.core.weights.copy() for gs in servers.values()]
     finally:
         for gs in servers.values():
             await gs.close()
@@ -178,7 +182,7 @@ async def test_a_whole_cluster_of_cores_without_io_trains_as_the_asyncio_servers
 
 
 def test_two_workers_in_bsp_are_synchronous_sgd_on_the_core() -> None:
-    core = GroupCore(0, run("bsp"), np.zeros(N, np.float32), NoLink(), members=[0, 1])
+    core = GroupCore(0, run("bsp"), np.zeros(N, np.float32), members=[0, 1])
     drive(core, 30, seed=1)
     ref_w, opt = np.zeros(N, np.float32), optim.SGD(N, lr=0.1, momentum=0.9, weight_decay=5e-4)
     rng = np.random.default_rng(1)
@@ -197,13 +201,13 @@ def test_two_workers_in_bsp_are_synchronous_sgd_on_the_core() -> None:
 async def test_the_asyncio_server_answers_as_the_core_does(mode: str, compressor: str) -> None:
     """Same events in the same order: the same weights, versions and answers, bit for bit
     (with topk, the compressed downlink's sparse answers too)."""
-    core = GroupCore(0, run(mode, compressor), np.zeros(N, np.float32), NoLink(),
-                     members=[0, 1])
+    core = GroupCore(0, run(mode, compressor), np.zeros(N, np.float32), members=[0, 1])
     server = GroupServer(0, run(mode, compressor), np.zeros(N, np.float32), NoLink(),
                          members=[0, 1], clock=lambda: 0.0)
     try:
         a, b = drive(core, 12, seed=2), drive(server, 12, seed=2)
-        assert np.array_equal(core.weights, server.weights) and core.version == server.version
+        assert np.array_equal(core.weights, server.core.weights)
+        assert core.version == server.core.version
         for x, y in zip(a, b, strict=True):
             assert (x.version, x.since, x.encoding) == (y.version, y.since, y.encoding)
             assert all(bytes(p) == bytes(q) for p, q in zip(x.buffers, y.buffers, strict=True))
@@ -217,7 +221,7 @@ def test_the_core_answers_each_event_with_the_actions_due() -> None:
     ``StartExchange`` every ``sync_every`` pushes; a lease running out: a log line and ``Wake``;
     the last worker leaving: ``AllLeft``."""
     core = GroupCore(0, RunConfig(workers=2, mode="ssp", lr_warmup=0, sync_every=3, lease_s=10),
-                     np.zeros(N, np.float32), NoLink(), members=[0, 1])
+                     np.zeros(N, np.float32), members=[0, 1])
     grad = np.ones(N, np.float32)
     assert core.join(0, 0.0) == [Reply(0, messages.Ack(clock=0, version=0))]
     assert core.join(1, 0.0) == [Reply(1, messages.Ack(clock=0, version=0))]

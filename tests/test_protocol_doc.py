@@ -21,7 +21,7 @@ from test_server import TOKEN, join, make_server, push
 from minips.errors import RemoteProtocolError
 from minips.net import channel, transport
 from minips.net.endpoints import parse_address
-from minips.serve.inproc_group import InProcGroup
+from minips.server import InProcGroup
 from minips.sparse import SparseVector, decode_vector, encode_vector
 from minips.wire import frames, messages
 
@@ -79,8 +79,8 @@ async def test_nan_or_inf_in_a_dense_gradient_is_refused(tmp_path: Path, bad: fl
         await ch.send(push(clock + 1, np.array([1.0, bad, 0.0], np.float32)))
         error = await recv_as(ch, messages.Error, 5)
         assert error.code == "invalid" and "NaN or inf" in error.reason
-        assert isinstance(peer := srv.groups[0].peer, InProcGroup)
-        assert peer.server.weights.tolist() == [0.0] * 3  # nothing applied
+        assert isinstance(peer := srv.core.groups[0].peer, InProcGroup)
+        assert peer.server.core.weights.tolist() == [0.0] * 3  # nothing applied
     finally:
         await ch.close()
         await ctl.close()
@@ -162,7 +162,7 @@ async def test_heartbeat_seq_and_evaluator_address_are_not_checked(tmp_path: Pat
             await ev.send(messages.Heartbeat(seq=seq))
         await ev.send(messages.Pull(clock=0))
         assert (await recv_as(ev, messages.GlobalWeights, 5)).info["size"] == 3
-        assert not srv.io.rejected and srv.server is not None
+        assert not srv.rejected and srv.server is not None
         assert srv.server.stats["protocol_errors"] == 0
     finally:
         await ev.close()

@@ -1,6 +1,6 @@
-"""How a run ends (run_end.py): every worker gone with budget left is a wait, then a failure
-that says why; a non-finite update stops the run naming the cause; a server on loopback with
-raw worker sessions, as in test_server.py."""
+"""How a run ends (server.GlobalServer): every worker gone with budget left is a wait, then a
+failure that says why; a non-finite update stops the run naming the cause; a server on loopback
+with raw worker sessions, as in test_server.py."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ async def test_every_worker_gone_with_budget_left_waits_then_fails_saying_why(
     try:
         ctl, ch = await train(port, [np.ones(2, np.float32)] * 2)
         await ch.close(leave="bye")  # its only worker leaves: the group flushes a final delta
-        await asyncio.wait_for(srv.io.finished.wait(), 10)
+        await asyncio.wait_for(srv.finished.wait(), 10)
         waiting = records(tmp_path / "global.jsonl", event="waiting_for_workers")
         assert waiting and waiting[0]["left"] == "2 of 100 samples"
         assert "short of its budget" in srv.failure and "2 of 100 samples" in srv.failure
@@ -70,8 +70,8 @@ async def test_without_budget_left_the_workers_leaving_ends_the_run(tmp_path: Pa
     try:
         ctl, ch = await train(port, [np.ones(2, np.float32)] * 2)
         await ch.close(leave="bye")
-        await asyncio.wait_for(srv.io.finished.wait(), 10)
-        assert srv.failure == "" and srv.done_reason == "workers left"
+        await asyncio.wait_for(srv.finished.wait(), 10)
+        assert srv.failure == "" and srv.core.done_reason == "workers left"
         await ctl.close()
     finally:
         await srv.close()
@@ -94,7 +94,7 @@ async def test_a_worker_back_within_the_wait_trains_on(tmp_path: Path) -> None:
                 break
             await asyncio.sleep(0.05)
         assert records(tmp_path / "global.jsonl", event="workers_back")
-        assert not srv.done and srv.failure == "" and srv.samples == 3
+        assert not srv.core.done and srv.failure == "" and srv.core.samples == 3
         await ch.close()
         await ctl.close()
     finally:
@@ -110,9 +110,9 @@ async def test_a_non_finite_update_stops_the_run_naming_the_cause(tmp_path: Path
         ctl, ch = await train(port, [huge, huge])
         err = await recv_as(ctl, messages.Error)
         assert err.code == "diverged" and "non-finite" in err.reason
-        await asyncio.wait_for(srv.io.finished.wait(), 10)
+        await asyncio.wait_for(srv.finished.wait(), 10)
         assert "diverged" in srv.failure and "lower --lr" in srv.failure
-        assert srv.weights is not None and np.isfinite(srv.weights).all()  # not applied
+        assert srv.core.weights is not None and np.isfinite(srv.core.weights).all()  # not applied
         await ch.close()
         await ctl.close()
     finally:

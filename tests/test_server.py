@@ -24,8 +24,7 @@ from minips.net import transport
 from minips.net.endpoints import parse_address, reachable
 from minips.record.rundir import read_jsonl
 from minips.serve.group import GroupServer
-from minips.serve.inproc_group import InProcGroup
-from minips.server import GlobalServer, InProcLink, ServerConfig
+from minips.server import GlobalServer, InProcGroup, InProcLink, ServerConfig
 from minips.wire import messages
 
 TOKEN = "server-test-secret-0123"
@@ -76,7 +75,7 @@ async def test_refuses_wrong_secret_and_unknown_worker_id(tmp_path: Path) -> Non
 
 def in_proc(srv: GlobalServer, g: int) -> GroupServer:
     """Group ``g``'s server, which runs in ``srv``'s process."""
-    peer = srv.groups[g].peer
+    peer = srv.core.groups[g].peer
     assert isinstance(peer, InProcGroup)
     return peer.server
 
@@ -84,7 +83,7 @@ def in_proc(srv: GlobalServer, g: int) -> GroupServer:
 def push_mean(srv: GlobalServer, ratios: dict[int, float], workers: dict[int, int]) -> float:
     """GDTopK's mean kept fraction over the pushes (compress/ratios.py): group g makes workers[g] /
     t_g pushes a second at the iteration time t_g its policy holds."""
-    times = srv.roster.policy.times  # type: ignore[union-attr]
+    times = srv.core.roster.policy.times  # type: ignore[union-attr]
     pushes = {g: workers[g] / times[g] for g in ratios}
     return sum(pushes[g] * r for g, r in ratios.items()) / sum(pushes.values())
 
@@ -102,23 +101,23 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         ratios = {0: assigns[0].ratio, 1: assigns[2].ratio}
         assert push_mean(srv, ratios, {0: 2, 1: 2}) == pytest.approx(0.004)  # mean held
         assert assigns[2].ratio > 4 * assigns[0].ratio  # slower group sends more
-        assert [in_proc(srv, g).ratio for g in (0, 1)] == [assigns[0].ratio,
+        assert [in_proc(srv, g).core.ratio for g in (0, 1)] == [assigns[0].ratio,
                                                            assigns[2].ratio]
         host, gport = parse_address(assigns[2].address)
         ch = await transport.connect(host, gport, role="worker", worker_id=2, token=TOKEN)
         assert isinstance(await ch.recv(), messages.Ack)
         await ch.close()
         # measured iteration times (exchanges) turn the ratios around: group 0 is now slower
-        srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
-        srv.roster.observe_iter_time(0, 0.5, 0.0)
-        srv.merge(1, np.zeros(8, np.float32), {"samples": 1, "iter_time": 0.1})
-        srv.perform(srv.take_actions())  # the merge's actions: SendRatios
+        srv.core.roster.policy.every_s = 0.0  # type: ignore[union-attr]
+        srv.core.roster.observe_iter_time(0, 0.5, 0.0)
+        _, actions = srv.core.merge(1, np.zeros(8, np.float32), {"samples": 1, "iter_time": 0.1})
+        srv.perform(actions)  # the merge's actions: SendRatios
         later = [await next_assign(c) for c in chans]
         assert [a.group for a in later] == [0, 0, 1, 1]
         assert later[0].ratio == pytest.approx(5 * later[2].ratio)
         ratios = {0: later[0].ratio, 1: later[2].ratio}
         assert push_mean(srv, ratios, {0: 2, 1: 2}) == pytest.approx(0.004)
-        assert in_proc(srv, 0).ratio == later[0].ratio  # one owner: what the group reads
+        assert in_proc(srv, 0).core.ratio == later[0].ratio  # one owner: what the group reads
     finally:
         for ch in chans:
             await ch.close()
@@ -191,14 +190,14 @@ async def test_group_processes_get_their_gdtopk_ratio_and_every_change_of_it(
         assert first[1][0] == pytest.approx(4 * first[0][0])  # slower-more: the slow one sends more
         ratios = {g: r for g, (r, _) in first.items()}
         assert push_mean(srv, ratios, {0: 1, 1: 1}) == pytest.approx(0.01)  # the run's ratio
-        srv.roster.policy.every_s = 0.0  # type: ignore[union-attr]
+        srv.core.roster.policy.every_s = 0.0  # type: ignore[union-attr]
         await first[0][1].send(messages.Exchange(samples=1, iter_time=0.5, session=1, seq=1,
                                                  encoding="dense-f32",
                                                  buffers=(np.zeros(4, np.float32),)))
         later = {g: (await next_assign(ch)).ratio for g, (_, ch) in first.items()}
         assert later[0] > later[1]  # group 0 now iterates slower than group 1's 0.04 s
         assert push_mean(srv, later, {0: 1, 1: 1}) == pytest.approx(0.01)
-        assert {g: h.ratio for g, h in srv.groups.items()} == later
+        assert {g: h.ratio for g, h in srv.core.groups.items()} == later
     finally:
         for ch in ctls + grps:
             await ch.close()
@@ -227,9 +226,9 @@ async def test_epoch_budget_ends_the_run_and_nothing_is_lost(tmp_path: Path) -> 
     await ctl.close(leave="bye")
     await asyncio.wait_for(srv.wait_finished(), 5)
     await srv.close()
-    assert srv.weights is not None
-    np.testing.assert_allclose(srv.weights, np.full(2, -3.0))
-    assert srv.samples == 3 and srv.done_reason == "epochs"
+    assert srv.core.weights is not None
+    np.testing.assert_allclose(srv.core.weights, np.full(2, -3.0))
+    assert srv.core.samples == 3 and srv.core.done_reason == "epochs"
     assert np.load(tmp_path / "final_weights.npy").tolist() == [-3.0, -3.0]
 
 
@@ -274,8 +273,8 @@ async def test_two_workers_both_told_need_init_both_push_and_both_stay(tmp_path:
                                           samples=1))
         for ctl in ctls:
             assert isinstance(await asyncio.wait_for(ctl.recv(), 10), messages.Assign)
-        assert srv.weights is not None and srv.weights.tolist() == inits[0].tolist()
-        assert not srv.io.rejected
+        assert srv.core.weights is not None and srv.core.weights.tolist() == inits[0].tolist()
+        assert not srv.rejected
     finally:
         for ctl in ctls:
             await ctl.close()
@@ -293,7 +292,7 @@ async def test_initial_weights_of_another_size_are_refused(tmp_path: Path) -> No
         msg = await asyncio.wait_for(ctl.recv(), 10)
         assert isinstance(msg, messages.Error) and msg.code == "invalid"
         assert "another model size" in msg.reason
-        assert srv.weights is not None and srv.weights.tolist() == [0.0] * 5
+        assert srv.core.weights is not None and srv.core.weights.tolist() == [0.0] * 5
     finally:
         await ctl.close()
         await srv.close()
@@ -333,9 +332,9 @@ async def test_stats_clock_may_go_back_when_a_worker_changes_group_server(
             assert isinstance(await asyncio.wait_for(ch.recv(), 5), messages.Assign)
         for clock in (9, 1, 2):  # 9 steps on the old group server, then 1, 2 on its successor
             await chans[0].send(messages.Stats(clock=clock, step_time=0.01, loss=2.0))
-            await until(lambda c=clock: srv.workers[0].clock == c, 5)  # type: ignore[misc]
-        entry = srv.workers[0]
-        assert entry.ch is not None and not entry.ch.closed and not chans[0].closed
+            await until(lambda c=clock: srv.core.workers[0].clock == c, 5)  # type: ignore[misc]
+        assert srv.core.workers[0].connected and not srv.controls[0].closed
+        assert not chans[0].closed
         assert srv.server is not None and srv.server.stats["protocol_errors"] == 0
     finally:
         for ch in chans:
@@ -397,17 +396,17 @@ async def test_workers_after_the_calibration_deadline_are_assigned_after_their_f
 
 async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> None:
     srv = make_server(tmp_path, np.zeros(4, np.float32), workers=1, mode="ssp")
-    srv.groups[0] = GroupHandle(0, "", [0])
-    gs = GroupServer(0, srv.run, srv.weights, ReplyLost(srv), members=[0])
+    srv.core.group_opened(GroupHandle(0, "", [0]))
+    gs = GroupServer(0, srv.core.run, srv.core.weights, ReplyLost(srv), members=[0])
     try:
-        gs.weights += 1.0  # (4,) what the group's workers applied before the first exchange
+        gs.core.weights += 1.0  # (4,) what the group's workers applied before the first exchange
         await gs.flush()  # merged, but the reply is lost: the exchange stays pending
-        assert srv.version == 1 and gs.xchg.pending is not None
-        gs.weights += 2.0  # pushes applied meanwhile
+        assert srv.core.version == 1 and gs.core.xchg.pending is not None
+        gs.core.weights += 2.0  # pushes applied meanwhile
         await gs.flush()  # the same (session, seq) again, then the new delta
-        assert srv.version == 2 and gs.xchg.pending is None
-        np.testing.assert_allclose(srv.weights, 3.0)  # 1 + 2, not 1 + 1 + 2
-        np.testing.assert_allclose(gs.weights, 3.0)
+        assert srv.core.version == 2 and gs.core.xchg.pending is None
+        np.testing.assert_allclose(srv.core.weights, 3.0)  # 1 + 2, not 1 + 1 + 2
+        np.testing.assert_allclose(gs.core.weights, 3.0)
     finally:
         await gs.close()
         await srv.close()

@@ -45,12 +45,12 @@ async def test_second_control_connection_with_an_id_replaces_the_first_and_says_
     port = await srv.start()
     first = await connect(port, 0)
     try:
-        await until(lambda: srv.workers[0].ch is not None)
+        await until(lambda: srv.core.workers[0].connected)
         second = await connect(port, 0)
         await told_replaced(first)
         await second.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
         assert (await recv_as(second, messages.Assign, 5)).group == 0  # the newcomer goes on
-        assert srv.io.rejected["replaced"] == 1
+        assert srv.rejected["replaced"] == 1
         await second.close()
     finally:
         await first.close()
@@ -86,11 +86,11 @@ async def test_minus_one_reuses_the_id_of_a_worker_that_is_gone(tmp_path: Path) 
     try:
         first = await connect(port, -1)
         assert first.worker_id == 0
-        await until(lambda: srv.workers[0].ch is not None)
+        await until(lambda: srv.core.workers[0].connected)
         with pytest.raises(AuthError, match="no free worker id: all 1 are connected"):
             await connect(port, -1)
         await first.close()  # the worker crashed: its control connection is gone
-        await until(lambda: srv.workers[0].ch is None)
+        await until(lambda: not srv.core.workers[0].connected)
         again = await connect(port, -1)  # restarted without its old id
         assert again.worker_id == 0
         await again.close()
@@ -103,9 +103,9 @@ async def test_concurrent_minus_one_hellos_get_different_ids(tmp_path: Path) -> 
     port = await srv.start()
     try:
         first = await connect(port, -1)
-        await until(lambda: srv.workers[0].ch is not None)
+        await until(lambda: srv.core.workers[0].connected)
         await first.close()
-        await until(lambda: srv.workers[0].ch is None)
+        await until(lambda: not srv.core.workers[0].connected)
         # id 0 is free again, 1 and 2 never used: three at once get three ids, none twice
         chans = await asyncio.gather(*(connect(port, -1) for _ in range(3)))
         assert sorted(ch.worker_id for ch in chans) == [0, 1, 2]
@@ -129,7 +129,7 @@ def test_an_id_is_held_for_its_handshake_and_freed_if_it_never_finishes() -> Non
     assert r.admit(-1, now=1.0) == 1  # 0 is held for the handshake it was given to
     with pytest.raises(AuthError, match="no free worker id"):
         r.admit(-1, now=2.0)
-    r.workers[0].ch = object()  # type: ignore[assignment]  # worker 0's session started
+    r.workers[0].connected = True  # worker 0's session started
     r.seated(0)
     with pytest.raises(AuthError, match="no free worker id"):
         r.admit(-1, now=1.0 + roster.CLAIM_S - 0.1)

@@ -115,7 +115,7 @@ def test_the_pulls_answered_at_one_instant_share_one_publish(tmp_path: Path) -> 
     run = RunConfig(workers=4, mode="bsp", compressor="topk", ratio=0.05, lr=0.05,
                     lr_warmup=0, dataset="synthetic", epochs=100, base_step_s=0.01)
     sim = Simulation(SimConfig(run=run, dim=400, max_pushes=4 * 30), tmp_path / "pub")
-    core = sim.groups[0]
+    core = sim.groups[0].core
     calls: list[float] = []
     publish = core.publish
 

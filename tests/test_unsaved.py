@@ -31,8 +31,8 @@ class Sim:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp = tmp_path
         self.srv = self._server()
-        self.srv.weights = np.zeros(N, np.float32)
-        self.srv.groups[0] = GroupHandle(0, "", [0])
+        self.srv.perform(self.srv.core.on_initial(np.zeros(N, np.float32)))
+        self.srv.core.group_opened(GroupHandle(0, "", [0]))
         self.weights = np.zeros(N, np.float32)  # the group's weights
         self.xchg = Exchange(self.weights)
         self.applied, self.samples = np.zeros(N, np.float32), 0  # all the group ever applied
@@ -59,8 +59,8 @@ class Sim:
         self._send(self.xchg.begin(self.weights, {}), lose_reply)
 
     def _send(self, out: Any, lose_reply: bool) -> bool:
-        res = self.srv.merge(0, self.xchg.delta(out), out.stats)
-        reply = self.srv.group_reply(0, res.weights)
+        res, _ = self.srv.core.merge(0, out.delta, out.stats)
+        reply = self.srv.core.exchange_reply(0, res.weights)
         if lose_reply:
             return False
         saved = seqs_in(reply.info, "saved_exchanges", self.xchg.session)
@@ -70,7 +70,7 @@ class Sim:
 
     def snapshot(self) -> None:
         path = self.tmp / f"snapshot-{len(self.files)}.npz"
-        save(path, self.srv.checkpoint_state())
+        save(path, self.srv.core.checkpoint_state())
         self.files.append(path)
 
     async def resume(self, newest_written: bool = True) -> None:
@@ -85,18 +85,18 @@ class Sim:
         await self.reconnect()
 
     async def reconnect(self) -> None:
-        h = self.srv.groups[0]
-        info = self.srv.group_pull(h.id).info
+        h = self.srv.core.groups[0]
+        info = self.srv.core.group_pull(h.id).info
         held = seqs_in(info, "last_exchange", self.xchg.session)
-        assert held is not None and self.srv.weights is not None
-        self.weights, _ = self.xchg.rebase(self.weights, self.srv.weights.copy(), held[0])
+        assert held is not None and self.srv.core.weights is not None
+        self.weights, _ = self.xchg.rebase(self.weights, self.srv.core.weights.copy(), held[0])
 
     def assert_all_merged(self) -> None:
         self.exchange()
         self.exchange()  # the first may have been a pending one
         assert self.xchg.pending is None
-        np.testing.assert_array_equal(self.srv.weights, self.applied)
-        assert self.srv.samples == self.samples
+        np.testing.assert_array_equal(self.srv.core.weights, self.applied)
+        assert self.srv.core.samples == self.samples
         np.testing.assert_array_equal(self.weights, self.applied)
 
     async def close(self) -> None:
@@ -151,7 +151,7 @@ async def test_a_pending_exchange_the_checkpoint_holds_is_answered_as_a_repeat(
     await sim.resume()
     sim.assert_all_merged()
     # the checkpoint's 2, then the check's seqs 3 and 4; seq 2 again would make 5
-    assert sim.srv.groups[0].merges == 4
+    assert sim.srv.core.groups[0].merges == 4
 
 
 async def test_the_snapshot_before_an_interrupted_write_is_covered(sim: Sim) -> None:

@@ -74,9 +74,9 @@ async def test_one_worker_bsp_matches_reference(tmp_path: Path, train_set: data.
     run = bsp_run(1, 0.9, 12)
     srv = await run_cluster(run, tmp_path)
     ref = reference_weights(run, train_set, workers=1)
-    assert srv.weights is not None
-    np.testing.assert_allclose(srv.weights, ref, rtol=1e-5, atol=1e-6)
-    assert srv.samples == 12 * run.batch_size
+    assert srv.core.weights is not None
+    np.testing.assert_allclose(srv.core.weights, ref, rtol=1e-5, atol=1e-6)
+    assert srv.core.samples == 12 * run.batch_size
     assert not np.allclose(ref, models.get_flat(models.build_model("lenet5", 0)))
 
 
@@ -86,11 +86,11 @@ async def test_two_workers_bsp_match_averaged_reference(tmp_path: Path,
     run = bsp_run(2, 0.0, 10)
     srv = await run_cluster(run, tmp_path)
     ref = reference_weights(run, train_set, workers=2)
-    assert srv.weights is not None
-    np.testing.assert_allclose(srv.weights, ref, rtol=1e-5, atol=1e-6)
+    assert srv.core.weights is not None
+    np.testing.assert_allclose(srv.core.weights, ref, rtol=1e-5, atol=1e-6)
     # and not what a single worker would have done
     one = reference_weights(run, train_set, workers=1)
-    assert not np.allclose(srv.weights, one, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(srv.core.weights, one, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(120)
@@ -109,9 +109,9 @@ async def test_eight_workers_bsp_are_synchronous_sgd_with_the_lr_schedule(
                              workers=workers, momentum=run.momentum,
                              weight_decay=run.weight_decay, lr_warmup=run.lr_warmup,
                              lr_schedule=run.lr_schedule, train_size=run.train_size)
-    assert srv.weights is not None and srv.samples == rounds * workers * 64
+    assert srv.core.weights is not None and srv.core.samples == rounds * workers * 64
     # float32 sums of the 8 gradients in arrival order: ~1e-6 apart after 50 rounds
-    np.testing.assert_allclose(srv.weights, ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(srv.core.weights, ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.timeout(120)

@@ -43,10 +43,11 @@ that a global server resumed from its checkpoint gets it again, exactly once (nu
 
 The global server's checkpoint holds, per group, the (session, seq) of the last exchange merged
 into it. Each reply to an exchange names that seq for the server's last two snapshots
-(``saved_exchanges``), and the WEIGHTS that answer a PULL name the server's current last merged
-exchange (``last_exchange``). On reconnecting, a group compares that with what it sent: a server
-resumed from a checkpoint at seq ``c`` lacks exactly the exchanges after ``c`` that it had merged,
-and the group sends their sum (deltas and samples) once more, inside its next exchange.
+(``saved_exchanges``), and the GLOBAL_WEIGHTS that answer a group's PULL name the server's
+current last merged exchange (``last_exchange``). On reconnecting, a group compares that with
+what it sent: a server resumed from a checkpoint at seq ``c`` lacks exactly the exchanges after
+``c`` that it had merged, and the group sends their sum (deltas and samples) once more, inside
+its next exchange.
 
 Bounded memory. ``after[s]`` is the sum of the exchanges completed with seq > s; only three seqs
 are kept: the last one completed and the two the last reply named. That is enough: the server
@@ -95,7 +96,7 @@ import numpy as np
 
 from minips import sparse
 from minips.sparse import SparseVector, TopKSelector, add_into, kept_count
-from minips.wire import frames, messages
+from minips.wire import messages
 
 __all__ = [
     "Tally",
@@ -110,8 +111,7 @@ __all__ = [
     "Outgoing",
     "Exchange",
     "Delta",
-    "push_message",
-    "wire_size",
+    "exchange_message",
 ]
 
 
@@ -327,10 +327,6 @@ class Exchange:
         sent[idx] = weights[idx]
         return Outgoing(sent, stats, SparseVector(idx.astype(np.uint32), diff[idx], diff.size))
 
-    def delta(self, out: Outgoing) -> Delta:
-        """What ``out`` sends: ``s``, the same on every attempt."""
-        return out.delta
-
     def complete(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
         """The global server answered ``out``: rebase ``weights`` (in place) on its weights."""
         new = self.synced(res.weights)
@@ -401,7 +397,7 @@ def _zero() -> dict[str, Any]:
     return {"pushes": 0, "samples": 0, "step_time": 0.0, "loss": 0.0}
 
 
-def push_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
+def exchange_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
     """The EXCHANGE that carries one exchange of a group to the global server: ``delta``
     (dense or sparse) and the group's counters as its fields (a clock of None: -1, none;
     counters the message has no field for stay home)."""
@@ -409,8 +405,3 @@ def push_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
     counters: dict[str, Any] = {k: -1 if v is None else v for k, v in stats.items()
                 if k in messages.Exchange.INFO}
     return messages.Exchange(**counters, encoding=encoding, codec=codec, buffers=tuple(buffers))
-
-
-def wire_size(msg: messages.Message) -> int:
-    """Bytes ``msg`` takes on the wire (its frame: header and buffers, no TLS)."""
-    return sum(memoryview(b).nbytes for b in frames.encode(msg))

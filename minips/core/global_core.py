@@ -1,16 +1,18 @@
 """The global server's rules without IO: weights, merges, grouping decisions, budget, ratios.
 
-``GlobalCore`` is what the global server *decides*; ``server.GlobalServer`` (asyncio) is how it
-talks, and ``simulate.py`` drives the same class in simulated time. Message in, actions out:
-each entry point takes a message (or a tick) and returns the answer and/or a list of
-``global_actions`` (``FormGroups``, ``SendRatios``, ``Done``, ...) for the shell to perform:
-a worker's STATS ``on_stats(w, msg, now)``, its initial weights ``on_initial(weights)``, the
-grouping deadline ``calib_timeout(now)``, a regroup done ``regrouped(now)``, a group's exchange
-``merge`` (in-process; its actions wait in ``take_actions``) or ``group_push`` / ``group_pull``
-/ ``group_left`` (a group process), the budget ``finish(reason)``, checkpoints. The roster
+``GlobalCore`` is what the global server *decides*; ``server.GlobalServer`` (asyncio) holds one
+and is how it talks, and ``simulate.py`` drives the same class in simulated time. Message in,
+actions out: each entry point takes a message (or a tick) and returns the answer and/or a list
+of ``global_actions`` (``FormGroups``, ``SendRatios``, ``Done``, ``Log``, ...) for the shell to
+perform, in order: a worker's session ``worker_joined`` / ``worker_gone``, its STATS
+``on_stats(w, msg, now)``, its initial weights ``on_initial(weights)``, the grouping deadline
+``calib_timeout(now)``, the groups the shell opened ``groups_formed`` / ``moved`` /
+``group_served`` / ``group_lost`` / ``rehome`` / ``resume``, a group's exchange ``merge``
+(in-process) or ``on_exchange`` / ``group_pull`` / ``group_left`` (a group process: EXCHANGE
+-> EXCHANGE_REPLY), the budget ``finish(reason)`` and ``fail``, checkpoints. The core speaks to
+its shell only through what these return; the record's lines are ``Log`` actions. The roster
 (``roster.py``) holds the groups, their peers and ratios. Times come from injected clocks or as
 ``now``; no asyncio, sockets, clocks or torch inside (tests/test_group_core.py checks).
-``log(event, **fields)`` is the one hook (the record).
 
 Invariants (server.py's docstring has the run's whole course): ``weights`` changes only in
 ``merge`` (weights += delta of one group scaled by the sync policy's merge rule, version += 1),
@@ -34,13 +36,16 @@ actions; the asyncio shell (``server.py``) performs them over real connections, 
 - ``Done(reason)``: the budget is spent: tell the groups and the workers, wait for the final
   deltas (bounded).
 - ``AllFinal``: every group flushed its final delta: end the run, or wait for the workers to
-  rejoin when budget is left (``run_end.py``).
-- ``Fail(code, reason)``: the run fails now (``diverged``: a group sent NaN or inf).
+  rejoin when budget is left (``server.GlobalServer``).
+- ``Fail(code, reason)``: the run fails now (``diverged``: a group sent NaN or inf): tell the
+  workers (ERROR); a ``Done`` follows.
+- ``Rehomed(group, moved)``: a lost group's workers moved to live groups: tell them (ASSIGN).
+- ``Log(event, fields)``: one line of the run's record (the shell adds the time and counters).
 
 What a global checkpoint holds and how its parts come back (numpy, sans-IO, no files).
 
-``GlobalCore.checkpoint_state`` / ``load_state_dict`` use these; ``server_checkpoint.py`` writes and
-reads the file (``checkpoint.py``: atomic, no pickle). A snapshot is taken in one call (no
+``GlobalCore.checkpoint_state`` / ``load_state_dict`` use these; ``server.GlobalServer`` writes
+and reads the file (``checkpoint.py``: atomic, no pickle). A snapshot is taken in one call (no
 ``await`` inside), so the global weights, the counters and each in-process group's weights,
 optimizer state and clocks are consistent with each other; arrays are copies. The last merged
 exchange of each group (session, seq) is saved too, so a group process that resends an exchange
@@ -67,10 +72,9 @@ from minips.core.exchange import (
     ExchangeResult,
     Replica,
     exchange_ratio,
-    push_message,
-    wire_size,
 )
-from minips.core.roster import GroupHandle, Roster, WorkerEntry
+from minips.core.group_core import Log
+from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.wire import messages
 
@@ -80,6 +84,7 @@ __all__ = [
     "Done",
     "Fail",
     "FormGroups",
+    "Rehomed",
     "PlaceLate",
     "Regroup",
     "SendRatios",
@@ -148,7 +153,16 @@ class Fail:
     reason: str
 
 
-Action = FormGroups | PlaceLate | Regroup | SendRatios | WeightsReady | Done | AllFinal | Fail
+@dataclass(frozen=True)
+class Rehomed:
+    """Lost group ``group``'s workers moved: ``{worker: new group}``; tell them."""
+
+    group: int
+    moved: dict[int, int]
+
+
+Action = (FormGroups | PlaceLate | Regroup | SendRatios | WeightsReady | Done | AllFinal | Fail
+          | Rehomed | Log)
 
 
 # -- global_state: What a global checkpoint holds and how its parts come back (numpy, sans-IO, n...
@@ -211,17 +225,33 @@ class GlobalCore:
         self.calib_expired = False  # calib_timeout_s passed: the next STATS forms the groups
         self.done = False
         self.done_reason = ""
-        self.failure = ""  # why the run ended short or broken ("" = it did not; run_end.py)
+        self.failure = ""  # why the run ended short or broken ("" = it did not; ``fail``)
         self.train_size = dataset_train_size(run.dataset, run.train_size)
         self.started_training = 0.0  # wall time when the groups were formed
-        self._actions: list[Action] = []  # what the shell has still to do
 
-    def take_actions(self) -> list[Action]:
-        """The actions decided since the last call, in order (the outbox is emptied)."""
-        out, self._actions = self._actions, []
-        return out
+    # -- workers ---------------------------------------------------------------------------
 
-    # -- workers and grouping ----------------------------------------------------------------
+    def admit(self, wanted: int, now: float) -> int:
+        """A worker id for a HELLO that asked for ``wanted`` (``Roster.admit``)."""
+        return self.roster.admit(wanted, now)
+
+    def worker_joined(self, w: int) -> list[Action]:
+        """Worker ``w``'s control channel opened (a newer one replaces an older)."""
+        entry = self.workers[w]
+        entry.connected, entry.left = True, False
+        self.roster.seated(w)
+        return [Log("joined", {"worker": w})]
+
+    def worker_leaving(self, w: int) -> None:
+        """Worker ``w`` said LEAVE: its session ends, its id may be given out again."""
+        self.workers[w].left = True
+
+    def worker_gone(self, w: int) -> list[Action]:
+        """Worker ``w``'s control channel closed (after LEAVE, or lost)."""
+        entry = self.workers[w]
+        entry.connected = False
+        return [Log("left", {"worker": w,
+                             "reason": "leave" if entry.left else "connection lost"})]
 
     def on_stats(self, w: int, msg: messages.Stats, now: float) -> list[Action]:
         """Worker ``w``'s measured speed: form the groups, place it, regroup or update ratios."""
@@ -230,32 +260,13 @@ class GlobalCore:
         if not self.grouped:
             if self.calib_expired or self.roster.all_reported():
                 self.grouped = True
-                self._actions.append(FormGroups())
-        elif entry.group < 0:
-            self._actions.append(PlaceLate(w))
-        elif (new := self.roster.maybe_regroup(now)) is not None:
-            self._actions.append(Regroup(new))
-        else:
-            self._update_ratios(now)
-        return self.take_actions()
-
-    def calib_timeout(self, now: float) -> list[Action]:
-        """``calib_timeout_s`` passed: group whoever reported; with nobody yet, the first STATS
-        will, so a server started before its workers does not wait for all of them."""
-        if self.grouped:
+                return [FormGroups()]
             return []
-        self.calib_expired = True
-        reported = sorted(self.roster.step_times())
-        self.log("calib_timeout", reported=reported, expected=self.run.workers)
-        if reported:
-            self.grouped = True
-            self._actions.append(FormGroups())
-        return self.take_actions()
-
-    def regrouped(self, now: float) -> list[Action]:
-        """Workers moved (a ``Regroup`` done): the groups' speeds and GDTopK's ratios anew."""
-        self._update_ratios(now)
-        return self.take_actions()
+        if entry.group < 0:
+            return [PlaceLate(w)]
+        if (new := self.roster.maybe_regroup(now)) is not None:
+            return [Regroup(new)]
+        return self._update_ratios(now)
 
     def on_initial(self, weights: np.ndarray) -> list[Action]:
         """A worker's initial weights (WELCOME said ``need_init``): the first are taken; the
@@ -268,22 +279,120 @@ class GlobalCore:
                                       expected=self.weights.size, got=weights.size)
         return []
 
+    # -- grouping --------------------------------------------------------------------------
+
+    def calib_timeout(self, now: float) -> list[Action]:
+        """``calib_timeout_s`` passed: group whoever reported; with nobody yet, the first STATS
+        will, so a server started before its workers does not wait for all of them."""
+        if self.grouped:
+            return []
+        self.calib_expired = True
+        reported = sorted(self.roster.step_times())
+        actions: list[Action] = [Log("calib_timeout", {"reported": reported,
+                                                       "expected": self.run.workers})]
+        if reported:
+            self.grouped = True
+            actions.append(FormGroups())
+        return actions
+
+    def first_assignment(self, now: float) -> dict[int, int]:
+        """``{worker: group}`` of the first grouping (group 0 = fastest), GDTopK's first ratios
+        set (``ratio_of``), before the groups open."""
+        assignment = self.roster.first_assignment()
+        self.roster.first_ratios(assignment, now)
+        return assignment
+
+    def ratio_of(self, g: int) -> float:
+        """The GDTopK ratio group ``g`` opens with (``Roster.ratio_of``)."""
+        return self.roster.ratio_of(g)
+
+    def groups_formed(self, handles: list[GroupHandle],
+                      assignment: dict[int, int]) -> list[Action]:
+        """The first groups are open (``handles``, after ``first_assignment``): training
+        starts, every worker of ``assignment`` is in its group."""
+        for h in handles:
+            self.groups[h.id] = h
+        self.roster.refresh_step_times()
+        self.started_training = self.wall()
+        for w, g in assignment.items():
+            self.workers[w].group = g
+        return [Log("groups", {"assignment": {str(w): g for w, g in assignment.items()},
+                               "ratios": {str(g): h.ratio for g, h in self.groups.items()},
+                               "addresses": {str(g): h.address
+                                             for g, h in self.groups.items()}})]
+
+    def place_late(self, w: int) -> int | None:
+        """The group of worker ``w``, which reported after the grouping (nearest in speed);
+        None when it has one already."""
+        entry = self.workers[w]
+        return None if entry.group >= 0 else self.roster.place_late(entry)
+
+    def group_opened(self, h: GroupHandle) -> None:
+        """A new group (a regroup drew it) has its server."""
+        self.groups[h.id] = h
+
+    def moved(self, moves: dict[int, int], now: float) -> list[Action]:
+        """A ``Regroup`` carried out: ``{worker: group}`` (open groups) moved; the groups'
+        speeds and GDTopK's ratios anew."""
+        for w, g in moves.items():
+            self.roster.move(w, g)
+        return [Log("regroup", {"moved": {str(w): g for w, g in moves.items()}}),
+                *self.regrouped(now)]
+
+    def regrouped(self, now: float) -> list[Action]:
+        """Workers moved: the groups' speeds and GDTopK's ratios anew."""
+        return self._update_ratios(now)
+
+    def group_served(self, g: int, peer: GroupPeer, address: str) -> list[Action]:
+        """A group process took group ``g`` over (it had none: ``Roster.orphan``)."""
+        h = self.groups[g]
+        h.peer, h.address = peer, address
+        return [Log("group_adopted", {"group": g, "address": address})]
+
+    def group_lost(self, g: int) -> list[Action]:
+        """Group ``g``'s group process is gone; its last traffic known is kept."""
+        h = self.groups[g]
+        h.peer = NoGroup(h.peer.traffic())
+        return [Log("group_lost", {"group": g})]
+
+    def rehome(self, g: int) -> list[Action]:
+        """Nobody took lost group ``g`` over: its workers move to the live groups nearest in
+        speed (``Roster.rehome``; nothing when there is none or the run is over)."""
+        if self.groups[g].peer.connected or self.done:
+            return []
+        moved = self.roster.rehome(g)
+        if not moved:
+            return []
+        return [Log("rehomed", {"group": g, "moved": {str(w): v for w, v in moved.items()}}),
+                Rehomed(g, moved)]
+
+    def resume(self, handles: dict[int, GroupHandle], state: dict[str, Any]) -> None:
+        """The checkpoint's groups (``state``, after ``load_state_dict``) opened again:
+        in-process ones take their saved state, a group process adopts its group later."""
+        self.grouped = True
+        for key, saved in state["groups"].items():
+            restore_group(handles[int(key)], saved)
+        self.groups.update(sorted(handles.items()))
+        self.roster.restore_regrouper()
+        self.started_training = self.wall() - float(state["train_s"])
+
     # -- GDTopK ratios -----------------------------------------------------------------------
 
-    def _update_ratios(self, now: float) -> None:
+    def _update_ratios(self, now: float) -> list[Action]:
         """GDTopK: when the ratio policy (roster.update_ratios, ratios.py) gives new ratios, log
         them and send them (``SendRatios``)."""
         new = self.roster.update_ratios(now)
         if not new:
-            return
+            return []
         policy = self.roster.policy
-        self.log("ratios", ratios={str(g): r for g, r in new.items()},
-                 iter_time={str(g): policy.times.get(g) for g in new} if policy else {})
-        self._actions.append(SendRatios(new))
+        times = {str(g): policy.times.get(g) for g in new} if policy else {}
+        return [Log("ratios", {"ratios": {str(g): r for g, r in new.items()},
+                               "iter_time": times}), SendRatios(new)]
 
     # -- the groups' exchanges ---------------------------------------------------------------
 
-    def merge(self, g: int, delta: Delta, stats: dict[str, Any]) -> ExchangeResult:
+    def merge(self, g: int, delta: Delta,
+              stats: dict[str, Any]) -> tuple[ExchangeResult, list[Action]]:
         """Add group ``g``'s delta (dense or sparse) to the global weights; answer with what
         the group's copy of them lacks (``exchange.py``: dense weights, or entries to set). An
         exchange that repeats the group's last (session, seq) (its reply was lost) is answered
@@ -293,25 +402,19 @@ class GlobalCore:
         key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
         repeat = key[1] >= 0 and key == h.last_exchange
         if repeat:
-            self.log("merge_repeat", group=g, seq=key[1])
+            actions: list[Action] = [Log("merge_repeat", {"group": g, "seq": key[1]})]
         else:
             h.last_exchange = key
-            self._add_delta(g, delta, stats)
+            actions = self._add_delta(g, delta, stats)
         reply = self.replica(g).answer(self.weights, repeat)
-        return ExchangeResult(reply, self.version, self.done, self.samples)
+        return ExchangeResult(reply, self.version, self.done, self.samples), actions
 
-    def merge_counted(self, g: int, delta: Delta, stats: dict[str, Any]) -> ExchangeResult:
-        """``merge`` for a group in this process (or a simulated one): its bytes are those of
-        the PUSH and WEIGHTS a `minips group` process would exchange instead."""
-        res = self.merge(g, delta, stats)
-        res.bytes_up = wire_size(push_message(delta, stats))
-        res.bytes_down = wire_size(self.weights_message(res.weights))
-        return res
-
-    def group_push(self, g: int, delta: Delta, stats: dict[str, Any]) -> messages.ExchangeReply:
-        """A group process's EXCHANGE (its delta and counters): merge it; the reply names the
-        exchanges this server's snapshots hold (``group_reply``)."""
-        return self.group_reply(g, self.merge(g, delta, stats).weights)
+    def on_exchange(self, g: int, delta: Delta,
+                    stats: dict[str, Any]) -> tuple[messages.ExchangeReply, list[Action]]:
+        """A group process's EXCHANGE (its delta and counters): merge it; the EXCHANGE_REPLY
+        names the exchanges this server's snapshots hold (``exchange_reply``)."""
+        res, actions = self.merge(g, delta, stats)
+        return self.exchange_reply(g, res.weights), actions
 
     def group_pull(self, g: int) -> messages.GlobalWeights:
         """A group process (registering, adopting, reconnecting) takes the global weights whole,
@@ -323,7 +426,7 @@ class GlobalCore:
         msg = self.weights_message(weights, members=self.groups[g].members)
         return dataclasses.replace(msg, last_exchange=list(self.groups[g].last_exchange))
 
-    def group_reply(self, g: int, weights: Delta) -> messages.ExchangeReply:
+    def exchange_reply(self, g: int, weights: Delta) -> messages.ExchangeReply:
         """EXCHANGE_REPLY: the merged weights (or the entries to set) and the last exchange in
         each of the server's last two checkpoint snapshots (exchange.py)."""
         msg = self.weights_message(weights)
@@ -335,8 +438,7 @@ class GlobalCore:
     def group_left(self, g: int) -> list[Action]:
         """Group ``g``'s server said LEAVE: it is final."""
         self.groups[g].final = True
-        self._check_budget()
-        return self.take_actions()
+        return self._check_budget()
 
     def replica(self, g: int) -> Replica:
         """The global server's copy of what group ``g`` holds of the global weights."""
@@ -345,16 +447,14 @@ class GlobalCore:
             self.replicas[g] = Replica(self.weights.size, exchange_ratio(self.run))
         return self.replicas[g]
 
-    def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any]) -> None:
+    def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any]) -> list[Action]:
         """Merge one new exchange of group ``g``: weights, counters, its log line, the budget."""
         assert self.weights is not None
         h = self.groups[g]
         values = delta.values if isinstance(delta, sparse.SparseVector) else delta
         if not np.isfinite(np.sum(values, dtype=np.float64)):  # any NaN / inf makes the sum one
-            self._actions.append(Fail("diverged", f"group {g} sent a non-finite update (NaN or "
-                                      f"inf) at merge {self.version}: the model diverged; try a "
-                                      f"lower --lr"))
-            return  # not applied: the run fails
+            return self.fail("diverged", f"group {g} sent a non-finite update (NaN or inf) at "
+                             f"merge {self.version}: the model diverged; try a lower --lr")
         scale = self.run.sync.merge_scale(self.run.merge, len(self.groups))
         sparse.add_into(self.weights, delta, scale)
         self.version += 1
@@ -362,20 +462,24 @@ class GlobalCore:
         h.merges += 1
         h.final = bool(stats.get("final"))  # a non-final merge after a final one: it is back
         h.peer.reported(stats)
+        actions: list[Action] = []
         if self.roster.policy is not None:  # the exchange's iteration time feeds GDTopK
             self.roster.observe_iter_time(g, stats.get("iter_time"), self.now())
-            self._update_ratios(self.now())
-        self.log("merge", group=g, group_samples=stats.get("samples", 0),
-                 **{k: v for k, v in stats.items() if k not in ("version", "samples")})
-        self._check_budget()
+            actions += self._update_ratios(self.now())
+        fields = {k: v for k, v in stats.items() if k not in ("version", "samples")}
+        actions.append(Log("merge", {"group": g, "group_samples": stats.get("samples", 0),
+                                     **fields}))
+        return actions + self._check_budget()
 
     # -- the budget --------------------------------------------------------------------------
 
-    def _check_budget(self) -> None:
+    def _check_budget(self) -> list[Action]:
+        actions: list[Action] = []
         if self.run.epochs > 0 and self.samples >= self.run.epochs * self.train_size:
-            self._finish("epochs")
+            actions += self.finish("epochs")
         if self.groups and all(h.final for h in self.groups.values()):
-            self._actions.append(AllFinal())  # the end, or a wait for the workers to rejoin
+            actions.append(AllFinal())  # the end, or a wait for the workers to rejoin
+        return actions
 
     def budget_left(self) -> str:
         """What is left of the budget ("" when it is spent, or when the workers end the run: a
@@ -396,15 +500,19 @@ class GlobalCore:
 
     def finish(self, reason: str) -> list[Action]:
         """Budget spent (or the run failed): ``done``, logged; ``Done`` tells the rest."""
-        self._finish(reason)
-        return self.take_actions()
-
-    def _finish(self, reason: str) -> None:
         if self.done:
-            return
+            return []
         self.done, self.done_reason = True, reason
-        self.log("done", reason=reason)
-        self._actions.append(Done(reason))
+        return [Log("done", {"reason": reason}), Done(reason)]
+
+    def fail(self, code: str, reason: str) -> list[Action]:
+        """End the run now because of ``reason`` (kept in ``failure``; the first one counts):
+        ``Fail`` tells the workers, then the run is ``done``."""
+        if self.failure:
+            return []
+        self.failure = reason
+        return [Log("failed", {"code": code, "reason": reason}), Fail(code, reason),
+                *self.finish(code)]
 
     # -- checkpoints (global_core.py) ---------------------------------------------------------
 
@@ -412,14 +520,15 @@ class GlobalCore:
         """A consistent snapshot of the run (``snapshot``)."""
         assert self.weights is not None
         return snapshot(self.run, self.roster, self.weights, version=self.version,
-                                     samples=self.samples, saved_at=self.wall(),
-                                     train_s=self.wall() - self.started_training)
+                        samples=self.samples, saved_at=self.wall(),
+                        train_s=self.wall() - self.started_training)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> list[Action]:
         """A checkpoint's weights, counters and workers (``ConfigError`` when it belongs to
-        another model or config); its groups come back with ``restore_group``."""
+        another model or config); its groups come back with ``resume``."""
         self.weights = restore_workers(self.run, self.roster, state)
         self.version, self.samples = state["version"], state["samples"]
+        return [WeightsReady()]
 
     # -- weights and traffic for the other roles-----------------------------------------------
 
@@ -451,9 +560,6 @@ class GlobalCore:
             b = h.peer.traffic()
             up, down = up + b.get("bytes_in", 0), down + b.get("bytes_out", 0)
         return {"bytes_up": up, "bytes_down": down}
-
-    def log(self, event: str, **fields: Any) -> None:
-        """One line of the run's record (the shell writes it)."""
 
 
 FORMAT = 1  # bump when the meaning of the stored map changes

@@ -1,7 +1,7 @@
 """A group server's rules without IO: weights, SGD, clocks, rounds, the downlink's answers.
 
-``GroupCore`` is what a group *decides*; ``group.GroupServer`` (asyncio) is how it talks. The
-core's entry points take an incoming event and the time ``now`` and return the actions to
+``GroupCore`` is what a group *decides*; ``group.GroupServer`` (asyncio) holds one and is how it
+talks. The core's entry points take an incoming event and the time ``now`` and return the actions to
 perform (``group_core.py``: ``Reply``, ``Wake``, ``StartExchange``, ``AllLeft``,
 ``BudgetSpent``, ``Log``), in order; the IO side performs them:
 
@@ -10,7 +10,12 @@ perform (``group_core.py``: ``Reply``, ``Wake``, ``StartExchange``, ``AllLeft``,
 - ``push(w, msg, now)``: a worker's PUSH (``Reply``: its ACK; ``Wake``; ``StartExchange``);
 - ``may_answer(w)``, ``publish()``, ``weights_message(w, waited, since)``: a PULL's answer;
 - ``begin_exchange(final, traffic)`` / ``exchanged(out, res, seconds)``: one exchange with the
-  global server (``Log``; ``BudgetSpent``); ``rebase(weights, link, held)``: a new global server.
+  global server (``Log``; ``BudgetSpent``); ``rebase(weights, held)``: a new global server;
+  ``start_flush`` / ``flush_failed`` / ``stop``: the final flush's bookkeeping;
+- ``set_ratio(ratio)``: GDTopK's ratio for the group's workers (the global server's choice);
+  ``spend_budget()``: the run is over, every PULL is answered with ``done``.
+
+The core holds no link and no IO: its shell carries every exchange and performs every action.
 
 It imports no asyncio, sockets, clocks or torch (tests/test_group_core.py checks, and drives a
 whole cluster of these cores in one thread with a fake clock).
@@ -21,10 +26,11 @@ averages the pushes of one clock (``ssp.Rounds``) and applies them once, at the 
 round's place in the run (so W workers in BSP are synchronous SGD, schedule included:
 ``reference.train``); other modes apply each push as it arrives with the lr divided by the
 number m of live workers of the group, so one round of m pushes moves as far as one BSP step.
-Every ``sync_every`` pushes the group exchanges with the global server through a ``GroupLink``
-(a direct call in-process, PUSH/WEIGHTS over TCP for a `minips group`); ``exchange.py`` keeps
-the delta bookkeeping (nothing lost, each delta merged once, also when a reply is lost; top-k
-both ways at ``xchg_ratio``, dense for a flush); at most one exchange is in flight. When the
+Every ``sync_every`` pushes the group's shell exchanges with the global server through a
+``GroupLink`` (a direct call in-process, EXCHANGE/EXCHANGE_REPLY over TCP for a `minips group`);
+``exchange.py`` keeps the delta bookkeeping (nothing lost, each delta merged once, also when a
+reply is lost; top-k both ways at ``xchg_ratio``, dense for a flush); at most one exchange is in
+flight. When the
 budget is spent (``done``) every PULL is answered with ``done`` and the group flushes a last
 delta; when its last worker leaves it flushes a ``final`` one.
 
@@ -48,7 +54,7 @@ from minips.compress.ratios import IterTimer
 from minips.core import optim, ssp
 from minips.core.config import RunConfig, dataset_train_size
 from minips.core.downlink import Downlink
-from minips.core.exchange import Exchange, ExchangeResult, GroupLink, Outgoing, exchange_ratio
+from minips.core.exchange import Delta, Exchange, ExchangeResult, Outgoing, exchange_ratio
 from minips.wire import messages
 
 __all__ = [
@@ -70,7 +76,7 @@ class Reply:
     """Send ``msg`` (an ACK) to worker ``worker``, the one whose message this answers."""
 
     worker: int
-    msg: Any
+    msg: messages.Ack
 
 
 @dataclass(frozen=True)
@@ -113,22 +119,23 @@ Action = Reply | Wake | StartExchange | AllLeft | BudgetSpent | Log
 class GroupCore:
     """State and rules of one group. Plain attributes hold the whole state (``state_dict``)."""
 
-    def __init__(self, group: int, run: RunConfig, weights: np.ndarray | None,
-                 link: GroupLink | None, *, members: list[int] | None = None,
-                 now: float = 0.0) -> None:
+    def __init__(self, group: int, run: RunConfig, weights: np.ndarray | None, *,
+                 members: list[int] | None = None, now: float = 0.0) -> None:
         self.finished = False  # final delta flushed
         self.members: set[int] = set()  # worker ids the global server assigned here
         self.open_membership = False  # any worker id may join (a `minips group` process)
         self.iters = IterTimer()  # time between a worker's pushes, for GDTopK (compress/ratios.py)
         self.group, self.run = group, run
-        if weights is not None and link is not None:
-            self.setup(group, run, weights, link, members or [], now=now)
+        if weights is not None:
+            self.setup(group, run, weights, members or [], now=now)
 
-    def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
-              members: list[int], *, now: float) -> None:
+    def setup(self, group: int, run: RunConfig, weights: np.ndarray, members: list[int], *,
+              now: float, open_membership: bool = False) -> None:
         """The training state: weights, optimizer, clocks (a `minips group` gets it late);
-        ``members`` count as joined at ``now``."""
-        self.group, self.run, self.link = group, run, link
+        ``members`` count as joined at ``now``; ``open_membership``: any worker id may join
+        (a `minips group`: the global server places its workers)."""
+        self.group, self.run = group, run
+        self.open_membership = open_membership
         self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
         self.xchg = Exchange(self.weights, ratio=exchange_ratio(run))  # delta, seq, counters
         self.xchg_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}  # exchanges so far
@@ -138,7 +145,7 @@ class GroupCore:
         self.train_size = (dataset_train_size(run.dataset, run.train_size)
                            if run.lr_warmup > 0 or run.lr_schedule != "constant" else 0)
         self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
-        self.rounds: ssp.Rounds[Any] = ssp.Rounds()
+        self.rounds: ssp.Rounds[tuple[Delta, int]] = ssp.Rounds()  # (gradient, samples)
         self.version = 0  # updates applied to self.weights
         self.unapplied = 0  # samples pushed, not applied yet (a BSP round still open)
         self.global_version = 0  # global version seen at the last exchange
@@ -237,7 +244,7 @@ class GroupCore:
             grads = [g for g, _ in pushes]
             self._apply(sparse.average(grads, self.weights.size), sum(n for _, n in pushes))
 
-    def _apply(self, grad: Any, samples: int, share: int = 1) -> None:
+    def _apply(self, grad: Delta, samples: int, share: int = 1) -> None:
         """One SGD step on ``samples`` samples; ``share`` > 1 applies 1/share of it (one push
         of a round of share)."""
         self.opt.lr = self.run.lr * self._lr_factor(samples) / max(1, share)
@@ -277,7 +284,8 @@ class GroupCore:
         if self.downlink is not None:
             self.downlink.publish(self.weights)
 
-    def weights_message(self, w: int | None, waited_for: list[int], since: int = -1) -> Any:
+    def weights_message(self, w: int | None, waited_for: list[int],
+                        since: int = -1) -> messages.Weights:
         """WEIGHTS for worker ``w`` holding version ``since``: the weights themselves (dense
         downlink; version = updates applied), or, with a compressed downlink, the update from
         ``since`` to the last publish (``publish``, ``downlink.py``)."""
@@ -295,7 +303,32 @@ class GroupCore:
             min_clock=-1 if low is None else low,
             drift=-1.0 if self.downlink is None else round(self.downlink.last_drift, 6))
 
+    def set_ratio(self, ratio: float) -> None:
+        """GDTopK: the kept fraction the global server chose for this group's workers (sent
+        with every WEIGHTS)."""
+        self.ratio = float(ratio)
+
+    def spend_budget(self) -> list[Action]:
+        """The run's budget is spent: every PULL is answered now, with ``done``."""
+        self.done = True
+        return [Wake()]
+
     # -- exchange and checkpoint ---------------------------------------------------------
+
+    def start_flush(self, final: bool) -> bool:
+        """A flush may go out (False: the final one went out already); ``final`` marks it."""
+        if self.finished:
+            return False
+        self.finished = final
+        return True
+
+    def flush_failed(self, final: bool) -> None:
+        """A flush did not reach the global server: a final one is due again."""
+        self.finished = self.finished and not final
+
+    def stop(self) -> None:
+        """The group server closes: no flush is due any more."""
+        self.finished = True
 
     def begin_exchange(self, final: bool, traffic: dict[str, int]) -> Outgoing:
         """The next exchange: the delta since the last one and the group's counters, with
@@ -321,14 +354,13 @@ class GroupCore:
             actions.append(BudgetSpent())
         return actions
 
-    def rebase(self, weights: np.ndarray, link: GroupLink, held: int | None) -> list[Action]:
+    def rebase(self, weights: np.ndarray, held: int | None) -> list[Action]:
         """Reconnected to a (restarted) global server that holds this group's exchanges up to
         seq ``held``: take its weights, keep what this group applied since its last exchange
         and what the server lost of its exchanges on top (sent with the next exchange), keep
         clocks and optimizer state."""
         w = np.asarray(weights, dtype=np.float32)
         self.weights, replay = self.xchg.rebase(self.weights, w, held)
-        self.link = link
         if held is None:
             return []
         return [Log("resync", {"held_seq": held, "seq": self.xchg.seq,
@@ -359,6 +391,6 @@ class GroupCore:
                            for k in ("bytes_to_global", "bytes_from_global")}
 
 
-def _entries(d: Any) -> int:
+def _entries(d: Delta) -> int:
     """How many entries an exchange or its reply carried (dense: all)."""
     return int(d.nnz if isinstance(d, sparse.SparseVector) else d.size)

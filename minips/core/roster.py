@@ -7,7 +7,7 @@ it): ``admit`` gives workers their ids, ``first_assignment`` forms the groups
 GDTopK: ``first_ratios`` sets the ratios the groups open with, every exchange's measured
 iteration time goes to ``observe_iter_time``, and when ``update_ratios`` returns new ratios
 (``RatioPolicy``) the core tells its shell to send them (``SendRatios``). A group's ratio
-lives in its ``GroupHandle.peer`` (``roster.py``): in-process, the group server's own.
+lives in its ``GroupHandle`` (the roster's record); the group's server learns it from the shell.
 
 Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
 is gone (``free_id``), so a worker restarted without its old id still finds a place.
@@ -19,33 +19,27 @@ members come from), so only workers whose group really changed are moved.
 The global server's one view of a group's server, wherever it runs (sans-IO interface).
 
 A group's server runs in the global server's process (``server.InProcGroup``) or as a separate
-`minips group` process behind a TCP channel (``group_sessions.RemoteGroup``); while none serves a
+`minips group` process behind a TCP channel (``sessions.RemoteGroup``); while none serves a
 group (a resumed run waiting for its group processes, a lost one) it is ``NoGroup``. The global
 side calls the same methods on each and never asks which it is.
 
-The group's GDTopK ratio has one owner: ``GroupPeer.ratio``. In-process it *is* the group
-server's attribute, so the group reads it where the roster writes it; for a group process it is
-the value last sent, and ``send_ratio`` carries a new one over the wire (ASSIGN).
+The group's GDTopK ratio has one owner: ``GroupHandle.ratio``, which the roster sets; the
+shell hands a new one to the group's server with ``send_ratio`` (in-process: the group core's
+``set_ratio``; a group process: an ASSIGN over the wire).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:
-    from minips.wire.messages import Assign
 import collections
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from minips import grouping
 from minips.core.config import RunConfig
 from minips.errors import AuthError
-
-if TYPE_CHECKING:
-    from minips.net.channel import Channel
+from minips.wire.messages import Assign
 
 __all__ = [
     "GroupPeer",
@@ -63,8 +57,6 @@ __all__ = [
 
 class GroupPeer(Protocol):
     """What the global server does with one group's server."""
-
-    ratio: float  # the group's GDTopK kept fraction (the one owner of it)
 
     @property
     def connected(self) -> bool:
@@ -85,8 +77,8 @@ class GroupPeer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a checkpoint's training state back (in-process only)."""
 
-    async def send_ratio(self, assign: Assign) -> None:
-        """Tell the group server its new ratio (an ASSIGN), unless it reads ``ratio`` itself."""
+    def send_ratio(self, assign: Assign) -> None:
+        """Tell the group server its new ratio (an ASSIGN): at once in-process, else queued."""
 
     async def finish(self) -> None:
         """The budget is spent: the group flushes its final delta."""
@@ -96,10 +88,9 @@ class GroupPeer(Protocol):
 
 
 class NoGroup:
-    """No group server serves the group now: it keeps the ratio and the last traffic known."""
+    """No group server serves the group now: it keeps the last traffic known."""
 
-    def __init__(self, ratio: float = 0.01, traffic: dict[str, int] | None = None) -> None:
-        self.ratio = ratio
+    def __init__(self, traffic: dict[str, int] | None = None) -> None:
         self._traffic = dict(traffic or {})
 
     @property
@@ -121,7 +112,7 @@ class NoGroup:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to load: the group's state lives in its own process."""
 
-    async def send_ratio(self, assign: Assign) -> None:
+    def send_ratio(self, assign: Assign) -> None:
         """Nobody to tell: the group process that adopts the group gets it in its ASSIGN."""
 
     async def finish(self) -> None:
@@ -142,7 +133,7 @@ class WorkerEntry:
     """What the global server knows of one worker."""
 
     id: int
-    ch: Channel | None = None  # control channel, None while disconnected
+    connected: bool = False  # its control channel is open (the shell holds the channel)
     step_time: float | None = None  # last reported seconds per step
     clock: int = 0  # last reported clock
     group: int = -1  # assigned group, -1 before grouping
@@ -151,31 +142,21 @@ class WorkerEntry:
 
 class GroupHandle:
     """One group as the global server sees it; ``peer`` is its server, wherever it runs
-    (``roster.py``), and holds the group's ratio."""
+    (``roster.py``)."""
 
     def __init__(self, id: int, address: str, members: list[int] | None = None,
-                 ratio: float | None = None, peer: GroupPeer | None = None) -> None:
+                 ratio: float = 0.01, peer: GroupPeer | None = None) -> None:
         self.id = id
         self.address = address  # "host:port" where its workers connect ("": none serves it)
         self.members: list[int] = list(members or [])
         self.peer: GroupPeer = peer if peer is not None else NoGroup()
-        if ratio is not None:
-            self.ratio = ratio
+        self.ratio = ratio  # GDTopK kept fraction for its workers (the one owner of it)
         self.step_time = 0.0  # smoothed mean worker step time, seconds
         self.final = False  # flushed its last delta
         self.merges = 0
         self.last_exchange = (-1, -1)  # (session, seq) of the last merged exchange
         # last_exchange as of the last two checkpoint snapshots, older first (exchange.py)
         self.snapshots: list[tuple[int, int]] = [(-1, -1)] * 2
-
-    @property
-    def ratio(self) -> float:
-        """GDTopK kept fraction for its workers (owned by the peer)."""
-        return self.peer.ratio
-
-    @ratio.setter
-    def ratio(self, value: float) -> None:
-        self.peer.ratio = value
 
 
 class Roster:
@@ -212,7 +193,7 @@ class Roster:
         old id still gets in, with a gone worker's shard and group."""
         held = {w for w, t in self._claimed.items() if now - t < CLAIM_S}
         unused = [i for i in range(self.run.workers) if i not in self.workers]
-        gone = [w for w, e in sorted(self.workers.items()) if e.ch is None and w not in held]
+        gone = [w for w, e in sorted(self.workers.items()) if not e.connected and w not in held]
         free = unused + gone
         if not free:
             raise AuthError(f"no free worker id: all {self.run.workers} are connected")
@@ -253,10 +234,12 @@ class Roster:
         self.add_member(g, w)
 
     def add_member(self, g: int, w: int) -> None:
+        """Worker ``w`` joins group ``g`` (its entry says so too)."""
         handle = self.groups[g]
         handle.members.append(w)
         handle.final = False
         handle.peer.expect(w)
+        self.workers[w].group = g
 
     def place_late(self, entry: WorkerEntry) -> int:
         """The group for a worker that reported after the grouping (nearest in speed)."""

@@ -22,17 +22,14 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from minips.dashboard.state import Replay, RunFollower, RunState
 from minips.dashboard.tboard import TensorBoardSink
 from minips.errors import ConfigError
 from minips.net.endpoints import check_bind, format_address, is_loopback, parse_address
 from minips.record.rundir import read_config
-from minips.serve.inproc_group import InProcGroup
-
-if TYPE_CHECKING:
-    from minips.server import GlobalServer
+from minips.server import GlobalServer, InProcGroup
 
 __all__ = ["DEFAULT_PORT", "EXTRA_HINT", "Monitor", "MonitorConfig", "check_extra", "probe",
            "serve_replay"]
@@ -72,13 +69,14 @@ def check_extra() -> None:
 
 def probe(srv: GlobalServer, now: float) -> list[dict[str, Any]]:
     """The global server's view of each worker, as ``probe`` records for ``RunState.add``."""
-    tables = {g: h.peer.server.table for g, h in srv.groups.items()
+    core = srv.core
+    tables = {g: h.peer.server.core.table for g, h in core.groups.items()
               if isinstance(h.peer, InProcGroup)}
     clocks = {g: t.clocks for g, t in tables.items()}  # one copy per group, not per worker
     out = []
-    for w, e in list(srv.workers.items()):
+    for w, e in list(core.workers.items()):
         rec: dict[str, Any] = {"t": now, "worker": w, "group": e.group, "clock": e.clock,
-                               "step_time": e.step_time, "alive": e.ch is not None and not e.left}
+                               "step_time": e.step_time, "alive": e.connected and not e.left}
         if w in clocks.get(e.group, {}):  # its group server is in this process
             rec["clock"] = clocks[e.group][w]
             rec["waiting"] = not tables[e.group].may_start(w)

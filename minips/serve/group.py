@@ -1,8 +1,9 @@
 """Group server: one group's model copy, SGD state and SSP clock table (numpy, asyncio, no torch).
 
-The rules live in ``group_core.GroupCore`` (no IO); ``GroupServer`` is their asyncio shell: it
-listens, runs one session per worker, feeds the core each event with the time and performs the
-actions it returns (``group_core.py``: sends the ACK, wakes held PULLs, exchanges with the
+The rules live in ``group_core.GroupCore`` (no IO); ``GroupServer`` is their asyncio shell and
+holds one (``core``; it never writes the core's fields, it calls its entry points): it listens,
+runs one session per worker, feeds the core each event with the time and performs the actions it
+returns (``group_core.py``: sends the ACK, wakes held PULLs, exchanges with the
 global server in the background, logs), holds a PULL until SSP allows it and expires silent
 workers. The rules themselves are described in group_core.py's docstring.
 
@@ -20,7 +21,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -78,53 +79,66 @@ class OncePerTurn:
 EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
 
 
-class GroupServer(GroupCore):
-    """One group's rules (``GroupCore``) on a port: sessions, waiting PULLs, exchanges, leases.
-
-    Plain attributes hold the whole state (see ``state_dict``), so a checkpoint can save it.
-    """
+class GroupServer:
+    """One group's rules (``core``, a ``GroupCore``) on a port: sessions, waiting PULLs,
+    exchanges over ``link``, leases. The core holds the whole training state (``state_dict``),
+    so a checkpoint can save it; this shell holds the connections, tasks and the record."""
 
     def __init__(self, group: int, run: RunConfig, weights: np.ndarray | None,
                  link: GroupLink | None, *, members: list[int] | None = None,
                  writer: JsonlWriter | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.writer, self.clock = writer, clock
+        self.link = link  # how exchanges reach the global server (a `minips group`: later)
+        self.core = GroupCore(group, run, weights, members=members, now=clock())
         self.channels: dict[int, Channel] = {}  # worker id -> its open connection
         self._closed_bytes = {"bytes_in": 0, "bytes_out": 0}  # traffic of closed connections
         self._changed = asyncio.Event()  # set whenever a waiting PULL may have become answerable
         self.ready = asyncio.Event()  # set once the group has its weights (setup)
+        if weights is not None:
+            self.ready.set()
         self._exchange_task: asyncio.Task[None] | None = None
-        self._publish_turn = OncePerTurn(self.publish)  # one downlink publish per loop turn
+        self._publish_turn = OncePerTurn(self.core.publish)  # one downlink publish per turn
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.server: Any = None
+        self.server: transport.Server | None = None
         self.port = 0
         self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
-        super().__init__(group, run, weights, link, members=members, now=clock())
 
     def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
-              members: list[int], *, now: float | None = None) -> None:
-        """The training state (``GroupCore.setup``); a `minips group` gets it late."""
-        super().setup(group, run, weights, link, members, now=self.clock() if now is None else now)
+              members: list[int]) -> None:
+        """A `minips group` registered: its group, weights and link (``GroupCore.setup``);
+        the global server places its workers (open membership)."""
+        self.core.setup(group, run, weights, members, now=self.clock(), open_membership=True)
+        self.link = link
         self.ready.set()
 
     # -- the core's entry points at this clock, and its actions performed ----------------------
 
-    def expect(self, w: int, now: float | None = None) -> None:
-        super().expect(w, self.clock() if now is None else now)
+    def expect(self, w: int) -> None:
+        """Count worker ``w`` in the group before it connects (``GroupCore.expect``)."""
+        self.core.expect(w, self.clock())
 
-    def load_state_dict(self, state: dict[str, Any], now: float | None = None) -> None:
-        super().load_state_dict(state, self.clock() if now is None else now)
+    def set_ratio(self, ratio: float) -> None:
+        """GDTopK's new ratio for this group's workers (``GroupCore.set_ratio``)."""
+        self.core.set_ratio(ratio)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.core.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.core.load_state_dict(state, self.clock())
 
     def on_push(self, w: int, msg: messages.Push) -> messages.Ack:
         """One PUSH of worker ``w`` (``GroupCore.push``): return its ACK."""
-        return _ack(self._perform(self.push(w, msg, self.clock())))
+        return _ack(self._perform(self.core.push(w, msg, self.clock())))
 
     def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:
         """A new global server holds this group's exchanges up to seq ``held``
-        (``GroupCore.rebase``)."""
-        self._perform(self.rebase(weights, link, held))
+        (``GroupCore.rebase``); ``link`` reaches it."""
+        self.link = link
+        self._perform(self.core.rebase(weights, held))
 
-    def _perform(self, actions: list[Action]) -> messages.Message | None:
+    def _perform(self, actions: list[Action]) -> messages.Ack | None:
         """Do what the core asked, in order; return its reply to the worker (None if none)."""
         reply = None
         for a in actions:
@@ -154,25 +168,25 @@ class GroupServer(GroupCore):
             now = self.clock()
             heard = {w: now - (loop.time() - ch.last_recv)
                      for w, ch in self.channels.items() if not ch.closed}
-            self._perform(self.tick(now, heard))
+            self._perform(self.core.tick(now, heard))
 
     # -- weights ----------------------------------------------------------------------------
 
-    async def answer_pull(self, w: int, since: int = -1) -> Any:
+    async def answer_pull(self, w: int, since: int = -1) -> messages.Weights:
         """Wait until ``w`` may start its next step (or the run is done); return WEIGHTS for a
         worker that holds the published weights of version ``since`` (-1: none)."""
         waited: list[int] = []
-        while not self.may_answer(w):
-            waited = waited or [int(v) for v in self.table.waiting_for(w)]  # type: ignore[call-overload]
+        while not self.core.may_answer(w):
+            waited = waited or [int(v) for v in self.core.table.waiting_for(w)]  # type: ignore[call-overload]
             self._changed.clear()
             await self._changed.wait()
         await self._publish()
-        return self.weights_message(w, waited, since)
+        return self.core.weights_message(w, waited, since)
 
     async def _publish(self) -> None:
         """With a compressed downlink: publish once for all the PULLs this turn of the event
         loop answers (``group.py``)."""
-        if self.downlink is not None:
+        if self.core.downlink is not None:
             await self._publish_turn()
 
     # -- exchange with the global server -------------------------------------------------------
@@ -184,29 +198,29 @@ class GroupServer(GroupCore):
 
     async def _exchange(self, final: bool = False) -> None:
         """Send a lost exchange again first (same seq), then the delta since the last one."""
-        pending = self.xchg.pending
+        pending = self.core.xchg.pending
         if pending is None or await self._send(pending):
-            out = self.begin_exchange(final, self.traffic())
+            out = self.core.begin_exchange(final, self.traffic())
             if await self._send(out):
                 return
-        self.finished = self.finished and not final  # the global server is away: retry later
+        self.core.flush_failed(final)  # the global server is away: retry later
 
     async def _send(self, out: Outgoing) -> bool:
         """One exchange; False (``out`` stays pending) when the global server is away."""
+        assert self.link is not None
         t = self.clock()
         try:
-            res = await self.link.exchange(self.group, self.xchg.delta(out), out.stats)
+            res = await self.link.exchange(self.core.group, out.delta, out.stats)
         except ConnectionError:
             return False
-        self._perform(self.exchanged(out, res, self.clock() - t))
+        self._perform(self.core.exchanged(out, res, self.clock() - t))
         return True
 
     async def flush(self, final: bool = False) -> None:
         """Wait for the exchange in flight, then send what is left (``final``: the last one)."""
         await self.settle()
-        if self.finished:
+        if not self.core.start_flush(final):
             return
-        self.finished = final
         self._exchange_task = self._spawn(self._exchange(final))
         await asyncio.wait([self._exchange_task])
 
@@ -217,9 +231,8 @@ class GroupServer(GroupCore):
 
     def finish(self) -> None:
         """The budget is spent: release every waiting PULL with ``done``; flush a last delta."""
-        self.done = True
-        self._changed.set()
-        self._spawn(self.flush(final=not len(self.table)))
+        self._perform(self.core.spend_budget())
+        self._spawn(self.flush(final=not len(self.core.table)))
 
     # -- network --------------------------------------------------------------------------
 
@@ -233,31 +246,32 @@ class GroupServer(GroupCore):
         return self.port
 
     def _accept(self, hello: messages.Hello) -> dict[str, Any]:
-        refused = self.refusal(hello)
+        refused = self.core.refusal(hello)
         if refused:
             raise AuthError(refused)
-        return {"group": self.group}
+        return {"group": self.core.group}
 
     async def handle(self, ch: Channel) -> None:
         """One worker connection, one request at a time (``_session``)."""
         await self.ready.wait()
         w = int(ch.worker_id)
+        where = f"group {self.core.group}"
         old = self.channels.pop(w, None)
         if old is not None:  # the newest connection with an id wins; the old one is told why
-            await validation.replace(old, w, self.rejected, f"group {self.group}")
+            await validation.replace(old, w, self.rejected, where)
         self.channels[w] = ch
-        ch.start_heartbeat(self.run.heartbeat_s)  # so the worker can tell we are still here
-        first = _ack(self._perform(self.join(w, self.clock())))  # the ACK with its starting clock
+        ch.start_heartbeat(self.core.run.heartbeat_s)  # so the worker can tell we are still here
+        first = _ack(self._perform(self.core.join(w, self.clock())))  # its starting clock
         try:
             await self._session(ch, w, first)
         except RemoteProtocolError as exc:
-            await validation.reject(ch, exc, self.rejected, f"group {self.group}")
+            await validation.reject(ch, exc, self.rejected, where)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             if self.channels.get(w) is ch:
                 del self.channels[w]
-                self._perform(self.leave(w))
+                self._perform(self.core.leave(w))
             self._closed_bytes["bytes_in"] += ch.bytes_received
             self._closed_bytes["bytes_out"] += ch.bytes_sent
             await ch.close()
@@ -295,7 +309,7 @@ class GroupServer(GroupCore):
         """Answer a PULL once SSP allows; give up as soon as the connection closes meanwhile
         (the worker then leaves the group at once, not when its lease runs out). Returns the
         version the answer brought the worker to."""
-        if self.may_answer(w):  # the common case: no wait, no tasks
+        if self.core.may_answer(w):  # the common case: no wait, no tasks
             reply = await self.answer_pull(w, since)
         else:
             answer = asyncio.ensure_future(self.answer_pull(w, since))
@@ -313,7 +327,7 @@ class GroupServer(GroupCore):
         return int(reply.version)
 
     async def _send_push(self, ch: Channel, w: int, msg: messages.Push) -> None:
-        if w not in self.table:  # its lease expired while it was silent: rejoin and pull first
+        if w not in self.core.table:  # its lease expired while it was silent: rejoin and pull first
             await ch.send(messages.Error(code="lease", reason=f"worker {w}: lease expired, "
                                          "reconnect and pull the current weights"))
             raise ConnectionResetError("lease expired")
@@ -322,7 +336,7 @@ class GroupServer(GroupCore):
 
     async def close(self) -> None:
         """Stop listening and cancel the background tasks."""
-        self.finished = True
+        self.core.stop()
         for t in list(self._tasks):
             t.cancel()
         for ch in list(self.channels.values()):
@@ -332,20 +346,22 @@ class GroupServer(GroupCore):
             with contextlib.suppress(Exception):
                 await self.server.wait_closed()
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
 
     def log(self, event: str, **fields: Any) -> None:
+        """One line of the group's record, with its counters and traffic."""
+        core = self.core
         if self.writer is not None:
-            self.writer.write({"t": time.time() - self.run.t0, "event": event, "group": self.group,
-                               **fields, "version": self.version, **self.counters,
-                               **self.traffic()})
+            self.writer.write({"t": time.time() - core.run.t0, "event": event,
+                               "group": core.group, **fields, "version": core.version,
+                               **core.counters, **self.traffic()})
 
 
-def _ack(reply: messages.Message | None) -> messages.Ack:
+def _ack(reply: messages.Ack | None) -> messages.Ack:
     """The core's reply to a join or a PUSH, which is always an ACK."""
     if not isinstance(reply, messages.Ack):
         raise RuntimeError(f"the group core answered with {reply!r}, not an ACK")

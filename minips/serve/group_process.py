@@ -12,7 +12,7 @@ reconnect it takes the global weights and keeps its own not-yet-sent delta on to
 (``GroupServer.reload``), so a global server resumed from a checkpoint gets this group's work
 since its last exchange, and the exchanges the checkpoint lacks once more (exchange.py): each
 EXCHANGE_REPLY from the global server names the seqs it holds. A replacement group process is
-given a group whose server is gone (``group_sessions._adopt``); it starts from the global weights.
+given a group whose server is gone (``sessions.adopt``); it starts from the global weights.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from minips import sparse
 from minips.core.config import RunConfig
-from minips.core.exchange import Delta, ExchangeResult, push_message, seqs_in
+from minips.core.exchange import Delta, ExchangeResult, exchange_message, seqs_in
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
@@ -74,7 +74,7 @@ class TcpLink:
                        stats: dict[str, Any]) -> ExchangeResult:
         """EXCHANGE ``delta`` (dense or sparse); the reply holds the global weights
         (``dense-f32``) or the entries of the group's copy to set (``sparse-v1``)."""
-        reply = await self.request(push_message(delta, stats))
+        reply = await self.request(exchange_message(delta, stats))
         w = sparse.decode_vector(reply.encoding, reply.codec, reply.buffers, delta.size)
         up, down = self.ch.bytes_sent, self.ch.bytes_received
         res = ExchangeResult(w, reply.version, reply.done, reply.samples,
@@ -92,7 +92,7 @@ class TcpLink:
                         and self._reply and not self._reply.done()):
                     self._reply.set_result(msg)
                 elif isinstance(msg, messages.Assign) and self.group is not None:
-                    self.group.ratio = msg.ratio
+                    self.group.set_ratio(msg.ratio)
                 elif isinstance(msg, messages.Leave) and self.group is not None:
                     self.group.finish()
         except (ConnectionError, RemoteProtocolError) as exc:
@@ -108,7 +108,7 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
                     timeout: float) -> TcpLink:
     """Connect as role ``group``, take ASSIGN and the global weights; (re)load the group."""
     ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
-                                 group=gs.group, token=cfg.token, timeout=timeout,
+                                 group=gs.core.group, token=cfg.token, timeout=timeout,
                                  retries=None, ssl=client_ssl(cfg.tls_ca))  # net_retry.backoff
     run = RunConfig.from_info(ch.welcome_info)
     ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease
@@ -126,15 +126,13 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
         raise RemoteProtocolError("expected GLOBAL_WEIGHTS", got=type(init).__name__)
     weights = np.asarray(sparse.decode_vector(init.encoding, init.codec, init.buffers,
                                                 init.size))
-    if gs.group == int(assign.group) and gs.ready.is_set():
-        held = seqs_in(init.info, "last_exchange", gs.xchg.session)
+    if gs.core.group == int(assign.group) and gs.ready.is_set():
+        held = seqs_in(init.info, "last_exchange", gs.core.xchg.session)
         gs.reload(weights, link, None if held is None else held[0])
-    else:
-        gs.setup(int(assign.group), run, weights, link,
-                 list(init.members))
-        gs.writer = RunDir(cfg.run_dir, t0=gs.run.t0).writer(f"group-{gs.group}")
-        gs.open_membership = True  # late joiners are placed by the global server, not told here
-    gs.ratio = float(assign.ratio)
+    else:  # late joiners are placed by the global server, not told here: open membership
+        gs.setup(int(assign.group), run, weights, link, list(init.members))
+        gs.writer = RunDir(cfg.run_dir, t0=run.t0).writer(f"group-{gs.core.group}")
+    gs.set_ratio(float(assign.ratio))
     link.group = gs
     return link
 
@@ -145,14 +143,15 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
     check_bind(cfg.host, cfg.token, cfg.insecure)
     gs = GroupServer(-1, RunConfig(), None, None)
     port = await gs.serve(cfg.host, cfg.port, cfg.token, server_ssl(cfg.tls_cert, cfg.tls_key))
-    # a wildcard host is replaced by the global server (group_sessions._address)
+    # a wildcard host is replaced by the global server (sessions.group_address)
     address = format_address(cfg.advertise_host or cfg.host, port)
     if announce:
         print(f"minips group listening on {address}, registering with "
               f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
     link = await _register(cfg, gs, address, cfg.connect_timeout_s)
     try:
-        while not (gs.finished and gs.done):  # all workers gone is not the end: they may rejoin
+        # all workers gone is not the end: they may rejoin
+        while not (gs.core.finished and gs.core.done):
             if link.closed.is_set():
                 gs.log("global_lost")
                 link = await _register(cfg, gs, address, cfg.reconnect_s)

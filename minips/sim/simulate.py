@@ -29,8 +29,8 @@ gradients (``simulate.simulate`` runs it; ``minips simulate``'s flags fill it).
 
 The role cores as the simulator drives them: ``GroupCore`` and ``GlobalCore`` whose actions
 (``group_core.py``, ``global_core.py``) the event queue (``simulate.Simulation``, seen
-here as the ``Host`` it is, so the two modules do not import each other) performs instead of
-sockets.
+here as the ``Host`` it is) performs instead of sockets; each holds its core, as the asyncio
+shells do.
 
 The rules are the cores' own; what is here is only what the asyncio shells do around them:
 hold the PULLs that SSP says wait (``pending``), gather the PULLs answered at one simulated
@@ -55,7 +55,6 @@ import numpy as np
 from minips.core import global_core
 from minips.core.config import RunConfig
 from minips.core.downlink import apply_weights
-from minips.core.exchange import wire_size
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import (
     Action,
@@ -70,6 +69,7 @@ from minips.core.group_core import (
 from minips.core.roster import GroupHandle, NoGroup
 from minips.record.metrics import summarize
 from minips.record.rundir import RunDir
+from minips.server import exchange_bytes, wire_size
 from minips.sim.timing import Failure, Links, StepTimes, objective
 from minips.wire import messages
 
@@ -124,15 +124,8 @@ class Host(Protocol):
     def release(self, core: SimGroup) -> None: ...
 
 
-class NoLink:
-    """The group cores' link: unused, the simulation merges exchanges itself (``exchange``)."""
-
-    async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> Any:
-        raise RuntimeError("a simulated group exchanges through Simulation.exchange")
-
-
-class SimGroup(GroupCore):
-    """A group core whose actions (``group_core.py``) the simulation performs."""
+class SimGroup:
+    """A group core (``core``) whose actions (``group_core.py``) the simulation performs."""
 
     def __init__(self, sim: Host, g: int, members: list[int]) -> None:
         self.sim, self.in_flight = sim, False
@@ -141,9 +134,9 @@ class SimGroup(GroupCore):
         self.flush_due = False  # an answer of ``ready`` is queued at this instant
         self.bytes = {"bytes_in": 0, "bytes_out": 0}
         self.writer = sim.rundir.writer(f"group-{g}")
-        super().__init__(g, sim.run, sim.glob.weights, NoLink(), members=members, now=sim.t)
+        self.core = GroupCore(g, sim.run, sim.glob.core.weights, members=members, now=sim.t)
 
-    def perform(self, actions: list[Action]) -> Any:
+    def perform(self, actions: list[Action]) -> messages.Ack | None:
         """Do what the core asked; return its reply. A ``Wake`` releases the held PULLs last
         (after an exchange is scheduled); ``AllLeft`` exchanges what the group holds."""
         reply = None
@@ -152,9 +145,9 @@ class SimGroup(GroupCore):
                 reply = a.msg
             elif isinstance(a, StartExchange | AllLeft) and not self.in_flight:
                 self.in_flight = True
-                self.sim.at(self.sim.cfg.xchg_latency_s, self.sim.exchange, self.group)
+                self.sim.at(self.sim.cfg.xchg_latency_s, self.sim.exchange, self.core.group)
             elif isinstance(a, BudgetSpent):
-                self.done = True
+                self.core.spend_budget()  # its Wake: the release below
             elif isinstance(a, Log):
                 self.log(a.event, **a.fields)
         if any(isinstance(a, Wake | BudgetSpent) for a in actions):
@@ -166,61 +159,65 @@ class SimGroup(GroupCore):
         self.pending = [p for p in self.pending if p[0] != w]
         self.ready = [p for p in self.ready if p[0] != w]
         self.log("left", worker=w)
-        self.perform(self.leave(w))
+        self.perform(self.core.leave(w))
 
     def worker_joined(self, w: int, now: float) -> int:
         """``w`` connected again: the clock it starts from (its first ACK)."""
-        clock = int(self.perform(self.join(w, now)).clock)
-        self.log("joined", worker=w, clock=clock)
-        return clock
+        ack = self.perform(self.core.join(w, now))
+        assert ack is not None
+        self.log("joined", worker=w, clock=ack.clock)
+        return int(ack.clock)
+
+    def budget_spent(self) -> None:
+        """The global core said ``Done``: every PULL is answered with ``done``."""
+        self.core.spend_budget()
+        self.sim.release(self)
 
     def traffic(self) -> dict[str, int]:
         return dict(self.bytes)
 
     def log(self, event: str, **fields: Any) -> None:
-        self.writer.write({"t": self.sim.t, "event": event, "group": self.group, **fields,
-                           "version": self.version, **self.counters, **self.traffic()})
+        core = self.core
+        self.writer.write({"t": self.sim.t, "event": event, "group": core.group, **fields,
+                           "version": core.version, **core.counters, **self.traffic()})
 
 
 class SimPeer(NoGroup):
-    """A simulated group as the global core sees it (``group_peer.GroupPeer``): its ratio *is*
-    the group core's attribute, as an in-process group server's (``serve/inproc_group.py``);
-    its traffic is what its exchanges reported, as a group process's."""
+    """A simulated group as the global core sees it (``roster.GroupPeer``): a new ratio goes
+    to its core at once, as to an in-process group server's (``server.InProcGroup``); its
+    traffic is what its exchanges reported, as a group process's."""
 
-    def __init__(self, core: SimGroup) -> None:
-        self.core = core
-        super().__init__(core.ratio)
+    def __init__(self, group: SimGroup) -> None:
+        super().__init__()
+        self.group = group
 
-    @property  # type: ignore[override]
-    def ratio(self) -> float:
-        return self.core.ratio
-
-    @ratio.setter
-    def ratio(self, value: float) -> None:
-        self.core.ratio = value
+    def send_ratio(self, assign: messages.Assign) -> None:
+        self.group.core.set_ratio(assign.ratio)
 
 
-class SimGlobal(GlobalCore):
-    """The global core: ``done`` releases the simulated groups (GDTopK's ratios are already in
-    them: ``SimPeer``)."""
+class SimGlobal:
+    """The global core (``core``): its ratios go to the simulated groups, ``done`` releases
+    them, its ``Log`` lines go to the global record."""
 
     def __init__(self, sim: Host, weights: np.ndarray) -> None:
         self.sim = sim
         self.writer = sim.rundir.writer("global")
-        super().__init__(sim.run, weights, regroup=False, clock=lambda: sim.t,
-                         wall=lambda: sim.run.t0 + sim.t)
+        self.core = GlobalCore(sim.run, weights, regroup=False, clock=lambda: sim.t,
+                               wall=lambda: sim.run.t0 + sim.t)
 
     def perform(self, actions: list[global_core.Action]) -> None:
-        """What the core decided (global_core.py): the end of the run."""
+        """What the core decided (global_core.py): GDTopK's ratios, the end of the run."""
+        core = self.core
         for a in actions:
-            if isinstance(a, global_core.Done):
-                for core in self.sim.groups.values():
-                    core.done = True
-                    self.sim.release(core)
-
-    def log(self, event: str, **fields: Any) -> None:
-        self.writer.write({"t": self.sim.t, "event": event, **fields, "version": self.version,
-                           "samples": self.samples})
+            if isinstance(a, Log):
+                self.writer.write({"t": self.sim.t, "event": a.event, **a.fields,
+                                   "version": core.version, "samples": core.samples})
+            elif isinstance(a, global_core.SendRatios):
+                for g in a.ratios:
+                    core.groups[g].peer.send_ratio(core.assign_message(core.groups[g]))
+            elif isinstance(a, global_core.Done):
+                for grp in self.sim.groups.values():
+                    grp.budget_spent()
 
 
 # -- simulate: minips simulate`: a whole cluster as a discrete-event simulation on the real role...
@@ -261,21 +258,21 @@ class Simulation:
         self.pushes, self.evaluated = 0, -1
 
     def _assign(self, n_w: int) -> dict[int, int]:
-        """The global core groups the workers by their step times; one group core each."""
+        """The global core groups the workers by their step times (each reports it, as a
+        worker's calibration STATS does); one group core each."""
+        glob = self.glob.core
         for w in range(n_w):
-            self.glob.roster.admit(w)
-            self.glob.workers[w].step_time = self.step_s[w]
-        assignment = self.glob.roster.first_assignment() or dict.fromkeys(range(n_w), 0)
-        self.glob.roster.first_ratios(assignment, 0.0)
+            glob.admit(w, 0.0)
+            glob.on_stats(w, messages.Stats(clock=0, step_time=self.step_s[w], loss=0.0), 0.0)
+        assignment = glob.first_assignment(0.0)
+        handles = []
         for g in sorted(set(assignment.values())):
             members = sorted(w for w, h in assignment.items() if h == g)
             self.groups[g] = SimGroup(self, g, members)
-            self.glob.groups[g] = GroupHandle(g, f"sim:{g}", members=members,
-                                              ratio=self.glob.roster.ratio_of(g),
-                                              peer=SimPeer(self.groups[g]))
-        self.glob.started_training = self.glob.wall()
-        self.glob.log("groups", assignment={str(w): g for w, g in assignment.items()},
-                      ratios={str(g): h.ratio for g, h in self.glob.groups.items()})
+            self.groups[g].core.set_ratio(glob.ratio_of(g))
+            handles.append(GroupHandle(g, f"sim:{g}", members=members, ratio=glob.ratio_of(g),
+                                       peer=SimPeer(self.groups[g])))
+        self.glob.perform(glob.groups_formed(handles, assignment))
         return assignment
 
     # -- the queue ------------------------------------------------------------------------
@@ -303,54 +300,54 @@ class Simulation:
         self.at(0.0, self.evaluate)
         while self.queue:
             t, _, fn, args = heapq.heappop(self.queue)
-            if self.glob.done and fn in (self.fail, self.rejoin):
+            if self.glob.core.done and fn in (self.fail, self.rejoin):
                 continue  # a failure after the end does not stretch the run
             self.t = t
             fn(*args)
-        for core in self.groups.values():  # what the groups hold that the global lacks
-            if core.xchg.since["pushes"]:
-                self.exchange(core.group, final=True)
-        self.glob.perform(self.glob.finish(self.glob.done_reason or "pushes"))
+        for g, grp in self.groups.items():  # what the groups hold that the global lacks
+            if grp.core.xchg.since["pushes"]:
+                self.exchange(g, final=True)
+        self.glob.perform(self.glob.core.finish(self.glob.core.done_reason or "pushes"))
         self.evaluate(final=True)
 
     # -- a worker's step -------------------------------------------------------------------
 
     def pull_arrives(self, w: int) -> None:
-        core = self.groups[self.group_of[w]]
-        core.bytes["bytes_in"] += SMALL
-        if core.may_answer(w):
-            self._ready(core, w, [])
+        grp = self.groups[self.group_of[w]]
+        grp.bytes["bytes_in"] += SMALL
+        if grp.core.may_answer(w):
+            self._ready(grp, w, [])
         else:
-            core.pending.append((w, [int(v) for v in core.table.waiting_for(w)]))  # type: ignore[call-overload]
+            grp.pending.append((w, [int(v) for v in grp.core.table.waiting_for(w)]))  # type: ignore[call-overload]
 
-    def _ready(self, core: SimGroup, w: int, waited: list[int]) -> None:
+    def _ready(self, grp: SimGroup, w: int, waited: list[int]) -> None:
         """Answer ``w`` at the end of this instant, with the others answered at it."""
-        core.ready.append((w, waited))
-        if not core.flush_due:
-            core.flush_due = True
-            self.at(0.0, self._answer_ready, core)
+        grp.ready.append((w, waited))
+        if not grp.flush_due:
+            grp.flush_due = True
+            self.at(0.0, self._answer_ready, grp)
 
-    def _answer_ready(self, core: SimGroup) -> None:
+    def _answer_ready(self, grp: SimGroup) -> None:
         """One publish for every PULL answered at this instant, then their WEIGHTS."""
-        core.flush_due = False
-        ready, core.ready = core.ready, []
-        core.publish()
+        grp.flush_due = False
+        ready, grp.ready = grp.ready, []
+        grp.core.publish()
         for w, waited in ready:
-            msg = core.weights_message(w, waited, self.held[w])
+            msg = grp.core.weights_message(w, waited, self.held[w])
             if msg.since < 0:  # the whole weights: a copy, as the socket's bytes would be
                 msg = dataclasses.replace(msg, buffers=tuple(np.array(b) for b in msg.buffers))
             nbytes = wire_size(msg)
-            core.bytes["bytes_out"] += nbytes
+            grp.bytes["bytes_out"] += nbytes
             self.send(w, nbytes, self.weights_arrive, msg)
 
-    def release(self, core: SimGroup) -> None:
+    def release(self, grp: SimGroup) -> None:
         """Answer the held PULLs that SSP now allows (or all of them, when done)."""
-        waiting, core.pending = core.pending, []
+        waiting, grp.pending = grp.pending, []
         for w, waited in waiting:
-            if core.may_answer(w):
-                self._ready(core, w, waited)
+            if grp.core.may_answer(w):
+                self._ready(grp, w, waited)
             else:
-                core.pending.append((w, waited))
+                grp.pending.append((w, waited))
 
     def weights_arrive(self, w: int, msg: messages.Weights) -> None:
         if msg.done:
@@ -380,13 +377,13 @@ class Simulation:
         self.send(w, nbytes, self.push_arrives, push, record, after=step)  # once computed
 
     def push_arrives(self, w: int, push: messages.Push, record: dict[str, Any]) -> None:
-        core = self.groups[self.group_of[w]]
-        core.bytes["bytes_in"] += record["bytes_wire"]  # wire_size(push), counted once sent
-        ack = core.perform(core.push(w, push, self.t))
-        core.bytes["bytes_out"] += SMALL
+        grp = self.groups[self.group_of[w]]
+        grp.bytes["bytes_in"] += record["bytes_wire"]  # wire_size(push), counted once sent
+        ack = grp.perform(grp.core.push(w, push, self.t))
+        grp.bytes["bytes_out"] += SMALL
         self.pushes += 1
-        if self.cfg.max_pushes and self.pushes >= self.cfg.max_pushes and not self.glob.done:
-            self.glob.perform(self.glob.finish("pushes"))
+        if self.cfg.max_pushes and self.pushes >= self.cfg.max_pushes and not self.glob.core.done:
+            self.glob.perform(self.glob.core.finish("pushes"))
         self.send(w, SMALL, self.ack_arrives, ack, record)
 
     def ack_arrives(self, w: int, ack: messages.Ack, record: dict[str, Any]) -> None:
@@ -411,8 +408,8 @@ class Simulation:
     def _drop(self, w: int) -> None:
         """``w``'s connection ends: its events in flight are dropped, its group sees it leave."""
         self.alive[w], self.gen[w] = False, self.gen[w] + 1
-        core = self.groups[self.group_of[w]]
-        core.worker_left(w)
+        grp = self.groups[self.group_of[w]]
+        grp.worker_left(w)
 
     def rejoin(self, w: int) -> None:
         """A new connection: the clock the group gives it, a fresh copy of the weights."""
@@ -425,25 +422,28 @@ class Simulation:
     # -- the group <-> global exchange and evaluation ---------------------------------------
 
     def exchange(self, g: int, final: bool = False) -> None:
-        core = self.groups[g]
-        core.in_flight = False
-        out = core.begin_exchange(final, core.traffic())
-        res = self.glob.merge_counted(g, core.xchg.delta(out), out.stats)
-        self.glob.perform(self.glob.take_actions())
-        core.perform(core.exchanged(out, res, self.cfg.xchg_latency_s))
+        """Group ``g``'s exchange, merged now; its bytes are those of the EXCHANGE and
+        EXCHANGE_REPLY a `minips group` process would send and get."""
+        grp, glob = self.groups[g], self.glob.core
+        grp.in_flight = False
+        out = grp.core.begin_exchange(final, grp.traffic())
+        res, actions = glob.merge(g, out.delta, out.stats)
+        res.bytes_up, res.bytes_down = exchange_bytes(glob, g, out.delta, out.stats, res)
+        self.glob.perform(actions)
+        grp.perform(grp.core.exchanged(out, res, self.cfg.xchg_latency_s))
 
     def evaluate(self, final: bool = False) -> None:
         """A line of eval.jsonl for the global weights, when they changed (as the evaluator)."""
-        assert self.glob.weights is not None
-        if self.glob.version != self.evaluated or final:
-            self.evaluated = self.glob.version
+        assert self.glob.core.weights is not None
+        if self.glob.core.version != self.evaluated or final:
+            self.evaluated = self.glob.core.version
             traffic = [c.traffic() for c in self.groups.values()]
-            self.eval_w.write({"t": self.t, "samples": self.glob.samples,
-                               **self.objective.evaluate(self.glob.weights),
-                               "version": self.glob.version, "final": final,
+            self.eval_w.write({"t": self.t, "samples": self.glob.core.samples,
+                               **self.objective.evaluate(self.glob.core.weights),
+                               "version": self.glob.core.version, "final": final,
                                "bytes_up": sum(b["bytes_in"] for b in traffic),
                                "bytes_down": sum(b["bytes_out"] for b in traffic)})
-        if not final and not self.glob.done and self.queue:  # while anything is to happen
+        if not final and not self.glob.core.done and self.queue:  # while anything is to happen
             self.at(self.cfg.eval_every_s or self.run.eval_every_s, self.evaluate)
 
 
@@ -460,8 +460,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         with sim.rundir.writer(f"worker-{w}") as writer:
             for record in records:
                 writer.write(record)
-    assert sim.glob.weights is not None
-    np.save(run_dir / "final_weights.npy", sim.glob.weights)
+    assert sim.glob.core.weights is not None
+    np.save(run_dir / "final_weights.npy", sim.glob.core.weights)
     summary = summarize(run_dir)
     summary.update(run_dir=str(run_dir), pushes=sim.pushes,
                    sim_s=sim.t, real_s=time.perf_counter() - started)

@@ -1,0 +1,275 @@
+"""The global server's sessions (asyncio): workers' control channels, evaluators, and external
+group servers (`minips group` processes).
+
+A worker's control session carries STATS (calibration at clock 0, then its measured speed every
+second), an optional INIT_WEIGHTS with its initial weights (when the server had none yet:
+WELCOME said ``need_init``; the first one to arrive is taken) and LEAVE; the server answers
+with ASSIGN when the worker's group or ratio is set or changes. An evaluator PULLs the global
+weights (GLOBAL_WEIGHTS) every few seconds until the run is over.
+
+A group process connects as role ``group`` before the grouping and waits in ``pending_groups``;
+``external_group`` hands it a group (ASSIGN) behind a ``RemoteGroup`` peer (``roster.py``).
+The session is then: PULL -> GLOBAL_WEIGHTS (the initial weights, ``members``), and
+EXCHANGE(delta, counters) -> EXCHANGE_REPLY (the merged global weights, or with a sparse exchange
+the entries of the group's copy to set: exchange.py) until LEAVE. A group process that connects
+after the grouping — restarted, or reconnecting to a restarted global server — adopts a group
+no server serves, its own first (``adopt``).
+
+What a message does is the core's rule (``GlobalCore.on_stats`` / ``on_initial`` /
+``on_exchange`` / ``group_pull`` / ``group_left``); these sessions read the channel and hand the
+actions the core returns to the server (``Shell``: what they use of ``server.GlobalServer``,
+which imports this module, not the other way round).
+
+Invariants: a worker has at most one control channel (a new connection with its id replaces
+the old one, which gets ERROR ``replaced``); STATS clocks are not compared (they count steps in
+the worker's current group and start again after a move); the initial weights are taken once,
+dense, with a bounded size. A group has at most one connected group process (its
+``RemoteGroup``); a merge that repeats the last (session, seq) of its group is answered without
+merging (``GlobalCore.merge``). A group process's connection that carries no bytes (not even
+HEARTBEAT) for ``lease_s`` is closed: its group counts as lost, free for a replacement to adopt;
+when none comes within ``REHOME_LEASES`` leases, its workers move to the live groups nearest in
+speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+import numpy as np
+
+from minips import sparse
+from minips.core.global_core import Action, GlobalCore, Rehomed
+from minips.core.roster import GroupHandle, NoGroup
+from minips.errors import ConfigError, RemoteProtocolError
+from minips.net.channel import Channel
+from minips.net.endpoints import reachable
+from minips.serve import validation
+from minips.wire import messages
+
+__all__ = ["Shell", "send_quiet", "worker_session", "initial_weights", "evaluator_session",
+           "RemoteGroup", "external_group", "group_session", "adopt", "group_address",
+           "PENDING_POLL_S", "REHOME_LEASES"]
+
+log = logging.getLogger("minips.server")
+
+PENDING_POLL_S = 0.1  # how often the grouping looks for a group process that has not come yet
+REHOME_LEASES = 3  # a lost group with no replacement after this many leases: move its workers
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
+
+
+class Shell(Protocol):
+    """What the sessions use of the global server (``server.GlobalServer``)."""
+
+    core: GlobalCore  # the rules
+    controls: dict[int, Channel]  # worker id -> its control channel
+    pending_groups: list[Channel]  # group processes not given a group yet
+    rejected: collections.Counter[str]  # ERRORs sent, by code
+    weights_ready: asyncio.Event  # the global weights exist
+    groups_opened: asyncio.Event  # every group of the grouping has its handle
+    finished: asyncio.Event  # the run is over
+    evaluated_final: asyncio.Event  # the evaluator got the final weights
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run ``coro`` in the background (the server cancels what is left on close)."""
+
+    def perform(self, actions: list[Action]) -> None:
+        """Do what the core decided, in order."""
+
+    async def tell_group(self, w: int) -> None:
+        """Send worker ``w`` its group (ASSIGN), if it is connected and the group is served."""
+
+
+async def send_quiet(ch: Channel, msg: messages.Message) -> None:
+    """Send ``msg``; a connection gone meanwhile is no error here."""
+    with contextlib.suppress(ConnectionError, OSError):
+        await ch.send(msg)
+
+
+# -- workers and evaluators ----------------------------------------------------------------
+
+async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
+    """Worker ``w``'s control channel, until it leaves or is lost."""
+    core = srv.core
+    old = srv.controls.get(w)
+    if old is not None:  # the newest connection with an id wins; the old one is told why
+        srv.spawn(validation.replace(old, w, srv.rejected, "global server"))
+    srv.controls[w] = ch
+    srv.perform(core.worker_joined(w))
+    try:
+        if core.workers[w].group >= 0:  # a reconnect after grouping: tell it its group again
+            await srv.tell_group(w)
+        while not core.workers[w].left:
+            _on_control(srv, w, await ch.recv())
+    finally:
+        if srv.controls.get(w) is ch:
+            del srv.controls[w]
+            srv.perform(core.worker_gone(w))
+
+
+def _on_control(srv: Shell, w: int, msg: messages.Message) -> None:
+    """Handle one control message."""
+    if isinstance(msg, messages.Stats):
+        validation.check_stats(msg)
+        srv.perform(srv.core.on_stats(w, msg, time.monotonic()))
+    elif isinstance(msg, messages.InitWeights):
+        srv.perform(srv.core.on_initial(initial_weights(msg)))
+    elif isinstance(msg, messages.Leave):
+        srv.core.worker_leaving(w)
+    else:
+        raise validation.unexpected(msg, "worker on the control channel")
+
+
+def initial_weights(msg: messages.InitWeights) -> np.ndarray:
+    """(n,) float32 initial weights a worker sent (the server was started without --init); their
+    size is checked by the message (``messages.MAX_PARAMS``)."""
+    w = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, msg.size)
+    if not isinstance(w, np.ndarray):
+        raise RemoteProtocolError("initial weights must be dense", got=msg.encoding)
+    return w.astype(np.float32)
+
+
+async def evaluator_session(srv: Shell, ch: Channel) -> None:
+    """PULL -> WEIGHTS until LEAVE; the answer with the final weights sets ``evaluated_final``."""
+    while True:
+        msg = await ch.recv()
+        if isinstance(msg, messages.Leave):
+            return
+        if not isinstance(msg, messages.Pull):
+            raise validation.unexpected(msg, "evaluator")
+        await srv.weights_ready.wait()
+        final = srv.core.done and srv.finished.is_set()
+        await ch.send(srv.core.weights_message(final=final))
+        if final:
+            srv.evaluated_final.set()
+
+
+# -- group processes -------------------------------------------------------------------------
+
+class RemoteGroup(NoGroup):
+    """``GroupPeer`` of a `minips group` process: its channel; a new ratio goes as ASSIGN."""
+
+    def __init__(self, ch: Channel, spawn: Spawn, traffic: dict[str, int] | None = None) -> None:
+        super().__init__(traffic)
+        self.ch, self.spawn = ch, spawn
+
+    @property
+    def connected(self) -> bool:
+        return True
+
+    def send_ratio(self, assign: messages.Assign) -> None:
+        self.spawn(send_quiet(self.ch, assign))
+
+    async def finish(self) -> None:
+        await send_quiet(self.ch, messages.Leave(reason="done"))
+
+
+async def external_group(srv: Shell, g: int, members: list[int], wait_s: float) -> GroupHandle:
+    """Give group ``g`` to the next waiting group process (``ConfigError`` when none comes
+    within ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while not srv.pending_groups:
+        if time.monotonic() > deadline:
+            raise ConfigError(f"no external group server connected for group {g}")
+        await asyncio.sleep(PENDING_POLL_S)
+    ch = srv.pending_groups.pop(0)
+    handle = GroupHandle(g, group_address(ch), members, ratio=srv.core.ratio_of(g),
+                         peer=RemoteGroup(ch, srv.spawn))
+    await ch.send(srv.core.assign_message(handle))
+    return handle
+
+
+def group_address(ch: Channel) -> str:
+    """Where workers reach a group process: the address in its HELLO, a wildcard host replaced
+    by the host this server sees it connect from."""
+    assert ch.peer_hello is not None
+    return reachable(ch.peer_hello.address, ch.peername[0])
+
+
+def _served_by(handle: GroupHandle, ch: Channel) -> bool:
+    return isinstance(handle.peer, RemoteGroup) and handle.peer.ch is ch
+
+
+async def group_session(srv: Shell, ch: Channel) -> None:
+    """One group process's connection, until it leaves, is lost, or is silent for lease_s."""
+    core = srv.core
+    ch.start_silence_limit(core.run.lease_s)  # group processes send HEARTBEAT
+    if not srv.groups_opened.is_set():
+        srv.pending_groups.append(ch)
+        await srv.groups_opened.wait()
+    handle = next((h for h in core.groups.values() if _served_by(h, ch)), None)
+    if handle is None:
+        handle = await adopt(srv, ch)
+    try:
+        while handle is not None and not await _on_group_message(srv, ch, handle):
+            pass
+    finally:
+        if handle is not None and _served_by(handle, ch):
+            _lost(srv, ch, handle)
+
+
+def _lost(srv: Shell, ch: Channel, handle: GroupHandle) -> None:
+    """Group ``handle``'s process is gone: wait for a replacement, then move its workers."""
+    srv.perform(srv.core.group_lost(handle.id))
+    if handle.final or srv.core.done:  # the end of the run
+        return
+    wait = REHOME_LEASES * srv.core.run.lease_s
+    log.warning("group %d: its group server %s is gone (%s); a new `minips group --connect` to "
+                "this server takes the group over, else its workers move to another group in "
+                "%.0f s", handle.id, handle.address, ch.error or "connection closed", wait)
+    srv.spawn(_rehome_later(srv, handle.id, wait))
+
+
+async def _rehome_later(srv: Shell, g: int, wait: float) -> None:
+    """No group process took group ``g`` over within ``wait`` s: send its workers to the live
+    groups nearest in speed (``GlobalCore.rehome``); the empty group no longer holds the end of
+    the run."""
+    await asyncio.sleep(wait)
+    actions = srv.core.rehome(g)
+    srv.perform(actions)
+    for a in actions:
+        if isinstance(a, Rehomed):
+            log.warning("group %d: no group server took it over in %.0f s; its workers %s moved "
+                        "to group(s) %s", g, wait, sorted(a.moved), sorted(set(a.moved.values())))
+
+
+async def adopt(srv: Shell, ch: Channel) -> GroupHandle | None:
+    """Give a (re)started group process the group no server serves (its own first)."""
+    core = srv.core
+    assert ch.peer_hello is not None
+    handle = core.roster.orphan(ch.peer_hello.group)
+    if handle is None:
+        await ch.send_error("refused", f"every one of the run's {len(core.groups)} groups "
+                            "already has a group server")
+        return None
+    peer = RemoteGroup(ch, srv.spawn, handle.peer.traffic())
+    srv.perform(core.group_served(handle.id, peer, group_address(ch)))
+    await ch.send(core.assign_message(handle))
+    for w in handle.members:
+        srv.spawn(srv.tell_group(w))
+    return handle
+
+
+async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle) -> bool:
+    """Handle one message of a group process; True when it left."""
+    core, msg = srv.core, await ch.recv()
+    if isinstance(msg, messages.Pull):  # the group takes these weights whole (exchange.py)
+        await ch.send(core.group_pull(handle.id))
+    elif isinstance(msg, messages.Exchange):
+        assert core.weights is not None
+        delta = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, core.weights.size)
+        reply, actions = core.on_exchange(handle.id, delta, msg.info)
+        srv.perform(actions)
+        await ch.send(reply)
+    elif isinstance(msg, messages.Leave):
+        srv.perform(core.group_left(handle.id))
+        return True
+    else:
+        raise validation.unexpected(msg, "group server")
+    return False
