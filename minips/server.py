@@ -88,8 +88,6 @@ __all__ = [
     "InProcGroup",
     "InProcLink",
     "ServerConfig",
-    "exchange_bytes",
-    "wire_size",
     "FINAL_FLUSH_S",
     "REJOIN_POLL_S",
 ]
@@ -476,7 +474,7 @@ class InProcGroup:
 class InProcLink:
     """The uplink (``exchange.GroupLink``) of a group server in this process: a direct call.
     Its bytes are those of the EXCHANGE and EXCHANGE_REPLY a `minips group` process would
-    exchange instead (``exchange_bytes``)."""
+    exchange instead (``frames.wire_size`` of each)."""
 
     def __init__(self, server: GlobalServer) -> None:
         self.server = server
@@ -485,22 +483,10 @@ class InProcLink:
                        stats: dict[str, Any]) -> ExchangeResult:
         core = self.server.core
         res, actions = core.merge(group, delta, stats)
-        res.bytes_up, res.bytes_down = exchange_bytes(core, group, delta, stats, res)
+        res.bytes_up = frames.wire_size(exchange_message(delta, stats))
+        res.bytes_down = frames.wire_size(core.exchange_reply(group, res.weights))
         self.server.perform(actions)
         return res
-
-
-def wire_size(msg: messages.Message) -> int:
-    """Bytes ``msg`` takes on the wire (its frame: header and buffers, no TLS)."""
-    return sum(memoryview(b).nbytes for b in frames.encode(msg))
-
-
-def exchange_bytes(core: GlobalCore, g: int, delta: Delta, stats: dict[str, Any],
-                   res: ExchangeResult) -> tuple[int, int]:
-    """(up, down): the bytes of the EXCHANGE that would carry group ``g``'s ``delta`` and of
-    the EXCHANGE_REPLY that would answer it with ``res``, had the group its own process."""
-    return (wire_size(exchange_message(delta, stats)),
-            wire_size(core.exchange_reply(g, res.weights)))
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -1,4 +1,5 @@
-"""Tests of minips.record.metrics: JSON-lines writer, run directory, summarize on a hand-made run."""
+"""Tests of minips.record.metrics: JSON-lines writer, run directory, summarize on a hand-made
+run."""
 
 from __future__ import annotations
 

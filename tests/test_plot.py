@@ -1,4 +1,5 @@
-"""Tests of minips.record.plot: PNG charts from run directories written with minips.record.metrics."""
+"""Tests of minips.record.plot: PNG charts from run directories written with
+minips.record.metrics."""
 
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def test_plot_defaults_to_first_run_dir_and_skips_empty_charts(tmp_path):
 
 
 def test_importing_plot_does_not_import_matplotlib():
-    code = "import sys, minips.record.plot, minips.record.metrics; print('matplotlib' in sys.modules)"
+    code = ("import sys, minips.record.plot, minips.record.metrics; "
+            "print('matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
     assert out.stdout.strip() == "False"

@@ -209,7 +209,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
                           f"{cfg.run.groups}); start as many group servers")
     _check_watch(args)
     srv = run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
-    if srv.failure:  # the run ended short of its budget, or diverged (run_end.py)
+    if srv.failure:  # the run ended short of its budget, or diverged (GlobalCore.fail)
         print(f"minips server: error: {srv.failure}", file=sys.stderr)
         return 3
     return 0

@@ -55,6 +55,7 @@ import numpy as np
 from minips.core import global_core
 from minips.core.config import RunConfig
 from minips.core.downlink import apply_weights
+from minips.core.exchange import exchange_message
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import (
     Action,
@@ -69,9 +70,9 @@ from minips.core.group_core import (
 from minips.core.roster import GroupHandle, NoGroup
 from minips.record.metrics import summarize
 from minips.record.rundir import RunDir
-from minips.server import exchange_bytes, wire_size
 from minips.sim.timing import Failure, Links, StepTimes, objective
 from minips.wire import messages
+from minips.wire.frames import wire_size
 
 __all__ = ["SimConfig", "per_worker", "SimGlobal", "SimGroup", "SimPeer", "Simulation", "simulate"]
 
@@ -428,7 +429,8 @@ class Simulation:
         grp.in_flight = False
         out = grp.core.begin_exchange(final, grp.traffic())
         res, actions = glob.merge(g, out.delta, out.stats)
-        res.bytes_up, res.bytes_down = exchange_bytes(glob, g, out.delta, out.stats, res)
+        res.bytes_up = wire_size(exchange_message(out.delta, out.stats))
+        res.bytes_down = wire_size(glob.exchange_reply(g, res.weights))
         self.glob.perform(actions)
         grp.perform(grp.core.exchanged(out, res, self.cfg.xchg_latency_s))
 

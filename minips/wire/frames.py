@@ -68,6 +68,7 @@ from minips.wire.messages import (
 )
 
 __all__ = [
+    "wire_size",
     "MAGIC",
     "PREFIX",
     "TABLE_ENTRY",
@@ -183,6 +184,12 @@ def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIM
         return [b"".join([head, meta, *wires])]
     return _coalesce([head, meta], wires)
 
+
+
+def wire_size(msg: Message) -> int:
+    """Bytes ``msg`` takes on the wire: its whole frame (prefix, table, header and buffers; no
+    TLS). An in-process exchange counts what a `minips group` process would send and get."""
+    return sum(memoryview(b).nbytes for b in encode(msg))
 
 def _unsendable(total: int, limits: Limits) -> LocalProtocolError:
     return LocalProtocolError("frame too large to send", expected=limits.max_frame_bytes,
