@@ -33,7 +33,7 @@ _LAZY = {
     "GroupConfig": "minips.serve.group_process",
     "WorkerConfig": "minips.core.config",
     # the roles: sans-IO cores and the processes that drive them
-    "SyncPolicy": "minips.core.sync",
+    "SyncPolicy": "minips.core.config",
     "GroupCore": "minips.core.group_core",
     "GlobalCore": "minips.core.global_core",
     "GlobalServer": "minips.server",

@@ -1,8 +1,23 @@
-"""Configuration of a run's rules: one dataclass per role, filled by the CLI, checked once in
-``validate()``, and the table of known models and data sets it is checked against (no torch).
+"""A run's rules as data: the synchronization modes, the run's configuration, the models and
+data sets it names (no IO, no torch).
 
 The file holds, in order:
 
+- The modes as one table. A mode is a ``SyncPolicy``; the servers ask it rather than compare
+  mode names, so a new mode is one row of ``POLICIES`` (and its tests):
+
+  | mode | bound in a group | a push is applied | groups | regrouping |
+  |---|---|---|---|---|
+  | bsp  | 0 | with its round: one step on the round's mean | 1 | no |
+  | ssp  | ``--staleness`` s | on arrival, 1/(workers) of a step | 1 | no |
+  | asp  | none | on arrival, 1/(workers) of a step | 1 | no |
+  | gssp | ``--staleness`` s | on arrival, 1/(group's workers) of a step | k (``--groups``) | yes |
+
+  Every mode exchanges with the global server every ``sync_every`` pushes of a group
+  (``exchange_due``) and merges a group's delta by ``--merge`` (``merge_scale``: mean over
+  groups or sum; with one group the two are the same). A bound of 0 (BSP, or SSP with
+  ``--staleness 0``) applies pushes in rounds: one SGD step on the mean of a round's gradients,
+  which is synchronous SGD (``reference.train``).
 - The model table: the models minips knows by name (``MODEL_NAMES``), the length of each one's
   flat weight vector (``PARAM_COUNTS``), each one's default data set, and the training set sizes
   of the known data sets (``TRAIN_SIZES``). ``ml/models.py`` builds the models with torch; the
@@ -11,9 +26,12 @@ The file holds, in order:
 - ``RunConfig``: what every role of one training run must agree on (model, data, optimizer,
   mode, compressor, budget). The global server owns it and sends it to every client in
   WELCOME.info (``to_info`` / ``from_info``), so a worker or group server needs nothing but the
-  global server's address and the shared secret.
-- ``FieldError`` and ``WorkerConfig``: what is local to one process (addresses, emulated
-  slowness, files).
+  global server's address and the shared secret. The compressor plug-ins it names are looked up
+  when a run is set up (``downlink_ratio``, ``worker_compressor``), not when the rules load.
+- ``FieldError``, and ``WorkerConfig``: what is local to a worker process (addresses, emulated
+  slowness, files); it lives here, not in worker.py, so that `minips server` can build it
+  without torch. The other roles' configs live with their role (``server.ServerConfig``,
+  ``group_process.GroupConfig``, ``launch.LaunchConfig``).
 
 Addresses, TLS and the bind check are in net/endpoints.py, the named presets in run/flags.py;
 this module imports neither (the rules never import the launcher, the CLI or net/).
@@ -24,8 +42,9 @@ Invariants:
   ``from_info(to_info(c)) == c``.
 - Units are in each field's comment; times are seconds, sizes bytes, rates bytes per second.
 
-Public API: ``MODEL_NAMES``, ``PARAM_COUNTS``, ``DEFAULT_DATASET``, ``TRAIN_SIZES``,
-``dataset_train_size``, ``RunConfig``, ``FieldError``, ``WorkerConfig``.
+Public API: ``SyncPolicy``, ``POLICIES``, ``MODES``, ``policy(mode)``, ``MODEL_NAMES``,
+``PARAM_COUNTS``, ``DEFAULT_DATASET``, ``TRAIN_SIZES``, ``dataset_train_size``, ``RunConfig``,
+``FieldError``, ``WorkerConfig``.
 """
 
 from __future__ import annotations
@@ -36,14 +55,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from minips.core.optim import SCHEDULES
-from minips.core.sync import MODES, SyncPolicy, policy
 from minips.errors import ConfigError
 
 if TYPE_CHECKING:
     from minips.compress.base import Compressor
 
-
 __all__ = [
+    "MODES",
+    "POLICIES",
+    "SyncPolicy",
+    "policy",
     "MODEL_NAMES",
     "PARAM_COUNTS",
     "DEFAULT_DATASET",
@@ -55,7 +76,57 @@ __all__ = [
 ]
 
 
-# -- the model table: known models, their sizes, the known data sets -------------------------------
+# -- the modes as one table ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """One synchronization mode: its row of ``POLICIES``."""
+
+    name: str
+    bound: str  # "zero", "staleness" (the run's s) or "none" (unbounded)
+    grouped: bool  # workers are split into speed groups (k of them); else one group of all
+    regroup: bool  # groups are recomputed when the workers' speeds drift
+
+    def staleness_bound(self, staleness: int) -> int | None:
+        """The SSP bound inside a group: 0, the run's ``staleness``, or None (no bound)."""
+        return {"zero": 0, "none": None}.get(self.bound, staleness)
+
+    def in_rounds(self, staleness: int) -> bool:
+        """Pushes wait for their round and apply as one step (a bound of 0)."""
+        return self.staleness_bound(staleness) == 0
+
+    def group_count(self, groups: int) -> int:
+        """Groups of a run: ``groups`` (0 = chosen from the step times) or 1."""
+        return groups if self.grouped else 1
+
+    def exchange_due(self, pushes: int, sync_every: int) -> bool:
+        """A group exchanges with the global server after ``sync_every`` pushes (every mode)."""
+        return pushes >= sync_every
+
+    def merge_scale(self, merge: str, groups: int) -> float:
+        """The factor a group's delta is added to the global weights with: 1/k for ``mean``
+        over k > 1 groups, else 1 (``sum``, or one group: the delta is the whole update)."""
+        return 1.0 / groups if merge == "mean" and groups > 1 else 1.0
+
+
+POLICIES: dict[str, SyncPolicy] = {p.name: p for p in (
+    SyncPolicy("bsp", bound="zero", grouped=False, regroup=False),
+    SyncPolicy("ssp", bound="staleness", grouped=False, regroup=False),
+    SyncPolicy("asp", bound="none", grouped=False, regroup=False),
+    SyncPolicy("gssp", bound="staleness", grouped=True, regroup=True),
+)}
+MODES = tuple(POLICIES)  # ("bsp", "ssp", "asp", "gssp")
+
+
+def policy(mode: str) -> SyncPolicy:
+    """The policy of ``mode``; ValueError names the modes there are."""
+    try:
+        return POLICIES[mode]
+    except KeyError:
+        raise ValueError(f"unknown mode {mode!r}: one of {MODES}") from None
+
+
+# -- the models and data sets minips knows ----------------------------------------------------------
 
 MODEL_NAMES = ("lenet5", "resnet18", "vgg19", "resnet9", "seq2seq")
 PARAM_COUNTS = {"lenet5": 61_706, "resnet18": 11_173_962, "vgg19": 20_040_522,
