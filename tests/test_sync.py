@@ -1,4 +1,5 @@
-"""The modes' table (core/config.py): each mode's decisions, and that the servers follow the table."""
+"""The modes' table (core/config.py): each mode's decisions, and that the servers follow the
+table."""
 
 from __future__ import annotations
 

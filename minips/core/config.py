@@ -126,7 +126,7 @@ def policy(mode: str) -> SyncPolicy:
         raise ValueError(f"unknown mode {mode!r}: one of {MODES}") from None
 
 
-# -- the models and data sets minips knows ----------------------------------------------------------
+# -- the models and data sets minips knows ---------------------------------------------------------
 
 MODEL_NAMES = ("lenet5", "resnet18", "vgg19", "resnet9", "seq2seq")
 PARAM_COUNTS = {"lenet5": 61_706, "resnet18": 11_173_962, "vgg19": 20_040_522,
