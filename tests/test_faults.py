@@ -464,6 +464,7 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
             assert (await recv_as(good, messages.Ack)).clock == clock + 1
 
         deadline = asyncio.get_running_loop().time() + 20
+        assert gs.server is not None
         while gs.server.stats["read_timeouts"] < 1 or 2 in gs.channels or 1 in gs.channels:
             assert asyncio.get_running_loop().time() < deadline, (gs.server.stats, gs.channels)
             await asyncio.sleep(0.05)

@@ -216,6 +216,7 @@ async def fuzz_scenario(raw_inputs: int, invalid_inputs: int, seed: int) -> None
         assert isinstance(await asyncio.wait_for(late.recv(), 5), messages.Ack)
         await late.close()
         await good.close()
+        assert gs.server is not None
         print(f"fuzz: {raw_inputs} raw inputs in {raw_s:.1f} s, {invalid_inputs} invalid "
               f"sessions, rejected {dict(gs.rejected)}, transport {dict(gs.server.stats)}")
     finally:

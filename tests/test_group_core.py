@@ -40,7 +40,7 @@ def push(clock: int, grad: np.ndarray | sparse.SparseVector, samples: int = 8) -
                          buffers=tuple(bufs))
 
 
-def drive(core: GroupCore, rounds: int, seed: int) -> list[messages.Weights]:
+def drive(core: GroupCore | GroupServer, rounds: int, seed: int) -> list[messages.Weights]:
     """Two workers in lock step: each pulls (the version it holds) and pushes (through the
     asyncio shell's ``on_push`` for a GroupServer, the core's ``push`` otherwise); returns
     every answer in order."""

@@ -35,9 +35,14 @@ SCHEDULES = ("constant", "cosine")  # lr schedules over the run's budget
 class SparseLike(Protocol):
     """What ``SGD.step`` needs of a sparse gradient."""
 
-    indices: np.ndarray  # (k,) integer coordinates
-    values: np.ndarray  # (k,) gradient values there
-    size: int  # n, the length of the dense vector
+    @property
+    def indices(self) -> np.ndarray: ...  # (k,) integer coordinates
+
+    @property
+    def values(self) -> np.ndarray: ...  # (k,) gradient values there
+
+    @property
+    def size(self) -> int: ...  # n, the length of the dense vector
 
 
 class SGD:
