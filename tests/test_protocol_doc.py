@@ -372,3 +372,13 @@ def test_the_handshake_back_off_starts_after_the_failure_the_documents_name() ->
     for doc in ("protocol.md", "operations.md"):
         text = (DOCS / doc).read_text()
         assert re.search(rf"after the {nth} fail", text, re.I), doc
+
+
+def test_the_page_gives_one_version_byte_the_code_s() -> None:
+    """The title, section 1.1's prefix table, section 5's diagram and text and section 7's bytes
+    all name ``messages.PROTOCOL_VERSION`` (they said 2 and 3 once)."""
+    protocol = (DOCS / "protocol.md").read_text()
+    said = [int(v) for v in re.findall(
+        r"wire protocol \(version (\d+)\)|protocol version, `(\d+)`|version byte != (\d+)"
+        r"|must carry version (\d+)|\| `04` \| `0(\d)` \| version (\d+)", protocol) for v in v if v]
+    assert len(said) >= 6 and set(said) == {messages.PROTOCOL_VERSION}, said
