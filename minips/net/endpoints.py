@@ -4,7 +4,8 @@
 brackets; a wildcard host is replaced by one that reaches the machine). ``server_ssl`` /
 ``client_ssl`` make TLS contexts (``ssl`` is imported only then). ``check_bind`` refuses to
 listen beyond loopback without a long enough shared secret, and ``shared_secret`` finds it
-($MINIPS_TOKEN unless given).
+($MINIPS_TOKEN unless given); ``dashboard_secret`` finds the dashboard's own, read-only token
+($MINIPS_DASHBOARD_TOKEN), which is never the cluster's secret.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
 __all__ = [
     "WILDCARD_HOSTS", "parse_address", "format_address", "reachable", "server_ssl",
     "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind", "TOKEN_ENV", "shared_secret",
+    "DASHBOARD_TOKEN_ENV", "DASHBOARD_TOKEN_BYTES", "dashboard_secret",
 ]
 
 TOKEN_ENV = "MINIPS_TOKEN"  # environment variable holding the shared secret
@@ -29,6 +31,21 @@ TOKEN_ENV = "MINIPS_TOKEN"  # environment variable holding the shared secret
 def shared_secret(token: str | bytes | None) -> str | bytes | None:
     """``token``, or $MINIPS_TOKEN when it is None (None when that is unset too)."""
     return os.environ.get(TOKEN_ENV) if token is None else token
+
+
+DASHBOARD_TOKEN_ENV = "MINIPS_DASHBOARD_TOKEN"  # the dashboard's own read-only token
+DASHBOARD_TOKEN_BYTES = 24  # random bytes of a dashboard token made at start (32 characters)
+
+
+def dashboard_secret() -> str:
+    """$MINIPS_DASHBOARD_TOKEN ("" when unset); ``ConfigError`` when it is the cluster's secret,
+    which would let whoever sees the dashboard's link join the cluster."""
+    token = os.environ.get(DASHBOARD_TOKEN_ENV, "")
+    if token and token == os.environ.get(TOKEN_ENV):
+        raise ConfigError(f"{DASHBOARD_TOKEN_ENV} is the cluster's secret ({TOKEN_ENV}): "
+                          "whoever opens the dashboard could join as a worker; give the "
+                          "dashboard a token of its own, or unset it to have one made")
+    return token
 
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: an address to listen on only
