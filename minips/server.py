@@ -12,7 +12,9 @@ server never asks which.
 
 One asyncio process. Clients connect with role ``worker`` (control channel: STATS, HEARTBEAT,
 LEAVE; learns its group from ASSIGN), ``group`` (a separate `minips group` process: EXCHANGE its
-delta, get EXCHANGE_REPLY) or ``evaluator`` (PULL the global weights every few seconds).
+delta, get EXCHANGE_REPLY; refused at the handshake unless it serves its workers TLS exactly
+when this server does, HELLO capability ``tls``) or ``evaluator`` (PULL the global weights
+every few seconds).
 
 A run goes: workers connect and report their calibrated step time (STATS at clock 0); when all
 ``run.workers`` reported (or ``calib_timeout_s`` passed: at once if anyone reported, else at the
@@ -73,7 +75,7 @@ from minips.core.roster import GroupHandle
 from minips.errors import AuthError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
-from minips.net.endpoints import check_bind, format_address, server_ssl
+from minips.net.endpoints import check_bind, format_address, server_ssl, tls_mismatch
 from minips.record import checkpoint
 from minips.record.checkpoint import remove_stale_temps
 from minips.record.rundir import RunDir
@@ -201,6 +203,9 @@ class GlobalServer:
             info["need_init"] = self.core.weights is None
         elif hello.role == "group" and not self.cfg.external_groups:
             raise AuthError("this server runs its group servers in-process (no --external-groups)")
+        elif hello.role == "group" and (why := tls_mismatch(self._ssl is not None,
+                                                            hello.capabilities)):
+            raise AuthError(why)  # its workers would fail on every connection
         return info
 
     async def _handle(self, ch: Channel) -> None:

@@ -207,7 +207,7 @@ def test_tensorboard_reads_back_the_scalars_written_by_hand(tmp_path: Path) -> N
 # -- the web side --------------------------------------------------------------------------------
 
 
-async def test_token_is_asked_for_when_set_and_a_wide_address_needs_one(tmp_path: Path) -> None:
+async def test_token_is_asked_for_when_set_and_a_wide_address_gets_one(tmp_path: Path) -> None:
     aiohttp = pytest.importorskip("aiohttp")
     from minips.dashboard.monitor import Monitor, MonitorConfig
     from minips.dashboard.web import Ticker, make_app, start_site
@@ -227,8 +227,14 @@ async def test_token_is_asked_for_when_set_and_a_wide_address_needs_one(tmp_path
         await runner.cleanup()
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     wide = Monitor(MonitorConfig(run_dir=str(tmp_path), dashboard="0.0.0.0:0"))
-    with pytest.raises(ConfigError, match="MINIPS_TOKEN"):
-        await wide.start()
+    url = await wide.start()  # no token given: one is made, and only the URL returned has it
+    try:
+        assert len(url.split("?token=")[1]) >= 16
+    finally:
+        await wide.stop()
+    short = Monitor(MonitorConfig(run_dir=str(tmp_path), dashboard="0.0.0.0:0", token="short"))
+    with pytest.raises(ConfigError, match="MINIPS_DASHBOARD_TOKEN"):
+        await short.start()
 
 
 async def test_event_stream_sends_the_state_then_each_tick(tmp_path: Path) -> None:

@@ -7,6 +7,10 @@ server's live view of its workers (``probe``: groups, clocks, who the SSP bound 
 connected, which covers workers whose metrics files are on other machines), writes the new
 records to TensorBoard and wakes the page's event streams.
 
+Its credential is its own: beyond loopback the page asks for the dashboard's read-only token
+(MINIPS_DASHBOARD_TOKEN, or one made at start and printed once, in the URL), never the
+cluster's secret; RUN_DIR/dashboard.url holds the address without any token.
+
 Invariants: the monitor only reads the server's state (never changes it) and does its work
 between the server's own tasks, at most once per tick; ``stop`` reads the files one last time,
 so the TensorBoard files and the page end with the run's last records.
@@ -18,6 +22,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import secrets
 import time
 import traceback
 from dataclasses import dataclass
@@ -27,7 +32,14 @@ from typing import Any
 from minips.dashboard.state import Replay, RunFollower, RunState
 from minips.dashboard.tboard import TensorBoardSink
 from minips.errors import ConfigError
-from minips.net.endpoints import check_bind, format_address, is_loopback, parse_address
+from minips.net.endpoints import (
+    DASHBOARD_TOKEN_BYTES,
+    DASHBOARD_TOKEN_ENV,
+    MIN_SECRET_BYTES,
+    format_address,
+    is_loopback,
+    parse_address,
+)
 from minips.record.rundir import read_config
 from minips.server import GlobalServer, InProcGroup
 
@@ -49,8 +61,10 @@ class MonitorConfig:
     run_dir: str  # the run directory to follow
     dashboard: str = ""  # HOST:PORT of the page and /metrics ("" = none)
     tensorboard: str = ""  # directory for TensorBoard event files ("" = none)
-    token: str = ""  # shared secret the page and /metrics ask for (MINIPS_TOKEN)
-    insecure: bool = False  # allow a non-loopback dashboard address without a secret
+    # the dashboard's own read-only token the page and /metrics ask for beyond loopback
+    # (MINIPS_DASHBOARD_TOKEN, never the cluster's MINIPS_TOKEN); "": one is made at start
+    token: str = ""
+    insecure: bool = False  # a non-loopback dashboard without a token: open to anyone
     replay_speed: float | None = None  # a finished run at this speed (0 = all at once)
 
 
@@ -111,7 +125,8 @@ class Monitor:
         return time.time() - self.t0
 
     async def start(self) -> str:
-        """Start following (and serving, with a dashboard address); return the page's URL."""
+        """Start following (and serving, with a dashboard address); return the page's URL
+        (with ``?token=`` when the token was made here: the caller prints it, once)."""
         if self.cfg.dashboard:
             self.url = await self._serve()
         self._task = asyncio.ensure_future(self._loop())
@@ -122,18 +137,33 @@ class Monitor:
         from minips.dashboard import web  # the extra's packages, imported only when asked
 
         host, port = parse_address(self.cfg.dashboard, DEFAULT_PORT)
-        check_bind(host, self.cfg.token, self.cfg.insecure)
-        token = "" if is_loopback(host) else self.cfg.token  # the servers' rule: beyond loopback
+        token, made = self._token(host)
         self.ticker = web.Ticker()
         app = web.make_app(self.state, self.now, self.ticker, token)
         self.runner, port = await web.start_site(app, host, port)
-        query = "/?token=" + token if token else "/"
-        url = f"http://{format_address(host, port)}{query}"
+        url = f"http://{format_address(host, port)}/"
         if self.server is not None:  # only the server's own run directory gets the file
             tmp = Path(self.cfg.run_dir, f".dashboard.url.{os.getpid()}")
-            tmp.write_text(url + "\n")
+            tmp.write_text(url + "\n")  # never a token: run directories hold no secret
             os.replace(tmp, tmp.with_name("dashboard.url"))  # readers never see half of it
-        return url
+        return f"{url}?token={token}" if made else url  # a token made here: only we print it
+
+    def _token(self, host: str) -> tuple[str, bool]:
+        """The token the page asks for on ``host`` ("" none: loopback, or ``insecure``) and
+        whether it was made here. Beyond loopback it is the dashboard's own (``cfg.token``, at
+        least ``MIN_SECRET_BYTES``) or, without one, ``DASHBOARD_TOKEN_BYTES`` random bytes
+        made now."""
+        if is_loopback(host):
+            return "", False
+        if self.cfg.token:
+            if len(self.cfg.token.encode()) < MIN_SECRET_BYTES:
+                raise ConfigError(f"{DASHBOARD_TOKEN_ENV} has {len(self.cfg.token.encode())} "
+                                  f"bytes: a dashboard on {host} needs at least "
+                                  f"{MIN_SECRET_BYTES}, or unset it to have one made")
+            return self.cfg.token, False
+        if self.cfg.insecure:
+            return "", False
+        return secrets.token_urlsafe(DASHBOARD_TOKEN_BYTES), True
 
     async def _loop(self) -> None:
         while True:

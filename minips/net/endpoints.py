@@ -2,9 +2,12 @@
 
 ``parse_address`` / ``format_address`` / ``reachable`` read and write 'host:port' (IPv6 in
 brackets; a wildcard host is replaced by one that reaches the machine). ``server_ssl`` /
-``client_ssl`` make TLS contexts (``ssl`` is imported only then). ``check_bind`` refuses to
+``client_ssl`` make TLS contexts (``ssl`` is imported only then); ``tls_mismatch`` says why a
+group server cannot join (it must serve TLS exactly when the global server does: HELLO
+capability ``tls``). ``check_bind`` refuses to
 listen beyond loopback without a long enough shared secret, and ``shared_secret`` finds it
-($MINIPS_TOKEN unless given).
+($MINIPS_TOKEN unless given); ``dashboard_secret`` finds the dashboard's own, read-only token
+($MINIPS_DASHBOARD_TOKEN), which is never the cluster's secret.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
 __all__ = [
     "WILDCARD_HOSTS", "parse_address", "format_address", "reachable", "server_ssl",
     "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind", "TOKEN_ENV", "shared_secret",
+    "DASHBOARD_TOKEN_ENV", "DASHBOARD_TOKEN_BYTES", "dashboard_secret", "TLS_CAPABILITY",
+    "tls_mismatch",
 ]
 
 TOKEN_ENV = "MINIPS_TOKEN"  # environment variable holding the shared secret
@@ -29,6 +34,40 @@ TOKEN_ENV = "MINIPS_TOKEN"  # environment variable holding the shared secret
 def shared_secret(token: str | bytes | None) -> str | bytes | None:
     """``token``, or $MINIPS_TOKEN when it is None (None when that is unset too)."""
     return os.environ.get(TOKEN_ENV) if token is None else token
+
+
+DASHBOARD_TOKEN_ENV = "MINIPS_DASHBOARD_TOKEN"  # the dashboard's own read-only token
+DASHBOARD_TOKEN_BYTES = 24  # random bytes of a dashboard token made at start (32 characters)
+
+
+def dashboard_secret() -> str:
+    """$MINIPS_DASHBOARD_TOKEN ("" when unset); ``ConfigError`` when it is the cluster's secret,
+    which would let whoever sees the dashboard's link join the cluster."""
+    token = os.environ.get(DASHBOARD_TOKEN_ENV, "")
+    if token and token == os.environ.get(TOKEN_ENV):
+        raise ConfigError(f"{DASHBOARD_TOKEN_ENV} is the cluster's secret ({TOKEN_ENV}): "
+                          "whoever opens the dashboard could join as a worker; give the "
+                          "dashboard a token of its own, or unset it to have one made")
+    return token
+
+
+# HELLO capability of a group server that serves its workers TLS: in a cluster every hop is TLS
+# or none is (a worker reaches its group server with the context it reached the global one with)
+TLS_CAPABILITY = "tls"
+
+
+def tls_mismatch(server_tls: bool, hello_capabilities: tuple[str, ...]) -> str:
+    """Why a group server cannot serve a global server's workers ("" when it can): it must
+    speak TLS to them exactly when the global server does."""
+    group_tls = TLS_CAPABILITY in hello_capabilities
+    if server_tls and not group_tls:
+        return ("this global server speaks TLS and this group server would serve its workers in "
+                "plain text: start `minips group` with --tls-cert and --tls-key")
+    if group_tls and not server_tls:
+        return ("this global server speaks plain TCP and its workers would reach this group "
+                "server without TLS: start `minips group` without --tls-cert, or the global "
+                "server with one")
+    return ""
 
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: an address to listen on only

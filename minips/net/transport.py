@@ -42,7 +42,9 @@ Public API:
 - ``backoff``, ``delay`` and its defaults ``FIRST_S`` / ``MOST_S``.
 - ``install_uvloop() -> bool``: use uvloop's event loop policy where it imports.
 - ``async connect(host, port, *, role, worker_id, token, timeout, retries, ssl, ...) -> Channel``
-  raises ``AuthError`` on REFUSE, ``ConnectionError`` when unreachable within ``timeout``.
+  raises ``AuthError`` on REFUSE, ``ConnectionError`` when unreachable within ``timeout``, and
+  at once ``TLSError`` (a ``ConnectionError``) naming why TLS failed: the certificate (not
+  signed by the CA, not for the name or address dialled) or a peer that speaks plain text.
 - ``async serve(host, port, *, accept, handler, token, ssl, options) -> Server``:
   ``accept(hello) -> dict`` (may be async; ``Accept``) returns WELCOME's info (key
   ``worker_id`` sets the id sent back) or raises ``AuthError(reason)`` to refuse; then
@@ -78,7 +80,7 @@ from typing import Any, TypeVar
 from minips.errors import AuthError, RemoteProtocolError
 from minips.net import guard as g
 from minips.net.channel import Channel, FrameProtocol, Options
-from minips.net.endpoints import shared_secret
+from minips.net.endpoints import format_address, shared_secret
 from minips.net.guard import LogSummary
 from minips.wire import handshake, messages
 
@@ -93,6 +95,8 @@ __all__ = [
     "Server",
     "serve",
     "install_uvloop",
+    "TLSError",
+    "tls_failure",
     "connect",
 ]
 
@@ -384,13 +388,35 @@ def install_uvloop() -> bool:
 # Client
 
 
+class TLSError(ConnectionError):
+    """A TLS connection could not be set up; the message names the cause (the certificate, the
+    name or address it is for, a peer that speaks plain text). Not retried: trying again
+    cannot fix it."""
+
+
+def tls_failure(host: str, port: int, exc: ssl_module.SSLError) -> TLSError:
+    """``exc`` from the TLS handshake with ``host:port``, said as its cause and the way out."""
+    where = f"TLS with {format_address(host, port)}"
+    if isinstance(exc, ssl_module.SSLCertVerificationError):
+        return TLSError(f"{where}: certificate verify failed: {exc.verify_message} (the "
+                        "certificate must be signed by the --tls-ca file and name the address "
+                        f"dialled: subjectAltName=IP:{host} or DNS:{host})")
+    if exc.reason == "WRONG_VERSION_NUMBER":
+        return TLSError(f"{where}: the peer answered in plain text, not TLS (a server started "
+                        "without --tls-cert?)")
+    return TLSError(f"{where} failed: {exc.reason or exc}")
+
+
 async def _open(host: str, port: int, side: handshake.Side, options: Options,
                 ssl: ssl_module.SSLContext | None, server_hostname: str | None) -> Channel:
     loop = asyncio.get_running_loop()
     conn = handshake.Connection(side, alloc=options.alloc, limits=options.limits)
-    _, proto = await loop.create_connection(
-        lambda: FrameProtocol(conn, options), host, port, ssl=ssl,
-        server_hostname=(server_hostname or host) if ssl else None)
+    try:
+        _, proto = await loop.create_connection(
+            lambda: FrameProtocol(conn, options), host, port, ssl=ssl,
+            server_hostname=(server_hostname or host) if ssl else None)
+    except ssl_module.SSLError as exc:
+        raise tls_failure(host, port, exc) from None
     return Channel(proto)
 
 
@@ -438,7 +464,8 @@ async def connect(
                                group=group)
         return await asyncio.wait_for(_attempt(host, port, hs, opts, ssl, server_hostname), left)
 
-    # refused, reset, unreachable, too slow: tried again; AuthError (REFUSE) passes through
+    # refused, reset, unreachable, too slow: tried again; REFUSE and TLS failures pass through
     return await backoff(attempt, timeout=timeout,
-                                   what=f"could not connect to {host}:{port}", fatal=(AuthError,),
+                                   what=f"could not connect to {host}:{port}",
+                                   fatal=(AuthError, TLSError),
                                    attempts=None if retries is None else retries + 1)

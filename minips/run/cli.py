@@ -11,7 +11,8 @@ config dataclasses of each role (``RunConfig`` and ``WorkerConfig`` in core/conf
 launch.py) and calls one entry point per role; it holds no logic of its own. torch is imported
 lazily (workers, the evaluator and `local`), so `minips server` and `minips group` run on
 machines without it. The shared secret comes from the environment (MINIPS_TOKEN), never from a
-flag, so it does not show in `ps`.
+flag, so it does not show in `ps`; the dashboard's own read-only token too
+(MINIPS_DASHBOARD_TOKEN, or one made at start), never the cluster's.
 
 Run settings resolve in this order: RunConfig defaults, then ``--run-config``, then
 ``--preset``, then explicit flags (``flags.run_config_from_args``). Errors the user can fix (bad
@@ -38,7 +39,7 @@ from minips.core.config import WorkerConfig
 from minips.core.global_core import check_compatible
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, transport
-from minips.net.endpoints import WILDCARD_HOSTS, parse_address
+from minips.net.endpoints import WILDCARD_HOSTS, dashboard_secret, parse_address
 from minips.record.checkpoint import load
 from minips.run import flags
 from minips.run.checks import (
@@ -93,7 +94,7 @@ async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
     from minips.dashboard.monitor import Monitor, MonitorConfig
 
     monitor = Monitor(MonitorConfig(run_dir=cfg.run_dir, dashboard=cfg.dashboard,
-                                    tensorboard=cfg.tensorboard, token=cfg.token,
+                                    tensorboard=cfg.tensorboard, token=dashboard_secret(),
                                     insecure=cfg.insecure), srv)
     url = await monitor.start()
     if url:
@@ -264,13 +265,14 @@ def _check_watch(args: argparse.Namespace) -> None:
 
         parse_address(args.dashboard)
         check_extra()
+        dashboard_secret()  # never the cluster's secret
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:
     from minips.dashboard.monitor import serve_replay
 
     serve_replay(args.run_dir, args.listen, speed=None if args.follow else args.speed,
-                 token=_token(), insecure=args.insecure)
+                 token=dashboard_secret(), insecure=args.insecure)
     return 0
 
 

@@ -55,6 +55,12 @@ import numpy as np
 from minips.core.config import RunConfig, dataset_train_size
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, links, netshape
+from minips.net.endpoints import (
+    DASHBOARD_TOKEN_BYTES,
+    DASHBOARD_TOKEN_ENV,
+    is_loopback,
+    parse_address,
+)
 from minips.record.metrics import HOP_COUNTERS, live_hop_bytes, read, summarize, verdict
 from minips.record.plot import plot_run
 from minips.record.rundir import tail_jsonl
@@ -147,8 +153,14 @@ class Cluster:
         self.spaces: netshape.Namespaces | None = None  # the namespaces of kernel shaping
         self.run_dir = run_dir
         # children die with the launcher, by any signal (lifeline.py)
+        # the dashboard's own token (never the cluster's): made here unless given, so the
+        # server's log in the run directory does not carry it; only this console prints it
+        self.dashboard_token = "" if os.environ.get(DASHBOARD_TOKEN_ENV) else \
+            secrets.token_urlsafe(DASHBOARD_TOKEN_BYTES)
         self.env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": token,
-                                       "PYTHONUNBUFFERED": "1"})
+                                       "PYTHONUNBUFFERED": "1",
+                                       **({DASHBOARD_TOKEN_ENV: self.dashboard_token}
+                                          if self.dashboard_token else {})})
         self.logs = run_dir / "logs"
         self.logs.mkdir(exist_ok=True)
         self.server: subprocess.Popen[bytes] | None = None
@@ -211,7 +223,10 @@ class Cluster:
                     or time.monotonic() > deadline:
                 return  # the server's log says why; the run's end reports it
             time.sleep(0.05)
-        url = url_file.read_text().strip()
+        url = url_file.read_text().strip()  # the address only: no token in the run directory
+        host = parse_address(url.split("//", 1)[-1].rstrip("/"), 0)[0]
+        if self.dashboard_token and not is_loopback(host):
+            url += f"?token={self.dashboard_token}"
         print(f"minips local: dashboard at {url}", file=sys.stderr, flush=True)
 
     def start_workers(self) -> None:

@@ -1,7 +1,8 @@
 """A group server as its own process (`minips group`): the TCP link to the global server.
 
 ``serve_group`` listens for the group's workers first (so their address is known), registers
-with the global server as role ``group`` (HELLO.address = where its workers connect), takes the
+with the global server as role ``group`` (HELLO.address = where its workers connect; HELLO's
+capability ``tls`` when it serves them TLS), takes the
 group id from ASSIGN, PULLs the global weights (GLOBAL_WEIGHTS: ``size``, ``members``) and
 serves until the global server says ``done``. ``TcpLink`` carries each exchange: EXCHANGE(delta,
 counters) -> EXCHANGE_REPLY.
@@ -29,7 +30,13 @@ from minips.core.exchange import Delta, ExchangeResult, exchange_message, seqs_i
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
-from minips.net.endpoints import check_bind, client_ssl, format_address, server_ssl
+from minips.net.endpoints import (
+    TLS_CAPABILITY,
+    check_bind,
+    client_ssl,
+    format_address,
+    server_ssl,
+)
 from minips.record.rundir import RunDir
 from minips.serve.group import GroupServer
 from minips.wire import messages
@@ -107,9 +114,12 @@ class TcpLink:
 async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
                     timeout: float) -> TcpLink:
     """Connect as role ``group``, take ASSIGN and the global weights; (re)load the group."""
+    # HELLO says whether this group serves its workers TLS: a TLS global server registers only
+    # a group that does, a plain one only a group that does not (server.py)
     ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
                                  group=gs.core.group, token=cfg.token, timeout=timeout,
-                                 retries=None, ssl=client_ssl(cfg.tls_ca))  # net_retry.backoff
+                                 retries=None, ssl=client_ssl(cfg.tls_ca),  # net_retry.backoff
+                                 capabilities=(TLS_CAPABILITY,) if cfg.tls_cert else ())
     run = RunConfig.from_info(ch.welcome_info)
     ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease
     link = TcpLink(ch)

@@ -3,7 +3,9 @@ group servers (`minips group` processes).
 
 A worker's control session carries STATS (calibration at clock 0, then its measured speed every
 second), an optional INIT_WEIGHTS with its initial weights (when the server had none yet:
-WELCOME said ``need_init``; the first one to arrive is taken) and LEAVE; the server answers
+WELCOME said ``need_init``; the first one to arrive is taken; at most one per session, dense
+float32: a second one, or another encoding, is ERROR ``invalid`` and the connection is closed)
+and LEAVE; the server answers
 with ASSIGN when the worker's group or ratio is set or changes. An evaluator PULLs the global
 weights (GLOBAL_WEIGHTS) every few seconds until the run is over.
 
@@ -20,10 +22,13 @@ What a message does is the core's rule (``GlobalCore.on_stats`` / ``on_initial``
 actions the core returns to the server (``Shell``: what they use of ``server.GlobalServer``,
 which imports this module, not the other way round).
 
-Invariants: a worker has at most one control channel (a new connection with its id replaces
+Invariants: a worker's and an evaluator's session take one message per turn of the event loop
+and read the next only once the last is handled, so a peer that floods waits on TCP
+(channel.py) while the others are served.
+A worker has at most one control channel (a new connection with its id replaces
 the old one, which gets ERROR ``replaced``); STATS clocks are not compared (they count steps in
 the worker's current group and start again after a move); the initial weights are taken once,
-dense, with a bounded size. A group has at most one connected group process (its
+dense float32, with a bounded size. A group has at most one connected group process (its
 ``RemoteGroup``); a merge that repeats the last (session, seq) of its group is answered without
 merging (``GlobalCore.merge``). A group process's connection that carries no bytes (not even
 HEARTBEAT) for ``lease_s`` is closed: its group counts as lost, free for a replacement to adopt;
@@ -54,7 +59,7 @@ from minips.wire import messages
 
 __all__ = ["Shell", "send_quiet", "worker_session", "initial_weights", "evaluator_session",
            "RemoteGroup", "external_group", "group_session", "adopt", "group_address",
-           "PENDING_POLL_S", "REHOME_LEASES"]
+           "INIT_ENCODING", "PENDING_POLL_S", "REHOME_LEASES"]
 
 log = logging.getLogger("minips.server")
 
@@ -102,11 +107,21 @@ async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
         srv.spawn(validation.replace(old, w, srv.rejected, "global server"))
     srv.controls[w] = ch
     srv.perform(core.worker_joined(w))
+    took_init = False  # INIT_WEIGHTS is taken once per session
     try:
         if core.workers[w].group >= 0:  # a reconnect after grouping: tell it its group again
             await srv.tell_group(w)
         while not core.workers[w].left:
-            _on_control(srv, w, await ch.recv())
+            # one message per turn: a peer with many queued (a flood) takes turns with the rest,
+            # and its next message is read only once this one is handled (as serve/group.py)
+            await asyncio.sleep(0)
+            msg = await ch.recv()
+            if isinstance(msg, messages.InitWeights):
+                if took_init:
+                    raise RemoteProtocolError("INIT_WEIGHTS sent twice in one session",
+                                              expected="at most one", got="a second")
+                took_init = True
+            _on_control(srv, w, msg)
     finally:
         if srv.controls.get(w) is ch:
             del srv.controls[w]
@@ -126,18 +141,24 @@ def _on_control(srv: Shell, w: int, msg: messages.Message) -> None:
         raise validation.unexpected(msg, "worker on the control channel")
 
 
+INIT_ENCODING = "dense-f32"  # the one encoding of INIT_WEIGHTS: the weights exactly as trained
+
+
 def initial_weights(msg: messages.InitWeights) -> np.ndarray:
     """(n,) float32 initial weights a worker sent (the server was started without --init); their
-    size is checked by the message (``messages.MAX_PARAMS``)."""
+    size is checked by the message (``messages.MAX_PARAMS``), their encoding before decoding."""
+    if msg.encoding != INIT_ENCODING:
+        raise RemoteProtocolError("initial weights must be dense float32", expected=INIT_ENCODING,
+                                  got=msg.encoding)
     w = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, msg.size)
-    if not isinstance(w, np.ndarray):
-        raise RemoteProtocolError("initial weights must be dense", got=msg.encoding)
-    return w.astype(np.float32)
+    assert isinstance(w, np.ndarray)  # dense-f32 decodes to an array
+    return w.astype(np.float32, copy=False)
 
 
 async def evaluator_session(srv: Shell, ch: Channel) -> None:
     """PULL -> WEIGHTS until LEAVE; the answer with the final weights sets ``evaluated_final``."""
     while True:
+        await asyncio.sleep(0)  # one message per turn, as on every channel
         msg = await ch.recv()
         if isinstance(msg, messages.Leave):
             return
