@@ -201,6 +201,8 @@ class GlobalServer:
             info["need_init"] = self.core.weights is None
         elif hello.role == "group" and not self.cfg.external_groups:
             raise AuthError("this server runs its group servers in-process (no --external-groups)")
+        if hello.role == "group":
+            validation.check_group_address(hello.address)
         return info
 
     async def _handle(self, ch: Channel) -> None:
