@@ -206,6 +206,8 @@ class GlobalServer:
         elif hello.role == "group" and (why := tls_mismatch(self._ssl is not None,
                                                             hello.capabilities)):
             raise AuthError(why)  # its workers would fail on every connection
+        if hello.role == "group":
+            validation.check_group_address(hello.address)
         return info
 
     async def _handle(self, ch: Channel) -> None:
@@ -340,11 +342,12 @@ class GlobalServer:
     # -- the end of a run --------------------------------------------------------------------
 
     def _on_done(self) -> None:
-        """Budget spent: tell groups and workers, then wait (bounded) for the final deltas."""
+        """Budget spent: tell groups and workers, then wait (bounded) for the final deltas. A
+        worker's control channel is closed after its LEAVE(done): its session is over."""
         for h in self.core.groups.values():
             self.spawn(h.peer.finish())
         for ch in self.controls.values():
-            self.spawn(send_quiet(ch, messages.Leave(reason="done")))
+            self.spawn(_close_done(ch))
         self.spawn(self._final_flush())
 
     async def _final_flush(self) -> None:
@@ -498,6 +501,12 @@ def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     Path(tmp).write_text(text)
     os.replace(tmp, path)
+
+
+async def _close_done(ch: Channel) -> None:
+    """LEAVE(done) on a worker's control channel, then close it (protocol.md, section 6)."""
+    with contextlib.suppress(ConnectionError, OSError):
+        await ch.close(leave="done")
 
 
 @dataclass

@@ -191,6 +191,8 @@ async def test_group_processes_get_their_gdtopk_ratio_and_every_change_of_it(
         ratios = {g: r for g, (r, _) in first.items()}
         assert push_mean(srv, ratios, {0: 1, 1: 1}) == pytest.approx(0.01)  # the run's ratio
         srv.core.roster.policy.every_s = 0.0  # type: ignore[union-attr]
+        await first[0][1].send(messages.Pull(clock=0))  # a group process PULLs, then exchanges
+        await recv_as(first[0][1], messages.GlobalWeights, 5)
         await first[0][1].send(messages.Exchange(samples=1, iter_time=0.5, session=1, seq=1,
                                                  encoding="dense-f32",
                                                  buffers=(np.zeros(4, np.float32),)))

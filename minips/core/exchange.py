@@ -20,7 +20,8 @@ so the rebase is one line whatever the ratio: ``w += w_sync' - sent``.
 
 Exactly once. Each exchange carries ``session`` (random, one per group server process) and
 ``seq`` (1, 2, ... within the session) in its counters. The global server remembers the last
-(session, seq) it merged per group and answers a repeat without merging again. When the reply is
+seq it merged of each of a group's recent sessions (``Merged``) and answers an exchange whose
+seq is not above it, a repeat or an older one replayed, without merging again. When the reply is
 lost (``ConnectionError``) the exchange stays *pending*: the next attempt sends the very same
 ``s`` and counters under the same seq, so whether or not the first copy was merged, ``s`` lands
 once and the reconciliation above stays right (a repeat's answer also carries again what the
@@ -99,6 +100,8 @@ from minips.sparse import SparseVector, TopKSelector, add_into, kept_count
 from minips.wire import messages
 
 __all__ = [
+    "MAX_SESSIONS",
+    "Merged",
     "Tally",
     "Unsaved",
     "seqs_in",
@@ -113,6 +116,36 @@ __all__ = [
     "Delta",
     "exchange_message",
 ]
+
+
+# -- merged: the global server's half of exactly once ---------------------------------------
+
+MAX_SESSIONS = 64  # sessions per group whose last merged seq is kept: one per group process run
+# (restarts, replacements), a few in a run; past it the one merged longest ago is forgotten
+
+
+class Merged:
+    """The last seq merged of each recent session of one group (at most ``MAX_SESSIONS``)."""
+
+    def __init__(self, pairs: list[list[int]] | None = None) -> None:
+        self.last: dict[int, int] = {}  # session -> last merged seq, merged longest ago first
+        for session, seq in pairs or []:
+            self.note(int(session), int(seq))
+
+    def holds(self, session: int, seq: int) -> bool:
+        """Exchange (``session``, ``seq``) is merged already, or older than one that is."""
+        return seq <= self.last.get(session, -1)
+
+    def note(self, session: int, seq: int) -> None:
+        """Exchange (``session``, ``seq``) is merged now."""
+        self.last.pop(session, None)
+        self.last[session] = seq
+        while len(self.last) > MAX_SESSIONS:
+            del self.last[next(iter(self.last))]
+
+    def pairs(self) -> list[list[int]]:
+        """[session, seq] of each session, merged longest ago first (for a checkpoint)."""
+        return [[s, q] for s, q in self.last.items()]
 
 
 # -- unsaved: A `minips group` process's record of the work the global server may hold only in m...

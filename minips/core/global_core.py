@@ -17,7 +17,11 @@ its shell only through what these return; the record's lines are ``Log`` actions
 Invariants (server.py's docstring has the run's whole course): ``weights`` changes only in
 ``merge`` (weights += delta of one group scaled by the sync policy's merge rule, version += 1),
 so the global weights are the initial weights plus every delta any group sent; once ``done``,
-merges still land: nothing sent is lost.
+merges still land: nothing sent is lost. Each (session, seq) of a group is merged at most once
+(``exchange.Merged``: a seq not above its session's last merged one is answered without
+merging). The run's counters (samples, version, the groups' worker traffic summed) never pass
+``messages.MAX_COUNT`` (2^62), what GLOBAL_WEIGHTS can carry: an exchange that would take one
+past it is refused (``RemoteProtocolError``) before anything of it is merged.
 
 What the global server's rules (``global_core.py``) ask their shell to do (sans-IO).
 
@@ -48,7 +52,8 @@ What a global checkpoint holds and how its parts come back (numpy, sans-IO, no f
 and reads the file (``checkpoint.py``: atomic, no pickle). A snapshot is taken in one call (no
 ``await`` inside), so the global weights, the counters and each in-process group's weights,
 optimizer state and clocks are consistent with each other; arrays are copies. The last merged
-exchange of each group (session, seq) is saved too, so a group process that resends an exchange
+exchange of each group (session, seq) is saved too, with the last merged seq of each of its
+recent sessions (``exchange.Merged``), so a group process that resends an exchange
 the restored server already holds does not get it merged twice, and so that it can send again
 those the checkpoint lacks: each snapshot records it in ``GroupHandle.snapshots``, which the
 replies to group processes name (exchange.py). The global server's copies of what each group
@@ -70,6 +75,7 @@ from minips.core.config import RunConfig, dataset_train_size
 from minips.core.exchange import (
     Delta,
     ExchangeResult,
+    Merged,
     Replica,
     exchange_ratio,
 )
@@ -77,6 +83,7 @@ from minips.core.group_core import Log
 from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.wire import messages
+from minips.wire.messages import MAX_COUNT
 
 __all__ = [
     "Action",
@@ -168,12 +175,14 @@ Action = (FormGroups | PlaceLate | Regroup | SendRatios | WeightsReady | Done | 
 # -- global_state: What a global checkpoint holds and how its parts come back (numpy, sans-IO, n...
 
 def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: int,
-             samples: int, saved_at: float, train_s: float) -> dict[str, Any]:
+             samples: int, saved_at: float, train_s: float,
+             merged: dict[int, Merged]) -> dict[str, Any]:
     """The checkpoint state now (see the module docstring); marks each group's snapshots."""
     for h in roster.groups.values():  # replies to group processes name these (exchange.py)
         h.snapshots = [h.snapshots[-1], h.last_exchange]
     groups = {g: {"members": list(h.members), "ratio": h.ratio, "step_time": h.step_time,
                   "merges": h.merges, "last_exchange": list(h.last_exchange),
+                  "merged": merged[g].pairs() if g in merged else [],
                   "state": h.peer.state_dict()}
               for g, h in roster.groups.items()}
     workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock}
@@ -221,6 +230,7 @@ class GlobalCore:
         self.workers = self.roster.workers  # worker id -> WorkerEntry
         self.groups = self.roster.groups  # group id -> GroupHandle
         self.replicas: dict[int, Replica] = {}  # group id -> what it holds of the weights
+        self.merged: dict[int, Merged] = {}  # group id -> last merged seq of its sessions
         self.grouped = False  # the first groups are drawn up (FormGroups went out)
         self.calib_expired = False  # calib_timeout_s passed: the next STATS forms the groups
         self.done = False
@@ -250,8 +260,8 @@ class GlobalCore:
         """Worker ``w``'s control channel closed (after LEAVE, or lost)."""
         entry = self.workers[w]
         entry.connected = False
-        return [Log("left", {"worker": w,
-                             "reason": "leave" if entry.left else "connection lost"})]
+        reason = "leave" if entry.left else "done" if self.done else "connection lost"
+        return [Log("left", {"worker": w, "reason": reason})]
 
     def on_stats(self, w: int, msg: messages.Stats, now: float) -> list[Action]:
         """Worker ``w``'s measured speed: form the groups, place it, regroup or update ratios."""
@@ -371,7 +381,9 @@ class GlobalCore:
         in-process ones take their saved state, a group process adopts its group later."""
         self.grouped = True
         for key, saved in state["groups"].items():
-            restore_group(handles[int(key)], saved)
+            h = handles[int(key)]
+            restore_group(h, saved)
+            self.merged[h.id] = Merged(saved.get("merged") or [list(h.last_exchange)])
         self.groups.update(sorted(handles.items()))
         self.roster.restore_regrouper()
         self.started_training = self.wall() - float(state["train_s"])
@@ -395,15 +407,22 @@ class GlobalCore:
               stats: dict[str, Any]) -> tuple[ExchangeResult, list[Action]]:
         """Add group ``g``'s delta (dense or sparse) to the global weights; answer with what
         the group's copy of them lacks (``exchange.py``: dense weights, or entries to set). An
-        exchange that repeats the group's last (session, seq) (its reply was lost) is answered
-        without merging again (with what the lost reply set, again)."""
+        exchange whose seq is not above the last merged one of its session (a repeat whose
+        reply was lost, or an older one replayed) is answered without merging again (with what
+        the lost reply set, again). One that would take a counter of the run past 2^62 raises
+        ``RemoteProtocolError`` (``check_counters``), nothing merged."""
         assert self.weights is not None
         h = self.groups[g]
         key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
-        repeat = key[1] >= 0 and key == h.last_exchange
+        merged = self.merged.setdefault(g, Merged())
+        repeat = key[1] >= 0 and merged.holds(*key)
         if repeat:
-            actions: list[Action] = [Log("merge_repeat", {"group": g, "seq": key[1]})]
+            actions: list[Action] = [Log("merge_repeat", {"group": g, "seq": key[1],
+                                                          "merged_seq": merged.last[key[0]]})]
         else:
+            self.check_counters(g, stats)
+            if key[1] >= 0:
+                merged.note(*key)
             h.last_exchange = key
             actions = self._add_delta(g, delta, stats)
         reply = self.replica(g).answer(self.weights, repeat)
@@ -434,6 +453,21 @@ class GlobalCore:
             version=msg.version, done=msg.done, samples=msg.samples,
             saved_exchanges=[list(key) for key in self.groups[g].snapshots],
             encoding=msg.encoding, codec=msg.codec, buffers=msg.buffers)
+
+    def check_counters(self, g: int, stats: dict[str, Any]) -> None:
+        """Merging group ``g``'s exchange (its ``stats``) keeps every counter of the run within
+        ``MAX_COUNT`` (2^62, what GLOBAL_WEIGHTS carries): the samples, the version, and the
+        worker traffic of all groups (each reports its own so far, ``bytes_in`` / ``bytes_out``).
+        ``RemoteProtocolError`` naming the counter otherwise."""
+        total, own = self.traffic(), self.groups[g].peer.traffic()
+        after = {"samples": self.samples + int(stats.get("samples", 0)),
+                 "version": self.version + 1}
+        for field, key in (("bytes_in", "bytes_up"), ("bytes_out", "bytes_down")):
+            after[field] = total[key] - own.get(field, 0) + int(stats.get(field, 0))
+        for name, value in after.items():
+            if value > MAX_COUNT:
+                raise RemoteProtocolError(f"the run's {name} would pass 2^62 with this exchange",
+                                          expected=f"<= {MAX_COUNT}", got=value)
 
     def group_left(self, g: int) -> list[Action]:
         """Group ``g``'s server said LEAVE: it is final."""
@@ -521,7 +555,7 @@ class GlobalCore:
         assert self.weights is not None
         return snapshot(self.run, self.roster, self.weights, version=self.version,
                         samples=self.samples, saved_at=self.wall(),
-                        train_s=self.wall() - self.started_training)
+                        train_s=self.wall() - self.started_training, merged=self.merged)
 
     def load_state_dict(self, state: dict[str, Any]) -> list[Action]:
         """A checkpoint's weights, counters and workers (``ConfigError`` when it belongs to

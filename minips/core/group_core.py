@@ -8,7 +8,8 @@ perform (``group_core.py``: ``Reply``, ``Wake``, ``StartExchange``, ``AllLeft``,
 - ``join(w, now)`` / ``leave(w)``: a worker's connection opens (``Reply``: its first ACK) or
   closes; ``tick(now, heard)``: leases renewed as of each worker's last bytes, silent ones expire;
 - ``push(w, msg, now)``: a worker's PUSH (``Reply``: its ACK; ``Wake``; ``StartExchange``);
-- ``may_answer(w)``, ``publish()``, ``weights_message(w, waited, since)``: a PULL's answer;
+- ``may_answer(w, clock)``, ``publish()``, ``weights_message(w, waited, since, clock)``: a
+  PULL's answer (``done`` at the run's ``max_steps``: ``at_cap``);
 - ``begin_exchange(final, traffic)`` / ``exchanged(out, res, seconds)``: one exchange with the
   global server (``Log``; ``BudgetSpent``); ``rebase(weights, held)``: a new global server;
   ``start_flush`` / ``flush_failed`` / ``stop``: the final flush's bookkeeping;
@@ -32,7 +33,9 @@ Every ``sync_every`` pushes the group's shell exchanges with the global server t
 reply is lost; top-k both ways at ``xchg_ratio``, dense for a flush); at most one exchange is in
 flight. When the
 budget is spent (``done``) every PULL is answered with ``done`` and the group flushes a last
-delta; when its last worker leaves it flushes a ``final`` one.
+delta; when its last worker leaves it flushes a ``final`` one. With ``max_steps`` N a worker's
+PULL at clock >= N is answered at once with ``done`` (its run is over; it leaves), and a PUSH
+with clock > N is refused.
 
 What a group core asks its IO side to do: the actions ``GroupCore``'s entry points return.
 
@@ -55,6 +58,7 @@ from minips.core import optim, ssp
 from minips.core.config import RunConfig, dataset_train_size
 from minips.core.downlink import Downlink
 from minips.core.exchange import Delta, Exchange, ExchangeResult, Outgoing, exchange_ratio
+from minips.errors import RemoteProtocolError
 from minips.wire import messages
 
 __all__ = [
@@ -214,7 +218,11 @@ class GroupCore:
     def push(self, w: int, msg: messages.Push, now: float) -> list[Action]:
         """Decode, account and apply (or queue, in BSP) one PUSH of worker ``w`` (a member of
         the table): its ACK; ``Wake`` when the lowest clock moved (only that can release a
-        held PULL); ``StartExchange`` every ``sync_every`` pushes."""
+        held PULL); ``StartExchange`` every ``sync_every`` pushes. A PUSH past the run's
+        ``max_steps`` raises ``RemoteProtocolError``, nothing applied."""
+        if 0 < self.run.max_steps < msg.clock:
+            raise RemoteProtocolError("PUSH past the run's --max-steps",
+                                      expected=f"clock <= {self.run.max_steps}", got=msg.clock)
         grad = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, self.weights.size)
         floor = self.table.min_clock()
         self.table.push(w, msg.clock, now)
@@ -274,9 +282,15 @@ class GroupCore:
 
     # -- weights ----------------------------------------------------------------------------
 
-    def may_answer(self, w: int) -> bool:
-        """A PULL of ``w`` may be answered now: SSP allows its next step, or the run is over."""
-        return self.done or w not in self.table or self.table.may_start(w)
+    def at_cap(self, clock: int) -> bool:
+        """A worker at ``clock`` made the run's ``max_steps`` pushes: its run is over."""
+        return 0 < self.run.max_steps <= clock
+
+    def may_answer(self, w: int, clock: int = -1) -> bool:
+        """A PULL of ``w`` at ``clock`` may be answered now: SSP allows its next step, or the
+        run is over (for everyone, or for ``w``: ``at_cap``)."""
+        return (self.done or self.at_cap(clock) or w not in self.table
+                or self.table.may_start(w))
 
     def publish(self) -> None:
         """With a compressed downlink, publish the weights' largest changes (``downlink.py``);
@@ -285,10 +299,11 @@ class GroupCore:
             self.downlink.publish(self.weights)
 
     def weights_message(self, w: int | None, waited_for: list[int],
-                        since: int = -1) -> messages.Weights:
-        """WEIGHTS for worker ``w`` holding version ``since``: the weights themselves (dense
-        downlink; version = updates applied), or, with a compressed downlink, the update from
-        ``since`` to the last publish (``publish``, ``downlink.py``)."""
+                        since: int = -1, clock: int = -1) -> messages.Weights:
+        """WEIGHTS for worker ``w`` holding version ``since``, pulling at ``clock``: the weights
+        themselves (dense downlink; version = updates applied), or, with a compressed downlink,
+        the update from ``since`` to the last publish (``publish``, ``downlink.py``); ``done``
+        when the run is over, for everyone or for ``w`` (``at_cap``)."""
         payload: sparse.SparseVector | np.ndarray = self.weights
         version, base = self.version, -1
         if self.downlink is not None:
@@ -298,7 +313,8 @@ class GroupCore:
         low = self.table.min_clock()
         return messages.Weights(  # drift: how far the weights sent are from the group's
             version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
-            done=self.done, group=self.group, waited_for=waited_for, ratio=self.ratio,
+            done=self.done or self.at_cap(clock), group=self.group, waited_for=waited_for,
+            ratio=self.ratio,
             lead=self.table.lead(w) if w in self.table else 0,
             min_clock=-1 if low is None else low,
             drift=-1.0 if self.downlink is None else round(self.downlink.last_drift, 6))

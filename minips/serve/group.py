@@ -172,16 +172,17 @@ class GroupServer:
 
     # -- weights ----------------------------------------------------------------------------
 
-    async def answer_pull(self, w: int, since: int = -1) -> messages.Weights:
-        """Wait until ``w`` may start its next step (or the run is done); return WEIGHTS for a
-        worker that holds the published weights of version ``since`` (-1: none)."""
+    async def answer_pull(self, w: int, since: int = -1, clock: int = -1) -> messages.Weights:
+        """Wait until ``w`` may start its next step (or the run is done, for everyone or for
+        ``w`` at ``clock``); return WEIGHTS for a worker that holds the published weights of
+        version ``since`` (-1: none)."""
         waited: list[int] = []
-        while not self.core.may_answer(w):
+        while not self.core.may_answer(w, clock):
             waited = waited or [int(v) for v in self.core.table.waiting_for(w)]  # type: ignore[call-overload]
             self._changed.clear()
             await self._changed.wait()
         await self._publish()
-        return self.core.weights_message(w, waited, since)
+        return self.core.weights_message(w, waited, since, clock)
 
     async def _publish(self) -> None:
         """With a compressed downlink: publish once for all the PULLs this turn of the event
@@ -289,7 +290,7 @@ class GroupServer:
             msg = await ch.recv()
             if isinstance(msg, messages.Pull):
                 pulled = msg.clock
-                sent = await self._send_pull(ch, w, held_version(msg.since, sent))
+                sent = await self._send_pull(ch, w, held_version(msg.since, sent), msg.clock)
             elif isinstance(msg, messages.Push):
                 validation.check_push_order(pulled, msg.clock)
                 pulled = None
@@ -305,14 +306,14 @@ class GroupServer:
         down = self._closed_bytes["bytes_out"] + sum(c.bytes_sent for c in self.channels.values())
         return {"bytes_in": up, "bytes_out": down}
 
-    async def _send_pull(self, ch: Channel, w: int, since: int) -> int:
-        """Answer a PULL once SSP allows; give up as soon as the connection closes meanwhile
-        (the worker then leaves the group at once, not when its lease runs out). Returns the
-        version the answer brought the worker to."""
-        if self.core.may_answer(w):  # the common case: no wait, no tasks
-            reply = await self.answer_pull(w, since)
+    async def _send_pull(self, ch: Channel, w: int, since: int, clock: int) -> int:
+        """Answer a PULL at ``clock`` once SSP allows; give up as soon as the connection closes
+        meanwhile (the worker then leaves the group at once, not when its lease runs out).
+        Returns the version the answer brought the worker to."""
+        if self.core.may_answer(w, clock):  # the common case: no wait, no tasks
+            reply = await self.answer_pull(w, since, clock)
         else:
-            answer = asyncio.ensure_future(self.answer_pull(w, since))
+            answer = asyncio.ensure_future(self.answer_pull(w, since, clock))
             closed = asyncio.ensure_future(ch.wait_closed())
             try:
                 await asyncio.wait((answer, closed), return_when=asyncio.FIRST_COMPLETED)

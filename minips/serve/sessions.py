@@ -13,9 +13,13 @@ A group process connects as role ``group`` before the grouping and waits in ``pe
 ``external_group`` hands it a group (ASSIGN) behind a ``RemoteGroup`` peer (``roster.py``).
 The session is then: PULL -> GLOBAL_WEIGHTS (the initial weights, ``members``), and
 EXCHANGE(delta, counters) -> EXCHANGE_REPLY (the merged global weights, or with a sparse exchange
-the entries of the group's copy to set: exchange.py) until LEAVE. A group process that connects
-after the grouping — restarted, or reconnecting to a restarted global server — adopts a group
-no server serves, its own first (``adopt``).
+the entries of the group's copy to set: exchange.py) until LEAVE. An EXCHANGE before the
+connection's first PULL is refused (ERROR ``order``): the server's record of what the group
+holds of the weights starts with that PULL. Its counters are bounded per message
+(``validation.check_exchange``) and for the run (``GlobalCore.check_counters``). A group process
+that connects after the grouping — restarted, or reconnecting to a restarted global server —
+adopts a group no server serves, its own first (``adopt``); one whose connection closes
+before the grouping leaves ``pending_groups``.
 
 What a message does is the core's rule (``GlobalCore.on_stats`` / ``on_initial`` /
 ``on_exchange`` / ``group_pull`` / ``group_left``); these sessions read the channel and hand the
@@ -28,12 +32,14 @@ and read the next only once the last is handled, so a peer that floods waits on 
 A worker has at most one control channel (a new connection with its id replaces
 the old one, which gets ERROR ``replaced``); STATS clocks are not compared (they count steps in
 the worker's current group and start again after a move); the initial weights are taken once,
-dense float32, with a bounded size. A group has at most one connected group process (its
-``RemoteGroup``); a merge that repeats the last (session, seq) of its group is answered without
-merging (``GlobalCore.merge``). A group process's connection that carries no bytes (not even
-HEARTBEAT) for ``lease_s`` is closed: its group counts as lost, free for a replacement to adopt;
-when none comes within ``REHOME_LEASES`` leases, its workers move to the live groups nearest in
-speed.
+dense, with a bounded size. A group has at most one connected group process (its
+``RemoteGroup``); an exchange whose seq is not above the last merged one of its session is
+answered without merging (``GlobalCore.merge``). A group process's HELLO address is HOST:PORT
+(else REFUSE, ``validation.check_group_address``); a wildcard host is replaced by the host it
+connects from, and the address workers are sent is logged (``group_address``). A group
+process's connection that carries no bytes (not even HEARTBEAT) for ``lease_s`` is closed: its
+group counts as lost, free for a replacement to adopt; when none comes within ``REHOME_LEASES``
+leases, its workers move to the live groups nearest in speed.
 """
 
 from __future__ import annotations
@@ -179,6 +185,7 @@ class RemoteGroup(NoGroup):
     def __init__(self, ch: Channel, spawn: Spawn, traffic: dict[str, int] | None = None) -> None:
         super().__init__(traffic)
         self.ch, self.spawn = ch, spawn
+        self.pulled = False  # the connection's first PULL came: EXCHANGE may follow
 
     @property
     def connected(self) -> bool:
@@ -207,10 +214,16 @@ async def external_group(srv: Shell, g: int, members: list[int], wait_s: float) 
 
 
 def group_address(ch: Channel) -> str:
-    """Where workers reach a group process: the address in its HELLO, a wildcard host replaced
-    by the host this server sees it connect from."""
+    """Where workers reach a group process: the address in its HELLO (HOST:PORT, checked at
+    admission), a wildcard host replaced by the host this server sees it connect from; logged
+    when it is not the HELLO's own."""
     assert ch.peer_hello is not None
-    return reachable(ch.peer_hello.address, ch.peername[0])
+    said = ch.peer_hello.address
+    address = reachable(said, ch.peername[0])
+    if address != said:
+        log.info("group server listening on %s is advertised to its workers as %s (the host "
+                 "it connected from; minips group --advertise sets another)", said, address)
+    return address
 
 
 def _served_by(handle: GroupHandle, ch: Channel) -> bool:
@@ -221,9 +234,8 @@ async def group_session(srv: Shell, ch: Channel) -> None:
     """One group process's connection, until it leaves, is lost, or is silent for lease_s."""
     core = srv.core
     ch.start_silence_limit(core.run.lease_s)  # group processes send HEARTBEAT
-    if not srv.groups_opened.is_set():
-        srv.pending_groups.append(ch)
-        await srv.groups_opened.wait()
+    if not srv.groups_opened.is_set() and not await _wait_for_grouping(srv, ch):
+        return
     handle = next((h for h in core.groups.values() if _served_by(h, ch)), None)
     if handle is None:
         handle = await adopt(srv, ch)
@@ -233,6 +245,23 @@ async def group_session(srv: Shell, ch: Channel) -> None:
     finally:
         if handle is not None and _served_by(handle, ch):
             _lost(srv, ch, handle)
+
+
+async def _wait_for_grouping(srv: Shell, ch: Channel) -> bool:
+    """Wait in ``pending_groups`` until the groups are open; False when the connection closes
+    first (it leaves the queue: no group is given to a process that is gone)."""
+    srv.pending_groups.append(ch)
+    opened = asyncio.ensure_future(srv.groups_opened.wait())
+    closed = asyncio.ensure_future(ch.wait_closed())
+    try:
+        await asyncio.wait((opened, closed), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        opened.cancel()
+        closed.cancel()
+    if srv.groups_opened.is_set():
+        return True
+    srv.pending_groups.remove(ch)
+    return False
 
 
 def _lost(srv: Shell, ch: Channel, handle: GroupHandle) -> None:
@@ -277,12 +306,27 @@ async def adopt(srv: Shell, ch: Channel) -> GroupHandle | None:
     return handle
 
 
+def _keep_order(handle: GroupHandle, ch: Channel, msg: messages.Message) -> None:
+    """An EXCHANGE on a group process's connection follows its first PULL (the server's record
+    of what the group holds, ``exchange.Replica``, starts there): ERROR ``order`` otherwise."""
+    peer = handle.peer
+    if not (isinstance(peer, RemoteGroup) and peer.ch is ch):
+        return
+    if isinstance(msg, messages.Pull):
+        peer.pulled = True
+    elif isinstance(msg, messages.Exchange) and not peer.pulled:
+        raise validation.OrderError("EXCHANGE before this connection's first PULL",
+                                    expected="PULL", got="EXCHANGE")
+
+
 async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle) -> bool:
     """Handle one message of a group process; True when it left."""
     core, msg = srv.core, await ch.recv()
+    _keep_order(handle, ch, msg)
     if isinstance(msg, messages.Pull):  # the group takes these weights whole (exchange.py)
         await ch.send(core.group_pull(handle.id))
     elif isinstance(msg, messages.Exchange):
+        validation.check_exchange(msg)
         assert core.weights is not None
         delta = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, core.weights.size)
         reply, actions = core.on_exchange(handle.id, delta, msg.info)
