@@ -141,6 +141,7 @@ class GlobalServer:
                                             accept=self._accept, handler=self._handle,
                                             ssl=self._ssl)
         self.port = int(self.server.port)
+        self.fit_limits()
         self._clean_temps()
         if self._restored is not None:
             await self._reopen(self._restored)
@@ -149,6 +150,12 @@ class GlobalServer:
         if self.cfg.ready_file:
             _write_atomic(self.cfg.ready_file, f"{self.cfg.host} {self.port}\n")
         return self.port
+
+    def fit_limits(self) -> None:
+        """Narrow what peers may send to this model's frames (``frames.Limits.sized_for``),
+        once the model is known (given, restored, or a worker's INIT_WEIGHTS)."""
+        if self.server is not None and self.core.weights is not None:
+            self.server.set_limits(frames.DEFAULT_LIMITS.sized_for(self.core.weights.size))
 
     async def wait_finished(self) -> None:
         """Until the run is over and (if one is connected) the evaluator saw the final weights."""
@@ -247,6 +254,7 @@ class GlobalServer:
                 self._send_ratios(a.ratios)
             elif isinstance(a, global_core.WeightsReady):
                 self.weights_ready.set()
+                self.fit_limits()
             elif isinstance(a, global_core.Done):
                 self._on_done()
             elif isinstance(a, global_core.AllFinal):

@@ -344,6 +344,10 @@ class Channel:
     def bytes_received(self) -> int:
         return self._proto.bytes_received
 
+    def set_limits(self, limits: frames.Limits) -> None:
+        """Check the peer's next frames against ``limits`` (``Connection.set_limits``)."""
+        self._proto.conn.set_limits(limits)
+
     @property
     def last_recv(self) -> float:
         """``loop.time()`` when bytes last arrived (for leases)."""
