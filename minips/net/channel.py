@@ -392,8 +392,8 @@ class Channel:
             async with self._send_lock:
                 return await self._send_paced(msg, compress, self._up)
         proto = self._proto
-        if proto.error is not None:
-            raise ConnectionResetError(f"connection is closed ({proto.error})")
+        if proto.error is not None or proto.conn.closed:
+            raise ConnectionResetError(f"connection is closed ({proto.error or 'ERROR sent'})")
         frame = proto.conn.send(msg, compress=compress)
         if len(frame) == 1:  # a small frame is one bytes object (frames.encode joins them)
             self._transport.write(frame[0])
@@ -408,8 +408,8 @@ class Channel:
     async def _send_paced(self, msg: messages.Message, compress: bool, bucket: TokenBucket) -> None:
         """``send`` on a paced link: each chunk waits for its tokens, then is written."""
         proto = self._proto
-        if proto.error is not None:
-            raise ConnectionResetError(f"connection is closed ({proto.error})")
+        if proto.error is not None or proto.conn.closed:
+            raise ConnectionResetError(f"connection is closed ({proto.error or 'ERROR sent'})")
         frame = proto.conn.send(msg, compress=compress)
         for batch in write_batches(frame, bucket.chunk()):
             size = sum(map(len, batch))

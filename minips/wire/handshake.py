@@ -111,6 +111,11 @@ class Connection:
         else:
             self.decoder = FrameDecoder(alloc=alloc, limits=limits)
 
+    @property
+    def closed(self) -> bool:
+        """True once an ERROR or LEAVE ended the connection: nothing more may be sent."""
+        return self.state == State.CLOSED
+
     def set_limits(self, limits: Limits) -> None:
         """Accept frames up to ``limits`` from now on (a server that learned the model's size
         narrows them, ``Limits.sized_for``); a server connection still in its handshake keeps
