@@ -4,8 +4,8 @@
 formed, a regroup that empties group 2, checkpoints, merges with their bytes and answered
 PULLs, two slow workers that form a group of their own. The page must mark those two slow
 (against the whole cluster, not their own group), drop group 2's line and card, chart the bytes
-of every hop, show round axis ticks and a value where the mouse is, and list the events as
-sentences with the checkpoints folded into one line.
+of every hop and each worker's SSP wait over time, show round axis ticks and a value where the
+mouse is, and list the events as sentences with the checkpoints folded into one line.
 """
 
 from __future__ import annotations
@@ -115,6 +115,10 @@ def test_page_marks_slow_workers_cluster_wide_drops_vanished_groups_and_reads_we
         assert [h[0] for h in hops] == ["worker to group", "group to worker", "group to global",
                                         "global to group"]
         assert all(n >= 5 and last > 0 for _, n, last in hops)
+        held = js("return document.getElementById('c-held')._chart.series"
+                  ".map((s) => [s.name, s.points.length, s.points.at(-1)[1]])")
+        assert [h[0] for h in held] == ["w0", "w1", "w2", "w3", "w4"]
+        assert held[0][1] >= 5 and held[0][2] == pytest.approx(18 * 0.005)  # who waited, when
         for chart in ("c-acc-t", "c-loss-b", "c-clocks", "c-bytes"):
             for axis in ("xticks", "yticks"):
                 ticks = js(f"return document.getElementById('{chart}').dataset.{axis}")

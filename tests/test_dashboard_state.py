@@ -83,6 +83,7 @@ def test_per_push_fields_upload_ratio_and_histograms() -> None:
         0.732)
     assert (s.workers[0].pulls, s.workers[1].pulls) == (2, 1)
     assert s.workers[0].held_s == pytest.approx(0.032)
+    assert s.update(4.0)["held"] == [{"t": 4.0, "group": 0, "held": {"0": 0.032, "1": 0.7}}]
     h = Histogram((1.0, 2.0))
     h.observe(1.0)  # on a bound: counted in that bucket (le)
     h.observe(5.0)

@@ -169,7 +169,8 @@ class RunState:
         self.to_global: dict[Any, dict[str, float]] = {}  # group -> its group <-> global bytes
         self.hop_from_merges: set[Any] = set()  # groups whose hop bytes the merges carry
         self.pushes: dict[int, int] = {}  # group -> pushes its merges reported
-        self.bytes: list[dict[str, Any]] = []  # {t, <hop>: bytes so far} per BYTES_POINT_S
+        self.bytes: list[dict[str, Any]] = []  # {t, <hop>: bytes so far} per CLOCK_POINT_S
+        self.held: list[dict[str, Any]] = []  # {t, group, held: {worker: SSP wait so far, s}}
         self.checkpoint_t: float | None = None
         self.checkpoints: dict[str, Any] = {"n": 0, "t": None, "bytes": None}  # folded
         self.evaluator: bool | None = None  # an evaluator is connected (the server's view)
@@ -177,6 +178,7 @@ class RunState:
         self.final_eval = False  # the evaluator wrote its record of the final weights
         self._clock_at: dict[int, float] = {}  # group -> t of its last clock point
         self._bytes_at = -1e9  # t of the last bytes point
+        self._held_at: dict[int, float] = {}  # group -> t of its last held point
 
     # -- feeding -----------------------------------------------------------------------------
 
@@ -267,6 +269,12 @@ class RunState:
             self.wait_hist.observe(wait_us / 1e6)
             v = self._view(w)
             v.pulls, v.held_s = v.pulls + 1, v.held_s + wait_us / 1e6
+        g = int(r.get("group", -1))
+        if cols[0] and r["t"] - self._held_at.get(g, -1e9) >= CLOCK_POINT_S:  # who waits, over time
+            self._held_at[g] = r["t"]
+            self.held.append({"t": r["t"], "group": g,
+                              "held": {str(w): round(self.workers[w].held_s, 6)
+                                       for w in sorted(set(cols[0]))}})
 
     def _server(self, r: dict[str, Any]) -> None:
         """The global server's view of the run as a whole (the monitor's probe)."""
@@ -391,7 +399,7 @@ class RunState:
         ({} = from the start); ``cursor`` is the ``since`` of the next call."""
         since = since or {}
         series = {"eval": self.eval, "clocks": self.clocks, "events": self.events,
-                  "bytes": self.bytes}
+                  "bytes": self.bytes, "held": self.held}
         slow = self.slow(now)
         return {
             "t": now, "done": self.done, "kind": self.kind,
