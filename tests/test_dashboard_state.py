@@ -454,10 +454,13 @@ def test_events_read_as_sentences_and_checkpoints_fold_into_one_count() -> None:
     s.add("global", {"t": 1.1, "event": "joined", "worker": 3, "version": 5, "samples": 64})
     for t in (2.0, 3.0, 4.0):
         s.add("global", {"t": t, "event": "checkpoint", "bytes": 1000, "write_s": 0.01})
+    s.add("global", {"t": 4.5, "event": "left", "worker": 3, "reason": "connection lost"})
+    s.add("global", {"t": 4.6, "event": "group_lost", "group": 1})
     s.add("global", {"t": 5.0, "event": "done", "reason": "epochs"})
     msg = s.update(5.0)
     assert [e["text"] for e in msg["events"]] == [
         "groups formed: group 0: workers 0, 2; group 1: workers 1", "worker 3 joined",
+        "worker 3 left: connection lost", "group 1: its group server is gone",
         "run over: epochs"]
     assert msg["checkpoints"] == {"n": 3, "t": 4.0, "bytes": 1000}
 

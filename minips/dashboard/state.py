@@ -49,6 +49,7 @@ Public API: ``EVENT_KINDS``, ``HOPS``, ``SLOW_FACTOR``, ``STALENESS_BUCKETS``, `
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import os
 from dataclasses import dataclass, field
@@ -437,10 +438,24 @@ def describe(event: str, source: str, f: dict[str, Any]) -> str:
     if event in ("done", "failed"):
         why = f.get("reason") or f.get("code") or ""
         return f"run {'over' if event == 'done' else 'failed'}" + (f": {why}" if why else "")
-    detail = ", ".join(f"{k} {_short(v)}" for k, v in f.items()
+    if event in SENTENCES:
+        return SENTENCES[event].format_map(collections.defaultdict(str, f, who=who))
+    if event == "calib_timeout":
+        return (f"grouping deadline passed: {len(f.get('reported') or [])} of "
+                f"{f.get('expected')} workers had reported")
+    detail = ", ".join(_short(v) if k == "reason" else f"{k} {_short(v)}" for k, v in f.items()
                        if k not in ("worker", "group", "text") and v not in (None, "", [], {}))
     group = f" (group {f['group']})" if f.get("group") is not None else ""
     return f"{who} {event.replace('_', ' ')}{group}" + (f": {detail}" if detail else "")
+
+
+SENTENCES = {  # events whose fields read best in a sentence of their own
+    "group_lost": "group {group}: its group server is gone",
+    "group_adopted": "group {group}: a new group server at {address} took it over",
+    "resumed": "resumed from the checkpoint",
+    "waiting_for_workers": "every worker is gone; waiting up to {wait_s} s for them ({left} left)",
+    "workers_back": "workers are back",
+}
 
 
 def _ids(ws: list[Any]) -> str:
