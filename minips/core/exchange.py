@@ -121,7 +121,10 @@ __all__ = [
 
 # -- merged: the global server's half of exactly once ---------------------------------------
 
-MAX_PULLS = messages.MAX_LIST  # answered PULLs one exchange reports (EXCHANGE's list limit)
+# answered PULLs one exchange reports, the latest: three lists of this many ints stay far below
+# frames.MAX_META_BYTES (at most ~110 KiB of msgpack); exchanges come every few pushes, so only a
+# group cut off from its global server for long has more
+MAX_PULLS = 8192
 MAX_SESSIONS = 64  # sessions per group whose last merged seq is kept: one per group process run
 # (restarts, replacements), a few in a run; past it the one merged longest ago is forgotten
 

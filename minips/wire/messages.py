@@ -424,8 +424,9 @@ class Exchange(Reported):
     min_clock: int = checked(integer(-1), -1)  # the group's lowest / highest live clock; -1: none
     max_clock: int = checked(integer(-1), -1)
     # the PULLs the group answered since its last exchange, one entry each in the three lists
-    # (the latest MAX_LIST): the worker, its lead (clocks ahead of the group's slowest worker
-    # when answered: its staleness) and how long the SSP bound held it (microseconds)
+    # (at most MAX_LIST; a group sends the latest 8192): the worker, its lead (clocks ahead of
+    # the group's slowest worker when answered: its staleness) and how long the SSP bound held
+    # it (microseconds)
     pull_workers: list[int] = checked(ints(lo=0), factory=list)
     pull_leads: list[int] = checked(ints(lo=0), factory=list)
     pull_waits_us: list[int] = checked(ints(lo=0), factory=list)
