@@ -409,7 +409,7 @@ class RunState:
                         for w, v in sorted(self.workers.items())],
             "groups": {str(g): {**c, "merges": self.merges.get(g, 0)}
                        for g, c in self.shown_groups().items()},
-            "totals": self.totals, "checkpoints": self.checkpoints,
+            "totals": self.totals, "hops": self.hops(), "checkpoints": self.checkpoints,
             **{k: s[since.get(k, 0):] for k, s in series.items()},
             "cursor": {k: len(s) for k, s in series.items()},
         }
