@@ -77,10 +77,11 @@ __all__ = [
 
 # -- what is known of a run, built from its metrics records ----------------------------------------
 
-# global.jsonl / group / worker events shown on the page (merges are counted, not listed)
+# global.jsonl / group / worker events listed on the page (merges are counted and checkpoints
+# folded into one count, not listed)
 EVENT_KINDS = frozenset({
-    "joined", "left", "expired", "groups", "regroup", "rehomed", "calib_timeout", "checkpoint",
-    "resumed", "done", "failed", "waiting_for_workers", "workers_back", "group_lost",
+    "joined", "left", "expired", "groups", "regroup", "rehomed", "calib_timeout", "resumed",
+    "done", "failed", "waiting_for_workers", "workers_back", "group_lost",
     "group_adopted",  # global.jsonl and group-<g>.jsonl
     "stopped", "lease_expired", "control_lost", "control_back", "control_gave_up",
     "group_unreachable",  # a worker's own file
