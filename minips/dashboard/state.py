@@ -231,8 +231,6 @@ class RunState:
         self.events.append({"t": r["t"], "event": r["event"], "source": source, **brief,
                             "text": describe(r["event"], source, brief)})
 
-
-
     def _merge(self, r: dict[str, Any]) -> None:
         """A merge line: what the global server saw of one exchange, wherever the group and its
         workers run (pushes, clocks, answered PULLs, worker traffic, the exchange's bytes)."""
@@ -422,6 +420,15 @@ def _brief(r: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in r.items() if k not in skip}
 
 
+SENTENCES = {  # global.jsonl events whose fields read best in a sentence of their own
+    "group_lost": "group {group}: its group server is gone",
+    "group_adopted": "group {group}: a new group server at {address} took it over",
+    "resumed": "resumed from the checkpoint",
+    "waiting_for_workers": "every worker is gone; waiting up to {wait_s} s for them ({left} left)",
+    "workers_back": "workers are back",
+}
+
+
 def describe(event: str, source: str, f: dict[str, Any]) -> str:
     """One event as a sentence for the page's list (``_brief``'s fields ``f``)."""
     who = f"worker {f['worker']}" if f.get("worker") is not None else source
@@ -439,7 +446,7 @@ def describe(event: str, source: str, f: dict[str, Any]) -> str:
     if event in ("done", "failed"):
         why = f.get("reason") or f.get("code") or ""
         return f"run {'over' if event == 'done' else 'failed'}" + (f": {why}" if why else "")
-    if event in SENTENCES:
+    if event in SENTENCES and source == "global":
         return SENTENCES[event].format_map(collections.defaultdict(str, f, who=who))
     if event == "calib_timeout":
         return (f"grouping deadline passed: {len(f.get('reported') or [])} of "
@@ -448,15 +455,6 @@ def describe(event: str, source: str, f: dict[str, Any]) -> str:
                        if k not in ("worker", "group", "text") and v not in (None, "", [], {}))
     group = f" (group {f['group']})" if f.get("group") is not None else ""
     return f"{who} {event.replace('_', ' ')}{group}" + (f": {detail}" if detail else "")
-
-
-SENTENCES = {  # events whose fields read best in a sentence of their own
-    "group_lost": "group {group}: its group server is gone",
-    "group_adopted": "group {group}: a new group server at {address} took it over",
-    "resumed": "resumed from the checkpoint",
-    "waiting_for_workers": "every worker is gone; waiting up to {wait_s} s for them ({left} left)",
-    "workers_back": "workers are back",
-}
 
 
 def _ids(ws: list[Any]) -> str:
