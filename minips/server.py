@@ -160,7 +160,7 @@ class GlobalServer:
     async def wait_finished(self) -> None:
         """Until the run is over and (if one is connected) the evaluator saw the final weights."""
         await self.finished.wait()
-        if self._has_evaluator():
+        if self.has_evaluator():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.evaluated_final.wait(), self.cfg.linger_s)
 
@@ -232,7 +232,8 @@ class GlobalServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
 
-    def _has_evaluator(self) -> bool:
+    def has_evaluator(self) -> bool:
+        """An evaluator is connected (it PULLs the global weights: accuracy and loss)."""
         return self.server is not None and any(
             ch.peer_hello is not None and ch.peer_hello.role == "evaluator"
             for ch in self.server.channels)
@@ -498,9 +499,8 @@ class InProcLink:
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
         core = self.server.core
-        res, actions = core.merge(group, delta, stats)
-        res.bytes_up = frames.wire_size(exchange_message(delta, stats))
-        res.bytes_down = frames.wire_size(core.exchange_reply(group, res.weights))
+        res, actions = core.merge(group, delta, stats,
+                                  frames.wire_size(exchange_message(delta, stats)))
         self.server.perform(actions)
         return res
 

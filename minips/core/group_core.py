@@ -299,11 +299,17 @@ class GroupCore:
             self.downlink.publish(self.weights)
 
     def weights_message(self, w: int | None, waited_for: list[int],
-                        since: int = -1, clock: int = -1) -> messages.Weights:
+                        since: int = -1, clock: int = -1,
+                        held_s: float = 0.0) -> messages.Weights:
         """WEIGHTS for worker ``w`` holding version ``since``, pulling at ``clock``: the weights
         themselves (dense downlink; version = updates applied), or, with a compressed downlink,
         the update from ``since`` to the last publish (``publish``, ``downlink.py``); ``done``
-        when the run is over, for everyone or for ``w`` (``at_cap``)."""
+        when the run is over, for everyone or for ``w`` (``at_cap``). The answer of a member's
+        PULL that the SSP bound held ``held_s`` seconds is counted for the next exchange (its
+        lead and wait reach the global server: ``Exchange.pulled``)."""
+        lead = self.table.lead(w) if w is not None and w in self.table else 0
+        if w is not None and w in self.table:
+            self.xchg.pulled(w, lead, held_s)
         payload: sparse.SparseVector | np.ndarray = self.weights
         version, base = self.version, -1
         if self.downlink is not None:
@@ -315,8 +321,7 @@ class GroupCore:
             version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
             done=self.done or self.at_cap(clock), group=self.group, waited_for=waited_for,
             ratio=self.ratio,
-            lead=self.table.lead(w) if w in self.table else 0,
-            min_clock=-1 if low is None else low,
+            lead=lead, min_clock=-1 if low is None else low,
             drift=-1.0 if self.downlink is None else round(self.downlink.last_drift, 6))
 
     def set_ratio(self, ratio: float) -> None:

@@ -186,12 +186,14 @@ class GroupServer:
         ``w`` at ``clock``); return WEIGHTS for a worker that holds the published weights of
         version ``since`` (-1: none)."""
         waited: list[int] = []
+        t = self.clock()
         while not self.core.may_answer(w, clock):
             waited = waited or [int(v) for v in self.core.table.waiting_for(w)]  # type: ignore[call-overload]
             self._changed.clear()
             await self._changed.wait()
+        held = self.clock() - t if waited else 0.0  # the SSP bound's wait, not the publish's
         await self._publish()
-        return self.core.weights_message(w, waited, since, clock)
+        return self.core.weights_message(w, waited, since, clock, held)
 
     async def _publish(self) -> None:
         """With a compressed downlink: publish once for all the PULLs this turn of the event
