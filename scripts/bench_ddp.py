@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="steps of plain all-reduce before PowerSGD starts (10)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epochs", type=float, default=4.0, help="epochs of each rank's shard (4)")
+    ap.add_argument("--steps", type=int, default=0, help="steps instead of --epochs (0: epochs)")
+    ap.add_argument("--save-final", default="", help="write the final weights here (.npy)")
     ap.add_argument("--profile", default=",".join(map(str, QUICK_PROFILE)),
                     help="slowdown factor per rank (the quick suite's)")
     ap.add_argument("--base-step", type=float, default=0.1,
@@ -124,7 +126,7 @@ def rank_main(args: argparse.Namespace) -> None:
     stream = data.batch_stream(ds, shard, args.batch_size, args.seed)
     per_epoch = min(data.num_batches(len(data.shard_indices(len(ds), k, world, args.seed)),
                                      args.batch_size) for k in range(world))
-    total = int(args.epochs * per_epoch)
+    total = args.steps or int(args.epochs * per_epoch)
     per_step = world * args.batch_size
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay)
@@ -310,6 +312,8 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]], snaps: Any,
         curve.append({"t": round(float(t), 2), "samples": int(samples),
                       "accuracy": round(acc, 4), "loss": round(loss, 4)})
     full_acc, _ = models.evaluate(args.model, snaps["w"][-1], test)
+    if args.save_final:
+        np.save(args.save_final, snaps["w"][-1])
     reach = {f"{a:.2f}": next((c["t"] for c in curve if c["accuracy"] >= a), None)
              for a in TARGETS}
     link = {}
