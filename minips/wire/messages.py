@@ -589,6 +589,8 @@ class Weights(Reported):
     lead: int = checked(integer(-MAX_INT), 0)  # steps ahead of the group's slowest worker
     min_clock: int = checked(integer(-1), -1)  # the group's lowest live clock; -1: none
     drift: float = checked(number(-1.0), -1.0)  # compressed downlink: |sent - weights|; -1: dense
+    lr_factor: float = checked(number(0.0), 1.0)  # of the run's lr, for the worker's next update
+    progress: float = checked(number(0.0, 1.0), 0.0)  # fraction of the run's samples budget done
 
     @property
     def info(self) -> dict[str, Any]:
