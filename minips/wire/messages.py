@@ -291,7 +291,7 @@ def vector_codec(v: Any) -> dict[str, Any]:
 
 # 2: WEIGHTS.since (a sparse update of a held copy); 3: typed conversations (EXCHANGE,
 # EXCHANGE_REPLY, GLOBAL_WEIGHTS, INIT_WEIGHTS; WEIGHTS' counters as fields; a checked codec)
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 NONCE_BYTES = 32  # fresh random bytes per handshake side, so a recorded handshake cannot replay
 MAC_BYTES = 32  # HMAC-SHA256 digest
 ROLES = ("worker", "group", "evaluator")
