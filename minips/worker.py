@@ -535,7 +535,7 @@ class Worker:
             "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
             "bytes_wire": wire_bytes, "link_bytes_up": link.ch.bytes_sent,
             "link_bytes_down": link.ch.bytes_received, **phases,
-            **({"drift": info["drift"]} if "drift" in info else {})})
+            **({"drift": info["drift"]} if "drift" in info else {}), **self.upload.record()})
 
 
 def run_worker(cfg: WorkerConfig) -> None:

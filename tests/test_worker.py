@@ -147,6 +147,7 @@ async def test_dgc_as_published_with_the_optimizer_on_the_workers_trains(
     assert before < 0.2 and after > 0.55, (before, after)  # measured: 0.09 -> 0.68-0.70
     recs = read_jsonl(tmp_path / "worker-0.jsonl")
     assert recs[0]["kept_fraction"] > 0.1 and recs[-1]["kept_fraction"] < 0.012  # warmed up
+    assert all(0 < r["clip_scale"] <= 1 and r["lr_factor"] == 1.0 for r in recs)
 
 
 @pytest.mark.timeout(120)

@@ -123,10 +123,18 @@ class Upload:
     def __init__(self, run: RunConfig, compressor: Compressor) -> None:
         self.compressor = compressor
         self.masking = run.momentum_masking
+        self.lr_factor = 1.0  # of the last update (``record``)
         self.opt = (WorkerSGD(compressor.size, lr=run.lr, momentum=run.momentum,
                               weight_decay=run.weight_decay,
                               clip=run.grad_clip / math.sqrt(run.workers))
                     if run.optimizer_on_worker else None)
+
+    def record(self) -> dict[str, float]:
+        """What a worker's step record says of its optimizer: the lr factor and the clipping
+        factor of its last update (1: not clipped); nothing with the optimizer on the servers."""
+        if self.opt is None:
+            return {}
+        return {"lr_factor": self.lr_factor, "clip_scale": self.opt.last_scale}
 
     def packet(self, grad: Any, weights: np.ndarray | None, *, lr_factor: float = 1.0,
                progress: float = 0.0) -> SparseVector | np.ndarray:
@@ -134,6 +142,7 @@ class Upload:
         only read with the optimizer here), ``lr_factor`` and ``progress`` as the last
         WEIGHTS said."""
         self.compressor.set_progress(progress)
+        self.lr_factor = float(lr_factor)
         if self.opt is None:
             return self.compressor.compress(grad)
         assert weights is not None, "the optimizer on the worker needs the weights it holds"

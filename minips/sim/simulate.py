@@ -377,7 +377,8 @@ class Simulation:
                   msg.info.get("waited_for", []), "step_time": step, "loss": loss,
                   "samples": push.samples, "ratio": self.comp[w].ratio,
                   "kept_fraction": self.comp[w].kept_fraction,
-                  "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes}
+                  "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes,
+                  **self.upload[w].record()}
         self.send(w, nbytes, self.push_arrives, push, record, after=step)  # once computed
 
     def push_arrives(self, w: int, push: messages.Push, record: dict[str, Any]) -> None:
