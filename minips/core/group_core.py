@@ -24,12 +24,12 @@ whole cluster of these cores in one thread with a fake clock).
 The rules. A group applies its workers' gradients to its weights with ``optim.SGD`` (with the
 optimizer on the workers, ``RunConfig.optimizer_at``, the updates they push, at lr 1 and no
 momentum or decay; each WEIGHTS tells the worker the lr factor of its next update and the
-run's progress). SSP inside
-the group: a PULL is answered only when ``ssp.ClockTable.may_start`` allows; BSP (staleness 0)
-averages the pushes of one clock (``ssp.Rounds``) and applies them once, at the lr of the
-round's place in the run (so W workers in BSP are synchronous SGD, schedule included:
-``reference.train``); other modes apply each push as it arrives with the lr divided by the
-number m of live workers of the group, so one round of m pushes moves as far as one BSP step.
+run's progress). SSP inside the group: a PULL is answered only when
+``ssp.ClockTable.may_start`` allows; BSP (staleness 0) averages the pushes of one clock
+(``ssp.Rounds``) and applies them once, at the lr of the round's place in the run (so W
+workers in BSP are synchronous SGD, schedule included: ``reference.train``); other modes apply
+each push as it arrives with the lr divided by the number m of live workers of the group, so
+one round of m pushes moves as far as one BSP step.
 Every ``sync_every`` pushes the group's shell exchanges with the global server through a
 ``GroupLink`` (a direct call in-process, EXCHANGE/EXCHANGE_REPLY over TCP for a `minips group`);
 ``exchange.py`` keeps the delta bookkeeping (nothing lost, each delta merged once, also when a
