@@ -616,7 +616,9 @@ FORMAT = 1  # bump when the meaning of the stored map changes
 
 FINGERPRINT_FIELDS = ("model", "dataset", "mode", "workers", "groups", "batch_size", "lr",
                       "momentum", "weight_decay", "staleness", "sync_every", "merge",
-                      "compressor", "ratio", "seed")  # RunConfig fields a resume must share
+                      "compressor", "ratio", "seed", "optimizer_at")  # a resume must share them
+# what a checkpoint written before a field was fingerprinted held: that field's default
+FINGERPRINT_DEFAULTS = {"optimizer_at": "server"}
 
 
 def fingerprint(run_info: dict[str, Any], size: int) -> dict[str, Any]:
@@ -629,6 +631,7 @@ def check_compatible(state: dict[str, Any], run_info: dict[str, Any], size: int)
     if state.get("format") != FORMAT:
         raise ConfigError(f"checkpoint format {state.get('format')!r}, this build reads {FORMAT}")
     saved, ours = state.get("fingerprint", {}), fingerprint(run_info, size)
+    saved = {**FINGERPRINT_DEFAULTS, **saved}
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in ours.items()
             if saved.get(k) != v]
     if diff:

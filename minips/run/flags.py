@@ -42,6 +42,7 @@ from minips.run.checks import (
     finite,
     int_at_least,
     load_run_config,
+    on_off,
     port,
     slowdown_factors,
 )
@@ -107,6 +108,12 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--lr-schedule", "lr_schedule", str, "constant | cosine (lr to 0 over the epochs budget)"),
     ("--momentum", "momentum", finite, "SGD momentum"),
     ("--weight-decay", "weight_decay", finite, "L2 weight decay"),
+    ("--optimizer-at", "optimizer_at", str, "where SGD runs: server (workers push gradients) | "
+     "worker (each worker keeps its momentum and pushes its update; DGC's momentum correction)"),
+    ("--grad-clip", "grad_clip", finite, "local gradient clipping (with --optimizer-at worker): "
+     "each worker clips its gradient's L2 norm to this / sqrt(workers); 0 = off"),
+    ("--momentum-masking", "momentum_masking", on_off, "DGC's momentum-factor masking (with "
+     "--optimizer-at worker): a worker clears its velocity where it sent: on | off"),
     ("--seed", "seed", int, "random seed"),
     ("--epochs", "epochs", finite, "budget: epochs over the training set (0 = none)"),
     ("--wall-s", "wall_s", finite, "budget: seconds of training (0 = none)"),
@@ -132,6 +139,8 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     defaults = RunConfig()
     for flag, dest, typ, help_ in RUN_FLAGS:
         shown = getattr(defaults, dest)  # the flag's own default is None: "not given"
+        if isinstance(shown, bool):  # a switch says it as it is given: on | off
+            shown = "on" if shown else "off"
         p.add_argument(flag, dest=dest, type=typ, default=None,
                        help=help_ if shown is None else f"{help_} (default {shown})")
 

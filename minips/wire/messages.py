@@ -291,7 +291,7 @@ def vector_codec(v: Any) -> dict[str, Any]:
 
 # 2: WEIGHTS.since (a sparse update of a held copy); 3: typed conversations (EXCHANGE,
 # EXCHANGE_REPLY, GLOBAL_WEIGHTS, INIT_WEIGHTS; WEIGHTS' counters as fields; a checked codec)
-PROTOCOL_VERSION = 4  # 4: EXCHANGE carries the group's answered PULLs (pull_*)
+PROTOCOL_VERSION = 4  # 4: EXCHANGE pull_* (answered PULLs), WEIGHTS lr_factor and progress
 NONCE_BYTES = 32  # fresh random bytes per handshake side, so a recorded handshake cannot replay
 MAC_BYTES = 32  # HMAC-SHA256 digest
 ROLES = ("worker", "group", "evaluator")
@@ -597,6 +597,8 @@ class Weights(Reported):
     lead: int = checked(integer(-MAX_INT), 0)  # steps ahead of the group's slowest worker
     min_clock: int = checked(integer(-1), -1)  # the group's lowest live clock; -1: none
     drift: float = checked(number(-1.0), -1.0)  # compressed downlink: |sent - weights|; -1: dense
+    lr_factor: float = checked(number(0.0), 1.0)  # of the run's lr, for the worker's next update
+    progress: float = checked(number(0.0, 1.0), 0.0)  # fraction of the run's samples budget done
 
     @property
     def info(self) -> dict[str, Any]:
