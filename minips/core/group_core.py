@@ -160,7 +160,8 @@ class GroupCore:
         self.done = False  # budget spent; answer every PULL with done
         self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
         down = run.downlink_ratio()  # PULL answers: sparse updates of w_pub, or dense weights
-        self.downlink = Downlink(self.weights, down) if down < 1 else None
+        self.downlink = (Downlink(self.weights, down, values=run.down_values) if down < 1
+                         else None)
         self._joined: set[int] = set()
         for w in members:
             self.expect(w, now)
@@ -332,11 +333,12 @@ class GroupCore:
         if w is not None and w in self.table:
             self.xchg.pulled(w, lead, held_s)
         payload: sparse.SparseVector | np.ndarray = self.weights
-        version, base = self.version, -1
+        version, base, values = self.version, -1, "f32"
         if self.downlink is not None:
             answer = self.downlink.answer(since)
             version, base, payload = answer.version, answer.since, answer.payload
-        encoding, codec, buffers = sparse.encode_vector(payload)
+            values = self.downlink.wire_values(answer)
+        encoding, codec, buffers = sparse.encode_vector(payload, value_dtype=values)
         low = self.table.min_clock()
         return messages.Weights(  # drift: how far the weights sent are from the group's
             version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),

@@ -97,6 +97,8 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
      "both ways (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
     ("--down-ratio", "down_ratio", finite, "kept fraction of each publish of a group's weights "
      "to its workers (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
+    ("--down-values", "down_values", str, "f32 | f16: the values of a publish to the workers; "
+     "f16 rounds them (the rounding stays in the downlink's residual) and sends 2 bytes each"),
     ("--workers", "workers", int, "number of workers"),
     ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
     ("--staleness", "staleness", int, "SSP bound, clocks"),
