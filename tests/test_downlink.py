@@ -393,3 +393,13 @@ def test_down_values_is_a_run_setting_checked_like_the_others() -> None:
     assert RunConfig(down_values="f16").validate().down_values == "f16"
     with pytest.raises(Exception, match="down_values"):
         RunConfig(down_values="f8").validate()
+
+
+def test_the_drift_bound_is_a_run_setting_a_group_server_uses() -> None:
+    from minips.core.group_core import GroupCore
+    run = RunConfig(compressor="topk", ratio=0.01, down_drift=0.05, down_values="f16").validate()
+    core = GroupCore(0, run, weights(), members=[0])
+    assert core.downlink is not None
+    assert core.downlink.drift_bound == 0.05 and core.downlink.values == "f16"
+    with pytest.raises(Exception, match="down_drift"):
+        RunConfig(down_drift=-0.1).validate()

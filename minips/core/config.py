@@ -192,6 +192,7 @@ class RunConfig:
     # run's ratio with a sparse compressor, dense (1.0) with none / fp16; 1.0: dense
     down_ratio: float | None = None
     down_values: str = "f32"  # "f16": a publish rounds its values to float16, 2 bytes each
+    down_drift: float = 0.01  # bound on ||weights - published|| / ||weights|| (downlink.py)
     compressor_opts: dict[str, Any] = field(default_factory=dict)  # extra compressor kwargs
     gdtopk_alpha: float = 1.0  # exponent of the per-group ratio policy
     gdtopk_direction: str = "slower-more"  # slower groups upload more (released code's choice)
@@ -230,6 +231,7 @@ class RunConfig:
         _check(self.down_ratio is None or 0 < self.down_ratio <= 1, "down_ratio",
                self.down_ratio, "in (0, 1]")
         _check(self.down_values in ("f32", "f16"), "down_values", self.down_values, "f32 | f16")
+        _check(0 <= self.down_drift <= 1, "down_drift", self.down_drift, "in [0, 1]")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
         _check(self.groups <= self.workers, "groups", self.groups,
                f"at most the number of workers ({self.workers})")

@@ -47,7 +47,7 @@ from minips.sparse import SparseVector, TopKSelector, decode_vector, kept_count
 __all__ = ["Answer", "Downlink", "apply_weights", "held_version", "DRIFT", "LOG_SIZE",
            "DENSE_FRACTION", "VALUES"]
 
-DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish
+DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish (--down-drift)
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
 DENSE_FRACTION = 0.4  # a merged answer with more changed coordinates than this goes dense
 VALUES = ("f32", "f16")  # what an update's values are sent as (``Downlink.values``)

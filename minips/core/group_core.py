@@ -160,8 +160,8 @@ class GroupCore:
         self.done = False  # budget spent; answer every PULL with done
         self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
         down = run.downlink_ratio()  # PULL answers: sparse updates of w_pub, or dense weights
-        self.downlink = (Downlink(self.weights, down, values=run.down_values) if down < 1
-                         else None)
+        self.downlink = (Downlink(self.weights, down, drift=run.down_drift,
+                                  values=run.down_values) if down < 1 else None)
         self._joined: set[int] = set()
         for w in members:
             self.expect(w, now)

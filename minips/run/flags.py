@@ -99,6 +99,8 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
      "to its workers (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
     ("--down-values", "down_values", str, "f32 | f16: the values of a publish to the workers; "
      "f16 rounds them (the rounding stays in the downlink's residual) and sends 2 bytes each"),
+    ("--down-drift", "down_drift", finite, "bound on how far a group's published weights may "
+     "lag its own (relative L2); a publish sends more coordinates when the bound needs them"),
     ("--workers", "workers", int, "number of workers"),
     ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
     ("--staleness", "staleness", int, "SSP bound, clocks"),
