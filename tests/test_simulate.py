@@ -199,3 +199,14 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_the_demo_preset_brings_its_slowdowns_to_the_simulator_too(tmp_path: Path) -> None:
+    """`minips simulate --preset demo` simulates the demo's cluster: 8 workers at
+    1,1,1.5,1.5,2,2,4,4, grouped by those speeds (it used to simulate 8 equal workers)."""
+    cmd = [sys.executable, "-m", "minips", "simulate", "--preset", "demo", "--dim", "200",
+           "--max-pushes", "300", "--no-plot", "--out", str(tmp_path), "--name", "demo"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["workers"] == 8 and got["groups"] > 1

@@ -307,8 +307,9 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
     if args.dim < 1 or args.max_pushes < 0:
         raise ConfigError(f"--dim {args.dim} / --max-pushes {args.max_pushes}: expected "
                           "--dim >= 1 and --max-pushes >= 0")
-    slowdowns = args.slowdown or [1.0]
-    if args.workers is None and args.slowdown:
+    preset = PRESETS.get(getattr(args, "preset", None) or "", {})
+    slowdowns = args.slowdown or list(preset.get("slowdowns", [])) or [1.0]
+    if args.workers is None and (args.slowdown or preset.get("slowdowns")):
         run.workers = len(slowdowns)
     real = args.objective == "model"
     if not real and run.dataset != "synthetic" and not run.train_size:
