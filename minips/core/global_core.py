@@ -181,7 +181,8 @@ def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: in
     for h in roster.groups.values():  # replies to group processes name these (exchange.py)
         h.snapshots = [h.snapshots[-1], h.last_exchange]
     groups = {g: {"members": list(h.members), "ratio": h.ratio, "step_time": h.step_time,
-                  "merges": h.merges, "last_exchange": list(h.last_exchange),
+                  "local_steps": h.local_steps, "merges": h.merges,
+                  "last_exchange": list(h.last_exchange),
                   "merged": merged[g].pairs() if g in merged else [],
                   "state": h.peer.state_dict()}
               for g, h in roster.groups.items()}
@@ -209,6 +210,7 @@ def restore_group(h: GroupHandle, saved: dict[str, Any]) -> None:
     if saved["state"] is not None:
         h.peer.load_state_dict(saved["state"])
     h.ratio, h.step_time, h.merges = saved["ratio"], saved["step_time"], saved["merges"]
+    h.local_steps = int(saved.get("local_steps", 0))  # absent in older checkpoints: the run's
     session, seq = saved.get("last_exchange", (-1, -1))  # absent in older checkpoints
     h.last_exchange = (int(session), int(seq))
     h.snapshots = [h.last_exchange] * 2  # the checkpoint file is the one snapshot there is

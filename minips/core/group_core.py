@@ -428,6 +428,7 @@ class GroupCore:
                 "opt": self.opt.state_dict(), "clocks": dict(self.table.clocks),
                 "version": self.version, "global_version": self.global_version,
                 "counters": dict(self.counters), "ratio": self.ratio,
+                "local_steps": self.local_steps,
                 "exchange": self.xchg.state_dict(), "xchg_bytes": dict(self.xchg_bytes)}
 
     def load_state_dict(self, state: dict[str, Any], now: float) -> None:
@@ -442,6 +443,7 @@ class GroupCore:
         self.version, self.global_version = state["version"], state["global_version"]
         self.counters = {k: int(state["counters"].get(k, 0)) for k in ("pushes", "samples")}
         self.ratio = state["ratio"]
+        self.set_local_steps(int(state.get("local_steps", 0)))  # 0 in older files: the run's
         self.xchg_bytes = {k: int(state.get("xchg_bytes", {}).get(k, 0))  # 0 in older files
                            for k in ("bytes_to_global", "bytes_from_global")}
 
