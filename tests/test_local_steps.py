@@ -220,3 +220,22 @@ async def test_a_real_run_with_auto_local_steps_trains(tmp_path: Path) -> None:
     # a loaded machine can blur; the STATS during training set H again)
     assert fast[-1]["local_steps"] == 4 and slow[-1]["local_steps"] < 4
     assert all(r["samples"] == 64 * r["local_steps"] for r in fast + slow)
+
+
+@pytest.mark.timeout(120)
+async def test_h1_is_todays_real_run_bit_for_bit(tmp_path: Path) -> None:
+    """Two workers in BSP on loopback, the optimizer on the workers, 8 rounds: today's run and
+    one with auto local steps capped at 1 (the global server's choice, ASSIGN, WEIGHTS, the
+    worker's H) end with the same weights, bit for bit; H = 2 does not."""
+    base = RunConfig(mode="bsp", compressor="none", workers=2, momentum=0.9, max_steps=8,
+                     base_step_s=0.0, calib_steps=1, lr=0.05, eval_every_s=5.0,
+                     **WORKER)  # type: ignore[arg-type]
+    ends = []
+    for i, extra in enumerate(({}, {"local_steps": 0, "local_steps_max": 1},
+                               {"local_steps": 2})):
+        run = RunConfig(**{**base.to_info(), **extra})
+        srv = await run_cluster(run, tmp_path / str(i))
+        assert srv.core.weights is not None
+        ends.append(srv.core.weights.copy())
+    np.testing.assert_array_equal(ends[1], ends[0])
+    assert not np.allclose(ends[2], ends[0], rtol=1e-3, atol=1e-4)
