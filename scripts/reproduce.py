@@ -197,15 +197,16 @@ LINK_WHY = (
 def local_steps_experiments(gssp: dict[str, Any]) -> list[Experiment]:
     """GSSP with local steps (docs/compression.md, "Local steps"; the optimizer on the
     workers): H = 8 averaged, H = 8 with DiLoCo's Nesterov outer step, H per group from its
-    speed (auto, at most 8), and H = 8 with Top-K of the 8-step change (error feedback).
-    Row specs: not measured yet."""
+    speed (auto, at most 8), and H = 8 with Top-K of the 8-step change (error feedback) at
+    8 x RATIO a push: the bytes per step of gssp+topk (a push carries 8 steps; at RATIO a
+    push the simulator's quadratic diverged, docs/compression.md). Row specs: not measured."""
     local = {**gssp, "optimizer_at": "worker", "local_steps": 8}
     return [
         Experiment("gssp+local8", local),
         Experiment("gssp+local8+nesterov", {**local, "outer_optimizer": "nesterov",
                                             "outer_lr": 0.7, "outer_momentum": 0.9}),
         Experiment("gssp+localauto", {**local, "local_steps": 0, "local_steps_max": 8}),
-        Experiment("gssp+local8+topk", {**local, "compressor": "topk", "ratio": RATIO,
+        Experiment("gssp+local8+topk", {**local, "compressor": "topk", "ratio": 8 * RATIO,
                                         "compressor_opts": {"value_dtype": "f16"}},
                    part="compression"),
     ]
