@@ -183,6 +183,10 @@ def pull(sock: socket.socket, clock: int) -> array:
     meta, buffers = next_message(sock, WEIGHTS)
     if meta["since"] != -1 or meta["encoding"] != "dense-f32" or len(buffers) != 1:
         raise Broken(f"expected dense-f32 WEIGHTS, got {meta['encoding']}")
+    # H: the optimizer steps a worker runs before its next PUSH (1 unless the run has local
+    # steps); this client makes one made-up step either way, which any group server takes
+    if type(meta["local_steps"]) is not int or meta["local_steps"] < 1:
+        raise Broken(f"WEIGHTS local_steps {meta['local_steps']!r}: expected an int >= 1")
     return array("f", buffers[0])  # little-endian hosts: x86-64 and aarch64
 
 

@@ -479,7 +479,7 @@ class InProcGroup:
         self.server.load_state_dict(state)
 
     def send_ratio(self, assign: messages.Assign) -> None:
-        self.server.set_ratio(assign.ratio)
+        self.server.set_ratio(assign.ratio, assign.local_steps)
 
     async def finish(self) -> None:
         self.server.finish()

@@ -13,7 +13,9 @@ Then, on the group server's connection:
                                 (core.downlink); a new connection starts from the whole weights
     gradient on the next batch  of its shard, in the reference loop's order (minips.ml.reference)
     (optimizer)                 with ``optimizer_at`` ``worker``: the update of the worker's
-                                own SGD at the lr factor WEIGHTS gave (core.worker_opt)
+                                own SGD at the lr factor WEIGHTS gave (core.worker_opt);
+                                with local steps H > 1 (WEIGHTS.local_steps) H gradients and
+                                updates on its own replica, then their sum (core.local_steps)
     compress                    registry.make_compressor, error feedback kept here (on the
                                 device for top-k flavours off the CPU: compress.device_compress)
     sleep                       so that the step takes max(compute, F x base_step_s)
@@ -78,7 +80,7 @@ from minips.compress.base import Compressor
 from minips.compress.device_compress import device_compressor
 from minips.core.config import RunConfig, WorkerConfig
 from minips.core.downlink import apply_weights
-from minips.core.worker_opt import Upload
+from minips.core.worker_opt import LocalSteps, Upload
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.ml import data, device, models
 from minips.net import links, transport
@@ -331,6 +333,7 @@ class Worker:
         self.held = -1  # their version on the current group connection; -1: none
         self.writer: JsonlWriter | None = None  # set up once WELCOME told the run config
         self.lr_factor, self.progress = 1.0, 0.0  # from the last WEIGHTS (core.worker_opt)
+        self.local_steps = 1  # H of the next push, from the last WEIGHTS (core.local_steps)
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -365,6 +368,8 @@ class Worker:
         self.parts, self.trainer, self.compressor = parts, parts.trainer, parts.compressor
         self.stream, self.writer = parts.stream, parts.writer
         self.upload = Upload(self.run_cfg, self.compressor)  # with the optimizer, if it is here
+        # the inner loop of local steps (core.local_steps), with the optimizer here
+        self.local = LocalSteps(self.upload) if self.upload.opt is not None else None
 
     async def _send_initial(self) -> None:
         flat = self.trainer.host_weights()  # (n,) float32
@@ -472,25 +477,31 @@ class Worker:
         self.held = int(w.version)
         self.trainer.load(self.replica)
         self.lr_factor, self.progress = w.lr_factor, w.progress  # for this step's update
+        self.local_steps = int(w.local_steps) if self.local is not None else 1
         return dict(w.info)
 
     async def _step(self, link: Link, info: dict[str, Any], wait_s: float, t: float) -> None:
-        epoch, xb, yb = next(self.stream)
-        lap = [t, time.perf_counter()]  # phase boundaries: decode, compute, compress, encode
-        # In a thread: the event loop keeps sending heartbeats during a long step.
-        # grad: (n,) float32 on the device, reused by the next call (compressed before it)
-        loss, grad = await asyncio.to_thread(self.trainer.gradient, xb, yb)
-        lap.append(time.perf_counter())
-        self.compressor.set_epoch(self.samples / max(1, self.parts.shard_size))
-        self.compressor.observe_loss(loss)
-        packet = self.upload.packet(grad, self.replica, lr_factor=self.lr_factor,
-                                    progress=self.progress)
-        lap.append(time.perf_counter())
-        encoding, codec, buffers = self.compressor.encode(packet)  # in the encoding it declares
-        lap.append(time.perf_counter())
-        step_time = await self._stretch(lap[-1] - t)
+        if self.local_steps > 1:
+            epoch, loss, samples, packet, lap, step_time = await self._local_steps(t)
+            encoding, codec, buffers = self.compressor.encode(packet)
+            lap.append(time.perf_counter())
+        else:
+            epoch, xb, yb = next(self.stream)
+            lap = [t, time.perf_counter()]  # phase boundaries: decode, compute, compress, encode
+            # In a thread: the event loop keeps sending heartbeats during a long step.
+            # grad: (n,) float32 on the device, reused by the next call (compressed before it)
+            loss, grad = await asyncio.to_thread(self.trainer.gradient, xb, yb)
+            lap.append(time.perf_counter())
+            self.compressor.set_epoch(self.samples / max(1, self.parts.shard_size))
+            self.compressor.observe_loss(loss)
+            packet = self.upload.packet(grad, self.replica, lr_factor=self.lr_factor,
+                                        progress=self.progress)
+            lap.append(time.perf_counter())
+            encoding, codec, buffers = self.compressor.encode(packet)  # in its declared encoding
+            lap.append(time.perf_counter())
+            step_time, samples = await self._stretch(lap[-1] - t), len(yb)
         push = messages.Push(clock=self.clock + 1, step_time=step_time, loss=loss,
-                             samples=len(yb), encoding=encoding, codec=codec,
+                             samples=samples, encoding=encoding, codec=codec,
                              buffers=tuple(buffers))
         sent_before, t_push = link.ch.bytes_sent, time.perf_counter()
         await link.send(push)
@@ -498,12 +509,37 @@ class Worker:
         await link.expect(messages.Ack)
         push_s = time.perf_counter() - t_push
         self.clock += 1
-        self.samples += len(yb)
+        self.samples += samples
         phases = dict(zip(("decode_s", "compute_s", "compress_s", "encode_s"),
                           np.diff(lap).tolist(), strict=True))
         self._record(info, wait_s, step_time, loss, push, wire_bytes, epoch, link, push_s=push_s,
                      host_bytes=self.compressor.host_bytes, **phases)
         await self._maybe_stats(step_time, loss)
+
+    async def _local_steps(self, t: float) -> tuple[int, float, int, Any, list[float], float]:
+        """H local steps from the weights pulled (core.local_steps), each taking
+        max(compute, F x base_step_s): (epoch, mean loss, samples, packet, the phase
+        boundaries up to compress, the mean step time: what STATS and PUSH report)."""
+        assert self.local is not None and self.replica is not None
+        local = self.local.start(self.replica, self.local_steps, self.lr_factor)
+        lap, losses, times, samples, epoch = [t, time.perf_counter()], [], [], 0, 0
+        for i in range(self.local_steps):
+            t_i = t if i == 0 else time.perf_counter()  # the first step's time includes decode
+            if i:
+                self.trainer.load(local)  # the replica the last step moved (the first: _load)
+            epoch, xb, yb = next(self.stream)
+            loss, grad = await asyncio.to_thread(self.trainer.gradient, xb, yb)
+            self.local.step(grad)
+            losses.append(loss)
+            samples += len(yb)
+            times.append(await self._stretch(time.perf_counter() - t_i))
+        lap.append(time.perf_counter())
+        self.compressor.set_epoch((self.samples + samples) / max(1, self.parts.shard_size))
+        mean_loss = float(np.mean(losses))
+        self.compressor.observe_loss(mean_loss)
+        packet = self.local.packet(self.progress)
+        lap.append(time.perf_counter())
+        return epoch, mean_loss, samples, packet, lap, float(np.mean(times))
 
     async def _stretch(self, compute_s: float) -> float:
         """Sleep so a step takes F x base_step_s at least; return the step's duration."""
@@ -535,7 +571,9 @@ class Worker:
             "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
             "bytes_wire": wire_bytes, "link_bytes_up": link.ch.bytes_sent,
             "link_bytes_down": link.ch.bytes_received, **phases,
-            **({"drift": info["drift"]} if "drift" in info else {}), **self.upload.record()})
+            **({"drift": info["drift"]} if "drift" in info else {}),
+            **({"local_steps": self.local_steps} if self.local is not None else {}),
+            **self.upload.record()})
 
 
 def run_worker(cfg: WorkerConfig) -> None:

@@ -3,7 +3,8 @@
     python scripts/reproduce.py --quick        # LeNet-5 / Fashion-MNIST, 8 workers, ~20 min
     python scripts/reproduce.py --full         # 16 workers, 3 seeds, CIFAR-10 / seq2seq if present
     python scripts/reproduce.py --smoke        # two tiny runs (what the test executes)
-    python scripts/reproduce.py --link-suite   # fmnist8 over 20 mbit links: dense vs 1%, ~20 min
+    python scripts/reproduce.py --link-suite   # fmnist8 over 20 mbit links: dense, 1%, local steps
+    python scripts/reproduce.py --link-suite-5mbit   # the same over 5 mbit links
     python scripts/reproduce.py --quick --link 10mbit   # any suite over shaped links
     python scripts/reproduce.py --quick --table-only   # rebuild table + plots from the runs
     python scripts/reproduce.py --quick --optimizer-at worker   # SGD on the workers, every run
@@ -180,6 +181,7 @@ def _smoke_suite() -> Suite:
 
 
 LINK_PROFILE = "20mbit"  # the link suite's links, every worker, both directions
+LINK5_PROFILE = "5mbit"  # --link-suite-5mbit's: the same suite on a harsher link
 LINK_WHY = (
     "fmnist8 (LeNet-5, Fashion-MNIST, slowdowns 1,1,1.5,1.5,2,2,4,4, lr 0.05 cosine) with the "
     "demo's budget and speed (5 epochs, 40 ms base step), every worker behind a 20 mbit link "
@@ -192,25 +194,52 @@ LINK_WHY = (
     "accuracy the compressed rows are held to.")
 
 
-def _link_suite() -> Suite:
-    """`--link-suite`: GSSP dense vs the compressors when the links, not the CPUs, limit."""
-    suite = _fmnist("link", QUICK_PROFILE, 5.0, [0])
-    suite.run.update(base_step_s=0.04, wall_s=240.0)
+def local_steps_experiments(gssp: dict[str, Any]) -> list[Experiment]:
+    """GSSP with local steps (docs/compression.md, "Local steps"; the optimizer on the
+    workers): H = 8 averaged, H = 8 with DiLoCo's Nesterov outer step, H per group from its
+    speed (auto, at most 8), and H = 8 with Top-K of the 8-step change (error feedback) at
+    8 x RATIO a push: the bytes per step of gssp+topk (a push carries 8 steps; at RATIO a
+    push the simulator's quadratic diverged, docs/compression.md). Row specs: not measured."""
+    local = {**gssp, "optimizer_at": "worker", "local_steps": 8}
+    return [
+        Experiment("gssp+local8", local),
+        Experiment("gssp+local8+nesterov", {**local, "outer_optimizer": "nesterov",
+                                            "outer_lr": 0.7, "outer_momentum": 0.9}),
+        Experiment("gssp+localauto", {**local, "local_steps": 0, "local_steps_max": 8}),
+        Experiment("gssp+local8+topk", {**local, "compressor": "topk", "ratio": 8 * RATIO,
+                                        "compressor_opts": {"value_dtype": "f16"}},
+                   part="compression"),
+    ]
+
+
+def _link_suite(profile: str = LINK_PROFILE) -> Suite:
+    """`--link-suite`: GSSP dense vs the compressors and local steps when the links, not the
+    CPUs, limit; `--link-suite-5mbit` the same behind 5 mbit links (a dense push 0.4 s)."""
+    suite = _fmnist("link" if profile == LINK_PROFILE else f"link{profile}", QUICK_PROFILE,
+                    5.0, [0])
+    suite.run.update(base_step_s=0.04, wall_s=240.0 if profile == LINK_PROFILE else 600.0)
     suite.experiments = [e for e in suite.experiments if e.label not in ("ssp", "asp")]
     gssp = next(e for e in suite.experiments if e.label == "gssp")
     suite.experiments.append(Experiment("gssp-unlinked", gssp.overrides, link=""))
-    suite.link, suite.description = LINK_PROFILE, LINK_WHY
+    suite.experiments += local_steps_experiments(gssp.overrides)
+    suite.link = profile
+    suite.description = LINK_WHY if profile == LINK_PROFILE else (
+        f"the link suite behind {profile} links each way (4x slower than 20 mbit: a dense "
+        "LeNet-5 push or pull about 0.4 s against a 40-160 ms step); wall cap 600 s")
     return suite
 
 
 def suites_for(size: str) -> list[Suite]:
-    """The suites of ``--quick``, ``--full``, ``--smoke`` or ``--link-suite`` ("link")."""
+    """The suites of ``--quick``, ``--full``, ``--smoke``, ``--link-suite`` ("link") or
+    ``--link-suite-5mbit`` ("link5")."""
     if size == "quick":
         return [_fmnist("fmnist8", QUICK_PROFILE, 4.0, [0])]
     if size == "full":
         return _full_suites()
     if size == "link":
         return [_link_suite()]
+    if size == "link5":
+        return [_link_suite(LINK5_PROFILE)]
     return [_smoke_suite()]
 
 
@@ -282,7 +311,7 @@ def run_suite(suite: Suite, runs_dir: Path, *, resume: bool = False,
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     size = ("full" if args.full else "smoke" if args.smoke else
-            "link" if args.link_suite else "quick")
+            "link" if args.link_suite else "link5" if args.link_suite_5mbit else "quick")
     out = Path(args.out or ROOT / "results" / size)
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -334,7 +363,10 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--full", action="store_true", help="16 workers, 3 seeds, more models")
     size.add_argument("--smoke", action="store_true", help="two tiny runs (tests)")
     size.add_argument("--link-suite", action="store_true",
-                      help=f"fmnist8 over {LINK_PROFILE} links: BSP, GSSP, the compressors")
+                      help=f"fmnist8 over {LINK_PROFILE} links: BSP, GSSP, the compressors, "
+                      "local steps")
+    size.add_argument("--link-suite-5mbit", action="store_true",
+                      help=f"the link suite over {LINK5_PROFILE} links")
     p.add_argument("--out", help="output directory (default results/<size>)")
     p.add_argument("--suite", help="comma-separated suite names to run (e.g. fmnist16)")
     p.add_argument("--only", help="comma-separated experiment labels to run")

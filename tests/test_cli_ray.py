@@ -41,3 +41,18 @@ def test_bad_placement_on_the_command_line_is_a_one_line_error(capsys):
     assert cli.main(["ray", "--worker-resources", "jetson", "--workers", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "NAME=AMOUNT" in err
+
+
+def test_local_steps_reach_the_ray_servers_run_config():
+    """`minips ray --local-steps auto --outer-optimizer nesterov`: the run config every actor
+    gets (the server's --run-config file, then WELCOME) carries them."""
+    from minips.core.config import RunConfig
+
+    args = flags.build_parser().parse_args(
+        ["ray", "--optimizer-at", "worker", "--local-steps", "auto", "--local-steps-max", "6",
+         "--outer-optimizer", "nesterov", "--outer-lr", "0.7"])
+    run = flags.run_config_from_args(args)
+    again = RunConfig.from_info(run.to_info())  # what run.json and WELCOME carry
+    assert (again.local_steps, again.local_steps_max, again.outer_optimizer, again.outer_lr) \
+        == (0, 6, "nesterov", 0.7)
+    assert again.local_steps_auto

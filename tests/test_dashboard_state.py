@@ -480,3 +480,30 @@ def test_bytes_per_hop_are_a_series_over_time_from_the_merges() -> None:
     assert s.update(2.5)["evaluator"] is None
     s.add("server", {"t": 3.0, "evaluator": False})
     assert s.update(3.0)["evaluator"] is False
+
+
+def test_each_groups_local_steps_reach_the_cards_and_a_gauge() -> None:
+    """Local steps: a group's H from its workers' pushes, or what the global server set
+    (``--local-steps auto``, a ``local_steps`` line), on the group's card and in /metrics."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minips.dashboard.web import RunCollector
+
+    s = RunState(CONFIG)
+    s.add("worker", push(0, 1.0, 1, local_steps=8))
+    s.add("worker", push(1, 1.0, 1, group=1, local_steps=4))
+    s.add("global", merge(0, 1.5))
+    s.add("global", merge(1, 1.5))
+    assert {g: c.get("local_steps") for g, c in s.update(2.0)["groups"].items()} == \
+        {"0": 8, "1": 4}
+    s.add("global", {"t": 2.0, "event": "local_steps", "local_steps": {"0": 8, "1": 2}})
+    assert s.update(2.5)["groups"]["1"]["local_steps"] == 2
+    registry = CollectorRegistry()
+    registry.register(RunCollector(s, lambda: 3.0))
+    samples = {(x.name, x.labels.get("group")): x.value for f in
+               text_string_to_metric_families(generate_latest(registry).decode())
+               for x in f.samples}
+    assert samples[("minips_group_local_steps", "0")] == 8
+    assert samples[("minips_group_local_steps", "1")] == 2

@@ -56,6 +56,24 @@ def test_a_row_may_put_the_optimizer_on_the_workers_with_dgc_as_published(tmp_pa
     assert plain.optimizer_at == "worker"
 
 
+def test_the_link_suites_hold_local_steps_rows_that_validate(tmp_path):
+    """--link-suite and --link-suite-5mbit: dense vs compressed vs local steps (row specs);
+    every row's launch config validates (the optimizer on the workers where H > 1)."""
+    for size, link in (("link", "20mbit"), ("link5", "5mbit")):
+        (suite,) = reproduce.suites_for(size)
+        assert suite.link == link
+        rows = {e.label: e for e in suite.experiments}
+        assert {"gssp+local8", "gssp+local8+nesterov", "gssp+localauto",
+                "gssp+local8+topk"} <= set(rows)
+        for exp in suite.experiments:
+            assert not OPTIMIZER_KEYS & set(exp.overrides), exp.label
+            run = reproduce._launch_config(suite, exp, 0, tmp_path).run
+            if exp.label.startswith("gssp+local"):
+                assert run.optimizer_at == "worker" and run.local_steps in (0, 8)
+        assert rows["gssp+local8+topk"].overrides["ratio"] == 8 * reproduce.RATIO  # per step
+    assert reproduce._parser().parse_args(["--link-suite-5mbit"]).link_suite_5mbit
+
+
 def _figures(tta80, tta85, acc):
     return {"time_to_accuracy": {"0.80": tta80, "0.85": tta85}, "final_accuracy": acc,
             "done_reason": "epochs"}

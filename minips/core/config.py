@@ -31,6 +31,8 @@ The file holds, in order:
   ``optimizer_at`` says where SGD runs: on the group servers (``server``, the default: workers
   push gradients) or on the workers (``worker``: each keeps its velocity and pushes the update
   it would apply, ``core/worker_opt.py``; DGC's momentum correction, clipping and masking).
+  With it there, ``local_steps`` H lets a worker run H steps on its replica per push and
+  ``outer_optimizer`` says how its group server applies what arrives (``core/local_steps.py``).
 - ``FieldError``, and ``WorkerConfig``: what is local to a worker process (addresses, emulated
   slowness, files); it lives here, not in worker.py, so that `minips server` can build it
   without torch. The other roles' configs live with their role (``server.ServerConfig``,
@@ -47,7 +49,7 @@ Invariants:
 
 Public API: ``SyncPolicy``, ``POLICIES``, ``MODES``, ``policy(mode)``, ``MODEL_NAMES``,
 ``PARAM_COUNTS``, ``DEFAULT_DATASET``, ``TRAIN_SIZES``, ``dataset_train_size``,
-``OPTIMIZER_PLACES``, ``RunConfig``,
+``OPTIMIZER_PLACES``, ``OUTER_OPTIMIZERS``, ``RunConfig``,
 ``FieldError``, ``WorkerConfig``.
 """
 
@@ -75,6 +77,7 @@ __all__ = [
     "TRAIN_SIZES",
     "dataset_train_size",
     "OPTIMIZER_PLACES",
+    "OUTER_OPTIMIZERS",
     "RunConfig",
     "FieldError",
     "WorkerConfig",
@@ -157,6 +160,9 @@ def dataset_train_size(name: str, override: int = 0) -> int:
 
 # Where SGD (momentum, weight decay, the lr schedule) runs; RunConfig.optimizer_at.
 OPTIMIZER_PLACES = ("server", "worker")
+# How a group server applies the updates workers push (optimizer_at worker): avg (outer SGD at
+# outer_lr, 1: as pushed) or nesterov (DiLoCo's outer Nesterov momentum); core/local_steps.py.
+OUTER_OPTIMIZERS = ("avg", "nesterov")
 
 
 # -- the configuration of a run and of one worker --------------------------------------------------
@@ -177,6 +183,14 @@ class RunConfig:
     optimizer_at: str = "server"
     grad_clip: float = 0.0  # local clipping (optimizer_at worker): max |g|_2 x sqrt(workers); 0 off
     momentum_masking: bool = False  # clear a worker's velocity where its push sent (worker only)
+    # local steps (optimizer_at worker; core/local_steps.py): a worker runs H optimizer steps on
+    # its own replica, then pushes their summed change; 1: a push every step; 0: auto (per group
+    # from its speed, at most local_steps_max)
+    local_steps: int = 1
+    local_steps_max: int = 8  # H of the fastest group with local_steps 0 (auto)
+    outer_optimizer: str = "avg"  # how a group server applies pushed updates: avg | nesterov
+    outer_lr: float = 1.0  # outer step size (optimizer_at worker); 1 with avg: as pushed
+    outer_momentum: float = 0.9  # Nesterov momentum of the outer step (outer_optimizer nesterov)
     lr_warmup: float = 0.3  # epochs (whole cluster) over which lr ramps up linearly; 0 = none
     lr_schedule: str = "constant"  # constant | cosine (to 0 over the epochs budget)
     mode: str = "gssp"  # bsp | ssp | asp | gssp
@@ -256,9 +270,32 @@ class RunConfig:
         _check(on_worker or not self.momentum_masking, "momentum_masking",
                self.momentum_masking, "off unless the optimizer is on the worker "
                "(--optimizer-at worker)")
+        self._check_local_steps()
         warm = float(self.compressor_opts.get("warmup_fraction", 0) or 0)
         _check(warm == 0 or self.epochs > 0 or self.max_steps > 0, "warmup_fraction", warm,
                "0 unless the run has an --epochs or --max-steps budget (its fraction of it)")
+
+    def _check_local_steps(self) -> None:
+        """Local steps and the outer optimizer need the optimizer on the worker: with it on
+        the servers a worker has no update of its own to apply H times (refused, not implied,
+        so a run's optimizer never moves without being asked)."""
+        on_worker, why = self.optimizer_on_worker, " unless --optimizer-at worker"
+        _check(self.local_steps >= 0, "local_steps", self.local_steps, ">= 1, or 0 (auto)")
+        _check(self.local_steps_max >= 1, "local_steps_max", self.local_steps_max, ">= 1")
+        _check(on_worker or self.local_steps == 1, "local_steps", self.local_steps, "1" + why)
+        _check(self.outer_optimizer in OUTER_OPTIMIZERS, "outer_optimizer",
+               self.outer_optimizer, " | ".join(OUTER_OPTIMIZERS))
+        _check(on_worker or self.outer_optimizer == "avg", "outer_optimizer",
+               self.outer_optimizer, "avg" + why)
+        _check(0 < self.outer_lr < math.inf, "outer_lr", self.outer_lr, "> 0 and finite")
+        _check(on_worker or self.outer_lr == 1, "outer_lr", self.outer_lr, "1" + why)
+        _check(0 < self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "in (0, 1)")
+
+    @property
+    def local_steps_auto(self) -> bool:
+        """Each group's H is set by the global server from the group's speed
+        (``local_steps`` 0; core/local_steps.py)."""
+        return self.local_steps == 0
 
     @property
     def optimizer_on_worker(self) -> bool:
@@ -268,10 +305,12 @@ class RunConfig:
 
     def budget_samples(self) -> float:
         """The run's length in samples, all workers together: ``epochs`` of the training set,
-        else ``max_steps`` pushes of every worker, else 0 (a wall-clock budget or none)."""
+        else ``max_steps`` pushes of every worker (of H batches each with local steps; H_max
+        when auto), else 0 (a wall-clock budget or none)."""
         if self.epochs > 0:
             return self.epochs * dataset_train_size(self.dataset, self.train_size)
-        return float(self.max_steps * self.workers * self.batch_size)
+        steps = self.local_steps_max if self.local_steps_auto else self.local_steps
+        return float(self.max_steps * self.workers * self.batch_size * steps)
 
     @property
     def sync(self) -> SyncPolicy:

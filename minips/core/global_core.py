@@ -181,7 +181,8 @@ def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: in
     for h in roster.groups.values():  # replies to group processes name these (exchange.py)
         h.snapshots = [h.snapshots[-1], h.last_exchange]
     groups = {g: {"members": list(h.members), "ratio": h.ratio, "step_time": h.step_time,
-                  "merges": h.merges, "last_exchange": list(h.last_exchange),
+                  "local_steps": h.local_steps, "merges": h.merges,
+                  "last_exchange": list(h.last_exchange),
                   "merged": merged[g].pairs() if g in merged else [],
                   "state": h.peer.state_dict()}
               for g, h in roster.groups.items()}
@@ -209,6 +210,7 @@ def restore_group(h: GroupHandle, saved: dict[str, Any]) -> None:
     if saved["state"] is not None:
         h.peer.load_state_dict(saved["state"])
     h.ratio, h.step_time, h.merges = saved["ratio"], saved["step_time"], saved["merges"]
+    h.local_steps = int(saved.get("local_steps", 0))  # absent in older checkpoints: the run's
     session, seq = saved.get("last_exchange", (-1, -1))  # absent in older checkpoints
     h.last_exchange = (int(session), int(seq))
     h.snapshots = [h.last_exchange] * 2  # the checkpoint file is the one snapshot there is
@@ -326,10 +328,21 @@ class GlobalCore:
         self.started_training = self.wall()
         for w, g in assignment.items():
             self.workers[w].group = g
+        steps = self.roster.update_local_steps()  # local steps auto: each group's first H
         return [Log("groups", {"assignment": {str(w): g for w, g in assignment.items()},
                                "ratios": {str(g): h.ratio for g, h in self.groups.items()},
                                "addresses": {str(g): h.address
-                                             for g, h in self.groups.items()}})]
+                                             for g, h in self.groups.items()}}),
+                *self._local_steps_actions(steps)]
+
+    def _local_steps_actions(self, changed: list[int]) -> list[Action]:
+        """Local steps auto: log the groups' H and send the changed ones (with ASSIGN, as
+        GDTopK's ratios: ``SendRatios``)."""
+        if not changed:
+            return []
+        return [Log("local_steps", {"local_steps": {str(g): h.local_steps
+                                                    for g, h in self.groups.items()}}),
+                SendRatios({g: self.groups[g].ratio for g in changed})]
 
     def place_late(self, w: int) -> int | None:
         """The group of worker ``w``, which reported after the grouping (nearest in speed);
@@ -392,14 +405,15 @@ class GlobalCore:
 
     def _update_ratios(self, now: float) -> list[Action]:
         """GDTopK: when the ratio policy (roster.update_ratios, ratios.py) gives new ratios, log
-        them and send them (``SendRatios``)."""
+        them and send them (``SendRatios``); local steps auto: the groups' H likewise."""
         new = self.roster.update_ratios(now)
+        steps = self._local_steps_actions(self.roster.update_local_steps())
         if not new:
-            return []
+            return steps
         policy = self.roster.policy
         times = {str(g): policy.times.get(g) for g in new} if policy else {}
         return [Log("ratios", {"ratios": {str(g): r for g, r in new.items()},
-                               "iter_time": times}), SendRatios(new)]
+                               "iter_time": times}), SendRatios(new), *steps]
 
     # -- the groups' exchanges ---------------------------------------------------------------
 
@@ -597,10 +611,12 @@ class GlobalCore:
             codec=codec, buffers=tuple(buffers))
 
     def assign_message(self, h: GroupHandle) -> messages.Assign:
-        """ASSIGN for group ``h``: its address, ratio and the run's staleness bound."""
+        """ASSIGN for group ``h``: its address, ratio, the run's staleness bound and its
+        local steps H (0: the run's)."""
         s = self.run.staleness_bound
         return messages.Assign(group=h.id, address=h.address, ratio=h.ratio,
-                               staleness=-1 if s is None else int(s))
+                               staleness=-1 if s is None else int(s),
+                               local_steps=h.local_steps)
 
     def traffic(self) -> dict[str, int]:
         """Worker <-> group bytes so far (group processes: as of their last exchange)."""
@@ -616,9 +632,10 @@ FORMAT = 1  # bump when the meaning of the stored map changes
 
 FINGERPRINT_FIELDS = ("model", "dataset", "mode", "workers", "groups", "batch_size", "lr",
                       "momentum", "weight_decay", "staleness", "sync_every", "merge",
-                      "compressor", "ratio", "seed", "optimizer_at")  # a resume must share them
+                      "compressor", "ratio", "seed", "optimizer_at",
+                      "outer_optimizer")  # a resume must share them
 # what a checkpoint written before a field was fingerprinted held: that field's default
-FINGERPRINT_DEFAULTS = {"optimizer_at": "server"}
+FINGERPRINT_DEFAULTS = {"optimizer_at": "server", "outer_optimizer": "avg"}
 
 
 def fingerprint(run_info: dict[str, Any], size: int) -> dict[str, Any]:

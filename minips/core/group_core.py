@@ -22,9 +22,10 @@ It imports no asyncio, sockets, clocks or torch (tests/test_group_core.py checks
 whole cluster of these cores in one thread with a fake clock).
 
 The rules. A group applies its workers' gradients to its weights with ``optim.SGD`` (with the
-optimizer on the workers, ``RunConfig.optimizer_at``, the updates they push, at lr 1 and no
-momentum or decay; each WEIGHTS tells the worker the lr factor of its next update and the
-run's progress). SSP inside the group: a PULL is answered only when
+optimizer on the workers, ``RunConfig.optimizer_at``, the updates they push, with the outer
+optimizer: ``local_steps.outer_sgd``, lr 1 and no momentum or decay by default; each WEIGHTS
+tells the worker the lr factor of its next update, the run's progress and the group's local
+steps H). SSP inside the group: a PULL is answered only when
 ``ssp.ClockTable.may_start`` allows; BSP (staleness 0) averages the pushes of one clock
 (``ssp.Rounds``) and applies them once, at the lr of the round's place in the run (so W
 workers in BSP are synchronous SGD, schedule included: ``reference.train``); other modes apply
@@ -61,6 +62,7 @@ from minips.core import optim, ssp
 from minips.core.config import RunConfig, dataset_train_size
 from minips.core.downlink import Downlink
 from minips.core.exchange import Delta, Exchange, ExchangeResult, Outgoing, exchange_ratio
+from minips.core.local_steps import outer_sgd
 from minips.errors import RemoteProtocolError
 from minips.wire import messages
 
@@ -159,6 +161,9 @@ class GroupCore:
         self.counters = {"pushes": 0, "samples": 0}
         self.done = False  # budget spent; answer every PULL with done
         self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
+        # local steps H of this group's workers (the run's, or the global server's choice
+        # with local_steps 0: auto; core/local_steps.py); sent with every WEIGHTS
+        self.local_steps = run.local_steps or run.local_steps_max
         down = run.downlink_ratio()  # PULL answers: sparse updates of w_pub, or dense weights
         self.downlink = (Downlink(self.weights, down, drift=run.down_drift,
                                   values=run.down_values) if down < 1 else None)
@@ -260,7 +265,8 @@ class GroupCore:
         """One SGD step on ``samples`` samples; ``share`` > 1 applies 1/share of it (one push
         of a round of share)."""
         # an update a worker computed carries its lr already (``next_lr_factor``)
-        lr = 1.0 if self.run.optimizer_on_worker else self.run.lr * self._lr_factor(samples)
+        lr = (self.run.outer_lr if self.run.optimizer_on_worker
+              else self.run.lr * self._lr_factor(samples))
         self.opt.lr = lr / max(1, share)
         self.opt.step(self.weights, grad)
         self.version += 1
@@ -344,6 +350,7 @@ class GroupCore:
             version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
             done=self.done or self.at_cap(clock), group=self.group, waited_for=waited_for,
             ratio=self.ratio, lr_factor=self.next_lr_factor(), progress=self.progress(),
+            local_steps=self.local_steps,
             lead=lead, min_clock=-1 if low is None else low,
             drift=-1.0 if self.downlink is None else round(self.downlink.last_drift, 6))
 
@@ -351,6 +358,12 @@ class GroupCore:
         """GDTopK: the kept fraction the global server chose for this group's workers (sent
         with every WEIGHTS)."""
         self.ratio = float(ratio)
+
+    def set_local_steps(self, steps: int) -> None:
+        """Local steps: the H the global server chose for this group's workers (with
+        ``local_steps`` auto; sent with every WEIGHTS); 0 keeps the current one."""
+        if steps > 0:
+            self.local_steps = int(steps)
 
     def spend_budget(self) -> list[Action]:
         """The run's budget is spent: every PULL is answered now, with ``done``."""
@@ -417,6 +430,7 @@ class GroupCore:
                 "opt": self.opt.state_dict(), "clocks": dict(self.table.clocks),
                 "version": self.version, "global_version": self.global_version,
                 "counters": dict(self.counters), "ratio": self.ratio,
+                "local_steps": self.local_steps,
                 "exchange": self.xchg.state_dict(), "xchg_bytes": dict(self.xchg_bytes)}
 
     def load_state_dict(self, state: dict[str, Any], now: float) -> None:
@@ -431,15 +445,17 @@ class GroupCore:
         self.version, self.global_version = state["version"], state["global_version"]
         self.counters = {k: int(state["counters"].get(k, 0)) for k in ("pushes", "samples")}
         self.ratio = state["ratio"]
+        self.set_local_steps(int(state.get("local_steps", 0)))  # 0 in older files: the run's
         self.xchg_bytes = {k: int(state.get("xchg_bytes", {}).get(k, 0))  # 0 in older files
                            for k in ("bytes_to_global", "bytes_from_global")}
 
 
 def _server_sgd(run: RunConfig, size: int) -> optim.SGD:
-    """The group's optimizer: the run's SGD, or with the optimizer on the workers plain SGD at
-    lr 1 (no momentum, no decay: the updates pushed are added as they are, O(k) when sparse)."""
+    """The group's optimizer: the run's SGD, or with the optimizer on the workers the outer
+    one (``local_steps.outer_sgd``; ``avg`` at lr 1 adds the updates pushed as they are, O(k)
+    when sparse)."""
     if run.optimizer_on_worker:
-        return optim.SGD(size, lr=1.0, momentum=0.0, weight_decay=0.0)
+        return outer_sgd(run, size)
     return optim.SGD(size, lr=run.lr, momentum=run.momentum, weight_decay=run.weight_decay)
 
 

@@ -8,6 +8,8 @@ GDTopK: ``first_ratios`` sets the ratios the groups open with, every exchange's 
 iteration time goes to ``observe_iter_time``, and when ``update_ratios`` returns new ratios
 (``RatioPolicy``) the core tells its shell to send them (``SendRatios``). A group's ratio
 lives in its ``GroupHandle`` (the roster's record); the group's server learns it from the shell.
+Local steps auto: ``update_local_steps`` sets each group's H from its step time
+(``local_steps.auto_local_steps``) in the handle; it travels as the ratio does (ASSIGN).
 
 Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
 is gone (``free_id``), so a worker restarted without its old id still finds a place.
@@ -38,6 +40,7 @@ import numpy as np
 
 from minips import grouping
 from minips.core.config import RunConfig
+from minips.core.local_steps import auto_local_steps
 from minips.errors import AuthError
 from minips.wire.messages import Assign
 
@@ -152,6 +155,7 @@ class GroupHandle:
         self.peer: GroupPeer = peer if peer is not None else NoGroup()
         self.ratio = ratio  # GDTopK kept fraction for its workers (the one owner of it)
         self.step_time = 0.0  # smoothed mean worker step time, seconds
+        self.local_steps = 0  # H of its workers with local_steps auto (0: the run's H)
         self.final = False  # flushed its last delta
         self.merges = 0
         # its exchanges' bytes on the wire as this server counted them (since it started)
@@ -309,6 +313,21 @@ class Roster:
         for g, r in (new or {}).items():
             self.groups[g].ratio = r
         return new or {}
+
+    def update_local_steps(self) -> list[int]:
+        """Local steps auto: each group's H from its step time (``local_steps.auto_local_steps``,
+        groups with workers, step times as of the last ``refresh_step_times``); the groups whose
+        H changed ([] when H is the run's)."""
+        if not self.run.local_steps_auto:
+            return []
+        times = {g: h.step_time for g, h in self.groups.items() if h.members}
+        changed = []
+        held = {g: h.local_steps for g, h in self.groups.items()}
+        for g, steps in auto_local_steps(times, self.run.local_steps_max, held).items():
+            if steps != self.groups[g].local_steps:
+                self.groups[g].local_steps = steps
+                changed.append(g)
+        return changed
 
     def refresh_step_times(self) -> None:
         """Each group's step time: the mean of its members' last reported ones."""

@@ -140,6 +140,7 @@ class WorkerView:
     waiting: bool | None = None  # the probe's SSP answer (None: derive from clocks)
     pulls: int = 0  # PULLs its group server answered, as the merges reported them
     held_s: float = 0.0  # s the SSP bound held those PULLs, summed
+    local_steps: int | None = None  # H of its last push (local steps; optimizer on the worker)
 
     def row(self, state: str, slow: bool = False) -> dict[str, Any]:
         up = (self.bytes_wire / self.bytes_raw) if self.bytes_wire and self.bytes_raw else None
@@ -161,6 +162,7 @@ class RunState:
         self.lease_s = float(config.get("lease_s", 10.0))
         self.workers: dict[int, WorkerView] = {}
         self.groups: dict[int, dict[str, Any]] = {}  # id -> last merge's counters
+        self.set_steps: dict[int, int] = {}  # group -> H the global server set (local steps auto)
         self.eval: list[dict[str, Any]] = []  # {t, accuracy, loss, bytes, samples}
         self.clocks: list[dict[str, Any]] = []  # {t, group, min_clock, max_clock}
         self.events: list[dict[str, Any]] = []
@@ -220,6 +222,8 @@ class RunState:
         if ev == "groups":
             for w, g in (r.get("assignment") or {}).items():
                 self._view(w).group = int(g)
+        if ev == "local_steps":  # --local-steps auto: each group's H, as the global server set it
+            self.set_steps.update({int(g): int(h) for g, h in r["local_steps"].items()})
         if ev in ("regroup", "rehomed"):  # workers moved to other groups
             for w, g in (r.get("moved") or {}).items():
                 self._view(w).group = int(g)
@@ -307,7 +311,8 @@ class RunState:
         if r.get("group") is not None:
             v.group = int(r["group"])
         # its own view of its last push; the run's counters come from the merges (_merge)
-        for k in ("step_time", "wait_s", "staleness", "bytes_wire", "bytes_raw", "ratio", "loss"):
+        for k in ("step_time", "wait_s", "staleness", "bytes_wire", "bytes_raw", "ratio", "loss",
+                  "local_steps"):
             if r.get(k) is not None:
                 setattr(v, k, r[k])
 
@@ -352,6 +357,13 @@ class RunState:
             out["group_to_global"] += h.get("bytes_to_global", 0)
             out["global_to_group"] += h.get("bytes_from_global", 0)
         return out
+
+    def local_steps(self) -> dict[int, int]:
+        """Each group's local steps H: what the global server last set (auto), else the H of
+        its workers' last pushes; groups without local steps are left out."""
+        out = {v.group: v.local_steps for v in self.workers.values()
+               if v.group >= 0 and v.local_steps is not None}
+        return {**out, **self.set_steps}
 
     def shown_groups(self) -> dict[int, dict[str, Any]]:
         """The groups that hold a worker (before the grouping: all known): one a regroup
@@ -400,13 +412,14 @@ class RunState:
         since = since or {}
         series = {"eval": self.eval, "clocks": self.clocks, "events": self.events,
                   "bytes": self.bytes, "held": self.held}
-        slow = self.slow(now)
+        slow, steps = self.slow(now), self.local_steps()
         return {
             "t": now, "done": self.done, "kind": self.kind,
             "config": _config_brief(self.config), "evaluator": self.evaluator,
             "workers": [v.row(self.state_of(v, now), w in slow)
                         for w, v in sorted(self.workers.items())],
-            "groups": {str(g): {**c, "merges": self.merges.get(g, 0)}
+            "groups": {str(g): {**c, "merges": self.merges.get(g, 0),
+                                **({"local_steps": steps[g]} if g in steps else {})}
                        for g, c in self.shown_groups().items()},
             "totals": self.totals, "hops": self.hops(), "checkpoints": self.checkpoints,
             **{k: s[since.get(k, 0):] for k, s in series.items()},

@@ -24,7 +24,8 @@ docs/dashboard.md has the table):
   ``group_to_global``, ``global_to_group`` (summed over the groups: the hop's run total);
 - ``minips_staleness_steps`` and ``minips_ssp_wait_seconds`` histograms (one observation per
   answered PULL);
-- ``minips_workers_alive{group}``, ``minips_group_clock{group, bound}`` (min / max clock);
+- ``minips_workers_alive{group}``, ``minips_group_clock{group, bound}`` (min / max clock),
+  ``minips_group_local_steps{group}`` (H, with local steps);
 - per worker ``{worker, group}``: ``minips_worker_up``, ``minips_worker_clock``,
   ``minips_worker_step_seconds``, ``minips_worker_pulls_total``,
   ``minips_worker_ssp_wait_seconds_total``;
@@ -138,6 +139,11 @@ class RunCollector(Collector):
                 if isinstance(c.get(f"{bound}_clock"), (int, float)):
                     clock.add_metric([str(g), bound], c[f"{bound}_clock"])
         yield clock
+        steps = GaugeMetricFamily("minips_group_local_steps", "a group's local steps H: "
+                                  "optimizer steps its workers run per push", labels=["group"])
+        for g, h in sorted(self.state.local_steps().items()):
+            steps.add_metric([str(g)], h)
+        yield steps
 
     def _workers(self, now: float) -> Iterator[Metric]:
         """One series per worker (labels worker, group), from what the servers saw of it."""

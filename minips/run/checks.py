@@ -1,6 +1,7 @@
 """Checks of command-line values, run before any server listens or any child starts (no torch).
 
-Two kinds: argparse *types* (``port``, ``finite``, ``on_off``, ``int_at_least`` ...), for which
+Two kinds: argparse *types* (``port``, ``finite``, ``on_off``, ``local_steps_arg``,
+``int_at_least`` ...), for which
 argparse names the option itself, and *start checks* (``check_run``, ``check_init``,
 ``check_tls_server`` ...) that look at files, names and combinations and raise
 ``ConfigError``. Every message reads "OPTION VALUE: what is wrong; what is allowed", so
@@ -34,6 +35,7 @@ from minips.run.launch import parse_slowdowns
 __all__ = [
     "finite",
     "on_off",
+    "local_steps_arg",
     "at_least",
     "int_at_least",
     "port",
@@ -73,6 +75,20 @@ def on_off(text: str) -> bool:
              "off": False, "false": False, "no": False, "0": False}.get(text.lower())
     if value is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed: expected on or off")
+    return value
+
+
+def local_steps_arg(text: str) -> int:
+    """--local-steps: an int >= 1, or ``auto`` (0: each group's H from its speed)."""
+    if text.strip().lower() == "auto":
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: expected an int >= 1 "
+                                         "or auto") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: expected >= 1 or auto")
     return value
 
 

@@ -42,6 +42,7 @@ from minips.run.checks import (
     finite,
     int_at_least,
     load_run_config,
+    local_steps_arg,
     on_off,
     port,
     slowdown_factors,
@@ -118,6 +119,17 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
      "each worker clips its gradient's L2 norm to this / sqrt(workers); 0 = off"),
     ("--momentum-masking", "momentum_masking", on_off, "DGC's momentum-factor masking (with "
      "--optimizer-at worker): a worker clears its velocity where it sent: on | off"),
+    ("--local-steps", "local_steps", local_steps_arg, "optimizer steps a worker runs on its "
+     "own replica per push (with --optimizer-at worker; docs/compression.md): H, or auto "
+     "(per group from its speed, at most --local-steps-max; shown as 0)"),
+    ("--local-steps-max", "local_steps_max", int, "H of the fastest group with --local-steps "
+     "auto"),
+    ("--outer-optimizer", "outer_optimizer", str, "how a group server applies pushed updates "
+     "(with --optimizer-at worker): avg (outer SGD at --outer-lr) | nesterov (DiLoCo)"),
+    ("--outer-lr", "outer_lr", finite, "outer step size (with --optimizer-at worker; "
+     "DiLoCo's Nesterov uses 0.7)"),
+    ("--outer-momentum", "outer_momentum", finite, "Nesterov momentum of the outer step "
+     "(--outer-optimizer nesterov)"),
     ("--seed", "seed", int, "random seed"),
     ("--epochs", "epochs", finite, "budget: epochs over the training set (0 = none)"),
     ("--wall-s", "wall_s", finite, "budget: seconds of training (0 = none)"),

@@ -126,9 +126,11 @@ class GroupServer:
         """Count worker ``w`` in the group before it connects (``GroupCore.expect``)."""
         self.core.expect(w, self.clock())
 
-    def set_ratio(self, ratio: float) -> None:
-        """GDTopK's new ratio for this group's workers (``GroupCore.set_ratio``)."""
+    def set_ratio(self, ratio: float, local_steps: int = 0) -> None:
+        """GDTopK's new ratio for this group's workers (``GroupCore.set_ratio``) and, with
+        local steps auto, their H (``GroupCore.set_local_steps``; 0: unchanged)."""
         self.core.set_ratio(ratio)
+        self.core.set_local_steps(local_steps)
 
     def state_dict(self) -> dict[str, Any]:
         return self.core.state_dict()

@@ -68,7 +68,7 @@ from minips.core.group_core import (
     Wake,
 )
 from minips.core.roster import GroupHandle, NoGroup
-from minips.core.worker_opt import Upload
+from minips.core.worker_opt import LocalSteps, Upload
 from minips.record.metrics import summarize
 from minips.record.rundir import RunDir
 from minips.sim.timing import Failure, Links, StepTimes, objective
@@ -195,6 +195,7 @@ class SimPeer(NoGroup):
 
     def send_ratio(self, assign: messages.Assign) -> None:
         self.group.core.set_ratio(assign.ratio)
+        self.group.core.set_local_steps(assign.local_steps)
 
 
 class SimGlobal:
@@ -250,6 +251,8 @@ class Simulation:
         self.rngs = [np.random.default_rng(self.run.seed * 1000 + w) for w in range(n_w)]
         self.comp = [self.run.worker_compressor(size, w) for w in range(n_w)]
         self.upload = [Upload(self.run, c) for c in self.comp]  # with the optimizer, if there
+        # local steps' inner loops (core.local_steps), with the optimizer on the workers
+        self.local = [LocalSteps(u) if u.opt is not None else None for u in self.upload]
         self.copy: list[np.ndarray | None] = [None] * n_w
         self.held = [-1] * n_w
         self.clock = [0] * n_w
@@ -361,25 +364,49 @@ class Simulation:
         wait_s = self.t - self.pulled_at[w]
         if msg.ratio != self.comp[w].ratio:  # GDTopK: a real worker gets it by ASSIGN
             self.comp[w].set_ratio(msg.ratio)
-        step = self.steps.next(w, self.rngs[w])
-        grad, loss = self.objective.gradient(w, copy, self.rngs[w])
-        if self.cfg.real:  # LossComp's schedule follows the loss a real worker sees
-            self.comp[w].observe_loss(loss)
-        packet = self.upload[w].packet(grad, copy, lr_factor=msg.lr_factor,
-                                       progress=msg.progress)
+        local = self.local[w]
+        steps = msg.local_steps if local is not None else 1
+        if steps > 1:
+            assert local is not None
+            packet, loss, step = self._local_steps(w, local, copy, msg)
+        else:
+            step = self.steps.next(w, self.rngs[w])
+            grad, loss = self.objective.gradient(w, copy, self.rngs[w])
+            if self.cfg.real:  # LossComp's schedule follows the loss a real worker sees
+                self.comp[w].observe_loss(loss)
+            packet = self.upload[w].packet(grad, copy, lr_factor=msg.lr_factor,
+                                           progress=msg.progress)
         enc, codec, bufs = self.comp[w].encode(packet)  # the encoding the compressor declares
-        push = messages.Push(clock=self.clock[w] + 1, step_time=step, loss=loss,
-                             samples=self.run.batch_size, encoding=enc, codec=codec,
+        push = messages.Push(clock=self.clock[w] + 1, step_time=step / steps, loss=loss,
+                             samples=self.run.batch_size * steps, encoding=enc, codec=codec,
                              buffers=tuple(bufs))
         nbytes = wire_size(push)
         record = {"worker": w, "group": msg.info.get("group"), "staleness":
                   msg.info.get("lead", 0), "wait_s": wait_s, "waited_for":
-                  msg.info.get("waited_for", []), "step_time": step, "loss": loss,
+                  msg.info.get("waited_for", []), "step_time": push.step_time,
+                  "loss": loss,
                   "samples": push.samples, "ratio": self.comp[w].ratio,
                   "kept_fraction": self.comp[w].kept_fraction,
                   "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes,
+                  **({"local_steps": steps} if local is not None else {}),
                   **self.upload[w].record()}
         self.send(w, nbytes, self.push_arrives, push, record, after=step)  # once computed
+
+    def _local_steps(self, w: int, local: LocalSteps, copy: np.ndarray,
+                     msg: messages.Weights) -> tuple[Any, float, float]:
+        """H local steps of worker ``w`` from ``copy`` (core.local_steps): the packet, the
+        mean loss, and the H steps' time together (the PUSH is sent once they are done)."""
+        replica = local.start(copy, msg.local_steps, msg.lr_factor)
+        losses, total = [], 0.0
+        while not local.finished:
+            total += self.steps.next(w, self.rngs[w])
+            grad, loss = self.objective.gradient(w, replica, self.rngs[w])
+            replica = local.step(grad)
+            losses.append(loss)
+        loss = float(np.mean(losses))
+        if self.cfg.real:
+            self.comp[w].observe_loss(loss)
+        return local.packet(msg.progress), loss, total
 
     def push_arrives(self, w: int, push: messages.Push, record: dict[str, Any]) -> None:
         grp = self.groups[self.group_of[w]]

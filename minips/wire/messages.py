@@ -291,7 +291,8 @@ def vector_codec(v: Any) -> dict[str, Any]:
 
 # 2: WEIGHTS.since (a sparse update of a held copy); 3: typed conversations (EXCHANGE,
 # EXCHANGE_REPLY, GLOBAL_WEIGHTS, INIT_WEIGHTS; WEIGHTS' counters as fields; a checked codec)
-PROTOCOL_VERSION = 4  # 4: EXCHANGE pull_* (answered PULLs), WEIGHTS lr_factor and progress
+PROTOCOL_VERSION = 4  # 4: EXCHANGE pull_* (answered PULLs), WEIGHTS lr_factor, progress and
+# local_steps, ASSIGN local_steps
 NONCE_BYTES = 32  # fresh random bytes per handshake side, so a recorded handshake cannot replay
 MAC_BYTES = 32  # HMAC-SHA256 digest
 ROLES = ("worker", "group", "evaluator")
@@ -540,6 +541,7 @@ class Assign(Message):
     address: str = checked(text(MAX_TEXT))
     ratio: float = checked(number(0.0, 1.0))
     staleness: int = checked(integer(-1))  # -1: no bound (ASP)
+    local_steps: int = checked(integer(0), 0)  # the group's H (local steps); 0: the run's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -599,6 +601,7 @@ class Weights(Reported):
     drift: float = checked(number(-1.0), -1.0)  # compressed downlink: |sent - weights|; -1: dense
     lr_factor: float = checked(number(0.0), 1.0)  # of the run's lr, for the worker's next update
     progress: float = checked(number(0.0, 1.0), 0.0)  # fraction of the run's samples budget done
+    local_steps: int = checked(integer(1), 1)  # H: local steps of the worker's next push
 
     @property
     def info(self) -> dict[str, Any]:
