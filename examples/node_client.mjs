@@ -187,7 +187,7 @@ function lz4Decompress(src, rawLen) {
 // Frames and messages (sections 1, 2, 3).
 
 const MAGIC = Buffer.from('MNPS', 'ascii');
-const VERSION = 4;
+const VERSION = 5;
 const MAX_FRAME = 512 * 1024 * 1024, MAX_META = 1024 * 1024, MAX_BUFFERS = 16, MAX_RAW = 512 * 1024 * 1024;
 
 const K = {
@@ -211,7 +211,7 @@ const SCHEMA = {
   [K.ACK]: { clock: 'int', version: 'int' },
   [K.PULL]: { clock: 'int', since: 'id' },
   [K.WEIGHTS]: { version: 'int', since: 'id', encoding: 'name', codec: 'map', done: 'bool', group: 'id',
-    waited_for: 'array', ratio: 'ratio', lead: 'sint', min_clock: 'id', drift: 'float' },
+    waited_for: 'array', ratio: 'ratio', batch: 'int', lead: 'sint', min_clock: 'id', drift: 'float' },
   [K.HEARTBEAT]: { seq: 'int' },
   [K.LEAVE]: { reason: 'text' },
   [K.ERROR]: { code: 'name', reason: 'text' },

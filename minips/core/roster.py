@@ -219,7 +219,8 @@ class Roster:
 
     def maybe_regroup(self, now: float) -> dict[int, int] | None:
         """A new assignment when the Regrouper's hysteresis says the speeds drifted, else None."""
-        if not (self.regroup and self.run.sync.regroup) or now - self._regroup_at < REGROUP_EVERY_S:
+        if not (self.regroup and self.run.sync.regroup and self.run.regroup) \
+                or now - self._regroup_at < REGROUP_EVERY_S:
             return None  # one look per period, so the Regrouper's patience counts periods
         self._regroup_at = now
         new = self.regrouper.update(self.step_times(live_only=True))

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from minips.core.config import FieldError, RunConfig
+from minips.core.slowdown import Schedule
 from minips.errors import ConfigError
 from minips.net.links import SHAPINGS
 from minips.run.checks import (
@@ -42,8 +43,12 @@ from minips.run.checks import (
     finite,
     int_at_least,
     load_run_config,
+    on_off,
     port,
     slowdown_factors,
+    slowdown_schedules,
+    throttle_spec,
+    worker_slowdown,
 )
 from minips.run.launch import parse_slowdowns
 from minips.sim.timing import Failure, parse_failures
@@ -89,7 +94,11 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--dataset", "dataset", str, "data set (fashion-mnist, mnist, cifar10)"),
     ("--data-dir", "data_dir", str, "directory of the data set files (default: "
      "~/.cache/minips/<name>, then system directories)"),
-    ("--mode", "mode", str, "bsp | ssp | asp | gssp"),
+    ("--mode", "mode", str, "bsp | ssp | asp | gssp | lbbsp (BSP, batch sizes follow the "
+     "workers' speeds)"),
+    ("--regroup", "regroup", on_off, "GSSP: regroup when speeds drift: on | off"),
+    ("--balance-every", "balance_every", int, "LB-BSP: rounds between re-balancings of the "
+     "batch sizes"),
     ("--compressor", "compressor", str, "none | fp16 | topk | dgc | randomk | gdtopk | losscomp"),
     ("--ratio", "ratio", finite, "kept fraction of gradient coordinates (0..1]"),
     ("--xchg-ratio", "xchg_ratio", finite, "kept fraction of the group <-> global exchange, "
@@ -342,7 +351,12 @@ def _add_local(sub: Subparsers) -> None:
     """`minips local`: a whole cluster on this machine."""
     loc = sub.add_parser("local", help="a whole cluster on this machine")
     add_run_flags(loc)
-    loc.add_argument("--slowdown", type=slowdown_factors, help="factors F per worker: 1,1,2x2,4")
+    loc.add_argument("--slowdown", type=slowdown_schedules,
+                     help="factors F per worker: 1,1,2x2,4; a schedule F@T,F@T: 4@0,1@60s "
+                          "(4x until 60 s of training, then 1x)")
+    loc.add_argument("--throttle", type=throttle_spec, default="", metavar="P,MIN-MAX,SECONDS",
+                     help="random throttling: each SECONDS interval, a worker is slowed with "
+                          "probability P by a factor in [MIN, MAX] (seeded by --seed)")
     loc.add_argument("--link", metavar="PROFILE",
                      help="the workers' links: 10mbit, 10mbit/40mbit (up/down), "
                           "100,50,10mbit (per worker, last repeats), +5ms latency, or a file "
@@ -426,8 +440,10 @@ def _add_clients(sub: Subparsers) -> None:
         w.add_argument("--connect", required=True, help="global server HOST:PORT")
         w.add_argument("--id", type=int_at_least(-1), default=-1,
                        help="worker id (-1 = assigned)")
-        w.add_argument("--slowdown", type=at_least(0, strict=True), default=1.0,
-                       help="emulated factor F")
+        w.add_argument("--slowdown", type=worker_slowdown, default=Schedule.flat(1.0),
+                       help="emulated factor F, or a schedule F@T,F@T (T: s of training)")
+        w.add_argument("--throttle", type=throttle_spec, default="",
+                       metavar="P,MIN-MAX,SECONDS", help="random throttling (see minips local)")
         w.add_argument("--bandwidth", type=at_least(0), default=0.0,
                        help="paced uplink, bytes/s (0 = none)")
         w.add_argument("--bandwidth-down", type=at_least(0), default=0.0,

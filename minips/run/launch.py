@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from minips.core.config import RunConfig, dataset_train_size
+from minips.core.slowdown import Schedule
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, links, netshape
 from minips.net.endpoints import (
@@ -232,8 +233,12 @@ class Cluster:
     def start_workers(self) -> None:
         """All workers at once (they calibrate while the others import torch)."""
         for i, factor in enumerate(self.cfg.factors()):
+            given = self.cfg.schedules[i] if i < len(self.cfg.schedules) else None
+            slowdown = given.text() if given is not None and given.changes else repr(factor)
+            throttle = ["--throttle", self.cfg.throttle] if self.cfg.throttle else []
             self._spawn(f"worker-{i}", [
-                "worker", "--connect", self.address, "--id", str(i), "--slowdown", str(factor),
+                "worker", "--connect", self.address, "--id", str(i), "--slowdown", slowdown,
+                *throttle,
                 *self._link_args(i), "--run-dir", str(self.run_dir), "--timeout", "60",
                 "--device", self.cfg.device(i), *(["--amp"] if self.cfg.amp else [])],
                 netns=i if self.spaces else -1)
@@ -421,6 +426,8 @@ class LaunchConfig:
 
     run: RunConfig = field(default_factory=RunConfig)  # the run's settings
     slowdowns: list[float] = field(default_factory=list)  # factor F per worker; [] = all 1.0
+    schedules: list[Schedule] = field(default_factory=list)  # F over time per worker; [] = flat
+    throttle: str = ""  # --throttle P,MIN-MAX,SECONDS of every worker (core/slowdown.py)
     link: str = ""  # --link profile of the workers' links (links.py); "" = not limited
     link_shaping: str = "auto"  # auto | kernel (namespaces + tc) | pacer (token buckets)
     out_dir: str = "runs"  # parent of the run directory
