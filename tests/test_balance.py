@@ -39,10 +39,12 @@ def test_the_balancer_rebalances_after_the_first_round_then_every_r_rounds() -> 
 def test_the_weighted_average_is_the_mean_over_all_samples() -> None:
     g1, g2 = np.full(4, 1.0, np.float32), np.full(4, 4.0, np.float32)
     out = sparse.average([g1, g2], 4, [30, 10])
+    assert isinstance(out, np.ndarray)
     np.testing.assert_allclose(out, np.full(4, 1.75), rtol=1e-6)  # (30 x 1 + 10 x 4) / 40
     sv = sparse.SparseVector(np.array([1], np.uint32), np.array([8.0], np.float32), 4)
-    np.testing.assert_allclose(sparse.average([g1, sv], 4, [1, 3]), [0.25, 6.25, 0.25, 0.25],
-                               rtol=1e-6)
+    mixed = sparse.average([g1, sv], 4, [1, 3])
+    assert isinstance(mixed, np.ndarray)
+    np.testing.assert_allclose(mixed, np.array([0.25, 6.25, 0.25, 0.25]), rtol=1e-6)
 
 
 def _push(clock: int, grad: np.ndarray, samples: int, step_time: float) -> messages.Push:
