@@ -126,7 +126,10 @@ def worker_slowdown(text: str) -> Schedule:
 
 
 def throttle_spec(text: str) -> str:
-    """Type of --throttle: P,MIN-MAX,SECONDS (``slowdown.parse_throttle``), kept as text."""
+    """Type of --throttle: P,MIN-MAX,SECONDS (``slowdown.parse_throttle``), kept as text;
+    "" is none."""
+    if not text:
+        return ""
     try:
         return parse_throttle(text).text()
     except ConfigError as exc:
