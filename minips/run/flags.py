@@ -45,7 +45,6 @@ from minips.run.checks import (
     load_run_config,
     on_off,
     port,
-    slowdown_factors,
     slowdown_schedules,
     throttle_spec,
     worker_slowdown,
@@ -257,7 +256,10 @@ def add_simulate_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentPars
                        "synthetic objective or of the run's real model. Writes a run directory "
                        "like `minips local`.")
     add_run_flags(p)
-    p.add_argument("--slowdown", type=slowdown_factors, help="factors F per worker: 1,1,2x2,4 (a "
+    p.add_argument("--throttle", type=throttle_spec, default="", metavar="P,MIN-MAX,SECONDS",
+                   help="random throttling, in simulated seconds (see minips local)")
+    p.add_argument("--slowdown", type=slowdown_schedules, help="factors F per worker: 1,1,2x2,4 "
+                   "or schedules 4@0,1@60s (simulated seconds; a "
                    "step takes F x --base-step; the last repeats; default 1)")
     p.add_argument("--jitter", type=at_least(0), default=0.0,
                    help="relative spread of a step's compute time (default 0)")
@@ -303,13 +305,15 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
     if args.dim < 1 or args.max_pushes < 0:
         raise ConfigError(f"--dim {args.dim} / --max-pushes {args.max_pushes}: expected "
                           "--dim >= 1 and --max-pushes >= 0")
-    slowdowns = args.slowdown or [1.0]
+    schedules = args.slowdown or [Schedule.flat(1.0)]
+    slowdowns = [s.first for s in schedules]
     if args.workers is None and args.slowdown:
         run.workers = len(slowdowns)
     real = args.objective == "model"
     if not real and run.dataset != "synthetic" and not run.train_size:
         run.dataset = "synthetic"  # the objective is synthetic: so are its samples
-    cfg = SimConfig(run=run, slowdowns=slowdowns, jitter=args.jitter,
+    cfg = SimConfig(run=run, slowdowns=slowdowns, schedules=schedules, throttle=args.throttle,
+                    jitter=args.jitter,
                     rate=args.link_mbit * 1e6 / 8, latency_s=args.latency_ms / 1e3,
                     latency_jitter_s=args.latency_jitter_ms / 1e3, failures=args.fail,
                     real=real, xchg_latency_s=args.xchg_latency_ms / 1e3, dim=args.dim,
