@@ -84,7 +84,8 @@ EVENT_KINDS = frozenset({
     "done", "failed", "waiting_for_workers", "workers_back", "group_lost",
     "group_adopted",  # global.jsonl and group-<g>.jsonl
     "stopped", "lease_expired", "control_lost", "control_back", "control_gave_up",
-    "group_unreachable",  # a worker's own file
+    "group_unreachable",
+    "slowdown",  # a worker's own file (slowdown: its emulated factor changed, core/slowdown.py)
 })
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)  # clocks ahead of the slowest
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # s
@@ -448,6 +449,8 @@ def describe(event: str, source: str, f: dict[str, Any]) -> str:
         return f"run {'over' if event == 'done' else 'failed'}" + (f": {why}" if why else "")
     if event in SENTENCES and source == "global":
         return SENTENCES[event].format_map(collections.defaultdict(str, f, who=who))
+    if event == "slowdown":
+        return f"{who}: emulated slowdown {_short(f.get('was'))}x -> {_short(f.get('factor'))}x"
     if event == "calib_timeout":
         return (f"grouping deadline passed: {len(f.get('reported') or [])} of "
                 f"{f.get('expected')} workers had reported")
