@@ -1,10 +1,12 @@
 """Speeds that change and LB-BSP, on real processes (`minips local`, loopback, Fashion-MNIST):
 a scheduled slowdown change is an event in the worker's file and moves the worker to the other
 group within the documented delay (``roster.REGROUP_DELAY_S``); in ``--mode lbbsp`` the batch
-sizes follow the workers' speeds, with the same total per round."""
+sizes follow the workers' speeds, with the same total per round. Links that change
+(``--link-change``): parsed, and a kernel-shaped link's tbf changed live (root only)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,9 @@ import pytest
 from conftest import interrupt, records, steps, wait_for
 
 from minips.core.roster import REGROUP_DELAY_S
+from minips.errors import ConfigError
+from minips.net import netshape
+from minips.net.links import LinkChange, Rate, parse_link_changes
 
 
 def _local(tmp_path: Path, name: str, *flags: str) -> list[str]:
@@ -69,3 +74,32 @@ def test_lbbsp_batches_follow_the_speeds_in_a_real_run(tmp_path: Path) -> None:
     slow = [r["step_time"] for r in steps(run_dir / "worker-2.jsonl")][-3:]
     fast = [r["step_time"] for r in steps(run_dir / "worker-0.jsonl")][-3:]
     assert max(slow) < 2 * min(fast)  # balanced: about the same time per round (3x in BSP)
+
+
+def test_link_changes_parse_in_time_order_and_refuse_bad_items() -> None:
+    got = parse_link_changes("3:50mbit@120s,3:5mbit@60,*:10mbit/20mbit@30")
+    assert got == [LinkChange(-1, Rate(10e6, 20e6), 30.0), LinkChange(3, Rate(5e6, 5e6), 60.0),
+                   LinkChange(3, Rate(50e6, 50e6), 120.0)]
+    assert got[0].applies_to(7) and not got[1].applies_to(2)
+    for bad in ("3:5mbit", "x:5mbit@1", "3:5mbit@-1", "3:5@1", "3:1/2/3mbit@1"):
+        with pytest.raises(ConfigError):
+            parse_link_changes(bad)
+
+
+@pytest.mark.timeout(60)
+def test_a_kernel_shaped_link_changes_its_rate_live() -> None:
+    why = netshape.unavailable()
+    if why:
+        pytest.skip(why)
+    spaces = netshape.create([Rate(20e6, 20e6)])
+    try:
+        spaces.set_rate(0, Rate(5e6, 40e6))
+        host, inside = spaces.veths(0)
+        up = subprocess.run(["tc", "-n", spaces.names[0], "qdisc", "show", "dev", inside],
+                            capture_output=True, text=True, timeout=10, check=True).stdout
+        down = subprocess.run(["tc", "qdisc", "show", "dev", host], capture_output=True,
+                              text=True, timeout=10, check=True).stdout
+        assert "rate 5Mbit" in up and "rate 40Mbit" in down, (up, down)
+    finally:
+        spaces.remove()
+    assert netshape.leftovers(os.getpid()) == []

@@ -28,7 +28,7 @@ from minips.core.slowdown import Schedule, parse_schedule, parse_schedules, pars
 from minips.errors import ConfigError
 from minips.ml.data_files import DATASET_NAMES
 from minips.net.endpoints import client_ssl, parse_address, server_ssl
-from minips.net.links import parse_profile
+from minips.net.links import parse_link_changes, parse_profile
 from minips.run.launch import parse_slowdowns
 
 __all__ = [
@@ -97,6 +97,15 @@ def slowdown_factors(text: str) -> list[float]:
         return parse_slowdowns(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def link_changes(text: str) -> str:
+    """Type of --link-change: W:RATE@T,... (``links.parse_link_changes``), kept as text."""
+    try:
+        parse_link_changes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def on_off(text: str) -> bool:

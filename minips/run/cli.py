@@ -181,6 +181,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
     link = check_link(args.link, args.bandwidth, args.latency, run.workers)
     cfg = LaunchConfig(run=run, slowdowns=slowdowns, link=link, link_shaping=args.link_shaping,
                        schedules=schedules, throttle=args.throttle,
+                       link_changes=args.link_change,
                        out_dir=args.out, name=args.name,
                        progress=not args.no_progress, evaluator=not args.no_eval,
                        plot=not args.no_plot, timeout_s=args.timeout,

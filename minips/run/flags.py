@@ -42,6 +42,7 @@ from minips.run.checks import (
     check_run,
     finite,
     int_at_least,
+    link_changes,
     load_run_config,
     on_off,
     port,
@@ -365,6 +366,10 @@ def _add_local(sub: Subparsers) -> None:
                      help="the workers' links: 10mbit, 10mbit/40mbit (up/down), "
                           "100,50,10mbit (per worker, last repeats), +5ms latency, or a file "
                           "(docs/links.md)")
+    loc.add_argument("--link-change", metavar="W:RATE@T,...", default="", type=link_changes,
+                     help="links that change during training (kernel shaping): "
+                          "3:5mbit@60s,3:50mbit@120s (worker 3; * = every worker; T: s of "
+                          "training)")
     loc.add_argument("--link-shaping", choices=SHAPINGS, default="auto",
                      help="kernel: namespaces + tc (root); pacer: token buckets in the workers; "
                           "auto: kernel when possible (default)")
