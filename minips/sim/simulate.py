@@ -383,7 +383,9 @@ class Simulation:
         record = {"worker": w, "group": msg.info.get("group"), "staleness":
                   msg.info.get("lead", 0), "wait_s": wait_s, "waited_for":
                   msg.info.get("waited_for", []), "step_time": step, "loss": loss,
-                  "samples": push.samples, "ratio": self.comp[w].ratio,
+                  "samples": push.samples, "slowdown": self.step_s[w] / self.run.base_step_s
+                  * speed.factor(self.t) / speed.factor(0.0) if self.run.base_step_s else None,
+                  "ratio": self.comp[w].ratio,
                   "kept_fraction": self.comp[w].kept_fraction,
                   "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes}
         self.send(w, nbytes, self.push_arrives, push, record, after=step)  # once computed
