@@ -346,7 +346,7 @@ class GroupCore:
         """LB-BSP: the samples of ``w``'s next step; 0 (the run's batch) in the other modes."""
         if self.balancer is None or w is None:
             return 0
-        return self.balancer.batch_of(w)
+        return min(self.balancer.batch_of(w), messages.MAX_BATCH)  # what a PUSH may carry
 
     def set_ratio(self, ratio: float) -> None:
         """GDTopK: the kept fraction the global server chose for this group's workers (sent

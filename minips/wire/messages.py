@@ -101,6 +101,7 @@ __all__ = [
     "MAX_SEQ",
     "MAX_PARAMS",
     "MAX_COUNT",
+    "MAX_BATCH",
     "Hello",
     "Challenge",
     "Auth",
@@ -399,7 +400,7 @@ MAX_SEQ = (1 << 53) - 1  # exchange session / seq: ints a double holds exactly
 MAX_PARAMS = 1 << 31  # model size initial weights may claim (float32 elements)
 MAX_COUNT = 1 << 62  # counters of samples, pushes and bytes
 MAX_SECONDS = 1e9  # a time in seconds a counter may claim (step, iteration, run)
-MAX_BATCH = 1 << 24  # samples of one worker step a server may ask for (LB-BSP)
+MAX_BATCH = 1 << 20  # samples of one worker step a server may ask for (LB-BSP; a PUSH's most)
 
 
 @dataclass(frozen=True, kw_only=True)
