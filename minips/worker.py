@@ -27,8 +27,12 @@ memory (at the end and at its peak). Each step record carries the time of every 
 compute_s, compress_s, encode_s, push_s; wait_s is the pull) and the bytes copied from the
 device to the host (host_bytes).
 
-Emulated heterogeneity: slowdown F stretches every step with sleep (so results do not depend on
-CPU load); ``bandwidth_bps`` / ``bandwidth_down_bps`` pace the group connection's sends / reads
+Emulated heterogeneity: slowdown F stretches every step of b samples to F x base_step_s x b /
+batch_size with sleep (so results do not depend on CPU load); F may follow a schedule and random
+throttling (``slowdown_schedule``, ``throttle``: core/slowdown.py, T counted from the first
+ASSIGN), each change a ``slowdown`` event in the worker's file. In ``--mode lbbsp`` each WEIGHTS
+names the batch of the next step (``batch``), taken in the shard's order (``data.BatchCursor``).
+``bandwidth_bps`` / ``bandwidth_down_bps`` pace the group connection's sends / reads
 with token buckets (``links.Pacing``, applied by ``channel.Channel.set_pacing``) and
 ``latency_s`` delays each send (docs/links.md; ``worker_link.Link``).
 

@@ -27,6 +27,9 @@ averages the pushes of one clock (``ssp.Rounds``) and applies them once, at the 
 round's place in the run (so W workers in BSP are synchronous SGD, schedule included:
 ``reference.train``); other modes apply each push as it arrives with the lr divided by the
 number m of live workers of the group, so one round of m pushes moves as far as one BSP step.
+LB-BSP (``lbbsp``) is BSP whose round mean is weighted by each push's samples and whose
+workers' batch sizes follow their speeds (``balance.Balancer``: a ``balance`` log when they
+change, each worker's next batch in its WEIGHTS).
 Every ``sync_every`` pushes the group's shell exchanges with the global server through a
 ``GroupLink`` (a direct call in-process, EXCHANGE/EXCHANGE_REPLY over TCP for a `minips group`);
 ``exchange.py`` keeps the delta bookkeeping (nothing lost, each delta merged once, also when a

@@ -158,7 +158,8 @@ class RunState:
         self.config = config
         self.kind = kind  # what the page says while the run goes on: live, replay, following
         s = config.get("staleness", 3)
-        self.staleness: int | None = {"bsp": 0, "asp": None}.get(str(config.get("mode")), s)
+        self.staleness: int | None = {"bsp": 0, "lbbsp": 0, "asp": None}.get(
+            str(config.get("mode")), s)
         self.lease_s = float(config.get("lease_s", 10.0))
         self.workers: dict[int, WorkerView] = {}
         self.groups: dict[int, dict[str, Any]] = {}  # id -> last merge's counters
