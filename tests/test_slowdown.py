@@ -1,5 +1,6 @@
-"""Changing speeds (core/slowdown.py): slowdown schedules, per-worker lists of them, and seeded
-random throttling."""
+"""Changing speeds (core/slowdown.py): slowdown schedules, per-worker lists of them, seeded
+random throttling; and the switch that keeps GSSP's first groups when speeds drift
+(``--regroup off``)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,25 @@ def test_throttling_is_seeded_per_worker_and_interval_and_stays_in_its_range() -
     assert [slow.factor(t) for t in range(0, 2000, 10)] == [2 * f for f in factors]
     with pytest.raises(ConfigError):
         parse_throttle("1.5,2-5,10")
+
+
+def _drifted_roster(regroup: bool) -> list[object]:
+    """A GSSP roster of 4 workers in 2 groups whose worker 3 turns fast: what maybe_regroup
+    says at each of 12 looks."""
+    from minips.core.config import RunConfig
+    from minips.core.roster import REGROUP_EVERY_S, Roster, WorkerEntry
+
+    run = RunConfig(mode="gssp", workers=4, groups=2, regroup=regroup).validate()
+    roster = Roster(run, regroup=True)
+    for w, t in enumerate((0.1, 0.1, 0.4, 0.4)):
+        roster.workers[w] = WorkerEntry(w, connected=True, step_time=t)
+    first = roster.first_assignment()
+    for w, g in first.items():
+        roster.workers[w].group = g
+    roster.workers[3].step_time = 0.1
+    return [roster.maybe_regroup(REGROUP_EVERY_S * (i + 1)) for i in range(12)]
+
+
+def test_regroup_off_keeps_the_first_groups_when_speeds_drift() -> None:
+    assert any(_drifted_roster(regroup=True))
+    assert not any(_drifted_roster(regroup=False))
