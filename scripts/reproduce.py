@@ -78,7 +78,8 @@ from repro_table import (  # noqa: E402  (needs the sys.path line above)
     table_markdown,
 )
 
-__all__ = ["Experiment", "Suite", "paper_experiments", "changing_experiments", "suites_for",
+__all__ = ["Experiment", "Suite", "paper_experiments", "baseline_experiments",
+           "changing_experiments", "suites_for",
            "run_suite", "run_ddp",
            "build_table", "table_markdown", "main",
            # re-exported from repro_table (tests and callers import them from here)
@@ -138,6 +139,15 @@ def paper_experiments(groups: int) -> list[Experiment]:
                                                 "compressor_opts": {"value_dtype": "f16"}},
                                part="compression"))
     return exps
+
+
+def baseline_experiments() -> list[Experiment]:
+    """The baselines a user would pick instead: torch DDP over gloo (dense, fp16 hook, PowerSGD
+    hook; scripts/bench_ddp.py) and LB-BSP (batch sizes proportional to speed)."""
+    return [Experiment("ddp", {"mode": "bsp"}, ddp_hook="none"),
+            Experiment("ddp-fp16", {"mode": "bsp"}, ddp_hook="fp16"),
+            Experiment("ddp-powersgd", {"mode": "bsp"}, ddp_hook="powersgd"),
+            Experiment("lbbsp", {"mode": "lbbsp"})]
 
 
 def changing_experiments(groups: int) -> list[Experiment]:
@@ -256,7 +266,9 @@ def suites_for(size: str) -> list[Suite]:
     if size == "changing":
         return [_changing_suite()]
     if size == "quick":
-        return [_fmnist("fmnist8", QUICK_PROFILE, 4.0, [0])]
+        suite = _fmnist("fmnist8", QUICK_PROFILE, 4.0, [0])
+        suite.experiments += baseline_experiments()
+        return [suite]
     if size == "full":
         return _full_suites()
     if size == "link":

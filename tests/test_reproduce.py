@@ -32,7 +32,9 @@ def test_experiments_change_only_mode_and_compression():
         labels = [e.label for e in suite.experiments]
         assert labels[:4] == ["bsp", "ssp", "asp", "gssp"]
         assert {"gssp+gdtopk-slower-more", "gssp+gdtopk-slower-less", "gssp+topk", "gssp+dgc",
-                "gssp+losscomp"} <= set(labels)
+                "gssp+losscomp", "ddp", "ddp-fp16", "ddp-powersgd", "lbbsp"} <= set(labels)
+        hooks = {e.label: e.ddp_hook for e in suite.experiments if e.ddp_hook}
+        assert hooks == {"ddp": "none", "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}
         assert suite.slowdowns == [1, 1, 1.5, 1.5, 2, 2, 4, 4]
         for exp in suite.experiments:
             assert not OPTIMIZER_KEYS & set(exp.overrides), exp.label
