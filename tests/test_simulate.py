@@ -216,3 +216,18 @@ def test_lbbsp_batches_follow_a_slowdown_schedule_in_simulated_time(tmp_path: Pa
         for r in read_jsonl(tmp_path / "lb" / f"worker-{w}.jsonl"):
             per_clock[r["clock"]] = per_clock.get(r["clock"], 0) + r["samples"]
     assert set(per_clock.values()) == {192}
+
+
+def test_gdtopk_ratios_follow_a_scheduled_speed_up(tmp_path: Path) -> None:
+    from minips.core.slowdown import parse_schedules
+
+    run = RunConfig(workers=4, groups=2, mode="gssp", compressor="gdtopk", ratio=0.01,
+                    lr=0.02, lr_warmup=0, dataset="synthetic", epochs=100, base_step_s=0.04)
+    schedules = parse_schedules("1,1,4@0,1@10s,4@0,1@10s")  # the slow group catches up at 10 s
+    simulate(SimConfig(run=run, slowdowns=[x.first for x in schedules], schedules=schedules,
+                       dim=500, max_pushes=4000, out_dir=str(tmp_path), name="gd"))
+    ratios = [(r["t"], r["ratios"]) for r in read_jsonl(tmp_path / "gd" / "global.jsonl")
+              if r.get("event") in ("groups", "ratios")]
+    assert ratios[0][1]["1"] / ratios[0][1]["0"] > 3  # 4x slower: it uploads more
+    assert all(t > 10 for t, _ in ratios[1:])  # nothing changes before the speed-up
+    assert ratios[-1][1]["1"] / ratios[-1][1]["0"] < 1.5  # as fast: about the same ratio
