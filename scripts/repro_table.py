@@ -309,7 +309,11 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
 
 
 def _curve(run_dir: Path, x: str) -> tuple[list[float], list[float]]:
-    """(x, accuracy) of a run's evaluations; x = seconds since the training start or MB up."""
+    """(x, accuracy) of a run's evaluations; x = seconds since the training start or MB up
+    (a DDP row: its snapshots' curve against time; none against bytes)."""
+    if (run_dir / "ddp.json").exists():
+        curve = json.loads((run_dir / "ddp.json").read_text()).get("curve", []) if x == "t" else []
+        return [c["t"] for c in curve], [c["accuracy"] for c in curve]
     run = load_run(run_dir)
     pts = [(r[x], r["accuracy"]) for r in run.eval
            if isinstance(r.get(x), (int, float)) and isinstance(r.get("accuracy"), float)]
@@ -324,9 +328,10 @@ def _median_curve(suite: Suite, runs_dir: Path, exp: Experiment,
     curves = []
     for seed in suite.seeds:
         run_dir = runs_dir / run_name(suite, exp, seed)
-        if (run_dir / "eval.jsonl").exists():
+        if (run_dir / "eval.jsonl").exists() or (run_dir / "ddp.json").exists():
             xs, acc = _curve(run_dir, x)
-            curves.append((acc[-1] if acc else 0.0, seed, (xs, acc)))
+            if acc:
+                curves.append((acc[-1], seed, (xs, acc)))
     if not curves:
         return None
     curves.sort()
