@@ -86,6 +86,7 @@ EVENT_KINDS = frozenset({
     "stopped", "lease_expired", "control_lost", "control_back", "control_gave_up",
     "group_unreachable",
     "slowdown",  # a worker's own file (slowdown: its emulated factor changed, core/slowdown.py)
+    "link",  # links.jsonl: `minips local --link-change` changed a worker's shaped link
 })
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)  # clocks ahead of the slowest
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # s
@@ -189,10 +190,14 @@ class RunState:
     def add(self, source: str, rec: dict[str, Any]) -> None:
         """Take one record; unknown sources and malformed records are ignored."""
         handler = {"eval": self._eval, "global": self._global, "group": self._group,
-                   "worker": self._worker, "probe": self._probe,
-                   "server": self._server}.get(source)
+                   "worker": self._worker, "probe": self._probe, "server": self._server,
+                   "links": self._links}.get(source)
         if handler is not None and isinstance(rec.get("t"), (int, float)):
             handler(rec)
+
+    def _links(self, r: dict[str, Any]) -> None:
+        if r.get("event") == "link":
+            self._event(r, "launcher")
 
     def _eval(self, r: dict[str, Any]) -> None:
         self.final_eval = self.final_eval or bool(r.get("final"))
@@ -452,6 +457,9 @@ def describe(event: str, source: str, f: dict[str, Any]) -> str:
         return SENTENCES[event].format_map(collections.defaultdict(str, f, who=who))
     if event == "slowdown":
         return f"{who}: emulated slowdown {_short(f.get('was'))}x -> {_short(f.get('factor'))}x"
+    if event == "link":
+        up, down = (float(f.get(k) or 0) / 1e6 for k in ("up_bps", "down_bps"))
+        return f"{who}: link now {up:g} mbit up, {down:g} mbit down"
     if event == "calib_timeout":
         return (f"grouping deadline passed: {len(f.get('reported') or [])} of "
                 f"{f.get('expected')} workers had reported")
@@ -482,9 +490,10 @@ MAX_READ_BYTES = 4 << 20  # per file and call: a huge backlog is taken in slices
 
 
 def source_of(path: Path) -> str | None:
-    """``eval`` / ``global`` / ``group`` / ``worker`` for a metrics file name, else None."""
+    """``eval`` / ``global`` / ``group`` / ``worker`` / ``links`` for a metrics file name, else
+    None."""
     stem = path.stem
-    if stem in ("eval", "global"):
+    if stem in ("eval", "global", "links"):
         return stem
     prefix = stem.split("-", 1)[0]
     return prefix if prefix in ("group", "worker") and "-" in stem else None
