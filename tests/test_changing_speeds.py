@@ -103,3 +103,19 @@ def test_a_kernel_shaped_link_changes_its_rate_live() -> None:
     finally:
         spaces.remove()
     assert netshape.leftovers(os.getpid()) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_local_run_changes_its_workers_links_on_schedule(tmp_path: Path) -> None:
+    why = netshape.unavailable()
+    if why:
+        pytest.skip(why)
+    proc = subprocess.run(_local(tmp_path, "lc", "--mode", "ssp", "--workers", "2",
+                                 "--link", "20mbit", "--link-shaping", "kernel",
+                                 "--link-change", "*:5mbit@1s,1:50mbit/10mbit@2s",
+                                 "--wall-s", "6"),
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    changes = records(tmp_path / "lc" / "links.jsonl", event="link")
+    assert [(c["worker"], c["up_bps"], c["down_bps"]) for c in changes] == [
+        (0, 5e6, 5e6), (1, 5e6, 5e6), (1, 50e6, 10e6)]
