@@ -212,7 +212,7 @@ const SCHEMA = {
   [K.PULL]: { clock: 'int', since: 'id' },
   [K.WEIGHTS]: { version: 'int', since: 'id', encoding: 'name', codec: 'map', done: 'bool', group: 'id',
     waited_for: 'array', ratio: 'ratio', lead: 'sint', min_clock: 'id', drift: 'float',
-    lr_factor: 'float>=0', progress: 'ratio', local_steps: 'int' },
+    lr_factor: 'float>=0', progress: 'ratio', local_steps: 'int', batch: 'int' },
   [K.HEARTBEAT]: { seq: 'int' },
   [K.LEAVE]: { reason: 'text' },
   [K.ERROR]: { code: 'name', reason: 'text' },

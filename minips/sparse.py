@@ -319,15 +319,22 @@ def set_into(target: np.ndarray, v: SparseVector) -> None:
     target[v.indices] = v.values
 
 
-def average(grads: Sequence[SparseVector | np.ndarray], size: int) -> SparseVector | np.ndarray:
+def average(grads: Sequence[SparseVector | np.ndarray], size: int,
+            weights: Sequence[float] | None = None) -> SparseVector | np.ndarray:
     """Mean of one BSP round's gradients, dense or sparse: (size,) float32, or the gradient
-    itself when the round has just one."""
+    itself when the round has just one. With ``weights`` (LB-BSP: each gradient's samples) the
+    weighted mean sum(w_i g_i) / sum(w_i): of per-batch mean gradients, the whole round's."""
     if len(grads) == 1:
         return grads[0]
     total = np.zeros(size, dtype=np.float32)  # (size,) float32: rounds mix dense and sparse
-    for g in grads:
-        add_into(total, g)
-    total /= np.float32(len(grads))
+    if weights is None:
+        for g in grads:
+            add_into(total, g)
+        total /= np.float32(len(grads))
+        return total
+    whole = float(sum(weights))
+    for g, w in zip(grads, weights, strict=True):
+        add_into(total, g, w / whole)
     return total
 
 

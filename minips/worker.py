@@ -31,8 +31,12 @@ memory (at the end and at its peak). Each step record carries the time of every 
 compute_s, compress_s, encode_s, push_s; wait_s is the pull) and the bytes copied from the
 device to the host (host_bytes).
 
-Emulated heterogeneity: slowdown F stretches every step with sleep (so results do not depend on
-CPU load); ``bandwidth_bps`` / ``bandwidth_down_bps`` pace the group connection's sends / reads
+Emulated heterogeneity: slowdown F stretches every step of b samples to F x base_step_s x b /
+batch_size with sleep (so results do not depend on CPU load); F may follow a schedule and random
+throttling (``slowdown_schedule``, ``throttle``: core/slowdown.py, T counted from the first
+ASSIGN), each change a ``slowdown`` event in the worker's file. In ``--mode lbbsp`` each WEIGHTS
+names the batch of the next step (``batch``), taken in the shard's order (``data.BatchCursor``).
+``bandwidth_bps`` / ``bandwidth_down_bps`` pace the group connection's sends / reads
 with token buckets (``links.Pacing``, applied by ``channel.Channel.set_pacing``) and
 ``latency_s`` delays each send (docs/links.md; ``worker_link.Link``).
 
@@ -80,6 +84,7 @@ from minips.compress.base import Compressor
 from minips.compress.device_compress import device_compressor
 from minips.core.config import RunConfig, WorkerConfig
 from minips.core.downlink import apply_weights
+from minips.core.slowdown import Schedule, Slowdown, parse_schedule, parse_throttle
 from minips.core.worker_opt import LocalSteps, Upload
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.ml import data, device, models
@@ -182,6 +187,7 @@ class Parts:
     writer: JsonlWriter  # worker-<id>.jsonl
     device_file: Path  # worker-<id>.device.json
     device_info: dict[str, Any]
+    cursor: data.BatchCursor | None = None  # LB-BSP: batches of the size the group asks for
 
     def save_device_info(self, **more: Any) -> None:
         """Write worker-<id>.device.json with ``more`` added (resident memory at the end)."""
@@ -209,7 +215,8 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
         first_batch=(ds.x[shard[: run.batch_size]], ds.y[shard[: run.batch_size]]),
         shard_size=len(shard), compressor=compressor,
         writer=run_dir.writer(f"worker-{worker_id}"),
-        device_file=run_dir.file(f"worker-{worker_id}.device.json"), device_info=info)
+        device_file=run_dir.file(f"worker-{worker_id}.device.json"), device_info=info,
+        cursor=data.BatchCursor(ds, shard, run.seed) if run.sync.balanced else None)
     print(f"minips worker {worker_id}: " + ", ".join(
         f"{k} {v}" for k, v in info.items() if k != "worker"), file=sys.stderr, flush=True)
     parts.save_device_info()
@@ -334,6 +341,10 @@ class Worker:
         self.writer: JsonlWriter | None = None  # set up once WELCOME told the run config
         self.lr_factor, self.progress = 1.0, 0.0  # from the last WEIGHTS (core.worker_opt)
         self.local_steps = 1  # H of the next push, from the last WEIGHTS (core.local_steps)
+        self.slowdown = Slowdown(Schedule.flat(cfg.slowdown))  # F over time (core/slowdown.py)
+        self.factor = self.slowdown.factor(0.0)  # F of the last step
+        self.trained_at: float | None = None  # monotonic time of the first ASSIGN
+        self.batch = 0  # samples of the next step (LB-BSP: WEIGHTS.batch); 0 = the run's
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -346,12 +357,15 @@ class Worker:
         self.control.ch.start_heartbeat(self.run_cfg.heartbeat_s)
         self._setup()
         self.control.on_ratio = self.compressor.set_ratio
+        self.slowdown = _slowdown(self.cfg, self.run_cfg.seed, self.id)
+        self.factor = self.slowdown.factor(0.0)
         reader = asyncio.create_task(self.control.loop())
         try:
             if info.get("need_init"):
                 await self._send_initial()
             await self._calibrate()
             await asyncio.wait_for(self.control.assigned.wait(), ASSIGN_TIMEOUT_S)
+            self.trained_at = time.monotonic()  # a slowdown schedule counts from here
             await self._train()
         finally:
             reader.cancel()
@@ -467,6 +481,7 @@ class Worker:
                 self.control.done = True
                 return
             t_step = time.perf_counter()
+            self.batch = int(w.batch)  # LB-BSP: the samples of this step (0: the run's)
             info = self._load(w)
             del w  # the weights frame, a whole model's worth, is not kept through the step
             await self._step(link, info, wait_s, t_step)
@@ -486,7 +501,7 @@ class Worker:
             encoding, codec, buffers = self.compressor.encode(packet)
             lap.append(time.perf_counter())
         else:
-            epoch, xb, yb = next(self.stream)
+            epoch, xb, yb = self._next_batch()
             lap = [t, time.perf_counter()]  # phase boundaries: decode, compute, compress, encode
             # In a thread: the event loop keeps sending heartbeats during a long step.
             # grad: (n,) float32 on the device, reused by the next call (compressed before it)
@@ -499,7 +514,7 @@ class Worker:
             lap.append(time.perf_counter())
             encoding, codec, buffers = self.compressor.encode(packet)  # in its declared encoding
             lap.append(time.perf_counter())
-            step_time, samples = await self._stretch(lap[-1] - t), len(yb)
+            step_time, samples = await self._stretch(lap[-1] - t, len(yb)), len(yb)
         push = messages.Push(clock=self.clock + 1, step_time=step_time, loss=loss,
                              samples=samples, encoding=encoding, codec=codec,
                              buffers=tuple(buffers))
@@ -527,12 +542,12 @@ class Worker:
             t_i = t if i == 0 else time.perf_counter()  # the first step's time includes decode
             if i:
                 self.trainer.load(local)  # the replica the last step moved (the first: _load)
-            epoch, xb, yb = next(self.stream)
+            epoch, xb, yb = self._next_batch()
             loss, grad = await asyncio.to_thread(self.trainer.gradient, xb, yb)
             self.local.step(grad)
             losses.append(loss)
             samples += len(yb)
-            times.append(await self._stretch(time.perf_counter() - t_i))
+            times.append(await self._stretch(time.perf_counter() - t_i, len(yb)))
         lap.append(time.perf_counter())
         self.compressor.set_epoch((self.samples + samples) / max(1, self.parts.shard_size))
         mean_loss = float(np.mean(losses))
@@ -541,12 +556,30 @@ class Worker:
         lap.append(time.perf_counter())
         return epoch, mean_loss, samples, packet, lap, float(np.mean(times))
 
-    async def _stretch(self, compute_s: float) -> float:
-        """Sleep so a step takes F x base_step_s at least; return the step's duration."""
-        target = self.cfg.slowdown * self.run_cfg.base_step_s
+    def _next_batch(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """The step's (epoch, x, y): the stream's next batch, or (LB-BSP) the next
+        ``self.batch`` samples in the same order."""
+        if self.parts.cursor is None:
+            return next(self.stream)
+        return self.parts.cursor.take(self.batch or self.run_cfg.batch_size)
+
+    async def _stretch(self, compute_s: float, samples: int = 0) -> float:
+        """Sleep so a step of ``samples`` (0: the run's batch) takes F x base_step_s x samples
+        / batch_size at least, F as the slowdown says now (a change is an event); return the
+        step's duration."""
+        factor = self.slowdown.factor(self.training_s())
+        if factor != self.factor:
+            self._event("slowdown", factor=factor, was=self.factor)
+            self.factor = factor
+        share = (samples or self.run_cfg.batch_size) / self.run_cfg.batch_size
+        target = factor * self.run_cfg.base_step_s * share
         if compute_s < target:
             await asyncio.sleep(target - compute_s)
         return max(compute_s, target)
+
+    def training_s(self) -> float:
+        """Seconds since the first ASSIGN (0 before it: calibration)."""
+        return 0.0 if self.trained_at is None else time.monotonic() - self.trained_at
 
     async def _maybe_stats(self, step_time: float, loss: float) -> None:
         """Every STATS_EVERY_S: the median step time since the last report (one slow step under
@@ -567,13 +600,23 @@ class Worker:
             "t": time.time() - self.run_cfg.t0, "worker": self.id, "group": info.get("group"),
             "clock": self.clock, "staleness": info.get("lead", 0), "wait_s": wait_s,
             "waited_for": info.get("waited_for", []), "step_time": step_time, "loss": loss,
-            "samples": push.samples, "epoch": epoch, "ratio": self.compressor.ratio,
+            "samples": push.samples, "epoch": epoch, "slowdown": self.factor,
+            "ratio": self.compressor.ratio,
             "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
             "bytes_wire": wire_bytes, "link_bytes_up": link.ch.bytes_sent,
             "link_bytes_down": link.ch.bytes_received, **phases,
             **({"drift": info["drift"]} if "drift" in info else {}),
             **({"local_steps": self.local_steps} if self.local is not None else {}),
             **self.upload.record()})
+
+
+def _slowdown(cfg: WorkerConfig, seed: int, worker: int) -> Slowdown:
+    """The worker's emulated factor over time: ``slowdown_schedule`` (else the flat
+    ``slowdown``) times its ``throttle`` (core/slowdown.py)."""
+    schedule = (parse_schedule(cfg.slowdown_schedule) if cfg.slowdown_schedule
+                else Schedule.flat(cfg.slowdown))
+    throttle = parse_throttle(cfg.throttle) if cfg.throttle else None
+    return Slowdown(schedule, throttle, seed=seed, worker=worker)
 
 
 def run_worker(cfg: WorkerConfig) -> None:

@@ -12,7 +12,10 @@ communication only. Hooks: ``none`` (fp32 all-reduce), ``fp16``
 ``--powersgd-rank``, error feedback on, starting after ``--powersgd-start`` steps).
 
 A step on rank i: forward, then a sleep so that forward + backward take at least
-F_i x ``--base-step`` (minips' emulation: ``worker._stretch``), then backward, whose gradient
+F_i x ``--base-step`` (minips' emulation: ``worker._stretch``; F_i may follow a schedule,
+``--profile 1,1,4@0,1@60s``, and ``--throttle P,MIN-MAX,SECONDS``, both as `minips local
+--slowdown` / ``--throttle``, core/slowdown.py, with T counted from the training start), then
+backward, whose gradient
 all-reduce waits for the slowest rank. The backward pass's own time is measured before
 training (5 passes without the all-reduce, ``no_sync``), since in DDP it overlaps the
 communication. Each rank records its compute time per step (forward as measured + that
@@ -69,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--save-final", default="", help="write the final weights here (.npy)")
     ap.add_argument("--profile", default=",".join(map(str, QUICK_PROFILE)),
                     help="slowdown factor per rank (the quick suite's)")
+    ap.add_argument("--throttle", default="", help="random throttling P,MIN-MAX,SECONDS "
+                    "(minips local --throttle; seeded by --seed)")
     ap.add_argument("--base-step", type=float, default=0.1,
                     help="emulated base step seconds: rank i computes at least F_i x this (0.1)")
     ap.add_argument("--model", default="lenet5")
@@ -101,13 +106,16 @@ def rank_main(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from minips.core import optim
+    from minips.core.slowdown import Slowdown, parse_schedules, parse_throttle
     from minips.ml import data, models
     from minips.net import lifeline
 
     lifeline.watch_parent()
     torch.set_num_threads(args.torch_threads)
-    profile = [float(x) for x in args.profile.split(",")]
-    world, rank = len(profile), args.rank
+    schedules = parse_schedules(args.profile)
+    world, rank = len(schedules), args.rank
+    slowdown = Slowdown(schedules[rank], parse_throttle(args.throttle) if args.throttle else None,
+                        seed=args.seed, worker=rank)
     host, port = args.store.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), world, is_master=False, timeout=_td(120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -130,9 +138,10 @@ def rank_main(args: argparse.Namespace) -> None:
     per_step = world * args.batch_size
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay)
-    emulated = profile[rank] * args.base_step
+    emulated = schedules[rank].first * args.base_step  # at the start (reported)
     backward_s = _local_backward_s(args, ddp, ds, shard)
     computes: list[float] = []
+    overruns: list[float] = []  # compute / emulated per step
     snapshots: list[tuple[float, int, np.ndarray]] = []
     dist.barrier()
     t0 = time.perf_counter()
@@ -145,12 +154,14 @@ def rank_main(args: argparse.Namespace) -> None:
         for group in opt.param_groups:
             group["lr"] = args.lr * factor
         t_step = time.perf_counter()
+        target = slowdown.factor(t_step - t0) * args.base_step  # this step's emulated compute
         opt.zero_grad(set_to_none=True)
         loss = models.batch_loss(args.model, ddp, torch.from_numpy(xb), torch.from_numpy(yb))
         forward = time.perf_counter() - t_step
-        if forward + backward_s < emulated:
-            time.sleep(emulated - forward - backward_s)
-        computes.append(max(emulated, forward + backward_s))  # this step's compute, emulated
+        if forward + backward_s < target:
+            time.sleep(target - forward - backward_s)
+        computes.append(max(target, forward + backward_s))  # this step's compute, emulated
+        overruns.append(computes[-1] / target if target else 1.0)
         loss.backward()  # the all-reduce: waits for the slowest rank
         opt.step()
         steps = step
@@ -171,7 +182,7 @@ def rank_main(args: argparse.Namespace) -> None:
     out = Path(args.out)
     result = {"rank": rank, "steps": steps, "total_steps": total, "train_s": train_s,
               "emulated_s": emulated, "compute_median_s": float(np.median(computes)),
-              "overrun": float(np.median(computes)) / emulated if emulated else None}
+              "overrun": float(np.median(overruns)) if args.base_step else None}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         np.savez(out / "snapshots.npz", t=np.array([s[0] for s in snapshots]),
@@ -230,10 +241,10 @@ def _free_port(host: str) -> int:
 def launch(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from minips.core.slowdown import parse_schedules
     from minips.net import lifeline, links, netshape
 
-    profile = [float(x) for x in args.profile.split(",")]
-    world = len(profile)
+    world = len(parse_schedules(args.profile))
     spaces = None
     if args.link:
         why = netshape.unavailable()

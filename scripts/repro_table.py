@@ -9,6 +9,14 @@ out of the table and listed under ``missing``; a time to accuracy that a seed ne
 counts as infinitely slow in the median; speedups compare the highest target both rows reached.
 Bytes: ``bytes_up`` / ``bytes_down`` are the worker <-> group hop; the ``HOPS`` figures
 add the group <-> global hop and ``bytes_total`` (tables made before them show –).
+
+The ceiling: a fully asynchronous cluster does sum 1/F_i worker-steps per base step, BSP
+N / max F_i (every round waits for the slowest), so no mode can beat BSP by more than their
+ratio (2.42x for 1,1,1.5,1.5,2,2,4,4; ``profile_ceiling``). With speeds that change (a
+schedule, throttling) both rates are averaged over the BSP row's training time, second by
+second. Every row's speed-up over BSP is also given as a share of it (``ceiling_share``).
+A row run by scripts/bench_ddp.py (torch DDP) leaves ``ddp.json``; ``run_figures`` reads its
+times, accuracy and overrun, and gives None for what DDP does not measure (staleness, hops).
 """
 
 from __future__ import annotations
@@ -22,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from minips.core.slowdown import Schedule, Slowdown, parse_schedules, parse_throttle
 from minips.record.metrics import HOPS, Run, load_run, summarize
 
 if TYPE_CHECKING:  # the suite types live in reproduce.py, which imports this module
     from reproduce import Experiment, Suite
 
 __all__ = ["TAIL_POINTS", "run_name", "run_done", "run_figures", "aggregate", "add_speedups",
-           "build_table", "table_markdown", "plot_suite"]
+           "profile_ceiling", "suite_slowdowns", "add_ceiling_shares", "build_table",
+           "table_markdown", "plot_suite"]
 
 TAIL_POINTS = 5  # evaluations averaged into tail_accuracy (10 s at the quick eval period)
 # the table's columns beyond MB up / down (worker <-> group): tables made before them show –
@@ -54,19 +64,27 @@ def run_done(run_dir: Path) -> bool:
 # -- table -------------------------------------------------------------------------------------
 
 
-def _overrun(run: Run, slowdowns: list[float], base: float) -> float | None:
-    """Largest ratio over workers of mean step time to F x base (1.0: sleep set the pace)."""
+def _overrun(run: Run, slowdowns: list[float], base: float, batch: int = 0) -> float | None:
+    """Largest ratio over workers of mean step time to its emulated time (1.0: sleep set the
+    pace): F x base x samples / batch, F the step's own (``slowdown`` in its record, which
+    changes with a schedule) or the profile's."""
     worst = None
     for w, recs in run.workers.items():
-        times = [r["step_time"] for r in recs if isinstance(r.get("step_time"), (int, float))]
-        if times and isinstance(w, int) and w < len(slowdowns) and base > 0:
-            ratio = float(np.mean(times)) / (slowdowns[w] * base)
-            worst = ratio if worst is None else max(worst, ratio)
+        if not (isinstance(w, int) and w < len(slowdowns) and base > 0):
+            continue
+        ratios = [r["step_time"] / (r.get("slowdown", slowdowns[w]) * base
+                                    * (r.get("samples", batch) / batch if batch else 1.0))
+                  for r in recs if isinstance(r.get("step_time"), (int, float))
+                  and r.get("samples", 1)]
+        if ratios:
+            worst = max(float(np.mean(ratios)), worst or 0.0)
     return worst
 
 
 def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
-    """The table's figures of one run directory."""
+    """The table's figures of one run directory (a DDP row's: ``_ddp_figures``)."""
+    if (run_dir / "ddp.json").exists():
+        return _ddp_figures(run_dir, targets)
     s = summarize(run_dir, targets=targets, write=False)
     launch = json.loads((run_dir / "launch.json").read_text())
     extra = _read_json(run_dir / "reproduce.json")
@@ -85,8 +103,34 @@ def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
         "train_s": s["train_s"], "samples_per_s": s["samples_per_s"], "groups": s["groups"],
         "done_reason": done[-1].get("reason") if done else None,
         "status": extra.get("status"),
-        "step_overrun": _overrun(run, launch["slowdowns"], launch["run"]["base_step_s"]),
+        "step_overrun": _overrun(run, launch["slowdowns"], launch["run"]["base_step_s"],
+                                 launch["run"].get("batch_size", 0)),
     }
+
+
+FIGURES = ("time_to_accuracy", "final_accuracy", "best_accuracy", "curve_final_accuracy",
+           "tail_accuracy", "samples", "bytes_up", "bytes_down", *HOPS, "mean_staleness",
+           "max_staleness", "mean_wait_s", "mean_kept_fraction", "train_s", "samples_per_s",
+           "groups", "done_reason", "status", "step_overrun")  # run_figures' keys
+
+
+def _ddp_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
+    """The figures of a bench_ddp.py row (its ddp.json); None where DDP has no such figure."""
+    d = json.loads((run_dir / "ddp.json").read_text())
+    curve = d.get("curve", [])
+    reach = {f"{t:.2f}": next((c["t"] for c in curve if c["accuracy"] >= t), None)
+             for t in targets}
+    accs = [c["accuracy"] for c in curve]
+    last = curve[-1]["samples"] if curve else None
+    out: dict[str, Any] = dict.fromkeys(FIGURES)
+    out.update(time_to_accuracy=reach, final_accuracy=d.get("final_full_test"),
+               best_accuracy=max(accs, default=None), curve_final_accuracy=d.get("final_accuracy"),
+               tail_accuracy=float(np.mean(accs[-TAIL_POINTS:])) if accs else None,
+               samples=last, train_s=d.get("train_s"), mean_staleness=0, max_staleness=0,
+               samples_per_s=last / d["train_s"] if last and d.get("train_s") else None,
+               bytes_total=d.get("bytes_total"), status="done", step_overrun=d.get("overrun_max"),
+               done_reason="epochs" if d.get("steps") == d.get("total_steps") else "wall")
+    return out
 
 
 def _tail_mean(evals: list[dict[str, Any]], n: int) -> float | None:
@@ -154,6 +198,37 @@ def add_speedups(rows: dict[str, dict[str, Any]], targets: Sequence[float]) -> N
             row[f"speedups_vs_{ref_name}"] = by_target
 
 
+def suite_slowdowns(suite: Suite, seed: int = 0) -> list[Slowdown]:
+    """Each worker's emulated factor over time in ``suite``: its ``profile`` schedules (else
+    the flat ``slowdowns``) with its ``throttle``."""
+    profile = getattr(suite, "profile", "")
+    schedules = (parse_schedules(profile) if profile
+                 else [Schedule.flat(f) for f in suite.slowdowns])
+    text = getattr(suite, "throttle", "")
+    throttle = parse_throttle(text) if text else None
+    return [Slowdown(s, throttle, seed=seed, worker=w) for w, s in enumerate(schedules)]
+
+
+def profile_ceiling(slowdowns: Sequence[Slowdown], horizon_s: float = 0.0,
+                    step_s: float = 1.0) -> float:
+    """The throughput ceiling over BSP: (sum 1/F_i) / (N / max F_i), at the start, or averaged
+    over ``horizon_s`` seconds of training (each rate summed at every ``step_s``)."""
+    times = [0.0] if horizon_s <= 0 else list(np.arange(0.0, horizon_s, step_s))
+    async_rate = bsp_rate = 0.0
+    for t in times:
+        factors = [s.factor(float(t)) for s in slowdowns]
+        async_rate += sum(1.0 / f for f in factors)
+        bsp_rate += len(factors) / max(factors)
+    return async_rate / bsp_rate
+
+
+def add_ceiling_shares(rows: dict[str, dict[str, Any]], ceiling: float) -> None:
+    """``ceiling_share``: each row's speed-up over BSP as a share of the profile's ceiling."""
+    for row in rows.values():
+        up = row.get("speedup_vs_bsp")
+        row["ceiling_share"] = up / ceiling if up is not None and ceiling > 0 else None
+
+
 def build_table(suite: Suite, runs_dir: Path) -> dict[str, Any]:
     """The suite's rows from its run directories (missing runs are left out)."""
     rows: dict[str, dict[str, Any]] = {}
@@ -166,7 +241,14 @@ def build_table(suite: Suite, runs_dir: Path) -> dict[str, Any]:
             rows[exp.label] = {"part": exp.part, "overrides": exp.overrides,
                                **aggregate(figures)}
     add_speedups(rows, suite.targets)
+    horizon = rows.get("bsp", {}).get("train_s") or 0.0  # a changing profile: over BSP's time
+    changes = bool(getattr(suite, "profile", "") or getattr(suite, "throttle", ""))
+    ceiling = profile_ceiling(suite_slowdowns(suite, suite.seeds[0]),
+                              horizon if changes else 0.0)
+    add_ceiling_shares(rows, ceiling)
     return {"config": {**suite.run, "slowdowns": suite.slowdowns, "seeds": suite.seeds,
+                       "ceiling": ceiling, "profile": getattr(suite, "profile", "") or None,
+                       "throttle": getattr(suite, "throttle", "") or None,
                        "targets": list(suite.targets), "link": suite.link or None,
                        "description": suite.description or None},
             "rows": rows, "missing": missing}
@@ -199,10 +281,14 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
                    f"{', links ' + cfg['link'] if cfg.get('link') else ''}\n")
         if cfg.get("description"):
             out.append(f"{cfg['description']}\n")
+        if cfg.get("ceiling"):  # tables made before it have none
+            out.append(f"Throughput ceiling of the profile over BSP: {cfg['ceiling']:.2f}× "
+                       "(Σ 1/Fᵢ against N / max Fᵢ); `of ceiling %` is `vs BSP` as a share of "
+                       "it.\n")
         head = (["experiment"] + [f"t→{float(t):.0%} (s)" for t in targets]
                 + ["final acc %", "tail acc %", "best acc %", "samples", "MB up", "MB down",
                    "MB to global", "MB from global", "MB total", "kept %", "staleness",
-                   "wait s", "vs BSP", "vs SSP", "overrun"])
+                   "wait s", "vs BSP", "vs SSP", "of ceiling %", "overrun"])
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for label, r in suite["rows"].items():
             cells = ([label] + [_fmt(r["time_to_accuracy"].get(t)) for t in targets]
@@ -214,7 +300,7 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
                         _fmt(r["mean_kept_fraction"], "pct"),
                         _fmt(r["mean_staleness"]), _fmt(r["mean_wait_s"]),
                         _fmt(r["speedup_vs_bsp"], "x"), _fmt(r["speedup_vs_ssp"], "x"),
-                        _fmt(r["step_overrun"])])
+                        _fmt(r.get("ceiling_share"), "pct"), _fmt(r["step_overrun"])])
             out.append("| " + " | ".join(cells) + " |")
         if suite.get("missing"):
             out.append(f"\nLeft out (absent or not finished): {', '.join(suite['missing'])}")
@@ -223,7 +309,11 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
 
 
 def _curve(run_dir: Path, x: str) -> tuple[list[float], list[float]]:
-    """(x, accuracy) of a run's evaluations; x = seconds since the training start or MB up."""
+    """(x, accuracy) of a run's evaluations; x = seconds since the training start or MB up
+    (a DDP row: its snapshots' curve against time; none against bytes)."""
+    if (run_dir / "ddp.json").exists():
+        curve = json.loads((run_dir / "ddp.json").read_text()).get("curve", []) if x == "t" else []
+        return [c["t"] for c in curve], [c["accuracy"] for c in curve]
     run = load_run(run_dir)
     pts = [(r[x], r["accuracy"]) for r in run.eval
            if isinstance(r.get(x), (int, float)) and isinstance(r.get("accuracy"), float)]
@@ -238,9 +328,10 @@ def _median_curve(suite: Suite, runs_dir: Path, exp: Experiment,
     curves = []
     for seed in suite.seeds:
         run_dir = runs_dir / run_name(suite, exp, seed)
-        if (run_dir / "eval.jsonl").exists():
+        if (run_dir / "eval.jsonl").exists() or (run_dir / "ddp.json").exists():
             xs, acc = _curve(run_dir, x)
-            curves.append((acc[-1] if acc else 0.0, seed, (xs, acc)))
+            if acc:
+                curves.append((acc[-1], seed, (xs, acc)))
     if not curves:
         return None
     curves.sort()

@@ -5,6 +5,7 @@
     python scripts/reproduce.py --smoke        # two tiny runs (what the test executes)
     python scripts/reproduce.py --link-suite   # fmnist8 over 20 mbit links: dense, 1%, local steps
     python scripts/reproduce.py --link-suite-5mbit   # the same over 5 mbit links
+    python scripts/reproduce.py --changing-suite   # speeds that change: DDP, BSP, LB-BSP, GSSP
     python scripts/reproduce.py --quick --link 10mbit   # any suite over shaped links
     python scripts/reproduce.py --quick --table-only   # rebuild table + plots from the runs
     python scripts/reproduce.py --quick --optimizer-at worker   # SGD on the workers, every run
@@ -32,6 +33,11 @@ time to accuracy counts from the training start (the ``groups`` event), as ``met
 
 This module holds the suites, the runs and the command line; the table, Markdown and charts
 are in ``repro_table.py`` next to it (its public names are re-exported here).
+
+A suite's speeds may change during a run (``profile``: `minips local --slowdown` schedules,
+``throttle``: `--throttle`; core/slowdown.py), and a row may be torch DDP instead of minips
+(``Experiment.ddp_hook``: scripts/bench_ddp.py on the suite's profile, model, data, optimizer
+and epochs; its JSON goes to the row's run directory as ddp.json).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import numpy as np
 
 from minips.core.config import OPTIMIZER_PLACES, RunConfig
 from minips.core.optim import SCHEDULES
+from minips.core.slowdown import parse_schedules
 from minips.errors import ConfigError, MiniPSError
 from minips.net.links import SHAPINGS, parse_profile
 from minips.run.launch import LaunchConfig
@@ -67,17 +74,21 @@ from repro_table import (  # noqa: E402  (needs the sys.path line above)
     aggregate,
     build_table,
     plot_suite,
+    profile_ceiling,
     run_done,
     run_figures,
     run_name,
+    suite_slowdowns,
     table_markdown,
 )
 
-__all__ = ["Experiment", "Suite", "paper_experiments", "suites_for", "run_suite",
+__all__ = ["Experiment", "Suite", "paper_experiments", "baseline_experiments",
+           "changing_experiments", "suites_for",
+           "run_suite", "run_ddp",
            "build_table", "table_markdown", "main",
            # re-exported from repro_table (tests and callers import them from here)
            "TAIL_POINTS", "add_speedups", "aggregate", "plot_suite", "run_done", "run_figures",
-           "run_name"]
+           "run_name", "profile_ceiling", "suite_slowdowns"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIO = 0.01  # matched average kept fraction of every sparse compressor (the paper's 1%)
@@ -94,6 +105,7 @@ class Experiment:
     overrides: dict[str, Any]  # RunConfig fields that differ from the suite
     part: str = "modes"  # "modes" (accuracy vs time chart) or "compression" (vs bytes)
     link: str | None = None  # this row's links (`minips local --link`); None = the suite's
+    ddp_hook: str = ""  # "": a minips run; none | fp16 | powersgd: torch DDP (bench_ddp.py)
 
 
 @dataclass
@@ -109,6 +121,8 @@ class Suite:
     link: str = ""  # the workers' links (`minips local --link`); "" = not limited
     link_shaping: str = "auto"  # auto | kernel | pacer (`minips local --link-shaping`)
     description: str = ""  # why the suite is set up as it is (table.json says it)
+    profile: str = ""  # `minips local --slowdown` schedules (speeds that change); "" = slowdowns
+    throttle: str = ""  # `minips local --throttle P,MIN-MAX,SECONDS`; "" = none
 
 
 def paper_experiments(groups: int) -> list[Experiment]:
@@ -129,6 +143,28 @@ def paper_experiments(groups: int) -> list[Experiment]:
                                                 "compressor_opts": {"value_dtype": "f16"}},
                                part="compression"))
     return exps
+
+
+def baseline_experiments() -> list[Experiment]:
+    """The baselines a user would pick instead: torch DDP over gloo (dense, fp16 hook, PowerSGD
+    hook; scripts/bench_ddp.py) and LB-BSP (batch sizes proportional to speed)."""
+    return [Experiment("ddp", {"mode": "bsp"}, ddp_hook="none"),
+            Experiment("ddp-fp16", {"mode": "bsp"}, ddp_hook="fp16"),
+            Experiment("ddp-powersgd", {"mode": "bsp"}, ddp_hook="powersgd"),
+            Experiment("lbbsp", {"mode": "lbbsp"})]
+
+
+def changing_experiments(groups: int) -> list[Experiment]:
+    """The changing-speeds suite's rows: DDP (dense all-reduce), BSP, LB-BSP, SSP, GSSP with
+    regrouping on and off, and GSSP with the compressor that did best over links (GDTopK
+    slower-less, docs/results.md)."""
+    gssp = {"mode": "gssp", "groups": groups, "staleness": STALENESS}
+    best = next(e for e in paper_experiments(groups) if e.label == "gssp+gdtopk-slower-less")
+    return [Experiment("ddp", {"mode": "bsp"}, ddp_hook="none"),
+            Experiment("bsp", {"mode": "bsp"}), Experiment("lbbsp", {"mode": "lbbsp"}),
+            Experiment("ssp", {"mode": "ssp"}), Experiment("gssp", gssp),
+            Experiment("gssp-fixed-groups", {**gssp, "regroup": False}),
+            Experiment(best.label, best.overrides)]
 
 
 def _fmnist(name: str, profile: list[float], epochs: float, seeds: list[int]) -> Suite:
@@ -229,11 +265,39 @@ def _link_suite(profile: str = LINK_PROFILE) -> Suite:
     return suite
 
 
+# fmnist8's profile, three of whose workers change speed: worker 0 throttles (a hot board) from
+# 60 s on, worker 3 doubles its factor from 30 s to 90 s, worker 7 recovers at 60 s; every worker
+# is also throttled in one 10 s interval out of ten, by 2-5x
+CHANGING_PROFILE = "1@0,4@60s,1,1.5,1.5@0,3@30s,1.5@90s,2,2,4,4@0,1@60s"
+CHANGING_THROTTLE = "0.1,2-5,10"
+CHANGING_WHY = (
+    "fmnist8 (LeNet-5, Fashion-MNIST, lr 0.05 cosine, 4 epochs) whose speeds change: worker 0 "
+    "slows from 1x to 4x at 60 s, worker 3 from 1.5x to 3x between 30 s and 90 s, worker 7 "
+    "speeds up from 4x to 1x at 60 s, and every worker is throttled by 2-5x in about one 10 s "
+    "interval out of ten (seeded). Rows: torch DDP, BSP, LB-BSP (batch sizes re-balanced every "
+    "5 rounds), SSP, GSSP with and without regrouping, GSSP with GDTopK slower-less. The "
+    "ceiling averages the profile's rates over the BSP row's training time.")
+
+
+def _changing_suite() -> Suite:
+    """`--changing-suite`: speeds that change during the run (core/slowdown.py)."""
+    suite = _fmnist("changing", QUICK_PROFILE, 4.0, [0])
+    suite.experiments = changing_experiments(4)
+    suite.profile, suite.throttle = CHANGING_PROFILE, CHANGING_THROTTLE
+    suite.slowdowns = [s.first for s in parse_schedules(CHANGING_PROFILE)]
+    suite.description = CHANGING_WHY
+    return suite
+
+
 def suites_for(size: str) -> list[Suite]:
     """The suites of ``--quick``, ``--full``, ``--smoke``, ``--link-suite`` ("link") or
-    ``--link-suite-5mbit`` ("link5")."""
+    ``--link-suite-5mbit`` ("link5"), ``--changing-suite`` ("changing")."""
+    if size == "changing":
+        return [_changing_suite()]
     if size == "quick":
-        return [_fmnist("fmnist8", QUICK_PROFILE, 4.0, [0])]
+        suite = _fmnist("fmnist8", QUICK_PROFILE, 4.0, [0])
+        suite.experiments += baseline_experiments()
+        return [suite]
     if size == "full":
         return _full_suites()
     if size == "link":
@@ -249,6 +313,8 @@ def suites_for(size: str) -> list[Suite]:
 def _launch_config(suite: Suite, exp: Experiment, seed: int, runs_dir: Path) -> LaunchConfig:
     fields = {**suite.run, **exp.overrides, "seed": seed, "workers": len(suite.slowdowns)}
     return LaunchConfig(run=RunConfig(**fields).validate(), slowdowns=list(suite.slowdowns),
+                        schedules=parse_schedules(suite.profile) if suite.profile else [],
+                        throttle=suite.throttle,
                         out_dir=str(runs_dir), name=run_name(suite, exp, seed),
                         progress=False, plot=False,
                         link=suite.link if exp.link is None else exp.link,
@@ -264,6 +330,8 @@ def run_one(suite: Suite, exp: Experiment, seed: int, runs_dir: Path, resume: bo
     if resume and run_done(run_dir):
         return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
+    if exp.ddp_hook:
+        return run_ddp(suite, exp, seed, run_dir)
     cfg = _launch_config(suite, exp, seed, runs_dir)
     load_before, started = os.getloadavg(), time.time()
     from minips.run.launch import run_local  # imports torch lazily, only when a run starts
@@ -278,6 +346,45 @@ def run_one(suite: Suite, exp: Experiment, seed: int, runs_dir: Path, resume: bo
     if summary.get("status") in STOPPED:  # SIGTERM or Ctrl-C ends the suite, not one run
         raise SystemExit(f"reproduce: {run_dir.name} {summary['status']}; the suite stops here "
                          "(--resume keeps the runs that finished)")
+    return run_dir
+
+
+def ddp_argv(suite: Suite, exp: Experiment, seed: int) -> list[str]:
+    """scripts/bench_ddp.py's command line for a DDP row: the suite's profile (schedules and
+    throttling), model, data, optimizer, epochs, evaluation and links."""
+    r = {**suite.run, **exp.overrides}
+    profile = suite.profile or ",".join(f"{f:g}" for f in suite.slowdowns)
+    link = suite.link if exp.link is None else exp.link
+    return [sys.executable, str(ROOT / "scripts" / "bench_ddp.py"), "--hook", exp.ddp_hook,
+            "--seed", str(seed), "--epochs", str(r["epochs"]), "--profile", profile,
+            "--throttle", suite.throttle, "--base-step", str(r["base_step_s"]),
+            "--model", r["model"], "--dataset", r["dataset"],
+            "--batch-size", str(r["batch_size"]), "--lr", str(r["lr"]),
+            "--lr-schedule", r.get("lr_schedule", "constant"), "--momentum", str(r["momentum"]),
+            "--weight-decay", str(r["weight_decay"]), "--eval-every-s", str(r["eval_every_s"]),
+            "--eval-limit", str(r["eval_limit"]), "--wall-s", str(r["wall_s"]),
+            *(["--link", link] if link else [])]
+
+
+def run_ddp(suite: Suite, exp: Experiment, seed: int, run_dir: Path) -> Path:
+    """A DDP row: bench_ddp.py to its end; its JSON is the run directory's ddp.json, with a
+    summary.json that says it finished (``run_done``)."""
+    import subprocess
+
+    run_dir.mkdir(parents=True)
+    argv = ddp_argv(suite, exp, seed)
+    started = time.time()
+    proc = subprocess.run(argv, capture_output=True, text=True,
+                          timeout=float(suite.run["wall_s"]) + 600)
+    (run_dir / "ddp.stderr").write_text(proc.stderr)
+    if proc.returncode:
+        raise SystemExit(f"reproduce: {run_dir.name}: bench_ddp.py failed "
+                         f"({proc.returncode}); see {run_dir / 'ddp.stderr'}")
+    (run_dir / "ddp.json").write_text(proc.stdout.strip().splitlines()[-1] + "\n")
+    (run_dir / "summary.json").write_text(json.dumps({"status": "done", "runner": "ddp"}) + "\n")
+    extra = {"suite": suite.name, "experiment": asdict(exp), "seed": seed, "argv": argv,
+             "elapsed_s": time.time() - started, "status": "done"}
+    (run_dir / "reproduce.json").write_text(json.dumps(extra, indent=2) + "\n")
     return run_dir
 
 
@@ -311,7 +418,8 @@ def run_suite(suite: Suite, runs_dir: Path, *, resume: bool = False,
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     size = ("full" if args.full else "smoke" if args.smoke else
-            "link" if args.link_suite else "link5" if args.link_suite_5mbit else "quick")
+            "link" if args.link_suite else "link5" if args.link_suite_5mbit
+            else "changing" if args.changing_suite else "quick")
     out = Path(args.out or ROOT / "results" / size)
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
@@ -367,6 +475,8 @@ def _parser() -> argparse.ArgumentParser:
                       "local steps")
     size.add_argument("--link-suite-5mbit", action="store_true",
                       help=f"the link suite over {LINK5_PROFILE} links")
+    size.add_argument("--changing-suite", action="store_true",
+                      help="fmnist8 whose speeds change: DDP, BSP, LB-BSP, SSP, GSSP")
     p.add_argument("--out", help="output directory (default results/<size>)")
     p.add_argument("--suite", help="comma-separated suite names to run (e.g. fmnist16)")
     p.add_argument("--only", help="comma-separated experiment labels to run")

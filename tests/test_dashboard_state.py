@@ -56,6 +56,18 @@ def test_worker_states_follow_the_ssp_rule_pull_time_lease_and_events() -> None:
     assert s.state_of(s.workers[0], 3.0) == "done"
 
 
+def test_a_slowdown_or_link_change_is_an_event_on_the_page() -> None:
+    s = RunState(CONFIG)
+    s.add("worker", push(3, 1.0, 5))
+    s.add("worker", {"t": 2.0, "worker": 3, "event": "slowdown", "clock": 6, "factor": 1.0,
+                     "was": 4.0})
+    assert s.events[-1]["event"] == "slowdown"
+    assert s.events[-1]["text"] == "worker 3: emulated slowdown 4x -> 1x"
+    s.add("links", {"t": 3.0, "event": "link", "worker": 3, "at_s": 2.0, "up_bps": 5e6,
+                    "down_bps": 5e6})
+    assert s.events[-1]["text"] == "worker 3: link now 5 mbit up, 5 mbit down"
+
+
 def test_the_probe_says_who_waits_and_keeps_a_slow_worker_alive() -> None:
     s = RunState({**CONFIG, "mode": "asp"})
     s.add("worker", push(0, 1.0, 3))

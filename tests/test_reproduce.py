@@ -32,7 +32,9 @@ def test_experiments_change_only_mode_and_compression():
         labels = [e.label for e in suite.experiments]
         assert labels[:4] == ["bsp", "ssp", "asp", "gssp"]
         assert {"gssp+gdtopk-slower-more", "gssp+gdtopk-slower-less", "gssp+topk", "gssp+dgc",
-                "gssp+losscomp"} <= set(labels)
+                "gssp+losscomp", "ddp", "ddp-fp16", "ddp-powersgd", "lbbsp"} <= set(labels)
+        hooks = {e.label: e.ddp_hook for e in suite.experiments if e.ddp_hook}
+        assert hooks == {"ddp": "none", "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}
         assert suite.slowdowns == [1, 1, 1.5, 1.5, 2, 2, 4, 4]
         for exp in suite.experiments:
             assert not OPTIMIZER_KEYS & set(exp.overrides), exp.label
@@ -189,3 +191,66 @@ def test_table_shows_every_hop_and_a_dash_for_tables_made_before_them():
     line = repro_table.table_markdown("quick", old).splitlines()
     cells = [c.strip() for c in next(x for x in line if x.startswith("| bsp |")).split("|")]
     assert cells[col - 2:col + 1] == ["2.0", "3.0", "9.0"]
+
+
+def test_the_ceiling_is_sum_of_rates_over_bsp_s_rate_and_follows_a_schedule():
+    from minips.core.slowdown import Schedule, Slowdown, parse_schedule
+
+    (suite,) = reproduce.suites_for("quick")
+    flat = reproduce.suite_slowdowns(suite)
+    assert reproduce.profile_ceiling(flat) == pytest.approx((2 + 2 / 1.5 + 1 + 0.5) / (8 / 4))
+    assert reproduce.profile_ceiling(flat) == pytest.approx(2.4167, abs=1e-4)
+    assert reproduce.profile_ceiling([Slowdown(Schedule.flat(2.0))] * 4) == pytest.approx(1.0)
+    # one of two workers is 4x for the first 10 s, then 1x: ceiling 2.5/2 then 1, over 20 s
+    changing = [Slowdown(Schedule.flat(1.0)), Slowdown(parse_schedule("4@0,1@10s"))]
+    assert reproduce.profile_ceiling(changing, horizon_s=20.0) == pytest.approx(
+        (10 * 1.25 + 10 * 2) / (10 * 0.5 + 10 * 2))
+    rows = {"bsp": {"speedup_vs_bsp": 1.0}, "gssp": {"speedup_vs_bsp": 2.3},
+            "x": {"speedup_vs_bsp": None}}
+    import repro_table
+
+    repro_table.add_ceiling_shares(rows, 2.4167)
+    assert rows["gssp"]["ceiling_share"] == pytest.approx(0.9517, abs=1e-4)
+    assert rows["x"]["ceiling_share"] is None
+
+
+def test_the_changing_suite_s_rows_resolve_to_valid_configs():
+    from minips.core.slowdown import parse_schedules
+
+    (suite,) = reproduce.suites_for("changing")
+    labels = [e.label for e in suite.experiments]
+    assert labels == ["ddp", "bsp", "lbbsp", "ssp", "gssp", "gssp-fixed-groups",
+                      "gssp+gdtopk-slower-less"]
+    schedules = parse_schedules(suite.profile)
+    assert len(schedules) == len(suite.slowdowns) == 8
+    assert [s.first for s in schedules] == [1, 1, 1.5, 1.5, 2, 2, 4, 4]
+    assert sum(s.changes for s in schedules) == 3 and suite.throttle
+    for exp in suite.experiments:
+        assert not OPTIMIZER_KEYS & set(exp.overrides), exp.label
+        cfg = reproduce._launch_config(suite, exp, 0, Path("/nonexistent"))
+        assert cfg.run.workers == 8 and cfg.schedules == schedules
+        assert cfg.throttle == suite.throttle
+    fixed = next(e for e in suite.experiments if e.label == "gssp-fixed-groups")
+    assert reproduce._launch_config(suite, fixed, 0, Path("/x")).run.regroup is False
+    ddp = reproduce.ddp_argv(suite, suite.experiments[0], 0)
+    assert ddp[ddp.index("--profile") + 1] == suite.profile and "--hook" in ddp
+    bench = subprocess.run([sys.executable, ddp[1], "--help"], capture_output=True, text=True,
+                           timeout=60)
+    assert bench.returncode == 0
+    assert all(flag in bench.stdout for flag in ddp[2::2] if flag.startswith("--"))
+
+
+def test_a_ddp_row_is_read_from_its_ddp_json(tmp_path):
+    import repro_table
+
+    curve = [{"t": 5.0, "samples": 5120, "accuracy": 0.72}, {"t": 9.0, "samples": 10240,
+                                                             "accuracy": 0.81}]
+    (tmp_path / "ddp.json").write_text(json.dumps({
+        "bench": "ddp", "curve": curve, "final_accuracy": 0.81, "final_full_test": 0.805,
+        "train_s": 10.0, "steps": 20, "total_steps": 20, "overrun_max": 1.02}))
+    figures = repro_table.run_figures(tmp_path, (0.70, 0.80, 0.85))
+    assert set(repro_table.FIGURES) <= set(figures)
+    assert figures["time_to_accuracy"] == {"0.70": 5.0, "0.80": 9.0, "0.85": None}
+    assert (figures["final_accuracy"], figures["step_overrun"]) == (0.805, 1.02)
+    assert figures["samples_per_s"] == pytest.approx(1024.0)
+    assert figures["done_reason"] == "epochs" and figures["mean_staleness"] == 0

@@ -210,3 +210,39 @@ def test_the_demo_preset_brings_its_slowdowns_to_the_simulator_too(tmp_path: Pat
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["workers"] == 8 and got["groups"] > 1
+
+
+def test_lbbsp_batches_follow_a_slowdown_schedule_in_simulated_time(tmp_path: Path) -> None:
+    from minips.core.slowdown import parse_schedules
+
+    run = RunConfig(workers=3, mode="lbbsp", lr=0.02, lr_warmup=0, dataset="synthetic",
+                    epochs=100, base_step_s=0.04, balance_every=5)
+    schedules = parse_schedules("1,1,3@0,1@5s")  # worker 2: 3x for 5 s, then as fast
+    s = simulate(SimConfig(run=run, slowdowns=[x.first for x in schedules],
+                           schedules=schedules, dim=200, max_pushes=900,
+                           out_dir=str(tmp_path), name="lb"))
+    assert s["sim_s"] > 6
+    balance = [r for r in read_jsonl(tmp_path / "lb" / "group-0.jsonl")
+               if r.get("event") == "balance"]
+    assert balance[0]["batches"] == {"0": 82, "1": 82, "2": 28}  # 3:3:1 of 192
+    assert balance[-1]["t"] > 5 and balance[-1]["batches"] == {"0": 64, "1": 64, "2": 64}
+    per_clock: dict[int, int] = {}
+    for w in range(3):
+        for r in read_jsonl(tmp_path / "lb" / f"worker-{w}.jsonl"):
+            per_clock[r["clock"]] = per_clock.get(r["clock"], 0) + r["samples"]
+    assert set(per_clock.values()) == {192}
+
+
+def test_gdtopk_ratios_follow_a_scheduled_speed_up(tmp_path: Path) -> None:
+    from minips.core.slowdown import parse_schedules
+
+    run = RunConfig(workers=4, groups=2, mode="gssp", compressor="gdtopk", ratio=0.01,
+                    lr=0.02, lr_warmup=0, dataset="synthetic", epochs=100, base_step_s=0.04)
+    schedules = parse_schedules("1,1,4@0,1@10s,4@0,1@10s")  # the slow group catches up at 10 s
+    simulate(SimConfig(run=run, slowdowns=[x.first for x in schedules], schedules=schedules,
+                       dim=500, max_pushes=4000, out_dir=str(tmp_path), name="gd"))
+    ratios = [(r["t"], r["ratios"]) for r in read_jsonl(tmp_path / "gd" / "global.jsonl")
+              if r.get("event") in ("groups", "ratios")]
+    assert ratios[0][1]["1"] / ratios[0][1]["0"] > 3  # 4x slower: it uploads more
+    assert all(t > 10 for t, _ in ratios[1:])  # nothing changes before the speed-up
+    assert ratios[-1][1]["1"] / ratios[-1][1]["0"] < 1.5  # as fast: about the same ratio

@@ -10,12 +10,14 @@ from minips.core.config import MODES, RunConfig
 from minips.errors import ConfigError
 
 
-def test_the_table_has_the_four_modes_and_their_decisions() -> None:
-    assert MODES == config.MODES == ("bsp", "ssp", "asp", "gssp")
+def test_the_table_has_the_five_modes_and_their_decisions() -> None:
+    assert MODES == config.MODES == ("bsp", "ssp", "asp", "gssp", "lbbsp")
     rows = {m: (config.policy(m).staleness_bound(3), config.policy(m).in_rounds(3),
-                config.policy(m).group_count(4), config.policy(m).regroup) for m in MODES}
-    assert rows == {"bsp": (0, True, 1, False), "ssp": (3, False, 1, False),
-                    "asp": (None, False, 1, False), "gssp": (3, False, 4, True)}
+                config.policy(m).group_count(4), config.policy(m).regroup,
+                config.policy(m).balanced) for m in MODES}
+    assert rows == {"bsp": (0, True, 1, False, False), "ssp": (3, False, 1, False, False),
+                    "asp": (None, False, 1, False, False), "gssp": (3, False, 4, True, False),
+                    "lbbsp": (0, True, 1, False, True)}
 
 
 def test_every_mode_exchanges_every_sync_every_pushes_and_merges_by_the_rule() -> None:

@@ -12,6 +12,12 @@ The file holds, in order:
   | ssp  | ``--staleness`` s | on arrival, 1/(workers) of a step | 1 | no |
   | asp  | none | on arrival, 1/(workers) of a step | 1 | no |
   | gssp | ``--staleness`` s | on arrival, 1/(group's workers) of a step | k (``--groups``) | yes |
+  | lbbsp | 0 | with its round: one step on the round's sample-weighted mean | 1 | no |
+
+  LB-BSP (``balanced``) is BSP whose workers' batch sizes follow their speeds, the same total
+  samples per round (``core/balance.py``: every ``balance_every`` rounds, from a moving average of
+  each worker's seconds per sample), so a round takes about as long on every worker. GSSP
+  regroups only with ``regroup`` on (``--regroup off`` keeps the first groups).
 
   Every mode exchanges with the global server every ``sync_every`` pushes of a group
   (``exchange_due``) and merges a group's delta by ``--merge`` (``merge_scale``: mean over
@@ -94,6 +100,7 @@ class SyncPolicy:
     bound: str  # "zero", "staleness" (the run's s) or "none" (unbounded)
     grouped: bool  # workers are split into speed groups (k of them); else one group of all
     regroup: bool  # groups are recomputed when the workers' speeds drift
+    balanced: bool = False  # batch per worker proportional to its speed (LB-BSP, balance.py)
 
     def staleness_bound(self, staleness: int) -> int | None:
         """The SSP bound inside a group: 0, the run's ``staleness``, or None (no bound)."""
@@ -122,8 +129,9 @@ POLICIES: dict[str, SyncPolicy] = {p.name: p for p in (
     SyncPolicy("ssp", bound="staleness", grouped=False, regroup=False),
     SyncPolicy("asp", bound="none", grouped=False, regroup=False),
     SyncPolicy("gssp", bound="staleness", grouped=True, regroup=True),
+    SyncPolicy("lbbsp", bound="zero", grouped=False, regroup=False, balanced=True),
 )}
-MODES = tuple(POLICIES)  # ("bsp", "ssp", "asp", "gssp")
+MODES = tuple(POLICIES)  # ("bsp", "ssp", "asp", "gssp", "lbbsp")
 
 
 def policy(mode: str) -> SyncPolicy:
@@ -193,10 +201,12 @@ class RunConfig:
     outer_momentum: float = 0.9  # Nesterov momentum of the outer step (outer_optimizer nesterov)
     lr_warmup: float = 0.3  # epochs (whole cluster) over which lr ramps up linearly; 0 = none
     lr_schedule: str = "constant"  # constant | cosine (to 0 over the epochs budget)
-    mode: str = "gssp"  # bsp | ssp | asp | gssp
+    mode: str = "gssp"  # bsp | ssp | asp | gssp | lbbsp
     staleness: int = 3  # SSP bound s in clocks (bsp forces 0, asp has none)
     groups: int = 0  # GSSP group count k; 0 = chosen from the gaps between step times
     max_groups: int = 4  # upper bound on k when it is chosen automatically
+    regroup: bool = True  # GSSP: regroup when the speeds drift; False: the first groups stay
+    balance_every: int = 5  # LB-BSP: rounds between two re-balancings of the batch sizes
     sync_every: int = 4  # a group server exchanges with the global one every this many pushes
     merge: str = "mean"  # global adds each group delta / k ("mean", k = groups) or whole ("sum")
     compressor: str = "none"  # sparse.make_compressor name
@@ -238,6 +248,7 @@ class RunConfig:
         _check(self.staleness >= 0, "staleness", self.staleness, ">= 0")
         _check(self.groups >= 0, "groups", self.groups, ">= 0")
         _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
+        _check(self.balance_every >= 1, "balance_every", self.balance_every, ">= 1")
         _check(self.merge in ("mean", "sum"), "merge", self.merge, "mean | sum")
         _check(0 < self.ratio <= 1, "ratio", self.ratio, "in (0, 1]")
         _check(self.xchg_ratio is None or 0 < self.xchg_ratio <= 1, "xchg_ratio",
@@ -385,7 +396,9 @@ class WorkerConfig:
     token: str = ""  # shared secret (MINIPS_TOKEN)
     tls_ca: str | None = None  # CA file to verify servers with; None = plain TCP
     worker_id: int = -1  # requested id; -1 = the server picks the next free one
-    slowdown: float = 1.0  # emulated factor F: a step takes at least F x base_step_s
+    slowdown: float = 1.0  # emulated factor F: b samples take >= F x base_step_s x b / batch_size
+    slowdown_schedule: str = ""  # F@T,... (core/slowdown.py): F over training time; "" = flat
+    throttle: str = ""  # P,MIN-MAX,SECONDS random throttling (core/slowdown.py); "" = none
     bandwidth_bps: float = 0.0  # paced uplink (sends) of the group connection, bytes/s; 0 = none
     bandwidth_down_bps: float = 0.0  # paced downlink (reads) of it, bytes/s; 0 = none
     latency_s: float = 0.0  # emulated one-way latency added to every send

@@ -31,6 +31,9 @@ steps H). SSP inside the group: a PULL is answered only when
 workers in BSP are synchronous SGD, schedule included: ``reference.train``); other modes apply
 each push as it arrives with the lr divided by the number m of live workers of the group, so
 one round of m pushes moves as far as one BSP step.
+LB-BSP (``lbbsp``) is BSP whose round mean is weighted by each push's samples and whose
+workers' batch sizes follow their speeds (``balance.Balancer``: a ``balance`` log when they
+change, each worker's next batch in its WEIGHTS).
 Every ``sync_every`` pushes the group's shell exchanges with the global server through a
 ``GroupLink`` (a direct call in-process, EXCHANGE/EXCHANGE_REPLY over TCP for a `minips group`);
 ``exchange.py`` keeps the delta bookkeeping (nothing lost, each delta merged once, also when a
@@ -59,6 +62,7 @@ import numpy as np
 from minips import sparse
 from minips.compress.ratios import IterTimer
 from minips.core import optim, ssp
+from minips.core.balance import Balancer
 from minips.core.config import RunConfig, dataset_train_size
 from minips.core.downlink import Downlink
 from minips.core.exchange import Delta, Exchange, ExchangeResult, Outgoing, exchange_ratio
@@ -164,6 +168,8 @@ class GroupCore:
         # local steps H of this group's workers (the run's, or the global server's choice
         # with local_steps 0: auto; core/local_steps.py); sent with every WEIGHTS
         self.local_steps = run.local_steps or run.local_steps_max
+        # LB-BSP: each worker's batch follows its speed (balance.py); None in the other modes
+        self.balancer = Balancer(run.batch_size, run.balance_every) if run.sync.balanced else None
         down = run.downlink_ratio()  # PULL answers: sparse updates of w_pub, or dense weights
         self.downlink = (Downlink(self.weights, down, drift=run.down_drift,
                                   values=run.down_values) if down < 1 else None)
@@ -215,9 +221,10 @@ class GroupCore:
         return [Log("expired", {"workers": list(expired)}), *self._after_membership_change()]
 
     def _after_membership_change(self) -> list[Action]:
+        actions: list[Action] = []
         if self.run.in_rounds:
-            self._apply_rounds()
-        actions: list[Action] = [Wake()]
+            actions += self._apply_rounds()
+        actions.append(Wake())
         if not len(self.table) and self._joined and not self.finished:
             actions.append(AllLeft())
         return actions
@@ -237,12 +244,16 @@ class GroupCore:
         self.table.push(w, msg.clock, now)
         self.iters.push(w, now)
         self._count(msg)
+        if self.balancer is not None:
+            self.balancer.observe(w, msg.step_time, msg.samples)
+        logs: list[Action] = []
         if self.run.in_rounds:
             self.rounds.add(msg.clock, (grad, msg.samples))
-            self._apply_rounds()
+            logs = self._apply_rounds()
         else:
             self._apply(grad, msg.samples, len(self.table))
-        actions: list[Action] = [Reply(w, messages.Ack(clock=msg.clock, version=self.version))]
+        actions: list[Action] = [Reply(w, messages.Ack(clock=msg.clock, version=self.version)),
+                                 *logs]
         if self.table.min_clock() != floor or self.done:
             actions.append(Wake())
         if self.run.sync.exchange_due(self.xchg.since["pushes"], self.run.sync_every):
@@ -255,11 +266,21 @@ class GroupCore:
         self.counters["samples"] += msg.samples
         self.unapplied += msg.samples
 
-    def _apply_rounds(self) -> None:
-        """Apply each complete BSP round once: the mean of its gradients, one SGD step."""
+    def _apply_rounds(self) -> list[Action]:
+        """Apply each complete BSP round once: the mean of its gradients (LB-BSP: weighted by
+        their samples), one SGD step; LB-BSP's new batch sizes, when due, as a ``balance`` log."""
+        actions: list[Action] = []
         for _, pushes in self.rounds.pop_complete(self.table.min_clock()):
-            grads = [g for g, _ in pushes]
-            self._apply(sparse.average(grads, self.weights.size), sum(n for _, n in pushes))
+            grads, counts = [g for g, _ in pushes], [n for _, n in pushes]
+            weights = counts if self.balancer is not None else None
+            self._apply(sparse.average(grads, self.weights.size, weights), sum(counts))
+            if self.balancer is not None:
+                live = sorted(w for w in self.table.clocks if isinstance(w, int))
+                new = self.balancer.round_done(live)
+                if new is not None:
+                    actions.append(Log("balance", {"batches": {str(w): b
+                                                               for w, b in new.items()}}))
+        return actions
 
     def _apply(self, grad: Delta, samples: int, share: int = 1) -> None:
         """One SGD step on ``samples`` samples; ``share`` > 1 applies 1/share of it (one push
@@ -350,9 +371,15 @@ class GroupCore:
             version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
             done=self.done or self.at_cap(clock), group=self.group, waited_for=waited_for,
             ratio=self.ratio, lr_factor=self.next_lr_factor(), progress=self.progress(),
-            local_steps=self.local_steps,
+            local_steps=self.local_steps, batch=self._batch_of(w),
             lead=lead, min_clock=-1 if low is None else low,
             drift=-1.0 if self.downlink is None else round(self.downlink.last_drift, 6))
+
+    def _batch_of(self, w: int | None) -> int:
+        """LB-BSP: the samples of ``w``'s next step; 0 (the run's batch) in the other modes."""
+        if self.balancer is None or w is None:
+            return 0
+        return min(self.balancer.batch_of(w), messages.MAX_BATCH)  # what a PUSH may carry
 
     def set_ratio(self, ratio: float) -> None:
         """GDTopK: the kept fraction the global server chose for this group's workers (sent

@@ -52,6 +52,7 @@ __all__ = [
     "Roster",
     "match_labels",
     "REGROUP_EVERY_S",
+    "REGROUP_DELAY_S",
     "CLAIM_S",
 ]
 
@@ -128,6 +129,12 @@ class NoGroup:
 # -- roster: The global server's roster: which workers exist, which group each is in, each group...
 
 REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
+# A lasting change of a worker's speed by 2x or more moves it within this many seconds: its
+# STATS (the median step time of the last second) reach the Regrouper once per REGROUP_EVERY_S;
+# the smoothed log time (weight 0.3) needs 3 to 5 looks to cross to the other group's side, then
+# the groups must stay out of shape for ``patience`` = 5 looks: (5 + 5) x 2 s + 2 s of STATS and
+# margin (docs/operations.md, tests/test_changing_speeds.py)
+REGROUP_DELAY_S = 30.0
 CLAIM_S = 10.0  # s an id given to a handshake is held for it (the handshake's own time limit)
 
 
@@ -223,7 +230,8 @@ class Roster:
 
     def maybe_regroup(self, now: float) -> dict[int, int] | None:
         """A new assignment when the Regrouper's hysteresis says the speeds drifted, else None."""
-        if not (self.regroup and self.run.sync.regroup) or now - self._regroup_at < REGROUP_EVERY_S:
+        if not (self.regroup and self.run.sync.regroup and self.run.regroup) \
+                or now - self._regroup_at < REGROUP_EVERY_S:
             return None  # one look per period, so the Regrouper's patience counts periods
         self._regroup_at = now
         new = self.regrouper.update(self.step_times(live_only=True))

@@ -84,7 +84,9 @@ EVENT_KINDS = frozenset({
     "done", "failed", "waiting_for_workers", "workers_back", "group_lost",
     "group_adopted",  # global.jsonl and group-<g>.jsonl
     "stopped", "lease_expired", "control_lost", "control_back", "control_gave_up",
-    "group_unreachable",  # a worker's own file
+    "group_unreachable",
+    "slowdown",  # a worker's own file (slowdown: its emulated factor changed, core/slowdown.py)
+    "link",  # links.jsonl: `minips local --link-change` changed a worker's shaped link
 })
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)  # clocks ahead of the slowest
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # s
@@ -158,7 +160,8 @@ class RunState:
         self.config = config
         self.kind = kind  # what the page says while the run goes on: live, replay, following
         s = config.get("staleness", 3)
-        self.staleness: int | None = {"bsp": 0, "asp": None}.get(str(config.get("mode")), s)
+        self.staleness: int | None = {"bsp": 0, "lbbsp": 0, "asp": None}.get(
+            str(config.get("mode")), s)
         self.lease_s = float(config.get("lease_s", 10.0))
         self.workers: dict[int, WorkerView] = {}
         self.groups: dict[int, dict[str, Any]] = {}  # id -> last merge's counters
@@ -189,10 +192,14 @@ class RunState:
     def add(self, source: str, rec: dict[str, Any]) -> None:
         """Take one record; unknown sources and malformed records are ignored."""
         handler = {"eval": self._eval, "global": self._global, "group": self._group,
-                   "worker": self._worker, "probe": self._probe,
-                   "server": self._server}.get(source)
+                   "worker": self._worker, "probe": self._probe, "server": self._server,
+                   "links": self._links}.get(source)
         if handler is not None and isinstance(rec.get("t"), (int, float)):
             handler(rec)
+
+    def _links(self, r: dict[str, Any]) -> None:
+        if r.get("event") == "link":
+            self._event(r, "launcher")
 
     def _eval(self, r: dict[str, Any]) -> None:
         self.final_eval = self.final_eval or bool(r.get("final"))
@@ -461,6 +468,11 @@ def describe(event: str, source: str, f: dict[str, Any]) -> str:
         return f"run {'over' if event == 'done' else 'failed'}" + (f": {why}" if why else "")
     if event in SENTENCES and source == "global":
         return SENTENCES[event].format_map(collections.defaultdict(str, f, who=who))
+    if event == "slowdown":
+        return f"{who}: emulated slowdown {_short(f.get('was'))}x -> {_short(f.get('factor'))}x"
+    if event == "link":
+        up, down = (float(f.get(k) or 0) / 1e6 for k in ("up_bps", "down_bps"))
+        return f"{who}: link now {up:g} mbit up, {down:g} mbit down"
     if event == "calib_timeout":
         return (f"grouping deadline passed: {len(f.get('reported') or [])} of "
                 f"{f.get('expected')} workers had reported")
@@ -491,9 +503,10 @@ MAX_READ_BYTES = 4 << 20  # per file and call: a huge backlog is taken in slices
 
 
 def source_of(path: Path) -> str | None:
-    """``eval`` / ``global`` / ``group`` / ``worker`` for a metrics file name, else None."""
+    """``eval`` / ``global`` / ``group`` / ``worker`` / ``links`` for a metrics file name, else
+    None."""
     stem = path.stem
-    if stem in ("eval", "global"):
+    if stem in ("eval", "global", "links"):
         return stem
     prefix = stem.split("-", 1)[0]
     return prefix if prefix in ("group", "worker") and "-" in stem else None

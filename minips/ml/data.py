@@ -65,6 +65,7 @@ __all__ = [
     "shard_indices",
     "num_batches",
     "iterate_batches",
+    "BatchCursor",
     "batch_stream",
     "Dataset",
     "load_dataset",
@@ -181,6 +182,32 @@ def batch_stream(ds: Any, indices: np.ndarray, batch_size: int, seed: int,
         for xb, yb in iterate_batches(ds, indices, batch_size, seed, epoch):
             yield epoch, xb, yb
         epoch += 1
+
+
+class BatchCursor:
+    """Batches of any size in ``iterate_batches``' order (LB-BSP: the size changes with the
+    worker's speed): epoch e's permutation cut into consecutive slices; a slice that does not
+    fit in what is left of an epoch starts the next one (the rest is dropped, as there). With a
+    constant size it yields exactly ``batch_stream``'s batches."""
+
+    def __init__(self, ds: Any, indices: np.ndarray, seed: int, start_epoch: int = 0) -> None:
+        self.ds, self.indices, self.seed = ds, indices, seed
+        self.epoch, self.pos = start_epoch, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        return self.indices[rng.permutation(len(self.indices))]  # (n,) int64
+
+    def take(self, size: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """The next (epoch, x, y) of ``size`` samples (at most the shard's)."""
+        size = max(1, min(size, len(self.indices)))
+        if self.pos + size > len(self._order):
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._permutation()
+        idx = self._order[self.pos:self.pos + size]  # (size,) int64
+        self.pos += size
+        return self.epoch, self.ds.x[idx], self.ds.y[idx]
 
 
 # -- the data sets: real loaders, with a synthetic stand-in ----------------------------------------

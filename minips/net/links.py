@@ -27,8 +27,17 @@ until their bytes' time has passed. Reads are cut to one chunk of the bucket (ab
 rate), so a large frame arrives at an even pace instead of in one socket read and one long pause.
 The uplink half (paced writes) is ``Channel._send_paced`` in ``channel.py``.
 
-Public API: ``Rate``, ``LinkProfile``, ``parse_profile``, ``format_rate``, ``SHAPINGS`` (the
-``--link-shaping`` choices), ``TokenBucket``, ``Pacing``, ``ReadPacer``.
+Links that change (``--link-change``, kernel shaping only: the tbf's rate is changed live):
+
+    3:5mbit@60s,3:50mbit@120s         worker 3's link drops to 5 mbit at 60 s, back at 120 s
+    *:10mbit/20mbit@30                every worker's from 30 s on (UP/DOWN as in a profile)
+
+T counts from the start of training (the global server's ``groups`` event), as a
+``--slowdown`` schedule does (core/slowdown.py).
+
+Public API: ``Rate``, ``LinkProfile``, ``parse_profile``, ``LinkChange``,
+``parse_link_changes``, ``format_rate``, ``SHAPINGS`` (the ``--link-shaping`` choices),
+``TokenBucket``, ``Pacing``, ``ReadPacer``.
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ __all__ = [
     "Rate",
     "LinkProfile",
     "parse_profile",
+    "LinkChange",
+    "parse_link_changes",
     "TokenBucket",
     "Pacing",
     "SHAPINGS",
@@ -125,6 +136,42 @@ def parse_profile(text: str) -> LinkProfile:
         i += len(pair)
         rates.append(Rate(up, down))
     return LinkProfile(text.strip(), tuple(rates), latency)
+
+
+@dataclass(frozen=True)
+class LinkChange:
+    """Worker ``worker``'s link (-1: every worker's) takes ``rate`` at ``at_s`` s of training."""
+
+    worker: int
+    rate: Rate
+    at_s: float
+
+    def applies_to(self, worker: int) -> bool:
+        return self.worker in (-1, worker)
+
+
+def parse_link_changes(text: str) -> list[LinkChange]:
+    """``--link-change W:RATE@T,...`` (W a worker id or ``*``, RATE or UP/DOWN, T in s), in
+    the order of their times; ``ConfigError`` in one line otherwise."""
+    out = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        who, colon, rest = item.partition(":")
+        rate_text, at, when = rest.partition("@")
+        try:
+            worker = -1 if who.strip() == "*" else int(who)
+            at_s = float(when.strip().removesuffix("s"))
+        except ValueError:
+            raise ConfigError(f"--link-change {item!r}: expected W:RATE@SECONDS, W a worker "
+                              "id or *") from None
+        if not (colon and at) or worker < -1 or at_s < 0:
+            raise ConfigError(f"--link-change {item!r}: expected W:RATE@SECONDS, W a worker "
+                              "id or *, SECONDS >= 0")
+        pair = [r.strip() for r in rate_text.split("/")]
+        if len(pair) > 2:
+            raise ConfigError(f"--link-change {item!r}: expected RATE or UP/DOWN")
+        bps = _rates(pair, item)
+        out.append(LinkChange(worker, Rate(bps[0], bps[-1]), at_s))
+    return sorted(out, key=lambda c: c.at_s)
 
 
 def _read_file(path: str) -> str:

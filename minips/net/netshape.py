@@ -104,6 +104,13 @@ class Namespaces:
         """(host end, namespace end) of worker ``i``'s pair."""
         return f"{VETH_PREFIX}{self.owner}h{i}", f"{VETH_PREFIX}{self.owner}i{i}"
 
+    def set_rate(self, i: int, rate: Rate) -> None:
+        """Change worker ``i``'s link to ``rate`` now (``tc qdisc change`` of both tbfs; the
+        connections stay up, the next bytes pass at the new rate)."""
+        host, inside = self.veths(i)
+        _run("tc", "-n", self.names[i], *_tbf(inside, rate.up_bps, "change"))
+        _run("tc", *_tbf(host, rate.down_bps, "change"))
+
     def remove(self) -> None:
         """Delete every veth pair and namespace of this run (what is gone already is fine)."""
         for i, name in enumerate(self.names):
@@ -145,11 +152,12 @@ def _add(ns: Namespaces, i: int, rate: Rate) -> None:
     _run("tc", *_tbf(host, rate.down_bps))  # downlink: this machine's egress to the worker
 
 
-def _tbf(dev: str, bps: float) -> list[str]:
-    """A token-bucket filter at ``bps`` bits/s; the bucket holds 10 ms of the rate (at least
-    32 KiB: a segmentation-offloaded packet larger than it would be cut up or dropped)."""
+def _tbf(dev: str, bps: float, verb: str = "add") -> list[str]:
+    """A token-bucket filter at ``bps`` bits/s (``verb`` add, or change a live one); the bucket
+    holds 10 ms of the rate (at least 32 KiB: a segmentation-offloaded packet larger than it
+    would be cut up or dropped)."""
     burst = max(32 << 10, int(bps / 8 / 100))
-    return ["qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{round(bps)}bit",
+    return ["qdisc", verb, "dev", dev, "root", "tbf", "rate", f"{round(bps)}bit",
             "burst", str(burst), "latency", TBF_LATENCY]
 
 

@@ -13,7 +13,10 @@
   ``groups`` event's ratios, then every ``ratios`` event) above the smoothed iteration times
   the policy followed;
 - ``<run>-workers.png`` for each run: every worker's clock and staleness over time, which
-  shows who waited for whom and how far apart the groups drifted.
+  shows who waited for whom and how far apart the groups drifted; when a worker's emulated
+  slowdown changed during the run (a ``--slowdown`` schedule, ``--throttle``: the step
+  records' ``slowdown``), a third panel with each worker's factor, and with ``--mode lbbsp``
+  one with each worker's samples per step.
 
 A chart with nothing to draw is not written. Figures are built with ``matplotlib.figure.Figure``
 (no pyplot global state), small (dpi 100), so a server process can draw without a display.
@@ -147,19 +150,32 @@ def _ratios_chart(run: Run, label: str, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def _changing(run: Run, key: str) -> bool:
+    """Some worker's step records hold more than one value of ``key``."""
+    return any(len({r[key] for r in recs if key in r}) > 1 for recs in run.workers.values())
+
+
 def _workers_chart(run: Run, label: str, path: Path) -> Path | None:
     if not any(run.workers.values()):
         return None
-    fig, (ax_clock, ax_stale) = _figure(rows=2, height=6.0)
+    extra = [k for k in ("slowdown", "samples") if _changing(run, k)]
+    fig, axes = _figure(rows=2 + len(extra), height=6.0 + 2.5 * len(extra))
+    ax_clock, ax_stale = axes[0], axes[1]
     for w, records in sorted(run.workers.items(), key=lambda kv: str(kv[0])):
         group = next((r.get("group") for r in records if r.get("group") is not None), None)
         name = f"w{w}" + (f" (g{group})" if group is not None else "")
         ax_clock.plot(*_series(records, "t", "clock", run.start_t), label=name, lw=1.2)
         ax_stale.plot(*_series(records, "t", "staleness", run.start_t), lw=1.0,
                       drawstyle="steps-post")
+        for ax, key in zip(axes[2:], extra, strict=True):
+            ax.plot(*_series(records, "t", key, run.start_t), lw=1.0, drawstyle="steps-post")
     ax_clock.set(ylabel="clock (pushes)", title=f"Workers of {label}")
-    ax_stale.set(ylabel="staleness (steps)", xlabel="training time (s)")
-    for ax in (ax_clock, ax_stale):
+    ax_stale.set(ylabel="staleness (steps)")
+    names = {"slowdown": "emulated slowdown F", "samples": "samples per step (LB-BSP)"}
+    for ax, key in zip(axes[2:], extra, strict=True):
+        ax.set(ylabel=names[key])
+    axes[-1].set(xlabel="training time (s)")
+    for ax in axes:
         ax.grid(alpha=0.3)
     ax_clock.legend(fontsize="x-small", ncol=4)
     return _save(fig, path)

@@ -26,10 +26,11 @@ import numpy as np
 
 from minips.compress.registry import COMPRESSORS, make_compressor
 from minips.core.config import MODEL_NAMES, PARAM_COUNTS, RunConfig
+from minips.core.slowdown import Schedule, parse_schedule, parse_schedules, parse_throttle
 from minips.errors import ConfigError
 from minips.ml.data_files import DATASET_NAMES
 from minips.net.endpoints import client_ssl, parse_address, server_ssl
-from minips.net.links import parse_profile
+from minips.net.links import parse_link_changes, parse_profile
 from minips.run.launch import parse_slowdowns
 
 __all__ = [
@@ -121,6 +122,43 @@ def slowdown_factors(text: str) -> list[float]:
     """Type of --slowdown: factors per worker, 1,1,2x2,4 (``config.parse_slowdowns``)."""
     try:
         return parse_slowdowns(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def link_changes(text: str) -> str:
+    """Type of --link-change: W:RATE@T,... (``links.parse_link_changes``), kept as text."""
+    try:
+        parse_link_changes(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def slowdown_schedules(text: str) -> list[Schedule]:
+    """Type of `minips local --slowdown`: a schedule per worker, 1,1,2x2,4@0,1@60s
+    (``slowdown.parse_schedules``)."""
+    try:
+        return parse_schedules(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def worker_slowdown(text: str) -> Schedule:
+    """Type of `minips worker --slowdown`: F, or a schedule F@T,F@T (``slowdown.py``)."""
+    try:
+        return parse_schedule(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def throttle_spec(text: str) -> str:
+    """Type of --throttle: P,MIN-MAX,SECONDS (``slowdown.parse_throttle``), kept as text;
+    "" is none."""
+    if not text:
+        return ""
+    try:
+        return parse_throttle(text).text()
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

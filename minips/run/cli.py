@@ -37,6 +37,7 @@ import numpy as np
 
 from minips.core.config import WorkerConfig
 from minips.core.global_core import check_compatible
+from minips.core.slowdown import Schedule
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, transport
 from minips.net.endpoints import WILDCARD_HOSTS, dashboard_secret, parse_address
@@ -168,7 +169,9 @@ def _cmd_local(args: argparse.Namespace) -> int:
 
     preset = PRESETS.get(args.preset or "", {})
     run = run_config_from_args(args)
-    slowdowns = args.slowdown if args.slowdown is not None else list(preset.get("slowdowns", []))
+    schedules = args.slowdown if args.slowdown is not None else [
+        Schedule.flat(f) for f in preset.get("slowdowns", [])]
+    slowdowns = [s.first for s in schedules]  # the factors at the start (the profile)
     if args.slowdown and args.workers is not None and len(args.slowdown) != args.workers:
         raise ConfigError(f"--slowdown {len(args.slowdown)} factors for --workers "
                           f"{args.workers}: give one per worker (FxN repeats F N times)")
@@ -177,6 +180,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
         run = dataclasses.replace(run, workers=len(slowdowns))
     link = check_link(args.link, args.bandwidth, args.latency, run.workers)
     cfg = LaunchConfig(run=run, slowdowns=slowdowns, link=link, link_shaping=args.link_shaping,
+                       schedules=schedules, throttle=args.throttle,
+                       link_changes=args.link_change,
                        out_dir=args.out, name=args.name,
                        progress=not args.no_progress, evaluator=not args.no_eval,
                        plot=not args.no_plot, timeout_s=args.timeout,
@@ -236,7 +241,9 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
     check_tls_client(args.tls_ca)
     check_dir("--data-dir", args.data_dir)
     return WorkerConfig(server_host=host, server_port=port, token=_token(), tls_ca=args.tls_ca,
-                        worker_id=args.id, slowdown=args.slowdown, bandwidth_bps=args.bandwidth,
+                        worker_id=args.id, slowdown=args.slowdown.first,
+                        slowdown_schedule=args.slowdown.text() if args.slowdown.changes else "",
+                        throttle=args.throttle, bandwidth_bps=args.bandwidth,
                         bandwidth_down_bps=getattr(args, "bandwidth_down", 0.0),
                         latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
                         torch_threads=args.threads, connect_timeout_s=args.timeout,

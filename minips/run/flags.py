@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from minips.core.config import FieldError, RunConfig
+from minips.core.slowdown import Schedule
 from minips.errors import ConfigError
 from minips.net.links import SHAPINGS
 from minips.run.checks import (
@@ -41,11 +42,14 @@ from minips.run.checks import (
     check_run,
     finite,
     int_at_least,
+    link_changes,
     load_run_config,
     local_steps_arg,
     on_off,
     port,
-    slowdown_factors,
+    slowdown_schedules,
+    throttle_spec,
+    worker_slowdown,
 )
 from minips.run.launch import parse_slowdowns
 from minips.sim.timing import Failure, parse_failures
@@ -91,7 +95,11 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--dataset", "dataset", str, "data set (fashion-mnist, mnist, cifar10)"),
     ("--data-dir", "data_dir", str, "directory of the data set files (default: "
      "~/.cache/minips/<name>, then system directories)"),
-    ("--mode", "mode", str, "bsp | ssp | asp | gssp"),
+    ("--mode", "mode", str, "bsp | ssp | asp | gssp | lbbsp (BSP, batch sizes follow the "
+     "workers' speeds)"),
+    ("--regroup", "regroup", on_off, "GSSP: regroup when speeds drift: on | off"),
+    ("--balance-every", "balance_every", int, "LB-BSP: rounds between re-balancings of the "
+     "batch sizes"),
     ("--compressor", "compressor", str, "none | fp16 | topk | dgc | randomk | gdtopk | losscomp"),
     ("--ratio", "ratio", finite, "kept fraction of gradient coordinates (0..1]"),
     ("--xchg-ratio", "xchg_ratio", finite, "kept fraction of the group <-> global exchange, "
@@ -273,7 +281,10 @@ def add_simulate_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentPars
                        "synthetic objective or of the run's real model. Writes a run directory "
                        "like `minips local`.")
     add_run_flags(p)
-    p.add_argument("--slowdown", type=slowdown_factors, help="factors F per worker: 1,1,2x2,4 (a "
+    p.add_argument("--throttle", type=throttle_spec, default="", metavar="P,MIN-MAX,SECONDS",
+                   help="random throttling, in simulated seconds (see minips local)")
+    p.add_argument("--slowdown", type=slowdown_schedules, help="factors F per worker: 1,1,2x2,4 "
+                   "or schedules 4@0,1@60s (simulated seconds; a "
                    "step takes F x --base-step; the last repeats; default 1)")
     p.add_argument("--jitter", type=at_least(0), default=0.0,
                    help="relative spread of a step's compute time (default 0)")
@@ -320,13 +331,16 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
         raise ConfigError(f"--dim {args.dim} / --max-pushes {args.max_pushes}: expected "
                           "--dim >= 1 and --max-pushes >= 0")
     preset = PRESETS.get(getattr(args, "preset", None) or "", {})
-    slowdowns = args.slowdown or list(preset.get("slowdowns", [])) or [1.0]
+    schedules = (args.slowdown or [Schedule.flat(float(f)) for f in preset.get("slowdowns", [])]
+                 or [Schedule.flat(1.0)])
+    slowdowns = [s.first for s in schedules]
     if args.workers is None and (args.slowdown or preset.get("slowdowns")):
         run.workers = len(slowdowns)
     real = args.objective == "model"
     if not real and run.dataset != "synthetic" and not run.train_size:
         run.dataset = "synthetic"  # the objective is synthetic: so are its samples
-    cfg = SimConfig(run=run, slowdowns=slowdowns, jitter=args.jitter,
+    cfg = SimConfig(run=run, slowdowns=slowdowns, schedules=schedules, throttle=args.throttle,
+                    jitter=args.jitter,
                     rate=args.link_mbit * 1e6 / 8, latency_s=args.latency_ms / 1e3,
                     latency_jitter_s=args.latency_jitter_ms / 1e3, failures=args.fail,
                     real=real, xchg_latency_s=args.xchg_latency_ms / 1e3, dim=args.dim,
@@ -368,11 +382,20 @@ def _add_local(sub: Subparsers) -> None:
     """`minips local`: a whole cluster on this machine."""
     loc = sub.add_parser("local", help="a whole cluster on this machine")
     add_run_flags(loc)
-    loc.add_argument("--slowdown", type=slowdown_factors, help="factors F per worker: 1,1,2x2,4")
+    loc.add_argument("--slowdown", type=slowdown_schedules,
+                     help="factors F per worker: 1,1,2x2,4; a schedule F@T,F@T: 4@0,1@60s "
+                          "(4x until 60 s of training, then 1x)")
+    loc.add_argument("--throttle", type=throttle_spec, default="", metavar="P,MIN-MAX,SECONDS",
+                     help="random throttling: each SECONDS interval, a worker is slowed with "
+                          "probability P by a factor in [MIN, MAX] (seeded by --seed)")
     loc.add_argument("--link", metavar="PROFILE",
                      help="the workers' links: 10mbit, 10mbit/40mbit (up/down), "
                           "100,50,10mbit (per worker, last repeats), +5ms latency, or a file "
                           "(docs/links.md)")
+    loc.add_argument("--link-change", metavar="W:RATE@T,...", default="", type=link_changes,
+                     help="links that change during training (kernel shaping): "
+                          "3:5mbit@60s,3:50mbit@120s (worker 3; * = every worker; T: s of "
+                          "training)")
     loc.add_argument("--link-shaping", choices=SHAPINGS, default="auto",
                      help="kernel: namespaces + tc (root); pacer: token buckets in the workers; "
                           "auto: kernel when possible (default)")
@@ -452,8 +475,10 @@ def _add_clients(sub: Subparsers) -> None:
         w.add_argument("--connect", required=True, help="global server HOST:PORT")
         w.add_argument("--id", type=int_at_least(-1), default=-1,
                        help="worker id (-1 = assigned)")
-        w.add_argument("--slowdown", type=at_least(0, strict=True), default=1.0,
-                       help="emulated factor F")
+        w.add_argument("--slowdown", type=worker_slowdown, default=Schedule.flat(1.0),
+                       help="emulated factor F, or a schedule F@T,F@T (T: s of training)")
+        w.add_argument("--throttle", type=throttle_spec, default="",
+                       metavar="P,MIN-MAX,SECONDS", help="random throttling (see minips local)")
         w.add_argument("--bandwidth", type=at_least(0), default=0.0,
                        help="paced uplink, bytes/s (0 = none)")
         w.add_argument("--bandwidth-down", type=at_least(0), default=0.0,

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from minips.core.config import RunConfig, dataset_train_size
+from minips.core.slowdown import Schedule
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, links, netshape
 from minips.net.endpoints import (
@@ -63,7 +64,7 @@ from minips.net.endpoints import (
 )
 from minips.record.metrics import HOP_COUNTERS, live_hop_bytes, read, summarize, verdict
 from minips.record.plot import plot_run
-from minips.record.rundir import tail_jsonl
+from minips.record.rundir import read_config, read_jsonl, tail_jsonl
 
 __all__ = [
     "ProgressLine",
@@ -151,6 +152,8 @@ class Cluster:
         self.link = link  # the workers' links (--link), None: not limited
         self.shaping = "none"  # how they are shaped: none | kernel | pacer
         self.spaces: netshape.Namespaces | None = None  # the namespaces of kernel shaping
+        self.changes = links.parse_link_changes(cfg.link_changes)  # due, in time order
+        self.trained_at: float | None = None  # unix time training started (links change)
         self.run_dir = run_dir
         # children die with the launcher, by any signal (lifeline.py)
         # the dashboard's own token (never the cluster's): made here unless given, so the
@@ -186,6 +189,34 @@ class Cluster:
         if self.link is not None:
             record = self.link.record(self.cfg.run.workers, self.shaping)
             (self.run_dir / "link.json").write_text(json.dumps(record) + "\n")
+        if self.changes and self.spaces is None:
+            raise ConfigError("--link-change needs kernel shaping (root, a --link profile "
+                              f"and --link-shaping kernel or auto); this run's: {self.shaping}")
+
+    def change_links(self) -> None:
+        """--link-change: apply the changes that are due, T counted from the global server's
+        ``groups`` event; each one is a ``link`` record in links.jsonl."""
+        if not self.changes or self.spaces is None:
+            return
+        if self.trained_at is None:
+            grouped = [r for r in read_jsonl(self.run_dir / "global.jsonl")
+                       if r.get("event") == "groups"]
+            if not grouped:
+                return
+            self.trained_at = float(read_config(self.run_dir).get("t0", 0)) + grouped[0]["t"]
+        while self.changes and self.changes[0].at_s <= time.time() - self.trained_at:
+            change = self.changes.pop(0)
+            for w in range(self.cfg.run.workers):
+                if change.applies_to(w):
+                    self.spaces.set_rate(w, change.rate)
+                    self._record_link(w, change)
+
+    def _record_link(self, w: int, change: links.LinkChange) -> None:
+        t0 = float(read_config(self.run_dir).get("t0", 0))
+        line = {"t": time.time() - t0, "event": "link", "worker": w, "at_s": change.at_s,
+                "up_bps": change.rate.up_bps, "down_bps": change.rate.down_bps}
+        with open(self.run_dir / "links.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
 
     def unshape(self) -> None:
         """Remove the namespaces and veth pairs (after the children stopped)."""
@@ -232,8 +263,12 @@ class Cluster:
     def start_workers(self) -> None:
         """All workers at once (they calibrate while the others import torch)."""
         for i, factor in enumerate(self.cfg.factors()):
+            given = self.cfg.schedules[i] if i < len(self.cfg.schedules) else None
+            slowdown = given.text() if given is not None and given.changes else repr(factor)
+            throttle = ["--throttle", self.cfg.throttle] if self.cfg.throttle else []
             self._spawn(f"worker-{i}", [
-                "worker", "--connect", self.address, "--id", str(i), "--slowdown", str(factor),
+                "worker", "--connect", self.address, "--id", str(i), "--slowdown", slowdown,
+                *throttle,
                 *self._link_args(i), "--run-dir", str(self.run_dir), "--timeout", "60",
                 "--device", self.cfg.device(i), *(["--amp"] if self.cfg.amp else [])],
                 netns=i if self.spaces else -1)
@@ -263,6 +298,7 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run still going after {timeout_s:.0f} s")
             self._check_workers()
+            self.change_links()
             if line is not None:
                 line.draw()
             time.sleep(PROGRESS_PERIOD_S)
@@ -421,8 +457,11 @@ class LaunchConfig:
 
     run: RunConfig = field(default_factory=RunConfig)  # the run's settings
     slowdowns: list[float] = field(default_factory=list)  # factor F per worker; [] = all 1.0
+    schedules: list[Schedule] = field(default_factory=list)  # F over time per worker; [] = flat
+    throttle: str = ""  # --throttle P,MIN-MAX,SECONDS of every worker (core/slowdown.py)
     link: str = ""  # --link profile of the workers' links (links.py); "" = not limited
     link_shaping: str = "auto"  # auto | kernel (namespaces + tc) | pacer (token buckets)
+    link_changes: str = ""  # --link-change W:RATE@T,... (links.py; kernel shaping only)
     out_dir: str = "runs"  # parent of the run directory
     name: str | None = None  # run directory name; None = mode-compressor-time
     progress: bool = True  # draw the one-line progress display

@@ -68,6 +68,7 @@ from minips.core.group_core import (
     Wake,
 )
 from minips.core.roster import GroupHandle, NoGroup
+from minips.core.slowdown import Schedule, Slowdown, parse_throttle
 from minips.core.worker_opt import LocalSteps, Upload
 from minips.record.metrics import summarize
 from minips.record.rundir import RunDir
@@ -88,6 +89,10 @@ class SimConfig:
     slowdowns: list[float] = field(default_factory=lambda: [1.0])  # per worker, last repeats
     step_times: list[float] = field(default_factory=list)  # s per worker (overrides slowdowns)
     step_traces: list[list[float]] = field(default_factory=list)  # per worker: s of step k
+    # per worker: F over simulated time (core/slowdown.py); a step takes its compute time x
+    # F(t) / F(0) x samples / batch_size (LB-BSP's batch: WEIGHTS.batch); [] = flat
+    schedules: list[Schedule] = field(default_factory=list)
+    throttle: str = ""  # P,MIN-MAX,SECONDS random throttling of every worker; "" = none
     jitter: float = 0.0  # relative spread of a step's compute time
     rate: float = 0.0  # link bytes per second each way per worker (0: no limit)
     latency_s: float = 0.0  # one way, per message
@@ -244,6 +249,9 @@ class Simulation:
         self.step_s = (per_worker(cfg.step_times, n_w) if cfg.step_times else
                        [self.run.base_step_s * f for f in per_worker(cfg.slowdowns, n_w)])
         self.steps = StepTimes(self.step_s, cfg.jitter, cfg.step_traces)
+        throttle = parse_throttle(cfg.throttle) if cfg.throttle else None
+        self.speeds = [Slowdown(cfg.schedules[w] if w < len(cfg.schedules) else Schedule(),
+                                throttle, seed=self.run.seed, worker=w) for w in range(n_w)]
         self.links = Links(n_w, cfg.rate, cfg.latency_s, cfg.latency_jitter_s, self.run.seed)
         self.glob = SimGlobal(self, self.objective.initial())
         self.groups: dict[int, SimGroup] = {}
@@ -366,11 +374,15 @@ class Simulation:
             self.comp[w].set_ratio(msg.ratio)
         local = self.local[w]
         steps = msg.local_steps if local is not None else 1
+        samples = msg.batch or self.run.batch_size  # LB-BSP: the group's batch for this step
+        speed = self.speeds[w]
+        scale = speed.factor(self.t) / speed.factor(0.0)  # a slowdown schedule or throttling
         if steps > 1:
             assert local is not None
             packet, loss, step = self._local_steps(w, local, copy, msg)
+            step *= scale
         else:
-            step = self.steps.next(w, self.rngs[w])
+            step = (self.steps.next(w, self.rngs[w]) * scale * samples / self.run.batch_size)
             grad, loss = self.objective.gradient(w, copy, self.rngs[w])
             if self.cfg.real:  # LossComp's schedule follows the loss a real worker sees
                 self.comp[w].observe_loss(loss)
@@ -378,14 +390,16 @@ class Simulation:
                                            progress=msg.progress)
         enc, codec, bufs = self.comp[w].encode(packet)  # the encoding the compressor declares
         push = messages.Push(clock=self.clock[w] + 1, step_time=step / steps, loss=loss,
-                             samples=self.run.batch_size * steps, encoding=enc, codec=codec,
+                             samples=samples * steps, encoding=enc, codec=codec,
                              buffers=tuple(bufs))
         nbytes = wire_size(push)
         record = {"worker": w, "group": msg.info.get("group"), "staleness":
                   msg.info.get("lead", 0), "wait_s": wait_s, "waited_for":
                   msg.info.get("waited_for", []), "step_time": push.step_time,
                   "loss": loss,
-                  "samples": push.samples, "ratio": self.comp[w].ratio,
+                  "samples": push.samples, "slowdown": self.step_s[w] / self.run.base_step_s
+                  * speed.factor(self.t) / speed.factor(0.0) if self.run.base_step_s else None,
+                  "ratio": self.comp[w].ratio,
                   "kept_fraction": self.comp[w].kept_fraction,
                   "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes,
                   **({"local_steps": steps} if local is not None else {}),

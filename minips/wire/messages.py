@@ -101,6 +101,7 @@ __all__ = [
     "MAX_SEQ",
     "MAX_PARAMS",
     "MAX_COUNT",
+    "MAX_BATCH",
     "Hello",
     "Challenge",
     "Auth",
@@ -291,8 +292,8 @@ def vector_codec(v: Any) -> dict[str, Any]:
 
 # 2: WEIGHTS.since (a sparse update of a held copy); 3: typed conversations (EXCHANGE,
 # EXCHANGE_REPLY, GLOBAL_WEIGHTS, INIT_WEIGHTS; WEIGHTS' counters as fields; a checked codec)
-PROTOCOL_VERSION = 4  # 4: EXCHANGE pull_* (answered PULLs), WEIGHTS lr_factor, progress and
-# local_steps, ASSIGN local_steps
+PROTOCOL_VERSION = 4  # 4: EXCHANGE pull_* (answered PULLs), WEIGHTS lr_factor, progress,
+# local_steps and batch, ASSIGN local_steps
 NONCE_BYTES = 32  # fresh random bytes per handshake side, so a recorded handshake cannot replay
 MAC_BYTES = 32  # HMAC-SHA256 digest
 ROLES = ("worker", "group", "evaluator")
@@ -399,6 +400,7 @@ MAX_SEQ = (1 << 53) - 1  # exchange session / seq: ints a double holds exactly
 MAX_PARAMS = 1 << 31  # model size initial weights may claim (float32 elements)
 MAX_COUNT = 1 << 62  # counters of samples, pushes and bytes
 MAX_SECONDS = 1e9  # a time in seconds a counter may claim (step, iteration, run)
+MAX_BATCH = 1 << 20  # samples of one worker step a server may ask for (LB-BSP; a PUSH's most)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -586,7 +588,7 @@ class Weights(Reported):
     to ``version`` with their new values. The rest says where the worker stands."""
 
     KIND = Kind.WEIGHTS
-    INFO = ("group", "waited_for", "ratio", "lead", "min_clock", "drift")
+    INFO = ("group", "waited_for", "ratio", "batch", "lead", "min_clock", "drift")
     version: int = checked(integer())
     since: int = checked(integer(-1), -1)  # -1: whole weights; else an update of the copy at since
     encoding: str = checked(text(MAX_NAME))
@@ -596,6 +598,7 @@ class Weights(Reported):
     group: int = checked(integer(-1), -1)  # the group server's group
     waited_for: list[int] = checked(ints(), factory=list)  # the workers the answer waited for
     ratio: float = checked(number(0.0, 1.0), 1.0)  # the group's upload ratio (GDTopK)
+    batch: int = checked(integer(0, MAX_BATCH), 0)  # LB-BSP: next step's samples; 0: the run's
     lead: int = checked(integer(-MAX_INT), 0)  # steps ahead of the group's slowest worker
     min_clock: int = checked(integer(-1), -1)  # the group's lowest live clock; -1: none
     drift: float = checked(number(-1.0), -1.0)  # compressed downlink: |sent - weights|; -1: dense
