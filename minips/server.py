@@ -295,7 +295,7 @@ class GlobalServer:
         gs = GroupServer(g, core.run, core.weights, InProcLink(self), members=members,
                          writer=self.rundir.writer(f"group-{g}"))
         gs.set_ratio(core.ratio_of(g))
-        port = await gs.serve(self.cfg.host, 0, self.cfg.token, self._ssl)
+        port = await gs.serve(self.cfg.host, self.cfg.group_port(g), self.cfg.token, self._ssl)
         # no host (":port"): "where you reached the global server"; the worker fills in the name
         # it dialled, so DNS names, NAT and TLS names work as they do for the global server
         address = format_address(self.cfg.advertise_host or "", port)
@@ -535,3 +535,10 @@ class ServerConfig:
     insecure: bool = False  # allow a non-loopback listen address without a secret
     dashboard: str = ""  # HOST:PORT of the live web dashboard and /metrics; "" = none
     tensorboard: str = ""  # directory for TensorBoard event files; "" = none
+    # in-process group servers' ports, group g on group_ports[g] (port forwarding, firewalls);
+    # a group beyond the list (or none given) takes a free port
+    group_ports: list[int] = field(default_factory=list)
+
+    def group_port(self, g: int) -> int:
+        """The port group ``g``'s in-process server listens on (0: any free one)."""
+        return self.group_ports[g] if 0 <= g < len(self.group_ports) else 0

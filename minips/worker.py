@@ -148,9 +148,10 @@ class Stopped(MiniPSError):
 
 async def connect_role(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int, *,
                        group: int = -1, timeout: float | None = None,
-                       retries: int | None = 5) -> Channel:
+                       retries: int | None = None) -> Channel:
     """One connection (``retries`` more attempts with backoff; None: as many as ``timeout``
-    allows) within ``timeout`` seconds (default: ``cfg.connect_timeout_s``)."""
+    allows, so a board that boots before its server waits for it) within ``timeout`` seconds
+    (default: ``cfg.connect_timeout_s``; inf: no end)."""
     timeout = cfg.connect_timeout_s if timeout is None else timeout
     return await transport.connect(host, port, role=role, worker_id=worker_id, group=group,
                                    token=cfg.token, timeout=timeout, ssl=client_ssl(cfg.tls_ca),
@@ -410,7 +411,8 @@ class Worker:
                 elif exc.error:  # ERROR lease: we were silent too long; rejoin on the next turn
                     self._event("lease_expired", reason=exc.error)
             except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError) as exc:
-                self._event("group_lost", reason=str(exc))  # reconnect on the next turn
+                if not self.control.done:  # at the end the group server closes: not a loss
+                    self._event("group_lost", reason=str(exc))  # reconnect on the next turn
             finally:
                 await leave(ch)
 

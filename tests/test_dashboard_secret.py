@@ -48,8 +48,9 @@ def test_the_dashboard_link_and_the_run_directory_never_hold_the_cluster_secret(
     proc = server(run_dir)
     try:
         assert proc.stdout is not None
+        readline = proc.stdout.readline
         line = wait_for("the dashboard's line", lambda: next(
-            (ln for ln in iter(proc.stdout.readline, "") if "dashboard at" in ln), ""), 60,
+            (ln for ln in iter(readline, "") if "dashboard at" in ln), ""), 60,
             (proc,))
         url = re.search(r"dashboard at (\S+)", line).group(1)  # type: ignore[union-attr]
         port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)[1]

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -142,7 +143,7 @@ async def test_tls_failures_name_their_cause(tmp_path: Path, certs: Path) -> Non
              ("stranger", ctx, "certificate verify failed"),
              (None, ctx, "plain text")]
     for name, ssl, cause in cases:
-        cert = {} if name is None else {"tls_cert": str(certs / f"{name}.pem"),
+        cert: dict[str, Any] = {} if name is None else {"tls_cert": str(certs / f"{name}.pem"),
                                         "tls_key": str(certs / f"{name}.key")}
         srv = GlobalServer(ServerConfig(run=RunConfig(workers=1), port=0, token=SECRET,
                                         run_dir=str(tmp_path / (name or "plain")), **cert),

@@ -310,5 +310,5 @@ class WorkerConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N | mps | auto (CUDA, MPS, CPU); CLI default: auto
     amp: bool = False  # mixed precision (autocast) where the device supports it
     compress_on_device: bool | None = None  # select with torch on the device; None: off the CPU
-    connect_timeout_s: float = 10.0  # give up on an unreachable server after this
+    connect_timeout_s: float = 10.0  # keep trying an unreachable server this long; inf = no end
     reconnect_s: float = 120.0  # how long to keep trying when a server is lost mid-run

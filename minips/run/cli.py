@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -39,11 +40,13 @@ from minips.core.config import WorkerConfig
 from minips.core.global_core import check_compatible
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, transport
-from minips.net.endpoints import WILDCARD_HOSTS, dashboard_secret, parse_address
+from minips.net.endpoints import WILDCARD_HOSTS, check_bind, dashboard_secret, parse_address
 from minips.record.checkpoint import load
+from minips.record.rundir import claim
 from minips.run import flags
 from minips.run.checks import (
     check_address,
+    check_checkpoint,
     check_dir,
     check_host,
     check_init,
@@ -182,15 +185,16 @@ def _cmd_local(args: argparse.Namespace) -> int:
                        plot=not args.no_plot, timeout_s=args.timeout,
                        dashboard=args.dashboard, tensorboard=args.tensorboard,
                        devices=[d.strip() for d in args.device.split(",") if d.strip()],
-                       amp=args.amp)
+                       amp=args.amp, force=args.force)
     _check_watch(args)
+    flags.say_default_budget(args)
     summary = run_local(cfg)
     return {"done": 0, "interrupted": 130, "terminated": 143}.get(summary.get("status", "done"), 1)
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-
     check_host("--host", args.host)
+    check_bind(args.host, _token(), args.insecure)  # before the run directory is made
     if not args.eval:  # --eval with --tls-cert is refused anyway (run_server says why)
         check_tls_server(args.tls_cert, args.tls_key)
     cfg = ServerConfig(run=run_config_from_args(args), host=args.host, port=args.port,
@@ -201,14 +205,20 @@ def _cmd_server(args: argparse.Namespace) -> int:
                        checkpoint_path=args.checkpoint, checkpoint_every_s=args.checkpoint_every,
                        resume=args.resume, insecure=args.insecure,
                        rejoin_wait_s=args.rejoin_wait,
-                       dashboard=args.dashboard, tensorboard=args.tensorboard)
+                       dashboard=args.dashboard, tensorboard=args.tensorboard,
+                       group_ports=args.group_ports)
     if not args.resume:
         check_init(args.init, cfg.run.model)
+        check_checkpoint(args.checkpoint, force=args.force)
+    aside = claim(args.run_dir, resume=args.resume, force=args.force)
+    if aside is not None:
+        print(f"minips server: moved the earlier run in {args.run_dir} to {aside}", flush=True)
     if 0 < cfg.run.fixed_groups != args.external_groups > 0:
         raise ConfigError(f"--external-groups {args.external_groups}: this run forms "
                           f"{cfg.run.fixed_groups} group(s) (--mode {cfg.run.mode}, --groups "
                           f"{cfg.run.groups}); start as many group servers")
     _check_watch(args)
+    flags.say_default_budget(args)
     srv = run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
     if srv.failure:  # the run ended short of its budget, or diverged (GlobalCore.fail)
         print(f"minips server: error: {srv.failure}", file=sys.stderr)
@@ -239,7 +249,8 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
                         worker_id=args.id, slowdown=args.slowdown, bandwidth_bps=args.bandwidth,
                         bandwidth_down_bps=getattr(args, "bandwidth_down", 0.0),
                         latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
-                        torch_threads=args.threads, connect_timeout_s=args.timeout,
+                        torch_threads=args.threads,
+                        connect_timeout_s=args.timeout or math.inf,  # 0: until it answers
                         reconnect_s=args.reconnect, device=getattr(args, "device", "auto"),
                         amp=getattr(args, "amp", False))
 

@@ -63,7 +63,7 @@ from minips.net.endpoints import (
 )
 from minips.record.metrics import HOP_COUNTERS, live_hop_bytes, read, summarize, verdict
 from minips.record.plot import plot_run
-from minips.record.rundir import tail_jsonl
+from minips.record.rundir import claim, tail_jsonl
 
 __all__ = [
     "ProgressLine",
@@ -326,6 +326,9 @@ def make_run_dir(cfg: LaunchConfig) -> Path:
     while path.exists() and cfg.name is None:
         n += 1
         path = Path(cfg.out_dir) / f"{name}-{n}"
+    aside = claim(path, option="--name", force=cfg.force)  # a named one may hold a run
+    if aside is not None:
+        print(f"minips local: moved the earlier run in {path} to {aside}", file=sys.stderr)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -434,6 +437,7 @@ class LaunchConfig:
     tensorboard: str = ""  # directory for the server's TensorBoard event files; "" = none
     devices: list[str] = field(default_factory=lambda: ["auto"])  # per worker; last repeats
     amp: bool = False  # workers use mixed precision where their device supports it
+    force: bool = False  # a --name directory holding an earlier run: move it aside (else refused)
 
     def factors(self) -> list[float]:
         """Slowdown factor of each of the run's workers (missing ones are 1.0)."""
@@ -446,9 +450,14 @@ class LaunchConfig:
 
 
 def parse_slowdowns(text: str) -> list[float]:
-    """'1,1,2x2,4' → [1, 1, 2, 2, 4]; 'FxN' repeats F N times."""
+    """'1,1,2x2,4' → [1, 1, 2, 2, 4]; 'FxN' repeats F N times. Spaces around an entry are
+    ignored ('1, 2' is [1, 2]); an empty entry ('1,,2', '1,') is refused: it is a typo, not
+    a worker."""
     out: list[float] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise ConfigError(f"bad slowdown {text!r}: an empty entry, expected F or FxN "
+                              "between the commas")
         factor, _, count = part.partition("x")
         try:
             out += [float(factor)] * int(count or 1)

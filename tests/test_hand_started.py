@@ -1,0 +1,193 @@
+"""Roles started by hand on separate machines: what a user types and what the command does
+with it (the flags' meanings, the run directory, the budget, the connect timeout, the
+in-process group servers' ports)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minips.core.config import RunConfig, WorkerConfig
+from minips.errors import ConfigError
+from minips.record.rundir import claim
+from minips.run.cli import main
+from minips.run.flags import DESCRIPTION, build_parser, run_config_from_args, say_default_budget
+from minips.run.launch import parse_slowdowns
+from minips.server import GlobalServer, ServerConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- flags ---------------------------------------------------------------------------------------
+
+def test_mode_and_compressor_names_ignore_case() -> None:
+    args = build_parser().parse_args(["server", "--mode", "GSSP", "--compressor", "GDTopK",
+                                      "--epochs", "1"])
+    run = run_config_from_args(args)
+    assert (run.mode, run.compressor) == ("gssp", "gdtopk")
+
+
+def test_slowdown_entries_are_trimmed_and_an_empty_one_is_refused() -> None:
+    assert parse_slowdowns("1, 2") == [1.0, 2.0]  # spaces around an entry: the same list
+    for bad in ("1,,2", "1,", ","):
+        with pytest.raises(ConfigError, match="an empty entry"):
+            parse_slowdowns(bad)
+
+
+def test_a_connect_address_with_two_ports_is_a_usage_error_at_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    t = time.monotonic()
+    assert main(["worker", "--connect", "127.0.0.1:7070:1", "--timeout", "30"]) == 2
+    assert "--connect 127.0.0.1:7070:1: expected HOST:PORT with one ':'" in capsys.readouterr().err
+    assert time.monotonic() - t < 5  # not retried as a network error
+
+
+def test_the_top_level_help_names_every_command_and_there_is_a_version(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    commands = ("local", "server", "group", "worker", "evaluator", "simulate", "ray", "plot",
+                "dashboard")
+    assert all(c in DESCRIPTION for c in commands)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("minips ")
+
+
+def test_a_refused_listen_address_leaves_no_run_directory(tmp_path: Path, monkeypatch:
+                                                          pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MINIPS_TOKEN", raising=False)
+    run_dir = tmp_path / "server"
+    assert main(["server", "--host", "0.0.0.0", "--epochs", "1", "--run-dir", str(run_dir)]) == 2
+    assert not run_dir.exists()
+
+
+# -- a budget always; real speeds on separate machines -------------------------------------------
+
+@pytest.mark.parametrize("command", ["server", "local", "simulate", "ray"])
+def test_a_run_without_a_budget_gets_one_and_says_so(command: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args([command])
+    run = run_config_from_args(args)
+    assert run.epochs == 1.0
+    say_default_budget(args)
+    assert "no budget given: training stops after 1 epoch" in capsys.readouterr().err
+    explicit = run_config_from_args(build_parser().parse_args([command, "--epochs", "0"]))
+    assert explicit.epochs == 0.0  # asked for: train until the workers leave
+    capped = run_config_from_args(build_parser().parse_args([command, "--max-steps", "9"]))
+    assert (capped.epochs, capped.max_steps) == (0.0, 9)
+
+
+def test_hand_started_workers_run_at_their_real_speed() -> None:
+    server = run_config_from_args(build_parser().parse_args(["server", "--epochs", "1"]))
+    assert server.base_step_s == 0.0  # no emulated floor: each machine's own step time
+    local = run_config_from_args(build_parser().parse_args(["local", "--epochs", "1"]))
+    assert local.base_step_s == RunConfig().base_step_s > 0  # `minips local` emulates
+    asked = build_parser().parse_args(["server", "--epochs", "1", "--base-step", "0.05"])
+    assert run_config_from_args(asked).base_step_s == 0.05
+
+
+# -- one run, one directory ----------------------------------------------------------------------
+
+def test_a_server_run_directory_holding_a_run_is_refused_unless_resumed_or_forced(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = tmp_path / "live1"
+    old.mkdir()
+    (old / "config.json").write_text("{}")
+    (old / "global.jsonl").write_text('{"t": 0, "event": "joined"}\n')
+    assert main(["server", "--epochs", "1", "--run-dir", str(old)]) == 2
+    assert f"--run-dir {old}: it holds an earlier run" in capsys.readouterr().err
+    assert (old / "config.json").read_text() == "{}"  # untouched
+    assert claim(old, resume=True) is None and (old / "config.json").exists()
+    aside = claim(old, force=True)
+    assert aside == tmp_path / "live1.old-1" and (aside / "global.jsonl").exists()
+    assert not old.exists()
+    assert claim(old) is None  # nothing there any more: a new run may have it
+
+
+def test_a_fresh_server_will_not_overwrite_an_existing_checkpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "keep.npz"
+    ckpt.write_bytes(b"resumable")
+    assert main(["server", "--epochs", "1", "--run-dir", str(tmp_path / "new"),
+                 "--checkpoint", str(ckpt)]) == 2
+    assert f"--checkpoint {ckpt}: the file exists" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_local_refuses_a_named_run_directory_holding_a_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "live1").mkdir()
+    (tmp_path / "live1" / "worker-3.jsonl").write_text("{}\n")
+    code = main(["local", "--name", "live1", "--out", str(tmp_path), "--workers", "1",
+                 "--max-steps", "1", "--no-eval", "--no-plot", "--device", "cpu"])
+    assert code == 2
+    assert "--name" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "live1").iterdir()) == ["worker-3.jsonl"]
+
+
+# -- the connect timeout is honoured ---------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+async def test_a_worker_keeps_trying_its_server_for_the_whole_timeout() -> None:
+    from minips.worker import connect_role
+
+    port = _free_port()  # nothing listens: every attempt is refused at once
+    cfg = WorkerConfig(server_port=port, connect_timeout_s=2.5)
+    t = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"127.0.0.1:{port} within 2.5 s \(\d+ attempts"):
+        await connect_role(cfg, "127.0.0.1", port, "worker", -1)
+    assert time.monotonic() - t >= 2.0  # not a cap of a few attempts
+
+
+@pytest.mark.timeout(30)
+async def test_a_worker_started_before_its_server_joins_when_it_comes_up() -> None:
+    from minips.net import transport
+    from minips.worker import connect_role
+
+    port = _free_port()
+    cfg = WorkerConfig(server_port=port, connect_timeout_s=20.0)
+    joining = asyncio.ensure_future(connect_role(cfg, "127.0.0.1", port, "worker", -1))
+    await asyncio.sleep(2.0)  # the board booted first: the server comes up 2 s later
+    assert not joining.done()
+    server = await transport.serve("127.0.0.1", port, accept=lambda hello: {},
+                                   handler=lambda ch: ch.wait_closed(), token="")
+    try:
+        ch = await asyncio.wait_for(joining, 10)
+        await ch.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+# -- in-process group servers on pinned ports ----------------------------------------------------
+
+@pytest.mark.timeout(30)
+async def test_group_ports_pin_the_in_process_group_servers(tmp_path: Path) -> None:
+    pinned = [_free_port(), _free_port()]
+    cfg = ServerConfig(run=RunConfig(workers=3, epochs=1.0), port=0, run_dir=str(tmp_path),
+                       group_ports=pinned)
+    srv = GlobalServer(cfg, np.zeros(4, np.float32))
+    await srv.start()
+    try:
+        handles = [await srv.open_group(g, []) for g in range(3)]
+        assert [h.address for h in handles[:2]] == [f":{p}" for p in pinned]
+        assert handles[2].address.startswith(":")  # beyond the list: a free port
+        for h in handles:
+            await h.peer.close()
+    finally:
+        await srv.close()
+
+
+def test_group_ports_flag_takes_lists_and_ranges() -> None:
+    args = build_parser().parse_args(["server", "--group-ports", "7071-7073,7080"])
+    assert args.group_ports == [7071, 7072, 7073, 7080]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["server", "--group-ports", "7071,7071"])
