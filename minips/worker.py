@@ -76,7 +76,7 @@ from minips.compress.base import Compressor
 from minips.compress.device_compress import device_compressor
 from minips.core.config import RunConfig, WorkerConfig
 from minips.core.downlink import apply_weights
-from minips.errors import AuthError, MiniPSError, RemoteProtocolError
+from minips.errors import AuthError, DataError, MiniPSError, RemoteProtocolError
 from minips.ml import data, device, models
 from minips.net import links, transport
 from minips.net.channel import Channel
@@ -192,7 +192,12 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
     model = models.build_model(run.model, run.seed)
     model.train()
     trainer = device.Trainer(model, run.model, dev, amp=cfg.amp)
-    ds = data.load_dataset(run.dataset, "train", cfg.data_dir or run.data_dir)
+    try:  # a worker never trains on a stand-in it was not asked for (`--data synthetic`)
+        ds = data.load_dataset(run.dataset, "train", cfg.data_dir or run.data_dir,
+                               synthetic=cfg.data == "synthetic", fallback=False)
+    except DataError as exc:
+        raise DataError(f"{exc} Or start the worker with --data synthetic to train on a "
+                        "synthetic stand-in.") from None
     record(cfg.run_dir, f"worker-{worker_id}", ds.meta)
     shard = data.shard_indices(len(ds), worker_id, run.workers, run.seed)
     compressor = device_compressor(run.worker_compressor(trainer.size, worker_id), dev,
@@ -305,6 +310,7 @@ class Control:
 log = logging.getLogger("minips.worker")
 
 STATS_EVERY_S = 1.0  # how often the worker reports its step time to the global server
+STATUS_EVERY_S = 10.0  # how often it says where it is on its console (one line)
 ASSIGN_TIMEOUT_S = 300.0  # give up when no group is assigned after this long
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.1, 2.0  # group reconnect delays (doubling, jittered)
 
@@ -355,6 +361,8 @@ class Worker:
                 self.writer.close()
         if self.control.stopped_by:
             raise WorkerStopped(self.control.stopped_by)
+        print(f"minips worker {self.id}: done after {self.clock} steps, {self.samples:,} "
+              "samples", file=sys.stderr, flush=True)
 
     def _setup(self) -> None:
         """Model, data, compressor and files, once WELCOME told the run config."""
@@ -378,8 +386,10 @@ class Worker:
         # The fastest step: other processes starting up only ever make a step slower.
         await self.control.ch.send(messages.Stats(clock=0, step_time=float(np.min(times)),
                                                   loss=loss, samples=0))
-        self._stats_at = time.monotonic()
+        self._stats_at = self._status_at = time.monotonic()
         self._recent: list[float] = []  # step times since the last STATS
+        print(f"minips worker {self.id}: {1e3 * float(np.min(times)):.0f} ms/step measured; "
+              "waiting for its group", file=sys.stderr, flush=True)
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.writer is not None:
@@ -511,6 +521,10 @@ class Worker:
         """Every STATS_EVERY_S: the median step time since the last report (one slow step under
         CPU contention must not move a worker to another group)."""
         self._recent.append(step_time)
+        if time.monotonic() - self._status_at >= STATUS_EVERY_S:
+            self._status_at = time.monotonic()
+            print(f"minips worker {self.id}: group {self.control.group()}, step {self.clock}, "
+                  f"loss {loss:.3f}, {1e3 * step_time:.0f} ms/step", file=sys.stderr, flush=True)
         if time.monotonic() - self._stats_at >= STATS_EVERY_S:
             self._stats_at = time.monotonic()
             median, self._recent = float(np.median(self._recent)), []

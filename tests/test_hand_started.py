@@ -191,3 +191,83 @@ def test_group_ports_flag_takes_lists_and_ranges() -> None:
     assert args.group_ports == [7071, 7072, 7073, 7080]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["server", "--group-ports", "7071,7071"])
+
+
+# -- the printed commands work verbatim, and every role reports ----------------------------------
+
+def test_join_lines_name_a_reachable_address_and_every_flag(tmp_path: Path) -> None:
+    from minips.run.cli import join_commands
+
+    cert = tmp_path / "cert.pem"
+    cfg = ServerConfig(host="0.0.0.0", external_groups=1, tls_cert=str(cert))
+    lines = join_commands(cfg, 7070)
+    assert lines[0].startswith("join: minips worker --connect ")
+    assert all("0.0.0.0:7070" not in ln and "<this-host>" not in ln for ln in lines)
+    assert all(f"--tls-ca {cert}" in ln for ln in lines)
+    assert lines[1].startswith("group: minips group --connect ") and "GROUP_CERT" in lines[1]
+    advertised = join_commands(ServerConfig(host="0.0.0.0", advertise_host="pc-7"), 7070)
+    assert advertised == ["join: minips worker --connect pc-7:7070"]  # no group line: in-process
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_started_from_the_printed_line_trains_and_the_server_reports(
+        tmp_path: Path) -> None:
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from minips.net import lifeline
+
+    env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": "s" * 32})
+    server = subprocess.Popen(
+        [sys.executable, "-m", "minips", "server", "--host", "0.0.0.0", "--port", "0",
+         "--advertise", "127.0.0.1", "--workers", "1", "--max-steps", "4", "--batch-size", "16",
+         "--run-dir", str(tmp_path / "run")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    worker = None
+    try:
+        assert server.stdout is not None
+        seen = []
+        for ln in iter(server.stdout.readline, ""):  # bounded by the test's timeout
+            seen.append(ln)
+            if ln.startswith("join: "):
+                break
+        join = seen[-1]
+        assert "real speeds" in seen[0]
+        argv = shlex.split(join.removeprefix("join: "))  # 'minips worker ...' as printed
+        assert argv[0] == "minips"
+        worker = subprocess.Popen([sys.executable, "-m", *argv], env=env,
+                                  cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+        out = seen + server.communicate(timeout=90)[0].splitlines(keepends=True)
+        assert server.returncode == 0, "".join(out)
+        text = "".join(out)
+        assert "worker 0 joined" in text and "1 group(s) by speed: 0 = worker 0 (" in text
+        assert "minips server: done (workers left)" in text
+        assert (tmp_path / "run" / "summary.json").exists()
+        err = worker.communicate(timeout=30)[1]
+        assert worker.returncode == 0 and "minips worker 0: done after 4 steps" in err
+    finally:
+        for p in (server, worker):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+# -- no silent synthetic data ----------------------------------------------------------------------
+
+def test_a_worker_without_its_data_refuses_unless_asked_for_synthetic(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from minips.errors import DataError
+    from minips.record.metrics import read
+    from minips.worker import build
+
+    monkeypatch.setenv("MINIPS_CACHE_DIR", str(tmp_path / "cache"))  # nothing there
+    monkeypatch.setenv("MINIPS_DATA_MIRROR", (tmp_path / "no-mirror").as_uri() + "/")
+    run = RunConfig(dataset="mnist", data_dir=str(tmp_path / "none"), workers=1)
+    cfg = WorkerConfig(run_dir=str(tmp_path / "run"), device="cpu")
+    with pytest.raises(DataError, match="--data synthetic"):
+        build(cfg, run, 0)
+    cfg.data = "synthetic"
+    build(cfg, run, 0).writer.close()
+    assert read(tmp_path / "run")["worker-0"]["synthetic"] is True  # asked for, and recorded

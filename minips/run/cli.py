@@ -40,8 +40,16 @@ from minips.core.config import WorkerConfig
 from minips.core.global_core import check_compatible
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, transport
-from minips.net.endpoints import WILDCARD_HOSTS, check_bind, dashboard_secret, parse_address
+from minips.net.endpoints import (
+    WILDCARD_HOSTS,
+    check_bind,
+    dashboard_secret,
+    format_address,
+    local_addresses,
+    parse_address,
+)
 from minips.record.checkpoint import load
+from minips.record.metrics import summarize
 from minips.record.rundir import claim
 from minips.run import flags
 from minips.run.checks import (
@@ -56,11 +64,18 @@ from minips.run.checks import (
     speaks_tls,
 )
 from minips.run.flags import PRESETS, build_parser, run_config_from_args
-from minips.run.launch import LaunchConfig
+from minips.run.launch import LaunchConfig, ProgressLine
 from minips.serve.group_process import GroupConfig
 from minips.server import GlobalServer, ServerConfig
 
-__all__ = ["serve_run", "run_server", "main"]
+__all__ = ["serve_run", "run_server", "reachable_hosts", "join_commands", "main"]
+
+TOKEN_ENV = "MINIPS_TOKEN"
+PROGRESS_EVERY_S = 10.0  # `minips server`'s progress line, one every this many seconds
+
+
+def _token() -> str:
+    return os.environ.get(TOKEN_ENV, "")
 
 
 # -- `minips server`'s process: a GlobalServer served until its run is over ------------------------
@@ -79,15 +94,28 @@ async def serve_run(cfg: ServerConfig, *, announce: bool = True,
     if announce:
         _announce(cfg, port)
     child = _spawn_evaluator(cfg, port) if spawn_evaluator else None
+    progress = asyncio.ensure_future(_progress(cfg, srv)) if cfg.console else None
     try:
         await srv.wait_finished()
     finally:
+        if progress is not None:
+            progress.cancel()
         await srv.close()
         if monitor is not None:
             await monitor.stop()
         if child is not None:
             await asyncio.get_running_loop().run_in_executor(None, _reap, child)
     return srv
+
+
+async def _progress(cfg: ServerConfig, srv: GlobalServer) -> None:
+    """`minips local`'s progress line, from this server's run directory, every
+    PROGRESS_EVERY_S once training started."""
+    await srv.groups_opened.wait()
+    line = ProgressLine(Path(cfg.run_dir), cfg.run, tty=False)
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        await asyncio.to_thread(line.draw)
 
 
 async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
@@ -100,6 +128,10 @@ async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
                                     tensorboard=cfg.tensorboard, token=dashboard_secret(),
                                     insecure=cfg.insecure), srv)
     url = await monitor.start()
+    wildcard = next((f"//{h}:" for h in ("0.0.0.0", "[::]") if f"//{h}:" in url), "")
+    if url and wildcard:  # an address to listen on, not one to open: where it is reached
+        host = reachable_hosts(cfg)[0]
+        url = url.replace(wildcard, f"//[{host}]:" if ":" in host else f"//{host}:", 1)
     if url:
         print(f"minips server: dashboard at {url}  (Prometheus: {url.split('?')[0].rstrip('/')}"
               f"/metrics)", flush=True)
@@ -117,13 +149,44 @@ def _make_server(cfg: ServerConfig) -> GlobalServer:
     return srv
 
 
+def reachable_hosts(cfg: ServerConfig) -> list[str]:
+    """Where other machines reach this server: ``--advertise``, else the listen host, else
+    (a wildcard) this machine's addresses (``endpoints.local_addresses``)."""
+    if cfg.advertise_host:
+        return [cfg.advertise_host]
+    return [cfg.host] if cfg.host not in WILDCARD_HOSTS else local_addresses()
+
+
+def join_commands(cfg: ServerConfig, port: int) -> list[str]:
+    """The commands other machines run, as printed: 'join: minips worker ...' for each address
+    this server is reached at, and 'group: minips group ...' with --external-groups. Every
+    flag they need is there (TLS: the CA to verify this server with; a group's own certificate
+    and key are its own, named GROUP_CERT / GROUP_KEY); the secret comes from MINIPS_TOKEN."""
+    ca = f" --tls-ca {Path(cfg.tls_cert).resolve()}" if cfg.tls_cert else ""
+    lines = []
+    for host in reachable_hosts(cfg):
+        address = format_address(host, port)
+        lines.append(f"join: minips worker --connect {address}{ca}")
+        if cfg.external_groups:
+            own = " --tls-cert GROUP_CERT --tls-key GROUP_KEY" if cfg.tls_cert else ""
+            lines.append(f"group: minips group --connect {address}{ca} --listen 0.0.0.0:7071"
+                         f"{own}")
+    return lines
+
+
 def _announce(cfg: ServerConfig, port: int) -> None:
-    host = cfg.host if cfg.host not in WILDCARD_HOSTS else "<this-host>"
-    print(f"minips server listening on {cfg.host}:{port} ({cfg.run.mode}, "
-          f"{cfg.run.compressor}, waiting for {cfg.run.workers} workers)\n"
-          f"  join with:  MINIPS_TOKEN=... minips worker --connect {host}:{port}\n"
-          f"  group:      MINIPS_TOKEN=... minips group --connect {host}:{port} "
-          f"--listen <this-host>:7071", flush=True)
+    run = cfg.run
+    budget = ", ".join(f"{k} {v:g}" for k, v in (("epochs", run.epochs), ("wall-s", run.wall_s),
+                                                   ("max-steps", run.max_steps)) if v)
+    secret = (f"export {TOKEN_ENV}=<this server's secret> on each machine first" if cfg.token
+              else "no secret (loopback only)")
+    print(f"minips server listening on {format_address(cfg.host, port)} ({run.mode}, "
+          f"{run.compressor}, {run.model} on {run.dataset}, budget {budget or 'none'}, "
+          f"waiting for {run.workers} workers; {secret}; "
+          f"{f'emulated base step {run.base_step_s:g} s' if run.base_step_s else 'real speeds'})",
+          flush=True)
+    for line in join_commands(cfg, port):
+        print(line, flush=True)
 
 
 def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False,
@@ -155,13 +218,6 @@ def _reap(child: subprocess.Popen[bytes]) -> None:
 
 # -- one command per role, and main ----------------------------------------------------------------
 
-TOKEN_ENV = "MINIPS_TOKEN"
-
-
-def _token() -> str:
-    return os.environ.get(TOKEN_ENV, "")
-
-
 def _cmd_local(args: argparse.Namespace) -> int:
     from minips.ml.device import pick_device
     from minips.run.launch import run_local
@@ -185,7 +241,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
                        plot=not args.no_plot, timeout_s=args.timeout,
                        dashboard=args.dashboard, tensorboard=args.tensorboard,
                        devices=[d.strip() for d in args.device.split(",") if d.strip()],
-                       amp=args.amp, force=args.force)
+                       amp=args.amp, force=args.force, data=args.data)
     _check_watch(args)
     flags.say_default_budget(args)
     summary = run_local(cfg)
@@ -206,7 +262,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
                        resume=args.resume, insecure=args.insecure,
                        rejoin_wait_s=args.rejoin_wait,
                        dashboard=args.dashboard, tensorboard=args.tensorboard,
-                       group_ports=args.group_ports)
+                       group_ports=args.group_ports, console=True)
     if not args.resume:
         check_init(args.init, cfg.run.model)
         check_checkpoint(args.checkpoint, force=args.force)
@@ -220,10 +276,23 @@ def _cmd_server(args: argparse.Namespace) -> int:
     _check_watch(args)
     flags.say_default_budget(args)
     srv = run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
+    _report(cfg, srv)
     if srv.failure:  # the run ended short of its budget, or diverged (GlobalCore.fail)
         print(f"minips server: error: {srv.failure}", file=sys.stderr)
         return 3
     return 0
+
+
+def _report(cfg: ServerConfig, srv: GlobalServer) -> None:
+    """summary.json in the run directory, and its headline on the console (as `minips local`)."""
+    summary = summarize(cfg.run_dir)
+    acc = summary.get("final_accuracy")
+    print(f"minips server: {'failed' if srv.failure else 'done'} "
+          f"({srv.core.done_reason or 'ended'}) after {summary.get('train_s') or 0:.1f} s of "
+          f"training, {srv.core.samples:,} samples, final accuracy "
+          f"{'- (no evaluator: --eval)' if acc is None else f'{acc:.4f}'} "
+          f"({summary.get('data') or 'unknown'} data)\n"
+          f"  summary: {Path(cfg.run_dir) / 'summary.json'}", flush=True)
 
 
 def _cmd_group(args: argparse.Namespace) -> int:
@@ -249,6 +318,7 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
                         worker_id=args.id, slowdown=args.slowdown, bandwidth_bps=args.bandwidth,
                         bandwidth_down_bps=getattr(args, "bandwidth_down", 0.0),
                         latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
+                        data=args.data,
                         torch_threads=args.threads,
                         connect_timeout_s=args.timeout or math.inf,  # 0: until it answers
                         reconnect_s=args.reconnect, device=getattr(args, "device", "auto"),

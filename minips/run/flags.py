@@ -378,6 +378,9 @@ def _add_local(sub: Subparsers) -> None:
     loc = sub.add_parser("local", help="a whole cluster on this machine")
     add_run_flags(loc)
     loc.add_argument("--slowdown", type=slowdown_factors, help="factors F per worker: 1,1,2x2,4")
+    loc.add_argument("--data", choices=("real", "synthetic"), default="real",
+                     help="the workers' data: real files (refused when missing) or the "
+                     "synthetic stand-in")
     loc.add_argument("--link", metavar="PROFILE",
                      help="the workers' links: 10mbit, 10mbit/40mbit (up/down), "
                           "100,50,10mbit (per worker, last repeats), +5ms latency, or a file "
@@ -483,6 +486,10 @@ def _add_clients(sub: Subparsers) -> None:
                        help="added latency per send, s")
         w.add_argument("--run-dir", default=f"runs/{name}", help="metrics directory")
         w.add_argument("--data-dir", help="data set directory on this machine")
+        w.add_argument("--data", choices=("real", "synthetic"), default="real",
+                       help="real: the data set's files must be found here (else it refuses "
+                       "to start, saying which files go where); synthetic: train on the "
+                       "synthetic stand-in")
         w.add_argument("--threads", type=int_at_least(1), default=1,
                        help="torch intra-op threads")
         if name == "worker":

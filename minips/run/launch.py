@@ -86,13 +86,14 @@ class ProgressLine:
     """One self-overwriting status line: time, samples / epochs, accuracy, and the MB of every
     hop: up (worker -> group), down (group -> worker), to-global, from-global, total."""
 
-    def __init__(self, run_dir: Path, cfg: LaunchConfig) -> None:
+    def __init__(self, run_dir: Path, run: RunConfig, *, tty: bool | None = None) -> None:
         self.run_dir = run_dir
-        self.cfg = cfg
+        self.run = run
         self.t0 = time.monotonic()
         self.last = 0.0  # when the line was last drawn
-        self.train_size = max(1, _train_size(cfg))  # samples per epoch, for the epochs figure
-        self.tty = sys.stderr.isatty()  # a terminal: redraw in place; a log: a line every 10 s
+        self.train_size = max(1, _train_size(run))  # samples per epoch, for the epochs figure
+        # a terminal: redraw in place; a log (or a console with other lines): one every 10 s
+        self.tty = sys.stderr.isatty() if tty is None else tty
 
     def draw(self, final: bool = False) -> None:
         if not (final or self.tty or time.monotonic() - self.last >= 10.0):
@@ -110,8 +111,8 @@ class ProgressLine:
         mb = {k: hops.get(k, 0) / 1e6 for k in HOP_COUNTERS}
         kind = verdict(read(self.run_dir))  # None until a process loaded
         data_s = "SYNTHETIC DATA" if kind in ("synthetic", "mixed") else f"data {kind or '?'}"
-        text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.cfg.run.mode}/"
-                f"{self.cfg.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
+        text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.run.mode}/"
+                f"{self.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
                 f"{gl.get('version', 0):>5}  test acc {acc_s}  MB up {mb['bytes_worker_group']:.1f}"
                 f" down {mb['bytes_group_worker']:.1f} to-global {mb['bytes_group_global']:.1f} "
                 f"from-global {mb['bytes_global_group']:.1f} total {sum(mb.values()):.1f}")
@@ -119,9 +120,9 @@ class ProgressLine:
               flush=True, file=sys.stderr)
 
 
-def _train_size(cfg: LaunchConfig) -> int:
+def _train_size(run: RunConfig) -> int:
     try:
-        return dataset_train_size(cfg.run.dataset, cfg.run.train_size)
+        return dataset_train_size(run.dataset, run.train_size)
     except MiniPSError:
         return 1
 
@@ -235,6 +236,7 @@ class Cluster:
             self._spawn(f"worker-{i}", [
                 "worker", "--connect", self.address, "--id", str(i), "--slowdown", str(factor),
                 *self._link_args(i), "--run-dir", str(self.run_dir), "--timeout", "60",
+                "--data", self.cfg.data,
                 "--device", self.cfg.device(i), *(["--amp"] if self.cfg.amp else [])],
                 netns=i if self.spaces else -1)
 
@@ -251,13 +253,14 @@ class Cluster:
         return args
 
     def start_evaluator(self) -> None:
-        self._spawn("evaluator", ["evaluator", "--connect", self.address,
-                                  "--run-dir", str(self.run_dir), "--timeout", "60"])
+        self._spawn("evaluator", ["evaluator", "--connect", self.address, "--data",
+                                  self.cfg.data, "--run-dir", str(self.run_dir), "--timeout",
+                                  "60"])
 
     def wait(self, timeout_s: float, progress: bool) -> int:
         """Until the server exits (its return code) or ``timeout_s`` passes (TimeoutError)."""
         assert self.server is not None
-        line = ProgressLine(self.run_dir, self.cfg) if progress else None
+        line = ProgressLine(self.run_dir, self.cfg.run) if progress else None
         deadline = time.monotonic() + timeout_s
         while self.server.poll() is None:
             if time.monotonic() > deadline:
@@ -438,6 +441,7 @@ class LaunchConfig:
     devices: list[str] = field(default_factory=lambda: ["auto"])  # per worker; last repeats
     amp: bool = False  # workers use mixed precision where their device supports it
     force: bool = False  # a --name directory holding an earlier run: move it aside (else refused)
+    data: str = "real"  # the workers' and evaluator's --data: real files, or synthetic (asked)
 
     def factors(self) -> list[float]:
         """Slowdown factor of each of the run's workers (missing ones are 1.0)."""
