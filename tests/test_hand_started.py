@@ -271,3 +271,37 @@ def test_a_worker_without_its_data_refuses_unless_asked_for_synthetic(
     cfg.data = "synthetic"
     build(cfg, run, 0).writer.close()
     assert read(tmp_path / "run")["worker-0"]["synthetic"] is True  # asked for, and recorded
+
+
+# -- a file describes a run ----------------------------------------------------------------------
+
+def test_a_toml_config_gives_flags_and_the_command_line_overrides_it(tmp_path: Path) -> None:
+    from minips.run.flags import with_config
+
+    path = tmp_path / "run.toml"
+    path.write_text('mode = "SSP"\ncompressor = "dgc"\nworkers = 3\nslowdown = [1, 2, 2]\n'
+                    'wall_s = 60\nno-plot = true\n[copt]\nwarmup_epochs = 0\n')
+    args = build_parser().parse_args(with_config(["local", "--config", str(path),
+                                                  "--wall-s", "30"]))
+    run = run_config_from_args(args)
+    assert (run.mode, run.workers, run.wall_s) == ("ssp", 3, 30.0)  # the flag wins
+    assert args.slowdown == [1.0, 2.0, 2.0] and args.no_plot
+    assert run.compressor_opts == {"warmup_epochs": 0}
+
+
+def test_a_toml_key_that_is_no_flag_is_refused_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("workerz = 3\n")
+    assert main(["server", "--config", str(path)]) == 2
+    assert "'workerz' is not a flag of this command" in capsys.readouterr().err
+
+
+def test_the_course_example_is_a_valid_run_for_local_and_simulate() -> None:
+    from minips.run.flags import with_config
+
+    course = Path(__file__).parent.parent / "examples" / "course.toml"
+    for command in ("local", "simulate"):
+        args = build_parser().parse_args(with_config([command, "--config", str(course)]))
+        run = run_config_from_args(args)
+        assert (run.mode, run.compressor, run.workers, run.epochs) == ("gssp", "gdtopk", 4, 1.0)

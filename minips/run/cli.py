@@ -50,7 +50,7 @@ from minips.net.endpoints import (
 )
 from minips.record.checkpoint import load
 from minips.record.metrics import summarize
-from minips.record.rundir import claim
+from minips.record.rundir import claim, dump_json
 from minips.run import flags
 from minips.run.checks import (
     check_address,
@@ -68,7 +68,7 @@ from minips.run.launch import LaunchConfig, ProgressLine
 from minips.serve.group_process import GroupConfig
 from minips.server import GlobalServer, ServerConfig
 
-__all__ = ["serve_run", "run_server", "reachable_hosts", "join_commands", "main"]
+__all__ = ["serve_run", "run_server", "reachable_hosts", "join_commands", "keep_flags", "main"]
 
 TOKEN_ENV = "MINIPS_TOKEN"
 PROGRESS_EVERY_S = 10.0  # `minips server`'s progress line, one every this many seconds
@@ -269,6 +269,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
     aside = claim(args.run_dir, resume=args.resume, force=args.force)
     if aside is not None:
         print(f"minips server: moved the earlier run in {args.run_dir} to {aside}", flush=True)
+    keep_flags(args, Path(args.run_dir))
     if 0 < cfg.run.fixed_groups != args.external_groups > 0:
         raise ConfigError(f"--external-groups {args.external_groups}: this run forms "
                           f"{cfg.run.fixed_groups} group(s) (--mode {cfg.run.mode}, --groups "
@@ -293,6 +294,14 @@ def _report(cfg: ServerConfig, srv: GlobalServer) -> None:
           f"{'- (no evaluator: --eval)' if acc is None else f'{acc:.4f}'} "
           f"({summary.get('data') or 'unknown'} data)\n"
           f"  summary: {Path(cfg.run_dir) / 'summary.json'}", flush=True)
+
+
+def keep_flags(args: argparse.Namespace, run_dir: Path) -> None:
+    """``flags.json`` in the run directory: every flag of the command, merged (its --config
+    file, then the command line), as the run used them."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_json(run_dir / "flags.json", {k: v for k, v in vars(args).items()
+                                        if k not in ("run_defaults", "default_budget")})
 
 
 def _cmd_group(args: argparse.Namespace) -> int:
@@ -381,7 +390,12 @@ COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `minips` command; returns the exit status."""
     lifeline.watch_parent()  # started by a launcher: do not outlive it
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(flags.with_config(argv))
+    except ConfigError as exc:  # the --config file: unreadable, or a key that is no flag
+        print(f"minips: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

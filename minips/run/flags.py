@@ -65,6 +65,8 @@ __all__ = [
     "simulate_command",
     "build_parser",
     "DESCRIPTION",
+    "CONFIG_COMMANDS",
+    "with_config",
 ]
 
 
@@ -138,6 +140,9 @@ FLAG_OF = {dest: flag for flag, dest, _, _ in RUN_FLAGS} | {"budget": "--epochs/
 def add_run_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
     """The run flags, on a sub-command whose own ``defaults`` (RunConfig fields) replace
     RunConfig's (``run_config_from_args`` starts from them)."""
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file of this command's flags, one key per flag (wall-s = 60, "
+                   "slowdown = [1, 2], [copt] table); flags given here override it")
     p.add_argument("--preset", choices=sorted(PRESETS), help="named set of defaults")
     p.add_argument("--copt", action="append", type=_key_value, metavar="KEY=VALUE",
                    help="compressor option, e.g. warmup_epochs=1 (repeatable)")
@@ -202,6 +207,63 @@ def _key_value(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+# -- --config run.toml: a file of flags ----------------------------------------------------------
+
+CONFIG_COMMANDS = ("local", "server", "simulate", "ray")  # the commands that take --config
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the same parser, as a package before 3.11
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+
+
+def _tokens(path: str, key: str, value: Any, options: set[str]) -> list[str]:
+    """The command-line tokens of one key of a --config file."""
+    flag = "--" + key.replace("_", "-")
+    if flag not in options or flag == "--config":
+        raise ConfigError(f"--config {path}: {key!r} is not a flag of this command")
+    if key == "copt" and isinstance(value, dict):
+        return [t for k, v in value.items() for t in (flag, f"{k}={json.dumps(v)}")]
+    if isinstance(value, bool):
+        return [flag] if value else []
+    if isinstance(value, list):
+        return [flag, ",".join(str(v) for v in value)]
+    if isinstance(value, dict):
+        raise ConfigError(f"--config {path}: {key!r} is a table; only [copt] is one")
+    return [flag, str(value)]
+
+
+def with_config(argv: list[str]) -> list[str]:
+    """``argv`` with the flags of its --config TOML file put in front of the command's own, so
+    that a flag on the command line overrides the file's (argparse keeps the last)."""
+    path = _config_path(argv)
+    if not argv or argv[0] not in CONFIG_COMMANDS or path is None:
+        return argv
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = set(sub.choices[argv[0]]._option_string_actions)
+    tokens = [t for k, v in _load_toml(path).items() for t in _tokens(path, k, v, options)]
+    return [argv[0], *tokens, *argv[1:]]
 
 
 # -- `minips ray` flags: the run flags plus where each role goes on Ray ----------------------------
