@@ -82,7 +82,7 @@ from minips.net import links, transport
 from minips.net.channel import Channel
 from minips.net.endpoints import client_ssl, parse_address, reachable
 from minips.record.metrics import record
-from minips.record.rundir import JsonlWriter, RunDir
+from minips.record.rundir import JsonlWriter, RunDir, join_run
 from minips.wire import messages
 
 __all__ = [
@@ -187,6 +187,10 @@ class Parts:
 
 def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
     """Build worker ``worker_id``'s parts, print where it computes and write that down."""
+    aside = join_run(cfg.run_dir, run.to_info())  # never append to another run's files
+    if aside is not None:
+        print(f"minips worker {worker_id}: moved an earlier run's files in {cfg.run_dir} to "
+              f"{aside}", file=sys.stderr, flush=True)
     torch.set_num_threads(cfg.torch_threads)
     dev = device.pick_device(cfg.device)
     model = models.build_model(run.model, run.seed)

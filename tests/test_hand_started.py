@@ -305,3 +305,17 @@ def test_the_course_example_is_a_valid_run_for_local_and_simulate() -> None:
         args = build_parser().parse_args(with_config([command, "--config", str(course)]))
         run = run_config_from_args(args)
         assert (run.mode, run.compressor, run.workers, run.epochs) == ("gssp", "gdtopk", 4, 1.0)
+
+
+def test_a_worker_joining_another_run_moves_the_earlier_files_aside(tmp_path: Path) -> None:
+    from minips.record.rundir import join_run
+
+    own = tmp_path / "worker"
+    first = RunConfig(t0=1000.0).to_info()
+    assert join_run(own, first) is None  # a fresh directory: the run's config is written
+    (own / "worker-0.jsonl").write_text('{"t": 1, "clock": 1}\n')
+    assert join_run(own, first) is None  # the same run (a rejoin): its files stay
+    assert (own / "worker-0.jsonl").exists()
+    aside = join_run(own, RunConfig(t0=2000.0).to_info())  # the next run
+    assert aside == tmp_path / "worker.old-1" and (aside / "worker-0.jsonl").exists()
+    assert sorted(p.name for p in own.iterdir()) == ["config.json"]

@@ -24,7 +24,8 @@ Layout of a run directory (the writers in server.py / group.py / worker.py follo
     summary.json         written by summarize()
 
 One run, one directory: ``claim`` refuses a directory that holds another run (``holds_run``)
-unless the run is resumed or the old one is moved aside, so no file ever mixes two runs.
+unless the run is resumed or the old one is moved aside, and a worker joining a run
+(``join_run``) moves another run's files aside, so no file ever mixes two runs.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any, TextIO
 
 from minips.errors import ConfigError
 
-__all__ = ["JsonlWriter", "RunDir", "holds_run", "claim", "read_config", "read_jsonl",
+__all__ = ["JsonlWriter", "RunDir", "holds_run", "claim", "join_run", "read_config", "read_jsonl",
            "tail_jsonl", "dump_json", "num"]
 
 
@@ -162,6 +163,21 @@ def claim(path: str | os.PathLike[str], *, option: str = "--run-dir", resume: bo
         n += 1
     aside = p.with_name(f"{p.name}.old-{n}")
     p.rename(aside)
+    return aside
+
+
+def join_run(path: str | os.PathLike[str], config: Mapping[str, Any]) -> Path | None:
+    """A process joining the run ``config`` (named by its ``t0``) writes into ``path``: when
+    the directory holds another run (another ``t0``, or files without a config), that run is
+    moved aside to ``<path>.old-N`` first; ``config.json`` is written when missing. Returns
+    where the other run went (None: nothing moved; a rejoin of the same run appends)."""
+    p = Path(path)
+    saved = read_config(p).get("t0")
+    aside = None
+    if holds_run(p) and saved != config.get("t0"):
+        aside = claim(p, force=True)
+    if not (p / "config.json").exists():
+        RunDir(p, t0=config.get("t0")).write_config(config)
     return aside
 
 
