@@ -223,7 +223,7 @@ def test_a_worker_started_from_the_printed_line_trains_and_the_server_reports(
     server = subprocess.Popen(
         [sys.executable, "-m", "minips", "server", "--host", "0.0.0.0", "--port", "0",
          "--advertise", "127.0.0.1", "--workers", "1", "--max-steps", "4", "--batch-size", "16",
-         "--run-dir", str(tmp_path / "run")],
+         "--dashboard", "0.0.0.0:0", "--run-dir", str(tmp_path / "run")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     worker = None
     try:
@@ -235,6 +235,8 @@ def test_a_worker_started_from_the_printed_line_trains_and_the_server_reports(
                 break
         join = seen[-1]
         assert "real speeds" in seen[0]
+        dashboard = next(ln for ln in seen if "dashboard at" in ln)
+        assert "//127.0.0.1:" in dashboard and "0.0.0.0" not in dashboard  # one to open
         argv = shlex.split(join.removeprefix("join: "))  # 'minips worker ...' as printed
         assert argv[0] == "minips"
         worker = subprocess.Popen([sys.executable, "-m", *argv], env=env,
@@ -247,6 +249,8 @@ def test_a_worker_started_from_the_printed_line_trains_and_the_server_reports(
         assert (tmp_path / "run" / "summary.json").exists()
         err = worker.communicate(timeout=30)[1]
         assert worker.returncode == 0 and "minips worker 0: done after 4 steps" in err
+        events = (tmp_path / "runs" / "worker" / "worker-0.jsonl").read_text()
+        assert '"group_lost"' not in events  # the group server closing at the end is no loss
     finally:
         for p in (server, worker):
             if p is not None and p.poll() is None:
@@ -319,3 +323,11 @@ def test_a_worker_joining_another_run_moves_the_earlier_files_aside(tmp_path: Pa
     aside = join_run(own, RunConfig(t0=2000.0).to_info())  # the next run
     assert aside == tmp_path / "worker.old-1" and (aside / "worker-0.jsonl").exists()
     assert sorted(p.name for p in own.iterdir()) == ["config.json"]
+
+
+def test_a_url_on_a_wildcard_address_names_one_to_open() -> None:
+    from minips.net.endpoints import reachable_url
+
+    assert reachable_url("http://0.0.0.0:8080/", "10.0.0.5") == "http://10.0.0.5:8080/"
+    assert reachable_url("http://[::]:8080/m?x=1", "fd00::2") == "http://[fd00::2]:8080/m?x=1"
+    assert reachable_url("http://127.0.0.1:8080/", "10.0.0.5") == "http://127.0.0.1:8080/"

@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
     import ssl
 
 __all__ = [
-    "WILDCARD_HOSTS", "parse_address", "format_address", "reachable", "local_addresses",
+    "WILDCARD_HOSTS", "parse_address", "format_address", "reachable", "reachable_url",
+    "local_addresses",
     "server_ssl",
     "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind", "TOKEN_ENV", "shared_secret",
     "DASHBOARD_TOKEN_ENV", "DASHBOARD_TOKEN_BYTES", "dashboard_secret", "TLS_CAPABILITY",
@@ -122,6 +123,16 @@ def local_addresses() -> list[str]:
             found.append(str(addr[0]))
     unique = list(dict.fromkeys(a for a in found if not a.startswith("fe80")))
     return [a for a in unique if not is_loopback(a)] or ["127.0.0.1"]
+
+
+def reachable_url(url: str, host: str) -> str:
+    """``url`` ('http://0.0.0.0:8080/...') with a wildcard host replaced by ``host``: an
+    address to listen on is not one to open."""
+    scheme, sep, rest = url.partition("//")
+    address, slash, path = rest.partition("/")
+    if not sep or _split_address(address, 0)[0] not in WILDCARD_HOSTS:
+        return url
+    return f"{scheme}//{reachable(address, host)}{slash}{path}"
 
 
 def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:

@@ -14,9 +14,17 @@ machines without it. The shared secret comes from the environment (MINIPS_TOKEN)
 flag, so it does not show in `ps`; the dashboard's own read-only token too
 (MINIPS_DASHBOARD_TOKEN, or one made at start), never the cluster's.
 
-Run settings resolve in this order: RunConfig defaults, then ``--run-config``, then
-``--preset``, then explicit flags (``flags.run_config_from_args``). Errors the user can fix (bad
-flag, unreachable address, wrong secret) print one line and exit 2.
+Run settings resolve in this order: RunConfig defaults (a command's own first: `minips
+server` has no emulated base step), then ``--run-config``, then ``--preset``, then explicit
+flags (``flags.run_config_from_args``); a run that names no budget gets one epoch.
+``--config FILE.toml`` supplies flags in front of the command line's (``flags.with_config``), so
+the command line overrides the file. Errors the user can fix (bad flag, unreachable address,
+wrong secret, a run directory that holds another run) print one line and exit 2.
+
+`minips server` says what it does on its console: the commands other machines run (``join:``
+/ ``group:`` lines with its reachable address, ``join_commands``), joins and the groups
+(``server.console_line``), a progress line, and at the end the headline of the summary.json it
+writes in its run directory.
 
 Public API: ``serve_run``, ``run_server``, ``main``.
 """
@@ -47,6 +55,7 @@ from minips.net.endpoints import (
     format_address,
     local_addresses,
     parse_address,
+    reachable_url,
 )
 from minips.record.checkpoint import load
 from minips.record.metrics import summarize
@@ -128,10 +137,7 @@ async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
                                     tensorboard=cfg.tensorboard, token=dashboard_secret(),
                                     insecure=cfg.insecure), srv)
     url = await monitor.start()
-    wildcard = next((f"//{h}:" for h in ("0.0.0.0", "[::]") if f"//{h}:" in url), "")
-    if url and wildcard:  # an address to listen on, not one to open: where it is reached
-        host = reachable_hosts(cfg)[0]
-        url = url.replace(wildcard, f"//[{host}]:" if ":" in host else f"//{host}:", 1)
+    url = reachable_url(url, reachable_hosts(cfg)[0]) if url else url
     if url:
         print(f"minips server: dashboard at {url}  (Prometheus: {url.split('?')[0].rstrip('/')}"
               f"/metrics)", flush=True)

@@ -59,7 +59,9 @@ from minips.net.endpoints import (
     DASHBOARD_TOKEN_BYTES,
     DASHBOARD_TOKEN_ENV,
     is_loopback,
+    local_addresses,
     parse_address,
+    reachable_url,
 )
 from minips.record.metrics import HOP_COUNTERS, live_hop_bytes, read, summarize, verdict
 from minips.record.plot import plot_run
@@ -225,6 +227,7 @@ class Cluster:
                 return  # the server's log says why; the run's end reports it
             time.sleep(0.05)
         url = url_file.read_text().strip()  # the address only: no token in the run directory
+        url = reachable_url(url, local_addresses()[0])  # not 0.0.0.0: one a browser opens
         host = parse_address(url.split("//", 1)[-1].rstrip("/"), 0)[0]
         if self.dashboard_token and not is_loopback(host):
             url += f"?token={self.dashboard_token}"
