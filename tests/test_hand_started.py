@@ -234,7 +234,7 @@ def test_a_worker_started_from_the_printed_line_trains_and_the_server_reports(
             if ln.startswith("join: "):
                 break
         join = seen[-1]
-        assert "real speeds" in seen[0]
+        assert "real speeds" in next(ln for ln in seen if "listening on" in ln)
         dashboard = next(ln for ln in seen if "dashboard at" in ln)
         assert "//127.0.0.1:" in dashboard and "0.0.0.0" not in dashboard  # one to open
         argv = shlex.split(join.removeprefix("join: "))  # 'minips worker ...' as printed
