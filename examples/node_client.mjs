@@ -187,7 +187,7 @@ function lz4Decompress(src, rawLen) {
 // Frames and messages (sections 1, 2, 3).
 
 const MAGIC = Buffer.from('MNPS', 'ascii');
-const VERSION = 3;
+const VERSION = 4;
 const MAX_FRAME = 512 * 1024 * 1024, MAX_META = 1024 * 1024, MAX_BUFFERS = 16, MAX_RAW = 512 * 1024 * 1024;
 
 const K = {
@@ -211,13 +211,15 @@ const SCHEMA = {
   [K.ACK]: { clock: 'int', version: 'int' },
   [K.PULL]: { clock: 'int', since: 'id' },
   [K.WEIGHTS]: { version: 'int', since: 'id', encoding: 'name', codec: 'map', done: 'bool', group: 'id',
-    waited_for: 'array', ratio: 'ratio', lead: 'sint', min_clock: 'id', drift: 'float' },
+    waited_for: 'array', ratio: 'ratio', lead: 'sint', min_clock: 'id', drift: 'float',
+    lr_factor: 'float>=0', progress: 'ratio' },
   [K.HEARTBEAT]: { seq: 'int' },
   [K.LEAVE]: { reason: 'text' },
   [K.ERROR]: { code: 'name', reason: 'text' },
   [K.EXCHANGE]: { session: 'int', seq: 'int', version: 'int', final: 'bool', pushes: 'int', samples: 'int',
     step_time: 'float>=0', loss: 'float', iter_time: 'float>=0', bytes_in: 'int', bytes_out: 'int',
-    min_clock: 'id', max_clock: 'id', encoding: 'name', codec: 'map' },
+    min_clock: 'id', max_clock: 'id', pull_workers: 'array', pull_leads: 'array',
+    pull_waits_us: 'array', encoding: 'name', codec: 'map' },
   [K.EXCHANGE_REPLY]: { version: 'int', done: 'bool', samples: 'int', saved_exchanges: 'array',
     encoding: 'name', codec: 'map' },
   [K.GLOBAL_WEIGHTS]: { version: 'int', done: 'bool', size: 'int', samples: 'int', t: 'float',

@@ -35,7 +35,7 @@ import msgpack
 
 PREFIX = struct.Struct("<4sBBBBII")  # magic, version, kind, nbuf, flags, meta_len, body_len
 TABLE_ENTRY = struct.Struct("<B3xII")  # codec, padding, wire_len, raw_len
-MAGIC, VERSION = b"MNPS", 3
+MAGIC, VERSION = b"MNPS", 4
 HELLO, CHALLENGE, AUTH, WELCOME, REFUSE, ASSIGN, STATS = 1, 2, 3, 4, 5, 6, 7
 PUSH, ACK, PULL, WEIGHTS, HEARTBEAT, LEAVE, ERROR = 8, 9, 10, 11, 12, 13, 14
 GLOBAL_WEIGHTS = 17  # the global server's answer to a PULL (EXCHANGE 15, its reply 16 and

@@ -142,6 +142,7 @@ class GlobalServer:
                                             accept=self._accept, handler=self._handle,
                                             ssl=self._ssl)
         self.port = int(self.server.port)
+        self.fit_limits()
         self._clean_temps()
         if self._restored is not None:
             await self._reopen(self._restored)
@@ -151,10 +152,16 @@ class GlobalServer:
             _write_atomic(self.cfg.ready_file, f"{self.cfg.host} {self.port}\n")
         return self.port
 
+    def fit_limits(self) -> None:
+        """Narrow what peers may send to this model's frames (``frames.Limits.sized_for``),
+        once the model is known (given, restored, or a worker's INIT_WEIGHTS)."""
+        if self.server is not None and self.core.weights is not None:
+            self.server.set_limits(frames.DEFAULT_LIMITS.sized_for(self.core.weights.size))
+
     async def wait_finished(self) -> None:
         """Until the run is over and (if one is connected) the evaluator saw the final weights."""
         await self.finished.wait()
-        if self._has_evaluator():
+        if self.has_evaluator():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.evaluated_final.wait(), self.cfg.linger_s)
 
@@ -230,7 +237,8 @@ class GlobalServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
 
-    def _has_evaluator(self) -> bool:
+    def has_evaluator(self) -> bool:
+        """An evaluator is connected (it PULLs the global weights: accuracy and loss)."""
         return self.server is not None and any(
             ch.peer_hello is not None and ch.peer_hello.role == "evaluator"
             for ch in self.server.channels)
@@ -252,6 +260,7 @@ class GlobalServer:
                 self._send_ratios(a.ratios)
             elif isinstance(a, global_core.WeightsReady):
                 self.weights_ready.set()
+                self.fit_limits()
             elif isinstance(a, global_core.Done):
                 self._on_done()
             elif isinstance(a, global_core.AllFinal):
@@ -495,9 +504,8 @@ class InProcLink:
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
         core = self.server.core
-        res, actions = core.merge(group, delta, stats)
-        res.bytes_up = frames.wire_size(exchange_message(delta, stats))
-        res.bytes_down = frames.wire_size(core.exchange_reply(group, res.weights))
+        res, actions = core.merge(group, delta, stats,
+                                  frames.wire_size(exchange_message(delta, stats)))
         self.server.perform(actions)
         return res
 

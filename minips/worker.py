@@ -12,6 +12,8 @@ Then, on the group server's connection:
                                 the whole weights or the coordinates that changed since
                                 (core.downlink); a new connection starts from the whole weights
     gradient on the next batch  of its shard, in the reference loop's order (minips.ml.reference)
+    (optimizer)                 with ``optimizer_at`` ``worker``: the update of the worker's
+                                own SGD at the lr factor WEIGHTS gave (core.worker_opt)
     compress                    registry.make_compressor, error feedback kept here (on the
                                 device for top-k flavours off the CPU: compress.device_compress)
     sleep                       so that the step takes max(compute, F x base_step_s)
@@ -76,6 +78,7 @@ from minips.compress.base import Compressor
 from minips.compress.device_compress import device_compressor
 from minips.core.config import RunConfig, WorkerConfig
 from minips.core.downlink import apply_weights
+from minips.core.worker_opt import Upload
 from minips.errors import AuthError, DataError, MiniPSError, RemoteProtocolError
 from minips.ml import data, device, models
 from minips.net import links, transport
@@ -338,6 +341,7 @@ class Worker:
         self.replica: np.ndarray | None = None  # (n,) float32 the group's published weights
         self.held = -1  # their version on the current group connection; -1: none
         self.writer: JsonlWriter | None = None  # set up once WELCOME told the run config
+        self.lr_factor, self.progress = 1.0, 0.0  # from the last WEIGHTS (core.worker_opt)
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -373,6 +377,7 @@ class Worker:
         parts = build(self.cfg, self.run_cfg, self.id)
         self.parts, self.trainer, self.compressor = parts, parts.trainer, parts.compressor
         self.stream, self.writer = parts.stream, parts.writer
+        self.upload = Upload(self.run_cfg, self.compressor)  # with the optimizer, if it is here
 
     async def _send_initial(self) -> None:
         flat = self.trainer.host_weights()  # (n,) float32
@@ -482,6 +487,7 @@ class Worker:
         self.replica = apply_weights(self.replica, self.held, w, self.compressor.size)
         self.held = int(w.version)
         self.trainer.load(self.replica)
+        self.lr_factor, self.progress = w.lr_factor, w.progress  # for this step's update
         return dict(w.info)
 
     async def _step(self, link: Link, info: dict[str, Any], wait_s: float, t: float) -> None:
@@ -493,7 +499,8 @@ class Worker:
         lap.append(time.perf_counter())
         self.compressor.set_epoch(self.samples / max(1, self.parts.shard_size))
         self.compressor.observe_loss(loss)
-        packet = self.compressor.compress(grad)
+        packet = self.upload.packet(grad, self.replica, lr_factor=self.lr_factor,
+                                    progress=self.progress)
         lap.append(time.perf_counter())
         encoding, codec, buffers = self.compressor.encode(packet)  # in the encoding it declares
         lap.append(time.perf_counter())
@@ -548,7 +555,7 @@ class Worker:
             "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
             "bytes_wire": wire_bytes, "link_bytes_up": link.ch.bytes_sent,
             "link_bytes_down": link.ch.bytes_received, **phases,
-            **({"drift": info["drift"]} if "drift" in info else {})})
+            **({"drift": info["drift"]} if "drift" in info else {}), **self.upload.record()})
 
 
 def run_worker(cfg: WorkerConfig) -> None:

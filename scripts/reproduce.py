@@ -6,6 +6,7 @@
     python scripts/reproduce.py --link-suite   # fmnist8 over 20 mbit links: dense vs 1%, ~20 min
     python scripts/reproduce.py --quick --link 10mbit   # any suite over shaped links
     python scripts/reproduce.py --quick --table-only   # rebuild table + plots from the runs
+    python scripts/reproduce.py --quick --optimizer-at worker   # SGD on the workers, every run
 
 Every run is a real `minips local` cluster (``minips.run.launch.run_local``) started one after
 another, never in parallel, so that their wall times compare. A *suite* fixes the model, the
@@ -13,7 +14,9 @@ slowdown profile, the optimizer (lr, momentum, weight decay, batch), the seed(s)
 weights (written from the seed by the launcher) and the samples budget; its *experiments* change
 only the mode and the compressor. A suite may also put its workers behind bandwidth-limited
 links (``link``, a `minips local --link` profile, docs/links.md; ``--link`` sets one for every
-suite run). Output under ``results/<name>/``:
+suite run). A row's overrides are RunConfig fields, so a row may also say where the optimizer
+runs and which of DGC's pieces are on (``optimizer_at``, ``momentum_masking``, ``grad_clip``,
+``compressor_opts`` ``warmup_fraction``). Output under ``results/<name>/``:
 
     runs/<suite>-<experiment>-s<seed>/   the run directory (config.json, launch.json = the full
                                          config with the seed, metrics, summary.json) plus
@@ -45,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from minips.core.config import RunConfig
+from minips.core.config import OPTIMIZER_PLACES, RunConfig
 from minips.core.optim import SCHEDULES
 from minips.errors import ConfigError, MiniPSError
 from minips.net.links import SHAPINGS, parse_profile
@@ -309,10 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
-    """--epochs / --lr / --lr-schedule / --momentum / --base-step / --seeds (tuning and
-    partial reruns), --link / --link-shaping (every run of the suite)."""
+    """--epochs / --lr / --lr-schedule / --momentum / --optimizer-at / --base-step / --seeds
+    (tuning and partial reruns), --link / --link-shaping (every run of the suite)."""
     for flag, key in (("epochs", "epochs"), ("lr", "lr"), ("lr_schedule", "lr_schedule"),
-                      ("momentum", "momentum"), ("base_step", "base_step_s")):
+                      ("momentum", "momentum"), ("optimizer_at", "optimizer_at"),
+                      ("base_step", "base_step_s")):
         if getattr(args, flag) is not None:
             suite.run[key] = getattr(args, flag)
     if args.seeds:
@@ -343,6 +347,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-schedule", choices=SCHEDULES,
                    help="override the lr schedule (every experiment)")
     p.add_argument("--momentum", type=float, help="override the momentum (every experiment)")
+    p.add_argument("--optimizer-at", choices=OPTIMIZER_PLACES,
+                   help="where SGD runs in every experiment: server (default) or worker")
     p.add_argument("--base-step", type=float, help="override the emulated base step, s")
     p.add_argument("--seeds", help="override the seeds, e.g. 0,1,2")
     p.add_argument("--link", type=_link, help="workers' links for every run, e.g. 10mbit "

@@ -91,6 +91,21 @@ def test_fingerprint_accepts_the_same_run_and_names_every_difference() -> None:
         check_compatible({**state, "format": 999}, dict(RUN), 10)
 
 
+def test_a_resume_keeps_where_the_optimizer_runs() -> None:
+    """The group servers' velocity exists with the optimizer on them only: a checkpoint of one
+    placement is refused for the other; one written before the field existed counts as
+    ``server``."""
+    server, worker = {**RUN, "optimizer_at": "server"}, {**RUN, "optimizer_at": "worker"}
+    state = {"format": FORMAT, "fingerprint": fingerprint(server, 10)}
+    with pytest.raises(ConfigError, match="optimizer_at: checkpoint 'server', this run 'worker'"):
+        check_compatible(state, worker, 10)
+    older = {"format": FORMAT, "fingerprint": {k: v for k, v in fingerprint(server, 10).items()
+                                                if k != "optimizer_at"}}
+    check_compatible(older, server, 10)
+    with pytest.raises(ConfigError, match="optimizer_at"):
+        check_compatible(older, worker, 10)
+
+
 async def test_the_server_removes_temp_files_of_writes_killed_midway(tmp_path: Path) -> None:
     """A server killed while writing leaves `.checkpoint.npz.tmp<pid>`; the next server start
     deletes those of dead processes and keeps one a live process may still be writing."""

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from conftest import minips_server, recv_as
+import raw_worker
+from conftest import recv_as
+from raw_worker import MB, N
 
 from minips import sparse
 from minips.core.config import RunConfig
@@ -31,18 +32,11 @@ from minips.server import GlobalServer, ServerConfig
 from minips.wire import frames, messages
 
 TOKEN = "control-flood-secret-0123"
-N = 61_706  # LeNet-5's parameters, the server's default model
-MB = 1 << 20
 WINDOW_S = 4.0  # seconds of each measurement: long enough to average out a loaded machine
 COMPUTE_S = 0.03  # a good worker's "gradient" time per step
 
 
-@contextlib.contextmanager
-def server(tmp: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str, int]]:
-    """A `minips server` with known initial weights, so no worker needs to send them."""
-    np.save(tmp / "init.npy", np.zeros(N, np.float32))
-    with minips_server(tmp, TOKEN, "--init", str(tmp / "init.npy"), *flags) as (proc, host, port):
-        yield proc, host, int(port)
+server = functools.partial(raw_worker.server, token=TOKEN)  # with known initial weights
 
 
 GRAD = sparse.encode_vector(sparse.SparseVector(  # (encoding, codec, buffers): 8 coordinates
@@ -61,12 +55,7 @@ def init_weights() -> messages.InitWeights:
     return messages.InitWeights(size=N, encoding=encoding, codec=codec, buffers=tuple(buffers))
 
 
-async def control(host: str, port: int, w: int) -> tuple[Any, messages.Assign]:
-    """Worker ``w``'s control channel, its calibration STATS sent; (channel, its ASSIGN)."""
-    ctl = await transport.connect(host, port, role="worker", worker_id=w, token=TOKEN,
-                                  options=channel.Options(heartbeat=1.0))
-    await ctl.send(messages.Stats(clock=0, step_time=COMPUTE_S, loss=2.3, samples=32))
-    return ctl, await recv_as(ctl, messages.Assign, 60)
+control = functools.partial(raw_worker.control, token=TOKEN, step_time=COMPUTE_S)
 
 
 async def good_worker(host: str, port: int, w: int, steps: list[float],

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import recv_as
+from conftest import records, recv_as
 from raw_group import Cluster, closed, values
 
 from minips.serve.validation import MAX_EXCHANGE_COUNT
@@ -117,3 +117,21 @@ async def test_worker_traffic_of_all_groups_stops_at_2_62(tmp_path: Path, counte
         assert w.info["bytes_up" if counter == "bytes_in" else "bytes_down"] == MAX_COUNT
     finally:
         await c.close()
+
+
+async def test_answered_pulls_must_come_one_entry_per_pull_in_each_list(tmp_path: Path) -> None:
+    """EXCHANGE's pull_workers, pull_leads and pull_waits_us of unequal length are refused;
+    equal ones are merged, and the merge line carries them and the exchange's bytes."""
+    c = await Cluster(tmp_path).start()
+    try:
+        await c.pull(c.groups[0])
+        ok = await c.exchange(c.groups[0], pull_workers=[0, 1], pull_leads=[2, 0],
+                              pull_waits_us=[1500, 0])
+        assert isinstance(ok, messages.ExchangeReply)
+        await refused_and_nothing_changed(c, 0, seq=2, pull_workers=[0, 1], pull_leads=[2],
+                                          pull_waits_us=[1500, 0])
+    finally:
+        await c.close()
+    merge = [r for r in records(tmp_path / "global.jsonl") if r.get("event") == "merge"]
+    assert len(merge) == 1 and merge[0]["pull_leads"] == [2, 0]
+    assert merge[0]["bytes_to_global"] > 0 and merge[0]["bytes_from_global"] > 0

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +24,6 @@ from conftest import interrupt, records, wait_for
 pytest.importorskip("aiohttp", reason="the dashboard extra is not installed")
 parser = pytest.importorskip("prometheus_client.parser")
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--window-size=1400,900")
 RUN_FLAGS = ("local", "--mode", "gssp", "--compressor", "gdtopk", "--workers", "4", "--groups",
              "2", "--slowdown", "1,1,3,3", "--wall-s", "40", "--eval-every", "2",
              "--eval-limit", "1000", "--no-progress", "--no-plot", "--timeout", "240")
@@ -74,29 +69,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveRun]:
         run.stop()
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    """Headless Chromium through Selenium; skipped only where chromium is not installed (make
-    test installs it with apt-get where it can)."""
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        pytest.skip(f"{CHROMIUM} / {CHROMEDRIVER} not installed (apt-get install chromium "
-                    "chromium-driver)")
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    profile = tempfile.mkdtemp(prefix="minips-chromium-")
-    for flag in (*CHROME_FLAGS, f"--user-data-dir={profile}"):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
-
-
 def _families(text: str) -> dict[str, Any]:
     return {f.name: f for f in parser.text_string_to_metric_families(text)}
 
@@ -116,7 +88,7 @@ def test_metrics_parse_with_prometheus_text_parser_during_the_run(live: LiveRun)
     hops = {s.labels["hop"]: s.value for s in fams["minips_bytes"].samples}
     assert set(hops) == {"worker_to_group", "group_to_worker", "group_to_global",
                          "global_to_group"}
-    for name in ("minips_staleness", "minips_wait_seconds"):
+    for name in ("minips_staleness_steps", "minips_ssp_wait_seconds"):
         assert fams[name].type == "histogram"
         buckets = [s for s in fams[name].samples if s.name.endswith("_bucket")]
         assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value > 0

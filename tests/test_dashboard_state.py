@@ -28,6 +28,12 @@ def push(w: int, t: float, clock: int, group: int = 0, **kw: Any) -> dict[str, A
             "wait_s": 0.05, "staleness": 0, "bytes_wire": 100, "bytes_raw": 400, **kw}
 
 
+def merge(g: int, t: float, **kw: Any) -> dict[str, Any]:
+    """A global.jsonl merge line of group ``g``, with the counters its EXCHANGE carried."""
+    return {"t": t, "event": "merge", "group": g, "pushes": 0, "min_clock": 0, "max_clock": 0,
+            "pull_workers": [], "pull_leads": [], "pull_waits_us": [], **kw}
+
+
 # -- RunState ----------------------------------------------------------------------------------
 
 
@@ -63,14 +69,21 @@ def test_the_probe_says_who_waits_and_keeps_a_slow_worker_alive() -> None:
 
 def test_per_push_fields_upload_ratio_and_histograms() -> None:
     s = RunState(CONFIG)
-    for i, (stale, wait) in enumerate([(0, 0.002), (1, 0.03), (3, 0.7)]):
-        s.add("worker", push(0, 1.0 + i, i + 1, staleness=stale, wait_s=wait))
+    for i in range(3):
+        s.add("worker", push(0, 1.0 + i, i + 1, staleness=i))
     row = s.update(4.0)["workers"][0]
-    assert row["upload_ratio"] == 0.25 and row["bytes_per_push"] == 100 and row["pushes"] == 3
+    assert row["upload_ratio"] == 0.25 and row["bytes_per_push"] == 100 and row["staleness"] == 2
+    assert s.staleness_hist.n == 0 and s.totals["pushes"] == 0  # counted from the merges only
+    s.add("global", merge(0, 4.0, pushes=3, pull_workers=[0, 0, 1], pull_leads=[0, 1, 3],
+                          pull_waits_us=[2000, 30000, 700000]))
+    assert s.totals["pushes"] == 3
     assert dict(s.staleness_hist.cumulative())["1.0"] == 2
     assert s.staleness_hist.cumulative()[-1] == ("+Inf", 3)
     assert dict(s.wait_hist.cumulative())["0.025"] == 1 and s.wait_hist.total == pytest.approx(
         0.732)
+    assert (s.workers[0].pulls, s.workers[1].pulls) == (2, 1)
+    assert s.workers[0].held_s == pytest.approx(0.032)
+    assert s.update(4.0)["held"] == [{"t": 4.0, "group": 0, "held": {"0": 0.032, "1": 0.7}}]
     h = Histogram((1.0, 2.0))
     h.observe(1.0)  # on a bound: counted in that bucket (le)
     h.observe(5.0)
@@ -110,23 +123,41 @@ def test_prometheus_collector_exposes_the_state_in_the_text_format() -> None:
 
     from minips.dashboard.web import RunCollector
 
-    s = RunState(CONFIG)
+    s = RunState({**CONFIG, "compressor": "topk", "model": "lenet5", "workers": 2})
     s.add("worker", push(0, 1.0, 1, wait_s=0.02))
     s.add("worker", push(1, 1.0, 1, group=1))
+    s.add("global", merge(1, 2.0, pushes=1, bytes_in=500, bytes_out=900, bytes_to_global=70,
+                          bytes_from_global=80, pull_workers=[1], pull_leads=[2],
+                          pull_waits_us=[20000]))
     s.add("global", {"t": 3.0, "event": "checkpoint", "bytes_up": 500, "bytes_down": 900})
     s.add("eval", {"t": 4.0, "accuracy": 0.75, "loss": 0.6})
     registry = CollectorRegistry()
     registry.register(RunCollector(s, lambda: 10.0))
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
-    value = {(f.name, s.name, tuple(sorted(s.labels.items()))): s.value
+    value = {(s.name, tuple(sorted(s.labels.items()))): s.value
              for f in fams.values() for s in f.samples}
-    assert value[("minips_checkpoint_age_seconds",) * 2 + ((),)] == 7.0
-    assert value[("minips_pushes", "minips_pushes_total", (("group", "1"),))] == 1
-    assert value[("minips_bytes", "minips_bytes_total", (("hop", "group_to_worker"),))] == 900
-    assert value[("minips_wait_seconds", "minips_wait_seconds_bucket", (("le", "0.025"),))] == 1
-    assert value[("minips_wait_seconds", "minips_wait_seconds_sum", ())] == pytest.approx(0.07)
-    assert value[("minips_workers_alive", "minips_workers_alive", (("group", "0"),))] == 1
-    assert value[("minips_accuracy",) * 2 + ((),)] == 0.75
+    assert value[("minips_last_checkpoint_timestamp_seconds", ())] == 1003.0  # t0 + t
+    assert value[("minips_pushes_total", (("group", "1"),))] == 1
+    assert ("minips_pushes_total", (("group", "0"),)) not in value  # no merge of group 0 yet
+    hop = {k: value[("minips_bytes_total", (("group", "1"), ("hop", k)))] for k in (
+        "worker_to_group", "group_to_worker", "group_to_global", "global_to_group")}
+    assert hop == {"worker_to_group": 500, "group_to_worker": 900, "group_to_global": 70,
+                   "global_to_group": 80}
+    assert "minips_group_bytes" not in fams  # the hops per group say it once
+    assert fams["minips_staleness_steps"].type == fams["minips_ssp_wait_seconds"].type \
+        == "histogram"
+    assert value[("minips_ssp_wait_seconds_bucket", (("le", "0.025"),))] == 1
+    assert value[("minips_ssp_wait_seconds_sum", ())] == pytest.approx(0.02)
+    assert value[("minips_staleness_steps_bucket", (("le", "2.0"),))] == 1
+    assert value[("minips_workers_alive", (("group", "0"),))] == 1
+    assert value[("minips_accuracy_ratio", ())] == 0.75 and "minips_accuracy" not in fams
+    worker1 = (("group", "1"), ("worker", "1"))
+    assert value[("minips_worker_up", worker1)] == value[("minips_worker_clock", worker1)] == 1
+    assert value[("minips_worker_pulls_total", worker1)] == 1
+    assert value[("minips_worker_ssp_wait_seconds_total", worker1)] == pytest.approx(0.02)
+    assert value[("minips_worker_step_seconds", worker1)] == 0.1
+    info = [k for k in value if k[0] == "minips_run_info"]
+    assert len(info) == 1 and dict(info[0][1])["compressor"] == "topk" and value[info[0]] == 1
 
 
 # -- following and replaying files ---------------------------------------------------------------
@@ -391,3 +422,61 @@ def test_totals_add_the_group_global_hop_from_the_groups_exchange_events() -> No
                         "bytes_from_global": back})
     s.add("group", {"t": 2.5, "event": "expired", "group": 1, "workers": [3]})  # no counters
     assert (s.totals["bytes_group_global"], s.totals["bytes_global_group"]) == (310, 940)
+
+
+def test_a_slow_worker_is_marked_against_the_whole_cluster_not_its_own_group() -> None:
+    """Under GSSP a group holds workers of one speed: the slow group's workers are marked
+    against the median of all live workers."""
+    s = RunState(CONFIG)
+    for w, g, step in [(0, 0, 0.1), (1, 0, 0.1), (2, 0, 0.11), (3, 1, 0.4), (4, 1, 0.4)]:
+        s.add("worker", push(w, 1.0, 1, group=g, step_time=step))
+    slow = {r["id"] for r in s.update(1.5)["workers"] if r["slow"]}
+    assert slow == {3, 4}
+
+
+def test_a_group_a_regroup_emptied_leaves_the_cards_and_the_per_group_gauges() -> None:
+    s = RunState(CONFIG)
+    s.add("global", {"t": 1.0, "event": "groups", "assignment": {"0": 0, "1": 0, "2": 1}})
+    for g in (0, 1):
+        s.add("global", merge(g, 1.5, min_clock=3, max_clock=4))
+    assert set(s.update(1.6)["groups"]) == {"0", "1"}
+    s.add("global", {"t": 2.0, "event": "regroup", "moved": {"2": 0}})
+    s.add("global", merge(1, 2.5, min_clock=-1, max_clock=-1, final=True))  # its last flush
+    msg = s.update(3.0)
+    assert set(msg["groups"]) == {"0"} and set(s.alive_per_group(3.0)) == {0}
+    assert s.groups[1]["min_clock"] == 3  # -1 (no live worker) is not a clock
+    assert msg["events"][-1]["text"] == "regrouped: worker 2 to group 0"
+
+
+def test_events_read_as_sentences_and_checkpoints_fold_into_one_count() -> None:
+    s = RunState(CONFIG)
+    s.add("global", {"t": 1.0, "event": "groups", "assignment": {"0": 0, "1": 1, "2": 0}})
+    s.add("global", {"t": 1.1, "event": "joined", "worker": 3, "version": 5, "samples": 64})
+    for t in (2.0, 3.0, 4.0):
+        s.add("global", {"t": t, "event": "checkpoint", "bytes": 1000, "write_s": 0.01})
+    s.add("global", {"t": 4.5, "event": "left", "worker": 3, "reason": "connection lost"})
+    s.add("global", {"t": 4.6, "event": "group_lost", "group": 1})
+    s.add("global", {"t": 5.0, "event": "done", "reason": "epochs"})
+    msg = s.update(5.0)
+    assert [e["text"] for e in msg["events"]] == [
+        "groups formed: group 0: workers 0, 2; group 1: workers 1", "worker 3 joined",
+        "worker 3 left: connection lost", "group 1: its group server is gone",
+        "run over: epochs"]
+    assert msg["checkpoints"] == {"n": 3, "t": 4.0, "bytes": 1000}
+
+
+def test_bytes_per_hop_are_a_series_over_time_from_the_merges() -> None:
+    s = RunState(CONFIG)
+    for t, g, k in [(1.0, 0, 1), (1.2, 1, 1), (2.0, 0, 2)]:  # 1.2: within CLOCK_POINT_S
+        s.add("global", merge(g, t, bytes_in=100 * k, bytes_out=200 * k,
+                              bytes_to_global=10 * k, bytes_from_global=20 * k))
+    s.add("group", {"t": 2.1, "event": "exchange", "group": 0, "bytes_to_global": 999,
+                    "bytes_from_global": 999})  # the merges carry it: the group file is not read
+    first = s.update(2.5)
+    assert [p["t"] for p in first["bytes"]] == [1.0, 2.0]
+    assert first["bytes"][-1] == {"t": 2.0, "worker_to_group": 300, "group_to_worker": 600,
+                                  "group_to_global": 30, "global_to_group": 60}
+    assert s.update(2.5, first["cursor"])["bytes"] == []
+    assert s.update(2.5)["evaluator"] is None
+    s.add("server", {"t": 3.0, "evaluator": False})
+    assert s.update(3.0)["evaluator"] is False

@@ -37,8 +37,8 @@ class Copy:
         self.w: Any = None  # (n,) float32 once it holds a version
         self.held = -1
 
-    def take(self, ans: Any) -> None:
-        enc, codec, bufs = sparse.encode_vector(ans.payload)
+    def take(self, ans: Any, values: str = "f32") -> None:
+        enc, codec, bufs = sparse.encode_vector(ans.payload, value_dtype=values)
         msg = messages.Weights(version=ans.version, since=ans.since, encoding=enc, codec=codec,
                                buffers=tuple(bufs))
         self.w = apply_weights(self.w, self.held, msg, N)
@@ -340,3 +340,66 @@ async def test_a_group_server_honours_only_the_version_it_sent_on_this_connectio
         await ch.close()
     finally:
         await gs.close()
+
+
+def test_f16_publishes_keep_the_copy_bit_for_bit_in_half_the_value_bytes() -> None:
+    """``values="f16"``: a publish rounds what it publishes to float16 (the rounding stays in
+    the residual), the updates go out with 2-byte values, and a worker following them holds
+    w_pub exactly; the drift bound holds after every publish, the rounding counted."""
+    rng = np.random.default_rng(3)
+    w = weights()
+    half, full = Downlink(w, 0.02, values="f16"), Downlink(w, 0.02)
+    copy = Copy()
+    copy.take(half.answer(-1))
+    sizes = {"f16": 0, "f32": 0}
+    for step in range(40):
+        w += (0.01 * rng.standard_normal(N)).astype(np.float32)
+        half.publish(w)
+        full.publish(w)
+        assert half.drift(w) <= DRIFT * (1 + 1e-6) and abs(half.drift(w) - half.last_drift) < 1e-6
+        if step % 3:
+            ans = half.answer(copy.held)
+            assert half.wire_values(ans) == "f16"
+            copy.take(ans, "f16")
+            assert copy.held == half.pub and np.array_equal(copy.w, half.w_pub)
+            sizes["f16"] += sum(memoryview(b).nbytes for b in
+                                sparse.encode_vector(ans.payload, value_dtype="f16")[2])
+            sizes["f32"] += sum(memoryview(b).nbytes for b in
+                                sparse.encode_vector(ans.payload)[2])
+    assert sizes["f16"] < 0.75 * sizes["f32"]
+    # nothing is lost: published long enough, the residual of the rounding goes out too
+    for _ in range(200):
+        if not half.publish(w):
+            break
+    assert half.drift(w) <= 5e-4  # float16's own precision is what is left
+
+
+def test_an_f16_publish_of_a_value_past_float16s_range_stays_exact_and_goes_out_as_f32() -> None:
+    w = weights()
+    d = Downlink(w, 0.01, values="f16")
+    copy = Copy()
+    copy.take(d.answer(-1))
+    big = w.copy()
+    big[7] = 1e6  # float16 ends at 65504
+    d.publish(big)
+    assert d.w_pub[7] == np.float32(1e6)
+    ans = d.answer(copy.held)
+    assert d.wire_values(ans) == "f32"
+    copy.take(ans, d.wire_values(ans))
+    assert np.array_equal(copy.w, d.w_pub) and np.isfinite(copy.w).all()
+
+
+def test_down_values_is_a_run_setting_checked_like_the_others() -> None:
+    assert RunConfig(down_values="f16").validate().down_values == "f16"
+    with pytest.raises(Exception, match="down_values"):
+        RunConfig(down_values="f8").validate()
+
+
+def test_the_drift_bound_is_a_run_setting_a_group_server_uses() -> None:
+    from minips.core.group_core import GroupCore
+    run = RunConfig(compressor="topk", ratio=0.01, down_drift=0.05, down_values="f16").validate()
+    core = GroupCore(0, run, weights(), members=[0])
+    assert core.downlink is not None
+    assert core.downlink.drift_bound == 0.05 and core.downlink.values == "f16"
+    with pytest.raises(Exception, match="down_drift"):
+        RunConfig(down_drift=-0.1).validate()

@@ -20,6 +20,7 @@ import pytest
 from minips import sparse
 from minips.core import optim
 from minips.core.config import RunConfig
+from minips.core.exchange import exchange_message
 from minips.core.group_core import AllLeft, GroupCore, Log, Reply, StartExchange, Wake
 from minips.serve.group import GroupServer
 from minips.wire import messages
@@ -233,3 +234,21 @@ def test_the_core_answers_each_event_with_the_actions_due() -> None:
     assert core.tick(9.0, {0: 8.0, 1: 1.0}) == []  # both within their lease
     assert core.tick(12.0, {0: 11.0}) == [Log("expired", {"workers": [1]}), Wake()]
     assert core.leave(0) == [Wake(), AllLeft()]
+
+
+def test_the_answered_pulls_go_to_the_global_server_with_the_next_exchange() -> None:
+    """Each answered PULL of a member is counted once, with its lead (staleness) and how long
+    the SSP bound held it, in the EXCHANGE that follows; the one after starts empty."""
+    core = GroupCore(0, run("ssp"), np.zeros(N, np.float32), members=[0, 1])
+    grad = np.ones(N, np.float32)
+    core.weights_message(0, [], held_s=0.0)
+    core.push(0, push(1, grad), 0.0)
+    core.weights_message(0, [], clock=1, held_s=0.0)  # one clock ahead of worker 1
+    core.weights_message(1, [0], held_s=0.25)
+    core.weights_message(None, [])  # not a member's PULL: not counted
+    out = core.begin_exchange(False, {"bytes_in": 0, "bytes_out": 0})
+    assert (out.stats["pull_workers"], out.stats["pull_leads"], out.stats["pull_waits_us"]) \
+        == ([0, 0, 1], [0, 1, 0], [0, 0, 250_000])
+    msg = exchange_message(out.delta, out.stats)
+    assert msg.info["pull_leads"] == [0, 1, 0]
+    assert not core.xchg.pulls  # the next exchange reports the PULLs answered after this one

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import select
 import socket
@@ -23,43 +24,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
-from conftest import minips_server, recv_as, wait_for
+import raw_worker
+from conftest import recv_as, wait_for
+from raw_worker import MB, N, open_fds, rss_mb
 
 from minips import sparse
 from minips.errors import AuthError
-from minips.net import channel, transport
+from minips.net import transport
 from minips.wire import frames, handshake, messages
 
 TOKEN = "hostile-test-secret-0123"
-N = 61_706  # LeNet-5's parameters, the server's default model
-MB = 1 << 20
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of process ``pid`` in MB (VmRSS)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-@contextlib.contextmanager
-def server(tmp: Path, *flags: str) -> Iterator[tuple[subprocess.Popen[str], str, int]]:
-    """A `minips server` with known initial weights, so no worker needs to send them."""
-    np.save(tmp / "init.npy", np.zeros(N, np.float32))
-    with minips_server(tmp, TOKEN, "--init", str(tmp / "init.npy"), *flags) as (proc, host, port):
-        yield proc, host, int(port)
+server = functools.partial(raw_worker.server, token=TOKEN)  # with known initial weights
 
 
 def stderr_of(proc: subprocess.Popen[str]) -> str:
@@ -127,12 +110,22 @@ def test_a_claimed_500_mib_frame_costs_no_memory_before_the_handshake(tmp_path: 
     assert during - before <= 10 and after - before <= 10
 
 
+def big_init_head(claimed: int) -> bytes:
+    """Prefix, table and map of an INIT_WEIGHTS frame whose raw buffer claims ``claimed`` bytes."""
+    meta = msgpack.packb({"size": claimed // 4, "encoding": "dense-f32", "codec": {}})
+    prefix = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION,
+                                messages.Kind.INIT_WEIGHTS, 1, 0, len(meta), claimed)
+    return prefix + frames.TABLE_ENTRY.pack(0, claimed, claimed) + meta
+
+
 @pytest.mark.timeout(120)
 async def test_after_the_handshake_memory_follows_the_bytes_that_arrived(tmp_path: Path) -> None:
-    with server(tmp_path) as (proc, host, port):
+    """Before the server knows the model a frame may be large (the first INIT_WEIGHTS defines
+    it): 4 MiB of a claimed 400 MiB cost about 4 MB, given back when the connection ends."""
+    with server(tmp_path, init=False) as (proc, host, port):
         before = rss_mb(proc.pid)
         ch = await transport.connect(host, port, role="worker", worker_id=0, token=TOKEN)
-        ch._transport.write(big_push_head(500 * MB) + bytes(4 * MB))  # then nothing more
+        ch._transport.write(big_init_head(400 * MB) + bytes(4 * MB))  # then nothing more
         grown = await asyncio.to_thread(
             wait_for, "the server to read the 4 MiB", lambda: rss_mb(proc.pid) - before >= 3,
             10, (proc,))
@@ -140,11 +133,24 @@ async def test_after_the_handshake_memory_follows_the_bytes_that_arrived(tmp_pat
         await ch.close()
         await asyncio.to_thread(wait_for, "the memory to come back",
                                 lambda: rss_mb(proc.pid) - before <= 3, 10, (proc,))
-    print(f"RSS {before:.1f} -> {during:.1f} MB with 4 MiB of a claimed 500 MiB frame")
-    assert grown and during - before <= 4 + 10  # the bytes received, not the 500 MiB claimed
+    print(f"RSS {before:.1f} -> {during:.1f} MB with 4 MiB of a claimed 400 MiB frame")
+    assert grown and during - before <= 12
 
 
 @pytest.mark.timeout(120)
+async def test_once_the_model_is_known_a_frame_wider_than_it_is_refused_at_once(
+        tmp_path: Path) -> None:
+    with server(tmp_path) as (proc, host, port):
+        before = rss_mb(proc.pid)
+        ch = await transport.connect(host, port, role="worker", worker_id=0, token=TOKEN)
+        ch._transport.write(big_push_head(500 * MB) + bytes(4 * MB))
+        answer = await asyncio.wait_for(ch.recv(), 10)
+        assert isinstance(answer, messages.Error) and answer.code == "limit_exceeded", answer
+        assert "frame size" in answer.reason
+        assert rss_mb(proc.pid) - before <= 3
+        await ch.close()
+
+
 def test_a_thousand_idle_connections_cost_a_few_kb_each(tmp_path: Path) -> None:
     with server(tmp_path) as (proc, _, port):
         base_fds, before = open_fds(proc.pid), rss_mb(proc.pid)
@@ -279,22 +285,8 @@ def push_msg(clock: int) -> messages.Push:
                          codec=codec, buffers=tuple(buffers))
 
 
-async def join(host: str, port: int, w: int) -> tuple[Any, Any, int]:
-    """Worker ``w`` joins: control channel, STATS, ASSIGN, its group; (ctl, group ch, clock)."""
-    ctl = await transport.connect(host, port, role="worker", worker_id=w, token=TOKEN,
-                                  options=channel.Options(heartbeat=1.0))
-    await ctl.send(messages.Stats(clock=0, step_time=0.03, loss=2.3, samples=32))
-    assign = await recv_as(ctl, messages.Assign, 30)
-    gport = int(assign.address.rsplit(":", 1)[1])
-    grp, clock = await join_group(host, gport, w, assign.group)
-    return ctl, grp, clock
-
-
-async def join_group(host: str, gport: int, w: int, group: int) -> tuple[Any, int]:
-    grp = await transport.connect(host, gport, role="worker", worker_id=w, token=TOKEN,
-                                  group=group, options=channel.Options(heartbeat=1.0))
-    ack = await recv_as(grp, messages.Ack, 10)
-    return grp, ack.clock
+join = functools.partial(raw_worker.join, token=TOKEN)
+join_group = functools.partial(raw_worker.join_group, token=TOKEN)
 
 
 async def good_worker(host: str, port: int, w: int, steps: list[float],

@@ -40,6 +40,22 @@ def test_experiments_change_only_mode_and_compression():
         assert {e.overrides["ratio"] for e in sparse} == {reproduce.RATIO}
 
 
+def test_a_row_may_put_the_optimizer_on_the_workers_with_dgc_as_published(tmp_path):
+    """Row specs are RunConfig fields: DGC's pieces validate through the launch config;
+    --optimizer-at moves SGD to the workers in every row."""
+    suite = reproduce.suites_for("quick")[0]
+    row = reproduce.Experiment("gssp+dgc-published", {
+        "mode": "gssp", "compressor": "dgc", "ratio": reproduce.RATIO, "optimizer_at": "worker",
+        "momentum_masking": True, "grad_clip": 5.0,
+        "compressor_opts": {"warmup_fraction": 0.05}}, part="compression")
+    run = reproduce._launch_config(suite, row, 0, tmp_path).run
+    assert (run.optimizer_at, run.momentum_masking, run.grad_clip) == ("worker", True, 5.0)
+    args = reproduce._parser().parse_args(["--quick", "--optimizer-at", "worker"])
+    reproduce._apply_overrides(suite, args)
+    plain = reproduce._launch_config(suite, suite.experiments[0], 0, tmp_path).run
+    assert plain.optimizer_at == "worker"
+
+
 def _figures(tta80, tta85, acc):
     return {"time_to_accuracy": {"0.80": tta80, "0.85": tta85}, "final_accuracy": acc,
             "done_reason": "epochs"}

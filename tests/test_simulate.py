@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from minips.core import optim
 from minips.core.config import RunConfig
@@ -59,11 +60,14 @@ def test_gdtopk_workers_upload_at_their_groups_ratio(tmp_path: Path) -> None:
     assert ratios[max(ratios)] > ratios[min(ratios)]
 
 
-def test_bsp_on_the_simulator_is_synchronous_sgd(tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer_at", ["server", "worker"])
+def test_bsp_on_the_simulator_is_synchronous_sgd(tmp_path: Path, optimizer_at: str) -> None:
     """Eight workers in BSP, dense: 25 rounds equal 25 SGD steps on the mean of the eight
-    gradients, drawn from the same random streams (momentum and weight decay included)."""
+    gradients, drawn from the same random streams (momentum and weight decay included),
+    whether the group server or each worker holds the optimizer."""
     run = RunConfig(workers=8, mode="bsp", lr=0.2, momentum=0.9, weight_decay=5e-4,
-                    lr_warmup=0, dataset="synthetic", epochs=100, sync_every=3)
+                    lr_warmup=0, dataset="synthetic", epochs=100, sync_every=3,
+                    optimizer_at=optimizer_at)
     rounds, dim = 25, 300
     s = simulate(SimConfig(run=run, slowdowns=SLOW, dim=dim, max_pushes=8 * rounds,
                            out_dir=str(tmp_path), name="bsp"))
@@ -195,3 +199,14 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_the_demo_preset_brings_its_slowdowns_to_the_simulator_too(tmp_path: Path) -> None:
+    """`minips simulate --preset demo` simulates the demo's cluster: 8 workers at
+    1,1,1.5,1.5,2,2,4,4, grouped by those speeds (it used to simulate 8 equal workers)."""
+    cmd = [sys.executable, "-m", "minips", "simulate", "--preset", "demo", "--dim", "200",
+           "--max-pushes", "300", "--no-plot", "--out", str(tmp_path), "--name", "demo"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["workers"] == 8 and got["groups"] > 1

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -143,10 +142,11 @@ async def test_tls_failures_name_their_cause(tmp_path: Path, certs: Path) -> Non
              ("stranger", ctx, "certificate verify failed"),
              (None, ctx, "plain text")]
     for name, ssl, cause in cases:
-        cert: dict[str, Any] = {} if name is None else {"tls_cert": str(certs / f"{name}.pem"),
-                                        "tls_key": str(certs / f"{name}.key")}
+        cert = None if name is None else str(certs / f"{name}.pem")
+        key = None if name is None else str(certs / f"{name}.key")
         srv = GlobalServer(ServerConfig(run=RunConfig(workers=1), port=0, token=SECRET,
-                                        run_dir=str(tmp_path / (name or "plain")), **cert),
+                                        run_dir=str(tmp_path / (name or "plain")),
+                                        tls_cert=cert, tls_key=key),
                            np.zeros(4, np.float32))
         port = await srv.start()
         try:

@@ -565,3 +565,33 @@ def test_a_failing_handler_sends_error_and_the_server_keeps_serving() -> None:
             assert srv.stats["handler_errors"] == 1
 
     run("uvloop", scenario())
+
+
+def test_a_send_after_error_is_a_closed_connection_not_our_protocol_error() -> None:
+    """A session replaced while its PULL waits (the server sent ERROR ``replaced`` on it) that
+    then answers: the send raises ConnectionResetError, which ends the session quietly, instead
+    of LocalProtocolError ("server may not send WEIGHTS in state CLOSED"), which the server
+    logged as a failed handler (found by scripts/fuzz_grammar.py)."""
+    seen: list[BaseException] = []
+
+    async def handler(ch: channel.Channel) -> None:
+        await ch.recv()
+        await ch.send_error("replaced", "another connection took this session over")
+        try:
+            await ch.send(messages.Ack(clock=1, version=1))
+        except BaseException as e:
+            seen.append(e)
+            raise
+
+    async def scenario() -> None:
+        async with await start(handler) as srv:
+            ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
+            await ch.send(messages.Pull(clock=0))
+            got = await ch.recv()
+            assert isinstance(got, messages.Error) and got.code == "replaced"
+            await until(lambda: bool(seen))
+            await until(lambda: not srv.channels)
+            assert isinstance(seen[0], ConnectionResetError), seen
+            assert srv.stats["handler_errors"] == 0
+
+    run("asyncio", scenario())

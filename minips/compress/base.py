@@ -143,6 +143,7 @@ class Compressor:
         self.ratio = 1.0
         self.set_ratio(ratio)
         self.epoch = 0.0
+        self.progress = 0.0  # fraction of the run's samples budget done (from the server)
         self.kept_fraction = 1.0  # fraction of coordinates sent by the last compress()
         self.host_bytes = 0  # bytes the last compress() copied from a device to the host
 
@@ -180,6 +181,11 @@ class Compressor:
     def set_epoch(self, e: float) -> None:
         """Training progress in epochs (fractional), for warm-up and vote decay."""
         self.epoch = float(e)
+
+    def set_progress(self, p: float) -> None:
+        """The fraction (0..1) of the run's samples budget done, as the worker's group server
+        said (WEIGHTS.progress), for a warm-up over a fraction of the run."""
+        self.progress = float(p)
 
     def observe_loss(self, loss: float) -> None:
         """The training loss of the step about to be compressed (LossComp uses it)."""

@@ -2,11 +2,21 @@
 ``sparse.TopKSelector`` (sampled threshold + exact partition of the candidates).
 
 ``dgc``: Deep Gradient Compression's sampled threshold, keeping the largest k to
-k * (1 + tolerance) (``tolerance=0.1``), and DGC's warm-up (``warmup_epochs=4`` turns it on).
+k * (1 + tolerance) (``tolerance=0.1``), and DGC's warm-up: by the worker's epochs
+(``warmup_epochs=4`` turns it on) or over a fraction of the run (``warmup_fraction=0.05``:
+the first 5% of the run's samples budget, as the group server reports it). DGC's other pieces
+(momentum correction, momentum-factor masking, local gradient clipping) are the worker's
+optimizer's (``core/worker_opt.py``, ``RunConfig.optimizer_at`` ``worker``); the compressor
+then compresses the optimizer's update, with error feedback as always.
 
 ``warmup_ratio(epoch, final, start=0.25, decay=0.25, epochs=4)``: the kept fraction
 ``max(final, start * decay ** floor(epoch))`` for epoch < epochs (25%, 6.25%, 1.56%, 0.39%),
 then ``final``.
+
+``fraction_warmup_ratio(progress, final, fraction, start=0.25)``: the kept fraction falls
+geometrically from ``start`` at progress 0 to ``final`` at ``fraction`` of the run
+(``start * (final / start) ** (progress / fraction)``: the sparsity rises exponentially),
+then stays at ``final``.
 
 ``gdtopk``: DGC selection at the ratio the global server sets for this worker's group, with
 DGC's warm-up on by default. Its server-side part is ``ratio_policy``: the global server's
@@ -37,6 +47,7 @@ __all__ = [
     "TopKCompressor",
     "DGCCompressor",
     "warmup_ratio",
+    "fraction_warmup_ratio",
     "GDTopKCompressor",
     "RandomKCompressor",
 ]
@@ -77,23 +88,44 @@ def warmup_ratio(
     return max(final, start * decay ** math.floor(max(epoch, 0.0)))
 
 
+def fraction_warmup_ratio(progress: float, final: float, fraction: float, *,
+                          start: float = 0.25) -> float:
+    """DGC warm-up over the first ``fraction`` of the run: the kept fraction at ``progress``
+    (0..1 of the run), geometric from ``start`` to ``final`` (never below ``final``)."""
+    if fraction <= 0 or progress >= fraction or start <= final:
+        return final
+    return max(final, start * (final / start) ** (max(progress, 0.0) / fraction))
+
+
 class DGCCompressor(TopKCompressor):
-    """``dgc``: DGC's sampled threshold, keeping k to k * (1 + tolerance); optional warm-up."""
+    """``dgc``: DGC's sampled threshold, keeping k to k * (1 + tolerance); optional warm-up,
+    by epochs (``warmup_epochs``) or over a fraction of the run (``warmup_fraction``)."""
 
     name = "dgc"
 
     def __init__(self, size: int, *, tolerance: float = 0.1, warmup_epochs: int = 0,
-                 **kw: Any) -> None:
+                 warmup_fraction: float = 0.0, warmup_start: float = 0.25, **kw: Any) -> None:
         if not 0.0 <= tolerance < 1.0:
             raise ConfigError(f"tolerance must be in [0, 1), got {tolerance}")
+        if not 0.0 <= warmup_fraction <= 1.0 or not 0.0 < warmup_start <= 1.0:
+            raise ConfigError(f"warmup_fraction must be in [0, 1] and warmup_start in (0, 1], "
+                              f"got {warmup_fraction}, {warmup_start}")
+        if warmup_fraction > 0 and warmup_epochs > 0:
+            raise ConfigError("give warmup_epochs or warmup_fraction, not both")
         self.tolerance = tolerance
-        self.warmup_epochs = warmup_epochs  # 0: no warm-up
+        self.warmup_epochs = warmup_epochs  # 0: no warm-up by epochs
+        self.warmup_fraction = float(warmup_fraction)  # of the run's samples; 0: none
+        self.warmup_start = float(warmup_start)  # kept fraction at the start of either warm-up
         super().__init__(size, **kw)
 
     def current_ratio(self) -> float:
+        if self.warmup_fraction > 0:
+            return fraction_warmup_ratio(self.progress, self.ratio, self.warmup_fraction,
+                                         start=self.warmup_start)
         if self.warmup_epochs <= 0:
             return self.ratio
-        return warmup_ratio(self.epoch, self.ratio, epochs=self.warmup_epochs)
+        return warmup_ratio(self.epoch, self.ratio, start=self.warmup_start,
+                            epochs=self.warmup_epochs)
 
 
 # ---------------------------------------------------------------------------- gdtopk

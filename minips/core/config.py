@@ -28,6 +28,9 @@ The file holds, in order:
   WELCOME.info (``to_info`` / ``from_info``), so a worker or group server needs nothing but the
   global server's address and the shared secret. The compressor plug-ins it names are looked up
   when a run is set up (``downlink_ratio``, ``worker_compressor``), not when the rules load.
+  ``optimizer_at`` says where SGD runs: on the group servers (``server``, the default: workers
+  push gradients) or on the workers (``worker``: each keeps its velocity and pushes the update
+  it would apply, ``core/worker_opt.py``; DGC's momentum correction, clipping and masking).
 - ``FieldError``, and ``WorkerConfig``: what is local to a worker process (addresses, emulated
   slowness, files); it lives here, not in worker.py, so that `minips server` can build it
   without torch. The other roles' configs live with their role (``server.ServerConfig``,
@@ -43,7 +46,8 @@ Invariants:
 - Units are in each field's comment; times are seconds, sizes bytes, rates bytes per second.
 
 Public API: ``SyncPolicy``, ``POLICIES``, ``MODES``, ``policy(mode)``, ``MODEL_NAMES``,
-``PARAM_COUNTS``, ``DEFAULT_DATASET``, ``TRAIN_SIZES``, ``dataset_train_size``, ``RunConfig``,
+``PARAM_COUNTS``, ``DEFAULT_DATASET``, ``TRAIN_SIZES``, ``dataset_train_size``,
+``OPTIMIZER_PLACES``, ``RunConfig``,
 ``FieldError``, ``WorkerConfig``.
 """
 
@@ -70,6 +74,7 @@ __all__ = [
     "DEFAULT_DATASET",
     "TRAIN_SIZES",
     "dataset_train_size",
+    "OPTIMIZER_PLACES",
     "RunConfig",
     "FieldError",
     "WorkerConfig",
@@ -150,6 +155,10 @@ def dataset_train_size(name: str, override: int = 0) -> int:
     return TRAIN_SIZES[name]
 
 
+# Where SGD (momentum, weight decay, the lr schedule) runs; RunConfig.optimizer_at.
+OPTIMIZER_PLACES = ("server", "worker")
+
+
 # -- the configuration of a run and of one worker --------------------------------------------------
 
 @dataclass
@@ -161,8 +170,13 @@ class RunConfig:
     data_dir: str | None = None  # directory of the data files; None = the loader's default
     batch_size: int = 64  # samples per worker step
     lr: float = 0.05  # SGD learning rate of one step over all workers' batches (see group.py)
-    momentum: float = 0.9  # SGD momentum (group servers keep the velocity)
+    momentum: float = 0.9  # SGD momentum (kept where the optimizer lives: optimizer_at)
     weight_decay: float = 5e-4  # L2 coefficient added to the gradient
+    # where SGD runs: "server" (group servers keep the velocity, workers push gradients) or
+    # "worker" (each worker keeps its own velocity and pushes its update; core/worker_opt.py)
+    optimizer_at: str = "server"
+    grad_clip: float = 0.0  # local clipping (optimizer_at worker): max |g|_2 x sqrt(workers); 0 off
+    momentum_masking: bool = False  # clear a worker's velocity where its push sent (worker only)
     lr_warmup: float = 0.3  # epochs (whole cluster) over which lr ramps up linearly; 0 = none
     lr_schedule: str = "constant"  # constant | cosine (to 0 over the epochs budget)
     mode: str = "gssp"  # bsp | ssp | asp | gssp
@@ -177,6 +191,8 @@ class RunConfig:
     # kept fraction of each publish of a group's weights to its workers (downlink.py); None: the
     # run's ratio with a sparse compressor, dense (1.0) with none / fp16; 1.0: dense
     down_ratio: float | None = None
+    down_values: str = "f32"  # "f16": a publish rounds its values to float16, 2 bytes each
+    down_drift: float = 0.01  # bound on ||weights - published|| / ||weights|| (downlink.py)
     compressor_opts: dict[str, Any] = field(default_factory=dict)  # extra compressor kwargs
     gdtopk_alpha: float = 1.0  # exponent of the per-group ratio policy
     gdtopk_direction: str = "slower-more"  # slower groups upload more (released code's choice)
@@ -204,6 +220,7 @@ class RunConfig:
         _check(self.lr_schedule == "constant" or self.epochs > 0, "lr_schedule",
                self.lr_schedule, "constant unless there is an epochs budget (--epochs)")
         _check(0 <= self.momentum < 1, "momentum", self.momentum, "in [0, 1)")
+        self._check_optimizer_place()
         _check(self.staleness >= 0, "staleness", self.staleness, ">= 0")
         _check(self.groups >= 0, "groups", self.groups, ">= 0")
         _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
@@ -213,6 +230,8 @@ class RunConfig:
                self.xchg_ratio, "in (0, 1] (or unset: automatic)")
         _check(self.down_ratio is None or 0 < self.down_ratio <= 1, "down_ratio",
                self.down_ratio, "in (0, 1]")
+        _check(self.down_values in ("f32", "f16"), "down_values", self.down_values, "f32 | f16")
+        _check(0 <= self.down_drift <= 1, "down_drift", self.down_drift, "in [0, 1]")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
         _check(self.groups <= self.workers, "groups", self.groups,
                f"at most the number of workers ({self.workers})")
@@ -226,6 +245,33 @@ class RunConfig:
         _check(0 < 2 * self.heartbeat_s <= self.lease_s, "heartbeat_s", self.heartbeat_s,
                f"> 0 and at most half of lease_s = {self.lease_s}")
         return self
+
+    def _check_optimizer_place(self) -> None:
+        _check(self.optimizer_at in OPTIMIZER_PLACES, "optimizer_at", self.optimizer_at,
+               " | ".join(OPTIMIZER_PLACES))
+        _check(0 <= self.grad_clip < math.inf, "grad_clip", self.grad_clip, ">= 0 and finite")
+        on_worker = self.optimizer_on_worker
+        _check(on_worker or self.grad_clip == 0, "grad_clip", self.grad_clip,
+               "0 unless the optimizer is on the worker (--optimizer-at worker)")
+        _check(on_worker or not self.momentum_masking, "momentum_masking",
+               self.momentum_masking, "off unless the optimizer is on the worker "
+               "(--optimizer-at worker)")
+        warm = float(self.compressor_opts.get("warmup_fraction", 0) or 0)
+        _check(warm == 0 or self.epochs > 0 or self.max_steps > 0, "warmup_fraction", warm,
+               "0 unless the run has an --epochs or --max-steps budget (its fraction of it)")
+
+    @property
+    def optimizer_on_worker(self) -> bool:
+        """Workers keep the optimizer state and push updates (``optimizer_at`` ``worker``);
+        the group servers then add what arrives as it is."""
+        return self.optimizer_at == "worker"
+
+    def budget_samples(self) -> float:
+        """The run's length in samples, all workers together: ``epochs`` of the training set,
+        else ``max_steps`` pushes of every worker, else 0 (a wall-clock budget or none)."""
+        if self.epochs > 0:
+            return self.epochs * dataset_train_size(self.dataset, self.train_size)
+        return float(self.max_steps * self.workers * self.batch_size)
 
     @property
     def sync(self) -> SyncPolicy:

@@ -10,7 +10,10 @@ asynchronous group (docs/compression.md, "The downlink"):
   ``e = weights - w_pub`` is the residual; its ``k = ratio * n`` largest ``|e|`` coordinates are
   published: ``w_pub[idx] = weights[idx]``, ``pub += 1``, and ``idx`` goes into a bounded log.
   What is not published stays in ``e`` (error feedback is implicit: nothing is lost, only
-  delayed), and a coordinate once published is exact (``w_pub`` takes the weights' own float32).
+  delayed), and a coordinate once published is exact (``w_pub`` takes the weights' own float32),
+  or with ``values="f16"`` the weights' value rounded to float16: an update then carries 2
+  bytes a value instead of 4, the worker still holds ``w_pub`` bit for bit (every coordinate
+  an update names holds a float16 value), and the rounding stays in ``e`` like the rest.
 - **drift bound**: after a publish ``||weights - w_pub||_2 <= drift * ||weights||_2``. When the
   top-k would leave more, the publish takes the next largest coordinates too, as few as keep the
   bound (so a jump of the weights, e.g. an exchange with the global server, goes out at once).
@@ -23,9 +26,10 @@ asynchronous group (docs/compression.md, "The downlink"):
   merged set is over ``dense_fraction`` of ``n`` (then dense is the smaller message).
 
 Public API: ``Downlink(weights, ratio, drift=DRIFT, log_size=LOG_SIZE,
-dense_fraction=DENSE_FRACTION)``, ``.publish(weights) -> int``, ``.answer(since) -> Answer``,
-``.drift(weights) -> float``; ``Answer(version, since, payload)``; and the worker's side,
-``apply_weights(copy, held, weights_msg, n)``.
+dense_fraction=DENSE_FRACTION, values="f32")``, ``.publish(weights) -> int``,
+``.answer(since) -> Answer``, ``.wire_values(answer) -> str``, ``.drift(weights) -> float``;
+``Answer(version, since, payload)``; and the worker's side, ``apply_weights(copy, held,
+weights_msg, n)``.
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ from minips.errors import RemoteProtocolError
 from minips.sparse import SparseVector, TopKSelector, decode_vector, kept_count
 
 __all__ = ["Answer", "Downlink", "apply_weights", "held_version", "DRIFT", "LOG_SIZE",
-           "DENSE_FRACTION"]
+           "DENSE_FRACTION", "VALUES"]
 
-DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish
+DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish (--down-drift)
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
 DENSE_FRACTION = 0.4  # a merged answer with more changed coordinates than this goes dense
+VALUES = ("f32", "f16")  # what an update's values are sent as (``Downlink.values``)
+F16_MAX = float(np.finfo(np.float16).max)
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,14 @@ class Downlink:
     """The published replica of one group's weights, its version, and the log of publishes."""
 
     def __init__(self, weights: np.ndarray, ratio: float, *, drift: float = DRIFT,
-                 log_size: int = LOG_SIZE, dense_fraction: float = DENSE_FRACTION) -> None:
-        if not 0 < ratio <= 1 or drift < 0 or log_size < 1 or not 0 < dense_fraction <= 1:
+                 log_size: int = LOG_SIZE, dense_fraction: float = DENSE_FRACTION,
+                 values: str = "f32") -> None:
+        if (not 0 < ratio <= 1 or drift < 0 or log_size < 1 or not 0 < dense_fraction <= 1
+                or values not in VALUES):
             raise ValueError(f"bad downlink settings: ratio {ratio}, drift {drift}, "
-                             f"log_size {log_size}, dense_fraction {dense_fraction}")
+                             f"log_size {log_size}, dense_fraction {dense_fraction}, "
+                             f"values {values}")
+        self.values = values  # "f16": published values rounded to float16, sent as such
         self.w_pub = np.array(weights, dtype=np.float32)  # (n,) what the workers can hold
         self.n = int(self.w_pub.size)
         self.k = kept_count(ratio, self.n)  # coordinates per publish, before the drift bound
@@ -105,8 +115,18 @@ class Downlink:
             self.forced += max(0, idx.size - self.k)
         sent = e[idx].astype(np.float64)
         left = max(0.0, float(np.dot(e, e)) - float(np.dot(sent, sent)))  # ||e||² not published
+        if self.values == "f16":  # the rounding stays behind, in the residual
+            exact = weights[idx]
+            with np.errstate(over="ignore"):
+                half = exact.astype(np.float16).astype(np.float32)
+            big = ~np.isfinite(half)  # past float16's range: kept exact (then sent as f32)
+            half[big] = exact[big]
+            self.w_pub[idx] = half
+            rounded = (exact - half).astype(np.float64)
+            left += float(np.dot(rounded, rounded))
+        else:
+            self.w_pub[idx] = weights[idx]
         self.last_drift = math.sqrt(left / wsq) if wsq else 0.0
-        self.w_pub[idx] = weights[idx]
         self.pub += 1
         self._made.clear()
         self.log.append(idx.astype(np.uint32))
@@ -116,7 +136,8 @@ class Downlink:
     def _select(self, mag: np.ndarray, wsq: float) -> np.ndarray:
         """Positions in ``mag`` ((n,) |residual|) to publish: the k largest, or the fewest
         largest that leave ``sum(mag^2)`` of the rest within drift^2 * wsq."""
-        budget = self.drift_bound ** 2 * wsq
+        # float16 rounding leaves at most (2^-11)^2 of the published part: kept out of the budget
+        budget = self.drift_bound ** 2 * wsq * (0.99 if self.values == "f16" else 1.0)
         top = self.top.select(mag, self.k)  # (k,) int64 sorted, the k largest
         sq = mag.astype(np.float64) ** 2
         if float(sq.sum()) - float(sq[top].sum()) <= budget:
@@ -147,6 +168,15 @@ class Downlink:
         if idx.size > self.dense_fraction * self.n:
             return self._dense()
         return Answer(self.pub, since, SparseVector(idx, self.w_pub[idx], self.n))
+
+    def wire_values(self, answer: Answer) -> str:
+        """The value type an answer goes out in: ``values``, unless the answer is dense or one
+        of its values is past float16's range (then ``"f32"``: the copy stays exact)."""
+        payload = answer.payload
+        if self.values == "f32" or not isinstance(payload, SparseVector):
+            return "f32"
+        fits = payload.values.size == 0 or float(np.abs(payload.values).max()) <= F16_MAX
+        return "f16" if fits else "f32"
 
     def _union(self, behind: int) -> np.ndarray:
         """(m,) uint32 sorted coordinates of the last ``behind`` publishes, each once: marked

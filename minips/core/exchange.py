@@ -89,6 +89,7 @@ one that lost the last replies holds ``known`` except at ``unacked``.
 
 from __future__ import annotations
 
+import collections
 import secrets
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -120,6 +121,10 @@ __all__ = [
 
 # -- merged: the global server's half of exactly once ---------------------------------------
 
+# answered PULLs one exchange reports, the latest: three lists of this many ints stay far below
+# frames.MAX_META_BYTES (at most ~110 KiB of msgpack); exchanges come every few pushes, so only a
+# group cut off from its global server for long has more
+MAX_PULLS = 8192
 MAX_SESSIONS = 64  # sessions per group whose last merged seq is kept: one per group process run
 # (restarts, replacements), a few in a run; past it the one merged longest ago is forgotten
 
@@ -322,6 +327,8 @@ class Exchange:
         self.seq = 0  # seq of the last exchange started
         self.pending: Outgoing | None = None  # an exchange whose reply was lost
         self.since = _zero()  # worker pushes since the last exchange started
+        # (worker, lead, wait in us) of each PULL answered since then, the latest MAX_PULLS
+        self.pulls: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=MAX_PULLS)
         self.global_samples = 0  # all groups' samples, as the last reply said
         self.samples_after = 0  # this group's samples counted since that reply
         self.unsaved: Unsaved | None = None  # once the server names its snapshots (exchange.py)
@@ -336,6 +343,11 @@ class Exchange:
         s["loss"] += loss
         self.samples_after += samples
 
+    def pulled(self, w: int, lead: int, held_s: float) -> None:
+        """Account one answered PULL of worker ``w`` (``lead`` clocks ahead of its group's
+        slowest worker, held ``held_s`` by the SSP bound) for the next exchange's counters."""
+        self.pulls.append((w, max(0, lead), max(0, round(held_s * 1e6))))
+
     def begin(self, weights: np.ndarray, extra: dict[str, Any],
               dense: bool = False) -> Outgoing:
         """The pending exchange again, or a new one covering ``weights`` (``extra`` joins its
@@ -345,8 +357,10 @@ class Exchange:
         s, n = self.since, max(1, self.since["pushes"])
         self.seq += 1
         stats = {"pushes": s["pushes"], "samples": s["samples"], "step_time": s["step_time"] / n,
-                 "loss": s["loss"] / n, **extra, "session": self.session, "seq": self.seq}
+                 "loss": s["loss"] / n, **extra, "session": self.session, "seq": self.seq,
+                 **_columns(self.pulls)}
         self.since = _zero()
+        self.pulls.clear()
         self.pending = self._outgoing(weights, stats, dense)
         return self.pending
 
@@ -424,6 +438,13 @@ class Exchange:
     def load_state_dict(self, state: dict[str, Any], w_sync: np.ndarray) -> None:
         self.session, self.seq = int(state["session"]), int(state["seq"])
         self.w_sync = np.array(w_sync, dtype=np.float32)
+
+
+def _columns(pulls: collections.deque[tuple[int, int, int]]) -> dict[str, list[int]]:
+    """The answered PULLs as EXCHANGE's three lists (``pull_workers``, ``pull_leads``,
+    ``pull_waits_us``), one entry per PULL."""
+    names = ("pull_workers", "pull_leads", "pull_waits_us")
+    return {k: [p[i] for p in pulls] for i, k in enumerate(names)}
 
 
 def _zero() -> dict[str, Any]:

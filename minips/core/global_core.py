@@ -82,7 +82,7 @@ from minips.core.exchange import (
 from minips.core.group_core import Log
 from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
 from minips.errors import ConfigError, RemoteProtocolError
-from minips.wire import messages
+from minips.wire import frames, messages
 from minips.wire.messages import MAX_COUNT
 
 __all__ = [
@@ -403,19 +403,23 @@ class GlobalCore:
 
     # -- the groups' exchanges ---------------------------------------------------------------
 
-    def merge(self, g: int, delta: Delta,
-              stats: dict[str, Any]) -> tuple[ExchangeResult, list[Action]]:
+    def merge(self, g: int, delta: Delta, stats: dict[str, Any],
+              wire_in: int | None = None) -> tuple[ExchangeResult, list[Action]]:
         """Add group ``g``'s delta (dense or sparse) to the global weights; answer with what
         the group's copy of them lacks (``exchange.py``: dense weights, or entries to set). An
         exchange whose seq is not above the last merged one of its session (a repeat whose
         reply was lost, or an older one replayed) is answered without merging again (with what
         the lost reply set, again). One that would take a counter of the run past 2^62 raises
-        ``RemoteProtocolError`` (``check_counters``), nothing merged."""
+        ``RemoteProtocolError`` (``check_counters``), nothing merged. ``wire_in``: the bytes
+        the exchange took on the wire (the shell measured them); then the group's hop is
+        counted, those and the reply's (``ExchangeResult.bytes_up`` / ``bytes_down``, and the
+        running totals in the merge's line)."""
         assert self.weights is not None
         h = self.groups[g]
         key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
         merged = self.merged.setdefault(g, Merged())
         repeat = key[1] >= 0 and merged.holds(*key)
+        added = False
         if repeat:
             actions: list[Action] = [Log("merge_repeat", {"group": g, "seq": key[1],
                                                           "merged_seq": merged.last[key[0]]})]
@@ -424,15 +428,26 @@ class GlobalCore:
             if key[1] >= 0:
                 merged.note(*key)
             h.last_exchange = key
-            actions = self._add_delta(g, delta, stats)
+            added, actions = self._add_delta(g, delta, stats)
         reply = self.replica(g).answer(self.weights, repeat)
-        return ExchangeResult(reply, self.version, self.done, self.samples), actions
+        res = ExchangeResult(reply, self.version, self.done, self.samples)
+        if wire_in is not None:
+            res.bytes_up, res.bytes_down = wire_in, frames.wire_size(self.exchange_reply(g, reply))
+            h.hop_bytes["bytes_to_global"] += res.bytes_up
+            h.hop_bytes["bytes_from_global"] += res.bytes_down
+        if added:
+            fields = {k: v for k, v in stats.items() if k not in ("version", "samples")}
+            actions.append(Log("merge", {"group": g, "group_samples": stats.get("samples", 0),
+                                         **fields, **h.hop_bytes}))
+            actions += self._check_budget()
+        return res, actions
 
-    def on_exchange(self, g: int, delta: Delta,
-                    stats: dict[str, Any]) -> tuple[messages.ExchangeReply, list[Action]]:
-        """A group process's EXCHANGE (its delta and counters): merge it; the EXCHANGE_REPLY
-        names the exchanges this server's snapshots hold (``exchange_reply``)."""
-        res, actions = self.merge(g, delta, stats)
+    def on_exchange(self, g: int, delta: Delta, stats: dict[str, Any],
+                    wire_in: int | None = None) -> tuple[messages.ExchangeReply, list[Action]]:
+        """A group process's EXCHANGE (its delta and counters, ``wire_in`` bytes on the wire):
+        merge it; the EXCHANGE_REPLY names the exchanges this server's snapshots hold
+        (``exchange_reply``)."""
+        res, actions = self.merge(g, delta, stats, wire_in)
         return self.exchange_reply(g, res.weights), actions
 
     def group_pull(self, g: int) -> messages.GlobalWeights:
@@ -481,14 +496,17 @@ class GlobalCore:
             self.replicas[g] = Replica(self.weights.size, exchange_ratio(self.run))
         return self.replicas[g]
 
-    def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any]) -> list[Action]:
-        """Merge one new exchange of group ``g``: weights, counters, its log line, the budget."""
+    def _add_delta(self, g: int, delta: Delta,
+                   stats: dict[str, Any]) -> tuple[bool, list[Action]]:
+        """Merge one new exchange of group ``g``: weights, counters, GDTopK's ratios (False
+        and the failure's actions: a delta that is not finite, nothing merged)."""
         assert self.weights is not None
         h = self.groups[g]
         values = delta.values if isinstance(delta, sparse.SparseVector) else delta
         if not np.isfinite(np.sum(values, dtype=np.float64)):  # any NaN / inf makes the sum one
-            return self.fail("diverged", f"group {g} sent a non-finite update (NaN or inf) at "
-                             f"merge {self.version}: the model diverged; try a lower --lr")
+            return False, self.fail("diverged", f"group {g} sent a non-finite update (NaN or "
+                                    f"inf) at merge {self.version}: the model diverged; try a "
+                                    "lower --lr")
         scale = self.run.sync.merge_scale(self.run.merge, len(self.groups))
         sparse.add_into(self.weights, delta, scale)
         self.version += 1
@@ -500,10 +518,7 @@ class GlobalCore:
         if self.roster.policy is not None:  # the exchange's iteration time feeds GDTopK
             self.roster.observe_iter_time(g, stats.get("iter_time"), self.now())
             actions += self._update_ratios(self.now())
-        fields = {k: v for k, v in stats.items() if k not in ("version", "samples")}
-        actions.append(Log("merge", {"group": g, "group_samples": stats.get("samples", 0),
-                                     **fields}))
-        return actions + self._check_budget()
+        return True, actions
 
     # -- the budget --------------------------------------------------------------------------
 
@@ -602,7 +617,9 @@ FORMAT = 1  # bump when the meaning of the stored map changes
 
 FINGERPRINT_FIELDS = ("model", "dataset", "mode", "workers", "groups", "batch_size", "lr",
                       "momentum", "weight_decay", "staleness", "sync_every", "merge",
-                      "compressor", "ratio", "seed")  # RunConfig fields a resume must share
+                      "compressor", "ratio", "seed", "optimizer_at")  # a resume must share them
+# what a checkpoint written before a field was fingerprinted held: that field's default
+FINGERPRINT_DEFAULTS = {"optimizer_at": "server"}
 
 
 def fingerprint(run_info: dict[str, Any], size: int) -> dict[str, Any]:
@@ -615,6 +632,7 @@ def check_compatible(state: dict[str, Any], run_info: dict[str, Any], size: int)
     if state.get("format") != FORMAT:
         raise ConfigError(f"checkpoint format {state.get('format')!r}, this build reads {FORMAT}")
     saved, ours = state.get("fingerprint", {}), fingerprint(run_info, size)
+    saved = {**FINGERPRINT_DEFAULTS, **saved}
     diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in ours.items()
             if saved.get(k) != v]
     if diff:

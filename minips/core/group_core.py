@@ -21,12 +21,15 @@ The core holds no link and no IO: its shell carries every exchange and performs 
 It imports no asyncio, sockets, clocks or torch (tests/test_group_core.py checks, and drives a
 whole cluster of these cores in one thread with a fake clock).
 
-The rules. A group applies its workers' gradients to its weights with ``optim.SGD``. SSP inside
-the group: a PULL is answered only when ``ssp.ClockTable.may_start`` allows; BSP (staleness 0)
-averages the pushes of one clock (``ssp.Rounds``) and applies them once, at the lr of the
-round's place in the run (so W workers in BSP are synchronous SGD, schedule included:
-``reference.train``); other modes apply each push as it arrives with the lr divided by the
-number m of live workers of the group, so one round of m pushes moves as far as one BSP step.
+The rules. A group applies its workers' gradients to its weights with ``optim.SGD`` (with the
+optimizer on the workers, ``RunConfig.optimizer_at``, the updates they push, at lr 1 and no
+momentum or decay; each WEIGHTS tells the worker the lr factor of its next update and the
+run's progress). SSP inside the group: a PULL is answered only when
+``ssp.ClockTable.may_start`` allows; BSP (staleness 0) averages the pushes of one clock
+(``ssp.Rounds``) and applies them once, at the lr of the round's place in the run (so W
+workers in BSP are synchronous SGD, schedule included: ``reference.train``); other modes apply
+each push as it arrives with the lr divided by the number m of live workers of the group, so
+one round of m pushes moves as far as one BSP step.
 Every ``sync_every`` pushes the group's shell exchanges with the global server through a
 ``GroupLink`` (a direct call in-process, EXCHANGE/EXCHANGE_REPLY over TCP for a `minips group`);
 ``exchange.py`` keeps the delta bookkeeping (nothing lost, each delta merged once, also when a
@@ -143,8 +146,8 @@ class GroupCore:
         self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
         self.xchg = Exchange(self.weights, ratio=exchange_ratio(run))  # delta, seq, counters
         self.xchg_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}  # exchanges so far
-        self.opt = optim.SGD(self.weights.size, lr=run.lr, momentum=run.momentum,
-                             weight_decay=run.weight_decay)
+        self.opt = _server_sgd(run, self.weights.size)
+        self.budget = run.budget_samples()  # the run's samples, for WEIGHTS.progress; 0: none
         # samples per epoch, for the lr warm-up and schedule (looked up only when one is on)
         self.train_size = (dataset_train_size(run.dataset, run.train_size)
                            if run.lr_warmup > 0 or run.lr_schedule != "constant" else 0)
@@ -157,7 +160,8 @@ class GroupCore:
         self.done = False  # budget spent; answer every PULL with done
         self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
         down = run.downlink_ratio()  # PULL answers: sparse updates of w_pub, or dense weights
-        self.downlink = Downlink(self.weights, down) if down < 1 else None
+        self.downlink = (Downlink(self.weights, down, drift=run.down_drift,
+                                  values=run.down_values) if down < 1 else None)
         self._joined: set[int] = set()
         for w in members:
             self.expect(w, now)
@@ -255,7 +259,9 @@ class GroupCore:
     def _apply(self, grad: Delta, samples: int, share: int = 1) -> None:
         """One SGD step on ``samples`` samples; ``share`` > 1 applies 1/share of it (one push
         of a round of share)."""
-        self.opt.lr = self.run.lr * self._lr_factor(samples) / max(1, share)
+        # an update a worker computed carries its lr already (``next_lr_factor``)
+        lr = 1.0 if self.run.optimizer_on_worker else self.run.lr * self._lr_factor(samples)
+        self.opt.lr = lr / max(1, share)
         self.opt.step(self.weights, grad)
         self.version += 1
         self.unapplied -= samples
@@ -280,6 +286,22 @@ class GroupCore:
         return (optim.warmup_factor((own + samples) / share, ramp)
                 * optim.decay_at(self.run.lr_schedule, seen, budget))
 
+    def next_lr_factor(self) -> float:
+        """The lr factor of the next update a worker computes from the weights it pulls now
+        (optimizer on the worker): ``_lr_factor`` of one BSP round (``batch_size`` x the live
+        workers) or of one push. In BSP every PULL of a round is answered once the round
+        before is applied, so it is the factor the server would use: synchronous SGD."""
+        pushes = max(1, len(self.table)) if self.run.in_rounds else 1
+        return self._lr_factor(self.run.batch_size * pushes)
+
+    def progress(self) -> float:
+        """The fraction of the run's budget (``RunConfig.budget_samples``) done, as this group
+        knows it (its own samples applied, the others' as of its last exchange); 0 without a
+        samples budget."""
+        if self.budget <= 0:
+            return 0.0
+        return min(1.0, max(0.0, (self.xchg.cluster_samples() - self.unapplied) / self.budget))
+
     # -- weights ----------------------------------------------------------------------------
 
     def at_cap(self, clock: int) -> bool:
@@ -299,24 +321,30 @@ class GroupCore:
             self.downlink.publish(self.weights)
 
     def weights_message(self, w: int | None, waited_for: list[int],
-                        since: int = -1, clock: int = -1) -> messages.Weights:
+                        since: int = -1, clock: int = -1,
+                        held_s: float = 0.0) -> messages.Weights:
         """WEIGHTS for worker ``w`` holding version ``since``, pulling at ``clock``: the weights
         themselves (dense downlink; version = updates applied), or, with a compressed downlink,
         the update from ``since`` to the last publish (``publish``, ``downlink.py``); ``done``
-        when the run is over, for everyone or for ``w`` (``at_cap``)."""
+        when the run is over, for everyone or for ``w`` (``at_cap``). The answer of a member's
+        PULL that the SSP bound held ``held_s`` seconds is counted for the next exchange (its
+        lead and wait reach the global server: ``Exchange.pulled``)."""
+        lead = self.table.lead(w) if w is not None and w in self.table else 0
+        if w is not None and w in self.table:
+            self.xchg.pulled(w, lead, held_s)
         payload: sparse.SparseVector | np.ndarray = self.weights
-        version, base = self.version, -1
+        version, base, values = self.version, -1, "f32"
         if self.downlink is not None:
             answer = self.downlink.answer(since)
             version, base, payload = answer.version, answer.since, answer.payload
-        encoding, codec, buffers = sparse.encode_vector(payload)
+            values = self.downlink.wire_values(answer)
+        encoding, codec, buffers = sparse.encode_vector(payload, value_dtype=values)
         low = self.table.min_clock()
         return messages.Weights(  # drift: how far the weights sent are from the group's
             version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
             done=self.done or self.at_cap(clock), group=self.group, waited_for=waited_for,
-            ratio=self.ratio,
-            lead=self.table.lead(w) if w in self.table else 0,
-            min_clock=-1 if low is None else low,
+            ratio=self.ratio, lr_factor=self.next_lr_factor(), progress=self.progress(),
+            lead=lead, min_clock=-1 if low is None else low,
             drift=-1.0 if self.downlink is None else round(self.downlink.last_drift, 6))
 
     def set_ratio(self, ratio: float) -> None:
@@ -405,6 +433,14 @@ class GroupCore:
         self.ratio = state["ratio"]
         self.xchg_bytes = {k: int(state.get("xchg_bytes", {}).get(k, 0))  # 0 in older files
                            for k in ("bytes_to_global", "bytes_from_global")}
+
+
+def _server_sgd(run: RunConfig, size: int) -> optim.SGD:
+    """The group's optimizer: the run's SGD, or with the optimizer on the workers plain SGD at
+    lr 1 (no momentum, no decay: the updates pushed are added as they are, O(k) when sparse)."""
+    if run.optimizer_on_worker:
+        return optim.SGD(size, lr=1.0, momentum=0.0, weight_decay=0.0)
+    return optim.SGD(size, lr=run.lr, momentum=run.momentum, weight_decay=run.weight_decay)
 
 
 def _entries(d: Delta) -> int:

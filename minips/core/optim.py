@@ -8,6 +8,11 @@ against torch on the same sequence of gradients)::
     w = w - lr * (d + momentum * v)           if nesterov
     w = w - lr * v                            otherwise
 
+With ``momentum`` 0 and ``weight_decay`` 0 the step is ``w = w - lr * g``, which touches only
+the entries of a sparse ``g`` (O(k), not O(n)): that is how a group server applies the updates
+workers push when the optimizer is on the workers (``RunConfig.optimizer_at``, lr 1 divided
+among the pushes of a round, as for gradients).
+
 A gradient is either dense, ``(n,) float32``, or sparse: any object with ``indices`` ``(k,)``
 integer, ``values`` ``(k,)`` float and ``size == n`` (``sparse.SparseVector`` fits; this module does
 not import it). A sparse gradient means zeros elsewhere, so weight decay and momentum still touch
@@ -69,6 +74,9 @@ class SGD:
         if weights.shape != (self.size,) or weights.dtype != np.float32:
             raise ConfigError(f"weights must be ({self.size},) float32, "
                               f"got {weights.shape} {weights.dtype}")
+        if self.momentum == 0 and self.weight_decay == 0:
+            self._plain_step(weights, grad)
+            return
         d = self._decayed_grad(weights, grad)  # (n,) float32, aliases self._d
         if self.momentum == 0:
             weights -= self.lr * d
@@ -83,6 +91,28 @@ class SGD:
                 weights -= np.multiply(v, self.lr, out=d)  # reuse the scratch: no (n,) temporary
         self.steps += 1
 
+    def _plain_step(self, weights: np.ndarray, grad: np.ndarray | SparseLike) -> None:
+        """``w -= lr * g`` on the entries ``g`` names (no decay, no momentum: nothing else
+        moves)."""
+        if isinstance(grad, np.ndarray):
+            if grad.shape != (self.size,):
+                raise ConfigError(f"dense gradient must be ({self.size},), got {grad.shape}")
+            weights -= np.multiply(grad, self.lr, out=self._d)
+        else:
+            idx = self._indices(grad)  # (k,) int64
+            values = np.asarray(grad.values, dtype=np.float32)  # (k,)
+            np.add.at(weights, idx, values * -np.float32(self.lr))
+        self.steps += 1
+
+    def _indices(self, grad: SparseLike) -> np.ndarray:
+        """``grad.indices`` as (k,) int64, checked against the vector's length."""
+        if int(grad.size) != self.size:
+            raise ConfigError(f"sparse gradient size {grad.size} != {self.size}")
+        idx = np.asarray(grad.indices, dtype=np.int64)  # (k,)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.size):
+            raise ConfigError(f"sparse gradient index out of range [0, {self.size})")
+        return idx
+
     def _decayed_grad(self, weights: np.ndarray, grad: np.ndarray | SparseLike) -> np.ndarray:
         d = np.multiply(weights, self.weight_decay, out=self._d)  # (n,) float32
         if isinstance(grad, np.ndarray):
@@ -90,11 +120,7 @@ class SGD:
                 raise ConfigError(f"dense gradient must be ({self.size},), got {grad.shape}")
             d += grad
             return d
-        if int(grad.size) != self.size:
-            raise ConfigError(f"sparse gradient size {grad.size} != {self.size}")
-        idx = np.asarray(grad.indices, dtype=np.int64)  # (k,)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.size):
-            raise ConfigError(f"sparse gradient index out of range [0, {self.size})")
+        idx = self._indices(grad)  # (k,) int64
         np.add.at(d, idx, np.asarray(grad.values, dtype=np.float32))  # sums repeated indices
         return d
 

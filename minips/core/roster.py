@@ -154,6 +154,8 @@ class GroupHandle:
         self.step_time = 0.0  # smoothed mean worker step time, seconds
         self.final = False  # flushed its last delta
         self.merges = 0
+        # its exchanges' bytes on the wire as this server counted them (since it started)
+        self.hop_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}
         self.last_exchange = (-1, -1)  # (session, seq) of the last merged exchange
         # last_exchange as of the last two checkpoint snapshots, older first (exchange.py)
         self.snapshots: list[tuple[int, int]] = [(-1, -1)] * 2

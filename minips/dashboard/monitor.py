@@ -4,8 +4,9 @@ One asyncio task in the global server's process (``minips server --dashboard`` /
 ``--tensorboard``) or in ``minips dashboard RUN_DIR`` (a replay). Every ``TICK_S`` it reads what
 the run directory gained (``RunFollower``, or ``Replay`` for a finished run), adds the global
 server's live view of its workers (``probe``: groups, clocks, who the SSP bound holds, who is
-connected, which covers workers whose metrics files are on other machines), writes the new
-records to TensorBoard and wakes the page's event streams.
+connected, which covers workers whose metrics files are on other machines) and of the run
+(whether an evaluator is connected), writes the new records to TensorBoard and wakes the page's
+event streams.
 
 Its credential is its own: beyond loopback the page asks for the dashboard's read-only token
 (MINIPS_DASHBOARD_TOKEN, or one made at start and printed once, in the URL), never the
@@ -190,6 +191,7 @@ class Monitor:
         if self.server is not None:
             for rec in probe(self.server, self.now()):
                 self.state.add("probe", rec)
+            self.state.add("server", {"t": self.now(), "evaluator": self.server.has_evaluator()})
         if self.tb is not None:
             for src, rec in new:
                 self.tb.add(src, rec)

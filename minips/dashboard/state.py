@@ -6,10 +6,21 @@ a run, built from its metrics records; then ``Tail``, ``RunFollower`` and ``Repl
 follow a run directory's JSON-lines files, live (tail) or as a replay (by run time).
 
 ``RunState.add(source, record)`` takes one JSON-lines record of the run directory (``source``:
-``eval``, ``global``, ``group``, ``worker``; see record/rundir.py for the fields) or one
-``probe`` record (the global server's live view of a worker: group, clock, step time, alive,
-waiting). Live runs and replays feed the same records, so both draw the same page; ``now``
-(seconds since the run's t0) is passed in by the caller.
+``eval``, ``global``, ``group``, ``worker``; see record/rundir.py for the fields), one ``probe``
+record (the global server's live view of a worker: group, clock, step time, alive, waiting) or
+one ``server`` record (its view of the run: whether an evaluator is connected). Live runs and
+replays feed the same records, so both draw the same page; ``now`` (seconds since the run's t0)
+is passed in by the caller.
+
+The run's counters come from what the servers see, wherever the workers and groups run: the
+global server's ``merge`` lines (global.jsonl) carry each exchange's pushes, the group's clocks
+and worker traffic, the PULLs it answered (worker, lead, SSP wait: the staleness and wait
+histograms, each worker's pulls) and the group <-> global bytes the global server counted. A
+worker's own file, where the run directory has it, adds the columns of its last push (bytes
+per push, upload ratio, its pull's duration) and its events. Events carry a sentence
+(``describe``); checkpoints are folded into one count. A group no worker is in any more (a
+regroup emptied it) is no longer shown (``shown_groups``); a worker slower than ``SLOW_FACTOR``
+times the median of all live workers is marked ``slow``.
 
 ``Tail`` reads what was appended to one file since the last call, keeping a partial last line
 for the next call (a writer may be in the middle of it). ``RunFollower`` tails every metrics
@@ -30,13 +41,15 @@ from what was added, never from a clock read here:
 Each line is handed over exactly once and only whole; a file that shrinks (a new run in the same
 directory) is read again from its start.
 
-Public API: ``EVENT_KINDS``, ``STALENESS_BUCKETS``, ``WAIT_BUCKETS``, ``Histogram``,
-``RunState``, ``WorkerView``, ``Replay``, ``RunFollower``, ``Tail``, ``source_of``.
+Public API: ``EVENT_KINDS``, ``HOPS``, ``SLOW_FACTOR``, ``STALENESS_BUCKETS``, ``WAIT_BUCKETS``,
+``Histogram``, ``RunState``, ``WorkerView``, ``Replay``, ``RunFollower``, ``Tail``,
+``source_of``, ``describe``.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import json
 import os
 from dataclasses import dataclass, field
@@ -47,6 +60,8 @@ from minips.record.rundir import read_config, read_jsonl
 
 __all__ = [
     "EVENT_KINDS",
+    "HOPS",
+    "SLOW_FACTOR",
     "STALENESS_BUCKETS",
     "WAIT_BUCKETS",
     "Histogram",
@@ -56,22 +71,26 @@ __all__ = [
     "RunFollower",
     "Tail",
     "source_of",
+    "describe",
 ]
 
 
 # -- what is known of a run, built from its metrics records ----------------------------------------
 
-# global.jsonl / group / worker events shown on the page (merges are counted, not listed)
+# global.jsonl / group / worker events listed on the page (merges are counted and checkpoints
+# folded into one count, not listed)
 EVENT_KINDS = frozenset({
-    "joined", "left", "expired", "groups", "regroup", "rehomed", "calib_timeout", "checkpoint",
-    "resumed", "done", "failed", "waiting_for_workers", "workers_back", "group_lost",
+    "joined", "left", "expired", "groups", "regroup", "rehomed", "calib_timeout", "resumed",
+    "done", "failed", "waiting_for_workers", "workers_back", "group_lost",
     "group_adopted",  # global.jsonl and group-<g>.jsonl
     "stopped", "lease_expired", "control_lost", "control_back", "control_gave_up",
     "group_unreachable",  # a worker's own file
 })
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)  # clocks ahead of the slowest
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # s
-CLOCK_POINT_S = 0.5  # at most one group-clock point per group this often (seconds of run time)
+CLOCK_POINT_S = 0.5  # at most one group-clock (bytes) point per group this often (s of run time)
+SLOW_FACTOR = 1.5  # a worker slower than this times the cluster's median step time is marked
+HOPS = ("worker_to_group", "group_to_worker", "group_to_global", "global_to_group")
 
 
 @dataclass
@@ -119,13 +138,16 @@ class WorkerView:
     seen_t: float | None = None  # run time the global server last saw it connected (probe)
     gone: str = ""  # "left", "expired", "lost": why it is dead ("" = alive)
     waiting: bool | None = None  # the probe's SSP answer (None: derive from clocks)
+    pulls: int = 0  # PULLs its group server answered, as the merges reported them
+    held_s: float = 0.0  # s the SSP bound held those PULLs, summed
 
-    def row(self, state: str) -> dict[str, Any]:
+    def row(self, state: str, slow: bool = False) -> dict[str, Any]:
         up = (self.bytes_wire / self.bytes_raw) if self.bytes_wire and self.bytes_raw else None
         return {"id": self.id, "group": self.group, "clock": self.clock, "state": state,
                 "step_time": self.step_time, "wait_s": self.wait_s, "staleness": self.staleness,
                 "bytes_per_push": self.bytes_wire, "upload_ratio": up, "ratio": self.ratio,
-                "loss": self.loss, "pushes": self.pushes}
+                "loss": self.loss, "pushes": self.pushes, "pulls": self.pulls,
+                "held_s": self.held_s, "slow": slow}
 
 
 class RunState:
@@ -147,18 +169,26 @@ class RunState:
         self._counters: dict[str, float] = {"bytes_up": 0, "bytes_down": 0, "samples": 0}
         self.merges: dict[int, int] = {}  # group -> merges
         self.to_global: dict[Any, dict[str, float]] = {}  # group -> its group <-> global bytes
-        self.pushes: dict[int, int] = {}  # group -> pushes its workers' files recorded
+        self.hop_from_merges: set[Any] = set()  # groups whose hop bytes the merges carry
+        self.pushes: dict[int, int] = {}  # group -> pushes its merges reported
+        self.bytes: list[dict[str, Any]] = []  # {t, <hop>: bytes so far} per CLOCK_POINT_S
+        self.held: list[dict[str, Any]] = []  # {t, group, held: {worker: SSP wait so far, s}}
         self.checkpoint_t: float | None = None
+        self.checkpoints: dict[str, Any] = {"n": 0, "t": None, "bytes": None}  # folded
+        self.evaluator: bool | None = None  # an evaluator is connected (the server's view)
         self.done = False
         self.final_eval = False  # the evaluator wrote its record of the final weights
         self._clock_at: dict[int, float] = {}  # group -> t of its last clock point
+        self._bytes_at = -1e9  # t of the last bytes point
+        self._held_at: dict[int, float] = {}  # group -> t of its last held point
 
     # -- feeding -----------------------------------------------------------------------------
 
     def add(self, source: str, rec: dict[str, Any]) -> None:
         """Take one record; unknown sources and malformed records are ignored."""
         handler = {"eval": self._eval, "global": self._global, "group": self._group,
-                   "worker": self._worker, "probe": self._probe}.get(source)
+                   "worker": self._worker, "probe": self._probe,
+                   "server": self._server}.get(source)
         if handler is not None and isinstance(rec.get("t"), (int, float)):
             handler(rec)
 
@@ -176,8 +206,11 @@ class RunState:
                 self._counters[k] = r[k]
         if ev == "merge":
             self._merge(r)
-        elif ev == "checkpoint":
+        elif ev == "checkpoint":  # folded into one line on the page, not one event each
             self.checkpoint_t = r["t"]
+            self.checkpoints = {"n": self.checkpoints["n"] + 1, "t": r["t"],
+                                "bytes": r.get("bytes")}
+            return
         elif ev in ("done", "failed"):
             self.done = True
         elif ev in ("left", "group_lost") and r.get("worker") is not None:
@@ -191,23 +224,67 @@ class RunState:
             for w, g in (r.get("moved") or {}).items():
                 self._view(w).group = int(g)
         if ev in EVENT_KINDS:
-            self.events.append({"t": r["t"], "event": ev, "source": "global",
-                                **_brief(r)})
+            self._event(r, "global")
+
+    def _event(self, r: dict[str, Any], source: str) -> None:
+        brief = _brief(r)
+        self.events.append({"t": r["t"], "event": r["event"], "source": source, **brief,
+                            "text": describe(r["event"], source, brief)})
 
     def _merge(self, r: dict[str, Any]) -> None:
+        """A merge line: what the global server saw of one exchange, wherever the group and its
+        workers run (pushes, clocks, answered PULLs, worker traffic, the exchange's bytes)."""
         g = int(r.get("group", -1))
         self.merges[g] = self.merges.get(g, 0) + 1
+        if isinstance(r.get("pushes"), int):
+            self.pushes[g] = self.pushes.get(g, 0) + r["pushes"]
         known = self.groups.setdefault(g, {})
         for k in ("min_clock", "max_clock", "bytes_in", "bytes_out"):
-            if r.get(k) is not None:  # a final exchange after the workers left has no clocks
+            # a final exchange after the workers left has no clocks (None, or -1 on the wire)
+            if r.get(k) is not None and not (k.endswith("clock") and r[k] < 0):
                 known[k] = r[k]
-        if r.get("min_clock") is not None and r["t"] - self._clock_at.get(g, -1e9) >= CLOCK_POINT_S:
+        if isinstance(r.get("bytes_to_global"), (int, float)):
+            self.hop_from_merges.add(g)
+            self.to_global[g] = {k: r[k] for k in ("bytes_to_global", "bytes_from_global")}
+        self._pulls(r)
+        if r["t"] - self._bytes_at >= CLOCK_POINT_S:
+            self._bytes_at = r["t"]
+            self.bytes.append({"t": r["t"], **self.hops()})
+        low = r.get("min_clock")
+        due = r["t"] - self._clock_at.get(g, -1e9) >= CLOCK_POINT_S
+        if isinstance(low, int) and low >= 0 and due:
             self._clock_at[g] = r["t"]
             self.clocks.append({"t": r["t"], "group": g, "min_clock": r.get("min_clock"),
                                 "max_clock": r.get("max_clock")})
 
+    def _pulls(self, r: dict[str, Any]) -> None:
+        """The PULLs a merge's group answered since its last exchange: staleness and the SSP
+        bound's wait, one observation each, and each worker's count."""
+        cols = [c for k in ("pull_workers", "pull_leads", "pull_waits_us")
+                if isinstance(c := r.get(k), list)]
+        if len(cols) != 3 or len({len(c) for c in cols}) != 1:
+            return
+        for w, lead, wait_us in zip(*cols, strict=True):
+            self.staleness_hist.observe(float(lead))
+            self.wait_hist.observe(wait_us / 1e6)
+            v = self._view(w)
+            v.pulls, v.held_s = v.pulls + 1, v.held_s + wait_us / 1e6
+        g = int(r.get("group", -1))
+        if cols[0] and r["t"] - self._held_at.get(g, -1e9) >= CLOCK_POINT_S:  # who waits, over time
+            self._held_at[g] = r["t"]
+            self.held.append({"t": r["t"], "group": g,
+                              "held": {str(w): round(self.workers[w].held_s, 6)
+                                       for w in sorted(set(cols[0]))}})
+
+    def _server(self, r: dict[str, Any]) -> None:
+        """The global server's view of the run as a whole (the monitor's probe)."""
+        if isinstance(r.get("evaluator"), bool):
+            self.evaluator = r["evaluator"]
+
     def _group(self, r: dict[str, Any]) -> None:
-        if r.get("event") == "exchange":  # running totals of the group <-> global hop
+        g = r.get("group")
+        if r.get("event") == "exchange" and g not in self.hop_from_merges:
+            # a group's own running totals of its hop: from runs whose merges lack them
             hop = self.to_global.setdefault(r.get("group"), {})
             for k in ("bytes_to_global", "bytes_from_global"):
                 if isinstance(r.get(k), (int, float)):
@@ -215,8 +292,8 @@ class RunState:
         if r.get("event") == "expired":
             for w in r.get("workers") or []:
                 self._view(w).gone = "expired"
-            self.events.append({"t": r["t"], "event": "expired",
-                                "source": f"group {r.get('group')}", "workers": r.get("workers")})
+            self._event({"t": r["t"], "event": "expired", "workers": r.get("workers")},
+                        f"group {r.get('group')}")
 
     def _worker(self, r: dict[str, Any]) -> None:
         if r.get("worker") is None:
@@ -224,20 +301,15 @@ class RunState:
         v = self._view(r["worker"])
         if r.get("event"):
             if r["event"] in EVENT_KINDS:
-                self.events.append({"t": r["t"], "event": r["event"], "source": f"worker {v.id}",
-                                    **_brief(r)})
+                self._event(r, f"worker {v.id}")
             return
         v.clock, v.last_t, v.pushes, v.gone = int(r.get("clock", v.clock)), r["t"], v.pushes + 1, ""
         if r.get("group") is not None:
             v.group = int(r["group"])
+        # its own view of its last push; the run's counters come from the merges (_merge)
         for k in ("step_time", "wait_s", "staleness", "bytes_wire", "bytes_raw", "ratio", "loss"):
             if r.get(k) is not None:
                 setattr(v, k, r[k])
-        self.pushes[v.group] = self.pushes.get(v.group, 0) + 1
-        if isinstance(r.get("staleness"), (int, float)):
-            self.staleness_hist.observe(float(r["staleness"]))
-        if isinstance(r.get("wait_s"), (int, float)):
-            self.wait_hist.observe(float(r["wait_s"]))
 
     def _probe(self, r: dict[str, Any]) -> None:
         v = self._view(r["worker"])
@@ -261,14 +333,42 @@ class RunState:
 
     @property
     def totals(self) -> dict[str, float]:
-        """Pushes and merges (the sums of the per-group counts), then bytes and samples as of
-        the last global line (``bytes_up`` / ``bytes_down``: worker <-> group), and the group
-        <-> global bytes as of each group's last exchange."""
+        """Pushes and merges (the sums of the per-group counts the merges reported), then bytes
+        and samples as of the last global line (``bytes_up`` / ``bytes_down``: worker <-> group),
+        and the group <-> global bytes as of each group's last exchange."""
         hops = {k: sum(h.get(k, 0) for h in self.to_global.values())
                 for k in ("bytes_to_global", "bytes_from_global")}
         return {"pushes": sum(self.pushes.values()), "merges": sum(self.merges.values()),
                 **self._counters, "bytes_group_global": hops["bytes_to_global"],
                 "bytes_global_group": hops["bytes_from_global"]}
+
+    def hops(self) -> dict[str, float]:
+        """Bytes so far on each hop (``HOPS``), the worker hops as the groups' merges said."""
+        out = dict.fromkeys(HOPS, 0.0)
+        for c in self.groups.values():
+            out["worker_to_group"] += c.get("bytes_in", 0)
+            out["group_to_worker"] += c.get("bytes_out", 0)
+        for h in self.to_global.values():
+            out["group_to_global"] += h.get("bytes_to_global", 0)
+            out["global_to_group"] += h.get("bytes_from_global", 0)
+        return out
+
+    def shown_groups(self) -> dict[int, dict[str, Any]]:
+        """The groups that hold a worker (before the grouping: all known): one a regroup
+        emptied leaves the cards, the clock chart and the per-group gauges."""
+        held = {v.group for v in self.workers.values() if v.group >= 0}
+        return {g: c for g, c in sorted(self.groups.items()) if not held or g in held}
+
+    def slow(self, now: float) -> set[int]:
+        """Workers slower than ``SLOW_FACTOR`` times the median step time of the cluster's live
+        workers (all groups: under GSSP a group holds workers of one speed)."""
+        live = {w: v.step_time for w, v in self.workers.items()
+                if v.step_time and self.state_of(v, now) != "dead"}
+        if len(live) < 2:
+            return set()
+        times = sorted(live.values())
+        median = times[len(times) // 2]
+        return {w for w, st in live.items() if st > SLOW_FACTOR * median}
 
     def state_of(self, v: WorkerView, now: float) -> str:
         """computing | waiting | pulling | dead | done (the rules in the module docstring)."""
@@ -288,7 +388,7 @@ class RunState:
         return self.staleness is not None and bool(mates) and v.clock - min(mates) > self.staleness
 
     def alive_per_group(self, now: float) -> dict[int, int]:
-        out: dict[int, int] = {g: 0 for g in self.groups}
+        out: dict[int, int] = {g: 0 for g in self.shown_groups()}
         for v in self.workers.values():
             if v.group >= 0:
                 out[v.group] = out.get(v.group, 0) + (self.state_of(v, now) != "dead")
@@ -298,14 +398,17 @@ class RunState:
         """The page's message: tables as of ``now`` plus the series items after ``since``
         ({} = from the start); ``cursor`` is the ``since`` of the next call."""
         since = since or {}
-        series = {"eval": self.eval, "clocks": self.clocks, "events": self.events}
+        series = {"eval": self.eval, "clocks": self.clocks, "events": self.events,
+                  "bytes": self.bytes, "held": self.held}
+        slow = self.slow(now)
         return {
             "t": now, "done": self.done, "kind": self.kind,
-            "config": _config_brief(self.config),
-            "workers": [v.row(self.state_of(v, now)) for _, v in sorted(self.workers.items())],
+            "config": _config_brief(self.config), "evaluator": self.evaluator,
+            "workers": [v.row(self.state_of(v, now), w in slow)
+                        for w, v in sorted(self.workers.items())],
             "groups": {str(g): {**c, "merges": self.merges.get(g, 0)}
-                       for g, c in sorted(self.groups.items())},
-            "totals": self.totals,
+                       for g, c in self.shown_groups().items()},
+            "totals": self.totals, "hops": self.hops(), "checkpoints": self.checkpoints,
             **{k: s[since.get(k, 0):] for k, s in series.items()},
             "cursor": {k: len(s) for k, s in series.items()},
         }
@@ -315,6 +418,53 @@ def _brief(r: dict[str, Any]) -> dict[str, Any]:
     """An event's own fields, without the counters every global line carries."""
     skip = {"t", "event", "version", "samples", "bytes_up", "bytes_down", "addresses"}
     return {k: v for k, v in r.items() if k not in skip}
+
+
+SENTENCES = {  # global.jsonl events whose fields read best in a sentence of their own
+    "group_lost": "group {group}: its group server is gone",
+    "group_adopted": "group {group}: a new group server at {address} took it over",
+    "resumed": "resumed from the checkpoint",
+    "waiting_for_workers": "every worker is gone; waiting up to {wait_s} s for them ({left} left)",
+    "workers_back": "workers are back",
+}
+
+
+def describe(event: str, source: str, f: dict[str, Any]) -> str:
+    """One event as a sentence for the page's list (``_brief``'s fields ``f``)."""
+    who = f"worker {f['worker']}" if f.get("worker") is not None else source
+    if event == "groups":
+        by: dict[int, list[int]] = {}
+        for w, g in (f.get("assignment") or {}).items():
+            by.setdefault(int(g), []).append(int(w))
+        return "groups formed: " + "; ".join(f"group {g}: workers {_ids(ws)}"
+                                             for g, ws in sorted(by.items()))
+    if event in ("regroup", "rehomed"):
+        moves = ", ".join(f"worker {w} to group {g}" for w, g in (f.get("moved") or {}).items())
+        return f"{'regrouped' if event == 'regroup' else 'rehomed'}: {moves or 'no move'}"
+    if event == "expired":
+        return f"{source}: lease expired for workers {_ids(f.get('workers') or [])}"
+    if event in ("done", "failed"):
+        why = f.get("reason") or f.get("code") or ""
+        return f"run {'over' if event == 'done' else 'failed'}" + (f": {why}" if why else "")
+    if event in SENTENCES and source == "global":
+        return SENTENCES[event].format_map(collections.defaultdict(str, f, who=who))
+    if event == "calib_timeout":
+        return (f"grouping deadline passed: {len(f.get('reported') or [])} of "
+                f"{f.get('expected')} workers had reported")
+    detail = ", ".join(_short(v) if k == "reason" else f"{k} {_short(v)}" for k, v in f.items()
+                       if k not in ("worker", "group", "text") and v not in (None, "", [], {}))
+    group = f" (group {f['group']})" if f.get("group") is not None else ""
+    return f"{who} {event.replace('_', ' ')}{group}" + (f": {detail}" if detail else "")
+
+
+def _ids(ws: list[Any]) -> str:
+    return ", ".join(str(w) for w in sorted(ws, key=int))
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))[:80]
 
 
 def _config_brief(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -13,18 +13,25 @@ Bearer``, compared in constant time); a client that goes away costs nothing but 
 this module only reads the state, the ``Monitor`` feeds it.
 
 The collector is a custom one, so nothing is counted twice and the training path does no extra
-work: the figures are those the dashboard already holds. Names follow Prometheus' conventions
-(``_total`` counters, ``_seconds`` / ``_bytes`` units):
+work: the figures are those the dashboard already holds, taken from what the servers saw
+(state.py), so workers and group processes on other machines count. Names follow Prometheus'
+conventions (``_total`` counters; ``_seconds``, ``_bytes``, ``_steps``, ``_ratio`` units;
+docs/dashboard.md has the table):
 
-- ``minips_pushes_total{group}`` (worker pushes), ``minips_merges_total{group}`` (group
-  deltas merged into the global weights), ``minips_samples_total``;
-- ``minips_bytes_total{hop}``: ``worker_to_group``, ``group_to_worker``, ``group_to_global`` and
-  ``global_to_group`` (the run's totals on the wire), and
-  ``minips_group_bytes_total{group, direction}`` per group;
-- ``minips_staleness`` and ``minips_wait_seconds`` histograms (one observation per push);
+- ``minips_run_info`` (the run's mode, compressor, model, ...), ``minips_pushes_total{group}``,
+  ``minips_merges_total{group}``, ``minips_samples_total``;
+- ``minips_bytes_total{hop, group}``: ``worker_to_group``, ``group_to_worker``,
+  ``group_to_global``, ``global_to_group`` (summed over the groups: the hop's run total);
+- ``minips_staleness_steps`` and ``minips_ssp_wait_seconds`` histograms (one observation per
+  answered PULL);
 - ``minips_workers_alive{group}``, ``minips_group_clock{group, bound}`` (min / max clock);
-- ``minips_checkpoint_age_seconds`` (absent until a checkpoint was written);
-- ``minips_accuracy`` / ``minips_loss`` (the last evaluation).
+- per worker ``{worker, group}``: ``minips_worker_up``, ``minips_worker_clock``,
+  ``minips_worker_step_seconds``, ``minips_worker_pulls_total``,
+  ``minips_worker_ssp_wait_seconds_total``;
+- ``minips_last_checkpoint_timestamp_seconds`` (absent until a checkpoint was written);
+- ``minips_accuracy_ratio`` / ``minips_loss`` (the last evaluation);
+- ``process_*``: prometheus_client's process collector (the serving process's CPU, memory,
+  open files).
 
 Public API: ``RunCollector``, ``Ticker``, ``make_app``, ``start_site``.
 """
@@ -39,11 +46,17 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
@@ -64,7 +77,9 @@ class RunCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s, now = self.state, self.now()
-        pushes = CounterMetricFamily("minips_pushes", "worker pushes", labels=["group"])
+        yield self._info()
+        pushes = CounterMetricFamily("minips_pushes", "worker pushes the group servers "
+                                     "reported with their exchanges", labels=["group"])
         for g, n in sorted(s.pushes.items()):
             pushes.add_metric([str(g)], n)
         yield pushes
@@ -74,36 +89,42 @@ class RunCollector(Collector):
         for g, n in sorted(s.merges.items()):
             merges.add_metric([str(g)], n)
         yield merges
-        yield from self._bytes()
-        yield _histogram("minips_staleness", "clocks a pull was ahead of its group's slowest "
-                         "worker", s.staleness_hist)
-        yield _histogram("minips_wait_seconds", "time a worker's pull took (SSP wait and "
-                         "transfer)", s.wait_hist)
+        yield self._bytes()
+        yield _histogram("minips_staleness_steps", "clocks a worker was ahead of its group's "
+                         "slowest worker when its pull was answered", s.staleness_hist)
+        yield _histogram("minips_ssp_wait_seconds", "time the SSP bound held a worker's pull "
+                         "at its group server", s.wait_hist)
         yield from self._groups(now)
+        yield from self._workers(now)
         if s.checkpoint_t is not None:
-            yield GaugeMetricFamily("minips_checkpoint_age_seconds", "seconds since the last "
-                                    "checkpoint was written", value=max(0.0, now - s.checkpoint_t))
+            t0 = float(s.config.get("t0") or 0.0)
+            yield GaugeMetricFamily("minips_last_checkpoint_timestamp_seconds", "Unix time the "
+                                    "last checkpoint was written", value=t0 + s.checkpoint_t)
         if s.eval:
             last = s.eval[-1]
-            yield GaugeMetricFamily("minips_accuracy", "last test accuracy",
+            yield GaugeMetricFamily("minips_accuracy_ratio", "last test accuracy (0 to 1)",
                                     value=last["accuracy"])
             if isinstance(last.get("loss"), (int, float)):
                 yield GaugeMetricFamily("minips_loss", "last test loss", value=last["loss"])
 
-    def _bytes(self) -> Iterator[Metric]:
-        hop = CounterMetricFamily("minips_bytes", "bytes on the wire, by hop", labels=["hop"])
-        hop.add_metric(["worker_to_group"], self.state.totals["bytes_up"])
-        hop.add_metric(["group_to_worker"], self.state.totals["bytes_down"])
-        hop.add_metric(["group_to_global"], self.state.totals["bytes_group_global"])
-        hop.add_metric(["global_to_group"], self.state.totals["bytes_global_group"])
-        yield hop
-        per = CounterMetricFamily("minips_group_bytes", "bytes between a group server and "
-                                  "its workers", labels=["group", "direction"])
+    def _info(self) -> Metric:
+        c = self.state.config
+        info = InfoMetricFamily("minips_run", "the run's configuration")
+        info.add_metric([], {k: str(c.get(k, "")) for k in RUN_INFO})
+        return info
+
+    def _bytes(self) -> Metric:
+        """Bytes per hop and group; summed over the groups, a hop's run total."""
+        hop = CounterMetricFamily("minips_bytes", "bytes on the wire, by hop and group",
+                                  labels=["hop", "group"])
         for g, c in sorted(self.state.groups.items()):
-            for key, direction in (("bytes_in", "in"), ("bytes_out", "out")):
-                if isinstance(c.get(key), (int, float)):
-                    per.add_metric([str(g), direction], c[key])
-        yield per
+            for key, name in (("bytes_in", "worker_to_group"), ("bytes_out", "group_to_worker")):
+                hop.add_metric([name, str(g)], c.get(key, 0))
+        for g, h in sorted(self.state.to_global.items(), key=lambda gh: str(gh[0])):
+            for key, name in (("bytes_to_global", "group_to_global"),
+                              ("bytes_from_global", "global_to_group")):
+                hop.add_metric([name, str(g)], h.get(key, 0))
+        return hop
 
     def _groups(self, now: float) -> Iterator[Metric]:
         alive = GaugeMetricFamily("minips_workers_alive", "live workers", labels=["group"])
@@ -112,11 +133,36 @@ class RunCollector(Collector):
         yield alive
         clock = GaugeMetricFamily("minips_group_clock", "a group's clocks at its last merge",
                                   labels=["group", "bound"])
-        for g, c in sorted(self.state.groups.items()):
+        for g, c in self.state.shown_groups().items():
             for bound in ("min", "max"):
                 if isinstance(c.get(f"{bound}_clock"), (int, float)):
                     clock.add_metric([str(g), bound], c[f"{bound}_clock"])
         yield clock
+
+    def _workers(self, now: float) -> Iterator[Metric]:
+        """One series per worker (labels worker, group), from what the servers saw of it."""
+        labels = ["worker", "group"]
+        up = GaugeMetricFamily("minips_worker_up", "1 while the worker is alive", labels=labels)
+        clock = GaugeMetricFamily("minips_worker_clock", "the worker's clock (steps in its "
+                                  "group)", labels=labels)
+        step = GaugeMetricFamily("minips_worker_step_seconds", "the worker's last step time",
+                                 labels=labels)
+        pulls = CounterMetricFamily("minips_worker_pulls", "the worker's pulls its group "
+                                    "server answered", labels=labels)
+        held = CounterMetricFamily("minips_worker_ssp_wait_seconds", "time the SSP bound "
+                                   "held the worker's pulls", labels=labels)
+        for w, v in sorted(self.state.workers.items()):
+            key = [str(w), str(v.group)]
+            up.add_metric(key, float(self.state.state_of(v, now) not in ("dead", "done")))
+            clock.add_metric(key, v.clock)
+            if v.step_time is not None:
+                step.add_metric(key, v.step_time)
+            pulls.add_metric(key, v.pulls)
+            held.add_metric(key, v.held_s)
+        yield from (up, clock, step, pulls, held)
+
+
+RUN_INFO = ("mode", "compressor", "model", "dataset", "workers", "staleness", "sync_every")
 
 
 def _counter(name: str, doc: str, value: float) -> Metric:
@@ -167,6 +213,7 @@ def make_app(state: RunState, now: Callable[[], float], ticker: Ticker,
     """The aiohttp application serving ``state``; ``now()`` is the run time shown."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(RunCollector(state, now))
+    ProcessCollector(registry=registry)  # process_*: the serving process's CPU, memory, fds
     page = _page()
 
     @web.middleware

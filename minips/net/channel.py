@@ -344,6 +344,10 @@ class Channel:
     def bytes_received(self) -> int:
         return self._proto.bytes_received
 
+    def set_limits(self, limits: frames.Limits) -> None:
+        """Check the peer's next frames against ``limits`` (``Connection.set_limits``)."""
+        self._proto.conn.set_limits(limits)
+
     @property
     def last_recv(self) -> float:
         """``loop.time()`` when bytes last arrived (for leases)."""
@@ -388,8 +392,8 @@ class Channel:
             async with self._send_lock:
                 return await self._send_paced(msg, compress, self._up)
         proto = self._proto
-        if proto.error is not None:
-            raise ConnectionResetError(f"connection is closed ({proto.error})")
+        if proto.error is not None or proto.conn.closed:
+            raise ConnectionResetError(f"connection is closed ({proto.error or 'ERROR sent'})")
         frame = proto.conn.send(msg, compress=compress)
         if len(frame) == 1:  # a small frame is one bytes object (frames.encode joins them)
             self._transport.write(frame[0])
@@ -404,8 +408,8 @@ class Channel:
     async def _send_paced(self, msg: messages.Message, compress: bool, bucket: TokenBucket) -> None:
         """``send`` on a paced link: each chunk waits for its tokens, then is written."""
         proto = self._proto
-        if proto.error is not None:
-            raise ConnectionResetError(f"connection is closed ({proto.error})")
+        if proto.error is not None or proto.conn.closed:
+            raise ConnectionResetError(f"connection is closed ({proto.error or 'ERROR sent'})")
         frame = proto.conn.send(msg, compress=compress)
         for batch in write_batches(frame, bucket.chunk()):
             size = sum(map(len, batch))

@@ -82,7 +82,7 @@ from minips.net import guard as g
 from minips.net.channel import Channel, FrameProtocol, Options
 from minips.net.endpoints import format_address, shared_secret
 from minips.net.guard import LogSummary
-from minips.wire import handshake, messages
+from minips.wire import frames, handshake, messages
 
 __all__ = [
     "CountingLog",
@@ -224,6 +224,7 @@ class Server:
     def __init__(self, accept: Accept, handler: Handler, token: str | bytes | None,
                  options: Options) -> None:
         self.accept, self.handler, self.token, self.options = accept, handler, token, options
+        self.limits = options.limits  # what authenticated peers may send (set_limits)
         self.host, self.port = "", 0
         self.channels: set[Channel] = set()
         self.stats = collections.Counter({k: 0 for k in (
@@ -253,10 +254,20 @@ class Server:
         self.stats["turned_away"] += 1
         self.counted.note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
 
+    def set_limits(self, limits: frames.Limits) -> None:
+        """Check every authenticated peer's frames against ``limits`` from now on: a server
+        that learned its model's size narrows them to it (``frames.Limits.sized_for``), and
+        makes room in the process's lz4 budget for two whole frames of it."""
+        self.limits = limits
+        frames.INFLATE_BUDGET.at_least(2 * limits.max_raw_bytes)
+        for ch in list(self.channels):
+            ch.set_limits(limits)
+
     async def _serve_one(self, ch: Channel, source: str) -> None:
         try:
             if await self._admit(ch, source):
                 self.channels.add(ch)
+                ch.set_limits(self.limits)  # set_limits may have come during the handshake
                 await self.handler(ch)
         except (RemoteProtocolError, ConnectionError):
             pass  # the protocol already counted it and told the peer
@@ -361,7 +372,7 @@ async def serve(host: str, port: int, *, accept: Accept, handler: Handler,
 
     def factory() -> FrameProtocol:
         proto = FrameProtocol(handshake.Connection(handshake.Side.SERVER, alloc=options.alloc,
-                                            limits=options.limits), options)
+                                                   limits=server.limits), options)
         proto.on_made, proto.stats = server._made, server.stats
         return proto
 

@@ -1,10 +1,11 @@
 """Checks of command-line values, run before any server listens or any child starts (no torch).
 
-Two kinds: argparse *types* (``port``, ``finite``, ``int_at_least`` ...), for which argparse names
-the option itself, and *start checks* (``check_run``, ``check_init``, ``check_tls_server`` ...)
-that look at files, names and combinations and raise ``ConfigError``. Every message reads
-"OPTION VALUE: what is wrong; what is allowed", so `minips` prints one line and exits 2 instead
-of failing later in a child process, a worker's join or a traceback.
+Two kinds: argparse *types* (``port``, ``finite``, ``on_off``, ``int_at_least`` ...), for which
+argparse names the option itself, and *start checks* (``check_run``, ``check_init``,
+``check_tls_server`` ...) that look at files, names and combinations and raise
+``ConfigError``. Every message reads "OPTION VALUE: what is wrong; what is allowed", so
+`minips` prints one line and exits 2 instead of failing later in a child process, a worker's
+join or a traceback.
 
 ``speaks_tls`` tells a plain client why a server hung up on it: it answers a TLS handshake.
 """
@@ -32,6 +33,7 @@ from minips.run.launch import parse_slowdowns
 
 __all__ = [
     "finite",
+    "on_off",
     "at_least",
     "int_at_least",
     "port",
@@ -64,6 +66,15 @@ def finite(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text} is not allowed: expected a finite number")
+    return value
+
+
+def on_off(text: str) -> bool:
+    """A switch: on | off (also true | false, yes | no, 1 | 0)."""
+    value = {"on": True, "true": True, "yes": True, "1": True,
+             "off": False, "false": False, "no": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: expected on or off")
     return value
 
 

@@ -44,6 +44,7 @@ from minips.run.checks import (
     finite,
     int_at_least,
     load_run_config,
+    on_off,
     port,
     ports,
     slowdown_factors,
@@ -108,6 +109,10 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
      "both ways (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
     ("--down-ratio", "down_ratio", finite, "kept fraction of each publish of a group's weights "
      "to its workers (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
+    ("--down-values", "down_values", str, "f32 | f16: the values of a publish to the workers; "
+     "f16 rounds them (the rounding stays in the downlink's residual) and sends 2 bytes each"),
+    ("--down-drift", "down_drift", finite, "bound on how far a group's published weights may "
+     "lag its own (relative L2); a publish sends more coordinates when the bound needs them"),
     ("--workers", "workers", int, "number of workers"),
     ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
     ("--staleness", "staleness", int, "SSP bound, clocks"),
@@ -119,6 +124,12 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--lr-schedule", "lr_schedule", _name, "constant | cosine (lr to 0 over the epochs budget)"),
     ("--momentum", "momentum", finite, "SGD momentum"),
     ("--weight-decay", "weight_decay", finite, "L2 weight decay"),
+    ("--optimizer-at", "optimizer_at", str, "where SGD runs: server (workers push gradients) | "
+     "worker (each worker keeps its momentum and pushes its update; DGC's momentum correction)"),
+    ("--grad-clip", "grad_clip", finite, "local gradient clipping (with --optimizer-at worker): "
+     "each worker clips its gradient's L2 norm to this / sqrt(workers); 0 = off"),
+    ("--momentum-masking", "momentum_masking", on_off, "DGC's momentum-factor masking (with "
+     "--optimizer-at worker): a worker clears its velocity where it sent: on | off"),
     ("--seed", "seed", int, "random seed"),
     ("--epochs", "epochs", finite, "budget: epochs over the training set (0 = none)"),
     ("--wall-s", "wall_s", finite, "budget: seconds of training (0 = none)"),
@@ -150,6 +161,8 @@ def add_run_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = 
     base = RunConfig(**(defaults or {}))
     for flag, dest, typ, help_ in RUN_FLAGS:
         shown = getattr(base, dest)  # the flag's own default is None: "not given"
+        if isinstance(shown, bool):  # a switch says it as it is given: on | off
+            shown = "on" if shown else "off"
         p.add_argument(flag, dest=dest, type=typ, default=None,
                        help=help_ if shown is None else f"{help_} (default {shown})")
 
@@ -389,8 +402,9 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
     if args.dim < 1 or args.max_pushes < 0:
         raise ConfigError(f"--dim {args.dim} / --max-pushes {args.max_pushes}: expected "
                           "--dim >= 1 and --max-pushes >= 0")
-    slowdowns = args.slowdown or [1.0]
-    if args.workers is None and args.slowdown:
+    preset = PRESETS.get(getattr(args, "preset", None) or "", {})
+    slowdowns = args.slowdown or list(preset.get("slowdowns", [])) or [1.0]
+    if args.workers is None and (args.slowdown or preset.get("slowdowns")):
         run.workers = len(slowdowns)
     real = args.objective == "model"
     if not real and run.dataset != "synthetic" and not run.train_size:

@@ -43,7 +43,7 @@ from minips.net import channel, transport
 from minips.net.channel import Channel
 from minips.record.rundir import JsonlWriter
 from minips.serve import validation
-from minips.wire import messages
+from minips.wire import frames, messages
 
 __all__ = ["OncePerTurn", "GroupServer"]
 
@@ -110,7 +110,15 @@ class GroupServer:
         the global server places its workers (open membership)."""
         self.core.setup(group, run, weights, members, now=self.clock(), open_membership=True)
         self.link = link
+        self.fit_limits()
         self.ready.set()
+
+    def fit_limits(self) -> None:
+        """Narrow what workers may send to this model's frames (``frames.Limits.sized_for``),
+        once the model is known."""
+        weights = getattr(self.core, "weights", None)
+        if self.server is not None and weights is not None:
+            self.server.set_limits(frames.DEFAULT_LIMITS.sized_for(weights.size))
 
     # -- the core's entry points at this clock, and its actions performed ----------------------
 
@@ -137,6 +145,7 @@ class GroupServer:
         (``GroupCore.rebase``); ``link`` reaches it."""
         self.link = link
         self._perform(self.core.rebase(weights, held))
+        self.fit_limits()
 
     def _perform(self, actions: list[Action]) -> messages.Ack | None:
         """Do what the core asked, in order; return its reply to the worker (None if none)."""
@@ -177,12 +186,14 @@ class GroupServer:
         ``w`` at ``clock``); return WEIGHTS for a worker that holds the published weights of
         version ``since`` (-1: none)."""
         waited: list[int] = []
+        t = self.clock()
         while not self.core.may_answer(w, clock):
             waited = waited or [int(v) for v in self.core.table.waiting_for(w)]  # type: ignore[call-overload]
             self._changed.clear()
             await self._changed.wait()
+        held = self.clock() - t if waited else 0.0  # the SSP bound's wait, not the publish's
         await self._publish()
-        return self.core.weights_message(w, waited, since, clock)
+        return self.core.weights_message(w, waited, since, clock, held)
 
     async def _publish(self) -> None:
         """With a compressed downlink: publish once for all the PULLs this turn of the event
@@ -243,6 +254,7 @@ class GroupServer:
         self.server = await transport.serve(host, port, token=token, accept=self._accept,
                                             handler=self.handle, ssl=ssl, options=options)
         self.port = int(self.server.port)
+        self.fit_limits()
         self._spawn(self._expire_loop())
         return self.port
 

@@ -61,7 +61,7 @@ from minips.errors import ConfigError, RemoteProtocolError
 from minips.net.channel import Channel
 from minips.net.endpoints import reachable
 from minips.serve import validation
-from minips.wire import messages
+from minips.wire import frames, messages
 
 __all__ = ["Shell", "send_quiet", "worker_session", "initial_weights", "evaluator_session",
            "RemoteGroup", "external_group", "group_session", "adopt", "group_address",
@@ -332,7 +332,7 @@ async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle) -> boo
         validation.check_exchange(msg)
         assert core.weights is not None
         delta = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, core.weights.size)
-        reply, actions = core.on_exchange(handle.id, delta, msg.info)
+        reply, actions = core.on_exchange(handle.id, delta, msg.info, frames.wire_size(msg))
         srv.perform(actions)
         await ch.send(reply)
     elif isinstance(msg, messages.Leave):

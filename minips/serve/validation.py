@@ -78,9 +78,15 @@ def check_stats(msg: messages.Stats) -> None:
 
 def check_exchange(msg: messages.Exchange) -> None:
     """A group process's EXCHANGE counters per message: ``samples`` and ``pushes`` at most
-    ``MAX_EXCHANGE_COUNT`` (the run's sums are bounded by ``GlobalCore.merge``)."""
+    ``MAX_EXCHANGE_COUNT`` (the run's sums are bounded by ``GlobalCore.merge``); its answered
+    PULLs, one entry per PULL in each of the three lists (equal lengths)."""
     _number("samples", msg.samples, 0, MAX_EXCHANGE_COUNT)
     _number("pushes", msg.pushes, 0, MAX_EXCHANGE_COUNT)
+    n = len(msg.pull_workers)
+    if not len(msg.pull_leads) == len(msg.pull_waits_us) == n:
+        raise RemoteProtocolError("EXCHANGE's pull_* lists differ in length",
+                                  expected=f"{n} entries each",
+                                  got=[n, len(msg.pull_leads), len(msg.pull_waits_us)])
 
 
 def check_group_address(address: str) -> None:

@@ -68,6 +68,7 @@ from minips.core.group_core import (
     Wake,
 )
 from minips.core.roster import GroupHandle, NoGroup
+from minips.core.worker_opt import Upload
 from minips.record.metrics import summarize
 from minips.record.rundir import RunDir
 from minips.sim.timing import Failure, Links, StepTimes, objective
@@ -248,6 +249,7 @@ class Simulation:
         self.group_of = self._assign(n_w)
         self.rngs = [np.random.default_rng(self.run.seed * 1000 + w) for w in range(n_w)]
         self.comp = [self.run.worker_compressor(size, w) for w in range(n_w)]
+        self.upload = [Upload(self.run, c) for c in self.comp]  # with the optimizer, if there
         self.copy: list[np.ndarray | None] = [None] * n_w
         self.held = [-1] * n_w
         self.clock = [0] * n_w
@@ -363,7 +365,8 @@ class Simulation:
         grad, loss = self.objective.gradient(w, copy, self.rngs[w])
         if self.cfg.real:  # LossComp's schedule follows the loss a real worker sees
             self.comp[w].observe_loss(loss)
-        packet = self.comp[w].compress(grad)
+        packet = self.upload[w].packet(grad, copy, lr_factor=msg.lr_factor,
+                                       progress=msg.progress)
         enc, codec, bufs = self.comp[w].encode(packet)  # the encoding the compressor declares
         push = messages.Push(clock=self.clock[w] + 1, step_time=step, loss=loss,
                              samples=self.run.batch_size, encoding=enc, codec=codec,
@@ -374,7 +377,8 @@ class Simulation:
                   msg.info.get("waited_for", []), "step_time": step, "loss": loss,
                   "samples": push.samples, "ratio": self.comp[w].ratio,
                   "kept_fraction": self.comp[w].kept_fraction,
-                  "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes}
+                  "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes,
+                  **self.upload[w].record()}
         self.send(w, nbytes, self.push_arrives, push, record, after=step)  # once computed
 
     def push_arrives(self, w: int, push: messages.Push, record: dict[str, Any]) -> None:

@@ -18,9 +18,10 @@ A frame is (all integers little-endian; docs/protocol.md, section 1, has every b
     body    body_len bytes: the buffers back to back, wire_len bytes each, never through msgpack
 
 Invariants:
-- Every length is checked against a named limit (``Limits``) before anything of that size is
-  allocated; lz4 output is bounded by the raw_len the table announced (``decompress`` checks
-  its length).
+- Every length is checked against a named limit (``Limits``; a server narrows them to its model
+  with ``Limits.sized_for``) before anything of that size is allocated; lz4 output is bounded
+  by the raw_len the table announced, charged to the process's ``InflateBudget`` before it is
+  inflated, and inflated in place into its destination (``decompress_into``): one copy.
 - Decoding any bytes gives messages or raises ``RemoteProtocolError`` (``LimitExceeded`` for a
   limit), never another exception; after one the decoder stays failed (``error``). Misuse on
   our side raises ``LocalProtocolError``.
@@ -35,25 +36,30 @@ Invariants:
   same checks; its payload buffers of 64 KiB or more are received straight into the memory
   ``alloc`` returns, 64 KiB per read. A buffer of the table is filled in order, exactly
   ``wire_len`` bytes; a raw one lands in the memory ``allocate`` returns (no copy after it), an
-  lz4 one in a temporary that is decompressed into ``allocate``'s memory once whole.
+  lz4 one in a temporary that is decompressed into its destination once whole.
 - Decoded buffers are flat writable ``memoryview``s: into one private copy of a small body, or
   into ``alloc``'s memory.
 
 Public API: ``MAGIC``, ``PREFIX``, ``TABLE_ENTRY``, the ``MAX_*`` limits, ``Limits``,
 ``encode(msg, *, compress=False) -> list[buffer]``, the decoder's checks (``check_prefix``,
 ``check_table``, ``unpack_meta``, ``decompress``), ``PartialFrame``, ``Allocate``, ``Alloc``,
-``default_alloc``, ``FrameDecoder``.
+``default_alloc``, ``FrameDecoder``, ``InflateBudget`` and the process's ``INFLATE_BUDGET``,
+``decompress_into``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import re
 import struct
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import lz4.block
+import lz4.block._block as _lz4_ext
 import msgpack
 import numpy as np
 
@@ -79,6 +85,8 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "MAX_META_BYTES",
     "MAX_RAW_BYTES",
+    "INFLATE_BUDGET_BYTES",
+    "MODEL_SLACK_BYTES",
     "LZ4_MIN_BYTES",
     "COALESCE_BYTES",
     "SCRATCH_BYTES",
@@ -86,11 +94,14 @@ __all__ = [
     "DIRECT_READ_BYTES",
     "Limits",
     "DEFAULT_LIMITS",
+    "InflateBudget",
+    "INFLATE_BUDGET",
     "encode",
     "check_prefix",
     "check_table",
     "unpack_meta",
     "decompress",
+    "decompress_into",
     "PartialFrame",
     "Allocate",
     "Alloc",
@@ -112,6 +123,8 @@ TABLES = [struct.Struct("<" + "B3xII" * n) for n in range(MAX_BUFFERS + 1)]
 MAX_FRAME_BYTES = 512 << 20  # bytes on the wire per frame; a dense VGG-19 (~80 MB f32) fits
 MAX_META_BYTES = 1 << 20  # bytes of the msgpack map; run configs are a few KiB
 MAX_RAW_BYTES = 512 << 20  # sum of decompressed buffer sizes per frame (bounds lz4 output)
+INFLATE_BUDGET_BYTES = 64 << 20  # lz4 output alive at once in one process, all connections
+MODEL_SLACK_BYTES = 64 << 10  # a buffer of a model of n values: <= 5 n + this (Limits.sized_for)
 LZ4_MIN_BYTES = 4096  # smaller buffers are not worth compressing
 COALESCE_BYTES = 16 << 10  # smaller buffers are copied into the header write: fewer iovecs
 SCRATCH_BYTES = 256 << 10  # receive buffer for prefixes, maps and small frames
@@ -133,13 +146,55 @@ class Limits:
     max_meta_bytes: int = MAX_META_BYTES
     max_buffers: int = MAX_BUFFERS
     max_raw_bytes: int = MAX_RAW_BYTES
+    max_buffer_bytes: int = MAX_RAW_BYTES  # raw_len of one buffer
     max_str_len: int = 1 << 16  # msgpack string length
     max_bin_len: int = 1 << 16  # msgpack bin length (nonces, MACs, small codec tables)
     max_array_len: int = 4096  # msgpack array length
     max_map_len: int = 1024  # msgpack map size
 
+    def sized_for(self, n: int) -> Limits:
+        """These limits narrowed to a model of ``n`` values, once a server knows it: the largest
+        buffer any payload of such a model needs (dense f32: 4 n bytes; varint indices of a
+        sparse one: at most 5 n) plus ``MODEL_SLACK_BYTES``, a frame two such buffers (indices
+        and values) plus its map. Nothing wider is ever sent for that model, so nothing wider
+        is decompressed or allocated."""
+        buf = 5 * n + MODEL_SLACK_BYTES
+        frame = PREFIX.size + TABLE_ENTRY.size * self.max_buffers + self.max_meta_bytes + 2 * buf
+        return dataclasses.replace(self, max_buffer_bytes=min(buf, self.max_buffer_bytes),
+                                   max_raw_bytes=min(2 * buf, self.max_raw_bytes),
+                                   max_frame_bytes=min(frame, self.max_frame_bytes))
+
 
 DEFAULT_LIMITS = Limits()
+
+
+class InflateBudget:
+    """Bytes of lz4 output alive at once in this process, over every connection: a buffer is
+    charged its ``raw_len`` before it is decompressed and refused (``LimitExceeded``) when that
+    does not fit; the charge is returned when the decoded buffer is freed. With the per-frame
+    limits (``Limits``) this bounds what compressed input can cost a server, however many
+    connections send it. ``at_least`` raises the cap (a server of a large model makes room for
+    two whole frames of it)."""
+
+    def __init__(self, cap: int = INFLATE_BUDGET_BYTES) -> None:
+        self.cap = cap
+        self.used = 0
+
+    def at_least(self, cap: int) -> None:
+        self.cap = max(self.cap, cap)
+
+    def charge(self, nbytes: int) -> None:
+        if self.used + nbytes > self.cap:
+            raise LimitExceeded(
+                f"decompressing {nbytes} bytes would take this process's lz4 budget past "
+                f"{self.cap} ({self.used} in use)", expected=self.cap - self.used, got=nbytes)
+        self.used += nbytes
+
+    def refund(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
+INFLATE_BUDGET = InflateBudget()  # the process's: every decoder charges it unless given another
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,6 +317,8 @@ def check_table(table: tuple[int, ...], body_len: int, limits: Limits) -> None:
                                           got=raw)
     if sum(raws) > limits.max_raw_bytes:
         _check_limit("decompressed frame size", sum(raws), limits.max_raw_bytes)
+    if raws and max(raws) > limits.max_buffer_bytes:
+        _check_limit("decompressed buffer size", max(raws), limits.max_buffer_bytes)
 
 
 # msgpack's own words for a length over one of its max_*_len limits: "70000 exceeds
@@ -301,9 +358,40 @@ def decompress(wire: memoryview, raw: int) -> bytes:
     return data
 
 
+def _lz4_safe() -> Any:
+    """liblz4's ``LZ4_decompress_safe`` from the lz4 package's own extension (it exports the
+    library's symbols), or None where it cannot be found (then ``decompress_into`` copies)."""
+    try:
+        fn = ctypes.CDLL(_lz4_ext.__file__).LZ4_decompress_safe
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_LZ4_SAFE = _lz4_safe()
+
+
+def decompress_into(wire: memoryview, dest: memoryview) -> None:
+    """Decompress one lz4 block into ``dest``, which it must fill exactly: no temporary of the
+    output's size (``lz4.block.decompress`` would make one, doubling what a buffer costs)."""
+    if _LZ4_SAFE is None:
+        dest[:] = decompress(wire, dest.nbytes)
+        return
+    src = np.frombuffer(wire, dtype=np.uint8)
+    out = np.frombuffer(dest, dtype=np.uint8)
+    got = _LZ4_SAFE(src.ctypes.data, out.ctypes.data, src.size, out.size)
+    if got < 0:
+        raise RemoteProtocolError("bad lz4 buffer: corrupt block or output past raw_len")
+    if got != out.size:
+        raise RemoteProtocolError("lz4 buffer has the wrong size", expected=out.size, got=got)
+
+
 # -- a frame larger than 64 KiB while it arrives ---------------------------------------------------
 
 Allocate = Callable[[Kind, int, int], memoryview]  # (kind, buffer index, nbytes) -> flat view
+Inflate = Callable[[Kind, int, memoryview, int], memoryview]  # (kind, index, lz4 block, raw_len)
 
 
 class PartialFrame:
@@ -322,7 +410,8 @@ class PartialFrame:
         self.dest: memoryview | None = None  # where the current buffer's bytes go
         self.pos = 0  # bytes of dest already filled
 
-    def fill(self, view: memoryview, lo: int, hi: int, allocate: Allocate) -> int:
+    def fill(self, view: memoryview, lo: int, hi: int, allocate: Allocate,
+             inflate: Inflate) -> int:
         """Copy ``view[lo:hi]`` into the buffers, as far as they take it; returns the new ``lo``.
         The body is whole once ``len(bufs) == nbuf``."""
         while len(self.bufs) < self.nbuf:
@@ -336,7 +425,7 @@ class PartialFrame:
                 lo += take
             if self.pos < self.dest.nbytes:
                 return lo
-            self._close(allocate)
+            self._close(inflate)
         return lo
 
     def _open(self, allocate: Allocate) -> None:
@@ -348,14 +437,13 @@ class PartialFrame:
         else:
             self.dest = allocate(self.kind, i, raw)
 
-    def _close(self, allocate: Allocate) -> None:
+    def _close(self, inflate: Inflate) -> None:
         i = len(self.bufs)
         codec, raw = self.table[3 * i], self.table[3 * i + 2]
         assert self.dest is not None
         buf = self.dest
         if codec == CODEC_LZ4:
-            buf = allocate(self.kind, i, raw)
-            buf[:] = decompress(self.dest, raw)
+            buf = inflate(self.kind, i, self.dest, raw)
         self.bufs.append(buf)
         self.dest, self.pos = None, 0
 
@@ -384,9 +472,10 @@ class FrameDecoder:
     """
 
     def __init__(self, *, alloc: Alloc | None = None, limits: Limits = DEFAULT_LIMITS,
-                 scratch: int = SCRATCH_BYTES) -> None:
+                 scratch: int = SCRATCH_BYTES, budget: InflateBudget | None = None) -> None:
         self.alloc: Alloc = alloc or default_alloc
         self.limits = limits
+        self.budget = budget or INFLATE_BUDGET
         self._buf = bytearray(scratch)  # grows to a frame that needs more (within limits)
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0  # unread bytes are _buf[_lo:_hi]
@@ -549,8 +638,11 @@ class FrameDecoder:
         for i in range(len(table) // 3):
             codec, wire, raw = table[3 * i:3 * i + 3]
             src = self._view[at:at + wire]
-            dest = self._allocate(kind, i, raw)
-            dest[:] = decompress(src, raw) if codec == CODEC_LZ4 else src
+            if codec == CODEC_LZ4:
+                dest = self._inflate(kind, i, src, raw)
+            else:
+                dest = self._allocate(kind, i, raw)
+                dest[:] = src
             bufs.append(dest)
             at += wire
         return tuple(bufs)
@@ -566,7 +658,7 @@ class FrameDecoder:
                                         self._view[self._lo:self._lo + f.head_len])
             self._lo += f.head_len
         if f.nbuf:
-            self._lo = f.fill(self._view, self._lo, self._hi, self._allocate)
+            self._lo = f.fill(self._view, self._lo, self._hi, self._allocate, self._inflate)
             if len(f.bufs) < f.nbuf:
                 return False
         assert f.msg is not None
@@ -589,8 +681,33 @@ class FrameDecoder:
         return table, from_wire(kind, version, meta, nbuf)
 
     def _allocate(self, kind: Kind, index: int, nbytes: int) -> memoryview:
-        view = memoryview(self.alloc(kind, index, nbytes)).cast("B")
+        return self._checked(self.alloc(kind, index, nbytes), nbytes)
+
+    @staticmethod
+    def _checked(got: Any, nbytes: int) -> memoryview:
+        view = memoryview(got).cast("B")
         if view.readonly or view.nbytes < nbytes:
             raise LocalProtocolError("alloc returned a read-only or short buffer", expected=nbytes,
                                      got=view.nbytes)
         return view[:nbytes]
+
+    def _inflate(self, kind: Kind, index: int, src: memoryview, raw: int) -> memoryview:
+        """An lz4 buffer decompressed in place into its destination, its ``raw`` bytes charged
+        to the budget first. A fresh array (the default ``alloc``) keeps the charge until it is
+        freed; memory an ``alloc`` of the caller's hands out (reused) only while decompressing."""
+        self.budget.charge(raw)
+        try:
+            if self.alloc is default_alloc:
+                arr = np.empty(raw, dtype=np.uint8)
+                weakref.finalize(arr, self.budget.refund, raw)
+                dest = arr.data
+            else:
+                dest = self._checked(self.alloc(kind, index, raw), raw)
+            decompress_into(src, dest)
+        except BaseException:
+            if self.alloc is not default_alloc:
+                self.budget.refund(raw)
+            raise
+        if self.alloc is not default_alloc:
+            self.budget.refund(raw)
+        return dest

@@ -111,6 +111,19 @@ class Connection:
         else:
             self.decoder = FrameDecoder(alloc=alloc, limits=limits)
 
+    @property
+    def closed(self) -> bool:
+        """True once an ERROR or LEAVE ended the connection: nothing more may be sent."""
+        return self.state == State.CLOSED
+
+    def set_limits(self, limits: Limits) -> None:
+        """Accept frames up to ``limits`` from now on (a server that learned the model's size
+        narrows them, ``Limits.sized_for``); a server connection still in its handshake keeps
+        the handshake's limits and takes these at WELCOME."""
+        self.limits = limits
+        if self.decoder.limits is not HANDSHAKE_LIMITS:
+            self.decoder.limits = limits
+
     def send(self, msg: Message, *, compress: bool = False) -> list[Any]:
         """Check that we may send ``msg`` now, advance the state, return its frame buffers."""
         self._advance(self.side, msg.KIND)

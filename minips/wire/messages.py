@@ -291,7 +291,7 @@ def vector_codec(v: Any) -> dict[str, Any]:
 
 # 2: WEIGHTS.since (a sparse update of a held copy); 3: typed conversations (EXCHANGE,
 # EXCHANGE_REPLY, GLOBAL_WEIGHTS, INIT_WEIGHTS; WEIGHTS' counters as fields; a checked codec)
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: EXCHANGE pull_* (answered PULLs), WEIGHTS lr_factor and progress
 NONCE_BYTES = 32  # fresh random bytes per handshake side, so a recorded handshake cannot replay
 MAC_BYTES = 32  # HMAC-SHA256 digest
 ROLES = ("worker", "group", "evaluator")
@@ -408,7 +408,8 @@ class Exchange(Reported):
 
     KIND = Kind.EXCHANGE
     INFO = ("session", "seq", "version", "final", "pushes", "samples", "step_time", "loss",
-            "iter_time", "bytes_in", "bytes_out", "min_clock", "max_clock")
+            "iter_time", "bytes_in", "bytes_out", "min_clock", "max_clock", "pull_workers",
+            "pull_leads", "pull_waits_us")
     session: int = checked(integer(0, MAX_SEQ))  # random per group process run
     seq: int = checked(integer(0, MAX_SEQ))  # 1, 2, ... within the session
     version: int = checked(integer(), 0)  # the group's weights version
@@ -422,6 +423,13 @@ class Exchange(Reported):
     bytes_out: int = checked(integer(0, MAX_COUNT), 0)  # group -> worker bytes so far
     min_clock: int = checked(integer(-1), -1)  # the group's lowest / highest live clock; -1: none
     max_clock: int = checked(integer(-1), -1)
+    # the PULLs the group answered since its last exchange, one entry each in the three lists
+    # (at most MAX_LIST; a group sends the latest 8192): the worker, its lead (clocks ahead of
+    # the group's slowest worker when answered: its staleness) and how long the SSP bound held
+    # it (microseconds)
+    pull_workers: list[int] = checked(ints(lo=0), factory=list)
+    pull_leads: list[int] = checked(ints(lo=0), factory=list)
+    pull_waits_us: list[int] = checked(ints(lo=0), factory=list)
     encoding: str = checked(text(MAX_NAME))
     codec: dict[str, Any] = checked(vector_codec, factory=dict)
     buffers: tuple[Any, ...] = checked(views, ())
@@ -589,6 +597,8 @@ class Weights(Reported):
     lead: int = checked(integer(-MAX_INT), 0)  # steps ahead of the group's slowest worker
     min_clock: int = checked(integer(-1), -1)  # the group's lowest live clock; -1: none
     drift: float = checked(number(-1.0), -1.0)  # compressed downlink: |sent - weights|; -1: dense
+    lr_factor: float = checked(number(0.0), 1.0)  # of the run's lr, for the worker's next update
+    progress: float = checked(number(0.0, 1.0), 0.0)  # fraction of the run's samples budget done
 
     @property
     def info(self) -> dict[str, Any]:
