@@ -34,7 +34,8 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     torch.set_num_threads(cfg.torch_threads)
     ch = await connect_role(cfg, cfg.server_host, cfg.server_port, "evaluator", -1)
     run = RunConfig.from_info(dict(ch.welcome_info))
-    test = data.load_dataset(run.dataset, "test", cfg.data_dir or run.data_dir)
+    test = data.load_dataset(run.dataset, "test", cfg.data_dir or run.data_dir,
+                           synthetic=cfg.data == "synthetic", fallback=False)
     record(cfg.run_dir, "evaluator", test.meta)
     if run.eval_limit:
         test = test.subset(np.arange(min(run.eval_limit, len(test))))

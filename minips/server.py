@@ -87,6 +87,7 @@ from minips.wire.messages import Hello
 
 __all__ = [
     "GlobalServer",
+    "console_line",
     "InProcGroup",
     "InProcLink",
     "ServerConfig",
@@ -196,10 +197,14 @@ class GlobalServer:
         return task
 
     def log(self, event: str, **fields: Any) -> None:
-        """One line of the run's record, with the run's counters."""
+        """One line of the run's record, with the run's counters (and, with ``cfg.console``,
+        the events an operator follows as one console line each: ``console_line``)."""
         core = self.core
         self.writer.write({"t": time.time() - core.run.t0, "event": event, **fields,
                            "version": core.version, "samples": core.samples, **core.traffic()})
+        line = console_line(core, event, fields) if self.cfg.console else None
+        if line:
+            print(f"minips server: {line}", flush=True)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -304,7 +309,7 @@ class GlobalServer:
         gs = GroupServer(g, core.run, core.weights, InProcLink(self), members=members,
                          writer=self.rundir.writer(f"group-{g}"))
         gs.set_ratio(core.ratio_of(g))
-        port = await gs.serve(self.cfg.host, 0, self.cfg.token, self._ssl)
+        port = await gs.serve(self.cfg.host, self.cfg.group_port(g), self.cfg.token, self._ssl)
         # no host (":port"): "where you reached the global server"; the worker fills in the name
         # it dialled, so DNS names, NAT and TLS names work as they do for the global server
         address = format_address(self.cfg.advertise_host or "", port)
@@ -505,6 +510,45 @@ class InProcLink:
         return res
 
 
+# -- what an operator reads on the server's console ------------------------------------------------
+
+def _ms(seconds: float | None) -> str:
+    return f"{1e3 * seconds:.0f} ms" if seconds else "?"
+
+
+def _groups_line(core: GlobalCore, assignment: dict[str, int]) -> str:
+    """'2 group(s): 0 = workers 0,1 (41 ms/step), 1 = worker 2 (160 ms/step)'."""
+    parts = []
+    for g in sorted(set(assignment.values())):
+        members = sorted(int(w) for w, gg in assignment.items() if gg == g)
+        times = [t for w in members if (t := core.workers[w].step_time)]
+        step = sum(times) / len(times) if times else None
+        parts.append(f"{g} = worker{'s' if len(members) > 1 else ''} "
+                     f"{','.join(map(str, members))} ({_ms(step)}/step)")
+    return f"{len(parts)} group(s) by speed: " + ", ".join(parts)
+
+
+def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | None:
+    """The console line of a record event, None for those only the record keeps (merges,
+    checkpoints, ratios)."""
+    w = fields.get("worker")
+    if event == "joined":
+        return f"worker {w} joined ({sum(e.connected for e in core.workers.values())} " \
+            f"connected, {core.run.workers} expected)"
+    if event == "left":
+        return f"worker {w} left ({fields.get('reason')})"
+    if event == "groups":
+        return _groups_line(core, fields["assignment"]) + "; training"
+    if event in ("regroup", "rehomed"):
+        return f"{event}: worker -> group {fields.get('moved')}"
+    if event == "done":
+        return f"budget spent ({fields.get('reason')}); collecting the groups' final deltas"
+    if event in ("group_adopted", "group_lost"):
+        return f"{event.replace('_', ' ')}: group {fields.get('group')} " \
+            f"{fields.get('address', '')}".rstrip()
+    return None
+
+
 def _write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     Path(tmp).write_text(text)
@@ -543,3 +587,11 @@ class ServerConfig:
     insecure: bool = False  # allow a non-loopback listen address without a secret
     dashboard: str = ""  # HOST:PORT of the live web dashboard and /metrics; "" = none
     tensorboard: str = ""  # directory for TensorBoard event files; "" = none
+    # in-process group servers' ports, group g on group_ports[g] (port forwarding, firewalls);
+    # a group beyond the list (or none given) takes a free port
+    group_ports: list[int] = field(default_factory=list)
+    console: bool = False  # print joins, groups and the end as lines on stdout (`minips server`)
+
+    def group_port(self, g: int) -> int:
+        """The port group ``g``'s in-process server listens on (0: any free one)."""
+        return self.group_ports[g] if 0 <= g < len(self.group_ports) else 0

@@ -86,13 +86,13 @@ from minips.core.config import RunConfig, WorkerConfig
 from minips.core.downlink import apply_weights
 from minips.core.slowdown import Schedule, Slowdown, parse_schedule, parse_throttle
 from minips.core.worker_opt import LocalSteps, Upload
-from minips.errors import AuthError, MiniPSError, RemoteProtocolError
+from minips.errors import AuthError, DataError, MiniPSError, RemoteProtocolError
 from minips.ml import data, device, models
 from minips.net import links, transport
 from minips.net.channel import Channel
 from minips.net.endpoints import client_ssl, parse_address, reachable
 from minips.record.metrics import record
-from minips.record.rundir import JsonlWriter, RunDir
+from minips.record.rundir import JsonlWriter, RunDir, join_run
 from minips.wire import messages
 
 __all__ = [
@@ -158,9 +158,10 @@ class Stopped(MiniPSError):
 
 async def connect_role(cfg: WorkerConfig, host: str, port: int, role: str, worker_id: int, *,
                        group: int = -1, timeout: float | None = None,
-                       retries: int | None = 5) -> Channel:
+                       retries: int | None = None) -> Channel:
     """One connection (``retries`` more attempts with backoff; None: as many as ``timeout``
-    allows) within ``timeout`` seconds (default: ``cfg.connect_timeout_s``)."""
+    allows, so a board that boots before its server waits for it) within ``timeout`` seconds
+    (default: ``cfg.connect_timeout_s``; inf: no end)."""
     timeout = cfg.connect_timeout_s if timeout is None else timeout
     return await transport.connect(host, port, role=role, worker_id=worker_id, group=group,
                                    token=cfg.token, timeout=timeout, ssl=client_ssl(cfg.tls_ca),
@@ -197,12 +198,21 @@ class Parts:
 
 def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
     """Build worker ``worker_id``'s parts, print where it computes and write that down."""
+    aside = join_run(cfg.run_dir, run.to_info())  # never append to another run's files
+    if aside is not None:
+        print(f"minips worker {worker_id}: moved an earlier run's files in {cfg.run_dir} to "
+              f"{aside}", file=sys.stderr, flush=True)
     torch.set_num_threads(cfg.torch_threads)
     dev = device.pick_device(cfg.device)
     model = models.build_model(run.model, run.seed)
     model.train()
     trainer = device.Trainer(model, run.model, dev, amp=cfg.amp)
-    ds = data.load_dataset(run.dataset, "train", cfg.data_dir or run.data_dir)
+    try:  # a worker never trains on a stand-in it was not asked for (`--data synthetic`)
+        ds = data.load_dataset(run.dataset, "train", cfg.data_dir or run.data_dir,
+                               synthetic=cfg.data == "synthetic", fallback=False)
+    except DataError as exc:
+        raise DataError(f"{exc} Or start the worker with --data synthetic to train on a "
+                        "synthetic stand-in.") from None
     record(cfg.run_dir, f"worker-{worker_id}", ds.meta)
     shard = data.shard_indices(len(ds), worker_id, run.workers, run.seed)
     compressor = device_compressor(run.worker_compressor(trainer.size, worker_id), dev,
@@ -316,6 +326,7 @@ class Control:
 log = logging.getLogger("minips.worker")
 
 STATS_EVERY_S = 1.0  # how often the worker reports its step time to the global server
+STATUS_EVERY_S = 10.0  # how often it says where it is on its console (one line)
 ASSIGN_TIMEOUT_S = 300.0  # give up when no group is assigned after this long
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.1, 2.0  # group reconnect delays (doubling, jittered)
 
@@ -375,6 +386,8 @@ class Worker:
                 self.writer.close()
         if self.control.stopped_by:
             raise WorkerStopped(self.control.stopped_by)
+        print(f"minips worker {self.id}: done after {self.clock} steps, {self.samples:,} "
+              "samples", file=sys.stderr, flush=True)
 
     def _setup(self) -> None:
         """Model, data, compressor and files, once WELCOME told the run config."""
@@ -401,8 +414,10 @@ class Worker:
         # The fastest step: other processes starting up only ever make a step slower.
         await self.control.ch.send(messages.Stats(clock=0, step_time=float(np.min(times)),
                                                   loss=loss, samples=0))
-        self._stats_at = time.monotonic()
+        self._stats_at = self._status_at = time.monotonic()
         self._recent: list[float] = []  # step times since the last STATS
+        print(f"minips worker {self.id}: {1e3 * float(np.min(times)):.0f} ms/step measured; "
+              "waiting for its group", file=sys.stderr, flush=True)
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.writer is not None:
@@ -434,7 +449,8 @@ class Worker:
                 elif exc.error:  # ERROR lease: we were silent too long; rejoin on the next turn
                     self._event("lease_expired", reason=exc.error)
             except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError) as exc:
-                self._event("group_lost", reason=str(exc))  # reconnect on the next turn
+                if not self.control.done:  # at the end the group server closes: not a loss
+                    self._event("group_lost", reason=str(exc))  # reconnect on the next turn
             finally:
                 await leave(ch)
 
@@ -585,6 +601,10 @@ class Worker:
         """Every STATS_EVERY_S: the median step time since the last report (one slow step under
         CPU contention must not move a worker to another group)."""
         self._recent.append(step_time)
+        if time.monotonic() - self._status_at >= STATUS_EVERY_S:
+            self._status_at = time.monotonic()
+            print(f"minips worker {self.id}: group {self.control.group()}, step {self.clock}, "
+                  f"loss {loss:.3f}, {1e3 * step_time:.0f} ms/step", file=sys.stderr, flush=True)
         if time.monotonic() - self._stats_at >= STATS_EVERY_S:
             self._stats_at = time.monotonic()
             median, self._recent = float(np.median(self._recent)), []

@@ -47,7 +47,7 @@ def help_of(command: str, capsys: pytest.CaptureFixture[str]) -> str:
 
 def test_help_shows_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
     worker = help_of("worker", capsys)
-    assert "connect timeout, s (default 10.0)" in worker
+    assert "(0 = until it answers) (default 10.0)" in worker
     assert "paced uplink, bytes/s (0 = none) (default 0.0)" in worker  # a zero default is shown too
     assert "HOST:PORT (default" not in worker  # --connect is required: no default
     server = help_of("server", capsys)

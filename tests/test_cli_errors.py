@@ -48,7 +48,7 @@ BAD: list[tuple[str, str]] = [
     ("group --connect 127.0.0.1:99999", "--connect 127.0.0.1:99999: port 99999"),
     ("worker --connect 127.0.0.1:0", "--connect 127.0.0.1:0: port 0"),
     ("worker --connect 127.0.0.1:1 --tls-ca {d}/bad.json", "--tls-ca {d}/bad.json: not a PEM"),
-    ("worker --connect 127.0.0.1:1 --timeout 0", "--timeout: 0"),
+    ("worker --connect 127.0.0.1:1 --timeout -1", "--timeout: -1"),
     ("server --groups 5 --workers 4", "--groups 5: expected at most the number of workers"),
     ("server --heartbeat 6 --lease 10", "--heartbeat 6.0"),
     ("server --mode fast", "--mode 'fast'"),

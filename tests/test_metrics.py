@@ -152,7 +152,7 @@ def test_summary_and_progress_line_say_whether_the_data_was_real(tmp_path, capsy
     real = {"name": "fashion-mnist", "split": "train", "synthetic": False, "source": "/d"}
     stand_in = data.load_dataset("fashion-mnist", "test", synthetic=True).meta
     assert summarize(tmp_path, write=False)["data"] is None  # nothing loaded yet
-    line = ProgressLine(tmp_path, LaunchConfig())
+    line = ProgressLine(tmp_path, LaunchConfig().run)
     line.draw(final=True)
     assert "data ?" in capsys.readouterr().err
     record(tmp_path, "worker-0", real)
@@ -219,7 +219,7 @@ def test_hops_before_the_exchange_events_have_them_and_without_group_files(tmp_p
 def test_progress_line_shows_every_hop(tmp_path, capsys):
     from minips.run.launch import LaunchConfig, ProgressLine
 
-    line = ProgressLine(make_hop_run(tmp_path), LaunchConfig())
+    line = ProgressLine(make_hop_run(tmp_path), LaunchConfig().run)
     live = live_hop_bytes(tmp_path)
     assert live == {k: summarize(tmp_path, write=False)[k] for k in HOPS}
     line.draw(final=True)

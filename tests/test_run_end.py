@@ -77,6 +77,22 @@ async def test_without_budget_left_the_workers_leaving_ends_the_run(tmp_path: Pa
         await srv.close()
 
 
+async def test_one_budget_spent_ends_the_run_with_no_alarm_for_the_other(
+        tmp_path: Path) -> None:
+    srv = make_server(tmp_path, rejoin_wait_s=60.0, epochs=0.02, wall_s=600.0)  # 2 samples
+    port = await srv.start()
+    try:
+        ctl, ch = await train(port, [np.ones(2, np.float32)] * 2)
+        await ch.close(leave="bye")  # done: the worker leaves, its group flushes a final delta
+        await asyncio.wait_for(srv.finished.wait(), 5)  # not a wait for the wall budget
+        assert srv.failure == "" and srv.core.done_reason == "epochs"
+        assert srv.rejoin is None  # no wait for workers was started (nor its console alarm)
+        assert not records(tmp_path / "global.jsonl", event="waiting_for_workers")
+        await ctl.close()
+    finally:
+        await srv.close()
+
+
 async def test_a_worker_back_within_the_wait_trains_on(tmp_path: Path) -> None:
     srv = make_server(tmp_path, rejoin_wait_s=30.0, epochs=1.0)
     port = await srv.start()

@@ -404,9 +404,12 @@ class WorkerConfig:
     latency_s: float = 0.0  # emulated one-way latency added to every send
     run_dir: str = "runs/worker"  # metrics directory
     data_dir: str | None = None  # overrides the run's data_dir on this machine
+    # "real": the data set's files must be here (no silent stand-in); "synthetic": train on the
+    # synthetic stand-in, asked for (`--data synthetic`)
+    data: str = "real"
     torch_threads: int = 1  # intra-op threads; 1 keeps many workers off each other's cores
     device: str = "cpu"  # cpu | cuda | cuda:N | mps | auto (CUDA, MPS, CPU); CLI default: auto
     amp: bool = False  # mixed precision (autocast) where the device supports it
     compress_on_device: bool | None = None  # select with torch on the device; None: off the CPU
-    connect_timeout_s: float = 10.0  # give up on an unreachable server after this
+    connect_timeout_s: float = 10.0  # keep trying an unreachable server this long; inf = no end
     reconnect_s: float = 120.0  # how long to keep trying when a server is lost mid-run

@@ -545,10 +545,11 @@ class GlobalCore:
         return actions
 
     def budget_left(self) -> str:
-        """What is left of the budget ("" when it is spent, or when the workers end the run: a
+        """What is left of the budget ("" when it is spent, when the run is over (``done``: one
+        budget spent leaves nothing of another), or when the workers end the run: a
         ``max_steps`` cap or no budget at all)."""
         run = self.run
-        if run.max_steps > 0:
+        if run.max_steps > 0 or self.done:
             return ""
         if run.epochs > 0 and self.samples < run.epochs * self.train_size:
             return f"{self.samples:,} of {int(run.epochs * self.train_size):,} samples"

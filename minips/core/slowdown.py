@@ -97,7 +97,10 @@ def parse_schedule(text: str) -> Schedule:
 def parse_schedules(text: str) -> list[Schedule]:
     """``minips local --slowdown``: one schedule per worker, ``1,1,2x2,4@0,1@60s``."""
     out: list[list[tuple[float, float]]] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in (p.strip() for p in text.split(",")):  # '1, 2' is 1,2
+        if not part:  # '1,,2', '1,': a typo, not a worker
+            raise ConfigError(f"bad slowdown {text!r}: an empty entry, expected F, FxN or F@T "
+                              "between the commas")
         factor, x, count = part.partition("x")
         if x and "@" not in part:
             try:

@@ -12,6 +12,7 @@ listen beyond loopback without a long enough shared secret, and ``shared_secret`
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 from typing import TYPE_CHECKING
@@ -22,7 +23,9 @@ if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
     import ssl
 
 __all__ = [
-    "WILDCARD_HOSTS", "parse_address", "format_address", "reachable", "server_ssl",
+    "WILDCARD_HOSTS", "parse_address", "format_address", "reachable", "reachable_url",
+    "local_addresses",
+    "server_ssl",
     "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind", "TOKEN_ENV", "shared_secret",
     "DASHBOARD_TOKEN_ENV", "DASHBOARD_TOKEN_BYTES", "dashboard_secret", "TLS_CAPABILITY",
     "tls_mismatch",
@@ -102,6 +105,34 @@ def reachable(address: str, host: str) -> str:
     that is known to reach that machine."""
     own = _split_address(address, 0)[0]
     return format_address(host, parse_address(address)[1]) if own in WILDCARD_HOSTS else address
+
+
+def local_addresses() -> list[str]:
+    """This machine's addresses another machine may reach it at, best first: the one its
+    default route leaves from, then those its host name resolves to; 127.0.0.1 when there is
+    nothing else. No packet is sent."""
+    import socket
+
+    found: list[str] = []
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((probe, 9))  # a UDP "connection": picks the route's source address
+            found.append(s.getsockname()[0])
+    with contextlib.suppress(OSError):
+        for *_, addr in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
+            found.append(str(addr[0]))
+    unique = list(dict.fromkeys(a for a in found if not a.startswith("fe80")))
+    return [a for a in unique if not is_loopback(a)] or ["127.0.0.1"]
+
+
+def reachable_url(url: str, host: str) -> str:
+    """``url`` ('http://0.0.0.0:8080/...') with a wildcard host replaced by ``host``: an
+    address to listen on is not one to open."""
+    scheme, sep, rest = url.partition("//")
+    address, slash, path = rest.partition("/")
+    if not sep or _split_address(address, 0)[0] not in WILDCARD_HOSTS:
+        return url
+    return f"{scheme}//{reachable(address, host)}{slash}{path}"
 
 
 def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:

@@ -22,6 +22,10 @@ Layout of a run directory (the writers in server.py / group.py / worker.py follo
                          each change of the GDTopK ratios; the first ones are in "groups")
     data-<role>.json     real data or the synthetic stand-in, per process (metrics.py)
     summary.json         written by summarize()
+
+One run, one directory: ``claim`` refuses a directory that holds another run (``holds_run``)
+unless the run is resumed or the old one is moved aside, and a worker joining a run
+(``join_run``) moves another run's files aside, so no file ever mixes two runs.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["JsonlWriter", "RunDir", "read_config", "read_jsonl", "tail_jsonl", "dump_json", "num"]
+from minips.errors import ConfigError
+
+__all__ = ["JsonlWriter", "RunDir", "holds_run", "claim", "join_run", "read_config", "read_jsonl",
+           "tail_jsonl", "dump_json", "num"]
 
 
 def _plain(obj: Any) -> Any:
@@ -124,6 +131,54 @@ class RunDir:
     def writer(self, name: str) -> JsonlWriter:
         """A ``JsonlWriter`` for ``name`` (``"eval"``, ``"worker-3"``, ``"global"``...)."""
         return JsonlWriter(self.file(name), self.t0)
+
+
+# -- one run, one directory ------------------------------------------------------------------------
+
+RUN_MARKS = ("config.json", "checkpoint.npz", "summary.json")  # a directory with one holds a run
+
+
+def holds_run(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` holds (part of) a run: a config, checkpoint, summary or metrics file."""
+    p = Path(path)
+    return p.is_dir() and (any((p / m).exists() for m in RUN_MARKS)
+                           or next(p.glob("*.jsonl"), None) is not None)
+
+
+def claim(path: str | os.PathLike[str], *, option: str = "--run-dir", resume: bool = False,
+          force: bool = False) -> Path | None:
+    """Make ``path`` a directory for one new run (or, with ``resume``, the run it holds).
+
+    A directory that holds another run is refused (``ConfigError``: a rerun would append to
+    its files and overwrite its config and checkpoint) unless ``resume`` continues it or
+    ``force`` moves it aside to ``<path>.old-N``; returns where it went (None: not moved)."""
+    p = Path(path)
+    if resume or not holds_run(p):
+        return None
+    if not force:
+        raise ConfigError(f"{option} {p}: it holds an earlier run; pass --resume to continue "
+                          f"it, --force to move it aside ({p}.old-N), or name a new directory")
+    n = 1
+    while p.with_name(f"{p.name}.old-{n}").exists():
+        n += 1
+    aside = p.with_name(f"{p.name}.old-{n}")
+    p.rename(aside)
+    return aside
+
+
+def join_run(path: str | os.PathLike[str], config: Mapping[str, Any]) -> Path | None:
+    """A process joining the run ``config`` (named by its ``t0``) writes into ``path``: when
+    the directory holds another run (another ``t0``, or files without a config), that run is
+    moved aside to ``<path>.old-N`` first; ``config.json`` is written when missing. Returns
+    where the other run went (None: nothing moved; a rejoin of the same run appends)."""
+    p = Path(path)
+    saved = read_config(p).get("t0")
+    aside = None
+    if holds_run(p) and saved != config.get("t0"):
+        aside = claim(p, force=True)
+    if not (p / "config.json").exists():
+        RunDir(p, t0=config.get("t0")).write_config(config)
+    return aside
 
 
 def read_config(run_dir: str | os.PathLike[str]) -> dict[str, Any]:

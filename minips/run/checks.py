@@ -31,7 +31,6 @@ from minips.errors import ConfigError
 from minips.ml.data_files import DATASET_NAMES
 from minips.net.endpoints import client_ssl, parse_address, server_ssl
 from minips.net.links import parse_link_changes, parse_profile
-from minips.run.launch import parse_slowdowns
 
 __all__ = [
     "finite",
@@ -40,10 +39,12 @@ __all__ = [
     "at_least",
     "int_at_least",
     "port",
+    "ports",
     "load_run_config",
     "check_run",
     "check_dir",
     "check_init",
+    "check_checkpoint",
     "check_tls_server",
     "check_tls_client",
     "check_address",
@@ -118,14 +119,6 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return check
 
 
-def slowdown_factors(text: str) -> list[float]:
-    """Type of --slowdown: factors per worker, 1,1,2x2,4 (``config.parse_slowdowns``)."""
-    try:
-        return parse_slowdowns(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def link_changes(text: str) -> str:
     """Type of --link-change: W:RATE@T,... (``links.parse_link_changes``), kept as text."""
     try:
@@ -172,6 +165,22 @@ def port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{text} is not a port: expected 0..65535")
     return value
+
+
+def ports(text: str) -> list[int]:
+    """Type of a list of ports: '7071,7072' or a range '7071-7074' (each 1..65535, distinct)."""
+    out: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        low, sep, high = part.partition("-")
+        try:
+            first, last = int(low), int(high if sep else low)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected ports P,P,... or a range "
+                                             "P-Q") from None
+        out += range(first, last + 1)
+    if not out or not all(1 <= p <= 65535 for p in out) or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct ports in 1..65535")
+    return out
 
 
 # -- start checks ------------------------------------------------------------------------------
@@ -254,6 +263,14 @@ def _check_file(option: str, path: str) -> None:
         raise ConfigError(f"{option} {path}: no such file")
 
 
+def check_checkpoint(path: str | None, *, force: bool) -> None:
+    """A fresh run's ``--checkpoint`` file must not exist: it would overwrite a resumable run's
+    (``--resume`` continues that run; ``--force`` lets the new run replace it)."""
+    if path is not None and Path(path).exists() and not force:
+        raise ConfigError(f"--checkpoint {path}: the file exists (an earlier run's); pass "
+                          "--resume to continue that run, or --force to overwrite it")
+
+
 def check_tls_server(cert: str | None, key: str | None) -> None:
     """``--tls-cert`` / ``--tls-key`` exist and load as a PEM certificate and its key."""
     if key is not None and cert is None:
@@ -295,6 +312,9 @@ def check_address(option: str, text: str, default_port: int, *,
         host, number = parse_address(text, default_port)
     except ConfigError:
         raise ConfigError(f"{option} {text}: expected HOST:PORT (port 0..65535)") from None
+    if ":" in host and not text.startswith("["):  # 'host:7070:1': no host has a colon
+        raise ConfigError(f"{option} {text}: expected HOST:PORT with one ':' (an IPv6 host "
+                          "goes in brackets: [::1]:7070)")
     if not 0 <= number <= 65535 or (number == 0 and not listen):
         raise ConfigError(f"{option} {text}: port {number} out of range, expected "
                           f"{0 if listen else 1}..65535")

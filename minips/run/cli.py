@@ -14,9 +14,17 @@ machines without it. The shared secret comes from the environment (MINIPS_TOKEN)
 flag, so it does not show in `ps`; the dashboard's own read-only token too
 (MINIPS_DASHBOARD_TOKEN, or one made at start), never the cluster's.
 
-Run settings resolve in this order: RunConfig defaults, then ``--run-config``, then
-``--preset``, then explicit flags (``flags.run_config_from_args``). Errors the user can fix (bad
-flag, unreachable address, wrong secret) print one line and exit 2.
+Run settings resolve in this order: RunConfig defaults (a command's own first: `minips
+server` has no emulated base step), then ``--run-config``, then ``--preset``, then explicit
+flags (``flags.run_config_from_args``); a run that names no budget gets one epoch.
+``--config FILE.toml`` supplies flags in front of the command line's (``flags.with_config``), so
+the command line overrides the file. Errors the user can fix (bad flag, unreachable address,
+wrong secret, a run directory that holds another run) print one line and exit 2.
+
+`minips server` says what it does on its console: the commands other machines run (``join:``
+/ ``group:`` lines with its reachable address, ``join_commands``), joins and the groups
+(``server.console_line``), a progress line, and at the end the headline of the summary.json it
+writes in its run directory.
 
 Public API: ``serve_run``, ``run_server``, ``main``.
 """
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -40,11 +49,22 @@ from minips.core.global_core import check_compatible
 from minips.core.slowdown import Schedule
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, transport
-from minips.net.endpoints import WILDCARD_HOSTS, dashboard_secret, parse_address
+from minips.net.endpoints import (
+    WILDCARD_HOSTS,
+    check_bind,
+    dashboard_secret,
+    format_address,
+    local_addresses,
+    parse_address,
+    reachable_url,
+)
 from minips.record.checkpoint import load
+from minips.record.metrics import summarize
+from minips.record.rundir import claim, dump_json
 from minips.run import flags
 from minips.run.checks import (
     check_address,
+    check_checkpoint,
     check_dir,
     check_host,
     check_init,
@@ -54,11 +74,18 @@ from minips.run.checks import (
     speaks_tls,
 )
 from minips.run.flags import PRESETS, build_parser, run_config_from_args
-from minips.run.launch import LaunchConfig
+from minips.run.launch import LaunchConfig, ProgressLine
 from minips.serve.group_process import GroupConfig
 from minips.server import GlobalServer, ServerConfig
 
-__all__ = ["serve_run", "run_server", "main"]
+__all__ = ["serve_run", "run_server", "reachable_hosts", "join_commands", "keep_flags", "main"]
+
+TOKEN_ENV = "MINIPS_TOKEN"
+PROGRESS_EVERY_S = 10.0  # `minips server`'s progress line, one every this many seconds
+
+
+def _token() -> str:
+    return os.environ.get(TOKEN_ENV, "")
 
 
 # -- `minips server`'s process: a GlobalServer served until its run is over ------------------------
@@ -77,15 +104,28 @@ async def serve_run(cfg: ServerConfig, *, announce: bool = True,
     if announce:
         _announce(cfg, port)
     child = _spawn_evaluator(cfg, port) if spawn_evaluator else None
+    progress = asyncio.ensure_future(_progress(cfg, srv)) if cfg.console else None
     try:
         await srv.wait_finished()
     finally:
+        if progress is not None:
+            progress.cancel()
         await srv.close()
         if monitor is not None:
             await monitor.stop()
         if child is not None:
             await asyncio.get_running_loop().run_in_executor(None, _reap, child)
     return srv
+
+
+async def _progress(cfg: ServerConfig, srv: GlobalServer) -> None:
+    """`minips local`'s progress line, from this server's run directory, every
+    PROGRESS_EVERY_S once training started."""
+    await srv.groups_opened.wait()
+    line = ProgressLine(Path(cfg.run_dir), cfg.run, tty=False)
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        await asyncio.to_thread(line.draw)
 
 
 async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
@@ -98,6 +138,7 @@ async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
                                     tensorboard=cfg.tensorboard, token=dashboard_secret(),
                                     insecure=cfg.insecure), srv)
     url = await monitor.start()
+    url = reachable_url(url, reachable_hosts(cfg)[0]) if url else url
     if url:
         print(f"minips server: dashboard at {url}  (Prometheus: {url.split('?')[0].rstrip('/')}"
               f"/metrics)", flush=True)
@@ -115,13 +156,44 @@ def _make_server(cfg: ServerConfig) -> GlobalServer:
     return srv
 
 
+def reachable_hosts(cfg: ServerConfig) -> list[str]:
+    """Where other machines reach this server: ``--advertise``, else the listen host, else
+    (a wildcard) this machine's addresses (``endpoints.local_addresses``)."""
+    if cfg.advertise_host:
+        return [cfg.advertise_host]
+    return [cfg.host] if cfg.host not in WILDCARD_HOSTS else local_addresses()
+
+
+def join_commands(cfg: ServerConfig, port: int) -> list[str]:
+    """The commands other machines run, as printed: 'join: minips worker ...' for each address
+    this server is reached at, and 'group: minips group ...' with --external-groups. Every
+    flag they need is there (TLS: the CA to verify this server with; a group's own certificate
+    and key are its own, named GROUP_CERT / GROUP_KEY); the secret comes from MINIPS_TOKEN."""
+    ca = f" --tls-ca {Path(cfg.tls_cert).resolve()}" if cfg.tls_cert else ""
+    lines = []
+    for host in reachable_hosts(cfg):
+        address = format_address(host, port)
+        lines.append(f"join: minips worker --connect {address}{ca}")
+        if cfg.external_groups:
+            own = " --tls-cert GROUP_CERT --tls-key GROUP_KEY" if cfg.tls_cert else ""
+            lines.append(f"group: minips group --connect {address}{ca} --listen 0.0.0.0:7071"
+                         f"{own}")
+    return lines
+
+
 def _announce(cfg: ServerConfig, port: int) -> None:
-    host = cfg.host if cfg.host not in WILDCARD_HOSTS else "<this-host>"
-    print(f"minips server listening on {cfg.host}:{port} ({cfg.run.mode}, "
-          f"{cfg.run.compressor}, waiting for {cfg.run.workers} workers)\n"
-          f"  join with:  MINIPS_TOKEN=... minips worker --connect {host}:{port}\n"
-          f"  group:      MINIPS_TOKEN=... minips group --connect {host}:{port} "
-          f"--listen <this-host>:7071", flush=True)
+    run = cfg.run
+    budget = ", ".join(f"{k} {v:g}" for k, v in (("epochs", run.epochs), ("wall-s", run.wall_s),
+                                                   ("max-steps", run.max_steps)) if v)
+    secret = (f"export {TOKEN_ENV}=<this server's secret> on each machine first" if cfg.token
+              else "no secret (loopback only)")
+    print(f"minips server listening on {format_address(cfg.host, port)} ({run.mode}, "
+          f"{run.compressor}, {run.model} on {run.dataset}, budget {budget or 'none'}, "
+          f"waiting for {run.workers} workers; {secret}; "
+          f"{f'emulated base step {run.base_step_s:g} s' if run.base_step_s else 'real speeds'})",
+          flush=True)
+    for line in join_commands(cfg, port):
+        print(line, flush=True)
 
 
 def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False,
@@ -153,13 +225,6 @@ def _reap(child: subprocess.Popen[bytes]) -> None:
 
 # -- one command per role, and main ----------------------------------------------------------------
 
-TOKEN_ENV = "MINIPS_TOKEN"
-
-
-def _token() -> str:
-    return os.environ.get(TOKEN_ENV, "")
-
-
 def _cmd_local(args: argparse.Namespace) -> int:
     from minips.ml.device import pick_device
     from minips.run.launch import run_local
@@ -187,15 +252,16 @@ def _cmd_local(args: argparse.Namespace) -> int:
                        plot=not args.no_plot, timeout_s=args.timeout,
                        dashboard=args.dashboard, tensorboard=args.tensorboard,
                        devices=[d.strip() for d in args.device.split(",") if d.strip()],
-                       amp=args.amp)
+                       amp=args.amp, force=args.force, data=args.data)
     _check_watch(args)
+    flags.say_default_budget(args)
     summary = run_local(cfg)
     return {"done": 0, "interrupted": 130, "terminated": 143}.get(summary.get("status", "done"), 1)
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-
     check_host("--host", args.host)
+    check_bind(args.host, _token(), args.insecure)  # before the run directory is made
     if not args.eval:  # --eval with --tls-cert is refused anyway (run_server says why)
         check_tls_server(args.tls_cert, args.tls_key)
     cfg = ServerConfig(run=run_config_from_args(args), host=args.host, port=args.port,
@@ -206,19 +272,47 @@ def _cmd_server(args: argparse.Namespace) -> int:
                        checkpoint_path=args.checkpoint, checkpoint_every_s=args.checkpoint_every,
                        resume=args.resume, insecure=args.insecure,
                        rejoin_wait_s=args.rejoin_wait,
-                       dashboard=args.dashboard, tensorboard=args.tensorboard)
+                       dashboard=args.dashboard, tensorboard=args.tensorboard,
+                       group_ports=args.group_ports, console=True)
     if not args.resume:
         check_init(args.init, cfg.run.model)
+        check_checkpoint(args.checkpoint, force=args.force)
+    aside = claim(args.run_dir, resume=args.resume, force=args.force)
+    if aside is not None:
+        print(f"minips server: moved the earlier run in {args.run_dir} to {aside}", flush=True)
+    keep_flags(args, Path(args.run_dir))
     if 0 < cfg.run.fixed_groups != args.external_groups > 0:
         raise ConfigError(f"--external-groups {args.external_groups}: this run forms "
                           f"{cfg.run.fixed_groups} group(s) (--mode {cfg.run.mode}, --groups "
                           f"{cfg.run.groups}); start as many group servers")
     _check_watch(args)
+    flags.say_default_budget(args)
     srv = run_server(cfg, spawn_evaluator=args.eval, announce=not args.quiet)
+    _report(cfg, srv)
     if srv.failure:  # the run ended short of its budget, or diverged (GlobalCore.fail)
         print(f"minips server: error: {srv.failure}", file=sys.stderr)
         return 3
     return 0
+
+
+def _report(cfg: ServerConfig, srv: GlobalServer) -> None:
+    """summary.json in the run directory, and its headline on the console (as `minips local`)."""
+    summary = summarize(cfg.run_dir)
+    acc = summary.get("final_accuracy")
+    print(f"minips server: {'failed' if srv.failure else 'done'} "
+          f"({srv.core.done_reason or 'ended'}) after {summary.get('train_s') or 0:.1f} s of "
+          f"training, {srv.core.samples:,} samples, final accuracy "
+          f"{'- (no evaluator: --eval)' if acc is None else f'{acc:.4f}'} "
+          f"({summary.get('data') or 'unknown'} data)\n"
+          f"  summary: {Path(cfg.run_dir) / 'summary.json'}", flush=True)
+
+
+def keep_flags(args: argparse.Namespace, run_dir: Path) -> None:
+    """``flags.json`` in the run directory: every flag of the command, merged (its --config
+    file, then the command line), as the run used them."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_json(run_dir / "flags.json", {k: v for k, v in vars(args).items()
+                                        if k not in ("run_defaults", "default_budget")})
 
 
 def _cmd_group(args: argparse.Namespace) -> int:
@@ -246,7 +340,9 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
                         throttle=args.throttle, bandwidth_bps=args.bandwidth,
                         bandwidth_down_bps=getattr(args, "bandwidth_down", 0.0),
                         latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
-                        torch_threads=args.threads, connect_timeout_s=args.timeout,
+                        data=args.data,
+                        torch_threads=args.threads,
+                        connect_timeout_s=args.timeout or math.inf,  # 0: until it answers
                         reconnect_s=args.reconnect, device=getattr(args, "device", "auto"),
                         amp=getattr(args, "amp", False))
 
@@ -307,7 +403,12 @@ COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `minips` command; returns the exit status."""
     lifeline.watch_parent()  # started by a launcher: do not outlive it
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(flags.with_config(argv))
+    except ConfigError as exc:  # the --config file: unreadable, or a key that is no flag
+        print(f"minips: error: {exc}", file=sys.stderr)
+        return 2
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -22,17 +22,19 @@ The file holds, in order:
 
 Public API: ``PRESETS``, ``RUN_FLAGS``, ``FLAG_OF``, ``add_run_flags``, ``run_config_from_args``,
 ``add_ray_parser``, ``ray_command``, ``add_simulate_parser``, ``simulate_command``,
-``build_parser``, ``DESCRIPTION``.
+``build_parser``, ``DESCRIPTION``, ``say_default_budget``, ``DEFAULT_EPOCHS``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from minips import __version__
 from minips.core.config import FieldError, RunConfig
 from minips.core.slowdown import Schedule
 from minips.errors import ConfigError
@@ -47,6 +49,7 @@ from minips.run.checks import (
     local_steps_arg,
     on_off,
     port,
+    ports,
     slowdown_schedules,
     throttle_spec,
     worker_slowdown,
@@ -60,12 +63,16 @@ __all__ = [
     "FLAG_OF",
     "add_run_flags",
     "run_config_from_args",
+    "say_default_budget",
+    "DEFAULT_EPOCHS",
     "add_ray_parser",
     "ray_command",
     "add_simulate_parser",
     "simulate_command",
     "build_parser",
     "DESCRIPTION",
+    "CONFIG_COMMANDS",
+    "with_config",
 ]
 
 
@@ -89,18 +96,23 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # -- the run settings: one flag per RunConfig field ------------------------------------------------
 
+def _name(text: str) -> str:
+    """A name from a fixed set (mode, compressor, ...): case does not matter (GSSP is gssp)."""
+    return text.strip().lower()
+
+
 # (flag, RunConfig field, type, help) for the run settings shared by `local` and `server`.
 RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--model", "model", str, "model name (lenet5, resnet9, resnet18, vgg19, ...)"),
     ("--dataset", "dataset", str, "data set (fashion-mnist, mnist, cifar10)"),
     ("--data-dir", "data_dir", str, "directory of the data set files (default: "
      "~/.cache/minips/<name>, then system directories)"),
-    ("--mode", "mode", str, "bsp | ssp | asp | gssp | lbbsp (BSP, batch sizes follow the "
+    ("--mode", "mode", _name, "bsp | ssp | asp | gssp | lbbsp (BSP, batch sizes follow the "
      "workers' speeds)"),
     ("--regroup", "regroup", on_off, "GSSP: regroup when speeds drift: on | off"),
     ("--balance-every", "balance_every", int, "LB-BSP: rounds between re-balancings of the "
      "batch sizes"),
-    ("--compressor", "compressor", str, "none | fp16 | topk | dgc | randomk | gdtopk | losscomp"),
+    ("--compressor", "compressor", _name, "none | fp16 | topk | dgc | randomk | gdtopk | losscomp"),
     ("--ratio", "ratio", finite, "kept fraction of gradient coordinates (0..1]"),
     ("--xchg-ratio", "xchg_ratio", finite, "kept fraction of the group <-> global exchange, "
      "both ways (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
@@ -114,11 +126,11 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
     ("--staleness", "staleness", int, "SSP bound, clocks"),
     ("--sync-every", "sync_every", int, "pushes between group <-> global exchanges"),
-    ("--merge", "merge", str, "global merge of group deltas: mean | sum"),
+    ("--merge", "merge", _name, "global merge of group deltas: mean | sum"),
     ("--batch-size", "batch_size", int, "samples per worker step"),
     ("--lr", "lr", finite, "learning rate"),
     ("--lr-warmup", "lr_warmup", finite, "epochs of linear lr warm-up (0 = none)"),
-    ("--lr-schedule", "lr_schedule", str, "constant | cosine (lr to 0 over the epochs budget)"),
+    ("--lr-schedule", "lr_schedule", _name, "constant | cosine (lr to 0 over the epochs budget)"),
     ("--momentum", "momentum", finite, "SGD momentum"),
     ("--weight-decay", "weight_decay", finite, "L2 weight decay"),
     ("--optimizer-at", "optimizer_at", str, "where SGD runs: server (workers push gradients) | "
@@ -146,7 +158,7 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--eval-every", "eval_every_s", finite, "evaluator period, seconds"),
     ("--eval-limit", "eval_limit", int, "test samples per evaluation (0 = all)"),
     ("--alpha", "gdtopk_alpha", finite, "GDTopK ratio exponent"),
-    ("--direction", "gdtopk_direction", str, "GDTopK: slower-more | slower-less"),
+    ("--direction", "gdtopk_direction", _name, "GDTopK: slower-more | slower-less"),
     ("--lease", "lease_s", finite, "a worker silent this long stops holding its group; a "
      "silent group server or group process is dropped, s"),
     ("--heartbeat", "heartbeat_s", finite, "HEARTBEAT period of workers and group servers, s "
@@ -156,25 +168,39 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
 FLAG_OF = {dest: flag for flag, dest, _, _ in RUN_FLAGS} | {"budget": "--epochs/--wall-s"}
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
+def add_run_flags(p: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """The run flags, on a sub-command whose own ``defaults`` (RunConfig fields) replace
+    RunConfig's (``run_config_from_args`` starts from them)."""
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file of this command's flags, one key per flag (wall-s = 60, "
+                   "slowdown = [1, 2], [copt] table); flags given here override it")
     p.add_argument("--preset", choices=sorted(PRESETS), help="named set of defaults")
     p.add_argument("--copt", action="append", type=_key_value, metavar="KEY=VALUE",
                    help="compressor option, e.g. warmup_epochs=1 (repeatable)")
-    defaults = RunConfig()
+    p.set_defaults(run_defaults=defaults or {})
+    base = RunConfig(**(defaults or {}))
     for flag, dest, typ, help_ in RUN_FLAGS:
-        shown = getattr(defaults, dest)  # the flag's own default is None: "not given"
+        shown = getattr(base, dest)  # the flag's own default is None: "not given"
         if isinstance(shown, bool):  # a switch says it as it is given: on | off
             shown = "on" if shown else "off"
         p.add_argument(flag, dest=dest, type=typ, default=None,
                        help=help_ if shown is None else f"{help_} (default {shown})")
 
 
+# A run with no budget at all (no --epochs, --wall-s or --max-steps anywhere) would train until
+# someone stops it: it gets this one, said on the console. --epochs 0 given explicitly is "no
+# budget, I know": the run ends when its workers leave.
+DEFAULT_EPOCHS = 1.0
+BUDGET_FIELDS = ("epochs", "wall_s", "max_steps")
+
+
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     """RunConfig defaults, then --run-config file, then the preset, then explicit flags;
-    checked (``ConfigError`` naming the flag)."""
-    values: dict[str, Any] = {}
-    if getattr(args, "run_config", None):
-        values.update(RunConfig.from_info(load_run_config(args.run_config)).to_info())
+    checked (``ConfigError`` naming the flag). No budget named anywhere: ``DEFAULT_EPOCHS``."""
+    values: dict[str, Any] = dict(getattr(args, "run_defaults", None) or {})
+    if getattr(args, "run_config", None):  # the keys it names (unknown ones are ignored)
+        names = {f.name for f in dataclasses.fields(RunConfig)}
+        values.update({k: v for k, v in load_run_config(args.run_config).items() if k in names})
     preset = PRESETS.get(getattr(args, "preset", None) or "", {})
     values.update(preset.get("run", {}))
     for _, dest, _, _ in RUN_FLAGS:
@@ -182,6 +208,9 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
             values[dest] = getattr(args, dest)
     if getattr(args, "copt", None):
         values["compressor_opts"] = {**values.get("compressor_opts", {}), **dict(args.copt)}
+    if not any(k in values for k in BUDGET_FIELDS) and not getattr(args, "max_pushes", 0):
+        values["epochs"] = DEFAULT_EPOCHS
+        args.default_budget = True  # said once the command starts (``say_default_budget``)
     try:
         run = RunConfig(**values).validate()
     except FieldError as exc:
@@ -194,6 +223,14 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     return run
 
 
+def say_default_budget(args: argparse.Namespace) -> None:
+    """One console line when the run got ``DEFAULT_EPOCHS`` because it named no budget."""
+    if getattr(args, "default_budget", False):
+        print(f"minips {args.command}: no budget given: training stops after "
+              f"{DEFAULT_EPOCHS:g} epoch (--epochs; or --wall-s, --max-steps; --epochs 0 "
+              "trains until the workers leave)", file=sys.stderr, flush=True)
+
+
 def _key_value(text: str) -> tuple[str, Any]:
     """'k=v' -> (k, v) with v parsed as JSON when it parses (numbers, booleans), else text."""
     key, sep, value = text.partition("=")
@@ -203,6 +240,63 @@ def _key_value(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+# -- --config run.toml: a file of flags ----------------------------------------------------------
+
+CONFIG_COMMANDS = ("local", "server", "simulate", "ray")  # the commands that take --config
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # the same parser, as a package before 3.11
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+
+
+def _tokens(path: str, key: str, value: Any, options: set[str]) -> list[str]:
+    """The command-line tokens of one key of a --config file."""
+    flag = "--" + key.replace("_", "-")
+    if flag not in options or flag == "--config":
+        raise ConfigError(f"--config {path}: {key!r} is not a flag of this command")
+    if key == "copt" and isinstance(value, dict):
+        return [t for k, v in value.items() for t in (flag, f"{k}={json.dumps(v)}")]
+    if isinstance(value, bool):
+        return [flag] if value else []
+    if isinstance(value, list):
+        return [flag, ",".join(str(v) for v in value)]
+    if isinstance(value, dict):
+        raise ConfigError(f"--config {path}: {key!r} is a table; only [copt] is one")
+    return [flag, str(value)]
+
+
+def with_config(argv: list[str]) -> list[str]:
+    """``argv`` with the flags of its --config TOML file put in front of the command's own, so
+    that a flag on the command line overrides the file's (argparse keeps the last)."""
+    path = _config_path(argv)
+    if not argv or argv[0] not in CONFIG_COMMANDS or path is None:
+        return argv
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = set(sub.choices[argv[0]]._option_string_actions)
+    tokens = [t for k, v in _load_toml(path).items() for t in _tokens(path, k, v, options)]
+    return [argv[0], *tokens, *argv[1:]]
 
 
 # -- `minips ray` flags: the run flags plus where each role goes on Ray ----------------------------
@@ -259,6 +353,7 @@ def ray_command(args: argparse.Namespace, run: RunConfig) -> int:
     slowdowns = args.slowdown or []
     if args.workers is None and slowdowns:
         run.workers = len(slowdowns)
+    say_default_budget(args)
     cfg = RayConfig(run=run, address=args.address, server_port=args.port,
                     server=places["server"], groups=places["group"],
                     workers=places["worker"], evaluator=places["evaluator"],
@@ -339,6 +434,7 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
     real = args.objective == "model"
     if not real and run.dataset != "synthetic" and not run.train_size:
         run.dataset = "synthetic"  # the objective is synthetic: so are its samples
+    say_default_budget(args)
     cfg = SimConfig(run=run, slowdowns=slowdowns, schedules=schedules, throttle=args.throttle,
                     jitter=args.jitter,
                     rate=args.link_mbit * 1e6 / 8, latency_s=args.latency_ms / 1e3,
@@ -362,7 +458,8 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
 # -- the `minips` argument parser: one sub-command per role ----------------------------------------
 
 Subparsers = argparse._SubParsersAction  # what add_subparsers returns: one add_parser per command
-DESCRIPTION = "`minips` command line: server, group, worker, evaluator, local, plot."
+DESCRIPTION = ("`minips` command line: local, server, group, worker, evaluator, simulate, ray, "
+               "plot, dashboard.")
 
 
 def _add_tls(p: argparse.ArgumentParser, *, server: bool, client: bool) -> None:
@@ -388,6 +485,9 @@ def _add_local(sub: Subparsers) -> None:
     loc.add_argument("--throttle", type=throttle_spec, default="", metavar="P,MIN-MAX,SECONDS",
                      help="random throttling: each SECONDS interval, a worker is slowed with "
                           "probability P by a factor in [MIN, MAX] (seeded by --seed)")
+    loc.add_argument("--data", choices=("real", "synthetic"), default="real",
+                     help="the workers' data: real files (refused when missing) or the "
+                     "synthetic stand-in")
     loc.add_argument("--link", metavar="PROFILE",
                      help="the workers' links: 10mbit, 10mbit/40mbit (up/down), "
                           "100,50,10mbit (per worker, last repeats), +5ms latency, or a file "
@@ -406,6 +506,9 @@ def _add_local(sub: Subparsers) -> None:
     _add_device(loc, per_worker=True)
     loc.add_argument("--out", default="runs", help="parent directory of the run directory")
     loc.add_argument("--name", help="run directory name (default: time-mode-compressor)")
+    loc.add_argument("--force", action="store_true",
+                     help="a --name directory holding an earlier run: move it aside to "
+                     "NAME.old-N (without this it is refused)")
     loc.add_argument("--timeout", type=at_least(0), default=0.0,
                      help="hard stop, s (0 = budget+margin)")
     loc.add_argument("--no-progress", action="store_true", help="no progress line")
@@ -426,7 +529,9 @@ def _add_watch(p: argparse.ArgumentParser) -> None:
 def _add_server(sub: Subparsers) -> None:
     """`minips server`: the global server."""
     srv = sub.add_parser("server", help="the global server (numpy only)")
-    add_run_flags(srv)
+    # real speeds: workers on their own machines are not stretched to an emulated step time
+    # (`minips local` emulates one, 0.04 s); --base-step S asks for it
+    add_run_flags(srv, {"base_step_s": 0.0})
     srv.add_argument("--host", default="127.0.0.1",
                      help="listen address (non-loopback needs MINIPS_TOKEN or --insecure)")
     srv.add_argument("--port", type=port, default=7070, help="listen port (0 = any free)")
@@ -435,6 +540,10 @@ def _add_server(sub: Subparsers) -> None:
     srv.add_argument("--external-groups", type=int_at_least(0), default=0,
                      help="group servers that connect as `minips group` (0 = in-process)")
     srv.add_argument("--advertise", help="address workers use to reach in-process group servers")
+    srv.add_argument("--group-ports", type=ports, default=[], metavar="PORTS",
+                     help="ports of the in-process group servers, group g on the g-th: "
+                     "7071,7072 or 7071-7074 (default: free ports; a group beyond the list "
+                     "takes one)")
     srv.add_argument("--ready-file", help="write 'host port' here once listening")
     srv.add_argument("--calib-timeout", type=at_least(0, strict=True), default=60.0,
                      help="grouping deadline, s")
@@ -446,6 +555,9 @@ def _add_server(sub: Subparsers) -> None:
     srv.add_argument("--checkpoint-every", type=at_least(0), default=30.0,
                      help="seconds between atomic checkpoints (0 = none)")
     srv.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    srv.add_argument("--force", action="store_true",
+                     help="a --run-dir holding an earlier run: move it aside to RUN_DIR.old-N "
+                     "(without this or --resume it is refused)")
     srv.add_argument("--rejoin-wait", type=at_least(0), default=120.0,
                      help="every worker gone with budget left: wait this long for them to "
                      "rejoin before the run ends short (exit 3), s")
@@ -487,12 +599,17 @@ def _add_clients(sub: Subparsers) -> None:
                        help="added latency per send, s")
         w.add_argument("--run-dir", default=f"runs/{name}", help="metrics directory")
         w.add_argument("--data-dir", help="data set directory on this machine")
+        w.add_argument("--data", choices=("real", "synthetic"), default="real",
+                       help="real: the data set's files must be found here (else it refuses "
+                       "to start, saying which files go where); synthetic: train on the "
+                       "synthetic stand-in")
         w.add_argument("--threads", type=int_at_least(1), default=1,
                        help="torch intra-op threads")
         if name == "worker":
             _add_device(w)
-        w.add_argument("--timeout", type=at_least(0, strict=True), default=10.0,
-                       help="connect timeout, s")
+        w.add_argument("--timeout", type=at_least(0), default=10.0,
+                       help="keep trying to reach the global server this long at the start, "
+                       "s (0 = until it answers)")
         w.add_argument("--reconnect", type=at_least(0), default=120.0,
                        help="keep trying this long when a server is lost mid-run, s")
         _add_tls(w, server=False, client=True)
@@ -556,6 +673,7 @@ class _Parser(_OneLine):
 def build_parser() -> argparse.ArgumentParser:
     """The `minips` argument parser with one sub-command per role."""
     p = _OneLine(prog="minips", description=DESCRIPTION)
+    p.add_argument("--version", action="version", version=f"minips {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_local, _add_server, _add_group, _add_clients, _add_plot,
                 _add_dashboard):

@@ -60,11 +60,13 @@ from minips.net.endpoints import (
     DASHBOARD_TOKEN_BYTES,
     DASHBOARD_TOKEN_ENV,
     is_loopback,
+    local_addresses,
     parse_address,
+    reachable_url,
 )
 from minips.record.metrics import HOP_COUNTERS, live_hop_bytes, read, summarize, verdict
 from minips.record.plot import plot_run
-from minips.record.rundir import read_config, read_jsonl, tail_jsonl
+from minips.record.rundir import claim, read_config, read_jsonl, tail_jsonl
 
 __all__ = [
     "ProgressLine",
@@ -87,13 +89,14 @@ class ProgressLine:
     """One self-overwriting status line: time, samples / epochs, accuracy, and the MB of every
     hop: up (worker -> group), down (group -> worker), to-global, from-global, total."""
 
-    def __init__(self, run_dir: Path, cfg: LaunchConfig) -> None:
+    def __init__(self, run_dir: Path, run: RunConfig, *, tty: bool | None = None) -> None:
         self.run_dir = run_dir
-        self.cfg = cfg
+        self.run = run
         self.t0 = time.monotonic()
         self.last = 0.0  # when the line was last drawn
-        self.train_size = max(1, _train_size(cfg))  # samples per epoch, for the epochs figure
-        self.tty = sys.stderr.isatty()  # a terminal: redraw in place; a log: a line every 10 s
+        self.train_size = max(1, _train_size(run))  # samples per epoch, for the epochs figure
+        # a terminal: redraw in place; a log (or a console with other lines): one every 10 s
+        self.tty = sys.stderr.isatty() if tty is None else tty
 
     def draw(self, final: bool = False) -> None:
         if not (final or self.tty or time.monotonic() - self.last >= 10.0):
@@ -111,8 +114,8 @@ class ProgressLine:
         mb = {k: hops.get(k, 0) / 1e6 for k in HOP_COUNTERS}
         kind = verdict(read(self.run_dir))  # None until a process loaded
         data_s = "SYNTHETIC DATA" if kind in ("synthetic", "mixed") else f"data {kind or '?'}"
-        text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.cfg.run.mode}/"
-                f"{self.cfg.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
+        text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.run.mode}/"
+                f"{self.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
                 f"{gl.get('version', 0):>5}  test acc {acc_s}  MB up {mb['bytes_worker_group']:.1f}"
                 f" down {mb['bytes_group_worker']:.1f} to-global {mb['bytes_group_global']:.1f} "
                 f"from-global {mb['bytes_global_group']:.1f} total {sum(mb.values()):.1f}")
@@ -120,9 +123,9 @@ class ProgressLine:
               flush=True, file=sys.stderr)
 
 
-def _train_size(cfg: LaunchConfig) -> int:
+def _train_size(run: RunConfig) -> int:
     try:
-        return dataset_train_size(cfg.run.dataset, cfg.run.train_size)
+        return dataset_train_size(run.dataset, run.train_size)
     except MiniPSError:
         return 1
 
@@ -255,6 +258,7 @@ class Cluster:
                 return  # the server's log says why; the run's end reports it
             time.sleep(0.05)
         url = url_file.read_text().strip()  # the address only: no token in the run directory
+        url = reachable_url(url, local_addresses()[0])  # not 0.0.0.0: one a browser opens
         host = parse_address(url.split("//", 1)[-1].rstrip("/"), 0)[0]
         if self.dashboard_token and not is_loopback(host):
             url += f"?token={self.dashboard_token}"
@@ -270,6 +274,7 @@ class Cluster:
                 "worker", "--connect", self.address, "--id", str(i), "--slowdown", slowdown,
                 *throttle,
                 *self._link_args(i), "--run-dir", str(self.run_dir), "--timeout", "60",
+                "--data", self.cfg.data,
                 "--device", self.cfg.device(i), *(["--amp"] if self.cfg.amp else [])],
                 netns=i if self.spaces else -1)
 
@@ -286,13 +291,14 @@ class Cluster:
         return args
 
     def start_evaluator(self) -> None:
-        self._spawn("evaluator", ["evaluator", "--connect", self.address,
-                                  "--run-dir", str(self.run_dir), "--timeout", "60"])
+        self._spawn("evaluator", ["evaluator", "--connect", self.address, "--data",
+                                  self.cfg.data, "--run-dir", str(self.run_dir), "--timeout",
+                                  "60"])
 
     def wait(self, timeout_s: float, progress: bool) -> int:
         """Until the server exits (its return code) or ``timeout_s`` passes (TimeoutError)."""
         assert self.server is not None
-        line = ProgressLine(self.run_dir, self.cfg) if progress else None
+        line = ProgressLine(self.run_dir, self.cfg.run) if progress else None
         deadline = time.monotonic() + timeout_s
         while self.server.poll() is None:
             if time.monotonic() > deadline:
@@ -362,6 +368,9 @@ def make_run_dir(cfg: LaunchConfig) -> Path:
     while path.exists() and cfg.name is None:
         n += 1
         path = Path(cfg.out_dir) / f"{name}-{n}"
+    aside = claim(path, option="--name", force=cfg.force)  # a named one may hold a run
+    if aside is not None:
+        print(f"minips local: moved the earlier run in {path} to {aside}", file=sys.stderr)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -473,6 +482,8 @@ class LaunchConfig:
     tensorboard: str = ""  # directory for the server's TensorBoard event files; "" = none
     devices: list[str] = field(default_factory=lambda: ["auto"])  # per worker; last repeats
     amp: bool = False  # workers use mixed precision where their device supports it
+    force: bool = False  # a --name directory holding an earlier run: move it aside (else refused)
+    data: str = "real"  # the workers' and evaluator's --data: real files, or synthetic (asked)
 
     def factors(self) -> list[float]:
         """Slowdown factor of each of the run's workers (missing ones are 1.0)."""
@@ -485,9 +496,14 @@ class LaunchConfig:
 
 
 def parse_slowdowns(text: str) -> list[float]:
-    """'1,1,2x2,4' → [1, 1, 2, 2, 4]; 'FxN' repeats F N times."""
+    """'1,1,2x2,4' → [1, 1, 2, 2, 4]; 'FxN' repeats F N times. Spaces around an entry are
+    ignored ('1, 2' is [1, 2]); an empty entry ('1,,2', '1,') is refused: it is a typo, not
+    a worker."""
     out: list[float] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise ConfigError(f"bad slowdown {text!r}: an empty entry, expected F or FxN "
+                              "between the commas")
         factor, _, count = part.partition("x")
         try:
             out += [float(factor)] * int(count or 1)

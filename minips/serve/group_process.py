@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 POLL_S = 0.2  # how often the serving loop looks at the link and the group
+STATUS_EVERY_S = 10.0  # how often `minips group` says where its group is (one console line)
 
 
 class TcpLink:
@@ -159,6 +160,7 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
         print(f"minips group listening on {address}, registering with "
               f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
     link = await _register(cfg, gs, address, cfg.connect_timeout_s)
+    said = asyncio.get_running_loop().time()
     try:
         # all workers gone is not the end: they may rejoin
         while not (gs.core.finished and gs.core.done):
@@ -167,11 +169,24 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
                 link = await _register(cfg, gs, address, cfg.reconnect_s)
                 gs.log("global_back")
             await asyncio.sleep(POLL_S)
+            if announce and asyncio.get_running_loop().time() - said >= STATUS_EVERY_S:
+                said = asyncio.get_running_loop().time()
+                print(_status(gs), flush=True)
     finally:
         link.reader.cancel()
         await gs.close()
         await link.ch.close(leave="done")
     return gs
+
+
+def _status(gs: GroupServer) -> str:
+    """'minips group 1: 3 workers live, clocks 40..43, 162 pushes, 41 exchanges'."""
+    core = gs.core
+    table = core.table
+    clocks = (f"clocks {table.min_clock()}..{table.max_clock()}" if len(table)
+              else "no worker live")
+    return (f"minips group {core.group}: {len(table)} workers live, {clocks}, "
+            f"{core.counters['pushes']} pushes, {core.xchg.seq} exchanges")
 
 
 def run_group_process(cfg: GroupConfig) -> None:

@@ -270,9 +270,12 @@ def _lost(srv: Shell, ch: Channel, handle: GroupHandle) -> None:
     if handle.final or srv.core.done:  # the end of the run
         return
     wait = REHOME_LEASES * srv.core.run.lease_s
+    others = any(g != handle.id and h.address for g, h in srv.core.groups.items())
+    then = (f"else its workers move to another group in {wait:.0f} s" if others else
+            "no other group can take its workers meanwhile")  # one group: nowhere to go
     log.warning("group %d: its group server %s is gone (%s); a new `minips group --connect` to "
-                "this server takes the group over, else its workers move to another group in "
-                "%.0f s", handle.id, handle.address, ch.error or "connection closed", wait)
+                "this server takes the group over, %s", handle.id, handle.address,
+                ch.error or "connection closed", then)
     srv.spawn(_rehome_later(srv, handle.id, wait))
 
 
