@@ -3,7 +3,7 @@ workers, each in a network namespace of its own with its own address, started fr
 `group:` and `join:` lines the server prints (verbatim; only GROUP_CERT / GROUP_KEY, which the
 line names, are filled in), with a token and with TLS. The run groups the workers by their
 measured speed, the server's /metrics (scraped from another machine) counts them and their
-pushes while they train, the server is killed (-9) and resumed with `--resume` in its run
+groups' merges while they train, the server is killed (-9) and resumed with `--resume` in its run
 directory, every role ends with status 0 and the server's summary.json describes the run.
 
 The namespaces are wired like machines on one switch: a veth pair each, from the machine to a
@@ -111,15 +111,18 @@ def machines(tmp_path: Path) -> Iterator[dict[str, Machine]]:
         pytest.skip(f"cannot create a network namespace here: {getattr(e, 'stderr', e)}")
     made.append(f"{base}x")
     try:
-        ip("-n", f"{base}x", "link", "add", "br0", "type", "bridge")
-        ip("-n", f"{base}x", "link", "set", "br0", "up")
-        found = {}
-        for i, (role, letter) in enumerate(ROLES.items()):
-            ip("netns", "add", f"{base}{letter}")
-            made.append(f"{base}{letter}")
-            found[role] = Machine(f"{base}{letter}", f"{SUBNET}.{i + 2}", tmp_path / role)
-            found[role].home.mkdir()
-            wire(f"{base}x", found[role], f"p{letter}")
+        try:
+            found = {role: Machine(f"{base}{letter}", f"{SUBNET}.{i + 2}", tmp_path / role)
+                     for i, (role, letter) in enumerate(ROLES.items())}
+            ip("-n", f"{base}x", "link", "add", "br0", "type", "bridge")
+            ip("-n", f"{base}x", "link", "set", "br0", "up")
+            for letter, machine in zip(ROLES.values(), found.values(), strict=True):
+                ip("netns", "add", machine.name)
+                made.append(machine.name)
+                machine.home.mkdir()
+                wire(f"{base}x", machine, f"p{letter}")
+        except subprocess.CalledProcessError as e:  # no bridge or veth support in this kernel
+            pytest.skip(f"cannot wire network namespaces here: {e.stderr}")
         yield found
     finally:
         for name in made:
@@ -211,7 +214,7 @@ def test_roles_on_separate_machines_from_the_printed_lines_group_by_speed_and_re
         machines: dict[str, Machine], roles: Roles, tmp_path: Path, tls: bool) -> None:
     """The server's `group:` lines run on two machines and its `join:` line on two more (worker
     B with --slowdown 4 added): they train in two groups by speed (A in group 0), /metrics
-    counts both workers and their pushes, the server killed -9 and restarted with --resume
+    counts both workers and both groups' merges, the server killed -9 and restarted with --resume
     gets its groups back, and all five end with status 0 after the budget is spent."""
     srv = machines["server"]
     run_dir = srv.home / "run"
@@ -258,9 +261,10 @@ def test_roles_on_separate_machines_from_the_printed_lines_group_by_speed_and_re
                                                                             "worker-b")]
     assert all(speeds) and int(speeds[1][1]) >= 2 * int(speeds[0][1])  # type: ignore[index]
 
-    # /metrics, from a group machine: both workers alive, their pushes counted
+    # /metrics, from a group machine: both workers alive, both groups merging
     (url,) = re.findall(r"Prometheus: (\S+/metrics)", roles.log("server"))
     assert url == f"http://{srv.address}:{DASHBOARD_PORT}/metrics"
+
     def counted() -> bool:
         m = scrape(machines["group-0"], url)
         merges = [m.get(f'{MERGES_METRIC}{{group="{g}"}}', 0) for g in (0, 1)]
