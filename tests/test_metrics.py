@@ -88,6 +88,15 @@ def test_summarize_hand_written_run(tmp_path):
     assert on_disk == s
 
 
+def test_a_server_without_worker_files_counts_samples_from_its_merges(tmp_path: Path) -> None:
+    """Workers on other machines write their files there: the server's own summary takes the
+    samples of its last merge (it said 0 before)."""
+    (tmp_path / "global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"t": 1.0, "event": "merge", "group": 0, "samples": 640},
+        {"t": 2.0, "event": "merge", "group": 1, "samples": 1280})))
+    assert summarize(tmp_path, write=False)["samples"] == 1280
+
+
 def test_summarize_tolerates_missing_files(tmp_path):
     (tmp_path / "worker-3.jsonl").write_text(json.dumps(_push(3, 0, 2.0, 1, 0, 0.5)) + "\n{bad")
     s = summarize(tmp_path)

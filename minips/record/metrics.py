@@ -279,10 +279,14 @@ def _groups(run: Run) -> int | None:
 
 
 def _traffic(run: Run, pushes: list[dict[str, Any]]) -> dict[str, Any]:
-    """Samples and bytes: the evaluator's run totals, else the sums of per-role files."""
+    """Samples and bytes: the evaluator's run totals, else the sums of per-role files; the
+    samples, without either (a server whose workers write on their own machines), as of the
+    global server's last merge."""
     group_out = [_last(recs, "bytes_out") for recs in run.groups.values()]
     fallback_down = sum(b for b in group_out if b is not None) if run.groups else None
     samples = _last(run.eval, "samples")
+    if samples is None and not pushes:
+        samples = _last([r for r in run.events if r.get("event") == "merge"], "samples")
     up, down = _last(run.eval, "bytes_up"), _last(run.eval, "bytes_down")
     return {
         "samples": samples if samples is not None else sum(_values(pushes, "samples")),
