@@ -39,12 +39,13 @@ PREFIX = "mpm"  # namespaces mpm<pid><letter>: a run's own, and stale ones are f
 SUBNET = "10.214.0"  # private to the switch namespace: runs side by side do not collide
 ROLES = {"server": "s", "group-0": "g", "group-1": "h", "worker-a": "a", "worker-b": "b"}
 # /metrics series asserted on, by name (one constant each, to follow a rename): the live
-# workers by group (on main: minips_worker_up{worker,group} per worker) and the group deltas
-# merged by group. minips_pushes_total counts the pushes in the workers' files of the server's
-# run directory: on separate machines those files stay on the workers' machines, so it is
-# absent here (measured), and the merges of their groups are what counts their work
+# workers by group, the group deltas merged by group, the pushes by group (the servers count
+# them from the groups' exchanges, wherever the workers run) and each worker's PULLs
+# answered, labelled {worker, group}
 WORKERS_METRIC = "minips_workers_alive"
 MERGES_METRIC = "minips_merges_total"
+PUSHES_METRIC = "minips_pushes_total"
+PULLS_METRIC = "minips_worker_pulls_total"
 DASHBOARD_PORT = 8080
 SLOW = 4.0  # worker B's --slowdown: its steps take at least 4 x the base step, A's 1 x
 # two groups of one worker each: the faster worker in group 0, the slower in group 1
@@ -268,7 +269,10 @@ def test_roles_on_separate_machines_from_the_printed_lines_group_by_speed_and_re
     def counted() -> bool:
         m = scrape(machines["group-0"], url)
         merges = [m.get(f'{MERGES_METRIC}{{group="{g}"}}', 0) for g in (0, 1)]
-        return total(m, WORKERS_METRIC) == 2 and min(merges) > 0
+        pulls = [sum(v for k, v in m.items() if k.startswith(PULLS_METRIC + "{")
+                     and f'worker="{w}"' in k) for w in (0, 1)]
+        return (total(m, WORKERS_METRIC) == 2 and min(merges) > 0
+                and total(m, PUSHES_METRIC) > 0 and min(pulls) > 0)
 
     wait_for("/metrics counts both workers and their groups' merges", counted, 60, everyone)
 
