@@ -29,14 +29,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import re
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -439,23 +437,6 @@ async def fuzz(targets: list[Target], n: int, seed: int, concurrency: int, max_s
 # The server, the targets, the measurements
 
 
-def start_server(tmp: Path) -> tuple[subprocess.Popen[str], int]:
-    np.save(tmp / "init.npy", np.zeros(N, np.float32))
-    ready = tmp / "server.addr"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minips", "server", "--port", "0", "--quiet", "--mode", "asp",
-         "--workers", "2", "--init", str(tmp / "init.npy"), "--run-dir", str(tmp / "run"),
-         "--ready-file", str(ready), "--lease", "60"],
-        env={**os.environ, "MINIPS_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (ready.exists() and ready.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server did not start: {proc.communicate()[1]}")
-        time.sleep(0.05)  # polling a file with a deadline
-    return proc, int(ready.read_text().split()[1])
-
-
 async def group_of(port: int, w: int) -> tuple[int, int]:
     """Worker ``w``'s group and its group server's port (STATS, then its ASSIGN)."""
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=w, token=TOKEN,
@@ -534,15 +515,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32, help="sessions at once (32)")
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="stop after this long even if fewer inputs were sent (0: no limit)")
-    args = ap.parse_args()
-    transport.install_uvloop()
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_server(Path(tmp))
-        try:
-            print(json.dumps(run(proc, port, args)))
-        finally:
-            proc.kill()
-            proc.communicate()
+    fuzz_live.serve_and_print(ap.parse_args(), run, workers=2)  # the good worker and ours
 
 
 if __name__ == "__main__":

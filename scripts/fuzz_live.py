@@ -166,12 +166,14 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def start_server(tmp: Path) -> tuple[subprocess.Popen[str], int]:
+def start_server(tmp: Path, workers: int = 1) -> tuple[subprocess.Popen[str], int]:
+    """A `minips server` of ``workers`` workers (ASP, LeNet-5's zeros as initial weights) in
+    ``tmp``; (process, port) once it listens."""
     np.save(tmp / "init.npy", np.zeros(N, np.float32))
     ready = tmp / "server.addr"
     proc = subprocess.Popen(
         [sys.executable, "-m", "minips", "server", "--port", "0", "--quiet", "--mode", "asp",
-         "--workers", "1", "--init", str(tmp / "init.npy"), "--run-dir", str(tmp / "run"),
+         "--workers", str(workers), "--init", str(tmp / "init.npy"), "--run-dir", str(tmp / "run"),
          "--ready-file", str(ready), "--lease", "60"],
         env={**os.environ, "MINIPS_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE, text=True)
@@ -234,12 +236,17 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64, help="connections at once (64)")
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="stop after this long even if fewer inputs were sent (0: no limit)")
-    args = ap.parse_args()
+    serve_and_print(ap.parse_args(), run)
+
+
+def serve_and_print(args: argparse.Namespace,
+                    measure: Any, workers: int = 1) -> None:
+    """Start the server, print ``measure(proc, port, args)`` as JSON, stop the server."""
     transport.install_uvloop()
     with tempfile.TemporaryDirectory() as tmp:
-        proc, port = start_server(Path(tmp))
+        proc, port = start_server(Path(tmp), workers)
         try:
-            print(json.dumps(run(proc, port, args)))
+            print(json.dumps(measure(proc, port, args)))
         finally:
             proc.kill()
             proc.communicate()
