@@ -58,8 +58,9 @@ import numpy as np
 from minips.core.config import OPTIMIZER_PLACES, RunConfig
 from minips.core.optim import SCHEDULES
 from minips.core.slowdown import parse_schedules
-from minips.errors import ConfigError, MiniPSError
+from minips.errors import MiniPSError
 from minips.net.links import SHAPINGS, parse_profile
+from minips.run.checks import argtype, checked_text
 from minips.run.launch import LaunchConfig
 
 # The table module sits next to this file; a test loads this file by path, without scripts/ on
@@ -464,6 +465,9 @@ def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
         suite.link_shaping = args.link_shaping
 
 
+_link = argtype(checked_text(parse_profile))  # a --link profile, checked, kept as text
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = p.add_mutually_exclusive_group()
@@ -497,15 +501,6 @@ def _parser() -> argparse.ArgumentParser:
                    "(a `minips local --link` profile; docs/links.md)")
     p.add_argument("--link-shaping", choices=SHAPINGS, help="auto (default), kernel or pacer")
     return p
-
-
-def _link(text: str) -> str:
-    """A --link profile, checked (argparse prints the one-line reason)."""
-    try:
-        parse_profile(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 if __name__ == "__main__":

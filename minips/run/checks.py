@@ -20,13 +20,13 @@ import socket
 import ssl
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from minips.compress.registry import COMPRESSORS, make_compressor
 from minips.core.config import MODEL_NAMES, PARAM_COUNTS, RunConfig
-from minips.core.slowdown import Schedule, parse_schedule, parse_schedules, parse_throttle
+from minips.core.slowdown import parse_schedule, parse_schedules, parse_throttle
 from minips.errors import ConfigError
 from minips.ml.data_files import DATASET_NAMES
 from minips.net.endpoints import client_ssl, parse_address, server_ssl
@@ -34,6 +34,8 @@ from minips.net.links import parse_link_changes, parse_profile
 
 __all__ = [
     "finite",
+    "argtype",
+    "checked_text",
     "on_off",
     "local_steps_arg",
     "at_least",
@@ -53,6 +55,8 @@ __all__ = [
     "speaks_tls",
 ]
 
+
+T = TypeVar("T")
 
 TLS_PROBE_S = 3.0  # how long ``speaks_tls`` waits for a server's TLS handshake
 
@@ -119,41 +123,33 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return check
 
 
-def link_changes(text: str) -> str:
-    """Type of --link-change: W:RATE@T,... (``links.parse_link_changes``), kept as text."""
-    try:
-        parse_link_changes(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+def argtype(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse type from a parser of minips' own: its ``ConfigError`` becomes the one-line
+    reason argparse prints after "argument --flag: "."""
+    def check(text: str) -> T:
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    check.__doc__ = parse.__doc__
+    return check
 
 
-def slowdown_schedules(text: str) -> list[Schedule]:
-    """Type of `minips local --slowdown`: a schedule per worker, 1,1,2x2,4@0,1@60s
-    (``slowdown.parse_schedules``)."""
-    try:
-        return parse_schedules(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def checked_text(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """``parse`` run for its checks only; the flag keeps its text."""
+    def keep(text: str) -> str:
+        parse(text)
+        return text
+    return keep
 
 
-def worker_slowdown(text: str) -> Schedule:
-    """Type of `minips worker --slowdown`: F, or a schedule F@T,F@T (``slowdown.py``)."""
-    try:
-        return parse_schedule(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def throttle_spec(text: str) -> str:
-    """Type of --throttle: P,MIN-MAX,SECONDS (``slowdown.parse_throttle``), kept as text;
-    "" is none."""
-    if not text:
-        return ""
-    try:
-        return parse_throttle(text).text()
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# --link-change W:RATE@T,... kept as text; `minips local --slowdown` a schedule per worker
+# (1,1,2x2,4@0,1@60s); `minips worker --slowdown` F or F@T,F@T; --throttle P,MIN-MAX,SECONDS
+# kept as its canonical text ("" is none)
+link_changes = argtype(checked_text(parse_link_changes))
+slowdown_schedules = argtype(parse_schedules)
+worker_slowdown = argtype(parse_schedule)
+throttle_spec = argtype(lambda text: parse_throttle(text).text() if text else "")
 
 
 def port(text: str) -> int:
