@@ -476,7 +476,7 @@ def run(proc: subprocess.Popen[str], port: int, args: argparse.Namespace) -> dic
         fuzzer.join(0.2)
     seconds = time.monotonic() - t0
     fuzzing = (good.steps - s0) / seconds
-    peak = _hwm(proc.pid)
+    peak = fuzz_live.peak_rss_mb(proc.pid)
     served_after = proc.poll() is None and fuzz_live.rate(good, 1.0) > 0
     good.stop.set()
     good.join(15)
@@ -498,14 +498,6 @@ def run(proc: subprocess.Popen[str], port: int, args: argparse.Namespace) -> dic
         "kinds_in_grammar": len(Frames(random.Random(0)).kinds), "concurrency": args.concurrency,
         "load_avg_1min": os.getloadavg()[0],
     }
-
-
-def _hwm(pid: int) -> float:
-    """Peak resident memory of ``pid`` in MB (VmHWM): no peak between two samples is missed."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def main() -> None:

@@ -166,6 +166,15 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+def peak_rss_mb(pid: int) -> float:
+    """The most resident memory ``pid`` ever had, in MB (VmHWM: no peak between samples is
+    missed)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def start_server(tmp: Path, workers: int = 1) -> tuple[subprocess.Popen[str], int]:
     """A `minips server` of ``workers`` workers (ASP, LeNet-5's zeros as initial weights) in
     ``tmp``; (process, port) once it listens."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import subprocess
 from pathlib import Path
 
 import lz4.block
@@ -52,6 +53,18 @@ def bomb_frame(kind: type[messages.Message], **fields: object) -> bytes:
     return prefix + table + meta + packed
 
 
+async def bomb_answer(proc: subprocess.Popen[str], ch: channel.Channel, data: bytes,
+                      where: str) -> tuple[messages.Message, float]:
+    """Send the bomb ``data`` on ``ch``; (the server's answer, how much its peak RSS grew in
+    MB over the larger of its RSS at rest and its peak so far), printed."""
+    rest, peak0 = rss_mb(proc.pid), peak_rss_mb(proc.pid)
+    answer = await send_raw(ch, data)
+    grown = peak_rss_mb(proc.pid) - max(rest, peak0)
+    print(f"{where}: RSS at rest {rest:.1f} MB, peak grew {grown:+.1f} MB "
+          f"(budget {BUDGET_MB:.1f} MB)")
+    return answer, grown
+
+
 async def send_raw(ch: channel.Channel, data: bytes) -> messages.Message:
     """Write ``data`` as it is on ``ch``'s socket; the server's answer."""
     ch._transport.write(data)
@@ -65,14 +78,10 @@ async def test_an_lz4_bomb_to_a_group_server_is_refused_before_inflating(tmp_pat
                                                                        join(host, port, 1))
         await grp.send(messages.Pull(clock=clock))
         before = await recv_as(grp, messages.Weights, 30)
-        rest, peak0 = rss_mb(proc.pid), peak_rss_mb(proc.pid)
-        answer = await send_raw(grp, bomb_frame(messages.Push, clock=clock + 1, samples=32,
-                                                encoding="dense-f32"))
+        answer, grown = await bomb_answer(proc, grp, bomb_frame(
+            messages.Push, clock=clock + 1, samples=32, encoding="dense-f32"), "group server")
         assert isinstance(answer, messages.Error) and answer.code == "limit_exceeded", answer
         assert "decompressed" in answer.reason
-        grown = peak_rss_mb(proc.pid) - max(rest, peak0)
-        print(f"group server: RSS at rest {rest:.1f} MB, peak grew {grown:+.1f} MB "
-              f"(budget {BUDGET_MB:.1f} MB)")
         assert grown <= BUDGET_MB
         # the other worker is served, and the model is the one before the attack
         await good.send(messages.Pull(clock=clock1))
@@ -87,14 +96,10 @@ async def test_an_lz4_bomb_before_the_model_is_known_does_not_fit_the_budget(
     with raw_worker.server(tmp_path, "--workers", "1", token=TOKEN,
                            init=False) as (proc, host, port):
         ctl = await transport.connect(host, port, role="worker", worker_id=0, token=TOKEN)
-        rest, peak0 = rss_mb(proc.pid), peak_rss_mb(proc.pid)
-        answer = await send_raw(ctl, bomb_frame(messages.InitWeights, size=BOMB // 4,
-                                                encoding="dense-f32"))
+        answer, grown = await bomb_answer(proc, ctl, bomb_frame(
+            messages.InitWeights, size=BOMB // 4, encoding="dense-f32"), "global server")
         assert isinstance(answer, messages.Error) and answer.code == "limit_exceeded", answer
         assert "budget" in answer.reason
-        grown = peak_rss_mb(proc.pid) - max(rest, peak0)
-        print(f"global server: RSS at rest {rest:.1f} MB, peak grew {grown:+.1f} MB "
-              f"(budget {BUDGET_MB:.1f} MB)")
         assert grown <= BUDGET_MB
         # the model is still free to be set by an honest worker, which then trains
         ctl2 = await transport.connect(host, port, role="worker", worker_id=0, token=TOKEN)
