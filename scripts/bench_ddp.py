@@ -177,8 +177,6 @@ def rank_main(args: argparse.Namespace) -> None:
     train_s = time.perf_counter() - t0
     if rank == 0:
         snapshots.append((train_s, steps * per_step, models.get_flat(model)))
-    dist.barrier()
-    dist.destroy_process_group()
     out = Path(args.out)
     result = {"rank": rank, "steps": steps, "total_steps": total, "train_s": train_s,
               "emulated_s": emulated, "compute_median_s": float(np.median(computes)),
@@ -188,6 +186,13 @@ def rank_main(args: argparse.Namespace) -> None:
         np.savez(out / "snapshots.npz", t=np.array([s[0] for s in snapshots]),
                  samples=np.array([s[1] for s in snapshots]),
                  w=np.stack([s[2] for s in snapshots]))
+    # Every rank has written its result before any leaves. The process then ends without running
+    # gloo's C++ teardown: destroy_process_group (or the interpreter's exit) can race its own
+    # background threads and abort with "terminate called without an active exception".
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _local_backward_s(args: argparse.Namespace, ddp: Any, ds: Any, shard: Any) -> float:
