@@ -543,6 +543,9 @@ def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | 
         return f"{event}: worker -> group {fields.get('moved')}"
     if event == "done":
         return f"budget spent ({fields.get('reason')}); collecting the groups' final deltas"
+    if event == "data" and fields.get("synthetic"):
+        return f"worker {w} trains on SYNTHETIC {fields.get('dataset')} data, not the real " \
+            f"files ({fields.get('reason') or 'started with --data synthetic'})"
     if event in ("group_adopted", "group_lost"):
         return f"{event.replace('_', ' ')}: group {fields.get('group')} " \
             f"{fields.get('address', '')}".rstrip()

@@ -72,7 +72,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -91,7 +91,7 @@ from minips.ml import data, device, models
 from minips.net import links, transport
 from minips.net.channel import Channel
 from minips.net.endpoints import client_ssl, parse_address, reachable
-from minips.record.metrics import record
+from minips.record.metrics import origin, record
 from minips.record.rundir import JsonlWriter, RunDir, join_run
 from minips.wire import messages
 
@@ -189,6 +189,7 @@ class Parts:
     device_file: Path  # worker-<id>.device.json
     device_info: dict[str, Any]
     cursor: data.BatchCursor | None = None  # LB-BSP: batches of the size the group asks for
+    data: dict[str, Any] = field(default_factory=dict)  # where its data came from (origin)
 
     def save_device_info(self, **more: Any) -> None:
         """Write worker-<id>.device.json with ``more`` added (resident memory at the end)."""
@@ -226,7 +227,8 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
         shard_size=len(shard), compressor=compressor,
         writer=run_dir.writer(f"worker-{worker_id}"),
         device_file=run_dir.file(f"worker-{worker_id}.device.json"), device_info=info,
-        cursor=data.BatchCursor(ds, shard, run.seed) if run.sync.balanced else None)
+        cursor=data.BatchCursor(ds, shard, run.seed) if run.sync.balanced else None,
+        data=origin(ds.meta))
     print(f"minips worker {worker_id}: " + ", ".join(
         f"{k} {v}" for k, v in info.items() if k != "worker"), file=sys.stderr, flush=True)
     parts.save_device_info()
@@ -413,7 +415,7 @@ class Worker:
             times.append(await self._stretch(time.perf_counter() - t))
         # The fastest step: other processes starting up only ever make a step slower.
         await self.control.ch.send(messages.Stats(clock=0, step_time=float(np.min(times)),
-                                                  loss=loss, samples=0))
+                                                  loss=loss, samples=0, data=self.parts.data))
         self._stats_at = self._status_at = time.monotonic()
         self._recent: list[float] = []  # step times since the last STATS
         print(f"minips worker {self.id}: {1e3 * float(np.min(times)):.0f} ms/step measured; "

@@ -22,7 +22,7 @@ from minips.core.global_core import (
 )
 from minips.core.group_core import Log
 from minips.core.roster import GroupHandle, NoGroup
-from minips.errors import ConfigError, RemoteProtocolError
+from minips.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from minips.serve.group import GroupServer
 from minips.server import InProcGroup
 from minips.wire import messages
@@ -183,3 +183,17 @@ def test_a_groups_ratio_has_one_owner_the_shell_hands_it_to_the_group() -> None:
     for g in ratios:  # what GlobalServer does with SendRatios
         c.groups[g].peer.send_ratio(c.assign_message(c.groups[g]))
     assert gs.core.weights_message(0, []).info["ratio"] == ratios[0]
+
+
+def test_a_workers_first_stats_says_where_its_data_came_from_and_is_logged() -> None:
+    c = core(np.zeros(N, np.float32), workers=2)
+    for w in (0, 1):
+        c.roster.admit(w)
+    said = {"dataset": "fashion-mnist", "split": "train", "synthetic": True, "source": "",
+            "reason": "no files"}
+    got = c.on_stats(0, messages.Stats(clock=0, step_time=0.01, loss=1.0, data=said), 0.0)
+    assert got == [Log("data", {"worker": 0, **said})]
+    assert c.on_stats(1, stats(0.02), 0.0) == [FormGroups()]  # no data: nothing logged
+    for bad in ({"dataset": 3}, {"synthetic": "yes"}, {"owner": "x"}, {"source": "x" * 5000}):
+        with pytest.raises(LocalProtocolError, match="Stats.data"):
+            messages.Stats(clock=0, step_time=0.01, loss=1.0, data=bad)

@@ -239,3 +239,40 @@ def test_progress_line_shows_every_hop(tmp_path, capsys):
     _lines(tmp_path / "group-1.jsonl", [])
     line.draw(final=True)
     assert "MB up 2.0 down 3.0 to-global 0.4 from-global 0.5 total 5.9" in capsys.readouterr().err
+
+
+def test_a_server_whose_workers_write_elsewhere_summarizes_what_it_saw(tmp_path):
+    """No worker or group files (they ran on other machines): steps, per-worker figures and
+    bytes per hop from the global server's merge lines, and each worker's data from the
+    ``data`` events its first STATS made."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    merge = {"event": "merge", "bytes_in": 0, "bytes_out": 0}
+    _lines(tmp_path / "global.jsonl", [
+        {"t": 0.5, "event": "data", "worker": 0, "dataset": "fashion-mnist", "synthetic": False},
+        {"t": 0.6, "event": "data", "worker": 1, "dataset": "fashion-mnist", "synthetic": True,
+         "reason": "no files"},
+        {"t": 1.0, "event": "groups", "assignment": {"0": 0, "1": 1}},
+        {**merge, "t": 2.0, "group": 0, "pushes": 3, "samples": 192, "bytes_in": 300,
+         "bytes_out": 3000, "bytes_to_global": 50, "bytes_from_global": 60,
+         "pull_workers": [0, 0, 0], "pull_leads": [0, 1, 2], "pull_waits_us": [0, 0, 3000]},
+        {**merge, "t": 3.0, "group": 1, "pushes": 1, "samples": 256, "bytes_in": 100,
+         "bytes_out": 1000, "bytes_to_global": 20, "bytes_from_global": 30,
+         "pull_workers": [1], "pull_leads": [0], "pull_waits_us": [1000]},
+        {**merge, "t": 4.0, "group": 0, "pushes": 2, "samples": 384, "bytes_in": 500,
+         "bytes_out": 5000, "bytes_to_global": 100, "bytes_from_global": 120,
+         "pull_workers": [0, 0], "pull_leads": [0, 0], "pull_waits_us": [0, 0]},
+    ])
+    s = summarize(tmp_path, write=False)
+    assert s["steps"] == 6 and s["samples"] == 384
+    assert (s["bytes_worker_group"], s["bytes_group_worker"]) == (600, 6000)
+    assert (s["bytes_group_global"], s["bytes_global_group"]) == (120, 150)
+    assert s["bytes_total"] == 600 + 6000 + 120 + 150
+    w0, w1 = s["per_worker"]["0"], s["per_worker"]["1"]
+    assert (w0["group"], w0["steps"], w1["group"], w1["steps"]) == (0, 5, 1, 1)
+    assert w0["mean_staleness"] == pytest.approx(0.6) and w0["mean_wait_s"] == pytest.approx(6e-4)
+    assert w0["from"] == "servers"
+    assert s["data"] == "mixed" and s["data_sources"]["worker-1"]["reason"] == "no files"
+    assert s["data_sources"]["worker-0"]["reported"] is True
+    (tmp_path / "data-worker-0.json").write_text(json.dumps(
+        {"role": "worker-0", "dataset": "fashion-mnist", "synthetic": False, "source": "/d"}))
+    assert summarize(tmp_path, write=False)["data_sources"]["worker-0"]["source"] == "/d"

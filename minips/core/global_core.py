@@ -269,6 +269,10 @@ class GlobalCore:
         """Worker ``w``'s measured speed: form the groups, place it, regroup or update ratios."""
         entry = self.workers[w]
         entry.step_time, entry.clock = float(msg.step_time), int(msg.clock)
+        said = [Log("data", {"worker": w, **msg.data})] if msg.data else []  # its first STATS
+        return said + self._placed(w, entry, now)
+
+    def _placed(self, w: int, entry: WorkerEntry, now: float) -> list[Action]:
         if not self.grouped:
             if self.calib_expired or self.roster.all_reported():
                 self.grouped = True
@@ -372,11 +376,13 @@ class GlobalCore:
         h.peer, h.address = peer, address
         return [Log("group_adopted", {"group": g, "address": address})]
 
-    def group_lost(self, g: int) -> list[Action]:
-        """Group ``g``'s group process is gone; its last traffic known is kept."""
+    def group_lost(self, g: int, final: bool = False) -> list[Action]:
+        """Group ``g``'s group process is gone; its last traffic known is kept. At the end of
+        the run (``final``: it sent its final delta, or the budget is spent) that is how a group
+        ends (``group_ended``), not a loss."""
         h = self.groups[g]
         h.peer = NoGroup(h.peer.traffic())
-        return [Log("group_lost", {"group": g})]
+        return [Log("group_ended" if final or self.done else "group_lost", {"group": g})]
 
     def rehome(self, g: int) -> list[Action]:
         """Nobody took lost group ``g`` over: its workers move to the live groups nearest in

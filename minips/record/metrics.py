@@ -13,7 +13,10 @@ The file holds, in order:
   process that loads a data set records it in the run directory as ``data-<role>.json`` (each
   worker its train split, the evaluator its test split): ``{"role", "dataset", "split",
   "synthetic", "source", "reason"}`` (``record``, ``read``). ``summarize`` and the progress line
-  of `minips local` fold the records into one word with ``verdict``.
+  of `minips local` fold the records into one word with ``verdict``. A worker on another
+  machine writes its file there; its first STATS carries the same record (``origin``) to the
+  global server, which logs it as a ``data`` event in global.jsonl, and ``read`` takes it from
+  there.
 - Bytes per hop, from a run's group files. ``summarize`` (and ``live_hop_bytes``, for the
   progress line) count every hop a run's bytes travel: worker -> group
   (``bytes_worker_group``, the group servers' ``bytes_in``), group -> worker
@@ -28,9 +31,9 @@ The file holds, in order:
 Invariant: a run counts as ``"real"`` only when every record says real; one synthetic record
 makes it ``"mixed"`` (or ``"synthetic"`` when all are), so a stand-in never goes unnoticed.
 
-Public API: ``record``, ``read``, ``verdict``, ``HOP_COUNTERS``, ``HOPS``, ``hop_bytes``,
-``total_bytes_series``, ``live_hop_bytes``, ``DEFAULT_TARGETS``, ``Run``, ``time_to_accuracy``,
-``load_run``, ``summarize``.
+Public API: ``origin``, ``record``, ``read``, ``verdict``, ``HOP_COUNTERS``, ``HOPS``,
+``hop_bytes``, ``total_bytes_series``, ``live_hop_bytes``, ``DEFAULT_TARGETS``, ``Run``,
+``time_to_accuracy``, ``load_run``, ``summarize``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Any
 from minips.record.rundir import dump_json, num, read_config, read_jsonl, tail_jsonl
 
 __all__ = [
+    "origin",
     "record",
     "read",
     "verdict",
@@ -64,21 +68,30 @@ __all__ = [
 
 # -- where a run's data came from: one data-<role>.json per process --------------------------------
 
+def origin(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """What a data set's ``meta`` (``Dataset.meta``) says of where it came from: dataset, split,
+    synthetic, source, reason (also what a worker's first STATS carries as ``data``)."""
+    return {"dataset": str(meta.get("name") or ""), "split": str(meta.get("split") or ""),
+            "synthetic": bool(meta.get("synthetic")), "source": str(meta.get("source") or ""),
+            "reason": str(meta.get("synthetic_reason") or "")}
+
+
 def record(run_dir: str | os.PathLike[str], role: str, meta: Mapping[str, Any]) -> Path:
     """Write ``data-<role>.json`` for a data set's ``meta`` (``Dataset.meta``); return its path."""
     path = Path(run_dir) / f"data-{role}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    entry = {"role": role, "dataset": meta.get("name"), "split": meta.get("split"),
-             "synthetic": bool(meta.get("synthetic")), "source": meta.get("source"),
-             "reason": meta.get("synthetic_reason", "")}
+    entry = {"role": role, **origin(meta)}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # a reader never sees half of it
     tmp.write_text(json.dumps(entry, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, path)
     return path
 
 
-def read(run_dir: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-    """``{role: record}`` of every ``data-*.json`` in the run directory (unreadable: skipped)."""
+def read(run_dir: str | os.PathLike[str],
+         events: Iterable[Mapping[str, Any]] = ()) -> dict[str, dict[str, Any]]:
+    """``{role: record}`` of every ``data-*.json`` in the run directory (unreadable: skipped),
+    and of the global server's ``data`` events (``events``: what each worker's first STATS said,
+    wherever it runs) for workers without a file here."""
     out: dict[str, dict[str, Any]] = {}
     for f in sorted(Path(run_dir).glob("data-*.json")):
         try:
@@ -87,6 +100,12 @@ def read(run_dir: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
             continue
         if isinstance(rec, dict):
             out[f.stem[len("data-"):]] = rec
+    for e in events:
+        if e.get("event") == "data" and isinstance(e.get("worker"), int):
+            role = f"worker-{e['worker']}"
+            keep = {k: e[k] for k in ("dataset", "split", "synthetic", "source", "reason")
+                    if k in e}
+            out.setdefault(role, {"role": role, **keep, "reported": True})
     return out
 
 
@@ -296,17 +315,54 @@ def _traffic(run: Run, pushes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _merges(run: Run) -> dict[Any, list[dict[str, Any]]]:
+    """The global server's merge lines, per group: what it saw of every exchange (pushes, the
+    PULLs answered, the group's running byte counters), wherever the group and workers ran."""
+    out: dict[Any, list[dict[str, Any]]] = {}
+    for r in run.events:
+        if r.get("event") == "merge":
+            out.setdefault(r.get("group"), []).append(r)
+    return out
+
+
 def _hops(run: Run, traffic: Mapping[str, Any]) -> dict[str, int]:
-    """``hop_bytes`` of the run; without group files, worker <-> group from ``traffic``."""
+    """``hop_bytes`` of the run: from the group files, else from the global server's merge
+    lines (groups that write on other machines), else worker <-> group from ``traffic``."""
     if any(run.groups.values()):
         return hop_bytes(run.groups)
+    if merges := _merges(run):
+        return hop_bytes(merges)
     up, down = int(traffic["bytes_up"] or 0), int(traffic["bytes_down"] or 0)
     return {"bytes_worker_group": up, "bytes_group_worker": down, "bytes_group_global": 0,
             "bytes_global_group": 0, "bytes_total": up + down}
 
 
+def _seen_by_servers(run: Run) -> dict[str, dict[str, Any]]:
+    """Per worker, from the merge lines' answered PULLs (a run whose workers write on their own
+    machines): its last group, steps (one PULL a step), mean SSP wait and staleness (its lead)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for g, recs in _merges(run).items():
+        for r in recs:
+            cols = [r.get(k) for k in ("pull_workers", "pull_leads", "pull_waits_us")]
+            if not all(isinstance(c, list) for c in cols):
+                continue
+            for w, lead, wait_us in zip(*cols, strict=False):
+                v = seen.setdefault(str(w), {"group": g, "steps": 0, "leads": [], "waits": []})
+                v["group"] = g
+                v["steps"] += 1
+                v["leads"].append(float(lead))
+                v["waits"].append(float(wait_us) / 1e6)
+    return {w: {"group": v["group"], "steps": v["steps"], "mean_step_s": None,
+                "mean_wait_s": _mean(v["waits"]), "mean_staleness": _mean(v["leads"]),
+                "waited_for_by_others": None, "from": "servers"}
+            for w, v in sorted(seen.items(), key=lambda kv: int(kv[0]))}
+
+
 def _per_worker(run: Run) -> dict[str, dict[str, Any]]:
-    """Per worker: group, steps, mean wait and staleness, and how often others waited for it."""
+    """Per worker: group, steps, mean wait and staleness, and how often others waited for it;
+    without worker files, what the servers saw (``_seen_by_servers``)."""
+    if not run.workers:
+        return _seen_by_servers(run)
     blamed: dict[str, int] = {}
     for recs in run.workers.values():
         for r in recs:
@@ -334,7 +390,9 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     bytes_global_group, bytes_total (every hop; see the module docstring), time_to_accuracy
     (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
     mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
-    mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}), data ("real",
+    mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}; without worker files in
+    the run directory, from the global server's merge lines: steps are the PULLs its group
+    answered, ``from`` is "servers"), data ("real",
     "synthetic", "mixed": ``verdict``) and data_sources ({role: its data-<role>.json}). A
     figure the files cannot give is None.
     """
@@ -346,7 +404,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     train = max(wall - start, 0.0) if wall is not None else None
     traffic = _traffic(run, pushes)
     staleness = _values(pushes, "staleness")
-    sources = read(run.path)  # real files or the synthetic stand-in, per process
+    sources = read(run.path, run.events)  # real files or the synthetic stand-in, per process
     summary: dict[str, Any] = {
         "mode": cfg.get("mode"), "compressor": cfg.get("compressor"),
         "model": cfg.get("model"), "dataset": cfg.get("dataset"),
@@ -360,7 +418,9 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "mean_staleness": _mean(staleness), "max_staleness": max(staleness, default=None),
         "mean_wait_s": _mean(_values(pushes, "wait_s")),
         "mean_kept_fraction": _mean(_values(pushes, "kept_fraction")),
-        "steps": len(pushes), "eval_points": len(run.eval),
+        "steps": len(pushes) or sum(int(r.get("pushes") or 0)
+                                    for recs in _merges(run).values() for r in recs),
+        "eval_points": len(run.eval),
         "regroups": sum(1 for r in run.events if r.get("event") == "regroup"),
         "per_worker": _per_worker(run),
         "data": verdict(sources), "data_sources": sources,

@@ -38,6 +38,7 @@ Invariants:
 Public API:
 - checks: ``Invalid``, ``Check``, ``integer``, ``number``, ``text``, ``blob``, ``boolean``,
   ``names``, ``ints`` (a list of ints), ``pairs`` (a list of [int, int]), ``mapping``,
+  ``data_origin`` (a worker's data provenance: ``DATA_KEYS``),
   ``vector_codec`` (the codec map of a vector payload: ``VALUE_TYPES``, ``INDEX_SCHEMES``),
   ``views`` (a tuple of buffers);
 - limits: ``MAX_INT``, ``MAX_TEXT``, ``MAX_NAME``, ``MAX_BUFFERS``, ``MAX_DEPTH``, ``MAX_LIST``,
@@ -69,6 +70,8 @@ __all__ = [
     "MAX_BUFFERS",
     "MAX_DEPTH",
     "Invalid",
+    "DATA_KEYS",
+    "data_origin",
     "Check",
     "integer",
     "number",
@@ -243,6 +246,19 @@ def _tree(v: Any, depth: int) -> None:
                 _tree(x, depth - 1)
     else:
         raise Invalid(f"unsupported value of type {type(v).__name__}")
+
+
+DATA_KEYS = {"dataset": str, "split": str, "synthetic": bool, "source": str, "reason": str}
+
+
+def data_origin(v: Any) -> dict[str, Any]:
+    """Where a worker's training data came from (its first STATS): a map of at most the keys
+    of ``DATA_KEYS``, each of its type (strings of <= MAX_TEXT chars); empty: not said."""
+    if not isinstance(v, dict) or any(
+            k not in DATA_KEYS or type(x) is not DATA_KEYS[k]
+            or (type(x) is str and len(x) > MAX_TEXT) for k, x in v.items()):
+        raise Invalid(f"expected a map of {', '.join(DATA_KEYS)} (str, synthetic: bool)")
+    return v
 
 
 def mapping(v: Any) -> dict[str, Any]:
@@ -553,6 +569,7 @@ class Stats(Message):
     step_time: float = checked(number(0.0))  # seconds per step
     loss: float = checked(number())
     samples: int = checked(integer(), 0)
+    data: dict[str, Any] = checked(data_origin, factory=dict)  # its training data (first STATS)
 
 
 @dataclass(frozen=True, kw_only=True)
