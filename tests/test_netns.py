@@ -203,3 +203,25 @@ def test_a_group_server_on_another_machine_serves_workers_here(netns: Namespace,
     assert groups[0]["addresses"]["0"].startswith(f"{netns.inside}:")
     for w in (0, 1):
         assert steps(tmp_path / f"worker-{w}.jsonl")
+
+
+@pytest.mark.timeout(60)
+def test_a_server_on_a_machine_without_a_default_route_prints_its_interface_address(
+        netns: Namespace, tmp_path: Path) -> None:
+    """A machine on a LAN with no default route (the namespace: an address on its veth, no
+    route out) and whose host name resolves to nothing else: the server's join: line names the
+    interface's address, which the other machines reach, not 127.0.0.1."""
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(netns.run(
+            sys.executable, "-m", "minips", "server", "--host", "0.0.0.0", "--workers", "1",
+            "--epochs", "0.1", "--run-dir", str(tmp_path / "run")),
+            env={**os.environ, "MINIPS_TOKEN": TOKEN}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        joins = wait_for("the join: line", lambda: [
+            ln for ln in log.read_text(errors="replace").splitlines()
+            if ln.startswith("join: ")], 30, (proc,))
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert f"--connect {netns.inside}:7070" in joins[0], joins

@@ -301,5 +301,15 @@ def test_roles_on_separate_machines_from_the_printed_lines_group_by_speed_and_re
     assert summary["samples"] >= 0.8 * 60_000  # as of the last merge: the budget was spent
     assert summary["final_accuracy"] is None  # no evaluator (--eval): measured here instead
     assert final_accuracy(run_dir) >= 0.5
+    # what the servers saw of the remote workers: steps, per worker by group, bytes, their data
+    assert summary["steps"] > 0 and summary["bytes_group_global"] > 0
+    assert summary["bytes_worker_group"] > 0 and summary["bytes_group_worker"] > 0
+    seen = summary["per_worker"]
+    assert {w: (v["group"], v["steps"] > 0) for w, v in seen.items()} == {
+        "0": (0, True), "1": (1, True)}, seen
+    assert summary["data"] == "real", summary["data_sources"]
+    assert {r: v.get("reported") for r, v in summary["data_sources"].items()} == {
+        "worker-0": True, "worker-1": True}
+    assert "group lost" not in roles.log("server-resumed")  # the groups' normal end is no loss
     for w, home in ((0, machines["worker-a"].home), (1, machines["worker-b"].home)):
         assert steps(home / "runs" / "worker" / f"worker-{w}.jsonl")

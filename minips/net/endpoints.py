@@ -109,7 +109,8 @@ def reachable(address: str, host: str) -> str:
 
 def local_addresses() -> list[str]:
     """This machine's addresses another machine may reach it at, best first: the one its
-    default route leaves from, then those its host name resolves to; 127.0.0.1 when there is
+    default route leaves from, then those its host name resolves to, then the IPv4 address of
+    each network interface (a machine on a LAN with no default route); 127.0.0.1 when there is
     nothing else. No packet is sent."""
     import socket
 
@@ -121,8 +122,30 @@ def local_addresses() -> list[str]:
     with contextlib.suppress(OSError):
         for *_, addr in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
             found.append(str(addr[0]))
+    found += _interface_addresses()
     unique = list(dict.fromkeys(a for a in found if not a.startswith("fe80")))
     return [a for a in unique if not is_loopback(a)] or ["127.0.0.1"]
+
+
+def _interface_addresses() -> list[str]:
+    """The IPv4 address of every network interface that has one (Linux: SIOCGIFADDR), in
+    interface order; [] where the call is not there."""
+    import socket
+
+    try:
+        import fcntl
+        import struct
+
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError):
+        return []
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            with contextlib.suppress(OSError):
+                req = struct.pack("256s", name.encode()[:15])
+                out.append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24]))
+    return out
 
 
 def reachable_url(url: str, host: str) -> str:

@@ -226,8 +226,9 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def say_default_budget(args: argparse.Namespace) -> None:
-    """One console line when the run got ``DEFAULT_EPOCHS`` because it named no budget."""
-    if getattr(args, "default_budget", False):
+    """One console line when the run got ``DEFAULT_EPOCHS`` because it named no budget (none
+    with ``--quiet``)."""
+    if getattr(args, "default_budget", False) and not getattr(args, "quiet", False):
         print(f"minips {args.command}: no budget given: training stops after "
               f"{DEFAULT_EPOCHS:g} epoch (--epochs; or --wall-s, --max-steps; --epochs 0 "
               "trains until the workers leave)", file=sys.stderr, flush=True)
@@ -552,7 +553,8 @@ def _add_server(sub: Subparsers) -> None:
     srv.add_argument("--eval", action="store_true",
                      help="also start an evaluator process (not with --tls-cert)")
     srv.add_argument("--run-config", help="JSON file of run settings (flags override it)")
-    srv.add_argument("--quiet", action="store_true", help="do not print how to join")
+    srv.add_argument("--quiet", action="store_true",
+                     help="print neither how to join nor the note on a default budget")
     srv.add_argument("--checkpoint", help="checkpoint file (default RUN_DIR/checkpoint.npz)")
     srv.add_argument("--checkpoint-every", type=at_least(0), default=30.0,
                      help="seconds between atomic checkpoints (0 = none)")

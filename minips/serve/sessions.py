@@ -266,7 +266,7 @@ async def _wait_for_grouping(srv: Shell, ch: Channel) -> bool:
 
 def _lost(srv: Shell, ch: Channel, handle: GroupHandle) -> None:
     """Group ``handle``'s process is gone: wait for a replacement, then move its workers."""
-    srv.perform(srv.core.group_lost(handle.id))
+    srv.perform(srv.core.group_lost(handle.id, final=handle.final))
     if handle.final or srv.core.done:  # the end of the run
         return
     wait = REHOME_LEASES * srv.core.run.lease_s
