@@ -15,8 +15,12 @@ N / max F_i (every round waits for the slowest), so no mode can beat BSP by more
 ratio (2.42x for 1,1,1.5,1.5,2,2,4,4; ``profile_ceiling``). With speeds that change (a
 schedule, throttling) both rates are averaged over the BSP row's training time, second by
 second. Every row's speed-up over BSP is also given as a share of it (``ceiling_share``).
-A row run by scripts/bench_ddp.py (torch DDP) leaves ``ddp.json``; ``run_figures`` reads its
-times, accuracy and overrun, and gives None for what DDP does not measure (staleness, hops).
+Every row keeps each seed's figures (``per_seed``); table.md shows every seed, flags a run
+whose workers overran their emulated step by more than ``OVERRUN_LIMIT`` (⚠ CPU: it measured
+the machine, not the method), and gives GSSP's time to the highest target against each row,
+seed by seed (``against``). A row run by scripts/bench_ddp.py (torch DDP) leaves ``ddp.json``;
+``run_figures`` reads its times, accuracy and overrun, and gives None for what DDP does not
+measure (staleness, hops).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ if TYPE_CHECKING:  # the suite types live in reproduce.py, which imports this mo
 
 __all__ = ["TAIL_POINTS", "run_name", "run_done", "run_figures", "aggregate", "add_speedups",
            "profile_ceiling", "suite_slowdowns", "add_ceiling_shares", "build_table",
+           "OVERRUN_LIMIT", "overrun_cell", "overrun_flags", "against", "carry_rows",
            "table_markdown", "plot_suite"]
 
 TAIL_POINTS = 5  # evaluations averaged into tail_accuracy (10 s at the quick eval period)
@@ -236,10 +241,13 @@ def build_table(suite: Suite, runs_dir: Path) -> dict[str, Any]:
     for exp in suite.experiments:
         dirs = [runs_dir / run_name(suite, exp, s) for s in suite.seeds]
         missing += [d.name for d in dirs if not run_done(d)]
-        figures = [run_figures(d, suite.targets) for d in dirs if run_done(d)]
-        if figures:
+        done = {seed: run_figures(d, suite.targets) for seed, d in zip(suite.seeds, dirs,
+                                                                      strict=True)
+                if run_done(d)}
+        if done:
             rows[exp.label] = {"part": exp.part, "overrides": exp.overrides,
-                               **aggregate(figures)}
+                               **aggregate(list(done.values())),
+                               "per_seed": {str(seed): f for seed, f in done.items()}}
     add_speedups(rows, suite.targets)
     horizon = rows.get("bsp", {}).get("train_s") or 0.0  # a changing profile: over BSP's time
     changes = bool(getattr(suite, "profile", "") or getattr(suite, "throttle", ""))
@@ -269,8 +277,88 @@ def _fmt(x: Any, kind: str = "") -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
+OVERRUN_LIMIT = 1.05  # a row whose workers overran their emulated step by more measured the CPU
+
+
+def overrun_cell(x: Any) -> str:
+    """The overrun figure, flagged when it passes ``OVERRUN_LIMIT``."""
+    return _fmt(x) + (" ⚠ CPU" if isinstance(x, (int, float)) and x > OVERRUN_LIMIT else "")
+
+
+def overrun_flags(table: dict[str, Any]) -> list[str]:
+    """'suite/row seed S: overrun X' for every run whose workers overran ``OVERRUN_LIMIT``."""
+    out = []
+    for sname, suite in table["suites"].items():
+        for label, r in suite["rows"].items():
+            for seed, f in (r.get("per_seed") or {}).items():
+                x = f.get("step_overrun")
+                if isinstance(x, (int, float)) and x > OVERRUN_LIMIT:
+                    out.append(f"{sname}/{label} seed {seed}: overrun {x:.3f}")
+    return out
+
+
+def _per_seed_markdown(suite: dict[str, Any], targets: list[str]) -> list[str]:
+    """Every seed of every row: times to the targets, final accuracy, bytes, overrun."""
+    head = (["experiment", "seed"] + [f"t→{float(t):.0%} (s)" for t in targets]
+            + ["final acc %", "MB total", "overrun"])
+    out = ["Every seed:\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in suite["rows"].items():
+        for seed, f in (r.get("per_seed") or {}).items():
+            out.append("| " + " | ".join(
+                [label, seed] + [_fmt(f["time_to_accuracy"].get(t)) for t in targets]
+                + [_fmt(f["final_accuracy"], "pct"), _fmt(f.get("bytes_total"), "mb"),
+                   overrun_cell(f.get("step_overrun"))]) + " |")
+    return out
+
+
+def against(suite: dict[str, Any], ref: str, target: str) -> dict[str, dict[str, float | None]]:
+    """{row: {seed: row's time to ``target`` / ``ref``'s, the same seed}}: how many times sooner
+    ``ref`` got there (None where either never did)."""
+    base = (suite["rows"].get(ref) or {}).get("per_seed") or {}
+    out: dict[str, dict[str, float | None]] = {}
+    for label, r in suite["rows"].items():
+        if label == ref:
+            continue
+        cells: dict[str, float | None] = {}
+        for seed, f in (r.get("per_seed") or {}).items():
+            a = f["time_to_accuracy"].get(target)
+            b = (base.get(seed) or {}).get("time_to_accuracy", {}).get(target)
+            cells[seed] = a / b if a is not None and b else None
+        out[label] = cells
+    return out
+
+
+def _against_markdown(suite: dict[str, Any], ref: str, target: str) -> list[str]:
+    ratios = against(suite, ref, target)
+    seeds = [str(s) for s in suite["config"]["seeds"]]
+    out = [f"{ref}'s time to {float(target):.0%} against each row, per seed (the row's time / "
+           f"{ref}'s; – where one never got there):\n",
+           "| row | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+           "|" + "---|" * (len(seeds) + 1)]
+    for label, cells in ratios.items():
+        out.append(f"| {label} | " + " | ".join(_fmt(cells.get(s), "x") for s in seeds) + " |")
+    return out
+
+
+def carry_rows(table: dict[str, Any], earlier: dict[str, Any]) -> None:
+    """Rows of ``earlier`` (the table.json this one replaces) whose experiment has no finished
+    run here (run directories stay on the machine that ran them) are kept, each marked with the
+    date of the table it comes from (``carried_from``): a suite can be rerun row by row
+    (``--only``) without losing the rest. Their runs leave ``missing``."""
+    for sname, suite in table["suites"].items():
+        old = (earlier.get("suites") or {}).get(sname) or {}
+        for label, row in (old.get("rows") or {}).items():
+            if label in suite["rows"]:
+                continue
+            suite["rows"][label] = {**row, "carried_from": row.get("carried_from")
+                                    or earlier.get("created")}
+            suite["missing"] = [m for m in suite.get("missing", [])
+                                if not m.startswith(f"{sname}-{label}-s")]
+
+
 def table_markdown(name: str, table: dict[str, Any]) -> str:
-    """table.md: one Markdown table per suite."""
+    """table.md: one Markdown table per suite (medians over seeds), then every seed of it; an
+    overrun past ``OVERRUN_LIMIT`` is flagged (⚠ CPU: that run measured the machine)."""
     out = [f"# results/{name}\n"]
     for sname, suite in table["suites"].items():
         cfg = suite["config"]
@@ -291,7 +379,8 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
                    "wait s", "vs BSP", "vs SSP", "of ceiling %", "overrun"])
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for label, r in suite["rows"].items():
-            cells = ([label] + [_fmt(r["time_to_accuracy"].get(t)) for t in targets]
+            mark = " †" if r.get("carried_from") else ""
+            cells = ([label + mark] + [_fmt(r["time_to_accuracy"].get(t)) for t in targets]
                      + [_fmt(r["final_accuracy"], "pct"), _fmt(r["tail_accuracy"], "pct"),
                         _fmt(r["best_accuracy"], "pct"),
                         _fmt(r["samples"]), _fmt(r["bytes_up"], "mb"),
@@ -300,8 +389,17 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
                         _fmt(r["mean_kept_fraction"], "pct"),
                         _fmt(r["mean_staleness"]), _fmt(r["mean_wait_s"]),
                         _fmt(r["speedup_vs_bsp"], "x"), _fmt(r["speedup_vs_ssp"], "x"),
-                        _fmt(r.get("ceiling_share"), "pct"), _fmt(r["step_overrun"])])
+                        _fmt(r.get("ceiling_share"), "pct"), overrun_cell(r["step_overrun"])])
             out.append("| " + " | ".join(cells) + " |")
+        carried = sorted({r["carried_from"] for r in suite["rows"].values()
+                          if r.get("carried_from")})
+        if carried:
+            out.append(f"\n† not rerun: kept from the table of {', '.join(carried)} (medians "
+                       "only; that table's code)")
+        if any(r.get("per_seed") for r in suite["rows"].values()):
+            out += ["", *_per_seed_markdown(suite, targets)]
+            if "gssp" in suite["rows"]:
+                out += ["", *_against_markdown(suite, "gssp", max(targets))]
         if suite.get("missing"):
             out.append(f"\nLeft out (absent or not finished): {', '.join(suite['missing'])}")
         out.append("")

@@ -8,6 +8,7 @@
     python scripts/reproduce.py --changing-suite   # speeds that change: DDP, BSP, LB-BSP, GSSP
     python scripts/reproduce.py --quick --link 10mbit   # any suite over shaped links
     python scripts/reproduce.py --quick --table-only   # rebuild table + plots from the runs
+    python scripts/reproduce.py --quick --only ddp,lbbsp   # rerun some rows, keep the others
     python scripts/reproduce.py --quick --optimizer-at worker   # SGD on the workers, every run
 
 Every run is a real `minips local` cluster (``minips.run.launch.run_local``) started one after
@@ -24,6 +25,10 @@ runs and which of DGC's pieces are on (``optimizer_at``, ``momentum_masking``, `
                                          config with the seed, metrics, summary.json) plus
                                          reproduce.json (suite, experiment, CPU load, re-evaluation)
     table.json, table.md                 per experiment: medians over seeds (spread = [min, max])
+                                         and every seed (per_seed); rows of the earlier table
+                                         with no run here are kept, marked † (--fresh-table
+                                         drops them); runs that overran their emulated step by
+                                         more than 1.05 are flagged (⚠ CPU)
     <suite>-accuracy_vs_time.png         all modes on one chart
     <suite>-accuracy_vs_bytes.png        the compressors
 
@@ -43,6 +48,7 @@ and epochs; its JSON goes to the row's run directory as ddp.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -70,10 +76,13 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 from repro_table import (  # noqa: E402  (needs the sys.path line above)
+    OVERRUN_LIMIT,
     TAIL_POINTS,
     add_speedups,
     aggregate,
     build_table,
+    carry_rows,
+    overrun_flags,
     plot_suite,
     profile_ceiling,
     run_done,
@@ -259,6 +268,7 @@ def _link_suite(profile: str = LINK_PROFILE) -> Suite:
     gssp = next(e for e in suite.experiments if e.label == "gssp")
     suite.experiments.append(Experiment("gssp-unlinked", gssp.overrides, link=""))
     suite.experiments += local_steps_experiments(gssp.overrides)
+    suite.experiments += baseline_experiments()  # DDP (each rank behind its link) and LB-BSP
     suite.link = profile
     suite.description = LINK_WHY if profile == LINK_PROFILE else (
         f"the link suite behind {profile} links each way (4x slower than 20 mbit: a dense "
@@ -440,12 +450,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                       only=set(args.only.split(",")) if args.only else None)
     table = {"name": size, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
              "suites": {s.name: build_table(s, runs_dir) for s in suites}}
+    earlier = out / "table.json"
+    if earlier.exists() and not args.fresh_table:  # rows not rerun here stay, marked
+        with contextlib.suppress(ValueError):
+            carry_rows(table, json.loads(earlier.read_text()))
     (out / "table.json").write_text(json.dumps(table, indent=2, default=str) + "\n")
     (out / "table.md").write_text(table_markdown(size, table))
     if not args.no_plot:
         for suite in suites:
             plot_suite(suite, runs_dir, out)
     print(json.dumps(table) if args.json else table_markdown(size, table))
+    for flag in overrun_flags(table):  # these runs measured the CPU, not the method
+        print(f"reproduce: ⚠ {flag} > {OVERRUN_LIMIT} (workers slower than emulated)",
+              file=sys.stderr)
     return 0
 
 
@@ -486,6 +503,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", help="comma-separated experiment labels to run")
     p.add_argument("--resume", action="store_true", help="keep runs that already finished")
     p.add_argument("--table-only", action="store_true", help="rebuild table and plots only")
+    p.add_argument("--fresh-table", action="store_true",
+                   help="drop the earlier table.json's rows that have no run here (by default "
+                        "they are kept, marked † with their table's date)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG charts")
     p.add_argument("--json", action="store_true", help="print table.json instead of table.md")
     p.add_argument("--epochs", type=float, help="override the samples budget, epochs")

@@ -254,3 +254,44 @@ def test_a_ddp_row_is_read_from_its_ddp_json(tmp_path):
     assert (figures["final_accuracy"], figures["step_overrun"]) == (0.805, 1.02)
     assert figures["samples_per_s"] == pytest.approx(1024.0)
     assert figures["done_reason"] == "epochs" and figures["mean_staleness"] == 0
+
+
+def test_the_table_shows_every_seed_flags_an_overrun_and_compares_gssp_seed_by_seed():
+    import repro_table
+
+    def figures(t85, overrun):
+        return {"time_to_accuracy": {"0.85": t85}, "final_accuracy": 0.86,
+                "bytes_total": 5e6, "step_overrun": overrun}
+
+    rows = {"gssp": {"per_seed": {"0": figures(20.0, 1.01), "1": figures(25.0, 1.02)}},
+            "ddp": {"per_seed": {"0": figures(60.0, 1.00), "1": figures(None, 1.08)}}}
+    suite = {"config": {"seeds": [0, 1]}, "rows": rows}
+    assert repro_table.against(suite, "gssp", "0.85") == {"ddp": {"0": 3.0, "1": None}}
+    assert repro_table.overrun_flags({"suites": {"s": suite}}) == [
+        "s/ddp seed 1: overrun 1.080"]
+    assert repro_table.overrun_cell(1.08).endswith("⚠ CPU")
+    assert "⚠" not in repro_table.overrun_cell(1.05)
+    lines = repro_table._per_seed_markdown(suite, ["0.85"])
+    assert "| ddp | 1 | – | 86.00 | 5.0 | 1.08 ⚠ CPU |" in lines
+    lines = repro_table._against_markdown(suite, "gssp", "0.85")
+    assert "| ddp | 3.00× | – |" in lines
+
+
+def test_rows_without_runs_here_are_carried_from_the_earlier_table_and_marked():
+    import repro_table
+
+    new = {"suites": {"s": {"config": {"seeds": [0]}, "rows": {"ddp": {"x": 1}},
+                            "missing": ["s-bsp-s0", "s-gssp-s0"]}}}
+    earlier = {"created": "2026-12-01 03:44:08",
+               "suites": {"s": {"rows": {"ddp": {"x": 0}, "bsp": {"x": 2}}}}}
+    repro_table.carry_rows(new, earlier)
+    rows = new["suites"]["s"]["rows"]
+    assert rows["ddp"] == {"x": 1}  # rerun here: the new row
+    assert rows["bsp"] == {"x": 2, "carried_from": "2026-12-01 03:44:08"}
+    assert new["suites"]["s"]["missing"] == ["s-gssp-s0"]  # carried rows are not missing
+    old = json.loads((ROOT / "results" / "quick" / "table.json").read_text())
+    fresh = {"suites": {name: {**suite, "rows": {}, "missing": []}
+                        for name, suite in old["suites"].items()}}
+    repro_table.carry_rows(fresh, old)
+    md = repro_table.table_markdown("quick", fresh)
+    assert "| bsp † |" in md and f"kept from the table of {old['created']}" in md
