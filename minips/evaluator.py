@@ -34,11 +34,11 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     torch.set_num_threads(cfg.torch_threads)
     ch = await connect_role(cfg, cfg.server_host, cfg.server_port, "evaluator", -1)
     run = RunConfig.from_info(dict(ch.welcome_info))
-    test = data.load_dataset(run.dataset, "test", cfg.data_dir or run.data_dir,
-                           synthetic=cfg.data == "synthetic", fallback=False)
+    # the test split, or the validation samples held out of training (run.val_size)
+    test = data.evaluation_set(run.dataset, cfg.data_dir or run.data_dir, val_size=run.val_size,
+                               limit=run.eval_limit, synthetic=cfg.data == "synthetic",
+                               fallback=False)
     record(cfg.run_dir, "evaluator", test.meta)
-    if run.eval_limit:
-        test = test.subset(np.arange(min(run.eval_limit, len(test))))
     writer = RunDir(cfg.run_dir, t0=run.t0).writer("eval")
     size = models.param_count(run.model)
     last = -1

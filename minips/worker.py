@@ -215,7 +215,7 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
         raise DataError(f"{exc} Or start the worker with --data synthetic to train on a "
                         "synthetic stand-in.") from None
     record(cfg.run_dir, f"worker-{worker_id}", ds.meta)
-    shard = data.shard_indices(len(ds), worker_id, run.workers, run.seed)
+    shard = data.shard_indices(len(ds), worker_id, run.workers, run.seed, val_size=run.val_size)
     compressor = device_compressor(run.worker_compressor(trainer.size, worker_id), dev,
                                    on_device=cfg.compress_on_device)
     run_dir = RunDir(cfg.run_dir, t0=run.t0)

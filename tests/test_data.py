@@ -349,3 +349,39 @@ def test_batch_stream_moves_through_epochs() -> None:
     assert epochs == [0, 0, 0, 1, 1, 1, 2]
     with pytest.raises(ConfigError):
         next(batch_stream(ds, np.arange(5), 6, seed=0))
+
+
+def test_validation_samples_are_held_out_of_every_shard_the_same_for_every_seed() -> None:
+    n, val = 1000, 100
+    train_ids, val_ids = data.validation_split(n, val)
+    assert len(val_ids) == val and not set(train_ids) & set(val_ids)
+    assert sorted([*train_ids, *val_ids]) == list(range(n))
+    np.testing.assert_array_equal(data.validation_split(n, val)[1], val_ids)  # no seed in it
+    for seed in (0, 1):
+        shards = [data.shard_indices(n, k, 4, seed, val_size=val) for k in range(4)]
+        got = np.concatenate(shards)
+        assert len(got) == len(set(got)) == n - val and not set(got) & set(val_ids)
+    # without one, the shards are the ones of before (val_size 0 changes nothing)
+    np.testing.assert_array_equal(data.shard_indices(n, 2, 4, 7, val_size=0),
+                                  np.sort(np.random.default_rng(7).permutation(n)[500:750]))
+    with pytest.raises(ConfigError, match="val_size"):
+        data.validation_split(n, n)
+
+
+def test_the_evaluation_set_is_the_test_split_or_the_held_out_validation_samples() -> None:
+    test = data.evaluation_set("fashion-mnist", None, synthetic=True, limit=50)
+    assert len(test) == 50 and test.meta["split"] == "test"
+    train = data.load_dataset("fashion-mnist", "train", synthetic=True)
+    val = data.evaluation_set("fashion-mnist", None, val_size=300, synthetic=True)
+    assert len(val) == 300 and val.meta["split"] == "validation"
+    _, ids = data.validation_split(len(train), 300)
+    np.testing.assert_array_equal(val.x, train.x[ids])
+
+
+def test_a_run_holding_out_validation_samples_has_that_much_shorter_an_epoch() -> None:
+    from minips.core.config import RunConfig
+
+    run = RunConfig(dataset="fashion-mnist", epochs=2.0, val_size=5000).validate()
+    assert run.epoch_samples() == 55_000 and run.budget_samples() == 110_000
+    with pytest.raises(ConfigError, match="val_size"):
+        RunConfig(dataset="fashion-mnist", val_size=60_000 - 10, workers=4).validate()

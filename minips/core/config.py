@@ -232,6 +232,10 @@ class RunConfig:
     lease_s: float = 10.0  # a peer silent this long is dropped (a worker: from its group's SSP)
     heartbeat_s: float = 2.0  # workers and group servers send HEARTBEAT this often (< lease)
     train_size: int = 0  # training samples, for the epoch budget; 0 = known from the data set
+    # training samples held out for validation (data.validation_split): no worker trains on
+    # them and the evaluator scores them instead of the test set (tuning never sees the test
+    # set); 0 = none, evaluate on the test set
+    val_size: int = 0
     t0: float = 0.0  # unix time the run started (set by the global server)
 
     def validate(self) -> RunConfig:
@@ -261,8 +265,12 @@ class RunConfig:
         _check(self.groups <= self.workers, "groups", self.groups,
                f"at most the number of workers ({self.workers})")
         _check(self.eval_every_s > 0, "eval_every_s", self.eval_every_s, "> 0")
-        for name in ("eval_limit", "max_steps", "lr_warmup", "weight_decay"):
+        for name in ("eval_limit", "max_steps", "lr_warmup", "weight_decay", "val_size"):
             _check(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        if self.val_size and self.dataset in TRAIN_SIZES:
+            left = TRAIN_SIZES[self.dataset] - self.val_size
+            _check(left >= self.workers * self.batch_size, "val_size", self.val_size,
+                   f"small enough to leave every worker a batch ({left} samples left)")
         _check(self.gdtopk_direction in ("slower-more", "slower-less"), "gdtopk_direction",
                self.gdtopk_direction, "slower-more | slower-less")
         _check(self.base_step_s >= 0, "base_step_s", self.base_step_s, ">= 0")
@@ -314,12 +322,16 @@ class RunConfig:
         the group servers then add what arrives as it is."""
         return self.optimizer_at == "worker"
 
+    def epoch_samples(self) -> int:
+        """Samples of one epoch: the training set less the held-out validation samples."""
+        return dataset_train_size(self.dataset, self.train_size) - self.val_size
+
     def budget_samples(self) -> float:
         """The run's length in samples, all workers together: ``epochs`` of the training set,
         else ``max_steps`` pushes of every worker (of H batches each with local steps; H_max
         when auto), else 0 (a wall-clock budget or none)."""
         if self.epochs > 0:
-            return self.epochs * dataset_train_size(self.dataset, self.train_size)
+            return self.epochs * self.epoch_samples()
         steps = self.local_steps_max if self.local_steps_auto else self.local_steps
         return float(self.max_steps * self.workers * self.batch_size * steps)
 

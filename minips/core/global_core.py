@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from minips import sparse
-from minips.core.config import RunConfig, dataset_train_size
+from minips.core.config import RunConfig
 from minips.core.exchange import (
     Delta,
     ExchangeResult,
@@ -238,7 +238,7 @@ class GlobalCore:
         self.done = False
         self.done_reason = ""
         self.failure = ""  # why the run ended short or broken ("" = it did not; ``fail``)
-        self.train_size = dataset_train_size(run.dataset, run.train_size)
+        self.train_size = run.epoch_samples()
         self.started_training = 0.0  # wall time when the groups were formed
 
     # -- workers ---------------------------------------------------------------------------
@@ -640,9 +640,9 @@ FORMAT = 1  # bump when the meaning of the stored map changes
 FINGERPRINT_FIELDS = ("model", "dataset", "mode", "workers", "groups", "batch_size", "lr",
                       "momentum", "weight_decay", "staleness", "sync_every", "merge",
                       "compressor", "ratio", "seed", "optimizer_at",
-                      "outer_optimizer")  # a resume must share them
+                      "outer_optimizer", "val_size")  # a resume must share them
 # what a checkpoint written before a field was fingerprinted held: that field's default
-FINGERPRINT_DEFAULTS = {"optimizer_at": "server", "outer_optimizer": "avg"}
+FINGERPRINT_DEFAULTS = {"optimizer_at": "server", "outer_optimizer": "avg", "val_size": 0}
 
 
 def fingerprint(run_info: dict[str, Any], size: int) -> dict[str, Any]:

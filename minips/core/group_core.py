@@ -63,7 +63,7 @@ from minips import sparse
 from minips.compress.ratios import IterTimer
 from minips.core import optim, ssp
 from minips.core.balance import Balancer
-from minips.core.config import RunConfig, dataset_train_size
+from minips.core.config import RunConfig
 from minips.core.downlink import Downlink
 from minips.core.exchange import Delta, Exchange, ExchangeResult, Outgoing, exchange_ratio
 from minips.core.local_steps import outer_sgd
@@ -155,7 +155,7 @@ class GroupCore:
         self.opt = _server_sgd(run, self.weights.size)
         self.budget = run.budget_samples()  # the run's samples, for WEIGHTS.progress; 0: none
         # samples per epoch, for the lr warm-up and schedule (looked up only when one is on)
-        self.train_size = (dataset_train_size(run.dataset, run.train_size)
+        self.train_size = (run.epoch_samples()
                            if run.lr_warmup > 0 or run.lr_schedule != "constant" else 0)
         self.table = ssp.ClockTable(run.staleness_bound, run.lease_s)
         self.rounds: ssp.Rounds[tuple[Delta, int]] = ssp.Rounds()  # (gradient, samples)

@@ -26,7 +26,8 @@ Invariants:
   ``pad_to`` = 32 by default, the input LeNet-5 expects; ``pad_to=None`` keeps 28x28.
 - The "translation" set (the seq2seq task, generated in code) is the one exception:
   ``x`` int64 (N, SRC_LEN) source tokens, ``y`` int64 (N, TGT_LEN) target tokens, see below.
-- Shards from ``shard_indices`` are disjoint, cover 0..n-1 and depend only on their arguments.
+- Shards from ``shard_indices`` are disjoint, cover 0..n-1 (less the validation samples of
+  ``validation_split``, when some are held out) and depend only on their arguments.
 - ``iterate_batches(ds, idx, b, seed, epoch)`` permutes the shard ``idx`` with
   ``numpy.random.default_rng([seed, epoch])`` and yields consecutive slices of ``b`` samples,
   dropping the last partial batch, so every step sees exactly ``b`` samples. A worker's step k
@@ -35,7 +36,9 @@ Invariants:
   makes a 1-worker BSP run through minips equal to the single-process loop.
 
 Public API: ``make_synthetic_images``, ``make_translation`` and its vocabulary (``PAD``, ``BOS``,
-``EOS``, ``WORDS``, ``VOCAB``, ``SRC_LEN``, ``TGT_LEN``), ``shard_indices``, ``num_batches``,
+``EOS``, ``WORDS``, ``VOCAB``, ``SRC_LEN``, ``TGT_LEN``), ``validation_split``, ``VAL_SEED``,
+``evaluation_set``,
+``shard_indices``, ``num_batches``,
 ``iterate_batches``, ``batch_stream``, ``Dataset``, ``load_dataset``.
 """
 
@@ -63,6 +66,9 @@ __all__ = [
     "SRC_LEN",
     "TGT_LEN",
     "shard_indices",
+    "validation_split",
+    "evaluation_set",
+    "VAL_SEED",
     "num_batches",
     "iterate_batches",
     "BatchCursor",
@@ -137,18 +143,38 @@ def _shard_bounds(n: int, num_workers: int, weights: Sequence[float] | None) -> 
     return np.concatenate([[0], cuts[:-1], [n]])
 
 
+VAL_SEED = 0x5EED_0A1  # the validation samples depend on this alone: the same for every run seed
+
+
+def validation_split(n: int, val_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training ids, validation ids) of samples 0..n-1, each sorted int64: the last
+    ``val_size`` of one fixed permutation (``VAL_SEED``) are held out. The same for every run
+    seed and worker count, so runs tuned on it compare; ``val_size`` 0 holds nothing out."""
+    if not 0 <= val_size < n:
+        raise ConfigError(f"val_size {val_size} not in 0..{n - 1}")
+    perm = np.random.default_rng(VAL_SEED).permutation(n)
+    cut = n - val_size
+    return np.sort(perm[:cut]).astype(np.int64), np.sort(perm[cut:]).astype(np.int64)
+
+
 def shard_indices(n: int, worker_id: int, num_workers: int, seed: int,
-                  weights: Sequence[float] | None = None) -> np.ndarray:
+                  weights: Sequence[float] | None = None, val_size: int = 0) -> np.ndarray:
     """Worker ``worker_id``'s shard of samples 0..n-1 -> (m,) int64, sorted.
 
     One permutation from ``seed`` is cut into ``num_workers`` consecutive pieces, piece sizes
     proportional to ``weights`` (e.g. measured speeds; equal when None), so shards are disjoint
-    and together cover every sample.
+    and together cover every sample, less the ``val_size`` held out (``validation_split``;
+    with 0, the permutation of 0..n-1 itself, as before there was one).
     """
     if not 0 <= worker_id < num_workers:
         raise ConfigError(f"worker_id {worker_id} not in 0..{num_workers - 1}")
-    perm = np.random.default_rng(seed).permutation(n)
-    bounds = _shard_bounds(n, num_workers, weights)
+    rng = np.random.default_rng(seed)
+    if val_size:
+        pool = validation_split(n, val_size)[0]
+        perm = pool[rng.permutation(len(pool))]
+    else:
+        perm = rng.permutation(n)
+    bounds = _shard_bounds(len(perm), num_workers, weights)
     return np.sort(perm[bounds[worker_id]:bounds[worker_id + 1]]).astype(np.int64)
 
 
@@ -233,6 +259,20 @@ class Dataset:
         ``iterate_batches(ds, s, ...)``: the order depends on positions within the shard only.
         """
         return Dataset(self.x[indices], self.y[indices], dict(self.meta, subset=len(indices)))
+
+
+def evaluation_set(name: str, data_dir: str | Path | None, *, val_size: int = 0,
+                   limit: int = 0, synthetic: bool = False, fallback: bool = True) -> Dataset:
+    """What an evaluator scores: the test split, or with ``val_size`` the validation samples
+    held out of the training split (``validation_split``; its meta says ``split``
+    "validation"); the first ``limit`` of them when ``limit`` > 0."""
+    if val_size:
+        train = load_dataset(name, "train", data_dir, synthetic=synthetic, fallback=fallback)
+        ds = train.subset(validation_split(len(train), val_size)[1])
+        ds.meta["split"] = "validation"
+    else:
+        ds = load_dataset(name, "test", data_dir, synthetic=synthetic, fallback=fallback)
+    return ds.subset(np.arange(min(limit, len(ds)))) if limit else ds
 
 
 # ---------------------------------------------------------------- decoding and normalising

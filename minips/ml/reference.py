@@ -50,10 +50,13 @@ def sgd_step(w: np.ndarray, v: np.ndarray, g: np.ndarray, *, lr: float, momentum
     w -= np.float32(lr) * v
 
 
-def worker_streams(ds: data.Dataset, workers: int, batch_size: int, seed: int
+def worker_streams(ds: data.Dataset, workers: int, batch_size: int, seed: int,
+                   val_size: int = 0
                    ) -> tuple[list[Iterator[tuple[int, np.ndarray, np.ndarray]]], int]:
-    """Each worker's batch stream and the number of steps in one epoch (smallest shard)."""
-    shards = [shard_indices(len(ds), k, workers, seed) for k in range(workers)]
+    """Each worker's batch stream and the number of steps in one epoch (smallest shard), less
+    ``val_size`` held-out validation samples (data.validation_split)."""
+    shards = [shard_indices(len(ds), k, workers, seed, val_size=val_size)
+              for k in range(workers)]
     streams = [batch_stream(ds, s, batch_size, seed) for s in shards]
     return streams, min(num_batches(len(s), batch_size) for s in shards)
 

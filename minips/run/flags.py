@@ -159,6 +159,8 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--base-step", "base_step_s", finite, "emulated base step time, seconds"),
     ("--eval-every", "eval_every_s", finite, "evaluator period, seconds"),
     ("--eval-limit", "eval_limit", int, "test samples per evaluation (0 = all)"),
+    ("--val-size", "val_size", int, "training samples held out for validation: no worker "
+     "trains on them and the evaluator scores them instead of the test set (tuning); 0 = none"),
     ("--alpha", "gdtopk_alpha", finite, "GDTopK ratio exponent"),
     ("--direction", "gdtopk_direction", _name, "GDTopK: slower-more | slower-less"),
     ("--lease", "lease_s", finite, "a worker silent this long stops holding its group; a "

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from minips.core.config import RunConfig, dataset_train_size
+from minips.core.config import RunConfig
 from minips.core.slowdown import Schedule
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, links, netshape
@@ -125,7 +125,7 @@ class ProgressLine:
 
 def _train_size(run: RunConfig) -> int:
     try:
-        return dataset_train_size(run.dataset, run.train_size)
+        return run.epoch_samples()
     except MiniPSError:
         return 1
 

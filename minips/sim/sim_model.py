@@ -35,11 +35,10 @@ class ModelObjective:
         train = train if train is not None else data.load_dataset(run.dataset, "train",
                                                                   run.data_dir)
         self.streams, _ = reference.worker_streams(train, run.workers, run.batch_size,
-                                                   run.seed)
-        if test is None:
-            test = data.load_dataset(run.dataset, "test", run.data_dir)
-            if run.eval_limit:
-                test = test.subset(np.arange(min(run.eval_limit, len(test))))
+                                                   run.seed, run.val_size)
+        if test is None:  # the evaluator's set: the test split or the held-out validation
+            test = data.evaluation_set(run.dataset, run.data_dir, val_size=run.val_size,
+                                       limit=run.eval_limit)
         self.test = test
 
     def initial(self) -> np.ndarray:
