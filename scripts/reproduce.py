@@ -5,6 +5,7 @@
     python scripts/reproduce.py --smoke        # two tiny runs (what the test executes)
     python scripts/reproduce.py --link-suite   # fmnist8 over 20 mbit links: dense, 1%, local steps
     python scripts/reproduce.py --link-suite-5mbit   # the same over 5 mbit links
+    python scripts/reproduce.py --link-suite-mixed   # links that follow speeds: 100 to 5 mbit
     python scripts/reproduce.py --changing-suite   # speeds that change: DDP, BSP, LB-BSP, GSSP
     python scripts/reproduce.py --quick --link 10mbit   # any suite over shaped links
     python scripts/reproduce.py --quick --table-only   # rebuild table + plots from the runs
@@ -276,6 +277,29 @@ def _link_suite(profile: str = LINK_PROFILE) -> Suite:
     return suite
 
 
+# The mixed edge profile: each worker's link follows its speed (lab PCs on wired 100 mbit,
+# laptops on 50 mbit Wi-Fi, boards on 20 mbit, the slowest boards on a crowded 5 mbit Wi-Fi)
+MIXED_PROFILE = "100,100,50,50,20,20,5,5mbit"
+MIXED_WHY = (
+    "the link suite's fmnist8 where each worker's link follows its speed, as on an edge "
+    f"cluster ({MIXED_PROFILE} each way for slowdowns 1,1,1.5,1.5,2,2,4,4: wired lab PCs, "
+    "laptops on Wi-Fi, boards, the slowest boards on a crowded Wi-Fi): the slowest worker is "
+    "slower still behind its link (a dense LeNet-5 push about 0.4 s at 5 mbit), which BSP and "
+    "DDP wait for every round and GSSP's speed groups keep apart. Rows: dense BSP and GSSP, the "
+    "best per-step compressed row of the 20 mbit suite, local steps alone and with "
+    "compression, DDP with its fp16 hook, dense GSSP without links; wall cap 600 s")
+
+
+def _mixed_suite() -> Suite:
+    """`--link-suite-mixed`: the link suite's rows that matter behind ``MIXED_PROFILE``."""
+    suite = _link_suite(LINK5_PROFILE)
+    keep = ("bsp", "gssp", "gssp+gdtopk-slower-less", "gssp+local8", "gssp+local8+topk",
+            "ddp-fp16", "gssp-unlinked")
+    suite.name, suite.link, suite.description = "linkmixed", MIXED_PROFILE, MIXED_WHY
+    suite.experiments = [e for e in suite.experiments if e.label in keep]
+    return suite
+
+
 # fmnist8's profile, three of whose workers change speed: worker 0 throttles (a hot board) from
 # 60 s on, worker 3 doubles its factor from 30 s to 90 s, worker 7 recovers at 60 s; every worker
 # is also throttled in one 10 s interval out of ten, by 2-5x
@@ -302,7 +326,8 @@ def _changing_suite() -> Suite:
 
 def suites_for(size: str) -> list[Suite]:
     """The suites of ``--quick``, ``--full``, ``--smoke``, ``--link-suite`` ("link") or
-    ``--link-suite-5mbit`` ("link5"), ``--changing-suite`` ("changing")."""
+    ``--link-suite-5mbit`` ("link5"), ``--link-suite-mixed`` ("linkmixed"),
+    ``--changing-suite`` ("changing")."""
     if size == "changing":
         return [_changing_suite()]
     if size == "quick":
@@ -315,6 +340,8 @@ def suites_for(size: str) -> list[Suite]:
         return [_link_suite()]
     if size == "link5":
         return [_link_suite(LINK5_PROFILE)]
+    if size == "linkmixed":
+        return [_mixed_suite()]
     return [_smoke_suite()]
 
 
@@ -430,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     size = ("full" if args.full else "smoke" if args.smoke else
             "link" if args.link_suite else "link5" if args.link_suite_5mbit
+            else "linkmixed" if args.link_suite_mixed
             else "changing" if args.changing_suite else "quick")
     out = Path(args.out or ROOT / "results" / size)
     runs_dir = out / "runs"
@@ -496,6 +524,9 @@ def _parser() -> argparse.ArgumentParser:
                       "local steps")
     size.add_argument("--link-suite-5mbit", action="store_true",
                       help=f"the link suite over {LINK5_PROFILE} links")
+    size.add_argument("--link-suite-mixed", action="store_true",
+                      help=f"the link suite's main rows behind {MIXED_PROFILE} links "
+                      "(each worker's link follows its speed)")
     size.add_argument("--changing-suite", action="store_true",
                       help="fmnist8 whose speeds change: DDP, BSP, LB-BSP, SSP, GSSP")
     p.add_argument("--out", help="output directory (default results/<size>)")

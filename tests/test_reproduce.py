@@ -76,6 +76,23 @@ def test_the_link_suites_hold_local_steps_rows_that_validate(tmp_path):
     assert reproduce._parser().parse_args(["--link-suite-5mbit"]).link_suite_5mbit
 
 
+def test_the_mixed_link_suite_puts_each_worker_behind_a_link_that_follows_its_speed(tmp_path):
+    from minips.net.links import parse_profile
+
+    (suite,) = reproduce.suites_for("linkmixed")
+    rates = [parse_profile(suite.link).rate(i).up_bps for i in range(len(suite.slowdowns))]
+    assert rates == sorted(rates, reverse=True) and rates[0] == 20 * rates[-1]  # 100 .. 5 mbit
+    assert [e.label for e in suite.experiments] == [
+        "bsp", "gssp", "gssp+gdtopk-slower-less", "gssp-unlinked", "gssp+local8",
+        "gssp+local8+topk", "ddp-fp16"]
+    for exp in suite.experiments:
+        if not exp.ddp_hook:
+            reproduce._launch_config(suite, exp, 0, tmp_path)  # every row validates
+    argv = reproduce.ddp_argv(suite, next(e for e in suite.experiments if e.ddp_hook), 0)
+    assert argv[argv.index("--link") + 1] == suite.link  # DDP's ranks behind the same links
+    assert reproduce._parser().parse_args(["--link-suite-mixed"]).link_suite_mixed
+
+
 def _figures(tta80, tta85, acc):
     return {"time_to_accuracy": {"0.80": tta80, "0.85": tta85}, "final_accuracy": acc,
             "done_reason": "epochs"}
