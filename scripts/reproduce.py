@@ -6,6 +6,7 @@
     python scripts/reproduce.py --link-suite   # fmnist8 over 20 mbit links: dense, 1%, local steps
     python scripts/reproduce.py --link-suite-5mbit   # the same over 5 mbit links
     python scripts/reproduce.py --link-suite-mixed   # links that follow speeds: 100 to 5 mbit
+    python scripts/reproduce.py --ablation-suite     # where compression's accuracy goes
     python scripts/reproduce.py --changing-suite   # speeds that change: DDP, BSP, LB-BSP, GSSP
     python scripts/reproduce.py --quick --link 10mbit   # any suite over shaped links
     python scripts/reproduce.py --quick --table-only   # rebuild table + plots from the runs
@@ -277,6 +278,50 @@ def _link_suite(profile: str = LINK_PROFILE) -> Suite:
     return suite
 
 
+ABLATION_CLIP = 10.0  # --grad-clip of the ablation's clipping rows (x sqrt(workers) per worker)
+ABLATION_WHY = (
+    "where compression's accuracy goes, on the quick suite's fmnist8 (4 epochs, 40 ms x "
+    "slowdowns 1,1,1.5,1.5,2,2,4,4 at a 100 ms base step, GSSP in 4 groups): DGC's sampled "
+    "top-k at 1% a push (float16 values, no warm-up unless a row says so) on the upload only "
+    "(dense downlink and exchange), then with the compressed downlink, then with the "
+    "compressed group <-> global exchange too; each with SGD on the servers and on the workers "
+    "(momentum correction); then DGC's other pieces one by one on the workers: momentum-factor "
+    f"masking, local gradient clipping (--grad-clip {ABLATION_CLIP:g}), a warm-up over 5% of "
+    "the run. Every sparse row keeps the same 1% a push, so bytes compare row to row.")
+
+
+def ablation_experiments(groups: int) -> list[Experiment]:
+    """The ablation's rows (``ABLATION_WHY``): what each hop's compression and each of DGC's
+    pieces costs or gives back."""
+    gssp = {"mode": "gssp", "groups": groups, "staleness": STALENESS}
+    dgc = {**gssp, "compressor": "dgc", "ratio": RATIO,
+           "compressor_opts": {"warmup_epochs": 0, "value_dtype": "f16"}}
+    hops = {"up": {"down_ratio": 1.0, "xchg_ratio": 1.0}, "up+down": {"xchg_ratio": 1.0},
+            "all": {}}
+    exps = [Experiment("dense", gssp),
+            Experiment("dense@worker", {**gssp, "optimizer_at": "worker"})]
+    for where in ("server", "worker"):
+        for name, more in hops.items():
+            label = name if where == "server" else f"{name}@worker"
+            exps.append(Experiment(label, {**dgc, **more, "optimizer_at": where},
+                                   part="compression"))
+    on_worker = {**dgc, "optimizer_at": "worker", "momentum_masking": True}
+    exps.append(Experiment("all@worker+mask", on_worker, part="compression"))
+    clipped = {**on_worker, "grad_clip": ABLATION_CLIP}
+    exps.append(Experiment("all@worker+mask+clip", clipped, part="compression"))
+    warm = {**clipped, "compressor_opts": {"warmup_fraction": 0.05, "value_dtype": "f16"}}
+    exps.append(Experiment("all@worker+mask+clip+warmup", warm, part="compression"))
+    return exps
+
+
+def _ablation_suite() -> Suite:
+    """`--ablation-suite`: the quick suite's set-up, ``ablation_experiments``' rows."""
+    suite = _fmnist("ablation", QUICK_PROFILE, 4.0, [0])
+    suite.experiments = ablation_experiments(4)
+    suite.description = ABLATION_WHY
+    return suite
+
+
 # The mixed edge profile: each worker's link follows its speed (lab PCs on wired 100 mbit,
 # laptops on 50 mbit Wi-Fi, boards on 20 mbit, the slowest boards on a crowded 5 mbit Wi-Fi)
 MIXED_PROFILE = "100,100,50,50,20,20,5,5mbit"
@@ -327,7 +372,7 @@ def _changing_suite() -> Suite:
 def suites_for(size: str) -> list[Suite]:
     """The suites of ``--quick``, ``--full``, ``--smoke``, ``--link-suite`` ("link") or
     ``--link-suite-5mbit`` ("link5"), ``--link-suite-mixed`` ("linkmixed"),
-    ``--changing-suite`` ("changing")."""
+    ``--ablation-suite`` ("ablation"), ``--changing-suite`` ("changing")."""
     if size == "changing":
         return [_changing_suite()]
     if size == "quick":
@@ -342,6 +387,8 @@ def suites_for(size: str) -> list[Suite]:
         return [_link_suite(LINK5_PROFILE)]
     if size == "linkmixed":
         return [_mixed_suite()]
+    if size == "ablation":
+        return [_ablation_suite()]
     return [_smoke_suite()]
 
 
@@ -458,6 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = ("full" if args.full else "smoke" if args.smoke else
             "link" if args.link_suite else "link5" if args.link_suite_5mbit
             else "linkmixed" if args.link_suite_mixed
+            else "ablation" if args.ablation_suite
             else "changing" if args.changing_suite else "quick")
     out = Path(args.out or ROOT / "results" / size)
     runs_dir = out / "runs"
@@ -527,6 +575,9 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--link-suite-mixed", action="store_true",
                       help=f"the link suite's main rows behind {MIXED_PROFILE} links "
                       "(each worker's link follows its speed)")
+    size.add_argument("--ablation-suite", action="store_true",
+                      help="the quick set-up: each hop's compression and each of DGC's pieces, "
+                      "with the optimizer on the servers and on the workers")
     size.add_argument("--changing-suite", action="store_true",
                       help="fmnist8 whose speeds change: DDP, BSP, LB-BSP, SSP, GSSP")
     p.add_argument("--out", help="output directory (default results/<size>)")

@@ -312,3 +312,29 @@ def test_rows_without_runs_here_are_carried_from_the_earlier_table_and_marked():
     repro_table.carry_rows(fresh, old)
     md = repro_table.table_markdown("quick", fresh)
     assert "| bsp † |" in md and f"kept from the table of {old['created']}" in md
+
+
+def test_the_ablation_separates_each_hop_and_each_of_dgcs_pieces(tmp_path):
+    """--ablation-suite: dense, then DGC on the upload, + the downlink, + the exchange, on the
+    servers' and the workers' optimizer, then masking, clipping and warm-up one by one; every
+    sparse row at the same 1% a push; each row builds its compressor."""
+    (suite,) = reproduce.suites_for("ablation")
+    runs = {e.label: reproduce._launch_config(suite, e, 0, tmp_path).run
+            for e in suite.experiments}
+    assert runs["up"].downlink_ratio() == 1.0 and runs["up"].xchg_ratio == 1.0
+    assert runs["up+down"].downlink_ratio() == reproduce.RATIO
+    assert runs["up+down"].xchg_ratio == 1.0 and runs["all"].xchg_ratio is None
+    for label in ("up", "up+down", "all"):
+        assert runs[label].optimizer_at == "server"
+        assert runs[f"{label}@worker"].optimizer_at == "worker"
+    steps = [runs[k] for k in ("all@worker", "all@worker+mask", "all@worker+mask+clip",
+                               "all@worker+mask+clip+warmup")]
+    assert [r.momentum_masking for r in steps] == [False, True, True, True]
+    assert [r.grad_clip > 0 for r in steps] == [False, False, True, True]
+    assert [r.compressor_opts.get("warmup_fraction", 0) > 0 for r in steps] == [
+        False, False, False, True]
+    assert {r.ratio for r in runs.values() if r.compressor != "none"} == {reproduce.RATIO}
+    for run in runs.values():
+        run.worker_compressor(models.param_count("lenet5"), 0)
+    for exp in suite.experiments:  # a label is one path component of its run directory
+        assert "/" not in reproduce.run_name(suite, exp, 0)
