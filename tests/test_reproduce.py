@@ -338,3 +338,18 @@ def test_the_ablation_separates_each_hop_and_each_of_dgcs_pieces(tmp_path):
         run.worker_compressor(models.param_count("lenet5"), 0)
     for exp in suite.experiments:  # a label is one path component of its run directory
         assert "/" not in reproduce.run_name(suite, exp, 0)
+
+
+def test_the_losscomp_sweep_tunes_on_a_validation_split_never_the_test_set(tmp_path):
+    (suite,) = reproduce.suites_for("losscomp-sweep")
+    assert suite.final_test is False and suite.run["val_size"] == reproduce.VAL_SIZE
+    runs = {e.label: reproduce._launch_config(suite, e, 0, tmp_path).run
+            for e in suite.experiments}
+    assert len(runs) == 1 + len(reproduce.VOTE_WEIGHTS) * len(reproduce.VOTE_WINDOWS)
+    assert runs["losscomp-w0"].compressor_opts.get("vote_weight", 0) == 0
+    for run in runs.values():
+        assert run.compressor == "losscomp" and run.val_size == reproduce.VAL_SIZE
+        assert run.ratio == reproduce.RATIO and run.epoch_samples() == 60_000 - run.val_size
+        run.worker_compressor(models.param_count("lenet5"), 0)
+    weights = {r.compressor_opts.get("vote_weight") for r in runs.values()} - {None}
+    assert weights == set(reproduce.VOTE_WEIGHTS)
