@@ -676,6 +676,8 @@ def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Messa
     """
     cls = MESSAGE_TYPES[kind]
     schema = SCHEMAS[cls]
+    if cls is Stats and "data" not in meta:  # optional: only a worker's first STATS says it
+        meta["data"] = {}
     if meta.keys() != schema.meta_set:
         raise RemoteProtocolError(f"{cls.KIND.name} header map has the wrong keys",
                                   expected=sorted(schema.meta), got=sorted(map(str, meta)))
