@@ -273,6 +273,7 @@ class GlobalCore:
         return said + self._placed(w, entry, now)
 
     def _placed(self, w: int, entry: WorkerEntry, now: float) -> list[Action]:
+        """What worker ``w``'s new speed decides: the groups, its place, a regroup, ratios."""
         if not self.grouped:
             if self.calib_expired or self.roster.all_reported():
                 self.grouped = True

@@ -325,23 +325,24 @@ def _merges(run: Run) -> dict[Any, list[dict[str, Any]]]:
     return out
 
 
-def _hops(run: Run, traffic: Mapping[str, Any]) -> dict[str, int]:
+def _hops(run: Run, traffic: Mapping[str, Any],
+          merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, int]:
     """``hop_bytes`` of the run: from the group files, else from the global server's merge
     lines (groups that write on other machines), else worker <-> group from ``traffic``."""
     if any(run.groups.values()):
         return hop_bytes(run.groups)
-    if merges := _merges(run):
+    if merges:
         return hop_bytes(merges)
     up, down = int(traffic["bytes_up"] or 0), int(traffic["bytes_down"] or 0)
     return {"bytes_worker_group": up, "bytes_group_worker": down, "bytes_group_global": 0,
             "bytes_global_group": 0, "bytes_total": up + down}
 
 
-def _seen_by_servers(run: Run) -> dict[str, dict[str, Any]]:
+def _seen_by_servers(merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per worker, from the merge lines' answered PULLs (a run whose workers write on their own
     machines): its last group, steps (one PULL a step), mean SSP wait and staleness (its lead)."""
     seen: dict[str, dict[str, Any]] = {}
-    for g, recs in _merges(run).items():
+    for g, recs in merges.items():
         for r in recs:
             cols = [r.get(k) for k in ("pull_workers", "pull_leads", "pull_waits_us")]
             if not all(isinstance(c, list) for c in cols):
@@ -358,11 +359,11 @@ def _seen_by_servers(run: Run) -> dict[str, dict[str, Any]]:
             for w, v in sorted(seen.items(), key=lambda kv: int(kv[0]))}
 
 
-def _per_worker(run: Run) -> dict[str, dict[str, Any]]:
+def _per_worker(run: Run, merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per worker: group, steps, mean wait and staleness, and how often others waited for it;
     without worker files, what the servers saw (``_seen_by_servers``)."""
     if not run.workers:
-        return _seen_by_servers(run)
+        return _seen_by_servers(merges)
     blamed: dict[str, int] = {}
     for recs in run.workers.values():
         for r in recs:
@@ -403,6 +404,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     wall, start = _wall_s(run, pushes), run.start_t
     train = max(wall - start, 0.0) if wall is not None else None
     traffic = _traffic(run, pushes)
+    merges = _merges(run)  # what the global server saw of each exchange
     staleness = _values(pushes, "staleness")
     sources = read(run.path, run.events)  # real files or the synthetic stand-in, per process
     summary: dict[str, Any] = {
@@ -411,7 +413,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "workers": len(run.workers) or cfg.get("workers"), "groups": _groups(run),
         "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs, default=None),
         "final_loss": _last(run.eval, "loss"), "wall_s": wall, "train_start_s": start,
-        "train_s": train, **traffic, **_hops(run, traffic),
+        "train_s": train, **traffic, **_hops(run, traffic, merges),
         "samples_per_s": traffic["samples"] / train if train else None,
         "time_to_accuracy": time_to_accuracy(run.eval, targets or cfg.get("targets")
                                              or DEFAULT_TARGETS, start),
@@ -419,10 +421,10 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "mean_wait_s": _mean(_values(pushes, "wait_s")),
         "mean_kept_fraction": _mean(_values(pushes, "kept_fraction")),
         "steps": len(pushes) or sum(int(r.get("pushes") or 0)
-                                    for recs in _merges(run).values() for r in recs),
+                                    for recs in merges.values() for r in recs),
         "eval_points": len(run.eval),
         "regroups": sum(1 for r in run.events if r.get("event") == "regroup"),
-        "per_worker": _per_worker(run),
+        "per_worker": _per_worker(run, merges),
         "data": verdict(sources), "data_sources": sources,
     }
     if write:

@@ -350,6 +350,8 @@ class Message:
 
     KIND: ClassVar[Kind]
     NOT_IN_META: ClassVar[tuple[str, ...]] = ("buffers",)
+    # map fields a peer may leave out (added after the kind was first sent): their default then
+    MAY_OMIT: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         values = self.__dict__  # frozen: normalised values are written straight into __dict__
@@ -392,6 +394,15 @@ class Schema:
     wire_checks: tuple[tuple[str, Check, Any, Any, Any], ...]  # those of the map's fields
     meta: tuple[str, ...]  # the fields in the msgpack map, in order
     meta_set: frozenset[str]
+    omissible: tuple[tuple[str, Callable[[], Any]], ...]  # MAY_OMIT's fields, their defaults
+
+
+def _default_of(f: dataclasses.Field[Any]) -> Callable[[], Any]:
+    """A field's default as a function: its factory, or one returning its value."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory
+    value = f.default
+    return lambda: value
 
 
 class _Schemas(dict[type, Schema]):
@@ -403,7 +414,8 @@ class _Schemas(dict[type, Schema]):
         checks = tuple((f.name, f.metadata["check"], *getattr(f.metadata["check"], "fast",
                                                                (None, 0, 0))) for f in fields)
         wire_checks = tuple(c for c in checks if c[0] in meta)
-        schema = self[cls] = Schema(checks, wire_checks, meta, frozenset(meta))
+        omissible = tuple((f.name, _default_of(f)) for f in fields if f.name in cls.MAY_OMIT)
+        schema = self[cls] = Schema(checks, wire_checks, meta, frozenset(meta), omissible)
         return schema
 
 
@@ -565,6 +577,7 @@ class Assign(Message):
 @dataclass(frozen=True, kw_only=True)
 class Stats(Message):
     KIND = Kind.STATS
+    MAY_OMIT = ("data",)  # only a worker's first STATS says where its data came from
     clock: int = checked(integer())
     step_time: float = checked(number(0.0))  # seconds per step
     loss: float = checked(number())
@@ -670,14 +683,16 @@ def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Messa
     """The message of a frame from its map (buffers still empty); a peer's mistake is remote.
 
     Same checks as the constructor, without its keyword-argument parsing: the map must hold
-    exactly the kind's keys, so every field is present and checked once. HELLO's version (a
+    exactly the kind's keys (a field of its ``MAY_OMIT`` may be left out: its default is put
+    in), so every field is present and checked once. HELLO's version (a
     byte of the prefix) and the buffers (views the decoder made) need no check. ``kind`` is
     the prefix's byte (a ``Kind`` or its int).
     """
     cls = MESSAGE_TYPES[kind]
     schema = SCHEMAS[cls]
-    if cls is Stats and "data" not in meta:  # optional: only a worker's first STATS says it
-        meta["data"] = {}
+    for name, default in schema.omissible:  # fields a peer may leave out (MAY_OMIT)
+        if name not in meta:
+            meta[name] = default()
     if meta.keys() != schema.meta_set:
         raise RemoteProtocolError(f"{cls.KIND.name} header map has the wrong keys",
                                   expected=sorted(schema.meta), got=sorted(map(str, meta)))
