@@ -72,13 +72,16 @@ def run_done(run_dir: Path) -> bool:
 def _overrun(run: Run, slowdowns: list[float], base: float, batch: int = 0) -> float | None:
     """Largest ratio over workers of mean step time to its emulated time (1.0: sleep set the
     pace): F x base x samples / batch, F the step's own (``slowdown`` in its record, which
-    changes with a schedule) or the profile's."""
+    changes with a schedule) or the profile's. A push of H local steps records the mean of
+    its H steps' times and the samples of all H: its emulated step is F x base x samples /
+    (H x batch)."""
     worst = None
     for w, recs in run.workers.items():
         if not (isinstance(w, int) and w < len(slowdowns) and base > 0):
             continue
         ratios = [r["step_time"] / (r.get("slowdown", slowdowns[w]) * base
-                                    * (r.get("samples", batch) / batch if batch else 1.0))
+                                    * (r.get("samples", batch) / batch
+                                       / max(1, r.get("local_steps") or 1) if batch else 1.0))
                   for r in recs if isinstance(r.get("step_time"), (int, float))
                   and r.get("samples", 1)]
         if ratios:

@@ -354,3 +354,18 @@ def test_the_losscomp_sweep_tunes_on_a_validation_split_never_the_test_set(tmp_p
         run.worker_compressor(models.param_count("lenet5"), 0)
     weights = {r.compressor_opts.get("vote_weight") for r in runs.values()} - {None}
     assert weights == set(reproduce.VOTE_WEIGHTS)
+
+
+def test_the_overrun_of_a_local_steps_push_is_per_step_not_per_push():
+    import types
+
+    import repro_table
+
+    # two workers at F = 1 and 2, base 40 ms, batch 64: worker 0 pushes 8 local steps of
+    # 40 ms each (samples 512, step_time the mean of the 8), worker 1 one step of 88 ms
+    run = types.SimpleNamespace(workers={
+        0: [{"step_time": 0.040, "samples": 512, "local_steps": 8, "slowdown": 1.0}] * 3,
+        1: [{"step_time": 0.088, "samples": 64, "slowdown": 2.0}] * 3})
+    assert repro_table._overrun(run, [1.0, 2.0], 0.04, 64) == pytest.approx(1.1)
+    run.workers[1] = [{"step_time": 0.080, "samples": 64, "local_steps": 1}]
+    assert repro_table._overrun(run, [1.0, 2.0], 0.04, 64) == pytest.approx(1.0)
