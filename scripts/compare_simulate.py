@@ -1,6 +1,6 @@
 """Does `minips simulate` reproduce a real run? A real `minips local` run against the simulator
 with the same settings and the real model (LeNet-5 on Fashion-MNIST), compared on per-group
-clocks, mean staleness and accuracy vs samples.
+clocks, mean staleness, accuracy vs samples and time to each accuracy target.
 
     python scripts/compare_simulate.py                     # the quick profile (gssp, 4 epochs)
     python scripts/compare_simulate.py --epochs 1          # a shorter run
@@ -19,7 +19,11 @@ two calibrations (both are run and printed):
   k-th real step took, the first from the group assignment), so the real run's start
   offsets and hiccups (a step slowed by the shared CPUs) are replayed.
 
-Prints JSON: per calibration, per-group clocks (each group's highest final worker clock),
+A run behind links (link.json: ``--link``) is simulated behind the same rate, and a push of
+H local steps is calibrated as H steps of 1/H its time each.
+
+Prints JSON: per calibration, time to each accuracy target (real: seconds from the training
+start; sim: simulated seconds), per-group clocks (each group's highest final worker clock),
 mean staleness, accuracy at the real evaluations' sample counts (the simulator's curve
 interpolated in samples), and whether each is within 10% / 1 point.
 """
@@ -62,19 +66,43 @@ def worker_records(run: Run, n: int) -> list[list[dict[str, Any]]]:
     return [[r for r in run.workers.get(w, []) if "clock" in r] for w in range(n)]
 
 
-def calibration(run: Run, n: int) -> dict[str, Any]:
-    """Step traces, medians and the one-way latency measured in the real run."""
+def link_rate(run_dir: Path) -> float:
+    """The real run's link, bytes per second each way (link.json; the slowest worker's when
+    they differ, the simulator having one rate for all); 0 without a link."""
+    try:
+        rates = json.loads((run_dir / "link.json").read_text()).get("rates") or []
+    except (OSError, ValueError):
+        return 0.0
+    bps = [min(r["up_bps"], r["down_bps"]) for r in rates if r.get("up_bps")]
+    return min(bps) / 8 if bps else 0.0
+
+
+def calibration(run: Run, n: int, rate: float = 0.0) -> dict[str, Any]:
+    """Step traces, medians and the one-way latency measured in the real run. Behind a link
+    of ``rate`` bytes/s the latency is the PUSH round trip less its frame's time on the link
+    (the simulator adds that itself); a push of H local steps gives H steps of 1/H its time."""
     start = run.start_t  # the groups event: training starts
     recs_all = worker_records(run, n)
-    pushes = [r["push_s"] for recs in recs_all for r in recs if "push_s" in r]
-    lat = float(np.median(pushes)) / 2 if pushes else 0.0
+    pushes = [r["push_s"] - (r.get("bytes_wire", 0) / rate if rate else 0.0)
+              for recs in recs_all for r in recs if "push_s" in r]
+    lat = max(0.0, float(np.median(pushes)) / 2) if pushes else 0.0
     traces = []
     for recs in recs_all:
         ts = [start] + [r["t"] for r in recs]
+        # the channel's byte counts are the connection's so far: a push's are the differences
+        ups = np.diff([0] + [r.get("link_bytes_up", 0) for r in recs])
+        downs = np.diff([0] + [r.get("link_bytes_down", 0) for r in recs])
+        trace: list[float] = []
         # what a step took besides the simulator's own four message latencies and, when SSP
-        # held its PULL (waited_for), the wait the simulator makes itself
-        traces.append([max(0.0, b - a - 2 * lat - (r["wait_s"] if r["waited_for"] else 2 * lat))
-                       for a, b, r in zip(ts, ts[1:], recs, strict=False)])
+        # held its PULL (waited_for), the wait the simulator makes itself; behind a link also
+        # the push's and the answer's time on it
+        for a, b, r, up, down in zip(ts, ts[1:], recs, ups, downs, strict=False):
+            up_s, down_s = (max(0, up) / rate, max(0, down) / rate) if rate else (0.0, 0.0)
+            took = b - a - 2 * lat - up_s - (r["wait_s"] if r["waited_for"]
+                                             else 2 * lat + down_s)
+            h = max(1, int(r.get("local_steps") or 1))
+            trace += [max(0.0, took) / h] * h
+        traces.append(trace)
     return {"traces": traces, "medians": [float(np.median(t[1:] or t)) for t in traces],
             "latency_s": lat}
 
@@ -94,6 +122,10 @@ def accuracy_at(evals: list[dict[str, Any]], samples: list[float]) -> list[float
     return list(np.interp(samples, [p[0] for p in pts], [p[1] for p in pts]))
 
 
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(float(x), 2)
+
+
 def compare(real_dir: Path, sim_dir: Path, n: int) -> dict[str, Any]:
     real_s, sim_s = summarize(real_dir), summarize(sim_dir)
     real, sim = load_run(real_dir), load_run(sim_dir)
@@ -106,7 +138,14 @@ def compare(real_dir: Path, sim_dir: Path, n: int) -> dict[str, Any]:
     sim_acc = accuracy_at(sim.eval, samples)
     gap = [100 * (s - r) for s, r in zip(sim_acc, real_acc, strict=True)]
     late = [g for x, g in zip(samples, gap, strict=True) if x >= samples[-1] / 2]
+    tta = {}
+    for target, t_real in real_s["time_to_accuracy"].items():
+        t_sim = sim_s["time_to_accuracy"].get(target)
+        tta[target] = {"real": _round(t_real), "sim": _round(t_sim),
+                       "rel_err": round(abs(t_sim - t_real) / t_real, 4)
+                       if t_real and t_sim is not None else None}
     return {
+        "time_to_accuracy": tta,
         "group_clocks": {"real": rc, "sim": sc,
                          "rel_err": {g: round(e, 4) for g, e in clock_err.items()},
                          "within_10pct": bool(max(clock_err.values()) <= 0.10)},
@@ -136,15 +175,18 @@ def main() -> None:
     real_dir = args.real or run_real(out, args.epochs)
     real = load_run(real_dir)
     run = RunConfig.from_info(real.config)
-    cal = calibration(real, run.workers)
+    rate = link_rate(real_dir)
+    cal = calibration(real, run.workers, rate)
     report: dict[str, Any] = {"real_run": str(real_dir), "epochs": run.epochs,
+                              "link_bytes_per_s": rate,
                               "latency_s": round(cal["latency_s"], 5),
                               "step_medians_s": [round(m, 4) for m in cal["medians"]]}
     for name in ("median", "trace"):
         sim_run = RunConfig.from_info({**run.to_info(), "t0": 0.0})
         cfg = SimConfig(run=sim_run, real=True, step_times=cal["medians"],
                         step_traces=cal["traces"] if name == "trace" else [],
-                        latency_s=cal["latency_s"], eval_every_s=run.eval_every_s / 4,
+                        latency_s=cal["latency_s"], rate=rate,
+                        eval_every_s=run.eval_every_s / 4,
                         out_dir=str(out), name=f"sim-{name}")
         started = time.perf_counter()
         s = simulate(cfg)
