@@ -251,7 +251,9 @@ def local_steps_experiments(gssp: dict[str, Any]) -> list[Experiment]:
     workers): H = 8 averaged, H = 8 with DiLoCo's Nesterov outer step, H per group from its
     speed (auto, at most 8), and H = 8 with Top-K of the 8-step change (error feedback) at
     8 x RATIO a push: the bytes per step of gssp+topk (a push carries 8 steps; at RATIO a
-    push the simulator's quadratic diverged, docs/compression.md). Row specs: not measured."""
+    push the simulator's quadratic diverged, docs/compression.md); H = 4 dense and with
+    Top-K at 4 x RATIO; H = 8 with Top-K at 2 x RATIO (a quarter of the bytes); H = 8 with
+    Top-K and the Nesterov outer step."""
     local = {**gssp, "optimizer_at": "worker", "local_steps": 8}
     return [
         Experiment("gssp+local8", local),
@@ -260,6 +262,19 @@ def local_steps_experiments(gssp: dict[str, Any]) -> list[Experiment]:
         Experiment("gssp+localauto", {**local, "local_steps": 0, "local_steps_max": 8}),
         Experiment("gssp+local8+topk", {**local, "compressor": "topk", "ratio": 8 * RATIO,
                                         "compressor_opts": {"value_dtype": "f16"}},
+                   part="compression"),
+        # fewer local steps (less drift between pushes), and H = 8 at a quarter of the bytes
+        Experiment("gssp+local4", {**local, "local_steps": 4}),
+        Experiment("gssp+local4+topk", {**local, "local_steps": 4, "compressor": "topk",
+                                        "ratio": 4 * RATIO,
+                                        "compressor_opts": {"value_dtype": "f16"}},
+                   part="compression"),
+        Experiment("gssp+local8+topk2", {**local, "compressor": "topk", "ratio": 2 * RATIO,
+                                         "compressor_opts": {"value_dtype": "f16"}},
+                   part="compression"),
+        Experiment("gssp+local8+nesterov+topk", {
+            **local, "outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9,
+            "compressor": "topk", "ratio": 8 * RATIO, "compressor_opts": {"value_dtype": "f16"}},
                    part="compression"),
     ]
 
