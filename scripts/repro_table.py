@@ -261,7 +261,8 @@ def build_table(suite: Suite, runs_dir: Path) -> dict[str, Any]:
                        "ceiling": ceiling, "profile": getattr(suite, "profile", "") or None,
                        "throttle": getattr(suite, "throttle", "") or None,
                        "targets": list(suite.targets), "link": suite.link or None,
-                       "description": suite.description or None},
+                       "description": suite.description or None,
+                       "leads": list(getattr(suite, "leads", ("gssp",)))},
             "rows": rows, "missing": missing}
 
 
@@ -320,7 +321,7 @@ def against(suite: dict[str, Any], ref: str, target: str) -> dict[str, dict[str,
     base = (suite["rows"].get(ref) or {}).get("per_seed") or {}
     out: dict[str, dict[str, float | None]] = {}
     for label, r in suite["rows"].items():
-        if label == ref:
+        if label == ref or not r.get("per_seed"):  # a carried row has medians only
             continue
         cells: dict[str, float | None] = {}
         for seed, f in (r.get("per_seed") or {}).items():
@@ -401,8 +402,9 @@ def table_markdown(name: str, table: dict[str, Any]) -> str:
                        "only; that table's code)")
         if any(r.get("per_seed") for r in suite["rows"].values()):
             out += ["", *_per_seed_markdown(suite, targets)]
-            if "gssp" in suite["rows"]:
-                out += ["", *_against_markdown(suite, "gssp", max(targets))]
+            for lead in cfg.get("leads") or ["gssp"]:
+                if lead in suite["rows"]:
+                    out += ["", *_against_markdown(suite, lead, max(targets))]
         if suite.get("missing"):
             out.append(f"\nLeft out (absent or not finished): {', '.join(suite['missing'])}")
         out.append("")

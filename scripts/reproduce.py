@@ -139,6 +139,8 @@ class Suite:
     # the final weights scored on the whole test set too; False for a tuning suite (val_size):
     # its every figure is then a validation figure, and the test set stays unseen
     final_test: bool = True
+    # the rows whose time to the highest target is set against every other row, seed by seed
+    leads: tuple[str, ...] = ("gssp",)
 
 
 def paper_experiments(groups: int) -> list[Experiment]:
@@ -291,6 +293,8 @@ def _link_suite(profile: str = LINK_PROFILE) -> Suite:
     suite.experiments += local_steps_experiments(gssp.overrides)
     suite.experiments += baseline_experiments()  # DDP (each rank behind its link) and LB-BSP
     suite.link = profile
+    # dense GSSP is link-bound here: the rows compared are the best per-step and local-steps ones
+    suite.leads = ("gssp+gdtopk-slower-less", "gssp+local8+topk")
     suite.description = LINK_WHY if profile == LINK_PROFILE else (
         f"the link suite behind {profile} links each way (4x slower than 20 mbit: a dense "
         "LeNet-5 push or pull about 0.4 s against a 40-160 ms step); wall cap 600 s")
@@ -337,7 +341,7 @@ def _ablation_suite() -> Suite:
     """`--ablation-suite`: the quick suite's set-up, ``ablation_experiments``' rows."""
     suite = _fmnist("ablation", QUICK_PROFILE, 4.0, [0])
     suite.experiments = ablation_experiments(4)
-    suite.description = ABLATION_WHY
+    suite.description, suite.leads = ABLATION_WHY, ("dense",)
     return suite
 
 
