@@ -127,7 +127,8 @@ def _round(x: float | None) -> float | None:
 
 
 def compare(real_dir: Path, sim_dir: Path, n: int) -> dict[str, Any]:
-    real_s, sim_s = summarize(real_dir), summarize(sim_dir)
+    real_s = summarize(real_dir, write=False)  # the real run's summary.json stays as it is
+    sim_s = summarize(sim_dir)
     real, sim = load_run(real_dir), load_run(sim_dir)
     rc, sc = group_clocks(real, n), group_clocks(sim, n)
     clock_err = {g: abs(sc.get(g, 0) - c) / max(1, c) for g, c in rc.items()}
