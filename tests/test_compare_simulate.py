@@ -8,6 +8,7 @@ import json
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,9 +33,10 @@ def test_a_local_steps_push_behind_a_link_calibrates_h_steps_of_its_compute() ->
     rate = 1e6  # bytes/s
     # pushes at t = 1.0 and 2.0 after the start at 0: each moved 10 kB up and 40 kB down
     # (the channel's counts so far), its PUSH round trip 0.012 s of which 0.01 s on the link
-    recs = [{"t": 1.0 * k, "clock": k, "group": 0, "waited_for": [], "wait_s": 0.05,
-             "push_s": 0.012, "bytes_wire": 10_000, "link_bytes_up": 10_000 * k,
-             "link_bytes_down": 40_000 * k, "local_steps": 4} for k in (1, 2)]
+    recs: list[dict[str, Any]] = [
+        {"t": 1.0 * k, "clock": k, "group": 0, "waited_for": [], "wait_s": 0.05,
+         "push_s": 0.012, "bytes_wire": 10_000, "link_bytes_up": 10_000 * k,
+         "link_bytes_down": 40_000 * k, "local_steps": 4} for k in (1, 2)]
     run = types.SimpleNamespace(start_t=0.0, workers={0: recs})
     cal = compare_simulate.calibration(run, 1, rate)
     assert cal["latency_s"] == pytest.approx(0.001)
