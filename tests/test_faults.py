@@ -495,7 +495,9 @@ def test_every_worker_stopped_past_the_lease_the_server_waits_and_the_budget_is_
             d / "global.jsonl", event="waiting_for_workers") or records(
             d / "global.jsonl", event="done"), 30, (server,))
         assert ended[0]["event"] == "waiting_for_workers", ended  # not the end of the run
-        assert "waiting up to 90 s for them to rejoin" in (d / "logs" / "server.log").read_text()
+        # the console line follows the record (another write, another flush): wait for it too
+        wait_for("the server's console line", lambda: "waiting up to 90 s for them to rejoin"
+                 in (d / "logs" / "server.log").read_text(), 10, (server,))
     finally:
         for w in workers:
             w.send_signal(signal.SIGCONT)
