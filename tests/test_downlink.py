@@ -304,6 +304,7 @@ async def test_a_publish_that_fails_fails_the_pulls_waiting_for_it_and_no_later_
         raise MemoryError("no room for the residual")
 
     gs.core.downlink.publish = broken  # type: ignore[method-assign,assignment]
+    gs.core.weights[:3] += 1.0  # past the drift bound: a publish is due
     got = await asyncio.wait_for(asyncio.gather(gs.answer_pull(0), gs.answer_pull(1),
                                                 return_exceptions=True), 5)
     assert all(isinstance(e, MemoryError) for e in got)  # both told, neither left waiting

@@ -252,3 +252,39 @@ def test_the_answered_pulls_go_to_the_global_server_with_the_next_exchange() -> 
     msg = exchange_message(out.delta, out.stats)
     assert msg.info["pull_leads"] == [0, 1, 0]
     assert not core.xchg.pulls  # the next exchange reports the PULLs answered after this one
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_a_group_publishes_once_a_round_of_its_members_and_never_past_the_drift_bound(
+        every: int) -> None:
+    """The compressed downlink publishes once per round of the live members (publish_every
+    0; 1: once per push), sooner when the weights drift past the bound: after every turn the
+    weights the workers can be answered with are within ``down_drift`` of the group's."""
+    run = RunConfig(workers=4, mode="ssp", staleness=3, compressor="topk", ratio=0.02,
+                    sync_every=10_000, down_drift=0.05, publish_every=every,
+                    optimizer_at="worker")
+    rng = np.random.default_rng(0)
+    core = GroupCore(0, run, rng.standard_normal(N).astype(np.float32), members=[0, 1, 2, 3])
+    assert core.downlink is not None
+    clocks = {w: 0 for w in range(4)}
+    publishes = []
+    for step in range(40):
+        w = step % 4
+        clocks[w] += 1
+        update = np.zeros(N, dtype=np.float32)
+        idx = rng.choice(N, 10, replace=False)
+        update[idx] = rng.standard_normal(10).astype(np.float32) * (5.0 if step == 21 else 0.05)
+        core.push(w, push(clocks[w], update), now=float(step))
+        before = core.downlink.pub
+        core.publish()
+        publishes.append(core.downlink.pub - before)
+        assert core.downlink.drift(core.weights) <= run.down_drift * (1 + 1e-6)
+    if every == 1:
+        assert publishes == [1] * 40
+    else:  # one every 4 pushes, counted from the last publish; the large push of step 21 at once
+        due, since = [], 0
+        for i in range(40):
+            since += 1
+            due.append(int(since >= 4 or i == 21))
+            since = 0 if due[-1] else since
+        assert publishes == due and sum(due) == 10

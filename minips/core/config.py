@@ -217,6 +217,10 @@ class RunConfig:
     down_ratio: float | None = None
     down_values: str = "f32"  # "f16": a publish rounds its values to float16, 2 bytes each
     down_drift: float = 0.01  # bound on ||weights - published|| / ||weights|| (downlink.py)
+    # pushes between two publishes of a group's weights to its workers: 0 = one a round of the
+    # group's live members (each pull then brings about one publish), 1 = one every turn that
+    # answers PULLs; a publish comes sooner whenever the drift bound would be passed
+    publish_every: int = 0
     compressor_opts: dict[str, Any] = field(default_factory=dict)  # extra compressor kwargs
     gdtopk_alpha: float = 1.0  # exponent of the per-group ratio policy
     gdtopk_direction: str = "slower-more"  # slower groups upload more (released code's choice)
@@ -261,6 +265,8 @@ class RunConfig:
                self.down_ratio, "in (0, 1]")
         _check(self.down_values in ("f32", "f16"), "down_values", self.down_values, "f32 | f16")
         _check(0 <= self.down_drift <= 1, "down_drift", self.down_drift, "in [0, 1]")
+        _check(self.publish_every >= 0, "publish_every", self.publish_every,
+               ">= 0 (0: once a round of the group's members)")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")
         _check(self.groups <= self.workers, "groups", self.groups,
                f"at most the number of workers ({self.workers})")

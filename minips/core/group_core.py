@@ -174,6 +174,7 @@ class GroupCore:
         self.downlink = (Downlink(self.weights, down, drift=run.down_drift,
                                   values=run.down_values) if down < 1 else None)
         self._joined: set[int] = set()
+        self._since_publish = 0  # pushes since the downlink's last publish (``publish``)
         for w in members:
             self.expect(w, now)
 
@@ -244,6 +245,7 @@ class GroupCore:
         self.table.push(w, msg.clock, now)
         self.iters.push(w, now)
         self._count(msg)
+        self._since_publish += 1
         if self.balancer is not None:
             self.balancer.observe(w, msg.step_time, msg.samples)
         logs: list[Action] = []
@@ -343,9 +345,18 @@ class GroupCore:
 
     def publish(self) -> None:
         """With a compressed downlink, publish the weights' largest changes (``downlink.py``);
-        the PULLs answered after it get the update up to it."""
-        if self.downlink is not None:
-            self.downlink.publish(self.weights)
+        the PULLs answered after it get the update up to it. A publish is due once per
+        ``publish_every`` pushes (0: one a round of the live members, so a member's PULL
+        brings about one publish, not one per push of the others), when the run is over, and
+        whenever the weights have drifted past ``down_drift`` from the published ones: every
+        answer stays within the bound."""
+        if self.downlink is None:
+            return
+        every = self.run.publish_every or max(1, len(self.table))
+        if (self._since_publish >= every or self.done
+                or self.downlink.drift(self.weights) > self.run.down_drift):
+            if self.downlink.publish(self.weights):
+                self._since_publish = 0
 
     def weights_message(self, w: int | None, waited_for: list[int],
                         since: int = -1, clock: int = -1,
@@ -433,10 +444,19 @@ class GroupCore:
         actions: list[Action] = [Log("exchange", {
             "exchange_s": seconds, "global_version": res.version, "seq": out.stats["seq"],
             "min_clock": out.stats["min_clock"], "max_clock": out.stats["max_clock"],
-            "sent": _entries(out.delta), "got": _entries(res.weights), **self.xchg_bytes})]
+            "sent": _entries(out.delta), "got": _entries(res.weights), **self.xchg_bytes,
+            **self._downlink_counts()})]
         if res.done and not self.done:
             actions.append(BudgetSpent())
         return actions
+
+    def _downlink_counts(self) -> dict[str, int]:
+        """The compressed downlink's counts so far: publishes, coordinates published, and of
+        them those beyond k that the drift bound forced (none without one)."""
+        d = self.downlink
+        if d is None:
+            return {}
+        return {"publishes": d.pub, "published": d.published, "forced": d.forced}
 
     def rebase(self, weights: np.ndarray, held: int | None) -> list[Action]:
         """Reconnected to a (restarted) global server that holds this group's exchanges up to

@@ -90,7 +90,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "staleness": 3, "sync_every": 4, "base_step_s": 0.04, "lr": 0.05,
                 "lr_schedule": "cosine", "gdtopk_direction": "slower-less",
                 "compressor_opts": {"warmup_epochs": 0, "value_dtype": "f16"},
-                "down_values": "f16"},
+                "down_values": "f16", "optimizer_at": "worker", "down_drift": 0.03},
         "slowdowns": [1, 1, 1.5, 1.5, 2, 2, 4, 4],
     },
 }
@@ -124,6 +124,9 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
      "f16 rounds them (the rounding stays in the downlink's residual) and sends 2 bytes each"),
     ("--down-drift", "down_drift", finite, "bound on how far a group's published weights may "
      "lag its own (relative L2); a publish sends more coordinates when the bound needs them"),
+    ("--publish-every", "publish_every", int, "pushes between two publishes of a group's "
+     "weights to its workers (compressed downlink): 0 = once a round of the group's members, "
+     "1 = every turn; sooner whenever --down-drift would be passed"),
     ("--workers", "workers", int, "number of workers"),
     ("--groups", "groups", int, "GSSP groups (0 = chosen from the step times)"),
     ("--staleness", "staleness", int, "SSP bound, clocks"),
