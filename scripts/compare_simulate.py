@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from minips.core.config import RunConfig
+from minips.net.links import read_link_record
 from minips.record.metrics import Run, load_run, summarize
 from minips.sim.simulate import SimConfig, simulate
 
@@ -69,10 +70,7 @@ def worker_records(run: Run, n: int) -> list[list[dict[str, Any]]]:
 def link_rate(run_dir: Path) -> float:
     """The real run's link, bytes per second each way (link.json; the slowest worker's when
     they differ, the simulator having one rate for all); 0 without a link."""
-    try:
-        rates = json.loads((run_dir / "link.json").read_text()).get("rates") or []
-    except (OSError, ValueError):
-        return 0.0
+    rates = (read_link_record(run_dir) or {}).get("rates") or []
     bps = [min(r["up_bps"], r["down_bps"]) for r in rates if r.get("up_bps")]
     return min(bps) / 8 if bps else 0.0
 

@@ -43,6 +43,7 @@ Public API: ``Rate``, ``LinkProfile``, ``parse_profile``, ``LinkChange``,
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import re
@@ -56,6 +57,8 @@ from minips.errors import ConfigError
 __all__ = [
     "Rate",
     "LinkProfile",
+    "LINK_FILE",
+    "read_link_record",
     "parse_profile",
     "LinkChange",
     "parse_link_changes",
@@ -106,6 +109,19 @@ class LinkProfile:
                 "rates": [{"worker": w, "up_bps": self.rate(w).up_bps,
                            "down_bps": self.rate(w).down_bps}
                           for w in range(workers if self.rates else 0)]}
+
+
+LINK_FILE = "link.json"  # a --link run's ``LinkProfile.record``, in its run directory
+
+
+def read_link_record(run_dir: str | Path) -> dict[str, Any] | None:
+    """A run directory's link.json (``LinkProfile.record``); None for a run without a link
+    or a file that cannot be read."""
+    try:
+        record = json.loads((Path(run_dir) / LINK_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def parse_profile(text: str) -> LinkProfile:

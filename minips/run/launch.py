@@ -38,7 +38,6 @@ Public API: ``ProgressLine``, ``Cluster``, ``WorkersFailed``, ``READY_TIMEOUT_S`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -191,7 +190,7 @@ class Cluster:
                                                   self.cfg.link_shaping)
         if self.link is not None:
             record = self.link.record(self.cfg.run.workers, self.shaping)
-            (self.run_dir / "link.json").write_text(json.dumps(record) + "\n")
+            (self.run_dir / links.LINK_FILE).write_text(json.dumps(record) + "\n")
         if self.changes and self.spaces is None:
             raise ConfigError("--link-change needs kernel shaping (root, a --link profile "
                               f"and --link-shaping kernel or auto); this run's: {self.shaping}")
@@ -446,8 +445,9 @@ def _on_sigterm(handler: Any) -> Any:
 def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
     summary = summarize(run_dir, write=False)
     summary.update(status=status, run_dir=str(run_dir), slowdowns=cfg.factors())
-    with contextlib.suppress(OSError, ValueError):  # the link of a --link run (link.json)
-        summary["link"] = json.loads((run_dir / "link.json").read_text())
+    link = links.read_link_record(run_dir)  # the link of a --link run
+    if link is not None:
+        summary["link"] = link
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     pngs = plot_run(run_dir, "minips local") if cfg.plot and status != "terminated" else []
     acc = summary.get("final_accuracy")
