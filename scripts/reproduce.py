@@ -381,6 +381,20 @@ def losscomp_sweep_experiments(groups: int) -> list[Experiment]:
     return exps
 
 
+# The sweep's winner on the validation split (results/losscomp-sweep, seed 0: the best tail
+# accuracy, 84.15% against 83.98% with the votes not steering); the quick suite's row
+# gssp+losscomp-votes puts it on the test set beside Top-K, DGC and dense, 3 seeds
+LOSSCOMP_TUNED = {"vote_weight": 0.1, "vote_window": 0.25}
+
+
+def losscomp_tuned_experiment(groups: int) -> Experiment:
+    """gssp+losscomp with ``LOSSCOMP_TUNED``'s votes."""
+    base = next(e for e in paper_experiments(groups) if e.label == "gssp+losscomp")
+    opts = {**base.overrides["compressor_opts"], **LOSSCOMP_TUNED}
+    return Experiment("gssp+losscomp-votes", {**base.overrides, "compressor_opts": opts},
+                      part="compression")
+
+
 def _losscomp_sweep_suite() -> Suite:
     """`--losscomp-sweep`: ``losscomp_sweep_experiments`` on a validation split."""
     suite = _fmnist("losscomp-sweep", QUICK_PROFILE, 4.0, [0])
@@ -446,7 +460,7 @@ def suites_for(size: str) -> list[Suite]:
         return [_changing_suite()]
     if size == "quick":
         suite = _fmnist("fmnist8", QUICK_PROFILE, 4.0, [0])
-        suite.experiments += baseline_experiments()
+        suite.experiments += [losscomp_tuned_experiment(4), *baseline_experiments()]
         return [suite]
     if size == "full":
         return _full_suites()
