@@ -40,6 +40,11 @@ def test_experiments_change_only_mode_and_compression():
             assert not OPTIMIZER_KEYS & set(exp.overrides), exp.label
         sparse = [e for e in suite.experiments if e.part == "compression"]
         assert {e.overrides["ratio"] for e in sparse} == {reproduce.RATIO}
+        # the presets' best 1% setting: the optimizer on the workers, as `make demo`
+        gdtopk = [e for e in suite.experiments if e.label.startswith("gssp+gdtopk")]
+        for exp in sparse + gdtopk:
+            assert exp.overrides["optimizer_at"] == "worker", exp.label
+            assert exp.overrides["down_drift"] == reproduce.SPARSE_DEFAULTS["down_drift"]
 
 
 def test_a_row_may_put_the_optimizer_on_the_workers_with_dgc_as_published(tmp_path):

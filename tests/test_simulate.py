@@ -246,3 +246,15 @@ def test_gdtopk_ratios_follow_a_scheduled_speed_up(tmp_path: Path) -> None:
     assert ratios[0][1]["1"] / ratios[0][1]["0"] > 3  # 4x slower: it uploads more
     assert all(t > 10 for t, _ in ratios[1:])  # nothing changes before the speed-up
     assert ratios[-1][1]["1"] / ratios[-1][1]["0"] < 1.5  # as fast: about the same ratio
+
+
+def test_a_trace_of_numpy_scalars_is_simulated_as_plain_floats() -> None:
+    """Step traces computed with numpy (compare_simulate's calibration) hold np.float64: the
+    simulator takes them as floats, so its PUSHes pass the messages' checks (a local-steps
+    run's calibration once stopped at the first push)."""
+    from minips.sim.timing import StepTimes
+
+    steps = StepTimes([np.float64(0.05)], 0.0, [[np.float64(0.04), np.float64(0.06)]])
+    rng = np.random.default_rng(0)
+    got = [steps.next(0, rng) for _ in range(3)]
+    assert got == [0.04, 0.06, 0.05] and all(type(x) is float for x in got)

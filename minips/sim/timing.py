@@ -89,8 +89,10 @@ class StepTimes:
 
     def __init__(self, base: list[float], jitter: float,
                  traces: list[list[float]] | None = None) -> None:
-        self.base, self.jitter = base, jitter
-        self.traces = traces or [[] for _ in base]
+        self.base, self.jitter = [float(b) for b in base], jitter
+        # plain floats: a trace of numpy scalars would reach the PUSH records (and the
+        # messages' checks, which take Python numbers only) as numpy scalars
+        self.traces = [[float(x) for x in t] for t in traces] if traces else [[] for _ in base]
         self.steps = [0] * len(base)  # steps drawn so far, per worker
 
     def next(self, w: int, rng: np.random.Generator) -> float:

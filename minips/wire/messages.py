@@ -163,6 +163,9 @@ def number(lo: float = -math.inf, hi: float = math.inf) -> Check:
                 return v
         elif t is int and lo <= v <= hi:
             return float(v)
+        elif t is not int:  # a numpy scalar, a string, ...: say so, the value may look right
+            raise Invalid(f"expected a finite number (a Python float or int, not "
+                          f"{t.__name__}) in [{lo}, {hi}]")
         raise Invalid(f"expected a finite number in [{lo}, {hi}]")
 
     # finite bounds for the fast path: inf and nan fail them and go through check()
