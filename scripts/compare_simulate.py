@@ -99,7 +99,7 @@ def calibration(run: Run, n: int, rate: float = 0.0) -> dict[str, Any]:
             took = b - a - 2 * lat - up_s - (r["wait_s"] if r["waited_for"]
                                              else 2 * lat + down_s)
             h = max(1, int(r.get("local_steps") or 1))
-            trace += [max(0.0, float(took)) / h] * h
+            trace += [max(0.0, took) / h] * h
         traces.append(trace)
     return {"traces": traces, "medians": [float(np.median(t[1:] or t)) for t in traces],
             "latency_s": lat}

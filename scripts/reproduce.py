@@ -70,6 +70,7 @@ from minips.core.slowdown import parse_schedules
 from minips.errors import MiniPSError
 from minips.net.links import SHAPINGS, parse_profile
 from minips.run.checks import argtype, checked_text
+from minips.run.flags import PRESETS
 from minips.run.launch import LaunchConfig
 
 # The table module sits next to this file; a test loads this file by path, without scripts/ on
@@ -147,8 +148,9 @@ class Suite:
 # the optimizer on the workers (momentum correction), every hop compressed, no momentum-factor
 # masking, no clipping, no warm-up; the downlink publishes once a round of a group's members
 # (publish_every 0, the default) within a drift bound of 3% (at 1% the bound forced two
-# publishes of three). Every sparse row and `make demo` run with it (run/flags.py's preset).
-SPARSE_DEFAULTS: dict[str, Any] = {"optimizer_at": "worker", "down_drift": 0.03}
+# publishes of three). Every sparse row runs with `make demo`'s own (run/flags.py's preset).
+SPARSE_DEFAULTS: dict[str, Any] = {k: PRESETS["demo"]["run"][k]
+                                   for k in ("optimizer_at", "down_drift")}
 
 
 def paper_experiments(groups: int) -> list[Experiment]:
