@@ -31,6 +31,28 @@ def test_preset_then_flags_override() -> None:
     assert run.compressor_opts == {**preset_opts, "warmup_epochs": 2}  # --copt wins its key
 
 
+def test_another_compressor_keeps_only_the_preset_options_it_takes() -> None:
+    """--preset demo --compressor topk: plain Top-K has no warm-up, so the preset's
+    warmup_epochs is dropped (it failed in the compressor's constructor) and value_dtype kept;
+    a --copt the compressor does not take still fails at start-up."""
+    from minips.compress.registry import compressor_options, make_compressor
+
+    args = build_parser().parse_args(["local", "--preset", "demo", "--compressor", "topk"])
+    run = run_config_from_args(args)
+    assert run.compressor == "topk" and run.compressor_opts == {"value_dtype": "f16"}
+    make_compressor(run.compressor, 100, ratio=run.ratio, **run.compressor_opts)
+    assert "warmup_epochs" in compressor_options("gdtopk")
+    assert "warmup_epochs" not in compressor_options("topk")
+    gd = run_config_from_args(build_parser().parse_args(
+        ["local", "--preset", "demo", "--compressor", "gdtopk"]))
+    assert gd.compressor_opts == PRESETS["demo"]["run"]["compressor_opts"]  # kept: it takes both
+    bad = build_parser().parse_args(["local", "--preset", "demo", "--compressor", "topk",
+                                     "--copt", "warmup_epochs=2"])
+    with pytest.raises(ConfigError, match="warmup_epochs"):
+        run = run_config_from_args(bad)
+        make_compressor(run.compressor, 100, ratio=run.ratio, **run.compressor_opts)
+
+
 def test_run_config_file_is_the_base(tmp_path: Path) -> None:
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"mode": "asp", "workers": 3, "unknown": 1}))

@@ -7,6 +7,7 @@ Adding a compressor: write one file in ``minips/compress/`` with a ``Compressor`
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from minips.compress.base import Compressor
@@ -16,7 +17,8 @@ from minips.compress.ratios import RatioPolicy
 from minips.compress.topk import DGCCompressor, GDTopKCompressor, RandomKCompressor, TopKCompressor
 from minips.errors import ConfigError
 
-__all__ = ["COMPRESSORS", "is_sparse", "make_compressor", "ratio_policy", "register"]
+__all__ = ["COMPRESSORS", "compressor_options", "is_sparse", "make_compressor", "ratio_policy",
+           "register"]
 
 COMPRESSORS: dict[str, type[Compressor]] = {
     "none": DenseCompressor,
@@ -61,6 +63,19 @@ def make_compressor(
         return cls(size, ratio=ratio, seed=seed, error_feedback=error_feedback, **opts)
     except TypeError as exc:  # an option this compressor does not take
         raise ConfigError(f"compressor {name!r}: {exc}") from exc
+
+
+def compressor_options(name: str) -> set[str]:
+    """The keyword options compressor ``name`` takes (its own and its base classes'), less
+    those ``make_compressor`` sets itself (ratio, seed, error_feedback)."""
+    names: set[str] = set()
+    for klass in _lookup(name).__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        names |= {p.name for p in inspect.signature(init).parameters.values()
+                  if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    return names - {"ratio", "seed", "error_feedback"}
 
 
 def is_sparse(name: str) -> bool:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from minips import __version__
+from minips.compress.registry import compressor_options
 from minips.core.config import FieldError, RunConfig
 from minips.core.slowdown import Schedule
 from minips.errors import ConfigError
@@ -212,10 +213,16 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         names = {f.name for f in dataclasses.fields(RunConfig)}
         values.update({k: v for k, v in load_run_config(args.run_config).items() if k in names})
     preset = PRESETS.get(getattr(args, "preset", None) or "", {})
-    values.update(preset.get("run", {}))
+    preset_run = preset.get("run", {})
+    values.update(preset_run)
     for _, dest, _, _ in RUN_FLAGS:
         if getattr(args, dest, None) is not None:
             values[dest] = getattr(args, dest)
+    if "compressor_opts" in preset_run and values.get("compressor") != preset_run.get("compressor"):
+        # --compressor replaced the preset's: keep the preset's options the new one takes
+        takes = compressor_options(str(values.get("compressor")))
+        values["compressor_opts"] = {k: v for k, v in preset_run["compressor_opts"].items()
+                                     if k in takes}
     if getattr(args, "copt", None):
         values["compressor_opts"] = {**values.get("compressor_opts", {}), **dict(args.copt)}
     if not any(k in values for k in BUDGET_FIELDS) and not getattr(args, "max_pushes", 0):
