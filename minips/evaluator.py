@@ -1,12 +1,19 @@
 """The evaluator (role ``evaluator``): it pulls the global weights every ``eval_every_s`` and
 writes accuracy, loss and the global counters to eval.jsonl until the run is done; when the
 global server is lost it reconnects for up to ``reconnect_s``, as a worker does.
+
+It measures the run, so it keeps out of its way: an evaluation point's time is when its weights
+arrived (not when scoring them ended), and the process lowers its own CPU priority by
+``EVAL_NICE`` so that, on a machine whose cores the workers share with it, scoring thousands of
+test images at once does not take a core from the training it measures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 
 import numpy as np
@@ -23,7 +30,9 @@ from minips.record.rundir import JsonlWriter, RunDir
 from minips.wire import messages
 from minips.worker import Link, Stopped, connect_role, leave
 
-__all__ = ["evaluate_loop", "run_evaluator"]
+__all__ = ["EVAL_NICE", "evaluate_loop", "run_evaluator"]
+
+EVAL_NICE = 10  # added to the evaluator's niceness: it gets the CPU the training leaves
 
 
 log = logging.getLogger("minips.worker")
@@ -56,7 +65,7 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
                 continue
             if w.version != last or w.done:
                 last = w.version
-                _evaluate_once(run, w, size, test, writer)
+                _evaluate_once(run, w, size, test, writer, time.time() - run.t0)
             if w.done:
                 return
             await asyncio.sleep(max(0.0, run.eval_every_s - (time.monotonic() - t)))
@@ -79,14 +88,17 @@ async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunC
 
 
 def _evaluate_once(run: RunConfig, w: messages.GlobalWeights, size: int,
-                   test: data.Dataset, writer: JsonlWriter) -> None:
+                   test: data.Dataset, writer: JsonlWriter, t: float) -> None:
+    """Score ``w`` on ``test``; the point's time ``t`` is when the weights arrived."""
     flat = np.asarray(sparse.decode_vector(w.encoding, w.codec, w.buffers, size))
     acc, loss = models.evaluate(run.model, flat, test)
-    writer.write({**dict(w.info), "t": time.time() - run.t0, "version": w.version,
+    writer.write({**dict(w.info), "t": t, "version": w.version,
                   "accuracy": acc, "loss": loss, "final": bool(w.done)})
 
 
 def run_evaluator(cfg: WorkerConfig) -> None:
     """`minips evaluator`: evaluate the global weights until the run is done."""
+    with contextlib.suppress(OSError):  # lower priority only (never refused, but be safe)
+        os.nice(EVAL_NICE)
     transport.install_uvloop()
     asyncio.run(evaluate_loop(cfg))
