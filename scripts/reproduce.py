@@ -58,7 +58,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -596,7 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else "ablation" if args.ablation_suite
             else "losscomp-sweep" if args.losscomp_sweep
             else "changing" if args.changing_suite else "quick")
-    out = Path(args.out or ROOT / "results" / size)
+    stretched = f"-x{args.time_scale:g}" if args.time_scale != 1.0 else ""  # never mixed
+    out = Path(args.out or ROOT / "results" / f"{size}{stretched}")
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     suites = suites_for(size)
@@ -645,6 +646,31 @@ def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
         suite.link = args.link
     if args.link_shaping is not None:
         suite.link_shaping = args.link_shaping
+    if args.time_scale != 1.0:
+        stretch_time(suite, args.time_scale)
+
+
+def stretch_time(suite: Suite, k: float) -> None:
+    """``--time-scale K``: the suite on a clock K times slower. The base step, the wall cap
+    and the evaluation interval are K times longer and every link K times slower (a byte
+    takes K times as long), so compute and communication keep their proportions and every
+    time in the table is K times the unstretched suite's, while each worker's step asks 1/K
+    of the CPU: a machine whose cores cannot hold the suite's pace (its workers overrun
+    their emulated steps) can run it at K > 1. What stays real-time is the servers' and the
+    workers' own CPU work per message, which becomes a smaller share of a step."""
+    if not k > 0:
+        raise SystemExit(f"reproduce: --time-scale {k!r}: expected a factor > 0")
+    for key in ("base_step_s", "wall_s", "eval_every_s"):
+        if key in suite.run:
+            suite.run[key] = suite.run[key] * k
+    if suite.link:
+        suite.link = parse_profile(suite.link).slowed(k)
+    suite.experiments = [replace(e, link=parse_profile(e.link).slowed(k)) if e.link else e
+                         for e in suite.experiments]
+    suite.description = suite.description.rstrip(". ") + (f". Time stretched {k:g}x (--time-scale {k:g}): a "
+                          f"{suite.run['base_step_s']:g} s base step, links {suite.link or 'none'}, "
+                          f"a {suite.run.get('wall_s', 0):g} s wall cap; every time is {k:g}x the "
+                          "unstretched suite's, ratios unchanged")
 
 
 _link = argtype(checked_text(parse_profile))  # a --link profile, checked, kept as text
@@ -694,6 +720,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link", type=_link, help="workers' links for every run, e.g. 10mbit "
                    "(a `minips local --link` profile; docs/links.md)")
     p.add_argument("--link-shaping", choices=SHAPINGS, help="auto (default), kernel or pacer")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="K",
+                   help="run the suites on a clock K times slower: base step, wall cap and "
+                   "evaluation interval x K, every link rate / K (for a machine too slow to "
+                   "hold the suite's pace; every time in the table is then K x, ratios hold)")
     return p
 
 

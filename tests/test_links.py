@@ -84,6 +84,18 @@ def test_a_profile_file_holds_one_rate_a_line_with_comments(tmp_path: Path) -> N
     assert prof.record(4, "pacer")["rates"][3] == {"worker": 3, "up_bps": 1e7, "down_bps": 2e7}
 
 
+def test_a_slowed_profile_divides_every_rate_and_multiplies_the_latency() -> None:
+    prof = parse_profile("100,50,5mbit,10mbit/40mbit+2ms")
+    slowed = prof.slowed(2.0)
+    assert slowed == "50mbit,25mbit,2.5mbit,5mbit/20mbit+4000us"
+    again = parse_profile(slowed)
+    assert again.rates == tuple(Rate(r.up_bps / 2, r.down_bps / 2) for r in prof.rates)
+    assert again.latency_s == pytest.approx(0.004)
+    assert parse_profile(parse_profile("7mbit").slowed(3)).rates[0].up_bps == round(7e6 / 3)
+    with pytest.raises(ConfigError, match="factor > 0"):
+        prof.slowed(0)
+
+
 def test_local_flags_become_one_profile() -> None:
     assert checks.check_link(None, 0.0, 0.0, 8) == ""
     assert checks.check_link("10mbit", 0.0, 0.0, 8) == "10mbit"

@@ -98,6 +98,32 @@ def test_the_mixed_link_suite_puts_each_worker_behind_a_link_that_follows_its_sp
     assert reproduce._parser().parse_args(["--link-suite-mixed"]).link_suite_mixed
 
 
+def test_time_scale_stretches_steps_links_caps_and_evaluations_alike(tmp_path):
+    """--time-scale 2: base step, wall cap, evaluation interval x 2 and every link / 2 (the
+    suite's and a row's own), so compute and communication keep their proportions; the
+    run directories go to results/<size>-x2, never among the unstretched runs."""
+    from minips.net.links import parse_profile
+
+    (plain,) = reproduce.suites_for("linkmixed")
+    (suite,) = reproduce.suites_for("linkmixed")
+    reproduce.stretch_time(suite, 2.0)
+    for key in ("base_step_s", "wall_s", "eval_every_s"):
+        assert suite.run[key] == 2 * plain.run[key]
+    n = len(suite.slowdowns)
+    assert [parse_profile(suite.link).rate(i).up_bps for i in range(n)] == [
+        parse_profile(plain.link).rate(i).up_bps / 2 for i in range(n)]
+    assert next(e for e in suite.experiments if e.label == "gssp-unlinked").link == ""
+    assert "Time stretched 2x" in suite.description
+    exp = next(e for e in suite.experiments if e.label == "gssp+local8+topk")
+    cfg = reproduce._launch_config(suite, exp, 0, tmp_path)
+    assert cfg.run.base_step_s == pytest.approx(2 * plain.run["base_step_s"])
+    argv = reproduce.ddp_argv(suite, next(e for e in suite.experiments if e.ddp_hook), 0)
+    assert argv[argv.index("--link") + 1] == suite.link
+    assert float(argv[argv.index("--base-step") + 1]) == suite.run["base_step_s"]
+    with pytest.raises(SystemExit, match="factor > 0"):
+        reproduce.stretch_time(suite, -1.0)
+
+
 def _figures(tta80, tta85, acc):
     return {"time_to_accuracy": {"0.80": tta80, "0.85": tta85}, "final_accuracy": acc,
             "done_reason": "epochs"}

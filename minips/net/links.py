@@ -102,6 +102,26 @@ class LinkProfile:
         """Worker ``worker``'s rate: its entry, else the last one (0/0: not limited)."""
         return self.rates[min(worker, len(self.rates) - 1)] if self.rates else Rate(0.0, 0.0)
 
+    def slowed(self, factor: float) -> str:
+        """This profile in profile syntax with every rate divided by ``factor`` and the
+        latency multiplied by it: the same links on a clock ``factor`` times slower (a byte
+        takes ``factor`` times longer, as a step does when the base step is ``factor`` times
+        longer)."""
+        if factor <= 0:
+            raise ConfigError(f"slowing a link profile by {factor!r}: expected a factor > 0")
+        def one(bps: float) -> str:  # 2.5mbit rather than 2500000bit where it is exact
+            for unit, size in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+                if bps >= size and float(f"{bps / size:g}") * size == bps:
+                    return f"{bps / size:g}{unit}"
+            return format_rate(bps)
+
+        text = ",".join(one(r.up_bps / factor) if r.up_bps == r.down_bps
+                        else f"{one(r.up_bps / factor)}/{one(r.down_bps / factor)}"
+                        for r in self.rates)
+        if self.latency_s:
+            text += f"+{self.latency_s * factor * 1e6:.0f}us"
+        return text
+
     def record(self, workers: int, shaping: str) -> dict[str, Any]:
         """What the run directory's link.json (and summary.json's ``link``) say: rates in
         bits/s per worker (empty when not limited) and the shaping used."""
