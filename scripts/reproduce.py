@@ -667,10 +667,10 @@ def stretch_time(suite: Suite, k: float) -> None:
         suite.link = parse_profile(suite.link).slowed(k)
     suite.experiments = [replace(e, link=parse_profile(e.link).slowed(k)) if e.link else e
                          for e in suite.experiments]
-    suite.description = suite.description.rstrip(". ") + (f". Time stretched {k:g}x (--time-scale {k:g}): a "
-                          f"{suite.run['base_step_s']:g} s base step, links {suite.link or 'none'}, "
-                          f"a {suite.run.get('wall_s', 0):g} s wall cap; every time is {k:g}x the "
-                          "unstretched suite's, ratios unchanged")
+    stretched = (f"Time stretched {k:g}x (--time-scale {k:g}): a {suite.run['base_step_s']:g} s "
+                 f"base step, links {suite.link or 'none'}, a {suite.run.get('wall_s', 0):g} s "
+                 f"wall cap; every time is {k:g}x the unstretched suite's, ratios unchanged")
+    suite.description = f"{suite.description.rstrip('. ')}. {stretched}"
 
 
 _link = argtype(checked_text(parse_profile))  # a --link profile, checked, kept as text
