@@ -360,10 +360,11 @@ def carry_rows(table: dict[str, Any], earlier: dict[str, Any]) -> None:
                                 if not m.startswith(f"{sname}-{label}-s")]
 
 
-def table_markdown(name: str, table: dict[str, Any]) -> str:
+def table_markdown(where: str, table: dict[str, Any]) -> str:
     """table.md: one Markdown table per suite (medians over seeds), then every seed of it; an
-    overrun past ``OVERRUN_LIMIT`` is flagged (⚠ CPU: that run measured the machine)."""
-    out = [f"# results/{name}\n"]
+    overrun past ``OVERRUN_LIMIT`` is flagged (⚠ CPU: that run measured the machine). ``where``
+    is the title: the directory the table lies in."""
+    out = [f"# {where}\n"]
     for sname, suite in table["suites"].items():
         cfg = suite["config"]
         targets = [f"{t:.2f}" for t in cfg["targets"]]

@@ -621,11 +621,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(ValueError):
             carry_rows(table, json.loads(earlier.read_text()))
     (out / "table.json").write_text(json.dumps(table, indent=2, default=str) + "\n")
-    (out / "table.md").write_text(table_markdown(out.name, table))
+    markdown = table_markdown(str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out),
+                              table)
+    (out / "table.md").write_text(markdown)
     if not args.no_plot:
         for suite in suites:
             plot_suite(suite, runs_dir, out)
-    print(json.dumps(table) if args.json else table_markdown(out.name, table))
+    print(json.dumps(table) if args.json else markdown)
     for flag in overrun_flags(table):  # these runs measured the CPU, not the method
         print(f"reproduce: ⚠ {flag} > {OVERRUN_LIMIT} (workers slower than emulated)",
               file=sys.stderr)
