@@ -225,12 +225,19 @@ def _reap(child: subprocess.Popen[bytes]) -> None:
 
 # -- one command per role, and main ----------------------------------------------------------------
 
-def _cmd_local(args: argparse.Namespace) -> int:
-    from minips.ml.device import pick_device
-    from minips.run.launch import run_local
+def _check_devices(specs: str) -> None:
+    """A --device that is not here fails before any process starts. ``auto`` and ``cpu`` are
+    always here: only other names cost the launcher an import of torch (about 2 s of CPU)."""
+    named = [s for s in specs.split(",") if s.strip().lower() not in ("", "auto", "cpu")]
+    if named:
+        from minips.ml.device import pick_device
 
-    for spec in args.device.split(","):  # a device that is not here fails before any process
-        pick_device(spec)
+        for spec in named:
+            pick_device(spec)
+
+
+def _cmd_local(args: argparse.Namespace) -> int:
+    from minips.run.launch import run_local
 
     preset = PRESETS.get(args.preset or "", {})
     run = run_config_from_args(args)
@@ -244,6 +251,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
     if args.workers is None and args.slowdown:
         run = dataclasses.replace(run, workers=len(slowdowns))
     link = check_link(args.link, args.bandwidth, args.latency, run.workers)
+    _check_devices(args.device)
     cfg = LaunchConfig(run=run, slowdowns=slowdowns, link=link, link_shaping=args.link_shaping,
                        schedules=schedules, throttle=args.throttle,
                        link_changes=args.link_change,
@@ -348,16 +356,18 @@ def _worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
+    cfg = _worker_config(args)  # a bad flag is refused before torch is imported (about 2 s)
     from minips.worker import run_worker
 
-    run_worker(_worker_config(args))
+    run_worker(cfg)
     return 0
 
 
 def _cmd_evaluator(args: argparse.Namespace) -> int:
+    cfg = _worker_config(args)  # a bad flag is refused before torch is imported (about 2 s)
     from minips.evaluator import run_evaluator
 
-    run_evaluator(_worker_config(args))
+    run_evaluator(cfg)
     return 0
 
 
