@@ -25,7 +25,7 @@ pytest.importorskip("aiohttp", reason="the dashboard extra is not installed")
 parser = pytest.importorskip("prometheus_client.parser")
 
 RUN_FLAGS = ("local", "--mode", "gssp", "--compressor", "gdtopk", "--workers", "4", "--groups",
-             "2", "--slowdown", "1,1,3,3", "--wall-s", "40", "--eval-every", "2",
+             "2", "--slowdown", "1,1,3,3", "--wall-s", "30", "--eval-every", "2",
              "--eval-limit", "1000", "--no-progress", "--no-plot", "--timeout", "240")
 
 

@@ -2,7 +2,7 @@
 
 Four workers with slowdowns 1,1,3,3 form two groups of two; each group runs SSP inside and
 exchanges with the global server asynchronously. On real Fashion-MNIST (the run directory must
-say so: no synthetic stand-in), the final weights must have 80% test accuracy after the 3-epoch
+say so: no synthetic stand-in), the final weights must have 80% test accuracy after the 2-epoch
 budget, the run directory must be complete, and `minips plot` must draw its PNGs.
 """
 
@@ -25,7 +25,7 @@ SUMMARY_KEYS = ("mode", "compressor", "workers", "groups", "final_accuracy", "be
 @pytest.mark.timeout(300)
 def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "minips", "local", "--mode", "gssp", "--compressor", "gdtopk",
-           "--workers", "4", "--groups", "2", "--slowdown", "1,1,3,3", "--epochs", "3",
+           "--workers", "4", "--groups", "2", "--slowdown", "1,1,3,3", "--epochs", "2",
            "--wall-s", "150", "--lr", "0.1", "--copt", "warmup_epochs=1", "--eval-every", "4",
            "--no-progress", "--out", str(tmp_path), "--name", "gssp"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
@@ -41,7 +41,7 @@ def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) 
     assert summary["data"] == "real", summary["data_sources"]  # not the synthetic stand-in
     assert summary["final_accuracy"] >= 0.80, summary  # the final weights, not the best seen
     assert summary["time_to_accuracy"]["0.80"] is not None
-    assert summary["samples"] >= 3 * 60000
+    assert summary["samples"] >= 2 * 60000
     assert summary["bytes_up"] > 0
     # sparse updates of the weights down: far less than a dense copy per step (bytes_raw)
     assert 0 < summary["bytes_down"] < summary["bytes_raw"] / 5  # dense would be about 1x
