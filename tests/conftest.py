@@ -81,6 +81,24 @@ def http_dir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
         server.server_close()
 
 
+_REFERENCES: dict[tuple[Any, ...], Any] = {}
+
+
+def cached_reference(model: str, dataset: Any, **kw: Any) -> Any:
+    """``minips.ml.reference.train(model, dataset, **kw)``'s final weights (a copy), computed
+    once per session for each data set and arguments: the 8-worker BSP tests of the real runner
+    (both optimizer places) and of the simulator compare with the same loop."""
+    import hashlib
+
+    from minips.ml import reference
+
+    digest = hashlib.sha256(dataset.x[:256].tobytes() + dataset.y[:4096].tobytes()).hexdigest()
+    key = (model, len(dataset), digest, tuple(sorted(kw.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference.train(model, dataset, **kw)[0]
+    return _REFERENCES[key].copy()
+
+
 def wait_ready_file(ready: Path, proc: subprocess.Popen[Any],
                     timeout: float = 30.0) -> tuple[str, str]:
     """(host, port) a server process wrote to ``ready`` (its --ready-file); fails, with its

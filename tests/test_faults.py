@@ -306,7 +306,7 @@ def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group
     still had its server, and the workers waited on the stopped one for ever.)"""
     d = procs.run_dir
     lease = 3.0
-    server, address = procs.server(*RUN, "--workers", "2", "--wall-s", "30", "--groups", "1",
+    server, address = procs.server(*RUN, "--workers", "2", "--wall-s", "24", "--groups", "1",
                                    "--external-groups", "1", "--lease", str(lease),
                                    "--heartbeat", "0.5")
     group_args = ("group", "--connect", address, "--listen", "127.0.0.1:0", "--run-dir", str(d))

@@ -70,7 +70,7 @@ def test_ctrl_c_stops_every_child_and_still_writes_the_summary(tmp_path: Path) -
 def test_children_that_exit_with_an_error_are_named(tmp_path: Path) -> None:
     cluster = Cluster(LaunchConfig(out_dir=str(tmp_path)), tmp_path, "token")
     cluster._spawn("worker-0", ["worker", "--help"])  # exits 0
-    cluster._spawn("worker-1", ["worker", "--connect", "no-port-here"])  # bad flag: exits 2
+    cluster._spawn("worker-1", ["worker", "--connect", "127.0.0.1:0"])  # bad flag: exits 2
     assert cluster.collect(timeout_s=60) == ["worker-1"]
     assert "error" in (tmp_path / "logs" / "worker-1.log").read_text()
 
@@ -151,7 +151,7 @@ def test_every_worker_failing_ends_a_local_run_at_once(tmp_path: Path) -> None:
         np.save(tmp_path / "init.npy", np.zeros(PARAM_COUNTS["lenet5"], np.float32))
         cluster.start_server(tmp_path / "init.npy")  # then it waits for its workers
         for i in range(2):
-            cluster._spawn(f"worker-{i}", ["worker", "--connect", "no-port-here"])  # exits 2
+            cluster._spawn(f"worker-{i}", ["worker", "--connect", "127.0.0.1:0"])  # exits 2
         t = time.monotonic()
         with pytest.raises(WorkersFailed, match="worker-0, worker-1 exited with an error"):
             cluster.wait(timeout_s=40, progress=False)

@@ -51,7 +51,7 @@ SLOW = 4.0  # worker B's --slowdown: its steps take at least 4 x the base step, 
 # two groups of one worker each: the faster worker in group 0, the slower in group 1
 SERVER = ("--host", "0.0.0.0", "--workers", "2", "--mode", "gssp", "--groups", "2",
           "--external-groups", "2", "--compressor", "none", "--lr", "0.02",
-          "--batch-size", "64", "--epochs", "0.8", "--base-step", "0.03",
+          "--batch-size", "64", "--epochs", "0.5", "--base-step", "0.03",
           "--checkpoint-every", "1", "--calib-timeout", "60",
           "--dashboard", f"0.0.0.0:{DASHBOARD_PORT}")
 EVAL_SAMPLES = 2000  # test samples for the final accuracy: enough to tell 50% from chance
@@ -298,7 +298,7 @@ def test_roles_on_separate_machines_from_the_printed_lines_group_by_speed_and_re
     assert records(run_dir / "global.jsonl", event="resumed")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["mode"], summary["workers"], summary["groups"]) == ("gssp", 2, 2)
-    assert summary["samples"] >= 0.8 * 60_000  # as of the last merge: the budget was spent
+    assert summary["samples"] >= 0.5 * 60_000  # as of the last merge: the budget was spent
     assert summary["final_accuracy"] is None  # no evaluator (--eval): measured here instead
     assert final_accuracy(run_dir) >= 0.5
     # what the servers saw of the remote workers: steps, per worker by group, bytes, their data

@@ -14,11 +14,11 @@ from typing import cast
 
 import numpy as np
 import pytest
-from conftest import records, until
+from conftest import cached_reference, records, until
 
 from minips.core.config import RunConfig, WorkerConfig
 from minips.evaluator import evaluate_loop
-from minips.ml import data, models, reference
+from minips.ml import data, models
 from minips.net import channel, transport
 from minips.record.rundir import read_jsonl
 from minips.server import GlobalServer, ServerConfig
@@ -69,10 +69,9 @@ PLACES = pytest.mark.parametrize("optimizer_at", ["server", "worker"])
 
 def reference_weights(run: RunConfig, train_set: data.Dataset, workers: int) -> np.ndarray:
     """The plain single-process loop on ``run``'s model, seed and steps over ``workers`` shards."""
-    ref, _ = reference.train(run.model, train_set, lr=run.lr, seed=run.seed, steps=run.max_steps,
-                             workers=workers, momentum=run.momentum,
-                             weight_decay=run.weight_decay)
-    return ref
+    return cached_reference(run.model, train_set, lr=run.lr, seed=run.seed,  # type: ignore[no-any-return]
+                            steps=run.max_steps, workers=workers, momentum=run.momentum,
+                            weight_decay=run.weight_decay)
 
 
 @PLACES
@@ -118,10 +117,10 @@ async def test_eight_workers_bsp_are_synchronous_sgd_with_the_lr_schedule(
                     epochs=1.0, train_size=rounds * workers * 64,  # the budget ends with round 50
                     max_steps=rounds, base_step_s=0.001, calib_steps=1, eval_every_s=0.5)
     srv = await run_cluster(run, tmp_path, slowdowns=[1, 1, 1.5, 1.5, 2, 2, 4, 4])
-    ref, _ = reference.train(run.model, train_set, lr=run.lr, seed=run.seed, steps=rounds,
-                             workers=workers, momentum=run.momentum,
-                             weight_decay=run.weight_decay, lr_warmup=run.lr_warmup,
-                             lr_schedule=run.lr_schedule, train_size=run.train_size)
+    ref = cached_reference(run.model, train_set, lr=run.lr, seed=run.seed, steps=rounds,
+                           workers=workers, momentum=run.momentum,
+                           weight_decay=run.weight_decay, lr_warmup=run.lr_warmup,
+                           lr_schedule=run.lr_schedule, train_size=run.train_size)
     assert srv.core.weights is not None and srv.core.samples == rounds * workers * 64
     # float32 sums of the 8 gradients in arrival order: ~1e-6 apart after 50 rounds
     np.testing.assert_allclose(srv.core.weights, ref, rtol=1e-4, atol=1e-5)
