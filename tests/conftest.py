@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 
 from minips.net import lifeline
@@ -81,10 +82,10 @@ def http_dir(tmp_path: Path) -> Iterator[tuple[Path, str]]:
         server.server_close()
 
 
-_REFERENCES: dict[tuple[Any, ...], Any] = {}
+_REFERENCES: dict[tuple[Any, ...], np.ndarray] = {}
 
 
-def cached_reference(model: str, dataset: Any, **kw: Any) -> Any:
+def cached_reference(model: str, dataset: Any, **kw: Any) -> np.ndarray:
     """``minips.ml.reference.train(model, dataset, **kw)``'s final weights (a copy), computed
     once per session for each data set and arguments: the 8-worker BSP tests of the real runner
     (both optimizer places) and of the simulator compare with the same loop."""

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cached_reference
-from test_worker import reference_weights  # the real runner's reference, the same call
+from test_worker import reference_weights, schedule_reference  # the real runner's references
 
 from minips.core.config import RunConfig
 from minips.ml import data, models
@@ -81,10 +80,7 @@ def test_eight_workers_bsp_are_synchronous_sgd_with_the_lr_schedule(
                     epochs=1.0, train_size=rounds * workers * 64,  # the budget ends with round 50
                     max_steps=rounds, base_step_s=0.001, eval_every_s=0.01)
     got = simulated(run, train_set, tmp_path, slowdowns=[1, 1, 1.5, 1.5, 2, 2, 4, 4])
-    ref = cached_reference(run.model, train_set, lr=run.lr, seed=run.seed, steps=rounds,
-                           workers=workers, momentum=run.momentum,
-                           weight_decay=run.weight_decay, lr_warmup=run.lr_warmup,
-                           lr_schedule=run.lr_schedule, train_size=run.train_size)
+    ref = schedule_reference(run, train_set)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
     evals = read_jsonl(tmp_path / "ref" / "eval.jsonl")
     assert len(evals) > 3 and all(0.0 <= e["accuracy"] <= 1.0 for e in evals)

@@ -69,9 +69,18 @@ PLACES = pytest.mark.parametrize("optimizer_at", ["server", "worker"])
 
 def reference_weights(run: RunConfig, train_set: data.Dataset, workers: int) -> np.ndarray:
     """The plain single-process loop on ``run``'s model, seed and steps over ``workers`` shards."""
-    return cached_reference(run.model, train_set, lr=run.lr, seed=run.seed,  # type: ignore[no-any-return]
+    return cached_reference(run.model, train_set, lr=run.lr, seed=run.seed,
                             steps=run.max_steps, workers=workers, momentum=run.momentum,
                             weight_decay=run.weight_decay)
+
+
+def schedule_reference(run: RunConfig, train_set: data.Dataset) -> np.ndarray:
+    """The plain loop with ``run``'s whole lr schedule (warm-up, decay over ``train_size``): one
+    step per round on the mean of ``run.workers`` gradients, ``run.max_steps`` rounds."""
+    return cached_reference(run.model, train_set, lr=run.lr, seed=run.seed, steps=run.max_steps,
+                            workers=run.workers, momentum=run.momentum,
+                            weight_decay=run.weight_decay, lr_warmup=run.lr_warmup,
+                            lr_schedule=run.lr_schedule, train_size=run.train_size)
 
 
 @PLACES
@@ -117,10 +126,7 @@ async def test_eight_workers_bsp_are_synchronous_sgd_with_the_lr_schedule(
                     epochs=1.0, train_size=rounds * workers * 64,  # the budget ends with round 50
                     max_steps=rounds, base_step_s=0.001, calib_steps=1, eval_every_s=0.5)
     srv = await run_cluster(run, tmp_path, slowdowns=[1, 1, 1.5, 1.5, 2, 2, 4, 4])
-    ref = cached_reference(run.model, train_set, lr=run.lr, seed=run.seed, steps=rounds,
-                           workers=workers, momentum=run.momentum,
-                           weight_decay=run.weight_decay, lr_warmup=run.lr_warmup,
-                           lr_schedule=run.lr_schedule, train_size=run.train_size)
+    ref = schedule_reference(run, train_set)
     assert srv.core.weights is not None and srv.core.samples == rounds * workers * 64
     # float32 sums of the 8 gradients in arrival order: ~1e-6 apart after 50 rounds
     np.testing.assert_allclose(srv.core.weights, ref, rtol=1e-4, atol=1e-5)
