@@ -1,7 +1,9 @@
 """Tables and charts of scripts/reproduce.py: per-run figures, medians over seeds, Markdown, PNGs.
 
-Reads only what a finished run left on disk (summary via ``minips.record.metrics``, launch.json,
-reproduce.json, eval.jsonl); never starts a run and never imports torch.
+The suite types (``Experiment``, ``Suite``) live here, so this module imports nothing of
+reproduce.py. Reads only what a finished run left on disk (summary via
+``minips.record.metrics``, launch.json, reproduce.json, eval.jsonl); never starts a run and
+never imports torch.
 
 Invariants: a run directory is ``<runs>/<suite>-<experiment>-s<seed>`` (``run_name``) and counts
 only when its summary.json says ``"status": "done"`` (``run_done``); unfinished runs are left
@@ -29,18 +31,17 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from minips.core.slowdown import Schedule, Slowdown, parse_schedules, parse_throttle
 from minips.record.metrics import HOPS, Run, load_run, summarize
 
-if TYPE_CHECKING:  # the suite types live in reproduce.py, which imports this module
-    from reproduce import Experiment, Suite
-
-__all__ = ["TAIL_POINTS", "run_name", "run_done", "run_figures", "aggregate", "add_speedups",
+__all__ = ["Experiment", "Suite", "TAIL_POINTS", "run_name", "run_done", "run_figures",
+           "aggregate", "add_speedups",
            "profile_ceiling", "suite_slowdowns", "add_ceiling_shares", "build_table",
            "OVERRUN_LIMIT", "overrun_cell", "overrun_flags", "against", "carry_rows",
            "table_markdown", "plot_suite"]
@@ -48,6 +49,39 @@ __all__ = ["TAIL_POINTS", "run_name", "run_done", "run_figures", "aggregate", "a
 TAIL_POINTS = 5  # evaluations averaged into tail_accuracy (10 s at the quick eval period)
 # the table's columns beyond MB up / down (worker <-> group): tables made before them show –
 GLOBAL_HOPS = ("bytes_group_global", "bytes_global_group", "bytes_total")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One row of the table: a mode and a compressor on top of the suite's settings."""
+
+    label: str  # row name, e.g. "gssp+gdtopk-slower-more"
+    overrides: dict[str, Any]  # RunConfig fields that differ from the suite
+    part: str = "modes"  # "modes" (accuracy vs time chart) or "compression" (vs bytes)
+    link: str | None = None  # this row's links (`minips local --link`); None = the suite's
+    ddp_hook: str = ""  # "": a minips run; none | fp16 | powersgd: torch DDP (bench_ddp.py)
+
+
+@dataclass
+class Suite:
+    """Settings shared by every experiment of one comparison (scripts/reproduce.py builds them)."""
+
+    name: str  # prefix of the run directories and charts
+    run: dict[str, Any]  # RunConfig fields (model, data, optimizer, budget, ...)
+    slowdowns: list[float]  # emulated factor per worker
+    experiments: list[Experiment]
+    seeds: list[int] = field(default_factory=lambda: [0])
+    targets: tuple[float, ...] = (0.80, 0.85)  # accuracies for time-to-accuracy
+    link: str = ""  # the workers' links (`minips local --link`); "" = not limited
+    link_shaping: str = "auto"  # auto | kernel | pacer (`minips local --link-shaping`)
+    description: str = ""  # why the suite is set up as it is (table.json says it)
+    profile: str = ""  # `minips local --slowdown` schedules (speeds that change); "" = slowdowns
+    throttle: str = ""  # `minips local --throttle P,MIN-MAX,SECONDS`; "" = none
+    # the final weights scored on the whole test set too; False for a tuning suite (val_size):
+    # its every figure is then a validation figure, and the test set stays unseen
+    final_test: bool = True
+    # the rows whose time to the highest target is set against every other row, seed by seed
+    leads: tuple[str, ...] = ("gssp",)
 
 
 # -- run directories ---------------------------------------------------------------------------

@@ -58,7 +58,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,8 @@ if _HERE not in sys.path:
 from repro_table import (  # noqa: E402  (needs the sys.path line above)
     OVERRUN_LIMIT,
     TAIL_POINTS,
+    Experiment,
+    Suite,
     add_speedups,
     aggregate,
     build_table,
@@ -109,39 +111,6 @@ RATIO = 0.01  # matched average kept fraction of every sparse compressor (the pa
 STALENESS = 3  # SSP bound, inside GSSP groups too
 QUICK_PROFILE = [1, 1, 1.5, 1.5, 2, 2, 4, 4]  # slowdown factor per worker
 FULL_PROFILE = [1.0] * 4 + [1.5] * 4 + [2.0] * 4 + [4.0] * 4
-
-
-@dataclass(frozen=True)
-class Experiment:
-    """One row of the table: a mode and a compressor on top of the suite's settings."""
-
-    label: str  # row name, e.g. "gssp+gdtopk-slower-more"
-    overrides: dict[str, Any]  # RunConfig fields that differ from the suite
-    part: str = "modes"  # "modes" (accuracy vs time chart) or "compression" (vs bytes)
-    link: str | None = None  # this row's links (`minips local --link`); None = the suite's
-    ddp_hook: str = ""  # "": a minips run; none | fp16 | powersgd: torch DDP (bench_ddp.py)
-
-
-@dataclass
-class Suite:
-    """Settings shared by every experiment of one comparison."""
-
-    name: str  # prefix of the run directories and charts
-    run: dict[str, Any]  # RunConfig fields (model, data, optimizer, budget, ...)
-    slowdowns: list[float]  # emulated factor per worker
-    experiments: list[Experiment]
-    seeds: list[int] = field(default_factory=lambda: [0])
-    targets: tuple[float, ...] = (0.80, 0.85)  # accuracies for time-to-accuracy
-    link: str = ""  # the workers' links (`minips local --link`); "" = not limited
-    link_shaping: str = "auto"  # auto | kernel | pacer (`minips local --link-shaping`)
-    description: str = ""  # why the suite is set up as it is (table.json says it)
-    profile: str = ""  # `minips local --slowdown` schedules (speeds that change); "" = slowdowns
-    throttle: str = ""  # `minips local --throttle P,MIN-MAX,SECONDS`; "" = none
-    # the final weights scored on the whole test set too; False for a tuning suite (val_size):
-    # its every figure is then a validation figure, and the test set stays unseen
-    final_test: bool = True
-    # the rows whose time to the highest target is set against every other row, seed by seed
-    leads: tuple[str, ...] = ("gssp",)
 
 
 # What the ablation found best at 1% (docs/results.md, "Where compression's accuracy goes"):
