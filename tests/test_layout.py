@@ -147,6 +147,30 @@ def test_no_import_loop_between_modules():
     assert find_cycle(graph) is None, f"import loop: {' -> '.join(find_cycle(graph) or [])}"
 
 
+def script_graph() -> dict[str, set[str]]:
+    """scripts/*.py -> the other scripts it imports (by their top-level names, as they do)."""
+    paths = {p.stem: p for p in (ROOT / "scripts").glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                edges.add(node.module or "")
+        graph[name] = (edges & set(paths)) - {name}
+    return graph
+
+
+def test_no_import_loop_between_scripts():
+    """The scripts import each other by name (reproduce -> repro_table); that graph has no loop
+    either, TYPE_CHECKING imports included."""
+    graph = script_graph()
+    assert "repro_table" in graph["reproduce"]
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import loop among scripts: {' -> '.join(cycle or [])}"
+
+
 def test_layers_point_one_way():
     """No loop between packages (and the top-level faces): each layer imports only those
     below it, so a reader can start at the bottom and never meet a name from above."""
