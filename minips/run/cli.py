@@ -60,7 +60,7 @@ from minips.net.endpoints import (
 )
 from minips.record.checkpoint import load
 from minips.record.metrics import summarize
-from minips.record.rundir import claim, dump_json
+from minips.record.rundir import claim, dump_json, holds_run
 from minips.run import flags
 from minips.run.checks import (
     check_address,
@@ -248,6 +248,7 @@ def _cmd_local(args: argparse.Namespace) -> int:
         raise ConfigError(f"--slowdown {len(args.slowdown)} factors for --workers "
                           f"{args.workers}: give one per worker (FxN repeats F N times)")
     check_dir("--data-dir", run.data_dir)
+    _check_name(args)
     if args.workers is None and args.slowdown:
         run = dataclasses.replace(run, workers=len(slowdowns))
     link = check_link(args.link, args.bandwidth, args.latency, run.workers)
@@ -265,6 +266,16 @@ def _cmd_local(args: argparse.Namespace) -> int:
     flags.say_default_budget(args)
     summary = run_local(cfg)
     return {"done": 0, "interrupted": 130, "terminated": 143}.get(summary.get("status", "done"), 1)
+
+
+def _check_name(args: argparse.Namespace) -> None:
+    """`minips local --name NAME` naming a directory that holds a run: refused saying what
+    `local` takes (it has no --resume: a local run starts over, so nothing there continues)."""
+    path = Path(args.out) / args.name if args.name else None
+    if path is not None and not args.force and holds_run(path):
+        raise ConfigError(f"--name {args.name}: {path} holds an earlier run; pass --force to "
+                          f"move it aside ({path}.old-N), or name a new directory with --name "
+                          "(minips local starts every run afresh)")
 
 
 def _cmd_server(args: argparse.Namespace) -> int:

@@ -288,20 +288,58 @@ def _load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
 
 
-def _tokens(path: str, key: str, value: Any, options: set[str]) -> list[str]:
-    """The command-line tokens of one key of a --config file."""
+# what a --config key's TOML value must be, by the argparse type of its flag: (the kind named in
+# an error, the TOML value types that give it); a flag whose type is none of these takes text
+# (a string, a number, or a list it joins with commas)
+_SWITCH = ("true or false", (bool,))
+_INTEGER = ("an integer", (int,))
+_NUMBER = ("a number", (int, float))
+_KINDS: dict[Any, tuple[str, tuple[type, ...]]] = {
+    on_off: ('true or false (or "on" / "off")', (bool, str)),
+    local_steps_arg: ('an integer or "auto"', (int, str)),
+}
+
+
+def _toml_kind(action: argparse.Action) -> tuple[str, tuple[type, ...]]:
+    """The kind of TOML value ``action``'s flag takes (``_KINDS``' terms)."""
+    if action.nargs == 0:  # a switch: --eval, --force
+        return _SWITCH
+    if action.type in _KINDS:
+        return _KINDS[action.type]
+    returns = action.type if action.type in (int, float) else getattr(
+        action.type, "__annotations__", {}).get("return")  # int_at_least, at_least, port ...
+    if returns in (int, "int"):
+        return _INTEGER
+    if returns in (float, "float"):
+        return _NUMBER
+    return "text (a string, a number or a list)", (str, int, float, list)
+
+
+def _tokens(path: str, key: str, value: Any, actions: dict[str, argparse.Action]) -> list[str]:
+    """The command-line tokens of one key of a --config file; a value of the wrong TOML type
+    is refused naming the file, the key and what it takes (``ConfigError``)."""
     flag = "--" + key.replace("_", "-")
-    if flag not in options or flag == "--config":
+    if flag not in actions or flag == "--config":
         raise ConfigError(f"--config {path}: {key!r} is not a flag of this command")
     if key == "copt" and isinstance(value, dict):
         return [t for k, v in value.items() for t in (flag, f"{k}={json.dumps(v)}")]
-    if isinstance(value, bool):
-        return [flag] if value else []
-    if isinstance(value, list):
-        return [flag, ",".join(str(v) for v in value)]
     if isinstance(value, dict):
         raise ConfigError(f"--config {path}: {key!r} is a table; only [copt] is one")
+    expected, types = _toml_kind(actions[flag])
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ConfigError(f"--config {path}: {key} = {_toml(value)}: expected {expected}")
+    if isinstance(value, bool):
+        if actions[flag].nargs == 0:
+            return [flag] if value else []
+        return [flag, "on" if value else "off"]
+    if isinstance(value, list):
+        return [flag, ",".join(str(v) for v in value)]
     return [flag, str(value)]
+
+
+def _toml(value: Any) -> str:
+    """``value`` as it reads in a TOML file (true, "0.05", 3)."""
+    return json.dumps(value) if isinstance(value, (bool, str)) else str(value)
 
 
 def with_config(argv: list[str]) -> list[str]:
@@ -312,8 +350,8 @@ def with_config(argv: list[str]) -> list[str]:
         return argv
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    options = set(sub.choices[argv[0]]._option_string_actions)
-    tokens = [t for k, v in _load_toml(path).items() for t in _tokens(path, k, v, options)]
+    actions = sub.choices[argv[0]]._option_string_actions
+    tokens = [t for k, v in _load_toml(path).items() for t in _tokens(path, k, v, actions)]
     return [argv[0], *tokens, *argv[1:]]
 
 
@@ -539,7 +577,9 @@ def _add_watch(p: argparse.ArgumentParser) -> None:
     """--dashboard and --tensorboard (minips.dashboard; served by the global server)."""
     p.add_argument("--dashboard", default="", metavar="HOST:PORT",
                    help="serve a live web dashboard and Prometheus /metrics here (needs "
-                   "minips[dashboard]; beyond loopback it asks for MINIPS_TOKEN; default off)")
+                   "minips[dashboard]; default off). Beyond loopback every page asks for the "
+                   "dashboard's own read-only token: MINIPS_DASHBOARD_TOKEN, or one made at "
+                   "start and printed in the URL; MINIPS_TOKEN opens nothing there")
     p.add_argument("--tensorboard", default="", metavar="DIR",
                    help="write the run's series as TensorBoard scalars to DIR (default off)")
 
@@ -607,7 +647,8 @@ def _add_clients(sub: Subparsers) -> None:
         w.add_argument("--id", type=int_at_least(-1), default=-1,
                        help="worker id (-1 = assigned)")
         w.add_argument("--slowdown", type=worker_slowdown, default=Schedule.flat(1.0),
-                       help="emulated factor F, or a schedule F@T,F@T (T: s of training)")
+                       help="emulated factor F, or a schedule F@T,F@T (T: s of training); "
+                       "default 1 (not slowed)")
         w.add_argument("--throttle", type=throttle_spec, default="",
                        metavar="P,MIN-MAX,SECONDS", help="random throttling (see minips local)")
         w.add_argument("--bandwidth", type=at_least(0), default=0.0,
@@ -676,7 +717,12 @@ class _ShowDefaults(argparse.HelpFormatter):
 
 
 class _OneLine(argparse.ArgumentParser):
-    """A parser whose errors are one line (no usage block), exit status 2."""
+    """A parser whose errors are one line (no usage block), exit status 2, and that takes a
+    flag only as it is spelled: `--epoch 1` is an error, not `--epochs 1` (argparse's prefix
+    matching would start a run with a typo in it)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
