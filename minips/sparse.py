@@ -37,7 +37,15 @@ of a full sort or partition, and never writes |x| out in full:
    ``k * (1 + max(tolerance / 2, 2 standard errors))`` and any count in
    ``[k, k * (1 + tolerance)]`` is sent as is (no partition at all); more is trimmed to k.
 
-Vectors of at most ``8 * MIN_SAMPLE`` entries skip the sample: one exact partition. The array
+Vectors of at most ``8 * MIN_SAMPLE`` entries skip the sample: one exact partition. When the
+sample's threshold is 0 (the vector is mostly zeros) the candidates are the non-zeros, found in
+one scan: O(n) read, O(nnz) work, never a partition of all n; with fewer than k of them, the
+lowest-index zeros fill the rest (the same k as the partition, by the tie rule below).
+
+``top_among(indices, values, k)`` is the same exact top-k over a vector given by its possibly
+non-zero entries only (a change log's candidates: ``core/changelog.py``): O(m), never O(n).
+``unique_sorted`` drops duplicates by sort plus adjacent compare (``np.unique`` hashes under
+numpy 2.x: ~40 times slower for 450k indices). The array
 steps (gather, k-th value, ``>=`` mask, nonzero) are small methods, so the torch twin
 (``compress.device_compress.TorchTopK``) overrides only them and runs this very algorithm, with
 the sample positions drawn from the same numpy generator: same seed, same indices.
@@ -74,6 +82,9 @@ __all__ = [
     "average",
     "TopKSelector",
     "kept_count",
+    "top_among",
+    "unique_sorted",
+    "union_of",
 ]
 
 
@@ -357,6 +368,52 @@ def kept_count(ratio: float, size: int) -> int:
     return min(size, max(1, int(round(ratio * size))))
 
 
+def unique_sorted(a: np.ndarray) -> np.ndarray:
+    """(m,) the distinct values of ``a``, increasing: a sort and an adjacent compare,
+    O(a log a) (numpy 2.x's ``np.unique`` / ``np.union1d`` hash: 120-260 ms for 450k
+    integers against ~3 ms for this)."""
+    s = np.sort(a, kind="stable")
+    if s.size < 2:
+        return s
+    keep = np.empty(s.size, dtype=np.bool_)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
+
+
+def union_of(parts: Sequence[np.ndarray], size: int) -> np.ndarray:
+    """(m,) uint32 increasing: every index any of ``parts`` (arrays of indices below ``size``)
+    names, once. Sorted when they are few (O(m log m), never O(size)); marked in a (size,)
+    mask when they add up to more than ``size / 8`` (then the mask is the cheaper pass)."""
+    total = sum(int(p.size) for p in parts)
+    if total > size // 8:
+        mask = np.zeros(size, dtype=np.bool_)
+        for p in parts:
+            mask[p] = True
+        return np.flatnonzero(mask).astype(np.uint32)
+    if not parts:
+        return np.empty(0, np.uint32)
+    return unique_sorted(np.concatenate(parts).astype(np.uint32, copy=False))
+
+
+def top_among(indices: np.ndarray, values: np.ndarray, k: int) -> np.ndarray:
+    """The exact top-k by magnitude of a vector that is zero outside ``indices`` ((m,)
+    strictly increasing) where it holds ``values`` ((m,) float32), zeros left out: the
+    indices of the k largest ``|values|``, ties broken by lowest index, increasing. O(m),
+    whatever the vector's length: what ``TopKSelector.select`` then ``!= 0`` gives."""
+    if k <= 0:
+        return indices[:0]
+    nz = values != 0  # (m,) bool
+    if int(np.count_nonzero(nz)) <= k:
+        return indices[nz]
+    mag = np.abs(values)
+    kth = np.partition(mag, mag.size - k)[mag.size - k]  # > 0: more than k are non-zero
+    keep = mag > kth
+    ties = np.flatnonzero(mag == kth)[: k - int(np.count_nonzero(keep))]
+    keep[ties] = True
+    return indices[keep]
+
+
 class TopKSelector:
     """Reusable top-k by magnitude over (n,) float32, exact or sampled; see the module docstring.
 
@@ -368,6 +425,7 @@ class TopKSelector:
         self.tolerance = tolerance  # 0 -> exact k; DGC uses 0.1 -> k to 1.1 k
         self.rng = np.random.default_rng(seed)  # the sample's positions (numpy in the twin too)
         self.refines = 0  # threshold retries in the last call (for tests and stats)
+        self.path = ""  # how the last call chose: "sample", "partition" or "nonzero"
         self._mask, self._mag = self._scratch(size)  # |x| >= threshold, and |x|
 
     def select(self, score: Any, k: int) -> Any:
@@ -375,12 +433,14 @@ class TopKSelector:
         a numpy array (a torch tensor for ``TorchTopK``: the indices are one too, beside it)."""
         n = len(score)
         self.refines = 0
+        self.path = "sample"  # or "partition" (small n) or "nonzero" (``_mostly_zero``)
         if k <= 0:
             return self._arange(0)
         if k >= n:
             return self._arange(n)
         mag = self._magnitude(score)
         if n <= 8 * MIN_SAMPLE:  # small vectors: a full partition is cheapest and exact
+            self.path = "partition"
             return self._trim(mag, self._arange(n), k)
         return self._sampled(mag, k)
 
@@ -399,13 +459,31 @@ class TopKSelector:
         for _ in range(MAX_REFINES + 1):
             # The sample entry that leaves about want/n of the sample above it.
             pos = int(np.clip(s - round(want / n * s), 0, s - 1))
-            cand = self._above(score, self._kth(sample, pos))  # (c,) int64, sorted
+            threshold = self._kth(sample, pos)
+            if not threshold:  # |x| >= 0 would take all n: the non-zeros are the candidates
+                return self._mostly_zero(score, k)
+            cand = self._above(score, threshold)  # (c,) int64, sorted
             c = len(cand)
             if c >= k:
                 return cand if c <= k * (1.0 + self.tolerance) else self._trim(score, cand, k)
             self.refines += 1
             want *= (1.0 + margin) * k / max(c, 1)  # too few: aim lower by the miss
         return self._trim(score, self._arange(n), k)
+
+    def _mostly_zero(self, score: Any, k: int) -> Any:
+        """The k largest of a vector whose k-th largest may be 0: among its non-zeros (one
+        scan, then O(nnz)); fewer than k of them are all kept, with the lowest-index zeros."""
+        self.path = "nonzero"
+        nz = self._nonzero(score)  # (c,) int64 sorted
+        c = len(nz)
+        if c >= k:
+            return self._trim(score, nz, k)
+        # the k - c zeros kept lie below k; with j non-zeros below their end L = k - c + j
+        # the result is 0..L-1 then nz[j:], already sorted: j counts nz[t] - t < k - c
+        j = int(((nz - self._arange(c)) < (k - c)).sum())
+        out = self._arange(k)
+        out[k - c + j:] = nz[j:]
+        return out
 
     def _trim(self, score: Any, cand: Any, k: int) -> Any:
         """Exactly the k largest among sorted candidates ``cand``, kept in index order."""

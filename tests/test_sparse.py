@@ -328,6 +328,69 @@ def test_ties_and_zeros_fall_back_correctly() -> None:
     assert idx.size == 400 and np.all(spike[idx] == 1.0)
 
 
+def _old_exact_top(x: np.ndarray, k: int) -> np.ndarray:
+    """The exact top-k by a full stable sort: largest magnitudes, ties by lowest index."""
+    order = np.argsort(-np.abs(x), kind="stable")[:k]
+    return np.sort(order)
+
+
+@pytest.mark.parametrize("nnz", [0, 1, 37, 999, 1000, 1500])
+def test_a_mostly_zero_vector_is_selected_among_its_nonzeros(nnz: int) -> None:
+    # Replica.answer's path in every single-group run: fewer non-zeros than k. The candidates
+    # the selector trims are the non-zeros only (never a partition of all n), and the result
+    # is the partition's: the non-zeros, then the lowest-index zeros.
+    n, k = 2_000_000, 1000
+    rng = np.random.default_rng(nnz)
+    x = np.zeros(n, np.float32)
+    at = rng.choice(n, nnz, replace=False)
+    x[at] = rng.laplace(size=nnz).astype(np.float32) + 0.5
+    trimmed: list[int] = []
+
+    class Spy(TopKSelector):
+        def _trim(self, score: Any, cand: Any, k: int) -> Any:
+            trimmed.append(len(cand))
+            return super()._trim(score, cand, k)
+
+    sel = Spy(n, seed=nnz)
+    idx = sel.select(x, k)
+    if nnz <= k:  # (more than k: the sample may see them and take the sampled path)
+        assert sel.path == "nonzero" and all(c <= nnz for c in trimmed)
+    assert np.array_equal(idx, _old_exact_top(x, k))
+    if nnz <= k:  # sampled mode (DGC) too: the same k as the full partition it replaced
+        assert np.array_equal(Spy(n, seed=nnz, tolerance=0.1).select(x, k), idx)
+
+
+def test_top_among_is_the_exact_top_k_of_the_whole_vector() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(1, 300))
+        m = int(rng.integers(0, n + 1))
+        idx = np.sort(rng.choice(n, m, replace=False)).astype(np.uint32)
+        vals = rng.integers(-3, 4, size=m).astype(np.float32)  # ties and zeros
+        x = np.zeros(n, np.float32)
+        x[idx] = vals
+        k = int(rng.integers(0, n + 1))
+        want = _old_exact_top(x, k)
+        want = want[x[want] != 0]
+        assert np.array_equal(sparse.top_among(idx, vals, k), want)
+
+
+def test_top_among_never_touches_the_vectors_length() -> None:
+    # 2^40 coordinates would take 4 TiB dense: only the m candidates are read
+    idx = np.array([3, 2**39, 2**40 - 1], np.int64)
+    vals = np.array([0.5, -2.0, 0.0], np.float32)
+    assert sparse.top_among(idx, vals, 1).tolist() == [2**39]
+    assert sparse.top_among(idx, vals, 5).tolist() == [3, 2**39]  # fewer than k: the non-zeros
+
+
+def test_unique_sorted_equals_np_unique() -> None:
+    rng = np.random.default_rng(9)
+    for size in (0, 1, 2, 17, 5000):
+        a = rng.integers(0, 50, size=size).astype(np.uint32)
+        got = sparse.unique_sorted(a)
+        assert got.dtype == a.dtype and np.array_equal(got, np.unique(a))
+
+
 @pytest.mark.timeout(120)
 def test_bench_script_prints_one_json_object() -> None:
     import json
@@ -377,3 +440,17 @@ def test_average_of_a_round_mixes_dense_and_sparse() -> None:
     sg = sparse.SparseVector(np.array([1, 3], np.uint32), np.array([4.0, -2.0], np.float32), 4)
     np.testing.assert_array_equal(sparse.average([dense, sg], 4), [0.5, 3.0, 1.5, 1.0])
     assert sparse.average([sg], 4) is sg  # a round of one is applied as it came
+
+
+def test_union_of_sorts_few_and_masks_many() -> None:
+    rng = np.random.default_rng(4)
+    for size, count in ((10_000, 3), (10_000, 400), (64, 50)):  # few: sorted; many: the mask
+        parts = [rng.integers(0, size, count).astype(np.uint32) for _ in range(5)]
+        got = sparse.union_of(parts, size)
+        assert got.dtype == np.uint32
+        assert np.array_equal(got, np.unique(np.concatenate(parts)))
+    assert sparse.union_of([], 10).size == 0
+    # far fewer indices than the length: no (size,) mask is made (2^32 bools would be 4 GiB)
+    huge = sparse.union_of([np.array([2**32 - 1, 5], np.uint32), np.array([5], np.uint32)],
+                           2**32)
+    assert huge.tolist() == [5, 2**32 - 1]

@@ -265,7 +265,7 @@ class Replica:
         idx = top_entries(self._selector, diff, self.ratio)
         self.known[idx] = weights[idx]
         if repeat:
-            idx = np.union1d(self.unacked, idx)
+            idx = sparse.unique_sorted(np.concatenate([self.unacked, idx]))
         if idx.size > DENSE_AT * weights.size:
             return self._dense(weights)
         self.unacked, self.dense_unacked = idx, False
