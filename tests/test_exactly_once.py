@@ -89,10 +89,10 @@ async def test_an_exchange_before_the_connections_first_pull_is_refused_with_ord
 
 def test_the_sessions_remembered_are_bounded_and_survive_a_checkpoint() -> None:
     merged = Merged()
-    for session in range(MAX_SESSIONS + 10):
+    for session in range(MAX_SESSIONS):
         merged.note(session, 3)
-    assert len(merged.last) == MAX_SESSIONS
-    assert not merged.holds(0, 3) and merged.holds(MAX_SESSIONS + 9, 2)  # the oldest forgotten
+    assert len(merged.last) == MAX_SESSIONS and merged.full(MAX_SESSIONS)  # a new one: refused
+    assert merged.holds(0, 3) and not merged.full(0)  # the oldest is never forgotten
     merged.note(10, 4)  # merged again: now the newest
     back = Merged(merged.pairs())
     assert back.last == merged.last and list(back.last)[-1] == 10

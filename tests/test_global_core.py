@@ -9,6 +9,7 @@ import pytest
 
 from minips import sparse
 from minips.core.config import RunConfig
+from minips.core.exchange import MAX_SESSIONS, Merged
 from minips.core.global_core import (
     Action,
     AllFinal,
@@ -139,6 +140,42 @@ def test_group_answers_name_the_exchanges_held_and_a_repeat_is_not_merged_twice(
     assert np.asarray(w).tolist() == [0.5] * N
     c.checkpoint_state()  # a snapshot records the exchange it holds
     assert c.exchange_reply(0, delta).saved_exchanges == [[-1, -1], [7, 1]]
+
+
+def test_a_replay_is_not_merged_twice_however_many_sessions_came_between() -> None:
+    # 65 group process runs (the old window was 64), then the first one's exchange replayed:
+    # answered as a repeat, also by a core resumed from a checkpoint taken after them
+    c = core(np.zeros(N, np.float32), workers=1)
+    c.roster.admit(0)
+    grouped(c)
+    one = np.ones(N, np.float32)
+    for session in range(1, 67):
+        c.on_exchange(0, one, {"samples": 1, "session": session, "seq": 1})
+    assert c.version == 66
+    c.on_exchange(0, one, {"samples": 1, "session": 1, "seq": 1})  # session 1's lost reply
+    assert c.version == 66 and c.samples == 66
+    state = c.checkpoint_state()
+    back = core(None, workers=1)
+    back.load_state_dict(state)
+    back.resume({0: GroupHandle(0, "h:0", [0])}, state)
+    _, actions = back.on_exchange(0, one, {"samples": 1, "session": 1, "seq": 1})
+    assert back.version == 66 and [a.event for a in actions if isinstance(a, Log)] == [
+        "merge_repeat"]
+
+
+def test_past_the_sessions_kept_a_new_session_is_refused_not_an_old_one_forgotten() -> None:
+    c = core(np.zeros(N, np.float32), workers=1)
+    c.roster.admit(0)
+    grouped(c)
+    one = np.ones(N, np.float32)
+    c.merged[0] = Merged([[s, 1] for s in range(MAX_SESSIONS)])  # the run's sessions so far
+    with pytest.raises(RemoteProtocolError, match="sessions already"):  # ERROR invalid
+        c.on_exchange(0, one, {"samples": 1, "session": MAX_SESSIONS, "seq": 1})
+    assert c.version == 0 and c.samples == 0  # nothing of it merged
+    c.on_exchange(0, one, {"samples": 1, "session": 0, "seq": 1})  # the oldest: still a repeat
+    assert c.version == 0
+    c.on_exchange(0, one, {"samples": 1, "session": 0, "seq": 2})  # a known session goes on
+    assert c.version == 1
 
 
 def test_a_checkpoint_state_comes_back_into_a_new_core() -> None:

@@ -20,8 +20,9 @@ so the rebase is one line whatever the ratio: ``w += w_sync' - sent``.
 
 Exactly once. Each exchange carries ``session`` (random, one per group server process) and
 ``seq`` (1, 2, ... within the session) in its counters. The global server remembers the last
-seq it merged of each of a group's recent sessions (``Merged``) and answers an exchange whose
-seq is not above it, a repeat or an older one replayed, without merging again. When the reply is
+seq it merged of each of a group's sessions for the run's lifetime (``Merged``, at most
+``MAX_SESSIONS``: past it a new session is refused) and answers an exchange whose seq is not
+above it, a repeat or an older one replayed, without merging again. When the reply is
 lost (``ConnectionError``) the exchange stays *pending*: the next attempt sends the very same
 ``s`` and counters under the same seq, so whether or not the first copy was merged, ``s`` lands
 once and the reconciliation above stays right (a repeat's answer also carries again what the
@@ -125,12 +126,16 @@ __all__ = [
 # frames.MAX_META_BYTES (at most ~110 KiB of msgpack); exchanges come every few pushes, so only a
 # group cut off from its global server for long has more
 MAX_PULLS = 8192
-MAX_SESSIONS = 64  # sessions per group whose last merged seq is kept: one per group process run
-# (restarts, replacements), a few in a run; past it the one merged longest ago is forgotten
+MAX_SESSIONS = 4096  # sessions per group whose last merged seq is kept for the run's lifetime:
+# one per group process run (restarts, replacements), a few in a run; 4096 pairs are ~64 KiB in a
+# checkpoint. Past it a session the group never had is refused, never forgotten: a replay of a
+# forgotten session would be merged twice
 
 
 class Merged:
-    """The last seq merged of each recent session of one group (at most ``MAX_SESSIONS``)."""
+    """The last seq merged of every session of one group (at most ``MAX_SESSIONS``), kept for
+    the run's lifetime (and in its checkpoints): a replay is never merged twice, however many
+    sessions came between."""
 
     def __init__(self, pairs: list[list[int]] | None = None) -> None:
         self.last: dict[int, int] = {}  # session -> last merged seq, merged longest ago first
@@ -141,12 +146,15 @@ class Merged:
         """Exchange (``session``, ``seq``) is merged already, or older than one that is."""
         return seq <= self.last.get(session, -1)
 
+    def full(self, session: int) -> bool:
+        """``session`` is new and the record holds ``MAX_SESSIONS`` already: it may not merge
+        (its first exchange is refused, ERROR ``invalid``; the run's earlier sessions stay)."""
+        return session not in self.last and len(self.last) >= MAX_SESSIONS
+
     def note(self, session: int, seq: int) -> None:
         """Exchange (``session``, ``seq``) is merged now."""
         self.last.pop(session, None)
         self.last[session] = seq
-        while len(self.last) > MAX_SESSIONS:
-            del self.last[next(iter(self.last))]
 
     def pairs(self) -> list[list[int]]:
         """[session, seq] of each session, merged longest ago first (for a checkpoint)."""

@@ -53,7 +53,7 @@ and reads the file (``checkpoint.py``: atomic, no pickle). A snapshot is taken i
 ``await`` inside), so the global weights, the counters and each in-process group's weights,
 optimizer state and clocks are consistent with each other; arrays are copies. The last merged
 exchange of each group (session, seq) is saved too, with the last merged seq of each of its
-recent sessions (``exchange.Merged``), so a group process that resends an exchange
+sessions (``exchange.Merged``), so a group process that resends an exchange
 the restored server already holds does not get it merged twice, and so that it can send again
 those the checkpoint lacks: each snapshot records it in ``GroupHandle.snapshots``, which the
 replies to group processes name (exchange.py). The global server's copies of what each group
@@ -73,6 +73,7 @@ import numpy as np
 from minips import sparse
 from minips.core.config import RunConfig
 from minips.core.exchange import (
+    MAX_SESSIONS,
     Delta,
     ExchangeResult,
     Merged,
@@ -446,6 +447,11 @@ class GlobalCore:
                                                           "merged_seq": merged.last[key[0]]})]
         else:
             self.check_counters(g, stats)
+            if key[1] >= 0 and merged.full(key[0]):
+                raise RemoteProtocolError(
+                    f"group {g} had {MAX_SESSIONS} sessions already (one per group process "
+                    "run): a new one is refused so that none is forgotten and merged twice",
+                    expected="a session this group had", got=key[0])
             if key[1] >= 0:
                 merged.note(*key)
             h.last_exchange = key
