@@ -234,3 +234,24 @@ def test_a_workers_first_stats_says_where_its_data_came_from_and_is_logged() -> 
     for bad in ({"dataset": 3}, {"synthetic": "yes"}, {"owner": "x"}, {"source": "x" * 5000}):
         with pytest.raises(LocalProtocolError, match="Stats.data"):
             messages.Stats(clock=0, step_time=0.01, loss=1.0, data=bad)
+
+
+def test_a_group_process_told_its_group_before_the_groups_form_gets_its_h_not_0() -> None:
+    # ``--local-steps auto``: the ASSIGN a group process gets (sessions.external_group, before
+    # groups_formed) carries the H the grouping then gives the group, as the workers' does
+    c = core(np.zeros(N, np.float32), workers=4, groups=2, mode="gssp", optimizer_at="worker",
+             local_steps=0, local_steps_max=8)
+    for w, t in enumerate((0.05, 0.05, 0.2, 0.2)):
+        c.roster.admit(w)
+        c.on_stats(w, stats(t), 0.0)
+    assignment = c.first_assignment(0.0)
+    handles = [GroupHandle(g, f"h:{g}", sorted(w for w, v in assignment.items() if v == g))
+               for g in (0, 1)]
+    early = [c.assign_message(h).local_steps for h in handles]  # before the groups form
+    assert early == [8, 2]
+    c.groups_formed(handles, assignment)
+    assert [c.assign_message(h).local_steps for h in handles] == early
+    one = core(np.zeros(N, np.float32), workers=1, optimizer_at="worker", local_steps=0)
+    assert one.assign_message(GroupHandle(0, "h:0", [0])).local_steps == 8  # nothing known yet
+    fixed = core(np.zeros(N, np.float32), workers=1, optimizer_at="worker", local_steps=3)
+    assert fixed.assign_message(GroupHandle(0, "h:0", [0])).local_steps == 0  # 0: the run's H

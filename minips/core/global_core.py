@@ -81,6 +81,7 @@ from minips.core.exchange import (
     exchange_ratio,
 )
 from minips.core.group_core import Log
+from minips.core.local_steps import auto_local_steps
 from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.wire import frames, messages
@@ -241,6 +242,7 @@ class GlobalCore:
         self.failure = ""  # why the run ended short or broken ("" = it did not; ``fail``)
         self.train_size = run.epoch_samples()
         self.started_training = 0.0  # wall time when the groups were formed
+        self._first_steps: dict[int, int] = {}  # local steps auto: H per group, first grouping
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -318,7 +320,21 @@ class GlobalCore:
         set (``ratio_of``), before the groups open."""
         assignment = self.roster.first_assignment()
         self.roster.first_ratios(assignment, now)
+        self._first_steps = self._steps_for(assignment)
         return assignment
+
+    def _steps_for(self, assignment: dict[int, int]) -> dict[int, int]:
+        """Local steps auto: each group's H for ``assignment`` as ``groups_formed`` will set it
+        (its members' mean step time, ``auto_local_steps``), so that an ASSIGN sent before
+        (a group process's: ``assign_message``) carries it too; {} with the run's H."""
+        if not self.run.local_steps_auto:
+            return {}
+        times: dict[int, list[float]] = {}
+        for w, g in assignment.items():
+            if t := self.workers[w].step_time:
+                times.setdefault(g, []).append(t)
+        return auto_local_steps({g: float(np.mean(t)) for g, t in times.items()},
+                                self.run.local_steps_max)
 
     def ratio_of(self, g: int) -> float:
         """The GDTopK ratio group ``g`` opens with (``Roster.ratio_of``)."""
@@ -630,7 +646,15 @@ class GlobalCore:
         s = self.run.staleness_bound
         return messages.Assign(group=h.id, address=h.address, ratio=h.ratio,
                                staleness=-1 if s is None else int(s),
-                               local_steps=h.local_steps)
+                               local_steps=self.local_steps_of(h))
+
+    def local_steps_of(self, h: GroupHandle) -> int:
+        """Group ``h``'s H for its ASSIGN: the one ``Roster.update_local_steps`` set, or with
+        local steps auto before it did (a group process is given its group before the groups
+        form) the first grouping's (``_steps_for``), else the fastest group's; 0: the run's."""
+        if h.local_steps or not self.run.local_steps_auto:
+            return h.local_steps
+        return self._first_steps.get(h.id) or self.run.local_steps_max
 
     def traffic(self) -> dict[str, int]:
         """Worker <-> group bytes so far (group processes: as of their last exchange)."""
