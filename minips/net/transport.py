@@ -23,9 +23,10 @@ Invariants:
   waits ``first``, then twice as long each time up to ``most``, each delay times a random
   factor in [0.5, 1) (jitter: peers that lost a server together do not come back in step), and
   never past the deadline; a set ``wake`` event cuts a wait short (a worker told of a new group
-  address tries it at once). It gives up with ``ConnectionError`` once the deadline has passed
-  or ``attempts`` were made; any other exception (or one in ``fatal``: a refused secret) passes
-  through at once.
+  address tries it at once). It gives up with ``Unreachable`` (a ``ConnectionError`` naming
+  the address and the failure in words: refused, unreachable, timed out) once the deadline has
+  passed or ``attempts`` were made; any other exception (or one in ``fatal``: a refused
+  secret) passes through at once.
 - A server handler only ever sees an authenticated channel: HELLO, CHALLENGE, AUTH and WELCOME
   have passed within ``handshake_timeout``, and ``accept`` agreed.
 - Before that a connection costs a few KB (16 KiB frames at most, handshake.py), at most
@@ -42,7 +43,7 @@ Public API:
 - ``backoff``, ``delay`` and its defaults ``FIRST_S`` / ``MOST_S``.
 - ``install_uvloop() -> bool``: use uvloop's event loop policy where it imports.
 - ``async connect(host, port, *, role, worker_id, token, timeout, retries, ssl, ...) -> Channel``
-  raises ``AuthError`` on REFUSE, ``ConnectionError`` when unreachable within ``timeout``, and
+  raises ``AuthError`` on REFUSE, ``Unreachable`` when unreachable within ``timeout``, and
   at once ``TLSError`` (a ``ConnectionError``) naming why TLS failed: the certificate (not
   signed by the CA, not for the name or address dialled) or a peer that speaks plain text.
 - ``async serve(host, port, *, accept, handler, token, ssl, options) -> Server``:
@@ -70,9 +71,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import inspect
 import logging
 import random
+import socket
 import ssl as ssl_module
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -90,6 +93,8 @@ __all__ = [
     "MOST_S",
     "delay",
     "backoff",
+    "Unreachable",
+    "failure_kind",
     "Accept",
     "Handler",
     "Server",
@@ -165,11 +170,13 @@ async def backoff(attempt: Callable[[float], Awaitable[T]], *, timeout: float, w
     not in ``fatal``) for up to ``timeout`` seconds and ``attempts`` attempts (None: as many as
     fit).
 
-    ``on_fail(exc)`` sees each retried failure. Raises ``ConnectionError`` naming ``what``, the
-    number of attempts and the last failure once the deadline or ``attempts`` is reached."""
+    ``on_fail(exc)`` sees each retried failure. Raises ``Unreachable`` (a ``ConnectionError``)
+    naming ``what``, the number of attempts and the last failure in words once the deadline or
+    ``attempts`` is reached; no attempt is made with no time left (it could only time out)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     failures = 0
+    telling: BaseException | None = None  # the failure the error will name
     while True:
         try:
             return await attempt(max(0.0, deadline - loop.time()))
@@ -178,11 +185,54 @@ async def backoff(attempt: Callable[[float], Awaitable[T]], *, timeout: float, w
         except retry_on as exc:
             failures += 1
             on_fail(exc)
-            left = deadline - loop.time()
-            if left <= 0 or (attempts is not None and failures >= attempts):
-                raise ConnectionError(f"{what} within {timeout} s ({failures} attempts): "
-                                      f"{exc!r}") from None
-            await _wait(min(delay(failures, first, most), left), wake)
+            # an attempt the deadline cut short says less than a refusal or a missing route
+            telling = exc if telling is None or not _timed_out(exc) else telling
+            if attempts is not None and failures >= attempts or deadline <= loop.time():
+                raise Unreachable(what, timeout, failures, telling) from None
+            await _wait(min(delay(failures, first, most), deadline - loop.time()), wake)
+            if deadline <= loop.time():  # no time left for an attempt that could succeed
+                raise Unreachable(what, timeout, failures, telling) from None
+
+
+def _timed_out(exc: BaseException) -> bool:
+    return isinstance(exc, (asyncio.TimeoutError, TimeoutError))
+
+
+def failure_kind(exc: BaseException) -> str:
+    """What a failed attempt to reach a peer says, in words: refused, unreachable, timed out,
+    a name that does not resolve, reset; else the exception itself."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (nothing listens on that port, or a firewall rejects it)"
+    if _timed_out(exc):
+        return ("timed out (no answer: the host is down, or a firewall drops the packets)")
+    if isinstance(exc, socket.gaierror):
+        return f"the host name does not resolve ({exc.strerror})"
+    if isinstance(exc, OSError) and exc.errno in _UNREACHABLE:
+        return f"unreachable ({exc.strerror}: no route to that address from here)"
+    if isinstance(exc, ConnectionResetError):
+        return "connection reset by the peer"
+    return repr(exc)
+
+
+_UNREACHABLE = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN,
+                errno.EADDRNOTAVAIL, errno.EINVAL}  # EINVAL: a blackhole route
+
+
+class Unreachable(ConnectionError):
+    """``backoff`` gave up: every attempt failed within the time given. The message names the
+    address (``what``), the time, the attempts and the last failure in words
+    (``failure_kind``); ``last`` is that failure, ``kind`` its words, ``silent`` whether
+    nothing answered at all."""
+
+    def __init__(self, what: str, timeout: float, failures: int, last: BaseException) -> None:
+        self.last, self.kind = last, failure_kind(last)
+        # nothing answered on that port (refused, no route, timed out, no such name): not a
+        # server that speaks another protocol (TLS) either
+        self.silent = _timed_out(last) or isinstance(last, (ConnectionRefusedError,
+                                                              socket.gaierror)) \
+            or isinstance(last, OSError) and last.errno in _UNREACHABLE
+        super().__init__(f"{what} within {timeout} s ({failures} attempt"
+                         f"{'s' if failures != 1 else ''}): {self.kind}")
 
 
 async def _wait(seconds: float, wake: asyncio.Event | None) -> None:

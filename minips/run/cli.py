@@ -443,7 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _explain(args: argparse.Namespace, exc: BaseException) -> str:
     """The error, or why a plain client could not connect: the server speaks TLS."""
     if (isinstance(exc, ConnectionError) and getattr(args, "connect", None)
-            and not getattr(args, "tls_ca", None)):
+            and not getattr(args, "tls_ca", None)
+            and not getattr(exc, "silent", False)):  # nothing answered: no TLS probe to wait on
         host, port = parse_address(args.connect)
         if speaks_tls(host, port):
             return (f"{args.connect}: the server speaks TLS; pass --tls-ca CA_FILE (the CA or "
