@@ -337,6 +337,38 @@ INLINE_SHARE = 0.125
 RECONNECT_FIRST_S, RECONNECT_MAX_S = 0.1, 2.0  # group reconnect delays (doubling, jittered)
 
 
+# Calibration: the speed a worker reports before it is grouped. A CPU quota (a cgroup's, or a
+# board that throttles) runs a process at full speed for its share of each period, then not at
+# all: steps shorter than the period mostly run fast, with one long step per period. So the
+# worker times windows of consecutive steps, each longer than two quota periods (the kernel's
+# default period is 100 ms), takes each window's mean step (what the quota allows) and reports
+# the median window (a start-up hiccup in one window does not count). The fastest step, reported
+# before, read a worker held to 20% of a core as faster than a free one.
+CALIB_WINDOW_S = 0.25  # seconds of steps in one window
+CALIB_WINDOWS = 3  # windows timed at least; their median is the reported step time
+
+
+def calibrated_step_time(times: list[float], window_s: float = CALIB_WINDOW_S) -> float:
+    """The step time (s) to report from calibration step ``times`` (s, in order): consecutive
+    steps in windows of at least ``window_s`` (a shorter rest joins the last window), each
+    window's mean step, their median. Steps longer than ``window_s`` are windows of one: the
+    median of the steps."""
+    windows: list[list[float]] = [[]]
+    for t in times:
+        if sum(windows[-1]) >= window_s:
+            windows.append([])
+        windows[-1].append(t)
+    if len(windows) > 1 and sum(windows[-1]) < window_s:
+        rest = windows.pop()
+        windows[-1] += rest
+    return float(np.median([np.mean(w) for w in windows]))
+
+
+def calibration_done(times: list[float], steps: int) -> bool:
+    """Enough steps timed: at least ``steps`` of them and ``CALIB_WINDOWS`` windows."""
+    return len(times) >= max(1, steps) and sum(times) >= CALIB_WINDOWS * CALIB_WINDOW_S
+
+
 class WorkerStopped(MiniPSError):
     """A server ended this worker's run with ERROR (``minips worker`` exits non-zero)."""
 
@@ -412,19 +444,22 @@ class Worker:
                                                         codec=codec, buffers=tuple(buffers)))
 
     async def _calibrate(self) -> None:
-        """Time a few steps on the first batch (model, stream and compressor untouched)."""
-        times, loss = [], 0.0
-        for _ in range(max(1, self.run_cfg.calib_steps)):
+        """Time steps on the first batch (model, stream and compressor untouched) until
+        ``calibration_done``; report ``calibrated_step_time`` of them. The first step is not
+        timed: it pays for one-off allocations and lazy initialisation."""
+        loss, _ = await self._gradient(*self.parts.first_batch)
+        times: list[float] = []
+        while not calibration_done(times, self.run_cfg.calib_steps):
             t = time.perf_counter()
             loss, _ = await self._gradient(*self.parts.first_batch)
             times.append(await self._stretch(time.perf_counter() - t))
-        # The fastest step: other processes starting up only ever make a step slower.
-        await self.control.ch.send(messages.Stats(clock=0, step_time=float(np.min(times)),
-                                                  loss=loss, samples=0, data=self.parts.data))
+        step_time = calibrated_step_time(times)
+        await self.control.ch.send(messages.Stats(clock=0, step_time=step_time, loss=loss,
+                                                  samples=0, data=self.parts.data))
         self._stats_at = self._status_at = time.monotonic()
         self._recent: list[float] = []  # step times since the last STATS
-        print(f"minips worker {self.id}: {1e3 * float(np.min(times)):.0f} ms/step measured; "
-              "waiting for its group", file=sys.stderr, flush=True)
+        print(f"minips worker {self.id}: {1e3 * step_time:.0f} ms/step measured "
+              f"({len(times)} steps); waiting for its group", file=sys.stderr, flush=True)
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.writer is not None:

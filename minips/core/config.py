@@ -227,7 +227,7 @@ class RunConfig:
     seed: int = 0  # model init, data order, compressor sampling
     workers: int = 4  # number of workers the global server waits for before grouping
     base_step_s: float = 0.04  # emulated base step time; a step takes max(compute, F x this)
-    calib_steps: int = 5  # steps timed before a worker reports its speed (the fastest counts)
+    calib_steps: int = 5  # steps timed at least before a worker reports its speed (worker.py)
     epochs: float = 0.0  # budget: epochs over the training set, all workers together; 0 = none
     wall_s: float = 0.0  # budget: seconds of training; 0 = none
     max_steps: int = 0  # per-worker cap on pushes; 0 = none (reference tests)
