@@ -89,8 +89,9 @@ def test_the_command_prints_its_summary_and_refuses_bad_flags(tmp_path: Path) ->
     cmd = [sys.executable, "-m", "minips", "simulate", "--slowdown", "1,2,4,4",
            "--mode", "gssp", "--compressor", "gdtopk", "--ratio", "0.05", "--dim", "500",
            "--max-pushes", "400", "--link-mbit", "10", "--latency-ms", "5",
-           "--out", str(tmp_path), "--name", "cli"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+           "--out", str(tmp_path)]
+    out = subprocess.run([*cmd, "--name", "cli", "--json"], capture_output=True, text=True,
+                         timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["workers"] == 4 and got["pushes"] >= 400 and got["compressor"] == "gdtopk"
@@ -99,6 +100,40 @@ def test_the_command_prints_its_summary_and_refuses_bad_flags(tmp_path: Path) ->
     bad = subprocess.run([*cmd[:4], "--dim", "0", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "--dim 0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_without_json_the_command_names_its_figures_and_what_the_workers_train(
+        tmp_path: Path) -> None:
+    """Sentences, not a JSON line; a run that names a model and a data set (as
+    examples/course.toml does) says in one line that the synthetic objective trains instead."""
+    cmd = [sys.executable, "-m", "minips", "simulate", "--slowdown", "1,2", "--mode", "gssp",
+           "--model", "lenet5", "--dataset", "fashion-mnist", "--dim", "200",
+           "--max-pushes", "100", "--no-plot", "--out", str(tmp_path), "--name", "said"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    summary = json.loads((tmp_path / "said" / "summary.json").read_text())
+    first, figures = out.stdout.splitlines()[:2]
+    assert not out.stdout.lstrip().startswith("{")
+    assert f"{summary['sim_s']:.2f} s of simulated training" in first
+    assert "2 workers in" in first and "pushes " in figures and "mean staleness" in figures
+    assert "no accuracy" in figures and f"{tmp_path / 'said'}" in out.stdout
+    said = [line for line in out.stderr.splitlines() if "synthetic quadratic" in line]
+    assert len(said) == 1 and "lenet5 on fashion-mnist is not trained" in said[0]
+
+
+def test_sim_s_is_the_simulated_training_time_not_the_next_evaluation_tick(
+        tmp_path: Path) -> None:
+    """A run that spends its budget at ~1 s with evaluations every 5 s: sim_s is when the
+    budget was spent (train_s, the done event), and no evaluation is drawn at 5 s."""
+    run = RunConfig(workers=2, mode="ssp", lr_warmup=0, dataset="synthetic", epochs=100,
+                    base_step_s=0.04)
+    s = simulate(SimConfig(run=run, slowdowns=[1, 2], dim=50, max_pushes=40, eval_every_s=5.0,
+                           out_dir=str(tmp_path), name="short"))
+    done = [r["t"] for r in read_jsonl(tmp_path / "short" / "global.jsonl")
+            if r["event"] == "done"]
+    assert s["sim_s"] == pytest.approx(s["train_s"]) == pytest.approx(done[-1])
+    assert 0.5 < s["sim_s"] < 2.0
+    last_eval = read_jsonl(tmp_path / "short" / "eval.jsonl")[-1]
+    assert last_eval["final"] and last_eval["t"] < 2.0
 
 
 def test_every_simulate_option_has_help() -> None:
@@ -205,7 +240,7 @@ def test_the_demo_preset_brings_its_slowdowns_to_the_simulator_too(tmp_path: Pat
     """`minips simulate --preset demo` simulates the demo's cluster: 8 workers at
     1,1,1.5,1.5,2,2,4,4, grouped by those speeds (it used to simulate 8 equal workers)."""
     cmd = [sys.executable, "-m", "minips", "simulate", "--preset", "demo", "--dim", "200",
-           "--max-pushes", "300", "--no-plot", "--out", str(tmp_path), "--name", "demo"]
+           "--max-pushes", "300", "--no-plot", "--json", "--out", str(tmp_path), "--name", "demo"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)

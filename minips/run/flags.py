@@ -461,6 +461,8 @@ def add_simulate_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentPars
     p.add_argument("--max-pushes", type=int, default=0,
                    help="stop after this many pushes (default 0: the --epochs budget)")
     p.add_argument("--no-plot", action="store_true", help="do not draw PNGs at the end")
+    p.add_argument("--json", action="store_true", help="print the summary's headline as one "
+                   "JSON line instead of sentences")
     p.add_argument("--out", default="runs", help="parent directory of the run directory")
     p.add_argument("--name", help="run directory name (default: time-sim-mode-compressor)")
 
@@ -474,9 +476,9 @@ def failures(text: str) -> list[Failure]:
 
 
 def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
-    """Run the simulation; print its summary's headline as JSON."""
+    """Run the simulation; print its summary (as JSON with --json)."""
     from minips.record.plot import plot_run
-    from minips.sim.simulate import SimConfig, simulate
+    from minips.sim.simulate import HEADLINE, SimConfig, objective_note, report, simulate
 
     if args.dim < 1 or args.max_pushes < 0:
         raise ConfigError(f"--dim {args.dim} / --max-pushes {args.max_pushes}: expected "
@@ -488,6 +490,7 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
     if args.workers is None and (args.slowdown or preset.get("slowdowns")):
         run.workers = len(slowdowns)
     real = args.objective == "model"
+    print(objective_note(run, real, args.dim), file=sys.stderr, flush=True)
     if not real and run.dataset != "synthetic" and not run.train_size:
         run.dataset = "synthetic"  # the objective is synthetic: so are its samples
     say_default_budget(args)
@@ -500,14 +503,12 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
                     max_pushes=args.max_pushes, eval_every_s=run.eval_every_s,
                     out_dir=args.out, name=args.name or "")
     summary = simulate(cfg)
-    keys = ("run_dir", "mode", "compressor", "workers", "groups", "pushes", "samples",
-            "sim_s", "real_s", "mean_staleness", "mean_wait_s", "bytes_total",
-            "final_accuracy")
-    headline = {k: summary.get(k) for k in keys}
-    if not args.no_plot:
-        headline["plots"] = plot_run(summary["run_dir"], "minips simulate")
-    json.dump(headline, sys.stdout)
-    print()
+    plots = [] if args.no_plot else plot_run(summary["run_dir"], "minips simulate")
+    if args.json:
+        json.dump({**{k: summary.get(k) for k in HEADLINE}, "plots": plots}, sys.stdout)
+        print()
+    else:
+        print(report(summary, plots))
     return 0
 
 

@@ -22,7 +22,13 @@ eval-records with ``t`` in simulated seconds, final_weights.npy, summary.json); 
 has the accuracy too with a real model, so ``minips plot`` and ``summarize`` read it as a real
 run's. What it leaves out: the handshake, heartbeats and leases, regrouping.
 
-Public API: ``SimConfig``, ``Simulation``, ``simulate(cfg) -> summary``.
+``sim_s`` in the summary is the simulated training time, from the groups (t = 0) to the
+budget spent, the clock summary.json's ``train_s`` counts; an evaluation tick due after the
+end does not stretch it. `minips simulate` prints ``report`` (the figures named; ``HEADLINE``
+as JSON with --json) after ``objective_note``, the line that says what the workers train.
+
+Public API: ``SimConfig``, ``Simulation``, ``simulate(cfg) -> summary``, ``HEADLINE``,
+``objective_note``, ``report``.
 
 What one simulated run is: the run's settings and the simulator's models of time and
 gradients (``simulate.simulate`` runs it; ``minips simulate``'s flags fill it).
@@ -71,12 +77,13 @@ from minips.core.roster import GroupHandle, NoGroup
 from minips.core.slowdown import Schedule, Slowdown, parse_throttle
 from minips.core.worker_opt import LocalSteps, Upload
 from minips.record.metrics import summarize
-from minips.record.rundir import RunDir
+from minips.record.rundir import RunDir, dump_json
 from minips.sim.timing import Failure, Links, StepTimes, objective
 from minips.wire import messages
 from minips.wire.frames import wire_size
 
-__all__ = ["SimConfig", "per_worker", "SimGlobal", "SimGroup", "SimPeer", "Simulation", "simulate"]
+__all__ = ["SimConfig", "per_worker", "SimGlobal", "SimGroup", "SimPeer", "Simulation", "simulate",
+           "HEADLINE", "objective_note", "report"]
 
 
 # -- sim_config: What one simulated run is: the run's settings and the simulator's models of tim...
@@ -314,8 +321,8 @@ class Simulation:
         self.at(0.0, self.evaluate)
         while self.queue:
             t, _, fn, args = heapq.heappop(self.queue)
-            if self.glob.core.done and fn in (self.fail, self.rejoin):
-                continue  # a failure after the end does not stretch the run
+            if self.glob.core.done and fn in (self.fail, self.rejoin, self.evaluate):
+                continue  # a failure or an evaluation tick after the end does not stretch it
             self.t = t
             fn(*args)
         for g, grp in self.groups.items():  # what the groups hold that the global lacks
@@ -510,6 +517,53 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     assert sim.glob.core.weights is not None
     np.save(run_dir / "final_weights.npy", sim.glob.core.weights)
     summary = summarize(run_dir)
+    # sim_s: simulated training, the groups (t = 0) to the budget spent, as train_s counts it
     summary.update(run_dir=str(run_dir), pushes=sim.pushes,
-                   sim_s=sim.t, real_s=time.perf_counter() - started)
+                   sim_s=summary["train_s"], real_s=time.perf_counter() - started)
+    dump_json(run_dir / "summary.json", summary)  # with them
     return summary
+
+
+# -- what `minips simulate` prints ----------------------------------------------------------------
+
+HEADLINE = ("run_dir", "mode", "compressor", "workers", "groups", "pushes", "samples", "sim_s",
+            "real_s", "mean_staleness", "mean_wait_s", "bytes_total", "final_accuracy",
+            "final_loss")  # the keys of `minips simulate --json`
+
+
+def objective_note(run: RunConfig, real: bool, dim: int) -> str:
+    """One line saying what the simulated workers train: the synthetic quadratic has no
+    accuracy, whatever model and data set the run's flags or --config name."""
+    if real:
+        return f"minips simulate: workers train {run.model} on {run.dataset} (--objective model)"
+    named = (f" (the run's {run.model} on {run.dataset} is not trained: --objective model "
+             "does)") if run.dataset != "synthetic" else ""
+    return (f"minips simulate: workers train a synthetic quadratic of {dim:,} coordinates: "
+            f"a loss but no accuracy{named}")
+
+
+def report(summary: dict[str, Any], plots: list[str]) -> str:
+    """The summary's figures, named, in a few lines (``minips local``'s last lines' shape)."""
+    s = summary
+
+    def fig(key: str, fmt: str, unit: str = "") -> str:
+        v = s.get(key)
+        return "-" if v is None else f"{v:{fmt}}{unit}"
+
+    acc = s.get("final_accuracy")
+    end = (f"final accuracy {acc:.4f}" if acc is not None
+           else f"final loss {fig('final_loss', '.4g')} (no accuracy: synthetic objective)")
+    wait = None if s.get("mean_wait_s") is None else 1e3 * s["mean_wait_s"]
+    lines = [
+        f"minips simulate: {s.get('mode')}/{s.get('compressor')}, {s.get('workers')} workers in "
+        f"{s.get('groups')} groups: {fig('sim_s', '.2f', ' s')} of simulated training "
+        f"(computed in {fig('real_s', '.1f', ' s')})",
+        f"  pushes {s.get('pushes') or 0:,}, samples {int(s.get('samples') or 0):,}, "
+        f"mean staleness {fig('mean_staleness', '.2f', ' steps')}, mean wait "
+        f"{'-' if wait is None else f'{wait:.1f} ms'}, bytes (every hop) "
+        f"{(s.get('bytes_total') or 0) / 1e6:.2f} MB, {end}",
+        f"  run directory: {s.get('run_dir')}",
+        f"  summary:       {Path(str(s.get('run_dir'))) / 'summary.json'}",
+        *(f"  plot:          {p}" for p in plots),
+    ]
+    return "\n".join(lines)
