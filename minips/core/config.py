@@ -36,7 +36,9 @@ The file holds, in order:
   when a run is set up (``downlink_ratio``, ``worker_compressor``), not when the rules load.
   ``optimizer_at`` says where SGD runs: on the group servers (``server``, the default: workers
   push gradients) or on the workers (``worker``: each keeps its velocity and pushes the update
-  it would apply, ``core/worker_opt.py``; DGC's momentum correction, clipping and masking).
+  it would apply, ``core/worker_opt.py``; DGC's momentum correction, clipping and masking). A
+  run that names no place and trains a model of ``LARGE_MODEL_PARAMS`` or more gets the
+  workers' (``place_optimizer``, called by the command line, which says so).
   With it there, ``local_steps`` H lets a worker run H steps on its replica per push and
   ``outer_optimizer`` says how its group server applies what arrives (``core/local_steps.py``).
 - ``FieldError``, and ``WorkerConfig``: what is local to a worker process (addresses, emulated
@@ -55,7 +57,8 @@ Invariants:
 
 Public API: ``SyncPolicy``, ``POLICIES``, ``MODES``, ``policy(mode)``, ``MODEL_NAMES``,
 ``PARAM_COUNTS``, ``DEFAULT_DATASET``, ``TRAIN_SIZES``, ``dataset_train_size``,
-``OPTIMIZER_PLACES``, ``OUTER_OPTIMIZERS``, ``RunConfig``,
+``OPTIMIZER_PLACES``, ``LARGE_MODEL_PARAMS``, ``place_optimizer``,
+``OUTER_OPTIMIZERS``, ``RunConfig``,
 ``FieldError``, ``WorkerConfig``.
 """
 
@@ -83,6 +86,8 @@ __all__ = [
     "TRAIN_SIZES",
     "dataset_train_size",
     "OPTIMIZER_PLACES",
+    "LARGE_MODEL_PARAMS",
+    "place_optimizer",
     "OUTER_OPTIMIZERS",
     "RunConfig",
     "FieldError",
@@ -168,6 +173,25 @@ def dataset_train_size(name: str, override: int = 0) -> int:
 
 # Where SGD (momentum, weight decay, the lr schedule) runs; RunConfig.optimizer_at.
 OPTIMIZER_PLACES = ("server", "worker")
+# From this many parameters (ResNet-18's 11.2M, VGG-19's 20M) a run that names no place for the
+# optimizer gets the workers' (``place_optimizer``): on the servers momentum and weight
+# decay make every push a few dense passes over all the weights (~13 ms for ResNet-18, one core),
+# which caps a group server near 75 pushes/s whatever was pushed (docs/performance.md).
+LARGE_MODEL_PARAMS = 10_000_000
+
+
+def place_optimizer(values: dict[str, Any]) -> str:
+    """Where the optimizer of a run given as RunConfig ``values`` goes when they name no place:
+    the workers for a model of ``LARGE_MODEL_PARAMS`` or more, else the servers (RunConfig's
+    default). Returns the one console line that says why ("" when nothing was chosen)."""
+    model = str(values.get("model", RunConfig.model))
+    size = PARAM_COUNTS.get(model, 0)
+    if "optimizer_at" in values or size < LARGE_MODEL_PARAMS:
+        return ""
+    values["optimizer_at"] = "worker"
+    return (f"--model {model} has {size / 1e6:.1f}M parameters: the optimizer runs on the "
+            "workers (--optimizer-at worker), since on the servers every push would take "
+            "dense passes over all of them; --optimizer-at server keeps it there")
 # How a group server applies the updates workers push (optimizer_at worker): avg (outer SGD at
 # outer_lr, 1: as pushed) or nesterov (DiLoCo's outer Nesterov momentum); core/local_steps.py.
 OUTER_OPTIMIZERS = ("avg", "nesterov")

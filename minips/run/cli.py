@@ -331,7 +331,8 @@ def keep_flags(args: argparse.Namespace, run_dir: Path) -> None:
     file, then the command line), as the run used them."""
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_json(run_dir / "flags.json", {k: v for k, v in vars(args).items()
-                                        if k not in ("run_defaults", "default_budget")})
+                                        if k not in ("run_defaults", "default_budget",
+                                                     "optimizer_note")})
 
 
 def _cmd_group(args: argparse.Namespace) -> int:

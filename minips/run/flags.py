@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 
 from minips import __version__
 from minips.compress.registry import compressor_options
-from minips.core.config import FieldError, RunConfig
+from minips.core.config import FieldError, RunConfig, place_optimizer
 from minips.core.slowdown import Schedule
 from minips.errors import ConfigError
 from minips.net.links import SHAPINGS
@@ -225,6 +225,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
                                      if k in takes}
     if getattr(args, "copt", None):
         values["compressor_opts"] = {**values.get("compressor_opts", {}), **dict(args.copt)}
+    args.optimizer_note = place_optimizer(values)  # a large model: the workers' (said at start)
     if not any(k in values for k in BUDGET_FIELDS) and not getattr(args, "max_pushes", 0):
         values["epochs"] = DEFAULT_EPOCHS
         args.default_budget = True  # said once the command starts (``say_default_budget``)
@@ -247,6 +248,8 @@ def say_default_budget(args: argparse.Namespace) -> None:
         print(f"minips {args.command}: no budget given: training stops after "
               f"{DEFAULT_EPOCHS:g} epoch (--epochs; or --wall-s, --max-steps; --epochs 0 "
               "trains until the workers leave)", file=sys.stderr, flush=True)
+    if getattr(args, "optimizer_note", "") and not getattr(args, "quiet", False):
+        print(f"minips {args.command}: {args.optimizer_note}", file=sys.stderr, flush=True)
 
 
 def _key_value(text: str) -> tuple[str, Any]:
