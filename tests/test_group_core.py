@@ -5,6 +5,7 @@ a whole cluster: tests/noio_cluster.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -21,7 +22,15 @@ from minips import sparse
 from minips.core import optim
 from minips.core.config import RunConfig
 from minips.core.exchange import exchange_message
-from minips.core.group_core import AllLeft, GroupCore, Log, Reply, StartExchange, Wake
+from minips.core.group_core import (
+    AllLeft,
+    Diverged,
+    GroupCore,
+    Log,
+    Reply,
+    StartExchange,
+    Wake,
+)
 from minips.serve.group import GroupServer
 from minips.wire import messages
 
@@ -288,3 +297,64 @@ def test_a_group_publishes_once_a_round_of_its_members_and_never_past_the_drift_
             due.append(int(since >= 4 or i == 21))
             since = 0 if due[-1] else since
         assert publishes == due and sum(due) == 10
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
+@pytest.mark.parametrize("compressor", ["none"])
+def test_a_group_whose_weights_overflowed_answers_diverged_never_inf(compressor: str) -> None:
+    """Finite pushes of 3.4e38 overflow float32: the next PULL gets ``Diverged`` (ERROR
+    ``diverged`` from the shell), never a WEIGHTS that holds inf (issue 43, departure 4)."""
+    big = RunConfig(workers=2, mode="asp", compressor=compressor, ratio=0.5, lr_warmup=0,
+                    sync_every=10_000, optimizer_at="worker")
+    core = GroupCore(0, big, np.zeros(N, np.float32), members=[0, 1])
+    grad = np.full(N, -3.4e38, np.float32)  # applied as w -= lr * g: +3.4e38 each
+    core.publish()
+    assert np.isfinite(np.frombuffer(core.weights_message(0, [], -1).buffers[-1],
+                                     np.float32 if compressor == "none" else np.uint8)).all()
+    core.push(0, push(1, grad), 0.0)
+    core.publish()
+    core.weights_message(0, [], -1)  # 3.4e38 (0.5 a push: 1.7e38): finite still
+    for clock in (2, 3, 4):
+        core.push(0, push(clock, grad), 0.0)
+    assert not np.isfinite(core.weights).all()
+    core.publish()
+    with pytest.raises(Diverged) as caught:
+        core.weights_message(0, [], -1)
+    assert caught.value.code == "diverged"
+
+
+class Zeros:
+    """A global server whose weights stay 0 (the final flush after the worker left)."""
+
+    async def exchange(self, group: int, delta: Any, stats: dict[str, Any]) -> Any:
+        from minips.core.exchange import ExchangeResult
+
+        return ExchangeResult(np.zeros(N, np.float32), 1, True)
+
+
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
+async def test_a_worker_gets_error_diverged_on_loopback_not_weights_holding_inf() -> None:
+    from conftest import recv_as
+
+    from minips.net import transport
+
+    big = RunConfig(workers=1, mode="asp", lr_warmup=0, sync_every=10_000,
+                    optimizer_at="worker")
+    gs = GroupServer(0, big, np.zeros(N, np.float32), Zeros(), members=[7])
+    port = await gs.serve("127.0.0.1", 0, "t")
+    ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=7, token="t")
+    try:
+        await recv_as(ch, messages.Ack)
+        for clock in (1, 2):  # +3.4e38 a push: finite pushes, the second overflows
+            await ch.send(messages.Pull(clock=clock - 1))
+            got = await asyncio.wait_for(ch.recv(), 5)
+            assert isinstance(got, messages.Weights)
+            assert np.isfinite(np.frombuffer(got.buffers[0], np.float32)).all()
+            await ch.send(push(clock, np.full(N, -3.4e38, np.float32)))
+            await recv_as(ch, messages.Ack)
+        await ch.send(messages.Pull(clock=2))
+        err = await asyncio.wait_for(ch.recv(), 5)
+        assert isinstance(err, messages.Error) and err.code == "diverged"
+    finally:
+        await ch.close()
+        await gs.close()

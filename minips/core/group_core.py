@@ -72,6 +72,8 @@ from minips.wire import messages
 
 __all__ = [
     "Action",
+    "Diverged",
+    "check_finite",
     "AllLeft",
     "BudgetSpent",
     "Log",
@@ -376,6 +378,7 @@ class GroupCore:
             answer = self.downlink.answer(since)
             version, base, payload = answer.version, answer.since, answer.payload
             values = self.downlink.wire_values(answer)
+        check_finite(payload, self.group)
         encoding, codec, buffers = sparse.encode_vector(payload, value_dtype=values)
         low = self.table.min_clock()
         return messages.Weights(  # drift: how far the weights sent are from the group's
@@ -495,6 +498,24 @@ class GroupCore:
         self.set_local_steps(int(state.get("local_steps", 0)))  # 0 in older files: the run's
         self.xchg_bytes = {k: int(state.get("xchg_bytes", {}).get(k, 0))  # 0 in older files
                            for k in ("bytes_to_global", "bytes_from_global")}
+
+
+class Diverged(RemoteProtocolError):
+    """The group's weights hold NaN or inf (finite pushes can overflow float32): the PULL
+    being answered gets ERROR ``diverged`` instead of WEIGHTS. A RemoteProtocolError so that
+    the shell's rejection path (ERROR ``code``, then close) carries it; no weight that is not
+    finite ever goes out."""
+
+    code = "diverged"
+
+
+def check_finite(payload: sparse.SparseVector | np.ndarray, group: int) -> None:
+    """Raise ``Diverged`` unless every value a WEIGHTS would carry is finite: one float64 sum
+    (NaN and inf propagate, float32 values cannot overflow it), O(what is sent)."""
+    values = payload.values if isinstance(payload, sparse.SparseVector) else payload
+    if not np.isfinite(np.sum(values, dtype=np.float64)):
+        raise Diverged(f"group {group}'s weights hold NaN or inf: the model diverged; try a "
+                       "lower --lr", got=int(np.count_nonzero(~np.isfinite(values))))
 
 
 def _server_sgd(run: RunConfig, size: int) -> optim.SGD:

@@ -69,11 +69,18 @@ def check_push_order(pulled: int | None, clock: int) -> None:
 
 
 def check_stats(msg: messages.Stats) -> None:
-    """A worker's STATS: a positive finite step time and a sample count. Its clock is not
-    compared with the last one: it counts steps in the worker's current group, and starts
-    again when the worker moves to another group or its group server restarts."""
+    """A worker's STATS: a positive finite step time, a sample count and, in ``data``, at most
+    the keys of ``messages.DATA_KEYS`` with their types (on the wire ``data`` is any map: its
+    keys are the server's to check, answered ``invalid``). Its clock is not compared with the
+    last one: it counts steps in the worker's current group, and starts again when the worker
+    moves to another group or its group server restarts."""
     _number("step_time", msg.step_time, 1e-9, MAX_STEP_S)
     _number("samples", msg.samples, 0, 1 << 62)
+    try:
+        messages.data_origin(msg.data)
+    except messages.Invalid as e:
+        raise RemoteProtocolError(f"STATS data: {e}", expected=str(e),
+                                  got=repr(msg.data)[:200]) from None
 
 
 def check_exchange(msg: messages.Exchange) -> None:
@@ -125,8 +132,8 @@ def unexpected(msg: messages.Message, role: str) -> RemoteProtocolError:
 
 async def reject(ch: Channel, exc: Exception, counts: collections.Counter[str], where: str) -> None:
     """Tell the peer why (ERROR), log and count it; the caller then closes the connection."""
-    code = ("clock" if isinstance(exc, ssp.ClockError)
-            else "order" if isinstance(exc, OrderError) else "invalid")
+    code = getattr(exc, "code", "") or ("clock" if isinstance(exc, ssp.ClockError)
+                                        else "order" if isinstance(exc, OrderError) else "invalid")
     counts[code] += 1
     _counted.note(f"{where}: rejected", f"{ch.peername}: {exc} (expected "
                   f"{getattr(exc, 'expected', None)}, got {getattr(exc, 'got', None)!r})")
