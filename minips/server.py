@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -72,7 +73,7 @@ from minips.core.exchange import Delta, ExchangeResult, exchange_message
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import Log
 from minips.core.roster import GroupHandle
-from minips.errors import AuthError, RemoteProtocolError
+from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.net.endpoints import check_bind, format_address, server_ssl, tls_mismatch
@@ -190,11 +191,25 @@ class GlobalServer:
         return self.core.failure
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run ``coro`` in the background; ``close`` cancels what is left."""
+        """Run ``coro`` in the background; ``close`` cancels what is left. An exception in it
+        ends the run (``_task_done``): never a task whose error nobody reads."""
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        """A background task ended: one that raised fails the run with one line saying why
+        (a ``MiniPSError`` is the user's to fix; anything else is a bug, logged with its
+        traceback), and the run is over: a server that cannot go on does not hang."""
+        self.tasks.discard(task)
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        if not isinstance(exc, MiniPSError):
+            log.error("a server task failed", exc_info=exc)
+        why = str(exc) if isinstance(exc, MiniPSError) else f"{type(exc).__name__}: {exc}"
+        self.perform(self.core.fail("internal", f"the run cannot go on: {why}"))
+        self.finished.set()
 
     def log(self, event: str, **fields: Any) -> None:
         """One line of the run's record, with the run's counters (and, with ``cfg.console``,
@@ -540,7 +555,9 @@ def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | 
     if event == "groups":
         return _groups_line(core, fields["assignment"]) + "; training"
     if event in ("regroup", "rehomed"):
-        return f"{event}: worker -> group {fields.get('moved')}"
+        moves = [f"worker {w} moves to group {g}" for w, g in (fields.get("moved") or {}).items()]
+        why = "regrouped by speed" if event == "regroup" else f"group {fields.get('group')} lost"
+        return f"{why}: {', '.join(moves)}"
     if event == "done":
         return f"budget spent ({fields.get('reason')}); collecting the groups' final deltas"
     if event == "data" and fields.get("synthetic"):
@@ -594,6 +611,13 @@ class ServerConfig:
     # a group beyond the list (or none given) takes a free port
     group_ports: list[int] = field(default_factory=list)
     console: bool = False  # print joins, groups and the end as lines on stdout (`minips server`)
+
+    def __post_init__(self) -> None:
+        # group processes serve the groups, one each, and a group process cannot be started
+        # on the fly: a run that chooses its group count (GSSP, --groups 0) forms as many as
+        # there are group processes (else a second group would wait for a server forever)
+        if self.external_groups > 0 and self.run.fixed_groups == 0:
+            self.run = dataclasses.replace(self.run, groups=self.external_groups)
 
     def group_port(self, g: int) -> int:
         """The port group ``g``'s in-process server listens on (0: any free one)."""

@@ -6,17 +6,24 @@ Real processes on loopback where the issue says so, each with a hard timeout."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+from conftest import minips_server, recv_as
 
-from minips.net import transport
+from minips.net import channel, lifeline, transport
 from minips.run.cli import main
+from minips.wire import messages
 
 
 @contextlib.contextmanager
@@ -87,8 +94,7 @@ def _can_make_namespaces() -> str:
 
 
 @pytest.mark.timeout(60)
-def test_an_address_whose_packets_vanish_times_out_in_the_time_given(
-        tmp_path: pytest.TempPathFactory) -> None:
+def test_an_address_whose_packets_vanish_times_out_in_the_time_given() -> None:
     """In a network namespace of the test's own: 10.77.0.2 sits behind a veth whose other end
     has no address, so a SYN to it is dropped (timed out); 10.77.0.3 does not answer ARP
     (unreachable). No packet leaves the namespace."""
@@ -125,7 +131,81 @@ def test_an_address_whose_packets_vanish_times_out_in_the_time_given(
 
 def _venv_path() -> str:
     """PATH with this interpreter's directory first, so `python` is the one running the test."""
-    import sys
-    from pathlib import Path
-
     return f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"
+
+
+# -- --external-groups: as many groups as group processes; a task that fails ends the run ---------
+
+TOKEN = "operator-path-secret-0123456789"
+N = 61_706  # LeNet-5's parameters, the server's default model
+
+
+def _group_process(tmp: Path, port: str) -> subprocess.Popen[str]:
+    """A `minips group` registering with the server on ``port``, listening on a free port."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "minips", "group", "--connect", f"127.0.0.1:{port}", "--listen",
+         "127.0.0.1:0", "--run-dir", str(tmp / "group")],
+        env=lifeline.child_env({**os.environ, "MINIPS_TOKEN": TOKEN}),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+async def _calibrated(port: str, w: int, step_time: float) -> tuple[Any, messages.Assign]:
+    """Worker ``w``'s control channel with its calibration STATS sent; (channel, ASSIGN)."""
+    ctl = await transport.connect("127.0.0.1", int(port), role="worker", worker_id=w,
+                                  token=TOKEN, options=channel.Options(heartbeat=1.0))
+    await ctl.send(messages.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
+    return ctl, await recv_as(ctl, messages.Assign, 20)
+
+
+@pytest.mark.timeout(120)
+async def test_external_groups_with_auto_groups_form_one_group_per_group_process(
+        tmp_path: Path) -> None:
+    """README's `minips server --external-groups 1` (GSSP, --groups 0) with a fast and a slow
+    worker: one group, served by the one group process, not a second group nobody serves."""
+    np.save(tmp_path / "init.npy", np.zeros(N, np.float32))
+    with minips_server(tmp_path, TOKEN, "--mode", "gssp", "--workers", "2", "--epochs", "1",
+                       "--external-groups", "1", "--calib-timeout", "3",
+                       "--init", str(tmp_path / "init.npy")) as (server, _, port):
+        group = _group_process(tmp_path, port)
+        try:
+            fast, slow = await asyncio.gather(_calibrated(port, 0, 0.02),
+                                              _calibrated(port, 1, 0.2))
+            assert fast[1].group == slow[1].group == 0
+            assert fast[1].address == slow[1].address != ""
+            assert server.poll() is None  # still serving its one group
+            for ctl, _ in (fast, slow):
+                await ctl.close()
+        finally:
+            group.kill()
+            group.communicate(timeout=30)
+
+
+@pytest.mark.timeout(120)
+async def test_a_group_nobody_serves_ends_the_run_with_one_line_and_exit_3(
+        tmp_path: Path) -> None:
+    """--external-groups 2 with one group process: when the second group gets no server within
+    the grouping wait, the server says so and exits 3 (no 'Task exception was never retrieved',
+    no hang)."""
+    np.save(tmp_path / "init.npy", np.zeros(N, np.float32))
+    with minips_server(tmp_path, TOKEN, "--mode", "gssp", "--workers", "2", "--groups", "2",
+                       "--epochs", "1", "--external-groups", "2", "--calib-timeout", "2",
+                       "--init", str(tmp_path / "init.npy")) as (server, _, port):
+        group = _group_process(tmp_path, port)
+        try:
+            chans = [await transport.connect("127.0.0.1", int(port), role="worker",
+                                             worker_id=w, token=TOKEN) for w in (0, 1)]
+            for ch, step in zip(chans, (0.02, 0.2), strict=True):
+                await ch.send(messages.Stats(clock=0, step_time=step, loss=2.3, samples=32))
+            t = time.monotonic()
+            code = await asyncio.to_thread(server.wait, 30)
+            took = time.monotonic() - t
+            err = server.communicate(timeout=10)[1]
+            for ch in chans:
+                ch.close_nowait()
+        finally:
+            group.kill()
+            group.communicate(timeout=30)
+    assert code == 3, err
+    assert "no external group server connected for group 1" in err, err
+    assert "never retrieved" not in err and "Traceback" not in err, err
+    assert took < 15, f"the server exited {took:.1f} s after the workers reported"

@@ -260,7 +260,8 @@ async def _wait_for_grouping(srv: Shell, ch: Channel) -> bool:
         closed.cancel()
     if srv.groups_opened.is_set():
         return True
-    srv.pending_groups.remove(ch)
+    if ch in srv.pending_groups:  # not when a grouping that failed had taken it already
+        srv.pending_groups.remove(ch)
     return False
 
 
