@@ -331,6 +331,7 @@ log = logging.getLogger("minips.worker")
 STATS_EVERY_S = 1.0  # how often the worker reports its step time to the global server
 STATUS_EVERY_S = 10.0  # how often it says where it is on its console (one line)
 ASSIGN_TIMEOUT_S = 300.0  # give up when no group is assigned after this long
+LEAVE_REASON_CHARS = 2000  # a LEAVE's reason is cut to this (the wire allows 4096)
 # A gradient that took less than this share of heartbeat_s runs on the event loop's thread
 # (``Worker._gradient``): 0.25 s at the default 2 s, far inside the lease (2 x heartbeat_s)
 INLINE_SHARE = 0.125
@@ -405,7 +406,11 @@ class Worker:
         self.run_cfg = RunConfig.from_info(info)
         self.control.heartbeat_s = self.run_cfg.heartbeat_s
         self.control.ch.start_heartbeat(self.run_cfg.heartbeat_s)
-        self._setup()
+        try:
+            self._setup()
+        except MiniPSError as exc:  # no data here, say: the server is told why, not "lost"
+            await self.control.ch.close(leave=f"refused to start: {exc}"[:LEAVE_REASON_CHARS])
+            raise
         self.control.on_ratio = self.compressor.set_ratio
         self.slowdown = _slowdown(self.cfg, self.run_cfg.seed, self.id)
         self.factor = self.slowdown.factor(0.0)

@@ -163,7 +163,7 @@ def test_summary_and_progress_line_say_whether_the_data_was_real(tmp_path, capsy
     assert summarize(tmp_path, write=False)["data"] is None  # nothing loaded yet
     line = ProgressLine(tmp_path, LaunchConfig().run)
     line.draw(final=True)
-    assert "data ?" in capsys.readouterr().err
+    assert "data loading" in capsys.readouterr().err
     record(tmp_path, "worker-0", real)
     assert summarize(tmp_path, write=False)["data"] == "real"
     line.draw(final=True)

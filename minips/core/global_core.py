@@ -257,15 +257,18 @@ class GlobalCore:
         self.roster.seated(w)
         return [Log("joined", {"worker": w})]
 
-    def worker_leaving(self, w: int) -> None:
-        """Worker ``w`` said LEAVE: its session ends, its id may be given out again."""
+    def worker_leaving(self, w: int, reason: str = "") -> None:
+        """Worker ``w`` said LEAVE (``reason``: why, e.g. it refused to start without its
+        data): its session ends, its id may be given out again."""
         self.workers[w].left = True
+        self.workers[w].left_because = "" if reason == "bye" else reason
 
     def worker_gone(self, w: int) -> list[Action]:
         """Worker ``w``'s control channel closed (after LEAVE, or lost)."""
         entry = self.workers[w]
         entry.connected = False
-        reason = "leave" if entry.left else "done" if self.done else "connection lost"
+        reason = (entry.left_because or "leave") if entry.left else "done" if self.done \
+            else "connection lost"
         return [Log("left", {"worker": w, "reason": reason})]
 
     def on_stats(self, w: int, msg: messages.Stats, now: float) -> list[Action]:

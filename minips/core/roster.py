@@ -148,6 +148,7 @@ class WorkerEntry:
     clock: int = 0  # last reported clock
     group: int = -1  # assigned group, -1 before grouping
     left: bool = False  # sent LEAVE
+    left_because: str = ""  # the reason its LEAVE gave ("" or "bye": a plain goodbye)
 
 
 class GroupHandle:

@@ -22,9 +22,11 @@ The file holds, in order:
   (``bytes_worker_group``, the group servers' ``bytes_in``), group -> worker
   (``bytes_group_worker``, ``bytes_out``), group -> global (``bytes_group_global``,
   ``bytes_to_global``) and global -> group (``bytes_global_group``, ``bytes_from_global``), and
-  ``bytes_total``, their sum. These are running totals per group; one that drops (a restarted
-  group process) is added up segment by segment. ``bytes_up`` / ``bytes_down`` keep their old
-  meaning: the worker <-> group hop only, as the evaluator saw it.
+  ``bytes_total``, their sum; a group that writes on another machine is counted from the
+  global server's merge lines, which carry its counters. These are running totals per group;
+  one that drops (a restarted group process) is added up segment by segment. ``bytes_up`` /
+  ``bytes_down`` keep their old meaning: the worker <-> group hop only, as the evaluator saw
+  it.
 - The run read back (``Run``, ``load_run``), then the summary (``time_to_accuracy``,
   ``summarize``).
 
@@ -32,8 +34,8 @@ Invariant: a run counts as ``"real"`` only when every record says real; one synt
 makes it ``"mixed"`` (or ``"synthetic"`` when all are), so a stand-in never goes unnoticed.
 
 Public API: ``origin``, ``record``, ``read``, ``verdict``, ``HOP_COUNTERS``, ``HOPS``,
-``hop_bytes``, ``total_bytes_series``, ``live_hop_bytes``, ``DEFAULT_TARGETS``, ``Run``,
-``time_to_accuracy``, ``load_run``, ``summarize``.
+``hop_bytes``, ``total_bytes_series``, ``live_hop_bytes``, ``DataWatch``, ``DEFAULT_TARGETS``,
+``Run``, ``time_to_accuracy``, ``load_run``, ``summarize``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ __all__ = [
     "hop_bytes",
     "total_bytes_series",
     "live_hop_bytes",
+    "DataWatch",
     "DEFAULT_TARGETS",
     "Run",
     "time_to_accuracy",
@@ -183,11 +186,60 @@ def total_bytes_series(groups: Mapping[Any, list[dict[str, Any]]]) -> list[tuple
     return out
 
 
+GLOBAL_TAIL_BYTES = 65536  # of global.jsonl read for a live figure: a few merges of every group
+
+
 def live_hop_bytes(run_dir: str | os.PathLike[str]) -> dict[str, int] | None:
-    """``hop_bytes`` of a running run from the tails of its group files (None before any); a
-    restart older than the tail is not seen (a progress display's figure, not the summary's)."""
-    files = sorted(Path(run_dir).glob("group-*.jsonl"))
-    return hop_bytes({f.stem: tail_jsonl(f) for f in files}) if files else None
+    """``hop_bytes`` of a running run (None before any group counted): each group from the
+    tail of its group file, and a group that writes on another machine (`minips group`: no
+    file here) from the global server's merge lines for it in the tail of global.jsonl, as
+    ``summarize`` counts it. A restart older than a tail is not seen (a progress display's
+    figure, not the summary's)."""
+    path = Path(run_dir)
+    groups = {f.stem: tail_jsonl(f) for f in sorted(path.glob("group-*.jsonl"))}
+    remote: dict[str, list[dict[str, Any]]] = {}
+    for r in tail_jsonl(path / "global.jsonl", GLOBAL_TAIL_BYTES):
+        if r.get("event") == "merge" and f"group-{r.get('group')}" not in groups:
+            remote.setdefault(f"group-{r.get('group')}", []).append(r)
+    groups.update(remote)
+    return hop_bytes(groups) if groups else None
+
+
+class DataWatch:
+    """Where a running run's data comes from (``verdict``), for a progress line: the
+    data-*.json files here and the ``data`` events the global server logs for workers on
+    other machines, read from global.jsonl as it grows (each byte once)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(run_dir)
+        self.offset = 0  # bytes of global.jsonl read so far (whole lines)
+        self.events: list[dict[str, Any]] = []  # its data events so far
+
+    def verdict(self) -> str | None:
+        """``verdict`` of every record so far (None before any process loaded its data)."""
+        self._read_new()
+        return verdict(read(self.path, self.events))
+
+    def _read_new(self) -> None:
+        try:
+            with open(self.path / "global.jsonl", "rb") as f:
+                if f.seek(0, os.SEEK_END) < self.offset:  # a new file: from its start
+                    self.offset, self.events = 0, []
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return
+        whole = chunk.rfind(b"\n") + 1  # a half-written last line waits for the next call
+        self.offset += whole
+        for line in chunk[:whole].splitlines():
+            if b'"data"' not in line:  # cheap: most lines are merges
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("event") == "data":
+                self.events.append(rec)
 
 
 # -- the run read back -----------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from minips.net.endpoints import (
     parse_address,
     reachable_url,
 )
-from minips.record.metrics import HOP_COUNTERS, live_hop_bytes, read, summarize, verdict
+from minips.record.metrics import HOP_COUNTERS, DataWatch, live_hop_bytes, summarize
 from minips.record.plot import plot_run
 from minips.record.rundir import claim, read_config, read_jsonl, tail_jsonl
 
@@ -96,6 +96,7 @@ class ProgressLine:
         self.train_size = max(1, _train_size(run))  # samples per epoch, for the epochs figure
         # a terminal: redraw in place; a log (or a console with other lines): one every 10 s
         self.tty = sys.stderr.isatty() if tty is None else tty
+        self.data = DataWatch(run_dir)  # data-*.json here, and what remote workers reported
 
     def draw(self, final: bool = False) -> None:
         if not (final or self.tty or time.monotonic() - self.last >= 10.0):
@@ -111,8 +112,8 @@ class ProgressLine:
             "bytes_worker_group": gl.get("bytes_up", 0) or 0,
             "bytes_group_worker": gl.get("bytes_down", 0) or 0}
         mb = {k: hops.get(k, 0) / 1e6 for k in HOP_COUNTERS}
-        kind = verdict(read(self.run_dir))  # None until a process loaded
-        data_s = "SYNTHETIC DATA" if kind in ("synthetic", "mixed") else f"data {kind or '?'}"
+        kind = self.data.verdict()  # None until a process loaded its data
+        data_s = "SYNTHETIC DATA" if kind in ("synthetic", "mixed") else f"data {kind or 'loading'}"
         text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.run.mode}/"
                 f"{self.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
                 f"{gl.get('version', 0):>5}  test acc {acc_s}  MB up {mb['bytes_worker_group']:.1f}"

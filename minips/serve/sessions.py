@@ -142,7 +142,7 @@ def _on_control(srv: Shell, w: int, msg: messages.Message) -> None:
     elif isinstance(msg, messages.InitWeights):
         srv.perform(srv.core.on_initial(initial_weights(msg)))
     elif isinstance(msg, messages.Leave):
-        srv.core.worker_leaving(w)
+        srv.core.worker_leaving(w, msg.reason)
     else:
         raise validation.unexpected(msg, "worker on the control channel")
 
