@@ -520,3 +520,56 @@ def test_each_groups_local_steps_reach_the_cards_and_a_gauge() -> None:
                for x in f.samples}
     assert samples[("minips_group_local_steps", "0")] == 8
     assert samples[("minips_group_local_steps", "1")] == 2
+
+
+def test_a_remote_workers_row_is_filled_from_what_the_servers_saw() -> None:
+    """Workers whose files are on other machines: the merges' answered PULLs give each one's
+    lead, SSP wait and a clock; its group's bytes over the pushes of an exchange its KB per
+    push and, with the model's size, its upload; its STATS (the probe) its step time."""
+    s = RunState(CONFIG)
+    s.add("server", {"t": 0.0, "size": 1000})
+    s.add("global", merge(0, 1.0, pushes=2, bytes_in=500, pull_workers=[0, 1],
+                          pull_leads=[0, 1], pull_waits_us=[0, 0]))
+    s.add("global", merge(0, 2.0, pushes=4, bytes_in=2100, pull_workers=[0, 1, 0, 1, 0],
+                          pull_leads=[0, 1, 1, 0, 2], pull_waits_us=[0, 0, 1500, 0, 3000]))
+    s.add("probe", {"t": 2.0, "worker": 1, "group": 0, "clock": 0, "step_time": 0.2})
+    s.add("probe", {"t": 2.5, "worker": 1, "group": 0, "clock": 0, "step_time": 0.3})
+    rows = {r["id"]: r for r in s.update(2.5)["workers"]}
+    w0, w1 = rows[0], rows[1]
+    assert (w0["clock"], w0["staleness"], w0["wait_s"]) == (3, 2, pytest.approx(0.003))
+    assert (w1["clock"], w1["staleness"], w1["wait_s"]) == (2, 0, 0.0)
+    assert w0["bytes_per_push"] == w1["bytes_per_push"] == pytest.approx(400.0)  # 1600 / 4
+    assert w0["upload_ratio"] == pytest.approx(0.1)  # of 4 x 1000 bytes, dense float32
+    assert w1["step_time"] == 0.3 and w0["step_time"] is None  # its last STATS; none for w0
+    assert w0["seen"] == "servers" and set(w0["approx"]) == {"bytes_per_push", "upload_ratio"}
+    s.add("worker", push(1, 3.0, clock=4))  # a file of its own after all: its own figures
+    mine = {r["id"]: r for r in s.update(3.0)["workers"]}[1]
+    assert mine["seen"] == "own" and mine["bytes_per_push"] == 100 and mine["approx"] == []
+
+
+def test_after_the_run_every_row_keeps_its_last_clock() -> None:
+    s = RunState(CONFIG)
+    s.add("probe", {"t": 1.0, "worker": 0, "group": 0, "clock": 41, "alive": True})
+    s.add("global", merge(0, 1.5, pushes=3, pull_workers=[1] * 8, pull_leads=[0] * 8,
+                          pull_waits_us=[0] * 8))
+    s.add("global", {"t": 2.0, "event": "done", "reason": "epochs"})
+    s.add("probe", {"t": 2.5, "worker": 0, "group": 0, "clock": 0, "alive": False})
+    rows = {r["id"]: r for r in s.update(3.0)["workers"]}
+    assert (rows[0]["clock"], rows[1]["clock"]) == (41, 7)
+    assert {r["state"] for r in rows.values()} == {"done"}
+
+
+def test_a_run_without_an_evaluator_says_so_live_over_and_in_a_replay(tmp_path: Path) -> None:
+    """"no evaluator" (the page's hint), never "waiting for data", once nothing can come."""
+    s = RunState(CONFIG)
+    assert s.update(1.0)["evaluator"] is None  # nobody said yet
+    s.add("global", {"t": 2.0, "event": "done", "reason": "epochs"})
+    assert s.update(2.0)["evaluator"] is False  # over, and not a single evaluation
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(CONFIG))
+    (run / "global.jsonl").write_text(json.dumps(merge(0, 1.0)) + "\n")
+    replay = Replay(run, speed=1.0)
+    assert replay.state.update(replay.horizon(0.0))["evaluator"] is False  # before its end
+    (run / "eval.jsonl").write_text(json.dumps({"t": 0.5, "accuracy": 0.1}) + "\n")
+    assert Replay(run, speed=1.0).state.update(0.0)["evaluator"] is None

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from minips.dashboard.state import Replay, RunFollower, RunState
 from minips.dashboard.tboard import TensorBoardSink
 from minips.errors import ConfigError
@@ -44,8 +46,8 @@ from minips.net.endpoints import (
 from minips.record.rundir import read_config
 from minips.server import GlobalServer, InProcGroup
 
-__all__ = ["DEFAULT_PORT", "EXTRA_HINT", "Monitor", "MonitorConfig", "check_extra", "probe",
-           "serve_replay"]
+__all__ = ["DEFAULT_PORT", "EXTRA_HINT", "Monitor", "MonitorConfig", "check_extra", "model_size",
+           "probe", "serve_replay"]
 
 TICK_S = 0.5  # page refresh and file poll period: live enough to watch, cheap for the server
 # at the end, wait this long for the evaluator's record of the final weights (it is written
@@ -99,6 +101,17 @@ def probe(srv: GlobalServer, now: float) -> list[dict[str, Any]]:
     return out
 
 
+def model_size(run_dir: str | os.PathLike[str]) -> int | None:
+    """The model's coordinates, from the header of a weights file the run directory holds
+    (``init.npy``, ``final_weights.npy``); None without one."""
+    for name in ("init.npy", "final_weights.npy"):
+        try:  # memory-mapped: only the header is read
+            return int(np.load(Path(run_dir, name), mmap_mode="r", allow_pickle=False).size)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 class Monitor:
     """Follows one run directory; serves the page / metrics and writes TensorBoard files."""
 
@@ -110,6 +123,7 @@ class Monitor:
         self.state = self.replay.state if self.replay else RunState(
             read_config(cfg.run_dir), kind="live" if server is not None else "following")
         self.follower = None if self.replay else RunFollower(cfg.run_dir, self.state)
+        self.state.add("server", {"t": 0.0, "size": model_size(cfg.run_dir)})
         self.t0 = float(self.state.config.get("t0") or time.time())
         self.started = time.monotonic()
         self.tb = TensorBoardSink(cfg.tensorboard, self.t0) if cfg.tensorboard else None
@@ -191,7 +205,9 @@ class Monitor:
         if self.server is not None:
             for rec in probe(self.server, self.now()):
                 self.state.add("probe", rec)
-            self.state.add("server", {"t": self.now(), "evaluator": self.server.has_evaluator()})
+            weights = self.server.core.weights
+            self.state.add("server", {"t": self.now(), "evaluator": self.server.has_evaluator(),
+                                      "size": None if weights is None else int(weights.size)})
         if self.tb is not None:
             for src, rec in new:
                 self.tb.add(src, rec)

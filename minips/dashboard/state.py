@@ -8,7 +8,9 @@ follow a run directory's JSON-lines files, live (tail) or as a replay (by run ti
 ``RunState.add(source, record)`` takes one JSON-lines record of the run directory (``source``:
 ``eval``, ``global``, ``group``, ``worker``; see record/rundir.py for the fields), one ``probe``
 record (the global server's live view of a worker: group, clock, step time, alive, waiting) or
-one ``server`` record (its view of the run: whether an evaluator is connected). Live runs and
+one ``server`` record (its view of the run: whether an evaluator is connected, the model's
+size). A run over without an evaluation, or a replay whose files hold none, says "no
+evaluator" (``no_evaluator``), not "waiting". Live runs and
 replays feed the same records, so both draw the same page; ``now`` (seconds since the run's t0)
 is passed in by the caller.
 
@@ -17,7 +19,11 @@ global server's ``merge`` lines (global.jsonl) carry each exchange's pushes, the
 and worker traffic, the PULLs it answered (worker, lead, SSP wait: the staleness and wait
 histograms, each worker's pulls) and the group <-> global bytes the global server counted. A
 worker's own file, where the run directory has it, adds the columns of its last push (bytes
-per push, upload ratio, its pull's duration) and its events. Events carry a sentence
+per push, upload ratio, its pull's duration) and its events; a worker whose file is on another
+machine gets, in its row, what the servers saw (``WorkerView.row``): the lead and SSP wait of
+its last answered PULL, a clock from its PULLs (one precedes each step) or its last STATS,
+and its group's means over the last exchange for the bytes per push and the upload (the
+model's size from a ``server`` record). Events carry a sentence
 (``describe``); checkpoints are folded into one count. A group no worker is in any more (a
 regroup emptied it) is no longer shown (``shown_groups``); a worker slower than ``SLOW_FACTOR``
 times the median of all live workers is marked ``slow``.
@@ -143,14 +149,33 @@ class WorkerView:
     pulls: int = 0  # PULLs its group server answered, as the merges reported them
     held_s: float = 0.0  # s the SSP bound held those PULLs, summed
     local_steps: int | None = None  # H of its last push (local steps; optimizer on the worker)
+    # what its group server reported of its last answered PULL (the merges), wherever it runs
+    lead: int | None = None  # clocks ahead of its group's slowest worker
+    pull_wait_s: float | None = None  # s the SSP bound held that PULL
+    stats_step: bool = False  # step_time is its last STATS (the probe), not a push of its own
 
-    def row(self, state: str, slow: bool = False) -> dict[str, Any]:
-        up = (self.bytes_wire / self.bytes_raw) if self.bytes_wire and self.bytes_raw else None
+    def row(self, state: str, slow: bool = False, group: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
+        """The page's row; a worker without records of its own (``pushes`` 0: its files are
+        on another machine) gets what the servers saw (``seen``: "servers"): its last PULL's
+        lead and SSP wait, and its group's means over the last exchange (``approx``) for the
+        step time (without a STATS), bytes per push and upload."""
+        own = self.pushes > 0
+        approx = [] if own else [k for k, v in (
+            ("step_time", self.step_time is None and (group or {}).get("step_time")),
+            ("bytes_per_push", (group or {}).get("push_bytes"))) if v]
+        step = self.step_time if "step_time" not in approx else (group or {})["step_time"]
+        wire = self.bytes_wire if own else (group or {}).get("push_bytes")
+        raw = self.bytes_raw if own else (group or {}).get("raw_bytes")
+        up = (wire / raw) if wire and raw else None
         return {"id": self.id, "group": self.group, "clock": self.clock, "state": state,
-                "step_time": self.step_time, "wait_s": self.wait_s, "staleness": self.staleness,
-                "bytes_per_push": self.bytes_wire, "upload_ratio": up, "ratio": self.ratio,
+                "step_time": step,
+                "wait_s": self.wait_s if own else self.pull_wait_s,
+                "staleness": self.staleness if own else self.lead,
+                "bytes_per_push": wire, "upload_ratio": up, "ratio": self.ratio,
                 "loss": self.loss, "pushes": self.pushes, "pulls": self.pulls,
-                "held_s": self.held_s, "slow": slow}
+                "held_s": self.held_s, "slow": slow, "seen": "own" if own else "servers",
+                "approx": approx + (["upload_ratio"] if up and not own else [])}
 
 
 class RunState:
@@ -181,6 +206,9 @@ class RunState:
         self.checkpoint_t: float | None = None
         self.checkpoints: dict[str, Any] = {"n": 0, "t": None, "bytes": None}  # folded
         self.evaluator: bool | None = None  # an evaluator is connected (the server's view)
+        self.size: int | None = None  # the model's coordinates (``server`` records)
+        self.push_bytes: dict[int, float] = {}  # group -> mean bytes per push, last exchange
+        self._bytes_in: dict[int, float] = {}  # group -> its bytes_in at its last merge
         self.done = False
         self.final_eval = False  # the evaluator wrote its record of the final weights
         self._clock_at: dict[int, float] = {}  # group -> t of its last clock point
@@ -250,7 +278,8 @@ class RunState:
         if isinstance(r.get("pushes"), int):
             self.pushes[g] = self.pushes.get(g, 0) + r["pushes"]
         known = self.groups.setdefault(g, {})
-        for k in ("min_clock", "max_clock", "bytes_in", "bytes_out"):
+        self._push_bytes(g, r)
+        for k in ("min_clock", "max_clock", "bytes_in", "bytes_out", "step_time"):
             # a final exchange after the workers left has no clocks (None, or -1 on the wire)
             if r.get(k) is not None and not (k.endswith("clock") and r[k] < 0):
                 known[k] = r[k]
@@ -268,6 +297,17 @@ class RunState:
             self.clocks.append({"t": r["t"], "group": g, "min_clock": r.get("min_clock"),
                                 "max_clock": r.get("max_clock")})
 
+    def _push_bytes(self, g: int, r: dict[str, Any]) -> None:
+        """Group ``g``'s mean bytes per push since its previous merge: what its workers sent
+        (``bytes_in``, PULLs included: ~40 bytes each) over the pushes it merged."""
+        now_in, pushes = r.get("bytes_in"), r.get("pushes")
+        if not isinstance(now_in, (int, float)):
+            return
+        before = self._bytes_in.get(g)
+        self._bytes_in[g] = now_in
+        if before is not None and isinstance(pushes, int) and pushes > 0 and now_in > before:
+            self.push_bytes[g] = (now_in - before) / pushes
+
     def _pulls(self, r: dict[str, Any]) -> None:
         """The PULLs a merge's group answered since its last exchange: staleness and the SSP
         bound's wait, one observation each, and each worker's count."""
@@ -280,6 +320,9 @@ class RunState:
             self.wait_hist.observe(wait_us / 1e6)
             v = self._view(w)
             v.pulls, v.held_s = v.pulls + 1, v.held_s + wait_us / 1e6
+            v.lead, v.pull_wait_s = int(lead), wait_us / 1e6
+            if v.pushes == 0:  # no records of its own: a PULL precedes each step
+                v.clock, v.group = max(v.clock, v.pulls - 1), int(r.get("group", v.group))
         g = int(r.get("group", -1))
         if cols[0] and r["t"] - self._held_at.get(g, -1e9) >= CLOCK_POINT_S:  # who waits, over time
             self._held_at[g] = r["t"]
@@ -291,6 +334,8 @@ class RunState:
         """The global server's view of the run as a whole (the monitor's probe)."""
         if isinstance(r.get("evaluator"), bool):
             self.evaluator = r["evaluator"]
+        if isinstance(r.get("size"), int) and r["size"] > 0:
+            self.size = r["size"]
 
     def _group(self, r: dict[str, Any]) -> None:
         g = r.get("group")
@@ -315,6 +360,7 @@ class RunState:
                 self._event(r, f"worker {v.id}")
             return
         v.clock, v.last_t, v.pushes, v.gone = int(r.get("clock", v.clock)), r["t"], v.pushes + 1, ""
+        v.stats_step = False
         if r.get("group") is not None:
             v.group = int(r["group"])
         # its own view of its last push; the run's counters come from the merges (_merge)
@@ -326,9 +372,10 @@ class RunState:
     def _probe(self, r: dict[str, Any]) -> None:
         v = self._view(r["worker"])
         v.group = int(r.get("group", v.group))
-        v.clock = max(v.clock, int(r.get("clock") or 0))
-        if r.get("step_time") and v.step_time is None:
-            v.step_time = float(r["step_time"])
+        v.clock = max(v.clock, int(r.get("clock") or 0))  # a worker gone reports 0: keep the last
+        if r.get("step_time") and (v.step_time is None or v.stats_step):
+            # its last STATS, until pushes of its own (its file in this run directory) say more
+            v.step_time, v.stats_step = float(r["step_time"]), v.pushes == 0
         v.waiting = r.get("waiting")
         if not r.get("alive", True):
             v.gone = v.gone or "lost"
@@ -413,6 +460,19 @@ class RunState:
                 out[v.group] = out.get(v.group, 0) + (self.state_of(v, now) != "dead")
         return out
 
+    def _group_means(self, g: int) -> dict[str, Any]:
+        """What the servers saw of group ``g``'s workers on average (the last exchange): step
+        time, bytes per push, and a push's dense float32 bytes when the model size is known."""
+        return {"step_time": self.groups.get(g, {}).get("step_time"),
+                "push_bytes": self.push_bytes.get(g),
+                "raw_bytes": 4 * self.size if self.size else None}
+
+    @property
+    def no_evaluator(self) -> bool:
+        """No accuracy is coming: the server says no evaluator is connected, or the run is over
+        without a single evaluation."""
+        return self.evaluator is False or (self.done and not self.eval)
+
     def update(self, now: float, since: dict[str, int] | None = None) -> dict[str, Any]:
         """The page's message: tables as of ``now`` plus the series items after ``since``
         ({} = from the start); ``cursor`` is the ``since`` of the next call."""
@@ -422,8 +482,9 @@ class RunState:
         slow, steps = self.slow(now), self.local_steps()
         return {
             "t": now, "done": self.done, "kind": self.kind,
-            "config": _config_brief(self.config), "evaluator": self.evaluator,
-            "workers": [v.row(self.state_of(v, now), w in slow)
+            "config": _config_brief(self.config),
+            "evaluator": False if self.no_evaluator else self.evaluator,
+            "workers": [v.row(self.state_of(v, now), w in slow, self._group_means(v.group))
                         for w, v in sorted(self.workers.items())],
             "groups": {str(g): {**c, "merges": self.merges.get(g, 0),
                                 **({"local_steps": steps[g]} if g in steps else {})}
@@ -577,6 +638,8 @@ class Replay:
                                if (src := source_of(f)) is not None for r in read_jsonl(f)),
                               key=lambda sr: _t(sr[1]))
         self.next = 0
+        if not any(src == "eval" for src, _ in self.records):  # no accuracy will come
+            self.state.evaluator = False
         self.start_t = _t(self.records[0][1]) if self.records else 0.0  # skip the idle start
         self.end_t = _t(self.records[-1][1]) if self.records else 0.0
 
