@@ -486,6 +486,9 @@ class InProcGroup:
     def expect(self, w: int) -> None:
         self.server.expect(w)
 
+    def forget(self, w: int) -> None:
+        self.server.forget(w)
+
     def traffic(self) -> dict[str, int]:
         return self.server.traffic()
 

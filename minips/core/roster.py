@@ -69,6 +69,12 @@ class GroupPeer(Protocol):
     def expect(self, w: int) -> None:
         """Worker ``w`` joins the group (placed late, moved by a regroup)."""
 
+    def forget(self, w: int) -> None:
+        """Worker ``w``'s control session was cut for a protocol violation: unless it is
+        connected to the group's server, it no longer counts in the group's clocks (as after a
+        LEAVE), so a worker that comes back only to be cut again never holds the group's SSP
+        minimum."""
+
     def traffic(self) -> dict[str, int]:
         """Worker <-> group bytes (``bytes_in``, ``bytes_out``) as far as known here."""
 
@@ -103,6 +109,10 @@ class NoGroup:
 
     def expect(self, w: int) -> None:
         """A group process learns its members from the global server's replies."""
+
+    def forget(self, w: int) -> None:
+        """Nothing to tell: a group process counts only the workers connected to it (and
+        ``lease_s`` drops one that never came)."""
 
     def traffic(self) -> dict[str, int]:
         return self._traffic
@@ -212,6 +222,13 @@ class Roster:
         if not free:
             raise AuthError(f"no free worker id: all {self.run.workers} are connected")
         return free[0]
+
+    def cut(self, w: int) -> None:
+        """Worker ``w``'s control session was cut for a protocol violation: its group's server
+        stops counting it (``GroupPeer.forget``)."""
+        g = self.workers[w].group
+        if g >= 0:
+            self.groups[g].peer.forget(w)
 
     def seated(self, w: int) -> None:
         """Worker ``w``'s session started (its control connection is in its entry)."""

@@ -335,6 +335,7 @@ class Channel:
         self.welcome_info: dict[str, Any] = {}  # both sides: WELCOME's info map
         self.worker_id = -1  # the id in WELCOME
         self.bytes_sent = 0
+        self.error_sent = ""  # the code of the ERROR this side sent with send_error ("": none)
         self._up: TokenBucket | None = None  # the uplink bucket of a paced channel
         self._send_lock = asyncio.Lock()  # a paced frame's chunks are never interleaved
         self._beat: asyncio.Task[None] | None = None
@@ -499,6 +500,7 @@ class Channel:
     async def send_error(self, code: str, reason: str) -> None:
         """Send ERROR(code, reason) if the connection still allows it (before closing)."""
         if not self.closed and self._proto.conn.state != handshake.State.CLOSED:
+            self.error_sent = code
             with contextlib.suppress(ConnectionError):
                 await self.send(messages.Error(code=code[: messages.MAX_NAME],
                                                reason=reason[: messages.MAX_TEXT]))

@@ -1,6 +1,7 @@
 """What a server allows a source address before it has authenticated, sans-IO: how many
-handshakes it may have open at once, how long it must wait after failed ones, and log lines that
-count events instead of printing one line each. No sockets, tasks or clocks: callers pass ``now``.
+handshakes it may have open at once, how long it must wait after failed ones or after sessions
+it lost to protocol violations, and log lines that count events instead of printing one line
+each. No sockets, tasks or clocks: callers pass ``now``.
 
 Invariants:
 - At most ``max_pending`` connections are in the handshake at once, at most
@@ -9,11 +10,17 @@ Invariants:
   doubles with every further failure (``backoff_first_s`` up to ``backoff_max_s``), so a guesser
   gets a bounded number of attempts per second. A successful handshake clears the record; so
   does ``forget_after_s`` without failures. At most ``MAX_SOURCES`` records are kept.
+- Sessions cut for a protocol violation (an ERROR of ``VIOLATIONS``: a peer that authenticated
+  and then broke the protocol, e.g. a flood of messages it may not send) are counted the same
+  way in a record of their own: after ``free_violations`` of them in a row the source waits
+  before its next handshake, with the same doubling back-off. A session that ends without a
+  violation clears that record (a handshake does not: a flooder passes every one).
 - ``LogSummary`` lets the first event of each kind through at once and then one line per
   ``period_s`` with the count of what happened meanwhile: a flood costs a few lines, not one each.
 
-Public API: ``Limits``, ``Guard`` (``admit``, ``backoff_left``, ``failures``, ``opened``,
-``closed``, ``failed``, ``succeeded``, ``pending``), ``LogSummary`` (``event``, ``due``, ``flush``).
+Public API: ``Limits``, ``VIOLATIONS``, ``Guard`` (``admit``, ``backoff_left``, ``failures``,
+``opened``, ``closed``, ``failed``, ``succeeded``, ``violated``, ``behaved``, ``pending``),
+``LogSummary`` (``event``, ``due``, ``flush``).
 """
 
 from __future__ import annotations
@@ -21,9 +28,13 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-__all__ = ["Limits", "Guard", "LogSummary", "MAX_SOURCES"]
+__all__ = ["Limits", "Guard", "LogSummary", "MAX_SOURCES", "VIOLATIONS"]
 
 MAX_SOURCES = 4096  # failure records kept; the oldest goes first (bounds the guard's memory)
+# ERROR codes that end a session for a protocol violation (protocol.md, section 6): the frame
+# layer's and the servers' ("lease", "replaced", "refused" are not the peer breaking anything)
+VIOLATIONS = frozenset({"protocol_error", "limit_exceeded", "read_timeout", "invalid", "clock",
+                        "order"})
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,9 @@ class Limits:
     backoff_first_s: float = 0.5  # the first wait; each further failure doubles it ...
     backoff_max_s: float = 30.0  # ... up to this
     forget_after_s: float = 600.0  # a source with no failure for this long starts afresh
+    # sessions cut for a protocol violation in a row a source may have before it waits (the
+    # same back-off); a reconnect loop of a buggy or hostile client is slowed to a trickle
+    free_violations: int = 8
 
 
 @dataclass
@@ -53,6 +67,7 @@ class Guard:
         self.pending: collections.Counter[str] = collections.Counter()  # source -> open now
         self.total_pending = 0
         self._records: dict[str, _Record] = {}  # insertion order: oldest first
+        self._violations: dict[str, _Record] = {}  # sessions cut for violations, the same way
 
     def admit(self, source: str, now: float) -> str:
         """"" when a new connection from ``source`` may start its handshake, else why not:
@@ -66,9 +81,12 @@ class Guard:
         return ""
 
     def backoff_left(self, source: str, now: float) -> float:
-        """Seconds ``source`` must still wait before its next handshake (0: none)."""
-        rec = self._records.get(source)
-        return 0.0 if rec is None else max(0.0, rec.until - now)
+        """Seconds ``source`` must still wait before its next handshake (0: none), after
+        failed handshakes or sessions cut for violations, whichever is longer."""
+        until = max((rec.until for rec in (self._records.get(source),
+                                           self._violations.get(source)) if rec is not None),
+                    default=0.0)
+        return max(0.0, until - now)
 
     def failures(self, source: str) -> int:
         """Failed handshakes in a row from ``source``."""
@@ -89,23 +107,41 @@ class Guard:
 
     def failed(self, source: str, now: float) -> float:
         """A handshake from ``source`` failed (wrong secret); return its back-off (0: none)."""
-        rec = self._records.pop(source, None)  # re-inserted: the dict stays oldest-first
-        if rec is None or now - rec.last > self.limits.forget_after_s:
-            rec = _Record()
-        rec.failures += 1
-        rec.last = now
-        over = rec.failures - self.limits.free_failures
-        wait = 0.0 if over <= 0 else min(self.limits.backoff_max_s,
-                                         self.limits.backoff_first_s * 2 ** min(over - 1, 30))
-        rec.until = now + wait
-        self._records[source] = rec
-        while len(self._records) > MAX_SOURCES:
-            del self._records[next(iter(self._records))]
-        return wait
+        return self._count(self._records, source, now, self.limits.free_failures)
 
     def succeeded(self, source: str) -> None:
         """``source`` proved the secret: its failures are forgiven."""
         self._records.pop(source, None)
+
+    def violated(self, source: str, now: float) -> float:
+        """A session from ``source`` was cut for a protocol violation; return the back-off its
+        next handshake waits (0: none yet)."""
+        return self._count(self._violations, source, now, self.limits.free_violations)
+
+    def violations(self, source: str) -> int:
+        """Sessions from ``source`` cut for violations in a row."""
+        rec = self._violations.get(source)
+        return 0 if rec is None else rec.failures
+
+    def behaved(self, source: str) -> None:
+        """A session from ``source`` ended without a violation: its violations are forgiven."""
+        self._violations.pop(source, None)
+
+    def _count(self, records: dict[str, _Record], source: str, now: float, free: int) -> float:
+        """One more failure of ``source`` in ``records``; its back-off after ``free`` of them."""
+        rec = records.pop(source, None)  # re-inserted: the dict stays oldest-first
+        if rec is None or now - rec.last > self.limits.forget_after_s:
+            rec = _Record()
+        rec.failures += 1
+        rec.last = now
+        over = rec.failures - free
+        wait = 0.0 if over <= 0 else min(self.limits.backoff_max_s,
+                                         self.limits.backoff_first_s * 2 ** min(over - 1, 30))
+        rec.until = now + wait
+        records[source] = rec
+        while len(records) > MAX_SOURCES:
+            del records[next(iter(records))]
+        return wait
 
 
 @dataclass

@@ -314,8 +314,10 @@ class Server:
             ch.set_limits(limits)
 
     async def _serve_one(self, ch: Channel, source: str) -> None:
+        session = False  # the handshake passed: how the session ends counts (``_judge``)
         try:
             if await self._admit(ch, source):
+                session = True
                 self.channels.add(ch)
                 ch.set_limits(self.limits)  # set_limits may have come during the handshake
                 await self.handler(ch)
@@ -328,6 +330,19 @@ class Server:
         finally:
             self.channels.discard(ch)
             await ch.close()
+            if session:
+                self._judge(ch, source)
+
+    def _judge(self, ch: Channel, source: str) -> None:
+        """A session ended: one cut for a protocol violation (the frame layer's ERROR, or the
+        handler's ``send_error`` with a code of ``guard.VIOLATIONS``) counts against its source,
+        which waits before its next handshake once it has too many in a row; any other end
+        clears the count (guard.py)."""
+        if not (isinstance(ch.error, RemoteProtocolError) or ch.error_sent in g.VIOLATIONS):
+            self.guard.behaved(source)
+        elif (wait := self.guard.violated(source, asyncio.get_running_loop().time())) > 0:
+            self.counted.note("back-off", f"{source}: {self.guard.violations(source)} sessions "
+                              f"in a row cut for protocol violations: refused for {wait:.1f} s")
 
     async def _admit(self, ch: Channel, source: str) -> bool:
         """Run the handshake; False (and counted) when it was refused or failed."""

@@ -126,6 +126,12 @@ class GroupServer:
         """Count worker ``w`` in the group before it connects (``GroupCore.expect``)."""
         self.core.expect(w, self.clock())
 
+    def forget(self, w: int) -> None:
+        """Worker ``w`` was cut for a protocol violation on its control channel: unless it is
+        connected here, it leaves the clock table as after a LEAVE (``roster.GroupPeer``)."""
+        if w not in self.channels:
+            self._perform(self.core.leave(w))
+
     def set_ratio(self, ratio: float, local_steps: int = 0) -> None:
         """GDTopK's new ratio for this group's workers (``GroupCore.set_ratio``) and, with
         local steps auto, their H (``GroupCore.set_local_steps``; 0: unchanged)."""

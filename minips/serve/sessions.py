@@ -128,6 +128,9 @@ async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
                                               expected="at most one", got="a second")
                 took_init = True
             _on_control(srv, w, msg)
+    except RemoteProtocolError:
+        core.roster.cut(w)  # out of its group's clocks, as after a LEAVE (Roster.cut)
+        raise
     finally:
         if srv.controls.get(w) is ch:
             del srv.controls[w]
