@@ -117,13 +117,22 @@ def test_page_marks_slow_workers_cluster_wide_drops_vanished_groups_and_reads_we
         assert all(n >= 5 and last > 0 for _, n, last in hops)
         held = js("return document.getElementById('c-held')._chart.series"
                   ".map((s) => [s.name, s.points.length, s.points.at(-1)[1]])")
-        assert [h[0] for h in held] == ["w0", "w1", "w2", "w3", "w4"]
+        assert [h[0] for h in held] == ["w0 (group 0)", "w1 (group 0)", "w2 (group 2)",
+                                        "w3 (group 1)", "w4 (group 1)"]
         assert held[0][1] >= 5 and held[0][2] == pytest.approx(18 * 0.005)  # who waited, when
+        colours = js("return document.getElementById('c-held')._chart.series.map((s) => s.color)")
+        assert len(set(colours)) == 5  # one per worker, two of a group told apart
+        for chart, names in (("held", [h[0] for h in held]), ("bytes", [h[0] for h in hops])):
+            legend = js(f"return [...document.querySelectorAll('#l-{chart} span')]"
+                        ".map((e) => e.textContent)")
+            assert legend == names, chart
         for chart in ("c-acc-t", "c-loss-b", "c-clocks", "c-bytes"):
             for axis in ("xticks", "yticks"):
                 ticks = js(f"return document.getElementById('{chart}').dataset.{axis}")
                 assert round_ticks(ticks), (chart, axis, ticks)
-        assert "%" in js(HOVER, "c-acc-t") and "group to" in js(HOVER, "c-bytes")
+        assert "%" in js(HOVER, "c-acc-t") and js(HOVER, "c-acc-t").endswith(" s")
+        assert "group to" in js(HOVER, "c-bytes") and " MB at " in js(HOVER, "c-bytes")
+        assert " s held at " in js(HOVER, "c-held") and js(HOVER, "c-acc-b").endswith(" MB")
         events = js("return [...document.querySelectorAll('#events .event')]"
                     ".map((e) => e.textContent)")
         assert events[0].endswith("run over: epochs")  # the newest first
@@ -133,5 +142,38 @@ def test_page_marks_slow_workers_cluster_wide_drops_vanished_groups_and_reads_we
         assert not any("checkpoint" in e or "=" in e for e in events)
         assert js("return document.getElementById('checkpoints').textContent") == \
             "3 checkpoints written, the last at 7.0 s (0.3 MB)"
+    finally:
+        interrupt(proc, 30)
+
+
+@pytest.mark.timeout(120)
+def test_a_replay_of_a_servers_run_directory_fills_remote_rows_and_says_no_evaluator(
+        tmp_path: Path, browser: Any) -> None:
+    """The server's run directory of a run whose workers and evaluator-less cluster ran on
+    other machines: no worker file, no eval.jsonl. The rows show what the servers saw (≈ for
+    a group's mean), the clocks stay, and the charts say there is no evaluator."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    write_run(tmp_path)
+    for f in [*tmp_path.glob("worker-*.jsonl"), tmp_path / "eval.jsonl"]:
+        f.unlink()
+    proc = subprocess.Popen([sys.executable, "-m", "minips", "dashboard", str(tmp_path),
+                             "--listen", "127.0.0.1:0", "--speed", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        browser.get(line.split(" on ")[1].split()[0])
+        WebDriverWait(browser, 30).until(lambda d: d.execute_script(
+            "return document.getElementById('status').textContent") == "run over")
+        cells = browser.execute_script(
+            "return [...document.querySelectorAll('tr.worker')].map((r) => [r.dataset.clock, "
+            "...[...r.querySelectorAll('td[data-key]')].map((c) => c.textContent)])")
+        assert len(cells) == 5
+        for clock, _step, wait, stale, kb, _up in cells:
+            assert int(clock) > 0 and wait == "5" and stale == "1", cells
+            assert kb.startswith("≈"), cells  # the group's mean bytes per push
+        hint = browser.execute_script("return document.getElementById('no-eval').hidden")
+        empty = browser.execute_script("return document.getElementById('c-acc-t')._chart.empty")
+        assert hint is False and empty.startswith("no evaluator")
     finally:
         interrupt(proc, 30)
