@@ -17,9 +17,10 @@ when this server does, HELLO capability ``tls``) or ``evaluator`` (PULL the glob
 every few seconds).
 
 A run goes: workers connect and report their calibrated step time (STATS at clock 0); when all
-``run.workers`` reported (or ``calib_timeout_s`` passed: at once if anyone reported, else at the
-first STATS after it; a later worker is placed after its first STATS) the server clusters the
-step times into groups (one group for bsp/ssp/asp, ``grouping.assign_groups`` for gssp), starts one
+``run.workers`` reported (or ``calib_timeout_s`` passed since the first worker joined: at once
+if anyone reported, else at the first STATS after it; a later worker is placed after its first
+STATS, a ``placed`` record and a console line) the server clusters the step times into
+groups (one group for bsp/ssp/asp, ``grouping.assign_groups`` for gssp), starts one
 ``GroupServer`` per group on its own port (or hands the groups to the connected external group
 servers) and sends every worker ASSIGN(group address, ratio, staleness). Later STATS update the
 group step times. GDTopK: every exchange reports its group's measured iteration time
@@ -122,6 +123,7 @@ class GlobalServer:
         self.pending_groups: list[Channel] = []  # group processes not given a group yet
         self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
         self.rejoin: asyncio.Task[None] | None = None  # waiting for every worker to come back
+        self.deadline: asyncio.Task[None] | None = None  # the grouping deadline, once one joined
         self.saving: asyncio.Future[int] | None = None  # checkpoint write in flight
         self.tasks: set[asyncio.Task[Any]] = set()
         self._restored: dict[str, Any] | None = None  # checkpoint state to resume from
@@ -135,8 +137,10 @@ class GlobalServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Listen, start the grouping deadline (or reopen the checkpoint's groups); return the
-        bound port. Refuses a non-loopback address without a secret unless ``insecure``."""
+        """Listen (or also reopen the checkpoint's groups); return the bound port. The grouping
+        deadline starts with the first worker that joins (``_handle``), not here: a server
+        started long before its workers gives them the whole of it. Refuses a non-loopback
+        address without a secret unless ``insecure``."""
         check_bind(self.cfg.host, self.cfg.token, self.cfg.insecure)  # group servers' host too
         self._ssl = server_ssl(self.cfg.tls_cert, self.cfg.tls_key)
         self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
@@ -147,8 +151,6 @@ class GlobalServer:
         self._clean_temps()
         if self._restored is not None:
             await self._reopen(self._restored)
-        else:
-            self.spawn(self._grouping_deadline())
         if self.cfg.ready_file:
             _write_atomic(self.cfg.ready_file, f"{self.cfg.host} {self.port}\n")
         return self.port
@@ -240,6 +242,8 @@ class GlobalServer:
     async def _handle(self, ch: Channel) -> None:
         assert ch.peer_hello is not None
         role = ch.peer_hello.role
+        if role == "worker" and self.deadline is None and self._restored is None:
+            self.deadline = self.spawn(self._grouping_deadline())  # from the first join
         try:
             if role == "worker":
                 await sessions.worker_session(self, ch, int(ch.worker_id))
@@ -334,7 +338,10 @@ class GlobalServer:
         """A worker whose first STATS came after the groups were drawn up: once they are open,
         the group nearest its speed."""
         await self.groups_opened.wait()
-        if self.core.place_late(w) is not None:
+        g = self.core.place_late(w)
+        if g is not None:
+            self.log("placed", worker=w, group=g, moved={str(w): g},
+                     step_time=self.core.workers[w].step_time)
             await self.tell_group(w)
 
     async def _regroup(self, assignment: dict[int, int]) -> None:
@@ -546,6 +553,16 @@ def _groups_line(core: GlobalCore, assignment: dict[str, int]) -> str:
     return f"{len(parts)} group(s) by speed: " + ", ".join(parts)
 
 
+def _deadline_line(fields: dict[str, Any]) -> str:
+    """The grouping deadline passed: with whom training starts, and what happens to the rest."""
+    n, m = len(fields.get("reported") or []), fields.get("expected")
+    wait = "grouping deadline passed (--calib-timeout, counted from the first join)"
+    if not n:
+        return f"{wait} with no worker reported yet: the first one to report forms the groups"
+    return f"{wait} with {n} of {m} workers reported: training starts with them; a worker " \
+        "that reports later is placed in the group nearest its speed"
+
+
 def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | None:
     """The console line of a record event, None for those only the record keeps (merges,
     checkpoints, ratios)."""
@@ -557,6 +574,11 @@ def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | 
         return f"worker {w} left ({fields.get('reason')})"
     if event == "groups":
         return _groups_line(core, fields["assignment"]) + "; training"
+    if event == "calib_timeout":
+        return _deadline_line(fields)
+    if event == "placed":
+        return f"worker {w} reported after the grouping: placed in group {fields.get('group')} " \
+            f"(the nearest in speed to its {_ms(fields.get('step_time'))}/step)"
     if event in ("regroup", "rehomed"):
         moves = [f"worker {w} moves to group {g}" for w, g in (fields.get("moved") or {}).items()]
         why = "regrouped by speed" if event == "regroup" else f"group {fields.get('group')} lost"
@@ -600,7 +622,7 @@ class ServerConfig:
     # host told to workers for in-process group servers (they listen on ``host``); None: the host
     # each worker reached this server at (ASSIGN carries ":port")
     advertise_host: str | None = None
-    calib_timeout_s: float = 60.0  # group the workers that reported after this long
+    calib_timeout_s: float = 60.0  # group who reported this long after the first worker joined
     ready_file: str | None = None  # write "host port" here once listening (launcher)
     linger_s: float = 15.0  # after the budget, wait this long for the final evaluator pull
     rejoin_wait_s: float = 120.0  # every worker gone with budget left: wait this long for them

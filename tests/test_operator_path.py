@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import minips_server, recv_as
+from conftest import minips_server, records, recv_as, until
 
+from minips.core.config import RunConfig
 from minips.net import channel, lifeline, transport
 from minips.run.cli import main
+from minips.server import GlobalServer, ServerConfig
 from minips.wire import messages
 
 
@@ -209,3 +211,45 @@ async def test_a_group_nobody_serves_ends_the_run_with_one_line_and_exit_3(
     assert "no external group server connected for group 1" in err, err
     assert "never retrieved" not in err and "Traceback" not in err, err
     assert took < 15, f"the server exited {took:.1f} s after the workers reported"
+
+
+# -- the grouping deadline counts from the first join; a late worker is placed, and said so -------
+
+@pytest.mark.timeout(60)
+async def test_the_grouping_deadline_counts_from_the_first_join_and_a_late_worker_is_placed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A server started 1.5 s before its workers, with a 1 s grouping deadline: the two workers
+    that report together are grouped together (the deadline had not started), the console says
+    the deadline passed with 2 of 3, and the third, reporting after the grouping, is placed in a
+    group (ASSIGN, a ``placed`` record and a console line)."""
+    cfg = ServerConfig(run=RunConfig(workers=3, mode="gssp", epochs=1.0), port=0,
+                       run_dir=str(tmp_path), calib_timeout_s=1.0, console=True)
+    srv = GlobalServer(cfg, np.zeros(8, np.float32))
+    port = str(await srv.start())
+    chans = []
+    try:
+        await asyncio.sleep(1.5)  # the scenario: the server was up long before any worker
+        first = asyncio.ensure_future(_calibrated_plain(port, 0, 0.02))
+        await until(lambda: 0 in srv.core.workers and bool(srv.core.workers[0].step_time))
+        second = await _calibrated_plain(port, 1, 0.02)  # after worker 0's STATS was handled
+        chans += [(await first)[0], second[0]]
+        grouped = records(tmp_path / "global.jsonl", event="groups")
+        assert sorted(grouped[0]["assignment"]) == ["0", "1"], grouped
+        late, assign = await _calibrated_plain(port, 2, 0.02)
+        chans.append(late)
+        placed = records(tmp_path / "global.jsonl", event="placed")
+        assert [(r["worker"], r["group"]) for r in placed] == [(2, assign.group)]
+        out = capsys.readouterr().out
+        assert "grouping deadline passed" in out and "with 2 of 3 workers reported" in out, out
+        assert f"worker 2 reported after the grouping: placed in group {assign.group}" in out
+    finally:
+        for ch in chans:
+            ch.close_nowait()
+        await srv.close()
+
+
+async def _calibrated_plain(port: str, w: int, step_time: float) -> tuple[Any, messages.Assign]:
+    """As ``_calibrated``, against a server without a secret."""
+    ctl = await transport.connect("127.0.0.1", int(port), role="worker", worker_id=w, token="")
+    await ctl.send(messages.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
+    return ctl, await recv_as(ctl, messages.Assign, 20)

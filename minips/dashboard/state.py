@@ -259,7 +259,7 @@ class RunState:
                 self._view(w).group = int(g)
         if ev == "local_steps":  # --local-steps auto: each group's H, as the global server set it
             self.set_steps.update({int(g): int(h) for g, h in r["local_steps"].items()})
-        if ev in ("regroup", "rehomed"):  # workers moved to other groups
+        if ev in ("regroup", "rehomed", "placed"):  # moved, or a late worker placed
             for w, g in (r.get("moved") or {}).items():
                 self._view(w).group = int(g)
         if ev in EVENT_KINDS:
