@@ -1,9 +1,12 @@
 """Server capacity: how many workers one global server (and its group servers) carries.
 
-For each model size (LeNet-5: 61,706 parameters; ResNet-18: 11,173,962), each push density
-(1% sparse-v1, dense) and each count of connected workers, this script starts a real
-`minips server` (GSSP, up to --groups in-process group servers, no staleness bound in
-practice so idle workers hold no one back) and several client processes
+For each model size (LeNet-5: 61,706 parameters; ResNet-18: 11,173,962; VGG-19: 20,040,522),
+each place of the optimizer (on the group servers: workers push gradients; on the workers: they
+push updates the servers only add), each push density (1% sparse-v1, dense) and each count of
+connected workers, this script starts a real `minips server` in a fresh run directory of its
+own (GSSP, up to --groups group servers, in the server's process or with --group-processes as
+`minips group` processes, no staleness bound in practice so idle workers hold no one back) and
+several client processes
 (scripts/bench_server_clients.py: asyncio, no torch). Up to --max-active of the workers are
 active: PULL -> WEIGHTS, PUSH -> ACK every --step-s seconds; the rest are connected and idle
 (heartbeats only). Once every worker is in its loop the script measures --window-s seconds:
@@ -13,34 +16,156 @@ active: PULL -> WEIGHTS, PUSH -> ACK every --step-s seconds; the rest are connec
   server_cpu, clients_cpu                  CPU seconds per second (1.0 = one core busy;
                                            server: with its group processes, if any)
   server_rss_mb                            at the end of the window
+  cpu_per_message                          per kind (push, pull, exchange, checkpoint): the
+                                           messages served in the window and the CPU time
+                                           the servers' cores spent on them, us per message
+
+The CPU per message is measured inside the server processes: each runs under this script
+(``--serve-probed``), which wraps the core entry points that serve a message kind (``PROBED``)
+with a per-thread CPU clock and writes its totals to a file when sent SIGUSR1, once before the
+window and once after. It counts the cores' work (numpy included), not framing, decoding or
+the event loop's own costs, which the difference to server_cpu shows.
 
 The clients run on the same cores as the server: clients_cpu says how much of the machine they
 took, so a point where server_cpu is well under 1 while clients_cpu fills the rest is limited by
 the clients, not the server (the server is one asyncio loop: it can use one core).
 
-Usage: flock /tmp/minips-bench.lock python scripts/bench_server.py --json [--chart docs/img/x.png]
+Every point runs in its own run directory, removed after it (a server refuses a directory that
+holds an earlier run). Usage:
+  flock /tmp/minips-bench.lock python scripts/bench_server.py --json [--chart docs/img/x.png]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import os
 import secrets
 import select
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-MODELS = {"lenet5": 61_706, "resnet18": 11_173_962}  # flat parameter counts
+MODELS = {"lenet5": 61_706, "resnet18": 11_173_962, "vgg19": 20_040_522}  # flat parameters
 CLIENTS = Path(__file__).with_name("bench_server_clients.py")
 READY_TIMEOUT_S = 240.0  # every worker connected, assigned and stepping
+PROBE_TIMEOUT_S = 20.0  # a server process writes its counters once sent SIGUSR1
 TICKS = os.sysconf("SC_CLK_TCK")
+
+# What serves each message kind in the servers' cores: (module, class or None, function). The
+# first entry's calls count the messages; every entry's CPU adds up (an entry called inside
+# another one of the same process counts once, with the outer one).
+PROBED: dict[str, list[tuple[str, str | None, str]]] = {
+    "push": [("minips.core.group_core", "GroupCore", "push")],
+    "pull": [("minips.core.group_core", "GroupCore", "weights_message"),
+             ("minips.core.group_core", "GroupCore", "publish")],
+    "exchange": [("minips.core.global_core", "GlobalCore", "merge"),
+                 ("minips.core.global_core", "GlobalCore", "exchange_reply"),
+                 ("minips.core.group_core", "GroupCore", "begin_exchange"),
+                 ("minips.core.group_core", "GroupCore", "exchanged")],
+    "checkpoint": [("minips.core.global_core", "GlobalCore", "checkpoint_state"),
+                   ("minips.record.checkpoint", None, "save")],
+}
+
+
+# -- inside a server process: the CPU its cores spend per message kind -------------------------
+
+class Meter:
+    """Calls and CPU seconds (``time.thread_time``: the calling thread's) per probed entry."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, list[float]] = {}  # "Class.function" -> [calls, cpu seconds]
+        self.inside = threading.local()  # an outer probed call is running in this thread
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        self.totals[name] = [0, 0.0]
+
+        @functools.wraps(fn)
+        def probed(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self.inside, "on", False):
+                return fn(*args, **kwargs)
+            self.inside.on, t = True, time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inside.on = False
+                total = self.totals[name]
+                total[0] += 1
+                total[1] += time.thread_time() - t
+        return probed
+
+    def install(self) -> None:
+        for entries in PROBED.values():
+            for module, cls, fn in entries:
+                owner: Any = importlib.import_module(module)
+                owner = getattr(owner, cls) if cls else owner
+                setattr(owner, fn, self.wrap(f"{cls or module}.{fn}", getattr(owner, fn)))
+
+    def dump(self, path: str) -> None:
+        tmp = f"{path}.tmp"
+        Path(tmp).write_text(json.dumps(self.totals))
+        os.replace(tmp, path)
+
+
+def serve_probed(out: str, argv: list[str]) -> int:
+    """Run `minips ARGV` (a server or a group process) with its cores probed; SIGUSR1 writes
+    the counters so far to ``out``."""
+    meter = Meter()
+    meter.install()
+    signal.signal(signal.SIGUSR1, lambda *_: meter.dump(out))
+    from minips.run.cli import main as minips_main
+
+    return minips_main(argv)
+
+
+def read_probes(procs: list[subprocess.Popen[bytes]], files: list[Path]) -> dict[str, list[float]]:
+    """Every probed process's counters now, summed by entry."""
+    for f, p in zip(files, procs, strict=True):
+        f.unlink(missing_ok=True)
+        p.send_signal(signal.SIGUSR1)
+    summed: dict[str, list[float]] = {}
+    deadline = time.monotonic() + PROBE_TIMEOUT_S
+    for f in files:
+        while not f.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no counters from a server process ({f.name})")
+            time.sleep(0.02)
+        for name, (calls, cpu) in json.loads(f.read_text()).items():
+            total = summed.setdefault(name, [0, 0.0])
+            total[0] += calls
+            total[1] += cpu
+    return summed
+
+
+def per_message(before: dict[str, list[float]], after: dict[str, list[float]]
+                ) -> dict[str, dict[str, float | None]]:
+    """The window's messages and CPU per kind: count, cpu_ms in all, cpu_us per message."""
+    out: dict[str, dict[str, float | None]] = {}
+    for kind, entries in PROBED.items():
+        names = [f"{cls or module}.{fn}" for module, cls, fn in entries]
+        d = {n: [a - b for a, b in zip(after.get(n, [0, 0.0]), before.get(n, [0, 0.0]),
+                                          strict=True)]
+             for n in names}
+        count, cpu = int(d[names[0]][0]), sum(d[n][1] for n in names)
+        if kind == "exchange" and not count:  # no global side here: the groups' exchanges
+            count = int(d[names[2]][0])
+        out[kind] = {"count": count, "cpu_ms": round(cpu * 1e3, 2),
+                     "cpu_us": round(cpu * 1e6 / count, 1) if count else None}
+    return out
+
+
+# -- the driver ------------------------------------------------------------------------------
 
 
 def cpu_seconds(pid: int) -> float:
@@ -56,37 +181,43 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def start_server(tmp: Path, model: str, workers: int, ratio: float, args: argparse.Namespace,
+def minips_cmd(tmp: Path, name: str, argv: list[str]) -> list[str]:
+    """`minips ARGV` under this script's probe; its counters go to tmp/probe-NAME.json."""
+    return [sys.executable, str(Path(__file__).resolve()), "--serve-probed",
+            str(tmp / f"probe-{name}.json"), *argv]
+
+
+def start_server(tmp: Path, init: Path, spec: dict[str, Any], args: argparse.Namespace,
                  env: dict[str, str]) -> tuple[list[subprocess.Popen[bytes]], str]:
-    """The global server (and, with --group-processes, one `minips group` process per group);
-    returns the processes, the global server first, and its address. Its downlink and exchange
-    keep ``ratio`` (1: dense weights answer every PULL), unless --dense-down."""
-    init = tmp / f"{model}.npy"
-    if not init.exists():
-        np.save(init, np.random.default_rng(0).normal(0, 0.05, MODELS[model]).astype(np.float32))
-    ready = tmp / f"ready-{model}-{workers}"
-    ready.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "minips", "server", "--port", "0", "--quiet",
-           "--ready-file", str(ready), "--init", str(init), "--run-dir", str(tmp / "run"),
-           "--model", model, "--workers", str(workers), "--mode", "gssp",
-           "--groups", str(min(args.groups, workers)), "--staleness", "1000000",
-           "--compressor", "topk", "--checkpoint-every", "0", "--calib-timeout", "600",
-           "--lease", "60", "--heartbeat", "2",
-           "--down-ratio", str(1.0 if args.dense_down else ratio), "--xchg-ratio", str(ratio)]
-    groups = min(args.groups, workers) if args.group_processes else 0
-    cmd += ["--external-groups", str(groups)]
+    """The global server (and, with --group-processes, one `minips group` process per group)
+    in the point's directory ``tmp``; returns the processes, the global server first, and its
+    address. Its downlink and exchange keep ``ratio`` (1: dense weights answer every PULL),
+    unless --dense-down."""
+    workers, ratio = spec["workers"], spec["ratio"]
+    ready = tmp / "ready"
+    groups = min(args.groups, workers)
+    cmd = minips_cmd(tmp, "server", [
+        "server", "--port", "0", "--quiet", "--ready-file", str(ready), "--init", str(init),
+        "--run-dir", str(tmp / "run"), "--model", spec["model"], "--workers", str(workers),
+        "--mode", "gssp", "--groups", str(groups), "--staleness", "1000000",
+        "--optimizer-at", spec["optimizer_at"], "--epochs", "0",
+        "--compressor", "topk", "--checkpoint-every", str(args.checkpoint_every),
+        "--calib-timeout", "600", "--lease", "60", "--heartbeat", "2",
+        "--down-ratio", str(1.0 if args.dense_down else ratio), "--xchg-ratio", str(ratio),
+        "--external-groups", str(groups if args.group_processes else 0)])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
+            stop([proc])
             raise RuntimeError(f"server did not start: {cmd}")
         time.sleep(0.05)
     host, port = ready.read_text().split()
     address = f"{host}:{port}"
-    return [proc] + [subprocess.Popen(
-        [sys.executable, "-m", "minips", "group", "--connect", address, "--listen",
-         "127.0.0.1:0", "--run-dir", str(tmp / f"group-{g}")], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for g in range(groups)], address
+    return [proc] + [subprocess.Popen(minips_cmd(tmp, f"group-{g}", [
+        "group", "--connect", address, "--listen", "127.0.0.1:0",
+        "--run-dir", str(tmp / f"group-{g}")]), env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL) for g in range(groups if args.group_processes else 0)], address
 
 
 def start_clients(address: str, size: int, ratio: float, workers: int, active: int,
@@ -117,18 +248,25 @@ def wait_ready(procs: list[subprocess.Popen[str]], timeout_s: float) -> None:
             raise RuntimeError(f"client did not get ready: {line.strip()!r} (exit {p.poll()})")
 
 
-def measure(servers: list[subprocess.Popen[bytes]], procs: list[subprocess.Popen[str]],
-            window: float, profile: str | None) -> dict[str, Any]:
+def measure(tmp: Path, servers: list[subprocess.Popen[bytes]],
+            procs: list[subprocess.Popen[str]], window: float,
+            profile: str | None) -> dict[str, Any]:
+    """The window: the clients' operations, the processes' CPU and memory, and the servers'
+    CPU per message kind (their probes read before and after)."""
     pids, spids = [p.pid for p in procs], [p.pid for p in servers]
-    server = servers[0]
+    files = [tmp / "probe-server.json"] + [tmp / f"probe-group-{g}.json"
+                                           for g in range(len(servers) - 1)]
     spy = None
     if profile:  # py-spy samples the server through the window (collapsed stacks)
-        spy = subprocess.Popen(["py-spy", "record", "--pid", str(server.pid), "--nonblocking",
-                                "--duration", str(int(window)), "--format", "raw", "-o", profile],
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(servers[0].pid),
+                                "--nonblocking", "--duration", str(int(window)), "--format",
+                                "raw", "-o", profile],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    before = read_probes(servers, files)
     t0, s0, c0 = time.monotonic(), sum(map(cpu_seconds, spids)), sum(map(cpu_seconds, pids))
     time.sleep(window)
     t1, s1, c1 = time.monotonic(), sum(map(cpu_seconds, spids)), sum(map(cpu_seconds, pids))
+    cpu = per_message(before, read_probes(servers, files))
     rss = sum(map(rss_mb, spids))
     if spy is not None:
         spy.wait(timeout=60)
@@ -140,7 +278,8 @@ def measure(servers: list[subprocess.Popen[bytes]], procs: list[subprocess.Popen
     for p in procs:
         assert p.stdout is not None
         results.append(json.loads(p.stdout.readline()))
-    return summarize(results, t1 - t0, (s1 - s0) / (t1 - t0), (c1 - c0) / (t1 - t0), rss)
+    return {**summarize(results, t1 - t0, (s1 - s0) / (t1 - t0), (c1 - c0) / (t1 - t0), rss),
+            "cpu_per_message": cpu}
 
 
 def summarize(results: list[dict[str, Any]], span: float, server_cpu: float,
@@ -172,30 +311,49 @@ def stop(procs: list[Any]) -> None:
             p.wait()
 
 
-def point(tmp: Path, model: str, ratio: float, workers: int, args: argparse.Namespace,
+def point(root: Path, spec: dict[str, Any], args: argparse.Namespace,
           env: dict[str, str]) -> dict[str, Any]:
-    """One figure: a fresh server and clients, the window, everything stopped."""
-    active = min(workers, args.max_active[model])
-    servers, address = start_server(tmp, model, workers, ratio, args, env)
+    """One figure: a fresh server (in a directory of its own, removed after) and clients, the
+    window, everything stopped. ``spec``: model, optimizer_at, ratio, workers."""
+    model, workers = spec["model"], spec["workers"]
+    active = min(workers, args.max_active.get(model, workers))
+    init = root / f"{model}.npy"
+    if not init.exists():
+        np.save(init, np.random.default_rng(0).normal(0, 0.05, MODELS[model]).astype(np.float32))
+    tmp = Path(tempfile.mkdtemp(prefix="point-", dir=root))
     procs: list[Any] = []
+    servers: list[Any] = []
     t = time.monotonic()
     try:
-        procs = start_clients(address, MODELS[model], ratio, workers, active, args, env)
+        servers, address = start_server(tmp, init, spec, args, env)
+        procs = start_clients(address, MODELS[model], spec["ratio"], workers, active, args, env)
         wait_ready(procs, READY_TIMEOUT_S)
         setup_s = time.monotonic() - t
-        profile = args.profile and f"{args.profile}-{model}-{ratio}-{workers}.txt"
-        fig = measure(servers, procs, args.window_s, profile)
+        profile = args.profile and (f"{args.profile}-{model}-{spec['optimizer_at']}-"
+                                    f"{spec['ratio']}-{workers}.txt")
+        fig = measure(tmp, servers, procs, args.window_s, profile)
     except RuntimeError as exc:  # the point failed (e.g. setup too slow): say so, go on
         setup_s, fig = time.monotonic() - t, {"error": str(exc), "push_ack_p99_ms": None}
     finally:
         stop(procs + servers)
-    return {"model": model, "params": MODELS[model], "ratio": ratio, "workers": workers,
-            "active": active, "setup_s": round(setup_s, 1), **fig}
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {**spec, "params": MODELS[model], "active": active,
+            "group_processes": args.group_processes, "setup_s": round(setup_s, 1), **fig}
 
 
-def knee(points: list[dict[str, Any]], model: str, ratio: float, limit_ms: float) -> int | None:
-    """The largest worker count with p99 push -> ACK under ``limit_ms`` (None: not even 1)."""
+def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The points to measure, in order: model, optimizer place, ratio, workers."""
+    return [{"model": m, "optimizer_at": place, "ratio": float(r), "workers": int(n)}
+            for m in args.models.split(",") for place in args.optimizer_at.split(",")
+            for r in args.ratios.split(",") for n in args.workers.split(",")]
+
+
+def knee(points: list[dict[str, Any]], model: str, ratio: float, limit_ms: float,
+         place: str = "server") -> int | None:
+    """The largest worker count with p99 push -> ACK under ``limit_ms`` (None: not even 1),
+    the optimizer at ``place`` (points of outputs older than that axis: on the servers)."""
     ok = [p["workers"] for p in points if p["model"] == model and p["ratio"] == ratio
+          and p.get("optimizer_at", "server") == place
           and p["push_ack_p99_ms"] is not None and p["push_ack_p99_ms"] < limit_ms]
     return max(ok) if ok else None
 
@@ -209,10 +367,13 @@ def chart(points: list[dict[str, Any]], path: str,
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
-    for i, (model, ratio) in enumerate(sorted({(p["model"], p["ratio"]) for p in points})):
-        label = f"{model} {'dense' if ratio >= 1 else f'{ratio:.0%}'}"
+    def line(p: dict[str, Any]) -> tuple[str, str, float]:
+        return p["model"], p.get("optimizer_at", "server"), p["ratio"]
+
+    for i, (model, place, ratio) in enumerate(sorted({line(p) for p in points})):
+        label = f"{model} {place} {'dense' if ratio >= 1 else f'{ratio:.0%}'}"
         for pts, style, suffix in ((points, "-", ""), (baseline or [], "--", " before")):
-            sel = [p for p in pts if p["model"] == model and p["ratio"] == ratio]
+            sel = [p for p in pts if line(p) == (model, place, ratio)]
             if sel:
                 xs = [p["workers"] for p in sel]
                 kw = {"color": f"C{i}", "linestyle": style, "marker": "o", "markersize": 3}
@@ -240,10 +401,13 @@ def _load(files: str | None) -> list[dict[str, Any]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON document (else lines)")
-    ap.add_argument("--models", default="lenet5,resnet18", help="models to measure")
+    ap.add_argument("--models", default="lenet5,resnet18,vgg19", help="models to measure")
+    ap.add_argument("--optimizer-at", default="server,worker",
+                    help="places of the optimizer to measure: server (workers push gradients), "
+                    "worker (they push updates the servers add)")
     ap.add_argument("--ratios", default="0.01,1", help="pushed fractions (1 = dense)")
     ap.add_argument("--workers", default="1,4,16,64,256,1024", help="connected worker counts")
-    ap.add_argument("--max-active", default="lenet5=1024,resnet18=16",
+    ap.add_argument("--max-active", default="lenet5=1024,resnet18=16,vgg19=16",
                     help="MODEL=N: at most N active workers, the rest idle")
     ap.add_argument("--step-s", type=float, default=0.1, help="s between an active worker's steps")
     ap.add_argument("--window-s", type=float, default=3.0, help="measured seconds per point")
@@ -251,6 +415,8 @@ def main() -> int:
     ap.add_argument("--groups", type=int, default=4, help="group servers (GSSP groups)")
     ap.add_argument("--group-processes", action="store_true",
                     help="group servers as `minips group` processes (default: in the server's)")
+    ap.add_argument("--checkpoint-every", type=float, default=0.0,
+                    help="s between the server's checkpoints (0: none; the checkpoint row)")
     ap.add_argument("--dense-down", action="store_true",
                     help="answer every PULL with the dense weights (the downlink before it was "
                     "compressed)")
@@ -265,12 +431,10 @@ def main() -> int:
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     points, load0 = _load(args.replot), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-server-") as d:
-        for model in args.models.split(",") if not args.replot else ():
-            for ratio in (float(r) for r in args.ratios.split(",")):
-                for n in (int(w) for w in args.workers.split(",")):
-                    points.append(point(Path(d), model, ratio, n, args, env))
-                    if not args.json:
-                        print(json.dumps(points[-1]), flush=True)
+        for spec in grid(args) if not args.replot else ():
+            points.append(point(Path(d), spec, args, env))
+            if not args.json:
+                print(json.dumps(points[-1]), flush=True)
     out = {"load_avg_start": load0, "load_avg_end": os.getloadavg(), "step_s": args.step_s,
            "group_processes": args.group_processes, "dense_down": args.dense_down,
            "window_s": args.window_s, "clients": args.clients, "points": points,
@@ -286,4 +450,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve-probed"]:  # a server process of a point (serve_probed)
+        sys.exit(serve_probed(sys.argv[2], sys.argv[3:]))
     sys.exit(main())
