@@ -77,7 +77,13 @@ from minips.core.roster import GroupHandle
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
-from minips.net.endpoints import check_bind, format_address, server_ssl, tls_mismatch
+from minips.net.endpoints import (
+    check_bind,
+    format_address,
+    port_error,
+    server_ssl,
+    tls_mismatch,
+)
 from minips.record import checkpoint
 from minips.record.checkpoint import remove_stale_temps
 from minips.record.rundir import RunDir
@@ -143,9 +149,12 @@ class GlobalServer:
         address without a secret unless ``insecure``."""
         check_bind(self.cfg.host, self.cfg.token, self.cfg.insecure)  # group servers' host too
         self._ssl = server_ssl(self.cfg.tls_cert, self.cfg.tls_key)
-        self.server = await transport.serve(self.cfg.host, self.cfg.port, token=self.cfg.token,
-                                            accept=self._accept, handler=self._handle,
-                                            ssl=self._ssl)
+        try:
+            self.server = await transport.serve(self.cfg.host, self.cfg.port,
+                                                token=self.cfg.token, accept=self._accept,
+                                                handler=self._handle, ssl=self._ssl)
+        except OSError as exc:  # taken since cli's check_port, or no such address here
+            raise port_error("--port", self.cfg.host, self.cfg.port, exc) from None
         self.port = int(self.server.port)
         self.fit_limits()
         self._clean_temps()

@@ -253,3 +253,47 @@ async def _calibrated_plain(port: str, w: int, step_time: float) -> tuple[Any, m
     ctl = await transport.connect("127.0.0.1", int(port), role="worker", worker_id=w, token="")
     await ctl.send(messages.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
     return ctl, await recv_as(ctl, messages.Assign, 20)
+
+
+# -- a port in use: one line naming the flag, exit 2, nothing created ------------------------------
+
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+    """A loopback port another program listens on for the length of the block."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("flag", ["--port", "--dashboard"])
+@pytest.mark.timeout(60)
+def test_a_port_in_use_names_its_flag_and_creates_nothing(
+        flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MINIPS_TOKEN", raising=False)
+    monkeypatch.setenv("MINIPS_DASHBOARD_TOKEN", "operator-dashboard-0123456789")
+    run_dir = tmp_path / "server"
+    with held_port() as taken:
+        given = str(taken) if flag == "--port" else f"127.0.0.1:{taken}"
+        port = [] if flag == "--port" else ["--port", "0"]
+        code = main(["server", "--host", "127.0.0.1", flag, given, *port, "--epochs", "1",
+                     "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{flag}: 127.0.0.1:{taken} is already in use" in err[0], err
+    assert f"pick another with {flag}" in err[0] and "Errno" not in err[0], err
+    assert not run_dir.exists()  # the rerun with another port is not refused
+
+
+@pytest.mark.timeout(30)
+async def test_a_port_taken_after_the_check_is_still_one_line_naming_the_flag(
+        tmp_path: Path) -> None:
+    from minips.errors import ConfigError
+
+    with held_port() as taken:
+        srv = GlobalServer(ServerConfig(run=RunConfig(workers=1), port=taken,
+                                        run_dir=str(tmp_path)), np.zeros(4, np.float32))
+        with pytest.raises(ConfigError, match=rf"--port: 127.0.0.1:{taken} is already in use"):
+            await srv.start()
+        await srv.close()

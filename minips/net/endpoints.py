@@ -4,15 +4,17 @@
 brackets; a wildcard host is replaced by one that reaches the machine). ``server_ssl`` /
 ``client_ssl`` make TLS contexts (``ssl`` is imported only then); ``tls_mismatch`` says why a
 group server cannot join (it must serve TLS exactly when the global server does: HELLO
-capability ``tls``). ``check_bind`` refuses to
-listen beyond loopback without a long enough shared secret, and ``shared_secret`` finds it
-($MINIPS_TOKEN unless given); ``dashboard_secret`` finds the dashboard's own, read-only token
+capability ``tls``). ``check_port`` refuses a listen address that is taken, naming its flag
+(``port_error``), before anything is created; ``check_bind`` refuses to listen beyond loopback
+without a long enough shared secret, and ``shared_secret`` finds it ($MINIPS_TOKEN unless
+given); ``dashboard_secret`` finds the dashboard's own, read-only token
 ($MINIPS_DASHBOARD_TOKEN), which is never the cluster's secret.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
 from typing import TYPE_CHECKING
@@ -28,7 +30,7 @@ __all__ = [
     "server_ssl",
     "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind", "TOKEN_ENV", "shared_secret",
     "DASHBOARD_TOKEN_ENV", "DASHBOARD_TOKEN_BYTES", "dashboard_secret", "TLS_CAPABILITY",
-    "tls_mismatch",
+    "tls_mismatch", "port_error", "check_port",
 ]
 
 TOKEN_ENV = "MINIPS_TOKEN"  # environment variable holding the shared secret
@@ -186,6 +188,44 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a host name: it may resolve to anything
+
+
+def port_error(flag: str, host: str, port: int, exc: OSError) -> ConfigError:
+    """A failed bind of ``host:port`` said as one line naming the ``flag`` that chose it."""
+    where = format_address(host or "0.0.0.0", port)
+    if exc.errno == errno.EADDRINUSE:
+        why = "is already in use (another minips, or another program)"
+    elif exc.errno == errno.EACCES:
+        why = "needs privileges (a port under 1024)"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        why = "is not an address of this machine"
+    else:
+        why = f"cannot be listened on ({exc.strerror or exc})"
+    return ConfigError(f"{flag}: {where} {why}; pick another with {flag} (port 0: any free one)")
+
+
+def check_port(flag: str, host: str, port: int) -> None:
+    """Refuse now, before anything is created, a listen address that is taken (``port_error``):
+    bind it as asyncio would (SO_REUSEADDR, every address ``host`` resolves to) and let go.
+    Port 0 is always free."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # the bind itself will say so
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds it
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                raise port_error(flag, host, port, exc) from None
 
 
 MIN_SECRET_BYTES = 16  # a shorter secret on a reachable address could be guessed

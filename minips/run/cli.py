@@ -52,6 +52,7 @@ from minips.net import lifeline, transport
 from minips.net.endpoints import (
     WILDCARD_HOSTS,
     check_bind,
+    check_port,
     dashboard_secret,
     format_address,
     local_addresses,
@@ -281,6 +282,9 @@ def _check_name(args: argparse.Namespace) -> None:
 def _cmd_server(args: argparse.Namespace) -> int:
     check_host("--host", args.host)
     check_bind(args.host, _token(), args.insecure)  # before the run directory is made
+    check_port("--port", args.host, args.port)  # taken: one line naming the flag, nothing made
+    if args.dashboard:
+        check_port("--dashboard", *parse_address(args.dashboard))
     if not args.eval:  # --eval with --tls-cert is refused anyway (run_server says why)
         check_tls_server(args.tls_cert, args.tls_key)
     cfg = ServerConfig(run=run_config_from_args(args), host=args.host, port=args.port,
