@@ -61,6 +61,7 @@ __all__ = [
     "total_bytes_series",
     "live_hop_bytes",
     "DataWatch",
+    "TrainingClock",
     "DEFAULT_TARGETS",
     "Run",
     "time_to_accuracy",
@@ -240,6 +241,52 @@ class DataWatch:
                 continue
             if isinstance(rec, dict) and rec.get("event") == "data":
                 self.events.append(rec)
+
+
+class TrainingClock:
+    """The run's one clock, for a progress line: training time as ``summarize`` counts
+    ``train_s``, seconds from the ``groups`` event (the workers assigned: training starts) to
+    now, and to the ``done`` event once it is written; before the groups, the start-up so far
+    (seconds since ``t0``). Reads global.jsonl as it grows (each byte once)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(run_dir)
+        self.offset = 0  # bytes of global.jsonl read so far (whole lines)
+        self.start: float | None = None  # t of the groups event
+        self.end: float | None = None  # t of the last done event
+
+    def text(self, now: float) -> str:
+        """"training 4.9 s" (or "start-up 3.2 s") at unix time ``now``."""
+        self._read_new()
+        t0 = num(read_config(self.path).get("t0")) or now
+        if self.start is None:
+            return f"start-up {max(now - t0, 0.0):.1f} s"
+        end = self.end if self.end is not None else now - t0
+        return f"training {max(end - self.start, 0.0):.1f} s"
+
+    def _read_new(self) -> None:
+        try:
+            with open(self.path / "global.jsonl", "rb") as f:
+                if f.seek(0, os.SEEK_END) < self.offset:  # a new file: from its start
+                    self.offset, self.start, self.end = 0, None, None
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return
+        whole = chunk.rfind(b"\n") + 1  # a half-written last line waits for the next call
+        self.offset += whole
+        for line in chunk[:whole].splitlines():
+            if b'"groups"' not in line and b'"done"' not in line:  # cheap: most are merges
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            t = num(rec.get("t")) if isinstance(rec, dict) else None
+            if t is not None and rec.get("event") == "groups" and self.start is None:
+                self.start = t
+            elif t is not None and rec.get("event") == "done":
+                self.end = t
 
 
 # -- the run read back -----------------------------------------------------------------------------

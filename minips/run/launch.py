@@ -63,7 +63,13 @@ from minips.net.endpoints import (
     parse_address,
     reachable_url,
 )
-from minips.record.metrics import HOP_COUNTERS, DataWatch, live_hop_bytes, summarize
+from minips.record.metrics import (
+    HOP_COUNTERS,
+    DataWatch,
+    TrainingClock,
+    live_hop_bytes,
+    summarize,
+)
 from minips.record.plot import plot_run
 from minips.record.rundir import claim, read_config, read_jsonl, tail_jsonl
 
@@ -91,12 +97,12 @@ class ProgressLine:
     def __init__(self, run_dir: Path, run: RunConfig, *, tty: bool | None = None) -> None:
         self.run_dir = run_dir
         self.run = run
-        self.t0 = time.monotonic()
         self.last = 0.0  # when the line was last drawn
         self.train_size = max(1, _train_size(run))  # samples per epoch, for the epochs figure
         # a terminal: redraw in place; a log (or a console with other lines): one every 10 s
         self.tty = sys.stderr.isatty() if tty is None else tty
         self.data = DataWatch(run_dir)  # data-*.json here, and what remote workers reported
+        self.clock = TrainingClock(run_dir)  # summary.json's train_s, as it goes
 
     def draw(self, final: bool = False) -> None:
         if not (final or self.tty or time.monotonic() - self.last >= 10.0):
@@ -114,7 +120,7 @@ class ProgressLine:
         mb = {k: hops.get(k, 0) / 1e6 for k in HOP_COUNTERS}
         kind = self.data.verdict()  # None until a process loaded its data
         data_s = "SYNTHETIC DATA" if kind in ("synthetic", "mixed") else f"data {kind or 'loading'}"
-        text = (f"[{time.monotonic() - self.t0:6.1f} s] {self.run.mode}/"
+        text = (f"[{self.clock.text(time.time())}] {self.run.mode}/"
                 f"{self.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
                 f"{gl.get('version', 0):>5}  test acc {acc_s}  MB up {mb['bytes_worker_group']:.1f}"
                 f" down {mb['bytes_group_worker']:.1f} to-global {mb['bytes_group_global']:.1f} "
@@ -452,7 +458,8 @@ def _finish(cfg: LaunchConfig, run_dir: Path, status: str) -> dict[str, Any]:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     pngs = plot_run(run_dir, "minips local") if cfg.plot and status != "terminated" else []
     acc = summary.get("final_accuracy")
-    print(f"minips local: {status} in {summary.get('wall_s') or 0:.1f} s, final accuracy "
+    print(f"minips local: {status} after {summary.get('train_s') or 0:.1f} s of training "
+          f"(start-up {summary.get('train_start_s') or 0:.1f} s before it), final accuracy "
           f"{acc if acc is None else round(acc, 4)} ({summary.get('data') or 'unknown'} data)"
           f"\n  run directory: {run_dir}\n"
           f"  summary:       {run_dir / 'summary.json'}", file=sys.stderr, flush=True)
