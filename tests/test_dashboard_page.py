@@ -130,6 +130,10 @@ def test_page_marks_slow_workers_cluster_wide_drops_vanished_groups_and_reads_we
             for axis in ("xticks", "yticks"):
                 ticks = js(f"return document.getElementById('{chart}').dataset.{axis}")
                 assert round_ticks(ticks), (chart, axis, ticks)
+        # training time, the run's one clock: groups at 1.0 s, done at 10.5 s of run time
+        assert js("return document.getElementById('time').textContent") == "training 9.5 s"
+        first = js("return document.getElementById('c-acc-t')._chart.series[0].points[0]")
+        assert first == [pytest.approx(1.0), pytest.approx(0.18)]  # the eval at 2.0 s
         assert "%" in js(HOVER, "c-acc-t") and js(HOVER, "c-acc-t").endswith(" s")
         assert "group to" in js(HOVER, "c-bytes") and " MB at " in js(HOVER, "c-bytes")
         assert " s held at " in js(HOVER, "c-held") and js(HOVER, "c-acc-b").endswith(" MB")

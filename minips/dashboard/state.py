@@ -210,6 +210,10 @@ class RunState:
         self.push_bytes: dict[int, float] = {}  # group -> mean bytes per push, last exchange
         self._bytes_in: dict[int, float] = {}  # group -> its bytes_in at its last merge
         self.done = False
+        # the run's one clock: training time counts from the groups event to the done event
+        # (summary.json's train_s); the page draws its charts on it
+        self.train_start: float | None = None
+        self.train_end: float | None = None
         self.final_eval = False  # the evaluator wrote its record of the final weights
         self._clock_at: dict[int, float] = {}  # group -> t of its last clock point
         self._bytes_at = -1e9  # t of the last bytes point
@@ -249,7 +253,9 @@ class RunState:
                                 "bytes": r.get("bytes")}
             return
         elif ev in ("done", "failed"):
-            self.done = True
+            self.done, self.train_end = True, r["t"]
+        if ev == "groups" and self.train_start is None:
+            self.train_start = r["t"]
         elif ev in ("left", "group_lost") and r.get("worker") is not None:
             self._view(r["worker"]).gone = "left"
         elif ev == "joined" and r.get("worker") is not None:
@@ -482,6 +488,7 @@ class RunState:
         slow, steps = self.slow(now), self.local_steps()
         return {
             "t": now, "done": self.done, "kind": self.kind,
+            "train_start": self.train_start, "train_end": self.train_end,
             "config": _config_brief(self.config),
             "evaluator": False if self.no_evaluator else self.evaluator,
             "workers": [v.row(self.state_of(v, now), w in slow, self._group_means(v.group))
