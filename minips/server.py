@@ -39,8 +39,8 @@ first non-final merge means they are back. If none comes back in time, the run e
 every connected worker gets ERROR "diverged".
 
 Checkpoints: what one holds is the core's (``GlobalCore.checkpoint_state`` / ``load_state_dict``);
-the server writes the file (``checkpoint.py``: atomic, no pickle) in a thread while the loop keeps
-serving, every ``checkpoint_every_s`` until the budget is spent. Failure handling:
+the server writes the file (``checkpoint.py``: atomic, no pickle) from a forked child while the
+loop keeps serving, every ``checkpoint_every_s`` until the budget is spent. Failure handling:
 docs/operations.md.
 
 Invariants: ``weights`` changes only in ``merge`` (weights += delta of one group, version += 1;
@@ -477,11 +477,18 @@ class GlobalServer:
             await self._save()
 
     async def _save(self) -> None:
-        """Snapshot now, write it in a thread (the loop keeps serving), log its size."""
+        """Checkpoint as of now while the loop keeps serving (``checkpoint.save_in_child``: a
+        forked child takes the snapshot and writes it), log its size. With group processes the
+        snapshot is taken here: it marks what their replies name as saved (global_core.py), and
+        holds the global weights only."""
         t = time.monotonic()
-        state = self.core.checkpoint_state()
-        self.saving = asyncio.ensure_future(asyncio.to_thread(checkpoint.save,
-                                                              self.checkpoint_path, state))
+        take = self.core.checkpoint_state
+        if self.cfg.external_groups:
+            state = take()
+
+            def take() -> dict[str, Any]:
+                return state
+        self.saving = asyncio.ensure_future(checkpoint.save_in_child(self.checkpoint_path, take))
         size = await asyncio.shield(self.saving)
         self.log("checkpoint", bytes=size, write_s=time.monotonic() - t)
 

@@ -13,6 +13,15 @@ A checkpoint carries a *fingerprint* of the run settings that define the model a
 (``FINGERPRINT_FIELDS`` plus the vector size). ``check_compatible`` refuses a checkpoint whose
 fingerprint differs from the run that wants to resume it, naming every field that differs.
 
+Without stalling the event loop: ``save_in_child`` forks, and the child takes the state and
+writes it while the parent's loop keeps serving. The child sees the parent's memory as it was at
+the fork (the kernel copies a page only when one of the two writes it), so what it saves is the
+state at one instant, as consistent as a snapshot taken in one call on the loop, without the
+loop copying every array first (~8 ms per ResNet-18-sized vector, 13 of them with four
+in-process groups). The parent pays the fork (~2 ms for 600 MB of arrays: page tables) and,
+while the child lives, one page copy the first time it writes a page. Where there is no fork
+(Windows) the state is taken on the loop and written in a thread, as before.
+
 Invariants: ``load(save(p, s)) == s`` for maps of str keys, JSON scalars, lists and arrays;
 ``save`` never leaves a partial file under the final name. A writer killed mid-write leaves its
 temporary file (``.NAME.tmpPID``); ``remove_stale_temps`` deletes those of dead PIDs (the
@@ -21,9 +30,14 @@ global server calls it when it starts).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import signal
+import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +45,11 @@ import numpy as np
 
 from minips.errors import DataError
 
-__all__ = ["save", "load", "remove_stale_temps"]
+__all__ = ["save", "save_in_child", "load", "remove_stale_temps"]
 
 
 META = "__meta__"  # archive member that holds the JSON map
-
-
-
-
+REAP_POLL_S = 0.005  # after the child's pipe closed, how often to look whether it has exited
 
 
 def _split(obj: Any, path: str, arrays: dict[str, np.ndarray]) -> Any:
@@ -82,6 +93,76 @@ def save(path: str | Path, state: dict[str, Any]) -> int:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
     return path.stat().st_size
+
+
+async def save_in_child(path: str | Path, take_state: Callable[[], dict[str, Any]]) -> int:
+    """``save(path, take_state())`` as of now, in a forked child, while this event loop keeps
+    serving; return the file's bytes. ``OSError`` when the child failed (the previous file
+    stays). Without ``os.fork`` the state is taken here and written in a thread."""
+    if not hasattr(os, "fork"):
+        return await asyncio.to_thread(save, path, take_state())
+    r, w = os.pipe()
+    with warnings.catch_warnings():  # 3.12+ warns of forking with threads: the child below
+        warnings.simplefilter("ignore", DeprecationWarning)  # takes no lock another may hold
+        pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        _child(path, take_state, w)  # never returns
+    os.close(w)
+    try:
+        said = await _read_all(r)
+    finally:
+        os.close(r)
+        status = await _reap(pid)
+    if status != 0 or not said.isdigit():
+        raise OSError(f"checkpoint {path}: the writing process failed ({said or status})")
+    return int(said)
+
+
+def _child(path: str | Path, take_state: Callable[[], dict[str, Any]], w: int) -> None:
+    """In the forked child: write the checkpoint, say its size (or the error) on ``w``, exit
+    without running the parent's cleanup (its loop, files and atexit handlers are not ours)."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)  # our signals must not wake the parent's event loop
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        said, code = str(save(path, take_state())), 0
+    except BaseException as exc:  # noqa: BLE001 - whatever it was, the parent hears of it
+        said = f"{type(exc).__name__}: {exc}"
+    finally:
+        with contextlib.suppress(OSError):
+            os.write(w, said.encode()[:4096])
+        os._exit(code)
+
+
+async def _read_all(fd: int) -> str:
+    """What the child writes on ``fd`` until it closes it (at its exit)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    chunks: list[bytes] = []
+
+    def readable() -> None:
+        data = os.read(fd, 4096)
+        chunks.append(data)
+        if not data and not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+    return b"".join(chunks).decode(errors="replace").strip()
+
+
+async def _reap(pid: int) -> int:
+    """The exit status of child ``pid``, once it has exited (it closed its pipe: soon)."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        await asyncio.sleep(REAP_POLL_S)
 
 
 def remove_stale_temps(path: str | Path) -> list[Path]:
