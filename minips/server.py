@@ -404,12 +404,16 @@ class GlobalServer:
         self.finished.set()
 
     def _every_group_final(self) -> None:
-        """Every group flushed its final delta: end the run, or wait for the workers to rejoin."""
+        """Every group flushed its final delta: end the run, or wait for the workers to rejoin
+        (a wait already running starts over: it counts from the latest group's end, or from a
+        group process adopting a group meanwhile, ``sessions.adopt``)."""
         left = self.core.budget_left()
         if not left:
             self.perform(self.core.finish("workers left"))
             self.finished.set()
-        elif self.rejoin is None or self.rejoin.done():
+        else:
+            if self.rejoin is not None:
+                self.rejoin.cancel()
             self.rejoin = self.spawn(self._wait_for_workers(left))
 
     async def _wait_for_workers(self, left: str) -> None:

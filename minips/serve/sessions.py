@@ -55,7 +55,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
-from minips.core.global_core import Action, GlobalCore, Rehomed
+from minips.core.global_core import Action, AllFinal, GlobalCore, Rehomed
 from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.net.channel import Channel
@@ -307,6 +307,8 @@ async def adopt(srv: Shell, ch: Channel) -> GroupHandle | None:
         return None
     peer = RemoteGroup(ch, srv.spawn, handle.peer.traffic())
     srv.perform(core.group_served(handle.id, peer, group_address(ch)))
+    if all(h.final for h in core.groups.values()):  # the run waits for workers: from now on
+        srv.perform([AllFinal()])  # (the wait starts over, server._every_group_final)
     await ch.send(core.assign_message(handle))
     for w in handle.members:
         srv.spawn(srv.tell_group(w))
