@@ -64,8 +64,8 @@ PROBE_TIMEOUT_S = 20.0  # a server process writes its counters once sent SIGUSR1
 TICKS = os.sysconf("SC_CLK_TCK")
 
 # What serves each message kind in the servers' cores: (module, class or None, function). The
-# first entry's calls count the messages; every entry's CPU adds up (an entry called inside
-# another one of the same process counts once, with the outer one).
+# first entry that was called counts the messages; every entry's CPU adds up (an entry called
+# inside another one of the same process counts once, with the outer one).
 PROBED: dict[str, list[tuple[str, str | None, str]]] = {
     "push": [("minips.core.group_core", "GroupCore", "push")],
     "pull": [("minips.core.group_core", "GroupCore", "weights_message"),
@@ -161,9 +161,10 @@ def per_message(before: dict[str, list[float]], after: dict[str, list[float]]
         d = {n: [a - b for a, b in zip(after.get(n, [0, 0.0]), before.get(n, [0, 0.0]),
                                           strict=True)]
              for n in names}
-        count, cpu = int(d[names[0]][0]), sum(d[n][1] for n in names)
-        if kind == "exchange" and not count:  # no global side here: the groups' exchanges
-            count = int(d[names[2]][0])
+        # the first entry that ran counts: with group processes the global side's merges; a
+        # checkpoint by its snapshot where no fork took it (code before save_in_child)
+        count = next((int(d[n][0]) for n in names if d[n][0]), 0)
+        cpu = sum(d[n][1] for n in names)
         out[kind] = {"count": count, "cpu_ms": round(cpu * 1e3, 2),
                      "cpu_us": round(cpu * 1e6 / count, 1) if count else None}
     return out
