@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import recv_as
+from loopback_source import connect_from
 
 from minips import sparse
 from minips.core.config import RunConfig
@@ -155,12 +156,19 @@ def invalid_after_auth(rng: random.Random) -> Any:
     return rng.choice(choices)
 
 
-async def invalid_session(port: int, wid: int, make: Any) -> str:
-    """Send one invalid message after the handshake; return the ERROR code (or 'closed')."""
+def source(i: int) -> str:
+    """The loopback address of invalid session ``i``, one of 200 (127.0.0.2 ...): a server backs
+    off an address whose sessions it cuts for violations, one at a time (guard.py); the
+    well-behaved workers come from 127.0.0.1."""
+    return f"127.0.0.{2 + i % 200}"
+
+
+async def invalid_session(port: int, wid: int, make: Any, src: str) -> str:
+    """Send one invalid message after the handshake from ``src``; return the ERROR code (or
+    'closed')."""
     try:
-        ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=wid,
-                                     token=TOKEN, timeout=5)
-    except ConnectionError:
+        ch = await connect_from(src, "127.0.0.1", port, worker_id=wid, token=TOKEN, timeout=5)
+    except (ConnectionError, asyncio.TimeoutError):
         return "connect-failed"
     try:
         ack = await recv_as(ch, messages.Ack, 5)  # the starting ACK: our clock
@@ -196,7 +204,7 @@ async def fuzz_scenario(raw_inputs: int, invalid_inputs: int, seed: int) -> None
 
         rng = random.Random(seed + 1)
         codes = await asyncio.gather(*(
-            invalid_session(port, 1 + i % 150, invalid_after_auth(rng))
+            invalid_session(port, 1 + i % 150, invalid_after_auth(rng), source(i))
             for i in range(invalid_inputs)))
         assert np.array_equal(gs.core.weights, before) and gs.core.version == version
         delivered = [c for c in codes if c not in ("local",)]

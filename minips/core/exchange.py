@@ -122,10 +122,11 @@ __all__ = [
 
 # -- merged: the global server's half of exactly once ---------------------------------------
 
-# answered PULLs one exchange reports, the latest: three lists of this many ints stay far below
-# frames.MAX_META_BYTES (at most ~110 KiB of msgpack); exchanges come every few pushes, so only a
-# group cut off from its global server for long has more
-MAX_PULLS = 8192
+# answered PULLs one exchange reports, the latest: a received msgpack array holds at most 4096
+# items (frames.Limits.max_array_len; more is ERROR limit_exceeded), so a group process never
+# sends more; exchanges come every few pushes, so only a group cut off from its global server
+# for long has more
+MAX_PULLS = 4096
 MAX_SESSIONS = 4096  # sessions per group whose last merged seq is kept for the run's lifetime:
 # one per group process run (restarts, replacements), a few in a run; 4096 pairs are ~64 KiB in a
 # checkpoint. Past it a session the group never had is refused, never forgotten: a replay of a

@@ -51,6 +51,8 @@ __all__ = [
     "GroupHandle",
     "Roster",
     "match_labels",
+    "TRAFFIC",
+    "MAX_TRAFFIC_BASES",
     "REGROUP_EVERY_S",
     "REGROUP_DELAY_S",
     "CLAIM_S",
@@ -161,6 +163,10 @@ class WorkerEntry:
     left_because: str = ""  # the reason its LEAVE gave ("" or "bye": a plain goodbye)
 
 
+TRAFFIC = ("bytes_in", "bytes_out")  # a group's worker traffic counters (EXCHANGE's fields)
+MAX_TRAFFIC_BASES = 4096  # group-process sessions whose traffic base a group keeps
+
+
 class GroupHandle:
     """One group as the global server sees it; ``peer`` is its server, wherever it runs
     (``roster.py``)."""
@@ -181,6 +187,23 @@ class GroupHandle:
         self.last_exchange = (-1, -1)  # (session, seq) of the last merged exchange
         # last_exchange as of the last two checkpoint snapshots, older first (exchange.py)
         self.snapshots: list[tuple[int, int]] = [(-1, -1)] * 2
+        # worker traffic the group had counted when each group-process session began (session ->
+        # {bytes_in, bytes_out}): each session counts from 0, on top of it (across_sessions)
+        self.traffic_bases: dict[int, dict[str, int]] = {}
+
+    def across_sessions(self, info: dict[str, Any]) -> dict[str, Any]:
+        """A group process's EXCHANGE counters (``info``) with its ``bytes_in`` / ``bytes_out``,
+        which count from 0 in each group-process session, put on top of what the group's
+        earlier sessions counted: the group's worker traffic so far, which does not fall when
+        another process takes the group over (a replay of an older session keeps its base)."""
+        base = self.traffic_bases.get(info["session"])
+        if base is None:
+            known = self.peer.traffic()  # the group's counts as of its last merged exchange
+            base = {k: int(known.get(k, 0)) for k in TRAFFIC}
+            self.traffic_bases[info["session"]] = base
+            while len(self.traffic_bases) > MAX_TRAFFIC_BASES:
+                del self.traffic_bases[next(iter(self.traffic_bases))]
+        return {**info, **{k: base[k] + int(info[k]) for k in TRAFFIC}}
 
 
 class Roster:

@@ -252,7 +252,8 @@ log = logging.getLogger("minips.net.transport")
 Accept = Callable[[messages.Hello], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 Handler = Callable[[Channel], Awaitable[None]]
 _TURNED_AWAY = {  # guard.admit's reasons, as an operator reads them
-    "backoff": "too many failed handshakes (wrong secret): it must wait",
+    "backoff": "too many failed handshakes (wrong secret) or sessions cut for protocol "
+                "violations in a row: it must wait",
     "per_source": "too many handshakes open from this address at once",
     "total": "too many handshakes open at once",
 }

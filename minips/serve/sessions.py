@@ -338,7 +338,8 @@ async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle) -> boo
         validation.check_exchange(msg)
         assert core.weights is not None
         delta = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, core.weights.size)
-        reply, actions = core.on_exchange(handle.id, delta, msg.info, frames.wire_size(msg))
+        info = handle.across_sessions(msg.info)  # traffic counts of all its sessions
+        reply, actions = core.on_exchange(handle.id, delta, info, frames.wire_size(msg))
         srv.perform(actions)
         await ch.send(reply)
     elif isinstance(msg, messages.Leave):

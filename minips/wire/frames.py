@@ -326,9 +326,49 @@ def check_table(table: tuple[int, ...], body_len: int, limits: Limits) -> None:
 _MSGPACK_LIMIT = re.compile(r"(\d+) exceeds (max_(?:str|bin|array|map)_len)\((\d+)\)")
 
 
+_FIXED_SIZES = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
+                0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8}  # msgpack nil, bools, floats, ints: payload
+_LENGTHS = {0xd9: (1, "max_str_len"), 0xda: (2, "max_str_len"), 0xdb: (4, "max_str_len"),
+            0xc4: (1, "max_bin_len"), 0xc5: (2, "max_bin_len"), 0xc6: (4, "max_bin_len")}
+_CONTAINERS = {0xdc: 2, 0xdd: 4, 0xde: 2, 0xdf: 4}  # array16/32, map16/32: their count's bytes
+
+
+def _claimed_over_limit(raw: bytes | bytearray | memoryview,
+                        limits: Limits) -> LimitExceeded | None:
+    """The first str or bin header in ``raw`` whose length is over its limit, found by walking
+    the msgpack tokens as far as the bytes go; None if there is none. msgpack checks an array's
+    or a map's count at its header but a str's or bin's length only once its bytes are there,
+    so a str32 claiming 70,000 bytes past ``meta_len`` would read as bad data; one rule for the
+    four (protocol.md, section 6): a length over its limit is ``limit_exceeded``."""
+    view, pos = memoryview(raw).cast("B"), 0
+    while pos < len(view):
+        b = view[pos]
+        pos += 1
+        if b <= 0x9f or b >= 0xe0:  # fixint, fixmap, fixarray, negative fixint: no payload
+            continue
+        if b <= 0xbf:  # fixstr
+            pos += b & 0x1f
+        elif b in _FIXED_SIZES:
+            pos += _FIXED_SIZES[b]
+        elif b in _CONTAINERS:
+            pos += _CONTAINERS[b]
+        elif b in _LENGTHS:
+            size, what = _LENGTHS[b]
+            n = int.from_bytes(view[pos:pos + size], "big")
+            limit = getattr(limits, what)
+            if pos + size <= len(view) and n > limit:
+                return LimitExceeded(f"msgpack {what} is {n}, over the limit of {limit}",
+                                     expected=limit, got=n)
+            pos += size + n
+        else:  # ext types and the unused byte: msgpack's own error stands
+            return None
+    return None
+
+
 def unpack_meta(raw: bytes | bytearray | memoryview, limits: Limits) -> dict[str, Any]:
     """The frame's msgpack map; a string, bin, array or map over its ``Limits`` length raises
-    ``LimitExceeded`` like every other limit, anything else wrong ``RemoteProtocolError``."""
+    ``LimitExceeded`` like every other limit, whether or not the bytes it claims are there
+    (``_claimed_over_limit``), anything else wrong ``RemoteProtocolError``."""
     try:
         meta = msgpack.unpackb(
             raw, raw=False, strict_map_key=True, max_str_len=limits.max_str_len,
@@ -341,6 +381,9 @@ def unpack_meta(raw: bytes | bytearray | memoryview, limits: Limits) -> dict[str
             got, what, limit = int(over[1]), over[2], int(over[3])
             raise LimitExceeded(f"msgpack {what} is {got}, over the limit of {limit}",
                                 expected=limit, got=got) from None
+        claimed = _claimed_over_limit(raw, limits)
+        if claimed is not None:
+            raise claimed from None
         raise RemoteProtocolError(f"bad msgpack header: {type(e).__name__}: {e}") from None
     if not isinstance(meta, dict):
         raise RemoteProtocolError("msgpack header is not a map", got=type(meta).__name__)

@@ -255,8 +255,10 @@ DATA_KEYS = {"dataset": str, "split": str, "synthetic": bool, "source": str, "re
 
 
 def data_origin(v: Any) -> dict[str, Any]:
-    """Where a worker's training data came from (its first STATS): a map of at most the keys
-    of ``DATA_KEYS``, each of its type (strings of <= MAX_TEXT chars); empty: not said."""
+    """Where a worker's training data came from (STATS ``data``): a map of at most the keys
+    of ``DATA_KEYS``, each of its type (strings of <= MAX_TEXT chars); empty: not said. Not a
+    field check: on the wire ``data`` is a ``mapping``, and a server applies this one to it
+    (``validation.check_stats``: ERROR ``invalid``, protocol.md section 9)."""
     if not isinstance(v, dict) or any(
             k not in DATA_KEYS or type(x) is not DATA_KEYS[k]
             or (type(x) is str and len(x) > MAX_TEXT) for k, x in v.items()):
@@ -458,9 +460,9 @@ class Exchange(Reported):
     min_clock: int = checked(integer(-1), -1)  # the group's lowest / highest live clock; -1: none
     max_clock: int = checked(integer(-1), -1)
     # the PULLs the group answered since its last exchange, one entry each in the three lists
-    # (at most MAX_LIST; a group sends the latest 8192): the worker, its lead (clocks ahead of
-    # the group's slowest worker when answered: its staleness) and how long the SSP bound held
-    # it (microseconds)
+    # (at most 4096 on the wire, frames.Limits.max_array_len; a group sends the latest 4096,
+    # exchange.MAX_PULLS): the worker, its lead (clocks ahead of the group's slowest worker when
+    # answered: its staleness) and how long the SSP bound held it (microseconds)
     pull_workers: list[int] = checked(ints(lo=0), factory=list)
     pull_leads: list[int] = checked(ints(lo=0), factory=list)
     pull_waits_us: list[int] = checked(ints(lo=0), factory=list)
@@ -585,7 +587,8 @@ class Stats(Message):
     step_time: float = checked(number(0.0))  # seconds per step
     loss: float = checked(number())
     samples: int = checked(integer(), 0)
-    data: dict[str, Any] = checked(data_origin, factory=dict)  # its training data (first STATS)
+    # its training data (data_origin's keys; a server checks them: validation.check_stats)
+    data: dict[str, Any] = checked(mapping, factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
