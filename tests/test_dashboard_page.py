@@ -28,7 +28,7 @@ CONFIG = {"mode": "gssp", "compressor": "gdtopk", "model": "lenet5", "dataset": 
 STEP = {0: 0.1, 1: 0.1, 2: 0.11, 3: 0.4, 4: 0.42}  # s per step: workers 3 and 4 are slow
 
 
-def write_run(d: Path) -> None:
+def write_run(d: Path, wait_us: int = 5000) -> None:
     """A finished run's files: config, global.jsonl (groups, merges, checkpoints, regroup,
     done), one file per worker, eval.jsonl."""
     glob: list[dict[str, Any]] = [{"t": 1.0, "event": "groups",
@@ -43,7 +43,7 @@ def write_run(d: Path) -> None:
                          "bytes_in": 40_000 * i, "bytes_out": 90_000 * i,
                          "bytes_to_global": 20_000 * i, "bytes_from_global": 30_000 * i,
                          "pull_workers": ws, "pull_leads": [1] * len(ws),
-                         "pull_waits_us": [5000] * len(ws)})
+                         "pull_waits_us": [wait_us] * len(ws)})
     glob += [{"t": t, "event": "checkpoint", "bytes": 250_000, "write_s": 0.01}
              for t in (3.0, 5.0, 7.0)]
     glob += [{"t": 6.0, "event": "regroup", "moved": {"2": 0}},
@@ -158,7 +158,7 @@ def test_a_replay_of_a_servers_run_directory_fills_remote_rows_and_says_no_evalu
     a group's mean), the clocks stay, and the charts say there is no evaluator."""
     from selenium.webdriver.support.ui import WebDriverWait
 
-    write_run(tmp_path)
+    write_run(tmp_path, wait_us=0)
     for f in [*tmp_path.glob("worker-*.jsonl"), tmp_path / "eval.jsonl"]:
         f.unlink()
     proc = subprocess.Popen([sys.executable, "-m", "minips", "dashboard", str(tmp_path),
@@ -174,10 +174,16 @@ def test_a_replay_of_a_servers_run_directory_fills_remote_rows_and_says_no_evalu
             "...[...r.querySelectorAll('td[data-key]')].map((c) => c.textContent)])")
         assert len(cells) == 5
         for clock, _step, wait, stale, kb, _up in cells:
-            assert int(clock) > 0 and wait == "5" and stale == "1", cells
+            assert int(clock) > 0 and wait == "0" and stale == "1", cells
             assert kb.startswith("≈"), cells  # the group's mean bytes per push
         hint = browser.execute_script("return document.getElementById('no-eval').hidden")
         empty = browser.execute_script("return document.getElementById('c-acc-t')._chart.empty")
         assert hint is False and empty.startswith("no evaluator")
+        js = browser.execute_script
+        note = js("return document.getElementById('c-held').dataset.note")
+        assert note.startswith("no worker held so far")  # said, not a flat line on -0.5..0.5
+        for chart in ("c-held", "c-bytes", "c-clocks"):  # sums so far: from 0, never below
+            ticks = js(f"return document.getElementById('{chart}').dataset.yticks").split()
+            assert float(ticks[0]) == 0 and len(ticks) >= 2, (chart, ticks)
     finally:
         interrupt(proc, 30)
