@@ -10,6 +10,8 @@ guessing, and a short secret on a public address.
   requests: the other workers keep their step rate and the server's memory stays put.
 - Wrong secrets: after a few failures the address waits (attempts per second bounded) and the
   log counts them; another address is not affected.
+- Sessions cut for protocol violations: after a few in a row the address waits before its next
+  handshake; another address is not affected, and the wait ends.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import re
 import select
 import socket
 import subprocess
@@ -32,11 +35,12 @@ import numpy as np
 import pytest
 import raw_worker
 from conftest import recv_as, wait_for
+from loopback_source import connect_from
 from raw_worker import MB, N, open_fds, rss_mb
 
 from minips import sparse
 from minips.errors import AuthError
-from minips.net import transport
+from minips.net import guard, transport
 from minips.wire import frames, handshake, messages
 
 TOKEN = "hostile-test-secret-0123"
@@ -228,6 +232,64 @@ async def read_message(loop: Any, sock: socket.socket, conn: handshake.Connectio
         msgs = conn.receive(data)
         if msgs:
             return msgs[0]
+
+
+async def violate(host: str, port: int, source: str) -> bool:
+    """One session from ``source`` cut for a violation (a PULL on a worker's control channel:
+    ERROR ``invalid``); False when the server closed the connection before the handshake."""
+    try:
+        ch = await connect_from(source, host, port, token=TOKEN, worker_id=0, timeout=5)
+    except (ConnectionError, asyncio.TimeoutError):
+        return False
+    try:
+        await ch.send(messages.Pull(clock=0))
+        error = await recv_as(ch, messages.Error, 10)
+        assert error.code == "invalid", error
+        await asyncio.wait_for(ch.wait_closed(), 10)
+    finally:
+        await ch.close()
+    return True
+
+
+def test_the_guard_counts_violations_apart_from_failed_secrets() -> None:
+    """A handshake that passes (every flooder's does) does not clear a source's violations; a
+    session that ends without one does. The two records wait the longer of their back-offs."""
+    limits, g = guard.Limits(), guard.Guard()
+    waits = [g.violated("10.0.0.1", now=0.0) for _ in range(limits.free_violations + 2)]
+    assert waits == [0.0] * limits.free_violations + [limits.backoff_first_s,
+                                                      2 * limits.backoff_first_s]
+    g.succeeded("10.0.0.1")
+    assert g.backoff_left("10.0.0.1", 0.0) == 2 * limits.backoff_first_s
+    assert g.admit("10.0.0.1", 0.0) == "backoff" and g.admit("10.0.0.2", 0.0) == ""
+    g.behaved("10.0.0.1")
+    assert g.backoff_left("10.0.0.1", 0.0) == 0.0 and g.violations("10.0.0.1") == 0
+    assert g.failed("10.0.0.1", 0.0) == 0.0  # failed secrets: a record of their own
+
+
+@pytest.mark.timeout(120)
+async def test_sessions_cut_for_violations_back_their_address_off(tmp_path: Path) -> None:
+    page = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
+    m = re.search(r"after the (\d+)(?:st|nd|rd|th) such session in a row that address must\s+"
+                  r"wait ([\d.]+) s before its next handshake", page)
+    assert m, "docs/protocol.md names the violations a source may have before it waits"
+    free, first = int(m[1]), float(m[2])
+    assert (free, first) == (guard.Limits().free_violations, guard.Limits().backoff_first_s)
+    with server(tmp_path) as (proc, host, port):
+        log = log_lines(proc)
+        cut = 0
+        while await violate(host, port, "127.0.0.11"):  # until it is turned away
+            cut += 1
+            assert cut <= free + 3, "the address should have been backed off"
+        turned_away = time.monotonic()
+        assert cut >= free + 1  # the first ``free`` cost nothing; the next one starts the wait
+        other = await connect_from("127.0.0.12", host, port, token=TOKEN, worker_id=1)
+        await other.close()  # another address is served at once
+        while not await violate(host, port, "127.0.0.11"):  # the wait ends
+            assert time.monotonic() - turned_away < 10 * first, "the back-off should end"
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(wait_for, "the back-off logged",
+                                lambda: any("cut for protocol violations" in ln for ln in log),
+                                15, (proc,))
 
 
 @pytest.mark.timeout(120)
