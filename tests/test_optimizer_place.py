@@ -13,7 +13,7 @@ import pytest
 
 from minips.core.config import LARGE_MODEL_PARAMS, PARAM_COUNTS, RunConfig
 from minips.run import flags
-from minips.run.cli import build_parser
+from minips.run.flags import build_parser
 
 
 def configured(*argv: str) -> tuple[RunConfig, argparse.Namespace]:
