@@ -1,6 +1,7 @@
-"""The evaluator (role ``evaluator``): it pulls the global weights every ``eval_every_s`` and
-writes accuracy, loss and the global counters to eval.jsonl until the run is done; when the
-global server is lost it reconnects for up to ``reconnect_s``, as a worker does.
+"""The evaluator (role ``evaluator``): it pulls the global weights every ``eval_every_s`` (more
+often once the budget is nearly spent: ``next_pull_s``) and writes accuracy, loss and the
+global counters to eval.jsonl until the run is done; when the global server is lost it
+reconnects for up to ``reconnect_s``, as a worker does.
 
 It measures the run, so it keeps out of its way: an evaluation point's time is when its weights
 arrived (not when scoring them ended), and the process lowers its own CPU priority by
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 
@@ -30,7 +32,8 @@ from minips.record.rundir import JsonlWriter, RunDir
 from minips.wire import messages
 from minips.worker import Link, Stopped, connect_role, leave
 
-__all__ = ["EVAL_NICE", "evaluate_loop", "run_evaluator"]
+__all__ = ["EVAL_NICE", "END_PULL_S", "budget_left_s", "evaluate_loop", "next_pull_s",
+           "run_evaluator"]
 
 EVAL_NICE = 10  # added to the evaluator's niceness: it gets the CPU the training leaves
 
@@ -50,10 +53,9 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     record(cfg.run_dir, "evaluator", test.meta)
     writer = RunDir(cfg.run_dir, t0=run.t0).writer("eval")
     size = models.param_count(run.model)
-    last = -1
+    last, scored, score_s = -1, -math.inf, 0.0  # version scored last, when, how long it took
     try:
         while True:
-            t = time.monotonic()
             try:
                 await ch.send(messages.Pull(clock=0))
                 w = await Link(ch, 0, 0).expect(messages.GlobalWeights)
@@ -63,15 +65,46 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
                     raise
                 ch = await _reconnect_evaluator(cfg, writer, run, exc)
                 continue
-            if w.version != last or w.done:
-                last = w.version
+            arrived, left = time.monotonic(), budget_left_s(run, w)
+            # near the end, skip a score that would outlast the run: the final one comes first
+            near_end = -run.eval_every_s < left < score_s
+            if w.done or (w.version != last and arrived - scored >= run.eval_every_s
+                          and not near_end):
+                last, scored = w.version, arrived
                 _evaluate_once(run, w, size, test, writer, time.time() - run.t0)
+                score_s = time.monotonic() - arrived
             if w.done:
                 return
-            await asyncio.sleep(max(0.0, run.eval_every_s - (time.monotonic() - t)))
+            now = time.monotonic()
+            await asyncio.sleep(next_pull_s(run, left - (now - arrived), now - scored))
     finally:
         writer.close()
         await leave(ch)
+
+
+END_PULL_S = 0.5  # near the end of the budget, PULL this often (the final weights come soon)
+
+
+def budget_left_s(run: RunConfig, w: messages.GlobalWeights) -> float:
+    """Seconds of training the run likely has left as of ``w`` (inf: no telling): the wall
+    time left, or the samples left at the rate so far."""
+    left = run.wall_s - w.train_s if run.wall_s > 0 else math.inf
+    if run.epochs > 0 and w.samples > 0 and w.train_s > 0:
+        budget = run.epochs * run.epoch_samples()
+        left = min(left, (budget - w.samples) * w.train_s / w.samples)
+    return left
+
+
+def next_pull_s(run: RunConfig, left: float, since_scored: float) -> float:
+    """Seconds until the next PULL: the rest of ``eval_every_s`` since the last score, or,
+    when the budget is likely spent (``left``) before that, just after it and then every
+    ``END_PULL_S``, so the final weights are scored, and every role exits, within about
+    ``END_PULL_S`` of the end instead of up to a whole period after it. An estimate a whole
+    period wrong is dropped (back to the period)."""
+    period = max(END_PULL_S, run.eval_every_s - since_scored)
+    if -run.eval_every_s < left < period:
+        return max(END_PULL_S, left)
+    return period
 
 
 async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunConfig,

@@ -101,12 +101,14 @@ __all__ = [
     "ServerConfig",
     "FINAL_FLUSH_S",
     "REJOIN_POLL_S",
+    "EVALUATOR_POLL_S",
 ]
 
 log = logging.getLogger("minips.server")
 
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 REJOIN_POLL_S = 0.5  # how often the wait for workers looks whether a group is training again
+EVALUATOR_POLL_S = 0.1  # after the run, how often the wait for the final PULL looks who is left
 
 
 class GlobalServer:
@@ -171,11 +173,14 @@ class GlobalServer:
             self.server.set_limits(frames.DEFAULT_LIMITS.sized_for(self.core.weights.size))
 
     async def wait_finished(self) -> None:
-        """Until the run is over and (if one is connected) the evaluator saw the final weights."""
+        """Until the run is over and the evaluators connected saw the final weights (at most
+        ``linger_s``; no longer than they stay: one that left will not PULL them)."""
         await self.finished.wait()
-        if self.has_evaluator():
+        deadline = asyncio.get_running_loop().time() + self.cfg.linger_s
+        while self.has_evaluator() and not self.evaluated_final.is_set() \
+                and asyncio.get_running_loop().time() < deadline:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.evaluated_final.wait(), self.cfg.linger_s)
+                await asyncio.wait_for(self.evaluated_final.wait(), EVALUATOR_POLL_S)
 
     async def close(self) -> None:
         """Save the final weights and a last checkpoint, close every connection and group."""

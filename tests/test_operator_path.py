@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import minips_server, records, recv_as, until
+from conftest import minips_server, records, recv_as, run_t0, until, wait_ready_file
 
 from minips.core.config import RunConfig
 from minips.net import channel, lifeline, transport
@@ -297,3 +297,85 @@ async def test_a_port_taken_after_the_check_is_still_one_line_naming_the_flag(
         with pytest.raises(ConfigError, match=rf"--port: 127.0.0.1:{taken} is already in use"):
             await srv.start()
         await srv.close()
+
+
+# -- a run that is done exits promptly: every role within a second or two of `done` ---------------
+
+# after the server's `done` record every process has exited by then: about a second on a quiet
+# 2-core machine; 2.6-6.3 s with a load average of 20 (other tests beside it), against 15 s
+# (--linger) and more before the fix
+PROMPT_EXIT_S = 8.0
+FINAL_PULL_S = 2.0  # the evaluator's final PULL is answered this soon after `done`
+
+
+@pytest.mark.timeout(240)
+def test_every_role_exits_promptly_once_the_run_is_done(tmp_path: Path) -> None:
+    """A server with an evaluator child (--eval), a `minips group` process and two workers, a
+    4 s wall budget: each process exits within PROMPT_EXIT_S of the server's `done` (the
+    evaluator PULLs the final weights just after the end, not a whole period later, and the
+    server does not linger for a PULL that will not come)."""
+    np.save(tmp_path / "init.npy", np.zeros(N, np.float32))
+    env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"})
+    ready = tmp_path / "server.addr"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+        with open(logs / f"{name}.log", "wb") as out:
+            return subprocess.Popen([sys.executable, "-m", "minips", *args], env=env,
+                                    stdout=out, stderr=subprocess.STDOUT)
+
+    procs = {"server": start("server", "server", "--port", "0", "--ready-file", str(ready),
+                             "--run-dir", str(tmp_path), "--init", str(tmp_path / "init.npy"),
+                             "--workers", "2", "--mode", "ssp", "--compressor", "none",
+                             "--epochs", "0", "--wall-s", "4", "--base-step", "0.01",
+                             "--external-groups", "1", "--eval", "--calib-timeout", "60",
+                             # a period longer than the run: only the end brings the final
+                             # PULL; a small test set, as its score runs beside the training
+                             "--eval-every", "30", "--eval-limit", "200")}
+    try:
+        host, port = wait_ready_file(ready, procs["server"])
+        procs["group"] = start("group", "group", "--connect", f"{host}:{port}", "--listen",
+                               "127.0.0.1:0", "--run-dir", str(tmp_path))
+        for w in (0, 1):
+            procs[f"worker-{w}"] = start(f"worker-{w}", "worker", "--connect", f"{host}:{port}",
+                                         "--id", str(w), "--run-dir", str(tmp_path),
+                                         "--data", "synthetic")
+        ended: dict[str, tuple[float, int]] = {}
+        deadline = time.monotonic() + 180
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for name, p in procs.items():
+                if name not in ended and p.poll() is not None:
+                    ended[name] = (time.time(), p.returncode)
+            time.sleep(0.02)  # polling the processes with a deadline
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+    done = records(tmp_path / "global.jsonl", event="done")
+    assert done, "the run did not end"
+    t_done = run_t0(tmp_path) + done[0]["t"]
+    late = {name: round(t - t_done, 2) for name, (t, _) in ended.items()}
+    assert all(code == 0 for _, code in ended.values()), (ended, late)
+    assert all(s < PROMPT_EXIT_S for s in late.values()), f"exited after done (s): {late}"
+    final = records(tmp_path / "eval.jsonl", final=True)
+    assert final, "the final weights were not scored"
+    assert final[0]["t"] - done[0]["t"] < FINAL_PULL_S, (final[0]["t"], done[0]["t"])
+
+
+def test_the_evaluator_pulls_just_after_the_likely_end_not_a_period_later() -> None:
+    from minips.evaluator import END_PULL_S, budget_left_s, next_pull_s
+
+    run = RunConfig(wall_s=60.0, epochs=0.0, eval_every_s=5.0)
+    w = messages.GlobalWeights(version=1, done=False, size=0, samples=100, t=0.0, train_s=58.5,
+                               encoding="dense-f32")
+    assert budget_left_s(run, w) == pytest.approx(1.5)
+    assert next_pull_s(run, 1.5, since_scored=0.0) == pytest.approx(1.5)  # not 5
+    assert next_pull_s(run, -0.2, since_scored=2.0) == END_PULL_S  # due: every END_PULL_S
+    assert next_pull_s(run, 30.0, since_scored=2.0) == pytest.approx(3.0)  # the period
+    assert next_pull_s(run, -9.0, since_scored=2.0) == pytest.approx(3.0)  # a wrong estimate
+    epochs = RunConfig(epochs=1.0, eval_every_s=5.0)
+    half = messages.GlobalWeights(version=1, done=False, size=0, t=0.0, train_s=10.0,
+                                  samples=epochs.epoch_samples() // 2, encoding="dense-f32")
+    assert budget_left_s(epochs, half) == pytest.approx(10.0, rel=1e-3)  # at the rate so far

@@ -174,6 +174,8 @@ async def evaluator_session(srv: Shell, ch: Channel) -> None:
         if not isinstance(msg, messages.Pull):
             raise validation.unexpected(msg, "evaluator")
         await srv.weights_ready.wait()
+        if srv.core.done:  # budget spent: answer with the final weights (after the groups'
+            await srv.finished.wait()  # final deltas, a bounded wait), marked done
         final = srv.core.done and srv.finished.is_set()
         await ch.send(srv.core.weights_message(final=final))
         if final:
