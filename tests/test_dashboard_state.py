@@ -530,8 +530,10 @@ def test_a_remote_workers_row_is_filled_from_what_the_servers_saw() -> None:
     s.add("server", {"t": 0.0, "size": 1000})
     s.add("global", merge(0, 1.0, pushes=2, bytes_in=500, pull_workers=[0, 1],
                           pull_leads=[0, 1], pull_waits_us=[0, 0]))
-    s.add("global", merge(0, 2.0, pushes=4, bytes_in=2100, pull_workers=[0, 1, 0, 1, 0],
+    s.add("global", merge(0, 2.0, pushes=4, bytes_in=2100, step_time=0.05,
+                          pull_workers=[0, 1, 0, 1, 0],
                           pull_leads=[0, 1, 1, 0, 2], pull_waits_us=[0, 0, 1500, 0, 3000]))
+    s.add("global", merge(0, 2.2, pushes=0, step_time=0.0))  # a final exchange: no steps
     s.add("probe", {"t": 2.0, "worker": 1, "group": 0, "clock": 0, "step_time": 0.2})
     s.add("probe", {"t": 2.5, "worker": 1, "group": 0, "clock": 0, "step_time": 0.3})
     rows = {r["id"]: r for r in s.update(2.5)["workers"]}
@@ -540,8 +542,10 @@ def test_a_remote_workers_row_is_filled_from_what_the_servers_saw() -> None:
     assert (w1["clock"], w1["staleness"], w1["wait_s"]) == (2, 0, 0.0)
     assert w0["bytes_per_push"] == w1["bytes_per_push"] == pytest.approx(400.0)  # 1600 / 4
     assert w0["upload_ratio"] == pytest.approx(0.1)  # of 4 x 1000 bytes, dense float32
-    assert w1["step_time"] == 0.3 and w0["step_time"] is None  # its last STATS; none for w0
-    assert w0["seen"] == "servers" and set(w0["approx"]) == {"bytes_per_push", "upload_ratio"}
+    assert w1["step_time"] == 0.3  # its last STATS
+    assert w0["step_time"] == 0.05  # no STATS: its group's mean, at the last exchange
+    assert w0["seen"] == "servers"
+    assert set(w0["approx"]) == {"step_time", "bytes_per_push", "upload_ratio"}
     s.add("worker", push(1, 3.0, clock=4))  # a file of its own after all: its own figures
     mine = {r["id"]: r for r in s.update(3.0)["workers"]}[1]
     assert mine["seen"] == "own" and mine["bytes_per_push"] == 100 and mine["approx"] == []

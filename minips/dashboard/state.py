@@ -285,10 +285,12 @@ class RunState:
             self.pushes[g] = self.pushes.get(g, 0) + r["pushes"]
         known = self.groups.setdefault(g, {})
         self._push_bytes(g, r)
-        for k in ("min_clock", "max_clock", "bytes_in", "bytes_out", "step_time"):
+        for k in ("min_clock", "max_clock", "bytes_in", "bytes_out"):
             # a final exchange after the workers left has no clocks (None, or -1 on the wire)
             if r.get(k) is not None and not (k.endswith("clock") and r[k] < 0):
                 known[k] = r[k]
+        if isinstance(r.get("step_time"), (int, float)) and r["step_time"] > 0:  # not a final
+            known["step_time"] = r["step_time"]  # exchange's 0: its workers' mean step time
         if isinstance(r.get("bytes_to_global"), (int, float)):
             self.hop_from_merges.add(g)
             self.to_global[g] = {k: r[k] for k in ("bytes_to_global", "bytes_from_global")}
