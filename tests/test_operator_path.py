@@ -379,3 +379,52 @@ def test_the_evaluator_pulls_just_after_the_likely_end_not_a_period_later() -> N
     half = messages.GlobalWeights(version=1, done=False, size=0, t=0.0, train_s=10.0,
                                   samples=epochs.epoch_samples() // 2, encoding="dense-f32")
     assert budget_left_s(epochs, half) == pytest.approx(10.0, rel=1e-3)  # at the rate so far
+
+
+# -- TLS as printed: the join: line names the CA the user made ------------------------------------
+
+def _printed(line: str, flag: str) -> str:
+    words = line.split()
+    return words[words.index(flag) + 1]
+
+
+@pytest.mark.timeout(120)
+async def test_the_printed_tls_ca_is_the_ca_of_the_recipe_and_works_verbatim(
+        tmp_path: Path) -> None:
+    """docs/operations.md's recipe (a CA, a certificate it signs, beside it a group's
+    certificate and another CA): the join: and group: lines name ca.pem, and a client given
+    exactly that file and address completes the handshake with the server."""
+    from test_tls_cluster import make_ca, sign
+
+    from minips.net.endpoints import client_ssl
+    from minips.run.cli import join_commands
+
+    make_ca(tmp_path)
+    make_ca(tmp_path, "other-ca")
+    cert, key = sign(tmp_path, "server", "IP:127.0.0.1")
+    sign(tmp_path, "group", "IP:127.0.0.1")
+    cfg = ServerConfig(run=RunConfig(workers=1), host="127.0.0.1", port=0, token=TOKEN,
+                       run_dir=str(tmp_path / "run"), tls_cert=cert, tls_key=key,
+                       external_groups=1)
+    srv = GlobalServer(cfg, np.zeros(4, np.float32))
+    port = await srv.start()
+    try:
+        lines = join_commands(cfg, port)
+        assert {_printed(line, "--tls-ca") for line in lines} == {str(tmp_path / "ca.pem")}
+        join = next(line for line in lines if line.startswith("join:"))
+        host, _, joined = _printed(join, "--connect").rpartition(":")
+        ch = await transport.connect(host, int(joined), token=TOKEN, timeout=10,
+                                     ssl=client_ssl(_printed(join, "--tls-ca")))
+        await ch.close()
+    finally:
+        await srv.close()
+
+
+def test_a_self_signed_certificate_is_its_own_printed_ca(tmp_path: Path) -> None:
+    from conftest import make_certificate
+
+    from minips.run.cli import join_commands
+
+    cert, key = make_certificate(tmp_path, "IP:127.0.0.1")
+    cfg = ServerConfig(host="127.0.0.1", tls_cert=str(cert), tls_key=str(key))
+    assert _printed(join_commands(cfg, 7070)[0], "--tls-ca") == str(cert.resolve())

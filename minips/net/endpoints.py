@@ -2,7 +2,8 @@
 
 ``parse_address`` / ``format_address`` / ``reachable`` read and write 'host:port' (IPv6 in
 brackets; a wildcard host is replaced by one that reaches the machine). ``server_ssl`` /
-``client_ssl`` make TLS contexts (``ssl`` is imported only then); ``tls_mismatch`` says why a
+``client_ssl`` make TLS contexts (``ssl`` is imported only then) and ``issuing_ca`` finds the
+file clients trust a server's certificate with; ``tls_mismatch`` says why a
 group server cannot join (it must serve TLS exactly when the global server does: HELLO
 capability ``tls``). ``check_port`` refuses a listen address that is taken, naming its flag
 (``port_error``), before anything is created; ``check_bind`` refuses to listen beyond loopback
@@ -17,6 +18,7 @@ import contextlib
 import errno
 import ipaddress
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minips.errors import ConfigError
@@ -30,7 +32,7 @@ __all__ = [
     "server_ssl",
     "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind", "TOKEN_ENV", "shared_secret",
     "DASHBOARD_TOKEN_ENV", "DASHBOARD_TOKEN_BYTES", "dashboard_secret", "TLS_CAPABILITY",
-    "tls_mismatch", "port_error", "check_port",
+    "tls_mismatch", "port_error", "check_port", "verifies", "issuing_ca",
 ]
 
 TOKEN_ENV = "MINIPS_TOKEN"  # environment variable holding the shared secret
@@ -169,6 +171,45 @@ def server_ssl(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
     return ctx
+
+
+def verifies(cert: str, key: str | None, ca: str) -> bool:
+    """True when a client that trusts ``ca`` accepts ``cert`` (with its ``key``): a TLS
+    handshake run in memory, the certificate chain checked, not the name (no socket)."""
+    import ssl
+
+    try:
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server.load_cert_chain(cert, key)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.check_hostname = False
+        client.load_verify_locations(ca)
+    except (OSError, ValueError, ssl.SSLError):
+        return False  # not a certificate (a key file, garbage): it verifies nothing
+    to_server, to_client = ssl.MemoryBIO(), ssl.MemoryBIO()
+    c = client.wrap_bio(to_client, to_server)
+    s = server.wrap_bio(to_server, to_client, server_side=True)
+    for _ in range(8):  # a TLS 1.3 handshake takes 2 rounds; 8 bounds a broken one
+        for end in (c, s):
+            try:
+                end.do_handshake()
+            except ssl.SSLWantReadError:
+                continue
+            except ssl.SSLError:
+                return False
+            if end is c:
+                return True
+    return False
+
+
+def issuing_ca(cert: str, key: str | None) -> str | None:
+    """The file a client passes as ``--tls-ca`` to trust ``cert``: the certificate itself when
+    it is self-signed, else the CA that signed it among the PEM files beside it (the recipe of
+    docs/operations.md keeps ca.pem there); an absolute path, or None when none is found."""
+    own = Path(cert).resolve()
+    beside = sorted(p for p in own.parent.iterdir()
+                    if p.suffix in (".pem", ".crt") and p != own and p.is_file())
+    return next((str(c) for c in (own, *beside) if verifies(cert, key, str(c))), None)
 
 
 def client_ssl(ca: str | None) -> ssl.SSLContext | None:

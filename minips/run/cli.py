@@ -55,6 +55,7 @@ from minips.net.endpoints import (
     check_port,
     dashboard_secret,
     format_address,
+    issuing_ca,
     local_addresses,
     parse_address,
     reachable_url,
@@ -170,7 +171,8 @@ def join_commands(cfg: ServerConfig, port: int) -> list[str]:
     this server is reached at, and 'group: minips group ...' with --external-groups. Every
     flag they need is there (TLS: the CA to verify this server with; a group's own certificate
     and key are its own, named GROUP_CERT / GROUP_KEY); the secret comes from MINIPS_TOKEN."""
-    ca = f" --tls-ca {Path(cfg.tls_cert).resolve()}" if cfg.tls_cert else ""
+    # the CA the user made (beside the certificate), or the certificate itself if self-signed
+    ca = f" --tls-ca {issuing_ca(cfg.tls_cert, cfg.tls_key) or 'CA_FILE'}" if cfg.tls_cert else ""
     lines = []
     for host in reachable_hosts(cfg):
         address = format_address(host, port)
