@@ -577,3 +577,20 @@ def test_a_run_without_an_evaluator_says_so_live_over_and_in_a_replay(tmp_path: 
     assert replay.state.update(replay.horizon(0.0))["evaluator"] is False  # before its end
     (run / "eval.jsonl").write_text(json.dumps({"t": 0.5, "accuracy": 0.1}) + "\n")
     assert Replay(run, speed=1.0).state.update(0.0)["evaluator"] is None
+
+
+def test_byte_counters_that_start_again_after_a_resume_never_go_back() -> None:
+    """A resumed server's groups count their hop bytes from 0 again: the page adds the
+    segments up, so the bytes chart and the totals do not drop (accuracy vs bytes does not
+    double back)."""
+    s = RunState(CONFIG)
+    for t, b in ((1.0, 100), (2.0, 300), (5.0, 50), (6.0, 120)):  # resumed between 2 and 5 s
+        s.add("global", merge(0, t, bytes_in=b, bytes_out=10 * b, bytes_to_global=b,
+                              bytes_from_global=2 * b))
+    assert s.hops() == {"worker_to_group": 420, "group_to_worker": 4200,
+                        "group_to_global": 420, "global_to_group": 840}
+    series = [p["worker_to_group"] for p in s.bytes]
+    assert series == sorted(series) and series[-1] == 420
+    for t, b in ((1.5, 1000), (2.5, 3000), (5.5, 400)):  # the evaluator's view, likewise
+        s.add("eval", {"t": t, "accuracy": 0.5, "bytes_up": b, "bytes_down": 0})
+    assert [e["bytes"] for e in s.eval] == [1000, 3000, 3400]

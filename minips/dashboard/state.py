@@ -35,6 +35,10 @@ complete record to ``RunState.add``; ``Replay`` does the same for a finished run
 the records in run-time order up to a horizon that advances ``speed`` times faster than the
 wall clock. Both take the time as an argument; neither sleeps.
 
+Byte counters are running totals per group; one that drops (a resumed server or a restarted
+group process counting from 0 again) is added up segment by segment, as summary.json does
+(metrics.py), so the bytes chart and the totals never go back.
+
 Invariants: every series only grows (``since`` cursors stay valid); a worker's state is derived
 from what was added, never from a clock read here:
 
@@ -209,6 +213,8 @@ class RunState:
         self.size: int | None = None  # the model's coordinates (``server`` records)
         self.push_bytes: dict[int, float] = {}  # group -> mean bytes per push, last exchange
         self._bytes_in: dict[int, float] = {}  # group -> its bytes_in at its last merge
+        self._last: dict[tuple[Any, str], float] = {}  # (group, counter) -> its last value
+        self._banked: dict[tuple[Any, str], float] = {}  # ... and what it held before drops
         self.done = False
         # the run's one clock: training time counts from the groups event to the done event
         # (summary.json's train_s); the page draws its charts on it
@@ -236,9 +242,10 @@ class RunState:
     def _eval(self, r: dict[str, Any]) -> None:
         self.final_eval = self.final_eval or bool(r.get("final"))
         if isinstance(r.get("accuracy"), (int, float)):
+            wire = (r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)  # since (re)start
             self.eval.append({"t": r["t"], "accuracy": r["accuracy"], "loss": r.get("loss"),
                               "samples": r.get("samples"),
-                              "bytes": (r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)})
+                              "bytes": self._running(("eval", "bytes"), wire)})
 
     def _global(self, r: dict[str, Any]) -> None:
         ev = r.get("event")
@@ -285,15 +292,19 @@ class RunState:
             self.pushes[g] = self.pushes.get(g, 0) + r["pushes"]
         known = self.groups.setdefault(g, {})
         self._push_bytes(g, r)
-        for k in ("min_clock", "max_clock", "bytes_in", "bytes_out"):
+        for k in ("min_clock", "max_clock"):
             # a final exchange after the workers left has no clocks (None, or -1 on the wire)
-            if r.get(k) is not None and not (k.endswith("clock") and r[k] < 0):
+            if r.get(k) is not None and r[k] >= 0:
                 known[k] = r[k]
+        for k in ("bytes_in", "bytes_out"):
+            if isinstance(r.get(k), (int, float)):
+                known[k] = self._running((g, k), r[k])
         if isinstance(r.get("step_time"), (int, float)) and r["step_time"] > 0:  # not a final
             known["step_time"] = r["step_time"]  # exchange's 0: its workers' mean step time
         if isinstance(r.get("bytes_to_global"), (int, float)):
             self.hop_from_merges.add(g)
-            self.to_global[g] = {k: r[k] for k in ("bytes_to_global", "bytes_from_global")}
+            self.to_global[g] = {k: self._running((g, k), r[k])
+                                 for k in ("bytes_to_global", "bytes_from_global")}
         self._pulls(r)
         if r["t"] - self._bytes_at >= CLOCK_POINT_S:
             self._bytes_at = r["t"]
@@ -304,6 +315,15 @@ class RunState:
             self._clock_at[g] = r["t"]
             self.clocks.append({"t": r["t"], "group": g, "min_clock": r.get("min_clock"),
                                 "max_clock": r.get("max_clock")})
+
+    def _running(self, key: tuple[Any, str], value: float) -> float:
+        """A running byte counter that may start again from 0 (a resumed server, a restarted
+        group process): each drop banks the value before it, so the total never goes back."""
+        last = self._last.get(key, 0.0)
+        if value < last:
+            self._banked[key] = self._banked.get(key, 0.0) + last
+        self._last[key] = value
+        return self._banked.get(key, 0.0) + value
 
     def _push_bytes(self, g: int, r: dict[str, Any]) -> None:
         """Group ``g``'s mean bytes per push since its previous merge: what its workers sent
@@ -352,7 +372,7 @@ class RunState:
             hop = self.to_global.setdefault(r.get("group"), {})
             for k in ("bytes_to_global", "bytes_from_global"):
                 if isinstance(r.get(k), (int, float)):
-                    hop[k] = r[k]
+                    hop[k] = self._running((g, k), r[k])
         if r.get("event") == "expired":
             for w in r.get("workers") or []:
                 self._view(w).gone = "expired"
