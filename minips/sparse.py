@@ -334,9 +334,13 @@ def average(grads: Sequence[SparseVector | np.ndarray], size: int,
             weights: Sequence[float] | None = None) -> SparseVector | np.ndarray:
     """Mean of one BSP round's gradients, dense or sparse: (size,) float32, or the gradient
     itself when the round has just one. With ``weights`` (LB-BSP: each gradient's samples) the
-    weighted mean sum(w_i g_i) / sum(w_i): of per-batch mean gradients, the whole round's."""
+    weighted mean sum(w_i g_i) / sum(w_i): of per-batch mean gradients, the whole round's.
+    When every gradient is sparse the mean is too (O(their entries), never O(size)): the same
+    float32 values at the union of their indices."""
     if len(grads) == 1:
         return grads[0]
+    if all(isinstance(g, SparseVector) for g in grads):
+        return _sparse_average([g for g in grads if isinstance(g, SparseVector)], size, weights)
     total = np.zeros(size, dtype=np.float32)  # (size,) float32: rounds mix dense and sparse
     if weights is None:
         for g in grads:
@@ -347,6 +351,22 @@ def average(grads: Sequence[SparseVector | np.ndarray], size: int,
     for g, w in zip(grads, weights, strict=True):
         add_into(total, g, w / whole)
     return total
+
+
+def _sparse_average(grads: Sequence[SparseVector], size: int,
+                    weights: Sequence[float] | None) -> SparseVector:
+    """``average`` of sparse gradients, entry for entry the float32 operations of the dense
+    one (a sum from 0 in the round's order, then the division), at their indices only."""
+    idx = union_of([g.indices for g in grads], size)  # (m,) uint32 sorted
+    total = np.zeros(idx.size, dtype=np.float32)
+    scales = [1.0] * len(grads) if weights is None else [w / float(sum(weights))
+                                                          for w in weights]
+    for g, scale in zip(grads, scales, strict=True):
+        at = np.searchsorted(idx, g.indices)  # (k,) positions of g's entries in idx
+        np.add.at(total, at, np.float32(scale) * g.values if scale != 1.0 else g.values)
+    if weights is None:
+        total /= np.float32(len(grads))
+    return SparseVector(idx, total, size)
 
 
 # ---------------------------------------------------------------------------- top-k

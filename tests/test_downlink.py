@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import recv_as
-from test_group import TOKEN, Global
+from test_group import TOKEN, Global, push
 
 from minips import sparse
 from minips.core.config import RunConfig
@@ -43,6 +43,13 @@ class Copy:
                                buffers=tuple(bufs))
         self.w = apply_weights(self.w, self.held, msg, N)
         self.held = ans.version
+
+
+def nudge(gs: GroupServer, clock: int, w: int = 0) -> None:
+    """Worker ``w``'s push at ``clock`` moving coordinates 0..2 by 1.0 (an update: optimizer
+    on the workers, 2 in the group: lr 1/2), as every change of a group's weights comes."""
+    step = sparse.SparseVector(np.arange(3, dtype=np.uint32), np.full(3, -2.0, np.float32), N)
+    gs.on_push(w, push(clock, step))
 
 
 def update(ans: Any) -> sparse.SparseVector:
@@ -283,19 +290,21 @@ async def test_workers_on_a_real_socket_hold_w_pub_and_stay_within_the_drift_bou
 async def test_pulls_answered_in_one_turn_share_one_publish() -> None:
     """A publish is O(n): PULLs the group answers in one turn of its event loop get one
     publish between them, and the same version."""
-    run = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.02, sync_every=1000)
+    run = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.02, sync_every=1000,
+                    optimizer_at="worker")
     gs = GroupServer(0, run, weights(), Global(weights()), members=[0, 1])
     assert gs.core.downlink is not None
-    gs.core.weights[:3] += 1.0  # a few coordinates: the answer is an update, not dense
+    nudge(gs, 1)  # a few coordinates: the answer is an update, not dense
     first = await asyncio.wait_for(asyncio.gather(gs.answer_pull(0), gs.answer_pull(1)), 5)
     assert gs.core.downlink.pub == 1 and [m.version for m in first] == [1, 1]
-    gs.core.weights[:3] += 1.0  # a few coordinates: the answer is an update, not dense
+    nudge(gs, 2)  # a few coordinates: the answer is an update, not dense
     second = await asyncio.wait_for(gs.answer_pull(0, since=1), 5)  # a later turn: a new one
     assert gs.core.downlink.pub == 2 and second.version == 2 and second.since == 1
 
 
 async def test_a_publish_that_fails_fails_the_pulls_waiting_for_it_and_no_later_one() -> None:
-    run = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.02, sync_every=1000)
+    run = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.02, sync_every=1000,
+                    optimizer_at="worker")
     gs = GroupServer(0, run, weights(), Global(weights()), members=[0, 1])
     assert gs.core.downlink is not None
     publish = gs.core.downlink.publish
@@ -304,12 +313,12 @@ async def test_a_publish_that_fails_fails_the_pulls_waiting_for_it_and_no_later_
         raise MemoryError("no room for the residual")
 
     gs.core.downlink.publish = broken  # type: ignore[method-assign,assignment]
-    gs.core.weights[:3] += 1.0  # past the drift bound: a publish is due
+    nudge(gs, 1)  # past the drift bound: a publish is due
     got = await asyncio.wait_for(asyncio.gather(gs.answer_pull(0), gs.answer_pull(1),
                                                 return_exceptions=True), 5)
     assert all(isinstance(e, MemoryError) for e in got)  # both told, neither left waiting
     gs.core.downlink.publish = publish  # type: ignore[method-assign]
-    gs.core.weights[:3] += 1.0
+    nudge(gs, 2)
     assert (await asyncio.wait_for(gs.answer_pull(0), 5)).version == 1
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import records, recv_as, until
+from test_group import push
 
 from minips import sparse
 from minips.core.config import RunConfig
@@ -358,7 +359,8 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
     later two in a row: sparse both ways but for the first answer and the final flush, nothing
     lost, bytes logged."""
     n, k = 1000, 50
-    run = RunConfig(lr_warmup=0.0, workers=1, mode="ssp", compressor="topk", ratio=k / n)
+    run = RunConfig(lr_warmup=0.0, workers=1, mode="ssp", compressor="topk", ratio=k / n,
+                    optimizer_at="worker")  # a push of one member moves the weights by itself
     srv = GlobalServer(ServerConfig(run=run, port=0, token=TOKEN, run_dir=str(tmp_path)),
                        np.zeros(n, np.float32))
     srv.core.group_opened(GroupHandle(0, "", [0]))
@@ -368,9 +370,14 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
     rng = np.random.default_rng(7)
     applied = np.zeros(n, np.float64)
     try:
-        for _ in range(30):
+        for clock in range(1, 31):  # pushes of 20% of the entries, dense every 5th
             step = (rng.normal(size=n) * 0.01).astype(np.float32)
-            gs.core.weights += step
+            if clock % 5:
+                step[rng.random(n) < 0.8] = 0.0
+                at = np.flatnonzero(step).astype(np.uint32)
+                gs.on_push(0, push(clock, sparse.SparseVector(at, -step[at], n)))
+            else:
+                gs.on_push(0, push(clock, -step))
             applied += step
             await gs.flush()
             if gs.core.xchg.pending is None:  # else its copy lacks what the lost reply set

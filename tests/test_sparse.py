@@ -454,3 +454,20 @@ def test_union_of_sorts_few_and_masks_many() -> None:
     huge = sparse.union_of([np.array([2**32 - 1, 5], np.uint32), np.array([5], np.uint32)],
                            2**32)
     assert huge.tolist() == [5, 2**32 - 1]
+
+
+def test_the_mean_of_sparse_gradients_is_sparse_with_the_dense_means_values() -> None:
+    rng = np.random.default_rng(3)
+    n = 5000
+    for seed in range(20):
+        grads = []
+        for _ in range(int(rng.integers(2, 6))):
+            idx = np.sort(rng.choice(n, int(rng.integers(0, 300)), replace=False))
+            grads.append(SparseVector(idx.astype(np.uint32),
+                                      rng.standard_normal(idx.size).astype(np.float32), n))
+        weights = None if seed % 2 else [float(rng.integers(1, 64)) for _ in grads]
+        got = sparse.average(grads, n, weights)
+        assert isinstance(got, SparseVector)
+        got.check()
+        dense = sparse.average([g.to_dense() for g in grads], n, weights)
+        assert np.array_equal(got.to_dense(), dense)  # the same float32 operations

@@ -241,6 +241,9 @@ class RunConfig:
     down_ratio: float | None = None
     down_values: str = "f32"  # "f16": a publish rounds its values to float16, 2 bytes each
     down_drift: float = 0.01  # bound on ||weights - published|| / ||weights|| (downlink.py)
+    # PULL answers (downlink.py): "auto" compressed when down_ratio (as resolved) < 1, else
+    # dense; "exact": the entries changed since the worker's version, at their values
+    down_mode: str = "auto"
     # pushes between two publishes of a group's weights to its workers: 0 = one a round of the
     # group's live members (each pull then brings about one publish), 1 = one every turn that
     # answers PULLs; a publish comes sooner whenever the drift bound would be passed
@@ -289,6 +292,7 @@ class RunConfig:
                self.down_ratio, "in (0, 1]")
         _check(self.down_values in ("f32", "f16"), "down_values", self.down_values, "f32 | f16")
         _check(0 <= self.down_drift <= 1, "down_drift", self.down_drift, "in [0, 1]")
+        _check(self.down_mode in ("auto", "exact"), "down_mode", self.down_mode, "auto | exact")
         _check(self.publish_every >= 0, "publish_every", self.publish_every,
                ">= 0 (0: once a round of the group's members)")
         _check(self.workers >= 1, "workers", self.workers, ">= 1")

@@ -41,16 +41,25 @@ from typing import Any
 
 import numpy as np
 
+from minips.core.changelog import ChangeLog
 from minips.errors import RemoteProtocolError
-from minips.sparse import SparseVector, TopKSelector, decode_vector, kept_count, union_of
+from minips.sparse import (
+    SparseVector,
+    decode_vector,
+    kept_count,
+    top_among,
+    union_of,
+    unique_sorted,
+)
 
-__all__ = ["Answer", "Downlink", "apply_weights", "held_version", "DRIFT", "LOG_SIZE",
-           "DENSE_FRACTION", "VALUES"]
+__all__ = ["Answer", "Downlink", "ExactDownlink", "apply_weights", "held_version", "sq_norm",
+           "DRIFT", "LOG_SIZE", "DENSE_FRACTION", "VALUES"]
 
 DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish (--down-drift)
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
 DENSE_FRACTION = 0.4  # a merged answer with more changed coordinates than this goes dense
 VALUES = ("f32", "f16")  # what an update's values are sent as (``Downlink.values``)
+SQ_CHUNK = 1 << 16  # entries per float64 chunk of ``sq_norm`` (512 KiB: stays in cache)
 F16_MAX = float(np.finfo(np.float16).max)
 
 
@@ -72,7 +81,7 @@ class Downlink:
 
     def __init__(self, weights: np.ndarray, ratio: float, *, drift: float = DRIFT,
                  log_size: int = LOG_SIZE, dense_fraction: float = DENSE_FRACTION,
-                 values: str = "f32") -> None:
+                 values: str = "f32", changes: ChangeLog | None = None) -> None:
         if (not 0 < ratio <= 1 or drift < 0 or log_size < 1 or not 0 < dense_fraction <= 1
                 or values not in VALUES):
             raise ValueError(f"bad downlink settings: ratio {ratio}, drift {drift}, "
@@ -82,7 +91,6 @@ class Downlink:
         self.w_pub = np.array(weights, dtype=np.float32)  # (n,) what the workers can hold
         self.n = int(self.w_pub.size)
         self.k = kept_count(ratio, self.n)  # coordinates per publish, before the drift bound
-        self.top = TopKSelector(self.n)  # exact: the k largest |residual|
         self.drift_bound = drift
         self.dense_fraction = dense_fraction
         self.pub = 0  # publish version of w_pub
@@ -92,59 +100,117 @@ class Downlink:
         self.answers = {"update": 0, "dense": 0}  # answers given, by kind
         self.last_drift = 0.0  # ``drift(weights)`` right after the last publish
         self._made: dict[int, Answer] = {}  # answers made since the last publish, by ``since``
+        # with the group's change log: where w_pub may lag the weights, beyond the changes
+        # the log holds after version ``_seen`` ((m,) uint32 sorted)
+        self.changes = changes
+        self._seen = 0 if changes is None else changes.version
+        self.behind = np.empty(0, np.uint32)
+        self.wsq = sq_norm(self.w_pub)  # ||weights||^2 and ||weights - w_pub||^2, float64,
+        self.gap2 = 0.0  # kept up to date as changes land (``moving`` / ``moved``)
 
     def drift(self, weights: np.ndarray) -> float:
-        """``||weights - w_pub|| / ||weights||`` now (0 when both are zero)."""
-        norm = float(np.linalg.norm(weights))
-        gap = float(np.linalg.norm(weights - self.w_pub))
-        return gap / norm if norm else (0.0 if gap == 0 else math.inf)
+        """``||weights - w_pub|| / ||weights||`` now, computed anew (O(n); 0 when both are
+        zero)."""
+        return _ratio(sq_norm(weights - self.w_pub), sq_norm(weights))
+
+    def drift_now(self) -> float:
+        """``drift(weights)`` from the sums kept as changes land: O(1)."""
+        return _ratio(self.gap2, self.wsq)
+
+    def moving(self, weights: np.ndarray, idx: np.ndarray | None) -> Any:
+        """The weights are about to change at ``idx`` (None: anywhere): what ``moved`` needs
+        to bring the sums up to date (their parts at ``idx`` now), O(k)."""
+        if idx is None:
+            return None
+        return self._parts(weights, idx)
+
+    def moved(self, weights: np.ndarray, idx: np.ndarray | None, before: Any) -> None:
+        """The weights changed at ``idx`` (``moving`` gave ``before``): the sums follow, O(k);
+        a change anywhere computes them anew, O(n)."""
+        if idx is None or before is None:
+            self.wsq, self.gap2 = sq_norm(weights), sq_norm(weights - self.w_pub)
+            return
+        wsq, gap2 = self._parts(weights, idx)
+        self.wsq = max(0.0, self.wsq + wsq - before[0])
+        self.gap2 = max(0.0, self.gap2 + gap2 - before[1])
+
+    def _parts(self, weights: np.ndarray, idx: np.ndarray) -> tuple[float, float]:
+        w = weights[idx].astype(np.float64)  # (k,)
+        e = w - self.w_pub[idx]
+        return float(np.dot(w, w)), float(np.dot(e, e))
 
     def publish(self, weights: np.ndarray) -> int:
         """Publish the largest residuals (at least k, more if the drift bound needs them);
-        return how many coordinates changed (0: nothing to publish, the version stays)."""
-        e = weights - self.w_pub  # (n,) float32 residual
-        moved = int(np.count_nonzero(e))  # coordinates where w_pub is behind
-        if moved == 0:
-            self.last_drift = 0.0
+        return how many coordinates changed (0: nothing to publish, the version stays). With a
+        change log, only the coordinates that changed or lag already are looked at."""
+        cand, e = self._residual(weights)  # (m,) uint32 sorted, (m,) float32 non-zero
+        if cand.size == 0:
+            self.behind, self.gap2, self.last_drift = cand, 0.0, 0.0
             return 0
-        wsq = float(np.dot(weights, weights))
-        if moved <= self.k:
-            idx = np.flatnonzero(e)
-        else:  # the k largest |e| are all non-zero: select over all n, no gather of the moved
-            idx = np.sort(self._select(np.abs(e), wsq))
-            self.forced += max(0, idx.size - self.k)
-        sent = e[idx].astype(np.float64)
-        left = max(0.0, float(np.dot(e, e)) - float(np.dot(sent, sent)))  # ||e||² not published
+        wsq = self.wsq if self.changes is not None else sq_norm(weights)
+        pos = np.arange(cand.size) if cand.size <= self.k else self._select(np.abs(e), wsq)
+        self.forced += max(0, pos.size - self.k)
+        idx = cand[pos]  # (p,) uint32 sorted
+        sent = e[pos].astype(np.float64)
+        left = max(0.0, float(np.dot(e.astype(np.float64), e)) - float(np.dot(sent, sent)))
+        rest = np.ones(cand.size, dtype=np.bool_)
+        rest[pos] = False
+        behind = cand[rest]  # (m - p,) what stays unpublished
         if self.values == "f16":  # the rounding stays behind, in the residual
-            exact = weights[idx]
-            with np.errstate(over="ignore"):
-                half = exact.astype(np.float16).astype(np.float32)
-            big = ~np.isfinite(half)  # past float16's range: kept exact (then sent as f32)
-            half[big] = exact[big]
-            self.w_pub[idx] = half
-            rounded = (exact - half).astype(np.float64)
+            rounded = self._set_half(weights, idx)
             left += float(np.dot(rounded, rounded))
+            behind = unique_sorted(np.concatenate([behind, idx[rounded != 0]]))
         else:
             self.w_pub[idx] = weights[idx]
+        self.behind, self.gap2 = behind, left
         self.last_drift = math.sqrt(left / wsq) if wsq else 0.0
         self.pub += 1
         self._made.clear()
-        self.log.append(idx.astype(np.uint32))
+        self.log.append(idx)
         self.published += int(idx.size)
         return int(idx.size)
 
+    def _residual(self, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The coordinates where w_pub lags the weights and by how much: among those the change
+        log names since the last publish and those left behind then (O(changes)), or without
+        a log (or past what it holds) over all n."""
+        changed = None
+        if self.changes is not None:
+            changed = self.changes.since(self._seen)
+            self._seen = self.changes.version
+        if changed is None:
+            e = weights - self.w_pub  # (n,) float32
+            cand = np.flatnonzero(e).astype(np.uint32)
+            return cand, e[cand]
+        cand = union_of([self.behind, changed], self.n)
+        e = weights[cand] - self.w_pub[cand]  # (m,) float32
+        nz = e != 0
+        return cand[nz], e[nz]
+
+    def _set_half(self, weights: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """``w_pub[idx]`` = the weights there rounded to float16 (kept exact past its range);
+        returns the rounding left behind, (p,) float64."""
+        exact = weights[idx]
+        with np.errstate(over="ignore"):
+            half = exact.astype(np.float16).astype(np.float32)
+        big = ~np.isfinite(half)  # past float16's range: kept exact (then sent as f32)
+        half[big] = exact[big]
+        self.w_pub[idx] = half
+        return (exact - half).astype(np.float64)
+
     def _select(self, mag: np.ndarray, wsq: float) -> np.ndarray:
-        """Positions in ``mag`` ((n,) |residual|) to publish: the k largest, or the fewest
-        largest that leave ``sum(mag^2)`` of the rest within drift^2 * wsq."""
+        """Positions in ``mag`` ((m,) |residual|, all > 0) to publish, increasing: the k
+        largest, or the fewest largest that leave ``sum(mag^2)`` of the rest within
+        drift^2 * wsq."""
         # float16 rounding leaves at most (2^-11)^2 of the published part: kept out of the budget
         budget = self.drift_bound ** 2 * wsq * (0.99 if self.values == "f16" else 1.0)
-        top = self.top.select(mag, self.k)  # (k,) int64 sorted, the k largest
+        top = top_among(np.arange(mag.size), mag, self.k)  # (k,) the k largest, ties: lowest
         sq = mag.astype(np.float64) ** 2
         if float(sq.sum()) - float(sq[top].sum()) <= budget:
             return top
-        order = np.argsort(sq)  # ascending: the tail that may stay unpublished comes first
+        order = np.argsort(sq, kind="stable")  # ascending: the tail that may stay comes first
         kept = int(np.searchsorted(np.cumsum(sq[order]), budget, side="right"))
-        return order[kept:]  # everything above the part whose squares fit the budget
+        return np.sort(order[kept:])  # everything above the part whose squares fit the budget
 
     def answer(self, since: int) -> Answer:
         """The message for a worker that holds ``w_pub`` at version ``since`` (-1: none).
@@ -185,6 +251,84 @@ class Downlink:
 
     def _dense(self) -> Answer:
         return Answer(self.pub, -1, self.w_pub.copy())
+
+
+class ExactDownlink:
+    """The exact downlink: a PULL that holds version ``since`` of the weights gets the entries
+    changed after it (the group's change log, ``core/changelog.py``) at their values now. The
+    worker then holds the weights themselves, bit for bit: no published copy, no residual, no
+    drift, and O(changes since) work per answer (the whole weights when the log cannot say, or
+    when the changes pass ``dense_fraction`` of n). Versions are the change log's."""
+
+    values = "f32"
+    last_drift = 0.0  # the answers are exact
+
+    def __init__(self, weights: np.ndarray, changes: ChangeLog, *,
+                 dense_fraction: float = DENSE_FRACTION) -> None:
+        self.weights = weights  # the group's (n,) float32 weights (``moved`` follows them)
+        self.changes = changes
+        self.dense_fraction = dense_fraction
+        self.answers = {"update": 0, "dense": 0}  # answers given, by kind
+        self._made: dict[int, Answer] = {}  # answers of version ``_made_at``, by ``since``
+        self._made_at = changes.version
+
+    @property
+    def pub(self) -> int:
+        """The version a worker is brought to: the change log's."""
+        return self.changes.version
+
+    def drift_now(self) -> float:
+        return 0.0
+
+    def publish(self, weights: np.ndarray) -> int:
+        """Nothing to publish: every answer reads the weights as they are."""
+        return 0
+
+    def moving(self, weights: np.ndarray, idx: np.ndarray | None) -> Any:
+        return None
+
+    def moved(self, weights: np.ndarray, idx: np.ndarray | None, before: Any) -> None:
+        """The weights changed (the array may be a new one: a rebase)."""
+        self.weights = weights
+
+    def answer(self, since: int) -> Answer:
+        """The message for a worker that holds the weights at version ``since`` (-1: none);
+        made once per ``since`` and version, then shared (it is never written to)."""
+        if self._made_at != self.changes.version:
+            self._made.clear()
+            self._made_at = self.changes.version
+        made = self._made.get(since)
+        if made is None:
+            made = self._made[since] = self._answer(since)
+        self.answers["dense" if made.since < 0 else "update"] += 1
+        return made
+
+    def _answer(self, since: int) -> Answer:
+        n = int(self.weights.size)
+        idx = self.changes.since(since) if since >= 0 else None
+        if idx is None or idx.size > self.dense_fraction * n:
+            return Answer(self.pub, -1, self.weights.copy())
+        return Answer(self.pub, since, SparseVector(idx, self.weights[idx], n))
+
+    def wire_values(self, answer: Answer) -> str:
+        return "f32"
+
+
+def sq_norm(x: np.ndarray) -> float:
+    """``sum(x^2)`` in float64 (float32's would overflow past 1.8e19 per entry), in chunks so
+    that no (n,) float64 copy is made."""
+    total = 0.0
+    for lo in range(0, x.size, SQ_CHUNK):
+        part = x[lo:lo + SQ_CHUNK].astype(np.float64)
+        total += float(np.dot(part, part))
+    return total
+
+
+def _ratio(gap2: float, wsq: float) -> float:
+    """sqrt(gap2 / wsq): 0 when both are zero, inf when only the weights are."""
+    if wsq:
+        return math.sqrt(gap2 / wsq)
+    return 0.0 if gap2 == 0 else math.inf
 
 
 def held_version(named: int, last_sent: int) -> int:

@@ -98,7 +98,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
-from minips.sparse import SparseVector, TopKSelector, add_into, kept_count
+from minips.core.changelog import ChangeLog
+from minips.sparse import SparseVector, add_into, kept_count, top_among
 from minips.wire import messages
 
 __all__ = [
@@ -110,7 +111,6 @@ __all__ = [
     "DENSE_AT",
     "Replica",
     "exchange_ratio",
-    "top_entries",
     "ExchangeResult",
     "GroupLink",
     "Outgoing",
@@ -241,50 +241,79 @@ def exchange_ratio(run: Any) -> float:
     return float(run.ratio) if is_sparse(run.compressor) else 1.0
 
 
-def top_entries(selector: TopKSelector, x: np.ndarray, ratio: float) -> np.ndarray:
-    """(k,) int64 sorted indices of the ``ratio`` largest ``|x|`` entries, zeros left out."""
-    idx = selector.select(x, kept_count(ratio, x.size))
-    return idx[x[idx] != 0]
-
-
 class Replica:
     """``known[g]`` of one group and the indices of the replies it may have lost."""
 
     def __init__(self, size: int, ratio: float) -> None:
         self.ratio = ratio
+        self.k = kept_count(ratio, size)  # entries of a sparse answer, at most
         self.known: np.ndarray | None = None  # (n,) float32; None: unknown, answer dense
-        self.unacked = np.empty(0, np.int64)  # indices sent since the group's last new seq
+        self.unacked = np.empty(0, np.uint32)  # indices sent since the group's last new seq
         self.dense_unacked = False  # a dense answer went out since the group's last new seq
-        self._selector = TopKSelector(size) if ratio < 1.0 else None
+        # where known may differ from G beyond the changes G's log holds after version ``mark``
+        # ((m,) uint32 sorted; None: anywhere): the next answer looks only there
+        self.left: np.ndarray | None = None
+        self.mark = 0
 
-    def reset(self, weights: np.ndarray | None = None) -> None:
-        """The group took ``weights`` whole (a dense answer or a PULL); None: unknown."""
+    def reset(self, weights: np.ndarray | None = None, version: int = 0) -> None:
+        """The group took ``weights`` whole (a dense answer or a PULL; ``version``: the global
+        change log's then); None: unknown."""
         keep = weights is not None and self.ratio < 1.0
         self.known = np.array(weights, dtype=np.float32) if keep else None
-        self.unacked = np.empty(0, np.int64)
+        self.unacked = np.empty(0, np.uint32)
         self.dense_unacked = False
+        self.left, self.mark = np.empty(0, np.uint32), version
 
-    def answer(self, weights: np.ndarray, repeat: bool) -> np.ndarray | SparseVector:
+    def answer(self, weights: np.ndarray, repeat: bool,
+               changes: ChangeLog | None = None) -> np.ndarray | SparseVector:
         """The reply to an exchange, the global weights being ``weights`` after its merge:
         a (n,) copy (dense) or the entries to set (sparse). ``repeat``: the exchange repeats
-        the last one (its reply may have been lost)."""
-        if self.known is None or self._selector is None or (repeat and self.dense_unacked):
-            return self._dense(weights)
-        diff = weights - self.known  # (n,) float32
-        idx = top_entries(self._selector, diff, self.ratio)
+        the last one (its reply may have been lost). ``changes``: the global weights' change
+        log; with it the answer costs O(changes since the last one), else O(n)."""
+        if self.known is None or self.ratio >= 1.0 or (repeat and self.dense_unacked):
+            return self._dense(weights, changes)
+        changed = None if changes is None or self.left is None else changes.since(self.mark)
+        where = None if changed is None or self.left is None else sparse.union_of(
+            [self.left, changed], weights.size)
+        cand, diff = _differing(weights, self.known, where)
+        pos = top_among(np.arange(cand.size), diff, self.k)  # (p,) the k largest |G - known|
+        idx = cand[pos]  # (p,) uint32 sorted
+        self.left, self.mark = _rest(cand, pos), 0 if changes is None else changes.version
         self.known[idx] = weights[idx]
         if repeat:
             idx = sparse.unique_sorted(np.concatenate([self.unacked, idx]))
         if idx.size > DENSE_AT * weights.size:
-            return self._dense(weights)
+            return self._dense(weights, changes)
         self.unacked, self.dense_unacked = idx, False
-        return SparseVector(idx.astype(np.uint32), self.known[idx], weights.size)
+        return SparseVector(idx, self.known[idx], weights.size)
 
-    def _dense(self, weights: np.ndarray) -> np.ndarray:
+    def _dense(self, weights: np.ndarray, changes: ChangeLog | None) -> np.ndarray:
         out = np.array(weights, dtype=np.float32)
-        self.reset(out)
+        self.reset(out, 0 if changes is None else changes.version)
         self.dense_unacked = True  # if it is lost, the group's copy is anything: dense again
         return out
+
+
+def _differing(now: np.ndarray, copy: np.ndarray,
+               where: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Where ``now`` and ``copy`` differ ((m,) uint32 sorted) and ``now - copy`` there ((m,)
+    float32, none zero): looked for among ``where`` ((w,) indices, O(w)), or over all n when
+    it is None (not known)."""
+    if where is None:
+        diff = now - copy  # (n,) float32
+        cand = np.flatnonzero(diff).astype(np.uint32)
+        return cand, diff[cand]
+    cand = where
+    diff = now[cand] - copy[cand]  # (m,) float32
+    nz = diff != 0
+    return cand[nz], diff[nz]
+
+
+def _rest(cand: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """``cand`` without the entries at positions ``pos``: what a top-k left behind."""
+    keep = np.ones(cand.size, dtype=np.bool_)
+    keep[pos] = False
+    return cand[keep]
 
 
 # -- exchange: A group server's side of the exchange with the global server: the delta, its coun...
@@ -319,7 +348,9 @@ class GroupLink(Protocol):
 class Outgoing:
     """One exchange on its way: what it sends, the weights that covers, its counters (seq)."""
 
-    sent: np.ndarray  # (n,) float32 w_sync + s: the group's weights where s was taken
+    # w_sync + s: (n,) float32 (a dense exchange), or s's entries at the group's weights there
+    # (sparse: w_sync elsewhere)
+    sent: np.ndarray | SparseVector
     stats: dict[str, Any]  # counters since the previous exchange, plus session and seq
     delta: Delta  # s, sent again unchanged while the exchange is pending
 
@@ -331,7 +362,10 @@ class Exchange:
                  ratio: float = 1.0) -> None:
         self.w_sync = np.array(weights, dtype=np.float32)  # (n,) the group's copy of global
         self.ratio = ratio  # kept fraction of each exchange (1.0: dense)
-        self._selector = TopKSelector(self.w_sync.size) if ratio < 1.0 else None
+        self.k = kept_count(ratio, self.w_sync.size)  # entries of a sparse exchange, at most
+        # where the weights may differ from w_sync beyond the changes since the last exchange
+        # began ((m,) uint32 sorted; None: anywhere): a sparse exchange looks only there
+        self.left: np.ndarray | None = np.empty(0, np.uint32)
         self.session = secrets.randbits(52) if session is None else session  # fits a double
         self.seq = 0  # seq of the last exchange started
         self.pending: Outgoing | None = None  # an exchange whose reply was lost
@@ -357,10 +391,12 @@ class Exchange:
         slowest worker, held ``held_s`` by the SSP bound) for the next exchange's counters."""
         self.pulls.append((w, max(0, lead), max(0, round(held_s * 1e6))))
 
-    def begin(self, weights: np.ndarray, extra: dict[str, Any],
-              dense: bool = False) -> Outgoing:
+    def begin(self, weights: np.ndarray, extra: dict[str, Any], dense: bool = False,
+              changed: np.ndarray | None = None) -> Outgoing:
         """The pending exchange again, or a new one covering ``weights`` (``extra`` joins its
-        counters: version, final, traffic, clocks); ``dense``: send all of it (a flush)."""
+        counters: version, final, traffic, clocks); ``dense``: send all of it (a flush).
+        ``changed``: the indices the weights changed at since the last exchange began (the
+        group's change log; None: unknown): a sparse exchange then costs O(changes), not O(n)."""
         if self.pending is not None:
             return self.pending
         s, n = self.since, max(1, self.since["pushes"])
@@ -370,23 +406,53 @@ class Exchange:
                  **_columns(self.pulls)}
         self.since = _zero()
         self.pulls.clear()
-        self.pending = self._outgoing(weights, stats, dense)
+        self.pending = self._outgoing(weights, stats, dense, changed)
         return self.pending
 
-    def _outgoing(self, weights: np.ndarray, stats: dict[str, Any], dense: bool) -> Outgoing:
-        """``s``: all of ``weights - w_sync`` (dense) or its top entries."""
-        diff = weights - self.w_sync  # (n,) float32
-        if dense or self._selector is None:
-            return Outgoing(weights.copy(), stats, diff)
-        idx = top_entries(self._selector, diff, self.ratio)  # (k,) int64
-        sent = self.w_sync.copy()
-        sent[idx] = weights[idx]
-        return Outgoing(sent, stats, SparseVector(idx.astype(np.uint32), diff[idx], diff.size))
+    def _outgoing(self, weights: np.ndarray, stats: dict[str, Any], dense: bool,
+                  changed: np.ndarray | None) -> Outgoing:
+        """``s``: all of ``weights - w_sync`` (dense) or its top entries; ``left`` becomes
+        where the weights then still differ from ``sent`` (what the exchange leaves behind)."""
+        if dense or self.ratio >= 1.0:
+            self.left = np.empty(0, np.uint32)
+            return Outgoing(weights.copy(), stats, weights - self.w_sync)
+        where = None if changed is None or self.left is None else sparse.union_of(
+            [self.left, changed], self.w_sync.size)
+        cand, diff = _differing(weights, self.w_sync, where)
+        pos = top_among(np.arange(cand.size), diff, self.k)  # (p,) the k largest |diff|
+        idx = cand[pos]  # (p,) uint32 sorted
+        self.left = _rest(cand, pos)
+        n = self.w_sync.size
+        return Outgoing(SparseVector(idx, weights[idx], n), stats,
+                        SparseVector(idx, diff[pos], n))
+
+    def touches(self, out: Outgoing, res: ExchangeResult) -> np.ndarray | None:
+        """(m,) uint32 sorted: the entries of the group's weights ``complete`` changes (those
+        ``out`` sent and those the reply sets), or None when it may change any (dense)."""
+        if isinstance(out.sent, np.ndarray) or isinstance(res.weights, np.ndarray):
+            return None
+        return sparse.union_of([out.sent.indices, res.weights.indices], self.w_sync.size)
 
     def complete(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
-        """The global server answered ``out``: rebase ``weights`` (in place) on its weights."""
-        new = self.synced(res.weights)
-        weights += new - out.sent
+        """The global server answered ``out``: rebase ``weights`` (in place) on its weights,
+        ``weights += w_sync' - sent``: over all n when the exchange or its reply is dense, else
+        at the entries either names only (``touches``; zero elsewhere)."""
+        if isinstance(out.sent, np.ndarray):
+            new = self.synced(res.weights)
+            weights += new - out.sent
+        elif isinstance(res.weights, np.ndarray):
+            new = res.weights
+            step = new - self.w_sync  # (n,) float32: w_sync' - sent outside s
+            step[out.sent.indices] = new[out.sent.indices] - out.sent.values
+            weights += step
+        else:
+            new = self.w_sync  # set in place: O(entries), no (n,) copy
+            touched = self.touches(out, res)
+            assert touched is not None
+            sent = new[touched]  # (m,) w_sync, with s's entries at the weights sent
+            sent[np.searchsorted(touched, out.sent.indices)] = out.sent.values
+            new[res.weights.indices] = res.weights.values
+            weights[touched] += new[touched] - sent
         if res.saved is not None:  # a `minips group` process: keep what a resume would lack
             seq = out.stats["seq"]
             self.unsaved = self.unsaved or Unsaved(weights.size, start=seq - 1)
@@ -417,9 +483,14 @@ class Exchange:
         one (it goes out again with the next exchange; exchange.py); a pending exchange keeps
         its delta."""
         local = weights - self.w_sync  # (n,) applied here, not known to be held globally
-        if self.pending is not None:
-            self.pending.sent = g + (self.pending.sent - self.w_sync)
+        sent = None if self.pending is None else self.pending.sent
+        if isinstance(sent, np.ndarray):
+            sent[:] = g + (sent - self.w_sync)
+        elif sent is not None:  # s's entries, moved onto g as the dense ones are
+            at = sent.indices
+            sent.values[:] = g[at] + (sent.values - self.w_sync[at])
         self.w_sync = np.array(g, dtype=np.float32)
+        self.left = None  # the weights are g + local now: anywhere may differ
         replay = self.replay(held)
         if replay is not None:
             local += replay.delta
@@ -447,6 +518,7 @@ class Exchange:
     def load_state_dict(self, state: dict[str, Any], w_sync: np.ndarray) -> None:
         self.session, self.seq = int(state["session"]), int(state["seq"])
         self.w_sync = np.array(w_sync, dtype=np.float32)
+        self.left = None  # the weights come from the checkpoint too: anywhere may differ
 
 
 def _columns(pulls: collections.deque[tuple[int, int, int]]) -> dict[str, list[int]]:

@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 
 from minips import sparse
+from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.exchange import (
     MAX_SESSIONS,
@@ -186,6 +187,8 @@ def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: in
                   "local_steps": h.local_steps, "merges": h.merges,
                   "last_exchange": list(h.last_exchange),
                   "merged": merged[g].pairs() if g in merged else [],
+                  # the hops' byte counters go on after a resume (summary, charts)
+                  "traffic": h.peer.traffic(), "hop_bytes": dict(h.hop_bytes),
                   "state": h.peer.state_dict()}
               for g, h in roster.groups.items()}
     workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock}
@@ -216,6 +219,9 @@ def restore_group(h: GroupHandle, saved: dict[str, Any]) -> None:
     session, seq = saved.get("last_exchange", (-1, -1))  # absent in older checkpoints
     h.last_exchange = (int(session), int(seq))
     h.snapshots = [h.last_exchange] * 2  # the checkpoint file is the one snapshot there is
+    h.hop_bytes.update({k: int(v) for k, v in (saved.get("hop_bytes") or {}).items()})
+    if not h.peer.connected:  # a group process adopts it with the traffic counted so far
+        h.peer = NoGroup({k: int(v) for k, v in (saved.get("traffic") or {}).items()})
 
 
 # -- global_core: The global server's rules without IO: weights, merges, grouping decisions, bud...
@@ -234,6 +240,8 @@ class GlobalCore:
         self.workers = self.roster.workers  # worker id -> WorkerEntry
         self.groups = self.roster.groups  # group id -> GroupHandle
         self.replicas: dict[int, Replica] = {}  # group id -> what it holds of the weights
+        # for each merge the indices it touched: an answer to a group costs O(changes since)
+        self.changes: ChangeLog | None = None  # made with the weights (``change_log``)
         self.merged: dict[int, Merged] = {}  # group id -> last merged seq of its sessions
         self.grouped = False  # the first groups are drawn up (FormGroups went out)
         self.calib_expired = False  # calib_timeout_s passed: the next STATS forms the groups
@@ -475,7 +483,7 @@ class GlobalCore:
                 merged.note(*key)
             h.last_exchange = key
             added, actions = self._add_delta(g, delta, stats)
-        reply = self.replica(g).answer(self.weights, repeat)
+        reply = self.replica(g).answer(self.weights, repeat, self.change_log())
         res = ExchangeResult(reply, self.version, self.done, self.samples)
         if wire_in is not None:
             res.bytes_up, res.bytes_down = wire_in, frames.wire_size(self.exchange_reply(g, reply))
@@ -502,7 +510,7 @@ class GlobalCore:
         exchange the server merged last (exchange.py)."""
         assert self.weights is not None
         weights = self.weights.copy()  # what goes out: merges may land before it is written
-        self.replica(g).reset(weights)
+        self.replica(g).reset(weights, self.change_log().version)
         msg = self.weights_message(weights, members=self.groups[g].members)
         return dataclasses.replace(msg, last_exchange=list(self.groups[g].last_exchange))
 
@@ -535,6 +543,13 @@ class GlobalCore:
         self.groups[g].final = True
         return self._check_budget()
 
+    def change_log(self) -> ChangeLog:
+        """The global weights' change log (a new one for new weights: resumed, or the first)."""
+        assert self.weights is not None
+        if self.changes is None or self.changes.size != self.weights.size:
+            self.changes = ChangeLog(self.weights.size)
+        return self.changes
+
     def replica(self, g: int) -> Replica:
         """The global server's copy of what group ``g`` holds of the global weights."""
         assert self.weights is not None
@@ -555,6 +570,7 @@ class GlobalCore:
                                     "lower --lr")
         scale = self.run.sync.merge_scale(self.run.merge, len(self.groups))
         sparse.add_into(self.weights, delta, scale)
+        self.change_log().note(delta.indices if isinstance(delta, sparse.SparseVector) else None)
         self.version += 1
         self.samples += int(stats.get("samples", 0))
         h.merges += 1
@@ -599,7 +615,7 @@ class GlobalCore:
         if self.done:
             return []
         self.done, self.done_reason = True, reason
-        return [Log("done", {"reason": reason}), Done(reason)]
+        return [Log("done", {"reason": reason, "train_s": self.trained_s()}), Done(reason)]
 
     def fail(self, code: str, reason: str) -> list[Action]:
         """End the run now because of ``reason`` (kept in ``failure``; the first one counts):
@@ -623,6 +639,7 @@ class GlobalCore:
         """A checkpoint's weights, counters and workers (``ConfigError`` when it belongs to
         another model or config); its groups come back with ``resume``."""
         self.weights = restore_workers(self.run, self.roster, state)
+        self.changes = None  # nothing before the checkpoint's weights is known
         self.version, self.samples = state["version"], state["samples"]
         return [WeightsReady()]
 

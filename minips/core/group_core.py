@@ -54,6 +54,7 @@ over asyncio, the simulator (simulate.py) with simulated time, a test by hand. N
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +64,9 @@ from minips import sparse
 from minips.compress.ratios import IterTimer
 from minips.core import optim, ssp
 from minips.core.balance import Balancer
+from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
-from minips.core.downlink import Downlink
+from minips.core.downlink import Downlink, ExactDownlink
 from minips.core.exchange import Delta, Exchange, ExchangeResult, Outgoing, exchange_ratio
 from minips.core.local_steps import outer_sgd
 from minips.errors import RemoteProtocolError
@@ -172,9 +174,10 @@ class GroupCore:
         self.local_steps = run.local_steps or run.local_steps_max
         # LB-BSP: each worker's batch follows its speed (balance.py); None in the other modes
         self.balancer = Balancer(run.batch_size, run.balance_every) if run.sync.balanced else None
-        down = run.downlink_ratio()  # PULL answers: sparse updates of w_pub, or dense weights
-        self.downlink = (Downlink(self.weights, down, drift=run.down_drift,
-                                  values=run.down_values) if down < 1 else None)
+        # for each weights version the indices it touched: PULLs, exchanges follow the changes
+        self.changes = ChangeLog(self.weights.size)
+        self._xchg_mark = 0  # the change log's version when the last exchange began
+        self.downlink = _downlink(run, self.weights, self.changes)  # None: answers are dense
         self._joined: set[int] = set()
         self._since_publish = 0  # pushes since the downlink's last publish (``publish``)
         for w in members:
@@ -293,9 +296,20 @@ class GroupCore:
         lr = (self.run.outer_lr if self.run.optimizer_on_worker
               else self.run.lr * self._lr_factor(samples))
         self.opt.lr = lr / max(1, share)
-        self.opt.step(self.weights, grad)
+        plain = self.opt.momentum == 0 and self.opt.weight_decay == 0  # only g's entries move
+        touched = grad.indices if plain and isinstance(grad, sparse.SparseVector) else None
+        self._change(touched, lambda: self.opt.step(self.weights, grad))
         self.version += 1
         self.unapplied -= samples
+
+    def _change(self, idx: np.ndarray | None, apply: Callable[[], None]) -> None:
+        """Change the weights (``apply``) at ``idx`` (None: anywhere): the change log notes it
+        and the downlink's sums follow (both O(len(idx)))."""
+        before = None if self.downlink is None else self.downlink.moving(self.weights, idx)
+        apply()
+        self.changes.note(idx)
+        if self.downlink is not None:
+            self.downlink.moved(self.weights, idx, before)
 
     def _lr_factor(self, samples: int) -> float:
         """The warm-up and decay for an update of ``samples`` (``optim.lr_factor``), at the
@@ -356,7 +370,7 @@ class GroupCore:
             return
         every = self.run.publish_every or max(1, len(self.table))
         if (self._since_publish >= every or self.done
-                or self.downlink.drift(self.weights) > self.run.down_drift):
+                or self.downlink.drift_now() > self.run.down_drift):
             if self.downlink.publish(self.weights):
                 self._since_publish = 0
 
@@ -435,12 +449,17 @@ class GroupCore:
         extra = {"version": self.version, "final": final, **traffic,
                  "iter_time": self.iters.take(),
                  "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
-        return self.xchg.begin(self.weights, extra, dense=final or self.done)
+        if self.xchg.pending is not None:  # sent again as it was
+            return self.xchg.begin(self.weights, extra)
+        changed = self.changes.since(self._xchg_mark)  # what the exchange may have to send
+        self._xchg_mark = self.changes.version
+        return self.xchg.begin(self.weights, extra, dense=final or self.done, changed=changed)
 
     def exchanged(self, out: Outgoing, res: ExchangeResult, seconds: float) -> list[Action]:
         """The global server's answer ``res`` to ``out`` (after ``seconds``): take it, count its
         bytes, log it; ``BudgetSpent`` when it says the run is over and this group did not know."""
-        self.xchg.complete(self.weights, out, res)
+        touched = self.xchg.touches(out, res)
+        self._change(touched, lambda: self.xchg.complete(self.weights, out, res))
         self.global_version = res.version
         self.xchg_bytes["bytes_to_global"] += res.bytes_up
         self.xchg_bytes["bytes_from_global"] += res.bytes_down
@@ -457,7 +476,7 @@ class GroupCore:
         """The compressed downlink's counts so far: publishes, coordinates published, and of
         them those beyond k that the drift bound forced (none without one)."""
         d = self.downlink
-        if d is None:
+        if not isinstance(d, Downlink):
             return {}
         return {"publishes": d.pub, "published": d.published, "forced": d.forced}
 
@@ -467,7 +486,13 @@ class GroupCore:
         and what the server lost of its exchanges on top (sent with the next exchange), keep
         clocks and optimizer state."""
         w = np.asarray(weights, dtype=np.float32)
-        self.weights, replay = self.xchg.rebase(self.weights, w, held)
+        replay = None
+
+        def take() -> None:
+            nonlocal replay
+            self.weights, replay = self.xchg.rebase(self.weights, w, held)
+
+        self._change(None, take)
         if held is None:
             return []
         return [Log("resync", {"held_seq": held, "seq": self.xchg.seq,
@@ -487,7 +512,8 @@ class GroupCore:
         """Take back what ``state_dict`` gave (checkpoint resume). The saved workers count as
         live again at ``now``, each at its saved clock; one that does not come back expires by
         lease."""
-        self.weights[:] = np.asarray(state["weights"], dtype=np.float32)
+        saved_weights = np.asarray(state["weights"], dtype=np.float32)
+        self._change(None, lambda: self.weights.__setitem__(slice(None), saved_weights))
         saved = state.get("exchange", {"session": self.xchg.session, "seq": 0})  # older files
         self.xchg.load_state_dict(saved, state["w_sync"])
         self.opt.load_state_dict(state["opt"])
@@ -516,6 +542,20 @@ def check_finite(payload: sparse.SparseVector | np.ndarray, group: int) -> None:
     if not np.isfinite(np.sum(values, dtype=np.float64)):
         raise Diverged(f"group {group}'s weights hold NaN or inf: the model diverged; try a "
                        "lower --lr", got=int(np.count_nonzero(~np.isfinite(values))))
+
+
+def _downlink(run: RunConfig, weights: np.ndarray,
+              changes: ChangeLog) -> Downlink | ExactDownlink | None:
+    """How a group answers PULLs (``RunConfig.down_mode``): ``exact``, the changes since the
+    version held at their values now; ``auto``, the compressed downlink when its kept fraction
+    (``downlink_ratio``) is below 1, else the weights whole (None)."""
+    if run.down_mode == "exact":
+        return ExactDownlink(weights, changes)
+    down = run.downlink_ratio()
+    if down >= 1:
+        return None
+    return Downlink(weights, down, drift=run.down_drift, values=run.down_values,
+                    changes=changes)
 
 
 def _server_sgd(run: RunConfig, size: int) -> optim.SGD:

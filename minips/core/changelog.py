@@ -1,0 +1,81 @@
+"""The change log of one weights vector: for each version, the indices it touched (numpy, sans-IO).
+
+A server's weights change a few entries at a time when the optimizer is on the workers: a push of
+k entries, an exchange's top-k, a merge of a sparse delta. Whoever needs "what changed since
+version v" (a PULL that holds v, a group's next exchange, the global server's next answer to a
+group) asks the log instead of comparing two (n,) vectors, so its work follows the changes, not
+the model (docs/performance.md):
+
+- ``note(idx)``: the weights changed at ``idx`` ((k,) indices, each once), or anywhere (None:
+  a dense change); the version goes up by one.
+- ``since(v)``: (m,) uint32 increasing, every index changed after version ``v``, each once
+  (``sparse.union_of``), or None when the log cannot say: ``v`` older than the oldest version
+  it keeps, or a dense change came after ``v``. Then the caller falls back to the whole vector,
+  as it did before the log (a dense answer, or one pass over n).
+
+Bounded: at most ``max_versions`` versions and ``max_entries`` indices in all (a quarter of the
+vector by default: uint32 indices then take the memory of 1/4 of a float32 copy of it); the
+oldest go first. A dense change empties the log (nothing before it can be answered sparsely).
+
+Invariant: for every ``v`` with ``oldest <= v <= version``, ``since(v)`` holds every index whose
+value may differ between the weights at version ``v`` and now (a superset: an index changed
+twice, back to its value, stays in).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from minips.sparse import union_of
+
+__all__ = ["ChangeLog", "MAX_VERSIONS"]
+
+MAX_VERSIONS = 1024  # versions kept; a worker further behind gets the weights whole
+
+
+class ChangeLog:
+    """The indices each of the last versions of one (n,) vector touched."""
+
+    def __init__(self, size: int, *, max_versions: int = MAX_VERSIONS,
+                 max_entries: int | None = None) -> None:
+        self.size = size
+        self.version = 0  # changes noted so far
+        self.max_versions = max_versions
+        self.max_entries = max(1, size // 4) if max_entries is None else max_entries
+        self._changes: collections.deque[np.ndarray] = collections.deque()  # oldest first
+        self._entries = 0  # indices held in _changes, summed
+        self._unions: dict[int, np.ndarray | None] = {}  # since(v), until the next note
+
+    @property
+    def oldest(self) -> int:
+        """The oldest version ``since`` can answer for."""
+        return self.version - len(self._changes)
+
+    def note(self, idx: np.ndarray | None) -> int:
+        """The weights changed at ``idx`` ((k,) integer indices below ``size``, each once), or
+        anywhere (None); return the new version."""
+        self.version += 1
+        self._unions.clear()
+        if idx is None:  # nothing before a dense change can be answered sparsely
+            self._changes.clear()
+            self._entries = 0
+            return self.version
+        self._changes.append(np.asarray(idx, dtype=np.uint32))
+        self._entries += int(idx.size)
+        while self._changes and (self._entries > self.max_entries
+                                 or len(self._changes) > self.max_versions):
+            self._entries -= int(self._changes.popleft().size)
+        return self.version
+
+    def since(self, v: int) -> np.ndarray | None:
+        """(m,) uint32 increasing: the indices changed after version ``v``, each once; None
+        when the log does not reach back to ``v`` (or ``v`` is not a version it had)."""
+        if v < self.oldest or v > self.version:
+            return None
+        if v not in self._unions:  # workers that pulled together ask for the same v
+            behind = self.version - v
+            parts = [self._changes[-j] for j in range(behind, 0, -1)]
+            self._unions[v] = union_of(parts, self.size)
+        return self._unions[v]

@@ -1,0 +1,275 @@
+"""The change log (core/changelog.py) and the work it bounds: the exact downlink, the group's
+exchange and the global server's answer to a group look only at what changed.
+
+A seeded random sequence of pushes, PULLs, exchanges (replies lost, flushes), regroups (workers
+leaving and coming back) and rebases drives a GlobalCore and a GroupCore without IO: a worker that
+PULLs `since` the version it holds rebuilds the group's weights bit for bit (the exact downlink),
+and a twin cluster whose logs forget everything (so every step takes the old pass over n) ends
+each step with the same weights, deltas and replies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from minips import sparse
+from minips.core.changelog import ChangeLog
+from minips.core.config import RunConfig
+from minips.core.downlink import Downlink, ExactDownlink, apply_weights
+from minips.core.exchange import Exchange, ExchangeResult, Replica
+from minips.core.global_core import GlobalCore
+from minips.core.group_core import GroupCore
+from minips.core.roster import GroupHandle
+from minips.wire import messages
+
+N = 2000
+WORKERS = 3
+
+
+def ints(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.uint32)
+
+
+def test_the_log_names_every_index_changed_since_a_version_and_no_more() -> None:
+    log = ChangeLog(100)
+    assert log.since(0) is not None and log.since(0).size == 0
+    log.note(ints(5, 9))
+    log.note(ints(9, 1))
+    assert log.since(0).tolist() == [1, 5, 9] and log.since(1).tolist() == [1, 9]
+    assert log.since(2).size == 0 and log.since(3) is None and log.since(-1) is None
+    log.note(None)  # a dense change: nothing before it can be answered sparsely
+    assert log.since(2) is None and log.since(3).size == 0 and log.oldest == 3
+
+
+def test_the_log_is_bounded_in_versions_and_entries() -> None:
+    log = ChangeLog(1000, max_versions=3, max_entries=10)
+    for v in range(5):
+        log.note(ints(v))
+    assert log.oldest == 2 and log.since(1) is None and log.since(2).tolist() == [2, 3, 4]
+    log.note(np.arange(9, dtype=np.uint32))  # 9 + the newest earlier one: 10 at most
+    assert log.oldest == 4 and log.since(4).size == 9  # versions 5 and 6: {4} and 0..8
+    log.note(np.arange(11, dtype=np.uint32))  # alone past the bound: none kept
+    assert log.oldest == log.version == 7 and log.since(6) is None
+
+
+# -- the paths follow the changes: what the log does not name is not looked at ------------------
+
+def test_a_sparse_exchange_looks_only_where_the_weights_changed_or_were_left_behind() -> None:
+    w = np.zeros(N, np.float32)
+    xchg = Exchange(w, ratio=0.001)  # k = 2
+    w[[5, 7, 11]] = [3.0, 2.0, 1.0]
+    out = xchg.begin(w, {}, changed=ints(5, 11))  # 7 is not named: not looked at
+    assert isinstance(out.delta, sparse.SparseVector) and out.delta.indices.tolist() == [5, 11]
+    xchg.complete(w, out, ExchangeResult(sparse.SparseVector.empty(N), 1, False))
+    w[3] = 0.5
+    again = xchg.begin(w, {}, changed=ints(3))
+    assert isinstance(again.delta, sparse.SparseVector)
+    assert again.delta.indices.tolist() == [3]  # nothing was left behind the first time
+    # (5 and 11 were sent: the rebase on the reply took them back to w_sync's 0)
+    whole = Exchange(np.zeros(N, np.float32), ratio=0.001).begin(w, {})  # no log: all n
+    assert isinstance(whole.delta, sparse.SparseVector)
+    assert whole.delta.indices.tolist() == [3, 7]
+
+
+def test_a_replica_answers_from_what_the_global_weights_changed_at() -> None:
+    g = np.zeros(N, np.float32)
+    log = ChangeLog(N)
+    rep = Replica(N, 0.001)  # k = 2
+    rep.reset(g, log.version)
+    g[[4, 8, 12]] = [1.0, 3.0, 2.0]
+    g[20] = 9.0  # changed behind the log's back: not looked at
+    log.note(ints(4, 8, 12))
+    first = rep.answer(g, False, log)
+    assert isinstance(first, sparse.SparseVector) and first.indices.tolist() == [8, 12]
+    second = rep.answer(g, False, log)  # 4 was left behind: it goes now, and only it
+    assert isinstance(second, sparse.SparseVector) and second.indices.tolist() == [4]
+
+
+def test_the_compressed_downlink_chooses_among_changed_coordinates_and_keeps_its_sums() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(N).astype(np.float32)
+    log = ChangeLog(N)
+    d = Downlink(w, 0.002, drift=1.0, changes=log)  # k = 4
+    for _ in range(30):
+        idx = np.sort(rng.choice(N, 9, replace=False)).astype(np.uint32)
+        before = d.moving(w, idx)
+        w[idx] += rng.standard_normal(9).astype(np.float32)
+        log.note(idx)
+        d.moved(w, idx, before)
+        assert d.drift_now() == pytest.approx(d.drift(w), rel=1e-6, abs=1e-12)
+        d.publish(w)
+        assert d.drift_now() == pytest.approx(d.drift(w), rel=1e-6, abs=1e-12)
+        assert set(np.flatnonzero(w != d.w_pub).tolist()) == set(d.behind.tolist())
+    w[0] += 100.0  # behind the log's back: the downlink does not see it
+    d.publish(w)
+    assert d.w_pub[0] != w[0]
+
+
+# -- any sequence, both ways --------------------------------------------------------------------
+
+def run_config(rng: np.random.Generator, down_mode: str) -> RunConfig:
+    mode = str(rng.choice(["asp", "ssp", "bsp"]))
+    xchg = [0.01, 0.05, 1.0][int(rng.integers(3))]
+    return RunConfig(workers=WORKERS, mode=mode, staleness=2, optimizer_at="worker",
+                     compressor="topk", ratio=0.02, xchg_ratio=xchg, down_mode=down_mode,
+                     down_drift=0.05, lr_warmup=0.0, sync_every=1_000_000, lease_s=1e9)
+
+
+class Cluster:
+    """A GlobalCore and one GroupCore of WORKERS workers, no IO; ``forget``: every change log
+    forgets at once, so every step takes the pass over all n it took before the log."""
+
+    def __init__(self, run: RunConfig, w0: np.ndarray, forget: bool) -> None:
+        self.glob = GlobalCore(run, w0, regroup=False, clock=lambda: 0.0, wall=lambda: 1e9)
+        members = list(range(WORKERS))
+        for w in members:
+            self.glob.roster.admit(w)
+        self.glob.groups_formed([GroupHandle(0, "h:0", members)], {w: 0 for w in members})
+        self.group = GroupCore(0, run, w0, members=members)
+        if forget:
+            self.glob.changes = ChangeLog(N, max_entries=0)
+            self.group.changes = ChangeLog(N, max_entries=0)
+            if self.group.downlink is not None:
+                self.group.downlink.changes = self.group.changes
+        self.clocks = {w: self._clock(self.group.join(w, 0.0)) for w in members}
+        self.copies: dict[int, tuple[np.ndarray | None, int]] = {w: (None, -1) for w in members}
+        self.lost: Any = None  # an exchange whose reply was lost
+
+    @staticmethod
+    def _clock(actions: list[Any]) -> int:
+        return int(actions[0].msg.clock)
+
+    def push(self, w: int, grad: np.ndarray | sparse.SparseVector) -> None:
+        self.clocks[w] += 1
+        enc, codec, bufs = sparse.encode_vector(grad)
+        msg = messages.Push(clock=self.clocks[w], samples=4, encoding=enc, codec=codec,
+                            buffers=tuple(bufs))
+        self.group.push(w, msg, 0.0)
+
+    def pull(self, w: int) -> messages.Weights:
+        """Worker ``w`` PULLs since the version it holds and applies the answer."""
+        self.group.publish()
+        copy, held = self.copies[w]
+        msg = self.group.weights_message(w, [], held, self.clocks[w])
+        self.copies[w] = (apply_weights(copy, held, msg, N), msg.version)
+        return msg
+
+    def exchange(self, lose: bool, final: bool) -> tuple[Any, Any]:
+        out = self.group.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
+        res, _ = self.glob.merge(0, out.delta, out.stats)
+        if not lose:
+            self.group.exchanged(out, res, 0.0)
+        return out, res
+
+    def regroup(self, w: int) -> None:
+        """Worker ``w`` leaves and comes back (a new connection: it holds nothing)."""
+        self.group.leave(w)
+        self.clocks[w] = self._clock(self.group.join(w, 0.0))
+        self.copies[w] = (None, -1)
+
+    def rebase(self) -> None:
+        """A new global server: the group takes its weights whole (a PULL)."""
+        msg = self.glob.group_pull(0)
+        g = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, N)
+        assert isinstance(g, np.ndarray)
+        self.group.rebase(g, None)
+
+
+def a_push(rng: np.random.Generator) -> np.ndarray | sparse.SparseVector:
+    """An update as a worker pushes it: mostly sparse (a few to a tenth of the entries), now
+    and then dense or empty."""
+    kind = rng.random()
+    if kind < 0.05:
+        return (rng.standard_normal(N) * 0.01).astype(np.float32)
+    k = 0 if kind < 0.1 else int(rng.integers(1, N // 10))
+    idx = np.sort(rng.choice(N, k, replace=False)).astype(np.uint32)
+    return sparse.SparseVector(idx, (rng.standard_normal(k) * 0.1).astype(np.float32), N)
+
+
+def step(rng: np.random.Generator, clusters: list[Cluster]) -> list[Any]:
+    """One random event, the same for every cluster; what each returned."""
+    first = clusters[0]
+    roll = rng.random()
+    if roll < 0.45:
+        ready = [w for w in range(WORKERS) if first.group.table.may_start(w)]
+        if ready:
+            w, grad = int(rng.choice(ready)), a_push(rng)
+            return [c.push(w, grad) for c in clusters]
+        roll = 0.5
+    if roll < 0.7:
+        w = int(rng.integers(WORKERS))
+        return [c.pull(w) for c in clusters]
+    if roll < 0.9:
+        lose, final = bool(rng.random() < 0.25), bool(rng.random() < 0.1)
+        return [c.exchange(lose, final) for c in clusters]
+    if roll < 0.96:
+        w = int(rng.integers(WORKERS))
+        return [c.regroup(w) for c in clusters]
+    return [c.rebase() for c in clusters]
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_any_sequence_then_a_pull_since_v_rebuilds_the_weights_bit_for_bit(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    run = run_config(rng, "exact")
+    w0 = rng.standard_normal(N).astype(np.float32)
+    c = Cluster(run, w0, forget=False)
+    assert isinstance(c.group.downlink, ExactDownlink)
+    updates = 0
+    for _ in range(120):
+        step(rng, [c])
+        for w in range(WORKERS):  # now and then every worker catches up
+            if rng.random() < 0.1:
+                msg = c.pull(w)
+                updates += msg.since >= 0
+                copy, _ = c.copies[w]
+                assert copy is not None and np.array_equal(bits(copy), bits(c.group.weights))
+    assert updates > 0  # sparse answers, not only dense ones
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal payloads, results and messages, arrays compared entry for entry."""
+    if isinstance(a, sparse.SparseVector) and isinstance(b, sparse.SparseVector):
+        return np.array_equal(a.indices, b.indices) and np.array_equal(a.values, b.values)
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return all(same(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "delta") and hasattr(b, "delta"):  # Outgoing (sessions are random)
+        keep = [k for k in a.stats if k != "session"]
+        return same(a.delta, b.delta) and [a.stats[k] for k in keep] == [b.stats[k] for k in keep]
+    if hasattr(a, "weights") and hasattr(b, "weights"):  # ExchangeResult
+        return same(a.weights, b.weights) and a.version == b.version
+    if isinstance(a, messages.Weights) and isinstance(b, messages.Weights):
+        return a.meta() == b.meta() and [bytes(x) for x in a.buffers] == [
+            bytes(y) for y in b.buffers]
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("seed", range(25))
+@pytest.mark.parametrize("down_mode", ["auto", "exact"])
+def test_the_paths_over_the_changes_choose_what_the_passes_over_n_chose(
+        seed: int, down_mode: str) -> None:
+    rng = np.random.default_rng(1000 + seed)
+    run = run_config(rng, down_mode)
+    w0 = rng.standard_normal(N).astype(np.float32)
+    fast, slow = Cluster(run, w0, forget=False), Cluster(run, w0, forget=True)
+    for _ in range(100):
+        a, b = step(rng, [fast, slow])
+        # (exact: the forgetful twin answers every PULL whole; compressed: the same answers)
+        assert same(a, b) or (down_mode == "exact" and isinstance(a, messages.Weights))
+        assert np.array_equal(fast.group.weights, slow.group.weights)
+        assert fast.glob.weights is not None and slow.glob.weights is not None
+        assert np.array_equal(fast.glob.weights, slow.glob.weights)
+        assert np.array_equal(fast.group.xchg.w_sync, slow.group.xchg.w_sync)
+        d, e = fast.group.downlink, slow.group.downlink
+        if isinstance(d, Downlink) and isinstance(e, Downlink):
+            assert np.array_equal(d.w_pub, e.w_pub) and d.pub == e.pub
+            assert d.drift_now() == pytest.approx(d.drift(fast.group.weights), rel=1e-6,
+                                                  abs=1e-9)
