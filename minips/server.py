@@ -470,7 +470,8 @@ class GlobalServer:
         for h in handles.values():  # the saved ratios, to the group servers here
             h.peer.send_ratio(self.core.assign_message(h))
         self.groups_opened.set()
-        self.log("resumed", checkpoint=str(self.checkpoint_path), saved_at=state["saved_at"])
+        self.log("resumed", checkpoint=str(self.checkpoint_path), saved_at=state["saved_at"],
+                 train_s=float(state["train_s"]), down_s=time.time() - float(state["saved_at"]))
         self._start_budgets()
 
     def _clean_temps(self) -> None:
@@ -510,6 +511,8 @@ class InProcGroup:
 
     def __init__(self, server: GroupServer) -> None:
         self.server = server
+        # the worker traffic of the run before a resume (the checkpoint's): its counters go on
+        self.before = {"bytes_in": 0, "bytes_out": 0}
 
     @property
     def connected(self) -> bool:
@@ -522,16 +525,20 @@ class InProcGroup:
         self.server.forget(w)
 
     def traffic(self) -> dict[str, int]:
-        return self.server.traffic()
+        now = self.server.traffic()
+        return {k: self.before[k] + now[k] for k in self.before}
 
     def reported(self, stats: dict[str, Any]) -> None:
         """Its traffic is read live (``traffic``)."""
 
     def state_dict(self) -> dict[str, Any] | None:
-        return self.server.state_dict()
+        """The group's state, with the run's worker traffic so far (it survives a resume)."""
+        return {**self.server.state_dict(), "traffic": self.traffic()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.server.load_state_dict(state)
+        saved = state.get("traffic") or {}  # absent in older checkpoints: from 0
+        self.before = {k: int(saved.get(k, 0)) for k in self.before}
+        self.server.load_state_dict({k: v for k, v in state.items() if k != "traffic"})
 
     def send_ratio(self, assign: messages.Assign) -> None:
         self.server.set_ratio(assign.ratio, assign.local_steps)
@@ -601,6 +608,11 @@ def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | 
         return _groups_line(core, fields["assignment"]) + "; training"
     if event == "calib_timeout":
         return _deadline_line(fields)
+    if event == "resumed":
+        mb = sum(core.traffic().values()) / 1e6
+        return f"resumed from checkpoint {fields.get('checkpoint')} (merge {core.version}, " \
+            f"{core.samples:,} samples, {fields.get('train_s', 0):.1f} s of training, " \
+            f"{mb:.1f} MB of worker traffic; saved {fields.get('down_s', 0):.0f} s ago)"
     if event == "placed":
         return f"worker {w} reported after the grouping: placed in group {fields.get('group')} " \
             f"(the nearest in speed to its {_ms(fields.get('step_time'))}/step)"

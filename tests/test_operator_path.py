@@ -428,3 +428,68 @@ def test_a_self_signed_certificate_is_its_own_printed_ca(tmp_path: Path) -> None
     cert, key = make_certificate(tmp_path, "IP:127.0.0.1")
     cfg = ServerConfig(host="127.0.0.1", tls_cert=str(cert), tls_key=str(key))
     assert _printed(join_commands(cfg, 7070)[0], "--tls-ca") == str(cert.resolve())
+
+
+# -- a resume keeps its counters, says so, and does not count the downtime as training ------------
+
+@pytest.mark.timeout(60)
+async def test_a_resume_keeps_the_worker_traffic_says_so_and_leaves_the_downtime_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from minips.record import checkpoint
+    from minips.record.metrics import summarize
+
+    run = RunConfig(workers=1, epochs=0.0, wall_s=600.0)
+    cfg = ServerConfig(run=run, port=0, run_dir=str(tmp_path), console=True,
+                       checkpoint_every_s=0)
+    first = GlobalServer(cfg, np.zeros(8, np.float32))
+    port = str(await first.start())
+    ctl, assign = await _calibrated_plain(port, 0, 0.02)
+    grp = await transport.connect("127.0.0.1", int(assign.address.rsplit(":", 1)[1]),
+                                  role="worker", worker_id=0, group=assign.group, token="")
+    await recv_as(grp, messages.Ack, 10)
+    before = first.core.traffic()
+    assert before["bytes_up"] > 0
+    checkpoint.save(tmp_path / "checkpoint.npz", first.core.checkpoint_state())
+    for ch in (grp, ctl):
+        ch.close_nowait()
+    await first.close()  # the server is gone: kill -9 (its last checkpoint is the file)
+    await asyncio.sleep(2.0)  # the scenario: 2 s of downtime before the resume
+    state = checkpoint.load(tmp_path / "checkpoint.npz")
+    cfg2 = ServerConfig(run=RunConfig(workers=1, epochs=0.0, wall_s=600.0, t0=state["t0"]),
+                        port=0, run_dir=str(tmp_path), console=True, checkpoint_every_s=0,
+                        resume=True)
+    second = GlobalServer(cfg2, None)
+    second.restore(state)
+    await second.start()
+    try:
+        after = second.core.traffic()
+        assert all(after[k] >= before[k] for k in before), (before, after)
+        out = capsys.readouterr().out
+        assert "resumed from checkpoint" in out and "MB of worker traffic" in out, out
+        second.perform(second.core.finish("wall time"))
+    finally:
+        await second.close()
+    done = records(tmp_path / "global.jsonl", event="done")[0]
+    assert done["bytes_up"] >= before["bytes_up"], done  # the record's counters go on
+    summary = summarize(tmp_path, write=False)
+    gap = done["t"] - records(tmp_path / "global.jsonl", event="groups")[0]["t"]
+    assert gap >= 2.0 and summary["train_s"] < 1.5, (gap, summary["train_s"])
+
+
+def test_a_group_process_groups_hop_counters_survive_a_checkpoint() -> None:
+    from minips.core.global_core import GlobalCore
+    from minips.core.roster import GroupHandle, NoGroup
+
+    run = RunConfig(workers=1, epochs=1.0)
+    core = GlobalCore(run, np.zeros(4, np.float32), regroup=False, clock=time.monotonic,
+                      wall=time.time)
+    h = GroupHandle(0, "10.0.0.2:7071", [0], peer=NoGroup({"bytes_in": 500, "bytes_out": 700}))
+    h.hop_bytes.update(bytes_to_global=40, bytes_from_global=60)
+    core.groups[0] = h
+    core.started_training = time.time() - 5.0
+    state = core.checkpoint_state()
+    again = GlobalCore(run, None, regroup=False, clock=time.monotonic, wall=time.time)
+    again.load_state_dict(state)
+    again.resume({0: GroupHandle(0, "", [0])}, state)
+    assert again.traffic() == {"bytes_up": 500, "bytes_down": 700}
+    assert again.groups[0].hop_bytes == {"bytes_to_global": 40, "bytes_from_global": 60}

@@ -368,19 +368,22 @@ class ReplyLost:
 @pytest.mark.timeout(60)
 async def test_workers_after_the_calibration_deadline_are_assigned_after_their_first_stats(
         tmp_path: Path) -> None:
-    """protocol.md section 9, step 4, as a `minips server` process: nobody reported before
-    --calib-timeout, so the first worker to come is grouped right after its first STATS, and
-    a later one after its own; neither waits for the third worker --workers expects."""
+    """protocol.md section 9, step 4, as a `minips server` process: nobody reported within
+    --calib-timeout of the first join, so the first worker to report is grouped right after its
+    first STATS, and a later one after its own; neither waits for the third worker --workers
+    expects."""
     init = tmp_path / "w.npy"
     np.save(init, np.zeros(PARAM_COUNTS["lenet5"], np.float32))  # --init must fit the model
     with minips_server(tmp_path, TOKEN, "--workers", "3", "--calib-timeout", "0.2", "--init",
                        str(init), "--mode", "asp") as (_, host, port):
+        chans = [await transport.connect(host, int(port), role="worker", worker_id=0,
+                                          token=TOKEN)]  # the deadline counts from this join
         await until(lambda: bool(records(tmp_path / "global.jsonl", event="calib_timeout")), 20)
-        chans = []
         try:
             for w in (0, 1):
-                chans.append(await transport.connect(host, int(port), role="worker",
-                                                     worker_id=w, token=TOKEN))
+                if w:
+                    chans.append(await transport.connect(host, int(port), role="worker",
+                                                         worker_id=w, token=TOKEN))
                 await chans[-1].send(messages.Stats(clock=0, step_time=0.01, loss=2.3))
                 assign = await recv_as(chans[-1], messages.Assign)
                 assert assign.group == 0 and assign.staleness == -1  # asp: one group, no bound

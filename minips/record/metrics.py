@@ -484,8 +484,9 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     """Headline figures of a run; also written to ``<run_dir>/summary.json`` when ``write``.
 
     Keys: mode, compressor, model, dataset, workers, groups, final_accuracy, best_accuracy,
-    final_loss, wall_s (t0 to the end), train_start_s (t0 to the ``groups`` event), train_s,
-    samples, samples_per_s (over train_s), bytes_up, bytes_down (worker <-> group only, as the
+    final_loss, wall_s (t0 to the end), train_start_s (t0 to the ``groups`` event), train_s
+    (the server's training clock at ``done``: a resume's downtime is not training), samples,
+    samples_per_s (over train_s), bytes_up, bytes_down (worker <-> group only, as the
     evaluator saw them), bytes_raw, bytes_worker_group, bytes_group_worker, bytes_group_global,
     bytes_global_group, bytes_total (every hop; see the module docstring), time_to_accuracy
     (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
@@ -502,6 +503,9 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     accs = _values(run.eval, "accuracy")
     wall, start = _wall_s(run, pushes), run.start_t
     train = max(wall - start, 0.0) if wall is not None else None
+    # the server's own training clock at `done`: a resumed run's downtime is not training
+    clocked = [num(r.get("train_s")) for r in run.events if r.get("event") == "done"]
+    train = clocked[-1] if clocked and clocked[-1] is not None else train
     traffic = _traffic(run, pushes)
     merges = _merges(run)  # what the global server saw of each exchange
     staleness = _values(pushes, "staleness")
