@@ -258,9 +258,9 @@ async def flooded_run(tmp_path: Path, *flags: str,
         try:
             steps: list[float] = []
             stop = asyncio.Event()
-            if not join_late:
-                await flooder.join()
             good = [asyncio.create_task(good_worker(host, port, w, steps, stop)) for w in (0, 1)]
+            if not join_late:  # with them: the grouping waits for all three STATS
+                await flooder.join()
             await until_steps(steps, 20, good)  # warmed up
             calm, flooded = await alternate(proc, flooder, steps, join_late)
             stop.set()
@@ -268,8 +268,8 @@ async def flooded_run(tmp_path: Path, *flags: str,
         finally:
             flooder.stop()
     print(f"good workers, steps/s: calm {' '.join(f'{r:.1f}' for r in calm)}, flooded "
-          f"{' '.join(f'{r:.1f}' for r in flooded)}; the flooder was cut off {flooder.cuts} "
-          "times")
+          f"{' '.join(f'{r:.1f}' for r in flooded)} (ratio {sum(flooded) / sum(calm):.3f}); "
+          f"the flooder was cut off {flooder.cuts} times")
     return calm, flooded, flooder
 
 
