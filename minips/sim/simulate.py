@@ -555,8 +555,8 @@ def report(summary: dict[str, Any], plots: list[str]) -> str:
            else f"final loss {fig('final_loss', '.4g')} (no accuracy: synthetic objective)")
     wait = None if s.get("mean_wait_s") is None else 1e3 * s["mean_wait_s"]
     lines = [
-        f"minips simulate: {s.get('mode')}/{s.get('compressor')}, {s.get('workers')} workers in "
-        f"{s.get('groups')} groups: {fig('sim_s', '.2f', ' s')} of simulated training "
+        f"minips simulate: {s.get('mode')}/{s.get('compressor')}, {s.get('workers') or 0:,} "
+        f"workers in {s.get('groups')} groups: {fig('sim_s', '.2f', ' s')} of simulated training "
         f"(computed in {fig('real_s', '.1f', ' s')})",
         f"  pushes {s.get('pushes') or 0:,}, samples {int(s.get('samples') or 0):,}, "
         f"mean staleness {fig('mean_staleness', '.2f', ' steps')}, mean wait "
