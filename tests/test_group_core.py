@@ -300,7 +300,7 @@ def test_a_group_publishes_once_a_round_of_its_members_and_never_past_the_drift_
 
 
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
-@pytest.mark.parametrize("compressor", ["none"])
+@pytest.mark.parametrize("compressor", ["none", "topk"])
 def test_a_group_whose_weights_overflowed_answers_diverged_never_inf(compressor: str) -> None:
     """Finite pushes of 3.4e38 overflow float32: the next PULL gets ``Diverged`` (ERROR
     ``diverged`` from the shell), never a WEIGHTS that holds inf (issue 43, departure 4)."""

@@ -117,6 +117,11 @@ class Downlink:
         """``drift(weights)`` from the sums kept as changes land: O(1)."""
         return _ratio(self.gap2, self.wsq)
 
+    def finite(self) -> bool:
+        """The weights are finite, as far as the sums say (a NaN or inf weight makes them not:
+        float32 squares cannot overflow a float64 sum), and so is the last publish's drift."""
+        return all(math.isfinite(x) for x in (self.wsq, self.gap2, self.last_drift))
+
     def moving(self, weights: np.ndarray, idx: np.ndarray | None) -> Any:
         """The weights are about to change at ``idx`` (None: anywhere): what ``moved`` needs
         to bring the sums up to date (their parts at ``idx`` now), O(k)."""
@@ -279,6 +284,10 @@ class ExactDownlink:
 
     def drift_now(self) -> float:
         return 0.0
+
+    def finite(self) -> bool:
+        """Every answer is checked as it is made (``group_core.check_finite``)."""
+        return True
 
     def publish(self, weights: np.ndarray) -> int:
         """Nothing to publish: every answer reads the weights as they are."""

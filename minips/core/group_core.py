@@ -392,7 +392,7 @@ class GroupCore:
             answer = self.downlink.answer(since)
             version, base, payload = answer.version, answer.since, answer.payload
             values = self.downlink.wire_values(answer)
-        check_finite(payload, self.group)
+        check_finite(payload, self.group, self.downlink is None or self.downlink.finite())
         encoding, codec, buffers = sparse.encode_vector(payload, value_dtype=values)
         low = self.table.min_clock()
         return messages.Weights(  # drift: how far the weights sent are from the group's
@@ -535,11 +535,15 @@ class Diverged(RemoteProtocolError):
     code = "diverged"
 
 
-def check_finite(payload: sparse.SparseVector | np.ndarray, group: int) -> None:
-    """Raise ``Diverged`` unless every value a WEIGHTS would carry is finite: one float64 sum
-    (NaN and inf propagate, float32 values cannot overflow it), O(what is sent)."""
+def check_finite(payload: sparse.SparseVector | np.ndarray, group: int,
+                 weights_finite: bool = True) -> None:
+    """Raise ``Diverged`` unless every value a WEIGHTS would carry is finite (one float64 sum:
+    NaN and inf propagate, float32 values cannot overflow it; O(what is sent)) and so are the
+    weights themselves as far as the caller knows (``weights_finite``: the compressed
+    downlink's float64 sums of their squares, finite until a weight is not, even one that the
+    published copy still lags)."""
     values = payload.values if isinstance(payload, sparse.SparseVector) else payload
-    if not np.isfinite(np.sum(values, dtype=np.float64)):
+    if not weights_finite or not np.isfinite(np.sum(values, dtype=np.float64)):
         raise Diverged(f"group {group}'s weights hold NaN or inf: the model diverged; try a "
                        "lower --lr", got=int(np.count_nonzero(~np.isfinite(values))))
 
