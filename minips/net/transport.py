@@ -31,7 +31,9 @@ Invariants:
   have passed within ``handshake_timeout``, and ``accept`` agreed.
 - Before that a connection costs a few KB (16 KiB frames at most, handshake.py), at most
   ``Options.guard.max_pending_per_source`` of them per address and ``max_pending`` in all are in
-  the handshake, and an address that failed the secret too often waits (guard.py).
+  the handshake, and an address that failed the secret too often waits (guard.py), as does one
+  whose authenticated sessions were cut for protocol violations too often in a row
+  (``Server._judge``: a flooder in a reconnect loop is served a trickle, not a session a turn).
 - A peer's protocol error, a refused or timed-out handshake, or a failing ``accept`` /
   ``handler`` closes that one connection (the peer is told why, with ERROR or REFUSE) and is
   counted in ``Server.stats``; the server keeps serving the others.

@@ -30,9 +30,11 @@ Invariants: a worker's and an evaluator's session take one message per turn of t
 and read the next only once the last is handled, so a peer that floods waits on TCP
 (channel.py) while the others are served.
 A worker has at most one control channel (a new connection with its id replaces
-the old one, which gets ERROR ``replaced``); STATS clocks are not compared (they count steps in
-the worker's current group and start again after a move); the initial weights are taken once,
-dense, with a bounded size. A group has at most one connected group process (its
+the old one, which gets ERROR ``replaced``); one cut for a protocol violation leaves its group's
+SSP clocks as after a LEAVE unless it is connected to its group server (``Roster.cut``), so a
+client in a reconnect loop never holds its group back; STATS clocks are not compared (they
+count steps in the worker's current group and start again after a move); the initial weights
+are taken once, dense, with a bounded size. A group has at most one connected group process (its
 ``RemoteGroup``); an exchange whose seq is not above the last merged one of its session is
 answered without merging (``GlobalCore.merge``). A group process's HELLO address is HOST:PORT
 (else REFUSE, ``validation.check_group_address``); a wildcard host is replaced by the host it
