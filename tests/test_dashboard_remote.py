@@ -4,7 +4,9 @@ A real `minips server --dashboard` on loopback, an external `minips group` proce
 workers, each with a run directory of its own (as on other machines: the server's directory
 holds none of their metrics files). While they train, Prometheus' text parser reads /metrics:
 the workers' pushes, the answered pulls' staleness and SSP waits, per-worker series and the
-group <-> global bytes are all there, and /state says that no evaluator runs.
+group <-> global bytes are all there, and /state says that no evaluator runs and fills each
+worker's row (clock, step time, staleness, SSP wait, bytes per push, upload) from what the
+servers saw.
 """
 
 from __future__ import annotations
@@ -120,6 +122,12 @@ def test_metrics_count_the_pushes_pulls_and_exchange_bytes_of_remote_groups_and_
     with urllib.request.urlopen(url + "state", timeout=10) as r:
         state = json.loads(r.read())
     assert state["evaluator"] is False  # the page says so: no accuracy is coming
+    rows = {r["id"]: r for r in state["workers"]}
+    assert set(rows) == {0, 1}
+    for r in rows.values():  # what the servers saw fills the row: no "–" all run
+        assert r["seen"] == "servers" and r["clock"] > 0 and r["step_time"] > 0, r
+        assert r["staleness"] is not None and r["wait_s"] is not None, r
+        assert r["bytes_per_push"] > 0 and 0.5 < r["upload_ratio"] <= 1.1, r  # dense pushes
     assert not list((tmp_path / "server").glob("worker-*.jsonl"))  # nothing from their files
     for p in (server, group, *workers):
         assert p.wait(timeout=120) == 0, (tmp_path / "server.log").read_text()[-2000:]
