@@ -493,3 +493,33 @@ def test_a_group_process_groups_hop_counters_survive_a_checkpoint() -> None:
     again.resume({0: GroupHandle(0, "", [0])}, state)
     assert again.traffic() == {"bytes_up": 500, "bytes_down": 700}
     assert again.groups[0].hop_bytes == {"bytes_to_global": 40, "bytes_from_global": 60}
+
+
+@pytest.mark.timeout(60)
+async def test_a_made_dashboard_token_is_made_again_by_the_resumed_run(tmp_path: Path) -> None:
+    """No MINIPS_DASHBOARD_TOKEN: the token a live server makes for a dashboard beyond loopback
+    is the same when the run is resumed (same secret, same t0), another for another run, and
+    never written to the run directory."""
+    pytest.importorskip("aiohttp")
+    from minips.dashboard.monitor import Monitor, MonitorConfig
+
+    async def token_of(run_dir: Path, t0: float) -> str:
+        cfg = ServerConfig(run=RunConfig(workers=1, t0=t0), host="127.0.0.1", port=0,
+                           token=TOKEN, run_dir=str(run_dir))
+        srv = GlobalServer(cfg, np.zeros(4, np.float32))
+        await srv.start()
+        monitor = Monitor(MonitorConfig(run_dir=str(run_dir), dashboard="0.0.0.0:0"), srv)
+        try:
+            url = await monitor.start()
+        finally:
+            await monitor.stop()
+            await srv.close()
+        assert "?token=" in url, url
+        return url.split("?token=", 1)[1]
+
+    first = await token_of(tmp_path / "run", 1000.5)
+    assert await token_of(tmp_path / "run", 1000.5) == first  # the resume (t0 kept)
+    assert await token_of(tmp_path / "other", 2000.5) != first
+    for f in (tmp_path / "run").rglob("*"):
+        assert not f.is_file() or first.encode() not in f.read_bytes(), f
+    assert TOKEN not in first

@@ -42,6 +42,7 @@ from minips.net.endpoints import (
     format_address,
     is_loopback,
     parse_address,
+    run_dashboard_token,
 )
 from minips.record.rundir import read_config
 from minips.server import GlobalServer, InProcGroup
@@ -166,8 +167,9 @@ class Monitor:
     def _token(self, host: str) -> tuple[str, bool]:
         """The token the page asks for on ``host`` ("" none: loopback, or ``insecure``) and
         whether it was made here. Beyond loopback it is the dashboard's own (``cfg.token``, at
-        least ``MIN_SECRET_BYTES``) or, without one, ``DASHBOARD_TOKEN_BYTES`` random bytes
-        made now."""
+        least ``MIN_SECRET_BYTES``) or, without one, one made here: a live server's from its
+        secret and the run's t0 (``run_dashboard_token``: a resume makes the same), else
+        ``DASHBOARD_TOKEN_BYTES`` random bytes."""
         if is_loopback(host):
             return "", False
         if self.cfg.token:
@@ -178,6 +180,8 @@ class Monitor:
             return self.cfg.token, False
         if self.cfg.insecure:
             return "", False
+        if self.server is not None and self.server.cfg.token:  # the same after a resume
+            return run_dashboard_token(self.server.cfg.token, self.t0), True
         return secrets.token_urlsafe(DASHBOARD_TOKEN_BYTES), True
 
     async def _loop(self) -> None:

@@ -9,7 +9,8 @@ capability ``tls``). ``check_port`` refuses a listen address that is taken, nami
 (``port_error``), before anything is created; ``check_bind`` refuses to listen beyond loopback
 without a long enough shared secret, and ``shared_secret`` finds it ($MINIPS_TOKEN unless
 given); ``dashboard_secret`` finds the dashboard's own, read-only token
-($MINIPS_DASHBOARD_TOKEN), which is never the cluster's secret.
+($MINIPS_DASHBOARD_TOKEN), which is never the cluster's secret, and ``run_dashboard_token``
+makes one that a resumed run makes again.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ __all__ = [
     "server_ssl",
     "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind", "TOKEN_ENV", "shared_secret",
     "DASHBOARD_TOKEN_ENV", "DASHBOARD_TOKEN_BYTES", "dashboard_secret", "TLS_CAPABILITY",
-    "tls_mismatch", "port_error", "check_port", "verifies", "issuing_ca",
+    "tls_mismatch", "port_error", "check_port", "verifies", "issuing_ca", "run_dashboard_token",
 ]
 
 TOKEN_ENV = "MINIPS_TOKEN"  # environment variable holding the shared secret
@@ -56,6 +57,19 @@ def dashboard_secret() -> str:
                           "whoever opens the dashboard could join as a worker; give the "
                           "dashboard a token of its own, or unset it to have one made")
     return token
+
+
+def run_dashboard_token(secret: str, t0: float) -> str:
+    """The dashboard token a live server makes when none is given: HMAC-SHA256 of the run's
+    start time ``t0`` keyed with the cluster's ``secret``, ``DASHBOARD_TOKEN_BYTES`` of it
+    url-safe. A resumed run (the checkpoint keeps ``t0``) gets the same token, so an open tab
+    keeps working, with nothing written to the run directory; it does not reveal the secret."""
+    import base64
+    import hashlib
+    import hmac
+
+    mac = hmac.new(secret.encode(), f"minips dashboard {t0!r}".encode(), hashlib.sha256)
+    return base64.urlsafe_b64encode(mac.digest()[:DASHBOARD_TOKEN_BYTES]).decode().rstrip("=")
 
 
 # HELLO capability of a group server that serves its workers TLS: in a cluster every hop is TLS
