@@ -392,7 +392,7 @@ def unique_sorted(a: np.ndarray) -> np.ndarray:
     """(m,) the distinct values of ``a``, increasing: a sort and an adjacent compare,
     O(a log a) (numpy 2.x's ``np.unique`` / ``np.union1d`` hash: 120-260 ms for 450k
     integers against ~3 ms for this)."""
-    s = np.sort(a, kind="stable")
+    s = np.sort(a)  # (introsort: twice as fast as the stable sort on 1.4M uint32)
     if s.size < 2:
         return s
     keep = np.empty(s.size, dtype=np.bool_)
@@ -404,9 +404,9 @@ def unique_sorted(a: np.ndarray) -> np.ndarray:
 def union_of(parts: Sequence[np.ndarray], size: int) -> np.ndarray:
     """(m,) uint32 increasing: every index any of ``parts`` (arrays of indices below ``size``)
     names, once. Sorted when they are few (O(m log m), never O(size)); marked in a (size,)
-    mask when they add up to more than ``size / 8`` (then the mask is the cheaper pass)."""
+    mask when they add up to more than ``size / 4`` (then the mask is the cheaper pass)."""
     total = sum(int(p.size) for p in parts)
-    if total > size // 8:
+    if total > size // 4:
         mask = np.zeros(size, dtype=np.bool_)
         for p in parts:
             mask[p] = True

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from minips.core.changelog import ChangeLog
+from minips.core.changelog import ChangeLog, kept_record
 from minips.errors import RemoteProtocolError
 from minips.sparse import (
     SparseVector,
@@ -101,10 +101,10 @@ class Downlink:
         self.last_drift = 0.0  # ``drift(weights)`` right after the last publish
         self._made: dict[int, Answer] = {}  # answers made since the last publish, by ``since``
         # with the group's change log: where w_pub may lag the weights, beyond the changes
-        # the log holds after version ``_seen`` ((m,) uint32 sorted)
+        # the log holds after version ``_seen`` ((m,) uint32 sorted; None: anywhere)
         self.changes = changes
         self._seen = 0 if changes is None else changes.version
-        self.behind = np.empty(0, np.uint32)
+        self.behind: np.ndarray | None = np.empty(0, np.uint32)
         self.wsq = sq_norm(self.w_pub)  # ||weights||^2 and ||weights - w_pub||^2, float64,
         self.gap2 = 0.0  # kept up to date as changes land (``moving`` / ``moved``)
 
@@ -167,7 +167,7 @@ class Downlink:
             behind = unique_sorted(np.concatenate([behind, idx[rounded != 0]]))
         else:
             self.w_pub[idx] = weights[idx]
-        self.behind, self.gap2 = behind, left
+        self.behind, self.gap2 = kept_record(behind, self.n), left
         self.last_drift = math.sqrt(left / wsq) if wsq else 0.0
         self.pub += 1
         self._made.clear()
@@ -183,7 +183,7 @@ class Downlink:
         if self.changes is not None:
             changed = self.changes.since(self._seen)
             self._seen = self.changes.version
-        if changed is None:
+        if changed is None or self.behind is None:
             e = weights - self.w_pub  # (n,) float32
             cand = np.flatnonzero(e).astype(np.uint32)
             return cand, e[cand]

@@ -98,7 +98,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
-from minips.core.changelog import ChangeLog
+from minips.core.changelog import ChangeLog, kept_record
 from minips.sparse import SparseVector, add_into, kept_count, top_among
 from minips.wire import messages
 
@@ -278,7 +278,8 @@ class Replica:
         cand, diff = _differing(weights, self.known, where)
         pos = top_among(np.arange(cand.size), diff, self.k)  # (p,) the k largest |G - known|
         idx = cand[pos]  # (p,) uint32 sorted
-        self.left, self.mark = _rest(cand, pos), 0 if changes is None else changes.version
+        self.left = kept_record(_rest(cand, pos), weights.size)
+        self.mark = 0 if changes is None else changes.version
         self.known[idx] = weights[idx]
         if repeat:
             idx = sparse.unique_sorted(np.concatenate([self.unacked, idx]))
@@ -421,7 +422,7 @@ class Exchange:
         cand, diff = _differing(weights, self.w_sync, where)
         pos = top_among(np.arange(cand.size), diff, self.k)  # (p,) the k largest |diff|
         idx = cand[pos]  # (p,) uint32 sorted
-        self.left = _rest(cand, pos)
+        self.left = kept_record(_rest(cand, pos), self.w_sync.size)
         n = self.w_sync.size
         return Outgoing(SparseVector(idx, weights[idx], n), stats,
                         SparseVector(idx, diff[pos], n))
