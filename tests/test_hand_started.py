@@ -196,10 +196,12 @@ def test_group_ports_flag_takes_lists_and_ranges() -> None:
 # -- the printed commands work verbatim, and every role reports ----------------------------------
 
 def test_join_lines_name_a_reachable_address_and_every_flag(tmp_path: Path) -> None:
+    from conftest import make_certificate
+
     from minips.run.cli import join_commands
 
-    cert = tmp_path / "cert.pem"
-    cfg = ServerConfig(host="0.0.0.0", external_groups=1, tls_cert=str(cert))
+    cert, key = make_certificate(tmp_path, "IP:127.0.0.1")  # self-signed: it is its own CA
+    cfg = ServerConfig(host="0.0.0.0", external_groups=1, tls_cert=str(cert), tls_key=str(key))
     lines = join_commands(cfg, 7070)
     assert lines[0].startswith("join: minips worker --connect ")
     assert all("0.0.0.0:7070" not in ln and "<this-host>" not in ln for ln in lines)
