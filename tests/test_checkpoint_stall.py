@@ -13,6 +13,10 @@ not taken for a checkpoint's stall.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -122,3 +126,56 @@ async def test_the_server_checkpoints_its_weights_as_of_the_call(tmp_path: Path)
     await srv._save()
     assert checkpoint.load(srv.checkpoint_path)["weights"].tobytes() == weights.tobytes()
     srv.writer.close()
+
+
+def wait_until(what: str, check: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def gated_state(gate: Path, pid_file: Path) -> dict[str, Any]:
+    """A snapshot that, in the child, says the child's pid and waits for ``gate`` to exist."""
+    pid_file.write_text(str(os.getpid()))
+    wait_until("the gate", gate.exists, timeout_s=120.0)  # longer than any wait of the tests
+    return {"version": 1}
+
+
+async def test_a_server_restarted_during_a_checkpoint_can_bind_its_port(tmp_path: Path) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    gate, pid_file = tmp_path / "gate", tmp_path / "child.pid"
+    saving = asyncio.ensure_future(checkpoint.save_in_child(
+        tmp_path / "checkpoint.npz", lambda: gated_state(gate, pid_file)))
+    try:
+        await asyncio.to_thread(wait_until, "the child", pid_file.exists)
+        listener.close()  # the server is gone; a new one takes its port while the child writes
+        socket.create_server(("127.0.0.1", port)).close()
+    finally:
+        gate.touch()
+    assert await saving > 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG, /proc")
+def test_the_writer_dies_with_a_killed_server(tmp_path: Path) -> None:
+    gate, pid_file, path = tmp_path / "gate", tmp_path / "child.pid", tmp_path / "checkpoint.npz"
+    script = (f"import asyncio, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+              "from test_checkpoint_stall import gated_state; from pathlib import Path; "
+              "from minips.record import checkpoint; "
+              f"asyncio.run(checkpoint.save_in_child({str(path)!r}, lambda: gated_state("
+              f"Path({str(gate)!r}), Path({str(pid_file)!r}))))")
+    server = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        wait_until("the child", pid_file.exists)
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+    child = int(pid_file.read_text())
+    try:
+        wait_until("the writer's end", lambda: not Path(f"/proc/{child}").exists()
+                   or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z", timeout_s=10.0)
+    finally:
+        gate.touch()  # a writer that outlived its server would write now
+    assert not path.exists()

@@ -19,8 +19,9 @@ the fork (the kernel copies a page only when one of the two writes it), so what 
 state at one instant, as consistent as a snapshot taken in one call on the loop, without the
 loop copying every array first (~8 ms per ResNet-18-sized vector, 13 of them with four
 in-process groups). The parent pays the fork (~2 ms for 600 MB of arrays: page tables) and,
-while the child lives, one page copy the first time it writes a page. Where there is no fork
-(Windows) the state is taken on the loop and written in a thread, as before.
+while the child lives, one page copy the first time it writes a page. The child closes the
+server's sockets and files and dies with the server (Linux), as a writing thread would. Where
+there is no fork (Windows) the state is taken on the loop and written in a thread, as before.
 
 Invariants: ``load(save(p, s)) == s`` for maps of str keys, JSON scalars, lists and arrays;
 ``save`` never leaves a partial file under the final name. A writer killed mid-write leaves its
@@ -32,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import signal
+import sys
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -50,6 +53,8 @@ __all__ = ["save", "save_in_child", "load", "remove_stale_temps"]
 
 META = "__meta__"  # archive member that holds the JSON map
 REAP_POLL_S = 0.005  # after the child's pipe closed, how often to look whether it has exited
+MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 4096  # fds a child closes
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>: a signal for this process when its parent dies
 
 
 def _split(obj: Any, path: str, arrays: dict[str, np.ndarray]) -> Any:
@@ -102,12 +107,13 @@ async def save_in_child(path: str | Path, take_state: Callable[[], dict[str, Any
     if not hasattr(os, "fork"):
         return await asyncio.to_thread(save, path, take_state())
     r, w = os.pipe()
+    parent = os.getpid()
     with warnings.catch_warnings():  # 3.12+ warns of forking with threads: the child below
         warnings.simplefilter("ignore", DeprecationWarning)  # takes no lock another may hold
         pid = os.fork()
     if pid == 0:
         os.close(r)
-        _child(path, take_state, w)  # never returns
+        _child(path, take_state, w, parent)  # never returns
     os.close(w)
     try:
         said = await _read_all(r)
@@ -119,7 +125,8 @@ async def save_in_child(path: str | Path, take_state: Callable[[], dict[str, Any
     return int(said)
 
 
-def _child(path: str | Path, take_state: Callable[[], dict[str, Any]], w: int) -> None:
+def _child(path: str | Path, take_state: Callable[[], dict[str, Any]], w: int,
+           parent: int) -> None:
     """In the forked child: write the checkpoint, say its size (or the error) on ``w``, exit
     without running the parent's cleanup (its loop, files and atexit handlers are not ours)."""
     code = 1
@@ -127,6 +134,7 @@ def _child(path: str | Path, take_state: Callable[[], dict[str, Any]], w: int) -
         signal.set_wakeup_fd(-1)  # our signals must not wake the parent's event loop
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        _leave_parent_alone(w, parent)
         said, code = str(save(path, take_state())), 0
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the parent hears of it
         said = f"{type(exc).__name__}: {exc}"
@@ -134,6 +142,21 @@ def _child(path: str | Path, take_state: Callable[[], dict[str, Any]], w: int) -
         with contextlib.suppress(OSError):
             os.write(w, said.encode()[:4096])
         os._exit(code)
+
+
+def _leave_parent_alone(keep: int, parent: int) -> None:
+    """Hold none of the server's sockets (a server restarted at once could not bind its port
+    while we held its listening one) and die with it: a checkpoint of a dead server must not
+    land after a new one read the file (Linux; it then stays a temporary file, removed at the
+    next start)."""
+    os.closerange(3, keep)
+    os.closerange(keep + 1, MAX_FD)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # no libc symbol: as elsewhere
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0,
+                                                    0, 0)
+    if os.getppid() != parent:  # it died before we asked
+        os._exit(1)
 
 
 async def _read_all(fd: int) -> str:
