@@ -47,6 +47,7 @@ async def longest_gap(work: Awaitable[Any]) -> float:
     """The longest time between two turns of the event loop while ``work`` runs, seconds."""
     done = False
     longest = 0.0
+    ticking = asyncio.Event()
 
     async def ticker() -> None:
         nonlocal longest
@@ -55,9 +56,10 @@ async def longest_gap(work: Awaitable[Any]) -> float:
             await asyncio.sleep(0.0005)
             now = time.perf_counter()
             longest, last = max(longest, now - last), now
+            ticking.set()
 
     tick = asyncio.ensure_future(ticker())
-    await asyncio.sleep(0.01)
+    await ticking.wait()
     try:
         await work
     finally:
