@@ -6,10 +6,10 @@ push updates the servers only add), each push density (1% sparse-v1, dense) and 
 connected workers, this script starts a real `minips server` in a fresh run directory of its
 own (GSSP, up to --groups group servers, in the server's process or with --group-processes as
 `minips group` processes, no staleness bound in practice so idle workers hold no one back) and
-several client processes
-(scripts/bench_server_clients.py: asyncio, no torch). Up to --max-active of the workers are
-active: PULL -> WEIGHTS, PUSH -> ACK every --step-s seconds; the rest are connected and idle
-(heartbeats only). Once every worker is in its loop the script measures --window-s seconds:
+several client processes (scripts/bench_server_clients.py: asyncio, no torch). Up to
+--max-active of the workers are active: PULL -> WEIGHTS, PUSH -> ACK every --step-s seconds;
+the rest are connected and idle (heartbeats only). Once every worker is in its loop the script
+measures --window-s seconds:
 
   pushes_s, push_bytes_s, pull_bytes_s     operations that ended inside the window
   push_ack_p50/p99_ms, pull_p50/p99_ms     push -> ACK, PULL -> WEIGHTS as the clients saw them
