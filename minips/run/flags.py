@@ -143,7 +143,8 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--momentum", "momentum", finite, "SGD momentum"),
     ("--weight-decay", "weight_decay", finite, "L2 weight decay"),
     ("--optimizer-at", "optimizer_at", str, "where SGD runs: server (workers push gradients) | "
-     "worker (each worker keeps its momentum and pushes its update; DGC's momentum correction)"),
+     "worker (each worker keeps its momentum and pushes its update; DGC's momentum correction); "
+     "not given: worker for a model of 10M parameters and up (resnet18, vgg19)"),
     ("--grad-clip", "grad_clip", finite, "local gradient clipping (with --optimizer-at worker): "
      "each worker clips its gradient's L2 norm to this / sqrt(workers); 0 = off"),
     ("--momentum-masking", "momentum_masking", on_off, "DGC's momentum-factor masking (with "
