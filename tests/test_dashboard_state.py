@@ -95,7 +95,8 @@ def test_per_push_fields_upload_ratio_and_histograms() -> None:
         0.732)
     assert (s.workers[0].pulls, s.workers[1].pulls) == (2, 1)
     assert s.workers[0].held_s == pytest.approx(0.032)
-    assert s.update(4.0)["held"] == [{"t": 4.0, "group": 0, "held": {"0": 0.032, "1": 0.7}}]
+    assert s.update(4.0)["held"] == [{"t": 4.0, "tt": 0.0, "group": 0,
+                                      "held": {"0": 0.032, "1": 0.7}}]
     h = Histogram((1.0, 2.0))
     h.observe(1.0)  # on a bound: counted in that bucket (le)
     h.observe(5.0)
@@ -487,8 +488,9 @@ def test_bytes_per_hop_are_a_series_over_time_from_the_merges() -> None:
                     "bytes_from_global": 999})  # the merges carry it: the group file is not read
     first = s.update(2.5)
     assert [p["t"] for p in first["bytes"]] == [1.0, 2.0]
-    assert first["bytes"][-1] == {"t": 2.0, "worker_to_group": 300, "group_to_worker": 600,
-                                  "group_to_global": 30, "global_to_group": 60}
+    assert first["bytes"][-1] == {"t": 2.0, "tt": 0.0, "worker_to_group": 300,
+                                  "group_to_worker": 600, "group_to_global": 30,
+                                  "global_to_group": 60}
     assert s.update(2.5, first["cursor"])["bytes"] == []
     assert s.update(2.5)["evaluator"] is None
     s.add("server", {"t": 3.0, "evaluator": False})
@@ -594,3 +596,22 @@ def test_byte_counters_that_start_again_after_a_resume_never_go_back() -> None:
     for t, b in ((1.5, 1000), (2.5, 3000), (5.5, 400)):  # the evaluator's view, likewise
         s.add("eval", {"t": t, "accuracy": 0.5, "bytes_up": b, "bytes_down": 0})
     assert [e["bytes"] for e in s.eval] == [1000, 3000, 3400]
+
+
+def test_the_pages_times_are_the_servers_training_clock_across_a_resume() -> None:
+    """Every point carries its training time: from the groups event, the checkpoint's
+    training time after a resume (the downtime left out), the done event's at the end;
+    events before training read as start-up."""
+    s = RunState(CONFIG)
+    s.add("global", {"t": 1.0, "event": "joined", "worker": 0})
+    s.add("global", {"t": 3.0, "event": "groups", "assignment": {"0": 0}})
+    s.add("global", merge(0, 6.0, bytes_in=10))
+    s.add("global", {"t": 20.0, "event": "resumed", "train_s": 2.5})
+    s.add("global", merge(0, 22.0, bytes_in=20))
+    s.add("eval", {"t": 23.0, "accuracy": 0.5})
+    s.add("global", {"t": 30.0, "event": "done", "reason": "epochs", "train_s": 12.0})
+    msg = s.update(31.0)
+    assert [p["tt"] for p in msg["bytes"]] == [3.0, 4.5] and msg["eval"][0]["tt"] == 5.5
+    assert msg["train_t"] == 12.0
+    assert [e["tt"] for e in msg["events"]] == [None, 0.0, 2.5, 12.0]
+    assert RunState(CONFIG).update(0.5)["train_t"] is None  # start-up

@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minips.record.metrics import TrainingClock
 from minips.record.rundir import read_config, read_jsonl
 
 __all__ = [
@@ -216,10 +217,9 @@ class RunState:
         self._last: dict[tuple[Any, str], float] = {}  # (group, counter) -> its last value
         self._banked: dict[tuple[Any, str], float] = {}  # ... and what it held before drops
         self.done = False
-        # the run's one clock: training time counts from the groups event to the done event
-        # (summary.json's train_s); the page draws its charts on it
-        self.train_start: float | None = None
-        self.train_end: float | None = None
+        # the run's one clock (metrics.TrainingClock, summary.json's train_s): every series
+        # point carries its training time ``tt``, and the page draws its charts on it
+        self.clock = TrainingClock()
         self.final_eval = False  # the evaluator wrote its record of the final weights
         self._clock_at: dict[int, float] = {}  # group -> t of its last clock point
         self._bytes_at = -1e9  # t of the last bytes point
@@ -243,12 +243,14 @@ class RunState:
         self.final_eval = self.final_eval or bool(r.get("final"))
         if isinstance(r.get("accuracy"), (int, float)):
             wire = (r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)  # since (re)start
-            self.eval.append({"t": r["t"], "accuracy": r["accuracy"], "loss": r.get("loss"),
+            self.eval.append({"t": r["t"], "tt": self.clock.at(r["t"]),
+                              "accuracy": r["accuracy"], "loss": r.get("loss"),
                               "samples": r.get("samples"),
                               "bytes": self._running(("eval", "bytes"), wire)})
 
     def _global(self, r: dict[str, Any]) -> None:
         ev = r.get("event")
+        self.clock.feed(r)
         for k in ("bytes_up", "bytes_down", "samples"):
             if isinstance(r.get(k), (int, float)):
                 self._counters[k] = r[k]
@@ -260,9 +262,7 @@ class RunState:
                                 "bytes": r.get("bytes")}
             return
         elif ev in ("done", "failed"):
-            self.done, self.train_end = True, r["t"]
-        if ev == "groups" and self.train_start is None:
-            self.train_start = r["t"]
+            self.done = True
         elif ev in ("left", "group_lost") and r.get("worker") is not None:
             self._view(r["worker"]).gone = "left"
         elif ev == "joined" and r.get("worker") is not None:
@@ -280,7 +280,9 @@ class RunState:
 
     def _event(self, r: dict[str, Any], source: str) -> None:
         brief = _brief(r)
+        started = self.clock.started and r["t"] >= self.clock.bases[0][0]
         self.events.append({"t": r["t"], "event": r["event"], "source": source, **brief,
+                            "tt": self.clock.at(r["t"]) if started else None,  # None: start-up
                             "text": describe(r["event"], source, brief)})
 
     def _merge(self, r: dict[str, Any]) -> None:
@@ -308,12 +310,13 @@ class RunState:
         self._pulls(r)
         if r["t"] - self._bytes_at >= CLOCK_POINT_S:
             self._bytes_at = r["t"]
-            self.bytes.append({"t": r["t"], **self.hops()})
+            self.bytes.append({"t": r["t"], "tt": self.clock.at(r["t"]), **self.hops()})
         low = r.get("min_clock")
         due = r["t"] - self._clock_at.get(g, -1e9) >= CLOCK_POINT_S
         if isinstance(low, int) and low >= 0 and due:
             self._clock_at[g] = r["t"]
-            self.clocks.append({"t": r["t"], "group": g, "min_clock": r.get("min_clock"),
+            self.clocks.append({"t": r["t"], "tt": self.clock.at(r["t"]), "group": g,
+                                "min_clock": r.get("min_clock"),
                                 "max_clock": r.get("max_clock")})
 
     def _running(self, key: tuple[Any, str], value: float) -> float:
@@ -354,7 +357,7 @@ class RunState:
         g = int(r.get("group", -1))
         if cols[0] and r["t"] - self._held_at.get(g, -1e9) >= CLOCK_POINT_S:  # who waits, over time
             self._held_at[g] = r["t"]
-            self.held.append({"t": r["t"], "group": g,
+            self.held.append({"t": r["t"], "tt": self.clock.at(r["t"]), "group": g,
                               "held": {str(w): round(self.workers[w].held_s, 6)
                                        for w in sorted(set(cols[0]))}})
 
@@ -510,7 +513,7 @@ class RunState:
         slow, steps = self.slow(now), self.local_steps()
         return {
             "t": now, "done": self.done, "kind": self.kind,
-            "train_start": self.train_start, "train_end": self.train_end,
+            "train_t": self.clock.at(now) if self.clock.started else None,
             "config": _config_brief(self.config),
             "evaluator": False if self.no_evaluator else self.evaluator,
             "workers": [v.row(self.state_of(v, now), w in slow, self._group_means(v.group))

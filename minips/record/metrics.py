@@ -244,31 +244,68 @@ class DataWatch:
 
 
 class TrainingClock:
-    """The run's one clock, for a progress line: training time as ``summarize`` counts
-    ``train_s``, seconds from the ``groups`` event (the workers assigned: training starts) to
-    now, and to the ``done`` event once it is written; before the groups, the start-up so far
-    (seconds since ``t0``). Reads global.jsonl as it grows (each byte once)."""
+    """The run's one clock: the training time at a run time ``t``, as summary.json's
+    ``train_s`` counts it. 0 until the ``groups`` event (the workers assigned: training
+    starts), then seconds since it; after a ``resumed`` event, the checkpoint's training time
+    (its ``train_s``) plus seconds since the resume, so a server's downtime is not training; at
+    the ``done`` event it stops, at the ``train_s`` it carries (the server's own clock).
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
-        self.path = Path(run_dir)
+    ``feed`` takes global.jsonl's records in time order (the charts, the dashboard); ``text``
+    follows a run directory's global.jsonl as it grows, each byte once (a progress line)."""
+
+    def __init__(self, run_dir: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(run_dir) if run_dir is not None else None
+        self._reset()
+
+    def _reset(self) -> None:
         self.offset = 0  # bytes of global.jsonl read so far (whole lines)
-        self.start: float | None = None  # t of the groups event
-        self.end: float | None = None  # t of the last done event
+        self.bases: list[tuple[float, float]] = []  # (run time, training time there), sorted
+        self.done_t: float | None = None  # run time of the done event
+        self.end: float | None = None  # training time at it
+
+    @property
+    def started(self) -> bool:
+        return bool(self.bases)
+
+    def feed(self, rec: Mapping[str, Any]) -> None:
+        """One global.jsonl record; only groups, resumed and done move the clock."""
+        ev, t, train = rec.get("event"), num(rec.get("t")), num(rec.get("train_s"))
+        if t is None:
+            return
+        if ev == "groups" and not self.bases:
+            self.bases.append((t, 0.0))
+        elif ev == "resumed" and train is not None:
+            self.bases.append((t, train))
+            self.done_t = self.end = None
+        elif ev == "done" and self.bases:
+            end = train if train is not None else self.at(t)
+            self.done_t, self.end = t, end
+
+    def at(self, t: float) -> float:
+        """Training time at run time ``t``: 0 before the start, ``end`` from the done on."""
+        if self.done_t is not None and self.end is not None and t >= self.done_t:
+            return self.end
+        earlier = [b for b in self.bases if b[0] <= t]
+        if not earlier:
+            return 0.0
+        since, train = earlier[-1]
+        return max(0.0, train + t - since)
 
     def text(self, now: float) -> str:
         """"training 4.9 s" (or "start-up 3.2 s") at unix time ``now``."""
+        assert self.path is not None
         self._read_new()
         t0 = num(read_config(self.path).get("t0")) or now
-        if self.start is None:
+        if not self.started:
             return f"start-up {max(now - t0, 0.0):.1f} s"
-        end = self.end if self.end is not None else now - t0
-        return f"training {max(end - self.start, 0.0):.1f} s"
+        return f"training {self.at(now - t0):.1f} s"
 
     def _read_new(self) -> None:
+        assert self.path is not None
         try:
             with open(self.path / "global.jsonl", "rb") as f:
                 if f.seek(0, os.SEEK_END) < self.offset:  # a new file: from its start
-                    self.offset, self.start, self.end = 0, None, None
+                    self._reset()
                 f.seek(self.offset)
                 chunk = f.read()
         except OSError:
@@ -276,17 +313,14 @@ class TrainingClock:
         whole = chunk.rfind(b"\n") + 1  # a half-written last line waits for the next call
         self.offset += whole
         for line in chunk[:whole].splitlines():
-            if b'"groups"' not in line and b'"done"' not in line:  # cheap: most are merges
-                continue
+            if not any(k in line for k in (b'"groups"', b'"resumed"', b'"done"')):
+                continue  # cheap: most lines are merges
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            t = num(rec.get("t")) if isinstance(rec, dict) else None
-            if t is not None and rec.get("event") == "groups" and self.start is None:
-                self.start = t
-            elif t is not None and rec.get("event") == "done":
-                self.end = t
+            if isinstance(rec, dict):
+                self.feed(rec)
 
 
 # -- the run read back -----------------------------------------------------------------------------

@@ -20,12 +20,12 @@ out_dir)`` writes them as PNGs:
   schedule, ``--throttle``: the step records' ``slowdown``), a third panel with each worker's
   factor, and with ``--mode lbbsp`` one with each worker's samples per step.
 
-Time is the run's one clock (docs/dashboard.md, "Times"): training time, seconds from the
-``groups`` event (the workers assigned to groups: training starts) to the ``done`` event
-(the budget spent), as summary.json's ``train_s`` counts it. A point before the start (the
-evaluator scores the initial weights) is drawn at 0, one after the end (the final weights'
-score, the last pushes in flight) at the end, so every chart's time axis runs from 0 to
-``train_s``.
+Time is the run's one clock (docs/dashboard.md, "Times"; ``metrics.TrainingClock``):
+training time, seconds from the ``groups`` event (the workers assigned to groups: training
+starts) to the ``done`` event (the budget spent), as summary.json's ``train_s`` counts it; a
+resumed server's downtime is not training. A point before the start (the evaluator scores
+the initial weights) is drawn at 0, one after the end (the final weights' score, the last
+pushes in flight) at the end, so every chart's time axis runs from 0 to ``train_s``.
 
 Legends name the run: its directory name, with ``mode/compressor`` where the name does not
 already hold both. A workers chart with more than ``LEGEND_WORKERS`` workers names that many
@@ -45,11 +45,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from minips.record.metrics import Run, load_run, total_bytes_series
+from minips.record.metrics import Run, TrainingClock, load_run, total_bytes_series
 from minips.record.rundir import num
 
 __all__ = ["DPI", "LEGEND_WORKERS", "figures", "plot_runs", "plot_run", "run_label",
-           "training_span"]
+           "training_clock"]
 
 
 DPI = 100  # keeps a chart around 30-80 KB
@@ -82,24 +82,21 @@ def _labels(runs: Sequence[Run]) -> list[str]:
     return [f"{i}: {lab}" if plain.count(lab) > 1 else lab for i, lab in enumerate(plain)]
 
 
-def training_span(run: Run) -> tuple[float, float | None]:
-    """(start, end) of training in run time: the first ``groups`` event and the last ``done``
-    event (None while the run goes on)."""
-    ends = [num(r.get("t")) for r in run.events if r.get("event") == "done"]
-    return run.start_t, next((t for t in reversed(ends) if t is not None), None)
+def training_clock(run: Run) -> TrainingClock:
+    """The run's clock (metrics.TrainingClock) from its global.jsonl events."""
+    clock = TrainingClock()
+    for r in run.events:
+        clock.feed(r)
+    return clock
 
 
 def _series(records: list[dict[str, Any]], x: str, y: str,
-            span: tuple[float, float | None] | None = None) -> tuple[list[float], list[float]]:
-    """The (x, y) pairs of records that have both as numbers; with ``span`` (start, end), x is
-    training time: ``x - start`` held within [0, end - start]."""
+            clock: TrainingClock | None = None) -> tuple[list[float], list[float]]:
+    """The (x, y) pairs of records that have both as numbers; with ``clock``, x (run time) as
+    training time."""
     pairs = [(num(r.get(x)), num(r.get(y))) for r in records]
     ok = [(a, b) for a, b in pairs if a is not None and b is not None]
-    xs = [a for a, _ in ok]
-    if span is not None:
-        start, end = span
-        top = end - start if end is not None else float("inf")
-        xs = [min(max(a - start, 0.0), top) for a in xs]
+    xs = [a if clock is None else clock.at(a) for a, _ in ok]
     return xs, [b for _, b in ok]
 
 
@@ -107,7 +104,7 @@ def _accuracy_chart(runs: Sequence[Run], x: str, xlabel: str) -> Any | None:
     fig, (ax,) = _figure()
     drawn: list[float] = []
     for run, label in zip(runs, _labels(runs), strict=True):
-        xs, ys = _series(run.eval, x, "accuracy", training_span(run) if x == "t" else None)
+        xs, ys = _series(run.eval, x, "accuracy", training_clock(run) if x == "t" else None)
         if x.startswith("bytes"):
             xs = [v / 1e6 for v in xs]  # MB
         if xs:
@@ -152,11 +149,12 @@ def _event_points(run: Run, key: str) -> dict[str, tuple[list[float], list[float
     """``{group: (training times, values)}`` of the ``{group: value}`` map ``key`` of the
     ``groups`` and ``ratios`` events."""
     out: dict[str, tuple[list[float], list[float]]] = {}
+    clock = training_clock(run)
     for r in run.events:
         if r.get("event") not in ("groups", "ratios"):
             continue
         for g, v in (r.get(key) or {}).items():
-            xs, ys = _series([{"t": r.get("t"), "v": v}], "t", "v", training_span(run))
+            xs, ys = _series([{"t": r.get("t"), "v": v}], "t", "v", clock)
             if xs:
                 got = out.setdefault(str(g), ([], []))
                 got[0].extend(xs)
@@ -172,7 +170,7 @@ def _ratios_chart(run: Run, label: str) -> Any | None:
         return None
     fig, (ax_r, ax_t) = _figure(rows=2, height=6.0)
     end = max([x for xs, _ in ratios.values() for x in xs]
-              + _series(run.eval, "t", "accuracy", training_span(run))[0])
+              + _series(run.eval, "t", "accuracy", training_clock(run))[0])
     for g, (xs, ys) in sorted(ratios.items()):
         ax_r.step(xs + [end], [100 * y for y in ys + ys[-1:]], where="post", label=f"group {g}")
     for g, (xs, ys) in sorted(_event_points(run, "iter_time").items()):
@@ -224,9 +222,9 @@ def _workers_chart(run: Run, label: str) -> Any | None:
         return None
     extra = [k for k in ("slowdown", "samples") if _changing(workers, k)]
     fig, axes = _figure(rows=2 + len(extra), height=6.0 + 2.5 * len(extra))
-    named, span = _named(workers), training_span(run)
+    named, clock = _named(workers), training_clock(run)
     for w, records in sorted(workers.items(), key=lambda kv: str(kv[0])):
-        _draw_worker(axes, extra, w, records, span, w in named)
+        _draw_worker(axes, extra, w, records, clock, w in named)
     ax_clock, ax_stale = axes[0], axes[1]
     seen = " (as the global server saw them)" if source == "PULLs answered" else ""
     ax_clock.set(ylabel=source, title=f"Workers of {label}{seen}")
@@ -242,18 +240,18 @@ def _workers_chart(run: Run, label: str) -> Any | None:
 
 
 def _draw_worker(axes: list[Any], extra: list[str], w: Any, records: list[dict[str, Any]],
-                 span: tuple[float, float | None], named: bool) -> None:
+                 clock: TrainingClock, named: bool) -> None:
     """One worker's lines on every panel: in its own colour when the legend names it, else
     thin and grey."""
     group = next((r.get("group") for r in records if r.get("group") is not None), None)
     style: dict[str, Any] = {"lw": 1.2} if named else {"lw": 0.6, "color": OTHERS_COLOR,
                                                          "zorder": 1}
     name = f"w{w}" + (f" (g{group})" if group is not None else "")
-    (line,) = axes[0].plot(*_series(records, "t", "clock", span), label=name if named else None,
+    (line,) = axes[0].plot(*_series(records, "t", "clock", clock), label=name if named else None,
                            **style)
     style["color"] = line.get_color()  # the same colour on every panel
     for ax, key in zip(axes[1:], ["staleness", *extra], strict=True):
-        ax.plot(*_series(records, "t", key, span), drawstyle="steps-post", **style)
+        ax.plot(*_series(records, "t", key, clock), drawstyle="steps-post", **style)
 
 
 def _staleness_axis(ax: Any, workers: dict[Any, list[dict[str, Any]]]) -> None:
