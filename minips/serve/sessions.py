@@ -311,8 +311,8 @@ async def adopt(srv: Shell, ch: Channel) -> GroupHandle | None:
         return None
     peer = RemoteGroup(ch, srv.spawn, handle.peer.traffic())
     srv.perform(core.group_served(handle.id, peer, group_address(ch)))
-    if all(h.final for h in core.groups.values()):  # the run waits for workers: from now on
-        srv.perform([AllFinal()])  # (the wait starts over, server._every_group_final)
+    if not core.done and all(h.final for h in core.groups.values()):  # the run waits for its
+        srv.perform([AllFinal()])  # workers: from now on (server._every_group_final)
     await ch.send(core.assign_message(handle))
     for w in handle.members:
         srv.spawn(srv.tell_group(w))
