@@ -1,6 +1,12 @@
-"""A group server's compressed downlink, sans-IO (numpy only: no asyncio, no torch, no clocks).
+"""A group server's answers to PULLs, sans-IO (numpy only: no asyncio, no torch, no clocks): the
+compressed downlink (``Downlink``) and the exact one (``ExactDownlink``).
 
-Without it every PULL is answered with the whole weights. With it the group keeps a *published*
+Without either every PULL is answered with the whole weights. The exact downlink answers a
+worker that holds version ``since`` with the entries the group's change log
+(``core/changelog.py``) names after it, at their values now: the worker then holds the weights
+bit for bit, for O(changes since) work (docs/compression.md, "The exact downlink").
+
+With the compressed one the group keeps a *published*
 replica ``w_pub`` with a publish version ``pub``, and every worker holds a copy of ``w_pub`` at
 some version. The scheme is DoubleSqueeze's server-side error feedback, adapted to an
 asynchronous group (docs/compression.md, "The downlink"):
@@ -24,12 +30,17 @@ asynchronous group (docs/compression.md, "The downlink"):
 - **dense resync** (``w_pub`` whole, ``since = -1``): for a worker that names no version or one
   the log no longer has (first pull, reconnect, another group, plain clients), and when the
   merged set is over ``dense_fraction`` of ``n`` (then dense is the smaller message).
+- **with the group's change log** (``changes``): a publish looks only at the coordinates that
+  changed since the last one and those it left unpublished then (``behind``), and the drift
+  sums ``||weights||^2`` and ``||weights - w_pub||^2`` (float64) follow each change as it lands
+  (``moving`` before it, ``moved`` after): O(changes) a turn, the same choices as over all n.
 
 Public API: ``Downlink(weights, ratio, drift=DRIFT, log_size=LOG_SIZE,
-dense_fraction=DENSE_FRACTION, values="f32")``, ``.publish(weights) -> int``,
-``.answer(since) -> Answer``, ``.wire_values(answer) -> str``, ``.drift(weights) -> float``;
-``Answer(version, since, payload)``; and the worker's side, ``apply_weights(copy, held,
-weights_msg, n)``.
+dense_fraction=DENSE_FRACTION, values="f32", changes=None)``, ``.publish(weights) -> int``,
+``.answer(since) -> Answer``, ``.wire_values(answer) -> str``, ``.drift(weights) -> float``,
+``.drift_now() -> float``, ``.moving`` / ``.moved``; ``ExactDownlink(weights, changes)`` with the
+same ``answer`` / ``publish`` / ``moving`` / ``moved``; ``Answer(version, since, payload)``; and
+the worker's side, ``apply_weights(copy, held, weights_msg, n)``.
 """
 
 from __future__ import annotations

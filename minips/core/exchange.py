@@ -36,6 +36,12 @@ Progress. ``cluster_samples()`` estimates how many samples all groups have train
 global server's count in the last reply plus this group's samples counted since the exchange it
 answered began (for lr schedules). With one group it is exact.
 
+Work per exchange. Given the indices the group's weights changed at since the last exchange
+began (its change log, ``core/changelog.py``), ``begin`` looks for ``s`` only among them and
+those the last exchange left unsent (``left``), and ``complete`` rebases only the entries ``s``
+and a sparse reply name: O(changes), the same ``s`` as over all n. The global server's
+``Replica`` does the same with its own log and its own ``left``.
+
 Invariant: ``w_sync`` is the group's exact copy of what the global server holds for it
 (``known[g]``, or G after a dense reply); ``pending`` is either None or the one exchange whose
 fate is unknown.

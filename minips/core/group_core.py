@@ -21,7 +21,15 @@ The core holds no link and no IO: its shell carries every exchange and performs 
 It imports no asyncio, sockets, clocks or torch (tests/test_group_core.py checks, and drives a
 whole cluster of these cores in one thread with a fake clock).
 
-The rules. A group applies its workers' gradients to its weights with ``optim.SGD`` (with the
+The rules. Every change of the weights (a push, a round, an exchange's rebase, a new global
+server) goes through one place (``_change``), which notes the indices it touched in the
+group's change log (``core/changelog.py``) and keeps the downlink's sums up to date: the
+exchange and the PULL answers then cost O(what changed), not O(n). PULLs are answered with
+the weights whole, by the compressed downlink, or by the exact one (``RunConfig.down_mode``,
+``downlink.py``); a group never sends a weight that is not finite: ``Diverged`` (ERROR
+``diverged``) instead.
+
+A group applies its workers' gradients to its weights with ``optim.SGD`` (with the
 optimizer on the workers, ``RunConfig.optimizer_at``, the updates they push, with the outer
 optimizer: ``local_steps.outer_sgd``, lr 1 and no momentum or decay by default; each WEIGHTS
 tells the worker the lr factor of its next update, the run's progress and the group's local
