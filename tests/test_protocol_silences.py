@@ -28,6 +28,7 @@ from raw_group import Cluster
 from test_server import TOKEN, make_server, push
 
 from minips.core import config, exchange
+from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import AuthError
 from minips.net import transport
 from minips.net.channel import Channel
@@ -251,6 +252,27 @@ async def test_a_group_s_traffic_counters_never_fall_when_another_process_takes_
         assert counters["bytes_down"] == (1 << 41) + 3
     finally:
         await cluster.close()
+
+
+def test_traffic_across_sessions_never_falls_nor_counts_a_session_twice() -> None:
+    """``GroupHandle.across_sessions``: a new session counts on top of the earlier ones; the
+    session a resumed server's restored counts came from (its ``last_exchange``) is not added
+    to them a second time."""
+    h = GroupHandle(0, "127.0.0.1:7300")
+
+    def report(session: int, up: int) -> int:
+        info = h.across_sessions({"session": session, "bytes_in": up, "bytes_out": 0})
+        h.peer.reported(info)
+        h.last_exchange = (session, 1)
+        return int(info["bytes_in"])
+
+    assert [report(1, 100), report(1, 150)] == [100, 150]
+    assert [report(2, 10), report(2, 30)] == [160, 180]  # another process: on top of 150
+    resumed = GroupHandle(0, "127.0.0.1:7300", peer=NoGroup({"bytes_in": 170, "bytes_out": 0}))
+    resumed.last_exchange = (2, 1)  # the checkpoint held 150 + 20 of session 2
+    h = resumed
+    assert report(2, 40) == 170 and report(2, 50) == 180  # never below 170, never 170 + 40
+    assert report(3, 5) == 185
 
 
 async def test_saved_exchanges_before_any_checkpoint(tmp_path: Path) -> None:

@@ -195,12 +195,19 @@ class GroupHandle:
         """A group process's EXCHANGE counters (``info``) with its ``bytes_in`` / ``bytes_out``,
         which count from 0 in each group-process session, put on top of what the group's
         earlier sessions counted: the group's worker traffic so far, which does not fall when
-        another process takes the group over (a replay of an older session keeps its base)."""
-        base = self.traffic_bases.get(info["session"])
+        another process takes the group over, and is not counted twice when the same process
+        comes back to a resumed server (a replay of an older session keeps its base)."""
+        session = info["session"]
+        base = self.traffic_bases.get(session)
         if base is None:
             known = self.peer.traffic()  # the group's counts as of its last merged exchange
-            base = {k: int(known.get(k, 0)) for k in TRAFFIC}
-            self.traffic_bases[info["session"]] = base
+            # the session those counts came from, on a server resumed from its checkpoint (which
+            # keeps the counts, not their split): they hold part of this session's own, so its
+            # base is at most what the others counted; else a new session, from 0 on top of them
+            own = session == self.last_exchange[0]
+            base = {k: max(0, int(known.get(k, 0)) - (int(info[k]) if own else 0))
+                    for k in TRAFFIC}
+            self.traffic_bases[session] = base
             while len(self.traffic_bases) > MAX_TRAFFIC_BASES:
                 del self.traffic_bases[next(iter(self.traffic_bases))]
         return {**info, **{k: base[k] + int(info[k]) for k in TRAFFIC}}
