@@ -476,7 +476,7 @@ def test_events_read_as_sentences_and_checkpoints_fold_into_one_count() -> None:
         "groups formed: group 0: workers 0, 2; group 1: workers 1", "worker 3 joined",
         "worker 3 left: connection lost", "group 1: its group server is gone",
         "run over: epochs"]
-    assert msg["checkpoints"] == {"n": 3, "t": 4.0, "bytes": 1000}
+    assert msg["checkpoints"] == {"n": 3, "t": 4.0, "tt": 3.0, "bytes": 1000}
 
 
 def test_bytes_per_hop_are_a_series_over_time_from_the_merges() -> None:

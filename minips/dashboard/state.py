@@ -259,7 +259,7 @@ class RunState:
         elif ev == "checkpoint":  # folded into one line on the page, not one event each
             self.checkpoint_t = r["t"]
             self.checkpoints = {"n": self.checkpoints["n"] + 1, "t": r["t"],
-                                "bytes": r.get("bytes")}
+                                "tt": self.clock.at(r["t"]), "bytes": r.get("bytes")}
             return
         elif ev in ("done", "failed"):
             self.done = True
