@@ -113,8 +113,8 @@ class NoGroup:
         """A group process learns its members from the global server's replies."""
 
     def forget(self, w: int) -> None:
-        """Nothing to tell: a group process counts only the workers connected to it (and
-        ``lease_s`` drops one that never came)."""
+        """No message tells a group process: a member it expected and that never connects
+        stops holding its clocks when its lease (``lease_s``) runs out."""
 
     def traffic(self) -> dict[str, int]:
         return self._traffic
