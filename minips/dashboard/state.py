@@ -166,13 +166,14 @@ class WorkerView:
         lead and SSP wait, and its group's means over the last exchange (``approx``) for the
         step time (without a STATS), bytes per push and upload."""
         own = self.pushes > 0
-        approx = [] if own else [k for k, v in (
-            ("step_time", self.step_time is None and (group or {}).get("step_time")),
-            ("bytes_per_push", (group or {}).get("push_bytes"))) if v]
-        step = self.step_time if "step_time" not in approx else (group or {})["step_time"]
-        wire = self.bytes_wire if own else (group or {}).get("push_bytes")
-        raw = self.bytes_raw if own else (group or {}).get("raw_bytes")
+        mean = {} if own else (group or {})  # the group's figures stand in for its own
+        step = self.step_time if self.step_time is not None else mean.get("step_time")
+        wire = self.bytes_wire if own else mean.get("push_bytes")
+        raw = self.bytes_raw if own else mean.get("raw_bytes")
         up = (wire / raw) if wire and raw else None
+        approx = [] if own else [k for k, v in (  # the columns that are its group's means
+            ("step_time", step if self.step_time is None else None),
+            ("bytes_per_push", wire), ("upload_ratio", up)) if v is not None]
         return {"id": self.id, "group": self.group, "clock": self.clock, "state": state,
                 "step_time": step,
                 "wait_s": self.wait_s if own else self.pull_wait_s,
@@ -180,7 +181,7 @@ class WorkerView:
                 "bytes_per_push": wire, "upload_ratio": up, "ratio": self.ratio,
                 "loss": self.loss, "pushes": self.pushes, "pulls": self.pulls,
                 "held_s": self.held_s, "slow": slow, "seen": "own" if own else "servers",
-                "approx": approx + (["upload_ratio"] if up and not own else [])}
+                "approx": approx}
 
 
 class RunState:
