@@ -2,8 +2,9 @@
 exchange and the global server's answer to a group look only at what changed.
 
 A seeded random sequence of pushes, PULLs, exchanges (replies lost, flushes), regroups (workers
-leaving and coming back) and rebases drives a GlobalCore and a GroupCore without IO: a worker that
-PULLs `since` the version it holds rebuilds the group's weights bit for bit (the exact downlink),
+moving to the other group, or leaving and coming back) and rebases drives a GlobalCore and its
+GroupCores (two in GSSP) without IO: a worker that PULLs `since` the version it holds rebuilds
+its group's weights bit for bit (the exact downlink),
 and a twin cluster whose logs forget everything (so every step takes the old pass over n) ends
 each step with the same weights, deltas and replies."""
 
@@ -110,7 +111,7 @@ def test_the_compressed_downlink_chooses_among_changed_coordinates_and_keeps_its
 # -- any sequence, both ways --------------------------------------------------------------------
 
 def run_config(rng: np.random.Generator, down_mode: str) -> RunConfig:
-    mode = str(rng.choice(["asp", "ssp", "bsp"]))
+    mode = str(rng.choice(["asp", "ssp", "bsp", "gssp"]))
     xchg = [0.01, 0.05, 1.0][int(rng.integers(3))]
     return RunConfig(workers=WORKERS, mode=mode, staleness=2, optimizer_at="worker",
                      compressor="topk", ratio=0.02, xchg_ratio=xchg, down_mode=down_mode,
@@ -118,63 +119,76 @@ def run_config(rng: np.random.Generator, down_mode: str) -> RunConfig:
 
 
 class Cluster:
-    """A GlobalCore and one GroupCore of WORKERS workers, no IO; ``forget``: every change log
-    forgets at once, so every step takes the pass over all n it took before the log."""
+    """A GlobalCore and its group cores (two in GSSP, one otherwise) of WORKERS workers, no
+    IO; ``forget``: every change log forgets at once, so every step takes the pass over all n
+    it took before the log."""
 
     def __init__(self, run: RunConfig, w0: np.ndarray, forget: bool) -> None:
         self.glob = GlobalCore(run, w0, regroup=False, clock=lambda: 0.0, wall=lambda: 1e9)
-        members = list(range(WORKERS))
-        for w in members:
+        count = 2 if run.mode == "gssp" else 1
+        self.where = {w: w % count for w in range(WORKERS)}  # worker -> its group now
+        for w in self.where:
             self.glob.roster.admit(w)
-        self.glob.groups_formed([GroupHandle(0, "h:0", members)], {w: 0 for w in members})
-        self.group = GroupCore(0, run, w0, members=members)
+        handles = [GroupHandle(g, f"h:{g}", self.members(g)) for g in range(count)]
+        self.glob.groups_formed(handles, dict(self.where))
+        self.groups = [GroupCore(g, run, w0, members=self.members(g)) for g in range(count)]
         if forget:
             self.glob.changes = ChangeLog(N, max_entries=0)
-            self.group.changes = ChangeLog(N, max_entries=0)
-            if self.group.downlink is not None:
-                self.group.downlink.changes = self.group.changes
-        self.clocks = {w: self._clock(self.group.join(w, 0.0)) for w in members}
-        self.copies: dict[int, tuple[np.ndarray | None, int]] = {w: (None, -1) for w in members}
-        self.lost: Any = None  # an exchange whose reply was lost
+            for group in self.groups:
+                group.changes = ChangeLog(N, max_entries=0)
+                if group.downlink is not None:
+                    group.downlink.changes = group.changes
+        self.clocks = {w: self._clock(self.groups[g].join(w, 0.0)) for w, g in self.where.items()}
+        self.copies: dict[int, tuple[np.ndarray | None, int]] = {w: (None, -1) for w in self.where}
+
+    def members(self, g: int) -> list[int]:
+        return [w for w, h in self.where.items() if h == g]
 
     @staticmethod
     def _clock(actions: list[Any]) -> int:
         return int(actions[0].msg.clock)
+
+    def may_push(self, w: int) -> bool:
+        return self.groups[self.where[w]].table.may_start(w)
 
     def push(self, w: int, grad: np.ndarray | sparse.SparseVector) -> None:
         self.clocks[w] += 1
         enc, codec, bufs = sparse.encode_vector(grad)
         msg = messages.Push(clock=self.clocks[w], samples=4, encoding=enc, codec=codec,
                             buffers=tuple(bufs))
-        self.group.push(w, msg, 0.0)
+        self.groups[self.where[w]].push(w, msg, 0.0)
 
     def pull(self, w: int) -> messages.Weights:
         """Worker ``w`` PULLs since the version it holds and applies the answer."""
-        self.group.publish()
+        group = self.groups[self.where[w]]
+        group.publish()
         copy, held = self.copies[w]
-        msg = self.group.weights_message(w, [], held, self.clocks[w])
+        msg = group.weights_message(w, [], held, self.clocks[w])
         self.copies[w] = (apply_weights(copy, held, msg, N), msg.version)
         return msg
 
-    def exchange(self, lose: bool, final: bool) -> tuple[Any, Any]:
-        out = self.group.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
-        res, _ = self.glob.merge(0, out.delta, out.stats)
+    def exchange(self, g: int, lose: bool, final: bool) -> tuple[Any, Any]:
+        group = self.groups[g]
+        out = group.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
+        res, _ = self.glob.merge(g, out.delta, out.stats)
         if not lose:
-            self.group.exchanged(out, res, 0.0)
+            group.exchanged(out, res, 0.0)
         return out, res
 
-    def regroup(self, w: int) -> None:
-        """Worker ``w`` leaves and comes back (a new connection: it holds nothing)."""
-        self.group.leave(w)
-        self.clocks[w] = self._clock(self.group.join(w, 0.0))
+    def regroup(self, w: int, g: int) -> None:
+        """Worker ``w`` leaves its group for group ``g`` (its own again: a reconnect); a new
+        connection holds nothing."""
+        self.groups[self.where[w]].leave(w)
+        self.where[w] = g
+        self.clocks[w] = self._clock(self.groups[g].join(w, 0.0))
         self.copies[w] = (None, -1)
 
-    def rebase(self) -> None:
-        """A new global server: the group takes its weights whole (a PULL)."""
-        msg = self.glob.group_pull(0)
-        g = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, N)
-        assert isinstance(g, np.ndarray)
-        self.group.rebase(g, None)
+    def rebase(self, g: int) -> None:
+        """A new global server: group ``g`` takes its weights whole (a PULL)."""
+        msg = self.glob.group_pull(g)
+        weights = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, N)
+        assert isinstance(weights, np.ndarray)
+        self.groups[g].rebase(weights, None)
 
 
 def a_push(rng: np.random.Generator) -> np.ndarray | sparse.SparseVector:
@@ -191,9 +205,10 @@ def a_push(rng: np.random.Generator) -> np.ndarray | sparse.SparseVector:
 def step(rng: np.random.Generator, clusters: list[Cluster]) -> list[Any]:
     """One random event, the same for every cluster; what each returned."""
     first = clusters[0]
+    g = int(rng.integers(len(first.groups)))
     roll = rng.random()
     if roll < 0.45:
-        ready = [w for w in range(WORKERS) if first.group.table.may_start(w)]
+        ready = [w for w in range(WORKERS) if first.may_push(w)]
         if ready:
             w, grad = int(rng.choice(ready)), a_push(rng)
             return [c.push(w, grad) for c in clusters]
@@ -203,11 +218,11 @@ def step(rng: np.random.Generator, clusters: list[Cluster]) -> list[Any]:
         return [c.pull(w) for c in clusters]
     if roll < 0.9:
         lose, final = bool(rng.random() < 0.25), bool(rng.random() < 0.1)
-        return [c.exchange(lose, final) for c in clusters]
+        return [c.exchange(g, lose, final) for c in clusters]
     if roll < 0.96:
         w = int(rng.integers(WORKERS))
-        return [c.regroup(w) for c in clusters]
-    return [c.rebase() for c in clusters]
+        return [c.regroup(w, g) for c in clusters]
+    return [c.rebase(g) for c in clusters]
 
 
 def bits(x: np.ndarray) -> np.ndarray:
@@ -220,7 +235,7 @@ def test_any_sequence_then_a_pull_since_v_rebuilds_the_weights_bit_for_bit(seed:
     run = run_config(rng, "exact")
     w0 = rng.standard_normal(N).astype(np.float32)
     c = Cluster(run, w0, forget=False)
-    assert isinstance(c.group.downlink, ExactDownlink)
+    assert all(isinstance(group.downlink, ExactDownlink) for group in c.groups)
     updates = 0
     for _ in range(120):
         step(rng, [c])
@@ -229,7 +244,8 @@ def test_any_sequence_then_a_pull_since_v_rebuilds_the_weights_bit_for_bit(seed:
                 msg = c.pull(w)
                 updates += msg.since >= 0
                 copy, _ = c.copies[w]
-                assert copy is not None and np.array_equal(bits(copy), bits(c.group.weights))
+                weights = c.groups[c.where[w]].weights
+                assert copy is not None and np.array_equal(bits(copy), bits(weights))
     assert updates > 0  # sparse answers, not only dense ones
 
 
@@ -264,12 +280,12 @@ def test_the_paths_over_the_changes_choose_what_the_passes_over_n_chose(
         a, b = step(rng, [fast, slow])
         # (exact: the forgetful twin answers every PULL whole; compressed: the same answers)
         assert same(a, b) or (down_mode == "exact" and isinstance(a, messages.Weights))
-        assert np.array_equal(fast.group.weights, slow.group.weights)
         assert fast.glob.weights is not None and slow.glob.weights is not None
         assert np.array_equal(fast.glob.weights, slow.glob.weights)
-        assert np.array_equal(fast.group.xchg.w_sync, slow.group.xchg.w_sync)
-        d, e = fast.group.downlink, slow.group.downlink
-        if isinstance(d, Downlink) and isinstance(e, Downlink):
-            assert np.array_equal(d.w_pub, e.w_pub) and d.pub == e.pub
-            assert d.drift_now() == pytest.approx(d.drift(fast.group.weights), rel=1e-6,
-                                                  abs=1e-9)
+        for f, o in zip(fast.groups, slow.groups, strict=True):
+            assert np.array_equal(f.weights, o.weights)
+            assert np.array_equal(f.xchg.w_sync, o.xchg.w_sync)
+            d, e = f.downlink, o.downlink
+            if isinstance(d, Downlink) and isinstance(e, Downlink):
+                assert np.array_equal(d.w_pub, e.w_pub) and d.pub == e.pub
+                assert d.drift_now() == pytest.approx(d.drift(f.weights), rel=1e-6, abs=1e-9)
