@@ -33,13 +33,13 @@ from minips.sparse import union_of
 __all__ = ["ChangeLog", "MAX_VERSIONS", "kept_record"]
 
 MAX_VERSIONS = 1024  # versions kept; a worker further behind gets the weights whole
-RECORD_SHARE = 4  # a record of indices over size / this is dropped (then: one pass over n)
+RECORD_SHARE = 8  # a record of indices over size / this is dropped (then: one pass over n)
 
 
 def kept_record(idx: np.ndarray, size: int) -> np.ndarray | None:
-    """``idx`` (where a copy lags, say) if it is at most a quarter of ``size``, else None:
+    """``idx`` (where a copy lags, say) if it is at most an eighth of ``size``, else None:
     "anywhere", and the next look takes the pass over all n. Bounds the memory of a record
-    to n bytes of uint32, and a set that large is cheaper to find again in one contiguous
+    to n / 2 bytes of uint32, and a set that large is cheaper to find again in one contiguous
     pass than to gather from."""
     return idx if idx.size <= size // RECORD_SHARE else None
 

@@ -105,7 +105,7 @@ import numpy as np
 
 from minips import sparse
 from minips.core.changelog import ChangeLog, kept_record
-from minips.sparse import SparseVector, add_into, kept_count, top_among
+from minips.sparse import SparseVector, TopKSelector, add_into, kept_count, top_among
 from minips.wire import messages
 
 __all__ = [
@@ -116,6 +116,7 @@ __all__ = [
     "seqs_in",
     "DENSE_AT",
     "Replica",
+    "TopDiff",
     "exchange_ratio",
     "ExchangeResult",
     "GroupLink",
@@ -252,7 +253,7 @@ class Replica:
 
     def __init__(self, size: int, ratio: float) -> None:
         self.ratio = ratio
-        self.k = kept_count(ratio, size)  # entries of a sparse answer, at most
+        self._top = TopDiff(size, kept_count(ratio, size))  # the entries a sparse answer sets
         self.known: np.ndarray | None = None  # (n,) float32; None: unknown, answer dense
         self.unacked = np.empty(0, np.uint32)  # indices sent since the group's last new seq
         self.dense_unacked = False  # a dense answer went out since the group's last new seq
@@ -281,10 +282,7 @@ class Replica:
         changed = None if changes is None or self.left is None else changes.since(self.mark)
         where = None if changed is None or self.left is None else sparse.union_of(
             [self.left, changed], weights.size)
-        cand, diff = _differing(weights, self.known, where)
-        pos = top_among(np.arange(cand.size), diff, self.k)  # (p,) the k largest |G - known|
-        idx = cand[pos]  # (p,) uint32 sorted
-        self.left = kept_record(_rest(cand, pos), weights.size)
+        idx, _, self.left = self._top.top(weights, self.known, where)  # (p,) uint32 sorted
         self.mark = 0 if changes is None else changes.version
         self.known[idx] = weights[idx]
         if repeat:
@@ -301,19 +299,35 @@ class Replica:
         return out
 
 
-def _differing(now: np.ndarray, copy: np.ndarray,
-               where: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Where ``now`` and ``copy`` differ ((m,) uint32 sorted) and ``now - copy`` there ((m,)
-    float32, none zero): looked for among ``where`` ((w,) indices, O(w)), or over all n when
-    it is None (not known)."""
-    if where is None:
-        diff = now - copy  # (n,) float32
-        cand = np.flatnonzero(diff).astype(np.uint32)
-        return cand, diff[cand]
-    cand = where
-    diff = now[cand] - copy[cand]  # (m,) float32
-    nz = diff != 0
-    return cand[nz], diff[nz]
+class TopDiff:
+    """The k entries where a vector differs most from a copy of it: looked for among the
+    candidates a change log gives (O(candidates)), or over all n (``TopKSelector``, as before
+    the log) when there are none or more than n / ``WIDE`` (then one contiguous pass is the
+    cheaper one). Both give the exact top-k, ties to the lowest index, zeros left out."""
+
+    WIDE = 8
+
+    def __init__(self, size: int, k: int) -> None:
+        self.size, self.k = size, k
+        self._selector: TopKSelector | None = None  # made on the first pass over n
+
+    def top(self, now: np.ndarray, copy: np.ndarray, where: np.ndarray | None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(p,) uint32 sorted indices of the k largest ``|now - copy|``, ``now - copy`` there
+        ((p,) float32), and where the two may still differ elsewhere ((m,) uint32 sorted; None:
+        anywhere). ``where``: the candidates, a superset of where they differ (None: unknown)."""
+        if where is None or where.size > self.size // self.WIDE:
+            diff = now - copy  # (n,) float32
+            if self._selector is None:
+                self._selector = TopKSelector(self.size)
+            idx = self._selector.select(diff, self.k)  # (k,) int64 sorted
+            idx = idx[diff[idx] != 0]
+            return idx.astype(np.uint32), diff[idx], None
+        diff = now[where] - copy[where]  # (w,) float32
+        nz = diff != 0
+        cand, diff = where[nz], diff[nz]
+        pos = top_among(np.arange(cand.size), diff, self.k)  # (p,) positions in cand
+        return cand[pos], diff[pos], kept_record(_rest(cand, pos), self.size)
 
 
 def _rest(cand: np.ndarray, pos: np.ndarray) -> np.ndarray:
@@ -369,7 +383,7 @@ class Exchange:
                  ratio: float = 1.0) -> None:
         self.w_sync = np.array(weights, dtype=np.float32)  # (n,) the group's copy of global
         self.ratio = ratio  # kept fraction of each exchange (1.0: dense)
-        self.k = kept_count(ratio, self.w_sync.size)  # entries of a sparse exchange, at most
+        self._top = TopDiff(self.w_sync.size, kept_count(ratio, self.w_sync.size))  # s's entries
         # where the weights may differ from w_sync beyond the changes since the last exchange
         # began ((m,) uint32 sorted; None: anywhere): a sparse exchange looks only there
         self.left: np.ndarray | None = np.empty(0, np.uint32)
@@ -425,13 +439,9 @@ class Exchange:
             return Outgoing(weights.copy(), stats, weights - self.w_sync)
         where = None if changed is None or self.left is None else sparse.union_of(
             [self.left, changed], self.w_sync.size)
-        cand, diff = _differing(weights, self.w_sync, where)
-        pos = top_among(np.arange(cand.size), diff, self.k)  # (p,) the k largest |diff|
-        idx = cand[pos]  # (p,) uint32 sorted
-        self.left = kept_record(_rest(cand, pos), self.w_sync.size)
+        idx, diff, self.left = self._top.top(weights, self.w_sync, where)  # (p,) sorted
         n = self.w_sync.size
-        return Outgoing(SparseVector(idx, weights[idx], n), stats,
-                        SparseVector(idx, diff[pos], n))
+        return Outgoing(SparseVector(idx, weights[idx], n), stats, SparseVector(idx, diff, n))
 
     def touches(self, out: Outgoing, res: ExchangeResult) -> np.ndarray | None:
         """(m,) uint32 sorted: the entries of the group's weights ``complete`` changes (those
