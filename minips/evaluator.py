@@ -56,6 +56,7 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     last, scored, score_s = -1, -math.inf, 0.0  # version scored last, when, how long it took
     try:
         while True:
+            t = time.monotonic()  # the period counts from each PULL
             try:
                 await ch.send(messages.Pull(clock=0))
                 w = await Link(ch, 0, 0).expect(messages.GlobalWeights)
@@ -68,7 +69,8 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
             arrived, left = time.monotonic(), budget_left_s(run, w)
             # near the end, skip a score that would outlast the run: the final one comes first
             near_end = -run.eval_every_s < left < score_s
-            if w.done or (w.version != last and arrived - scored >= run.eval_every_s
+            # (the half period: the PULLs near the end come more often than the scores)
+            if w.done or (w.version != last and arrived - scored >= run.eval_every_s / 2
                           and not near_end):
                 last, scored = w.version, arrived
                 _evaluate_once(run, w, size, test, writer, time.time() - run.t0)
@@ -76,7 +78,7 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
             if w.done:
                 return
             now = time.monotonic()
-            await asyncio.sleep(next_pull_s(run, left - (now - arrived), now - scored))
+            await asyncio.sleep(next_pull_s(run, left - (now - arrived), now - t))
     finally:
         writer.close()
         await leave(ch)
@@ -95,13 +97,13 @@ def budget_left_s(run: RunConfig, w: messages.GlobalWeights) -> float:
     return left
 
 
-def next_pull_s(run: RunConfig, left: float, since_scored: float) -> float:
-    """Seconds until the next PULL: the rest of ``eval_every_s`` since the last score, or,
+def next_pull_s(run: RunConfig, left: float, since_pull: float) -> float:
+    """Seconds until the next PULL: the rest of ``eval_every_s`` since the last PULL, or,
     when the budget is likely spent (``left``) before that, just after it and then every
     ``END_PULL_S``, so the final weights are scored, and every role exits, within about
     ``END_PULL_S`` of the end instead of up to a whole period after it. An estimate a whole
     period wrong is dropped (back to the period)."""
-    period = max(END_PULL_S, run.eval_every_s - since_scored)
+    period = max(0.0, run.eval_every_s - since_pull)
     if -run.eval_every_s < left < period:
         return max(END_PULL_S, left)
     return period

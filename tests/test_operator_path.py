@@ -371,10 +371,10 @@ def test_the_evaluator_pulls_just_after_the_likely_end_not_a_period_later() -> N
     w = messages.GlobalWeights(version=1, done=False, size=0, samples=100, t=0.0, train_s=58.5,
                                encoding="dense-f32")
     assert budget_left_s(run, w) == pytest.approx(1.5)
-    assert next_pull_s(run, 1.5, since_scored=0.0) == pytest.approx(1.5)  # not 5
-    assert next_pull_s(run, -0.2, since_scored=2.0) == END_PULL_S  # due: every END_PULL_S
-    assert next_pull_s(run, 30.0, since_scored=2.0) == pytest.approx(3.0)  # the period
-    assert next_pull_s(run, -9.0, since_scored=2.0) == pytest.approx(3.0)  # a wrong estimate
+    assert next_pull_s(run, 1.5, since_pull=0.0) == pytest.approx(1.5)  # not 5
+    assert next_pull_s(run, -0.2, since_pull=2.0) == END_PULL_S  # due: every END_PULL_S
+    assert next_pull_s(run, 30.0, since_pull=2.0) == pytest.approx(3.0)  # the period
+    assert next_pull_s(run, -9.0, since_pull=2.0) == pytest.approx(3.0)  # a wrong estimate
     epochs = RunConfig(epochs=1.0, eval_every_s=5.0)
     half = messages.GlobalWeights(version=1, done=False, size=0, t=0.0, train_s=10.0,
                                   samples=epochs.epoch_samples() // 2, encoding="dense-f32")
