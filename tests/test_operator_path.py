@@ -523,3 +523,24 @@ async def test_a_made_dashboard_token_is_made_again_by_the_resumed_run(tmp_path:
     for f in (tmp_path / "run").rglob("*"):
         assert not f.is_file() or first.encode() not in f.read_bytes(), f
     assert TOKEN not in first
+
+
+@pytest.mark.timeout(60)
+def test_local_with_a_dashboard_port_in_use_names_the_flag_and_creates_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with held_port() as taken:
+        code = main(["local", "--dashboard", f"127.0.0.1:{taken}", "--out", str(tmp_path),
+                     "--name", "run", "--workers", "1", "--max-steps", "1", "--no-eval",
+                     "--no-plot", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and f"--dashboard: 127.0.0.1:{taken} is already in use" in err[-1], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_dashboard_shows_a_late_worker_in_the_group_it_was_placed_in() -> None:
+    from minips.dashboard.state import RunState
+
+    s = RunState({"mode": "gssp", "workers": 3, "t0": 0.0})
+    s.add("global", {"t": 1.0, "event": "groups", "assignment": {"0": 0, "1": 1}})
+    s.add("global", {"t": 9.0, "event": "placed", "worker": 2, "group": 1, "moved": {"2": 1}})
+    assert {w["id"]: w["group"] for w in s.update(9.0)["workers"]} == {0: 0, 1: 1, 2: 1}

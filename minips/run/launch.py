@@ -58,6 +58,7 @@ from minips.net import lifeline, links, netshape
 from minips.net.endpoints import (
     DASHBOARD_TOKEN_BYTES,
     DASHBOARD_TOKEN_ENV,
+    check_port,
     is_loopback,
     local_addresses,
     parse_address,
@@ -399,6 +400,8 @@ def _timeout(cfg: LaunchConfig) -> float:
 def run_local(cfg: LaunchConfig) -> dict[str, Any]:
     """Run the cluster to the end of its budget; return the summary (``status`` added)."""
     cfg.run.validate()
+    if cfg.dashboard:  # taken: one line naming the flag, before the run directory is made
+        check_port("--dashboard", *parse_address(cfg.dashboard))
     run_dir = make_run_dir(cfg)
     token = os.environ.get("MINIPS_TOKEN") or secrets.token_hex(16)
     (run_dir / "launch.json").write_text(json.dumps(asdict(cfg), indent=2))
