@@ -217,9 +217,13 @@ class GlobalServer:
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         """A background task ended: one that raised fails the run with one line saying why
         (a ``MiniPSError`` is the user's to fix; anything else is a bug, logged with its
-        traceback), and the run is over: a server that cannot go on does not hang."""
+        traceback), and the run is over: a server that cannot go on does not hang. A peer
+        gone meanwhile (``ConnectionError``) is no reason to end the run."""
         self.tasks.discard(task)
         if task.cancelled() or (exc := task.exception()) is None:
+            return
+        if isinstance(exc, (ConnectionError, asyncio.IncompleteReadError)):
+            log.info("a peer went away during a server task: %s", exc)  # its session says so
             return
         if not isinstance(exc, MiniPSError):
             log.error("a server task failed", exc_info=exc)

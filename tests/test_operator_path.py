@@ -544,3 +544,25 @@ def test_the_dashboard_shows_a_late_worker_in_the_group_it_was_placed_in() -> No
     s.add("global", {"t": 1.0, "event": "groups", "assignment": {"0": 0, "1": 1}})
     s.add("global", {"t": 9.0, "event": "placed", "worker": 2, "group": 1, "moved": {"2": 1}})
     assert {w["id"]: w["group"] for w in s.update(9.0)["workers"]} == {0: 0, 1: 1, 2: 1}
+
+
+@pytest.mark.timeout(30)
+async def test_a_server_task_that_raises_ends_the_run_but_a_peer_gone_does_not(
+        tmp_path: Path) -> None:
+    srv = GlobalServer(ServerConfig(run=RunConfig(workers=1), port=0, run_dir=str(tmp_path)),
+                       np.zeros(4, np.float32))
+    await srv.start()
+    try:
+        async def gone() -> None:
+            raise ConnectionResetError("a worker went away")
+
+        async def broken() -> None:
+            raise RuntimeError("a bug")
+
+        await asyncio.gather(srv.spawn(gone()), return_exceptions=True)
+        assert not srv.finished.is_set() and srv.failure == ""
+        await asyncio.gather(srv.spawn(broken()), return_exceptions=True)
+        await asyncio.wait_for(srv.finished.wait(), 5)
+        assert srv.failure == "the run cannot go on: RuntimeError: a bug"
+    finally:
+        await srv.close()
