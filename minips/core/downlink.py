@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,7 @@ from minips.core.changelog import ChangeLog, kept_record
 from minips.errors import RemoteProtocolError
 from minips.sparse import (
     SparseVector,
+    TopKSelector,
     decode_vector,
     kept_count,
     top_among,
@@ -70,8 +72,13 @@ DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish (
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
 DENSE_FRACTION = 0.4  # a merged answer with more changed coordinates than this goes dense
 VALUES = ("f32", "f16")  # what an update's values are sent as (``Downlink.values``)
+WIDE = 8  # more candidates than n / WIDE: a publish takes one pass over n instead
 SQ_CHUNK = 1 << 16  # entries per float64 chunk of ``sq_norm`` (512 KiB: stays in cache)
 F16_MAX = float(np.finfo(np.float16).max)
+
+
+# what a publish picks: coordinates, the residual there, ||residual||^2, what stays behind
+Picked = tuple[np.ndarray, np.ndarray, float, "np.ndarray | None"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class Downlink:
         self.changes = changes
         self._seen = 0 if changes is None else changes.version
         self.behind: np.ndarray | None = np.empty(0, np.uint32)
+        self._selector: TopKSelector | None = None  # made on the first publish over all n
         self.wsq = sq_norm(self.w_pub)  # ||weights||^2 and ||weights - w_pub||^2, float64,
         self.gap2 = 0.0  # kept up to date as changes land (``moving`` / ``moved``)
 
@@ -159,49 +167,72 @@ class Downlink:
         """Publish the largest residuals (at least k, more if the drift bound needs them);
         return how many coordinates changed (0: nothing to publish, the version stays). With a
         change log, only the coordinates that changed or lag already are looked at."""
-        cand, e = self._residual(weights)  # (m,) uint32 sorted, (m,) float32 non-zero
-        if cand.size == 0:
-            self.behind, self.gap2, self.last_drift = cand, 0.0, 0.0
-            return 0
         wsq = self.wsq if self.changes is not None else sq_norm(weights)
-        pos = np.arange(cand.size) if cand.size <= self.k else self._select(np.abs(e), wsq)
-        self.forced += max(0, pos.size - self.k)
-        idx = cand[pos]  # (p,) uint32 sorted
-        sent = e[pos].astype(np.float64)
-        left = max(0.0, float(np.dot(e.astype(np.float64), e)) - float(np.dot(sent, sent)))
-        rest = np.ones(cand.size, dtype=np.bool_)
-        rest[pos] = False
-        behind = cand[rest]  # (m - p,) what stays unpublished
+        picked = self._pick(weights, wsq)
+        if picked is None:  # w_pub is the weights
+            self.behind, self.gap2, self.last_drift = np.empty(0, np.uint32), 0.0, 0.0
+            return 0
+        idx, e, total, behind = picked
+        sent = e.astype(np.float64)
+        left = max(0.0, total - float(np.dot(sent, sent)))  # ||e||^2 not published
         if self.values == "f16":  # the rounding stays behind, in the residual
             rounded = self._set_half(weights, idx)
             left += float(np.dot(rounded, rounded))
-            behind = unique_sorted(np.concatenate([behind, idx[rounded != 0]]))
+            if behind is not None:
+                behind = unique_sorted(np.concatenate([behind, idx[rounded != 0]]))
         else:
             self.w_pub[idx] = weights[idx]
-        self.behind, self.gap2 = kept_record(behind, self.n), left
+        self.behind = None if behind is None else kept_record(behind, self.n)
+        self.gap2 = left
         self.last_drift = math.sqrt(left / wsq) if wsq else 0.0
         self.pub += 1
         self._made.clear()
         self.log.append(idx)
         self.published += int(idx.size)
+        self.forced += max(0, idx.size - self.k)
         return int(idx.size)
 
-    def _residual(self, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The coordinates where w_pub lags the weights and by how much: among those the change
-        log names since the last publish and those left behind then (O(changes)), or without
-        a log (or past what it holds) over all n."""
-        changed = None
+    def _pick(self, weights: np.ndarray, wsq: float) -> Picked | None:
+        """What to publish: (p,) uint32 sorted coordinates, the residual there, ``||e||^2``
+        (float64) and where w_pub still lags afterwards (None: not known); None when nothing
+        lags. Among the coordinates the change log names since the last publish and those left
+        behind then (O(them)), or over all n without a log, past what it holds, or when they
+        are more than n / 8 (then one contiguous pass is the cheaper one)."""
+        where = None
         if self.changes is not None:
             changed = self.changes.since(self._seen)
             self._seen = self.changes.version
-        if changed is None or self.behind is None:
-            e = weights - self.w_pub  # (n,) float32
-            cand = np.flatnonzero(e).astype(np.uint32)
-            return cand, e[cand]
-        cand = union_of([self.behind, changed], self.n)
-        e = weights[cand] - self.w_pub[cand]  # (m,) float32
+            if changed is not None and self.behind is not None:
+                where = union_of([self.behind, changed], self.n)
+        if where is None or where.size > self.n // WIDE:
+            return self._pick_over_n(weights, wsq)
+        e = weights[where] - self.w_pub[where]  # (w,) float32
         nz = e != 0
-        return cand[nz], e[nz]
+        cand, e = where[nz], e[nz]
+        if cand.size == 0:
+            return None
+        if cand.size <= self.k:
+            return cand, e, float(np.dot(e.astype(np.float64), e)), cand[:0]
+        pos = self._select(np.abs(e), wsq, lambda m: top_among(np.arange(m.size), m, self.k))
+        rest = np.ones(cand.size, dtype=np.bool_)
+        rest[pos] = False
+        return cand[pos], e[pos], float(np.dot(e.astype(np.float64), e)), cand[rest]
+
+    def _pick_over_n(self, weights: np.ndarray, wsq: float) -> Picked | None:
+        """``_pick`` over all n: the exact top k of ``|weights - w_pub|`` by ``TopKSelector``
+        (a few streaming passes), as before the change log."""
+        e = weights - self.w_pub  # (n,) float32
+        moved = int(np.count_nonzero(e))
+        if moved == 0:
+            return None
+        if moved <= self.k:  # all of them go: nothing stays behind
+            idx = np.flatnonzero(e).astype(np.uint32)
+            return idx, e[idx], sq_norm(e), idx[:0]
+        if self._selector is None:
+            self._selector = TopKSelector(self.n)
+        selector = self._selector
+        idx = self._select(np.abs(e), wsq, lambda m: selector.select(m, self.k))
+        return idx.astype(np.uint32), e[idx], sq_norm(e), None
 
     def _set_half(self, weights: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """``w_pub[idx]`` = the weights there rounded to float16 (kept exact past its range);
@@ -214,16 +245,17 @@ class Downlink:
         self.w_pub[idx] = half
         return (exact - half).astype(np.float64)
 
-    def _select(self, mag: np.ndarray, wsq: float) -> np.ndarray:
-        """Positions in ``mag`` ((m,) |residual|, all > 0) to publish, increasing: the k
-        largest, or the fewest largest that leave ``sum(mag^2)`` of the rest within
-        drift^2 * wsq."""
+    def _select(self, mag: np.ndarray, wsq: float,
+                top: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Positions in ``mag`` (|residual|, more than k of them > 0) to publish, increasing:
+        the k largest (``top``: exact, ties to the lowest position), or the fewest largest that
+        leave ``sum(mag^2)`` of the rest within drift^2 * wsq."""
         # float16 rounding leaves at most (2^-11)^2 of the published part: kept out of the budget
         budget = self.drift_bound ** 2 * wsq * (0.99 if self.values == "f16" else 1.0)
-        top = top_among(np.arange(mag.size), mag, self.k)  # (k,) the k largest, ties: lowest
+        first = top(mag)  # (k,) sorted
         sq = mag.astype(np.float64) ** 2
-        if float(sq.sum()) - float(sq[top].sum()) <= budget:
-            return top
+        if float(sq.sum()) - float(sq[first].sum()) <= budget:
+            return first
         order = np.argsort(sq, kind="stable")  # ascending: the tail that may stay comes first
         kept = int(np.searchsorted(np.cumsum(sq[order]), budget, side="right"))
         return np.sort(order[kept:])  # everything above the part whose squares fit the budget
