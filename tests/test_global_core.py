@@ -23,7 +23,7 @@ from minips.core.global_core import (
 )
 from minips.core.group_core import Log
 from minips.core.roster import GroupHandle, NoGroup
-from minips.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from minips.errors import ConfigError, RemoteProtocolError
 from minips.serve.group import GroupServer
 from minips.server import InProcGroup
 from minips.wire import messages
@@ -231,9 +231,11 @@ def test_a_workers_first_stats_says_where_its_data_came_from_and_is_logged() -> 
     got = c.on_stats(0, messages.Stats(clock=0, step_time=0.01, loss=1.0, data=said), 0.0)
     assert got == [Log("data", {"worker": 0, **said})]
     assert c.on_stats(1, stats(0.02), 0.0) == [FormGroups()]  # no data: nothing logged
+    # a bad ``data`` is the server's to refuse (validation.check_stats: ERROR invalid, since
+    # 5e0ee13), by this one rule
     for bad in ({"dataset": 3}, {"synthetic": "yes"}, {"owner": "x"}, {"source": "x" * 5000}):
-        with pytest.raises(LocalProtocolError, match="Stats.data"):
-            messages.Stats(clock=0, step_time=0.01, loss=1.0, data=bad)
+        with pytest.raises(messages.Invalid):
+            messages.data_origin(bad)
 
 
 def test_a_group_process_told_its_group_before_the_groups_form_gets_its_h_not_0() -> None:
