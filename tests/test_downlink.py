@@ -226,7 +226,7 @@ class Watched:
     other worker's PULLs publish newer ones meanwhile)."""
 
     def __init__(self, gs: GroupServer) -> None:
-        assert gs.core.downlink is not None
+        assert isinstance(gs.core.downlink, Downlink)
         self.gs, self.down = gs, gs.core.downlink
         self.at: dict[int, np.ndarray] = {self.down.pub: self.down.w_pub.copy()}
         self.drifts: list[float] = []
@@ -409,7 +409,7 @@ def test_the_drift_bound_is_a_run_setting_a_group_server_uses() -> None:
     from minips.core.group_core import GroupCore
     run = RunConfig(compressor="topk", ratio=0.01, down_drift=0.05, down_values="f16").validate()
     core = GroupCore(0, run, weights(), members=[0])
-    assert core.downlink is not None
+    assert isinstance(core.downlink, Downlink)
     assert core.downlink.drift_bound == 0.05 and core.downlink.values == "f16"
     with pytest.raises(Exception, match="down_drift"):
         RunConfig(down_drift=-0.1).validate()

@@ -21,6 +21,7 @@ import pytest
 from minips import sparse
 from minips.core import optim
 from minips.core.config import RunConfig
+from minips.core.downlink import Downlink
 from minips.core.exchange import exchange_message
 from minips.core.group_core import (
     AllLeft,
@@ -274,7 +275,7 @@ def test_a_group_publishes_once_a_round_of_its_members_and_never_past_the_drift_
                     optimizer_at="worker")
     rng = np.random.default_rng(0)
     core = GroupCore(0, run, rng.standard_normal(N).astype(np.float32), members=[0, 1, 2, 3])
-    assert core.downlink is not None
+    assert isinstance(core.downlink, Downlink)
     clocks = {w: 0 for w in range(4)}
     publishes = []
     for step in range(40):

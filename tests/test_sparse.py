@@ -470,4 +470,5 @@ def test_the_mean_of_sparse_gradients_is_sparse_with_the_dense_means_values() ->
         assert isinstance(got, SparseVector)
         got.check()
         dense = sparse.average([g.to_dense() for g in grads], n, weights)
+        assert isinstance(dense, np.ndarray)
         assert np.array_equal(got.to_dense(), dense)  # the same float32 operations
