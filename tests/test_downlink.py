@@ -413,3 +413,27 @@ def test_the_drift_bound_is_a_run_setting_a_group_server_uses() -> None:
     assert core.downlink.drift_bound == 0.05 and core.downlink.values == "f16"
     with pytest.raises(Exception, match="down_drift"):
         RunConfig(down_drift=-0.1).validate()
+
+
+@pytest.mark.parametrize("mode", ["gssp", "bsp"])
+def test_the_exact_downlink_trains_as_the_dense_one_bit_for_bit_in_fewer_bytes(
+        mode: str, tmp_path: Any) -> None:
+    """The exact downlink brings each worker the group's weights themselves, as the dense one
+    does: the simulator (the same cores, simulated time) ends with the same weights bit for bit,
+    the group -> worker bytes a fraction of the dense ones (the changes since each PULL)."""
+    import json
+
+    from minips.sim.simulate import SimConfig, simulate
+
+    got = {}
+    for name, down in (("dense", {"down_ratio": 1.0}), ("exact", {"down_mode": "exact"})):
+        cfg = RunConfig(workers=4, mode=mode, groups=2 if mode == "gssp" else 0, lr=0.02,
+                        dataset="synthetic", epochs=100, base_step_s=0.04, compressor="topk",
+                        ratio=0.05, optimizer_at="worker", **down)  # type: ignore[arg-type]
+        simulate(SimConfig(run=cfg, slowdowns=[1, 1, 4, 4], dim=500, max_pushes=300,
+                           out_dir=str(tmp_path), name=name))
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        got[name] = (np.load(tmp_path / name / "final_weights.npy"),
+                     summary["bytes_group_worker"])
+    assert np.array_equal(got["exact"][0], got["dense"][0])
+    assert got["exact"][1] < 0.5 * got["dense"][1]
