@@ -10,6 +10,7 @@ each step with the same weights, deltas and replies."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -283,11 +284,11 @@ def same(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.parametrize("seed", range(25))
-@pytest.mark.parametrize("down_mode", ["auto", "exact"])
+@pytest.mark.parametrize("down_mode,values", [("auto", "f32"), ("auto", "f16"), ("exact", "f32")])
 def test_the_paths_over_the_changes_choose_what_the_passes_over_n_chose(
-        seed: int, down_mode: str) -> None:
+        seed: int, down_mode: str, values: str) -> None:
     rng = np.random.default_rng(1000 + seed)
-    run = run_config(rng, down_mode)
+    run = dataclasses.replace(run_config(rng, down_mode), down_values=values)
     w0 = rng.standard_normal(N).astype(np.float32)
     fast, slow = Cluster(run, w0, forget=False), Cluster(run, w0, forget=True)
     for _ in range(100):
