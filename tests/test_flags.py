@@ -115,3 +115,17 @@ def test_worker_slowdown_default_reads_as_a_factor(capsys: pytest.CaptureFixture
     text = help_of("worker", capsys)
     assert "Schedule(" not in text
     assert "(T: s of training); default 1 (not slowed)" in text
+
+
+def test_down_mode_exact_reaches_the_run_and_a_bad_mode_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--down-mode exact` picks the exact downlink (core/group_core.py); another word is
+    refused by the run's own check, in one line."""
+    from minips.run.flags import run_config_from_args
+
+    run = run_config_from_args(build_parser().parse_args(["local", "--down-mode", "exact"]))
+    assert run.down_mode == "exact"
+    assert run_config_from_args(build_parser().parse_args(["local"])).down_mode == "auto"
+    assert main(["local", "--down-mode", "sideways", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "--down-mode 'sideways'" in err and "auto | exact" in err and err.count("\n") == 1, err

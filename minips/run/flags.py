@@ -128,6 +128,9 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
      "f16 rounds them (the rounding stays in the downlink's residual) and sends 2 bytes each"),
     ("--down-drift", "down_drift", finite, "bound on how far a group's published weights may "
      "lag its own (relative L2); a publish sends more coordinates when the bound needs them"),
+    ("--down-mode", "down_mode", str, "how PULLs are answered: auto (compressed when "
+     "--down-ratio < 1, else dense) | exact (the entries changed since the worker's version, "
+     "at their values: no residual, no drift)"),
     ("--publish-every", "publish_every", int, "pushes between two publishes of a group's "
      "weights to its workers (compressed downlink): 0 = once a round of the group's members, "
      "1 = every turn; sooner whenever --down-drift would be passed"),
