@@ -158,3 +158,25 @@ def test_every_worker_failing_ends_a_local_run_at_once(tmp_path: Path) -> None:
         assert time.monotonic() - t < 30
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize(("model", "mode", "groups", "in_process", "expected"), [
+    ("lenet5", "gssp", 2, False, 0),       # small: in the server's process
+    ("resnet18", "gssp", 2, False, 2),     # large: a process per fixed group
+    ("resnet18", "gssp", 0, False, 4),     # automatic count: max_groups (4) processes
+    ("vgg19", "bsp", 0, False, 1),         # a single-group mode: one
+    ("resnet18", "gssp", 2, True, 0),      # --groups-in-process keeps them in
+])
+def test_a_large_model_gets_a_group_process_per_group_unless_told(
+        tmp_path: Path, model: str, mode: str, groups: int, in_process: bool,
+        expected: int) -> None:
+    cfg = LaunchConfig(run=RunConfig(model=model, mode=mode, groups=groups, workers=8),
+                       groups_in_process=in_process)
+    assert cfg.group_processes() == expected
+    cluster = Cluster(cfg, tmp_path, "t")
+    assert cluster._external_args() == (["--external-groups", str(expected)] if expected else [])
+
+
+def test_the_automatic_group_count_is_at_most_one_group_per_worker() -> None:
+    cfg = LaunchConfig(run=RunConfig(model="resnet18", mode="gssp", groups=0, workers=2))
+    assert cfg.group_processes() == 2

@@ -205,3 +205,14 @@ def test_seq2seq_learns_the_translation_task() -> None:
     acc, loss = models.evaluate("seq2seq", flat, test)
     # token accuracy with teacher forcing; chance is 1/24 and 600 steps reach > 0.99
     assert acc > 0.3 and loss < 2.5
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vgg19", "resnet9"])
+def test_a_cifar_model_takes_grey_images_as_three_equal_channels(
+        name: str, built: dict[str, torch.nn.Module]) -> None:
+    """Fashion-MNIST (1 channel, padded to 32x32) trains the CIFAR models unchanged: a grey batch
+    gives what its three-channel copy gives."""
+    model = built[name].eval()
+    grey = torch.randn(2, 1, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(grey), model(grey.repeat(1, 3, 1, 1)))

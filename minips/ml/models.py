@@ -110,6 +110,13 @@ class _BasicBlock(nn.Module):
         return F.relu(self.body(x) + self.shortcut(x))
 
 
+def _rgb(x: torch.Tensor) -> torch.Tensor:
+    """(B, 1, H, W) grey images as (B, 3, H, W), one channel three times (a view), so the
+    CIFAR models train on Fashion-MNIST (padded to 32x32 by ``data.load_dataset``) unchanged;
+    colour input passes as it is."""
+    return x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
+
+
 class ResNet18(nn.Module):
     """ResNet-18, CIFAR variant: 3x3 stem without max-pool, widths 64-128-256-512."""
 
@@ -123,8 +130,8 @@ class ResNet18(nn.Module):
         self.blocks = nn.Sequential(*blocks)
         self.fc = nn.Linear(512, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 32, 32) -> (B, classes)
-        x = self.blocks(self.stem(x))  # (B, 512, 4, 4)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1|3, 32, 32) -> (B, classes)
+        x = self.blocks(self.stem(_rgb(x)))  # (B, 512, 4, 4)
         return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
@@ -148,8 +155,8 @@ class VGG19(nn.Module):
         self.features = nn.Sequential(*layers)
         self.fc = nn.Linear(512, num_classes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 32, 32) -> (B, classes)
-        return self.fc(self.features(x).flatten(1))  # features: (B, 512, 1, 1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1|3, 32, 32) -> (B, classes)
+        return self.fc(self.features(_rgb(x)).flatten(1))  # features: (B, 512, 1, 1)
 
 
 class _Residual(nn.Module):
@@ -177,8 +184,8 @@ class ResNet9(nn.Module):
             nn.AdaptiveMaxPool2d(1), nn.Flatten())
         self.fc = nn.Linear(512, num_classes, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, 32, 32) -> (B, classes)
-        return self.fc(self.net(x)) * 0.125  # the reference net's fixed output scale
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 1|3, 32, 32) -> (B, classes)
+        return self.fc(self.net(_rgb(x))) * 0.125  # the reference net's fixed output scale
 
 
 class Seq2Seq(nn.Module):

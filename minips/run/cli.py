@@ -264,7 +264,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
                        plot=not args.no_plot, timeout_s=args.timeout,
                        dashboard=args.dashboard, tensorboard=args.tensorboard,
                        devices=[d.strip() for d in args.device.split(",") if d.strip()],
-                       amp=args.amp, force=args.force, data=args.data)
+                       amp=args.amp, force=args.force, data=args.data,
+                       groups_in_process=args.groups_in_process)
     _check_watch(args)
     flags.say_default_budget(args)
     summary = run_local(cfg)

@@ -578,6 +578,9 @@ def _add_local(sub: Subparsers) -> None:
     loc.add_argument("--no-progress", action="store_true", help="no progress line")
     loc.add_argument("--no-eval", action="store_true", help="do not start the evaluator")
     loc.add_argument("--no-plot", action="store_true", help="do not draw PNGs at the end")
+    loc.add_argument("--groups-in-process", action="store_true",
+                     help="a large model's (10M parameters or more) group servers stay in the "
+                     "global server's process (default: a `minips group` process each)")
     _add_watch(loc)
 
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from minips.core.config import RunConfig
+from minips.core.config import LARGE_MODEL_PARAMS, PARAM_COUNTS, RunConfig
 from minips.core.slowdown import Schedule
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, links, netshape
@@ -245,7 +245,7 @@ class Cluster:
             "server", "--host", self.spaces.server_host if self.spaces else "127.0.0.1",
             "--port", "0", "--run-dir", str(self.run_dir),
             "--run-config", str(self.run_dir / "run.json"), "--init", str(init),
-            "--ready-file", str(ready), "--quiet", *watch])
+            "--ready-file", str(ready), "--quiet", *watch, *self._external_args()])
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.exists():
             if self.server.poll() is not None or time.monotonic() > deadline:
@@ -254,6 +254,25 @@ class Cluster:
         host, port = ready.read_text().split()
         self.address = f"{host}:{port}"
         return self.address
+
+    def _external_args(self) -> list[str]:
+        groups = self.cfg.group_processes()
+        return ["--external-groups", str(groups)] if groups else []
+
+    def start_groups(self) -> None:
+        """A large model's group servers, each a `minips group` child beside the global
+        server (its own core, its own run directory RUN/group-G), said in one console line."""
+        groups = self.cfg.group_processes()
+        if not groups:
+            return
+        host = self.spaces.server_host if self.spaces else "127.0.0.1"
+        for g in range(groups):
+            self._spawn(f"group-{g}", ["group", "--connect", self.address, "--listen",
+                                       f"{host}:0", "--run-dir", str(self.run_dir / f"group-{g}")])
+        print(f"minips local: --model {self.cfg.run.model}: {groups} group servers run as "
+              "processes of their own, so the groups' work spreads over the cores; the group "
+              "count is fixed and every exchange crosses TCP (--groups-in-process keeps them "
+              "in the server's process)", file=sys.stderr, flush=True)
 
     def announce_dashboard(self) -> None:
         """Print the dashboard's URL once the server wrote it (it starts after the ready file)."""
@@ -412,6 +431,7 @@ def run_local(cfg: LaunchConfig) -> dict[str, Any]:
     try:
         cluster.shape()
         cluster.start_server(write_init(run_dir, cfg.run.model, cfg.run.seed))
+        cluster.start_groups()
         cluster.start_workers()
         if cfg.evaluator:
             cluster.start_evaluator()
@@ -495,6 +515,17 @@ class LaunchConfig:
     amp: bool = False  # workers use mixed precision where their device supports it
     force: bool = False  # a --name directory holding an earlier run: move it aside (else refused)
     data: str = "real"  # the workers' and evaluator's --data: real files, or synthetic (asked)
+    groups_in_process: bool = False  # a large model's group servers stay in the server's process
+
+    def group_processes(self) -> int:
+        """How many `minips group` processes this run starts: for a model of
+        ``LARGE_MODEL_PARAMS`` or more one per group (the run's fixed count, or GSSP's
+        ``max_groups``, at most one per worker), so each group's merges and answers get a core
+        of their own (docs/performance.md); 0 (in the server's process) for a smaller model or
+        with ``groups_in_process``."""
+        if self.groups_in_process or PARAM_COUNTS.get(self.run.model, 0) < LARGE_MODEL_PARAMS:
+            return 0
+        return self.run.fixed_groups or min(self.run.max_groups, self.run.workers)
 
     def factors(self) -> list[float]:
         """Slowdown factor of each of the run's workers (missing ones are 1.0)."""
