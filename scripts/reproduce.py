@@ -619,6 +619,24 @@ def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
         suite.link_shaping = args.link_shaping
     if args.time_scale != 1.0:
         stretch_time(suite, args.time_scale)
+    with_downlink(suite, args.down_mode)
+
+
+EXACT = "+exact"  # the label suffix of a row run with the exact downlink (--down-mode both)
+
+
+def with_downlink(suite: Suite, mode: str | None) -> None:
+    """``--down-mode``: ``exact`` answers every run's PULLs with the exact downlink (the
+    changes since the worker's version at their values now, docs/compression.md); ``both``
+    adds, after each minips row, its twin ``LABEL+exact``, so a table holds the two side by
+    side; ``auto`` or None leaves the suite as it is."""
+    if mode == "exact":
+        suite.run["down_mode"] = "exact"
+    elif mode == "both":
+        twins = [[e, replace(e, label=e.label + EXACT,
+                             overrides={**e.overrides, "down_mode": "exact"})]
+                 if not e.ddp_hook else [e] for e in suite.experiments]
+        suite.experiments = [e for pair in twins for e in pair]
 
 
 def stretch_time(suite: Suite, k: float) -> None:
@@ -686,6 +704,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, help="override the momentum (every experiment)")
     p.add_argument("--optimizer-at", choices=OPTIMIZER_PLACES,
                    help="where SGD runs in every experiment: server (default) or worker")
+    p.add_argument("--down-mode", choices=("auto", "exact", "both"),
+                   help="how PULLs are answered in every minips run: auto (default), exact "
+                   "(the changes since, docs/compression.md) or both (each row and its "
+                   "LABEL+exact twin)")
     p.add_argument("--base-step", type=float, help="override the emulated base step, s")
     p.add_argument("--seeds", help="override the seeds, e.g. 0,1,2")
     p.add_argument("--link", type=_link, help="workers' links for every run, e.g. 10mbit "

@@ -402,3 +402,26 @@ def test_the_overrun_of_a_local_steps_push_is_per_step_not_per_push():
     assert repro_table._overrun(run, [1.0, 2.0], 0.04, 64) == pytest.approx(1.1)
     run.workers[1] = [{"step_time": 0.080, "samples": 64, "local_steps": 1}]
     assert repro_table._overrun(run, [1.0, 2.0], 0.04, 64) == pytest.approx(1.0)
+
+
+def test_down_mode_both_puts_each_minips_row_beside_its_exact_twin(tmp_path):
+    """--down-mode both: LABEL and LABEL+exact side by side (DDP rows have no downlink);
+    --down-mode exact: every minips run answers PULLs exactly; auto leaves the suite."""
+    (suite,) = reproduce.suites_for("link")
+    labels = [e.label for e in suite.experiments]
+    reproduce.with_downlink(suite, "both")
+    rows = {e.label: e for e in suite.experiments}
+    twin = rows["gssp+local8+topk+exact"]
+    assert [e.label for e in suite.experiments].index(twin.label) == \
+        [e.label for e in suite.experiments].index("gssp+local8+topk") + 1
+    assert reproduce._launch_config(suite, twin, 0, tmp_path).run.down_mode == "exact"
+    assert reproduce._launch_config(suite, rows["gssp+local8+topk"], 0,
+                                    tmp_path).run.down_mode == "auto"
+    assert "ddp+exact" not in rows and len(rows) == 2 * len(labels) - sum(
+        1 for e in suite.experiments if e.ddp_hook)
+    (quick,) = reproduce.suites_for("quick")
+    reproduce.with_downlink(quick, "exact")
+    assert reproduce._launch_config(quick, quick.experiments[0], 0,
+                                    tmp_path).run.down_mode == "exact"
+    args = reproduce._parser().parse_args(["--down-mode", "both"])
+    assert args.down_mode == "both"
