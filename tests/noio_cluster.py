@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from minips.compress import registry
+from minips.core.actions import Log
 from minips.core.config import RunConfig
 from minips.core.downlink import apply_weights
 from minips.core.global_core import GlobalCore
-from minips.core.group_core import Action, GroupCore, Log, Reply, StartExchange, Wake
+from minips.core.group_core import Action, GroupCore, Reply, StartExchange, Wake
 from minips.core.roster import GroupHandle
 from minips.wire import messages
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 
 from minips import sparse
+from minips.core.actions import Log
 from minips.core.balance import Balancer, allocate
 from minips.core.config import RunConfig
-from minips.core.group_core import GroupCore, Log
+from minips.core.group_core import GroupCore
 from minips.wire import messages
 
 N = 200

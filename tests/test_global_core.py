@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from minips import sparse
+from minips.core.actions import Log
 from minips.core.config import RunConfig
 from minips.core.exchange import MAX_SESSIONS, Merged
 from minips.core.global_core import (
@@ -21,7 +22,6 @@ from minips.core.global_core import (
     SendRatios,
     WeightsReady,
 )
-from minips.core.group_core import Log
 from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.serve.group import GroupServer

@@ -20,6 +20,7 @@ import pytest
 
 from minips import sparse
 from minips.core import optim
+from minips.core.actions import Log
 from minips.core.config import RunConfig
 from minips.core.downlink import Downlink
 from minips.core.exchange import exchange_message
@@ -27,7 +28,6 @@ from minips.core.group_core import (
     AllLeft,
     Diverged,
     GroupCore,
-    Log,
     Reply,
     StartExchange,
     Wake,

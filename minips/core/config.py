@@ -233,7 +233,7 @@ class RunConfig:
     balance_every: int = 5  # LB-BSP: rounds between two re-balancings of the batch sizes
     sync_every: int = 4  # a group server exchanges with the global one every this many pushes
     merge: str = "mean"  # global adds each group delta / k ("mean", k = groups) or whole ("sum")
-    compressor: str = "none"  # sparse.make_compressor name
+    compressor: str = "none"  # registry.make_compressor name
     ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
     xchg_ratio: float | None = None  # group <-> global exchange kept fraction; None = auto
     # kept fraction of each publish of a group's weights to its workers (downlink.py); None: the
@@ -387,7 +387,7 @@ class RunConfig:
     def downlink_ratio(self) -> float:
         """The downlink's kept fraction: ``down_ratio``, or when None the run's ``ratio`` for
         a sparse compressor and 1.0 (dense) for a dense one (``none``, ``fp16``; its
-        declared wire encoding, ``compress.is_sparse``)."""
+        declared wire encoding, ``registry.is_sparse``)."""
         if self.down_ratio is not None:
             return self.down_ratio
         from minips.compress.registry import (

@@ -1,36 +1,61 @@
-"""A group server's side of the exchange with the global server: the delta, its counters, and
-the rule that makes each exchange count exactly once (numpy, no asyncio, no torch).
+"""The exchange between a group server and the global server, both halves: what a group sends,
+what the global server answers, and the rules that make each exchange count exactly once, across
+a lost reply and across a resumed global server (numpy, sans-IO: no asyncio, no torch).
 
-Every exchange sends (part of) what the group applied since the last one and takes (part of) the
-global weights back:
+The arithmetic. Every exchange sends (part of) what the group applied since the last one and takes
+(part of) the global weights back:
 
     s       = topk(sent - w_sync)        sent = the group's weights when the exchange starts
     w       = w_sync' + (w - w_sync - s) what was not sent, or applied meanwhile, is kept
     w_sync' = the group's copy of the global weights after the reply
 
-The kept fraction is ``replica.exchange_ratio(run)`` (1.0: dense, ``s = sent - w_sync``, and the
-reply is the global weights G whole, so ``w = G + (w - sent)``, ``w_sync = G``). Sparse, the
-reply sets some entries of the group's copy (``exchange.py``: the global server keeps the exact
-same copy, ``known[g]``, and sends where G differs from it most); a dense reply replaces it.
-What a sparse exchange leaves behind stays in ``w - w_sync`` (up) or in ``G - known[g]`` (down)
-and goes with a later exchange: error feedback by bookkeeping, nothing is lost. The exchange
-that flushes a group at the end (``final``, or after ``done``) sends everything left (dense).
-``Outgoing.sent`` keeps ``w_sync + s`` (the weights at the entries sent, ``w_sync`` elsewhere),
-so the rebase is one line whatever the ratio: ``w += w_sync' - sent``.
+The kept fraction is ``exchange_ratio(run)``, both ways (1.0: dense, ``s = sent - w_sync``, and
+the reply is the global weights G whole, so ``w = G + (w - sent)``, ``w_sync = G``).
+``Outgoing.sent`` keeps ``w_sync + s`` (the weights at the entries sent, ``w_sync`` elsewhere), so
+the rebase is one line whatever the ratio: ``w += w_sync' - sent``. The exchange that flushes a
+group at the end (``final``, or after ``done``) sends everything left (dense).
+
+The two halves. A group's ``Exchange`` keeps the delta bookkeeping (``begin`` gives the
+``Outgoing``, ``complete`` takes the ``ExchangeResult``); its shell carries the exchange through a
+``GroupLink``. The global server keeps, per group, a ``Replica``: ``known``, the exact copy the
+group holds of the global weights (its ``w_sync``), and answers an exchange with the entries where
+G and ``known`` differ most: ``idx = topk(G - known)``, sent as ``G[idx]`` (values to *set*, not to
+add), and ``known[idx] = G[idx]``. What a sparse exchange leaves behind stays in ``w - w_sync``
+(up) or in ``G - known`` (down) and goes with a later one: error feedback by bookkeeping, nothing
+is lost. Answers are dense (``G`` itself, the group takes it whole as ``w_sync``) when the ratio
+is 1 (no replica is kept then), when the replica is unknown (a new group, a global server resumed
+from its checkpoint: ``known`` is not saved), and when the sparse answer would be nearly dense
+(``DENSE_AT``). A group process's PULL (registering, adopting, reconnecting) answers with ``G``
+dense, so the replica is reset to it (``Replica.reset``).
 
 Exactly once. Each exchange carries ``session`` (random, one per group server process) and
 ``seq`` (1, 2, ... within the session) in its counters. The global server remembers the last
 seq it merged of each of a group's sessions for the run's lifetime (``Merged``, at most
 ``MAX_SESSIONS``: past it a new session is refused) and answers an exchange whose seq is not
-above it, a repeat or an older one replayed, without merging again. When the reply is
-lost (``ConnectionError``) the exchange stays *pending*: the next attempt sends the very same
-``s`` and counters under the same seq, so whether or not the first copy was merged, ``s`` lands
-once and the reconciliation above stays right (a repeat's answer also carries again what the
-lost reply set: ``exchange.py``). Newer pushes go out with the exchange after that.
+above it, a repeat or an older one replayed, without merging again. When the reply is lost
+(``ConnectionError``) the exchange stays *pending*: the next attempt sends the very same ``s``
+and counters under the same seq, so whether or not the first copy was merged, ``s`` lands once.
+Down, values to set are idempotent, so a lost reply does no harm either: a group starts a new seq
+only after the reply to the last one, so the indices sent since the last new seq
+(``Replica.unacked``) are the only ones the group may lack; the answer to a repeat sends them
+again with their current values, together with the new top-k (after a dense answer that may have
+been lost, the answer to the repeat is dense again). Either way the group's copy equals ``known``
+bit for bit afterwards (copies, no arithmetic). Newer pushes go out with the exchange after that.
 
-Resume. A global server resumed from its checkpoint lacks the exchanges it merged after it;
-a `minips group` process keeps their sum (``exchange.py``, bounded: a few vectors) and, told on
-reconnecting which seq the server holds, sends that sum again inside its next exchange.
+Resume. The global server's checkpoint holds, per group, the (session, seq) of the last exchange
+merged into it, so a server resumed from it lacks the exchanges it merged after it. Each reply to
+an exchange names that seq for the server's last two snapshots (``saved_exchanges``), and the
+GLOBAL_WEIGHTS that answer a group's PULL name the server's current last merged exchange
+(``last_exchange``). A `minips group` process keeps, in its ``Unsaved``, what it sent after
+each: on reconnecting it compares, and a server resumed from a checkpoint at seq ``c`` lacks
+exactly the exchanges after ``c`` that it had merged; the group sends their sum (deltas and
+samples) once more, inside its next exchange. Memory stays bounded: ``after[s]`` is the sum of the
+exchanges completed with seq > s, and only three seqs are kept, the last one completed and the two
+the last reply named. That is enough: the server writes one snapshot at a time and takes the next
+only once the previous write is done, so its checkpoint file is one of its last two snapshots; a
+snapshot taken after the merge that the last reply answered holds the last completed seq (or the
+pending one, whose resend is then answered as a repeat), and one taken before it was among the
+last two that reply named.
 
 Progress. ``cluster_samples()`` estimates how many samples all groups have trained on: the
 global server's count in the last reply plus this group's samples counted since the exchange it
@@ -42,56 +67,12 @@ those the last exchange left unsent (``left``), and ``complete`` rebases only th
 and a sparse reply name: O(changes), the same ``s`` as over all n. The global server's
 ``Replica`` does the same with its own log and its own ``left``.
 
-Invariant: ``w_sync`` is the group's exact copy of what the global server holds for it
-(``known[g]``, or G after a dense reply); ``pending`` is either None or the one exchange whose
-fate is unknown.
-
-A `minips group` process's record of the work the global server may hold only in memory, so
-that a global server resumed from its checkpoint gets it again, exactly once (numpy, sans-IO).
-
-The global server's checkpoint holds, per group, the (session, seq) of the last exchange merged
-into it. Each reply to an exchange names that seq for the server's last two snapshots
-(``saved_exchanges``), and the GLOBAL_WEIGHTS that answer a group's PULL name the server's
-current last merged exchange (``last_exchange``). On reconnecting, a group compares that with
-what it sent: a server resumed from a checkpoint at seq ``c`` lacks exactly the exchanges after
-``c`` that it had merged, and the group sends their sum (deltas and samples) once more, inside
-its next exchange.
-
-Bounded memory. ``after[s]`` is the sum of the exchanges completed with seq > s; only three seqs
-are kept: the last one completed and the two the last reply named. That is enough: the server
-writes one snapshot at a time and takes the next only once the previous write is done, so its
-checkpoint file is one of its last two snapshots; a snapshot taken after the merge that the last
-reply answered holds the last completed seq (or the pending one, whose resend is then answered as
-a repeat), and one taken before it was among the last two that reply named.
-
-Invariant: for each seq ``s`` in ``after``, ``after[s]`` is the sum of the completed exchanges
-with seq > s that the global server's state may lack if it is rolled back to ``s``.
-
-The compressed group <-> global exchange: its kept fraction, the top-k it sends, and the
-global server's replica of what each group holds of the global weights (numpy, sans-IO).
-
-Up, a group sends ``s = topk(sent - w_sync)`` (exchange.py); what it does not send stays in its
-``w - w_sync`` and goes with a later exchange (error feedback by bookkeeping). Down, the global
-server keeps ``known[g]``, the exact copy group ``g`` holds of the global weights (its ``w_sync``),
-and answers an exchange with the entries where the global weights ``G`` and ``known[g]`` differ
-most: ``idx = topk(G - known[g])``, sent as ``G[idx]`` (values to *set*, not to add), and
-``known[g][idx] = G[idx]``. What is not sent stays in ``G - known[g]`` and goes later.
-
-Exactly once, and exact. Values to set are idempotent, so a lost reply does no harm: a group
-starts a new exchange (seq) only after the reply to the last one, so the indices sent since the
-last new seq (``unacked``) are the only ones the group may lack; the answer to a repeat sends
-them again with their current values, together with the new top-k (after a dense answer that
-may have been lost, the answer to the repeat is dense again). Either way the group's copy
-equals ``known[g]`` bit for bit afterwards (copies, no arithmetic).
-
-Dense answers (``G`` itself, the group takes it whole as ``w_sync``): when the ratio is 1 (no
-replica is kept then, as before this compression), when the replica is unknown (a new group, a
-global server resumed from its checkpoint: ``known`` is not saved), and when the sparse answer
-would be nearly dense (``DENSE_AT``). A group process's PULL (registering, adopting, reconnecting)
-answers with ``G`` dense, so the replica is reset to it (``reset``).
-
-Invariant: when ``known`` is not None, a group that got every reply holds ``known`` exactly, and
-one that lost the last replies holds ``known`` except at ``unacked``.
+Invariants: ``w_sync`` is the group's exact copy of what the global server holds for it
+(``known``, or G after a dense reply); ``pending`` is either None or the one exchange whose fate
+is unknown. When ``known`` is not None, a group that got every reply holds ``known`` exactly, and
+one that lost the last replies holds ``known`` except at ``unacked``. For each seq ``s`` in
+``Unsaved.after``, ``after[s]`` is the sum of the completed exchanges with seq > s that the global
+server's state may lack if it is rolled back to ``s``.
 """
 
 from __future__ import annotations
@@ -127,7 +108,7 @@ __all__ = [
 ]
 
 
-# -- merged: the global server's half of exactly once ---------------------------------------
+# -- exactly once, the global server's half: the last seq merged of each session -------------
 
 # answered PULLs one exchange reports, the latest: a received msgpack array holds at most 4096
 # items (frames.Limits.max_array_len; more is ERROR limit_exceeded), so a group process never
@@ -169,7 +150,7 @@ class Merged:
         return [[s, q] for s, q in self.last.items()]
 
 
-# -- unsaved: A `minips group` process's record of the work the global server may hold only in m...
+# -- resume, the group process's half: what a resumed server may lack ------------------------
 
 @dataclass
 class Tally:
@@ -232,14 +213,14 @@ def seqs_in(info: dict[str, Any], key: str, session: int) -> list[int] | None:
     return [q if s == session and q >= 0 else 0 for s, q in pairs]
 
 
-# -- replica: The compressed group <-> global exchange: its kept fraction, the top-k it sends, a...
+# -- the kept fraction, and the global server's copy of each group's ---------------------------
 
 DENSE_AT = 0.5  # an answer with more than this fraction of entries goes dense (smaller then)
 
 
 def exchange_ratio(run: Any) -> float:
     """The exchange's kept fraction (both ways): ``run.xchg_ratio``, or when unset the run's
-    ``ratio`` with a sparse compressor and 1.0 (dense) with a dense one (``compress.is_sparse``:
+    ``ratio`` with a sparse compressor and 1.0 (dense) with a dense one (``registry.is_sparse``:
     ``none``, ``fp16``)."""
     if run.xchg_ratio is not None:
         return float(run.xchg_ratio)
@@ -337,7 +318,7 @@ def _rest(cand: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return cand[keep]
 
 
-# -- exchange: A group server's side of the exchange with the global server: the delta, its coun...
+# -- the group's half: the delta, its counters, the rebase ------------------------------------
 
 Delta = np.ndarray | SparseVector  # (n,) float32 dense, or the entries sent
 
@@ -347,7 +328,7 @@ class ExchangeResult:
     """What the global server answers to a group's delta."""
 
     weights: Delta  # (n,) float32 global weights after the merge (a private copy), or the
-    # entries of the group's copy to set to their global values (exchange.py)
+    # entries of the group's copy to set to their global values (``Replica.answer``)
     version: int  # global version (merges applied so far)
     done: bool  # the run's budget is spent: stop training
     samples: int = 0  # training samples all groups reported so far (for lr schedules)
@@ -395,7 +376,7 @@ class Exchange:
         self.pulls: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=MAX_PULLS)
         self.global_samples = 0  # all groups' samples, as the last reply said
         self.samples_after = 0  # this group's samples counted since that reply
-        self.unsaved: Unsaved | None = None  # once the server names its snapshots (exchange.py)
+        self.unsaved: Unsaved | None = None  # once the server names its snapshots (resume)
         self.lost_track = 0  # resumes whose lost exchanges this record could not name
 
     def count(self, samples: int, step_time: float, loss: float) -> None:
@@ -497,7 +478,7 @@ class Exchange:
         """Reconnected to a (restarted) global server whose weights are ``g`` and which holds
         this session's exchanges up to seq ``held`` (None: it did not say): return the group's
         weights on top of ``g`` and what the server lost of the exchanges before the pending
-        one (it goes out again with the next exchange; exchange.py); a pending exchange keeps
+        one (it goes out again with the next exchange: ``Unsaved``); a pending exchange keeps
         its delta."""
         local = weights - self.w_sync  # (n,) applied here, not known to be held globally
         sent = None if self.pending is None else self.pending.sent

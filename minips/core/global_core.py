@@ -1,33 +1,21 @@
-"""The global server's rules without IO: weights, merges, grouping decisions, budget, ratios.
+"""The global server's rules without IO: the weights and their merges, grouping decisions,
+GDTopK's ratios, the budget, and what a checkpoint holds.
 
 ``GlobalCore`` is what the global server *decides*; ``server.GlobalServer`` (asyncio) holds one
-and is how it talks, and ``simulate.py`` drives the same class in simulated time. Message in,
-actions out: each entry point takes a message (or a tick) and returns the answer and/or a list
-of ``global_actions`` (``FormGroups``, ``SendRatios``, ``Done``, ``Log``, ...) for the shell to
-perform, in order: a worker's session ``worker_joined`` / ``worker_gone``, its STATS
+and carries out what it decides over real connections, and ``simulate.py`` drives the same class
+in simulated time. No asyncio, sockets, clocks or torch inside (tests/test_group_core.py checks):
+times come from the injected clocks or as ``now``. The roster (``roster.py``) holds the workers,
+the groups, their servers and their ratios.
+
+Entry points: a worker's session ``worker_joined`` / ``worker_gone``, its STATS
 ``on_stats(w, msg, now)``, its initial weights ``on_initial(weights)``, the grouping deadline
 ``calib_timeout(now)``, the groups the shell opened ``groups_formed`` / ``moved`` /
 ``group_served`` / ``group_lost`` / ``rehome`` / ``resume``, a group's exchange ``merge``
-(in-process) or ``on_exchange`` / ``group_pull`` / ``group_left`` (a group process: EXCHANGE
--> EXCHANGE_REPLY), the budget ``finish(reason)`` and ``fail``, checkpoints. The core speaks to
-its shell only through what these return; the record's lines are ``Log`` actions. The roster
-(``roster.py``) holds the groups, their peers and ratios. Times come from injected clocks or as
-``now``; no asyncio, sockets, clocks or torch inside (tests/test_group_core.py checks).
-
-Invariants (server.py's docstring has the run's whole course): ``weights`` changes only in
-``merge`` (weights += delta of one group scaled by the sync policy's merge rule, version += 1),
-so the global weights are the initial weights plus every delta any group sent; once ``done``,
-merges still land: nothing sent is lost. Each (session, seq) of a group is merged at most once
-(``exchange.Merged``: a seq not above its session's last merged one is answered without
-merging). The run's counters (samples, version, the groups' worker traffic summed) never pass
-``messages.MAX_COUNT`` (2^62), what GLOBAL_WEIGHTS can carry: an exchange that would take one
-past it is refused (``RemoteProtocolError``) before anything of it is merged.
-
-What the global server's rules (``global_core.py``) ask their shell to do (sans-IO).
-
-``GlobalCore``'s entry points take a message (or a tick) and ``now`` and return a list of these
-actions; the asyncio shell (``server.py``) performs them over real connections, the simulator
-(``simulate.py``) over simulated ones. Each is a frozen dataclass, so a test compares them.
+(in-process) or ``on_exchange`` / ``group_pull`` / ``group_left`` (a group process: EXCHANGE ->
+EXCHANGE_REPLY), the budget ``finish(reason)`` and ``fail``, checkpoints. Each returns a list of
+the actions below, in the order the shell is to perform them (beside the answer, where there is
+one); the core speaks to its shell through nothing else. The actions are frozen dataclasses, so a
+test compares them:
 
 - ``FormGroups``: every expected worker reported (or the calibration time passed): open the
   groups of ``Roster.first_assignment`` and send each worker its ASSIGN.
@@ -44,21 +32,30 @@ actions; the asyncio shell (``server.py``) performs them over real connections, 
 - ``Fail(code, reason)``: the run fails now (``diverged``: a group sent NaN or inf): tell the
   workers (ERROR); a ``Done`` follows.
 - ``Rehomed(group, moved)``: a lost group's workers moved to live groups: tell them (ASSIGN).
-- ``Log(event, fields)``: one line of the run's record (the shell adds the time and counters).
+- ``Log(event, fields)`` (``actions.py``, shared with the group core): one line of the run's
+  record (the shell adds the time and the counters).
 
-What a global checkpoint holds and how its parts come back (numpy, sans-IO, no files).
+Invariants (server.py's docstring has the run's whole course): ``weights`` changes only in
+``merge`` (weights += delta of one group scaled by the sync policy's merge rule, version += 1),
+so the global weights are the initial weights plus every delta any group sent; once ``done``,
+merges still land: nothing sent is lost. Each (session, seq) of a group is merged at most once
+(``exchange.Merged``: a seq not above its session's last merged one is answered without
+merging). The run's counters (samples, version, the groups' worker traffic summed) never pass
+``messages.MAX_COUNT`` (2^62), what GLOBAL_WEIGHTS can carry: an exchange that would take one
+past it is refused (``RemoteProtocolError``) before anything of it is merged.
 
-``GlobalCore.checkpoint_state`` / ``load_state_dict`` use these; ``server.GlobalServer`` writes
-and reads the file (``checkpoint.py``: atomic, no pickle). A snapshot is taken in one call (no
-``await`` inside), so the global weights, the counters and each in-process group's weights,
-optimizer state and clocks are consistent with each other; arrays are copies. The last merged
-exchange of each group (session, seq) is saved too, with the last merged seq of each of its
-sessions (``exchange.Merged``), so a group process that resends an exchange
-the restored server already holds does not get it merged twice, and so that it can send again
-those the checkpoint lacks: each snapshot records it in ``GroupHandle.snapshots``, which the
-replies to group processes name (exchange.py). The global server's copies of what each group
-holds of the weights (``exchange.py``) are not saved: after a resume each group's first answer is
-dense (a group process's PULL resets it).
+Checkpoints. ``checkpoint_state`` takes a snapshot (``snapshot``) and ``load_state_dict`` /
+``resume`` bring it back (``restore_workers``, ``restore_group``); ``server.GlobalServer``
+writes and reads the file (``checkpoint.py``: atomic, no pickle; ``check_compatible`` refuses
+one of another model or config). A snapshot is taken in one call (no ``await`` inside), so the
+global weights, the counters and each in-process group's weights, optimizer state and clocks are
+consistent with each other; arrays are copies. The last merged exchange of each group (session,
+seq) is saved too, with the last merged seq of each of its sessions (``exchange.Merged``), so a
+group process that resends an exchange the restored server already holds does not get it merged
+twice, and so that it can send again those the checkpoint lacks: each snapshot records it in
+``GroupHandle.snapshots``, which the replies to group processes name (``exchange.Unsaved``). The
+global server's copies of what each group holds of the weights (``exchange.Replica``) are not
+saved: after a resume each group's first answer is dense (a group process's PULL resets it).
 """
 
 from __future__ import annotations
@@ -71,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from minips import sparse
+from minips.core.actions import Log
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.exchange import (
@@ -81,7 +79,6 @@ from minips.core.exchange import (
     Replica,
     exchange_ratio,
 )
-from minips.core.group_core import Log
 from minips.core.local_steps import auto_local_steps
 from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
 from minips.errors import ConfigError, RemoteProtocolError
@@ -110,7 +107,7 @@ __all__ = [
 ]
 
 
-# -- global_actions: What the global server's rules (``global_core.py``) ask their shell to do (...
+# -- the actions: what the core asks its shell to do ------------------------------------------
 
 @dataclass(frozen=True)
 class FormGroups:
@@ -175,7 +172,7 @@ Action = (FormGroups | PlaceLate | Regroup | SendRatios | WeightsReady | Done | 
           | Rehomed | Log)
 
 
-# -- global_state: What a global checkpoint holds and how its parts come back (numpy, sans-IO, n...
+# -- a checkpoint's state: taken in one call, restored in parts -------------------------------
 
 def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: int,
              samples: int, saved_at: float, train_s: float,
@@ -224,7 +221,7 @@ def restore_group(h: GroupHandle, saved: dict[str, Any]) -> None:
         h.peer = NoGroup({k: int(v) for k, v in (saved.get("traffic") or {}).items()})
 
 
-# -- global_core: The global server's rules without IO: weights, merges, grouping decisions, bud...
+# -- the rules -------------------------------------------------------------------------------
 
 class GlobalCore:
     """The global weights, their version, the run's samples and budget, the roster."""
@@ -439,8 +436,9 @@ class GlobalCore:
     # -- GDTopK ratios -----------------------------------------------------------------------
 
     def _update_ratios(self, now: float) -> list[Action]:
-        """GDTopK: when the ratio policy (roster.update_ratios, ratios.py) gives new ratios, log
-        them and send them (``SendRatios``); local steps auto: the groups' H likewise."""
+        """GDTopK: when the ratio policy (``Roster.update_ratios``, ratios.py) gives new
+        ratios, log them and send them (``SendRatios``); local steps auto: the groups' H
+        likewise."""
         new = self.roster.update_ratios(now)
         steps = self._local_steps_actions(self.roster.update_local_steps())
         if not new:
@@ -626,7 +624,7 @@ class GlobalCore:
         return [Log("failed", {"code": code, "reason": reason}), Fail(code, reason),
                 *self.finish(code)]
 
-    # -- checkpoints (global_core.py) ---------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict[str, Any]:
         """A consistent snapshot of the run (``snapshot``)."""

@@ -1,9 +1,12 @@
 """A group server's rules without IO: weights, SGD, clocks, rounds, the downlink's answers.
 
 ``GroupCore`` is what a group *decides*; ``group.GroupServer`` (asyncio) holds one and is how it
-talks. The core's entry points take an incoming event and the time ``now`` and return the actions to
-perform (``group_core.py``: ``Reply``, ``Wake``, ``StartExchange``, ``AllLeft``,
-``BudgetSpent``, ``Log``), in order; the IO side performs them:
+talks, and the simulator (``simulate.py``) drives the same class in simulated time. It holds no
+link and imports no asyncio, sockets, clocks or torch (tests/test_group_core.py checks, and drives
+a whole cluster of these cores in one thread with a fake clock).
+
+Entry points. Each takes an incoming event and the time ``now``, changes the state and returns
+the actions its shell is to perform, in the order they are due:
 
 - ``join(w, now)`` / ``leave(w)``: a worker's connection opens (``Reply``: its first ACK) or
   closes; ``tick(now, heard)``: leases renewed as of each worker's last bytes, silent ones expire;
@@ -16,10 +19,9 @@ perform (``group_core.py``: ``Reply``, ``Wake``, ``StartExchange``, ``AllLeft``,
 - ``set_ratio(ratio)``: GDTopK's ratio for the group's workers (the global server's choice);
   ``spend_budget()``: the run is over, every PULL is answered with ``done``.
 
-The core holds no link and no IO: its shell carries every exchange and performs every action.
-
-It imports no asyncio, sockets, clocks or torch (tests/test_group_core.py checks, and drives a
-whole cluster of these cores in one thread with a fake clock).
+The actions are frozen dataclasses defined here (``Reply``, ``Wake``, ``StartExchange``,
+``AllLeft``, ``BudgetSpent``), and ``Log``, a line of the group's record, which every core
+shares (``actions.py``).
 
 The rules. Every change of the weights (a push, a round, an exchange's rebase, a new global
 server) goes through one place (``_change``), which notes the indices it touched in the
@@ -33,37 +35,29 @@ A group applies its workers' gradients to its weights with ``optim.SGD`` (with t
 optimizer on the workers, ``RunConfig.optimizer_at``, the updates they push, with the outer
 optimizer: ``local_steps.outer_sgd``, lr 1 and no momentum or decay by default; each WEIGHTS
 tells the worker the lr factor of its next update, the run's progress and the group's local
-steps H). SSP inside the group: a PULL is answered only when
-``ssp.ClockTable.may_start`` allows; BSP (staleness 0) averages the pushes of one clock
-(``ssp.Rounds``) and applies them once, at the lr of the round's place in the run (so W
-workers in BSP are synchronous SGD, schedule included: ``reference.train``); other modes apply
-each push as it arrives with the lr divided by the number m of live workers of the group, so
-one round of m pushes moves as far as one BSP step.
-LB-BSP (``lbbsp``) is BSP whose round mean is weighted by each push's samples and whose
-workers' batch sizes follow their speeds (``balance.Balancer``: a ``balance`` log when they
+steps H). SSP inside the group: a PULL is answered only when ``ssp.ClockTable.may_start``
+allows; BSP (staleness 0) averages the pushes of one clock (``ssp.Rounds``) and applies them
+once, at the lr of the round's place in the run (so W workers in BSP are synchronous SGD,
+schedule included: ``reference.train``); other modes apply each push as it arrives with the lr
+divided by the number m of live workers of the group, so one round of m pushes moves as far as
+one BSP step. LB-BSP (``lbbsp``) is BSP whose round mean is weighted by each push's samples and
+whose workers' batch sizes follow their speeds (``balance.Balancer``: a ``balance`` log when they
 change, each worker's next batch in its WEIGHTS).
-Every ``sync_every`` pushes the group's shell exchanges with the global server through a
-``GroupLink`` (a direct call in-process, EXCHANGE/EXCHANGE_REPLY over TCP for a `minips group`);
-``exchange.py`` keeps the delta bookkeeping (nothing lost, each delta merged once, also when a
-reply is lost; top-k both ways at ``xchg_ratio``, dense for a flush); at most one exchange is in
-flight. When the
-budget is spent (``done``) every PULL is answered with ``done`` and the group flushes a last
-delta; when its last worker leaves it flushes a ``final`` one. With ``max_steps`` N a worker's
-PULL at clock >= N is answered at once with ``done`` (its run is over; it leaves), and a PUSH
-with clock > N is refused.
 
-What a group core asks its IO side to do: the actions ``GroupCore``'s entry points return.
-
-``GroupCore`` (group_core.py) takes a message or a timer tick and the time, changes its state
-and returns a list of these actions, in the order they are due, like ``messages.py`` returns
-messages for bytes (and h11 events for HTTP). The IO side performs them: ``group.GroupServer``
-over asyncio, the simulator (simulate.py) with simulated time, a test by hand. No IO here.
+Every ``sync_every`` pushes the group's shell exchanges with the global server through an
+``exchange.GroupLink`` (a direct call in-process, EXCHANGE/EXCHANGE_REPLY over TCP for a `minips
+group`); ``exchange.py`` keeps the delta bookkeeping (nothing lost, each delta merged once, also
+when a reply is lost; top-k both ways at ``xchg_ratio``, dense for a flush); at most one exchange
+is in flight. When the budget is spent (``done``) every PULL is answered with ``done`` and the
+group flushes a last delta; when its last worker leaves it flushes a ``final`` one. With
+``max_steps`` N a worker's PULL at clock >= N is answered at once with ``done`` (its run is
+over; it leaves), and a PUSH with clock > N is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -71,6 +65,7 @@ import numpy as np
 from minips import sparse
 from minips.compress.ratios import IterTimer
 from minips.core import optim, ssp
+from minips.core.actions import Log
 from minips.core.balance import Balancer
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
@@ -86,7 +81,6 @@ __all__ = [
     "check_finite",
     "AllLeft",
     "BudgetSpent",
-    "Log",
     "Reply",
     "StartExchange",
     "Wake",
@@ -94,7 +88,7 @@ __all__ = [
 ]
 
 
-# -- group_actions: What a group core asks its IO side to do: the actions ``GroupCore``'s entry ...
+# -- the actions: what the core asks its shell to do ------------------------------------------
 
 @dataclass(frozen=True)
 class Reply:
@@ -127,19 +121,10 @@ class BudgetSpent:
     flush a last delta (``GroupServer.finish``)."""
 
 
-@dataclass(frozen=True)
-class Log:
-    """One line of the group's record: ``event`` and its ``fields`` (the IO side adds the time
-    and the group's counters)."""
-
-    event: str
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
 Action = Reply | Wake | StartExchange | AllLeft | BudgetSpent | Log
 
 
-# -- group_core: A group server's rules without IO: weights, SGD, clocks, rounds, the downlink's...
+# -- the rules -------------------------------------------------------------------------------
 
 class GroupCore:
     """State and rules of one group. Plain attributes hold the whole state (``state_dict``)."""

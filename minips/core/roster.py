@@ -1,33 +1,31 @@
-"""The global server's roster: which workers exist, which group each is in, each group's speed
-and GDTopK ratio (no asyncio, no sockets, no torch; time comes in as ``now``).
+"""The global server's roster: which workers exist, which group each is in, each group's speed,
+GDTopK ratio and server (no asyncio, no sockets, no torch; time comes in as ``now``).
 
 ``GlobalCore`` owns one ``Roster`` (its asyncio shell ``GlobalServer`` does the I/O around
 it): ``admit`` gives workers their ids, ``first_assignment`` forms the groups
 (``grouping.Regrouper``), ``maybe_regroup`` says whether speeds drifted, ``move`` moves workers.
 GDTopK: ``first_ratios`` sets the ratios the groups open with, every exchange's measured
 iteration time goes to ``observe_iter_time``, and when ``update_ratios`` returns new ratios
-(``RatioPolicy``) the core tells its shell to send them (``SendRatios``). A group's ratio
-lives in its ``GroupHandle`` (the roster's record); the group's server learns it from the shell.
-Local steps auto: ``update_local_steps`` sets each group's H from its step time
-(``local_steps.auto_local_steps``) in the handle; it travels as the ratio does (ASSIGN).
+(``RatioPolicy``) the core tells its shell to send them (``SendRatios``). Local steps auto:
+``update_local_steps`` sets each group's H from its step time (``local_steps.auto_local_steps``)
+in the handle; it travels as the ratio does (ASSIGN).
 
 Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, else one whose worker
 is gone (``free_id``), so a worker restarted without its old id still finds a place.
 
+Groups. Each group has one record, its ``GroupHandle``: members, address, speed, ratio, H, its
+exchanges' counters, and ``peer``, the global server's one view of the group's server wherever it
+runs (a ``GroupPeer``). That server runs in the global server's process (``server.InProcGroup``)
+or as a separate `minips group` process behind a TCP channel (``sessions.RemoteGroup``); while
+none serves the group (a resumed run waiting for its group processes, a lost one) it is
+``NoGroup``. The global side calls the same methods on each and never asks which it is. The
+group's GDTopK ratio has one owner, ``GroupHandle.ratio``, which the roster sets; the shell hands
+a new one to the group's server with ``send_ratio`` (in-process: the group core's
+``set_ratio``; a group process: an ASSIGN over the wire).
+
 Invariants: a worker with ``group >= 0`` is listed in exactly that group's ``members``; group ids
 stay stable across a regroup (``match_labels`` names new groups after the old group most of their
 members come from), so only workers whose group really changed are moved.
-
-The global server's one view of a group's server, wherever it runs (sans-IO interface).
-
-A group's server runs in the global server's process (``server.InProcGroup``) or as a separate
-`minips group` process behind a TCP channel (``sessions.RemoteGroup``); while none serves a
-group (a resumed run waiting for its group processes, a lost one) it is ``NoGroup``. The global
-side calls the same methods on each and never asks which it is.
-
-The group's GDTopK ratio has one owner: ``GroupHandle.ratio``, which the roster sets; the
-shell hands a new one to the group's server with ``send_ratio`` (in-process: the group core's
-``set_ratio``; a group process: an ASSIGN over the wire).
 """
 
 from __future__ import annotations
@@ -59,7 +57,7 @@ __all__ = [
 ]
 
 
-# -- group_peer: The global server's one view of a group's server, wherever it runs (sans-IO int...
+# -- a group's server, as the global server sees it -----------------------------------------
 
 class GroupPeer(Protocol):
     """What the global server does with one group's server."""
@@ -138,7 +136,7 @@ class NoGroup:
         """Nothing runs here."""
 
 
-# -- roster: The global server's roster: which workers exist, which group each is in, each group...
+# -- the roster ------------------------------------------------------------------------------
 
 REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
 # A lasting change of a worker's speed by 2x or more moves it within this many seconds: its
@@ -169,7 +167,7 @@ MAX_TRAFFIC_BASES = 4096  # group-process sessions whose traffic base a group ke
 
 class GroupHandle:
     """One group as the global server sees it; ``peer`` is its server, wherever it runs
-    (``roster.py``)."""
+    (a ``GroupPeer``)."""
 
     def __init__(self, id: int, address: str, members: list[int] | None = None,
                  ratio: float = 0.01, peer: GroupPeer | None = None) -> None:

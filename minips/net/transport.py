@@ -11,7 +11,7 @@ connections and runs the handshake over them. The file holds, in order:
 - ``backoff``, the one retry loop of minips: exponential backoff with jitter, bounded by a
   deadline. Every place that tries to reach a peer again uses it: ``connect`` (a client's
   connection and handshake, hence also a `minips group` process registering and reconnecting
-  with the global server) and a worker reaching its group server (``worker._connect_group``).
+  with the global server) and a worker reaching its group server (worker.py).
 - The listening side: ``serve`` and ``Server``, which run the server half of the handshake on
   each connection, then hand the ``Channel`` to the handler.
 - The client side: ``install_uvloop`` and ``connect``.
@@ -253,7 +253,7 @@ log = logging.getLogger("minips.net.transport")
 
 Accept = Callable[[messages.Hello], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 Handler = Callable[[Channel], Awaitable[None]]
-_TURNED_AWAY = {  # guard.admit's reasons, as an operator reads them
+_TURNED_AWAY = {  # Guard.admit's reasons, as an operator reads them
     "backoff": "too many failed handshakes (wrong secret) or sessions cut for protocol "
                 "violations in a row: it must wait",
     "per_source": "too many handshakes open from this address at once",
@@ -303,7 +303,7 @@ class Server:
         task.add_done_callback(self._tasks.discard)
 
     def _turn_away(self, source: str, why: str) -> None:
-        """Count and log a connection the guard said no to (``why``: a ``guard.admit`` reason)."""
+        """Count and log a connection the guard said no to (``why``: a ``Guard.admit`` reason)."""
         self.stats["turned_away"] += 1
         self.counted.note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
 

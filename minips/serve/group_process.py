@@ -119,7 +119,7 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     # a group that does, a plain one only a group that does not (server.py)
     ch = await transport.connect(cfg.server_host, cfg.server_port, role="group", address=address,
                                  group=gs.core.group, token=cfg.token, timeout=timeout,
-                                 retries=None, ssl=client_ssl(cfg.tls_ca),  # net_retry.backoff
+                                 retries=None, ssl=client_ssl(cfg.tls_ca),  # transport.backoff
                                  capabilities=(TLS_CAPABILITY,) if cfg.tls_cert else ())
     run = RunConfig.from_info(ch.welcome_info)
     ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease

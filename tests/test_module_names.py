@@ -1,0 +1,197 @@
+"""Every module a reader is pointed to exists: the names in the package's docstrings and comments,
+in docs/*.md and in README.md, checked against the tree; and no merge banner is left.
+
+A reference is a path (``core/exchange.py``, ``minips/sim/timing.py``, ``server.py``) or a dotted
+name whose first part is a minips module, current or former (``exchange.Merged``,
+``ssp.ClockTable.may_start``, ``minips.core.roster``). ``np.float32``, ``self.x`` or ``e.g.`` are
+not references: their first part names no minips module. The sources are read (ast, tokenize),
+not imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "minips"
+
+# modules the package had once and has no more: a dotted name or a lone ``name`` that starts with
+# one of these points a reader at nothing (git history; the merges of the third version)
+FORMER = {
+    "cli_checks", "cli_flags", "cli_parser", "cli_ray", "cli_simulate", "client_sessions",
+    "clock_counts", "frame_protocol", "global_actions", "global_messages", "global_state",
+    "group_actions", "group_peer", "group_sessions", "inproc_group", "logcounts", "message_base",
+    "model_nets", "model_table", "net_retry", "once_per_turn", "partial_frame", "ray_launch",
+    "ray_roles", "replica", "run_end", "server_checkpoint", "server_groups", "server_io",
+    "server_process", "sim_config", "sim_cores", "sim_objective", "sim_timing", "sparse_codec",
+    "sparse_select", "tcp_server", "unsaved", "worker_control", "worker_link", "worker_setup",
+}
+# endings after a module-like word that make it a file name, not a module's attribute
+FILE_ENDINGS = {"md", "json", "jsonl", "toml", "png", "txt", "csv", "npz", "html", "log", "yaml",
+                "yml", "sh", "cfg", "ini", "gz", "pt", "pth", "svg", "js", "css", "pem", "key",
+                "crt"}
+# subpackages whose names are also everyday variables (``run.ratio``: a RunConfig's field,
+# ``core.failure``: a role core's, ``wire.dtype``: a compressor's wire spec): not references
+VARIABLES = {"run", "core", "wire"}
+BANNER = re.compile(r"^# -- [a-z_]+: ")
+PATH = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b")
+DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
+# alone, only the former names no prose or variable uses (``replica`` is also a word)
+LONE_FORMER = re.compile(r"\b(" + "|".join(sorted(n for n in FORMER if "_" in n)) + r")\b")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
+BY_LAST = {}  # the last part of a module's name -> the modules so named
+for _name in MODULES:
+    BY_LAST.setdefault(_name.rsplit(".", 1)[-1], []).append(_name)
+TREE_FILES = {p.name for d in (PKG, ROOT / "tests", ROOT / "scripts") for p in d.rglob("*.py")}
+
+
+def _class_names(cls: ast.ClassDef) -> set[str]:
+    """What a class defines: its body's names and every ``self.x =`` in its methods."""
+    out: set[str] = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+    return out
+
+
+def _top_level(module: str) -> dict[str, ast.AST | None]:
+    """A module's top-level names: its classes (to look inside), other names (None)."""
+    out: dict[str, ast.AST | None] = {}
+    for node in ast.parse(MODULES[module].read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = node
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = None
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update({(a.asname or a.name).split(".")[0]: None for a in node.names})
+        else:
+            out.update({n.id: None for n in ast.walk(node)
+                        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)})
+    return out
+
+
+TOP = {m: _top_level(m) for m in MODULES}
+
+
+def _resolves(module: str, rest: list[str]) -> bool:
+    """``module`` then ``rest`` names a submodule, a top-level name, or a class's member."""
+    if not rest:
+        return True
+    if f"{module}.{rest[0]}" in MODULES:
+        return _resolves(f"{module}.{rest[0]}", rest[1:])
+    top = TOP[module]
+    if rest[0] not in top:
+        return False
+    node = top[rest[0]]
+    return len(rest) == 1 or not isinstance(node, ast.ClassDef) or rest[1] in _class_names(node)
+
+
+def dotted_is_dead(name: str) -> bool:
+    """A dotted name whose first part is a minips module (or was one) that names nothing."""
+    parts = name.split(".")
+    if parts[-1] in FILE_ENDINGS or parts[-1] == "py" or parts[0] in VARIABLES:
+        return False
+    if parts[0] in FORMER and parts[0] not in BY_LAST:
+        return True
+    if parts[0] == "minips":
+        return not _resolves("minips", parts[1:])
+    candidates = BY_LAST.get(parts[0], [])
+    return bool(candidates) and not any(_resolves(m, parts[1:]) for m in candidates)
+
+
+def path_is_dead(path: str) -> bool:
+    """A ``.py`` path that is no file of the tree (from the root, the package, or a bare name)."""
+    if "/" not in path:
+        return path not in TREE_FILES
+    return not ((ROOT / path).is_file() or (PKG / path).is_file())
+
+
+def dead_names(text: str) -> Iterator[str]:
+    """The references in one line of text that name nothing (a former module's name once)."""
+    spans = []  # what the path and dotted checks read: a former name inside is theirs
+    for m in PATH.finditer(text):
+        spans.append(m.span(1))
+        if path_is_dead(m.group(1)):
+            yield m.group(1)
+    for m in DOTTED.finditer(text):
+        spans.append(m.span(1))
+        if dotted_is_dead(m.group(1).rstrip(".")):
+            yield m.group(1)
+    for m in LONE_FORMER.finditer(text):
+        if not any(a <= m.start() and m.end() <= b for a, b in spans):
+            yield m.group(1)
+
+
+def source_texts(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, text) of each comment and each line of each docstring of a module."""
+    src = path.read_text()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                for i, line in enumerate(body[0].value.value.splitlines()):
+                    yield body[0].lineno + i, line
+
+
+def all_texts() -> Iterator[tuple[str, int, str]]:
+    for path in sorted(PKG.rglob("*.py")):
+        for line, text in source_texts(path):
+            yield str(path.relative_to(ROOT)), line, text
+    for path in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
+        for line, text in enumerate(path.read_text().splitlines(), 1):
+            yield str(path.relative_to(ROOT)), line, text
+
+
+def test_the_checker_tells_references_from_words():
+    assert dotted_is_dead("replica.exchange_ratio")
+    assert dotted_is_dead("global_actions.Log")
+    assert dotted_is_dead("exchange.NoSuchThing")
+    assert dotted_is_dead("ssp.ClockTable.no_such_method")
+    assert not dotted_is_dead("exchange.exchange_ratio")
+    assert not dotted_is_dead("ssp.ClockTable.may_start")
+    assert not dotted_is_dead("minips.core.exchange")
+    for word in ("np.float32", "self.x", "e.g", "protocol.md", "exchange.py", "i.e",
+                 "run.ratio", "server.pem"):
+        assert not dotted_is_dead(word), word
+    assert path_is_dead("core/replica.py") and path_is_dead("worker_link.py")
+    assert not path_is_dead("core/exchange.py") and not path_is_dead("minips/sim/timing.py")
+    assert list(dead_names("see ``global_actions`` and core/nothing.py")) == [
+        "core/nothing.py", "global_actions"]
+    assert list(dead_names("``sim_timing.Links``")) == ["sim_timing.Links"]
+
+
+def test_every_module_named_in_docstrings_comments_and_docs_exists():
+    texts = sorted(all_texts())  # by file and line, comments and docstrings together
+    assert len(texts) > 5000  # the package and its docs were read, not an empty list
+    dead = [f"{where}:{line}: {name}" for where, line, text in texts for name in dead_names(text)]
+    assert not dead, "names of modules (or of their members) that do not exist:\n" + \
+        "\n".join(dead)
+
+
+def test_no_merge_banner_is_left():
+    found = [f"{p.relative_to(ROOT)}:{i}: {line[:60]}"
+             for d in (PKG, ROOT / "scripts") for p in sorted(d.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if BANNER.match(line)]
+    assert not found, "merge banners naming an old module:\n" + "\n".join(found)
