@@ -47,3 +47,11 @@ def test_the_optimizer_place_is_an_axis_of_the_grid() -> None:
     assert [p["optimizer_at"] for p in doc["points"]] == ["server", "worker"]
     assert all("error" not in p and p["pushes_s"] > 0 for p in doc["points"])
     assert all(p["cpu_per_message"]["checkpoint"]["count"] == 0 for p in doc["points"])
+
+
+def test_the_exact_downlink_is_measured_when_asked() -> None:
+    doc = run_bench("--workers", "2", "--optimizer-at", "worker", "--window-s", "1",
+                    "--exact-down")
+    assert doc["exact_down"] is True
+    (p,) = doc["points"]
+    assert "error" not in p and p["pushes_s"] > 0 and p["pull_bytes_s"] > 0, p
