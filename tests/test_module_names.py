@@ -1,11 +1,11 @@
 """Every module a reader is pointed to exists: the names in the package's docstrings and comments,
 in docs/*.md and in README.md, checked against the tree; and no merge banner is left.
 
-A reference is a path (``core/exchange.py``, ``minips/sim/timing.py``, ``server.py``) or a dotted
+A reference is a path (``core/exchange.py``, ``minips/sim/timing.py``, ``server.py``), a dotted
 name whose first part is a minips module, current or former (``exchange.Merged``,
-``ssp.ClockTable.may_start``, ``minips.core.roster``). ``np.float32``, ``self.x`` or ``e.g.`` are
-not references: their first part names no minips module. The sources are read (ast, tokenize),
-not imported.
+``ssp.ClockTable.may_start``, ``minips.core.roster``), or a minips class's member
+(``GroupCore.push``). ``np.float32``, ``self.x`` or ``e.g.`` are not references: their first
+part names no minips module or class. The sources are read (ast, tokenize), not imported.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ FILE_ENDINGS = {"md", "json", "jsonl", "toml", "png", "txt", "csv", "npz", "html
 # subpackages whose names are also everyday variables (``run.ratio``: a RunConfig's field,
 # ``core.failure``: a role core's, ``wire.dtype``: a compressor's wire spec): not references
 VARIABLES = {"run", "core", "wire"}
-BANNER = re.compile(r"^# -- [a-z_]+: ")
+BANNER = re.compile(r"^# -- ([a-z_]+): ")  # a merge's banner names the module it came from
 PATH = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b")
 DOTTED = re.compile(r"(?<![\w./-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 # alone, only the former names no prose or variable uses (``replica`` is also a word)
@@ -104,6 +104,39 @@ def _resolves(module: str, rest: list[str]) -> bool:
     return len(rest) == 1 or not isinstance(node, ast.ClassDef) or rest[1] in _class_names(node)
 
 
+CLASSES: dict[str, list[ast.ClassDef]] = {}  # every minips class by name
+for _path in MODULES.values():
+    for _node in ast.walk(ast.parse(_path.read_text())):
+        if isinstance(_node, ast.ClassDef):
+            CLASSES.setdefault(_node.name, []).append(_node)
+
+
+def _members(name: str, seen: tuple[str, ...] = ()) -> set[str] | None:
+    """What a minips class and its minips bases define; None when a base is not ours (an
+    ``Exception``, an ``IntEnum``): its members are not read here."""
+    out: set[str] = set()
+    for cls in CLASSES.get(name, []):
+        out |= _class_names(cls)
+        for base in cls.bases:
+            b = ast.unparse(base).split("[")[0].split(".")[-1]
+            if b in ("object", "Protocol", "Generic"):
+                continue
+            inherited = None if b not in CLASSES or b in seen else _members(b, (*seen, name))
+            if inherited is None:
+                return None
+            out |= inherited
+    return out
+
+
+def member_is_dead(name: str) -> bool:
+    """``Class.member`` where Class is a minips class (and no module) that lacks the member."""
+    parts = name.split(".")
+    if parts[0] not in CLASSES or parts[0] in BY_LAST or parts[-1] in FILE_ENDINGS:
+        return False
+    members = _members(parts[0])
+    return members is not None and parts[1] not in members
+
+
 def dotted_is_dead(name: str) -> bool:
     """A dotted name whose first part is a minips module (or was one) that names nothing."""
     parts = name.split(".")
@@ -133,7 +166,7 @@ def dead_names(text: str) -> Iterator[str]:
             yield m.group(1)
     for m in DOTTED.finditer(text):
         spans.append(m.span(1))
-        if dotted_is_dead(m.group(1).rstrip(".")):
+        if dotted_is_dead(m.group(1).rstrip(".")) or member_is_dead(m.group(1).rstrip(".")):
             yield m.group(1)
     for m in LONE_FORMER.finditer(text):
         if not any(a <= m.start() and m.end() <= b for a, b in spans):
@@ -172,6 +205,9 @@ def test_the_checker_tells_references_from_words():
     assert not dotted_is_dead("exchange.exchange_ratio")
     assert not dotted_is_dead("ssp.ClockTable.may_start")
     assert not dotted_is_dead("minips.core.exchange")
+    assert member_is_dead("ClockTable.no_such_method")
+    assert not member_is_dead("ClockTable.may_start")
+    assert not member_is_dead("RunConfig.down_mode")  # a dataclass field
     for word in ("np.float32", "self.x", "e.g", "protocol.md", "exchange.py", "i.e",
                  "run.ratio", "server.pem"):
         assert not dotted_is_dead(word), word
@@ -190,8 +226,22 @@ def test_every_module_named_in_docstrings_comments_and_docs_exists():
         "\n".join(dead)
 
 
+def is_banner(line: str) -> bool:
+    """``# -- name: ...`` where name is a module's, now or once: what a merge left. A section
+    comment (``# -- encoding: a message in, ...``, ``# -- the rules ---``) is not one."""
+    m = BANNER.match(line)
+    return bool(m) and m.group(1) in {*BY_LAST, *FORMER}
+
+
+def test_the_banner_check_tells_banners_from_section_comments():
+    assert is_banner("# -- global_actions: What the global server's rules ...")
+    assert is_banner("# -- group: Group server: one group's model copy, SGD state ...")
+    assert not is_banner("# -- encoding: a message in, the bytes of its frame out ---")
+    assert not is_banner("# -- the listening side: serve and Server ---")
+
+
 def test_no_merge_banner_is_left():
     found = [f"{p.relative_to(ROOT)}:{i}: {line[:60]}"
              for d in (PKG, ROOT / "scripts") for p in sorted(d.rglob("*.py"))
-             for i, line in enumerate(p.read_text().splitlines(), 1) if BANNER.match(line)]
+             for i, line in enumerate(p.read_text().splitlines(), 1) if is_banner(line)]
     assert not found, "merge banners naming an old module:\n" + "\n".join(found)

@@ -10,8 +10,9 @@ the UTF-8 JSON of the map with every array replaced by ``{"__array__": name}``. 
 ``allow_pickle=False``; JSON maps have string keys, so readers convert ids back to ints.
 
 A checkpoint carries a *fingerprint* of the run settings that define the model and its training
-(``FINGERPRINT_FIELDS`` plus the vector size). ``check_compatible`` refuses a checkpoint whose
-fingerprint differs from the run that wants to resume it, naming every field that differs.
+(``global_core.FINGERPRINT_FIELDS`` plus the vector size); ``global_core.check_compatible``
+refuses a checkpoint whose fingerprint differs from the run that wants to resume it, naming every
+field that differs.
 
 Without stalling the event loop: ``save_in_child`` forks, and the child takes the state and
 writes it while the parent's loop keeps serving. The child sees the parent's memory as it was at
