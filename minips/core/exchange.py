@@ -474,9 +474,9 @@ class Exchange:
         return self.global_samples + self.samples_after
 
     def rebase(self, weights: np.ndarray, g: np.ndarray,
-               held: int | None = None) -> tuple[np.ndarray, Tally | None]:
+               server_seq: int | None = None) -> tuple[np.ndarray, Tally | None]:
         """Reconnected to a (restarted) global server whose weights are ``g`` and which holds
-        this session's exchanges up to seq ``held`` (None: it did not say): return the group's
+        this session's exchanges up to seq ``server_seq`` (None: it did not say): return the group's
         weights on top of ``g`` and what the server lost of the exchanges before the pending
         one (it goes out again with the next exchange: ``Unsaved``); a pending exchange keeps
         its delta."""
@@ -489,19 +489,19 @@ class Exchange:
             sent.values[:] = g[at] + (sent.values - self.w_sync[at])
         self.w_sync = np.array(g, dtype=np.float32)
         self.left = None  # the weights are g + local now: anywhere may differ
-        replay = self.replay(held)
+        replay = self.replay(server_seq)
         if replay is not None:
             local += replay.delta
             self.since["samples"] += replay.samples
         return g + local, replay
 
-    def replay(self, held: int | None) -> Tally | None:
-        """What the server lost of this session's exchanges, when ``held`` says it."""
-        if held is None:
+    def replay(self, server_seq: int | None) -> Tally | None:
+        """What the server lost of this session's exchanges, when ``server_seq`` says it."""
+        if server_seq is None:
             return None
         pending = None if self.pending is None else self.pending.stats["seq"]
         if self.unsaved is not None:
-            replay = self.unsaved.restore(held, pending)
+            replay = self.unsaved.restore(server_seq, pending)
         elif self.seq - (pending is not None) == 0:  # no reply yet: nothing it could lack
             replay = Tally.zero(self.w_sync.size)
         else:  # the replies so far named no snapshot (an older global server)

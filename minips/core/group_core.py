@@ -14,7 +14,7 @@ the actions its shell is to perform, in the order they are due:
 - ``may_answer(w, clock)``, ``publish()``, ``weights_message(w, waited, since, clock)``: a
   PULL's answer (``done`` at the run's ``max_steps``: ``at_cap``);
 - ``begin_exchange(final, traffic)`` / ``exchanged(out, res, seconds)``: one exchange with the
-  global server (``Log``; ``BudgetSpent``); ``rebase(weights, held)``: a new global server;
+  global server (``Log``; ``BudgetSpent``); ``rebase(weights, server_seq)``: a new global server;
   ``start_flush`` / ``flush_failed`` / ``stop``: the final flush's bookkeeping;
 - ``set_ratio(ratio)``: GDTopK's ratio for the group's workers (the global server's choice);
   ``spend_budget()``: the run is over, every PULL is answered with ``done``.
@@ -473,9 +473,9 @@ class GroupCore:
             return {}
         return {"publishes": d.pub, "published": d.published, "forced": d.forced}
 
-    def rebase(self, weights: np.ndarray, held: int | None) -> list[Action]:
+    def rebase(self, weights: np.ndarray, server_seq: int | None) -> list[Action]:
         """Reconnected to a (restarted) global server that holds this group's exchanges up to
-        seq ``held``: take its weights, keep what this group applied since its last exchange
+        seq ``server_seq``: take its weights, keep what this group applied since its last exchange
         and what the server lost of its exchanges on top (sent with the next exchange), keep
         clocks and optimizer state."""
         w = np.asarray(weights, dtype=np.float32)
@@ -483,12 +483,12 @@ class GroupCore:
 
         def take() -> None:
             nonlocal replay
-            self.weights, replay = self.xchg.rebase(self.weights, w, held)
+            self.weights, replay = self.xchg.rebase(self.weights, w, server_seq)
 
         self._change(None, take)
-        if held is None:
+        if server_seq is None:
             return []
-        return [Log("resync", {"held_seq": held, "seq": self.xchg.seq,
+        return [Log("resync", {"held_seq": server_seq, "seq": self.xchg.seq,
                                "replay_samples": -1 if replay is None else replay.samples})]
 
     def state_dict(self) -> dict[str, Any]:

@@ -138,8 +138,8 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     weights = np.asarray(sparse.decode_vector(init.encoding, init.codec, init.buffers,
                                                 init.size))
     if gs.core.group == int(assign.group) and gs.ready.is_set():
-        held = seqs_in(init.info, "last_exchange", gs.core.xchg.session)
-        gs.reload(weights, link, None if held is None else held[0])
+        server_seqs = seqs_in(init.info, "last_exchange", gs.core.xchg.session)
+        gs.reload(weights, link, None if server_seqs is None else server_seqs[0])
     else:  # late joiners are placed by the global server, not told here: open membership
         gs.setup(int(assign.group), run, weights, link, list(init.members))
         gs.writer = RunDir(cfg.run_dir, t0=run.t0).writer(f"group-{gs.core.group}")
