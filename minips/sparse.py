@@ -67,7 +67,8 @@ from typing import Any
 import numpy as np
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.wire.messages import INDEX_SCHEMES, Invalid, vector_codec
+from minips.wire.fields import Invalid
+from minips.wire.messages import INDEX_SCHEMES, vector_codec
 
 __all__ = [
     "varint_encode",

@@ -6,6 +6,7 @@ section 1.2; docs/operations.md, "Hostile or broken peers")."""
 from __future__ import annotations
 
 import gc
+import itertools
 import tracemalloc
 
 import lz4.block
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from minips.errors import LimitExceeded, RemoteProtocolError
-from minips.wire import frames, messages
+from minips.wire import frames, messages, receive
 
 MiB = 1 << 20
 N = 61_706  # LeNet-5
@@ -26,6 +27,9 @@ def frame(msg: messages.Message, compress: bool = True) -> bytes:
 def bomb(raw: int) -> messages.Push:
     """A PUSH whose one buffer is ``raw`` zero bytes: lz4 makes it about raw / 250."""
     return messages.Push(clock=1, samples=1, encoding="dense-f32", buffers=(bytes(raw),))
+
+
+DECODERS = [frames.FrameDecoder, receive.FrameReceiver]  # plain and zero-copy: the same limits
 
 
 def never_alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
@@ -44,19 +48,20 @@ def test_limits_sized_for_a_model_fit_its_largest_payloads_and_nothing_wider() -
                                                     np.ones(N, np.float32), N), index="u32")
     for enc, codec, bufs in (dense, full):
         msg = messages.Push(clock=1, samples=1, encoding=enc, codec=codec, buffers=tuple(bufs))
-        for compress in (False, True):
-            (got,) = frames.FrameDecoder(limits=lim).feed(frame(msg, compress))
+        for compress, decoder in itertools.product((False, True), DECODERS):
+            (got,) = decoder(limits=lim).feed(frame(msg, compress))
             assert isinstance(got, messages.Push)
             assert [bytes(b) for b in got.buffers] == [bytes(memoryview(b).cast("B"))
                                                        for b in bufs]
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("split", [False, True])  # whole in scratch / a big frame in pieces
 def test_a_buffer_that_inflates_past_the_models_size_is_refused_before_allocating(
-        split: bool) -> None:
+        split: bool, decoder: type[frames.FrameDecoder]) -> None:
     data = frame(bomb(64 * MiB))
     assert len(data) < 512 << 10  # the attack: ~260 KB on the wire for 64 MiB
-    dec = frames.FrameDecoder(limits=frames.DEFAULT_LIMITS.sized_for(N), alloc=never_alloc)
+    dec = decoder(limits=frames.DEFAULT_LIMITS.sized_for(N), alloc=never_alloc)
     with pytest.raises(LimitExceeded) as info:
         if split:
             for i in range(0, len(data), 4096):
@@ -69,25 +74,38 @@ def test_a_buffer_that_inflates_past_the_models_size_is_refused_before_allocatin
 def test_the_process_budget_refuses_what_does_not_fit_and_gets_it_back_when_freed() -> None:
     budget = frames.InflateBudget(8 * MiB)
     data = frame(bomb(5 * MiB))
-    first = frames.FrameDecoder(budget=budget).feed(data)  # 5 of 8 MiB
+    first = receive.FrameReceiver(budget=budget).feed(data)  # 5 of 8 MiB
     assert budget.used == 5 * MiB
     with pytest.raises(LimitExceeded) as info:  # another 5 does not fit while the first lives
-        frames.FrameDecoder(budget=budget).feed(data)
+        receive.FrameReceiver(budget=budget).feed(data)
     assert "budget" in str(info.value) and budget.used == 5 * MiB
     del first, info
     gc.collect()
     assert budget.used == 0  # freed: charged back
-    (again,) = frames.FrameDecoder(budget=budget).feed(data)
+    (again,) = receive.FrameReceiver(budget=budget).feed(data)
     assert isinstance(again, messages.Push)
     assert bytes(again.buffers[0]) == bytes(5 * MiB) and budget.used == 5 * MiB
 
 
-def test_a_corrupt_block_is_refused_and_its_charge_returned() -> None:
+def test_the_plain_decoder_charges_a_frame_while_it_inflates_it() -> None:
+    budget = frames.InflateBudget(8 * MiB)
+    two = messages.Push(clock=1, samples=1, encoding="dense-f32",
+                        buffers=(bytes(5 * MiB), bytes(5 * MiB)))
+    with pytest.raises(LimitExceeded, match="budget"):  # 10 MiB of one frame: over 8
+        frames.FrameDecoder(budget=budget).feed(frame(two))
+    assert budget.used == 0
+    first = frames.FrameDecoder(budget=budget).feed(frame(bomb(5 * MiB)))
+    assert budget.used == 0 and len(first) == 1  # returned once the frame is decoded
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_a_corrupt_block_is_refused_and_its_charge_returned(
+        decoder: type[frames.FrameDecoder]) -> None:
     budget = frames.InflateBudget(8 * MiB)
     data = bytearray(frame(bomb(1 * MiB)))
     data[-10:] = b"\xff" * 10  # the block's last bytes: its output no longer fits raw_len
     with pytest.raises(RemoteProtocolError) as info:
-        frames.FrameDecoder(budget=budget).feed(bytes(data))
+        decoder(budget=budget).feed(bytes(data))
     assert "lz4" in str(info.value)
     del info
     gc.collect()
@@ -98,7 +116,7 @@ def test_a_block_that_inflates_short_of_raw_len_is_refused() -> None:
     packed = lz4.block.compress(bytes(10_000), store_size=False)
     dest = np.empty(10_001, np.uint8)
     with pytest.raises(RemoteProtocolError, match="wrong size"):
-        frames.decompress_into(memoryview(packed), dest.data)
+        receive.decompress_into(memoryview(packed), dest.data)
 
 
 def test_decompression_is_in_place_one_copy_of_the_output_not_two() -> None:
@@ -109,7 +127,7 @@ def test_decompression_is_in_place_one_copy_of_the_output_not_two() -> None:
     try:
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
-        (msg,) = frames.FrameDecoder().feed(data)
+        (msg,) = receive.FrameReceiver().feed(data)
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import AuthError, LimitExceeded, LocalProtocolError, RemoteProtocolError
-from minips.wire import frames, handshake, messages
+from minips.wire import fields, frames, handshake, messages, receive
 
 # ---------------------------------------------------------------------------------------------
 # Strategies: one per message class, drawing every field from its valid range.
@@ -21,7 +21,7 @@ from minips.wire import frames, handshake, messages
 ids = st.integers(-1, 2**63 - 1)
 uints = st.integers(0, 2**63 - 1)
 finite = st.floats(allow_nan=False, allow_infinity=False)
-names = st.text(max_size=messages.MAX_NAME)
+names = st.text(max_size=fields.MAX_NAME)
 texts = st.text(max_size=200)
 nonces = st.binary(min_size=messages.NONCE_BYTES, max_size=messages.NONCE_BYTES)
 macs = st.one_of(st.just(b""), st.binary(min_size=messages.MAC_BYTES, max_size=messages.MAC_BYTES))
@@ -141,7 +141,7 @@ def test_custom_alloc_receives_into_preallocated_array() -> None:
         calls.append((kind, index, nbytes))
         return target.data.cast("B")
 
-    dec = frames.FrameDecoder(alloc=alloc)
+    dec = receive.FrameReceiver(alloc=alloc)
     data = frame(messages.Weights(version=1, encoding="dense", buffers=(weights,)))
     for i in range(0, len(data), 70_001):  # the zero-copy pair, in uneven chunks
         chunk = data[i:i + 70_001]
@@ -160,7 +160,7 @@ def test_custom_alloc_receives_into_preallocated_array() -> None:
 def test_a_big_payload_is_read_into_its_destination_a_few_kib_at_a_time() -> None:
     weights = np.arange(1_000_000, dtype=np.float32)  # 4 MB
     target = np.empty_like(weights)
-    dec = frames.FrameDecoder(alloc=lambda kind, index, nbytes: target.data.cast("B"))
+    dec = receive.FrameReceiver(alloc=lambda kind, index, nbytes: target.data.cast("B"))
     data = memoryview(frame(messages.Weights(version=1, encoding="dense", buffers=(weights,))))
     target_bytes = np.frombuffer(target, np.uint8)
     direct, got = [], []
@@ -172,13 +172,14 @@ def test_a_big_payload_is_read_into_its_destination_a_few_kib_at_a_time() -> Non
             direct.append(n)
         got += dec.buffer_updated(n)
     assert isinstance(got[0], messages.Weights) and np.array_equal(target, weights)
-    assert max(direct) == frames.DIRECT_READ_BYTES
+    assert max(direct) == receive.DIRECT_READ_BYTES
     # the rest came through the scratch buffer: with the head, and a last piece under 64 KiB
-    assert sum(direct) >= weights.nbytes - frames.SCRATCH_BYTES - frames.DIRECT_MIN_BYTES
+    assert sum(direct) >= weights.nbytes - frames.SCRATCH_BYTES - receive.DIRECT_MIN_BYTES
 
 
-def test_alloc_must_return_a_big_enough_writable_buffer() -> None:
-    dec = frames.FrameDecoder(alloc=lambda kind, i, n: b"x" * n)
+@pytest.mark.parametrize("decoder", [frames.FrameDecoder, receive.FrameReceiver])
+def test_alloc_must_return_a_big_enough_writable_buffer(decoder: type[frames.FrameDecoder]) -> None:
+    dec = decoder(alloc=lambda kind, i, n: b"x" * n)
     with pytest.raises(LocalProtocolError):
         dec.feed(frame(messages.Push(clock=0, encoding="d", buffers=(b"abc",))))
 
@@ -196,11 +197,11 @@ def test_alloc_must_return_a_big_enough_writable_buffer() -> None:
     lambda: messages.Assign(group=0, address="", ratio=1.5, staleness=0),
     lambda: messages.Hello(role="boss", nonce=bytes(32)),
     lambda: messages.Hello(nonce=bytes(31)),
-    lambda: messages.Leave(reason="x" * (messages.MAX_TEXT + 1)),
+    lambda: messages.Leave(reason="x" * (fields.MAX_TEXT + 1)),
     lambda: messages.Welcome(worker_id=0, mac=b"", info={1: 2}),  # type: ignore[dict-item]
     lambda: messages.Welcome(worker_id=0, mac=b"", info={"a": object()}),
     lambda: messages.Push(clock=0, encoding="d", buffers=(np.zeros((4, 4))[:, 0],)),
-    lambda: messages.Push(clock=0, encoding="d", buffers=(b"",) * (messages.MAX_BUFFERS + 1)),
+    lambda: messages.Push(clock=0, encoding="d", buffers=(b"",) * (fields.MAX_BUFFERS + 1)),
     lambda: messages.Weights(version=0, encoding="d", done=1),  # type: ignore[arg-type]
 ])
 def test_invalid_fields_are_local_errors(make: object) -> None:

@@ -1,5 +1,6 @@
-"""Tests for the fast paths of minips.wire.messages: whole frames decoded in one step, frames split
-across reads, the checks of a map a peer sent, and the inline number checks of the constructor.
+"""Tests for the fast paths: the zero-copy receiver's (whole frames decoded in one step, frames
+split across reads) and the messages' (the checks of a map a peer sent, the inline number checks
+of the constructor).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.wire import frames, messages
+from minips.wire import frames, messages, receive
 
 
 def frame(msg: messages.Message, **kw: object) -> bytes:
@@ -38,7 +39,7 @@ STREAM_BYTES = b"".join(frame(m) for m in STREAM)
 @settings(max_examples=100, deadline=None)
 @given(cuts=st.lists(st.integers(0, len(STREAM_BYTES)), max_size=8))
 def test_small_frames_split_anywhere_decode_the_same(cuts: list[int]) -> None:
-    dec, got, at = frames.FrameDecoder(), [], 0
+    dec, got, at = receive.FrameReceiver(), [], 0
     for cut in sorted(cuts) + [len(STREAM_BYTES)]:
         got += dec.feed(STREAM_BYTES[at:cut])
         at = cut
@@ -46,7 +47,7 @@ def test_small_frames_split_anywhere_decode_the_same(cuts: list[int]) -> None:
 
 
 def test_half_a_small_frame_waits_without_a_partial_state() -> None:
-    dec = frames.FrameDecoder()
+    dec = receive.FrameReceiver()
     data = frame(SPARSE)
     assert dec.feed(data[:20]) == [] and dec.in_frame
     assert dec.feed(data[20:]) == [SPARSE] and not dec.in_frame
@@ -61,7 +62,7 @@ def test_frame_over_64k_already_whole_in_scratch(custom_alloc: bool) -> None:
         assert (kind, index, nbytes) == (messages.Kind.WEIGHTS, 0, payload.nbytes)
         return dest.data.cast("B")
 
-    dec = frames.FrameDecoder(alloc=alloc if custom_alloc else None)
+    dec = receive.FrameReceiver(alloc=alloc if custom_alloc else None)
     [msg] = dec.feed(frame(messages.Weights(version=1, encoding="dense-f32", buffers=(payload,))))
     got = np.frombuffer(msg.buffers[0], dtype=np.float32)  # type: ignore[attr-defined]
     assert np.array_equal(got, payload)
@@ -72,11 +73,11 @@ def test_lz4_buffer_of_a_whole_small_frame() -> None:
     msg = messages.Push(clock=0, encoding="dense-f32", buffers=(bytes(20_000), b"tail"))
     data = frame(msg, compress=True)
     assert len(data) < 1000  # the zeros were compressed
-    assert frames.FrameDecoder().feed(data) == [msg]
+    assert receive.FrameReceiver().feed(data) == [msg]
 
 
 def test_decoded_buffers_are_writable_and_survive_later_frames() -> None:
-    dec = frames.FrameDecoder()
+    dec = receive.FrameReceiver()
     [first] = dec.feed(frame(SPARSE))
     other = messages.Push(clock=4, encoding="sparse-v1", buffers=(bytes(8), bytes(8)))
     dec.feed(frame(other) * 3)

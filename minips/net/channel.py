@@ -7,10 +7,11 @@ queue constants, ``tune_socket``); ``FrameProtocol`` (an ``asyncio.BufferedProto
 feeds the bytes the socket reads to the sans-IO decoder and queues whole messages for
 ``Channel.recv``; and ``Channel`` with ``write_batches``.
 
-Receiving is zero-copy: ``asyncio.BufferedProtocol`` hands the socket the decoder's own
-buffers, so a large payload lands straight in the array the ``alloc`` callable chose. Sending
-hands the frame header and the caller's buffers (16 KiB and up) to the transport without joining
-them; with uvloop that is one writev.
+Receiving is zero-copy: the connection decodes with ``receive.FrameReceiver`` (in the place of
+the plain ``frames.FrameDecoder`` its ``handshake.Connection`` made), whose own buffers
+``asyncio.BufferedProtocol`` hands the socket, so a large payload lands straight in the array
+the ``alloc`` callable chose. Sending hands the frame header and the caller's buffers (16 KiB
+and up) to the transport without joining them; with uvloop that is one writev.
 
 Invariants:
 - ``Channel.send`` returns only once the kernel has taken every byte of the frame (write buffer
@@ -53,7 +54,7 @@ from typing import Any, cast
 from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from minips.net import guard
 from minips.net.links import Pacing, ReadPacer, TokenBucket
-from minips.wire import frames, handshake, messages
+from minips.wire import fields, frames, handshake, messages, receive
 
 __all__ = [
     "READ_TIMEOUT_S",
@@ -125,7 +126,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, conn: handshake.Connection, options: Options) -> None:
         self.conn, self.options = conn, options
-        self.decoder = conn.decoder
+        # the zero-copy receiver in the place of the plain decoder the Connection made
+        self.decoder = conn.decoder = receive.FrameReceiver.taking_over(conn.decoder)
         # the decoder's own method, not a wrapper: one Python call less per read
         self.get_buffer = self.decoder.get_buffer  # type: ignore[method-assign]
         self.loop = asyncio.get_running_loop()
@@ -263,7 +265,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self.stats[_STAT_OF_REASON[reason]] += 1
             if self.transport is not None and self.conn.state != handshake.State.CLOSED:
                 frame = self.conn.send(messages.Error(code=reason,
-                                                      reason=str(err)[: messages.MAX_TEXT]))
+                                                      reason=str(err)[: fields.MAX_TEXT]))
                 self.transport.writelines(frame)
         if self.transport is not None:
             self.transport.close()
@@ -502,8 +504,8 @@ class Channel:
         if not self.closed and self._proto.conn.state != handshake.State.CLOSED:
             self.error_sent = code
             with contextlib.suppress(ConnectionError):
-                await self.send(messages.Error(code=code[: messages.MAX_NAME],
-                                               reason=reason[: messages.MAX_TEXT]))
+                await self.send(messages.Error(code=code[: fields.MAX_NAME],
+                                               reason=reason[: fields.MAX_TEXT]))
 
     def abort(self, reason: str) -> None:
         """Drop the connection now, without LEAVE; a waiting ``recv`` raises

@@ -1,14 +1,7 @@
-"""minips framing, sans-IO: messages in, bytes out, and bytes in, messages out.
+"""minips framing, sans-IO: a message in, the bytes of its frame out; bytes in, messages out.
 
-No networking code at all, no clocks and no connection state (``handshake.py``). The file holds,
-in order: the fixed prefix, the buffer table and the limits; ``encode``; the checks a decoder
-runs on each part of a frame, in the order its bytes arrive; ``PartialFrame``, a frame larger
-than 64 KiB while it arrives (its prefix, table and message so far, and the buffers its body is
-copied into); and ``FrameDecoder``, which takes bytes with ``feed(data)`` or, zero-copy, through
-``get_buffer()`` / ``buffer_updated(n)`` (the ``asyncio.BufferedProtocol`` pair) and returns the
-messages they complete.
-
-A frame is (all integers little-endian; docs/protocol.md, section 1, has every byte):
+No networking code at all, no clocks and no connection state (``handshake.py``). A frame is
+(all integers little-endian; docs/protocol.md, section 1, has every byte):
 
     prefix  16 bytes   magic b"MNPS" | version u8 | kind u8 | nbuf u8 | flags u8 (0)
                        | meta_len u32 | body_len u32
@@ -17,64 +10,48 @@ A frame is (all integers little-endian; docs/protocol.md, section 1, has every b
     meta    meta_len bytes: a msgpack map with exactly the message's fields
     body    body_len bytes: the buffers back to back, wire_len bytes each, never through msgpack
 
+The file reads in the order a frame is made and taken apart: the layout and its limits
+(``Limits``, and ``InflateBudget``, what lz4 output may cost a process); ``encode``; the checks
+a decoder runs on each part, in the order its bytes arrive (``check_prefix``, ``check_table``,
+``unpack_meta``, ``decompress``); ``decode_frame``, one whole frame's bytes to its message; and
+``FrameDecoder``, which collects the bytes a peer sends (``feed``) and returns the messages
+they complete. ``receive.py`` holds the zero-copy twin of ``FrameDecoder`` that the asyncio
+shell uses, behind the same interface; tests/test_decoders.py holds the two equal.
+
 Invariants:
 - Every length is checked against a named limit (``Limits``; a server narrows them to its model
-  with ``Limits.sized_for``) before anything of that size is allocated; lz4 output is bounded
-  by the raw_len the table announced, charged to the process's ``InflateBudget`` before it is
-  inflated, and inflated in place into its destination (``decompress_into``): one copy.
+  with ``Limits.sized_for``) before anything of that size is allocated: the prefix as soon as
+  its 16 bytes are in, the rest once the frame is whole. lz4 output is bounded by the raw_len
+  the table announced and charged to an ``InflateBudget`` (the process's unless given another)
+  before it is inflated; ``FrameDecoder`` returns the charge once the frame is decoded.
 - Decoding any bytes gives messages or raises ``RemoteProtocolError`` (``LimitExceeded`` for a
-  limit), never another exception; after one the decoder stays failed (``error``). Misuse on
-  our side raises ``LocalProtocolError``.
+  limit), never another exception; after one the decoder stays failed (``error``), and the
+  messages completed before it are returned first. Misuse on our side (a frame too large to
+  send, an ``alloc`` that returns a short buffer) raises ``LocalProtocolError``.
 - HELLO, REFUSE and ERROR are decoded whatever the version byte says (their layout is frozen),
   so a peer speaking another version can still be refused with a readable reason.
-- A frame of up to 64 KiB is decoded in one step once it is whole in the scratch buffer (the
-  common case: ACKs, PULLs, sparse PUSHes); ``get_buffer`` always keeps room for the rest of it
-  (a smaller scratch buffer, as a server uses before the handshake, grows to the frame's size).
-- ``widen(limits)`` raises the limits and the scratch buffer (a server, once the peer has
-  authenticated); ``release()`` frees a frame in progress and the scratch (connection ended).
-- A bigger frame is read stage by stage (prefix, head, buffers: ``PartialFrame``) through the
-  same checks; its payload buffers of 64 KiB or more are received straight into the memory
-  ``alloc`` returns, 64 KiB per read. A buffer of the table is filled in order, exactly
-  ``wire_len`` bytes; a raw one lands in the memory ``allocate`` returns (no copy after it), an
-  lz4 one in a temporary that is decompressed into its destination once whole.
-- Decoded buffers are flat writable ``memoryview``s: into one private copy of a small body, or
-  into ``alloc``'s memory.
-
-Public API: ``MAGIC``, ``PREFIX``, ``TABLE_ENTRY``, the ``MAX_*`` limits, ``Limits``,
-``encode(msg, *, compress=False) -> list[buffer]``, the decoder's checks (``check_prefix``,
-``check_table``, ``unpack_meta``, ``decompress``), ``PartialFrame``, ``Allocate``, ``Alloc``,
-``default_alloc``, ``FrameDecoder``, ``InflateBudget`` and the process's ``INFLATE_BUDGET``,
-``decompress_into``.
+- Decoded buffers are flat writable ``memoryview``s into the memory ``alloc`` returns (fresh
+  numpy arrays by default); ``encode`` never copies a buffer of 16 KiB or more.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import re
 import struct
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import lz4.block
-import lz4.block._block as _lz4_ext
 import msgpack
 import numpy as np
 
 from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
-from minips.wire.messages import (
-    MAX_BUFFERS,
-    PROTOCOL_VERSION,
-    WITH_BUFFERS,
-    Kind,
-    Message,
-    from_wire,
-)
+from minips.wire.fields import MAX_BUFFERS
+from minips.wire.messages import PROTOCOL_VERSION, WITH_BUFFERS, Kind, Message, from_wire
 
 __all__ = [
-    "wire_size",
     "MAGIC",
     "PREFIX",
     "TABLE_ENTRY",
@@ -90,22 +67,23 @@ __all__ = [
     "LZ4_MIN_BYTES",
     "COALESCE_BYTES",
     "SCRATCH_BYTES",
-    "DIRECT_MIN_BYTES",
-    "DIRECT_READ_BYTES",
+    "HEAD_FIRST_BYTES",
     "Limits",
     "DEFAULT_LIMITS",
     "InflateBudget",
     "INFLATE_BUDGET",
     "encode",
+    "wire_size",
     "check_prefix",
     "check_table",
     "unpack_meta",
     "decompress",
-    "decompress_into",
-    "PartialFrame",
-    "Allocate",
     "Alloc",
     "default_alloc",
+    "writable_view",
+    "frame_size",
+    "check_head",
+    "decode_frame",
     "FrameDecoder",
 ]
 
@@ -127,11 +105,12 @@ INFLATE_BUDGET_BYTES = 64 << 20  # lz4 output alive at once in one process, all 
 MODEL_SLACK_BYTES = 64 << 10  # a buffer of a model of n values: <= 5 n + this (Limits.sized_for)
 LZ4_MIN_BYTES = 4096  # smaller buffers are not worth compressing
 COALESCE_BYTES = 16 << 10  # smaller buffers are copied into the header write: fewer iovecs
-SCRATCH_BYTES = 256 << 10  # receive buffer for prefixes, maps and small frames
-DIRECT_MIN_BYTES = 64 << 10  # a payload this large is received straight into its destination
-# ... in reads of at most this much: small reads follow the sender closely, so the bytes are still
-# in the cache when copied out of the kernel (1.3-1.5x the throughput of one huge read on loopback)
-DIRECT_READ_BYTES = 64 << 10
+# a decoder's receive buffer for prefixes, maps and small frames (``receive.FrameReceiver``'s
+# scratch; ``FrameDecoder`` keeps the number for the receiver that takes its place)
+SCRATCH_BYTES = 256 << 10
+# a frame larger than this has its head (table and map) checked as soon as the head is in, before
+# its body is read; a smaller one once it is whole (docs/protocol.md, section 1.1)
+HEAD_FIRST_BYTES = 64 << 10
 KINDS = {int(k): k for k in Kind}  # faster than calling Kind(byte)
 _ANY_VERSION = frozenset({Kind.HELLO, Kind.REFUSE, Kind.ERROR})  # layout frozen across versions
 
@@ -171,7 +150,8 @@ DEFAULT_LIMITS = Limits()
 class InflateBudget:
     """Bytes of lz4 output alive at once in this process, over every connection: a buffer is
     charged its ``raw_len`` before it is decompressed and refused (``LimitExceeded``) when that
-    does not fit; the charge is returned when the decoded buffer is freed. With the per-frame
+    does not fit; the charge is returned once the frame is decoded (``FrameDecoder``) or when
+    the decoded buffer is freed (``receive.FrameReceiver``). With the per-frame
     limits (``Limits``) this bounds what compressed input can cost a server, however many
     connections send it. ``at_least`` raises the cap (a server of a large model makes room for
     two whole frames of it)."""
@@ -197,9 +177,7 @@ class InflateBudget:
 INFLATE_BUDGET = InflateBudget()  # the process's: every decoder charges it unless given another
 
 
-# ---------------------------------------------------------------------------------------------
-# Encoding
-
+# -- encoding: a message in, the bytes of its frame out -------------------------------------------
 
 _packer = msgpack.Packer(use_bin_type=True)  # reused: msgpack.packb builds one per call
 
@@ -240,11 +218,11 @@ def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIM
     return _coalesce([head, meta], wires)
 
 
-
 def wire_size(msg: Message) -> int:
     """Bytes ``msg`` takes on the wire: its whole frame (prefix, table, header and buffers; no
     TLS). An in-process exchange counts what a `minips group` process would send and get."""
     return sum(memoryview(b).nbytes for b in encode(msg))
+
 
 def _unsendable(total: int, limits: Limits) -> LocalProtocolError:
     return LocalProtocolError("frame too large to send", expected=limits.max_frame_bytes,
@@ -267,9 +245,7 @@ def _coalesce(run: list[Any], wires: list[memoryview]) -> list[Any]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Checks a decoder runs on a frame, in the order its bytes arrive
-
+# -- the checks a decoder runs on a frame, in the order its bytes arrive ---------------------------
 
 def _check_limit(what: str, got: int, limit: int) -> None:
     if got > limit:
@@ -401,102 +377,9 @@ def decompress(wire: memoryview, raw: int) -> bytes:
     return data
 
 
-def _lz4_safe() -> Any:
-    """liblz4's ``LZ4_decompress_safe`` from the lz4 package's own extension (it exports the
-    library's symbols), or None where it cannot be found (then ``decompress_into`` copies)."""
-    try:
-        fn = ctypes.CDLL(_lz4_ext.__file__).LZ4_decompress_safe
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_LZ4_SAFE = _lz4_safe()
-
-
-def decompress_into(wire: memoryview, dest: memoryview) -> None:
-    """Decompress one lz4 block into ``dest``, which it must fill exactly: no temporary of the
-    output's size (``lz4.block.decompress`` would make one, doubling what a buffer costs)."""
-    if _LZ4_SAFE is None:
-        dest[:] = decompress(wire, dest.nbytes)
-        return
-    src = np.frombuffer(wire, dtype=np.uint8)
-    out = np.frombuffer(dest, dtype=np.uint8)
-    got = _LZ4_SAFE(src.ctypes.data, out.ctypes.data, src.size, out.size)
-    if got < 0:
-        raise RemoteProtocolError("bad lz4 buffer: corrupt block or output past raw_len")
-    if got != out.size:
-        raise RemoteProtocolError("lz4 buffer has the wrong size", expected=out.size, got=got)
-
-
-# -- a frame larger than 64 KiB while it arrives ---------------------------------------------------
-
-Allocate = Callable[[Kind, int, int], memoryview]  # (kind, buffer index, nbytes) -> flat view
-Inflate = Callable[[Kind, int, memoryview, int], memoryview]  # (kind, index, lz4 block, raw_len)
-
-
-class PartialFrame:
-    """A frame that arrives in pieces: what is known so far and where its body goes."""
-
-    __slots__ = ("version", "kind", "nbuf", "head_len", "body_len", "table", "msg", "bufs",
-                 "dest", "pos")
-
-    def __init__(self, prefix: tuple[Any, ...], head_len: int) -> None:
-        _, self.version, kind, self.nbuf, _, _, self.body_len = prefix
-        self.kind: Kind = KINDS[kind]
-        self.head_len = head_len
-        self.table: tuple[int, ...] = ()  # flat (codec, wire_len, raw_len) per buffer
-        self.msg: Message | None = None  # built (buffers empty) once table + meta are read
-        self.bufs: list[memoryview] = []
-        self.dest: memoryview | None = None  # where the current buffer's bytes go
-        self.pos = 0  # bytes of dest already filled
-
-    def fill(self, view: memoryview, lo: int, hi: int, allocate: Allocate,
-             inflate: Inflate) -> int:
-        """Copy ``view[lo:hi]`` into the buffers, as far as they take it; returns the new ``lo``.
-        The body is whole once ``len(bufs) == nbuf``."""
-        while len(self.bufs) < self.nbuf:
-            if self.dest is None:
-                self._open(allocate)
-            assert self.dest is not None
-            take = min(self.dest.nbytes - self.pos, hi - lo)
-            if take:
-                self.dest[self.pos:self.pos + take] = view[lo:lo + take]
-                self.pos += take
-                lo += take
-            if self.pos < self.dest.nbytes:
-                return lo
-            self._close(inflate)
-        return lo
-
-    def _open(self, allocate: Allocate) -> None:
-        i = len(self.bufs)
-        codec, wire, raw = self.table[3 * i:3 * i + 3]
-        self.pos = 0
-        if codec == CODEC_LZ4:  # compressed bytes land in a temporary, decompressed on close
-            self.dest = np.empty(wire, dtype=np.uint8).data
-        else:
-            self.dest = allocate(self.kind, i, raw)
-
-    def _close(self, inflate: Inflate) -> None:
-        i = len(self.bufs)
-        codec, raw = self.table[3 * i], self.table[3 * i + 2]
-        assert self.dest is not None
-        buf = self.dest
-        if codec == CODEC_LZ4:
-            buf = inflate(self.kind, i, self.dest, raw)
-        self.bufs.append(buf)
-        self.dest, self.pos = None, 0
-
-
-# -- the frame decoder: bytes in, messages out -----------------------------------------------------
+# -- decoding: one whole frame's bytes in, its message out -----------------------------------------
 
 Alloc = Callable[[Kind, int, int], Any]  # (kind, buffer index, nbytes) -> writable buffer
-
-
-_unpack_prefix = PREFIX.unpack_from
 
 
 def default_alloc(kind: Kind, index: int, nbytes: int) -> memoryview:
@@ -504,253 +387,141 @@ def default_alloc(kind: Kind, index: int, nbytes: int) -> memoryview:
     return np.empty(nbytes, dtype=np.uint8).data
 
 
-class FrameDecoder:
-    """Bytes in, messages out. Feed it with ``feed(data)`` or, zero-copy, with ``get_buffer()``
-    then ``buffer_updated(n)`` (the ``asyncio.BufferedProtocol`` pair).
+def writable_view(got: Any, nbytes: int) -> memoryview:
+    """The first ``nbytes`` of what an ``alloc`` returned, as a flat writable view."""
+    view = memoryview(got).cast("B")
+    if view.readonly or view.nbytes < nbytes:
+        raise LocalProtocolError("alloc returned a read-only or short buffer", expected=nbytes,
+                                 got=view.nbytes)
+    return view[:nbytes]
 
-    Frames up to 64 KiB are decoded once they are whole in the scratch buffer (``get_buffer``
-    keeps room for them). Larger ones are read stage by stage, and their payload buffers of
-    64 KiB or more are read by the caller straight into the memory ``alloc`` returned. After a
-    ``RemoteProtocolError`` the decoder stays failed (``error`` is set).
+
+def frame_size(prefix: tuple[Any, ...], limits: Limits) -> int:
+    """Bytes of the whole frame an unpacked (and not yet checked) prefix announces."""
+    return PREFIX.size + check_prefix(prefix, limits) + prefix[6]
+
+
+def check_head(frame: bytes | bytearray | memoryview, prefix: tuple[Any, ...],
+               limits: Limits) -> tuple[tuple[int, ...], Message]:
+    """Check the table and the map that follow a checked ``prefix`` at the start of ``frame``;
+    return the flat table (codec, wire_len, raw_len per buffer) and the message, its buffers
+    still empty."""
+    _, version, kind, nbuf, _, meta_len, body_len = prefix
+    table: tuple[int, ...] = ()
+    if nbuf or body_len:
+        table = TABLES[nbuf].unpack_from(frame, PREFIX.size)
+        check_table(table, body_len, limits)
+    at = PREFIX.size + TABLE_ENTRY.size * nbuf  # where the map starts
+    return table, from_wire(kind, version, unpack_meta(frame[at:at + meta_len], limits), nbuf)
+
+
+def decode_frame(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS,
+                 alloc: Alloc = default_alloc,
+                 budget: InflateBudget | None = None) -> Message:
+    """The message of ``frame``, the bytes of exactly one frame: prefix, table, map and body
+    checked in that order, the buffers copied (or inflated) into the memory ``alloc`` returns."""
+    view = memoryview(frame).cast("B")
+    prefix = PREFIX.unpack_from(view) if view.nbytes >= PREFIX.size else None
+    if prefix is None or view.nbytes != frame_size(prefix, limits):
+        raise RemoteProtocolError("not one whole frame", got=view.nbytes)
+    table, msg = check_head(view, prefix, limits)
+    if table:
+        body = view[view.nbytes - prefix[6]:]
+        msg.__dict__["buffers"] = _buffers(msg.KIND, table, body, alloc,
+                                           budget or INFLATE_BUDGET)
+    return msg
+
+
+def _buffers(kind: Kind, table: tuple[int, ...], body: memoryview, alloc: Alloc,
+             budget: InflateBudget) -> tuple[memoryview, ...]:
+    """The body's buffers in ``alloc``'s memory; lz4 output is charged to ``budget`` before
+    it is inflated, and the charge returned once all of the frame's buffers are done."""
+    bufs, at, charged = [], 0, 0
+    try:
+        for i in range(len(table) // 3):
+            codec, wire, raw = table[3 * i:3 * i + 3]
+            if codec == CODEC_LZ4:
+                budget.charge(raw)
+                charged += raw
+            dest = writable_view(alloc(kind, i, raw), raw)
+            src = body[at:at + wire]
+            dest[:] = decompress(src, raw) if codec == CODEC_LZ4 else src
+            bufs.append(dest)
+            at += wire
+    finally:
+        budget.refund(charged)
+    return tuple(bufs)
+
+
+# -- the frame decoder: bytes in as they arrive, messages out --------------------------------------
+
+class FrameDecoder:
+    """Bytes in, messages out: ``feed(data)`` keeps the bytes until a frame is whole, then
+    decodes it (``decode_frame``). The prefix is checked as soon as its 16 bytes are in, and the
+    head of a frame over ``HEAD_FIRST_BYTES`` as soon as it is in, so a frame over a limit is
+    refused before its body is kept. After a ``RemoteProtocolError`` the decoder stays failed
+    (``error`` is set).
+
+    ``receive.FrameReceiver`` is the same decoder for an asyncio shell: zero-copy, big frames
+    stage by stage. Both take ``alloc`` (where buffers go), ``limits``, ``scratch`` (the
+    receiver's receive buffer) and ``budget`` (lz4 output), and ``widen``/``release`` alike.
     """
 
     def __init__(self, *, alloc: Alloc | None = None, limits: Limits = DEFAULT_LIMITS,
                  scratch: int = SCRATCH_BYTES, budget: InflateBudget | None = None) -> None:
         self.alloc: Alloc = alloc or default_alloc
         self.limits = limits
+        self.scratch = scratch  # bytes of receive buffer a zero-copy receiver would hold
         self.budget = budget or INFLATE_BUDGET
-        self._buf = bytearray(scratch)  # grows to a frame that needs more (within limits)
-        self._view = memoryview(self._buf)
-        self._lo = self._hi = 0  # unread bytes are _buf[_lo:_hi]
-        self._direct = False  # the last get_buffer() handed out the destination itself
-        self._frame: PartialFrame | None = None  # a frame larger than 64 KiB, while it arrives
         self.error: RemoteProtocolError | None = None
+        self._pending = bytearray()  # bytes of a frame not yet whole
+        self._head_checked = False  # the head of the frame in _pending (a large one) passed
 
     @property
     def in_frame(self) -> bool:
         """True while part of a frame has arrived but not all of it."""
-        return self._frame is not None or self._hi > self._lo
+        return bool(self._pending)
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
-        """Decode what ``data`` completes; keep the rest for the next call."""
+        """Decode the frames ``data`` completes; keep the rest for the next call. Messages
+        completed before an error are returned and the error is raised on the next call."""
         if self.error is not None:
             raise self.error
-        out: list[Message] = []
-        data = memoryview(data).cast("B")
-        try:
-            while data.nbytes:
-                room = self.get_buffer(data.nbytes)
-                n = min(len(room), data.nbytes)
-                room[:n] = data[:n]
-                data = data[n:]
-                out += self.buffer_updated(n)
-        except RemoteProtocolError:
-            if not out:
-                raise
-        return out
-
-    def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """Writable memory for the next bytes from the socket."""
-        if self._lo == self._hi and self._frame is None and self.error is None:
-            self._lo = self._hi = 0  # nothing pending (the common case): all of scratch is free
-            self._direct = False
-            return self._view
-        if self.error is not None:
-            raise self.error
-        f = self._frame
-        if f is not None and f.dest is not None and self._lo == self._hi:
-            if f.dest.nbytes - f.pos >= DIRECT_MIN_BYTES:
-                self._direct = True
-                return f.dest[f.pos:f.pos + DIRECT_READ_BYTES]
-        self._direct = False
-        if self._lo == self._hi:
-            self._lo = self._hi = 0
-        need = f.head_len if f is not None and f.msg is None else PREFIX.size
-        if len(self._buf) - self._hi < max(DIRECT_MIN_BYTES, need):
-            self._compact(need)
-        return self._view[self._hi:]
-
-    def widen(self, limits: Limits, scratch: int = SCRATCH_BYTES) -> None:
-        """Accept frames up to ``limits`` from now on, with ``scratch`` bytes of receive buffer
-        (a server widens a connection's small handshake limits once the peer authenticated)."""
-        self.limits = limits
-        if len(self._buf) < scratch:
-            self._compact(scratch)
-
-    def release(self) -> None:
-        """Drop a frame in progress and the receive buffer (the connection ended): their memory
-        goes back now, not when a garbage collection breaks the cycles a closed connection
-        leaves (an exception's traceback refers to the frames that refer to it)."""
-        self._frame = None
-        self._buf = bytearray()
-        self._view = memoryview(self._buf)
-        self._lo = self._hi = 0
-
-    def _compact(self, need: int) -> None:
-        """Move unread bytes to the front; grow (to a checked head size) if they still don't fit."""
-        unread = self._hi - self._lo
-        if need > len(self._buf):
-            self._buf = bytearray(need)
-            self._buf[:unread] = self._view[self._lo:self._hi]
-            self._view = memoryview(self._buf)
-        else:
-            self._view[:unread] = self._view[self._lo:self._hi]
-        self._lo, self._hi = 0, unread
-
-    def buffer_updated(self, nbytes: int) -> list[Message]:
-        """``nbytes`` were written into the last ``get_buffer()``; return completed messages.
-
-        Messages completed before an error are returned and the error is raised on the next call.
-        """
-        if self.error is not None:
-            raise self.error
-        if self._direct and self._frame is not None:
-            self._frame.pos += nbytes
-        else:
-            self._hi += nbytes
+        self._pending += memoryview(data).cast("B")
         out: list[Message] = []
         try:
-            while self._frame is not None or self._hi - self._lo >= PREFIX.size:
-                if not self._next(out):
-                    break
+            while (frame := self._whole_frame()) is not None:
+                out.append(decode_frame(frame, self.limits, self.alloc, self.budget))
         except RemoteProtocolError as e:
             self.error = e
             if not out:
                 raise
         return out
 
-    def _next(self, out: list[Message]) -> bool:
-        """Decode a whole frame, or advance a big one by a stage; False when bytes are missing."""
-        if self._frame is not None:
-            return self._step(out)
-        buf, lo, limits = self._buf, self._lo, self.limits
-        prefix = _unpack_prefix(buf, lo)
-        magic, version, kind, nbuf, flags, meta_len, body_len = prefix
-        at = lo + PREFIX.size + TABLE_ENTRY.size * nbuf  # where the map starts
-        end = at + meta_len + body_len
-        # the common case in one test (check_prefix's own): a valid prefix, the frame all here
-        if (end > self._hi or magic != MAGIC or version != PROTOCOL_VERSION or flags
-                or kind not in KINDS or nbuf > limits.max_buffers
-                or meta_len > limits.max_meta_bytes or end - lo > limits.max_frame_bytes):
-            return self._next_checked(prefix, out)
-        table: tuple[int, ...] = ()
-        if nbuf or body_len:
-            table = TABLES[nbuf].unpack_from(buf, lo + PREFIX.size)
-            check_table(table, body_len, limits)
-        msg = from_wire(kind, version, unpack_meta(buf[at:at + meta_len], limits), nbuf)
-        if nbuf:
-            msg.__dict__["buffers"] = self._copy_body(msg.KIND, table, at + meta_len, body_len)
-        self._lo = end
-        out.append(msg)
-        return True
+    def widen(self, limits: Limits, scratch: int = SCRATCH_BYTES) -> None:
+        """Accept frames up to ``limits`` from now on (a server widens a connection's small
+        handshake limits once the peer authenticated)."""
+        self.limits = limits
+        self.scratch = max(self.scratch, scratch)
 
-    def _next_checked(self, prefix: tuple[Any, ...], out: list[Message]) -> bool:
-        """``_next`` for a frame not yet whole, or a prefix that fails its one test."""
-        head_len = check_prefix(prefix, self.limits)  # raises what is wrong, if anything
-        _, version, kind, nbuf, _, _, body_len = prefix
-        at = self._lo + PREFIX.size
-        end = at + head_len + body_len
-        if end > self._hi:  # not all here yet
-            if end - self._lo <= DIRECT_MIN_BYTES:
-                if end - self._lo > len(self._buf):  # a small scratch (handshake): grow it
-                    self._compact(end - self._lo)
-                return False  # get_buffer() keeps room for the rest of a frame this small
-            self._frame = PartialFrame(prefix, head_len)
-            self._lo = at
-            return self._step(out)
-        # a HELLO, REFUSE or ERROR of another version (check_prefix let it through)
-        table, msg = self._head(KINDS[kind], version, nbuf, body_len,
-                                self._view[at:at + head_len])
-        if nbuf:
-            msg.__dict__["buffers"] = self._copy_body(msg.KIND, table, at + head_len, body_len)
-        self._lo = end
-        out.append(msg)
-        return True
+    def release(self) -> None:
+        """Drop the bytes of a frame in progress (the connection ended)."""
+        self._pending = bytearray()
 
-    def _copy_body(self, kind: Kind, table: tuple[int, ...], at: int,
-                   body_len: int) -> tuple[memoryview, ...]:
-        """Buffers of a body that is all in scratch: one copy, or one per buffer via alloc."""
-        if self.alloc is default_alloc and not any(table[0::3]):  # all raw: views into one copy
-            body = memoryview(self._buf[at:at + body_len])  # a bytearray slice is a copy
-            views, start = [], 0
-            for wire in table[1::3]:
-                views.append(body[start:start + wire])
-                start += wire
-            return tuple(views)
-        bufs = []
-        for i in range(len(table) // 3):
-            codec, wire, raw = table[3 * i:3 * i + 3]
-            src = self._view[at:at + wire]
-            if codec == CODEC_LZ4:
-                dest = self._inflate(kind, i, src, raw)
-            else:
-                dest = self._allocate(kind, i, raw)
-                dest[:] = src
-            bufs.append(dest)
-            at += wire
-        return tuple(bufs)
-
-    def _step(self, out: list[Message]) -> bool:
-        """Advance a big frame by one stage if the bytes allow; False when more are needed."""
-        f = self._frame
-        assert f is not None
-        if f.msg is None:
-            if self._hi - self._lo < f.head_len:
-                return False
-            f.table, f.msg = self._head(f.kind, f.version, f.nbuf, f.body_len,
-                                        self._view[self._lo:self._lo + f.head_len])
-            self._lo += f.head_len
-        if f.nbuf:
-            self._lo = f.fill(self._view, self._lo, self._hi, self._allocate, self._inflate)
-            if len(f.bufs) < f.nbuf:
-                return False
-        assert f.msg is not None
-        if f.bufs:  # fields were checked at head time; the views are flat "B" already
-            f.msg.__dict__["buffers"] = tuple(f.bufs)
-        out.append(f.msg)
-        self._frame = None
-        return True
-
-    def _head(self, kind: Kind, version: int, nbuf: int, body_len: int,
-              raw: memoryview) -> tuple[tuple[int, ...], Message]:
-        """Check a frame's table and map (``raw``: both, head_len bytes); return the flat table
-        and the message, its buffers still empty."""
-        table_len = TABLE_ENTRY.size * nbuf
-        table: tuple[int, ...] = ()
-        if nbuf or body_len:
-            table = TABLES[nbuf].unpack(raw[:table_len])
-            check_table(table, body_len, self.limits)
-        meta = unpack_meta(raw[table_len:], self.limits)
-        return table, from_wire(kind, version, meta, nbuf)
-
-    def _allocate(self, kind: Kind, index: int, nbytes: int) -> memoryview:
-        return self._checked(self.alloc(kind, index, nbytes), nbytes)
-
-    @staticmethod
-    def _checked(got: Any, nbytes: int) -> memoryview:
-        view = memoryview(got).cast("B")
-        if view.readonly or view.nbytes < nbytes:
-            raise LocalProtocolError("alloc returned a read-only or short buffer", expected=nbytes,
-                                     got=view.nbytes)
-        return view[:nbytes]
-
-    def _inflate(self, kind: Kind, index: int, src: memoryview, raw: int) -> memoryview:
-        """An lz4 buffer decompressed in place into its destination, its ``raw`` bytes charged
-        to the budget first. A fresh array (the default ``alloc``) keeps the charge until it is
-        freed; memory an ``alloc`` of the caller's hands out (reused) only while decompressing."""
-        self.budget.charge(raw)
-        try:
-            if self.alloc is default_alloc:
-                arr = np.empty(raw, dtype=np.uint8)
-                weakref.finalize(arr, self.budget.refund, raw)
-                dest = arr.data
-            else:
-                dest = self._checked(self.alloc(kind, index, raw), raw)
-            decompress_into(src, dest)
-        except BaseException:
-            if self.alloc is not default_alloc:
-                self.budget.refund(raw)
-            raise
-        if self.alloc is not default_alloc:
-            self.budget.refund(raw)
-        return dest
+    def _whole_frame(self) -> bytes | None:
+        """The first frame of the pending bytes, taken out of them once it is all here."""
+        pending = self._pending
+        if len(pending) < PREFIX.size:
+            return None
+        prefix = PREFIX.unpack_from(pending)
+        size = frame_size(prefix, self.limits)
+        if len(pending) >= size:
+            with memoryview(pending) as view:
+                frame = bytes(view[:size])
+            del pending[:size]
+            self._head_checked = False
+            return frame
+        if size > HEAD_FIRST_BYTES and not self._head_checked and len(pending) >= size - prefix[6]:
+            check_head(pending, prefix, self.limits)  # a large frame: its head before its body
+            self._head_checked = True
+        return None
