@@ -69,15 +69,16 @@ from typing import Any
 import numpy as np
 
 from minips.core import global_core
+from minips.core.actions import Log
 from minips.core.config import RunConfig
 from minips.core.exchange import Delta, ExchangeResult, exchange_message
 from minips.core.global_core import GlobalCore
-from minips.core.group_core import Log
 from minips.core.roster import GroupHandle
 from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.net.endpoints import (
+    WILDCARD_HOSTS,
     check_bind,
     format_address,
     port_error,
@@ -95,6 +96,7 @@ from minips.wire.messages import Hello
 
 __all__ = [
     "GlobalServer",
+    "check_group_address",
     "console_line",
     "InProcGroup",
     "InProcLink",
@@ -109,6 +111,22 @@ log = logging.getLogger("minips.server")
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 REJOIN_POLL_S = 0.5  # how often the wait for workers looks whether a group is training again
 EVALUATOR_POLL_S = 0.1  # after the run, how often the wait for the final PULL looks who is left
+
+
+def check_group_address(address: str) -> None:
+    """A group process's HELLO ``address``, where its workers are to connect: HOST:PORT, port
+    1..65535 (a wildcard host is replaced later by the host it connects from:
+    ``sessions.group_address``). ``AuthError`` (REFUSE ``refused``) naming the field."""
+    host, sep, port = address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    bare = host.removeprefix("[").removesuffix("]") if bracketed else host
+    ok = (sep and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535 and bare
+          and not any(c.isspace() for c in bare)
+          and (bracketed or ":" not in host or host in WILDCARD_HOSTS))  # IPv6 in brackets
+    if not ok:
+        raise AuthError(f"HELLO address {address!r} of a group server must be HOST:PORT (port "
+                        "1..65535), the address its workers connect to (minips group --listen "
+                        "/ --advertise)")
 
 
 class GlobalServer:
@@ -254,7 +272,7 @@ class GlobalServer:
                                                             hello.capabilities)):
             raise AuthError(why)  # its workers would fail on every connection
         if hello.role == "group":
-            validation.check_group_address(hello.address)
+            check_group_address(hello.address)
         return info
 
     async def _handle(self, ch: Channel) -> None:

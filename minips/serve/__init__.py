@@ -1,2 +1,3 @@
-"""The asyncio shells that drive the cores over real connections: group server, `minips group`, the
-global server's sessions and checkpoints."""
+"""The asyncio shells that drive the cores over real connections: the group server (group.py),
+`minips group` (group_process.py), the global server's sessions (sessions.py) and how a session
+that broke the rules ends (validation.py)."""

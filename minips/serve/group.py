@@ -3,16 +3,19 @@
 The rules live in ``group_core.GroupCore`` (no IO); ``GroupServer`` is their asyncio shell and
 holds one (``core``; it never writes the core's fields, it calls its entry points): it listens,
 runs one session per worker, feeds the core each event with the time and performs the actions it
-returns (``group_core.py``: sends the ACK, wakes held PULLs, exchanges with the
-global server in the background, logs), holds a PULL until SSP allows it and expires silent
-workers. The rules themselves are described in group_core.py's docstring.
+returns (``group_core.py``: sends the ACK, wakes held PULLs, exchanges with the global server in
+the background, logs), holds a PULL until SSP allows it and expires silent workers. The rules
+themselves are described in group_core.py's docstring.
 
-``OncePerTurn``: one call of a function per turn of the asyncio event loop, shared by all.
+A session reads one message, feeds it to its ``Conversation`` (``wire/conversation.py``: a
+worker's PULL -> WEIGHTS -> PUSH -> ACK, a PUSH at the clock after its PULL's) and hands it to
+the core; the conversation also remembers which weights version the worker holds, so its next
+PULL gets only what changed since.
 
-A group server publishes its compressed downlink (``downlink.py``, an O(n) exact top-k) once for
-all the PULLs it answers in one turn of its loop (they arrived together, or a BSP round or the
-staleness bound released them together), not once per PULL; every such PULL still gets weights
-at least as new as when it arrived.
+A compressed downlink (``downlink.py``) is published once for all the PULLs the server answers
+in one turn of its event loop (they arrived together, or a BSP round or the staleness bound
+released them together), not once per PULL: ``OncePerTurn`` runs one call of a function per turn
+for every caller. Every such PULL still gets weights at least as new as when it arrived.
 """
 
 from __future__ import annotations
@@ -43,12 +46,11 @@ from minips.net import channel, transport
 from minips.net.channel import Channel
 from minips.record.rundir import JsonlWriter
 from minips.serve import validation
-from minips.wire import frames, messages
+from minips.wire import conversation, frames, messages
+from minips.wire.conversation import Conversation, Role
 
 __all__ = ["OncePerTurn", "GroupServer"]
 
-
-# -- once_per_turn: OncePerTurn``: one call of a function per turn of the asyncio event loop, sh...
 
 class OncePerTurn:
     """``await once()`` runs ``fn`` soon, once for every caller awaiting in this turn."""
@@ -73,8 +75,6 @@ class OncePerTurn:
         else:
             due.set_result(None)
 
-
-# -- group: Group server: one group's model copy, SGD state and SSP clock table (numpy, asyncio,...
 
 EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
 
@@ -148,11 +148,12 @@ class GroupServer:
         """One PUSH of worker ``w`` (``GroupCore.push``): return its ACK."""
         return _ack(self._perform(self.core.push(w, msg, self.clock())))
 
-    def reload(self, weights: np.ndarray, link: GroupLink, held: int | None = None) -> None:
-        """A new global server holds this group's exchanges up to seq ``held``
+    def reload(self, weights: np.ndarray, link: GroupLink,
+               server_seq: int | None = None) -> None:
+        """A new global server holds this group's exchanges up to seq ``server_seq``
         (``GroupCore.rebase``); ``link`` reaches it."""
         self.link = link
-        self._perform(self.core.rebase(weights, held))
+        self._perform(self.core.rebase(weights, server_seq))
         self.fit_limits()
 
     def _perform(self, actions: list[Action]) -> messages.Ack | None:
@@ -199,9 +200,9 @@ class GroupServer:
             waited = waited or [int(v) for v in self.core.table.waiting_for(w)]  # type: ignore[call-overload]
             self._changed.clear()
             await self._changed.wait()
-        held = self.clock() - t if waited else 0.0  # the SSP bound's wait, not the publish's
+        held_s = self.clock() - t if waited else 0.0  # the SSP bound's wait, not the publish's
         await self._publish()
-        return self.core.weights_message(w, waited, since, clock, held)
+        return self.core.weights_message(w, waited, since, clock, held_s)
 
     async def _publish(self) -> None:
         """With a compressed downlink: publish once for all the PULLs this turn of the event
@@ -301,24 +302,18 @@ class GroupServer:
         """One request at a time: the next message is not read before this one is answered, so
         a worker that sends ahead (a flood) waits on TCP, and its PUSH is taken only after the
         WEIGHTS it pulled went out (SSP holds it like any other worker)."""
+        conv = Conversation(Role.WORKER)  # PULL -> WEIGHTS -> PUSH -> ACK
+        conv.send(first)
         await ch.send(first)
-        pulled: int | None = None  # clock of the last PULL: a PUSH must follow one
-        sent = -1  # version of the last WEIGHTS on this connection (downlink.held_version)
-        while True:
+        while not conv.left:
             # one message per turn: a worker with many queued (a flood) takes turns with the rest
             await asyncio.sleep(0)
             msg = await ch.recv()
+            conv.receive(msg)
             if isinstance(msg, messages.Pull):
-                pulled = msg.clock
-                sent = await self._send_pull(ch, w, held_version(msg.since, sent), msg.clock)
+                await self._send_pull(ch, w, conv, msg)
             elif isinstance(msg, messages.Push):
-                validation.check_push_order(pulled, msg.clock)
-                pulled = None
-                await self._send_push(ch, w, msg)
-            elif isinstance(msg, messages.Leave):
-                return
-            else:
-                raise validation.unexpected(msg, "worker")
+                await self._send_push(ch, w, conv, msg)
 
     def traffic(self) -> dict[str, int]:
         """Bytes received from / sent to this group's workers so far."""
@@ -326,34 +321,44 @@ class GroupServer:
         down = self._closed_bytes["bytes_out"] + sum(c.bytes_sent for c in self.channels.values())
         return {"bytes_in": up, "bytes_out": down}
 
-    async def _send_pull(self, ch: Channel, w: int, since: int, clock: int) -> int:
-        """Answer a PULL at ``clock`` once SSP allows; give up as soon as the connection closes
-        meanwhile (the worker then leaves the group at once, not when its lease runs out).
-        Returns the version the answer brought the worker to."""
-        if self.core.may_answer(w, clock):  # the common case: no wait, no tasks
-            reply = await self.answer_pull(w, since, clock)
-        else:
-            answer = asyncio.ensure_future(self.answer_pull(w, since, clock))
-            closed = asyncio.ensure_future(ch.wait_closed())
-            try:
-                await asyncio.wait((answer, closed), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                answer.cancel()
-                closed.cancel()
-            if not answer.done():  # cancel() above only asked a pending one to stop
-                raise ConnectionResetError("connection closed while its PULL waited")
-            reply = answer.result()
+    async def _send_pull(self, ch: Channel, w: int, conv: Conversation,
+                         msg: messages.Pull) -> None:
+        """Answer a PULL once SSP allows, with what changed since the version the worker holds
+        (``downlink.held_version``)."""
+        reply = await self._answer_or_close(ch, w, held_version(msg.since, conv.sent_version),
+                                            msg.clock)
+        conv.send(reply)
         with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading
             await ch.send(reply)
-        return int(reply.version)
 
-    async def _send_push(self, ch: Channel, w: int, msg: messages.Push) -> None:
+    async def _answer_or_close(self, ch: Channel, w: int, since: int,
+                               clock: int) -> messages.Weights:
+        """The answer of a PULL at ``clock``; give up as soon as the connection closes
+        meanwhile (the worker then leaves the group at once, not when its lease runs out)."""
+        if self.core.may_answer(w, clock):  # the common case: no wait, no tasks
+            return await self.answer_pull(w, since, clock)
+        answer = asyncio.ensure_future(self.answer_pull(w, since, clock))
+        closed = asyncio.ensure_future(ch.wait_closed())
+        try:
+            await asyncio.wait((answer, closed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            answer.cancel()
+            closed.cancel()
+        if not answer.done():  # cancel() above only asked a pending one to stop
+            raise ConnectionResetError("connection closed while its PULL waited")
+        return answer.result()
+
+    async def _send_push(self, ch: Channel, w: int, conv: Conversation,
+                         msg: messages.Push) -> None:
+        """Take a PUSH (the conversation checked its turn and clock) and answer its ACK."""
         if w not in self.core.table:  # its lease expired while it was silent: rejoin and pull first
             await ch.send(messages.Error(code="lease", reason=f"worker {w}: lease expired, "
                                          "reconnect and pull the current weights"))
             raise ConnectionResetError("lease expired")
-        validation.check_push(msg)
-        await ch.send(self.on_push(w, msg))
+        conversation.check_push(msg)
+        ack = self.on_push(w, msg)
+        conv.send(ack)
+        await ch.send(ack)
 
     async def close(self) -> None:
         """Stop listening and cancel the background tasks."""

@@ -5,9 +5,8 @@ A worker's control session carries STATS (calibration at clock 0, then its measu
 second), an optional INIT_WEIGHTS with its initial weights (when the server had none yet:
 WELCOME said ``need_init``; the first one to arrive is taken; at most one per session, dense
 float32: a second one, or another encoding, is ERROR ``invalid`` and the connection is closed)
-and LEAVE; the server answers
-with ASSIGN when the worker's group or ratio is set or changes. An evaluator PULLs the global
-weights (GLOBAL_WEIGHTS) every few seconds until the run is over.
+and LEAVE; the server answers with ASSIGN when the worker's group or ratio is set or changes.
+An evaluator PULLs the global weights (GLOBAL_WEIGHTS) every few seconds until the run is over.
 
 A group process connects as role ``group`` before the grouping and waits in ``pending_groups``;
 ``external_group`` hands it a group (ASSIGN) behind a ``RemoteGroup`` peer (``roster.py``).
@@ -16,15 +15,17 @@ EXCHANGE(delta, counters) -> EXCHANGE_REPLY (the merged global weights, or with 
 the entries of the group's copy to set: exchange.py) until LEAVE. An EXCHANGE before the
 connection's first PULL is refused (ERROR ``order``): the server's record of what the group
 holds of the weights starts with that PULL. Its counters are bounded per message
-(``validation.check_exchange``) and for the run (``GlobalCore.check_counters``). A group process
+(``conversation.check_exchange``) and for the run (``GlobalCore.check_counters``). A group process
 that connects after the grouping — restarted, or reconnecting to a restarted global server —
 adopts a group no server serves, its own first (``adopt``); one whose connection closes
 before the grouping leaves ``pending_groups``.
 
-What a message does is the core's rule (``GlobalCore.on_stats`` / ``on_initial`` /
-``on_exchange`` / ``group_pull`` / ``group_left``); these sessions read the channel and hand the
-actions the core returns to the server (``Shell``: what they use of ``server.GlobalServer``,
-which imports this module, not the other way round).
+Which message may come when is the conversation's table (``wire/conversation.py``: each
+session holds one ``Conversation`` and feeds it every message it reads); what a message does is
+the core's rule (``GlobalCore.on_stats`` / ``on_initial`` / ``on_exchange`` / ``group_pull`` /
+``group_left``). These sessions read the channel, feed the conversation and hand the actions
+the core returns to the server (``Shell``: what they use of ``server.GlobalServer``, which
+imports this module, not the other way round).
 
 Invariants: a worker's and an evaluator's session take one message per turn of the event loop
 and read the next only once the last is handled, so a peer that floods waits on TCP
@@ -37,7 +38,7 @@ count steps in the worker's current group and start again after a move); the ini
 are taken once, dense, with a bounded size. A group has at most one connected group process (its
 ``RemoteGroup``); an exchange whose seq is not above the last merged one of its session is
 answered without merging (``GlobalCore.merge``). A group process's HELLO address is HOST:PORT
-(else REFUSE, ``validation.check_group_address``); a wildcard host is replaced by the host it
+(else REFUSE, ``server.check_group_address``); a wildcard host is replaced by the host it
 connects from, and the address workers are sent is logged (``group_address``). A group
 process's connection that carries no bytes (not even HEARTBEAT) for ``lease_s`` is closed: its
 group counts as lost, free for a replacement to adopt; when none comes within ``REHOME_LEASES``
@@ -63,11 +64,12 @@ from minips.errors import ConfigError, RemoteProtocolError
 from minips.net.channel import Channel
 from minips.net.endpoints import reachable
 from minips.serve import validation
-from minips.wire import frames, messages
+from minips.wire import conversation, frames, messages
+from minips.wire.conversation import Conversation, Role
 
 __all__ = ["Shell", "send_quiet", "worker_session", "initial_weights", "evaluator_session",
            "RemoteGroup", "external_group", "group_session", "adopt", "group_address",
-           "INIT_ENCODING", "PENDING_POLL_S", "REHOME_LEASES"]
+           "PENDING_POLL_S", "REHOME_LEASES"]
 
 log = logging.getLogger("minips.server")
 
@@ -115,7 +117,7 @@ async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
         srv.spawn(validation.replace(old, w, srv.rejected, "global server"))
     srv.controls[w] = ch
     srv.perform(core.worker_joined(w))
-    took_init = False  # INIT_WEIGHTS is taken once per session
+    conv = Conversation(Role.CONTROL)  # INIT_WEIGHTS once, dense f32
     try:
         if core.workers[w].group >= 0:  # a reconnect after grouping: tell it its group again
             await srv.tell_group(w)
@@ -124,11 +126,7 @@ async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
             # and its next message is read only once this one is handled (as serve/group.py)
             await asyncio.sleep(0)
             msg = await ch.recv()
-            if isinstance(msg, messages.InitWeights):
-                if took_init:
-                    raise RemoteProtocolError("INIT_WEIGHTS sent twice in one session",
-                                              expected="at most one", got="a second")
-                took_init = True
+            conv.receive(msg)
             _on_control(srv, w, msg)
     except RemoteProtocolError:
         core.roster.cut(w)  # out of its group's clocks, as after a LEAVE (Roster.cut)
@@ -140,27 +138,20 @@ async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
 
 
 def _on_control(srv: Shell, w: int, msg: messages.Message) -> None:
-    """Handle one control message."""
+    """Handle one control message (one the conversation let pass: STATS, INIT_WEIGHTS, LEAVE)."""
     if isinstance(msg, messages.Stats):
-        validation.check_stats(msg)
+        conversation.check_stats(msg)
         srv.perform(srv.core.on_stats(w, msg, time.monotonic()))
     elif isinstance(msg, messages.InitWeights):
         srv.perform(srv.core.on_initial(initial_weights(msg)))
     elif isinstance(msg, messages.Leave):
         srv.core.worker_leaving(w, msg.reason)
-    else:
-        raise validation.unexpected(msg, "worker on the control channel")
-
-
-INIT_ENCODING = "dense-f32"  # the one encoding of INIT_WEIGHTS: the weights exactly as trained
 
 
 def initial_weights(msg: messages.InitWeights) -> np.ndarray:
     """(n,) float32 initial weights a worker sent (the server was started without --init); their
-    size is checked by the message (``messages.MAX_PARAMS``), their encoding before decoding."""
-    if msg.encoding != INIT_ENCODING:
-        raise RemoteProtocolError("initial weights must be dense float32", expected=INIT_ENCODING,
-                                  got=msg.encoding)
+    size is checked by the message (``messages.MAX_PARAMS``), their encoding (dense float32) by
+    the conversation before decoding."""
     w = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, msg.size)
     assert isinstance(w, np.ndarray)  # dense-f32 decodes to an array
     return w.astype(np.float32, copy=False)
@@ -168,13 +159,12 @@ def initial_weights(msg: messages.InitWeights) -> np.ndarray:
 
 async def evaluator_session(srv: Shell, ch: Channel) -> None:
     """PULL -> WEIGHTS until LEAVE; the answer with the final weights sets ``evaluated_final``."""
+    conv = Conversation(Role.EVALUATOR)
     while True:
         await asyncio.sleep(0)  # one message per turn, as on every channel
-        msg = await ch.recv()
-        if isinstance(msg, messages.Leave):
+        conv.receive(await ch.recv())
+        if conv.left:
             return
-        if not isinstance(msg, messages.Pull):
-            raise validation.unexpected(msg, "evaluator")
         await srv.weights_ready.wait()
         if srv.core.done:  # budget spent: answer with the final weights (after the groups'
             await srv.finished.wait()  # final deltas, a bounded wait), marked done
@@ -192,7 +182,6 @@ class RemoteGroup(NoGroup):
     def __init__(self, ch: Channel, spawn: Spawn, traffic: dict[str, int] | None = None) -> None:
         super().__init__(traffic)
         self.ch, self.spawn = ch, spawn
-        self.pulled = False  # the connection's first PULL came: EXCHANGE may follow
 
     @property
     def connected(self) -> bool:
@@ -246,8 +235,9 @@ async def group_session(srv: Shell, ch: Channel) -> None:
     handle = next((h for h in core.groups.values() if _served_by(h, ch)), None)
     if handle is None:
         handle = await adopt(srv, ch)
+    conv = Conversation(Role.GROUP)  # PULL before EXCHANGE
     try:
-        while handle is not None and not await _on_group_message(srv, ch, handle):
+        while handle is not None and not await _on_group_message(srv, ch, handle, conv):
             pass
     finally:
         if handle is not None and _served_by(handle, ch):
@@ -312,34 +302,24 @@ async def adopt(srv: Shell, ch: Channel) -> GroupHandle | None:
     peer = RemoteGroup(ch, srv.spawn, handle.peer.traffic())
     srv.perform(core.group_served(handle.id, peer, group_address(ch)))
     if not core.done and all(h.final for h in core.groups.values()):  # the run waits for its
-        srv.perform([AllFinal()])  # workers: from now on (server._every_group_final)
+        srv.perform([AllFinal()])  # workers: from now on (GlobalServer._every_group_final)
     await ch.send(core.assign_message(handle))
     for w in handle.members:
         srv.spawn(srv.tell_group(w))
     return handle
 
 
-def _keep_order(handle: GroupHandle, ch: Channel, msg: messages.Message) -> None:
-    """An EXCHANGE on a group process's connection follows its first PULL (the server's record
-    of what the group holds, ``exchange.Replica``, starts there): ERROR ``order`` otherwise."""
-    peer = handle.peer
-    if not (isinstance(peer, RemoteGroup) and peer.ch is ch):
-        return
-    if isinstance(msg, messages.Pull):
-        peer.pulled = True
-    elif isinstance(msg, messages.Exchange) and not peer.pulled:
-        raise validation.OrderError("EXCHANGE before this connection's first PULL",
-                                    expected="PULL", got="EXCHANGE")
-
-
-async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle) -> bool:
-    """Handle one message of a group process; True when it left."""
+async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle,
+                            conv: Conversation) -> bool:
+    """Handle one message of a group process; True when it left. An EXCHANGE follows the
+    connection's first PULL (the server's record of what the group holds, ``exchange.Replica``,
+    starts there): the conversation refuses one before it, ERROR ``order``."""
     core, msg = srv.core, await ch.recv()
-    _keep_order(handle, ch, msg)
+    conv.receive(msg)
     if isinstance(msg, messages.Pull):  # the group takes these weights whole (exchange.py)
         await ch.send(core.group_pull(handle.id))
     elif isinstance(msg, messages.Exchange):
-        validation.check_exchange(msg)
+        conversation.check_exchange(msg)
         assert core.weights is not None
         delta = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, core.weights.size)
         info = handle.across_sessions(msg.info)  # traffic counts of all its sessions
@@ -349,6 +329,4 @@ async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle) -> boo
     elif isinstance(msg, messages.Leave):
         srv.perform(core.group_left(handle.id))
         return True
-    else:
-        raise validation.unexpected(msg, "group server")
     return False

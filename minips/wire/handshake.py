@@ -4,7 +4,9 @@ challenge-response that opens a session. No networking code, no clocks.
 Invariants:
 - Both sides of a connection track the same ``State``; ``TRANSITIONS`` lists every allowed
   (sender, state, kind). Sending a message out of turn raises ``LocalProtocolError``, receiving
-  one raises ``RemoteProtocolError``; after REFUSE or ERROR nothing more passes.
+  one raises ``RemoteProtocolError``; after REFUSE or ERROR nothing more passes. OPEN lets
+  every data message pass in its direction; the order they come in after it, per role (a PUSH
+  follows its PULL, ...), is the conversation's table (conversation.py).
 - The shared secret never crosses the wire: each side proves it with HMAC-SHA256 over a
   transcript that includes both sides' fresh nonces, so a recorded handshake cannot be replayed
   (docs/protocol.md, section 5). MACs are compared in constant time.
