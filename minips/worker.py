@@ -1,25 +1,26 @@
-"""The worker's face: its training loop (PyTorch; with evaluator.py the only torch code on the
-network path).
+"""The worker: its training loop (PyTorch and asyncio; with evaluator.py the only torch code on
+the network path).
 
 A worker knows only the global server's address. It connects (role ``worker``), learns the run
 config from WELCOME.info, builds the model and its data shard, times ``calib_steps`` steps and
 reports them (STATS, clock 0), then waits for ASSIGN (its group server, upload ratio, staleness).
-Then, on the group server's connection:
+Then, on the group server's connection, it drives its core (core/worker_core.py: what WEIGHTS
+does to the copy held, what is pushed, what is recorded) around what needs torch and a clock:
 
     PULL(c, since) -> WEIGHTS   answered when the SSP bound allows; wait time and whom it waited
                                 for are logged. The worker keeps a copy of the group's published
                                 weights and names its version (``since``): the answer is either
                                 the whole weights or the coordinates that changed since
                                 (core.downlink); a new connection starts from the whole weights
-    gradient on the next batch  of its shard, in the reference loop's order (minips.ml.reference)
-    (optimizer)                 with ``optimizer_at`` ``worker``: the update of the worker's
-                                own SGD at the lr factor WEIGHTS gave (core.worker_opt);
-                                with local steps H > 1 (WEIGHTS.local_steps) H gradients and
-                                updates on its own replica, then their sum (core.local_steps)
-    compress                    registry.make_compressor, error feedback kept here (on the
-                                device for top-k flavours off the CPU: compress.device_compress)
+    gradient on the next batch  of its shard, in the reference loop's order (minips.ml.reference);
+                                with local steps H > 1 (WEIGHTS.local_steps) H gradients, each
+                                at the replica the core's local steps moved (core.local_steps)
+    compress                    the core: with ``optimizer_at`` ``worker`` the update of the
+                                worker's own SGD (core.worker_opt), through the run's compressor
+                                with error feedback (on the device for top-k flavours off the
+                                CPU: compress.device_compress)
     sleep                       so that the step takes max(compute, F x base_step_s)
-    PUSH(c + 1) -> ACK
+    PUSH(c + 1) -> ACK          the core's step record, with the phases timed here
 
 until the server says ``done`` (WEIGHTS.done or LEAVE "done") or ``max_steps`` pushes were made,
 then it sends LEAVE to both servers. Calibration does not touch the model, the data stream or the
@@ -38,29 +39,18 @@ ASSIGN), each change a ``slowdown`` event in the worker's file. In ``--mode lbbs
 names the batch of the next step (``batch``), taken in the shard's order (``data.BatchCursor``).
 ``bandwidth_bps`` / ``bandwidth_down_bps`` pace the group connection's sends / reads
 with token buckets (``links.Pacing``, applied by ``channel.Channel.set_pacing``) and
-``latency_s`` delays each send (docs/links.md; ``worker_link.Link``).
+``latency_s`` delays each send (docs/links.md; ``Link`` below).
 
-Parts: worker.py (the session with the global server: ASSIGN, the end, reconnecting),
-worker.py (model, data shard, compressor, files), worker.py (connections, ``Link``),
-evaluator.py (``evaluate_loop``, ``run_evaluator``, re-exported here).
-
-A worker's (or the evaluator's) side of its connections: ``connect_role`` opens one with the
-settings of a ``WorkerConfig``, ``Link`` is a channel on the worker's emulated link (pacing and
-latency, docs/links.md), ``Stopped`` says how a server ended the session, ``leave`` says
-goodbye.
-
-What a worker builds from the run config before it trains: the model bound to its device
-(``device.Trainer``), its data shard and endless batch stream (in ``reference.train``'s order),
-its compressor (top-k selection on the device where it runs off the CPU), its metrics writer,
-and ``worker-<id>.device.json`` (where it computes; its resident memory once it leaves).
-
-A worker's session with the global server, its control channel: WELCOME (the run config),
-ASSIGN (its group server, upload ratio, staleness; again on regrouping or a new GDTopK ratio),
-and the end of the run (LEAVE "done", or ERROR). When the global server is lost mid-run the
-session reconnects for up to ``reconnect_s`` (it may come back with ``--resume``).
-
-The worker's training loop (worker.py) reads ``assign`` and ``done`` and waits on ``assigned`` /
-``changed``; STATS go out on ``ch``.
+The module holds, in order: the worker's side of its connections, which the evaluator
+(evaluator.py) uses too (``connect_role`` opens one with a ``WorkerConfig``'s settings, ``Link``
+is a channel on the worker's emulated link, ``Stopped`` says how a server ended the session,
+``leave`` says goodbye); what a worker builds from the run config before it trains (``Parts``,
+``build``: the model on its device, its data shard and endless batch stream, its compressor,
+its files); its control session with the global server (``Control``: WELCOME, ASSIGN again on
+regrouping or a new GDTopK ratio, the end of the run; when the global server is lost mid-run
+it reconnects for up to ``reconnect_s``); and the training loop (``Worker``), which reads
+``Control.assign`` and ``done``, waits on ``assigned`` / ``changed`` and sends STATS on the
+control channel.
 """
 
 from __future__ import annotations
@@ -84,9 +74,8 @@ from minips import sparse
 from minips.compress.base import Compressor
 from minips.compress.device_compress import device_compressor
 from minips.core.config import RunConfig, WorkerConfig
-from minips.core.downlink import apply_weights
 from minips.core.slowdown import Schedule, Slowdown, parse_schedule, parse_throttle
-from minips.core.worker_opt import LocalSteps, Upload
+from minips.core.worker_core import Done, Step, WorkerCore
 from minips.errors import AuthError, DataError, MiniPSError, RemoteProtocolError
 from minips.ml import data, device, models
 from minips.net import links, transport
@@ -109,8 +98,6 @@ __all__ = [
     "run_worker",
 ]
 
-
-# -- worker_link: A worker's (or the evaluator's) side of its connections: ``connect_role`` open...
 
 M = TypeVar("M", bound=messages.Message)
 
@@ -175,8 +162,6 @@ async def leave(ch: Channel) -> None:
         await ch.close(leave="bye")
 
 
-# -- worker_setup: What a worker builds from the run config before it trains: the model bound to...
-
 @dataclass
 class Parts:
     """A worker's model, data and compressor, and the files it writes."""
@@ -236,10 +221,8 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
     return parts
 
 
-# -- worker_control: A worker's session with the global server, its control channel: WELCOME (th...
-
-def _no_ratio(ratio: float) -> None:
-    """``Control.on_ratio`` until the worker has a compressor: nothing to set."""
+def _no_assign(msg: messages.Assign) -> None:
+    """``Control.on_assign`` until the worker has its core: no ratio to set yet."""
 
 
 class Control:
@@ -252,7 +235,8 @@ class Control:
         self.cfg, self.event = cfg, event
         self.worker_id = cfg.worker_id  # the id the global server gave (WELCOME)
         self.heartbeat_s = 0.0  # from the run config, once known
-        self.on_ratio: Callable[[float], None] = _no_ratio  # a new upload ratio (ASSIGN)
+        # an ASSIGN for the worker's core (its upload ratio: WorkerCore.on_assign)
+        self.on_assign: Callable[[messages.Assign], None] = _no_assign
         self.assign: messages.Assign | None = None  # latest ASSIGN
         self.assigned = asyncio.Event()  # the first ASSIGN (or the end) arrived
         self.changed = asyncio.Event()  # set by every ASSIGN; cleared by its waiter
@@ -302,7 +286,7 @@ class Control:
                 msg = await self.ch.recv()
                 if isinstance(msg, messages.Assign):
                     self.assign = msg
-                    self.on_ratio(msg.ratio)
+                    self.on_assign(msg)
                     self.assigned.set()
                     self.changed.set()
                 elif isinstance(msg, messages.Error):
@@ -323,8 +307,6 @@ class Control:
         self.assigned.set()
         self.changed.set()
 
-
-# -- worker: The worker's face: its training loop (PyTorch; with evaluator.py the only torch cod...
 
 log = logging.getLogger("minips.worker")
 
@@ -378,24 +360,28 @@ class Worker:
     """One training worker; ``await Worker(cfg).run()``."""
 
     parts: Parts  # model, data, compressor, files (``_setup``)
+    core: WorkerCore  # the worker's rules: WEIGHTS, PUSH, ACK, the step record (``_setup``)
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
         self.id = cfg.worker_id
         self.run_cfg = RunConfig()
         self.control = Control(cfg, self._event)  # the session with the global server
-        self.clock = 0
-        self.samples = 0
-        self.replica: np.ndarray | None = None  # (n,) float32 the group's published weights
-        self.held = -1  # their version on the current group connection; -1: none
         self.writer: JsonlWriter | None = None  # set up once WELCOME told the run config
-        self.lr_factor, self.progress = 1.0, 0.0  # from the last WEIGHTS (core.worker_opt)
-        self.local_steps = 1  # H of the next push, from the last WEIGHTS (core.local_steps)
         self.slowdown = Slowdown(Schedule.flat(cfg.slowdown))  # F over time (core/slowdown.py)
         self.factor = self.slowdown.factor(0.0)  # F of the last step
         self.trained_at: float | None = None  # monotonic time of the first ASSIGN
-        self.batch = 0  # samples of the next step (LB-BSP: WEIGHTS.batch); 0 = the run's
         self.compute_s = math.inf  # the last gradient's time (``_gradient``); none yet
+
+    @property
+    def clock(self) -> int:
+        """Pushes the group acknowledged (0 before the core exists: calibration)."""
+        return self.core.clock if "core" in vars(self) else 0
+
+    @property
+    def samples(self) -> int:
+        """Samples of the pushes acknowledged."""
+        return self.core.samples if "core" in vars(self) else 0
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -411,7 +397,7 @@ class Worker:
         except MiniPSError as exc:  # no data here, say: the server is told why, not "lost"
             await self.control.ch.close(leave=f"refused to start: {exc}"[:LEAVE_REASON_CHARS])
             raise
-        self.control.on_ratio = self.compressor.set_ratio
+        self.control.on_assign = self.core.on_assign
         self.slowdown = _slowdown(self.cfg, self.run_cfg.seed, self.id)
         self.factor = self.slowdown.factor(0.0)
         reader = asyncio.create_task(self.control.loop())
@@ -438,9 +424,7 @@ class Worker:
         parts = build(self.cfg, self.run_cfg, self.id)
         self.parts, self.trainer, self.compressor = parts, parts.trainer, parts.compressor
         self.stream, self.writer = parts.stream, parts.writer
-        self.upload = Upload(self.run_cfg, self.compressor)  # with the optimizer, if it is here
-        # the inner loop of local steps (core.local_steps), with the optimizer here
-        self.local = LocalSteps(self.upload) if self.upload.opt is not None else None
+        self.core = WorkerCore(self.run_cfg, self.compressor, self.id, parts.shard_size)
 
     async def _send_initial(self) -> None:
         flat = self.trainer.host_weights()  # (n,) float32
@@ -485,10 +469,9 @@ class Worker:
             ch.start_silence_limit(self.run_cfg.lease_s)
             link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s,
                         self.cfg.bandwidth_down_bps)
-            self.held = -1  # a new connection (another group, a restarted one): whole weights
             try:
-                ack = await link.expect(messages.Ack)
-                self.clock = int(ack.clock)  # the group's clock for us: pull before pushing
+                # the group's clock for us (pull before pushing), and whole weights next
+                self.core.on_join(await link.expect(messages.Ack))
                 await self._loop(link, self.control.address())
             except Stopped as exc:
                 if exc.final:
@@ -531,92 +514,64 @@ class Worker:
 
     async def _loop(self, link: Link, address: str) -> None:
         """Steps on one group server until done, the cap, or a new group address."""
-        cap = self.run_cfg.max_steps
         while not self.control.done and address == self.control.address():
-            if cap and self.clock >= cap:
+            pull = self.core.pull(time.monotonic())
+            if isinstance(pull, Done):  # max_steps pushes made
                 self.control.done = True
                 return
-            t = time.monotonic()
-            await link.send(messages.Pull(clock=self.clock, since=self.held))
+            await link.send(pull)
             w = await link.expect(messages.Weights)
-            wait_s = time.monotonic() - t
-            if w.done:
+            t_step = time.perf_counter()
+            step = self.core.on_weights(w, time.monotonic())
+            del w  # the weights frame, a whole model's worth, is not kept through the step
+            if isinstance(step, Done):
                 self.control.done = True
                 return
-            t_step = time.perf_counter()
-            self.batch = int(w.batch)  # LB-BSP: the samples of this step (0: the run's)
-            info = self._load(w)
-            del w  # the weights frame, a whole model's worth, is not kept through the step
-            await self._step(link, info, wait_s, t_step)
+            await self._step(link, step, t_step)
 
-    def _load(self, w: messages.Weights) -> dict[str, Any]:
-        """Decode WEIGHTS into the copy held and the model; returns its info."""
-        self.replica = apply_weights(self.replica, self.held, w, self.compressor.size)
-        self.held = int(w.version)
-        self.trainer.load(self.replica)
-        self.lr_factor, self.progress = w.lr_factor, w.progress  # for this step's update
-        self.local_steps = int(w.local_steps) if self.local is not None else 1
-        return dict(w.info)
-
-    async def _step(self, link: Link, info: dict[str, Any], wait_s: float, t: float) -> None:
-        if self.local_steps > 1:
-            epoch, loss, samples, packet, lap, step_time = await self._local_steps(t)
-            encoding, codec, buffers = self.compressor.encode(packet)
-            lap.append(time.perf_counter())
-        else:
-            epoch, xb, yb = self._next_batch()
-            lap = [t, time.perf_counter()]  # phase boundaries: decode, compute, compress, encode
-            # grad: (n,) float32 on the device, reused by the next call (compressed before it)
-            loss, grad = await self._gradient(xb, yb)
-            lap.append(time.perf_counter())
-            self.compressor.set_epoch(self.samples / max(1, self.parts.shard_size))
-            self.compressor.observe_loss(loss)
-            packet = self.upload.packet(grad, self.replica, lr_factor=self.lr_factor,
-                                        progress=self.progress)
-            lap.append(time.perf_counter())
-            encoding, codec, buffers = self.compressor.encode(packet)  # in its declared encoding
-            lap.append(time.perf_counter())
-            step_time, samples = await self._stretch(lap[-1] - t, len(yb)), len(yb)
-        push = messages.Push(clock=self.clock + 1, step_time=step_time, loss=loss,
-                             samples=samples, encoding=encoding, codec=codec,
-                             buffers=tuple(buffers))
+    async def _step(self, link: Link, step: Step, t: float) -> None:
+        """One push from WEIGHTS decoded at ``t``: its gradients, packet, PUSH and ACK, and
+        the step's record with the time of each phase."""
+        self.trainer.load(step.weights)
+        lap = [t, time.perf_counter()]  # phase boundaries: decode, compute, compress, encode
+        epoch, step_time = await self._compute(step, t)
+        lap.append(time.perf_counter())
+        packet = self.core.compress()
+        lap.append(time.perf_counter())
+        payload = self.core.encode(packet)  # in the compressor's declared encoding
+        lap.append(time.perf_counter())
+        if step_time is None:  # one gradient: its step runs until its push is encoded
+            step_time = await self._stretch(lap[-1] - t, self.core.step_samples)
+        push = self.core.push(payload, step_time)
         sent_before, t_push = link.ch.bytes_sent, time.perf_counter()
         await link.send(push)
         wire_bytes = link.ch.bytes_sent - sent_before  # the whole frame, as counted by the channel
-        await link.expect(messages.Ack)
+        record = self.core.on_ack(await link.expect(messages.Ack), wire_bytes)
         push_s = time.perf_counter() - t_push
-        self.clock += 1
-        self.samples += samples
         phases = dict(zip(("decode_s", "compute_s", "compress_s", "encode_s"),
                           np.diff(lap).tolist(), strict=True))
-        self._record(info, wait_s, step_time, loss, push, wire_bytes, epoch, link, push_s=push_s,
+        self._record(record, epoch, link, push_s=push_s,
                      host_bytes=self.compressor.host_bytes, **phases)
-        await self._maybe_stats(step_time, loss)
+        await self._maybe_stats(step_time, push.loss)
 
-    async def _local_steps(self, t: float) -> tuple[int, float, int, Any, list[float], float]:
-        """H local steps from the weights pulled (core.local_steps), each taking
-        max(compute, F x base_step_s): (epoch, mean loss, samples, packet, the phase
-        boundaries up to compress, the mean step time: what STATS and PUSH report)."""
-        assert self.local is not None and self.replica is not None
-        local = self.local.start(self.replica, self.local_steps, self.lr_factor)
-        lap, losses, times, samples, epoch = [t, time.perf_counter()], [], [], 0, 0
-        for i in range(self.local_steps):
-            t_i = t if i == 0 else time.perf_counter()  # the first step's time includes decode
-            if i:
-                self.trainer.load(local)  # the replica the last step moved (the first: _load)
-            epoch, xb, yb = self._next_batch()
+    async def _compute(self, step: Step, t: float) -> tuple[int, float | None]:
+        """The step's gradients, each handed to the core: (the last batch's epoch, and with
+        local steps the mean of their times, each max(compute, F x base_step_s), the first
+        from ``t`` so it includes decoding; None for one gradient: ``_step`` times it)."""
+        weights: np.ndarray | None = step.weights
+        epoch, t_i = 0, t
+        times: list[float] = []
+        while weights is not None:
+            if times:
+                self.trainer.load(weights)  # the replica the last local step moved
+            epoch, xb, yb = self._next_batch(step.batch)
+            # grad: (n,) float32 on the device, reused by the next call (the core reads it first)
             loss, grad = await self._gradient(xb, yb)
-            self.local.step(grad)
-            losses.append(loss)
-            samples += len(yb)
-            times.append(await self._stretch(time.perf_counter() - t_i, len(yb)))
-        lap.append(time.perf_counter())
-        self.compressor.set_epoch((self.samples + samples) / max(1, self.parts.shard_size))
-        mean_loss = float(np.mean(losses))
-        self.compressor.observe_loss(mean_loss)
-        packet = self.local.packet(self.progress)
-        lap.append(time.perf_counter())
-        return epoch, mean_loss, samples, packet, lap, float(np.mean(times))
+            weights = self.core.on_gradient(grad, loss, len(yb))
+            if step.local_steps > 1:
+                times.append(await self._stretch(time.perf_counter() - t_i, len(yb)))
+                t_i = time.perf_counter()
+        return epoch, float(np.mean(times)) if times else None
 
     async def _gradient(self, xb: Any, yb: Any) -> tuple[float, Any]:
         """``trainer.gradient(xb, yb)``: on the event loop's thread when the last one took
@@ -633,12 +588,12 @@ class Worker:
         self.compute_s = time.perf_counter() - t
         return out
 
-    def _next_batch(self) -> tuple[int, np.ndarray, np.ndarray]:
-        """The step's (epoch, x, y): the stream's next batch, or (LB-BSP) the next
-        ``self.batch`` samples in the same order."""
+    def _next_batch(self, batch: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """The step's (epoch, x, y): the stream's next batch, or (LB-BSP) the next ``batch``
+        samples (0: the run's) in the same order."""
         if self.parts.cursor is None:
             return next(self.stream)
-        return self.parts.cursor.take(self.batch or self.run_cfg.batch_size)
+        return self.parts.cursor.take(batch or self.run_cfg.batch_size)
 
     async def _stretch(self, compute_s: float, samples: int = 0) -> float:
         """Sleep so a step of ``samples`` (0: the run's batch) takes F x base_step_s x samples
@@ -673,22 +628,13 @@ class Worker:
                 await self.control.ch.send(messages.Stats(clock=self.clock, step_time=median,
                                                           loss=loss, samples=self.samples))
 
-    def _record(self, info: dict[str, Any], wait_s: float, step_time: float, loss: float,
-                push: messages.Push, wire_bytes: int, epoch: int, link: Link,
-                **phases: Any) -> None:
+    def _record(self, record: dict[str, Any], epoch: int, link: Link, **measured: Any) -> None:
+        """The core's step ``record`` (core.worker_core.step_record) with what the worker
+        measured: its time, the batch's epoch, F, the link's counters and the phases."""
         assert self.writer is not None
-        self.writer.write({
-            "t": time.time() - self.run_cfg.t0, "worker": self.id, "group": info.get("group"),
-            "clock": self.clock, "staleness": info.get("lead", 0), "wait_s": wait_s,
-            "waited_for": info.get("waited_for", []), "step_time": step_time, "loss": loss,
-            "samples": push.samples, "epoch": epoch, "slowdown": self.factor,
-            "ratio": self.compressor.ratio,
-            "kept_fraction": self.compressor.kept_fraction, "bytes_raw": 4 * self.compressor.size,
-            "bytes_wire": wire_bytes, "link_bytes_up": link.ch.bytes_sent,
-            "link_bytes_down": link.ch.bytes_received, **phases,
-            **({"drift": info["drift"]} if "drift" in info else {}),
-            **({"local_steps": self.local_steps} if self.local is not None else {}),
-            **self.upload.record()})
+        self.writer.write({"t": time.time() - self.run_cfg.t0, **record, "epoch": epoch,
+                           "slowdown": self.factor, "link_bytes_up": link.ch.bytes_sent,
+                           "link_bytes_down": link.ch.bytes_received, **measured})
 
 
 def _slowdown(cfg: WorkerConfig, seed: int, worker: int) -> Slowdown:

@@ -1,8 +1,8 @@
-"""Local steps (core/local_steps.py, worker_opt.LocalSteps): a worker runs H optimizer steps on
-its own replica and pushes their change; its group server applies it with an outer optimizer
-(average or DiLoCo's Nesterov); with ``--local-steps auto`` the global server gives each group
-its H from its speed. By hand on tiny vectors, through the role cores, the simulator and a
-real run on loopback."""
+"""Local steps (core/local_steps.py: ``LocalSteps``, the outer optimizer, auto H): a worker
+runs H optimizer steps on its own replica and pushes their change; its group server applies
+it with an outer optimizer (average or DiLoCo's Nesterov); with ``--local-steps auto`` the
+global server gives each group its H from its speed. By hand on tiny vectors, through the
+role cores, the simulator and a real run on loopback."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from minips.compress.registry import make_compressor
 from minips.core.config import FieldError, RunConfig
 from minips.core.global_core import GlobalCore, SendRatios
 from minips.core.group_core import GroupCore
-from minips.core.local_steps import auto_local_steps
+from minips.core.local_steps import LocalSteps, auto_local_steps
 from minips.core.roster import GroupHandle
-from minips.core.worker_opt import LocalSteps, Upload
+from minips.core.worker_opt import Upload
 from minips.ml import data, models
 from minips.record.rundir import read_jsonl
 from minips.run.flags import build_parser, run_config_from_args

@@ -6,9 +6,10 @@ refuses ``local_steps`` != 1, an outer optimizer other than ``avg`` and an ``out
 than 1 otherwise: the optimizer's place never moves without being asked). Three parts, one
 per role:
 
-**The worker** (``worker_opt.LocalSteps``; worker.py and the simulator). From the weights ``w₀`` it
-pulled, with ``WorkerSGD`` (core/worker_opt.py: clipping, weight decay, its own velocity ``u``
-kept across pushes) and the lr factor ``f`` of that pull, held for the H steps::
+**The worker** (``LocalSteps``; core/worker_core.py drives it for worker.py and the
+simulator). From the weights ``w₀`` it pulled, with ``WorkerSGD`` (core/worker_opt.py:
+clipping, weight decay, its own velocity ``u`` kept across pushes) and the lr factor ``f`` of
+that pull, held for the H steps::
 
     for i in 1..H:   gᵢ = ∇L(wᵢ₋₁; batch i)      Δᵢ = WorkerSGD.update(wᵢ₋₁, gᵢ, f)
                      wᵢ = wᵢ₋₁ − Δᵢ
@@ -19,7 +20,7 @@ kept across pushes) and the lr factor ``f`` of that pull, held for the H steps::
 
 One push per H steps: the SSP clock counts pushes, the push's ``samples`` are the H batches'
 (the lr schedule and the budget count samples as before), ``max_steps`` caps pushes. H = 1
-is the worker of core/worker_opt.py exactly (worker.py takes ``Upload.packet`` then).
+is the worker of core/worker_opt.py exactly (the worker core takes ``Upload.packet`` then).
 
 **The group server** (``outer_sgd``; group_core.py). The pseudo-gradients of the group's m
 live workers are combined as every update is in minips: in rounds (staleness 0) their mean
@@ -60,23 +61,76 @@ What a restart loses: a worker that restarts (or reconnects) drops the steps of 
 had not sent (at most H − 1 batches); its velocity and residual are lost on a restart as
 core/worker_opt.py says. Per-group H comes back with the next STATS after a resume.
 
-The worker's part lives with the worker's optimizer (core/worker_opt.py), so the servers'
-rules here load nothing of it. Public API: ``outer_sgd``, ``auto_local_steps``,
-``HYSTERESIS``.
+``LocalSteps`` names the worker's optimizer (core/worker_opt.py) only for type checking and
+gets it from the ``Upload`` it is given, so the servers' cores, which import this module for
+``outer_sgd`` and ``auto_local_steps``, load nothing of the worker's. Public API:
+``LocalSteps``, ``outer_sgd``, ``auto_local_steps``, ``HYSTERESIS``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from minips.core import optim
 from minips.core.config import RunConfig
+from minips.errors import ConfigError
 
-__all__ = ["outer_sgd", "auto_local_steps", "HYSTERESIS"]
+if TYPE_CHECKING:  # the servers' cores import this module: the worker's optimizer stays out
+    from minips.core.worker_opt import Upload
+    from minips.sparse import SparseVector
+
+__all__ = ["LocalSteps", "outer_sgd", "auto_local_steps", "HYSTERESIS"]
 
 HYSTERESIS = 0.75  # local steps: a group's H changes once the exact value is this far from it
+
+
+class LocalSteps:
+    """One worker's inner loop over ``Upload``'s ``WorkerSGD``: ``start`` from the pulled
+    weights, ``step`` once per batch (it returns the weights to compute the next gradient at),
+    ``packet`` once ``finished`` (the module docstring)."""
+
+    def __init__(self, upload: Upload) -> None:
+        if upload.opt is None:
+            raise ConfigError("local steps need the optimizer on the worker "
+                              "(--optimizer-at worker)")
+        self.upload, self.opt = upload, upload.opt
+        size = upload.compressor.size
+        self.local = np.zeros(size, np.float32)  # (n,) w_i, the replica the steps move
+        self.total = np.zeros(size, np.float32)  # (n,) D = sum of the updates so far
+        self.steps = 1  # H of the current push
+        self.done = 0  # steps taken since ``start``
+        self.lr_factor = 1.0  # f of the pull the steps started from
+
+    def start(self, weights: np.ndarray, steps: int, lr_factor: float = 1.0) -> np.ndarray:
+        """Begin ``steps`` local steps from ``weights`` (n,) (copied, not changed); returns
+        the replica to compute the first gradient at."""
+        self.local[:] = weights
+        self.total[:] = 0.0
+        self.steps, self.done, self.lr_factor = max(1, int(steps)), 0, float(lr_factor)
+        return self.local
+
+    def step(self, grad: Any) -> np.ndarray:
+        """One optimizer step for ``grad`` (n,) computed at the replica (numpy or torch):
+        ``w ← w − Δ``, ``D ← D + Δ``; returns the replica (the same array, moved)."""
+        delta = self.opt.update(self.local, grad, self.lr_factor)
+        self.local -= delta
+        self.total += delta
+        self.done += 1
+        return self.local
+
+    @property
+    def finished(self) -> bool:
+        """The H steps of this push are done: time to push ``packet``."""
+        return self.done >= self.steps
+
+    def packet(self, progress: float = 0.0) -> SparseVector | np.ndarray:
+        """The pseudo-gradient D through the compressor (error feedback), the velocity
+        masked where it sent."""
+        self.upload.lr_factor = self.lr_factor
+        return self.upload.send(self.total, progress)
 
 
 def outer_sgd(run: RunConfig, size: int) -> optim.SGD:

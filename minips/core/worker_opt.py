@@ -22,18 +22,18 @@ is ``lr · f · (momentum · mean(u) + mean(g) + weight_decay · w)``, the refer
 (``reference.train``; tests/test_worker.py), float32 rounding of the mean aside.
 
 Local steps (a worker runs H optimizer steps on its own replica, then pushes the change;
-core/local_steps.py) build on ``WorkerSGD.update``: it returns ``Δ`` and leaves ``w`` alone,
-so such a worker applies ``w ← w − Δ`` on its replica H times and sends the sum of the H
-updates through ``Upload.send``.
+``LocalSteps`` in core/local_steps.py) build on ``WorkerSGD.update``: it returns ``Δ`` and
+leaves ``w`` alone, so such a worker applies ``w ← w − Δ`` on its replica H times and sends
+the sum of the H updates through ``Upload.send``.
 
 A worker's optimizer state (``u``, and the compressor's residual ``r``) lives only in its
 process: a worker that restarts starts both at zero (a momentum restart; what ``r`` held was
 never sent and is lost), one that only reconnects (its group server or the global server
 restarted) keeps them.
 
-Sans-IO numpy; ``Upload.packet`` takes a numpy array or a torch tensor (copied to the host,
-a view on the CPU). Public API: ``WorkerSGD``, ``clip_scale``, ``Upload``, ``LocalSteps``
-(the inner loop of local steps).
+Sans-IO numpy; ``Upload.packet`` and ``WorkerSGD.update`` take a numpy array or a torch
+tensor (copied to the host, a view on the CPU). Public API: ``WorkerSGD``, ``clip_scale``,
+``Upload``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from minips.core.config import RunConfig
 from minips.errors import ConfigError
 from minips.sparse import SparseVector
 
-__all__ = ["WorkerSGD", "clip_scale", "Upload", "LocalSteps"]
+__all__ = ["WorkerSGD", "clip_scale", "Upload"]
 
 
 def clip_scale(g: np.ndarray, max_norm: float) -> float:
@@ -79,10 +79,11 @@ class WorkerSGD:
         self._d = np.empty(self.size, np.float32)  # (n,) scratch: clipped g + decay
         self._delta = np.empty(self.size, np.float32)  # (n,) the update returned
 
-    def update(self, weights: np.ndarray, grad: np.ndarray, lr_factor: float = 1.0) -> np.ndarray:
+    def update(self, weights: np.ndarray, grad: Any, lr_factor: float = 1.0) -> np.ndarray:
         """The update ``Δ`` (n,) float32 for ``grad`` computed at ``weights`` (both (n,)
-        float32): the pusher subtracts it from the weights. The array is reused by the next
-        call; ``weights`` is not changed."""
+        float32; ``grad`` may be a torch tensor): the pusher subtracts it from the weights.
+        The array is reused by the next call; ``weights`` is not changed."""
+        grad = as_float32(grad)  # no copy for a float32 numpy array
         if weights.shape != (self.size,) or grad.shape != (self.size,):
             raise ConfigError(f"weights and gradient must be ({self.size},), got "
                               f"{weights.shape} and {grad.shape}")
@@ -148,7 +149,7 @@ class Upload:
         if self.opt is None:
             return self.compressor.compress(grad)
         assert weights is not None, "the optimizer on the worker needs the weights it holds"
-        return self.send(self.opt.update(weights, as_float32(grad), lr_factor), progress)
+        return self.send(self.opt.update(weights, grad, lr_factor), progress)
 
     def send(self, update: np.ndarray, progress: float = 0.0) -> SparseVector | np.ndarray:
         """The packet for ``update`` (n,) float32 (one step's, or H local steps' sum:
@@ -161,48 +162,3 @@ class Upload:
             self.opt.mask(packet)
         return packet
 
-
-class LocalSteps:
-    """One worker's inner loop over ``Upload``'s ``WorkerSGD``: ``start`` from the pulled
-    weights, ``step`` once per batch (it returns the weights to compute the next gradient at),
-    ``packet`` once ``finished`` (the module docstring)."""
-
-    def __init__(self, upload: Upload) -> None:
-        if upload.opt is None:
-            raise ConfigError("local steps need the optimizer on the worker "
-                              "(--optimizer-at worker)")
-        self.upload, self.opt = upload, upload.opt
-        size = upload.compressor.size
-        self.local = np.zeros(size, np.float32)  # (n,) w_i, the replica the steps move
-        self.total = np.zeros(size, np.float32)  # (n,) D = sum of the updates so far
-        self.steps = 1  # H of the current push
-        self.done = 0  # steps taken since ``start``
-        self.lr_factor = 1.0  # f of the pull the steps started from
-
-    def start(self, weights: np.ndarray, steps: int, lr_factor: float = 1.0) -> np.ndarray:
-        """Begin ``steps`` local steps from ``weights`` (n,) (copied, not changed); returns
-        the replica to compute the first gradient at."""
-        self.local[:] = weights
-        self.total[:] = 0.0
-        self.steps, self.done, self.lr_factor = max(1, int(steps)), 0, float(lr_factor)
-        return self.local
-
-    def step(self, grad: Any) -> np.ndarray:
-        """One optimizer step for ``grad`` (n,) computed at the replica: ``w ← w − Δ``,
-        ``D ← D + Δ``; returns the replica (the same array, moved)."""
-        delta = self.opt.update(self.local, as_float32(grad), self.lr_factor)
-        self.local -= delta
-        self.total += delta
-        self.done += 1
-        return self.local
-
-    @property
-    def finished(self) -> bool:
-        """The H steps of this push are done: time to push ``packet``."""
-        return self.done >= self.steps
-
-    def packet(self, progress: float = 0.0) -> SparseVector | np.ndarray:
-        """The pseudo-gradient D through the compressor (error feedback), the velocity
-        masked where it sent."""
-        self.upload.lr_factor = self.lr_factor
-        return self.upload.send(self.total, progress)

@@ -1,21 +1,31 @@
 """`minips simulate`: a whole cluster as a discrete-event simulation on the real role cores.
 
-The global server and the group servers are ``GlobalCore`` and ``GroupCore`` (``sim_cores``),
-the very rules the asyncio servers run (grouping, SSP/BSP inside a group, SGD and its learning
-rate, the compressed downlink, the exchanges and their merge, GDTopK's ratios, the budget);
-only time is simulated. An event queue orders what the real processes would do:
+The global server, the group servers and the workers are ``GlobalCore``, ``GroupCore`` and
+``WorkerCore``, the very rules the real processes run (grouping, SSP/BSP inside a group, SGD and
+its learning rate, the compressed downlink, the exchanges and their merge, GDTopK's ratios, the
+budget; what a worker does with WEIGHTS, what it pushes and records); only time is simulated.
+An event queue orders what the real processes would do:
 
     worker: PULL ─link─► group (held while SSP says wait; the PULLs answered at one instant
             share one publish) ─link─► WEIGHTS ─► compute ─► PUSH ─link─► group applies it,
             ACK ─link─► worker, next PULL
 
 - compute times, links (rate, latency, jitter) and failures (a worker that drops and rejoins
-  later, or never): ``sim_timing``; a group's exchange with the global server is merged
-  ``xchg_latency_s`` after it is due;
-- gradients (``sim_objective``): a synthetic quadratic, cheap for thousands of workers, or
-  (``real=True``) the run's model on its data set as real workers compute them
-  (``sim_model``, torch); workers compress with the run's compressor and the messages are
-  the real protocol messages, so the bytes counted are the wire's.
+  later, or never): sim/timing.py (``StepTimes``, ``Links``, ``Failure``); a group's exchange
+  with the global server is merged ``xchg_latency_s`` after it is due;
+- gradients (sim/timing.py's ``objective``): a synthetic quadratic, cheap for thousands of
+  workers, or (``real=True``) the run's model on its data set as real workers compute them
+  (sim/sim_model.py, torch); workers compress with the run's compressor and the messages are
+  the real protocol messages, so the bytes counted are the wire's. An ASSIGN's ratio reaches
+  a group's workers when it reaches the group, as the global server sends both at once.
+
+What is here is only what the asyncio shells do around the cores: ``SimGroup`` and
+``SimGlobal`` hold a core each and perform its actions (``Simulation`` is the ``Host`` they
+see) instead of sockets; they hold the PULLs that SSP says wait (``pending``), gather the
+PULLs answered at one simulated instant so the group publishes once for them (``ready``: the
+asyncio group server publishes once per event-loop turn), count the bytes of the worker
+links, and write the group and global records with ``t`` in simulated seconds. A simulated
+worker is its ``WorkerCore`` plus the objective's gradients and the timing model's seconds.
 
 It writes a run directory as `minips local` does (config.json, worker-, group-, global- and
 eval-records with ``t`` in simulated seconds, final_weights.npy, summary.json); eval.jsonl
@@ -26,23 +36,8 @@ run's. What it leaves out: the handshake, heartbeats and leases, regrouping.
 budget spent, the clock summary.json's ``train_s`` counts; an evaluation tick due after the
 end does not stretch it. `minips simulate` prints ``report`` (the figures named; ``HEADLINE``
 as JSON with --json) after ``objective_note``, the line that says what the workers train.
-
-Public API: ``SimConfig``, ``Simulation``, ``simulate(cfg) -> summary``, ``HEADLINE``,
-``objective_note``, ``report``.
-
-What one simulated run is: the run's settings and the simulator's models of time and
-gradients (``simulate.simulate`` runs it; ``minips simulate``'s flags fill it).
-
-The role cores as the simulator drives them: ``GroupCore`` and ``GlobalCore`` whose actions
-(``group_core.py``, ``global_core.py``) the event queue (``simulate.Simulation``, seen
-here as the ``Host`` it is) performs instead of sockets; each holds its core, as the asyncio
-shells do.
-
-The rules are the cores' own; what is here is only what the asyncio shells do around them:
-hold the PULLs that SSP says wait (``pending``), gather the PULLs answered at one simulated
-instant so the group publishes once for them (``ready``: the asyncio group server publishes
-once per event-loop turn), count the bytes of the worker links, and write the group and
-global records with ``t`` in simulated seconds.
+``SimConfig`` is one simulated run (``minips simulate``'s flags fill it) and ``simulate(cfg)``
+runs it.
 """
 
 from __future__ import annotations
@@ -59,8 +54,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips.core import global_core
+from minips.core.actions import Log
 from minips.core.config import RunConfig
-from minips.core.downlink import apply_weights
 from minips.core.exchange import exchange_message
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import (
@@ -68,25 +63,22 @@ from minips.core.group_core import (
     AllLeft,
     BudgetSpent,
     GroupCore,
-    Log,
     Reply,
     StartExchange,
     Wake,
 )
 from minips.core.roster import GroupHandle, NoGroup
 from minips.core.slowdown import Schedule, Slowdown, parse_throttle
-from minips.core.worker_opt import LocalSteps, Upload
+from minips.core.worker_core import Done, WorkerCore
 from minips.record.metrics import summarize
 from minips.record.rundir import RunDir, dump_json
 from minips.sim.timing import Failure, Links, StepTimes, objective
 from minips.wire import messages
 from minips.wire.frames import wire_size
 
-__all__ = ["SimConfig", "per_worker", "SimGlobal", "SimGroup", "SimPeer", "Simulation", "simulate",
-           "HEADLINE", "objective_note", "report"]
+__all__ = ["SimConfig", "per_worker", "shard_size", "SimGlobal", "SimGroup", "SimPeer",
+           "Simulation", "simulate", "HEADLINE", "objective_note", "report"]
 
-
-# -- sim_config: What one simulated run is: the run's settings and the simulator's models of tim...
 
 @dataclass
 class SimConfig:
@@ -121,7 +113,12 @@ def per_worker(values: list[float], n: int) -> list[float]:
     return [values[min(w, len(values) - 1)] for w in range(n)]
 
 
-# -- sim_cores: The role cores as the simulator drives them: ``GroupCore`` and ``GlobalCore`` wh...
+def shard_size(run: RunConfig, w: int) -> int:
+    """Samples in worker ``w``'s shard, cut as ``data.shard_indices`` cuts an epoch into equal
+    pieces: one epoch of the worker, for its compressor's warm-up by epochs."""
+    n, k = run.epoch_samples(), run.workers
+    return int(np.rint((w + 1) / k * n)) - int(np.rint(w / k * n))
+
 
 class Host(Protocol):
     """What the cores here use of the simulation (``simulate.Simulation``) that drives them."""
@@ -134,6 +131,7 @@ class Host(Protocol):
     groups: dict[int, SimGroup]
 
     def at(self, delay: float, fn: Callable[..., Any], *args: Any) -> None: ...
+    def assign(self, msg: messages.Assign) -> None: ...
     def exchange(self, g: int, final: bool = False) -> None: ...
     def release(self, core: SimGroup) -> None: ...
 
@@ -211,8 +209,8 @@ class SimPeer(NoGroup):
 
 
 class SimGlobal:
-    """The global core (``core``): its ratios go to the simulated groups, ``done`` releases
-    them, its ``Log`` lines go to the global record."""
+    """The global core (``core``): its ratios go to the simulated groups and their workers
+    (``Host.assign``), ``done`` releases them, its ``Log`` lines go to the global record."""
 
     def __init__(self, sim: Host, weights: np.ndarray) -> None:
         self.sim = sim
@@ -229,13 +227,11 @@ class SimGlobal:
                                    "version": core.version, "samples": core.samples})
             elif isinstance(a, global_core.SendRatios):
                 for g in a.ratios:
-                    core.groups[g].peer.send_ratio(core.assign_message(core.groups[g]))
+                    self.sim.assign(core.assign_message(core.groups[g]))
             elif isinstance(a, global_core.Done):
                 for grp in self.sim.groups.values():
                     grp.budget_spent()
 
-
-# -- simulate: minips simulate`: a whole cluster as a discrete-event simulation on the real role...
 
 SMALL = 40  # bytes of a PULL or an ACK on the wire (a few fields)
 
@@ -260,32 +256,30 @@ class Simulation:
         self.speeds = [Slowdown(cfg.schedules[w] if w < len(cfg.schedules) else Schedule(),
                                 throttle, seed=self.run.seed, worker=w) for w in range(n_w)]
         self.links = Links(n_w, cfg.rate, cfg.latency_s, cfg.latency_jitter_s, self.run.seed)
+        # the workers' rules (core/worker_core.py), each with the run's compressor
+        self.workers = [WorkerCore(self.run, self.run.worker_compressor(size, w), w,
+                                   shard_size(self.run, w)) for w in range(n_w)]
+        self.since = [-1] * n_w  # the version each worker's last PULL named
         self.glob = SimGlobal(self, self.objective.initial())
         self.groups: dict[int, SimGroup] = {}
-        self.group_of = self._assign(n_w)
+        self.group_of: dict[int, int] = {}
+        self._assign(n_w)
         self.rngs = [np.random.default_rng(self.run.seed * 1000 + w) for w in range(n_w)]
-        self.comp = [self.run.worker_compressor(size, w) for w in range(n_w)]
-        self.upload = [Upload(self.run, c) for c in self.comp]  # with the optimizer, if there
-        # local steps' inner loops (core.local_steps), with the optimizer on the workers
-        self.local = [LocalSteps(u) if u.opt is not None else None for u in self.upload]
-        self.copy: list[np.ndarray | None] = [None] * n_w
-        self.held = [-1] * n_w
-        self.clock = [0] * n_w
         self.gen = [0] * n_w  # a worker's connection: events of an older one are dropped
         self.alive = [True] * n_w
-        self.pulled_at = [0.0] * n_w
         self.records: list[list[dict[str, Any]]] = [[] for _ in range(n_w)]  # written at the end
         self.eval_w = self.rundir.writer("eval")
         self.pushes, self.evaluated = 0, -1
 
-    def _assign(self, n_w: int) -> dict[int, int]:
+    def _assign(self, n_w: int) -> None:
         """The global core groups the workers by their step times (each reports it, as a
-        worker's calibration STATS does); one group core each."""
+        worker's calibration STATS does); one group core each, and each worker its first
+        ASSIGN."""
         glob = self.glob.core
         for w in range(n_w):
             glob.admit(w, 0.0)
             glob.on_stats(w, messages.Stats(clock=0, step_time=self.step_s[w], loss=0.0), 0.0)
-        assignment = glob.first_assignment(0.0)
+        assignment = self.group_of = glob.first_assignment(0.0)
         handles = []
         for g in sorted(set(assignment.values())):
             members = sorted(w for w, h in assignment.items() if h == g)
@@ -294,7 +288,16 @@ class Simulation:
             handles.append(GroupHandle(g, f"sim:{g}", members=members, ratio=glob.ratio_of(g),
                                        peer=SimPeer(self.groups[g])))
         self.glob.perform(glob.groups_formed(handles, assignment))
-        return assignment
+        for w, g in assignment.items():
+            self.workers[w].on_assign(glob.assign_message(glob.groups[g]))
+
+    def assign(self, msg: messages.Assign) -> None:
+        """A new ASSIGN for group ``msg.group`` (GDTopK's ratio): to its core and its workers
+        at once, as the global server sends it to both."""
+        self.glob.core.groups[msg.group].peer.send_ratio(msg)
+        for w, g in self.group_of.items():
+            if g == msg.group:
+                self.workers[w].on_assign(msg)
 
     # -- the queue ------------------------------------------------------------------------
 
@@ -302,7 +305,7 @@ class Simulation:
         heapq.heappush(self.queue, (self.t + delay, next(self.seq), fn, args))
 
     def send(self, w: int, nbytes: int, fn: Any, *args: Any, after: float = 0.0) -> None:
-        """A message on worker ``w``'s link, sent ``after`` seconds from now (sim_timing.Links);
+        """A message on worker ``w``'s link, sent ``after`` seconds from now (``timing.Links``);
         ``fn(w, *args)`` runs when it arrives, unless ``w``'s connection dropped meanwhile."""
         arrival = self.links.arrival(w, self.t + after, nbytes)
         heapq.heappush(self.queue, (arrival, next(self.seq), self._deliver,
@@ -314,7 +317,7 @@ class Simulation:
 
     def run_all(self) -> None:
         for w in range(self.run.workers):
-            self.send(w, SMALL, self.pull_arrives)
+            self._pull(w)
         for fail in self.cfg.failures:
             if fail.worker < self.run.workers:
                 self.at(fail.at_s, self.fail, fail)
@@ -333,7 +336,17 @@ class Simulation:
 
     # -- a worker's step -------------------------------------------------------------------
 
-    def pull_arrives(self, w: int) -> None:
+    def _pull(self, w: int) -> None:
+        """Worker ``w``'s next PULL, or its leaving once it made ``max_steps`` pushes (as a
+        real worker leaves: --max-steps)."""
+        pull = self.workers[w].pull(self.t)
+        if isinstance(pull, Done):
+            self._drop(w)
+        else:
+            self.send(w, SMALL, self.pull_arrives, pull)
+
+    def pull_arrives(self, w: int, pull: messages.Pull) -> None:
+        self.since[w] = pull.since
         grp = self.groups[self.group_of[w]]
         grp.bytes["bytes_in"] += SMALL
         if grp.core.may_answer(w):
@@ -354,7 +367,7 @@ class Simulation:
         ready, grp.ready = grp.ready, []
         grp.core.publish()
         for w, waited in ready:
-            msg = grp.core.weights_message(w, waited, self.held[w])
+            msg = grp.core.weights_message(w, waited, self.since[w])
             if msg.since < 0:  # the whole weights: a copy, as the socket's bytes would be
                 msg = dataclasses.replace(msg, buffers=tuple(np.array(b) for b in msg.buffers))
             nbytes = wire_size(msg)
@@ -371,82 +384,43 @@ class Simulation:
                 grp.pending.append((w, waited))
 
     def weights_arrive(self, w: int, msg: messages.Weights) -> None:
-        if msg.done:
+        """Worker ``w``'s step: its core takes WEIGHTS, the objective gives its gradients and
+        the timing model their seconds; the PUSH leaves once they are computed."""
+        core = self.workers[w]
+        step = core.on_weights(msg, self.t)
+        if isinstance(step, Done):
             return
-        copy = self.copy[w] = apply_weights(self.copy[w], self.held[w], msg,
-                                            self.objective.size)
-        self.held[w] = msg.version
-        wait_s = self.t - self.pulled_at[w]
-        if msg.ratio != self.comp[w].ratio:  # GDTopK: a real worker gets it by ASSIGN
-            self.comp[w].set_ratio(msg.ratio)
-        local = self.local[w]
-        steps = msg.local_steps if local is not None else 1
-        samples = msg.batch or self.run.batch_size  # LB-BSP: the group's batch for this step
+        samples = step.batch or self.run.batch_size  # LB-BSP: the group's batch for this step
         speed = self.speeds[w]
         scale = speed.factor(self.t) / speed.factor(0.0)  # a slowdown schedule or throttling
-        if steps > 1:
-            assert local is not None
-            packet, loss, step = self._local_steps(w, local, copy, msg)
-            step *= scale
-        else:
-            step = (self.steps.next(w, self.rngs[w]) * scale * samples / self.run.batch_size)
-            grad, loss = self.objective.gradient(w, copy, self.rngs[w])
-            if self.cfg.real:  # LossComp's schedule follows the loss a real worker sees
-                self.comp[w].observe_loss(loss)
-            packet = self.upload[w].packet(grad, copy, lr_factor=msg.lr_factor,
-                                           progress=msg.progress)
-        enc, codec, bufs = self.comp[w].encode(packet)  # the encoding the compressor declares
-        push = messages.Push(clock=self.clock[w] + 1, step_time=step / steps, loss=loss,
-                             samples=samples * steps, encoding=enc, codec=codec,
-                             buffers=tuple(bufs))
-        nbytes = wire_size(push)
-        record = {"worker": w, "group": msg.info.get("group"), "staleness":
-                  msg.info.get("lead", 0), "wait_s": wait_s, "waited_for":
-                  msg.info.get("waited_for", []), "step_time": push.step_time,
-                  "loss": loss,
-                  "samples": push.samples, "slowdown": self.step_s[w] / self.run.base_step_s
-                  * speed.factor(self.t) / speed.factor(0.0) if self.run.base_step_s else None,
-                  "ratio": self.comp[w].ratio,
-                  "kept_fraction": self.comp[w].kept_fraction,
-                  "bytes_raw": 4 * self.objective.size, "bytes_wire": nbytes,
-                  **({"local_steps": steps} if local is not None else {}),
-                  **self.upload[w].record()}
-        self.send(w, nbytes, self.push_arrives, push, record, after=step)  # once computed
-
-    def _local_steps(self, w: int, local: LocalSteps, copy: np.ndarray,
-                     msg: messages.Weights) -> tuple[Any, float, float]:
-        """H local steps of worker ``w`` from ``copy`` (core.local_steps): the packet, the
-        mean loss, and the H steps' time together (the PUSH is sent once they are done)."""
-        replica = local.start(copy, msg.local_steps, msg.lr_factor)
-        losses, total = [], 0.0
-        while not local.finished:
+        weights: np.ndarray | None = step.weights
+        total = 0.0  # the step's H computations, before the slowdown and the batch's share
+        while weights is not None:
             total += self.steps.next(w, self.rngs[w])
-            grad, loss = self.objective.gradient(w, replica, self.rngs[w])
-            replica = local.step(grad)
-            losses.append(loss)
-        loss = float(np.mean(losses))
-        if self.cfg.real:
-            self.comp[w].observe_loss(loss)
-        return local.packet(msg.progress), loss, total
+            grad, loss = self.objective.gradient(w, weights, self.rngs[w])
+            weights = core.on_gradient(grad, loss, samples)
+        seconds = total * scale * (samples / self.run.batch_size)
+        push = core.push(core.encode(core.compress()), seconds / step.local_steps)
+        slowdown = (self.step_s[w] / self.run.base_step_s * scale if self.run.base_step_s
+                    else None)
+        self.send(w, wire_size(push), self.push_arrives, push, slowdown, after=seconds)
 
-    def push_arrives(self, w: int, push: messages.Push, record: dict[str, Any]) -> None:
+    def push_arrives(self, w: int, push: messages.Push, slowdown: float | None) -> None:
         grp = self.groups[self.group_of[w]]
-        grp.bytes["bytes_in"] += record["bytes_wire"]  # wire_size(push), counted once sent
+        nbytes = wire_size(push)
+        grp.bytes["bytes_in"] += nbytes  # counted once sent
         ack = grp.perform(grp.core.push(w, push, self.t))
         grp.bytes["bytes_out"] += SMALL
         self.pushes += 1
         if self.cfg.max_pushes and self.pushes >= self.cfg.max_pushes and not self.glob.core.done:
             self.glob.perform(self.glob.core.finish("pushes"))
-        self.send(w, SMALL, self.ack_arrives, ack, record)
+        self.send(w, SMALL, self.ack_arrives, ack, nbytes, slowdown)
 
-    def ack_arrives(self, w: int, ack: messages.Ack, record: dict[str, Any]) -> None:
-        self.clock[w] = ack.clock
-        self.records[w].append({"t": self.t, "clock": ack.clock, **record})
-        if self.run.max_steps and ack.clock >= self.run.max_steps:
-            self._drop(w)  # its cap: it leaves, as a real worker does (--max-steps)
-            return
-        self.pulled_at[w] = self.t
-        self.send(w, SMALL, self.pull_arrives)
+    def ack_arrives(self, w: int, ack: messages.Ack, nbytes: int,
+                    slowdown: float | None) -> None:
+        record = self.workers[w].on_ack(ack, nbytes)
+        self.records[w].append({"t": self.t, **record, "slowdown": slowdown})
+        self._pull(w)
 
     # -- failures ----------------------------------------------------------------------------
 
@@ -468,9 +442,9 @@ class Simulation:
         """A new connection: the clock the group gives it, a fresh copy of the weights."""
         self.alive[w] = True
         self.links.reset(w, self.t)
-        self.clock[w] = self.groups[self.group_of[w]].worker_joined(w, self.t)
-        self.copy[w], self.held[w], self.pulled_at[w] = None, -1, self.t
-        self.send(w, SMALL, self.pull_arrives)
+        clock = self.groups[self.group_of[w]].worker_joined(w, self.t)
+        self.workers[w].on_join(messages.Ack(clock=clock))
+        self._pull(w)
 
     # -- the group <-> global exchange and evaluation ---------------------------------------
 
