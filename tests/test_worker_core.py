@@ -92,7 +92,8 @@ class FakeLink:
     the control session's hook, as ``Control`` would deliver it meanwhile)."""
 
     def __init__(self, worker: Worker, said: list[messages.Message]) -> None:
-        self.worker, self.said, self.sent = worker, list(said), []
+        self.worker, self.said = worker, list(said)
+        self.sent: list[messages.Message] = []
         self.ch = FakeChannel()
 
     async def send(self, msg: messages.Message) -> None:
@@ -112,7 +113,7 @@ class FakeTrainer:
     """``device.Trainer``'s two calls the loop makes, on ``gradient`` above."""
 
     def __init__(self) -> None:
-        self.weights = np.zeros(N, np.float32)
+        self.weights: np.ndarray = np.zeros(N, np.float32)
 
     def load(self, w: np.ndarray) -> None:
         self.weights = np.array(w, np.float32)
@@ -147,13 +148,14 @@ async def through_the_worker(run: RunConfig, said: list[messages.Message]
     w.control.on_assign = w.core.on_assign
     w.control.assign = messages.Assign(group=0, address="sim:0", ratio=0.05, staleness=2)
     w.slowdown, w.factor = Slowdown(Schedule.flat(1.0)), 1.0
-    w.writer = Records()  # type: ignore[assignment]
+    records = Records()
+    w.writer = records  # type: ignore[assignment]
     w._recent, w._stats_at, w._status_at = [], math.inf, math.inf  # no STATS in this test
     w.core.on_assign(w.control.assign)  # the first ASSIGN, before training
     link = FakeLink(w, said)
     await w._loop(link, "sim:0")  # type: ignore[arg-type]
     assert w.control.done and not link.said
-    return w.writer.lines, link.sent  # type: ignore[attr-defined]
+    return records.lines, link.sent
 
 
 # -- the simulator's worker on the same script -----------------------------------------------
@@ -197,7 +199,7 @@ async def test_the_worker_and_the_simulator_record_the_same_steps(
     assert len(real) == len(simulated) == 3
     assert [type(m).__name__ for m in real_sent] == [type(m).__name__ for m in sim_sent]
     for a, b in zip(real_sent, sim_sent, strict=True):  # PULL and PUSH, field by field
-        assert a.clock == b.clock
+        assert a.clock == b.clock  # type: ignore[attr-defined]
         if isinstance(a, messages.Pull):
             assert a.since == b.since  # type: ignore[attr-defined]
         else:
