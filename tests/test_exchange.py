@@ -1,4 +1,4 @@
-"""The compressed group <-> global exchange (exchange.py, exchange.py): top-k up, the global
+"""The compressed group <-> global exchange (exchange.py): top-k up, the global
 server's replica answering top-k entries to set down, exactly once under lost replies, dense
 resyncs; against the real ``GlobalServer`` merge and group session (``sessions``) with
 made-up pushes, and once with a real `minips group` process over loopback.
@@ -42,6 +42,7 @@ from minips.serve import sessions
 from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcLink, ServerConfig
 from minips.wire import messages
+from minips.wire.conversation import Conversation, Role
 
 TOKEN = "exchange-test-secret-0123"
 N = 500  # weights
@@ -90,6 +91,7 @@ class Cluster:
         for g in range(groups):
             self.srv.core.group_opened(GroupHandle(g, "", [g]))
         self.groups = [Group(g, self.srv.core.weights) for g in range(groups)]
+        self.convs = [self._registered() for _ in range(groups)]  # each group's connection
         self.servers = [self.srv]
         self.files: list[Path] = []
         self.sends: dict[tuple[int, int], list[Any]] = {}  # (group, seq) -> what each try sent
@@ -99,6 +101,14 @@ class Cluster:
         cfg = ServerConfig(run=run, port=0, token=TOKEN, run_dir=str(self.tmp),
                            external_groups=1, checkpoint_every_s=0.0)
         return GlobalServer(cfg, None)
+
+    @staticmethod
+    def _registered() -> Conversation:
+        """A group process's connection as it is once the group registered: its first PULL came
+        (answered with the initial weights the group starts from), so EXCHANGE may follow."""
+        conv = Conversation(Role.GROUP)
+        conv.receive(messages.Pull(clock=0))
+        return conv
 
     def push(self, g: int) -> None:
         grp = self.groups[g]
@@ -121,7 +131,8 @@ class Cluster:
         if lose == "before":
             return False
         ch = FakeChannel(exchange_message(out.delta, out.stats))
-        await sessions._on_group_message(self.srv, ch, self.srv.core.groups[grp.g])  # type: ignore[arg-type]
+        await sessions._on_group_message(self.srv, ch, self.srv.core.groups[grp.g],  # type: ignore[arg-type]
+                                         self.convs[grp.g])
         if lose == "after":
             return False
         reply = ch.sent
@@ -139,7 +150,9 @@ class Cluster:
         """The group process registers again: PULL -> WEIGHTS, ``reload``."""
         grp = self.groups[g]
         ch = FakeChannel(messages.Pull(clock=0))
-        await sessions._on_group_message(self.srv, ch, self.srv.core.groups[g])  # type: ignore[arg-type]
+        self.convs[g] = Conversation(Role.GROUP)  # a new connection
+        await sessions._on_group_message(self.srv, ch, self.srv.core.groups[g],  # type: ignore[arg-type]
+                                         self.convs[g])
         w = np.asarray(sparse.decode_vector(ch.sent.encoding, ch.sent.codec, ch.sent.buffers,
                                               N))
         held = seqs_in(ch.sent.info, "last_exchange", grp.xchg.session)

@@ -231,7 +231,7 @@ def test_a_workers_first_stats_says_where_its_data_came_from_and_is_logged() -> 
     got = c.on_stats(0, messages.Stats(clock=0, step_time=0.01, loss=1.0, data=said), 0.0)
     assert got == [Log("data", {"worker": 0, **said})]
     assert c.on_stats(1, stats(0.02), 0.0) == [FormGroups()]  # no data: nothing logged
-    # a bad ``data`` is the server's to refuse (validation.check_stats: ERROR invalid, since
+    # a bad ``data`` is the server's to refuse (conversation.check_stats: ERROR invalid, since
     # 5e0ee13), by this one rule
     for bad in ({"dataset": 3}, {"synthetic": "yes"}, {"owner": "x"}, {"source": "x" * 5000}):
         with pytest.raises(messages.Invalid):
