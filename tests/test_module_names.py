@@ -53,7 +53,7 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
-BY_LAST = {}  # the last part of a module's name -> the modules so named
+BY_LAST: dict[str, list[str]] = {}  # the last part of a module's name -> the modules so named
 for _name in MODULES:
     BY_LAST.setdefault(_name.rsplit(".", 1)[-1], []).append(_name)
 TREE_FILES = {p.name for d in (PKG, ROOT / "tests", ROOT / "scripts") for p in d.rglob("*.py")}
@@ -87,7 +87,8 @@ def _top_level(module: str) -> dict[str, ast.AST | None]:
                         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)})
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and \
                     ast.unparse(node.targets[0]) == "_LAZY":  # minips' names loaded on first use
-                out.update({k.value: None for k in node.value.keys if isinstance(k, ast.Constant)})
+                out.update({str(k.value): None for k in node.value.keys
+                            if isinstance(k, ast.Constant)})
     return out
 
 
@@ -234,7 +235,7 @@ def is_banner(line: str) -> bool:
     """``# -- name: ...`` where name is a module's, now or once: what a merge left. A section
     comment (``# -- encoding: a message in, ...``, ``# -- the rules ---``) is not one."""
     m = BANNER.match(line)
-    return bool(m) and m.group(1) in {*BY_LAST, *FORMER}
+    return m is not None and m.group(1) in {*BY_LAST, *FORMER}
 
 
 def test_the_banner_check_tells_banners_from_section_comments():
