@@ -3,7 +3,7 @@ which is not a minips dependency; tests/test_protocol.py holds the same invarian
 mutated frames on every run).
 
 Each input is cut in two at a point its first byte chooses and fed to a FrameDecoder; every
-message it yields goes through the server's checks (``validation``), and each vector payload
+message it yields goes through the server's checks (``conversation``), and each vector payload
 through the gradient decoder (``sparse.decode_vector``); the whole input also goes
 through a server-side ``Connection`` (state machine). The invariant: any bytes give messages
 or ``RemoteProtocolError``, never another exception; atheris stops at the first other one and
@@ -28,8 +28,7 @@ with atheris.instrument_imports():
 
     from minips import sparse
     from minips.errors import RemoteProtocolError
-    from minips.serve import validation
-    from minips.wire import frames, handshake, messages
+    from minips.wire import conversation, frames, handshake, messages
     from minips.wire.frames import FrameDecoder
 
 N = 61_706  # LeNet-5's parameters: the size gradients are decoded against
@@ -71,9 +70,9 @@ def seeds() -> list[bytes]:
 def check(msg: messages.Message) -> None:
     """What a server does with a message before it uses it."""
     if isinstance(msg, messages.Stats):
-        validation.check_stats(msg)
+        conversation.check_stats(msg)
     if isinstance(msg, messages.Push):
-        validation.check_push(msg)
+        conversation.check_push(msg)
     if msg.KIND in messages.WITH_BUFFERS:  # every vector payload
         payload: Any = msg
         sparse.decode_vector(payload.encoding, payload.codec, payload.buffers, N)

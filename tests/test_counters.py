@@ -17,9 +17,10 @@ import pytest
 from conftest import records, recv_as
 from raw_group import Cluster, closed, values
 
-from minips.serve.validation import MAX_EXCHANGE_COUNT
+from minips.wire.conversation import MAX_EXCHANGE_COUNT
 from minips.wire import messages
-from minips.wire.messages import MAX_COUNT, MAX_INT
+from minips.wire.fields import MAX_INT
+from minips.wire.messages import MAX_COUNT
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -31,10 +31,10 @@ from minips.core import config, global_core
 from minips.errors import RemoteProtocolError
 from minips.net import channel, guard, transport
 from minips.net.endpoints import parse_address
-from minips.serve import sessions, validation
+from minips.serve import sessions
 from minips.server import InProcGroup
 from minips.sparse import SparseVector, decode_vector, encode_vector
-from minips.wire import frames, handshake, messages
+from minips.wire import conversation, frames, handshake, messages
 
 
 async def group_session(ctl: channel.Channel) -> tuple[channel.Channel, int]:
@@ -199,9 +199,9 @@ def test_section_3_lists_every_kind_with_every_key_of_its_map() -> None:
 
 DOCS = Path(__file__).parent.parent / "docs"
 # modules whose named limits a peer runs into: the wire, the connection, the servers' checks
-LIMIT_MODULES = (messages, frames, handshake, channel, validation, sessions, global_core)
+LIMIT_MODULES = (messages, frames, handshake, conversation, channel, sessions, global_core)
 # ... and those whose range checks (calls and comparisons) are read from their source
-CHECK_SOURCES = (messages, validation, sessions, global_core)
+CHECK_SOURCES = (messages, conversation, sessions, global_core)
 LIMIT_NAME = re.compile(r"(^|_)(MAX|MIN)(_|$)|_TIMEOUT_S$")  # MAX_SEQ, LZ4_MIN_BYTES, ...
 RANGE_CHECKS = {"_number", "integer", "number", "ints", "text", "blob"}  # their args are bounds
 
@@ -326,12 +326,12 @@ def test_the_number_matcher_finds_a_bound_in_any_spelling_and_only_that_bound() 
 
 def test_the_bound_scan_finds_the_named_limits_the_field_checks_and_the_range_checks() -> None:
     bounds = code_bounds()
-    assert {validation.MAX_SAMPLES, validation.MAX_STEP_S, messages.MAX_SEQ, messages.MAX_COUNT,
+    assert {conversation.MAX_SAMPLES, conversation.MAX_STEP_S, messages.MAX_SEQ, messages.MAX_COUNT,
             frames.MAX_FRAME_BYTES, frames.Limits().max_array_len,
             handshake.HANDSHAKE_FRAME_BYTES, channel.READ_TIMEOUT_S} <= set(bounds)
     assert any("Exchange.loss" in w for w in bounds[1e30])  # a field check's closure
-    assert any("validation, line" in w for w in bounds[1e30])  # check_push's range of loss
-    assert any("validation, line" in w for w in bounds[1e-9])  # check_stats's step time
+    assert any("conversation, line" in w for w in bounds[1e30])  # check_push's range of loss
+    assert any("conversation, line" in w for w in bounds[1e-9])  # check_stats's step time
 
 
 def documented(value: float, where: set[str], protocol: str, operations: str) -> bool:

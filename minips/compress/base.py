@@ -1,6 +1,6 @@
 """What every compressor is: error feedback and the wire encoding it declares.
 
-A compressor is built once per worker (``compress.make_compressor``) and called every step:
+A compressor is built once per worker (``registry.make_compressor``) and called every step:
 ``compress(grad (n,) float32) -> SparseVector | np.ndarray``. ``grad`` may be a numpy array or a
 torch tensor (anything with ``.detach().cpu().numpy()``; this module never imports torch), so a
 user can call a compressor from their own training loop. With error feedback (the default) it

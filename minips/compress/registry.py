@@ -80,7 +80,7 @@ def compressor_options(name: str) -> set[str]:
 
 def is_sparse(name: str) -> bool:
     """Whether compressor ``name`` sends sparse packets (then the exchange and the downlink are
-    sparse too by default: ``replica.exchange_ratio``, ``RunConfig.downlink_ratio``)."""
+    sparse too by default: ``exchange.exchange_ratio``, ``RunConfig.downlink_ratio``)."""
     return _lookup(name).wire.sparse
 
 

@@ -324,7 +324,7 @@ class Stats(Message):
     step_time: float = checked(number(0.0))  # seconds per step
     loss: float = checked(number())
     samples: int = checked(integer(), 0)
-    # its training data (data_origin's keys; a server checks them: validation.check_stats)
+    # its training data (data_origin's keys; a server checks them: conversation.check_stats)
     data: dict[str, Any] = checked(mapping, factory=dict)
 
 
@@ -335,7 +335,7 @@ def data_origin(v: Any) -> dict[str, Any]:
     """Where a worker's training data came from (STATS ``data``): a map of at most the keys
     of ``DATA_KEYS``, each of its type (strings of <= MAX_TEXT chars); empty: not said. Not a
     field check: on the wire ``data`` is a ``mapping``, and a server applies this one to it
-    (``validation.check_stats``: ERROR ``invalid``, protocol.md section 9)."""
+    (``conversation.check_stats``: ERROR ``invalid``, protocol.md section 9)."""
     if not isinstance(v, dict) or any(
             k not in DATA_KEYS or type(x) is not DATA_KEYS[k]
             or (type(x) is str and len(x) > MAX_TEXT) for k, x in v.items()):
