@@ -352,6 +352,20 @@ class GroupCore:
         return (self.done or self.at_cap(clock) or w not in self.table
                 or self.table.may_start(w))
 
+    def waiting_for(self, w: int) -> list[int]:
+        """The live workers whose clocks hold ``w``'s next step back ([] when it may start):
+        whom a held PULL waited for (WEIGHTS ``waited_for``)."""
+        return [int(v) for v in self.table.waiting_for(w)]  # type: ignore[call-overload]
+
+    def has_lease(self, w: int) -> bool:
+        """``w`` counts in the group's clocks: its lease has not run out (a PUSH from a worker
+        that lost it is answered ERROR ``lease``)."""
+        return w in self.table
+
+    def live_count(self) -> int:
+        """How many workers count in the group's clocks now."""
+        return len(self.table)
+
     def publish(self) -> None:
         """With a compressed downlink, publish the weights' largest changes (``downlink.py``);
         the PULLs answered after it get the update up to it. A publish is due once per

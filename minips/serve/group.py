@@ -197,7 +197,7 @@ class GroupServer:
         waited: list[int] = []
         t = self.clock()
         while not self.core.may_answer(w, clock):
-            waited = waited or [int(v) for v in self.core.table.waiting_for(w)]  # type: ignore[call-overload]
+            waited = waited or self.core.waiting_for(w)
             self._changed.clear()
             await self._changed.wait()
         held_s = self.clock() - t if waited else 0.0  # the SSP bound's wait, not the publish's
@@ -253,7 +253,7 @@ class GroupServer:
     def finish(self) -> None:
         """The budget is spent: release every waiting PULL with ``done``; flush a last delta."""
         self._perform(self.core.spend_budget())
-        self._spawn(self.flush(final=not len(self.core.table)))
+        self._spawn(self.flush(final=not self.core.live_count()))
 
     # -- network --------------------------------------------------------------------------
 
@@ -351,7 +351,7 @@ class GroupServer:
     async def _send_push(self, ch: Channel, w: int, conv: Conversation,
                          msg: messages.Push) -> None:
         """Take a PUSH (the conversation checked its turn and clock) and answer its ACK."""
-        if w not in self.core.table:  # its lease expired while it was silent: rejoin and pull first
+        if not self.core.has_lease(w):  # its lease expired while it was silent: rejoin and pull first
             await ch.send(messages.Error(code="lease", reason=f"worker {w}: lease expired, "
                                          "reconnect and pull the current weights"))
             raise ConnectionResetError("lease expired")
