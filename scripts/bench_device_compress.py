@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from minips import sparse
-from minips.compress import registry
+from minips.compress import registry, selection
 from minips.compress.device_compress import device_compressor
 from minips.core import config
 from minips.ml.device import pick_device
@@ -64,7 +63,7 @@ def one(name: str, n: int, device: torch.device, args: argparse.Namespace) -> di
     dev = device_compressor(registry.make_compressor(name, n, ratio=args.ratio), device,
                             on_device=True)
     host = registry.make_compressor(name, n, ratio=args.ratio)
-    k = sparse.kept_count(args.ratio, n)
+    k = selection.kept_count(args.ratio, n)
     select_ms = timed(lambda i: dev.selector.select(grads[i], k), args.reps, device)
     compress_ms = timed(lambda i: dev.compress(grads[i]), args.reps, device)
     host_grads = [g.cpu().numpy() for g in grads]

@@ -32,14 +32,8 @@ import numpy as np
 import torch
 
 from minips.compress.registry import make_compressor
-from minips.sparse import (
-    SparseVector,
-    TopKSelector,
-    add_into,
-    decode_vector,
-    encode_vector,
-    kept_count,
-)
+from minips.compress.selection import TopKSelector, kept_count
+from minips.sparse import SparseVector, add_into, decode_vector, encode_vector
 
 RESNET18_SIZE = 11_689_512
 FRACTIONS = (0.01, 0.001)

@@ -7,7 +7,7 @@ dense transports take turns round by round and each figure comes from its median
   process, ACK, PULL, and the same vector back as WEIGHTS; bytes both ways / time (GB/s, 1e9).
 - gloo_gbps: the same tensor sent and received back with gloo send/recv, timed the same way.
 - raw_gbps: the same bytes both ways over a blocking socket pair (sendall / recv_into), in
-  writes and reads of minips' sizes (transport.WRITE_BYTES, protocol.DIRECT_READ_BYTES), with
+  writes and reads of minips' sizes (transport.WRITE_BYTES, receive.DIRECT_READ_BYTES), with
   the socket options minips sets (4 MiB SO_SNDBUF / SO_RCVBUF, TCP_NODELAY), between numpy
   arrays as minips' are.
 - ratio_vs_gloo, ratio_vs_raw: dense_gbps over the two above.
@@ -48,7 +48,7 @@ from bench_rtt import (
 from minips.net import channel
 from minips.net import transport as t
 from minips.net.channel import tune_socket
-from minips.wire import frames, messages
+from minips.wire import frames, messages, receive
 
 
 def log(*args: Any) -> None:
@@ -112,7 +112,7 @@ def send_all(sock: socket.socket, buf: memoryview) -> None:
 def recv_exactly(sock: socket.socket, buf: memoryview) -> None:
     got = 0
     while got < len(buf):
-        n = sock.recv_into(buf[got:got + frames.DIRECT_READ_BYTES])
+        n = sock.recv_into(buf[got:got + receive.DIRECT_READ_BYTES])
         if n == 0:
             raise ConnectionError("peer closed")
         got += n

@@ -40,7 +40,8 @@ import bench_rtt as b
 
 from minips.wire import frames as frames_mod
 from minips.wire import handshake, messages
-from minips.wire.frames import PREFIX, TABLE_ENTRY, FrameDecoder
+from minips.wire.frames import PREFIX, TABLE_ENTRY
+from minips.wire.receive import FrameReceiver
 
 VARIANTS = ("minips", "free_codec", "no_checks")
 
@@ -50,8 +51,8 @@ def _cached_codec() -> list[Any]:
     push = b.sparse_push()
     frames = {messages.Kind.PUSH: frames_mod.encode(push),
               messages.Kind.ACK: frames_mod.encode(messages.Ack(clock=1, version=1))}
-    decoded = {int(kind): FrameDecoder().feed(b"".join(f))[0] for kind, f in frames.items()}
-    encode, next_frame = frames_mod.encode, FrameDecoder._next
+    decoded = {int(kind): FrameReceiver().feed(b"".join(f))[0] for kind, f in frames.items()}
+    encode, next_frame = frames_mod.encode, FrameReceiver._next
 
     def cached_encode(msg: messages.Message, **kw: Any) -> list[Any]:
         frame = frames.get(msg.KIND)
@@ -68,7 +69,7 @@ def _cached_codec() -> list[Any]:
         return next_frame(self, out)  # the handshake, decoded for real
 
     return [mock.patch.object(handshake, "encode", cached_encode),
-            mock.patch.object(FrameDecoder, "_next", cached_next)]
+            mock.patch.object(FrameReceiver, "_next", cached_next)]
 
 
 def _unchecked() -> list[Any]:

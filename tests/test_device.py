@@ -1,5 +1,5 @@
 """ml.device and compress.device_compress: device choice, flat-bound training, on-device top-k
-(the torch twin of ``sparse.TopKSelector``, bit for bit) and compression.
+(the torch twin of ``selection.TopKSelector``, bit for bit) and compression.
 
 Every check runs on the CPU through the same code a CUDA worker uses (the device is a
 ``torch.device`` argument); ``test_cuda_*`` repeat the key ones on a GPU when one is present.
@@ -23,13 +23,14 @@ from torch import nn
 from minips.compress import registry
 from minips.compress.base import Compressor
 from minips.compress.device_compress import TorchTopK, device_compressor
+from minips.compress.selection import TopKSelector, kept_count
 from minips.core.config import RunConfig, WorkerConfig
 from minips.errors import ConfigError
 from minips.ml import models
 from minips.ml.device import Trainer, bind_flat, pick_device
 from minips.run.launch import LaunchConfig
 from minips.server import GlobalServer, ServerConfig
-from minips.sparse import SparseVector, TopKSelector, kept_count
+from minips.sparse import SparseVector
 from minips.worker import Worker
 
 CPU = torch.device("cpu")

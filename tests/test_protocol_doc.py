@@ -34,7 +34,7 @@ from minips.net.endpoints import parse_address
 from minips.serve import sessions
 from minips.server import InProcGroup
 from minips.sparse import SparseVector, decode_vector, encode_vector
-from minips.wire import conversation, frames, handshake, messages
+from minips.wire import conversation, fields, frames, handshake, messages
 
 
 async def group_session(ctl: channel.Channel) -> tuple[channel.Channel, int]:
@@ -199,9 +199,9 @@ def test_section_3_lists_every_kind_with_every_key_of_its_map() -> None:
 
 DOCS = Path(__file__).parent.parent / "docs"
 # modules whose named limits a peer runs into: the wire, the connection, the servers' checks
-LIMIT_MODULES = (messages, frames, handshake, conversation, channel, sessions, global_core)
+LIMIT_MODULES = (messages, fields, frames, handshake, conversation, channel, sessions, global_core)
 # ... and those whose range checks (calls and comparisons) are read from their source
-CHECK_SOURCES = (messages, conversation, sessions, global_core)
+CHECK_SOURCES = (messages, fields, conversation, sessions, global_core)
 LIMIT_NAME = re.compile(r"(^|_)(MAX|MIN)(_|$)|_TIMEOUT_S$")  # MAX_SEQ, LZ4_MIN_BYTES, ...
 RANGE_CHECKS = {"_number", "integer", "number", "ints", "text", "blob"}  # their args are bounds
 

@@ -14,14 +14,13 @@ from hypothesis import strategies as st
 
 from minips import sparse
 from minips.compress import registry
+from minips.compress.selection import TopKSelector, kept_count, top_among
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.sparse import (
     SparseVector,
-    TopKSelector,
     add_into,
     decode_vector,
     encode_vector,
-    kept_count,
     varint_decode,
     varint_encode,
 )
@@ -372,15 +371,15 @@ def test_top_among_is_the_exact_top_k_of_the_whole_vector() -> None:
         k = int(rng.integers(0, n + 1))
         want = _old_exact_top(x, k)
         want = want[x[want] != 0]
-        assert np.array_equal(sparse.top_among(idx, vals, k), want)
+        assert np.array_equal(top_among(idx, vals, k), want)
 
 
 def test_top_among_never_touches_the_vectors_length() -> None:
     # 2^40 coordinates would take 4 TiB dense: only the m candidates are read
     idx = np.array([3, 2**39, 2**40 - 1], np.int64)
     vals = np.array([0.5, -2.0, 0.0], np.float32)
-    assert sparse.top_among(idx, vals, 1).tolist() == [2**39]
-    assert sparse.top_among(idx, vals, 5).tolist() == [3, 2**39]  # fewer than k: the non-zeros
+    assert top_among(idx, vals, 1).tolist() == [2**39]
+    assert top_among(idx, vals, 5).tolist() == [3, 2**39]  # fewer than k: the non-zeros
 
 
 def test_unique_sorted_equals_np_unique() -> None:

@@ -5,7 +5,7 @@
   seam where arrays live (``Arrays``; ``HostArrays`` in numpy);
 - plug-ins: ``dense`` (``none``, ``fp16``), ``topk`` (``topk``, ``dgc`` and its warm-up,
   ``gdtopk``, ``randomk``), ``losscomp``; ``registry`` names them (``make_compressor``); the top-k
-  they share is ``minips.sparse.TopKSelector``;
+  they share is ``selection`` (``TopKSelector``, with its tuning);
 - ``ratios``: GDTopK's server side (``IterTimer`` for a group, ``RatioPolicy`` for the global
   server, ``gdtopk_ratios``);
 - ``device_compress``: the torch twins (``TorchTopK``, ``DeviceArrays``) that put selection and

@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from minips.compress.selection import TopKSelector, kept_count
 from minips.errors import ConfigError, LocalProtocolError
-from minips.sparse import SparseVector, TopKSelector, encode_vector, kept_count
+from minips.sparse import SparseVector, encode_vector
 from minips.wire.messages import VALUE_TYPES
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class Arrays(Protocol):
         ...
 
     def selector(self, size: int, seed: int, tolerance: float) -> TopKSelector:
-        """The top-k by magnitude (``sparse.TopKSelector`` or its twin) for this side's arrays."""
+        """The top-k by magnitude (``selection.TopKSelector`` or its twin) for these arrays."""
         ...
 
     def half(self, values: Any) -> Any:

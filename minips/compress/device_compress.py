@@ -9,7 +9,7 @@ float32 stays on the device, selection runs there with ``TorchTopK``, and only t
 (int32) and values (float32; float16 with ``value_dtype="f16"``, which sends no more) cross to
 the host: ``8 k'`` (or ``6 k'``) bytes per step instead of ``4 n``.
 
-``TorchTopK`` is ``sparse.TopKSelector`` with each array step in torch (gather, k-th value,
+``TorchTopK`` is ``selection.TopKSelector`` with each array step in torch (gather, k-th value,
 ``>=`` mask, nonzero); the algorithm, and the numpy generator that draws the sample positions,
 are the numpy selector's own. So on the same vector and seed it returns the same indices as the
 numpy one, exact and sampled (DGC) alike, and a compressor on the device sends the same packets
@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from minips.compress.base import FP16_MAX, Compressor
-from minips.sparse import SparseVector, TopKSelector
+from minips.compress.selection import TopKSelector
+from minips.sparse import SparseVector
 
 __all__ = ["TorchTopK", "DeviceArrays", "device_compressor"]
 

@@ -1,5 +1,5 @@
 """``topk``: exactly the k = round(ratio * n) largest |acc| (acc = residual + gradient), found by
-``sparse.TopKSelector`` (sampled threshold + exact partition of the candidates).
+``selection.TopKSelector`` (sampled threshold + exact partition of the candidates).
 
 ``dgc``: Deep Gradient Compression's sampled threshold, keeping the largest k to
 k * (1 + tolerance) (``tolerance=0.1``), and DGC's warm-up: by the worker's epochs

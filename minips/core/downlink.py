@@ -53,17 +53,10 @@ from typing import Any
 
 import numpy as np
 
+from minips.compress.selection import TopKSelector, kept_count, top_among
 from minips.core.changelog import ChangeLog, kept_record
 from minips.errors import RemoteProtocolError
-from minips.sparse import (
-    SparseVector,
-    TopKSelector,
-    decode_vector,
-    kept_count,
-    top_among,
-    union_of,
-    unique_sorted,
-)
+from minips.sparse import SparseVector, decode_vector, union_of, unique_sorted
 
 __all__ = ["Answer", "Downlink", "ExactDownlink", "apply_weights", "held_version", "sq_norm",
            "DRIFT", "LOG_SIZE", "DENSE_FRACTION", "VALUES"]

@@ -85,8 +85,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
+from minips.compress.selection import TopKSelector, kept_count, top_among
 from minips.core.changelog import ChangeLog, kept_record
-from minips.sparse import SparseVector, TopKSelector, add_into, kept_count, top_among
+from minips.sparse import SparseVector, add_into
 from minips.wire import messages
 
 __all__ = [
