@@ -1,7 +1,7 @@
 """Speeds that change and LB-BSP, on real processes (`minips local`, loopback, Fashion-MNIST):
 a scheduled slowdown change is an event in the worker's file and moves the worker to the other
-group within the documented delay (``roster.REGROUP_DELAY_S``); in ``--mode lbbsp`` the batch
-sizes follow the workers' speeds, with the same total per round. Links that change
+group within the documented delay (a 4x change: ``roster.REGROUP_FAST_S``); in ``--mode lbbsp``
+the batch sizes follow the workers' speeds, with the same total per round. Links that change
 (``--link-change``): parsed, and a kernel-shaped link's tbf changed live (root only)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import interrupt, records, steps, wait_for
 
-from minips.core.roster import REGROUP_DELAY_S
+from minips.core.roster import REGROUP_DELAY_S, REGROUP_FAST_S
 from minips.errors import ConfigError
 from minips.net import netshape
 from minips.net.links import LinkChange, Rate, parse_link_changes
@@ -50,7 +50,8 @@ def test_a_scheduled_speed_up_regroups_the_worker_within_the_documented_delay(
     finally:
         interrupt(proc, 60)
     assert moved["moved"]["3"] == first["0"]  # into the fast group
-    assert moved["t"] - change["t"] <= REGROUP_DELAY_S  # measured: 17 s on 2 busy cores
+    # a 4x change skips the patience (grouping.Regrouper's change-point test)
+    assert moved["t"] - change["t"] <= REGROUP_FAST_S, moved["t"] - change["t"]
 
 
 @pytest.mark.timeout(120)

@@ -53,6 +53,7 @@ __all__ = [
     "MAX_TRAFFIC_BASES",
     "REGROUP_EVERY_S",
     "REGROUP_DELAY_S",
+    "REGROUP_FAST_S",
     "CLAIM_S",
 ]
 
@@ -145,6 +146,9 @@ REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
 # the groups must stay out of shape for ``patience`` = 5 looks: (5 + 5) x 2 s + 2 s of STATS and
 # margin (docs/operations.md, tests/test_changing_speeds.py)
 REGROUP_DELAY_S = 30.0
+# A lasting change by 3x or more skips the patience (the Regrouper's change-point test fires on
+# its 2nd look): a second of STATS, up to REGROUP_EVERY_S to the next look, 2 looks, the regroup
+REGROUP_FAST_S = 10.0
 CLAIM_S = 10.0  # s an id given to a handshake is held for it (the handshake's own time limit)
 
 
