@@ -203,12 +203,12 @@ class Regrouper:
 
     A large change skips the patience. Each worker runs a two-sided CUSUM on its log step time
     against its level when the sums last stood at 0: ``up = max(0, up + d - jump / 2)`` and
-    ``down = max(0, down - d - jump / 2)``, ``d = log t - level`` (at most 2 x jump a look). When one passes
-    ``alarm * jump`` the worker's level jumps to its latest time and the groups are formed
-    anew at once if that moves anyone. With ``jump`` = log 2 and ``alarm`` = 2: a change of 3x
-    or more fires on its 2nd look, a 2x one on its 5th, one spike never does; on a steady
-    profile with log-normal noise of sigma 0.1 a look it never regrouped in 50,000 looks, with
-    sigma 0.2 twice (docs/operations.md, "Regrouping"; tests/test_grouping.py).
+    ``down = max(0, down - d - jump / 2)``, ``d = log t - level`` (at most 2 x jump a look).
+    When one passes ``alarm * jump`` the worker's level jumps to its latest time and the
+    groups are formed anew at once if that moves anyone. With ``jump`` = log 2 and ``alarm`` =
+    2: a change of 3x or more fires on its 2nd look, a 2x one on its 5th, one spike never
+    does; on a steady profile with log-normal noise of sigma 0.1 a look it never regrouped in
+    50,000 looks, with sigma 0.2 twice (docs/operations.md, "Regrouping"; tests/test_grouping.py).
     """
 
     k: int | None = None  # fixed number of groups; None = choose_k
