@@ -138,7 +138,7 @@ class GlobalServer:
         if not cfg.run.t0:
             cfg.run.t0 = time.time()
         self.core = GlobalCore(cfg.run, weights, regroup=not cfg.external_groups,
-                               clock=time.monotonic, wall=time.time)
+                               wall=time.time)
         self.controls: dict[int, Channel] = {}  # worker id -> its control channel
         self.finished = asyncio.Event()  # the run is over
         self.evaluated_final = asyncio.Event()  # the evaluator got the final weights
@@ -264,7 +264,10 @@ class GlobalServer:
     def _accept(self, hello: Hello) -> dict[str, Any]:
         info = self.core.run.to_info()
         if hello.role == "worker":
-            info["worker_id"] = self.core.admit(int(hello.worker_id), time.monotonic())
+            actions = self.core.admit(int(hello.worker_id), time.monotonic())
+            self.perform(actions)
+            info["worker_id"] = next(a.worker for a in actions
+                                     if isinstance(a, global_core.Admitted))
             info["need_init"] = self.core.weights is None
         elif hello.role == "group" and not self.cfg.external_groups:
             raise AuthError("this server runs its group servers in-process (no --external-groups)")
@@ -301,7 +304,8 @@ class GlobalServer:
     # -- the core's actions ------------------------------------------------------------------
 
     def perform(self, actions: list[global_core.Action]) -> None:
-        """Do what the core decided (``global_core.py``), in order."""
+        """Do what the core decided (``global_core.py``), in order. ``Admitted``, ``Placed``
+        and ``Reply`` answer the one who asked: its caller carries them out."""
         for a in actions:
             if isinstance(a, Log):
                 self.log(a.event, **a.fields)
@@ -374,18 +378,18 @@ class GlobalServer:
         """A worker whose first STATS came after the groups were drawn up: once they are open,
         the group nearest its speed."""
         await self.groups_opened.wait()
-        g = self.core.place_late(w)
-        if g is not None:
-            self.log("placed", worker=w, group=g, moved={str(w): g},
-                     step_time=self.core.workers[w].step_time)
-            await self.tell_group(w)
+        actions = self.core.place_late(w)
+        self.perform(actions)
+        for a in actions:
+            if isinstance(a, global_core.Placed):
+                await self.tell_group(a.worker)
 
     async def _regroup(self, assignment: dict[int, int]) -> None:
         """Speeds drifted (``grouping.Regrouper`` said so): move workers, open new groups."""
         core = self.core
         moves = core.roster.moved(assignment)
         for g in sorted(set(moves.values()) - set(core.groups)):
-            core.group_opened(await self.open_group(g, []))
+            self.perform(core.group_opened(await self.open_group(g, [])))
         self.perform(core.moved(moves, time.monotonic()))
         for w in moves:
             await self.tell_group(w)
@@ -488,7 +492,7 @@ class GlobalServer:
             g, members = int(key), list(saved["members"])
             handles[g] = (GroupHandle(g, "", members) if self.cfg.external_groups
                           else await self.open_group(g, members))
-        self.core.resume(handles, state)
+        self.perform(self.core.resume(handles, state))
         for h in handles.values():  # the saved ratios, to the group servers here
             h.peer.send_ratio(self.core.assign_message(h))
         self.groups_opened.set()
@@ -583,10 +587,10 @@ class InProcLink:
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
         core = self.server.core
-        res, actions = core.merge(group, delta, stats,
-                                  frames.wire_size(exchange_message(delta, stats)))
+        actions = core.merge(group, delta, stats, time.monotonic(),
+                             frames.wire_size(exchange_message(delta, stats)))
         self.server.perform(actions)
-        return res
+        return global_core.reply(actions, ExchangeResult)
 
 
 # -- what an operator reads on the server's console ------------------------------------------------

@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 
 from minips.compress import registry
+from minips.core import global_core
 from minips.core.actions import Log
 from minips.core.config import RunConfig
 from minips.core.downlink import apply_weights
+from minips.core.exchange import ExchangeResult
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import Action, GroupCore, Reply, StartExchange, Wake
 from minips.core.roster import GroupHandle
@@ -105,7 +107,7 @@ class Cluster:
     def __init__(self, compressor: str) -> None:
         self.t, self.seq = 0.0, itertools.count()
         self.run = RunConfig(**run_config(compressor))
-        self.glob = GlobalCore(self.run, init_weights(), regroup=False, clock=lambda: self.t,
+        self.glob = GlobalCore(self.run, init_weights(), regroup=False,
                                wall=lambda: 1e9 + self.t)
         self.cores: dict[int, GroupCore] = {}
         handles = []
@@ -174,7 +176,8 @@ class Cluster:
 
     def exchange(self, core: GroupCore, final: bool = False) -> None:
         out = core.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
-        res, _ = self.glob.merge(core.group, out.delta, out.stats)  # no shell: its Log lines
+        actions = self.glob.merge(core.group, out.delta, out.stats, self.t)  # no shell: its
+        res = global_core.reply(actions, ExchangeResult)  # Log lines are not kept
         self.perform(core, core.exchanged(out, res, 0.0))
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from minips import sparse
+from minips.core import global_core
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.downlink import Downlink, ExactDownlink, apply_weights
@@ -133,7 +134,7 @@ class Cluster:
     it took before the log."""
 
     def __init__(self, run: RunConfig, w0: np.ndarray, forget: bool) -> None:
-        self.glob = GlobalCore(run, w0, regroup=False, clock=lambda: 0.0, wall=lambda: 1e9)
+        self.glob = GlobalCore(run, w0, regroup=False, wall=lambda: 1e9)
         count = 2 if run.mode == "gssp" else 1
         self.where = {w: w % count for w in range(WORKERS)}  # worker -> its group now
         for w in self.where:
@@ -179,7 +180,7 @@ class Cluster:
     def exchange(self, g: int, lose: bool, final: bool) -> tuple[Any, Any]:
         group = self.groups[g]
         out = group.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
-        res, _ = self.glob.merge(g, out.delta, out.stats)
+        res = global_core.reply(self.glob.merge(g, out.delta, out.stats, 0.0), ExchangeResult)
         if not lose:
             group.exchanged(out, res, 0.0)
         return out, res
@@ -194,7 +195,7 @@ class Cluster:
 
     def rebase(self, g: int) -> None:
         """A new global server: group ``g`` takes its weights whole (a PULL)."""
-        msg = self.glob.group_pull(g)
+        msg = global_core.reply(self.glob.group_pull(g), messages.GlobalWeights)
         weights = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, N)
         assert isinstance(weights, np.ndarray)
         self.groups[g].rebase(weights, None)

@@ -103,8 +103,7 @@ def test_the_data_column_says_what_remote_workers_reported(
 
 def test_a_regroup_reads_as_a_sentence() -> None:
     """It read `regroup: worker -> group {'1': 1}`."""
-    core = GlobalCore(RunConfig(workers=2), None, regroup=True, clock=lambda: 0.0,
-                      wall=lambda: 0.0)
+    core = GlobalCore(RunConfig(workers=2), None, regroup=True, wall=lambda: 0.0)
     assert console_line(core, "regroup", {"moved": {"1": 1}}) == \
         "regrouped by speed: worker 1 moves to group 1"
     assert console_line(core, "rehomed", {"group": 2, "moved": {"3": 0, "5": 1}}) == \
@@ -133,8 +132,7 @@ def test_a_worker_without_its_data_is_named_on_the_server_as_refused(tmp_path: P
             run_dir / "global.jsonl", event="left"), 30, (server,))
     assert left["reason"].startswith("refused to start: "), left
     assert "--data synthetic" in left["reason"]
-    core = GlobalCore(RunConfig(workers=1), None, regroup=True, clock=lambda: 0.0,
-                      wall=lambda: 0.0)
+    core = GlobalCore(RunConfig(workers=1), None, regroup=True, wall=lambda: 0.0)
     said = console_line(core, "left", left)
     assert said is not None and re.match(r"worker 0 left \(refused to start: .*mnist", said), said
     assert "connection lost" not in said

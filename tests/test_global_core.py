@@ -13,14 +13,18 @@ from minips.core.config import RunConfig
 from minips.core.exchange import MAX_SESSIONS, Merged
 from minips.core.global_core import (
     Action,
+    Admitted,
     AllFinal,
     Done,
     Fail,
     FormGroups,
     GlobalCore,
+    Placed,
     PlaceLate,
+    Reply,
     SendRatios,
     WeightsReady,
+    reply,
 )
 from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
@@ -34,7 +38,7 @@ N = 10
 def core(weights: np.ndarray | None = None, **run: object) -> GlobalCore:
     t = [0.0]
     cfg = RunConfig(lr_warmup=0.0, **run)  # type: ignore[arg-type]
-    return GlobalCore(cfg, weights, regroup=False, clock=lambda: t[0], wall=lambda: 1e9 + t[0])
+    return GlobalCore(cfg, weights, regroup=False, wall=lambda: 1e9 + t[0])
 
 
 def stats(step_time: float, clock: int = 0) -> messages.Stats:
@@ -49,8 +53,8 @@ def grouped(c: GlobalCore, groups: int = 1) -> None:
 
 
 def decided(actions: list[Action]) -> list[Action]:
-    """The actions other than the record's lines."""
-    return [a for a in actions if not isinstance(a, Log)]
+    """The actions other than the record's lines and the answer to the group that asked."""
+    return [a for a in actions if not isinstance(a, (Log, Reply))]
 
 
 def test_the_groups_form_once_when_every_worker_reported() -> None:
@@ -81,8 +85,10 @@ def test_a_worker_reporting_after_the_grouping_is_placed_late() -> None:
     c.on_stats(0, stats(0.01), 0.0)
     c.calib_timeout(60.0)
     grouped(c)
-    c.roster.admit(1)
+    assert decided(c.admit(-1, 61.0)) == [Admitted(1)]
     assert c.on_stats(1, stats(0.02), 61.0) == [PlaceLate(1)]
+    assert decided(c.place_late(1)) == [Placed(1, 0)]  # the one group there is
+    assert c.place_late(1) == []  # it has one now
 
 
 def test_the_first_initial_weights_are_taken_others_of_another_size_refused() -> None:
@@ -100,7 +106,7 @@ def test_a_non_finite_delta_is_not_merged_and_fails_the_run() -> None:
     grouped(c)
     bad = np.zeros(N, np.float32)
     bad[3] = np.nan
-    _, actions = c.merge(0, bad, {"samples": 4})
+    actions = c.merge(0, bad, {"samples": 4}, 0.0)
     fail, done = decided(actions)
     assert isinstance(fail, Fail) and done == Done("diverged")
     assert fail.code == "diverged" and "NaN or inf" in fail.reason == c.failure
@@ -115,10 +121,10 @@ def test_the_epochs_budget_says_done_once_and_every_final_group_says_all_final()
     for w in (0, 1):
         c.roster.admit(w)
     grouped(c, 2)
-    _, actions = c.merge(0, np.ones(N, np.float32), {"samples": 6, "session": 1, "seq": 1})
+    actions = c.merge(0, np.ones(N, np.float32), {"samples": 6, "session": 1, "seq": 1}, 0.0)
     assert decided(actions) == []
-    _, actions = c.merge(1, np.ones(N, np.float32), {"samples": 6, "session": 2, "seq": 1,
-                                                     "final": True})
+    actions = c.merge(1, np.ones(N, np.float32), {"samples": 6, "session": 2, "seq": 1,
+                                                     "final": True}, 0.0)
     assert decided(actions) == [Done("epochs")]
     assert c.done and c.done_reason == "epochs" and c.finish("wall time") == []
     assert c.group_left(0) == [AllFinal()]  # group 1's last merge was final
@@ -129,13 +135,15 @@ def test_group_answers_name_the_exchanges_held_and_a_repeat_is_not_merged_twice(
     c = core(np.zeros(N, np.float32), workers=1)
     c.roster.admit(0)
     grouped(c)
-    pull = c.group_pull(0)
+    pull = reply(c.group_pull(0), messages.GlobalWeights)
     assert pull.info["members"] == [0] and pull.info["last_exchange"] == [-1, -1]
     delta = np.full(N, 0.5, np.float32)
-    first, _ = c.on_exchange(0, delta, {"samples": 2, "session": 7, "seq": 1})
-    again, _ = c.on_exchange(0, delta, {"samples": 2, "session": 7, "seq": 1})  # reply lost
+    first = reply(c.on_exchange(0, delta, {"samples": 2, "session": 7, "seq": 1}, 0.0),
+                  messages.ExchangeReply)
+    again = reply(c.on_exchange(0, delta, {"samples": 2, "session": 7, "seq": 1}, 0.0),
+                  messages.ExchangeReply)  # reply lost
     assert c.version == 1 and c.samples == 2 and first.samples == again.samples == 2
-    assert c.group_pull(0).info["last_exchange"] == [7, 1]
+    assert reply(c.group_pull(0), messages.GlobalWeights).info["last_exchange"] == [7, 1]
     w = sparse.decode_vector(again.encoding, again.codec, again.buffers, N)
     assert np.asarray(w).tolist() == [0.5] * N
     c.checkpoint_state()  # a snapshot records the exchange it holds
@@ -150,15 +158,15 @@ def test_a_replay_is_not_merged_twice_however_many_sessions_came_between() -> No
     grouped(c)
     one = np.ones(N, np.float32)
     for session in range(1, 67):
-        c.on_exchange(0, one, {"samples": 1, "session": session, "seq": 1})
+        c.on_exchange(0, one, {"samples": 1, "session": session, "seq": 1}, 0.0)
     assert c.version == 66
-    c.on_exchange(0, one, {"samples": 1, "session": 1, "seq": 1})  # session 1's lost reply
+    c.on_exchange(0, one, {"samples": 1, "session": 1, "seq": 1}, 0.0)  # session 1's lost reply
     assert c.version == 66 and c.samples == 66
     state = c.checkpoint_state()
     back = core(None, workers=1)
     back.load_state_dict(state)
     back.resume({0: GroupHandle(0, "h:0", [0])}, state)
-    _, actions = back.on_exchange(0, one, {"samples": 1, "session": 1, "seq": 1})
+    actions = back.on_exchange(0, one, {"samples": 1, "session": 1, "seq": 1}, 0.0)
     assert back.version == 66 and [a.event for a in actions if isinstance(a, Log)] == [
         "merge_repeat"]
 
@@ -170,11 +178,11 @@ def test_past_the_sessions_kept_a_new_session_is_refused_not_an_old_one_forgotte
     one = np.ones(N, np.float32)
     c.merged[0] = Merged([[s, 1] for s in range(MAX_SESSIONS)])  # the run's sessions so far
     with pytest.raises(RemoteProtocolError, match="sessions already"):  # ERROR invalid
-        c.on_exchange(0, one, {"samples": 1, "session": MAX_SESSIONS, "seq": 1})
+        c.on_exchange(0, one, {"samples": 1, "session": MAX_SESSIONS, "seq": 1}, 0.0)
     assert c.version == 0 and c.samples == 0  # nothing of it merged
-    c.on_exchange(0, one, {"samples": 1, "session": 0, "seq": 1})  # the oldest: still a repeat
+    c.on_exchange(0, one, {"samples": 1, "session": 0, "seq": 1}, 0.0)  # the oldest: a repeat
     assert c.version == 0
-    c.on_exchange(0, one, {"samples": 1, "session": 0, "seq": 2})  # a known session goes on
+    c.on_exchange(0, one, {"samples": 1, "session": 0, "seq": 2}, 0.0)  # a known session goes on
     assert c.version == 1
 
 
@@ -184,7 +192,7 @@ def test_a_checkpoint_state_comes_back_into_a_new_core() -> None:
         c.roster.admit(w)
         c.on_stats(w, stats(0.01 * (w + 1)), 0.0)
     grouped(c)
-    c.merge(0, np.ones(N, np.float32), {"samples": 3, "session": 1, "seq": 4})
+    c.merge(0, np.ones(N, np.float32), {"samples": 3, "session": 1, "seq": 4}, 0.0)
     state = c.checkpoint_state()
     back = core(None, workers=2)
     back.load_state_dict(state)
@@ -212,7 +220,7 @@ def test_a_groups_ratio_has_one_owner_the_shell_hands_it_to_the_group() -> None:
                      GroupHandle(1, "h:1", [1], peer=NoGroup())], {0: 0, 1: 1})
     c.roster.policy.every_s = 0.0  # type: ignore[union-attr]
     c.roster.observe_iter_time(0, 0.5, 0.0)
-    _, actions = c.merge(1, np.zeros(N, np.float32), {"samples": 1, "iter_time": 0.1})
+    actions = c.merge(1, np.zeros(N, np.float32), {"samples": 1, "iter_time": 0.1}, 0.0)
     ratios = next(a.ratios for a in actions if isinstance(a, SendRatios))
     assert ratios[0] > ratios[1]  # group 0 is the slower one now: it sends more
     assert c.groups[0].ratio == ratios[0]  # the one copy, the roster's

@@ -145,8 +145,7 @@ def test_auto_local_steps_follow_the_groups_speeds() -> None:
     assert auto_local_steps({0: 0.1, 1: 0.3}, 8, {0: 8, 1: 4}) == {0: 8, 1: 3}
     run = RunConfig(mode="gssp", workers=4, groups=2, local_steps=0, local_steps_max=8,
                     **WORKER)  # type: ignore[arg-type]
-    core = GlobalCore(run, np.zeros(5, np.float32), regroup=False, clock=lambda: 0.0,
-                      wall=lambda: 1e9)
+    core = GlobalCore(run, np.zeros(5, np.float32), regroup=False, wall=lambda: 1e9)
     for w, t in enumerate((0.05, 0.05, 0.2, 0.2)):
         core.roster.admit(w)
         core.on_stats(w, messages.Stats(clock=0, step_time=t, loss=1.0), 0.0)

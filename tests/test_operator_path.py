@@ -481,14 +481,13 @@ def test_a_group_process_groups_hop_counters_survive_a_checkpoint() -> None:
     from minips.core.roster import GroupHandle, NoGroup
 
     run = RunConfig(workers=1, epochs=1.0)
-    core = GlobalCore(run, np.zeros(4, np.float32), regroup=False, clock=time.monotonic,
-                      wall=time.time)
+    core = GlobalCore(run, np.zeros(4, np.float32), regroup=False, wall=time.time)
     h = GroupHandle(0, "10.0.0.2:7071", [0], peer=NoGroup({"bytes_in": 500, "bytes_out": 700}))
     h.hop_bytes.update(bytes_to_global=40, bytes_from_global=60)
     core.groups[0] = h
     core.started_training = time.time() - 5.0
     state = core.checkpoint_state()
-    again = GlobalCore(run, None, regroup=False, clock=time.monotonic, wall=time.time)
+    again = GlobalCore(run, None, regroup=False, wall=time.time)
     again.load_state_dict(state)
     again.resume({0: GroupHandle(0, "", [0])}, state)
     assert again.traffic() == {"bytes_up": 500, "bytes_down": 700}

@@ -8,6 +8,7 @@ reply was lost merged exactly once.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,8 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         # measured iteration times (exchanges) turn the ratios around: group 0 is now slower
         srv.core.roster.policy.every_s = 0.0  # type: ignore[union-attr]
         srv.core.roster.observe_iter_time(0, 0.5, 0.0)
-        _, actions = srv.core.merge(1, np.zeros(8, np.float32), {"samples": 1, "iter_time": 0.1})
+        actions = srv.core.merge(1, np.zeros(8, np.float32), {"samples": 1, "iter_time": 0.1},
+                                 time.monotonic())
         srv.perform(actions)  # the merge's actions: SendRatios
         later = [await next_assign(c) for c in chans]
         assert [a.group for a in later] == [0, 0, 1, 1]

@@ -15,11 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from minips.core import global_core
 from minips.core.config import RunConfig
 from minips.core.exchange import Exchange, ExchangeResult, Unsaved, seqs_in
 from minips.core.roster import GroupHandle
 from minips.record.checkpoint import load, save
 from minips.server import GlobalServer, ServerConfig
+from minips.wire import messages
 
 N = 3  # weights
 
@@ -59,7 +61,8 @@ class Sim:
         self._send(self.xchg.begin(self.weights, {}), lose_reply)
 
     def _send(self, out: Any, lose_reply: bool) -> bool:
-        res, _ = self.srv.core.merge(0, out.delta, out.stats)
+        merged = self.srv.core.merge(0, out.delta, out.stats, 0.0)
+        res = global_core.reply(merged, ExchangeResult)
         reply = self.srv.core.exchange_reply(0, res.weights)
         if lose_reply:
             return False
@@ -86,7 +89,7 @@ class Sim:
 
     async def reconnect(self) -> None:
         h = self.srv.core.groups[0]
-        info = self.srv.core.group_pull(h.id).info
+        info = global_core.reply(self.srv.core.group_pull(h.id), messages.GlobalWeights).info
         held = seqs_in(info, "last_exchange", self.xchg.session)
         assert held is not None and self.srv.core.weights is not None
         self.weights, _ = self.xchg.rebase(self.weights, self.srv.core.weights.copy(), held[0])

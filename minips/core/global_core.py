@@ -7,20 +7,27 @@ in simulated time. No asyncio, sockets, clocks or torch inside (tests/test_group
 times come from the injected clocks or as ``now``. The roster (``roster.py``) holds the workers,
 the groups, their servers and their ratios.
 
-Entry points: a worker's session ``worker_joined`` / ``worker_gone``, its STATS
-``on_stats(w, msg, now)``, its initial weights ``on_initial(weights)``, the grouping deadline
-``calib_timeout(now)``, the groups the shell opened ``groups_formed`` / ``moved`` /
-``group_served`` / ``group_lost`` / ``rehome`` / ``resume``, a group's exchange ``merge``
-(in-process) or ``on_exchange`` / ``group_pull`` / ``group_left`` (a group process: EXCHANGE ->
-EXCHANGE_REPLY), the budget ``finish(reason)`` and ``fail``, checkpoints. Each returns a list of
-the actions below, in the order the shell is to perform them (beside the answer, where there is
-one); the core speaks to its shell through nothing else. The actions are frozen dataclasses, so a
-test compares them:
+Entry points: a worker's HELLO ``admit``, its session ``worker_joined`` / ``worker_leaving`` /
+``worker_gone``, its STATS ``on_stats``, its initial weights ``on_initial``, the grouping deadline
+``calib_timeout``, the groups the shell opened ``groups_formed`` / ``group_opened`` / ``moved`` /
+``place_late`` / ``group_served`` / ``group_lost`` / ``rehome`` / ``resume``, a group's exchange
+``merge`` (in-process) or ``on_exchange`` / ``group_pull`` / ``group_left`` (a group process:
+EXCHANGE -> EXCHANGE_REPLY), the budget ``finish(reason)`` and ``fail``, checkpoints
+``load_state_dict``. Each answers in one shape: a list of the actions below, in the order the
+shell is to perform them; what goes back to the one who asked is an action too (``Admitted``,
+``Reply``). Time comes in as ``now`` (the rules read no clock; ``wall`` only dates records and
+the wall budget). The rest are queries (``first_assignment``, ``ratio_of``, ``checkpoint_state``,
+the message builders). The actions are frozen dataclasses, so a test compares them:
 
 - ``FormGroups``: every expected worker reported (or the calibration time passed): open the
   groups of ``Roster.first_assignment`` and send each worker its ASSIGN.
 - ``PlaceLate(worker)``: a worker reported after the grouping: once the groups are open, put it
-  in the group nearest its speed.
+  in the group nearest its speed (``place_late``).
+- ``Placed(worker, group)``: ``place_late`` put it there: tell it (ASSIGN).
+- ``Admitted(worker)``: the id ``admit`` gave a HELLO (its WELCOME says it).
+- ``Reply(group, answer)``: what goes back to the group that asked: GLOBAL_WEIGHTS for its PULL,
+  EXCHANGE_REPLY for its EXCHANGE, an ``ExchangeResult`` for an in-process ``merge``
+  (``reply(actions, kind)`` picks it out).
 - ``Regroup(assignment)``: the speeds drifted (``grouping.Regrouper``): move these workers.
 - ``SendRatios(ratios)``: GDTopK chose new ratios ``{group: ratio}`` (already in the groups):
   tell the group servers that do not read them in-process and every worker of those groups.
@@ -63,7 +70,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -87,15 +94,19 @@ from minips.wire.messages import MAX_COUNT
 
 __all__ = [
     "Action",
+    "Admitted",
     "AllFinal",
     "Done",
     "Fail",
     "FormGroups",
     "Rehomed",
     "PlaceLate",
+    "Placed",
     "Regroup",
+    "Reply",
     "SendRatios",
     "WeightsReady",
+    "reply",
     "snapshot",
     "restore_workers",
     "restore_group",
@@ -119,6 +130,30 @@ class PlaceLate:
     """Put ``worker`` (reported after the grouping) in the group nearest its speed."""
 
     worker: int
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Worker ``worker`` (reported after the grouping) is in group ``group`` now: tell it."""
+
+    worker: int
+    group: int
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A HELLO is admitted as worker ``worker`` (its WELCOME says so)."""
+
+    worker: int
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Send ``answer`` back to group ``group``, whose exchange or PULL it answers: the
+    EXCHANGE_REPLY or GLOBAL_WEIGHTS of a group process, an ``ExchangeResult`` in-process."""
+
+    group: int
+    answer: ExchangeResult | messages.ExchangeReply | messages.GlobalWeights
 
 
 @dataclass(frozen=True)
@@ -168,8 +203,18 @@ class Rehomed:
     moved: dict[int, int]
 
 
-Action = (FormGroups | PlaceLate | Regroup | SendRatios | WeightsReady | Done | AllFinal | Fail
-          | Rehomed | Log)
+Action = (FormGroups | PlaceLate | Placed | Admitted | Reply | Regroup | SendRatios | WeightsReady
+          | Done | AllFinal | Fail | Rehomed | Log)
+
+T = TypeVar("T", ExchangeResult, messages.ExchangeReply, messages.GlobalWeights)
+
+
+def reply(actions: list[Action], kind: type[T]) -> T:
+    """The answer of kind ``kind`` that ``actions`` send back to the group that asked."""
+    for a in actions:
+        if isinstance(a, Reply) and isinstance(a.answer, kind):
+            return a.answer
+    raise LookupError(f"no {kind.__name__} among the actions")
 
 
 # -- a checkpoint's state: taken in one call, restored in parts -------------------------------
@@ -227,9 +272,9 @@ class GlobalCore:
     """The global weights, their version, the run's samples and budget, the roster."""
 
     def __init__(self, run: RunConfig, weights: np.ndarray | None, *, regroup: bool,
-                 clock: Callable[[], float], wall: Callable[[], float]) -> None:
+                 wall: Callable[[], float]) -> None:
         self.run = run
-        self.now, self.wall = clock, wall
+        self.wall = wall  # the run's wall clock (records, the wall budget); rules take ``now``
         self.weights = None if weights is None else np.array(weights, dtype=np.float32)
         self.version = 0  # merges applied to self.weights
         self.samples = 0  # training samples all groups reported
@@ -251,9 +296,9 @@ class GlobalCore:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def admit(self, wanted: int, now: float) -> int:
-        """A worker id for a HELLO that asked for ``wanted`` (``Roster.admit``)."""
-        return self.roster.admit(wanted, now)
+    def admit(self, wanted: int, now: float) -> list[Action]:
+        """A worker id for a HELLO that asked for ``wanted`` (``Roster.admit``): ``Admitted``."""
+        return [Admitted(self.roster.admit(wanted, now))]
 
     def worker_joined(self, w: int) -> list[Action]:
         """Worker ``w``'s control channel opened (a newer one replaces an older)."""
@@ -262,11 +307,12 @@ class GlobalCore:
         self.roster.seated(w)
         return [Log("joined", {"worker": w})]
 
-    def worker_leaving(self, w: int, reason: str = "") -> None:
+    def worker_leaving(self, w: int, reason: str = "") -> list[Action]:
         """Worker ``w`` said LEAVE (``reason``: why, e.g. it refused to start without its
-        data): its session ends, its id may be given out again."""
+        data): its session ends, its id may be given out again (nothing to do yet)."""
         self.workers[w].left = True
         self.workers[w].left_because = "" if reason == "bye" else reason
+        return []
 
     def worker_gone(self, w: int) -> list[Action]:
         """Worker ``w``'s control channel closed (after LEAVE, or lost)."""
@@ -374,15 +420,20 @@ class GlobalCore:
                                                     for g, h in self.groups.items()}}),
                 SendRatios({g: self.groups[g].ratio for g in changed})]
 
-    def place_late(self, w: int) -> int | None:
-        """The group of worker ``w``, which reported after the grouping (nearest in speed);
-        None when it has one already."""
+    def place_late(self, w: int) -> list[Action]:
+        """Worker ``w`` reported after the grouping: ``Placed`` in the group nearest in speed
+        (logged); nothing when it has one already."""
         entry = self.workers[w]
-        return None if entry.group >= 0 else self.roster.place_late(entry)
+        if entry.group >= 0:
+            return []
+        g = self.roster.place_late(entry)
+        return [Log("placed", {"worker": w, "group": g, "moved": {str(w): g},
+                               "step_time": entry.step_time}), Placed(w, g)]
 
-    def group_opened(self, h: GroupHandle) -> None:
+    def group_opened(self, h: GroupHandle) -> list[Action]:
         """A new group (a regroup drew it) has its server."""
         self.groups[h.id] = h
+        return []
 
     def moved(self, moves: dict[int, int], now: float) -> list[Action]:
         """A ``Regroup`` carried out: ``{worker: group}`` (open groups) moved; the groups'
@@ -421,7 +472,7 @@ class GlobalCore:
         return [Log("rehomed", {"group": g, "moved": {str(w): v for w, v in moved.items()}}),
                 Rehomed(g, moved)]
 
-    def resume(self, handles: dict[int, GroupHandle], state: dict[str, Any]) -> None:
+    def resume(self, handles: dict[int, GroupHandle], state: dict[str, Any]) -> list[Action]:
         """The checkpoint's groups (``state``, after ``load_state_dict``) opened again:
         in-process ones take their saved state, a group process adopts its group later."""
         self.grouped = True
@@ -432,6 +483,7 @@ class GlobalCore:
         self.groups.update(sorted(handles.items()))
         self.roster.restore_regrouper()
         self.started_training = self.wall() - float(state["train_s"])
+        return []
 
     # -- GDTopK ratios -----------------------------------------------------------------------
 
@@ -450,10 +502,11 @@ class GlobalCore:
 
     # -- the groups' exchanges ---------------------------------------------------------------
 
-    def merge(self, g: int, delta: Delta, stats: dict[str, Any],
-              wire_in: int | None = None) -> tuple[ExchangeResult, list[Action]]:
-        """Add group ``g``'s delta (dense or sparse) to the global weights; answer with what
-        the group's copy of them lacks (``exchange.py``: dense weights, or entries to set). An
+    def merge(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
+              wire_in: int | None = None) -> list[Action]:
+        """Add group ``g``'s delta (dense or sparse) to the global weights; ``Reply`` (last) with
+        an ``ExchangeResult``: what the group's copy of them lacks (``exchange.py``: dense
+        weights, or entries to set). An
         exchange whose seq is not above the last merged one of its session (a repeat whose
         reply was lost, or an older one replayed) is answered without merging again (with what
         the lost reply set, again). One that would take a counter of the run past 2^62 raises
@@ -480,11 +533,11 @@ class GlobalCore:
             if key[1] >= 0:
                 merged.note(*key)
             h.last_exchange = key
-            added, actions = self._add_delta(g, delta, stats)
-        reply = self.replica(g).answer(self.weights, repeat, self.change_log())
-        res = ExchangeResult(reply, self.version, self.done, self.samples)
+            added, actions = self._add_delta(g, delta, stats, now)
+        sent = self.replica(g).answer(self.weights, repeat, self.change_log())
+        res = ExchangeResult(sent, self.version, self.done, self.samples)
         if wire_in is not None:
-            res.bytes_up, res.bytes_down = wire_in, frames.wire_size(self.exchange_reply(g, reply))
+            res.bytes_up, res.bytes_down = wire_in, frames.wire_size(self.exchange_reply(g, sent))
             h.hop_bytes["bytes_to_global"] += res.bytes_up
             h.hop_bytes["bytes_from_global"] += res.bytes_down
         if added:
@@ -492,25 +545,27 @@ class GlobalCore:
             actions.append(Log("merge", {"group": g, "group_samples": stats.get("samples", 0),
                                          **fields, **h.hop_bytes}))
             actions += self._check_budget()
-        return res, actions
+        return [*actions, Reply(g, res)]
 
-    def on_exchange(self, g: int, delta: Delta, stats: dict[str, Any],
-                    wire_in: int | None = None) -> tuple[messages.ExchangeReply, list[Action]]:
+    def on_exchange(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
+                    wire_in: int | None = None) -> list[Action]:
         """A group process's EXCHANGE (its delta and counters, ``wire_in`` bytes on the wire):
-        merge it; the EXCHANGE_REPLY names the exchanges this server's snapshots hold
-        (``exchange_reply``)."""
-        res, actions = self.merge(g, delta, stats, wire_in)
-        return self.exchange_reply(g, res.weights), actions
+        merge it; ``Reply`` (last) with the EXCHANGE_REPLY, which names the exchanges this
+        server's snapshots hold (``exchange_reply``)."""
+        actions = self.merge(g, delta, stats, now, wire_in)
+        res = reply(actions, ExchangeResult)
+        return [*actions[:-1], Reply(g, self.exchange_reply(g, res.weights))]
 
-    def group_pull(self, g: int) -> messages.GlobalWeights:
-        """A group process (registering, adopting, reconnecting) takes the global weights whole,
-        so the server's replica of its copy starts from them (exchange.py); the answer names the
-        exchange the server merged last (exchange.py)."""
+    def group_pull(self, g: int) -> list[Action]:
+        """A group process (registering, adopting, reconnecting) takes the global weights whole
+        (``Reply`` with GLOBAL_WEIGHTS), so the server's replica of its copy starts from them
+        (exchange.py); the answer names the exchange the server merged last (exchange.py)."""
         assert self.weights is not None
         weights = self.weights.copy()  # what goes out: merges may land before it is written
         self.replica(g).reset(weights, self.change_log().version)
         msg = self.weights_message(weights, members=self.groups[g].members)
-        return dataclasses.replace(msg, last_exchange=list(self.groups[g].last_exchange))
+        return [Reply(g, dataclasses.replace(msg,
+                                             last_exchange=list(self.groups[g].last_exchange)))]
 
     def exchange_reply(self, g: int, weights: Delta) -> messages.ExchangeReply:
         """EXCHANGE_REPLY: the merged weights (or the entries to set) and the last exchange in
@@ -555,8 +610,8 @@ class GlobalCore:
             self.replicas[g] = Replica(self.weights.size, exchange_ratio(self.run))
         return self.replicas[g]
 
-    def _add_delta(self, g: int, delta: Delta,
-                   stats: dict[str, Any]) -> tuple[bool, list[Action]]:
+    def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any],
+                   now: float) -> tuple[bool, list[Action]]:
         """Merge one new exchange of group ``g``: weights, counters, GDTopK's ratios (False
         and the failure's actions: a delta that is not finite, nothing merged)."""
         assert self.weights is not None
@@ -576,8 +631,8 @@ class GlobalCore:
         h.peer.reported(stats)
         actions: list[Action] = []
         if self.roster.policy is not None:  # the exchange's iteration time feeds GDTopK
-            self.roster.observe_iter_time(g, stats.get("iter_time"), self.now())
-            actions += self._update_ratios(self.now())
+            self.roster.observe_iter_time(g, stats.get("iter_time"), now)
+            actions += self._update_ratios(now)
         return True, actions
 
     # -- the budget --------------------------------------------------------------------------

@@ -23,9 +23,9 @@ before the grouping leaves ``pending_groups``.
 Which message may come when is the conversation's table (``wire/conversation.py``: each
 session holds one ``Conversation`` and feeds it every message it reads); what a message does is
 the core's rule (``GlobalCore.on_stats`` / ``on_initial`` / ``on_exchange`` / ``group_pull`` /
-``group_left``). These sessions read the channel, feed the conversation and hand the actions
-the core returns to the server (``Shell``: what they use of ``server.GlobalServer``, which
-imports this module, not the other way round).
+``group_left``). These sessions read the channel, feed the conversation, hand the actions the
+core returns to the server and send its ``Reply`` back to the group that asked (``Shell``: what
+they use of ``server.GlobalServer``, which imports this module, not the other way round).
 
 Invariants: a worker's and an evaluator's session take one message per turn of the event loop
 and read the next only once the last is handled, so a peer that floods waits on TCP
@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
-from minips.core.global_core import Action, AllFinal, GlobalCore, Rehomed
+from minips.core.global_core import Action, AllFinal, GlobalCore, Rehomed, Reply
 from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.net.channel import Channel
@@ -145,7 +145,7 @@ def _on_control(srv: Shell, w: int, msg: messages.Message) -> None:
     elif isinstance(msg, messages.InitWeights):
         srv.perform(srv.core.on_initial(initial_weights(msg)))
     elif isinstance(msg, messages.Leave):
-        srv.core.worker_leaving(w, msg.reason)
+        srv.perform(srv.core.worker_leaving(w, msg.reason))
 
 
 def initial_weights(msg: messages.InitWeights) -> np.ndarray:
@@ -309,6 +309,15 @@ async def adopt(srv: Shell, ch: Channel) -> GroupHandle | None:
     return handle
 
 
+async def _answer(srv: Shell, ch: Channel, actions: list[Action]) -> None:
+    """Carry out the core's ``actions``, then send its ``Reply`` to the group process on ``ch``."""
+    srv.perform(actions)
+    for a in actions:
+        if isinstance(a, Reply) and isinstance(a.answer, (messages.ExchangeReply,
+                                                          messages.GlobalWeights)):
+            await ch.send(a.answer)
+
+
 async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle,
                             conv: Conversation) -> bool:
     """Handle one message of a group process; True when it left. An EXCHANGE follows the
@@ -317,15 +326,14 @@ async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle,
     core, msg = srv.core, await ch.recv()
     conv.receive(msg)
     if isinstance(msg, messages.Pull):  # the group takes these weights whole (exchange.py)
-        await ch.send(core.group_pull(handle.id))
+        await _answer(srv, ch, core.group_pull(handle.id))
     elif isinstance(msg, messages.Exchange):
         conversation.check_exchange(msg)
         assert core.weights is not None
         delta = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, core.weights.size)
         info = handle.across_sessions(msg.info)  # traffic counts of all its sessions
-        reply, actions = core.on_exchange(handle.id, delta, info, frames.wire_size(msg))
-        srv.perform(actions)
-        await ch.send(reply)
+        await _answer(srv, ch, core.on_exchange(handle.id, delta, info, time.monotonic(),
+                                                frames.wire_size(msg)))
     elif isinstance(msg, messages.Leave):
         srv.perform(core.group_left(handle.id))
         return True

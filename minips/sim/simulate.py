@@ -56,7 +56,7 @@ import numpy as np
 from minips.core import global_core
 from minips.core.actions import Log
 from minips.core.config import RunConfig
-from minips.core.exchange import exchange_message
+from minips.core.exchange import ExchangeResult, exchange_message
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import (
     Action,
@@ -215,8 +215,7 @@ class SimGlobal:
     def __init__(self, sim: Host, weights: np.ndarray) -> None:
         self.sim = sim
         self.writer = sim.rundir.writer("global")
-        self.core = GlobalCore(sim.run, weights, regroup=False, clock=lambda: sim.t,
-                               wall=lambda: sim.run.t0 + sim.t)
+        self.core = GlobalCore(sim.run, weights, regroup=False, wall=lambda: sim.run.t0 + sim.t)
 
     def perform(self, actions: list[global_core.Action]) -> None:
         """What the core decided (global_core.py): GDTopK's ratios, the end of the run."""
@@ -454,7 +453,8 @@ class Simulation:
         grp, glob = self.groups[g], self.glob.core
         grp.in_flight = False
         out = grp.core.begin_exchange(final, grp.traffic())
-        res, actions = glob.merge(g, out.delta, out.stats)
+        actions = glob.merge(g, out.delta, out.stats, self.t)
+        res = global_core.reply(actions, ExchangeResult)
         res.bytes_up = wire_size(exchange_message(out.delta, out.stats))
         res.bytes_down = wire_size(glob.exchange_reply(g, res.weights))
         self.glob.perform(actions)
