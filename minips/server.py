@@ -315,8 +315,8 @@ class GlobalServer:
                 self.spawn(self._place_late(a.worker))
             elif isinstance(a, global_core.Regroup):
                 self.spawn(self._regroup(a.assignment))
-            elif isinstance(a, global_core.SendRatios):
-                self._send_ratios(a.ratios)
+            elif isinstance(a, global_core.SendSettings):
+                self._send_settings(a.ratios)
             elif isinstance(a, global_core.WeightsReady):
                 self.weights_ready.set()
                 self.fit_limits()
@@ -367,7 +367,7 @@ class GlobalServer:
             return await sessions.external_group(self, g, members, self.cfg.calib_timeout_s)
         gs = GroupServer(g, core.run, core.weights, InProcLink(self), members=members,
                          writer=self.rundir.writer(f"group-{g}"))
-        gs.set_ratio(core.ratio_of(g))
+        gs.set_send_settings(core.ratio_of(g))
         port = await gs.serve(self.cfg.host, self.cfg.group_port(g), self.cfg.token, self._ssl)
         # no host (":port"): "where you reached the global server"; the worker fills in the name
         # it dialled, so DNS names, NAT and TLS names work as they do for the global server
@@ -394,12 +394,12 @@ class GlobalServer:
         for w in moves:
             await self.tell_group(w)
 
-    def _send_ratios(self, new: dict[int, float]) -> None:
-        """GDTopK's new ratios (already in the groups' handles): to the group servers and to
-        every worker of those groups (a new ASSIGN)."""
+    def _send_settings(self, new: dict[int, float]) -> None:
+        """New send settings, GDTopK's ratios or local steps auto's H (already in the groups'
+        handles): to the group servers and to every worker of those groups (a new ASSIGN)."""
         core = self.core
         for g in new:
-            core.groups[g].peer.send_ratio(core.assign_message(core.groups[g]))
+            core.groups[g].peer.send_settings(core.assign_message(core.groups[g]))
         for w, entry in core.workers.items():
             if entry.group in new:
                 self.spawn(self.tell_group(w))
@@ -494,7 +494,7 @@ class GlobalServer:
                           else await self.open_group(g, members))
         self.perform(self.core.resume(handles, state))
         for h in handles.values():  # the saved ratios, to the group servers here
-            h.peer.send_ratio(self.core.assign_message(h))
+            h.peer.send_settings(self.core.assign_message(h))
         self.groups_opened.set()
         self.log("resumed", checkpoint=str(self.checkpoint_path), saved_at=state["saved_at"],
                  train_s=float(state["train_s"]), down_s=time.time() - float(state["saved_at"]))
@@ -566,8 +566,8 @@ class InProcGroup:
         self.before = {k: int(saved.get(k, 0)) for k in self.before}
         self.server.load_state_dict({k: v for k, v in state.items() if k != "traffic"})
 
-    def send_ratio(self, assign: messages.Assign) -> None:
-        self.server.set_ratio(assign.ratio, assign.local_steps)
+    def send_settings(self, assign: messages.Assign) -> None:
+        self.server.set_send_settings(assign.ratio, assign.local_steps)
 
     async def finish(self) -> None:
         self.server.finish()

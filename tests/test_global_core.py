@@ -22,7 +22,7 @@ from minips.core.global_core import (
     Placed,
     PlaceLate,
     Reply,
-    SendRatios,
+    SendSettings,
     WeightsReady,
     reply,
 )
@@ -208,7 +208,7 @@ def test_a_checkpoint_state_comes_back_into_a_new_core() -> None:
 
 
 def test_a_groups_ratio_has_one_owner_the_shell_hands_it_to_the_group() -> None:
-    """The roster sets a group's GDTopK ratio; the core says ``SendRatios``, and the shell gives
+    """The roster sets a group's GDTopK ratio; the core says ``SendSettings``, and the shell gives
     it to the group server (here in-process: its core's ``set_ratio``) and to its workers."""
     c = core(np.zeros(N, np.float32), workers=2, groups=2, mode="gssp", compressor="gdtopk",
              ratio=0.01)
@@ -221,12 +221,12 @@ def test_a_groups_ratio_has_one_owner_the_shell_hands_it_to_the_group() -> None:
     c.roster.policy.every_s = 0.0  # type: ignore[union-attr]
     c.roster.observe_iter_time(0, 0.5, 0.0)
     actions = c.merge(1, np.zeros(N, np.float32), {"samples": 1, "iter_time": 0.1}, 0.0)
-    ratios = next(a.ratios for a in actions if isinstance(a, SendRatios))
+    ratios = next(a.ratios for a in actions if isinstance(a, SendSettings))
     assert ratios[0] > ratios[1]  # group 0 is the slower one now: it sends more
     assert c.groups[0].ratio == ratios[0]  # the one copy, the roster's
     assert c.assign_message(c.groups[1]).ratio == ratios[1]
-    for g in ratios:  # what GlobalServer does with SendRatios
-        c.groups[g].peer.send_ratio(c.assign_message(c.groups[g]))
+    for g in ratios:  # what GlobalServer does with SendSettings
+        c.groups[g].peer.send_settings(c.assign_message(c.groups[g]))
     assert gs.core.weights_message(0, []).info["ratio"] == ratios[0]
 
 

@@ -14,7 +14,7 @@ from test_worker import run_cluster
 
 from minips.compress.registry import make_compressor
 from minips.core.config import FieldError, RunConfig
-from minips.core.global_core import GlobalCore, SendRatios
+from minips.core.global_core import GlobalCore, SendSettings
 from minips.core.group_core import GroupCore
 from minips.core.local_steps import LocalSteps, auto_local_steps
 from minips.core.roster import GroupHandle
@@ -154,12 +154,12 @@ def test_auto_local_steps_follow_the_groups_speeds() -> None:
                for g in sorted(set(assignment.values()))]
     actions = core.groups_formed(handles, assignment)
     assert {g: h.local_steps for g, h in core.groups.items()} == {0: 8, 1: 2}
-    assert any(isinstance(a, SendRatios) for a in actions)
+    assert any(isinstance(a, SendSettings) for a in actions)
     assert core.assign_message(core.groups[1]).local_steps == 2
     for w in (2, 3):  # the slow group got faster: 0.1 s a step, H 4
         actions = core.on_stats(w, messages.Stats(clock=5, step_time=0.1, loss=1.0), 1.0)
     assert core.groups[1].local_steps == 4
-    assert [a.ratios for a in actions if isinstance(a, SendRatios)] == [{1: run.ratio}]
+    assert [a.ratios for a in actions if isinstance(a, SendSettings)] == [{1: run.ratio}]
 
 
 def sim_run(tmp_path: Path, name: str, **run: object) -> np.ndarray:

@@ -113,7 +113,7 @@ async def test_gssp_groups_by_speed_with_gdtopk_ratios(tmp_path: Path) -> None:
         srv.core.roster.observe_iter_time(0, 0.5, 0.0)
         actions = srv.core.merge(1, np.zeros(8, np.float32), {"samples": 1, "iter_time": 0.1},
                                  time.monotonic())
-        srv.perform(actions)  # the merge's actions: SendRatios
+        srv.perform(actions)  # the merge's actions: SendSettings
         later = [await next_assign(c) for c in chans]
         assert [a.group for a in later] == [0, 0, 1, 1]
         assert later[0].ratio == pytest.approx(5 * later[2].ratio)

@@ -8,7 +8,7 @@ h11 returns events for bytes. The shell performs them: asyncio (``group.GroupSer
 An action is a frozen dataclass, so a test compares the lists a core returns with ``==``.
 
 Each core defines the actions only its shell performs beside its rules (a group's ``Reply``,
-``Wake``, ...; the global server's ``FormGroups``, ``SendRatios``, ...). What every core asks
+``Wake``, ...; the global server's ``FormGroups``, ``SendSettings``, ...). What every core asks
 for is here: a line of the role's record, which the shell completes with the time and the
 role's counters and writes to the run directory (``rundir.JsonlWriter``). No IO here.
 """

@@ -29,8 +29,9 @@ the message builders). The actions are frozen dataclasses, so a test compares th
   EXCHANGE_REPLY for its EXCHANGE, an ``ExchangeResult`` for an in-process ``merge``
   (``reply(actions, kind)`` picks it out).
 - ``Regroup(assignment)``: the speeds drifted (``grouping.Regrouper``): move these workers.
-- ``SendRatios(ratios)``: GDTopK chose new ratios ``{group: ratio}`` (already in the groups):
-  tell the group servers that do not read them in-process and every worker of those groups.
+- ``SendSettings(ratios)``: how these groups' workers send changed (already in the groups):
+  GDTopK chose new ratios ``{group: ratio}``, or local steps auto a new H; tell the group
+  servers and every worker of those groups (an ASSIGN carries both).
 - ``WeightsReady``: the first initial weights arrived; the grouping may go on.
 - ``Done(reason)``: the budget is spent: tell the groups and the workers, wait for the final
   deltas (bounded).
@@ -104,7 +105,7 @@ __all__ = [
     "Placed",
     "Regroup",
     "Reply",
-    "SendRatios",
+    "SendSettings",
     "WeightsReady",
     "reply",
     "snapshot",
@@ -164,8 +165,9 @@ class Regroup:
 
 
 @dataclass(frozen=True)
-class SendRatios:
-    """GDTopK's new ratios ``{group: ratio}``, to deliver to the groups and their workers."""
+class SendSettings:
+    """New send settings of the groups ``ratios`` names (``{group: ratio}``, with the H in the
+    groups' handles), to deliver to the groups and their workers (ASSIGN)."""
 
     ratios: dict[int, float]
 
@@ -203,8 +205,8 @@ class Rehomed:
     moved: dict[int, int]
 
 
-Action = (FormGroups | PlaceLate | Placed | Admitted | Reply | Regroup | SendRatios | WeightsReady
-          | Done | AllFinal | Fail | Rehomed | Log)
+Action = (FormGroups | PlaceLate | Placed | Admitted | Reply | Regroup | SendSettings
+          | WeightsReady | Done | AllFinal | Fail | Rehomed | Log)
 
 T = TypeVar("T", ExchangeResult, messages.ExchangeReply, messages.GlobalWeights)
 
@@ -413,12 +415,12 @@ class GlobalCore:
 
     def _local_steps_actions(self, changed: list[int]) -> list[Action]:
         """Local steps auto: log the groups' H and send the changed ones (with ASSIGN, as
-        GDTopK's ratios: ``SendRatios``)."""
+        GDTopK's ratios: ``SendSettings``)."""
         if not changed:
             return []
         return [Log("local_steps", {"local_steps": {str(g): h.local_steps
                                                     for g, h in self.groups.items()}}),
-                SendRatios({g: self.groups[g].ratio for g in changed})]
+                SendSettings({g: self.groups[g].ratio for g in changed})]
 
     def place_late(self, w: int) -> list[Action]:
         """Worker ``w`` reported after the grouping: ``Placed`` in the group nearest in speed
@@ -489,7 +491,7 @@ class GlobalCore:
 
     def _update_ratios(self, now: float) -> list[Action]:
         """GDTopK: when the ratio policy (``Roster.update_ratios``, ratios.py) gives new
-        ratios, log them and send them (``SendRatios``); local steps auto: the groups' H
+        ratios, log them and send them (``SendSettings``); local steps auto: the groups' H
         likewise."""
         new = self.roster.update_ratios(now)
         steps = self._local_steps_actions(self.roster.update_local_steps())
@@ -498,7 +500,7 @@ class GlobalCore:
         policy = self.roster.policy
         times = {str(g): policy.times.get(g) for g in new} if policy else {}
         return [Log("ratios", {"ratios": {str(g): r for g, r in new.items()},
-                               "iter_time": times}), SendRatios(new), *steps]
+                               "iter_time": times}), SendSettings(new), *steps]
 
     # -- the groups' exchanges ---------------------------------------------------------------
 

@@ -6,7 +6,7 @@ it): ``admit`` gives workers their ids, ``first_assignment`` forms the groups
 (``grouping.Regrouper``), ``maybe_regroup`` says whether speeds drifted, ``move`` moves workers.
 GDTopK: ``first_ratios`` sets the ratios the groups open with, every exchange's measured
 iteration time goes to ``observe_iter_time``, and when ``update_ratios`` returns new ratios
-(``RatioPolicy``) the core tells its shell to send them (``SendRatios``). Local steps auto:
+(``RatioPolicy``) the core tells its shell to send them (``SendSettings``). Local steps auto:
 ``update_local_steps`` sets each group's H from its step time (``local_steps.auto_local_steps``)
 in the handle; it travels as the ratio does (ASSIGN).
 
@@ -20,8 +20,8 @@ or as a separate `minips group` process behind a TCP channel (``sessions.RemoteG
 none serves the group (a resumed run waiting for its group processes, a lost one) it is
 ``NoGroup``. The global side calls the same methods on each and never asks which it is. The
 group's GDTopK ratio has one owner, ``GroupHandle.ratio``, which the roster sets; the shell hands
-a new one to the group's server with ``send_ratio`` (in-process: the group core's
-``set_ratio``; a group process: an ASSIGN over the wire).
+a new one (with the group's H) to the group's server with ``send_settings`` (in-process:
+``GroupServer.set_send_settings``; a group process: an ASSIGN over the wire).
 
 Invariants: a worker with ``group >= 0`` is listed in exactly that group's ``members``; group ids
 stay stable across a regroup (``match_labels`` names new groups after the old group most of their
@@ -88,8 +88,9 @@ class GroupPeer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a checkpoint's training state back (in-process only)."""
 
-    def send_ratio(self, assign: Assign) -> None:
-        """Tell the group server its new ratio (an ASSIGN): at once in-process, else queued."""
+    def send_settings(self, assign: Assign) -> None:
+        """Tell the group server its new ratio and H (an ASSIGN): at once in-process, else
+        queued."""
 
     async def finish(self) -> None:
         """The budget is spent: the group flushes its final delta."""
@@ -127,7 +128,7 @@ class NoGroup:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to load: the group's state lives in its own process."""
 
-    def send_ratio(self, assign: Assign) -> None:
+    def send_settings(self, assign: Assign) -> None:
         """Nobody to tell: the group process that adopts the group gets it in its ASSIGN."""
 
     async def finish(self) -> None:

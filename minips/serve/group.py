@@ -132,9 +132,10 @@ class GroupServer:
         if w not in self.channels:
             self._perform(self.core.leave(w))
 
-    def set_ratio(self, ratio: float, local_steps: int = 0) -> None:
-        """GDTopK's new ratio for this group's workers (``GroupCore.set_ratio``) and, with
-        local steps auto, their H (``GroupCore.set_local_steps``; 0: unchanged)."""
+    def set_send_settings(self, ratio: float, local_steps: int = 0) -> None:
+        """What an ASSIGN sets of how this group's workers send: GDTopK's ratio
+        (``GroupCore.set_ratio``) and, with local steps auto, their H
+        (``GroupCore.set_local_steps``; 0: unchanged)."""
         self.core.set_ratio(ratio)
         self.core.set_local_steps(local_steps)
 
@@ -351,7 +352,7 @@ class GroupServer:
     async def _send_push(self, ch: Channel, w: int, conv: Conversation,
                          msg: messages.Push) -> None:
         """Take a PUSH (the conversation checked its turn and clock) and answer its ACK."""
-        if not self.core.has_lease(w):  # its lease expired while it was silent: rejoin and pull first
+        if not self.core.has_lease(w):  # its lease expired while it was silent: rejoin, pull
             await ch.send(messages.Error(code="lease", reason=f"worker {w}: lease expired, "
                                          "reconnect and pull the current weights"))
             raise ConnectionResetError("lease expired")

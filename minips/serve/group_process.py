@@ -100,7 +100,7 @@ class TcpLink:
                         and self._reply and not self._reply.done()):
                     self._reply.set_result(msg)
                 elif isinstance(msg, messages.Assign) and self.group is not None:
-                    self.group.set_ratio(msg.ratio, msg.local_steps)
+                    self.group.set_send_settings(msg.ratio, msg.local_steps)
                 elif isinstance(msg, messages.Leave) and self.group is not None:
                     self.group.finish()
         except (ConnectionError, RemoteProtocolError) as exc:
@@ -143,7 +143,7 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     else:  # late joiners are placed by the global server, not told here: open membership
         gs.setup(int(assign.group), run, weights, link, list(init.members))
         gs.writer = RunDir(cfg.run_dir, t0=run.t0).writer(f"group-{gs.core.group}")
-    gs.set_ratio(float(assign.ratio), int(assign.local_steps))
+    gs.set_send_settings(float(assign.ratio), int(assign.local_steps))
     link.group = gs
     return link
 

@@ -187,7 +187,7 @@ class RemoteGroup(NoGroup):
     def connected(self) -> bool:
         return True
 
-    def send_ratio(self, assign: messages.Assign) -> None:
+    def send_settings(self, assign: messages.Assign) -> None:
         self.spawn(send_quiet(self.ch, assign))
 
     async def finish(self) -> None:

@@ -203,7 +203,7 @@ class SimPeer(NoGroup):
         super().__init__()
         self.group = group
 
-    def send_ratio(self, assign: messages.Assign) -> None:
+    def send_settings(self, assign: messages.Assign) -> None:
         self.group.core.set_ratio(assign.ratio)
         self.group.core.set_local_steps(assign.local_steps)
 
@@ -224,7 +224,7 @@ class SimGlobal:
             if isinstance(a, Log):
                 self.writer.write({"t": self.sim.t, "event": a.event, **a.fields,
                                    "version": core.version, "samples": core.samples})
-            elif isinstance(a, global_core.SendRatios):
+            elif isinstance(a, global_core.SendSettings):
                 for g in a.ratios:
                     self.sim.assign(core.assign_message(core.groups[g]))
             elif isinstance(a, global_core.Done):
@@ -293,7 +293,7 @@ class Simulation:
     def assign(self, msg: messages.Assign) -> None:
         """A new ASSIGN for group ``msg.group`` (GDTopK's ratio): to its core and its workers
         at once, as the global server sends it to both."""
-        self.glob.core.groups[msg.group].peer.send_ratio(msg)
+        self.glob.core.groups[msg.group].peer.send_settings(msg)
         for w, g in self.group_of.items():
             if g == msg.group:
                 self.workers[w].on_assign(msg)
