@@ -30,7 +30,7 @@ from minips.net.channel import Channel
 from minips.record.metrics import record
 from minips.record.rundir import JsonlWriter, RunDir
 from minips.wire import messages
-from minips.worker import Link, Stopped, connect_role, leave
+from minips.worker import EmulatedLink, Stopped, connect_role, leave
 
 __all__ = ["EVAL_NICE", "END_PULL_S", "budget_left_s", "evaluate_loop", "next_pull_s",
            "run_evaluator"]
@@ -59,7 +59,7 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
             t = time.monotonic()  # the period counts from each PULL
             try:
                 await ch.send(messages.Pull(clock=0))
-                w = await Link(ch, 0, 0).expect(messages.GlobalWeights)
+                w = await EmulatedLink(ch, 0, 0).expect(messages.GlobalWeights)
             except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError,
                     Stopped) as exc:
                 if isinstance(exc, Stopped) and exc.final:

@@ -14,7 +14,7 @@ does to the copy held, what is pushed, what is recorded) around what needs torch
                                 (core.downlink); a new connection starts from the whole weights
     gradient on the next batch  of its shard, in the reference loop's order (minips.ml.reference);
                                 with local steps H > 1 (WEIGHTS.local_steps) H gradients, each
-                                at the replica the core's local steps moved (core.local_steps)
+                                at the local weights the core's local steps moved (core.local_steps)
     compress                    the core: with ``optimizer_at`` ``worker`` the update of the
                                 worker's own SGD (core.worker_opt), through the run's compressor
                                 with error feedback (on the device for top-k flavours off the
@@ -39,18 +39,18 @@ ASSIGN), each change a ``slowdown`` event in the worker's file. In ``--mode lbbs
 names the batch of the next step (``batch``), taken in the shard's order (``data.BatchCursor``).
 ``bandwidth_bps`` / ``bandwidth_down_bps`` pace the group connection's sends / reads
 with token buckets (``links.Pacing``, applied by ``channel.Channel.set_pacing``) and
-``latency_s`` delays each send (docs/links.md; ``Link`` below).
+``latency_s`` delays each send (docs/links.md; ``EmulatedLink`` below).
 
 The module holds, in order: the worker's side of its connections, which the evaluator
-(evaluator.py) uses too (``connect_role`` opens one with a ``WorkerConfig``'s settings, ``Link``
-is a channel on the worker's emulated link, ``Stopped`` says how a server ended the session,
-``leave`` says goodbye); what a worker builds from the run config before it trains (``Parts``,
-``build``: the model on its device, its data shard and endless batch stream, its compressor,
-its files); its control session with the global server (``Control``: WELCOME, ASSIGN again on
-regrouping or a new GDTopK ratio, the end of the run; when the global server is lost mid-run
-it reconnects for up to ``reconnect_s``); and the training loop (``Worker``), which reads
-``Control.assign`` and ``done``, waits on ``assigned`` / ``changed`` and sends STATS on the
-control channel.
+(evaluator.py) uses too (``connect_role`` opens one with a ``WorkerConfig``'s settings,
+``EmulatedLink`` is a channel on the worker's emulated link, ``Stopped`` says how a server ended
+the session, ``leave`` says goodbye); what a worker builds from the run config before it trains
+(``Parts``, ``build``: the model on its device, its data shard and endless batch stream, its
+compressor, its files); its control session with the global server (``Control``: WELCOME, ASSIGN
+again on regrouping or a new GDTopK ratio, the end of the run; when the global server is lost
+mid-run it reconnects for up to ``reconnect_s``); and the training loop (``Worker``), which
+reads ``Control.assign`` and ``done``, waits on ``assigned`` / ``changed`` and sends STATS on
+the control channel.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ from minips.record.rundir import JsonlWriter, RunDir, join_run
 from minips.wire import messages
 
 __all__ = [
-    "Link",
+    "EmulatedLink",
     "Stopped",
     "connect_role",
     "leave",
@@ -102,7 +102,7 @@ __all__ = [
 M = TypeVar("M", bound=messages.Message)
 
 
-class Link:
+class EmulatedLink:
     """A channel on the worker's emulated link: paced to ``bandwidth_bps`` (sends) and
     ``down_bps`` (reads), bytes/s, 0 = full speed, as bytes go out and come in; ``latency_s``
     added before every send."""
@@ -467,7 +467,7 @@ class Worker:
             # a silent group server is gone (stalled, or its machine vanished): leave it
             ch.start_heartbeat(self.run_cfg.heartbeat_s)
             ch.start_silence_limit(self.run_cfg.lease_s)
-            link = Link(ch, self.cfg.bandwidth_bps, self.cfg.latency_s,
+            link = EmulatedLink(ch, self.cfg.bandwidth_bps, self.cfg.latency_s,
                         self.cfg.bandwidth_down_bps)
             try:
                 # the group's clock for us (pull before pushing), and whole weights next
@@ -512,7 +512,7 @@ class Worker:
             retry_on=(ConnectionError, AuthError), first=RECONNECT_FIRST_S,
             most=RECONNECT_MAX_S, wake=self.control.changed)
 
-    async def _loop(self, link: Link, address: str) -> None:
+    async def _loop(self, link: EmulatedLink, address: str) -> None:
         """Steps on one group server until done, the cap, or a new group address."""
         while not self.control.done and address == self.control.address():
             pull = self.core.pull(time.monotonic())
@@ -529,7 +529,7 @@ class Worker:
                 return
             await self._step(link, step, t_step)
 
-    async def _step(self, link: Link, step: Step, t: float) -> None:
+    async def _step(self, link: EmulatedLink, step: Step, t: float) -> None:
         """One push from WEIGHTS decoded at ``t``: its gradients, packet, PUSH and ACK, and
         the step's record with the time of each phase."""
         self.trainer.load(step.weights)
@@ -563,7 +563,7 @@ class Worker:
         times: list[float] = []
         while weights is not None:
             if times:
-                self.trainer.load(weights)  # the replica the last local step moved
+                self.trainer.load(weights)  # the local weights the last local step moved
             epoch, xb, yb = self._next_batch(step.batch)
             # grad: (n,) float32 on the device, reused by the next call (the core reads it first)
             loss, grad = await self._gradient(xb, yb)
@@ -628,7 +628,8 @@ class Worker:
                 await self.control.ch.send(messages.Stats(clock=self.clock, step_time=median,
                                                           loss=loss, samples=self.samples))
 
-    def _record(self, record: dict[str, Any], epoch: int, link: Link, **measured: Any) -> None:
+    def _record(self, record: dict[str, Any], epoch: int, link: EmulatedLink,
+                **measured: Any) -> None:
         """The core's step ``record`` (core.worker_core.step_record) with what the worker
         measured: its time, the batch's epoch, F, the link's counters and the phases."""
         assert self.writer is not None

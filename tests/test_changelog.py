@@ -21,7 +21,7 @@ from minips.core import global_core
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.downlink import Downlink, ExactDownlink, apply_weights
-from minips.core.exchange import Exchange, ExchangeResult, Replica
+from minips.core.exchange import Exchange, ExchangeResult, GroupMirror
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import GroupCore
 from minips.core.roster import GroupHandle
@@ -83,10 +83,10 @@ def test_a_sparse_exchange_looks_only_where_the_weights_changed_or_were_left_beh
     assert whole.delta.indices.tolist() == [3, 7]
 
 
-def test_a_replica_answers_from_what_the_global_weights_changed_at() -> None:
+def test_a_group_mirror_answers_from_what_the_global_weights_changed_at() -> None:
     g = np.zeros(N, np.float32)
     log = ChangeLog(N)
-    rep = Replica(N, 0.001)  # k = 2
+    rep = GroupMirror(N, 0.001)  # k = 2
     rep.reset(g, log.version)
     g[[4, 8, 12]] = [1.0, 3.0, 2.0]
     g[20] = 9.0  # changed behind the log's back: not looked at

@@ -1,5 +1,5 @@
 """The compressed group <-> global exchange (exchange.py): top-k up, the global
-server's replica answering top-k entries to set down, exactly once under lost replies, dense
+server's mirror answering top-k entries to set down, exactly once under lost replies, dense
 resyncs; against the real ``GlobalServer`` merge and group session (``sessions``) with
 made-up pushes, and once with a real `minips group` process over loopback.
 
@@ -27,8 +27,8 @@ from minips.core.config import RunConfig
 from minips.core.exchange import (
     Exchange,
     ExchangeResult,
+    GroupMirror,
     Outgoing,
-    Replica,
     exchange_message,
     exchange_ratio,
     seqs_in,
@@ -141,7 +141,7 @@ class Cluster:
             w, reply.version, reply.done, reply.info["samples"],
             seqs_in(reply.info, "saved_exchanges", grp.xchg.session)))
         sparse.add_into(grp.merged, _f64(out.delta))
-        known = self.srv.core.replicas[grp.g].known
+        known = self.srv.core.mirrors[grp.g].known
         np.testing.assert_array_equal(grp.xchg.w_sync, self.srv.core.weights if known is None
                                       else known)  # the group's copy is exact
         return True
@@ -240,7 +240,7 @@ async def test_a_lost_reply_is_sent_again_unchanged_and_merged_once(cluster: Clu
     assert pending is not None
     sent = pending.delta
     assert isinstance(sent, sparse.SparseVector) and sent.nnz == round(RATIO * N)
-    lost = cluster.srv.core.replicas[0].unacked.copy()  # what the lost reply set
+    lost = cluster.srv.core.mirrors[0].unacked.copy()  # what the lost reply set
     version = cluster.srv.core.version
     cluster.push(1)
     await cluster.exchange(1)  # the global weights move meanwhile
@@ -257,7 +257,7 @@ async def test_a_lost_reply_is_sent_again_unchanged_and_merged_once(cluster: Clu
 def test_the_repeat_answer_covers_the_lost_reply_whether_or_not_it_arrived() -> None:
     """The server cannot tell whether a reply arrived; values to set make both cases exact."""
     size = 64
-    rep = Replica(size, 0.1)
+    rep = GroupMirror(size, 0.1)
     g0 = np.zeros(size, np.float32)
     rep.reset(g0)
     g1 = g0.copy()
@@ -279,7 +279,7 @@ def test_the_repeat_answer_covers_the_lost_reply_whether_or_not_it_arrived() -> 
 
 def test_a_repeat_after_a_dense_answer_is_dense_again() -> None:
     """A lost dense answer leaves the group's copy anywhere: the repeat resyncs it whole."""
-    rep = Replica(100, 0.1)
+    rep = GroupMirror(100, 0.1)
     g = np.arange(100, dtype=np.float32)
     assert isinstance(rep.answer(g, repeat=False), np.ndarray)  # first answer: dense, lost
     again = rep.answer(g + 1, repeat=True)
@@ -290,18 +290,18 @@ def test_a_repeat_after_a_dense_answer_is_dense_again() -> None:
 
 def test_dense_answers_unknown_copy_nearly_dense_or_ratio_one() -> None:
     g = np.arange(100, dtype=np.float32)
-    rep = Replica(100, 0.1)
+    rep = GroupMirror(100, 0.1)
     assert isinstance(rep.answer(g, repeat=False), np.ndarray)  # unknown copy: dense
     assert rep.known is not None and isinstance(rep.answer(g + 1, repeat=False),
                                                 sparse.SparseVector)
     rep.reset(None)  # e.g. a new group: resync
     assert isinstance(rep.answer(g, repeat=False), np.ndarray)
-    wide = Replica(100, 0.6)  # an answer of 60% of the entries is larger sparse than dense
+    wide = GroupMirror(100, 0.6)  # an answer of 60% of the entries is larger sparse than dense
     wide.reset(g)
     assert isinstance(wide.answer(g + 1, repeat=False), np.ndarray)
-    dense = Replica(100, 1.0)
+    dense = GroupMirror(100, 1.0)
     dense.reset(g)
-    assert dense.known is None  # ratio 1: no replica kept, always the weights whole
+    assert dense.known is None  # ratio 1: no mirror kept, always the weights whole
     np.testing.assert_array_equal(dense.answer(g + 2, repeat=False), g + 2)
 
 
@@ -339,7 +339,7 @@ async def test_a_resumed_global_server_resyncs_and_gets_the_lost_exchanges_once(
             await c.exchange(0)  # merged, not in the checkpoint: sent again once
         c.push(0)
         await c.resume()
-        assert c.srv.core.replicas[0].known is not None  # the PULL reset it: sparse at once
+        assert c.srv.core.mirrors[0].known is not None  # the PULL reset it: sparse at once
         c.push(0)
         await c.exchange(0)
         await c.flush_all()
@@ -394,7 +394,7 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
             applied += step
             await gs.flush()
             if gs.core.xchg.pending is None:  # else its copy lacks what the lost reply set
-                np.testing.assert_array_equal(gs.core.xchg.w_sync, srv.core.replicas[0].known)
+                np.testing.assert_array_equal(gs.core.xchg.w_sync, srv.core.mirrors[0].known)
         await gs.flush(final=True)
     finally:
         await gs.close()

@@ -1,5 +1,5 @@
 """Local steps (core/local_steps.py: ``LocalSteps``, the outer optimizer, auto H): a worker
-runs H optimizer steps on its own replica and pushes their change; its group server applies
+runs H optimizer steps on its local weights and pushes their change; its group server applies
 it with an outer optimizer (average or DiLoCo's Nesterov); with ``--local-steps auto`` the
 global server gives each group its H from its speed. By hand on tiny vectors, through the
 role cores, the simulator and a real run on loopback."""
@@ -40,9 +40,9 @@ def test_the_pseudo_gradient_is_the_change_of_h_sgd_steps_by_hand() -> None:
     t = np.array([1.0, -2.0, 0.5], np.float32)
     w0 = np.array([0.0, 1.0, 2.0], np.float32)
     local = LocalSteps(upload(3, lr=0.1, momentum=0.5, weight_decay=0.1))
-    replica = local.start(w0, 3, lr_factor=0.5)
+    moved = local.start(w0, 3, lr_factor=0.5)
     while not local.finished:
-        replica = local.step(replica - t)
+        moved = local.step(moved - t)
     w, u = w0.astype(np.float64), np.zeros(3)
     for _ in range(3):
         u = 0.5 * u + (w - t) + 0.1 * w

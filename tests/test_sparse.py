@@ -335,7 +335,7 @@ def _old_exact_top(x: np.ndarray, k: int) -> np.ndarray:
 
 @pytest.mark.parametrize("nnz", [0, 1, 37, 999, 1000, 1500])
 def test_a_mostly_zero_vector_is_selected_among_its_nonzeros(nnz: int) -> None:
-    # Replica.answer's path in every single-group run: fewer non-zeros than k. The candidates
+    # GroupMirror.answer's path in every single-group run: fewer non-zeros than k. The candidates
     # the selector trims are the non-zeros only (never a partition of all n), and the result
     # is the partition's: the non-zeros, then the lowest-index zeros.
     n, k = 2_000_000, 1000

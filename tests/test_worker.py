@@ -23,7 +23,7 @@ from minips.net import channel, transport
 from minips.record.rundir import read_jsonl
 from minips.server import GlobalServer, ServerConfig
 from minips.wire import messages
-from minips.worker import Link, Worker, WorkerStopped
+from minips.worker import EmulatedLink, Worker, WorkerStopped
 
 TOKEN = "test-secret"
 
@@ -192,7 +192,7 @@ class _Sink:
 async def test_link_adds_its_latency_to_every_send() -> None:
     """(Its rates pace the channel itself: tests/test_links.py, on real sockets.)"""
     sink = _Sink()
-    link = Link(cast(channel.Channel, sink), bandwidth_bps=0.0, latency_s=0.02)
+    link = EmulatedLink(cast(channel.Channel, sink), bandwidth_bps=0.0, latency_s=0.02)
     msg = messages.Push(clock=1, encoding="dense-f32", buffers=(bytes(50_000),))
     t = time.perf_counter()
     await link.send(msg)

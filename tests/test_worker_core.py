@@ -88,8 +88,8 @@ class FakeChannel:
 
 
 class FakeLink:
-    """``worker.Link``'s face: sends are kept, ``expect`` plays the script (an ASSIGN goes to
-    the control session's hook, as ``Control`` would deliver it meanwhile)."""
+    """``worker.EmulatedLink``'s face: sends are kept, ``expect`` plays the script (an ASSIGN
+    goes to the control session's hook, as ``Control`` would deliver it meanwhile)."""
 
     def __init__(self, worker: Worker, said: list[messages.Message]) -> None:
         self.worker, self.said = worker, list(said)
@@ -267,7 +267,7 @@ def test_one_push_carries_the_steps_mean_loss_and_their_samples() -> None:
         grad, loss = gradient(weights)
         losses.append(loss)
         weights = c.on_gradient(grad, loss, 8)
-    assert len(losses) == 3 and losses[2] < losses[0]  # each step moved the replica
+    assert len(losses) == 3 and losses[2] < losses[0]  # each step moved the local weights
     push = c.push(c.encode(c.compress()), 0.01)
     assert (push.clock, push.samples) == (1, 24)
     assert push.loss == pytest.approx(np.mean(losses))

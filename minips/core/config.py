@@ -39,7 +39,7 @@ The file holds, in order:
   it would apply, ``core/worker_opt.py``; DGC's momentum correction, clipping and masking). A
   run that names no place and trains a model of ``LARGE_MODEL_PARAMS`` or more gets the
   workers' (``place_optimizer``, called by the command line, which says so).
-  With it there, ``local_steps`` H lets a worker run H steps on its replica per push and
+  With it there, ``local_steps`` H lets a worker run H steps on its local weights per push and
   ``outer_optimizer`` says how its group server applies what arrives (``core/local_steps.py``).
 - ``FieldError``, and ``WorkerConfig``: what is local to a worker process (addresses, emulated
   slowness, files); it lives here, not in worker.py, so that `minips server` can build it
@@ -216,7 +216,7 @@ class RunConfig:
     grad_clip: float = 0.0  # local clipping (optimizer_at worker): max |g|_2 x sqrt(workers); 0 off
     momentum_masking: bool = False  # clear a worker's velocity where its push sent (worker only)
     # local steps (optimizer_at worker; core/local_steps.py): a worker runs H optimizer steps on
-    # its own replica, then pushes their summed change; 1: a push every step; 0: auto (per group
+    # its local weights, then pushes their summed change; 1: a push every step; 0: auto (per group
     # from its speed, at most local_steps_max)
     local_steps: int = 1
     local_steps_max: int = 8  # H of the fastest group with local_steps 0 (auto)

@@ -7,7 +7,7 @@ worker that holds version ``since`` with the entries the group's change log
 bit for bit, for O(changes since) work (docs/compression.md, "The exact downlink").
 
 With the compressed one the group keeps a *published*
-replica ``w_pub`` with a publish version ``pub``, and every worker holds a copy of ``w_pub`` at
+copy ``w_pub`` with a publish version ``pub``, and every worker holds a copy of ``w_pub`` at
 some version. The scheme is DoubleSqueeze's server-side error feedback, adapted to an
 asynchronous group (docs/compression.md, "The downlink"):
 
@@ -58,7 +58,7 @@ from minips.core.changelog import ChangeLog, kept_record
 from minips.errors import RemoteProtocolError
 from minips.sparse import SparseVector, decode_vector, union_of, unique_sorted
 
-__all__ = ["Answer", "Downlink", "ExactDownlink", "apply_weights", "held_version", "sq_norm",
+__all__ = ["Answer", "Downlink", "ExactDownlink", "apply_weights", "trusted_since", "sq_norm",
            "DRIFT", "LOG_SIZE", "DENSE_FRACTION", "VALUES"]
 
 DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish (--down-drift)
@@ -88,7 +88,7 @@ class Answer:
 
 
 class Downlink:
-    """The published replica of one group's weights, its version, and the log of publishes."""
+    """The published copy of one group's weights, its version, and the log of publishes."""
 
     def __init__(self, weights: np.ndarray, ratio: float, *, drift: float = DRIFT,
                  log_size: int = LOG_SIZE, dense_fraction: float = DENSE_FRACTION,
@@ -376,9 +376,9 @@ def _ratio(gap2: float, wsq: float) -> float:
     return 0.0 if gap2 == 0 else math.inf
 
 
-def held_version(named: int, last_sent: int) -> int:
-    """The version a PULL's worker holds, as far as the group server can trust it: the
-    ``since`` it names only if that is the version of the last WEIGHTS sent on the same
+def trusted_since(named: int, last_sent: int) -> int:
+    """The ``since`` of a PULL the group server can trust (the version its worker's copy is at):
+    the ``since`` it names only if that is the version of the last WEIGHTS sent on the same
     connection (docs/protocol.md, section 3); else -1, and the answer is dense. A reconnect,
     a worker moved from another group or a client that keeps no copy thus get the whole
     weights, and a wrong ``since`` can never make a copy drift."""

@@ -17,16 +17,16 @@ group at the end (``final``, or after ``done``) sends everything left (dense).
 
 The two halves. A group's ``Exchange`` keeps the delta bookkeeping (``begin`` gives the
 ``Outgoing``, ``complete`` takes the ``ExchangeResult``); its shell carries the exchange through a
-``GroupLink``. The global server keeps, per group, a ``Replica``: ``known``, the exact copy the
+``GroupLink``. The global server keeps, per group, a ``GroupMirror``: ``known``, the exact copy the
 group holds of the global weights (its ``w_sync``), and answers an exchange with the entries where
 G and ``known`` differ most: ``idx = topk(G - known)``, sent as ``G[idx]`` (values to *set*, not to
 add), and ``known[idx] = G[idx]``. What a sparse exchange leaves behind stays in ``w - w_sync``
 (up) or in ``G - known`` (down) and goes with a later one: error feedback by bookkeeping, nothing
 is lost. Answers are dense (``G`` itself, the group takes it whole as ``w_sync``) when the ratio
-is 1 (no replica is kept then), when the replica is unknown (a new group, a global server resumed
+is 1 (no mirror is kept then), when the mirror is unknown (a new group, a global server resumed
 from its checkpoint: ``known`` is not saved), and when the sparse answer would be nearly dense
 (``DENSE_AT``). A group process's PULL (registering, adopting, reconnecting) answers with ``G``
-dense, so the replica is reset to it (``Replica.reset``).
+dense, so the mirror is reset to it (``GroupMirror.reset``).
 
 Exactly once. Each exchange carries ``session`` (random, one per group server process) and
 ``seq`` (1, 2, ... within the session) in its counters. The global server remembers the last
@@ -37,7 +37,7 @@ above it, a repeat or an older one replayed, without merging again. When the rep
 and counters under the same seq, so whether or not the first copy was merged, ``s`` lands once.
 Down, values to set are idempotent, so a lost reply does no harm either: a group starts a new seq
 only after the reply to the last one, so the indices sent since the last new seq
-(``Replica.unacked``) are the only ones the group may lack; the answer to a repeat sends them
+(``GroupMirror.unacked``) are the only ones the group may lack; the answer to a repeat sends them
 again with their current values, together with the new top-k (after a dense answer that may have
 been lost, the answer to the repeat is dense again). Either way the group's copy equals ``known``
 bit for bit afterwards (copies, no arithmetic). Newer pushes go out with the exchange after that.
@@ -65,7 +65,7 @@ Work per exchange. Given the indices the group's weights changed at since the la
 began (its change log, ``core/changelog.py``), ``begin`` looks for ``s`` only among them and
 those the last exchange left unsent (``left``), and ``complete`` rebases only the entries ``s``
 and a sparse reply name: O(changes), the same ``s`` as over all n. The global server's
-``Replica`` does the same with its own log and its own ``left``.
+``GroupMirror`` does the same with its own log and its own ``left``.
 
 Invariants: ``w_sync`` is the group's exact copy of what the global server holds for it
 (``known``, or G after a dense reply); ``pending`` is either None or the one exchange whose fate
@@ -97,7 +97,7 @@ __all__ = [
     "Unsaved",
     "seqs_in",
     "DENSE_AT",
-    "Replica",
+    "GroupMirror",
     "TopDiff",
     "exchange_ratio",
     "ExchangeResult",
@@ -230,8 +230,9 @@ def exchange_ratio(run: Any) -> float:
     return float(run.ratio) if is_sparse(run.compressor) else 1.0
 
 
-class Replica:
-    """``known[g]`` of one group and the indices of the replies it may have lost."""
+class GroupMirror:
+    """The global server's mirror of what one group holds of the global weights (``known[g]``)
+    and the indices of the replies it may have lost."""
 
     def __init__(self, size: int, ratio: float) -> None:
         self.ratio = ratio
@@ -329,7 +330,7 @@ class ExchangeResult:
     """What the global server answers to a group's delta."""
 
     weights: Delta  # (n,) float32 global weights after the merge (a private copy), or the
-    # entries of the group's copy to set to their global values (``Replica.answer``)
+    # entries of the group's copy to set to their global values (``GroupMirror.answer``)
     version: int  # global version (merges applied so far)
     done: bool  # the run's budget is spent: stop training
     samples: int = 0  # training samples all groups reported so far (for lr schedules)
@@ -359,7 +360,9 @@ class Outgoing:
 
 
 class Exchange:
-    """Delta bookkeeping of one group (see the module docstring)."""
+    """A group's side of the exchange: its copy of the global weights (``w_sync``), the delta
+    since, the seq and the counters (see the module docstring; the EXCHANGE message it sends is
+    ``messages.Exchange``)."""
 
     def __init__(self, weights: np.ndarray, session: int | None = None,
                  ratio: float = 1.0) -> None:

@@ -62,8 +62,8 @@ seq) is saved too, with the last merged seq of each of its sessions (``exchange.
 group process that resends an exchange the restored server already holds does not get it merged
 twice, and so that it can send again those the checkpoint lacks: each snapshot records it in
 ``GroupHandle.snapshots``, which the replies to group processes name (``exchange.Unsaved``). The
-global server's copies of what each group holds of the weights (``exchange.Replica``) are not
-saved: after a resume each group's first answer is dense (a group process's PULL resets it).
+global server's mirrors of what each group holds of the weights (``exchange.GroupMirror``) are
+not saved: after a resume each group's first answer is dense (a group process's PULL resets it).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ from minips.core.exchange import (
     MAX_SESSIONS,
     Delta,
     ExchangeResult,
+    GroupMirror,
     Merged,
-    Replica,
     exchange_ratio,
 )
 from minips.core.local_steps import auto_local_steps
@@ -283,7 +283,7 @@ class GlobalCore:
         self.roster = Roster(run, regroup=regroup)
         self.workers = self.roster.workers  # worker id -> WorkerEntry
         self.groups = self.roster.groups  # group id -> GroupHandle
-        self.replicas: dict[int, Replica] = {}  # group id -> what it holds of the weights
+        self.mirrors: dict[int, GroupMirror] = {}  # group id -> what it holds of the weights
         # for each merge the indices it touched: an answer to a group costs O(changes since)
         self.changes: ChangeLog | None = None  # made with the weights (``change_log``)
         self.merged: dict[int, Merged] = {}  # group id -> last merged seq of its sessions
@@ -536,7 +536,7 @@ class GlobalCore:
                 merged.note(*key)
             h.last_exchange = key
             added, actions = self._add_delta(g, delta, stats, now)
-        sent = self.replica(g).answer(self.weights, repeat, self.change_log())
+        sent = self.mirror(g).answer(self.weights, repeat, self.change_log())
         res = ExchangeResult(sent, self.version, self.done, self.samples)
         if wire_in is not None:
             res.bytes_up, res.bytes_down = wire_in, frames.wire_size(self.exchange_reply(g, sent))
@@ -560,11 +560,11 @@ class GlobalCore:
 
     def group_pull(self, g: int) -> list[Action]:
         """A group process (registering, adopting, reconnecting) takes the global weights whole
-        (``Reply`` with GLOBAL_WEIGHTS), so the server's replica of its copy starts from them
+        (``Reply`` with GLOBAL_WEIGHTS), so the server's mirror of its copy starts from them
         (exchange.py); the answer names the exchange the server merged last (exchange.py)."""
         assert self.weights is not None
         weights = self.weights.copy()  # what goes out: merges may land before it is written
-        self.replica(g).reset(weights, self.change_log().version)
+        self.mirror(g).reset(weights, self.change_log().version)
         msg = self.weights_message(weights, members=self.groups[g].members)
         return [Reply(g, dataclasses.replace(msg,
                                              last_exchange=list(self.groups[g].last_exchange)))]
@@ -605,12 +605,12 @@ class GlobalCore:
             self.changes = ChangeLog(self.weights.size)
         return self.changes
 
-    def replica(self, g: int) -> Replica:
+    def mirror(self, g: int) -> GroupMirror:
         """The global server's copy of what group ``g`` holds of the global weights."""
         assert self.weights is not None
-        if g not in self.replicas:
-            self.replicas[g] = Replica(self.weights.size, exchange_ratio(self.run))
-        return self.replicas[g]
+        if g not in self.mirrors:
+            self.mirrors[g] = GroupMirror(self.weights.size, exchange_ratio(self.run))
+        return self.mirrors[g]
 
     def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any],
                    now: float) -> tuple[bool, list[Action]]:

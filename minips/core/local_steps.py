@@ -1,4 +1,4 @@
-"""Local steps: a worker runs H optimizer steps on its own replica and pushes their change;
+"""Local steps: a worker runs H optimizer steps on its local weights and pushes their change;
 its group server applies what arrives with an *outer* optimizer. Sans-IO numpy.
 
 Needs the optimizer on the worker (``RunConfig.optimizer_at`` ``worker``; ``validate``
@@ -98,7 +98,7 @@ class LocalSteps:
                               "(--optimizer-at worker)")
         self.upload, self.opt = upload, upload.opt
         size = upload.compressor.size
-        self.local = np.zeros(size, np.float32)  # (n,) w_i, the replica the steps move
+        self.local = np.zeros(size, np.float32)  # (n,) w_i, the local weights the steps move
         self.total = np.zeros(size, np.float32)  # (n,) D = sum of the updates so far
         self.steps = 1  # H of the current push
         self.done = 0  # steps taken since ``start``
@@ -106,15 +106,15 @@ class LocalSteps:
 
     def start(self, weights: np.ndarray, steps: int, lr_factor: float = 1.0) -> np.ndarray:
         """Begin ``steps`` local steps from ``weights`` (n,) (copied, not changed); returns
-        the replica to compute the first gradient at."""
+        the local weights to compute the first gradient at."""
         self.local[:] = weights
         self.total[:] = 0.0
         self.steps, self.done, self.lr_factor = max(1, int(steps)), 0, float(lr_factor)
         return self.local
 
     def step(self, grad: Any) -> np.ndarray:
-        """One optimizer step for ``grad`` (n,) computed at the replica (numpy or torch):
-        ``w ← w − Δ``, ``D ← D + Δ``; returns the replica (the same array, moved)."""
+        """One optimizer step for ``grad`` (n,) computed at the local weights (numpy or torch):
+        ``w ← w − Δ``, ``D ← D + Δ``; returns the local weights (the same array, moved)."""
         delta = self.opt.update(self.local, grad, self.lr_factor)
         self.local -= delta
         self.total += delta

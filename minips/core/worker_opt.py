@@ -21,9 +21,9 @@ optimizer here and no compression is synchronous SGD exactly: the mean of the wo
 is ``lr · f · (momentum · mean(u) + mean(g) + weight_decay · w)``, the reference loop's step
 (``reference.train``; tests/test_worker.py), float32 rounding of the mean aside.
 
-Local steps (a worker runs H optimizer steps on its own replica, then pushes the change;
+Local steps (a worker runs H optimizer steps on its local weights, then pushes the change;
 ``LocalSteps`` in core/local_steps.py) build on ``WorkerSGD.update``: it returns ``Δ`` and
-leaves ``w`` alone, so such a worker applies ``w ← w − Δ`` on its replica H times and sends
+leaves ``w`` alone, so such a worker applies ``w ← w − Δ`` on its local weights H times and sends
 the sum of the H updates through ``Upload.send``.
 
 A worker's optimizer state (``u``, and the compressor's residual ``r``) lives only in its

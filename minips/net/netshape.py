@@ -9,7 +9,7 @@ this machine by a veth pair whose two ends are rate-limited by ``tc`` token-buck
 The servers listen on worker 0's host-side address (``Namespaces.server_host``); Linux accepts
 a packet for any local address on any interface, so every namespace reaches it through its own
 veth, and every byte a worker sends or receives crosses its shaped pair. Latency is not shaped
-here (no ``netem`` needed): the worker adds it to each send (``worker.Link``).
+here (no ``netem`` needed): the worker adds it to each send (``worker.EmulatedLink``).
 
 Needs Linux, root (CAP_NET_ADMIN) and iproute2's ``ip`` and ``tc``; ``unavailable()`` says why
 not. Names carry the launcher's pid: ``remove()`` deletes what ``create`` made (the launcher

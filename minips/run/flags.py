@@ -153,7 +153,7 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--momentum-masking", "momentum_masking", on_off, "DGC's momentum-factor masking (with "
      "--optimizer-at worker): a worker clears its velocity where it sent: on | off"),
     ("--local-steps", "local_steps", local_steps_arg, "optimizer steps a worker runs on its "
-     "own replica per push (with --optimizer-at worker; docs/compression.md): H, or auto "
+     "local weights per push (with --optimizer-at worker; docs/compression.md): H, or auto "
      "(per group from its speed, at most --local-steps-max; shown as 0)"),
     ("--local-steps-max", "local_steps_max", int, "H of the fastest group with --local-steps "
      "auto"),

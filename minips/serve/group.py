@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from minips.core.config import RunConfig
-from minips.core.downlink import held_version
+from minips.core.downlink import trusted_since
 from minips.core.exchange import GroupLink, Outgoing
 from minips.core.group_core import (
     Action,
@@ -325,8 +325,8 @@ class GroupServer:
     async def _send_pull(self, ch: Channel, w: int, conv: Conversation,
                          msg: messages.Pull) -> None:
         """Answer a PULL once SSP allows, with what changed since the version the worker holds
-        (``downlink.held_version``)."""
-        reply = await self._answer_or_close(ch, w, held_version(msg.since, conv.sent_version),
+        (``downlink.trusted_since``)."""
+        reply = await self._answer_or_close(ch, w, trusted_since(msg.since, conv.sent_version),
                                             msg.clock)
         conv.send(reply)
         with contextlib.suppress(ConnectionError):  # e.g. cut off: the peer stopped reading

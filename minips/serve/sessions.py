@@ -321,8 +321,9 @@ async def _answer(srv: Shell, ch: Channel, actions: list[Action]) -> None:
 async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle,
                             conv: Conversation) -> bool:
     """Handle one message of a group process; True when it left. An EXCHANGE follows the
-    connection's first PULL (the server's record of what the group holds, ``exchange.Replica``,
-    starts there): the conversation refuses one before it, ERROR ``order``."""
+    connection's first PULL (the server's mirror of what the group holds,
+    ``exchange.GroupMirror``, starts there): the conversation refuses one before it, ERROR
+    ``order``."""
     core, msg = srv.core, await ch.recv()
     conv.receive(msg)
     if isinstance(msg, messages.Pull):  # the group takes these weights whole (exchange.py)
