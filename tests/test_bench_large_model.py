@@ -1,5 +1,5 @@
-"""scripts/bench_large_model.py runs a real `minips local` and reads its figures (run small: LeNet-5,
-2 workers, 5 pushes each), so the script cannot silently break."""
+"""scripts/bench_large_model.py runs a real `minips local` and reads its figures (run small:
+LeNet-5, 2 workers, 5 pushes each), so the script cannot silently break."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from minips.core import global_core
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.downlink import Downlink, ExactDownlink, apply_weights
-from minips.core.exchange import Exchange, ExchangeResult, GroupMirror
+from minips.core.exchange import ExchangeResult, GroupMirror, GroupSync
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import GroupCore
 from minips.core.roster import GroupHandle
@@ -68,7 +68,7 @@ def test_the_log_is_bounded_in_versions_and_entries() -> None:
 
 def test_a_sparse_exchange_looks_only_where_the_weights_changed_or_were_left_behind() -> None:
     w = np.zeros(N, np.float32)
-    xchg = Exchange(w, ratio=0.001)  # k = 2
+    xchg = GroupSync(w, ratio=0.001)  # k = 2
     w[[5, 7, 11]] = [3.0, 2.0, 1.0]
     out = xchg.begin(w, {}, changed=ints(5, 11))  # 7 is not named: not looked at
     assert isinstance(out.delta, sparse.SparseVector) and out.delta.indices.tolist() == [5, 11]
@@ -78,7 +78,7 @@ def test_a_sparse_exchange_looks_only_where_the_weights_changed_or_were_left_beh
     assert isinstance(again.delta, sparse.SparseVector)
     assert again.delta.indices.tolist() == [3]  # nothing was left behind the first time
     # (5 and 11 were sent: the rebase on the reply took them back to w_sync's 0)
-    whole = Exchange(np.zeros(N, np.float32), ratio=0.001).begin(w, {})  # no log: all n
+    whole = GroupSync(np.zeros(N, np.float32), ratio=0.001).begin(w, {})  # no log: all n
     assert isinstance(whole.delta, sparse.SparseVector)
     assert whole.delta.indices.tolist() == [3, 7]
 

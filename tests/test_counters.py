@@ -17,8 +17,8 @@ import pytest
 from conftest import records, recv_as
 from raw_group import Cluster, closed, values
 
-from minips.wire.conversation import MAX_EXCHANGE_COUNT
 from minips.wire import messages
+from minips.wire.conversation import MAX_EXCHANGE_COUNT
 from minips.wire.fields import MAX_INT
 from minips.wire.messages import MAX_COUNT
 

@@ -25,9 +25,9 @@ from test_group import push
 from minips import sparse
 from minips.core.config import RunConfig
 from minips.core.exchange import (
-    Exchange,
     ExchangeResult,
     GroupMirror,
+    GroupSync,
     Outgoing,
     exchange_message,
     exchange_ratio,
@@ -69,7 +69,7 @@ class Group:
     def __init__(self, g: int, weights: np.ndarray) -> None:
         self.g = g
         self.weights = weights.copy()
-        self.xchg = Exchange(self.weights, ratio=RATIO)
+        self.xchg = GroupSync(self.weights, ratio=RATIO)
         self.applied = np.zeros(N, np.float64)  # every push it applied
         self.merged = np.zeros(N, np.float64)  # every s whose exchange completed
         self.pushes = 0
@@ -315,7 +315,7 @@ def test_exchange_ratio_follows_the_compressor_unless_set() -> None:
 
 def test_a_flush_sends_everything_and_a_dense_exchange_is_the_old_rule() -> None:
     w0 = np.zeros(N, np.float32)
-    x = Exchange(w0, ratio=RATIO)
+    x = GroupSync(w0, ratio=RATIO)
     w = np.linspace(-1, 1, N).astype(np.float32)
     out = x.begin(w, {}, dense=True)
     np.testing.assert_array_equal(out.delta, w)  # all of it

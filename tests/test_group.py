@@ -187,9 +187,9 @@ async def test_cosine_lr_follows_this_group_then_every_group_s_samples() -> None
 
 
 def test_exchange_counts_cluster_samples_from_the_last_reply_on() -> None:
-    from minips.core.exchange import Exchange
+    from minips.core.exchange import GroupSync
 
-    xchg = Exchange(np.zeros(1, np.float32))
+    xchg = GroupSync(np.zeros(1, np.float32))
     xchg.count(64, 0.1, 2.0)
     assert xchg.cluster_samples() == 64  # no reply yet: only this group's own
     out = xchg.begin(np.zeros(1, np.float32), {})

@@ -260,6 +260,7 @@ RENAMED = {
     r"\bheld_version\b": "downlink.trusted_since",
     r"\bReplica\b": "exchange.GroupMirror (the global server's mirror of a group's copy)",
     r"\bworker\.Link\b|\bclass Link\b": "worker.EmulatedLink",
+    r"\bexchange\.Exchange\b|\bExchange\.(begin|complete|pulled)\b": "exchange.GroupSync",
 }
 
 

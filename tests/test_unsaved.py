@@ -17,7 +17,7 @@ import pytest
 
 from minips.core import global_core
 from minips.core.config import RunConfig
-from minips.core.exchange import Exchange, ExchangeResult, Unsaved, seqs_in
+from minips.core.exchange import ExchangeResult, GroupSync, Unsaved, seqs_in
 from minips.core.roster import GroupHandle
 from minips.record.checkpoint import load, save
 from minips.server import GlobalServer, ServerConfig
@@ -36,7 +36,7 @@ class Sim:
         self.srv.perform(self.srv.core.on_initial(np.zeros(N, np.float32)))
         self.srv.core.group_opened(GroupHandle(0, "", [0]))
         self.weights = np.zeros(N, np.float32)  # the group's weights
-        self.xchg = Exchange(self.weights)
+        self.xchg = GroupSync(self.weights)
         self.applied, self.samples = np.zeros(N, np.float32), 0  # all the group ever applied
         self.files: list[Path] = []  # the server's snapshots, written; the last two may be lost
         self.servers = [self.srv]

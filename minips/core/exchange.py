@@ -15,7 +15,7 @@ the reply is the global weights G whole, so ``w = G + (w - sent)``, ``w_sync = G
 the rebase is one line whatever the ratio: ``w += w_sync' - sent``. The exchange that flushes a
 group at the end (``final``, or after ``done``) sends everything left (dense).
 
-The two halves. A group's ``Exchange`` keeps the delta bookkeeping (``begin`` gives the
+The two halves. A group's ``GroupSync`` keeps the delta bookkeeping (``begin`` gives the
 ``Outgoing``, ``complete`` takes the ``ExchangeResult``); its shell carries the exchange through a
 ``GroupLink``. The global server keeps, per group, a ``GroupMirror``: ``known``, the exact copy the
 group holds of the global weights (its ``w_sync``), and answers an exchange with the entries where
@@ -103,7 +103,7 @@ __all__ = [
     "ExchangeResult",
     "GroupLink",
     "Outgoing",
-    "Exchange",
+    "GroupSync",
     "Delta",
     "exchange_message",
 ]
@@ -359,7 +359,7 @@ class Outgoing:
     delta: Delta  # s, sent again unchanged while the exchange is pending
 
 
-class Exchange:
+class GroupSync:
     """A group's side of the exchange: its copy of the global weights (``w_sync``), the delta
     since, the seq and the counters (see the module docstring; the EXCHANGE message it sends is
     ``messages.Exchange``)."""

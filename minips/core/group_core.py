@@ -70,7 +70,7 @@ from minips.core.balance import Balancer
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.downlink import Downlink, ExactDownlink
-from minips.core.exchange import Delta, Exchange, ExchangeResult, Outgoing, exchange_ratio
+from minips.core.exchange import Delta, ExchangeResult, GroupSync, Outgoing, exchange_ratio
 from minips.core.local_steps import outer_sgd
 from minips.errors import RemoteProtocolError
 from minips.wire import messages
@@ -147,7 +147,7 @@ class GroupCore:
         self.group, self.run = group, run
         self.open_membership = open_membership
         self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
-        self.xchg = Exchange(self.weights, ratio=exchange_ratio(run))  # delta, seq, counters
+        self.xchg = GroupSync(self.weights, ratio=exchange_ratio(run))  # delta, seq, counters
         self.xchg_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}  # exchanges so far
         self.opt = _server_sgd(run, self.weights.size)
         self.budget = run.budget_samples()  # the run's samples, for WEIGHTS.progress; 0: none
@@ -389,7 +389,7 @@ class GroupCore:
         the update from ``since`` to the last publish (``publish``, ``downlink.py``); ``done``
         when the run is over, for everyone or for ``w`` (``at_cap``). The answer of a member's
         PULL that the SSP bound held ``held_s`` seconds is counted for the next exchange (its
-        lead and wait reach the global server: ``Exchange.pulled``)."""
+        lead and wait reach the global server: ``GroupSync.pulled``)."""
         lead = self.table.lead(w) if w is not None and w in self.table else 0
         if w is not None and w in self.table:
             self.xchg.pulled(w, lead, held_s)
