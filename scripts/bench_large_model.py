@@ -76,16 +76,23 @@ def run(args: argparse.Namespace, out_dir: Path) -> tuple[Path, dict[str, float]
            "--batch-size", str(args.batch_size), "--eval-every", str(args.eval_every),
            "--eval-limit", str(args.eval_limit), "--no-progress", "--no-plot",
            "--out", str(out_dir), "--name", "run", *args.extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seen: dict[int, tuple[str, float]] = {}
+    log = open(out_dir / "local.log", "w")  # noqa: SIM115 (closed below; a pipe could fill up)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    roles: dict[int, str] = {}  # pid -> role, from the first reading that names it
+    last: dict[int, float] = {}  # pid -> CPU seconds at the last reading
     while proc.poll() is None:
-        seen.update(children_cpu(proc.pid))
+        for pid, (role, seconds) in children_cpu(proc.pid).items():
+            if role != "other":  # an exited child's (a zombie's) command line reads empty
+                roles.setdefault(pid, role)
+            last[pid] = seconds
         time.sleep(POLL_S)
-    err = proc.stderr.read() if proc.stderr else ""
+    log.close()
     if proc.returncode != 0:
-        raise SystemExit(f"bench_large_model: minips local failed ({proc.returncode}):\n{err}")
+        raise SystemExit(f"bench_large_model: minips local failed ({proc.returncode}):\n"
+                         f"{(out_dir / 'local.log').read_text()}")
     cpu: dict[str, float] = {}
-    for role, seconds in seen.values():
+    for pid, seconds in last.items():
+        role = roles.get(pid, "other")
         cpu[role] = cpu.get(role, 0.0) + seconds
     return out_dir / "run", cpu
 
@@ -119,6 +126,7 @@ def figures(run_dir: Path, cpu: dict[str, float]) -> dict[str, Any]:
         "workers_cpu": workers / train_s,
         "server_cpu_per_push_s": server_per_push,
         "server_share_of_step": server_per_push / pct(step, 50) if step else None,
+        "process_cpu_s": {r: round(c, 2) for r, c in sorted(cpu.items())},
         "note": "CPU from start-up to exit, divided by training seconds (an upper bound)",
     }
 
@@ -141,7 +149,9 @@ def main() -> int:
     ap.add_argument("extra", nargs="*", help="more `minips local` flags, after --")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-large-") as tmp:
-        run_dir, cpu = run(args, Path(args.out or tmp))
+        out = Path(args.out or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        run_dir, cpu = run(args, out)
         print(json.dumps(figures(run_dir, cpu), indent=1))
     return 0
 

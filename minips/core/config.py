@@ -38,7 +38,8 @@ The file holds, in order:
   push gradients) or on the workers (``worker``: each keeps its velocity and pushes the update
   it would apply, ``core/worker_opt.py``; DGC's momentum correction, clipping and masking). A
   run that names no place and trains a model of ``LARGE_MODEL_PARAMS`` or more gets the
-  workers' (``place_optimizer``, called by the command line, which says so).
+  workers', and then the exact downlink unless it names a ``down_mode`` (``place_optimizer``,
+  called by the command line, which says so).
   With it there, ``local_steps`` H lets a worker run H steps on its local weights per push and
   ``outer_optimizer`` says how its group server applies what arrives (``core/local_steps.py``).
 - ``FieldError``, and ``WorkerConfig``: what is local to a worker process (addresses, emulated
@@ -181,17 +182,31 @@ LARGE_MODEL_PARAMS = 10_000_000
 
 
 def place_optimizer(values: dict[str, Any]) -> str:
-    """Where the optimizer of a run given as RunConfig ``values`` goes when they name no place:
-    the workers for a model of ``LARGE_MODEL_PARAMS`` or more, else the servers (RunConfig's
-    default). Returns the one console line that says why ("" when nothing was chosen)."""
+    """Where the optimizer of a run given as RunConfig ``values`` goes when they name no place,
+    and how its PULLs are answered when they name no ``down_mode``: for a model of
+    ``LARGE_MODEL_PARAMS`` or more the workers' optimizer, and with it the exact downlink (O(the
+    changes) a PULL, no published copy; on ResNet-18 it carried 1.5x the pushes of the compressed
+    one with in-process groups and 3.3x with group processes, docs/performance.md), else
+    RunConfig's defaults. Returns the console
+    line that says what was chosen and why ("" when nothing was)."""
     model = str(values.get("model", RunConfig.model))
     size = PARAM_COUNTS.get(model, 0)
-    if "optimizer_at" in values or size < LARGE_MODEL_PARAMS:
+    if size < LARGE_MODEL_PARAMS:
         return ""
-    values["optimizer_at"] = "worker"
-    return (f"--model {model} has {size / 1e6:.1f}M parameters: the optimizer runs on the "
-            "workers (--optimizer-at worker), since on the servers every push would take "
-            "dense passes over all of them; --optimizer-at server keeps it there")
+    said = []
+    if "optimizer_at" not in values:
+        values["optimizer_at"] = "worker"
+        said.append(f"--model {model} has {size / 1e6:.1f}M parameters: the optimizer runs on "
+                    "the workers (--optimizer-at worker), since on the servers every push would "
+                    "take dense passes over all of them; --optimizer-at server keeps it there")
+    if values["optimizer_at"] == "worker" and "down_mode" not in values:
+        values["down_mode"] = "exact"
+        said.append("PULLs get the exact downlink (--down-mode exact: the entries changed since "
+                    "the worker's version, O(changes) for the server); --down-mode auto keeps "
+                    "the compressed one")
+    return "; ".join(said)
+
+
 # How a group server applies the updates workers push (optimizer_at worker): avg (outer SGD at
 # outer_lr, 1: as pushed) or nesterov (DiLoCo's outer Nesterov momentum); core/local_steps.py.
 OUTER_OPTIMIZERS = ("avg", "nesterov")
