@@ -49,7 +49,7 @@ REPORT = ("; s = {l.split()[0]: float(l.split()[1]) / 1024 for l in open('/proc/
 TORCH_BASELINE = ("import torch; torch.set_num_threads(1); "
                   "x = torch.randn(8, 3, 32, 32, requires_grad=True); "
                   "torch.nn.Conv2d(3, 8, 3)(x).sum().backward()" + REPORT)
-TRAIN_BASELINE = ("import torch; from minips import models; torch.set_num_threads(1); "
+TRAIN_BASELINE = ("import torch; from minips.ml import models; torch.set_num_threads(1); "
                   "m = models.build_model({model!r}, 0); x = torch.randn({batch}, {shape}); "
                   "y = torch.randint(0, 10, ({batch},)); "
                   "[(m.zero_grad(set_to_none=True), models.batch_loss({model!r}, m, x, y)"
