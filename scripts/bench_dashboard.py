@@ -18,6 +18,7 @@ same for writing the run's TensorBoard file (--tensorboard).
 
 Usage: python scripts/bench_dashboard.py [--repeats 2] [--out /tmp/minips-bench-dash]
        [--tensorboard]   (also write TensorBoard files in the "on" runs)
+       [--run-flags '--workers 2 --max-steps 20']   (a smaller run than the demo)
        python scripts/bench_dashboard.py --cpu-of RUN_DIR   (monitor_cpu of one run only)
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,9 +59,10 @@ def _watch(url: str, stop: threading.Event, counts: dict[str, int]) -> None:
             return
 
 
-def run_once(out: Path, name: str, dashboard: bool, tensorboard: bool) -> dict[str, Any]:
+def run_once(out: Path, name: str, dashboard: bool, tensorboard: bool,
+             more: list[str] | None = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "minips", "local", "--preset", "demo", "--no-plot",
-           "--no-progress", "--out", str(out), "--name", name]
+           "--no-progress", "--out", str(out), "--name", name, *(more or [])]
     if dashboard:
         cmd += ["--dashboard", "127.0.0.1:0"]
     if tensorboard:
@@ -122,6 +125,9 @@ def main() -> None:
     ap.add_argument("--out", help="parent of the run directories (default: a temp dir)")
     ap.add_argument("--tensorboard", action="store_true", help="--tensorboard in the on runs")
     ap.add_argument("--cpu-of", help="only measure monitor_cpu for this run directory")
+    ap.add_argument("--run-flags", default="",
+                    help="more `minips local` flags after the preset's, e.g. a smaller run: "
+                    "'--workers 2 --max-steps 20' (default: the demo as it is)")
     args = ap.parse_args()
     if args.cpu_of:
         print(json.dumps(monitor_cpu(Path(args.cpu_of)), indent=2))
@@ -131,7 +137,8 @@ def main() -> None:
     for i in range(args.repeats):
         for on in (False, True):
             name = f"{'on' if on else 'off'}-{i}"
-            runs.append(run_once(out, name, on, on and args.tensorboard))
+            runs.append(run_once(out, name, on, on and args.tensorboard,
+                                 shlex.split(args.run_flags)))
             print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     result: dict[str, Any] = {"runs": runs}
     for key in ("wall_s", "train_s"):

@@ -1,14 +1,18 @@
 """The benches that had no test of their own, each run small so it cannot silently break:
-bench_wire, bench_rtt, bench_simulate, bench_worker and bench_device_compress print one JSON
-document measured in that run (their figures are for the docs; here only that they are there)."""
+bench_wire, bench_rtt, bench_simulate, bench_worker, bench_device_compress and bench_dashboard
+print one JSON document measured in that run (their figures are for the docs; here only that
+they are there), and bench_server's client process speaks its line protocol."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -55,3 +59,57 @@ def test_bench_device_compress_selects_on_the_cpu() -> None:
     doc = run("bench_device_compress.py", "--device", "cpu", "--reps", "1")
     rows = [v for k, v in doc.items() if isinstance(v, dict)]
     assert rows and all(r["select_ms"] > 0 and r["host_bytes"] < r["dense_bytes"] for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_bench_dashboard_compares_a_small_run_with_and_without_the_dashboard(
+        tmp_path: Path) -> None:
+    doc = run("bench_dashboard.py", "--repeats", "1", "--tensorboard", "--out", str(tmp_path),
+              "--run-flags", "--workers 2 --max-steps 20")
+    off, on = doc["runs"]
+    assert (off["dashboard"], on["dashboard"], on["tensorboard"]) == (False, True, True)
+    assert on["events"] > 0 and off["train_s"] > 0 and on["train_s"] > 0
+    (cpu,) = doc["monitor_cpu"]
+    assert cpu["records"] > 0 and cpu["monitor_cpu_s"] > 0 and cpu["tensorboard_cpu_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_server_clients_push_and_pull_against_a_real_server(tmp_path: Path) -> None:
+    """The client process of bench_server.py on its own line protocol: `ready` once its workers
+    are in their loops, then one JSON line for the window it is given."""
+    env = {**os.environ, "MINIPS_TOKEN": "bench-clients-test"}
+    init, ready = tmp_path / "init.npy", tmp_path / "ready"
+    np.save(init, np.zeros(61_706, np.float32))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "minips", "server", "--port", "0", "--quiet", "--ready-file",
+         str(ready), "--init", str(init), "--run-dir", str(tmp_path / "run"), "--workers", "2",
+         "--mode", "gssp", "--groups", "1", "--staleness", "1000000", "--epochs", "0",
+         "--compressor", "topk", "--checkpoint-every", "0"], env=env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    clients = None
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # the server writes it once it listens
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        address = ":".join(ready.read_text().split())
+        clients = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "bench_server_clients.py"), "--connect", address,
+             "--size", "61706", "--ratio", "0.01", "--step-s", "0.05", "--ids", "0,1",
+             "--active", "0"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True)
+        assert clients.stdout is not None and clients.stdin is not None
+        assert clients.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        time.sleep(1.0)  # the measured window itself, as bench_server.py holds it
+        clients.stdin.write(f"{t0} {time.monotonic()}\n")
+        clients.stdin.flush()
+        window = json.loads(clients.stdout.readline())
+        assert window["push_ms"] and window["pull_ms"]  # the active worker stepped
+        assert all(ms > 0 for ms in window["push_ms"] + window["pull_ms"])
+        assert window["push_bytes"] > 0 and window["pull_bytes"] > 0
+    finally:
+        for proc in (clients, server):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
