@@ -78,8 +78,8 @@ from minips.errors import AuthError, MiniPSError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.net.endpoints import (
-    WILDCARD_HOSTS,
     check_bind,
+    check_group_address,
     format_address,
     port_error,
     server_ssl,
@@ -96,7 +96,6 @@ from minips.wire.messages import Hello
 
 __all__ = [
     "GlobalServer",
-    "check_group_address",
     "console_line",
     "InProcGroup",
     "InProcLink",
@@ -111,22 +110,6 @@ log = logging.getLogger("minips.server")
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 REJOIN_POLL_S = 0.5  # how often the wait for workers looks whether a group is training again
 EVALUATOR_POLL_S = 0.1  # after the run, how often the wait for the final PULL looks who is left
-
-
-def check_group_address(address: str) -> None:
-    """A group process's HELLO ``address``, where its workers are to connect: HOST:PORT, port
-    1..65535 (a wildcard host is replaced later by the host it connects from:
-    ``sessions.group_address``). ``AuthError`` (REFUSE ``refused``) naming the field."""
-    host, sep, port = address.rpartition(":")
-    bracketed = host.startswith("[") and host.endswith("]")
-    bare = host.removeprefix("[").removesuffix("]") if bracketed else host
-    ok = (sep and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535 and bare
-          and not any(c.isspace() for c in bare)
-          and (bracketed or ":" not in host or host in WILDCARD_HOSTS))  # IPv6 in brackets
-    if not ok:
-        raise AuthError(f"HELLO address {address!r} of a group server must be HOST:PORT (port "
-                        "1..65535), the address its workers connect to (minips group --listen "
-                        "/ --advertise)")
 
 
 class GlobalServer:

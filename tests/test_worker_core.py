@@ -237,7 +237,7 @@ def test_a_pull_names_the_version_held_and_weights_bring_the_copy_to_theirs() ->
     np.testing.assert_array_equal(step.weights, w0)
     assert c.pull(2.0) == messages.Pull(clock=0, since=4)
     step = c.on_weights(changed(6, 4, [1], [-3.0]), 2.0)
-    assert isinstance(step, Step) and step.weights[1] == -3.0 and c.held == 6
+    assert isinstance(step, Step) and step.weights[1] == -3.0 and c.version == 6
 
 
 def test_a_new_connection_starts_from_the_whole_weights_and_the_groups_clock() -> None:

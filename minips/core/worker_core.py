@@ -18,7 +18,7 @@ order the shell calls it::
 
 ``on_join(ack)`` starts a new connection (its clock, and the whole weights at the next pull);
 ``on_assign(msg)`` takes an ASSIGN's upload ratio (GDTopK). The core keeps these invariants:
-``held`` is the version of ``replica`` on this connection (-1: none, the next WEIGHTS is
+``version`` is the version of ``replica`` on this connection (-1: none, the next WEIGHTS is
 whole); ``clock`` is the number of pushes the group acknowledged; the compressor sees the
 epoch of the samples pushed before this push (with local steps: and this push's), the loss of
 this push (the mean of its H), and the ratio of the last ASSIGN, never WEIGHTS.ratio.
@@ -107,7 +107,7 @@ class WorkerCore:
         self.clock = 0  # pushes acknowledged (the SSP clock)
         self.samples = 0  # samples of the pushes acknowledged
         self.replica: np.ndarray | None = None  # (n,) float32 the group's published weights
-        self.held = -1  # their version on this connection; -1: none
+        self.version = -1  # their version on this connection; -1: none
         self.pulled_at = 0.0  # ``now`` of the last PULL
         self._start(1, {}, 1.0, 0.0)
 
@@ -125,7 +125,7 @@ class WorkerCore:
     def on_join(self, ack: messages.Ack) -> None:
         """A new connection's first ACK: the group's clock for us; the next WEIGHTS is whole
         (another group, or a restarted one, knows nothing of the version held)."""
-        self.clock, self.held = int(ack.clock), -1
+        self.clock, self.version = int(ack.clock), -1
 
     def on_assign(self, msg: messages.Assign) -> None:
         """ASSIGN: the group's upload ratio (GDTopK) for the next compress."""
@@ -137,15 +137,15 @@ class WorkerCore:
         if cap and self.clock >= cap:
             return Done("max_steps")
         self.pulled_at = now
-        return messages.Pull(clock=self.clock, since=self.held)
+        return messages.Pull(clock=self.clock, since=self.version)
 
     def on_weights(self, msg: messages.Weights, now: float) -> Step | Done:
         """WEIGHTS: the copy held brought to its version, and the step to compute. The
         message is not kept (a whole model's worth)."""
         if msg.done:
             return Done("done")
-        self.replica = apply_weights(self.replica, self.held, msg, self.compressor.size)
-        self.held = int(msg.version)
+        self.replica = apply_weights(self.replica, self.version, msg, self.compressor.size)
+        self.version = int(msg.version)
         steps = int(msg.local_steps) if self.local is not None else 1
         self._start(steps, dict(msg.info), msg.lr_factor, msg.progress)
         self.wait_s = now - self.pulled_at

@@ -22,13 +22,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from minips.errors import ConfigError
+from minips.errors import AuthError, ConfigError
 
 if TYPE_CHECKING:  # ssl (and with it socket) only where a TLS context is made
     import ssl
 
 __all__ = [
-    "WILDCARD_HOSTS", "parse_address", "format_address", "reachable", "reachable_url",
+    "WILDCARD_HOSTS", "check_group_address", "parse_address", "format_address", "reachable",
+    "reachable_url",
     "local_addresses",
     "server_ssl",
     "client_ssl", "is_loopback", "MIN_SECRET_BYTES", "check_bind", "TOKEN_ENV", "shared_secret",
@@ -92,6 +93,22 @@ def tls_mismatch(server_tls: bool, hello_capabilities: tuple[str, ...]) -> str:
 
 
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})  # every interface: an address to listen on only
+
+
+def check_group_address(address: str) -> None:
+    """A group process's HELLO ``address``, where its workers are to connect: HOST:PORT, port
+    1..65535 (a wildcard host is replaced later by the host it connects from:
+    ``sessions.group_address``). ``AuthError`` (REFUSE ``refused``) naming the field."""
+    host, sep, port = address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    bare = host.removeprefix("[").removesuffix("]") if bracketed else host
+    ok = (sep and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535 and bare
+          and not any(c.isspace() for c in bare)
+          and (bracketed or ":" not in host or host in WILDCARD_HOSTS))  # IPv6 in brackets
+    if not ok:
+        raise AuthError(f"HELLO address {address!r} of a group server must be HOST:PORT (port "
+                        "1..65535), the address its workers connect to (minips group --listen "
+                        "/ --advertise)")
 
 
 def _split_address(text: str, default_port: int) -> tuple[str, str]:

@@ -38,7 +38,7 @@ count steps in the worker's current group and start again after a move); the ini
 are taken once, dense, with a bounded size. A group has at most one connected group process (its
 ``RemoteGroup``); an exchange whose seq is not above the last merged one of its session is
 answered without merging (``GlobalCore.merge``). A group process's HELLO address is HOST:PORT
-(else REFUSE, ``server.check_group_address``); a wildcard host is replaced by the host it
+(else REFUSE, ``endpoints.check_group_address``); a wildcard host is replaced by the host it
 connects from, and the address workers are sent is logged (``group_address``). A group
 process's connection that carries no bytes (not even HEARTBEAT) for ``lease_s`` is closed: its
 group counts as lost, free for a replacement to adopt; when none comes within ``REHOME_LEASES``
