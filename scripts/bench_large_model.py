@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -32,26 +31,26 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bench_server import cpu_seconds
 
-TICK = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's CPU unit: ticks per second
 POLL_S = 1.0  # how often the children's CPU times are read
 
 
 def children_cpu(parent: int) -> dict[int, tuple[str, float]]:
-    """CPU seconds (user + system) of each child of ``parent``, with its role: the `minips`
-    subcommand and its run-dir name (server, group-0, worker-1, ...)."""
+    """CPU seconds (user + system, ``bench_server.cpu_seconds``) of each child of ``parent``
+    (the launcher starts them from its main thread), with its role: the `minips` subcommand
+    and its run-dir name (server, group-0, worker-1, ...)."""
+    try:
+        pids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:  # the launcher is gone
+        return {}
     out: dict[int, tuple[str, float]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in map(int, pids):
         try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            out[pid] = (_role(argv), cpu_seconds(pid))
         except OSError:  # gone between the listing and the read
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == parent:  # fields[1]: ppid; [11], [12]: utime, stime
-            out[int(entry.name)] = (_role(argv), (int(fields[11]) + int(fields[12])) / TICK)
     return out
 
 
