@@ -125,7 +125,7 @@ async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunC
 def _evaluate_once(run: RunConfig, w: messages.GlobalWeights, size: int,
                    test: data.Dataset, writer: JsonlWriter, t: float) -> None:
     """Score ``w`` on ``test``; the point's time ``t`` is when the weights arrived."""
-    flat = np.asarray(sparse.decode_vector(w.encoding, w.codec, w.buffers, size))
+    flat = np.asarray(sparse.decode_vector(w.payload, size))
     acc, loss = models.evaluate(run.model, flat, test)
     writer.write({**dict(w.info), "t": t, "version": w.version,
                   "accuracy": acc, "loss": loss, "final": bool(w.done)})

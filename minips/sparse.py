@@ -8,7 +8,7 @@ type on the wire (``f32``: 4 bytes, ``f16``: 2) is the encoder's ``value_dtype``
 declares it (``compress.base.WireSpec``) and ``Compressor.encode`` passes it here.
 
 Wire format (the buffers of a message with a payload; ``encoding`` and the ``codec`` map travel
-in its msgpack header, ``messages.vector_codec`` checks the map's keys and types):
+in its msgpack header, ``fields.vector_codec`` checks the map's keys and types):
 
 - ``dense-f32`` / ``dense-f16``: one buffer, the whole vector, little-endian float32 / float16.
   codec ``{}``.
@@ -39,14 +39,14 @@ from typing import Any
 import numpy as np
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.wire.fields import Invalid
-from minips.wire.messages import INDEX_SCHEMES, vector_codec
+from minips.wire.fields import INDEX_SCHEMES, Invalid, Payload, vector_codec
 
 __all__ = [
     "varint_encode",
     "varint_decode",
     "MAX_VARINT_BYTES",
     "SparseVector",
+    "Payload",
     "ENCODINGS",
     "encode_vector",
     "decode_vector",
@@ -178,8 +178,8 @@ def encode_vector(
     *,
     value_dtype: str = "f32",
     index: str = "varint",
-) -> tuple[str, dict[str, Any], list[Any]]:
-    """Encode a vector payload -> ``(encoding, codec, buffers)``.
+) -> Payload:
+    """Encode a vector as the ``Payload`` a message carries: ``(encoding, codec, buffers)``.
 
     A dense float16 array is sent as ``dense-f16`` whatever ``value_dtype`` says (the fp16
     compressor already rounded it, with the error kept in its residual).
@@ -191,12 +191,12 @@ def encode_vector(
         half = g.dtype == np.float16 or value_dtype == "f16"
         wire = _VALUE_DTYPES["f16" if half else "f32"]  # little-endian on every host
         dense = np.ascontiguousarray(g, dtype=wire).ravel()
-        return ("dense-f16" if half else "dense-f32"), codec, [dense]
+        return Payload("dense-f16" if half else "dense-f32", codec, (dense,))
     # on a little-endian host the packet's own arrays, not copies (as for a dense vector)
     ib = varint_encode(g.indices) if index == "varint" else g.indices.astype("<u4", copy=False)
     vb = g.values.astype(_VALUE_DTYPES[value_dtype], copy=False)
     codec.update(k=g.nnz, index=index, value=value_dtype)
-    return "sparse-v1", codec, [ib, vb]
+    return Payload("sparse-v1", codec, (ib, vb))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -243,18 +243,17 @@ def _decode_indices(data: np.ndarray, scheme: str, k: int, size: int) -> np.ndar
 
 
 def decode_vector(
-    encoding: str,
-    codec: dict[str, Any],
-    buffers: Sequence[Any],
+    payload: Payload,
     size: int,
     *,
     allow_nonfinite: bool = False,
 ) -> SparseVector | np.ndarray:
-    """Decode and validate a PUSH payload for a model of ``size`` parameters.
+    """Decode and validate a vector ``payload`` for a model of ``size`` parameters.
 
     Returns a (size,) float32 array for dense encodings, a checked ``SparseVector`` otherwise.
     Raises RemoteProtocolError on anything malformed.
     """
+    encoding, codec, buffers = payload
     try:
         vector_codec(codec)  # keys and types; what depends on ``size`` is checked below
     except Invalid as exc:

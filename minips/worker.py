@@ -428,9 +428,8 @@ class Worker:
 
     async def _send_initial(self) -> None:
         flat = self.trainer.host_weights()  # (n,) float32
-        encoding, codec, buffers = sparse.encode_vector(flat)
-        await self.control.ch.send(messages.InitWeights(size=int(flat.size), encoding=encoding,
-                                                        codec=codec, buffers=tuple(buffers)))
+        await self.control.ch.send(messages.InitWeights(size=int(flat.size),
+                                                        payload=sparse.encode_vector(flat)))
 
     async def _calibrate(self) -> None:
         """Time steps on the first batch (model, stream and compressor untouched) until

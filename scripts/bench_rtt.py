@@ -43,7 +43,7 @@ import numpy as np
 from minips.net import channel
 from minips.net import transport as t
 from minips.net.transport import serve
-from minips.sparse import SparseVector, encode_vector
+from minips.sparse import Payload, SparseVector, encode_vector
 from minips.wire import frames, messages
 from minips.wire.frames import TABLES
 
@@ -95,7 +95,8 @@ def minips_server(port_q: Any, cpu: int | None = None, dense: bool = True) -> No
             if isinstance(msg, messages.Push):
                 await ch.send(messages.Ack(clock=msg.clock, version=msg.clock))
             elif isinstance(msg, messages.Pull):
-                await ch.send(messages.Weights(version=msg.clock, encoding="dense", buffers=(buf,)))
+                await ch.send(messages.Weights(version=msg.clock,
+                                               payload=Payload("dense", {}, (buf,))))
             else:
                 done.set()
                 return
@@ -121,9 +122,8 @@ def sparse_push() -> messages.Push:
     rng = np.random.default_rng(1)
     idx = np.sort(rng.choice(LENET_N, SPARSE_K, replace=False)).astype(np.uint32)  # (k,) u32
     val = rng.standard_normal(SPARSE_K).astype(np.float32)  # (k,) f32
-    encoding, codec, buffers = encode_vector(SparseVector(idx, val, LENET_N))
-    return messages.Push(clock=1, step_time=0.01, loss=2.3, samples=64, encoding=encoding,
-                  codec=codec, buffers=tuple(buffers))
+    return messages.Push(clock=1, step_time=0.01, loss=2.3, samples=64,
+                         payload=encode_vector(SparseVector(idx, val, LENET_N)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ async def rtt_rounds(ports: dict[str, int], iters: int) -> dict[str, list[float]
                                           lambda: frame),
               "floor": await request_client(  # encodes the PUSH the floor's way every time
                   ports["floor"], FloorClient,
-                  lambda: floor_frame(messages.Kind.PUSH, meta, push.buffers))}
+                  lambda: floor_frame(messages.Kind.PUSH, meta, push.payload.buffers))}
     times: dict[str, list[float]] = {name: [] for name in rounds}
     for _ in range(max(1, iters // 50)):
         for name, round_trip in rounds.items():

@@ -33,6 +33,7 @@ from minips import sparse
 from minips.errors import AuthError
 from minips.net import transport
 from minips.net.endpoints import parse_address
+from minips.sparse import Payload
 from minips.wire import messages
 
 CONNECT_TIMEOUT_S = 120.0  # 1,024 handshakes on two busy cores take a while
@@ -122,10 +123,10 @@ async def steps(args: argparse.Namespace, grp: Any, clock: int, payload: tuple, 
         weights = await grp.recv()
         t1 = time.monotonic()
         held = int(weights.version)
-        rec.pull.append((t1, t1 - t0, sum(b.nbytes for b in weights.buffers)))
+        rec.pull.append((t1, t1 - t0, sum(b.nbytes for b in weights.payload.buffers)))
         clock += 1
         await grp.send(messages.Push(clock=clock, step_time=0.05, loss=2.3, samples=32,
-                                     encoding=enc, codec=codec, buffers=bufs))
+                                     payload=Payload(enc, codec, bufs)))
         ack = await grp.recv()
         t2 = time.monotonic()
         assert isinstance(ack, messages.Ack), ack

@@ -66,8 +66,7 @@ def bench_fraction(x: np.ndarray, frac: float, repeats: int) -> dict[str, Any]:
     dgc_ms, (g_dgc, packet) = timed(lambda: select_and_encode(x, approx, k), repeats)
     encode_ms, _ = timed(lambda: encode_vector(g_dgc), repeats)
     target = np.zeros(n, np.float32)
-    enc, codec, bufs = packet
-    decode_ms, _ = timed(lambda: add_into(target, decode_vector(enc, codec, bufs, n)), repeats)
+    decode_ms, _ = timed(lambda: add_into(target, decode_vector(packet, n)), repeats)
     comp = make_compressor("dgc", n, ratio=frac, seed=1)
     compress_ms, _ = timed(lambda: comp.compress(x), repeats)
     total = float(np.square(x, dtype=np.float64).sum())

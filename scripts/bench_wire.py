@@ -48,6 +48,7 @@ from bench_rtt import (
 from minips.net import channel
 from minips.net import transport as t
 from minips.net.channel import tune_socket
+from minips.sparse import Payload
 from minips.wire import frames, messages, receive
 
 
@@ -69,7 +70,7 @@ class MinipsDense:
         options = channel.Options(alloc=into(self.back))
         self.ch = self.loop.run_until_complete(
             t.connect("127.0.0.1", port, token=TOKEN, options=options))
-        self.push = messages.Push(clock=0, encoding="dense-f32", buffers=(self.vec,))
+        self.push = messages.Push(clock=0, payload=Payload("dense-f32", {}, (self.vec,)))
 
     async def _round(self) -> None:
         await self.ch.send(self.push)

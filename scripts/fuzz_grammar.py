@@ -51,6 +51,7 @@ import fuzz_live  # noqa: E402
 
 from minips.errors import MiniPSError  # noqa: E402
 from minips.net import channel, transport  # noqa: E402
+from minips.sparse import Payload
 from minips.wire import handshake, messages  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
@@ -406,8 +407,8 @@ async def session(t: Target, src: str, gen: Frames, tally: Tally) -> None:
                 writer.write(gen.frame("PULL", clock=clock, since=-1))
                 got = await _answers(reader, conn, tally, 0.05)
                 clock = next((m.version for m in got if isinstance(m, messages.Ack)), clock)
-                writer.write(gen.frame("PUSH", clock=clock + 1, encoding=r.choice(
-                    ["dense-f32", "sparse-v1"]), samples=32, step_time=0.01, loss=2.0))
+                writer.write(gen.frame("PUSH", clock=clock + 1, payload=Payload(r.choice(
+                    ["dense-f32", "sparse-v1"]), {}, ()), samples=32, step_time=0.01, loss=2.0))
                 tally.inputs[t.name] += 2
             else:
                 writer.write(gen.frame(gen.client_kind()))

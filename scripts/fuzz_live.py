@@ -38,6 +38,7 @@ import numpy as np
 from minips import sparse
 from minips.errors import MiniPSError
 from minips.net import channel, transport
+from minips.sparse import Payload
 from minips.wire import frames, handshake, messages
 
 TOKEN = "fuzz-live-secret-0123456789"
@@ -53,8 +54,8 @@ def frame(msg: messages.Message) -> bytes:
 def push(clock: int) -> messages.Push:
     grad = sparse.SparseVector(np.array([1, 5, 9], np.uint32), np.ones(3, np.float32), N)
     encoding, codec, buffers = sparse.encode_vector(grad)
-    return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
-                         buffers=tuple(buffers))
+    return messages.Push(clock=clock, samples=1, payload=Payload(encoding, codec,
+                         tuple(buffers)))
 
 
 VALID = [frame(m) for m in (
@@ -62,8 +63,9 @@ VALID = [frame(m) for m in (
                    nonce=b"n" * 32), messages.Auth(mac=b"m" * 32), messages.Pull(clock=0),
     push(1), messages.Heartbeat(seq=1), messages.Leave(reason="bye"),
     messages.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
-    messages.Exchange(session=1, seq=1, samples=1, encoding="dense-f32", buffers=(bytes(4 * N),)),
-    messages.InitWeights(size=N, encoding="dense-f32", buffers=(bytes(4 * N),)),
+    messages.Exchange(session=1, seq=1, samples=1,
+                      payload=Payload("dense-f32", {}, (bytes(4 * N),))),
+    messages.InitWeights(size=N, payload=Payload("dense-f32", {}, (bytes(4 * N),))),
 )]
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import atheris
 
+from minips.sparse import Payload
+
 with atheris.instrument_imports():
     import numpy as np
 
@@ -47,20 +49,20 @@ def seeds() -> list[bytes]:
     for index in ("u32", "varint"):
         for value in ("f32", "f16"):
             enc, codec, bufs = sparse.encode_vector(grad, value_dtype=value, index=index)
-            push = messages.Push(clock=3, encoding=enc, codec=codec, buffers=tuple(bufs))
+            push = messages.Push(clock=3, payload=Payload(enc, codec, tuple(bufs)))
             out += [frame(push, compress=lz4) for lz4 in (False, True)]
     enc, codec, bufs = sparse.encode_vector(rng.standard_normal(N).astype(np.float32))
-    out.append(frame(messages.Weights(version=1, encoding=enc, codec=codec, buffers=tuple(bufs),
+    out.append(frame(messages.Weights(version=1, payload=Payload(enc, codec, tuple(bufs)),
                                group=2, waited_for=[1, 3], lead=1, min_clock=4)))
     zeros = (np.zeros(64, np.float32),)
-    out.append(frame(messages.Exchange(session=1, seq=2, samples=5, encoding="dense-f32",
-                                buffers=zeros)))
+    out.append(frame(messages.Exchange(session=1, seq=2, samples=5, payload=Payload("dense-f32", {},
+                                zeros))))
     out.append(frame(messages.ExchangeReply(version=3, saved_exchanges=[[1, 2], [-1, -1]],
-                                     encoding="dense-f32", buffers=zeros)))
+                                     payload=Payload("dense-f32", {}, zeros))))
     out.append(frame(messages.GlobalWeights(version=3, size=64, members=[0, 1], last_exchange=[1,
                                                                                                2],
-                                     encoding="dense-f32", buffers=zeros)))
-    out.append(frame(messages.InitWeights(size=N, encoding=enc, codec=codec, buffers=tuple(bufs))))
+                                     payload=Payload("dense-f32", {}, zeros))))
+    out.append(frame(messages.InitWeights(size=N, payload=Payload(enc, codec, tuple(bufs)))))
     out.append(frame(messages.Hello(nonce=bytes(32), capabilities=("a",), address="h:1")))
     out.append(frame(messages.Stats(clock=1, step_time=0.1, loss=2.0, samples=3)))
     out.append(frame(messages.Ack(clock=1, version=2)) + frame(messages.Pull(clock=1)))
@@ -75,7 +77,7 @@ def check(msg: messages.Message) -> None:
         conversation.check_push(msg)
     if msg.KIND in messages.WITH_BUFFERS:  # every vector payload
         payload: Any = msg
-        sparse.decode_vector(payload.encoding, payload.codec, payload.buffers, N)
+        sparse.decode_vector(payload.payload, N)
 
 
 def one_input(data: bytes) -> None:

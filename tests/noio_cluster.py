@@ -27,6 +27,7 @@ from minips.core.exchange import ExchangeResult
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import Action, GroupCore, Reply, StartExchange, Wake
 from minips.core.roster import GroupHandle
+from minips.sparse import Payload
 from minips.wire import messages
 
 FEATURES, CLASSES, SAMPLES, BATCH = 20, 5, 400, 16
@@ -88,7 +89,7 @@ class Workers:
         loss, grad = loss_and_grad(copy, self.x[batch], self.y[batch])
         enc, codec, bufs = self.comp[w].encode(self.comp[w].compress(grad))  # as a worker does
         return messages.Push(clock=self.clock[w] + 1, step_time=STEP_S[w], loss=loss,
-                             samples=BATCH, encoding=enc, codec=codec, buffers=tuple(bufs))
+                             samples=BATCH, payload=Payload(enc, codec, tuple(bufs)))
 
     def acked(self, w: int, ack: messages.Ack) -> None:
         self.clock[w] = ack.clock

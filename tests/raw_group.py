@@ -21,6 +21,7 @@ from minips.core.config import RunConfig
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.server import GlobalServer, ServerConfig
+from minips.sparse import Payload
 from minips.wire import messages
 
 TOKEN = "raw-group-test-secret-0123"
@@ -69,8 +70,8 @@ class Cluster:
         """EXCHANGE a dense delta of ``delta`` everywhere with ``counters``; the answer."""
         encoding, codec, buffers = sparse.encode_vector(np.full(N, delta, np.float32))
         fields = {"session": 1, "seq": 1, **counters}
-        await ch.send(messages.Exchange(**fields, encoding=encoding, codec=codec,
-                                        buffers=tuple(buffers)))
+        await ch.send(messages.Exchange(**fields, payload=Payload(encoding, codec,
+                                        tuple(buffers))))
         return await asyncio.wait_for(ch.recv(), 10)
 
     async def evaluate(self) -> messages.GlobalWeights:
@@ -94,7 +95,7 @@ class Cluster:
 
 def values(w: messages.GlobalWeights) -> np.ndarray:
     """(n,) float32 the weights a GLOBAL_WEIGHTS carries."""
-    return np.asarray(sparse.decode_vector(w.encoding, w.codec, w.buffers, w.size))
+    return np.asarray(sparse.decode_vector(w.payload, w.size))
 
 
 async def closed(ch: Channel, timeout: float = 5.0) -> bool:

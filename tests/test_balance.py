@@ -49,9 +49,8 @@ def test_the_weighted_average_is_the_mean_over_all_samples() -> None:
 
 
 def _push(clock: int, grad: np.ndarray, samples: int, step_time: float) -> messages.Push:
-    enc, codec, bufs = sparse.encode_vector(grad)
-    return messages.Push(clock=clock, samples=samples, step_time=step_time, encoding=enc,
-                         codec=codec, buffers=tuple(bufs))
+    return messages.Push(clock=clock, samples=samples, step_time=step_time,
+                         payload=sparse.encode_vector(grad))
 
 
 def _drive(mode: str, step_times: tuple[float, float], rounds: int = 6

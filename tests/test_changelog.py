@@ -25,6 +25,7 @@ from minips.core.exchange import ExchangeResult, GroupMirror, GroupSync
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import GroupCore
 from minips.core.roster import GroupHandle
+from minips.sparse import Payload
 from minips.wire import messages
 
 N = 2000
@@ -164,8 +165,8 @@ class Cluster:
     def push(self, w: int, grad: np.ndarray | sparse.SparseVector) -> None:
         self.clocks[w] += 1
         enc, codec, bufs = sparse.encode_vector(grad)
-        msg = messages.Push(clock=self.clocks[w], samples=4, encoding=enc, codec=codec,
-                            buffers=tuple(bufs))
+        msg = messages.Push(clock=self.clocks[w], samples=4, payload=Payload(enc, codec,
+                            tuple(bufs)))
         self.groups[self.where[w]].push(w, msg, 0.0)
 
     def pull(self, w: int) -> messages.Weights:
@@ -196,7 +197,7 @@ class Cluster:
     def rebase(self, g: int) -> None:
         """A new global server: group ``g`` takes its weights whole (a PULL)."""
         msg = global_core.reply(self.glob.group_pull(g), messages.GlobalWeights)
-        weights = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, N)
+        weights = sparse.decode_vector(msg.payload, N)
         assert isinstance(weights, np.ndarray)
         self.groups[g].rebase(weights, None)
 
@@ -279,8 +280,8 @@ def same(a: Any, b: Any) -> bool:
     if hasattr(a, "weights") and hasattr(b, "weights"):  # ExchangeResult
         return same(a.weights, b.weights) and a.version == b.version
     if isinstance(a, messages.Weights) and isinstance(b, messages.Weights):
-        return a.meta() == b.meta() and [bytes(x) for x in a.buffers] == [
-            bytes(y) for y in b.buffers]
+        return a.meta() == b.meta() and [bytes(x) for x in a.payload.buffers] == [
+            bytes(y) for y in b.payload.buffers]
     return bool(a == b)
 
 

@@ -15,7 +15,7 @@ from minips.compress.base import SparseCompressor, WireSpec
 from minips.compress.ratios import RatioPolicy
 from minips.compress.registry import COMPRESSORS, is_sparse, make_compressor, ratio_policy, register
 from minips.errors import ConfigError
-from minips.sparse import SparseVector, add_into, decode_vector, encode_vector
+from minips.sparse import Payload, SparseVector, add_into, decode_vector, encode_vector
 
 N = 1000
 EXPECTED_WIRE = {
@@ -51,7 +51,7 @@ def test_f16_sparse_values_travel_in_two_bytes_and_decode_back(name: str) -> Non
     enc, codec, bufs = c.encode(packet)
     assert memoryview(bufs[1]).nbytes == 2 * packet.nnz  # values: float16 on the wire
     assert (enc, codec) == encode_vector(packet, value_dtype="f16")[:2]
-    back = decode_vector(enc, codec, bufs, N)
+    back = decode_vector(Payload(enc, codec, bufs), N)
     assert isinstance(back, SparseVector)
     np.testing.assert_array_equal(back.indices, packet.indices)
     np.testing.assert_array_equal(back.values, packet.values)  # already rounded: exact
@@ -98,7 +98,7 @@ def test_torch_loop_sum_sent_plus_residual_is_sum_of_gradients() -> None:
         model(x).square().mean().backward()
         g = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         total += g.numpy()
-        packet = decode_vector(*comp.encode(comp.compress(g)), flat.numel())
+        packet = decode_vector(comp.encode(comp.compress(g)), flat.numel())
         add_into(applied, packet)
     assert comp.residual is not None
     np.testing.assert_allclose(applied + comp.residual, total, atol=1e-5)

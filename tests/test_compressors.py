@@ -15,7 +15,7 @@ from minips.compress.ratios import gdtopk_ratios
 from minips.compress.registry import COMPRESSORS, make_compressor
 from minips.compress.topk import warmup_ratio
 from minips.errors import ConfigError, LocalProtocolError
-from minips.sparse import SparseVector, add_into, decode_vector, encode_vector
+from minips.sparse import Payload, SparseVector, add_into, decode_vector, encode_vector
 
 F32 = np.float32
 
@@ -126,7 +126,7 @@ def test_error_feedback_conserves_the_gradient_sum(name: str, value_dtype: str) 
         c.observe_loss(2.0 * math.exp(-step / 30) + 0.05 * rng.normal())
         enc, codec, bufs = encode_vector(c.compress(g), value_dtype=value_dtype)
         part = np.zeros(n, F32)
-        add_into(part, decode_vector(enc, codec, bufs, n))  # what the server receives
+        add_into(part, decode_vector(Payload(enc, codec, bufs), n))  # what the server receives
         sent += part
     assert c.residual is not None
     np.testing.assert_allclose(sent + c.residual, grads, atol=2e-4)

@@ -30,6 +30,7 @@ from minips import sparse
 from minips.core.config import RunConfig
 from minips.net import channel, transport
 from minips.server import GlobalServer, ServerConfig
+from minips.sparse import Payload
 from minips.wire import frames, messages
 
 TOKEN = "control-flood-secret-0123"
@@ -49,13 +50,13 @@ GRAD = sparse.encode_vector(sparse.SparseVector(  # (encoding, codec, buffers): 
 def push_msg(clock: int) -> messages.Push:
     encoding, codec, buffers = GRAD
     return messages.Push(clock=clock, step_time=COMPUTE_S, loss=2.3, samples=32,
-                         encoding=encoding, codec=codec, buffers=tuple(buffers))
+                         payload=Payload(encoding, codec, tuple(buffers)))
 
 
 def init_weights() -> messages.InitWeights:
     """The model's weights, dense float32 (247 KB on the wire)."""
     encoding, codec, buffers = sparse.encode_vector(np.zeros(N, np.float32))
-    return messages.InitWeights(size=N, encoding=encoding, codec=codec, buffers=tuple(buffers))
+    return messages.InitWeights(size=N, payload=Payload(encoding, codec, tuple(buffers)))
 
 
 control = functools.partial(raw_worker.control, token=TOKEN, step_time=COMPUTE_S)
@@ -144,7 +145,7 @@ async def refused_init(run_dir: Path, msg: messages.InitWeights, *, weights: boo
     port = await srv.start()
     try:
         ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, token=TOKEN)
-        if msg.encoding == "dense-f32":
+        if msg.payload.encoding == "dense-f32":
             await ch.send(init_weights())
         await ch.send(msg)
         try:
@@ -169,7 +170,7 @@ async def test_init_weights_in_another_encoding_is_refused_and_closes_it(tmp_pat
     half = np.zeros(N, np.float16)
     encoding, codec, buffers = sparse.encode_vector(half)
     assert encoding == "dense-f16"
-    msg = messages.InitWeights(size=N, encoding=encoding, codec=codec, buffers=tuple(buffers))
+    msg = messages.InitWeights(size=N, payload=Payload(encoding, codec, tuple(buffers)))
     for weights in (False, True):  # taken as the weights, or silently dropped, before
         assert "dense float32" in await refused_init(tmp_path, msg, weights=weights)
 

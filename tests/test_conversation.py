@@ -31,9 +31,7 @@ from minips.wire.messages import Kind
 
 
 def payload(values: np.ndarray | None = None) -> dict[str, Any]:
-    encoding, codec, buffers = encode_vector(np.zeros(4, np.float32) if values is None
-                                             else values)
-    return {"encoding": encoding, "codec": codec, "buffers": tuple(buffers)}
+    return {"payload": encode_vector(np.zeros(4, np.float32) if values is None else values)}
 
 
 def make(kind: Kind, clock: int = 0) -> messages.Message:

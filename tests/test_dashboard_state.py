@@ -19,6 +19,7 @@ from conftest import interrupt, recv_as, until, wait_for
 from minips.dashboard.state import Histogram, Replay, RunFollower, RunState, Tail
 from minips.dashboard.tboard import EventWriter, TensorBoardSink, crc32c
 from minips.errors import ConfigError
+from minips.sparse import Payload
 
 CONFIG = {"mode": "gssp", "staleness": 2, "lease_s": 10.0, "t0": 1000.0}
 
@@ -393,8 +394,8 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
         await grp[0].send(messages.Pull(clock=0))
         assert isinstance(await asyncio.wait_for(grp[0].recv(), 10), messages.Weights)
         encoding, codec, buffers = sparse.encode_vector(np.ones(4, np.float32))
-        await grp[0].send(messages.Push(clock=1, samples=1, encoding=encoding, codec=codec,
-                                        buffers=tuple(buffers)))
+        await grp[0].send(messages.Push(clock=1, samples=1, payload=Payload(encoding, codec,
+                                        tuple(buffers))))
         await asyncio.wait_for(grp[0].recv(), 10)
         seen = {r["worker"]: r for r in probe(srv, 5.0)}
         assert (seen[0]["clock"], seen[0]["waiting"]) == (1, True)  # BSP: held for worker 1

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minips.errors import LimitExceeded, LocalProtocolError, ProtocolError
+from minips.sparse import Payload
 from minips.wire import frames, handshake, messages, receive
 
 DECODERS = (frames.FrameDecoder, receive.FrameReceiver)
@@ -83,22 +84,22 @@ SMALL = [
     messages.Welcome(worker_id=3, mac=b"", info={"model": "lenet5", "sizes": [1, 2, 3]}),
     messages.Assign(group=1, address="", ratio=0.01, staleness=3),
     messages.Pull(clock=4, since=2),
-    messages.Weights(version=5, since=2, encoding="sparse-v1",
-                     codec={"k": 2, "index": "u32", "value": "f32"},
-                     buffers=(np.array([3, 17], np.uint32), np.array([0.5, -1.0], np.float32)),
+    messages.Weights(version=5, since=2, payload=Payload(
+        "sparse-v1", {"k": 2, "index": "u32", "value": "f32"},
+        (np.array([3, 17], np.uint32), np.array([0.5, -1.0], np.float32))),
                      waited_for=[1, 2], ratio=0.5),
-    messages.Push(clock=5, step_time=0.25, loss=1.5, samples=64, encoding="dense-f32",
-                  buffers=(np.ones(5000, np.float32),)),  # 20 KB of ones: lz4 takes it
+    messages.Push(clock=5, step_time=0.25, loss=1.5, samples=64, payload=Payload("dense-f32", {},
+                  (np.ones(5000, np.float32),))),  # 20 KB of ones: lz4 takes it
     messages.Ack(clock=5, version=6),
     messages.Stats(clock=5, step_time=0.25, loss=1.5, data={"dataset": "mnist"}),
     messages.Heartbeat(seq=7),
     messages.Leave(reason="done"),
 ]
 BIG = [
-    messages.Weights(version=1, encoding="dense-f32", buffers=(WEIGHTS,)),
-    messages.Push(clock=1, encoding="dense-f32", buffers=(np.zeros(100_000, np.float32),
-                                                          WEIGHTS[:20_000])),
-    messages.InitWeights(size=300_000, encoding="dense-f32", buffers=(WEIGHTS,)),
+    messages.Weights(version=1, payload=Payload("dense-f32", {}, (WEIGHTS,))),
+    messages.Push(clock=1, payload=Payload("dense-f32", {}, (np.zeros(100_000, np.float32),
+                                                          WEIGHTS[:20_000]))),
+    messages.InitWeights(size=300_000, payload=Payload("dense-f32", {}, (WEIGHTS,))),
 ]
 SMALL_BYTES = b"".join(frame(m, compress=i % 2 == 1) for i, m in enumerate(SMALL))
 ALL_BYTES = b"".join(frame(m, compress=c) for m in SMALL + BIG for c in (False, True))
@@ -152,7 +153,7 @@ def test_mangled_streams_decode_alike(data: st.DataObject) -> None:
 # -- malformed frames and every limit -------------------------------------------------------------
 
 ACK = frames.encode(messages.Ack(clock=1, version=2))[0][frames.PREFIX.size:]  # its packed map
-PUSH = frame(messages.Push(clock=0, encoding="d", buffers=(b"abc",)))
+PUSH = frame(messages.Push(clock=0, payload=Payload("d", {}, (b"abc",))))
 PUSH_META = PUSH[frames.PREFIX.size + frames.TABLE_ENTRY.size:-3]
 K = messages.Kind
 MALFORMED = [
@@ -185,7 +186,7 @@ def test_malformed_frames_are_refused_alike(data: bytes) -> None:
         assert_alike(chunks)
 
 
-TWO = messages.Push(clock=0, encoding="d", buffers=(bytes(5000), bytes(5000)))
+TWO = messages.Push(clock=0, payload=Payload("d", {}, (bytes(5000), bytes(5000))))
 LIMITED = [
     (frames.Limits(max_frame_bytes=9000), frame(TWO)),
     (frames.Limits(max_buffers=1), frame(TWO)),
@@ -199,7 +200,7 @@ LIMITED = [
     (frames.Limits(max_map_len=2), frame(messages.Welcome(worker_id=0, mac=b"", info={}))),
     (handshake.HANDSHAKE_LIMITS, frame(TWO)),
     (frames.DEFAULT_LIMITS.sized_for(1000), frame(messages.Push(
-        clock=0, encoding="dense-f32", buffers=(bytes(80 << 10),)), compress=True)),
+        clock=0, payload=Payload("dense-f32", {}, (bytes(80 << 10),))), compress=True)),
     (frames.DEFAULT_LIMITS.sized_for(1000), frame(BIG[0])),
 ]
 
@@ -219,7 +220,7 @@ def test_under_every_limit_the_same_frames_decode_alike(limits: frames.Limits,
 
 
 def test_the_inflate_budget_refuses_a_frame_alike() -> None:
-    over = frame(messages.Push(clock=0, encoding="d", buffers=(bytes(40_000), bytes(40_000))),
+    over = frame(messages.Push(clock=0, payload=Payload("d", {}, (bytes(40_000), bytes(40_000)))),
                  compress=True)
     for cap, refused in ((64 << 10, True), (80_000, False)):
         for chunks in ([over], [over[:30], over[30:]]):
@@ -241,7 +242,7 @@ def test_an_alloc_of_the_callers_gets_the_same_buffers() -> None:
                 return into[-1].data
             (got,) = decoder(alloc=alloc).feed(data)
             assert all(np.shares_memory(np.frombuffer(b, np.uint8), t)
-                       for b, t in zip(got.buffers, targets[decoder], strict=True))  # type: ignore[attr-defined]
+                       for b, t in zip(got.payload.buffers, targets[decoder], strict=True))  # type: ignore[attr-defined]
         plain, zero_copy = targets.values()
         assert [t.size for t in plain] == [t.size for t in zero_copy]
         assert all(np.array_equal(a[:-8], b[:-8]) for a, b in zip(plain, zero_copy, strict=True))

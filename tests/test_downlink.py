@@ -21,6 +21,7 @@ from minips.core.downlink import DRIFT, Downlink, apply_weights
 from minips.errors import RemoteProtocolError
 from minips.net import transport
 from minips.serve.group import GroupServer
+from minips.sparse import Payload
 from minips.wire import messages
 
 N = 1000
@@ -39,8 +40,8 @@ class Copy:
 
     def take(self, ans: Any, values: str = "f32") -> None:
         enc, codec, bufs = sparse.encode_vector(ans.payload, value_dtype=values)
-        msg = messages.Weights(version=ans.version, since=ans.since, encoding=enc, codec=codec,
-                               buffers=tuple(bufs))
+        msg = messages.Weights(version=ans.version, since=ans.since, payload=Payload(enc, codec,
+                               tuple(bufs)))
         self.w = apply_weights(self.w, self.held, msg, N)
         self.held = ans.version
 
@@ -194,7 +195,7 @@ def test_an_update_that_does_not_fit_the_copy_held_is_a_protocol_error() -> None
     d.publish(weights(1))
     ans = d.answer(0)
     enc, codec, bufs = sparse.encode_vector(ans.payload)
-    msg = messages.Weights(version=1, since=0, encoding=enc, codec=codec, buffers=tuple(bufs))
+    msg = messages.Weights(version=1, since=0, payload=Payload(enc, codec, tuple(bufs)))
     with pytest.raises(RemoteProtocolError):
         apply_weights(None, -1, msg, N)  # holds nothing
     with pytest.raises(RemoteProtocolError):
@@ -215,7 +216,7 @@ def test_f16_values_go_out_as_two_bytes_each_and_decode_as_before() -> None:
     g = sparse.SparseVector(idx, vals, 4000)
     enc, codec, bufs = sparse.encode_vector(g, value_dtype="f16")
     assert codec["value"] == "f16" and memoryview(bufs[1]).nbytes == 2000
-    back = sparse.decode_vector(enc, codec, bufs, 4000)
+    back = sparse.decode_vector(Payload(enc, codec, bufs), 4000)
     assert isinstance(back, sparse.SparseVector)
     assert np.array_equal(back.indices, idx) and np.array_equal(back.values, vals)
 
@@ -261,8 +262,8 @@ async def _worker_session(port: int, w_id: int, steps: int, watch: Watched) -> i
             idx = np.sort(rng.choice(N, 20, replace=False)).astype(np.uint32)
             grad = sparse.SparseVector(idx, rng.standard_normal(20).astype(np.float32), N)
             enc, codec, bufs = sparse.encode_vector(grad)
-            await ch.send(messages.Push(clock=clock + 1, samples=1, encoding=enc, codec=codec,
-                                        buffers=tuple(bufs)))
+            await ch.send(messages.Push(clock=clock + 1, samples=1, payload=Payload(enc, codec,
+                                        tuple(bufs))))
             clock = (await recv_as(ch, messages.Ack)).clock
         return updates
     finally:
@@ -338,15 +339,15 @@ async def test_a_group_server_honours_only_the_version_it_sent_on_this_connectio
                                      token=TOKEN, timeout=5)
         clock = (await recv_as(ch, messages.Ack)).clock
         first = await pull(ch, clock, 7)  # a version this connection was never sent
-        assert first.since == -1 and first.encoding == "dense-f32"
+        assert first.since == -1 and first.payload.encoding == "dense-f32"
         again = await pull(ch, clock, first.version)
-        assert again.since == first.version and again.encoding == "sparse-v1"
+        assert again.since == first.version and again.payload.encoding == "sparse-v1"
         await ch.close()
         ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, group=0,
                                      token=TOKEN, timeout=5)
         clock = (await recv_as(ch, messages.Ack)).clock
         fresh = await pull(ch, clock, again.version)  # sent, but on the old connection
-        assert fresh.since == -1 and fresh.encoding == "dense-f32"
+        assert fresh.since == -1 and fresh.payload.encoding == "dense-f32"
         await ch.close()
     finally:
         await gs.close()

@@ -41,6 +41,7 @@ from minips.record.checkpoint import load, save
 from minips.serve import sessions
 from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcLink, ServerConfig
+from minips.sparse import Payload
 from minips.wire import messages
 from minips.wire.conversation import Conversation, Role
 
@@ -136,7 +137,7 @@ class Cluster:
         if lose == "after":
             return False
         reply = ch.sent
-        w = sparse.decode_vector(reply.encoding, reply.codec, reply.buffers, N)
+        w = sparse.decode_vector(reply.payload, N)
         grp.xchg.complete(grp.weights, out, ExchangeResult(
             w, reply.version, reply.done, reply.info["samples"],
             seqs_in(reply.info, "saved_exchanges", grp.xchg.session)))
@@ -153,8 +154,7 @@ class Cluster:
         self.convs[g] = Conversation(Role.GROUP)  # a new connection
         await sessions._on_group_message(self.srv, ch, self.srv.core.groups[g],  # type: ignore[arg-type]
                                          self.convs[g])
-        w = np.asarray(sparse.decode_vector(ch.sent.encoding, ch.sent.codec, ch.sent.buffers,
-                                              N))
+        w = np.asarray(sparse.decode_vector(ch.sent.payload, N))
         held = seqs_in(ch.sent.info, "last_exchange", grp.xchg.session)
         assert held is not None
         grp.weights, _ = grp.xchg.rebase(grp.weights, w, held[0])
@@ -463,14 +463,13 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
             weights = await recv_as(ch, messages.Weights)
             if weights.done:
                 break
-            w = np.asarray(sparse.decode_vector(weights.encoding, weights.codec,
-                                                  weights.buffers, n))
+            w = np.asarray(sparse.decode_vector(weights.payload, n))
             grad = w - target  # (n,) float32: the gradient of |w - target|^2 / 2
             grads += grad
             clock += 1
             enc, codec, bufs = sparse.encode_vector(grad)
-            await ch.send(messages.Push(clock=clock, samples=1, encoding=enc, codec=codec,
-                                        buffers=tuple(bufs)))
+            await ch.send(messages.Push(clock=clock, samples=1, payload=Payload(enc, codec,
+                                        tuple(bufs))))
             await recv_as(ch, messages.Ack)
         await ch.close(leave="bye")
         await asyncio.wait_for(srv.wait_finished(), 30)

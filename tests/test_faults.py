@@ -459,8 +459,7 @@ async def test_half_frame_staller_and_non_reader_are_cut_off_without_hurting_oth
         for clock in range(6):  # the well-behaved worker is served all along
             await good.send(messages.Pull(clock=clock))
             assert isinstance(await asyncio.wait_for(good.recv(), 10), messages.Weights)
-            await good.send(messages.Push(clock=clock + 1, samples=1, encoding=grad[0],
-                                          codec=grad[1], buffers=tuple(grad[2])))
+            await good.send(messages.Push(clock=clock + 1, samples=1, payload=grad))
             assert (await recv_as(good, messages.Ack)).clock == clock + 1
 
         deadline = asyncio.get_running_loop().time() + 20

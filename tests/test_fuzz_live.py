@@ -29,6 +29,7 @@ from minips.core.exchange import ExchangeResult
 from minips.errors import RemoteProtocolError
 from minips.net import transport
 from minips.serve.group import GroupServer
+from minips.sparse import Payload
 from minips.wire import frames, messages
 
 TOKEN = "fuzz-secret"
@@ -60,8 +61,8 @@ class NoGlobal:
 def push_msg(clock: int, values: np.ndarray, indices: np.ndarray | None = None) -> Any:
     grad: Any = values if indices is None else sparse.SparseVector(indices, values, SIZE)
     encoding, codec, buffers = sparse.encode_vector(grad)
-    return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
-                         buffers=tuple(buffers))
+    return messages.Push(clock=clock, samples=1, payload=Payload(encoding, codec,
+                         tuple(buffers)))
 
 
 def frame(msg: Any) -> bytes:
@@ -138,8 +139,8 @@ def invalid_after_auth(rng: random.Random) -> Any:
     nan = np.full(SIZE, np.nan, np.float32)
     ones = np.ones(SIZE, np.float32)
 
-    def raw_push(clock: int, **fields: Any) -> Any:
-        return messages.Push(clock=clock, codec={}, buffers=(ones,), **fields)
+    def raw_push(clock: int, encoding: str, **fields: Any) -> Any:
+        return messages.Push(clock=clock, payload=Payload(encoding, {}, (ones,)), **fields)
 
     choices = [
         lambda clock: push_msg(clock, ones),  # clock did not advance
@@ -148,9 +149,9 @@ def invalid_after_auth(rng: random.Random) -> Any:
         lambda clock: push_msg(clock + 1, np.full(SIZE, np.inf, np.float32)),  # inf gradient
         lambda clock: push_msg(clock + 1, np.ones(SIZE + 1, np.float32)),  # wrong size
         lambda clock: push_msg(clock + 1, ones[:2], np.array([3, SIZE], np.uint32)),  # index
-        lambda clock: raw_push(clock + 1, samples=10**9, encoding="dense-f32"),  # huge batch
-        lambda clock: raw_push(clock + 1, samples=1, encoding="nope"),  # unknown encoding
-        lambda clock: raw_push(clock + 1, samples=1, step_time=-1.0, encoding="dense-f32"),
+        lambda clock: raw_push(clock + 1, "dense-f32", samples=10**9),  # huge batch
+        lambda clock: raw_push(clock + 1, "nope", samples=1),  # unknown encoding
+        lambda clock: raw_push(clock + 1, "dense-f32", samples=1, step_time=-1.0),
         lambda clock: messages.Stats(clock=clock, step_time=0.1, loss=1.0, samples=1),  # not here
     ]
     return rng.choice(choices)

@@ -144,7 +144,7 @@ def test_group_answers_name_the_exchanges_held_and_a_repeat_is_not_merged_twice(
                   messages.ExchangeReply)  # reply lost
     assert c.version == 1 and c.samples == 2 and first.samples == again.samples == 2
     assert reply(c.group_pull(0), messages.GlobalWeights).info["last_exchange"] == [7, 1]
-    w = sparse.decode_vector(again.encoding, again.codec, again.buffers, N)
+    w = sparse.decode_vector(again.payload, N)
     assert np.asarray(w).tolist() == [0.5] * N
     c.checkpoint_state()  # a snapshot records the exchange it holds
     assert c.exchange_reply(0, delta).saved_exchanges == [[-1, -1], [7, 1]]

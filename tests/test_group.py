@@ -15,6 +15,7 @@ from minips.core.config import RunConfig
 from minips.core.exchange import ExchangeResult
 from minips.net import transport
 from minips.serve.group import GroupServer
+from minips.sparse import Payload
 from minips.wire import messages
 
 TOKEN = "group-test"
@@ -50,8 +51,8 @@ def plain(mode: str, **kw: Any) -> RunConfig:
 
 def push(clock: int, grad: Any) -> messages.Push:
     encoding, codec, buffers = sparse.encode_vector(grad)
-    return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
-                         buffers=tuple(buffers))
+    return messages.Push(clock=clock, samples=1, payload=Payload(encoding, codec,
+                         tuple(buffers)))
 
 
 def vec(*xs: float) -> np.ndarray:
@@ -82,7 +83,7 @@ async def test_ssp_pull_waits_for_the_slowest_and_says_whom() -> None:
     w = await asyncio.wait_for(pull, 1)
     assert w.info["waited_for"] == [1] and w.info["lead"] == 1
     # each push of a 2-worker group moves the weights by lr / 2
-    np.testing.assert_array_equal(np.frombuffer(w.buffers[0], np.float32), vec(-1, -0.5))
+    np.testing.assert_array_equal(np.frombuffer(w.payload.buffers[0], np.float32), vec(-1, -0.5))
 
 
 async def test_lease_expiry_releases_the_waiting_worker() -> None:

@@ -33,6 +33,7 @@ from minips.core.group_core import (
     Wake,
 )
 from minips.serve.group import GroupServer
+from minips.sparse import Payload
 from minips.wire import messages
 
 N = 500
@@ -47,8 +48,8 @@ class NoLink:
 
 def push(clock: int, grad: np.ndarray | sparse.SparseVector, samples: int = 8) -> messages.Push:
     enc, codec, bufs = sparse.encode_vector(grad)
-    return messages.Push(clock=clock, samples=samples, encoding=enc, codec=codec,
-                         buffers=tuple(bufs))
+    return messages.Push(clock=clock, samples=samples, payload=Payload(enc, codec,
+                         tuple(bufs)))
 
 
 def drive(core: GroupCore | GroupServer, rounds: int, seed: int) -> list[messages.Weights]:
@@ -220,8 +221,10 @@ async def test_the_asyncio_server_answers_as_the_core_does(mode: str, compressor
         assert np.array_equal(core.weights, server.core.weights)
         assert core.version == server.core.version
         for x, y in zip(a, b, strict=True):
-            assert (x.version, x.since, x.encoding) == (y.version, y.since, y.encoding)
-            assert all(bytes(p) == bytes(q) for p, q in zip(x.buffers, y.buffers, strict=True))
+            assert (x.version, x.since, x.payload.encoding) == (y.version, y.since,
+                                                                  y.payload.encoding)
+            assert all(bytes(p) == bytes(q)
+                       for p, q in zip(x.payload.buffers, y.payload.buffers, strict=True))
         assert compressor == "none" or any(x.since >= 0 for x in a)  # updates, not only dense
     finally:
         await server.close()
@@ -310,7 +313,7 @@ def test_a_group_whose_weights_overflowed_answers_diverged_never_inf(compressor:
     core = GroupCore(0, big, np.zeros(N, np.float32), members=[0, 1])
     grad = np.full(N, -3.4e38, np.float32)  # applied as w -= lr * g: +3.4e38 each
     core.publish()
-    assert np.isfinite(np.frombuffer(core.weights_message(0, [], -1).buffers[-1],
+    assert np.isfinite(np.frombuffer(core.weights_message(0, [], -1).payload.buffers[-1],
                                      np.float32 if compressor == "none" else np.uint8)).all()
     core.push(0, push(1, grad), 0.0)
     core.publish()
@@ -350,7 +353,7 @@ async def test_a_worker_gets_error_diverged_on_loopback_not_weights_holding_inf(
             await ch.send(messages.Pull(clock=clock - 1))
             got = await asyncio.wait_for(ch.recv(), 5)
             assert isinstance(got, messages.Weights)
-            assert np.isfinite(np.frombuffer(got.buffers[0], np.float32)).all()
+            assert np.isfinite(np.frombuffer(got.payload.buffers[0], np.float32)).all()
             await ch.send(push(clock, np.full(N, -3.4e38, np.float32)))
             await recv_as(ch, messages.Ack)
         await ch.send(messages.Pull(clock=2))

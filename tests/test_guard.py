@@ -9,6 +9,7 @@ import pytest
 
 from minips.errors import LimitExceeded
 from minips.net import guard
+from minips.sparse import Payload
 from minips.wire import frames, handshake, messages
 
 LIMITS = guard.Limits(max_pending=5, max_pending_per_source=2, free_failures=2,
@@ -75,10 +76,10 @@ def test_a_server_connection_takes_only_handshake_frames_until_welcome() -> None
     server.send(messages.Challenge(nonce=b"c" * 32))
     server.receive(b"".join(frames.encode(messages.Auth(mac=b"m" * 32))))
     server.send(messages.Welcome(worker_id=0, mac=b"", info={}))
-    push = messages.Push(clock=1, encoding="dense-f32", buffers=(np.ones(1 << 20, np.float32),))
+    push = messages.Push(clock=1, payload=Payload("dense-f32", {}, (np.ones(1 << 20, np.float32),)))
     got = server.receive(b"".join(bytes(memoryview(b).cast("B")) for b in frames.encode(push)))
     assert len(got) == 1 and isinstance(got[0], messages.Push)
-    assert got[0].buffers[0].nbytes == 4 << 20  # full size after WELCOME
+    assert got[0].payload.buffers[0].nbytes == 4 << 20  # full size after WELCOME
 
 
 def test_a_client_connection_is_not_limited_before_welcome() -> None:

@@ -342,9 +342,7 @@ GRAD = sparse.encode_vector(sparse.SparseVector(  # (encoding, codec, buffers): 
 
 
 def push_msg(clock: int) -> messages.Push:
-    encoding, codec, buffers = GRAD
-    return messages.Push(clock=clock, step_time=0.03, loss=2.3, samples=32, encoding=encoding,
-                         codec=codec, buffers=tuple(buffers))
+    return messages.Push(clock=clock, step_time=0.03, loss=2.3, samples=32, payload=GRAD)
 
 
 join = functools.partial(raw_worker.join, token=TOKEN)

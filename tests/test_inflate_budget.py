@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from minips.errors import LimitExceeded, RemoteProtocolError
+from minips.sparse import Payload
 from minips.wire import frames, messages, receive
 
 MiB = 1 << 20
@@ -26,7 +27,7 @@ def frame(msg: messages.Message, compress: bool = True) -> bytes:
 
 def bomb(raw: int) -> messages.Push:
     """A PUSH whose one buffer is ``raw`` zero bytes: lz4 makes it about raw / 250."""
-    return messages.Push(clock=1, samples=1, encoding="dense-f32", buffers=(bytes(raw),))
+    return messages.Push(clock=1, samples=1, payload=Payload("dense-f32", {}, (bytes(raw),)))
 
 
 DECODERS = [frames.FrameDecoder, receive.FrameReceiver]  # plain and zero-copy: the same limits
@@ -47,11 +48,11 @@ def test_limits_sized_for_a_model_fit_its_largest_payloads_and_nothing_wider() -
     full = sparse.encode_vector(sparse.SparseVector(np.arange(N, dtype=np.uint32),
                                                     np.ones(N, np.float32), N), index="u32")
     for enc, codec, bufs in (dense, full):
-        msg = messages.Push(clock=1, samples=1, encoding=enc, codec=codec, buffers=tuple(bufs))
+        msg = messages.Push(clock=1, samples=1, payload=Payload(enc, codec, tuple(bufs)))
         for compress, decoder in itertools.product((False, True), DECODERS):
             (got,) = decoder(limits=lim).feed(frame(msg, compress))
             assert isinstance(got, messages.Push)
-            assert [bytes(b) for b in got.buffers] == [bytes(memoryview(b).cast("B"))
+            assert [bytes(b) for b in got.payload.buffers] == [bytes(memoryview(b).cast("B"))
                                                        for b in bufs]
 
 
@@ -84,13 +85,13 @@ def test_the_process_budget_refuses_what_does_not_fit_and_gets_it_back_when_free
     assert budget.used == 0  # freed: charged back
     (again,) = receive.FrameReceiver(budget=budget).feed(data)
     assert isinstance(again, messages.Push)
-    assert bytes(again.buffers[0]) == bytes(5 * MiB) and budget.used == 5 * MiB
+    assert bytes(again.payload.buffers[0]) == bytes(5 * MiB) and budget.used == 5 * MiB
 
 
 def test_the_plain_decoder_charges_a_frame_while_it_inflates_it() -> None:
     budget = frames.InflateBudget(8 * MiB)
-    two = messages.Push(clock=1, samples=1, encoding="dense-f32",
-                        buffers=(bytes(5 * MiB), bytes(5 * MiB)))
+    two = messages.Push(clock=1, samples=1, payload=Payload("dense-f32", {},
+                        (bytes(5 * MiB), bytes(5 * MiB))))
     with pytest.raises(LimitExceeded, match="budget"):  # 10 MiB of one frame: over 8
         frames.FrameDecoder(budget=budget).feed(frame(two))
     assert budget.used == 0
@@ -131,5 +132,5 @@ def test_decompression_is_in_place_one_copy_of_the_output_not_two() -> None:
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    assert isinstance(msg, messages.Push) and bytes(msg.buffers[0][:16]) == bytes(16)
+    assert isinstance(msg, messages.Push) and bytes(msg.payload.buffers[0][:16]) == bytes(16)
     assert peak < 1.25 * raw, f"decoding held {peak / MiB:.1f} MiB for {raw / MiB:.0f} MiB"

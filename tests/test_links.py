@@ -26,6 +26,7 @@ from minips.record.metrics import HOP_COUNTERS
 from minips.record.rundir import read_jsonl
 from minips.run import checks
 from minips.run.launch import LaunchConfig, run_local
+from minips.sparse import Payload
 from minips.wire import messages
 
 TOKEN = "links-secret-0123456789abcdef"
@@ -135,10 +136,10 @@ async def _serve_weights(ch: channel.Channel) -> None:
     while True:
         msg = await ch.recv()
         if isinstance(msg, messages.Push):
-            assert sum(len(memoryview(b).cast("B")) for b in msg.buffers) == PAYLOAD
+            assert sum(len(memoryview(b).cast("B")) for b in msg.payload.buffers) == PAYLOAD
             await ch.send(messages.Ack(clock=msg.clock, version=0))
         elif isinstance(msg, messages.Pull):
-            await ch.send(messages.Weights(version=1, encoding="dense-f32", buffers=(weights,)))
+            await ch.send(messages.Weights(version=1, payload=Payload("dense-f32", {}, (weights,))))
         elif isinstance(msg, messages.Leave):
             return
 
@@ -154,14 +155,15 @@ async def _timed_transfers(pacing: Pacing | None) -> tuple[float, float]:
         ch.start_heartbeat(0.005)  # small frames that must not land inside a paced one
         loop_time = time.perf_counter
         t0 = loop_time()
-        await ch.send(messages.Push(clock=1, encoding="dense-f32", buffers=(bytes(PAYLOAD),)))
+        await ch.send(messages.Push(clock=1, payload=Payload("dense-f32", {}, (bytes(PAYLOAD),))))
         assert isinstance(await ch.recv(10), messages.Ack)
         up = loop_time() - t0
         t0 = loop_time()
         await ch.send(messages.Pull(clock=1))
         weights = await ch.recv(10)
         down = loop_time() - t0
-        assert isinstance(weights, messages.Weights) and weights.buffers[0].nbytes == PAYLOAD
+        assert isinstance(weights, messages.Weights)
+        assert weights.payload.buffers[0].nbytes == PAYLOAD
         await ch.close(leave="bye")
         return up, down
     finally:

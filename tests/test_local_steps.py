@@ -23,7 +23,7 @@ from minips.ml import data, models
 from minips.record.rundir import read_jsonl
 from minips.run.flags import build_parser, run_config_from_args
 from minips.sim.simulate import SimConfig, simulate
-from minips.sparse import encode_vector
+from minips.sparse import Payload, encode_vector
 from minips.wire import messages
 
 WORKER = {"optimizer_at": "worker", "lr_warmup": 0.0}
@@ -92,8 +92,8 @@ def test_local_steps_and_the_outer_optimizer_need_the_optimizer_on_the_worker() 
 
 def push(core: GroupCore, w: int, clock: int, update: np.ndarray) -> None:
     enc, codec, bufs = encode_vector(update.astype(np.float32))
-    core.push(w, messages.Push(clock=clock, samples=64, encoding=enc, codec=codec,
-                               buffers=tuple(bufs)), now=0.0)
+    core.push(w, messages.Push(clock=clock, samples=64, payload=Payload(enc, codec,
+                               tuple(bufs))), now=0.0)
 
 
 def test_the_nesterov_outer_step_on_the_mean_of_a_round_by_hand() -> None:

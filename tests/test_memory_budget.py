@@ -26,6 +26,7 @@ from conftest import recv_as
 from raw_worker import MB, N, peak_rss_mb, rss_mb
 
 from minips.net import channel, transport
+from minips.sparse import Payload
 from minips.wire import frames, messages
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,10 +41,10 @@ BUDGET_MB = 3 * (2 * FRAME_MB + 16)
 join = functools.partial(raw_worker.join, token=TOKEN)
 
 
-def bomb_frame(kind: type[messages.Message], **fields: object) -> bytes:
+def bomb_frame(kind: type[messages.Message], encoding: str, **fields: object) -> bytes:
     """A frame of ``kind`` whose one buffer is an lz4 block of BOMB zero bytes (raw_len honest)."""
     packed = lz4.block.compress(bytes(BOMB), store_size=False)
-    msg = kind(**fields, buffers=(bytes(1),))  # type: ignore[call-arg]
+    msg = kind(**fields, payload=Payload(encoding, {}, (bytes(1),)))  # type: ignore[call-arg]
     head = frames.encode(msg)[0]  # prefix + table + meta + the 1-byte buffer
     meta = bytes(head[frames.PREFIX.size + frames.TABLE_ENTRY.size:-1])
     prefix = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, msg.KIND, 1, 0,
@@ -79,14 +80,15 @@ async def test_an_lz4_bomb_to_a_group_server_is_refused_before_inflating(tmp_pat
         await grp.send(messages.Pull(clock=clock))
         before = await recv_as(grp, messages.Weights, 30)
         answer, grown = await bomb_answer(proc, grp, bomb_frame(
-            messages.Push, clock=clock + 1, samples=32, encoding="dense-f32"), "group server")
+            messages.Push, "dense-f32", clock=clock + 1, samples=32),
+            "group server")
         assert isinstance(answer, messages.Error) and answer.code == "limit_exceeded", answer
         assert "decompressed" in answer.reason
         assert grown <= BUDGET_MB
         # the other worker is served, and the model is the one before the attack
         await good.send(messages.Pull(clock=clock1))
         after = await recv_as(good, messages.Weights, 30)
-        assert bytes(after.buffers[0]) == bytes(before.buffers[0])
+        assert bytes(after.payload.buffers[0]) == bytes(before.payload.buffers[0])
         for ch in (good, ctl1, ctl):
             await ch.close(leave="done")
 
@@ -97,20 +99,21 @@ async def test_an_lz4_bomb_before_the_model_is_known_does_not_fit_the_budget(
                            init=False) as (proc, host, port):
         ctl = await transport.connect(host, port, role="worker", worker_id=0, token=TOKEN)
         answer, grown = await bomb_answer(proc, ctl, bomb_frame(
-            messages.InitWeights, size=BOMB // 4, encoding="dense-f32"), "global server")
+            messages.InitWeights, "dense-f32", size=BOMB // 4),
+            "global server")
         assert isinstance(answer, messages.Error) and answer.code == "limit_exceeded", answer
         assert "budget" in answer.reason
         assert grown <= BUDGET_MB
         # the model is still free to be set by an honest worker, which then trains
         ctl2 = await transport.connect(host, port, role="worker", worker_id=0, token=TOKEN)
-        await ctl2.send(messages.InitWeights(size=N, encoding="dense-f32", codec={},
-                                             buffers=(np.zeros(N, np.float32),)))
+        await ctl2.send(messages.InitWeights(size=N, payload=Payload("dense-f32", {},
+                                             (np.zeros(N, np.float32),))))
         await ctl2.send(messages.Stats(clock=0, step_time=0.03, loss=2.3, samples=32))
         assign = await recv_as(ctl2, messages.Assign, 60)
         grp, clock = await raw_worker.join_group(host, int(assign.address.rsplit(":", 1)[1]), 0,
                                                  assign.group, token=TOKEN)
         await grp.send(messages.Pull(clock=clock))
         got = await recv_as(grp, messages.Weights, 30)
-        assert memoryview(got.buffers[0]).nbytes == 4 * N
+        assert memoryview(got.payload.buffers[0]).nbytes == 4 * N
         await grp.close(leave="done")
         await ctl2.close(leave="done")

@@ -25,6 +25,7 @@ from minips.core.config import RunConfig
 from minips.net import channel, lifeline, transport
 from minips.run.cli import main
 from minips.server import GlobalServer, ServerConfig
+from minips.sparse import Payload
 from minips.wire import messages
 
 
@@ -369,7 +370,7 @@ def test_the_evaluator_pulls_just_after_the_likely_end_not_a_period_later() -> N
 
     run = RunConfig(wall_s=60.0, epochs=0.0, eval_every_s=5.0)
     w = messages.GlobalWeights(version=1, done=False, size=0, samples=100, t=0.0, train_s=58.5,
-                               encoding="dense-f32")
+                               payload=Payload("dense-f32", {}, ()))
     assert budget_left_s(run, w) == pytest.approx(1.5)
     assert next_pull_s(run, 1.5, since_pull=0.0) == pytest.approx(1.5)  # not 5
     assert next_pull_s(run, -0.2, since_pull=2.0) == END_PULL_S  # due: every END_PULL_S
@@ -377,7 +378,8 @@ def test_the_evaluator_pulls_just_after_the_likely_end_not_a_period_later() -> N
     assert next_pull_s(run, -9.0, since_pull=2.0) == pytest.approx(3.0)  # a wrong estimate
     epochs = RunConfig(epochs=1.0, eval_every_s=5.0)
     half = messages.GlobalWeights(version=1, done=False, size=0, t=0.0, train_s=10.0,
-                                  samples=epochs.epoch_samples() // 2, encoding="dense-f32")
+                                  samples=epochs.epoch_samples() // 2,
+                                  payload=Payload("dense-f32", {}, ()))
     assert budget_left_s(epochs, half) == pytest.approx(10.0, rel=1e-3)  # at the rate so far
 
 

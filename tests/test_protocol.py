@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import AuthError, LimitExceeded, LocalProtocolError, RemoteProtocolError
+from minips.sparse import Payload
 from minips.wire import fields, frames, handshake, messages, receive
 
 # ---------------------------------------------------------------------------------------------
@@ -40,6 +41,7 @@ seqs = st.integers(0, 2**53 - 1)
 counts = st.integers(0, 2**62)
 seconds = st.floats(0, 1e9)
 
+payloads = st.builds(Payload, names, codecs, buffers)
 STRATEGIES = {
     messages.Hello: st.builds(messages.Hello, version=st.integers(0, 255),
                               role=st.sampled_from(messages.ROLES),
@@ -54,36 +56,33 @@ STRATEGIES = {
     messages.Stats: st.builds(messages.Stats, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
                        samples=uints),
     messages.Push: st.builds(messages.Push, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
-                      samples=uints, encoding=names, codec=codecs, buffers=buffers),
+                      samples=uints, payload=payloads),
     messages.Ack: st.builds(messages.Ack, clock=uints, version=uints),
     messages.Pull: st.builds(messages.Pull, clock=uints, since=ids),
-    messages.Weights: st.builds(messages.Weights, version=uints, since=ids, encoding=names,
-                                codec=codecs,
-                         buffers=buffers, done=st.booleans(), group=ids, waited_for=int_lists,
+    messages.Weights: st.builds(messages.Weights, version=uints, since=ids, payload=payloads,
+                         done=st.booleans(), group=ids, waited_for=int_lists,
                          ratio=st.floats(0, 1), lead=st.integers(-(2**63) + 1, 2**63 - 1),
                          min_clock=ids, drift=st.floats(-1, 1e9)),
     messages.Exchange: st.builds(messages.Exchange, session=seqs, seq=seqs, version=uints,
                                  final=st.booleans(),
                           pushes=counts, samples=counts, step_time=seconds,
                           loss=st.floats(-1e30, 1e30), iter_time=seconds, bytes_in=counts,
-                          bytes_out=counts, min_clock=ids, max_clock=ids, encoding=names,
-                          codec=codecs, buffers=buffers),
+                          bytes_out=counts, min_clock=ids, max_clock=ids, payload=payloads),
     messages.ExchangeReply: st.builds(messages.ExchangeReply, version=uints, done=st.booleans(),
                                       samples=counts,
                                saved_exchanges=st.lists(st.lists(st.integers(-1, 2**62),
                                                                  min_size=2, max_size=2),
                                                         max_size=3),
-                               encoding=names, codec=codecs, buffers=buffers),
+                               payload=payloads),
     messages.GlobalWeights: st.builds(messages.GlobalWeights, version=uints, done=st.booleans(),
                                size=st.integers(0, 2**31), samples=counts, t=finite,
                                train_s=seconds, done_reason=names, bytes_up=counts,
                                bytes_down=counts, members=int_lists,
                                last_exchange=st.one_of(st.just([]), st.lists(
                                    st.integers(-1, 2**62), min_size=2, max_size=2)),
-                               encoding=names, codec=codecs, buffers=buffers),
+                               payload=payloads),
     messages.InitWeights: st.builds(messages.InitWeights, size=st.integers(1, 2**31),
-                                    encoding=names,
-                             codec=codecs, buffers=buffers),
+                                    payload=payloads),
     messages.Heartbeat: st.builds(messages.Heartbeat, seq=uints),
     messages.Leave: st.builds(messages.Leave, reason=texts),
     messages.Error: st.builds(messages.Error, code=names, reason=texts),
@@ -122,14 +121,14 @@ def test_decode_whole_bytewise_and_with_trailing_bytes(msgs: list[messages.Messa
 def test_large_buffers_round_trip_and_compress() -> None:
     weights = np.arange(300_000, dtype=np.float32)  # 1.2 MB, over the direct-receive size
     zeros = np.zeros(100_000, dtype=np.float32)  # compresses to almost nothing
-    msg = messages.Weights(version=3, encoding="dense", buffers=(weights, zeros))
+    msg = messages.Weights(version=3, payload=Payload("dense", {}, (weights, zeros)))
     plain, packed = frame(msg), frame(msg, compress=True)
     assert len(packed) < len(plain) - 390_000
     for data in (plain, packed):
         (got,) = frames.FrameDecoder().feed(data)
         assert isinstance(got, messages.Weights)
-        assert np.array_equal(np.frombuffer(got.buffers[0], np.float32), weights)
-        assert not np.frombuffer(got.buffers[1], np.float32).any()
+        assert np.array_equal(np.frombuffer(got.payload.buffers[0], np.float32), weights)
+        assert not np.frombuffer(got.payload.buffers[1], np.float32).any()
 
 
 def test_custom_alloc_receives_into_preallocated_array() -> None:
@@ -142,7 +141,7 @@ def test_custom_alloc_receives_into_preallocated_array() -> None:
         return target.data.cast("B")
 
     dec = receive.FrameReceiver(alloc=alloc)
-    data = frame(messages.Weights(version=1, encoding="dense", buffers=(weights,)))
+    data = frame(messages.Weights(version=1, payload=Payload("dense", {}, (weights,))))
     for i in range(0, len(data), 70_001):  # the zero-copy pair, in uneven chunks
         chunk = data[i:i + 70_001]
         got: list[messages.Message] = []
@@ -154,14 +153,14 @@ def test_custom_alloc_receives_into_preallocated_array() -> None:
     assert calls == [(messages.Kind.WEIGHTS, 0, weights.nbytes)] and isinstance(got[0],
                                                                                 messages.Weights)
     assert np.array_equal(target, weights)
-    assert np.shares_memory(np.frombuffer(got[0].buffers[0], np.uint8), target)
+    assert np.shares_memory(np.frombuffer(got[0].payload.buffers[0], np.uint8), target)
 
 
 def test_a_big_payload_is_read_into_its_destination_a_few_kib_at_a_time() -> None:
     weights = np.arange(1_000_000, dtype=np.float32)  # 4 MB
     target = np.empty_like(weights)
     dec = receive.FrameReceiver(alloc=lambda kind, index, nbytes: target.data.cast("B"))
-    data = memoryview(frame(messages.Weights(version=1, encoding="dense", buffers=(weights,))))
+    data = memoryview(frame(messages.Weights(version=1, payload=Payload("dense", {}, (weights,)))))
     target_bytes = np.frombuffer(target, np.uint8)
     direct, got = [], []
     while data:  # a socket with everything waiting: each read fills the room it is given
@@ -181,7 +180,7 @@ def test_a_big_payload_is_read_into_its_destination_a_few_kib_at_a_time() -> Non
 def test_alloc_must_return_a_big_enough_writable_buffer(decoder: type[frames.FrameDecoder]) -> None:
     dec = decoder(alloc=lambda kind, i, n: b"x" * n)
     with pytest.raises(LocalProtocolError):
-        dec.feed(frame(messages.Push(clock=0, encoding="d", buffers=(b"abc",))))
+        dec.feed(frame(messages.Push(clock=0, payload=Payload("d", {}, (b"abc",)))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,9 +199,9 @@ def test_alloc_must_return_a_big_enough_writable_buffer(decoder: type[frames.Fra
     lambda: messages.Leave(reason="x" * (fields.MAX_TEXT + 1)),
     lambda: messages.Welcome(worker_id=0, mac=b"", info={1: 2}),  # type: ignore[dict-item]
     lambda: messages.Welcome(worker_id=0, mac=b"", info={"a": object()}),
-    lambda: messages.Push(clock=0, encoding="d", buffers=(np.zeros((4, 4))[:, 0],)),
-    lambda: messages.Push(clock=0, encoding="d", buffers=(b"",) * (fields.MAX_BUFFERS + 1)),
-    lambda: messages.Weights(version=0, encoding="d", done=1),  # type: ignore[arg-type]
+    lambda: messages.Push(clock=0, payload=Payload("d", {}, (np.zeros((4, 4))[:, 0],))),
+    lambda: messages.Push(clock=0, payload=Payload("d", {}, (b"",) * (fields.MAX_BUFFERS + 1))),
+    lambda: messages.Weights(version=0, payload=Payload("d", {}, ()), done=1),  # type: ignore[arg-type]
 ])
 def test_invalid_fields_are_local_errors(make: object) -> None:
     with pytest.raises(LocalProtocolError) as info:
@@ -212,9 +211,9 @@ def test_invalid_fields_are_local_errors(make: object) -> None:
 
 def test_buffers_are_flat_views_without_copy() -> None:
     arr = np.ones((3, 4), dtype=np.float32)
-    msg = messages.Push(clock=0, encoding="dense", buffers=(arr,))
-    assert msg.buffers[0].nbytes == 48 and msg.buffers[0].format == "B"
-    assert np.shares_memory(np.frombuffer(msg.buffers[0], np.uint8), arr)
+    msg = messages.Push(clock=0, payload=Payload("dense", {}, (arr,)))
+    assert msg.payload.buffers[0].nbytes == 48 and msg.payload.buffers[0].format == "B"
+    assert np.shares_memory(np.frombuffer(msg.payload.buffers[0], np.uint8), arr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +288,7 @@ def never_alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
     raise AssertionError("allocated before the limit check")
 
 
-BIG = messages.Push(clock=0, encoding="d", buffers=(bytes(5000), bytes(5000)))
+BIG = messages.Push(clock=0, payload=Payload("d", {}, (bytes(5000), bytes(5000))))
 
 
 @pytest.mark.parametrize("limits, data", [
@@ -386,8 +385,8 @@ def test_nothing_but_hello_before_the_handshake() -> None:
         handshake.Connection(handshake.Side.CLIENT).send(messages.Pull(clock=0))
     assert info.value.expected == ["ERROR", "HELLO"]
     with pytest.raises(RemoteProtocolError):
-        handshake.Connection(handshake.Side.SERVER).receive(frame(messages.Push(clock=0,
-                                                                                encoding="d")))
+        handshake.Connection(handshake.Side.SERVER).receive(frame(messages.Push(
+            clock=0, payload=Payload("d", {}, ()))))
 
 
 def test_no_hello_after_the_handshake_and_directions_are_enforced() -> None:
@@ -471,7 +470,7 @@ def test_worked_example_in_docs_matches_the_encoder() -> None:
     doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
     blocks = re.findall(r"```hex\n(.*?)```", doc, re.S)
     dumps = [bytes.fromhex(" ".join(line[6:] for line in b.splitlines())) for b in blocks]
-    push = messages.Push(clock=7, step_time=0.25, loss=1.5, samples=64, encoding="sparse-v1",
-                  codec={"k": 2, "index": "u32", "value": "f32"},
-                  buffers=(np.array([3, 17], np.uint32), np.array([0.5, -1.25], np.float32)))
+    push = messages.Push(clock=7, step_time=0.25, loss=1.5, samples=64, payload=Payload(
+        "sparse-v1", {"k": 2, "index": "u32", "value": "f32"},
+        (np.array([3, 17], np.uint32), np.array([0.5, -1.25], np.float32))))
     assert dumps == [frame(push), frame(messages.Ack(clock=7, version=8))]

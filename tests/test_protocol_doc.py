@@ -33,7 +33,7 @@ from minips.net import channel, guard, transport
 from minips.net.endpoints import parse_address
 from minips.serve import sessions
 from minips.server import InProcGroup
-from minips.sparse import SparseVector, decode_vector, encode_vector
+from minips.sparse import Payload, SparseVector, decode_vector, encode_vector
 from minips.wire import conversation, fields, frames, handshake, messages
 
 
@@ -52,8 +52,8 @@ async def test_init_weights_gets_no_reply(tmp_path: Path) -> None:
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
     try:
         encoding, codec, buffers = encode_vector(np.ones(4, np.float32))
-        await ctl.send(messages.InitWeights(size=4, encoding=encoding, codec=codec,
-                                     buffers=tuple(buffers)))
+        await ctl.send(messages.InitWeights(size=4, payload=Payload(encoding, codec,
+                                     tuple(buffers))))
         await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
         await recv_as(ctl, messages.Assign, 5)  # the next message is ASSIGN, no ACK before it
     finally:
@@ -98,19 +98,18 @@ async def test_nan_or_inf_in_a_dense_gradient_is_refused(tmp_path: Path, bad: fl
         await srv.close()
 
 
-def sparse_v1_codec(k: int) -> dict[str, object]:
-    return {"k": k, "index": "varint", "value": "f32"}
+def sparse_v1(k: int, index: bytes, values: bytes) -> Payload:
+    return Payload("sparse-v1", {"k": k, "index": "varint", "value": "f32"}, (index, values))
 
 
 def test_over_long_varints_are_accepted_up_to_five_bytes() -> None:
     values = np.ones(2, np.float32).tobytes()
     # gaps 3 (as 83 80 00: three bytes for a one-byte number) and 0 (as 80 80 80 80 00)
     index = bytes([0x83, 0x80, 0x00, 0x80, 0x80, 0x80, 0x80, 0x00])
-    g = decode_vector("sparse-v1", sparse_v1_codec(2), [index, values], 10)
+    g = decode_vector(sparse_v1(2, index, values), 10)
     assert isinstance(g, SparseVector) and g.indices.tolist() == [3, 4]
     with pytest.raises(RemoteProtocolError, match="larger than 32 bits"):  # six bytes
-        decode_vector("sparse-v1", sparse_v1_codec(1),
-                               [bytes([0x80] * 5 + [0x00]), values[:4]], 10)
+        decode_vector(sparse_v1(1, bytes([0x80] * 5 + [0x00]), values[:4]), 10)
 
 
 def test_small_frame_table_is_checked_once_whole_large_one_before_its_body() -> None:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
+from minips.sparse import Payload
 from minips.wire import frames, messages, receive
 
 
@@ -28,9 +29,9 @@ def raw(kind: int, meta: object, version: int = messages.PROTOCOL_VERSION) -> by
     return frames.PREFIX.pack(frames.MAGIC, version, kind, 0, 0, len(packed), 0) + packed
 
 
-SPARSE = messages.Push(clock=3, step_time=0.5, loss=1.25, samples=64, encoding="sparse-v1",
-                codec={"k": 2, "index": "u32", "value": "f32"},
-                buffers=(np.array([3, 17], np.uint32), np.array([0.5, -1.25], np.float32)))
+SPARSE = messages.Push(clock=3, step_time=0.5, loss=1.25, samples=64, payload=Payload(
+    "sparse-v1", {"k": 2, "index": "u32", "value": "f32"},
+    (np.array([3, 17], np.uint32), np.array([0.5, -1.25], np.float32))))
 STREAM = [messages.Ack(clock=1, version=2), SPARSE, messages.Heartbeat(seq=9), SPARSE,
           messages.Pull(clock=4)]
 STREAM_BYTES = b"".join(frame(m) for m in STREAM)
@@ -63,14 +64,15 @@ def test_frame_over_64k_already_whole_in_scratch(custom_alloc: bool) -> None:
         return dest.data.cast("B")
 
     dec = receive.FrameReceiver(alloc=alloc if custom_alloc else None)
-    [msg] = dec.feed(frame(messages.Weights(version=1, encoding="dense-f32", buffers=(payload,))))
-    got = np.frombuffer(msg.buffers[0], dtype=np.float32)  # type: ignore[attr-defined]
+    weights = messages.Weights(version=1, payload=Payload("dense-f32", {}, (payload,)))
+    [msg] = dec.feed(frame(weights))
+    got = np.frombuffer(msg.payload.buffers[0], dtype=np.float32)  # type: ignore[attr-defined]
     assert np.array_equal(got, payload)
     assert np.shares_memory(got, dest) == custom_alloc
 
 
 def test_lz4_buffer_of_a_whole_small_frame() -> None:
-    msg = messages.Push(clock=0, encoding="dense-f32", buffers=(bytes(20_000), b"tail"))
+    msg = messages.Push(clock=0, payload=Payload("dense-f32", {}, (bytes(20_000), b"tail")))
     data = frame(msg, compress=True)
     assert len(data) < 1000  # the zeros were compressed
     assert receive.FrameReceiver().feed(data) == [msg]
@@ -79,10 +81,10 @@ def test_lz4_buffer_of_a_whole_small_frame() -> None:
 def test_decoded_buffers_are_writable_and_survive_later_frames() -> None:
     dec = receive.FrameReceiver()
     [first] = dec.feed(frame(SPARSE))
-    other = messages.Push(clock=4, encoding="sparse-v1", buffers=(bytes(8), bytes(8)))
+    other = messages.Push(clock=4, payload=Payload("sparse-v1", {}, (bytes(8), bytes(8))))
     dec.feed(frame(other) * 3)
     assert first == SPARSE
-    view = first.buffers[0]  # type: ignore[attr-defined]
+    view = first.payload.buffers[0]  # type: ignore[attr-defined]
     assert not view.readonly and view.format == "B" and view.ndim == 1
     view[0] = 0xFF
 

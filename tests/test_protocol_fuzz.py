@@ -7,6 +7,7 @@ import random
 import numpy as np
 
 from minips.errors import RemoteProtocolError
+from minips.sparse import Payload
 from minips.wire import messages
 from minips.wire.frames import MAGIC, FrameDecoder, Limits, encode
 
@@ -22,12 +23,12 @@ def seed_frames() -> list[bytes]:
         messages.Refuse(code="auth", reason="wrong"),
         messages.Assign(group=0, address="x:1", ratio=0.01, staleness=3),
         messages.Stats(clock=1, step_time=0.1, loss=2.3, samples=64),
-        messages.Push(clock=2, encoding="topk", codec={"k": 3}, buffers=(np.arange(3,
+        messages.Push(clock=2, payload=Payload("topk", {"k": 3}, (np.arange(3,
                                                                                    dtype=np.uint32),
-                                                                   np.ones(3, np.float32))),
+                                                                   np.ones(3, np.float32)))),
         messages.Ack(clock=2, version=7),
         messages.Pull(clock=2, since=5),
-        messages.Weights(version=1, encoding="dense", buffers=(bytes(600),), done=True),
+        messages.Weights(version=1, payload=Payload("dense", {}, (bytes(600),)), done=True),
         messages.Heartbeat(seq=9),
         messages.Leave(reason="done"),
         messages.Error(code="x", reason="y"),

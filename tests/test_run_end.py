@@ -17,6 +17,7 @@ from minips.core.config import RunConfig
 from minips.net import transport
 from minips.net.endpoints import parse_address
 from minips.server import GlobalServer, ServerConfig
+from minips.sparse import Payload
 from minips.wire import messages
 
 TOKEN = "run-end-test"
@@ -42,8 +43,8 @@ async def train(port: int, grads: list[np.ndarray]) -> tuple[Any, Any]:
         await recv_as(ch, messages.Weights)
         encoding, codec, buffers = sparse.encode_vector(g)
         clock += 1
-        await ch.send(messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
-                                    buffers=tuple(buffers)))
+        await ch.send(messages.Push(clock=clock, samples=1, payload=Payload(encoding, codec,
+                                    tuple(buffers))))
         await recv_as(ch, messages.Ack)
     return ctl, ch
 

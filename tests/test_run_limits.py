@@ -22,6 +22,7 @@ from minips.net import transport
 from minips.net.endpoints import parse_address
 from minips.record.rundir import read_jsonl
 from minips.server import GlobalServer, ServerConfig
+from minips.sparse import Payload
 from minips.wire import messages
 
 TOKEN = "run-limits-test-secret-0123"
@@ -37,8 +38,8 @@ def make_server(tmp_path: Path, init: np.ndarray | None, **run: Any) -> GlobalSe
 
 def push(clock: int, n: int) -> messages.Push:
     encoding, codec, buffers = sparse.encode_vector(np.ones(n, np.float32))
-    return messages.Push(clock=clock, samples=1, encoding=encoding, codec=codec,
-                         buffers=tuple(buffers))
+    return messages.Push(clock=clock, samples=1, payload=Payload(encoding, codec,
+                         tuple(buffers)))
 
 
 async def worker(port: int) -> tuple[Any, Any]:

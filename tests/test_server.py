@@ -26,6 +26,7 @@ from minips.net.endpoints import parse_address, reachable
 from minips.record.rundir import read_jsonl
 from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcGroup, InProcLink, ServerConfig
+from minips.sparse import Payload
 from minips.wire import messages
 
 TOKEN = "server-test-secret-0123"
@@ -55,8 +56,8 @@ async def next_assign(ch: Any) -> messages.Assign:
 
 def push(clock: int, grad: np.ndarray, samples: int = 1) -> messages.Push:
     encoding, codec, buffers = sparse.encode_vector(grad)
-    return messages.Push(clock=clock, samples=samples, encoding=encoding, codec=codec,
-                         buffers=tuple(buffers))
+    return messages.Push(clock=clock, samples=samples, payload=Payload(encoding, codec,
+                         tuple(buffers)))
 
 
 async def test_refuses_wrong_secret_and_unknown_worker_id(tmp_path: Path) -> None:
@@ -196,8 +197,8 @@ async def test_group_processes_get_their_gdtopk_ratio_and_every_change_of_it(
         await first[0][1].send(messages.Pull(clock=0))  # a group process PULLs, then exchanges
         await recv_as(first[0][1], messages.GlobalWeights, 5)
         await first[0][1].send(messages.Exchange(samples=1, iter_time=0.5, session=1, seq=1,
-                                                 encoding="dense-f32",
-                                                 buffers=(np.zeros(4, np.float32),)))
+                                                 payload=Payload("dense-f32", {},
+                                                 (np.zeros(4, np.float32),))))
         later = {g: (await next_assign(ch)).ratio for g, (_, ch) in first.items()}
         assert later[0] > later[1]  # group 0 now iterates slower than group 1's 0.04 s
         assert push_mean(srv, later, {0: 1, 1: 1}) == pytest.approx(0.01)
@@ -244,13 +245,13 @@ async def test_initial_weights_from_first_worker_and_evaluator_view(tmp_path: Pa
     assert ctl.welcome_info["mode"] == "bsp"
     init = np.arange(5, dtype=np.float32)
     encoding, codec, buffers = sparse.encode_vector(init)
-    await ctl.send(messages.InitWeights(size=5, encoding=encoding, codec=codec,
-                                 buffers=tuple(buffers)))
+    await ctl.send(messages.InitWeights(size=5, payload=Payload(encoding, codec,
+                                 tuple(buffers))))
     ev = await transport.connect("127.0.0.1", port, role="evaluator", token=TOKEN)
     try:
         await ev.send(messages.Pull(clock=0))
         w = await recv_as(ev, messages.GlobalWeights, 5)
-        np.testing.assert_array_equal(np.frombuffer(w.buffers[0], np.float32), init)
+        np.testing.assert_array_equal(np.frombuffer(w.payload.buffers[0], np.float32), init)
         assert w.info["samples"] == 0 and "bytes_up" in w.info and w.done is False
     finally:
         await ev.close()
@@ -270,8 +271,8 @@ async def test_two_workers_both_told_need_init_both_push_and_both_stay(tmp_path:
         inits = [np.arange(5, dtype=np.float32) + 10 * i for i in range(2)]
         for ctl, init in zip(ctls, inits, strict=True):
             encoding, codec, buffers = sparse.encode_vector(init)
-            await ctl.send(messages.InitWeights(size=5, encoding=encoding, codec=codec,
-                                         buffers=tuple(buffers)))
+            await ctl.send(messages.InitWeights(size=5, payload=Payload(encoding, codec,
+                                         tuple(buffers))))
         for i, ctl in enumerate(ctls):  # both control channels still carry STATS -> ASSIGN
             await ctl.send(messages.Stats(clock=0, step_time=0.01 * (i + 1), loss=1.0,
                                           samples=1))
@@ -291,8 +292,8 @@ async def test_initial_weights_of_another_size_are_refused(tmp_path: Path) -> No
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=-1, token=TOKEN)
     try:
         encoding, codec, buffers = sparse.encode_vector(np.ones(6, np.float32))
-        await ctl.send(messages.InitWeights(size=6, encoding=encoding, codec=codec,
-                                     buffers=tuple(buffers)))
+        await ctl.send(messages.InitWeights(size=6, payload=Payload(encoding, codec,
+                                     tuple(buffers))))
         msg = await asyncio.wait_for(ctl.recv(), 10)
         assert isinstance(msg, messages.Error) and msg.code == "invalid"
         assert "another model size" in msg.reason
@@ -419,7 +420,7 @@ async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> N
         await srv.close()
     events = [r["event"] for r in read_jsonl(tmp_path / "global.jsonl")]
     assert events.count("merge_repeat") == 1 and events.count("merge") == 2
-    meta = messages.Exchange(session=1, seq=7, encoding="dense-f32").meta()
+    meta = messages.Exchange(session=1, seq=7, payload=Payload("dense-f32", {}, ())).meta()
     with pytest.raises(RemoteProtocolError, match="seq"):
         messages.from_wire(messages.Kind.EXCHANGE, messages.PROTOCOL_VERSION,
                            {**meta, "seq": "7"}, 0)

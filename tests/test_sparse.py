@@ -17,6 +17,7 @@ from minips.compress import registry
 from minips.compress.selection import TopKSelector, kept_count, top_among
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.sparse import (
+    Payload,
     SparseVector,
     add_into,
     decode_vector,
@@ -96,7 +97,7 @@ def sparse_grads(draw: st.DrawFn) -> SparseVector:
 def test_sparse_round_trip(g: SparseVector, value_dtype: str, index: str) -> None:
     enc, codec, bufs = encode_vector(g, value_dtype=value_dtype, index=index)
     assert enc == "sparse-v1"
-    back = decode_vector(enc, codec, [bytes(memoryview(b)) for b in bufs], g.size)
+    back = decode_vector(Payload(enc, codec, [bytes(memoryview(b)) for b in bufs]), g.size)
     assert isinstance(back, SparseVector) and back.size == g.size
     assert np.array_equal(back.indices, g.indices)
     want = g.values.astype(np.float16).astype(np.float32) if value_dtype == "f16" else g.values
@@ -107,11 +108,11 @@ def test_dense_round_trips() -> None:
     x = np.random.default_rng(1).normal(size=1000).astype(np.float32)
     enc, codec, bufs = encode_vector(x)
     assert enc == "dense-f32"
-    dense = decode_vector(enc, codec, bufs, 1000)
+    dense = decode_vector(Payload(enc, codec, bufs), 1000)
     assert isinstance(dense, np.ndarray) and np.array_equal(dense, x)
     enc, codec, bufs = encode_vector(x.astype(np.float16))
     assert enc == "dense-f16"
-    out = decode_vector(enc, codec, bufs, 1000)
+    out = decode_vector(Payload(enc, codec, bufs), 1000)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
     assert np.array_equal(out, x.astype(np.float16).astype(np.float32))
     assert encode_vector(x, value_dtype="f16")[0] == "dense-f16"
@@ -130,7 +131,7 @@ def test_a_compressor_with_f16_values_sends_two_bytes_per_value(name: str) -> No
         assert isinstance(packet, SparseVector) and packet.nnz == 1000
         enc, codec, bufs = comp.encode(packet)
         sizes[dtype] = memoryview(bufs[1]).nbytes
-        out = decode_vector(enc, codec, bufs, n)
+        out = decode_vector(Payload(enc, codec, bufs), n)
         assert isinstance(out, SparseVector) and codec["value"] == dtype
         np.testing.assert_array_equal(out.values, packet.values)  # f16 rounding is exact
     assert sizes == {"f32": 4000, "f16": 2000}
@@ -142,20 +143,20 @@ def test_codec_keys_and_types_are_checked_in_one_place() -> None:
     for bad in ({**codec, "size": 10}, {**codec, "value": "f64"}, {**codec, "k": -1},
                 {**codec, "lz4": [8]}, {**codec, "index": 7}):
         with pytest.raises(RemoteProtocolError, match="codec"):
-            decode_vector(enc, bad, bufs, 10)
+            decode_vector(Payload(enc, bad, bufs), 10)
         with pytest.raises(LocalProtocolError, match="codec"):
-            messages.Push(clock=1, encoding=enc, codec=bad, buffers=tuple(bufs))
+            messages.Push(clock=1, payload=Payload(enc, bad, tuple(bufs)))
 
 
 def test_the_frames_lz4_layer_shrinks_a_run_of_neighbours() -> None:
     """lz4 is one layer, the frame's: 5,000 neighbours' zero gap bytes shrink to a few."""
     g = SparseVector(np.arange(5000, dtype=np.uint32), np.zeros(5000, np.float32), 10000)
     enc, codec, bufs = encode_vector(g)
-    push = messages.Push(clock=1, encoding=enc, codec=codec, buffers=tuple(bufs))
+    push = messages.Push(clock=1, payload=Payload(enc, codec, tuple(bufs)))
     packed = sum(memoryview(b).nbytes for b in frames.encode(push, compress=True))
     assert packed < 400 < sum(memoryview(b).nbytes for b in frames.encode(push))
     [back] = frames.FrameDecoder().feed(b"".join(frames.encode(push, compress=True)))
-    out = decode_vector(back.encoding, back.codec, back.buffers, 10000)  # type: ignore[attr-defined]
+    out = decode_vector(back.payload, 10000)  # type: ignore[attr-defined]
     assert isinstance(out, SparseVector) and np.array_equal(out.indices, g.indices)
 
 
@@ -207,7 +208,7 @@ BAD_PACKETS: dict[str, Callable[[], tuple[str, Any, list[Any]]]] = {
 def test_malformed_packets_raise_remote_error(case: str) -> None:
     enc, codec, bufs = BAD_PACKETS[case]()
     with pytest.raises(RemoteProtocolError):
-        decode_vector(enc, codec, bufs, 100)
+        decode_vector(Payload(enc, codec, bufs), 100)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
@@ -216,12 +217,12 @@ def test_nonfinite_values_refused_unless_allowed(bad: float) -> None:
     for value_dtype in ("f32", "f16"):
         enc, codec, bufs = encode_vector(g, value_dtype=value_dtype)
         with pytest.raises(RemoteProtocolError, match="NaN or inf"):
-            decode_vector(enc, codec, bufs, 10)
-        out = decode_vector(enc, codec, bufs, 10, allow_nonfinite=True)
+            decode_vector(Payload(enc, codec, bufs), 10)
+        out = decode_vector(Payload(enc, codec, bufs), 10, allow_nonfinite=True)
         assert isinstance(out, SparseVector) and not np.isfinite(out.values[1])
     enc, codec, bufs = encode_vector(g.to_dense())
     with pytest.raises(RemoteProtocolError):
-        decode_vector(enc, codec, bufs, 10)
+        decode_vector(Payload(enc, codec, bufs), 10)
 
 
 @settings(max_examples=300, deadline=None)
@@ -237,7 +238,7 @@ def test_any_bytes_give_a_gradient_or_a_remote_error(
 ) -> None:
     codec = {"k": k, "index": index, "value": value}
     try:
-        out = decode_vector(encoding, codec, data, 50, allow_nonfinite=True)
+        out = decode_vector(Payload(encoding, codec, data), 50, allow_nonfinite=True)
     except RemoteProtocolError:
         return
     if isinstance(out, SparseVector):

@@ -20,6 +20,7 @@ from minips.errors import AuthError, RemoteProtocolError
 from minips.net import channel, transport
 from minips.net import transport as t
 from minips.net.channel import write_batches
+from minips.sparse import Payload
 from minips.wire import frames, handshake, messages
 
 TOKEN = "test-token"
@@ -36,9 +37,10 @@ async def echo_handler(ch: channel.Channel) -> None:
     while True:
         msg = await ch.recv()
         if isinstance(msg, messages.Push):
-            await ch.send(messages.Ack(clock=msg.clock, version=len(msg.buffers)))
+            await ch.send(messages.Ack(clock=msg.clock, version=len(msg.payload.buffers)))
         elif isinstance(msg, messages.Pull):
-            await ch.send(messages.Weights(version=msg.clock, encoding="dense", buffers=(weights,)))
+            await ch.send(messages.Weights(version=msg.clock,
+                                           payload=Payload("dense", {}, (weights,))))
         elif isinstance(msg, messages.Leave):
             return
 
@@ -65,12 +67,13 @@ def test_handshake_accepted_and_messages_flow(loop: str) -> None:
         async with await start() as srv:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN, capabilities=("lz4",))
             assert ch.worker_id == 7 and ch.welcome_info == {"worker_id": 7, "mode": "ssp"}
-            await ch.send(messages.Push(clock=1, encoding="dense", buffers=(b"ab", b"cd")))
+            await ch.send(messages.Push(clock=1, payload=Payload("dense", {}, (b"ab", b"cd"))))
             assert await ch.recv() == messages.Ack(clock=1, version=2)
             await ch.send(messages.Pull(clock=4))
             weights = await ch.recv()
             assert isinstance(weights, messages.Weights) and weights.version == 4
-            assert np.array_equal(np.frombuffer(weights.buffers[0], np.float32), np.arange(1000))
+            got = np.frombuffer(weights.payload.buffers[0], np.float32)
+            assert np.array_equal(got, np.arange(1000))
             await ch.close(leave="bye")
             await until(lambda: not srv.channels)
             assert srv.stats["accepted"] == 1 and srv.stats["refused"] == 0
@@ -190,13 +193,13 @@ def test_frame_over_limit_closes_that_connection_only(loop: str) -> None:
         async with await start(options=options) as srv:
             bad = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             good = await t.connect("127.0.0.1", srv.port, token=TOKEN)
-            await bad.send(messages.Push(clock=0, encoding="dense", buffers=(bytes(2 << 20),)))
+            await bad.send(messages.Push(clock=0, payload=Payload("dense", {}, (bytes(2 << 20),))))
             error = await bad.recv()
             assert isinstance(error, messages.Error) and error.code == "limit_exceeded"
             assert "frame size" in error.reason
             with pytest.raises(ConnectionError):
                 await bad.recv()
-            await good.send(messages.Push(clock=3, encoding="dense"))
+            await good.send(messages.Push(clock=3, payload=Payload("dense", {}, ())))
             assert await good.recv() == messages.Ack(clock=3, version=0)
             await until(lambda: srv.stats["limit_exceeded"] == 1)
             await good.close()
@@ -420,7 +423,8 @@ def test_send_to_a_peer_that_stopped_reading_times_out(loop: str) -> None:
         big = np.zeros(16 << 20, dtype=np.uint8)
         try:
             for version in range(100):
-                await ch.send(messages.Weights(version=version, encoding="dense", buffers=(big,)))
+                await ch.send(messages.Weights(version=version,
+                                               payload=Payload("dense", {}, (big,))))
         except ConnectionError as e:
             outcome.set_result(e)
 
@@ -445,7 +449,7 @@ def test_large_payload_lands_in_the_preallocated_array(loop: str) -> None:
 
     async def send_weights(ch: channel.Channel) -> None:
         await ch.recv()
-        await ch.send(messages.Weights(version=1, encoding="dense", buffers=(weights,)))
+        await ch.send(messages.Weights(version=1, payload=Payload("dense", {}, (weights,))))
         await ch.recv()
 
     def alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
@@ -459,7 +463,7 @@ def test_large_payload_lands_in_the_preallocated_array(loop: str) -> None:
             await ch.send(messages.Pull(clock=0))
             msg = await ch.recv()
             assert isinstance(msg, messages.Weights)
-            assert np.shares_memory(np.frombuffer(msg.buffers[0], np.uint8), target)
+            assert np.shares_memory(np.frombuffer(msg.payload.buffers[0], np.uint8), target)
             assert np.array_equal(target, weights)
             await ch.close(leave="done")
 
@@ -468,8 +472,8 @@ def test_large_payload_lands_in_the_preallocated_array(loop: str) -> None:
 
 def test_a_big_frame_is_written_in_batches_of_about_the_write_size() -> None:
     big = np.arange(700_000, dtype=np.float32)  # 2.8 MB: cut into three pieces
-    frame = frames.encode(messages.Push(clock=3, encoding="sparse", buffers=(
-        np.arange(30_000, dtype=np.int32), big, np.ones(5, np.float32))))
+    frame = frames.encode(messages.Push(clock=3, payload=Payload("sparse", {}, (
+        np.arange(30_000, dtype=np.int32), big, np.ones(5, np.float32)))))
     size = 1 << 20
     batches = list(write_batches(frame, size))
     sizes = [sum(map(len, batch)) for batch in batches]
@@ -484,8 +488,8 @@ def test_a_big_frame_is_written_in_batches_of_about_the_write_size() -> None:
 
 
 def test_a_frame_under_the_write_size_is_one_batch_as_it_was() -> None:
-    frame = frames.encode(messages.Weights(version=1, encoding="dense", buffers=(np.ones(50_000,
-                                                                                         np.float32),)))
+    frame = frames.encode(messages.Weights(version=1, payload=Payload("dense", {}, (np.ones(50_000,
+                                                                                         np.float32),))))
     assert list(write_batches(frame, 1 << 20)) == [frame]
 
 
@@ -506,7 +510,7 @@ def test_tls_with_self_signed_certificate(loop: str, tls_files: tuple[Path, Path
                                  server_hostname="localhost")
             assert ch._transport.get_extra_info("ssl_object") is not None
             payload = np.arange(200_000, dtype=np.float32)
-            await ch.send(messages.Push(clock=5, encoding="dense", buffers=(payload,)))
+            await ch.send(messages.Push(clock=5, payload=Payload("dense", {}, (payload,))))
             assert await ch.recv() == messages.Ack(clock=5, version=1)
             await ch.close(leave="bye")
             with pytest.raises(ConnectionError):  # a plain client cannot talk to a TLS server
@@ -528,7 +532,7 @@ def test_over_tls_a_server_may_speak_first_after_the_handshake(
     async def speak_first(ch: channel.Channel) -> None:
         await ch.send(messages.Ack(clock=3, version=4))
         ones = np.ones(300_000, np.float32)  # a big frame: written in batches, over TLS
-        await ch.send(messages.Weights(version=4, encoding="dense", buffers=(ones,)))
+        await ch.send(messages.Weights(version=4, payload=Payload("dense", {}, (ones,))))
         await ch.recv()
 
     async def scenario() -> None:
@@ -538,7 +542,8 @@ def test_over_tls_a_server_may_speak_first_after_the_handshake(
             assert await asyncio.wait_for(ch.recv(), 5) == messages.Ack(clock=3, version=4)
             weights = await asyncio.wait_for(ch.recv(), 5)
             assert isinstance(weights, messages.Weights)
-            assert np.array_equal(np.frombuffer(weights.buffers[0], np.float32), np.ones(300_000))
+            got = np.frombuffer(weights.payload.buffers[0], np.float32)
+            assert np.array_equal(got, np.ones(300_000))
             await ch.close(leave="bye")
 
     run(loop, scenario())
@@ -559,7 +564,7 @@ def test_a_failing_handler_sends_error_and_the_server_keeps_serving() -> None:
             assert isinstance(error, messages.Error) and error.code == "internal"
             assert "ValueError: boom" in error.reason
             other = await t.connect("127.0.0.1", srv.port, token=TOKEN)
-            await other.send(messages.Push(clock=1, encoding="d"))
+            await other.send(messages.Push(clock=1, payload=Payload("d", {}, ())))
             assert await other.recv() == messages.Ack(clock=1, version=0)
             await other.close()
             assert srv.stats["handler_errors"] == 1

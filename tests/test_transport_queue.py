@@ -14,6 +14,7 @@ from conftest import run_on, until
 
 from minips.net import channel, transport
 from minips.net import transport as t
+from minips.sparse import Payload
 from minips.wire import messages
 
 TOKEN = "queue-token"
@@ -38,7 +39,7 @@ def test_reading_pauses_at_the_byte_bound_and_resumes_without_loss(loop: str) ->
         clocks = []
         for _ in range(pushes):
             msg = await ch.recv()
-            assert isinstance(msg, messages.Push) and msg.buffers[0][0] == msg.clock
+            assert isinstance(msg, messages.Push) and msg.payload.buffers[0][0] == msg.clock
             clocks.append(msg.clock)
         assert clocks == list(range(pushes))
         await ch.send(messages.Ack(clock=pushes, version=pushes))
@@ -52,7 +53,7 @@ def test_reading_pauses_at_the_byte_bound_and_resumes_without_loss(loop: str) ->
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             for clock in range(pushes):  # 8 MiB in all: the kernel buffers take what we don't
                 payload = np.full(MiB, clock, dtype=np.uint8)
-                await ch.send(messages.Push(clock=clock, encoding="raw", buffers=(payload,)))
+                await ch.send(messages.Push(clock=clock, payload=Payload("raw", {}, (payload,))))
             await until(lambda: bool(server_side) and server_side[0]._proto.paused)
             proto = server_side[0]._proto
             assert bound <= proto.queued_bytes <= bound + MiB  # the bound plus one frame

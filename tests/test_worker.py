@@ -22,6 +22,7 @@ from minips.ml import data, models
 from minips.net import channel, transport
 from minips.record.rundir import read_jsonl
 from minips.server import GlobalServer, ServerConfig
+from minips.sparse import Payload
 from minips.wire import messages
 from minips.worker import EmulatedLink, Worker, WorkerStopped
 
@@ -193,7 +194,7 @@ async def test_link_adds_its_latency_to_every_send() -> None:
     """(Its rates pace the channel itself: tests/test_links.py, on real sockets.)"""
     sink = _Sink()
     link = EmulatedLink(cast(channel.Channel, sink), bandwidth_bps=0.0, latency_s=0.02)
-    msg = messages.Push(clock=1, encoding="dense-f32", buffers=(bytes(50_000),))
+    msg = messages.Push(clock=1, payload=Payload("dense-f32", {}, (bytes(50_000),)))
     t = time.perf_counter()
     await link.send(msg)
     took = time.perf_counter() - t

@@ -20,6 +20,7 @@ from minips.core.config import RunConfig, WorkerConfig
 from minips.core.slowdown import Schedule, Slowdown
 from minips.core.worker_core import RECORD_KEYS, Done, Step, WorkerCore
 from minips.sim.simulate import SimConfig, Simulation, shard_size
+from minips.sparse import Payload
 from minips.wire import messages
 from minips.wire.frames import wire_size
 from minips.worker import Worker
@@ -38,21 +39,21 @@ def gradient(weights: np.ndarray) -> tuple[np.ndarray, float]:
 
 def whole(version: int, w: np.ndarray, **info: Any) -> messages.Weights:
     encoding, codec, buffers = sparse.encode_vector(w)
-    return messages.Weights(version=version, encoding=encoding, codec=codec,
-                            buffers=tuple(buffers), **info)
+    return messages.Weights(version=version, payload=Payload(encoding, codec,
+                            tuple(buffers)), **info)
 
 
 def changed(version: int, since: int, idx: list[int], values: list[float],
             **info: Any) -> messages.Weights:
     vec = sparse.SparseVector(np.array(idx, np.uint32), np.array(values, np.float32), N)
     encoding, codec, buffers = sparse.encode_vector(vec)
-    return messages.Weights(version=version, since=since, encoding=encoding, codec=codec,
-                            buffers=tuple(buffers), **info)
+    return messages.Weights(version=version, since=since, payload=Payload(encoding, codec,
+                            tuple(buffers)), **info)
 
 
 def dense(push: Any) -> np.ndarray:
     """A PUSH's vector, (N,) float32."""
-    got = sparse.decode_vector(push.encoding, push.codec, push.buffers, N)
+    got = sparse.decode_vector(push.payload, N)
     return got.to_dense() if isinstance(got, sparse.SparseVector) else np.asarray(got)
 
 
@@ -70,7 +71,7 @@ def script(h: int) -> list[messages.Message]:
         assign,  # GDTopK's new ratio, on the control channel between two steps
         changed(5, 3, [0], [1.0], lead=0, drift=0.125, progress=0.2, **common),
         messages.Ack(clock=3, version=6),
-        messages.Weights(version=6, encoding="dense", done=True),
+        messages.Weights(version=6, payload=Payload("dense", {}, ()), done=True),
     ]
 
 
@@ -203,8 +204,8 @@ async def test_the_worker_and_the_simulator_record_the_same_steps(
         if isinstance(a, messages.Pull):
             assert a.since == b.since  # type: ignore[attr-defined]
         else:
-            assert (a.loss, a.samples, a.encoding, a.codec) == (  # type: ignore[attr-defined]
-                b.loss, b.samples, b.encoding, b.codec)  # type: ignore[attr-defined]
+            assert (a.loss, a.samples, a.payload.encoding, a.payload.codec) == (  # type: ignore[attr-defined]
+                b.loss, b.samples, b.payload.encoding, b.payload.codec)  # type: ignore[attr-defined]
             np.testing.assert_array_equal(dense(a), dense(b))  # what was sent, bit for bit
     for mine, theirs in zip(real, simulated, strict=True):
         core_keys = set(theirs) - CLOCKED
@@ -249,8 +250,8 @@ def test_a_new_connection_starts_from_the_whole_weights_and_the_groups_clock() -
 
 
 def test_done_ends_the_run_and_max_steps_stops_pulling() -> None:
-    assert core().on_weights(messages.Weights(version=0, encoding="dense", done=True),
-                             0.0) == Done("done")
+    done = messages.Weights(version=0, payload=Payload("dense", {}, ()), done=True)
+    assert core().on_weights(done, 0.0) == Done("done")
     c = core(max_steps=2)
     c.on_join(messages.Ack(clock=2))
     assert c.pull(0.0) == Done("max_steps")

@@ -19,7 +19,7 @@ from minips.errors import ConfigError
 from minips.record.rundir import read_jsonl
 from minips.run.flags import build_parser, run_config_from_args
 from minips.sim.simulate import SimConfig, simulate
-from minips.sparse import SparseVector, encode_vector
+from minips.sparse import Payload, SparseVector, encode_vector
 from minips.wire import messages
 
 # three gradients of 4 coordinates, exact in float32 (binary fractions)
@@ -153,8 +153,8 @@ def test_the_group_server_adds_a_pushed_update_as_it_is() -> None:
     assert first.lr_factor == pytest.approx(50 / 1000) and first.progress == 0.0
     update = SparseVector(np.array([1, 4], np.uint32), np.array([0.5, -2.0], np.float32), 6)
     enc, codec, bufs = encode_vector(update)
-    core.push(0, messages.Push(clock=1, samples=50, encoding=enc, codec=codec,
-                               buffers=tuple(bufs)), now=0.0)
+    core.push(0, messages.Push(clock=1, samples=50, payload=Payload(enc, codec,
+                               tuple(bufs))), now=0.0)
     np.testing.assert_array_equal(core.weights, [1, 0.75, 1, 1, 2, 1])
     after = core.weights_message(1, [])
     assert after.lr_factor == pytest.approx(100 / 1000)  # 50 samples seen, then 50 more

@@ -38,8 +38,8 @@ import numpy as np
 
 from minips.compress.selection import TopKSelector, kept_count
 from minips.errors import ConfigError, LocalProtocolError
-from minips.sparse import SparseVector, encode_vector
-from minips.wire.messages import VALUE_TYPES
+from minips.sparse import Payload, SparseVector, encode_vector
+from minips.wire.fields import VALUE_TYPES
 
 if TYPE_CHECKING:
     from minips.compress.ratios import RatioPolicy
@@ -203,8 +203,9 @@ class Compressor:
         self.residual += grad
         return self._compress(self.residual)
 
-    def encode(self, packet: SparseVector | np.ndarray) -> tuple[str, dict[str, Any], list[Any]]:
-        """``(encoding, codec, buffers)`` of a packet ``compress`` returned, in ``self.wire``."""
+    def encode(self, packet: SparseVector | np.ndarray) -> Payload:
+        """The payload ``(encoding, codec, buffers)`` of a packet ``compress`` returned, in
+        ``self.wire``."""
         return encode_vector(packet, value_dtype=self.wire.dtype)
 
     def _compress(self, acc: np.ndarray) -> SparseVector | np.ndarray:

@@ -389,7 +389,7 @@ def apply_weights(replica: np.ndarray | None, held: int, w: Any, size: int) -> n
     """The weights WEIGHTS ``w`` brings a copy at version ``held`` to: its buffers whole
     (``since`` -1), or ``replica`` with the coordinates they name set to their values (an
     update must start from the version held). Raises RemoteProtocolError for a bad one."""
-    got = decode_vector(w.encoding, w.codec, w.buffers, size)
+    got = decode_vector(w.payload, size)
     if w.since < 0:
         return np.asarray(got.to_dense() if isinstance(got, SparseVector) else got)
     if replica is None or w.since != held or not isinstance(got, SparseVector):

@@ -538,7 +538,6 @@ def exchange_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
     """The EXCHANGE that carries one exchange of a group to the global server: ``delta``
     (dense or sparse) and the group's counters as its fields (a clock of None: -1, none;
     counters the message has no field for stay home)."""
-    encoding, codec, buffers = sparse.encode_vector(delta)
     counters: dict[str, Any] = {k: -1 if v is None else v for k, v in stats.items()
                 if k in messages.Exchange.INFO}
-    return messages.Exchange(**counters, encoding=encoding, codec=codec, buffers=tuple(buffers))
+    return messages.Exchange(**counters, payload=sparse.encode_vector(delta))

@@ -576,7 +576,7 @@ class GlobalCore:
         return messages.ExchangeReply(
             version=msg.version, done=msg.done, samples=msg.samples,
             saved_exchanges=[list(key) for key in self.groups[g].snapshots],
-            encoding=msg.encoding, codec=msg.codec, buffers=msg.buffers)
+            payload=msg.payload)
 
     def check_counters(self, g: int, stats: dict[str, Any]) -> None:
         """Merging group ``g``'s exchange (its ``stats``) keeps every counter of the run within
@@ -706,14 +706,13 @@ class GlobalCore:
         set) and the run's counters."""
         w = self.weights if weights is None else weights
         w = w if w is not None else np.zeros(0, np.float32)
-        encoding, codec, buffers = sparse.encode_vector(w)
         traffic = self.traffic()
         return messages.GlobalWeights(
             version=self.version, done=final or self.done, size=int(w.size),
             samples=self.samples, t=self.wall() - self.run.t0, train_s=self.trained_s(),
             done_reason=self.done_reason, bytes_up=traffic["bytes_up"],
-            bytes_down=traffic["bytes_down"], members=members or [], encoding=encoding,
-            codec=codec, buffers=tuple(buffers))
+            bytes_down=traffic["bytes_down"], members=members or [],
+            payload=sparse.encode_vector(w))
 
     def assign_message(self, h: GroupHandle) -> messages.Assign:
         """ASSIGN for group ``h``: its address, ratio, the run's staleness bound and its

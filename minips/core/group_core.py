@@ -238,7 +238,7 @@ class GroupCore:
         if 0 < self.run.max_steps < msg.clock:
             raise RemoteProtocolError("PUSH past the run's --max-steps",
                                       expected=f"clock <= {self.run.max_steps}", got=msg.clock)
-        grad = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, self.weights.size)
+        grad = sparse.decode_vector(msg.payload, self.weights.size)
         floor = self.table.min_clock()
         self.table.push(w, msg.clock, now)
         self.iters.push(w, now)
@@ -400,10 +400,9 @@ class GroupCore:
             version, base, payload = answer.version, answer.since, answer.payload
             values = self.downlink.wire_values(answer)
         check_finite(payload, self.group, self.downlink is None or self.downlink.finite())
-        encoding, codec, buffers = sparse.encode_vector(payload, value_dtype=values)
         low = self.table.min_clock()
         return messages.Weights(  # drift: how far the weights sent are from the group's
-            version=version, since=base, encoding=encoding, codec=codec, buffers=tuple(buffers),
+            version=version, since=base, payload=sparse.encode_vector(payload, value_dtype=values),
             done=self.done or self.at_cap(clock), group=self.group, waited_for=waited_for,
             ratio=self.ratio, lr_factor=self.next_lr_factor(), progress=self.progress(),
             local_steps=self.local_steps, batch=self._batch_of(w),

@@ -36,10 +36,10 @@ from minips.core.config import RunConfig
 from minips.core.downlink import apply_weights
 from minips.core.local_steps import LocalSteps
 from minips.core.worker_opt import Upload
-from minips.sparse import SparseVector
+from minips.sparse import Payload, SparseVector
 from minips.wire import messages
 
-__all__ = ["Step", "Done", "Payload", "WorkerCore", "step_record", "RECORD_KEYS"]
+__all__ = ["Step", "Done", "WorkerCore", "step_record", "RECORD_KEYS"]
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,6 @@ class Done:
     """The worker's run is over: the server said so, or it made ``max_steps`` pushes."""
 
     reason: str  # "done" (WEIGHTS.done) or "max_steps"
-
-
-@dataclass(frozen=True)
-class Payload:
-    """A packet in its wire form: the three vector fields of PUSH (sparse.py's codec)."""
-
-    encoding: str
-    codec: dict[str, Any]
-    buffers: tuple[Any, ...]  # bytes-like
 
 
 # The keys every step record has, worker and simulator alike; the shells add what they measure
@@ -185,16 +176,14 @@ class WorkerCore:
 
     def encode(self, packet: SparseVector | np.ndarray) -> Payload:
         """``packet`` in the encoding its compressor declares."""
-        encoding, codec, buffers = self.compressor.encode(packet)
-        return Payload(encoding, codec, tuple(buffers))
+        return self.compressor.encode(packet)
 
     def push(self, payload: Payload, step_time: float) -> messages.Push:
         """PUSH(clock + 1): ``step_time`` is the mean time of one of its H steps (seconds,
         what STATS reports too); its loss the mean of theirs, its samples their sum."""
         self.pushed = messages.Push(clock=self.clock + 1, step_time=step_time,
                                     loss=float(np.mean(self.losses)),
-                                    samples=self.step_samples, encoding=payload.encoding,
-                                    codec=payload.codec, buffers=payload.buffers)
+                                    samples=self.step_samples, payload=payload)
         return self.pushed
 
     def on_ack(self, ack: messages.Ack, bytes_wire: int) -> dict[str, Any]:

@@ -179,7 +179,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     continue
                 self.queue.append(msg)
                 if msg.KIND in messages.WITH_BUFFERS:
-                    buffers = msg.buffers  # type: ignore[attr-defined]
+                    buffers = msg.payload.buffers  # type: ignore[attr-defined]
                     self.queued_bytes += sum(map(_nbytes, buffers))
             if self.decoder.error is not None:
                 raise self.decoder.error
@@ -198,7 +198,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """The oldest queued message; resumes reading once the queue is below half its bounds."""
         msg = self.queue.popleft()
         if msg.KIND in messages.WITH_BUFFERS:
-            self.queued_bytes -= sum(map(_nbytes, msg.buffers))  # type: ignore[attr-defined]
+            self.queued_bytes -= sum(map(_nbytes, msg.payload.buffers))  # type: ignore[attr-defined]
         if (self.paused and len(self.queue) <= self.options.max_queued // 2
                 and self.queued_bytes <= self.options.max_queued_bytes // 2):
             self.paused = False

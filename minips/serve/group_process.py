@@ -83,7 +83,7 @@ class TcpLink:
         """EXCHANGE ``delta`` (dense or sparse); the reply holds the global weights
         (``dense-f32``) or the entries of the group's copy to set (``sparse-v1``)."""
         reply = await self.request(exchange_message(delta, stats))
-        w = sparse.decode_vector(reply.encoding, reply.codec, reply.buffers, delta.size)
+        w = sparse.decode_vector(reply.payload, delta.size)
         up, down = self.ch.bytes_sent, self.ch.bytes_received
         res = ExchangeResult(w, reply.version, reply.done, reply.samples,
                              seqs_in(reply.info, "saved_exchanges", stats["session"]),
@@ -135,8 +135,7 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     init = await link.request(messages.Pull(clock=0))
     if not isinstance(init, messages.GlobalWeights):
         raise RemoteProtocolError("expected GLOBAL_WEIGHTS", got=type(init).__name__)
-    weights = np.asarray(sparse.decode_vector(init.encoding, init.codec, init.buffers,
-                                                init.size))
+    weights = np.asarray(sparse.decode_vector(init.payload, init.size))
     if gs.core.group == int(assign.group) and gs.ready.is_set():
         server_seqs = seqs_in(init.info, "last_exchange", gs.core.xchg.session)
         gs.reload(weights, link, None if server_seqs is None else server_seqs[0])

@@ -152,7 +152,7 @@ def initial_weights(msg: messages.InitWeights) -> np.ndarray:
     """(n,) float32 initial weights a worker sent (the server was started without --init); their
     size is checked by the message (``messages.MAX_PARAMS``), their encoding (dense float32) by
     the conversation before decoding."""
-    w = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, msg.size)
+    w = sparse.decode_vector(msg.payload, msg.size)
     assert isinstance(w, np.ndarray)  # dense-f32 decodes to an array
     return w.astype(np.float32, copy=False)
 
@@ -331,7 +331,7 @@ async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle,
     elif isinstance(msg, messages.Exchange):
         conversation.check_exchange(msg)
         assert core.weights is not None
-        delta = sparse.decode_vector(msg.encoding, msg.codec, msg.buffers, core.weights.size)
+        delta = sparse.decode_vector(msg.payload, core.weights.size)
         info = handle.across_sessions(msg.info)  # traffic counts of all its sessions
         await _answer(srv, ch, core.on_exchange(handle.id, delta, info, time.monotonic(),
                                                 frames.wire_size(msg)))

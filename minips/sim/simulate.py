@@ -368,7 +368,8 @@ class Simulation:
         for w, waited in ready:
             msg = grp.core.weights_message(w, waited, self.since[w])
             if msg.since < 0:  # the whole weights: a copy, as the socket's bytes would be
-                msg = dataclasses.replace(msg, buffers=tuple(np.array(b) for b in msg.buffers))
+                msg = dataclasses.replace(msg, payload=msg.payload._replace(
+                    buffers=tuple(np.array(b) for b in msg.payload.buffers)))
             nbytes = wire_size(msg)
             grp.bytes["bytes_out"] += nbytes
             self.send(w, nbytes, self.weights_arrive, msg)

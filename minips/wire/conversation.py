@@ -168,7 +168,7 @@ class Conversation:
         if isinstance(msg, messages.Push):
             _check_push_clock(self.pull_clock, msg.clock)
         elif isinstance(msg, messages.InitWeights):
-            _check_init_encoding(msg.encoding)
+            _check_init_encoding(msg.payload.encoding)
         elif isinstance(msg, messages.Pull):
             self.pull_clock = msg.clock
         self.turn = nxt

@@ -21,7 +21,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "MAX_INT",
@@ -42,6 +42,12 @@ __all__ = [
     "pairs",
     "mapping",
     "views",
+    "VALUE_TYPES",
+    "INDEX_SCHEMES",
+    "vector_codec",
+    "Payload",
+    "payload",
+    "PAYLOAD_KEYS",
     "checked",
     "Schema",
     "SCHEMAS",
@@ -54,6 +60,8 @@ MAX_NAME = 64  # characters of a name field (role, code, encoding, capability)
 MAX_INT = 2**63 - 1  # ints are signed 64-bit on the wire
 MAX_DEPTH = 8  # nesting of lists/maps inside a map field
 MAX_LIST = 1 << 16  # ints in a list field (a group's members, the workers a PULL waited for)
+VALUE_TYPES = ("f32", "f16")  # a vector payload's value type (codec "value")
+INDEX_SCHEMES = ("varint", "u32")  # a sparse payload's index coding (codec "index")
 
 
 class Invalid(Exception):
@@ -191,6 +199,49 @@ def views(v: Any) -> tuple[memoryview, ...]:
         raise Invalid(f"buffers must be C-contiguous bytes-like objects ({e})") from None
 
 
+def vector_codec(v: Any) -> dict[str, Any]:
+    """The codec map of a vector payload (sparse.py): ``k`` (entries of a sparse
+    vector), ``index`` and ``value`` (its index coding and value type). Other keys are
+    refused; what depends on the model's size is checked on decode."""
+    if type(v) is not dict:
+        raise Invalid("expected a codec map")
+    for key, x in v.items():
+        if key == "k":
+            ok = type(x) is int and 0 <= x <= MAX_INT
+        elif key == "index":
+            ok = x in INDEX_SCHEMES
+        elif key == "value":
+            ok = x in VALUE_TYPES
+        else:
+            raise Invalid("codec keys are k, index and value")
+        if not ok:
+            raise Invalid(f"bad codec {key!r}: k is an int >= 0, index one of {INDEX_SCHEMES}, "
+                          f"value one of {VALUE_TYPES}")
+    return v
+
+
+class Payload(NamedTuple):
+    """One vector as it travels (sparse.py encodes and decodes it): ``encoding`` and ``codec``
+    go in the message's map under those two keys, ``buffers`` are the frame's body."""
+
+    encoding: str
+    codec: dict[str, Any]
+    buffers: tuple[Any, ...]
+
+
+_encoding = text(MAX_NAME)
+PAYLOAD_KEYS = ("encoding", "codec")  # a payload's keys in the map (the buffers are the body)
+
+
+def payload(v: Any) -> Payload:
+    """A vector payload field: a ``Payload`` whose parts pass their checks (buffers held as
+    flat memoryviews)."""
+    if type(v) is not Payload:
+        raise Invalid("expected a Payload (encoding, codec, buffers)")
+    encoding, codec, buffers = v
+    return Payload(_encoding(encoding), vector_codec(codec), views(buffers))
+
+
 def checked(check: Check, default: Any = dataclasses.MISSING,
             factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field validated by ``check`` (one of the field checks above)."""
@@ -225,12 +276,21 @@ class _Schemas(dict[type, Schema]):
 
     def __missing__(self, cls: Any) -> Schema:
         fields = dataclasses.fields(cls)
-        meta = tuple(f.name for f in fields if f.name not in cls.NOT_IN_META)
         checks = tuple((f.name, f.metadata["check"], *getattr(f.metadata["check"], "fast",
                                                                (None, 0, 0))) for f in fields)
-        wire_checks = tuple(c for c in checks if c[0] in meta)
+        meta: list[str] = []
+        wire_checks: list[tuple[str, Check, Any, Any, Any]] = []
+        for c in checks:
+            if c[1] is payload:  # a vector payload: its encoding and codec are two map keys
+                meta += PAYLOAD_KEYS
+                wire_checks += [("encoding", _encoding, None, 0, 0),
+                                ("codec", vector_codec, None, 0, 0)]
+            elif c[0] not in cls.NOT_IN_META:
+                meta.append(c[0])
+                wire_checks.append(c)
         omissible = tuple((f.name, _default_of(f)) for f in fields if f.name in cls.MAY_OMIT)
-        schema = self[cls] = Schema(checks, wire_checks, meta, frozenset(meta), omissible)
+        schema = self[cls] = Schema(checks, tuple(wire_checks), tuple(meta), frozenset(meta),
+                                    omissible)
         return schema
 
 

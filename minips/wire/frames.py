@@ -49,7 +49,14 @@ import numpy as np
 
 from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from minips.wire.fields import MAX_BUFFERS
-from minips.wire.messages import PROTOCOL_VERSION, WITH_BUFFERS, Kind, Message, from_wire
+from minips.wire.messages import (
+    PROTOCOL_VERSION,
+    WITH_BUFFERS,
+    Kind,
+    Message,
+    from_wire,
+    with_buffers,
+)
 
 __all__ = [
     "MAGIC",
@@ -192,7 +199,7 @@ def encode(msg: Message, *, compress: bool = False, limits: Limits = DEFAULT_LIM
     meta = _packer.pack(msg.meta())
     kind = msg.KIND
     version = msg.__dict__["version"] if kind == Kind.HELLO else PROTOCOL_VERSION
-    buffers = msg.__dict__["buffers"] if kind in WITH_BUFFERS else ()
+    buffers = msg.__dict__["payload"].buffers if kind in WITH_BUFFERS else ()
     if not buffers:
         if PREFIX.size + len(meta) > limits.max_frame_bytes or len(meta) > limits.max_meta_bytes:
             raise _unsendable(PREFIX.size + len(meta), limits)
@@ -427,8 +434,7 @@ def decode_frame(frame: bytes | bytearray | memoryview, limits: Limits = DEFAULT
     table, msg = check_head(view, prefix, limits)
     if table:
         body = view[view.nbytes - prefix[6]:]
-        msg.__dict__["buffers"] = _buffers(msg.KIND, table, body, alloc,
-                                           budget or INFLATE_BUDGET)
+        with_buffers(msg, _buffers(msg.KIND, table, body, alloc, budget or INFLATE_BUDGET))
     return msg
 
 

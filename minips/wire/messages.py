@@ -16,12 +16,11 @@ Invariants:
   (``RemoteProtocolError``). Checks cost time in proportion to the fields and values present.
   The servers read a message's counters as they are, with no further checks; ``info`` is the
   map of a message's counters for the receiver's records and merges.
-- Each message's msgpack map holds exactly ``meta_keys(kind)``: every field except those in
-  ``NOT_IN_META`` (``buffers``, and HELLO's ``version``, which travels in the frame prefix), in
-  declaration order.
-- Only the kinds in ``WITH_BUFFERS`` carry buffers: a vector payload (``encoding``; ``codec``,
-  checked by ``vector_codec``; ``buffers``: sparse.py has the encodings), held as flat
-  ``memoryview``s, never copied.
+- Each message's msgpack map holds exactly ``meta_keys(kind)``: every field in declaration
+  order, but HELLO's ``version`` (it travels in the frame prefix), a ``payload`` as two keys.
+- Only the kinds in ``WITH_BUFFERS`` carry buffers: their one vector ``payload`` (a
+  ``fields.Payload``; sparse.py has the encodings) goes as ``encoding`` and ``codec`` in the
+  map and its buffers as the frame's body, held as flat ``memoryview``s, never copied.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from minips.wire.fields import (
     MAX_TEXT,
     SCHEMAS,
     Invalid,
+    Payload,
     blob,
     boolean,
     checked,
@@ -46,8 +46,8 @@ from minips.wire.fields import (
     names,
     number,
     pairs,
+    payload,
     text,
-    views,
 )
 
 __all__ = [
@@ -60,12 +60,9 @@ __all__ = [
     "MAX_COUNT",
     "MAX_SECONDS",
     "MAX_BATCH",
-    "VALUE_TYPES",
-    "INDEX_SCHEMES",
     "Kind",
     "Message",
     "Reported",
-    "vector_codec",
     "Pull",
     "Weights",
     "Push",
@@ -88,6 +85,7 @@ __all__ = [
     "InitWeights",
     "MESSAGE_TYPES",
     "WITH_BUFFERS",
+    "with_buffers",
     "meta_keys",
     "from_wire",
 ]
@@ -105,8 +103,6 @@ MAX_PARAMS = 1 << 31  # model size initial weights may claim (float32 elements)
 MAX_COUNT = 1 << 62  # counters of samples, pushes and bytes
 MAX_SECONDS = 1e9  # a time in seconds a counter may claim (step, iteration, run)
 MAX_BATCH = 1 << 20  # samples of one worker step a server may ask for (LB-BSP; a PUSH's most)
-VALUE_TYPES = ("f32", "f16")  # a vector payload's value type (codec "value")
-INDEX_SCHEMES = ("varint", "u32")  # a sparse payload's index coding (codec "index")
 
 
 class Kind(IntEnum):
@@ -137,7 +133,7 @@ class Message:
     """Base class: validates every field with the check in its metadata."""
 
     KIND: ClassVar[Kind]
-    NOT_IN_META: ClassVar[tuple[str, ...]] = ("buffers",)
+    NOT_IN_META: ClassVar[tuple[str, ...]] = ()
     # map fields a peer may leave out (added after the kind was first sent): their default then
     MAY_OMIT: ClassVar[tuple[str, ...]] = ()
 
@@ -154,8 +150,11 @@ class Message:
                 raise LocalProtocolError(f"{where}: {e}", expected=str(e), got=value) from None
 
     def meta(self) -> dict[str, Any]:
-        """The msgpack map of this message: every field except ``buffers`` and HELLO's version."""
+        """The msgpack map of this message: every field but HELLO's version, a payload as its
+        ``encoding`` and ``codec``."""
         values = self.__dict__
+        if "payload" in values:
+            values = {**values, **values["payload"]._asdict()}
         return {name: values[name] for name in SCHEMAS[type(self)].meta}
 
 
@@ -170,27 +169,6 @@ class Reported(Message):
     def info(self) -> dict[str, Any]:
         values = self.__dict__
         return {name: values[name] for name in self.INFO}
-
-
-def vector_codec(v: Any) -> dict[str, Any]:
-    """The codec map of a vector payload (sparse.py): ``k`` (entries of a sparse
-    vector), ``index`` and ``value`` (its index coding and value type). Other keys are
-    refused; what depends on the model's size is checked on decode."""
-    if type(v) is not dict:
-        raise Invalid("expected a codec map")
-    for key, x in v.items():
-        if key == "k":
-            ok = type(x) is int and 0 <= x <= MAX_INT
-        elif key == "index":
-            ok = x in INDEX_SCHEMES
-        elif key == "value":
-            ok = x in VALUE_TYPES
-        else:
-            raise Invalid("codec keys are k, index and value")
-        if not ok:
-            raise Invalid(f"bad codec {key!r}: k is an int >= 0, index one of {INDEX_SCHEMES}, "
-                          f"value one of {VALUE_TYPES}")
-    return v
 
 
 # -- the worker <-> server conversation: one training step ---------------------------------------
@@ -214,9 +192,7 @@ class Weights(Reported):
     INFO = ("group", "waited_for", "ratio", "batch", "lead", "min_clock", "drift")
     version: int = checked(integer())
     since: int = checked(integer(-1), -1)  # -1: whole weights; else an update of the copy at since
-    encoding: str = checked(text(MAX_NAME))
-    codec: dict[str, Any] = checked(vector_codec, factory=dict)
-    buffers: tuple[Any, ...] = checked(views, ())  # bytes-like; held as flat memoryviews
+    payload: Payload = checked(payload)  # the weights, or the changed ones (sparse.py)
     done: bool = checked(boolean, False)
     group: int = checked(integer(-1), -1)  # the group server's group
     waited_for: list[int] = checked(ints(), factory=list)  # the workers the answer waited for
@@ -248,9 +224,7 @@ class Push(Message):
     step_time: float = checked(number(0.0), 0.0)
     loss: float = checked(number(), 0.0)
     samples: int = checked(integer(), 0)
-    encoding: str = checked(text(MAX_NAME))  # the vector payload: sparse.py
-    codec: dict[str, Any] = checked(vector_codec, factory=dict)
-    buffers: tuple[Any, ...] = checked(views, ())  # bytes-like; held as flat memoryviews
+    payload: Payload = checked(payload)  # the gradient or change (sparse.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -269,7 +243,7 @@ class Hello(Message):
     """Client opens a session. ``version`` travels in the frame prefix, not in the map."""
 
     KIND = Kind.HELLO
-    NOT_IN_META = ("buffers", "version")
+    NOT_IN_META = ("version",)
     version: int = checked(integer(0, 255), PROTOCOL_VERSION)
     role: str = checked(text(MAX_NAME, ROLES), "worker")
     worker_id: int = checked(integer(-1), -1)  # -1: let the server choose
@@ -394,9 +368,7 @@ class Exchange(Reported):
     pull_workers: list[int] = checked(ints(lo=0), factory=list)
     pull_leads: list[int] = checked(ints(lo=0), factory=list)
     pull_waits_us: list[int] = checked(ints(lo=0), factory=list)
-    encoding: str = checked(text(MAX_NAME))
-    codec: dict[str, Any] = checked(vector_codec, factory=dict)
-    buffers: tuple[Any, ...] = checked(views, ())
+    payload: Payload = checked(payload)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -411,9 +383,7 @@ class ExchangeReply(Reported):
     done: bool = checked(boolean, False)  # the budget is spent
     samples: int = checked(integer(0, MAX_COUNT), 0)  # all groups' samples merged so far
     saved_exchanges: list[list[int]] = checked(pairs, factory=list)  # [session, seq] per snapshot
-    encoding: str = checked(text(MAX_NAME))
-    codec: dict[str, Any] = checked(vector_codec, factory=dict)
-    buffers: tuple[Any, ...] = checked(views, ())
+    payload: Payload = checked(payload)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -435,9 +405,7 @@ class GlobalWeights(Reported):
     bytes_down: int = checked(integer(0, MAX_COUNT), 0)  # group -> worker bytes, all groups
     members: list[int] = checked(ints(lo=0), factory=list)  # a group process's workers
     last_exchange: list[int] = checked(ints(2, -1), factory=list)  # [session, seq] it merged last
-    encoding: str = checked(text(MAX_NAME))
-    codec: dict[str, Any] = checked(vector_codec, factory=dict)
-    buffers: tuple[Any, ...] = checked(views, ())
+    payload: Payload = checked(payload)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -448,9 +416,7 @@ class InitWeights(Reported):
     KIND = Kind.INIT_WEIGHTS
     INFO = ("size",)
     size: int = checked(integer(1, MAX_PARAMS))
-    encoding: str = checked(text(MAX_NAME))
-    codec: dict[str, Any] = checked(vector_codec, factory=dict)
-    buffers: tuple[Any, ...] = checked(views, ())
+    payload: Payload = checked(payload)
 
 
 # -- the table of kinds, and how a peer's map becomes a message ----------------------------------
@@ -462,7 +428,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {  # Kind (an int) -> class
                 InitWeights)
 }
 WITH_BUFFERS = frozenset(  # frames that carry buffers: the kinds with a vector payload
-    kind for kind, cls in MESSAGE_TYPES.items() if "buffers" in cls.__dataclass_fields__)
+    kind for kind, cls in MESSAGE_TYPES.items() if "payload" in cls.__dataclass_fields__)
 
 
 def meta_keys(kind: Kind) -> tuple[str, ...]:
@@ -499,9 +465,17 @@ def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Messa
             raise RemoteProtocolError(f"invalid {cls.KIND.name}: {cls.__name__}.{name}: {e}",
                                       expected=str(e), got=meta[name]) from None
     if kind in WITH_BUFFERS:
-        meta["buffers"] = ()  # the decoder sets the received buffers when the body is in
+        meta["payload"] = Payload(meta.pop("encoding"), meta.pop("codec"), ())  # the decoder
+        # sets the received buffers when the body is in (``with_buffers``)
     elif cls is Hello:
         meta["version"] = version
     msg = cls.__new__(cls)
     object.__setattr__(msg, "__dict__", meta)  # the checked map becomes the fields, no copy
     return msg
+
+
+def with_buffers(msg: Message, buffers: tuple[memoryview, ...]) -> None:
+    """Put a received frame's ``buffers`` (the decoder's views) into ``msg``'s payload."""
+    values = msg.__dict__
+    encoding, codec, _ = values["payload"]
+    values["payload"] = Payload(encoding, codec, buffers)

@@ -61,7 +61,7 @@ from minips.wire.frames import (
     unpack_meta,
     writable_view,
 )
-from minips.wire.messages import PROTOCOL_VERSION, Kind, Message, from_wire
+from minips.wire.messages import PROTOCOL_VERSION, Kind, Message, from_wire, with_buffers
 
 __all__ = [
     "DIRECT_MIN_BYTES",
@@ -319,7 +319,7 @@ class FrameReceiver(FrameDecoder):
             check_table(table, body_len, limits)
         msg = from_wire(kind, version, unpack_meta(buf[at:at + meta_len], limits), nbuf)
         if nbuf:
-            msg.__dict__["buffers"] = self._copy_body(msg.KIND, table, at + meta_len, body_len)
+            with_buffers(msg, self._copy_body(msg.KIND, table, at + meta_len, body_len))
         self._lo = end
         out.append(msg)
         return True
@@ -342,7 +342,7 @@ class FrameReceiver(FrameDecoder):
         table, msg = self._head(KINDS[kind], version, nbuf, body_len,
                                 self._view[at:at + head_len])
         if nbuf:
-            msg.__dict__["buffers"] = self._copy_body(msg.KIND, table, at + head_len, body_len)
+            with_buffers(msg, self._copy_body(msg.KIND, table, at + head_len, body_len))
         self._lo = end
         out.append(msg)
         return True
@@ -386,7 +386,7 @@ class FrameReceiver(FrameDecoder):
                 return False
         assert f.msg is not None
         if f.bufs:  # fields were checked at head time; the views are flat "B" already
-            f.msg.__dict__["buffers"] = tuple(f.bufs)
+            with_buffers(f.msg, tuple(f.bufs))
         out.append(f.msg)
         self._frame = None
         return True
