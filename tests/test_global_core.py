@@ -10,7 +10,7 @@ import pytest
 from minips import sparse
 from minips.core.actions import Log
 from minips.core.config import RunConfig
-from minips.core.exchange import MAX_SESSIONS, STALENESS_FIELDS, Merged, SyncPoint
+from minips.core.exchange import BETWEEN_GROUPS, MAX_SESSIONS, Merged, SyncPoint
 from minips.core.global_core import (
     Action,
     Admitted,
@@ -290,7 +290,7 @@ def test_between_group_staleness_counts_other_groups_merges_since_the_last_answe
             assert "merge" not in [a.event for a in actions if isinstance(a, Log)]
             return {}
         line = merge_line(actions)
-        return {k: line[k] for k in STALENESS_FIELDS}
+        return {k: line[k] for k in BETWEEN_GROUPS}
 
     assert exchange(0, 1.0) == {"missed": 0, "base_age_s": 1.0}  # nothing merged before it
     assert exchange(1, 2.0) == {"missed": 1, "base_age_s": 2.0}  # group 0's merge at 1 s
@@ -307,7 +307,7 @@ def test_between_group_staleness_counts_other_groups_merges_since_the_last_answe
 
 def test_a_sync_point_leaves_the_groups_own_merges_out() -> None:
     # 7 - 3 versions since the point, one of them the group's own: 3 missed
-    assert SyncPoint(version=3, merges=1, at=0.5).staleness(7, 2, 2.0) == {
+    assert SyncPoint(version=3, merges=1, at=0.5).between_groups(7, 2, 2.0) == {
         "missed": 3, "base_age_s": 1.5}
 
 

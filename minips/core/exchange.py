@@ -106,7 +106,7 @@ __all__ = [
     "GroupMirror",
     "TopDiff",
     "exchange_ratio",
-    "STALENESS_FIELDS",
+    "BETWEEN_GROUPS",
     "SyncPoint",
     "ExchangeResult",
     "GroupLink",
@@ -330,7 +330,7 @@ def _rest(cand: np.ndarray, pos: np.ndarray) -> np.ndarray:
 
 # -- the staleness between groups: what a group's exchange was computed without ---------------
 
-STALENESS_FIELDS = ("missed", "base_age_s")  # a merge line's between-group staleness
+BETWEEN_GROUPS = ("missed", "base_age_s")  # a merge line's staleness between groups
 
 
 @dataclass(frozen=True)
@@ -346,14 +346,14 @@ class SyncPoint:
     merges: int
     at: float
 
-    def staleness(self, version: int, merges: int, now: float) -> dict[str, Any]:
+    def between_groups(self, version: int, merges: int, now: float) -> dict[str, Any]:
         """The between-group staleness of the group's exchange merged at ``now``, the global
         weights being at ``version`` before it and the group having ``merges`` merges so far:
         ``missed``, the merges of other groups since this point (the global versions its delta
         was computed without; its own merges never count), and ``base_age_s``, the seconds
         since the weights it rebased on were sent."""
         return {"missed": (version - self.version) - (merges - self.merges),
-                "base_age_s": round(now - self.at, 6)}
+                "base_age_s": round(now - self.at, 6)}  # to the µs: short record lines
 
 
 # -- the group's half: the delta, its counters, the rebase ------------------------------------

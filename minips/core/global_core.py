@@ -88,8 +88,8 @@ from minips.core.actions import Log
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.exchange import (
+    BETWEEN_GROUPS,
     MAX_SESSIONS,
-    STALENESS_FIELDS,
     Delta,
     ExchangeResult,
     GroupMirror,
@@ -532,14 +532,14 @@ class GlobalCore:
         the exchange took on the wire (the shell measured them); then the group's hop is
         counted, those and the reply's (``ExchangeResult.bytes_up`` / ``bytes_down``, and the
         running totals in the merge's line). The merge's line also says how stale between
-        groups the exchange was (``staleness``: ``missed``, ``base_age_s``); every answer,
+        groups the exchange was (``between_groups``: ``missed``, ``base_age_s``); every answer,
         a repeat's too, brings the group's copy up to date (``synced_now``)."""
         assert self.weights is not None
         h = self.groups[g]
         key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
         merged = self.merged.setdefault(g, Merged())
         repeat = key[1] >= 0 and merged.holds(*key)
-        added, stale = False, self.staleness(g, now)
+        added, stale = False, self.between_groups(g, now)
         if repeat:
             actions: list[Action] = [Log("merge_repeat", {"group": g, "seq": key[1],
                                                           "merged_seq": merged.last[key[0]]})]
@@ -630,15 +630,15 @@ class GlobalCore:
         """Group ``g``'s copy is brought up to the global weights as they are at ``now``."""
         self.synced[g] = SyncPoint(self.version, self.groups[g].merges, now)
 
-    def staleness(self, g: int, now: float) -> dict[str, Any]:
+    def between_groups(self, g: int, now: float) -> dict[str, Any]:
         """The between-group staleness of group ``g``'s exchange merged at ``now`` (before it
         is merged): ``missed`` and ``base_age_s`` (``exchange.SyncPoint``), None when the
         server does not know what the group's copy rebased on (a group resumed from a
         checkpoint, before its first answer)."""
         point = self.synced.get(g)
         if point is None:
-            return dict.fromkeys(STALENESS_FIELDS)
-        return point.staleness(self.version, self.groups[g].merges, now)
+            return dict.fromkeys(BETWEEN_GROUPS)
+        return point.between_groups(self.version, self.groups[g].merges, now)
 
     def mirror(self, g: int) -> GroupMirror:
         """The global server's copy of what group ``g`` holds of the global weights."""
