@@ -335,7 +335,7 @@ class GlobalServer:
         for g in sorted(set(assignment.values())):
             members = sorted(w for w, gg in assignment.items() if gg == g)
             handles.append(await self.open_group(g, members))
-        self.perform(self.core.groups_formed(handles, assignment))
+        self.perform(self.core.groups_formed(handles, assignment, time.monotonic()))
         self.groups_opened.set()
         for w in assignment:
             await self.tell_group(w)
@@ -372,7 +372,7 @@ class GlobalServer:
         core = self.core
         moves = core.roster.moved(assignment)
         for g in sorted(set(moves.values()) - set(core.groups)):
-            self.perform(core.group_opened(await self.open_group(g, [])))
+            self.perform(core.group_opened(await self.open_group(g, []), time.monotonic()))
         self.perform(core.moved(moves, time.monotonic()))
         for w in moves:
             await self.tell_group(w)

@@ -118,7 +118,7 @@ class Cluster:
             self.cores[g] = GroupCore(g, self.run, self.glob.weights, members=members)
         for w in GROUP_OF:
             self.glob.admit(w, 0.0)
-        self.glob.groups_formed(handles, dict(GROUP_OF))  # its record line: none kept here
+        self.glob.groups_formed(handles, dict(GROUP_OF), 0.0)  # its record line: none kept here
         self.workers = Workers(compressor)
         self.held: dict[int, list[int]] = {g: [] for g in self.cores}  # PULLs SSP holds
         self.waits = 0  # PULLs SSP held

@@ -141,7 +141,7 @@ class Cluster:
         for w in self.where:
             self.glob.roster.admit(w)
         handles = [GroupHandle(g, f"h:{g}", self.members(g)) for g in range(count)]
-        self.glob.groups_formed(handles, dict(self.where))
+        self.glob.groups_formed(handles, dict(self.where), 0.0)
         self.groups = [GroupCore(g, run, w0, members=self.members(g)) for g in range(count)]
         if forget:
             self.glob.changes = ChangeLog(N, max_entries=0)
@@ -196,7 +196,7 @@ class Cluster:
 
     def rebase(self, g: int) -> None:
         """A new global server: group ``g`` takes its weights whole (a PULL)."""
-        msg = global_core.reply(self.glob.group_pull(g), messages.GlobalWeights)
+        msg = global_core.reply(self.glob.group_pull(g, 0.0), messages.GlobalWeights)
         weights = sparse.decode_vector(msg.payload, N)
         assert isinstance(weights, np.ndarray)
         self.groups[g].rebase(weights, None)

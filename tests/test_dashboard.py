@@ -95,6 +95,15 @@ def test_metrics_parse_with_prometheus_text_parser_during_the_run(live: LiveRun)
         counts = [s.value for s in buckets]
         assert counts == sorted(counts)  # cumulative
     assert {s.labels["group"] for s in fams["minips_merges"].samples} <= {"0", "1"}
+    # the staleness between groups of every merged exchange, per group (both merged by now)
+    for name in ("minips_exchange_missed_merges", "minips_exchange_base_age_seconds"):
+        assert fams[name].type == "histogram"
+        merged = {s.labels["group"]: s.value for s in fams[name].samples
+                  if s.name.endswith("_count")}
+        assert set(merged) == {"0", "1"} and min(merged.values()) >= 1, (name, merged)
+    stats = {(s.labels["group"], s.labels["stat"]) for s in fams["minips_group_missed_merges"]
+             .samples}
+    assert stats == {(g, st) for g in ("0", "1") for st in ("last", "max")}
 
 
 @pytest.mark.timeout(300)

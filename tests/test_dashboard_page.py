@@ -43,7 +43,9 @@ def write_run(d: Path, wait_us: int = 5000) -> None:
                          "bytes_in": 40_000 * i, "bytes_out": 90_000 * i,
                          "bytes_to_global": 20_000 * i, "bytes_from_global": 30_000 * i,
                          "pull_workers": ws, "pull_leads": [1] * len(ws),
-                         "pull_waits_us": [wait_us] * len(ws)})
+                         "pull_waits_us": [wait_us] * len(ws),
+                         # group 1 (slow) misses most: 2, 4, 6, 2, 4, 6, ... other merges
+                         "missed": 2 * (1 + i % 3) if g == 1 else 1, "base_age_s": 0.5})
     glob += [{"t": t, "event": "checkpoint", "bytes": 250_000, "write_s": 0.01}
              for t in (3.0, 5.0, 7.0)]
     glob += [{"t": 6.0, "event": "regroup", "moved": {"2": 0}},
@@ -122,11 +124,19 @@ def test_page_marks_slow_workers_cluster_wide_drops_vanished_groups_and_reads_we
         assert held[0][1] >= 5 and held[0][2] == pytest.approx(18 * 0.005)  # who waited, when
         colours = js("return document.getElementById('c-held')._chart.series.map((s) => s.color)")
         assert len(set(colours)) == 5  # one per worker, two of a group told apart
-        for chart, names in (("held", [h[0] for h in held]), ("bytes", [h[0] for h in hops])):
+        missed = js("return document.getElementById('c-missed')._chart.series"
+                    ".map((s) => [s.name, Math.max(...s.points.map((p) => p[1]))])")
+        assert missed == [["group 0", 1], ["group 1", 6]]  # group 2 vanished here too
+        card = js("return document.querySelector('.group[data-group=\"1\"] .between')"
+                  ".textContent")
+        assert card == " · missed 2 merges (max 6) · base 0.50 s (max 0.50 s)"  # its last, 18
+        for chart, names in (("held", [h[0] for h in held]), ("bytes", [h[0] for h in hops]),
+                             ("missed", [m[0] for m in missed]),
+                             ("base-age", [m[0] for m in missed])):
             legend = js(f"return [...document.querySelectorAll('#l-{chart} span')]"
                         ".map((e) => e.textContent)")
             assert legend == names, chart
-        for chart in ("c-acc-t", "c-loss-b", "c-clocks", "c-bytes"):
+        for chart in ("c-acc-t", "c-loss-b", "c-clocks", "c-bytes", "c-missed"):
             for axis in ("xticks", "yticks"):
                 ticks = js(f"return document.getElementById('{chart}').dataset.{axis}")
                 assert round_ticks(ticks), (chart, axis, ticks)
@@ -137,6 +147,7 @@ def test_page_marks_slow_workers_cluster_wide_drops_vanished_groups_and_reads_we
         assert "%" in js(HOVER, "c-acc-t") and js(HOVER, "c-acc-t").endswith(" s")
         assert "group to" in js(HOVER, "c-bytes") and " MB at " in js(HOVER, "c-bytes")
         assert " s held at " in js(HOVER, "c-held") and js(HOVER, "c-acc-b").endswith(" MB")
+        assert " merges at " in js(HOVER, "c-missed") and " s at " in js(HOVER, "c-base-age")
         events = js("return [...document.querySelectorAll('#events .event')]"
                     ".map((e) => e.textContent)")
         assert events[0].endswith("run over: epochs")  # the newest first

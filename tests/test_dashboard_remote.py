@@ -3,10 +3,10 @@
 A real `minips server --dashboard` on loopback, an external `minips group` process and two real
 workers, each with a run directory of its own (as on other machines: the server's directory
 holds none of their metrics files). While they train, Prometheus' text parser reads /metrics:
-the workers' pushes, the answered pulls' staleness and SSP waits, per-worker series and the
-group <-> global bytes are all there, and /state says that no evaluator runs and fills each
-worker's row (clock, step time, staleness, SSP wait, bytes per push, upload) from what the
-servers saw.
+the workers' pushes, the answered pulls' staleness and SSP waits, per-worker series, the
+group <-> global bytes and the exchanges' staleness between groups are all there, and /state
+says that no evaluator runs and fills each worker's row (clock, step time, staleness, SSP wait,
+bytes per push, upload) from what the servers saw.
 """
 
 from __future__ import annotations
@@ -115,6 +115,12 @@ def test_metrics_count_the_pushes_pulls_and_exchange_bytes_of_remote_groups_and_
     assert _sum(m, "minips_bytes_total", hop="worker_to_group") > 0
     assert {dict(ls)["worker"] for (n, ls) in m if n == "minips_worker_clock"} == {"0", "1"}
     assert _sum(m, "minips_worker_pulls_total") == _sum(m, "minips_staleness_steps_count")
+    # the staleness between groups of the group process's exchanges, counted from its PULL and
+    # each reply: one group has no other group's merge to miss
+    merged = _sum(m, "minips_exchange_missed_merges_count", group="0")
+    assert merged >= 1 and _sum(m, "minips_exchange_missed_merges_sum") == 0
+    assert _sum(m, "minips_exchange_base_age_seconds_count", group="0") == merged
+    assert _sum(m, "minips_exchange_base_age_seconds_sum") > 0
     assert m[("minips_run_info", (("compressor", "none"), ("dataset", "fashion-mnist"),
                                   ("mode", "ssp"), ("model", "lenet5"), ("staleness", "1"),
                                   ("sync_every", "4"), ("workers", "2")))] == 1

@@ -174,6 +174,51 @@ def test_prometheus_collector_exposes_the_state_in_the_text_format() -> None:
     assert len(info) == 1 and dict(info[0][1])["compressor"] == "topk" and value[info[0]] == 1
 
 
+def test_the_staleness_between_groups_reaches_the_cards_a_chart_and_the_metrics() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minips.dashboard.web import RunCollector
+
+    s = RunState(CONFIG)
+    s.add("global", {"t": 1.0, "event": "groups", "assignment": {"0": 0, "1": 1}})
+    s.add("global", merge(0, 1.5, missed=None, base_age_s=None))  # resumed: not known
+    s.add("global", merge(0, 2.0, missed=0, base_age_s=0.5))
+    s.add("global", merge(1, 2.0, missed=3, base_age_s=1.0))
+    s.add("global", merge(1, 2.2, missed=5, base_age_s=0.2))  # within CLOCK_POINT_S: held back
+    s.add("global", merge(1, 2.6, missed=1, base_age_s=0.4))  # ... and given with the next
+    s.add("global", merge(0, 3.0))  # a record written before the figures existed
+    msg = s.update(3.0)
+    assert [(p["group"], p["missed"], p["base_age_s"], p["tt"]) for p in msg["between"]] == [
+        (0, 0, 0.5, 1.0), (1, 3, 1.0, 1.0), (1, 5, 0.4, 1.6)]  # the most since the last point
+    g0, g1 = msg["groups"]["0"], msg["groups"]["1"]
+    assert (g1["missed"], g1["base_age_s"]) == (1, 0.4)  # the last merge's, on the card
+    assert (g1["missed_max"], g1["base_age_max_s"]) == (5, 1.0)
+    assert g1["missed_mean"] == 3 and g1["base_age_mean_s"] == pytest.approx(1.6 / 3)
+    assert (g0["missed"], g0["missed_max"], g0["missed_mean"]) == (0, 0, 0)
+    assert s.missed_hist[1].cumulative()[:4] == [("0.0", 0), ("1.0", 1), ("2.0", 1), ("3.0", 2)]
+
+    registry = CollectorRegistry()
+    registry.register(RunCollector(s, lambda: 3.0))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    value = {(x.name, tuple(sorted(x.labels.items()))): x.value
+             for f in fams.values() for x in f.samples}
+    assert fams["minips_exchange_missed_merges"].type == "histogram"
+    assert fams["minips_exchange_base_age_seconds"].type == "histogram"
+    assert "other groups" in fams["minips_exchange_missed_merges"].documentation
+    one = (("group", "1"),)
+    assert value[("minips_exchange_missed_merges_count", one)] == 3
+    assert value[("minips_exchange_missed_merges_sum", one)] == 9
+    assert value[("minips_exchange_missed_merges_bucket", (("group", "1"), ("le", "4.0")))] == 2
+    assert value[("minips_exchange_base_age_seconds_sum", one)] == pytest.approx(1.6)
+    assert value[("minips_exchange_base_age_seconds_count", (("group", "0"),))] == 1
+    for stat, missed, age in (("last", 1, 0.4), ("max", 5, 1.0)):
+        key = (("group", "1"), ("stat", stat))
+        assert value[("minips_group_missed_merges", key)] == missed
+        assert value[("minips_group_base_age_seconds", key)] == pytest.approx(age)
+
+
 # -- following and replaying files ---------------------------------------------------------------
 
 

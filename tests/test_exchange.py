@@ -90,7 +90,7 @@ class Cluster:
         assert self.srv.core.weights is not None
         self.initial = self.srv.core.weights.astype(np.float64)
         for g in range(groups):
-            self.srv.core.group_opened(GroupHandle(g, "", [g]))
+            self.srv.core.group_opened(GroupHandle(g, "", [g]), 0.0)
         self.groups = [Group(g, self.srv.core.weights) for g in range(groups)]
         self.convs = [self._registered() for _ in range(groups)]  # each group's connection
         self.servers = [self.srv]
@@ -376,7 +376,7 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
                     optimizer_at="worker")  # a push of one member moves the weights by itself
     srv = GlobalServer(ServerConfig(run=run, port=0, token=TOKEN, run_dir=str(tmp_path)),
                        np.zeros(n, np.float32))
-    srv.core.group_opened(GroupHandle(0, "", [0]))
+    srv.core.group_opened(GroupHandle(0, "", [0]), 0.0)
     assert srv.core.weights is not None
     gs = GroupServer(0, run, srv.core.weights, LossyLink(srv, {1, 5, 6}), members=[0],
                      writer=srv.rundir.writer("group-0"))

@@ -10,7 +10,7 @@ import pytest
 from minips import sparse
 from minips.core.actions import Log
 from minips.core.config import RunConfig
-from minips.core.exchange import MAX_SESSIONS, Merged
+from minips.core.exchange import BETWEEN_GROUPS, MAX_SESSIONS, Merged, SyncPoint
 from minips.core.global_core import (
     Action,
     Admitted,
@@ -49,7 +49,7 @@ def grouped(c: GlobalCore, groups: int = 1) -> None:
     """Every worker in a group (as the shell's FormGroups does), no server behind it."""
     handles = [GroupHandle(g, f"h:{g}", [w for w in c.workers if w % groups == g])
                for g in range(groups)]
-    c.groups_formed(handles, {w: w % groups for w in c.workers})
+    c.groups_formed(handles, {w: w % groups for w in c.workers}, 0.0)
 
 
 def decided(actions: list[Action]) -> list[Action]:
@@ -135,7 +135,7 @@ def test_group_answers_name_the_exchanges_held_and_a_repeat_is_not_merged_twice(
     c = core(np.zeros(N, np.float32), workers=1)
     c.roster.admit(0)
     grouped(c)
-    pull = reply(c.group_pull(0), messages.GlobalWeights)
+    pull = reply(c.group_pull(0, 0.0), messages.GlobalWeights)
     assert pull.info["members"] == [0] and pull.info["last_exchange"] == [-1, -1]
     delta = np.full(N, 0.5, np.float32)
     first = reply(c.on_exchange(0, delta, {"samples": 2, "session": 7, "seq": 1}, 0.0),
@@ -143,7 +143,7 @@ def test_group_answers_name_the_exchanges_held_and_a_repeat_is_not_merged_twice(
     again = reply(c.on_exchange(0, delta, {"samples": 2, "session": 7, "seq": 1}, 0.0),
                   messages.ExchangeReply)  # reply lost
     assert c.version == 1 and c.samples == 2 and first.samples == again.samples == 2
-    assert reply(c.group_pull(0), messages.GlobalWeights).info["last_exchange"] == [7, 1]
+    assert reply(c.group_pull(0, 0.0), messages.GlobalWeights).info["last_exchange"] == [7, 1]
     w = sparse.decode_vector(again.payload, N)
     assert np.asarray(w).tolist() == [0.5] * N
     c.checkpoint_state()  # a snapshot records the exchange it holds
@@ -217,7 +217,7 @@ def test_a_groups_ratio_has_one_owner_the_shell_hands_it_to_the_group() -> None:
         c.on_stats(w, stats(0.01 * (w + 1)), 0.0)
     gs = GroupServer(0, c.run, np.zeros(N, np.float32), None, members=[0])
     c.groups_formed([GroupHandle(0, "h:0", [0], peer=InProcGroup(gs)),
-                     GroupHandle(1, "h:1", [1], peer=NoGroup())], {0: 0, 1: 1})
+                     GroupHandle(1, "h:1", [1], peer=NoGroup())], {0: 0, 1: 1}, 0.0)
     c.roster.policy.every_s = 0.0  # type: ignore[union-attr]
     c.roster.observe_iter_time(0, 0.5, 0.0)
     actions = c.merge(1, np.zeros(N, np.float32), {"samples": 1, "iter_time": 0.1}, 0.0)
@@ -259,9 +259,70 @@ def test_a_group_process_told_its_group_before_the_groups_form_gets_its_h_not_0(
                for g in (0, 1)]
     early = [c.assign_message(h).local_steps for h in handles]  # before the groups form
     assert early == [8, 2]
-    c.groups_formed(handles, assignment)
+    c.groups_formed(handles, assignment, 0.0)
     assert [c.assign_message(h).local_steps for h in handles] == early
     one = core(np.zeros(N, np.float32), workers=1, optimizer_at="worker", local_steps=0)
     assert one.assign_message(GroupHandle(0, "h:0", [0])).local_steps == 8  # nothing known yet
     fixed = core(np.zeros(N, np.float32), workers=1, optimizer_at="worker", local_steps=3)
     assert fixed.assign_message(GroupHandle(0, "h:0", [0])).local_steps == 0  # 0: the run's H
+
+
+def merge_line(actions: list[Action]) -> dict[str, object]:
+    """The fields of the ``merge`` line an exchange's merge wrote."""
+    return next(a.fields for a in actions if isinstance(a, Log) and a.event == "merge")
+
+
+def test_between_group_staleness_counts_other_groups_merges_since_the_last_answer() -> None:
+    # two groups exchange in a scripted order; each merge line says how many merges of the
+    # *other* group its delta was computed without (``missed``) and how old the global weights
+    # it rebased on were (``base_age_s``): counted from the group's last answer or PULL
+    c = core(np.zeros(N, np.float32), workers=2, groups=2, mode="gssp")
+    for w in (0, 1):
+        c.roster.admit(w)
+    grouped(c, 2)  # at now = 0: both groups open with the weights of version 0
+    one = np.ones(N, np.float32)
+    seqs = {0: 0, 1: 0}
+
+    def exchange(g: int, now: float, repeat: bool = False) -> dict[str, object]:
+        seqs[g] += 0 if repeat else 1
+        actions = c.merge(g, one, {"samples": 1, "session": 10 + g, "seq": seqs[g]}, now)
+        if repeat:  # answered, not merged: no merge line
+            assert "merge" not in [a.event for a in actions if isinstance(a, Log)]
+            return {}
+        line = merge_line(actions)
+        return {k: line[k] for k in BETWEEN_GROUPS}
+
+    assert exchange(0, 1.0) == {"missed": 0, "base_age_s": 1.0}  # nothing merged before it
+    assert exchange(1, 2.0) == {"missed": 1, "base_age_s": 2.0}  # group 0's merge at 1 s
+    assert exchange(1, 3.5) == {"missed": 0, "base_age_s": 1.5}  # its own merge never counts
+    assert exchange(0, 4.0) == {"missed": 2, "base_age_s": 3.0}  # group 1's two merges
+    reply(c.group_pull(0, 5.0), messages.GlobalWeights)  # group 0 takes the weights whole
+    assert exchange(1, 6.0) == {"missed": 1, "base_age_s": 2.5}  # group 0's merge at 4 s
+    assert exchange(0, 7.0) == {"missed": 1, "base_age_s": 2.0}  # from the PULL, not 4 s
+    assert exchange(0, 8.0, repeat=True) == {}  # group 0's reply was lost: it sends again
+    assert c.version == 6
+    assert exchange(1, 9.0) == {"missed": 1, "base_age_s": 3.0}
+    assert exchange(0, 10.0) == {"missed": 1, "base_age_s": 2.0}  # from the repeat's answer
+
+
+def test_a_sync_point_leaves_the_groups_own_merges_out() -> None:
+    # 7 - 3 versions since the point, one of them the group's own: 3 missed
+    assert SyncPoint(version=3, merges=1, at=0.5).between_groups(7, 2, 2.0) == {
+        "missed": 3, "base_age_s": 1.5}
+
+
+def test_between_group_staleness_is_unknown_after_a_resume_until_the_first_answer() -> None:
+    # the point is not in the checkpoint: an in-process group resumed from it rebased on
+    # weights the new server cannot name, so its first merge line says None, the next a figure
+    c = core(np.zeros(N, np.float32), workers=1)
+    c.roster.admit(0)
+    grouped(c)
+    c.merge(0, np.ones(N, np.float32), {"samples": 1, "session": 1, "seq": 1}, 1.0)
+    state = c.checkpoint_state()
+    back = core(None, workers=1)
+    back.load_state_dict(state)
+    back.resume({0: GroupHandle(0, "h:0", [0])}, state)
+    first = merge_line(back.merge(0, np.ones(N, np.float32), {"session": 1, "seq": 2}, 5.0))
+    assert (first["missed"], first["base_age_s"]) == (None, None)
+    then = merge_line(back.merge(0, np.ones(N, np.float32), {"session": 1, "seq": 3}, 5.25))
+    assert (then["missed"], then["base_age_s"]) == (0, 0.25)

@@ -215,7 +215,7 @@ async def test_global_merge_of_k_groups_is_the_mean_of_their_deltas(
     srv = make_server(tmp_path, np.zeros(4, np.float32), workers=3, mode="asp", lr=1.0,
                       momentum=0.0, weight_decay=0.0, sync_every=1, merge=merge)
     for g in range(3):
-        srv.core.group_opened(GroupHandle(g, "", [g]))
+        srv.core.group_opened(GroupHandle(g, "", [g]), 0.0)
     assert srv.core.weights is not None
     servers = [GroupServer(g, srv.core.run, srv.core.weights, InProcLink(srv), members=[g])
                for g in range(3)]

@@ -150,7 +150,7 @@ async def run_with_asyncio(compressor: str, events: list[Any],
         handles.append(GroupHandle(g, "", members, peer=InProcGroup(servers[g])))
     for w in noio_cluster.GROUP_OF:
         srv.core.admit(w, 0.0)
-    srv.perform(srv.core.groups_formed(handles, dict(noio_cluster.GROUP_OF)))
+    srv.perform(srv.core.groups_formed(handles, dict(noio_cluster.GROUP_OF), 0.0))
     workers, pushes = noio_cluster.Workers(compressor), {}
     try:
         for kind, who, t[0] in events:

@@ -152,7 +152,7 @@ def test_auto_local_steps_follow_the_groups_speeds() -> None:
     assignment = core.first_assignment(0.0)
     handles = [GroupHandle(g, f"h:{g}", sorted(w for w, h in assignment.items() if h == g))
                for g in sorted(set(assignment.values()))]
-    actions = core.groups_formed(handles, assignment)
+    actions = core.groups_formed(handles, assignment, 0.0)
     assert {g: h.local_steps for g, h in core.groups.items()} == {0: 8, 1: 2}
     assert any(isinstance(a, SendSettings) for a in actions)
     assert core.assign_message(core.groups[1]).local_steps == 2

@@ -276,3 +276,26 @@ def test_a_server_whose_workers_write_elsewhere_summarizes_what_it_saw(tmp_path)
     (tmp_path / "data-worker-0.json").write_text(json.dumps(
         {"role": "worker-0", "dataset": "fashion-mnist", "synthetic": False, "source": "/d"}))
     assert summarize(tmp_path, write=False)["data_sources"]["worker-0"]["source"] == "/d"
+
+
+def test_the_summary_says_how_stale_between_groups_each_groups_exchanges_were(tmp_path):
+    """From the global server's merge lines: per group, the mean and the most of the other
+    groups' merges its exchanges missed and of the age of the weights they rebased on; a line
+    without them (older records, a group resumed before its first answer) counts in neither."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    merge = {"event": "merge", "pull_workers": [], "pull_leads": [], "pull_waits_us": []}
+    _lines(tmp_path / "global.jsonl", [
+        {"t": 1.0, "event": "groups", "assignment": {"0": 0, "1": 1}},
+        {**merge, "t": 2.0, "group": 0, "missed": None, "base_age_s": None},
+        {**merge, "t": 2.5, "group": 0, "missed": 0, "base_age_s": 0.5},
+        {**merge, "t": 3.0, "group": 1, "missed": 2, "base_age_s": 2.0},
+        {**merge, "t": 3.5, "group": 0, "missed": 1, "base_age_s": 1.0},
+        {**merge, "t": 6.0, "group": 1, "missed": 4, "base_age_s": 3.0},
+        {**merge, "t": 7.0, "group": 2},
+    ])
+    s = summarize(tmp_path, write=False)
+    assert s["between_groups"] == {
+        "0": {"mean_missed": 0.5, "max_missed": 1, "mean_base_age_s": 0.75, "max_base_age_s": 1},
+        "1": {"mean_missed": 3, "max_missed": 4, "mean_base_age_s": 2.5, "max_base_age_s": 3},
+        "2": {"mean_missed": None, "max_missed": None, "mean_base_age_s": None,
+              "max_base_age_s": None}}

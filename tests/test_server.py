@@ -404,7 +404,7 @@ async def test_workers_after_the_calibration_deadline_are_assigned_after_their_f
 
 async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> None:
     srv = make_server(tmp_path, np.zeros(4, np.float32), workers=1, mode="ssp")
-    srv.core.group_opened(GroupHandle(0, "", [0]))
+    srv.core.group_opened(GroupHandle(0, "", [0]), 0.0)
     gs = GroupServer(0, srv.core.run, srv.core.weights, ReplyLost(srv), members=[0])
     try:
         gs.core.weights += 1.0  # (4,) what the group's workers applied before the first exchange

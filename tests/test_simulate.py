@@ -136,6 +136,32 @@ def test_sim_s_is_the_simulated_training_time_not_the_next_evaluation_tick(
     assert last_eval["final"] and last_eval["t"] < 2.0
 
 
+def test_each_merge_line_says_what_other_groups_merged_since_the_groups_last_answer(
+        tmp_path: Path) -> None:
+    """The between-group staleness in the records: a merge line's ``missed`` is the other
+    groups' merge lines since the group's previous one (or since the groups formed) and its
+    ``base_age_s`` the simulated seconds since then (each answer goes out at its merge)."""
+    run = RunConfig(workers=4, groups=2, mode="gssp", lr_warmup=0, dataset="synthetic",
+                    epochs=100, base_step_s=0.04, sync_every=2)
+    simulate(SimConfig(run=run, slowdowns=[1, 1, 4, 4], dim=50, max_pushes=200,
+                       out_dir=str(tmp_path), name="between"))
+    lines = read_jsonl(tmp_path / "between" / "global.jsonl")
+    start = next(r["t"] for r in lines if r["event"] == "groups")
+    merges = [r for r in lines if r["event"] == "merge"]
+    last: dict[int, tuple[int, float]] = {}  # group -> (merges before its last, its t)
+    missed: dict[int, list[int]] = {0: [], 1: []}
+    for i, r in enumerate(merges):
+        before, since = last.get(r["group"], (0, start))
+        others = sum(1 for m in merges[before:i] if m["group"] != r["group"])
+        assert r["missed"] == others, (i, r)
+        assert r["base_age_s"] == pytest.approx(r["t"] - since, abs=1e-6)
+        last[r["group"]] = (i + 1, r["t"])
+        missed[r["group"]].append(r["missed"])
+    # group 1 steps 4x slower: it misses ~4 of group 0's merges per exchange, group 0 at most 1
+    assert len(missed[0]) > 3 * len(missed[1]) > 30
+    assert max(missed[0]) == 1 and sorted(missed[1])[len(missed[1]) // 2] == 4
+
+
 def test_every_simulate_option_has_help() -> None:
     from minips.run import flags
 

@@ -34,7 +34,7 @@ class Sim:
         self.tmp = tmp_path
         self.srv = self._server()
         self.srv.perform(self.srv.core.on_initial(np.zeros(N, np.float32)))
-        self.srv.core.group_opened(GroupHandle(0, "", [0]))
+        self.srv.core.group_opened(GroupHandle(0, "", [0]), 0.0)
         self.weights = np.zeros(N, np.float32)  # the group's weights
         self.xchg = GroupSync(self.weights)
         self.applied, self.samples = np.zeros(N, np.float32), 0  # all the group ever applied
@@ -89,7 +89,7 @@ class Sim:
 
     async def reconnect(self) -> None:
         h = self.srv.core.groups[0]
-        info = global_core.reply(self.srv.core.group_pull(h.id), messages.GlobalWeights).info
+        info = global_core.reply(self.srv.core.group_pull(h.id, 0.0), messages.GlobalWeights).info
         held = seqs_in(info, "last_exchange", self.xchg.session)
         assert held is not None and self.srv.core.weights is not None
         self.weights, _ = self.xchg.rebase(self.weights, self.srv.core.weights.copy(), held[0])

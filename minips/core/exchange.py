@@ -61,6 +61,12 @@ Progress. ``cluster_samples()`` estimates how many samples all groups have train
 global server's count in the last reply plus this group's samples counted since the exchange it
 answered began (for lr schedules). With one group it is exact.
 
+Staleness between groups. Groups exchange asynchronously, so a group's delta was computed on
+global weights that other groups' merges have passed since. The global server marks, per group,
+the ``SyncPoint`` its copy was last brought up to (the global version, the group's own merges
+then, the time: each reply, each PULL) and, at the merge of the group's next exchange, counts
+``missed`` (other groups' merges since) and ``base_age_s`` (seconds since).
+
 Work per exchange. Given the indices the group's weights changed at since the last exchange
 began (its change log, ``core/changelog.py``), ``begin`` looks for ``s`` only among them and
 those the last exchange left unsent (``left``), and ``complete`` rebases only the entries ``s``
@@ -100,6 +106,8 @@ __all__ = [
     "GroupMirror",
     "TopDiff",
     "exchange_ratio",
+    "BETWEEN_GROUPS",
+    "SyncPoint",
     "ExchangeResult",
     "GroupLink",
     "Outgoing",
@@ -318,6 +326,34 @@ def _rest(cand: np.ndarray, pos: np.ndarray) -> np.ndarray:
     keep = np.ones(cand.size, dtype=np.bool_)
     keep[pos] = False
     return cand[keep]
+
+
+# -- the staleness between groups: what a group's exchange was computed without ---------------
+
+BETWEEN_GROUPS = ("missed", "base_age_s")  # a merge line's staleness between groups
+
+
+@dataclass(frozen=True)
+class SyncPoint:
+    """The global weights a group's copy was last brought up to, as the global server sent them
+    (an exchange's reply, a PULL's GLOBAL_WEIGHTS, or the weights a group opened with): the
+    global ``version`` then (merges applied), the group's own ``merges`` by then, and ``at``,
+    when (the core's ``now``, seconds). A sparse reply brings the copy up to date only at the
+    entries it sets (the rest follows with later replies), so a figure counted from it is a
+    lower bound of what the copy lacks."""
+
+    version: int
+    merges: int
+    at: float
+
+    def between_groups(self, version: int, merges: int, now: float) -> dict[str, Any]:
+        """The between-group staleness of the group's exchange merged at ``now``, the global
+        weights being at ``version`` before it and the group having ``merges`` merges so far:
+        ``missed``, the merges of other groups since this point (the global versions its delta
+        was computed without; its own merges never count), and ``base_age_s``, the seconds
+        since the weights it rebased on were sent."""
+        return {"missed": (version - self.version) - (merges - self.merges),
+                "base_age_s": round(now - self.at, 6)}  # to the µs: short record lines
 
 
 # -- the group's half: the delta, its counters, the rebase ------------------------------------

@@ -52,6 +52,14 @@ merging). The run's counters (samples, version, the groups' worker traffic summe
 ``messages.MAX_COUNT`` (2^62), what GLOBAL_WEIGHTS can carry: an exchange that would take one
 past it is refused (``RemoteProtocolError``) before anything of it is merged.
 
+Staleness between groups. ``synced`` holds, per group, the global weights its copy was last
+brought up to (``exchange.SyncPoint``: version, the group's own merges then, ``now``): set when
+the group opens (``groups_formed``, ``group_opened``), at each PULL (``group_pull``) and at each
+answer to its exchanges (``merge``). Each ``merge`` line says how stale the exchange was:
+``missed``, the merges of *other* groups since then (its own never count), and
+``base_age_s``, the seconds since then; both None for a group resumed from a checkpoint until
+its first answer (the point is not saved).
+
 Checkpoints. ``checkpoint_state`` takes a snapshot (``snapshot``) and ``load_state_dict`` /
 ``resume`` bring it back (``restore_workers``, ``restore_group``); ``server.GlobalServer``
 writes and reads the file (``checkpoint.py``: atomic, no pickle; ``check_compatible`` refuses
@@ -80,11 +88,13 @@ from minips.core.actions import Log
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.exchange import (
+    BETWEEN_GROUPS,
     MAX_SESSIONS,
     Delta,
     ExchangeResult,
     GroupMirror,
     Merged,
+    SyncPoint,
     exchange_ratio,
 )
 from minips.core.local_steps import auto_local_steps
@@ -284,6 +294,9 @@ class GlobalCore:
         self.workers = self.roster.workers  # worker id -> WorkerEntry
         self.groups = self.roster.groups  # group id -> GroupHandle
         self.mirrors: dict[int, GroupMirror] = {}  # group id -> what it holds of the weights
+        # group id -> the global weights its copy was last brought up to (between-group
+        # staleness, ``synced``); none for a group resumed from a checkpoint until it is answered
+        self.synced: dict[int, SyncPoint] = {}
         # for each merge the indices it touched: an answer to a group costs O(changes since)
         self.changes: ChangeLog | None = None  # made with the weights (``change_log``)
         self.merged: dict[int, Merged] = {}  # group id -> last merged seq of its sessions
@@ -396,12 +409,14 @@ class GlobalCore:
         """The GDTopK ratio group ``g`` opens with (``Roster.ratio_of``)."""
         return self.roster.ratio_of(g)
 
-    def groups_formed(self, handles: list[GroupHandle],
-                      assignment: dict[int, int]) -> list[Action]:
-        """The first groups are open (``handles``, after ``first_assignment``): training
-        starts, every worker of ``assignment`` is in its group."""
+    def groups_formed(self, handles: list[GroupHandle], assignment: dict[int, int],
+                      now: float) -> list[Action]:
+        """The first groups are open (``handles``, after ``first_assignment``), each with the
+        global weights as they are at ``now``: training starts, every worker of ``assignment``
+        is in its group."""
         for h in handles:
             self.groups[h.id] = h
+            self.synced_now(h.id, now)
         self.roster.refresh_step_times()
         self.started_training = self.wall()
         for w, g in assignment.items():
@@ -432,9 +447,10 @@ class GlobalCore:
         return [Log("placed", {"worker": w, "group": g, "moved": {str(w): g},
                                "step_time": entry.step_time}), Placed(w, g)]
 
-    def group_opened(self, h: GroupHandle) -> list[Action]:
-        """A new group (a regroup drew it) has its server."""
+    def group_opened(self, h: GroupHandle, now: float) -> list[Action]:
+        """A new group (a regroup drew it) has its server, opened with the global weights."""
         self.groups[h.id] = h
+        self.synced_now(h.id, now)
         return []
 
     def moved(self, moves: dict[int, int], now: float) -> list[Action]:
@@ -515,13 +531,15 @@ class GlobalCore:
         ``RemoteProtocolError`` (``check_counters``), nothing merged. ``wire_in``: the bytes
         the exchange took on the wire (the shell measured them); then the group's hop is
         counted, those and the reply's (``ExchangeResult.bytes_up`` / ``bytes_down``, and the
-        running totals in the merge's line)."""
+        running totals in the merge's line). The merge's line also says how stale between
+        groups the exchange was (``between_groups``: ``missed``, ``base_age_s``); every answer,
+        a repeat's too, brings the group's copy up to date (``synced_now``)."""
         assert self.weights is not None
         h = self.groups[g]
         key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
         merged = self.merged.setdefault(g, Merged())
         repeat = key[1] >= 0 and merged.holds(*key)
-        added = False
+        added, stale = False, self.between_groups(g, now)
         if repeat:
             actions: list[Action] = [Log("merge_repeat", {"group": g, "seq": key[1],
                                                           "merged_seq": merged.last[key[0]]})]
@@ -537,6 +555,7 @@ class GlobalCore:
             h.last_exchange = key
             added, actions = self._add_delta(g, delta, stats, now)
         sent = self.mirror(g).answer(self.weights, repeat, self.change_log())
+        self.synced_now(g, now)  # what the answer brings the group's copy up to
         res = ExchangeResult(sent, self.version, self.done, self.samples)
         if wire_in is not None:
             res.bytes_up, res.bytes_down = wire_in, frames.wire_size(self.exchange_reply(g, sent))
@@ -545,7 +564,7 @@ class GlobalCore:
         if added:
             fields = {k: v for k, v in stats.items() if k not in ("version", "samples")}
             actions.append(Log("merge", {"group": g, "group_samples": stats.get("samples", 0),
-                                         **fields, **h.hop_bytes}))
+                                         **fields, **h.hop_bytes, **stale}))
             actions += self._check_budget()
         return [*actions, Reply(g, res)]
 
@@ -558,13 +577,15 @@ class GlobalCore:
         res = reply(actions, ExchangeResult)
         return [*actions[:-1], Reply(g, self.exchange_reply(g, res.weights))]
 
-    def group_pull(self, g: int) -> list[Action]:
+    def group_pull(self, g: int, now: float) -> list[Action]:
         """A group process (registering, adopting, reconnecting) takes the global weights whole
-        (``Reply`` with GLOBAL_WEIGHTS), so the server's mirror of its copy starts from them
-        (exchange.py); the answer names the exchange the server merged last (exchange.py)."""
+        (``Reply`` with GLOBAL_WEIGHTS) at ``now``, so the server's mirror of its copy starts
+        from them (exchange.py) and so does its staleness (``synced``); the answer names the
+        exchange the server merged last (exchange.py)."""
         assert self.weights is not None
         weights = self.weights.copy()  # what goes out: merges may land before it is written
         self.mirror(g).reset(weights, self.change_log().version)
+        self.synced_now(g, now)
         msg = self.weights_message(weights, members=self.groups[g].members)
         return [Reply(g, dataclasses.replace(msg,
                                              last_exchange=list(self.groups[g].last_exchange)))]
@@ -604,6 +625,20 @@ class GlobalCore:
         if self.changes is None or self.changes.size != self.weights.size:
             self.changes = ChangeLog(self.weights.size)
         return self.changes
+
+    def synced_now(self, g: int, now: float) -> None:
+        """Group ``g``'s copy is brought up to the global weights as they are at ``now``."""
+        self.synced[g] = SyncPoint(self.version, self.groups[g].merges, now)
+
+    def between_groups(self, g: int, now: float) -> dict[str, Any]:
+        """The between-group staleness of group ``g``'s exchange merged at ``now`` (before it
+        is merged): ``missed`` and ``base_age_s`` (``exchange.SyncPoint``), None when the
+        server does not know what the group's copy rebased on (a group resumed from a
+        checkpoint, before its first answer)."""
+        point = self.synced.get(g)
+        if point is None:
+            return dict.fromkeys(BETWEEN_GROUPS)
+        return point.between_groups(self.version, self.groups[g].merges, now)
 
     def mirror(self, g: int) -> GroupMirror:
         """The global server's copy of what group ``g`` holds of the global weights."""

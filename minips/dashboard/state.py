@@ -17,7 +17,10 @@ is passed in by the caller.
 The run's counters come from what the servers see, wherever the workers and groups run: the
 global server's ``merge`` lines (global.jsonl) carry each exchange's pushes, the group's clocks
 and worker traffic, the PULLs it answered (worker, lead, SSP wait: the staleness and wait
-histograms, each worker's pulls) and the group <-> global bytes the global server counted. A
+histograms, each worker's pulls), the group <-> global bytes the global server counted and
+the exchange's staleness between groups (``missed``, ``base_age_s``: per group, the histograms
+``missed_hist`` / ``base_age_hist``, the last merge's figures on its card and the ``between``
+chart series, at most one point per group every ``CLOCK_POINT_S``, the most since its last). A
 worker's own file, where the run directory has it, adds the columns of its last push (bytes
 per push, upload ratio, its pull's duration) and its events; a worker whose file is on another
 machine gets, in its row, what the servers saw (``WorkerView.row``): the lead and SSP wait of
@@ -52,8 +55,8 @@ Each line is handed over exactly once and only whole; a file that shrinks (a new
 directory) is read again from its start.
 
 Public API: ``EVENT_KINDS``, ``HOPS``, ``SLOW_FACTOR``, ``STALENESS_BUCKETS``, ``WAIT_BUCKETS``,
-``Histogram``, ``RunState``, ``WorkerView``, ``Replay``, ``RunFollower``, ``Tail``,
-``source_of``, ``describe``.
+``MISSED_BUCKETS``, ``BASE_AGE_BUCKETS``, ``Histogram``, ``RunState``, ``WorkerView``,
+``Replay``, ``RunFollower``, ``Tail``, ``source_of``, ``describe``.
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ __all__ = [
     "SLOW_FACTOR",
     "STALENESS_BUCKETS",
     "WAIT_BUCKETS",
+    "MISSED_BUCKETS",
+    "BASE_AGE_BUCKETS",
     "Histogram",
     "RunState",
     "WorkerView",
@@ -101,6 +106,10 @@ EVENT_KINDS = frozenset({
 })
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)  # clocks ahead of the slowest
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # s
+# between groups, per merged exchange: the other groups' merges it missed, and the age (s) of
+# the global weights its group rebased on
+MISSED_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)  # merges
+BASE_AGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # s
 CLOCK_POINT_S = 0.5  # at most one group-clock (bytes) point per group this often (s of run time)
 SLOW_FACTOR = 1.5  # a worker slower than this times the cluster's median step time is marked
 HOPS = ("worker_to_group", "group_to_worker", "group_to_global", "global_to_group")
@@ -114,6 +123,7 @@ class Histogram:
     counts: list[int] = field(default_factory=list)  # per bound, not cumulative; last = +Inf
     total: float = 0.0
     n: int = 0
+    top: float | None = None  # the largest value observed
 
     def observe(self, x: float) -> None:
         if not self.counts:
@@ -121,6 +131,11 @@ class Histogram:
         self.counts[bisect.bisect_left(self.bounds, x)] += 1
         self.total += x
         self.n += 1
+        self.top = x if self.top is None else max(self.top, x)
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
 
     def cumulative(self) -> list[tuple[str, int]]:
         """[(le, count <= le)] ending with ("+Inf", n)."""
@@ -209,6 +224,13 @@ class RunState:
         self.pushes: dict[int, int] = {}  # group -> pushes its merges reported
         self.bytes: list[dict[str, Any]] = []  # {t, <hop>: bytes so far} per CLOCK_POINT_S
         self.held: list[dict[str, Any]] = []  # {t, group, held: {worker: SSP wait so far, s}}
+        # between groups, per group: the other groups' merges each exchange missed (merges) and
+        # the age of the global weights it rebased on (s), from the merge lines
+        self.missed_hist: dict[int, Histogram] = {}
+        self.base_age_hist: dict[int, Histogram] = {}
+        self.between: list[dict[str, Any]] = []  # {t, group, missed, base_age_s} chart points
+        self._between_at: dict[int, float] = {}  # group -> t of its last between point
+        self._between_peak: dict[int, dict[str, float]] = {}  # ... the most since it
         self.checkpoint_t: float | None = None
         self.checkpoints: dict[str, Any] = {"n": 0, "t": None, "bytes": None}  # folded
         self.evaluator: bool | None = None  # an evaluator is connected (the server's view)
@@ -309,6 +331,7 @@ class RunState:
             self.to_global[g] = {k: self._running((g, k), r[k])
                                  for k in ("bytes_to_global", "bytes_from_global")}
         self._pulls(r)
+        self._between(g, known, r)
         if r["t"] - self._bytes_at >= CLOCK_POINT_S:
             self._bytes_at = r["t"]
             self.bytes.append({"t": r["t"], "tt": self.clock.at(r["t"]), **self.hops()})
@@ -319,6 +342,35 @@ class RunState:
             self.clocks.append({"t": r["t"], "tt": self.clock.at(r["t"]), "group": g,
                                 "min_clock": r.get("min_clock"),
                                 "max_clock": r.get("max_clock")})
+
+    def _between(self, g: int, known: dict[str, Any], r: dict[str, Any]) -> None:
+        """A merge line's staleness between groups (none in older records, None for a group
+        resumed from a checkpoint before its first answer): group ``g``'s histograms, its last
+        figures (``known``, its card) and, at most every ``CLOCK_POINT_S``, a chart point with
+        the most of each since the group's previous point."""
+        got = {k: float(r[k]) for k in ("missed", "base_age_s")
+               if isinstance(r.get(k), (int, float))}
+        if len(got) < 2:
+            return
+        self.missed_hist.setdefault(g, Histogram(MISSED_BUCKETS)).observe(got["missed"])
+        self.base_age_hist.setdefault(g, Histogram(BASE_AGE_BUCKETS)).observe(got["base_age_s"])
+        known.update(missed=int(got["missed"]), base_age_s=got["base_age_s"])
+        peak = self._between_peak.setdefault(g, got)
+        peak.update({k: max(peak[k], v) for k, v in got.items()})
+        if r["t"] - self._between_at.get(g, -1e9) >= CLOCK_POINT_S:
+            self._between_at[g] = r["t"]
+            self.between.append({"t": r["t"], "tt": self.clock.at(r["t"]), "group": g,
+                                 **self._between_peak.pop(g)})
+
+    def between_stats(self, g: int) -> dict[str, float | None]:
+        """Group ``g``'s staleness between groups over the run: the most and the mean of the
+        other groups' merges its exchanges missed, and of the age (s) of the weights they
+        rebased on (None before its first merge line that has them)."""
+        missed, age = self.missed_hist.get(g), self.base_age_hist.get(g)
+        return {"missed_max": missed.top if missed else None,
+                "missed_mean": missed.mean if missed else None,
+                "base_age_max_s": age.top if age else None,
+                "base_age_mean_s": age.mean if age else None}
 
     def _running(self, key: tuple[Any, str], value: float) -> float:
         """A running byte counter that may start again from 0 (a resumed server, a restarted
@@ -510,7 +562,7 @@ class RunState:
         ({} = from the start); ``cursor`` is the ``since`` of the next call."""
         since = since or {}
         series = {"eval": self.eval, "clocks": self.clocks, "events": self.events,
-                  "bytes": self.bytes, "held": self.held}
+                  "bytes": self.bytes, "held": self.held, "between": self.between}
         slow, steps = self.slow(now), self.local_steps()
         return {
             "t": now, "done": self.done, "kind": self.kind,
@@ -519,7 +571,7 @@ class RunState:
             "evaluator": False if self.no_evaluator else self.evaluator,
             "workers": [v.row(self.state_of(v, now), w in slow, self._group_means(v.group))
                         for w, v in sorted(self.workers.items())],
-            "groups": {str(g): {**c, "merges": self.merges.get(g, 0),
+            "groups": {str(g): {**c, "merges": self.merges.get(g, 0), **self.between_stats(g),
                                 **({"local_steps": steps[g]} if g in steps else {})}
                        for g, c in self.shown_groups().items()},
             "totals": self.totals, "hops": self.hops(), "checkpoints": self.checkpoints,

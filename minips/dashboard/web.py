@@ -24,6 +24,11 @@ docs/dashboard.md has the table):
   ``group_to_global``, ``global_to_group`` (summed over the groups: the hop's run total);
 - ``minips_staleness_steps`` and ``minips_ssp_wait_seconds`` histograms (one observation per
   answered PULL);
+- the staleness between groups, one observation per merged exchange (the merge lines'
+  ``missed`` and ``base_age_s``): ``minips_exchange_missed_merges{group}`` and
+  ``minips_exchange_base_age_seconds{group}`` histograms, and at the group's last merge and
+  at most over the run ``minips_group_missed_merges{group, stat}`` and
+  ``minips_group_base_age_seconds{group, stat}`` (``stat`` = ``last``, ``max``);
 - ``minips_workers_alive{group}``, ``minips_group_clock{group, bound}`` (min / max clock),
   ``minips_group_local_steps{group}`` (H, with local steps);
 - per worker ``{worker, group}``: ``minips_worker_up``, ``minips_worker_clock``,
@@ -95,6 +100,11 @@ class RunCollector(Collector):
                          "slowest worker when its pull was answered", s.staleness_hist)
         yield _histogram("minips_ssp_wait_seconds", "time the SSP bound held a worker's pull "
                          "at its group server", s.wait_hist)
+        yield _group_histogram("minips_exchange_missed_merges", "merges of other groups since "
+                               "the global weights a group rebased on were sent, per merged "
+                               "exchange (staleness between groups)", s.missed_hist)
+        yield _group_histogram("minips_exchange_base_age_seconds", "age of the global weights "
+                               "a group rebased on, per merged exchange", s.base_age_hist)
         yield from self._groups(now)
         yield from self._workers(now)
         if s.checkpoint_t is not None:
@@ -139,11 +149,30 @@ class RunCollector(Collector):
                 if isinstance(c.get(f"{bound}_clock"), (int, float)):
                     clock.add_metric([str(g), bound], c[f"{bound}_clock"])
         yield clock
+        yield from self._between()
         steps = GaugeMetricFamily("minips_group_local_steps", "a group's local steps H: "
                                   "optimizer steps its workers run per push", labels=["group"])
         for g, h in sorted(self.state.local_steps().items()):
             steps.add_metric([str(g)], h)
         yield steps
+
+    def _between(self) -> Iterator[Metric]:
+        """Each shown group's staleness between groups: at its last merge and the most so far."""
+        labels = ["group", "stat"]
+        missed = GaugeMetricFamily("minips_group_missed_merges", "merges of other groups its "
+                                   "exchange missed: at its last merge, the most so far",
+                                   labels=labels)
+        age = GaugeMetricFamily("minips_group_base_age_seconds", "age of the global weights "
+                                "its exchange rebased on: at its last merge, the most so far",
+                                labels=labels)
+        for g, c in self.state.shown_groups().items():
+            stats = self.state.between_stats(g)
+            for family, last, top in ((missed, c.get("missed"), stats["missed_max"]),
+                                      (age, c.get("base_age_s"), stats["base_age_max_s"])):
+                if last is not None and top is not None:
+                    family.add_metric([str(g), "last"], last)
+                    family.add_metric([str(g), "max"], top)
+        yield from (missed, age)
 
     def _workers(self, now: float) -> Iterator[Metric]:
         """One series per worker (labels worker, group), from what the servers saw of it."""
@@ -178,6 +207,14 @@ def _counter(name: str, doc: str, value: float) -> Metric:
 def _histogram(name: str, doc: str, h: Histogram) -> Metric:
     buckets: list[Any] = [[le, n] for le, n in h.cumulative()]
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h.total)
+
+
+def _group_histogram(name: str, doc: str, per_group: dict[int, Histogram]) -> Metric:
+    family = HistogramMetricFamily(name, doc, labels=["group"])
+    for g, h in sorted(per_group.items()):
+        buckets: list[Any] = [[le, n] for le, n in h.cumulative()]
+        family.add_metric([str(g)], buckets, sum_value=h.total)
+    return family
 
 
 # -- the web app: the page, its event stream, /state and /metrics ----------------------------------

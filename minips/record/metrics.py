@@ -492,6 +492,19 @@ def _seen_by_servers(merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, di
             for w, v in sorted(seen.items(), key=lambda kv: int(kv[0]))}
 
 
+def _between_groups(merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per group, its staleness between groups over the run, from the merge lines (rundir.py):
+    the mean and the most of ``missed`` (other groups' merges an exchange was computed without)
+    and of ``base_age_s`` (the age of the global weights it rebased on); None where no line has
+    them (records older than the figures, a group resumed before its first answer)."""
+    out: dict[str, dict[str, Any]] = {}
+    for g, recs in sorted(merges.items(), key=lambda kv: str(kv[0])):
+        missed, age = _values(recs, "missed"), _values(recs, "base_age_s")
+        out[str(g)] = {"mean_missed": _mean(missed), "max_missed": max(missed, default=None),
+                       "mean_base_age_s": _mean(age), "max_base_age_s": max(age, default=None)}
+    return out
+
+
 def _per_worker(run: Run, merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per worker: group, steps, mean wait and staleness, and how often others waited for it;
     without worker files, what the servers saw (``_seen_by_servers``)."""
@@ -523,7 +536,9 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     samples_per_s (over train_s), bytes_up, bytes_down (worker <-> group only, as the
     evaluator saw them), bytes_raw, bytes_worker_group, bytes_group_worker, bytes_group_global,
     bytes_global_group, bytes_total (every hop; see the module docstring), time_to_accuracy
-    (seconds from the training start), mean_staleness, max_staleness, mean_wait_s,
+    (seconds from the training start), mean_staleness, max_staleness (inside a group),
+    between_groups ({group: mean_missed, max_missed, mean_base_age_s, max_base_age_s}: the
+    staleness between groups of its merged exchanges, ``_between_groups``), mean_wait_s,
     mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
     mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}; without worker files in
     the run directory, from the global server's merge lines: steps are the PULLs its group
@@ -555,6 +570,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "time_to_accuracy": time_to_accuracy(run.eval, targets or cfg.get("targets")
                                              or DEFAULT_TARGETS, start),
         "mean_staleness": _mean(staleness), "max_staleness": max(staleness, default=None),
+        "between_groups": _between_groups(merges),
         "mean_wait_s": _mean(_values(pushes, "wait_s")),
         "mean_kept_fraction": _mean(_values(pushes, "kept_fraction")),
         "steps": len(pushes) or sum(int(r.get("pushes") or 0)

@@ -18,6 +18,9 @@ Layout of a run directory (the writers in server.py / group.py / worker.py follo
                           "bytes_out", ...}     counters are totals so far; "exchange" events
                          also "min_clock", "max_clock", "bytes_to_global", "bytes_from_global"
     global.jsonl         {"t", "event", ...}    events: merge, groups, joined, left, ratios, ...
+                         ("merge": one group's exchange merged, its counters, and how stale
+                         between groups it was: "missed", other groups' merges since the
+                         global weights it rebased on were sent, "base_age_s", their age)
                          ("ratios": {"ratios": {g: kept fraction}, "iter_time": {g: seconds}},
                          each change of the GDTopK ratios; the first ones are in "groups")
     data-<role>.json     real data or the synthetic stand-in, per process (metrics.py)

@@ -327,7 +327,7 @@ async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle,
     core, msg = srv.core, await ch.recv()
     conv.receive(msg)
     if isinstance(msg, messages.Pull):  # the group takes these weights whole (exchange.py)
-        await _answer(srv, ch, core.group_pull(handle.id))
+        await _answer(srv, ch, core.group_pull(handle.id, time.monotonic()))
     elif isinstance(msg, messages.Exchange):
         conversation.check_exchange(msg)
         assert core.weights is not None

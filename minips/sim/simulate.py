@@ -286,7 +286,7 @@ class Simulation:
             self.groups[g].core.set_ratio(glob.ratio_of(g))
             handles.append(GroupHandle(g, f"sim:{g}", members=members, ratio=glob.ratio_of(g),
                                        peer=SimPeer(self.groups[g])))
-        self.glob.perform(glob.groups_formed(handles, assignment))
+        self.glob.perform(glob.groups_formed(handles, assignment, self.t))
         for w, g in assignment.items():
             self.workers[w].on_assign(glob.assign_message(glob.groups[g]))
 
