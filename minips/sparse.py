@@ -46,7 +46,6 @@ __all__ = [
     "varint_decode",
     "MAX_VARINT_BYTES",
     "SparseVector",
-    "Payload",
     "ENCODINGS",
     "encode_vector",
     "decode_vector",

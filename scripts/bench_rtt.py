@@ -43,8 +43,9 @@ import numpy as np
 from minips.net import channel
 from minips.net import transport as t
 from minips.net.transport import serve
-from minips.sparse import Payload, SparseVector, encode_vector
+from minips.sparse import SparseVector, encode_vector
 from minips.wire import frames, messages
+from minips.wire.fields import Payload
 from minips.wire.frames import TABLES
 
 DENSE_N = 11_689_512  # ResNet-18 parameters (the dense test of bench_wire.py)

@@ -33,8 +33,8 @@ from minips import sparse
 from minips.errors import AuthError
 from minips.net import transport
 from minips.net.endpoints import parse_address
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 CONNECT_TIMEOUT_S = 120.0  # 1,024 handshakes on two busy cores take a while
 

@@ -48,8 +48,8 @@ from bench_rtt import (
 from minips.net import channel
 from minips.net import transport as t
 from minips.net.channel import tune_socket
-from minips.sparse import Payload
 from minips.wire import frames, messages, receive
+from minips.wire.fields import Payload
 
 
 def log(*args: Any) -> None:

@@ -51,8 +51,8 @@ import fuzz_live  # noqa: E402
 
 from minips.errors import MiniPSError  # noqa: E402
 from minips.net import channel, transport  # noqa: E402
-from minips.sparse import Payload
 from minips.wire import handshake, messages  # noqa: E402
+from minips.wire.fields import Payload
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 TOKEN = fuzz_live.TOKEN

@@ -38,8 +38,8 @@ import numpy as np
 from minips import sparse
 from minips.errors import MiniPSError
 from minips.net import channel, transport
-from minips.sparse import Payload
 from minips.wire import frames, handshake, messages
+from minips.wire.fields import Payload
 
 TOKEN = "fuzz-live-secret-0123456789"
 N = 61_706  # LeNet-5, the server's default model (--init must match it)

@@ -23,7 +23,7 @@ from typing import Any
 
 import atheris
 
-from minips.sparse import Payload
+from minips.wire.fields import Payload
 
 with atheris.instrument_imports():
     import numpy as np

@@ -27,8 +27,8 @@ from minips.core.exchange import ExchangeResult
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import Action, GroupCore, Reply, StartExchange, Wake
 from minips.core.roster import GroupHandle
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 FEATURES, CLASSES, SAMPLES, BATCH = 20, 5, 400, 16
 SIZE = FEATURES * CLASSES + CLASSES  # flat weights: W (FEATURES x CLASSES), then b

@@ -21,8 +21,8 @@ from minips.core.config import RunConfig
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.server import GlobalServer, ServerConfig
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 TOKEN = "raw-group-test-secret-0123"
 N = 6  # weights

@@ -25,8 +25,8 @@ from minips.core.exchange import ExchangeResult, GroupMirror, GroupSync
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import GroupCore
 from minips.core.roster import GroupHandle
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 N = 2000
 WORKERS = 3

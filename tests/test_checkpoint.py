@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minips.core.global_core import FORMAT, check_compatible, fingerprint
+from minips.core.snapshot import FORMAT, check_compatible, fingerprint
 from minips.errors import ConfigError, DataError
 from minips.record.checkpoint import load, save
 

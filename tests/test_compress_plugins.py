@@ -15,7 +15,8 @@ from minips.compress.base import SparseCompressor, WireSpec
 from minips.compress.ratios import RatioPolicy
 from minips.compress.registry import COMPRESSORS, is_sparse, make_compressor, ratio_policy, register
 from minips.errors import ConfigError
-from minips.sparse import Payload, SparseVector, add_into, decode_vector, encode_vector
+from minips.sparse import SparseVector, add_into, decode_vector, encode_vector
+from minips.wire.fields import Payload
 
 N = 1000
 EXPECTED_WIRE = {

@@ -15,7 +15,8 @@ from minips.compress.ratios import gdtopk_ratios
 from minips.compress.registry import COMPRESSORS, make_compressor
 from minips.compress.topk import warmup_ratio
 from minips.errors import ConfigError, LocalProtocolError
-from minips.sparse import Payload, SparseVector, add_into, decode_vector, encode_vector
+from minips.sparse import SparseVector, add_into, decode_vector, encode_vector
+from minips.wire.fields import Payload
 
 F32 = np.float32
 

@@ -30,8 +30,8 @@ from minips import sparse
 from minips.core.config import RunConfig
 from minips.net import channel, transport
 from minips.server import GlobalServer, ServerConfig
-from minips.sparse import Payload
 from minips.wire import frames, messages
+from minips.wire.fields import Payload
 
 TOKEN = "control-flood-secret-0123"
 WINDOW_S = 2.0  # seconds of each measurement window; calm and flooded windows alternate

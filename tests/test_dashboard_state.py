@@ -19,7 +19,7 @@ from conftest import interrupt, recv_as, until, wait_for
 from minips.dashboard.state import Histogram, Replay, RunFollower, RunState, Tail
 from minips.dashboard.tboard import EventWriter, TensorBoardSink, crc32c
 from minips.errors import ConfigError
-from minips.sparse import Payload
+from minips.wire.fields import Payload
 
 CONFIG = {"mode": "gssp", "staleness": 2, "lease_s": 10.0, "t0": 1000.0}
 

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minips.errors import LimitExceeded, LocalProtocolError, ProtocolError
-from minips.sparse import Payload
 from minips.wire import frames, handshake, messages, receive
+from minips.wire.fields import Payload
 
 DECODERS = (frames.FrameDecoder, receive.FrameReceiver)
 

@@ -21,8 +21,8 @@ from minips.core.downlink import DRIFT, Downlink, apply_weights
 from minips.errors import RemoteProtocolError
 from minips.net import transport
 from minips.serve.group import GroupServer
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 N = 1000
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import recv_as
 from raw_group import Cluster, closed
 
-from minips.core.exchange import MAX_SESSIONS, Merged
+from minips.core.replay import MAX_SESSIONS, Merged
 from minips.record.rundir import read_jsonl
 from minips.wire import messages
 

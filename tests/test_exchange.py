@@ -31,8 +31,8 @@ from minips.core.exchange import (
     Outgoing,
     exchange_message,
     exchange_ratio,
-    seqs_in,
 )
+from minips.core.replay import seqs_in
 from minips.core.roster import GroupHandle
 from minips.errors import AuthError
 from minips.net import lifeline, transport
@@ -41,9 +41,9 @@ from minips.record.checkpoint import load, save
 from minips.serve import sessions
 from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcLink, ServerConfig
-from minips.sparse import Payload
 from minips.wire import messages
 from minips.wire.conversation import Conversation, Role
+from minips.wire.fields import Payload
 
 TOKEN = "exchange-test-secret-0123"
 N = 500  # weights

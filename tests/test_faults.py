@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import records, recv_as, run_t0, steps, wait_for
 
-from minips.core.global_core import FORMAT, fingerprint
+from minips.core.snapshot import FORMAT, fingerprint
 from minips.ml import data, models
 from minips.net import lifeline
 from minips.record.checkpoint import load, save

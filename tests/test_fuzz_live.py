@@ -29,8 +29,8 @@ from minips.core.exchange import ExchangeResult
 from minips.errors import RemoteProtocolError
 from minips.net import transport
 from minips.serve.group import GroupServer
-from minips.sparse import Payload
 from minips.wire import frames, messages
+from minips.wire.fields import Payload
 
 TOKEN = "fuzz-secret"
 SIZE = 64  # model size: small, so frames are small and many fit in a few seconds

@@ -10,7 +10,7 @@ import pytest
 from minips import sparse
 from minips.core.actions import Log
 from minips.core.config import RunConfig
-from minips.core.exchange import BETWEEN_GROUPS, MAX_SESSIONS, Merged, SyncPoint
+from minips.core.exchange import BETWEEN_GROUPS, SyncPoint
 from minips.core.global_core import (
     Action,
     Admitted,
@@ -26,6 +26,7 @@ from minips.core.global_core import (
     WeightsReady,
     reply,
 )
+from minips.core.replay import MAX_SESSIONS, Merged
 from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.serve.group import GroupServer

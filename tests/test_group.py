@@ -15,8 +15,8 @@ from minips.core.config import RunConfig
 from minips.core.exchange import ExchangeResult
 from minips.net import transport
 from minips.serve.group import GroupServer
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 TOKEN = "group-test"
 

@@ -33,8 +33,8 @@ from minips.core.group_core import (
     Wake,
 )
 from minips.serve.group import GroupServer
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 N = 500
 

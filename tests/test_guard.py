@@ -9,8 +9,8 @@ import pytest
 
 from minips.errors import LimitExceeded
 from minips.net import guard
-from minips.sparse import Payload
 from minips.wire import frames, handshake, messages
+from minips.wire.fields import Payload
 
 LIMITS = guard.Limits(max_pending=5, max_pending_per_source=2, free_failures=2,
                       backoff_first_s=1.0, backoff_max_s=4.0, forget_after_s=100.0)

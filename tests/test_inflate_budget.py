@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from minips.errors import LimitExceeded, RemoteProtocolError
-from minips.sparse import Payload
 from minips.wire import frames, messages, receive
+from minips.wire.fields import Payload
 
 MiB = 1 << 20
 N = 61_706  # LeNet-5

@@ -26,8 +26,8 @@ from minips.record.metrics import HOP_COUNTERS
 from minips.record.rundir import read_jsonl
 from minips.run import checks
 from minips.run.launch import LaunchConfig, run_local
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 TOKEN = "links-secret-0123456789abcdef"
 M = 1e6

@@ -23,8 +23,9 @@ from minips.ml import data, models
 from minips.record.rundir import read_jsonl
 from minips.run.flags import build_parser, run_config_from_args
 from minips.sim.simulate import SimConfig, simulate
-from minips.sparse import Payload, encode_vector
+from minips.sparse import encode_vector
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 WORKER = {"optimizer_at": "worker", "lr_warmup": 0.0}
 

@@ -26,8 +26,8 @@ from conftest import recv_as
 from raw_worker import MB, N, peak_rss_mb, rss_mb
 
 from minips.net import channel, transport
-from minips.sparse import Payload
 from minips.wire import frames, messages
+from minips.wire.fields import Payload
 
 pytestmark = pytest.mark.timeout(120)
 

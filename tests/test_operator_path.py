@@ -25,8 +25,8 @@ from minips.core.config import RunConfig
 from minips.net import channel, lifeline, transport
 from minips.run.cli import main
 from minips.server import GlobalServer, ServerConfig
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 
 @contextlib.contextmanager

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import AuthError, LimitExceeded, LocalProtocolError, RemoteProtocolError
-from minips.sparse import Payload
 from minips.wire import fields, frames, handshake, messages, receive
+from minips.wire.fields import Payload
 
 # ---------------------------------------------------------------------------------------------
 # Strategies: one per message class, drawing every field from its valid range.

@@ -33,8 +33,9 @@ from minips.net import channel, guard, transport
 from minips.net.endpoints import parse_address
 from minips.serve import sessions
 from minips.server import InProcGroup
-from minips.sparse import Payload, SparseVector, decode_vector, encode_vector
+from minips.sparse import SparseVector, decode_vector, encode_vector
 from minips.wire import conversation, fields, frames, handshake, messages
+from minips.wire.fields import Payload
 
 
 async def group_session(ctl: channel.Channel) -> tuple[channel.Channel, int]:

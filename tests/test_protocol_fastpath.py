@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.sparse import Payload
 from minips.wire import frames, messages, receive
+from minips.wire.fields import Payload
 
 
 def frame(msg: messages.Message, **kw: object) -> bytes:

@@ -7,8 +7,8 @@ import random
 import numpy as np
 
 from minips.errors import RemoteProtocolError
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 from minips.wire.frames import MAGIC, FrameDecoder, Limits, encode
 
 LIMITS = Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # keep mutated sizes cheap

@@ -17,8 +17,8 @@ from minips.core.config import RunConfig
 from minips.net import transport
 from minips.net.endpoints import parse_address
 from minips.server import GlobalServer, ServerConfig
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 TOKEN = "run-end-test"
 

@@ -22,8 +22,8 @@ from minips.net import transport
 from minips.net.endpoints import parse_address
 from minips.record.rundir import read_jsonl
 from minips.server import GlobalServer, ServerConfig
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 TOKEN = "run-limits-test-secret-0123"
 

@@ -26,8 +26,8 @@ from minips.net.endpoints import parse_address, reachable
 from minips.record.rundir import read_jsonl
 from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcGroup, InProcLink, ServerConfig
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 TOKEN = "server-test-secret-0123"
 

@@ -17,7 +17,6 @@ from minips.compress import registry
 from minips.compress.selection import TopKSelector, kept_count, top_among
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.sparse import (
-    Payload,
     SparseVector,
     add_into,
     decode_vector,
@@ -26,6 +25,7 @@ from minips.sparse import (
     varint_encode,
 )
 from minips.wire import frames, messages
+from minips.wire.fields import Payload
 
 
 def sg(indices: list[int], values: list[float], size: int) -> SparseVector:

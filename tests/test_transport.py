@@ -20,8 +20,8 @@ from minips.errors import AuthError, RemoteProtocolError
 from minips.net import channel, transport
 from minips.net import transport as t
 from minips.net.channel import write_batches
-from minips.sparse import Payload
 from minips.wire import frames, handshake, messages
+from minips.wire.fields import Payload
 
 TOKEN = "test-token"
 LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

@@ -14,8 +14,8 @@ from conftest import run_on, until
 
 from minips.net import channel, transport
 from minips.net import transport as t
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 TOKEN = "queue-token"
 LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

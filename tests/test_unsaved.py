@@ -17,7 +17,8 @@ import pytest
 
 from minips.core import global_core
 from minips.core.config import RunConfig
-from minips.core.exchange import ExchangeResult, GroupSync, Unsaved, seqs_in
+from minips.core.exchange import ExchangeResult, GroupSync
+from minips.core.replay import Unsaved, seqs_in
 from minips.core.roster import GroupHandle
 from minips.record.checkpoint import load, save
 from minips.server import GlobalServer, ServerConfig

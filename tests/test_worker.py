@@ -22,8 +22,8 @@ from minips.ml import data, models
 from minips.net import channel, transport
 from minips.record.rundir import read_jsonl
 from minips.server import GlobalServer, ServerConfig
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 from minips.worker import EmulatedLink, Worker, WorkerStopped
 
 TOKEN = "test-secret"

@@ -20,8 +20,8 @@ from minips.core.config import RunConfig, WorkerConfig
 from minips.core.slowdown import Schedule, Slowdown
 from minips.core.worker_core import RECORD_KEYS, Done, Step, WorkerCore
 from minips.sim.simulate import SimConfig, Simulation, shard_size
-from minips.sparse import Payload
 from minips.wire import messages
+from minips.wire.fields import Payload
 from minips.wire.frames import wire_size
 from minips.worker import Worker
 

@@ -19,8 +19,9 @@ from minips.errors import ConfigError
 from minips.record.rundir import read_jsonl
 from minips.run.flags import build_parser, run_config_from_args
 from minips.sim.simulate import SimConfig, simulate
-from minips.sparse import Payload, SparseVector, encode_vector
+from minips.sparse import SparseVector, encode_vector
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 # three gradients of 4 coordinates, exact in float32 (binary fractions)
 GRADS = [[1.0, -3.0, 0.5, 2.0], [1.0, 1.0, 0.5, -1.0], [0.0, 2.0, -1.0, 0.5]]

@@ -38,8 +38,8 @@ import numpy as np
 
 from minips.compress.selection import TopKSelector, kept_count
 from minips.errors import ConfigError, LocalProtocolError
-from minips.sparse import Payload, SparseVector, encode_vector
-from minips.wire.fields import VALUE_TYPES
+from minips.sparse import SparseVector, encode_vector
+from minips.wire.fields import VALUE_TYPES, Payload
 
 if TYPE_CHECKING:
     from minips.compress.ratios import RatioPolicy

@@ -47,7 +47,7 @@ Invariants (server.py's docstring has the run's whole course): ``weights`` chang
 ``merge`` (weights += delta of one group scaled by the sync policy's merge rule, version += 1),
 so the global weights are the initial weights plus every delta any group sent; once ``done``,
 merges still land: nothing sent is lost. Each (session, seq) of a group is merged at most once
-(``exchange.Merged``: a seq not above its session's last merged one is answered without
+(``replay.Merged``: a seq not above its session's last merged one is answered without
 merging). The run's counters (samples, version, the groups' worker traffic summed) never pass
 ``messages.MAX_COUNT`` (2^62), what GLOBAL_WEIGHTS can carry: an exchange that would take one
 past it is refused (``RemoteProtocolError``) before anything of it is merged.
@@ -60,18 +60,8 @@ answer to its exchanges (``merge``). Each ``merge`` line says how stale the exch
 ``base_age_s``, the seconds since then; both None for a group resumed from a checkpoint until
 its first answer (the point is not saved).
 
-Checkpoints. ``checkpoint_state`` takes a snapshot (``snapshot``) and ``load_state_dict`` /
-``resume`` bring it back (``restore_workers``, ``restore_group``); ``server.GlobalServer``
-writes and reads the file (``checkpoint.py``: atomic, no pickle; ``check_compatible`` refuses
-one of another model or config). A snapshot is taken in one call (no ``await`` inside), so the
-global weights, the counters and each in-process group's weights, optimizer state and clocks are
-consistent with each other; arrays are copies. The last merged exchange of each group (session,
-seq) is saved too, with the last merged seq of each of its sessions (``exchange.Merged``), so a
-group process that resends an exchange the restored server already holds does not get it merged
-twice, and so that it can send again those the checkpoint lacks: each snapshot records it in
-``GroupHandle.snapshots``, which the replies to group processes name (``exchange.Unsaved``). The
-global server's mirrors of what each group holds of the weights (``exchange.GroupMirror``) are
-not saved: after a resume each group's first answer is dense (a group process's PULL resets it).
+Checkpoints. ``checkpoint_state`` takes a snapshot and ``load_state_dict`` / ``resume`` bring
+it back: ``core/snapshot.py`` says what one holds and how it is restored.
 """
 
 from __future__ import annotations
@@ -89,17 +79,17 @@ from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.exchange import (
     BETWEEN_GROUPS,
-    MAX_SESSIONS,
     Delta,
     ExchangeResult,
     GroupMirror,
-    Merged,
     SyncPoint,
     exchange_ratio,
 )
 from minips.core.local_steps import auto_local_steps
+from minips.core.replay import MAX_SESSIONS, Merged
 from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
-from minips.errors import ConfigError, RemoteProtocolError
+from minips.core.snapshot import restore_group, restore_workers, snapshot
+from minips.errors import RemoteProtocolError
 from minips.wire import frames, messages
 from minips.wire.messages import MAX_COUNT
 
@@ -118,14 +108,7 @@ __all__ = [
     "SendSettings",
     "WeightsReady",
     "reply",
-    "snapshot",
-    "restore_workers",
-    "restore_group",
     "GlobalCore",
-    "FORMAT",
-    "FINGERPRINT_FIELDS",
-    "fingerprint",
-    "check_compatible",
 ]
 
 
@@ -227,55 +210,6 @@ def reply(actions: list[Action], kind: type[T]) -> T:
         if isinstance(a, Reply) and isinstance(a.answer, kind):
             return a.answer
     raise LookupError(f"no {kind.__name__} among the actions")
-
-
-# -- a checkpoint's state: taken in one call, restored in parts -------------------------------
-
-def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: int,
-             samples: int, saved_at: float, train_s: float,
-             merged: dict[int, Merged]) -> dict[str, Any]:
-    """The checkpoint state now (see the module docstring); marks each group's snapshots."""
-    for h in roster.groups.values():  # replies to group processes name these (exchange.py)
-        h.snapshots = [h.snapshots[-1], h.last_exchange]
-    groups = {g: {"members": list(h.members), "ratio": h.ratio, "step_time": h.step_time,
-                  "local_steps": h.local_steps, "merges": h.merges,
-                  "last_exchange": list(h.last_exchange),
-                  "merged": merged[g].pairs() if g in merged else [],
-                  # the hops' byte counters go on after a resume (summary, charts)
-                  "traffic": h.peer.traffic(), "hop_bytes": dict(h.hop_bytes),
-                  "state": h.peer.state_dict()}
-              for g, h in roster.groups.items()}
-    workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock}
-               for w, e in roster.workers.items()}
-    return {"format": FORMAT, "saved_at": saved_at, "t0": run.t0,
-            "fingerprint": fingerprint(run.to_info(), weights.size),
-            "train_s": train_s, "weights": weights.copy(), "version": version,
-            "samples": samples, "workers": workers, "groups": groups}
-
-
-def restore_workers(run: RunConfig, roster: Roster, state: dict[str, Any]) -> np.ndarray:
-    """The checkpoint's workers, each with its group and last speed (none connected yet); return
-    its weights. ``ConfigError`` when it belongs to another model or config."""
-    weights = np.asarray(state["weights"], dtype=np.float32)
-    check_compatible(state, run.to_info(), weights.size)
-    for key, e in state["workers"].items():
-        roster.workers[int(key)] = WorkerEntry(int(key), step_time=e["step_time"],
-                                               clock=e["clock"], group=e["group"])
-    return weights
-
-
-def restore_group(h: GroupHandle, saved: dict[str, Any]) -> None:
-    """Group ``h`` (opened again, in-process or waiting for its group process) as saved."""
-    if saved["state"] is not None:
-        h.peer.load_state_dict(saved["state"])
-    h.ratio, h.step_time, h.merges = saved["ratio"], saved["step_time"], saved["merges"]
-    h.local_steps = int(saved.get("local_steps", 0))  # absent in older checkpoints: the run's
-    session, seq = saved.get("last_exchange", (-1, -1))  # absent in older checkpoints
-    h.last_exchange = (int(session), int(seq))
-    h.snapshots = [h.last_exchange] * 2  # the checkpoint file is the one snapshot there is
-    h.hop_bytes.update({k: int(v) for k, v in (saved.get("hop_bytes") or {}).items()})
-    if not h.peer.connected:  # a group process adopts it with the traffic counted so far
-        h.peer = NoGroup({k: int(v) for k, v in (saved.get("traffic") or {}).items()})
 
 
 # -- the rules -------------------------------------------------------------------------------
@@ -772,31 +706,3 @@ class GlobalCore:
             b = h.peer.traffic()
             up, down = up + b.get("bytes_in", 0), down + b.get("bytes_out", 0)
         return {"bytes_up": up, "bytes_down": down}
-
-
-FORMAT = 1  # bump when the meaning of the stored map changes
-
-
-FINGERPRINT_FIELDS = ("model", "dataset", "mode", "workers", "groups", "batch_size", "lr",
-                      "momentum", "weight_decay", "staleness", "sync_every", "merge",
-                      "compressor", "ratio", "seed", "optimizer_at",
-                      "outer_optimizer", "val_size")  # a resume must share them
-# what a checkpoint written before a field was fingerprinted held: that field's default
-FINGERPRINT_DEFAULTS = {"optimizer_at": "server", "outer_optimizer": "avg", "val_size": 0}
-
-
-def fingerprint(run_info: dict[str, Any], size: int) -> dict[str, Any]:
-    """The run settings a checkpoint is only valid for, plus the model's vector size."""
-    return {**{k: run_info.get(k) for k in FINGERPRINT_FIELDS}, "size": int(size)}
-
-
-def check_compatible(state: dict[str, Any], run_info: dict[str, Any], size: int) -> None:
-    """Raise ``ConfigError`` naming each field where the checkpoint and this run differ."""
-    if state.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint format {state.get('format')!r}, this build reads {FORMAT}")
-    saved, ours = state.get("fingerprint", {}), fingerprint(run_info, size)
-    saved = {**FINGERPRINT_DEFAULTS, **saved}
-    diff = [f"{k}: checkpoint {saved.get(k)!r}, this run {v!r}" for k, v in ours.items()
-            if saved.get(k) != v]
-    if diff:
-        raise ConfigError("checkpoint is from another model/config: " + "; ".join(diff))

@@ -36,8 +36,9 @@ from minips.core.config import RunConfig
 from minips.core.downlink import apply_weights
 from minips.core.local_steps import LocalSteps
 from minips.core.worker_opt import Upload
-from minips.sparse import Payload, SparseVector
+from minips.sparse import SparseVector
 from minips.wire import messages
+from minips.wire.fields import Payload
 
 __all__ = ["Step", "Done", "WorkerCore", "step_record", "RECORD_KEYS"]
 

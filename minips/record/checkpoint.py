@@ -10,7 +10,7 @@ the UTF-8 JSON of the map with every array replaced by ``{"__array__": name}``. 
 ``allow_pickle=False``; JSON maps have string keys, so readers convert ids back to ints.
 
 A checkpoint carries a *fingerprint* of the run settings that define the model and its training
-(``global_core.FINGERPRINT_FIELDS`` plus the vector size); ``global_core.check_compatible``
+(``snapshot.FINGERPRINT_FIELDS`` plus the vector size); ``snapshot.check_compatible``
 refuses a checkpoint whose fingerprint differs from the run that wants to resume it, naming every
 field that differs.
 

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 from minips.core.config import WorkerConfig
-from minips.core.global_core import check_compatible
 from minips.core.slowdown import Schedule
+from minips.core.snapshot import check_compatible
 from minips.errors import ConfigError, MiniPSError
 from minips.net import lifeline, transport
 from minips.net.endpoints import (

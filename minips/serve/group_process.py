@@ -26,7 +26,8 @@ import numpy as np
 
 from minips import sparse
 from minips.core.config import RunConfig
-from minips.core.exchange import Delta, ExchangeResult, exchange_message, seqs_in
+from minips.core.exchange import Delta, ExchangeResult, exchange_message
+from minips.core.replay import seqs_in
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.net import transport
 from minips.net.channel import Channel
