@@ -154,7 +154,8 @@ class Message:
         ``encoding`` and ``codec``."""
         values = self.__dict__
         if "payload" in values:
-            values = {**values, **values["payload"]._asdict()}
+            encoding, codec, _ = values["payload"]
+            values = {**values, "encoding": encoding, "codec": codec}
         return {name: values[name] for name in SCHEMAS[type(self)].meta}
 
 
