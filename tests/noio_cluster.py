@@ -28,7 +28,6 @@ from minips.core.global_core import GlobalCore
 from minips.core.group_core import Action, GroupCore, Reply, StartExchange, Wake
 from minips.core.roster import GroupHandle
 from minips.wire import messages
-from minips.wire.fields import Payload
 
 FEATURES, CLASSES, SAMPLES, BATCH = 20, 5, 400, 16
 SIZE = FEATURES * CLASSES + CLASSES  # flat weights: W (FEATURES x CLASSES), then b
@@ -87,9 +86,9 @@ class Workers:
         shard = np.arange(w, SAMPLES, len(STEP_S))
         batch = np.random.default_rng(1000 * w + self.clock[w]).choice(shard, BATCH)
         loss, grad = loss_and_grad(copy, self.x[batch], self.y[batch])
-        enc, codec, bufs = self.comp[w].encode(self.comp[w].compress(grad))  # as a worker does
+        payload = self.comp[w].encode(self.comp[w].compress(grad))  # as a worker does
         return messages.Push(clock=self.clock[w] + 1, step_time=STEP_S[w], loss=loss,
-                             samples=BATCH, payload=Payload(enc, codec, tuple(bufs)))
+                             samples=BATCH, payload=payload)
 
     def acked(self, w: int, ack: messages.Ack) -> None:
         self.clock[w] = ack.clock

@@ -31,7 +31,6 @@ from minips.core.config import RunConfig
 from minips.net import channel, transport
 from minips.server import GlobalServer, ServerConfig
 from minips.wire import frames, messages
-from minips.wire.fields import Payload
 
 TOKEN = "control-flood-secret-0123"
 WINDOW_S = 2.0  # seconds of each measurement window; calm and flooded windows alternate
@@ -43,20 +42,17 @@ COMPUTE_S = 0.03  # a good worker's "gradient" time per step
 server = functools.partial(raw_worker.server, token=TOKEN)  # with known initial weights
 
 
-GRAD = sparse.encode_vector(sparse.SparseVector(  # (encoding, codec, buffers): 8 coordinates
+GRAD = sparse.encode_vector(sparse.SparseVector(  # a Payload of 8 coordinates
     np.arange(8, dtype=np.uint32), np.full(8, 1e-3, np.float32), N))
 
 
 def push_msg(clock: int) -> messages.Push:
-    encoding, codec, buffers = GRAD
-    return messages.Push(clock=clock, step_time=COMPUTE_S, loss=2.3, samples=32,
-                         payload=Payload(encoding, codec, tuple(buffers)))
+    return messages.Push(clock=clock, step_time=COMPUTE_S, loss=2.3, samples=32, payload=GRAD)
 
 
 def init_weights() -> messages.InitWeights:
     """The model's weights, dense float32 (247 KB on the wire)."""
-    encoding, codec, buffers = sparse.encode_vector(np.zeros(N, np.float32))
-    return messages.InitWeights(size=N, payload=Payload(encoding, codec, tuple(buffers)))
+    return messages.InitWeights(size=N, payload=sparse.encode_vector(np.zeros(N, np.float32)))
 
 
 control = functools.partial(raw_worker.control, token=TOKEN, step_time=COMPUTE_S)
@@ -168,9 +164,9 @@ async def test_a_second_init_weights_in_one_session_is_refused_and_closes_it(
 
 async def test_init_weights_in_another_encoding_is_refused_and_closes_it(tmp_path: Path) -> None:
     half = np.zeros(N, np.float16)
-    encoding, codec, buffers = sparse.encode_vector(half)
-    assert encoding == "dense-f16"
-    msg = messages.InitWeights(size=N, payload=Payload(encoding, codec, tuple(buffers)))
+    payload = sparse.encode_vector(half)
+    assert payload.encoding == "dense-f16"
+    msg = messages.InitWeights(size=N, payload=payload)
     for weights in (False, True):  # taken as the weights, or silently dropped, before
         assert "dense float32" in await refused_init(tmp_path, msg, weights=weights)
 

@@ -47,13 +47,13 @@ def test_limits_sized_for_a_model_fit_its_largest_payloads_and_nothing_wider() -
     dense = sparse.encode_vector(np.ones(N, np.float32))
     full = sparse.encode_vector(sparse.SparseVector(np.arange(N, dtype=np.uint32),
                                                     np.ones(N, np.float32), N), index="u32")
-    for enc, codec, bufs in (dense, full):
-        msg = messages.Push(clock=1, samples=1, payload=Payload(enc, codec, tuple(bufs)))
+    for payload in (dense, full):
+        msg = messages.Push(clock=1, samples=1, payload=payload)
         for compress, decoder in itertools.product((False, True), DECODERS):
             (got,) = decoder(limits=lim).feed(frame(msg, compress))
             assert isinstance(got, messages.Push)
-            assert [bytes(b) for b in got.payload.buffers] == [bytes(memoryview(b).cast("B"))
-                                                       for b in bufs]
+            assert [bytes(b) for b in got.payload.buffers] == [
+                bytes(memoryview(b).cast("B")) for b in payload.buffers]
 
 
 @pytest.mark.parametrize("decoder", DECODERS)
