@@ -91,8 +91,8 @@ from minips.record.rundir import RunDir
 from minips.serve import sessions, validation
 from minips.serve.group import GroupServer
 from minips.serve.sessions import send_quiet
-from minips.wire import frames, messages
-from minips.wire.messages import Hello
+from minips.wire import checks, control, frames
+from minips.wire.control import Hello
 
 __all__ = [
     "GlobalServer",
@@ -168,10 +168,10 @@ class GlobalServer:
         return self.port
 
     def fit_limits(self) -> None:
-        """Narrow what peers may send to this model's frames (``frames.Limits.sized_for``),
+        """Narrow what peers may send to this model's frames (``checks.Limits.sized_for``),
         once the model is known (given, restored, or a worker's INIT_WEIGHTS)."""
         if self.server is not None and self.core.weights is not None:
-            self.server.set_limits(frames.DEFAULT_LIMITS.sized_for(self.core.weights.size))
+            self.server.set_limits(checks.DEFAULT_LIMITS.sized_for(self.core.weights.size))
 
     async def wait_finished(self) -> None:
         """Until the run is over and the evaluators connected saw the final weights (at most
@@ -451,7 +451,7 @@ class GlobalServer:
         """The run fails (``core.failure``): say why, tell the workers; the run is over."""
         log.error("%s", reason)
         for ch in self.controls.values():
-            self.spawn(send_quiet(ch, messages.Error(code=code, reason=reason)))
+            self.spawn(send_quiet(ch, control.Error(code=code, reason=reason)))
         self.finished.set()
 
     # -- checkpoints (global_core.py, checkpoint.py, docs/operations.md) ---------------------
@@ -549,7 +549,7 @@ class InProcGroup:
         self.before = {k: int(saved.get(k, 0)) for k in self.before}
         self.server.load_state_dict({k: v for k, v in state.items() if k != "traffic"})
 
-    def send_settings(self, assign: messages.Assign) -> None:
+    def send_settings(self, assign: control.Assign) -> None:
         self.server.set_send_settings(assign.ratio, assign.local_steps)
 
     async def finish(self) -> None:

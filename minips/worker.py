@@ -83,7 +83,7 @@ from minips.net.channel import Channel
 from minips.net.endpoints import client_ssl, parse_address, reachable
 from minips.record.metrics import origin, record
 from minips.record.rundir import JsonlWriter, RunDir, join_run
-from minips.wire import messages
+from minips.wire import control, messages
 
 __all__ = [
     "EmulatedLink",
@@ -126,7 +126,7 @@ class EmulatedLink:
             msg = await self.ch.recv()
             if isinstance(msg, kind):
                 return msg
-            if isinstance(msg, (messages.Error, messages.Leave)):
+            if isinstance(msg, (control.Error, control.Leave)):
                 raise Stopped(msg)
 
 
@@ -134,10 +134,10 @@ class Stopped(MiniPSError):
     """The server ended the session: LEAVE "done" or ERROR end the run, another LEAVE (a group
     server shutting down) only this connection."""
 
-    def __init__(self, msg: messages.Error | messages.Leave) -> None:
+    def __init__(self, msg: control.Error | control.Leave) -> None:
         super().__init__(f"{type(msg).__name__}: {msg.reason}")
         self.error = ""  # why, when an ERROR ended the run
-        if isinstance(msg, messages.Error):
+        if isinstance(msg, control.Error):
             self.final = msg.code != "lease"  # an expired lease only asks for a rejoin
             self.error = f"the group server sent ERROR {msg.code}: {msg.reason}"
         else:
@@ -221,7 +221,7 @@ def build(cfg: WorkerConfig, run: RunConfig, worker_id: int) -> Parts:
     return parts
 
 
-def _no_assign(msg: messages.Assign) -> None:
+def _no_assign(msg: control.Assign) -> None:
     """``Control.on_assign`` until the worker has its core: no ratio to set yet."""
 
 
@@ -236,8 +236,8 @@ class Control:
         self.worker_id = cfg.worker_id  # the id the global server gave (WELCOME)
         self.heartbeat_s = 0.0  # from the run config, once known
         # an ASSIGN for the worker's core (its upload ratio: WorkerCore.on_assign)
-        self.on_assign: Callable[[messages.Assign], None] = _no_assign
-        self.assign: messages.Assign | None = None  # latest ASSIGN
+        self.on_assign: Callable[[control.Assign], None] = _no_assign
+        self.assign: control.Assign | None = None  # latest ASSIGN
         self.assigned = asyncio.Event()  # the first ASSIGN (or the end) arrived
         self.changed = asyncio.Event()  # set by every ASSIGN; cleared by its waiter
         self.done = False  # the run is over
@@ -284,18 +284,18 @@ class Control:
         with contextlib.suppress(ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError):
             while True:
                 msg = await self.ch.recv()
-                if isinstance(msg, messages.Assign):
+                if isinstance(msg, control.Assign):
                     self.assign = msg
                     self.on_assign(msg)
                     self.assigned.set()
                     self.changed.set()
-                elif isinstance(msg, messages.Error):
+                elif isinstance(msg, control.Error):
                     self.end(f"the global server sent ERROR {msg.code}: {msg.reason}")
                     return
-                elif isinstance(msg, messages.Leave) and msg.reason == "done":
+                elif isinstance(msg, control.Leave) and msg.reason == "done":
                     self.end()
                     return
-                elif isinstance(msg, messages.Leave):
+                elif isinstance(msg, control.Leave):
                     return
 
     def end(self, error: str = "") -> None:
@@ -442,7 +442,7 @@ class Worker:
             loss, _ = await self._gradient(*self.parts.first_batch)
             times.append(await self._stretch(time.perf_counter() - t))
         step_time = calibrated_step_time(times)
-        await self.control.ch.send(messages.Stats(clock=0, step_time=step_time, loss=loss,
+        await self.control.ch.send(control.Stats(clock=0, step_time=step_time, loss=loss,
                                                   samples=0, data=self.parts.data))
         self._stats_at = self._status_at = time.monotonic()
         self._recent: list[float] = []  # step times since the last STATS
@@ -624,7 +624,7 @@ class Worker:
             self._stats_at = time.monotonic()
             median, self._recent = float(np.median(self._recent)), []
             with contextlib.suppress(ConnectionError, MiniPSError):
-                await self.control.ch.send(messages.Stats(clock=self.clock, step_time=median,
+                await self.control.ch.send(control.Stats(clock=self.clock, step_time=median,
                                                           loss=loss, samples=self.samples))
 
     def _record(self, record: dict[str, Any], epoch: int, link: EmulatedLink,

@@ -44,7 +44,7 @@ from minips.net import channel
 from minips.net import transport as t
 from minips.net.transport import serve
 from minips.sparse import SparseVector, encode_vector
-from minips.wire import frames, messages
+from minips.wire import checks, frames, messages
 from minips.wire.fields import Payload
 from minips.wire.frames import TABLES
 
@@ -228,9 +228,9 @@ class FloorServer(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self.hi += nbytes
         at = 0
-        while self.hi - at >= frames.PREFIX.size:
-            _, _, _, nbuf, _, meta_len, body_len = frames.PREFIX.unpack_from(self.buf, at)
-            head = at + frames.PREFIX.size + frames.TABLE_ENTRY.size * nbuf
+        while self.hi - at >= checks.PREFIX.size:
+            _, _, _, nbuf, _, meta_len, body_len = checks.PREFIX.unpack_from(self.buf, at)
+            head = at + checks.PREFIX.size + checks.TABLE_ENTRY.size * nbuf
             end = head + meta_len + body_len
             if end > self.hi:
                 break
@@ -251,10 +251,10 @@ def floor_frame(kind: int, meta: dict[str, Any], buffers: tuple[Any, ...] = ()) 
     """A frame of the minips format built with one struct and one msgpack call."""
     packed = msgpack.packb(meta)
     sizes = [b.nbytes for b in buffers]
-    head = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, kind, len(buffers), 0,
+    head = checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION, kind, len(buffers), 0,
                               len(packed),
                          sum(sizes))
-    table = TABLES[len(buffers)].pack(*[x for n in sizes for x in (frames.CODEC_RAW, n, n)])
+    table = TABLES[len(buffers)].pack(*[x for n in sizes for x in (checks.CODEC_RAW, n, n)])
     return b"".join([head, table, packed, *buffers])
 
 
@@ -271,9 +271,9 @@ class FloorClient(asyncio.Protocol):
         self.waiter: asyncio.Future[Any] | None = None
 
     def data_received(self, data: bytes) -> None:
-        meta_len = frames.PREFIX.unpack_from(data)[5]  # one ACK per read: a reply to one request
+        meta_len = checks.PREFIX.unpack_from(data)[5]  # one ACK per read: a reply to one request
         if self.waiter is not None:
-            start = frames.PREFIX.size
+            start = checks.PREFIX.size
             self.waiter.set_result(msgpack.unpackb(data[start:start + meta_len]))
 
 

@@ -33,7 +33,7 @@ from minips import sparse
 from minips.errors import AuthError
 from minips.net import transport
 from minips.net.endpoints import parse_address
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 CONNECT_TIMEOUT_S = 120.0  # 1,024 handshakes on two busy cores take a while
@@ -66,13 +66,13 @@ def made_up_gradient(size: int, ratio: float, seed: int) -> tuple[str, dict[str,
     return enc, codec, tuple(bufs)
 
 
-async def control(host: str, port: int, step_time: float, token: str) -> tuple[Any, Any]:
+async def open_control(host: str, port: int, step_time: float, token: str) -> tuple[Any, Any]:
     """The control session up to ASSIGN; returns (channel, ASSIGN)."""
     ch = await transport.connect(host, port, role="worker", token=token,
                                  timeout=CONNECT_TIMEOUT_S, retries=20)
     ch.start_heartbeat(2.0)
-    await ch.send(messages.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
-    while not isinstance(msg := await ch.recv(), messages.Assign):
+    await ch.send(control.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
+    while not isinstance(msg := await ch.recv(), control.Assign):
         pass
     return ch, msg
 
@@ -96,7 +96,7 @@ async def group_channel(args: argparse.Namespace, host: str, w: int, assign: Any
 async def worker(args: argparse.Namespace, w: int, active: bool, rec: Recorder,
                  ready: asyncio.Queue[int], stop: asyncio.Event) -> None:
     host, port = parse_address(args.connect)
-    ctl, assign = await control(host, port, 0.05 * (1 + w % 4), args.token)
+    ctl, assign = await open_control(host, port, 0.05 * (1 + w % 4), args.token)
     grp = await group_channel(args, host, int(ctl.worker_id), assign)
     grp.start_heartbeat(2.0)
     clock = (await grp.recv()).clock  # the ACK that says where this worker starts

@@ -51,7 +51,7 @@ import fuzz_live  # noqa: E402
 
 from minips.errors import MiniPSError  # noqa: E402
 from minips.net import channel, transport  # noqa: E402
-from minips.wire import handshake, messages  # noqa: E402
+from minips.wire import control, handshake, messages  # noqa: E402
 from minips.wire.fields import Payload
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
@@ -382,7 +382,7 @@ async def _answers(reader: asyncio.StreamReader, conn: handshake.Connection, tal
             with contextlib.suppress(MiniPSError):
                 out = conn.decoder.feed(data)
     for m in out:
-        if isinstance(m, messages.Error):
+        if isinstance(m, control.Error):
             tally.errors[m.code] += 1
             if m.code == "internal" and len(tally.internal) < 20:
                 tally.internal.append(m.reason)
@@ -442,9 +442,9 @@ async def group_of(port: int, w: int) -> tuple[int, int]:
     """Worker ``w``'s group and its group server's port (STATS, then its ASSIGN)."""
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=w, token=TOKEN,
                                   options=channel.Options(heartbeat=1.0))
-    await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=2.3, samples=1))
+    await ctl.send(control.Stats(clock=0, step_time=0.01, loss=2.3, samples=1))
     assign = await asyncio.wait_for(ctl.recv(), 60)
-    assert isinstance(assign, messages.Assign), assign
+    assert isinstance(assign, control.Assign), assign
     await ctl.close()
     return assign.group, int(assign.address.rsplit(":", 1)[1])
 

@@ -38,7 +38,7 @@ import numpy as np
 from minips import sparse
 from minips.errors import MiniPSError
 from minips.net import channel, transport
-from minips.wire import frames, handshake, messages
+from minips.wire import control, frames, handshake, messages
 from minips.wire.fields import Payload
 
 TOKEN = "fuzz-live-secret-0123456789"
@@ -59,10 +59,10 @@ def push(clock: int) -> messages.Push:
 
 
 VALID = [frame(m) for m in (
-    messages.Hello(role="evaluator",
-                   nonce=b"n" * 32), messages.Auth(mac=b"m" * 32), messages.Pull(clock=0),
-    push(1), messages.Heartbeat(seq=1), messages.Leave(reason="bye"),
-    messages.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
+    control.Hello(role="evaluator",
+                   nonce=b"n" * 32), control.Auth(mac=b"m" * 32), messages.Pull(clock=0),
+    push(1), control.Heartbeat(seq=1), control.Leave(reason="bye"),
+    control.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
     messages.Exchange(session=1, seq=1, samples=1,
                       payload=Payload("dense-f32", {}, (bytes(4 * N),))),
     messages.InitWeights(size=N, payload=Payload("dense-f32", {}, (bytes(4 * N),))),
@@ -214,7 +214,7 @@ class GoodWorker(threading.Thread):
         opts = channel.Options(heartbeat=1.0)
         ctl = await transport.connect("127.0.0.1", self.port, role="worker", worker_id=0,
                                       token=TOKEN, options=opts)
-        await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=2.3, samples=1))
+        await ctl.send(control.Stats(clock=0, step_time=0.01, loss=2.3, samples=1))
         assign = await asyncio.wait_for(ctl.recv(), 30)
         grp = await transport.connect("127.0.0.1", int(assign.address.rsplit(":", 1)[1]),
                                       role="worker", worker_id=0, token=TOKEN, options=opts)

@@ -30,11 +30,11 @@ with atheris.instrument_imports():
 
     from minips import sparse
     from minips.errors import RemoteProtocolError
-    from minips.wire import conversation, frames, handshake, messages
+    from minips.wire import checks, control, conversation, frames, handshake, kinds, messages
     from minips.wire.frames import FrameDecoder
 
 N = 61_706  # LeNet-5's parameters: the size gradients are decoded against
-LIMITS = frames.Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # small, to keep runs fast
+LIMITS = checks.Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # small, to keep runs fast
 
 
 def frame(msg: messages.Message, compress: bool = False) -> bytes:
@@ -63,19 +63,19 @@ def seeds() -> list[bytes]:
                                                                                                2],
                                      payload=Payload("dense-f32", {}, zeros))))
     out.append(frame(messages.InitWeights(size=N, payload=Payload(enc, codec, tuple(bufs)))))
-    out.append(frame(messages.Hello(nonce=bytes(32), capabilities=("a",), address="h:1")))
-    out.append(frame(messages.Stats(clock=1, step_time=0.1, loss=2.0, samples=3)))
+    out.append(frame(control.Hello(nonce=bytes(32), capabilities=("a",), address="h:1")))
+    out.append(frame(control.Stats(clock=1, step_time=0.1, loss=2.0, samples=3)))
     out.append(frame(messages.Ack(clock=1, version=2)) + frame(messages.Pull(clock=1)))
     return [b"\x05" + s for s in out]  # first byte: where the input is cut in two
 
 
 def check(msg: messages.Message) -> None:
     """What a server does with a message before it uses it."""
-    if isinstance(msg, messages.Stats):
+    if isinstance(msg, control.Stats):
         conversation.check_stats(msg)
     if isinstance(msg, messages.Push):
         conversation.check_push(msg)
-    if msg.KIND in messages.WITH_BUFFERS:  # every vector payload
+    if msg.KIND in kinds.WITH_BUFFERS:  # every vector payload
         payload: Any = msg
         sparse.decode_vector(payload.payload, N)
 

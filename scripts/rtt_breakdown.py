@@ -38,9 +38,9 @@ from unittest import mock
 
 import bench_rtt as b
 
+from minips.wire import control, handshake, kinds, messages
 from minips.wire import frames as frames_mod
-from minips.wire import handshake, messages
-from minips.wire.frames import PREFIX, TABLE_ENTRY
+from minips.wire.checks import PREFIX, TABLE_ENTRY
 from minips.wire.receive import FrameReceiver
 
 VARIANTS = ("minips", "free_codec", "no_checks")
@@ -76,10 +76,10 @@ def _unchecked() -> list[Any]:
     """A patch that builds received messages from their maps without any field check."""
 
     def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> messages.Message:
-        cls = messages.MESSAGE_TYPES[kind]
-        if kind in messages.WITH_BUFFERS:
+        cls = kinds.MESSAGE_TYPES[kind]
+        if kind in kinds.WITH_BUFFERS:
             meta["buffers"] = ()
-        elif cls is messages.Hello:
+        elif cls is control.Hello:
             meta["version"] = version
         msg = cls.__new__(cls)
         object.__setattr__(msg, "__dict__", meta)

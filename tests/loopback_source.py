@@ -10,7 +10,7 @@ import socket
 
 from minips.net import channel
 from minips.net.endpoints import shared_secret
-from minips.wire import handshake, messages
+from minips.wire import control, handshake
 
 __all__ = ["connect_from"]
 
@@ -51,7 +51,7 @@ async def _handshake(ch: channel.Channel, hs: handshake.ClientHandshake) -> None
     """The client half of the handshake (protocol.md, section 5), as ``transport.connect``."""
     await ch.send(hs.hello)
     reply = await ch.recv()
-    if isinstance(reply, messages.Challenge):
+    if isinstance(reply, control.Challenge):
         await ch.send(hs.on_challenge(reply))
         reply = await ch.recv()
     welcome = hs.on_reply(reply)

@@ -21,7 +21,7 @@ from minips.core.config import RunConfig
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.server import GlobalServer, ServerConfig
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 TOKEN = "raw-group-test-secret-0123"
@@ -49,10 +49,10 @@ class Cluster:
         for w in range(self.n_groups):  # speeds 1:4, so gssp makes one group of each
             ctl = await transport.connect("127.0.0.1", self.port, role="worker", worker_id=w,
                                           token=TOKEN)
-            await ctl.send(messages.Stats(clock=0, step_time=0.01 * 4 ** w, loss=1.0))
+            await ctl.send(control.Stats(clock=0, step_time=0.01 * 4 ** w, loss=1.0))
             self.ctls.append(ctl)
         for ch in chans:
-            self.groups[(await recv_as(ch, messages.Assign)).group] = ch
+            self.groups[(await recv_as(ch, control.Assign)).group] = ch
         return self
 
     async def connect_group(self, port: int) -> Channel:

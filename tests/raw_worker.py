@@ -16,7 +16,7 @@ import numpy as np
 from conftest import minips_server, recv_as
 
 from minips.net import channel, transport
-from minips.wire import messages
+from minips.wire import control, messages
 
 N = 61_706  # LeNet-5's parameters, the server's default model
 MB = 1 << 20
@@ -56,13 +56,13 @@ def peak_rss_mb(pid: int) -> float:
     return _status_kb(pid, "VmHWM") / 1024
 
 
-async def control(host: str, port: int, w: int, *, token: str,
-                  step_time: float = 0.03) -> tuple[Any, messages.Assign]:
+async def open_control(host: str, port: int, w: int, *, token: str,
+                  step_time: float = 0.03) -> tuple[Any, control.Assign]:
     """Worker ``w``'s control channel, its calibration STATS sent; (channel, its ASSIGN)."""
     ctl = await transport.connect(host, port, role="worker", worker_id=w, token=token,
                                   options=channel.Options(heartbeat=1.0))
-    await ctl.send(messages.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
-    return ctl, await recv_as(ctl, messages.Assign, 60)
+    await ctl.send(control.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
+    return ctl, await recv_as(ctl, control.Assign, 60)
 
 
 async def join_group(host: str, gport: int, w: int, group: int, *, token: str) -> tuple[Any, int]:
@@ -75,7 +75,7 @@ async def join_group(host: str, gport: int, w: int, group: int, *, token: str) -
 
 async def join(host: str, port: int, w: int, *, token: str) -> tuple[Any, Any, int]:
     """Worker ``w`` joins: control channel, STATS, ASSIGN, its group; (ctl, group ch, clock)."""
-    ctl, assign = await control(host, port, w, token=token)
+    ctl, assign = await open_control(host, port, w, token=token)
     gport = int(assign.address.rsplit(":", 1)[1])
     grp, clock = await join_group(host, gport, w, assign.group, token=token)
     return ctl, grp, clock

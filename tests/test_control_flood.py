@@ -30,7 +30,7 @@ from minips import sparse
 from minips.core.config import RunConfig
 from minips.net import channel, transport
 from minips.server import GlobalServer, ServerConfig
-from minips.wire import frames, messages
+from minips.wire import control, frames, messages
 
 TOKEN = "control-flood-secret-0123"
 WINDOW_S = 2.0  # seconds of each measurement window; calm and flooded windows alternate
@@ -55,14 +55,14 @@ def init_weights() -> messages.InitWeights:
     return messages.InitWeights(size=N, payload=sparse.encode_vector(np.zeros(N, np.float32)))
 
 
-control = functools.partial(raw_worker.control, token=TOKEN, step_time=COMPUTE_S)
+open_control = functools.partial(raw_worker.open_control, token=TOKEN, step_time=COMPUTE_S)
 
 
 async def good_worker(host: str, port: int, w: int, steps: list[float],
                       stop: asyncio.Event) -> None:
     """Worker ``w`` steps until ``stop`` (PULL, 30 ms, PUSH); the time of each step into
     ``steps``."""
-    ctl, assign = await control(host, port, w)
+    ctl, assign = await open_control(host, port, w)
     gport = int(assign.address.rsplit(":", 1)[1])
     grp = await transport.connect(host, gport, role="worker", worker_id=w, token=TOKEN,
                                   group=assign.group, options=channel.Options(heartbeat=1.0))
@@ -98,8 +98,8 @@ async def flood(host: str, port: int, w: int, source: str) -> None:
     frame = b"".join(bytes(part) for part in frames.encode(init_weights()))
     await asyncio.to_thread(sys.stdin.readline)  # "join"
     ctl = await connect_again(host, port, w, source)
-    await ctl.send(messages.Stats(clock=0, step_time=COMPUTE_S, loss=2.3, samples=32))
-    await recv_as(ctl, messages.Assign, 60)
+    await ctl.send(control.Stats(clock=0, step_time=COMPUTE_S, loss=2.3, samples=32))
+    await recv_as(ctl, control.Assign, 60)
     print("joined", flush=True)
     loop = asyncio.get_running_loop()
     going = asyncio.Event()
@@ -145,7 +145,7 @@ async def refused_init(run_dir: Path, msg: messages.InitWeights, *, weights: boo
             await ch.send(init_weights())
         await ch.send(msg)
         try:
-            error = await recv_as(ch, messages.Error, 10)
+            error = await recv_as(ch, control.Error, 10)
             await asyncio.wait_for(ch.wait_closed(), 10)
         finally:
             await ch.close()

@@ -16,7 +16,7 @@ import pytest
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
 from minips.sparse import encode_vector
-from minips.wire import conversation, messages
+from minips.wire import control, conversation, messages
 from minips.wire.conversation import (
     FIRST,
     REFUSALS,
@@ -38,21 +38,21 @@ def make(kind: Kind, clock: int = 0) -> messages.Message:
     """A well-formed message of ``kind`` (PULL, PUSH and ACK at ``clock``)."""
     vec = payload()
     build = {
-        Kind.HELLO: lambda: messages.Hello(nonce=bytes(32)),
-        Kind.CHALLENGE: lambda: messages.Challenge(nonce=bytes(32)),
-        Kind.AUTH: lambda: messages.Auth(mac=b""),
-        Kind.WELCOME: lambda: messages.Welcome(worker_id=0, mac=b""),
-        Kind.REFUSE: lambda: messages.Refuse(code="auth", reason="test"),
-        Kind.ASSIGN: lambda: messages.Assign(group=0, address="127.0.0.1:1", ratio=1.0,
+        Kind.HELLO: lambda: control.Hello(nonce=bytes(32)),
+        Kind.CHALLENGE: lambda: control.Challenge(nonce=bytes(32)),
+        Kind.AUTH: lambda: control.Auth(mac=b""),
+        Kind.WELCOME: lambda: control.Welcome(worker_id=0, mac=b""),
+        Kind.REFUSE: lambda: control.Refuse(code="auth", reason="test"),
+        Kind.ASSIGN: lambda: control.Assign(group=0, address="127.0.0.1:1", ratio=1.0,
                                              staleness=0),
-        Kind.STATS: lambda: messages.Stats(clock=0, step_time=0.01, loss=1.0),
+        Kind.STATS: lambda: control.Stats(clock=0, step_time=0.01, loss=1.0),
         Kind.PUSH: lambda: messages.Push(clock=clock, **vec),
         Kind.ACK: lambda: messages.Ack(clock=clock, version=0),
         Kind.PULL: lambda: messages.Pull(clock=clock),
         Kind.WEIGHTS: lambda: messages.Weights(version=7, **vec),
-        Kind.HEARTBEAT: lambda: messages.Heartbeat(),
-        Kind.LEAVE: lambda: messages.Leave(reason="bye"),
-        Kind.ERROR: lambda: messages.Error(code="invalid", reason="test"),
+        Kind.HEARTBEAT: lambda: control.Heartbeat(),
+        Kind.LEAVE: lambda: control.Leave(reason="bye"),
+        Kind.ERROR: lambda: control.Error(code="invalid", reason="test"),
         Kind.EXCHANGE: lambda: messages.Exchange(session=1, seq=1, **vec),
         Kind.EXCHANGE_REPLY: lambda: messages.ExchangeReply(version=1, **vec),
         Kind.GLOBAL_WEIGHTS: lambda: messages.GlobalWeights(version=1, size=4, **vec),
@@ -257,9 +257,9 @@ def test_the_checks_of_meaning_refuse_out_of_range_counters() -> None:
         conversation.check_push(push)
     conversation.check_push(messages.Push(clock=1, samples=conversation.MAX_SAMPLES, **payload()))
     with pytest.raises(RemoteProtocolError, match="step_time out of range"):
-        conversation.check_stats(messages.Stats(clock=0, step_time=0.0, loss=1.0))
+        conversation.check_stats(control.Stats(clock=0, step_time=0.0, loss=1.0))
     with pytest.raises(RemoteProtocolError, match="STATS data"):
-        conversation.check_stats(messages.Stats(clock=0, step_time=0.1, loss=1.0,
+        conversation.check_stats(control.Stats(clock=0, step_time=0.1, loss=1.0,
                                                 data={"colour": "red"}))
     big = messages.Exchange(session=1, seq=1, pushes=conversation.MAX_EXCHANGE_COUNT + 1,
                             **payload())

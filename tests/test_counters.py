@@ -17,7 +17,7 @@ import pytest
 from conftest import records, recv_as
 from raw_group import Cluster, closed, values
 
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.conversation import MAX_EXCHANGE_COUNT
 from minips.wire.fields import MAX_INT
 from minips.wire.messages import MAX_COUNT
@@ -30,14 +30,14 @@ async def refused_and_nothing_changed(c: Cluster, g: int, **counters: Any) -> No
     evaluator and a new group process, with the weights and counters as they were."""
     before, samples, version = c.weights(), c.srv.core.samples, c.srv.core.version
     reply = await c.exchange(c.groups[g], **{"seq": 99, **counters})
-    assert isinstance(reply, messages.Error) and reply.code == "invalid", reply
+    assert isinstance(reply, control.Error) and reply.code == "invalid", reply
     assert await closed(c.groups[g])
     w = await c.evaluate()  # was ERROR internal
     np.testing.assert_array_equal(values(w), before)
     assert (w.samples, w.version) == (samples, version)
     np.testing.assert_array_equal(c.weights(), before)
     again = await c.connect_group(7399)  # a replacement adopts the group and PULLs it whole
-    assert (await recv_as(again, messages.Assign)).group == g
+    assert (await recv_as(again, control.Assign)).group == g
     np.testing.assert_array_equal(values(await c.pull(again)), before)
 
 

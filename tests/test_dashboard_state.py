@@ -419,7 +419,7 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
     from minips.net import transport
     from minips.net.endpoints import parse_address
     from minips.server import GlobalServer, ServerConfig
-    from minips.wire import messages
+    from minips.wire import control, messages
 
     cfg = ServerConfig(run=RunConfig(workers=2, mode="bsp", lr_warmup=0.0), port=0,
                        token="t", run_dir=str(tmp_path), calib_timeout_s=10.0, linger_s=1.0)
@@ -429,10 +429,10 @@ async def test_probe_reads_clocks_the_ssp_bound_and_connections_from_a_live_serv
     try:
         for w in (0, 1):
             ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=w, token="t")
-            await ch.send(messages.Stats(clock=0, step_time=0.01, loss=2.0))
+            await ch.send(control.Stats(clock=0, step_time=0.01, loss=2.0))
             ctl.append(ch)
         for w, ch in enumerate(ctl):
-            host, gport = parse_address((await recv_as(ch, messages.Assign)).address)
+            host, gport = parse_address((await recv_as(ch, control.Assign)).address)
             grp.append(await transport.connect(host, gport, role="worker", worker_id=w,
                                                token="t"))
             await asyncio.wait_for(grp[-1].recv(), 10)  # ACK: its start clock

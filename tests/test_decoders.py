@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minips.errors import LimitExceeded, LocalProtocolError, ProtocolError
-from minips.wire import frames, handshake, messages, receive
+from minips.wire import checks, control, frames, handshake, messages, receive
 from minips.wire.fields import Payload
 
 DECODERS = (frames.FrameDecoder, receive.FrameReceiver)
@@ -32,8 +32,8 @@ def raw_frame(kind: int, meta: bytes, *, version: int = messages.PROTOCOL_VERSIO
               entries: tuple[tuple[int, int, int], ...] = (), body: bytes = b"",
               flags: int = 0) -> bytes:
     """A frame put together by hand: ``entries`` (codec, wire_len, raw_len) per buffer."""
-    table = b"".join(frames.TABLE_ENTRY.pack(*e) for e in entries)
-    prefix = frames.PREFIX.pack(frames.MAGIC, version, kind, len(entries), flags, len(meta),
+    table = b"".join(checks.TABLE_ENTRY.pack(*e) for e in entries)
+    prefix = checks.PREFIX.pack(checks.MAGIC, version, kind, len(entries), flags, len(meta),
                                 len(body))
     return prefix + table + meta + body
 
@@ -78,11 +78,11 @@ def pieces(data: bytes, cuts: Iterable[int]) -> list[bytes]:
 
 WEIGHTS = np.arange(300_000, dtype=np.float32)  # 1.2 MB: read stage by stage by the receiver
 SMALL = [
-    messages.Hello(nonce=bytes(range(32)), capabilities=("lz4",), address="h:1"),
-    messages.Challenge(nonce=bytes(32)),
-    messages.Auth(mac=bytes(32)),
-    messages.Welcome(worker_id=3, mac=b"", info={"model": "lenet5", "sizes": [1, 2, 3]}),
-    messages.Assign(group=1, address="", ratio=0.01, staleness=3),
+    control.Hello(nonce=bytes(range(32)), capabilities=("lz4",), address="h:1"),
+    control.Challenge(nonce=bytes(32)),
+    control.Auth(mac=bytes(32)),
+    control.Welcome(worker_id=3, mac=b"", info={"model": "lenet5", "sizes": [1, 2, 3]}),
+    control.Assign(group=1, address="", ratio=0.01, staleness=3),
     messages.Pull(clock=4, since=2),
     messages.Weights(version=5, since=2, payload=Payload(
         "sparse-v1", {"k": 2, "index": "u32", "value": "f32"},
@@ -91,9 +91,9 @@ SMALL = [
     messages.Push(clock=5, step_time=0.25, loss=1.5, samples=64, payload=Payload("dense-f32", {},
                   (np.ones(5000, np.float32),))),  # 20 KB of ones: lz4 takes it
     messages.Ack(clock=5, version=6),
-    messages.Stats(clock=5, step_time=0.25, loss=1.5, data={"dataset": "mnist"}),
-    messages.Heartbeat(seq=7),
-    messages.Leave(reason="done"),
+    control.Stats(clock=5, step_time=0.25, loss=1.5, data={"dataset": "mnist"}),
+    control.Heartbeat(seq=7),
+    control.Leave(reason="done"),
 ]
 BIG = [
     messages.Weights(version=1, payload=Payload("dense-f32", {}, (WEIGHTS,))),
@@ -152,15 +152,15 @@ def test_mangled_streams_decode_alike(data: st.DataObject) -> None:
 
 # -- malformed frames and every limit -------------------------------------------------------------
 
-ACK = frames.encode(messages.Ack(clock=1, version=2))[0][frames.PREFIX.size:]  # its packed map
+ACK = frames.encode(messages.Ack(clock=1, version=2))[0][checks.PREFIX.size:]  # its packed map
 PUSH = frame(messages.Push(clock=0, payload=Payload("d", {}, (b"abc",))))
-PUSH_META = PUSH[frames.PREFIX.size + frames.TABLE_ENTRY.size:-3]
+PUSH_META = PUSH[checks.PREFIX.size + checks.TABLE_ENTRY.size:-3]
 K = messages.Kind
 MALFORMED = [
     b"XXXX" + PUSH[4:],  # bad magic
     raw_frame(99, ACK),  # unknown kind
     raw_frame(K.ACK, ACK, version=3),  # another version
-    raw_frame(K.REFUSE, frames.encode(messages.Refuse(code="v", reason="r"))[0][16:], version=9),
+    raw_frame(K.REFUSE, frames.encode(control.Refuse(code="v", reason="r"))[0][16:], version=9),
     raw_frame(K.ACK, ACK, flags=1),
     raw_frame(K.ACK, b"\x92\x01\x02"),  # a list, not a map
     raw_frame(K.ACK, b"\x81\xa5clock\x01"),  # a key missing
@@ -180,7 +180,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("data", MALFORMED)
 def test_malformed_frames_are_refused_alike(data: bytes) -> None:
-    good = frame(messages.Heartbeat(seq=1))
+    good = frame(control.Heartbeat(seq=1))
     for chunks in ([good + data], [good + data[:9], data[9:]],
                    [bytes([b]) for b in good + data]):
         assert_alike(chunks)
@@ -188,32 +188,32 @@ def test_malformed_frames_are_refused_alike(data: bytes) -> None:
 
 TWO = messages.Push(clock=0, payload=Payload("d", {}, (bytes(5000), bytes(5000))))
 LIMITED = [
-    (frames.Limits(max_frame_bytes=9000), frame(TWO)),
-    (frames.Limits(max_buffers=1), frame(TWO)),
-    (frames.Limits(max_meta_bytes=10), frame(TWO)),
-    (frames.Limits(max_raw_bytes=9000), frame(TWO, compress=True)),
-    (frames.Limits(max_buffer_bytes=4999), frame(TWO, compress=True)),
-    (frames.Limits(max_str_len=10), frame(messages.Leave(reason="x" * 11))),
-    (frames.Limits(max_bin_len=16), frame(messages.Challenge(nonce=bytes(32)))),
-    (frames.Limits(max_array_len=2), frame(messages.Welcome(worker_id=0, mac=b"",
+    (checks.Limits(max_frame_bytes=9000), frame(TWO)),
+    (checks.Limits(max_buffers=1), frame(TWO)),
+    (checks.Limits(max_meta_bytes=10), frame(TWO)),
+    (checks.Limits(max_raw_bytes=9000), frame(TWO, compress=True)),
+    (checks.Limits(max_buffer_bytes=4999), frame(TWO, compress=True)),
+    (checks.Limits(max_str_len=10), frame(control.Leave(reason="x" * 11))),
+    (checks.Limits(max_bin_len=16), frame(control.Challenge(nonce=bytes(32)))),
+    (checks.Limits(max_array_len=2), frame(control.Welcome(worker_id=0, mac=b"",
                                                             info={"a": [1, 2, 3]}))),
-    (frames.Limits(max_map_len=2), frame(messages.Welcome(worker_id=0, mac=b"", info={}))),
+    (checks.Limits(max_map_len=2), frame(control.Welcome(worker_id=0, mac=b"", info={}))),
     (handshake.HANDSHAKE_LIMITS, frame(TWO)),
-    (frames.DEFAULT_LIMITS.sized_for(1000), frame(messages.Push(
+    (checks.DEFAULT_LIMITS.sized_for(1000), frame(messages.Push(
         clock=0, payload=Payload("dense-f32", {}, (bytes(80 << 10),))), compress=True)),
-    (frames.DEFAULT_LIMITS.sized_for(1000), frame(BIG[0])),
+    (checks.DEFAULT_LIMITS.sized_for(1000), frame(BIG[0])),
 ]
 
 
 @pytest.mark.parametrize("limits, data", LIMITED)
-def test_every_limit_is_refused_alike(limits: frames.Limits, data: bytes) -> None:
+def test_every_limit_is_refused_alike(limits: checks.Limits, data: bytes) -> None:
     for chunks in ([data], [data[:20], data[20:]], pieces(data, range(0, len(data), 4096))):
         got, err, _ = assert_alike(chunks, limits=limits)
         assert got == [] and err is LimitExceeded
 
 
 @pytest.mark.parametrize("limits, data", LIMITED)
-def test_under_every_limit_the_same_frames_decode_alike(limits: frames.Limits,
+def test_under_every_limit_the_same_frames_decode_alike(limits: checks.Limits,
                                                         data: bytes) -> None:
     got, err, _ = assert_alike([data])
     assert len(got) == 1 and err is None
@@ -224,7 +224,7 @@ def test_the_inflate_budget_refuses_a_frame_alike() -> None:
                  compress=True)
     for cap, refused in ((64 << 10, True), (80_000, False)):
         for chunks in ([over], [over[:30], over[30:]]):
-            budget = frames.InflateBudget(cap)
+            budget = checks.InflateBudget(cap)
             got, err, _ = assert_alike(chunks, budget=budget)
             assert (err is LimitExceeded) == refused and len(got) == (not refused)
             del got
@@ -259,6 +259,6 @@ def test_the_receiver_takes_over_a_fresh_decoder_with_its_settings() -> None:
     taken = receive.FrameReceiver.taking_over(conn.decoder)
     assert taken.limits is handshake.HANDSHAKE_LIMITS and taken.scratch == conn.decoder.scratch
     assert (taken.alloc, taken.budget) == (conn.decoder.alloc, conn.decoder.budget)
-    conn.decoder.feed(frame(messages.Heartbeat(seq=1))[:5])
+    conn.decoder.feed(frame(control.Heartbeat(seq=1))[:5])
     with pytest.raises(LocalProtocolError):
         receive.FrameReceiver.taking_over(conn.decoder)

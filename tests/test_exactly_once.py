@@ -16,7 +16,7 @@ from raw_group import Cluster, closed
 
 from minips.core.replay import MAX_SESSIONS, Merged
 from minips.record.rundir import read_jsonl
-from minips.wire import messages
+from minips.wire import control, messages
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +55,7 @@ async def test_each_session_keeps_its_own_last_seq_across_connections(tmp_path: 
         assert c.srv.core.samples == 128
         await first.close()  # the group is lost; the next group process adopts it
         again = await c.connect_group(7399)
-        assert (await recv_as(again, messages.Assign)).group == 0
+        assert (await recv_as(again, control.Assign)).group == 0
         await c.pull(again)
         for session, seq in ((11, 4), (11, 5), (22, 1)):
             reply = await c.exchange(again, session=session, seq=seq, samples=64)
@@ -72,14 +72,14 @@ async def test_an_exchange_before_the_connections_first_pull_is_refused_with_ord
     ch = c.groups[0]
     try:
         reply = await c.exchange(ch, seq=1, samples=64)
-        assert isinstance(reply, messages.Error) and reply.code == "order", reply
+        assert isinstance(reply, control.Error) and reply.code == "order", reply
         assert "PULL" in reply.reason
         assert await closed(ch)
         assert c.srv.core.samples == 0 and c.srv.core.version == 0
         np.testing.assert_array_equal(c.weights(), np.zeros(6, np.float32))
         assert c.srv.rejected["order"] == 1
         again = await c.connect_group(7399)  # a well-behaved one: PULL, then EXCHANGE
-        assert (await recv_as(again, messages.Assign)).group == 0
+        assert (await recv_as(again, control.Assign)).group == 0
         await c.pull(again)
         assert isinstance(await c.exchange(again, seq=1, samples=64), messages.ExchangeReply)
         assert c.srv.core.samples == 64

@@ -41,7 +41,7 @@ from minips.record.checkpoint import load, save
 from minips.serve import sessions
 from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcLink, ServerConfig
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.conversation import Conversation, Role
 from minips.wire.fields import Payload
 
@@ -452,8 +452,8 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
         await until(lambda: bool(srv.pending_groups), 30)
         ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0,
                                       token=TOKEN)
-        await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
-        assign = await recv_as(ctl, messages.Assign, 30)
+        await ctl.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
+        assign = await recv_as(ctl, control.Assign, 30)
         host, gport = parse_address(assign.address)
         ch = await _join_group(host or "127.0.0.1", gport, assign.group)
         await ch.recv()  # ACK with the starting clock

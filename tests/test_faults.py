@@ -409,7 +409,7 @@ async def raw_session(port: int, wid: int) -> tuple[Any, Any]:
     """A hand-driven authenticated connection (reader, writer), past the starting ACK."""
     import asyncio
 
-    from minips.wire import frames, handshake, messages
+    from minips.wire import control, frames, handshake, messages
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     dec = frames.FrameDecoder()
@@ -423,7 +423,7 @@ async def raw_session(port: int, wid: int) -> tuple[Any, Any]:
 
     writer.writelines(frames.encode(client.hello))
     writer.writelines(frames.encode(client.on_challenge(await next_msg())))
-    assert isinstance(await next_msg(), messages.Welcome)
+    assert isinstance(await next_msg(), control.Welcome)
     assert isinstance(await next_msg(), messages.Ack)
     return reader, writer
 

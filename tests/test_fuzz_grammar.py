@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from minips.net import channel
-from minips.wire import messages
+from minips.wire import kinds, messages
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_grammar.py"
 
@@ -33,10 +33,11 @@ def test_the_grammar_read_from_the_document_is_the_protocol() -> None:
     """The fuzzer takes kinds, numbers and keys from the document alone; they must be the ones
     the servers speak, or the fuzz would test another protocol."""
     fg = script()
-    kinds = fg.grammar()
-    assert {s.number: name for name, s in kinds.items()} == {int(k): k.name for k in messages.Kind}
-    for name, spec in kinds.items():
-        assert set(spec.keys) == set(messages.meta_keys(messages.Kind[name])), name
+    spec_kinds = fg.grammar()
+    assert ({s.number: name for name, s in spec_kinds.items()}
+            == {int(k): k.name for k in messages.Kind})
+    for name, spec in spec_kinds.items():
+        assert set(spec.keys) == set(kinds.meta_keys(messages.Kind[name])), name
         assert all(t for t in spec.keys.values()), name
     assert fg.encodings() == ["dense-f32", "dense-f16", "sparse-v1"]
     assert fg.frame_layout() == (b"MNPS", messages.PROTOCOL_VERSION)

@@ -29,7 +29,7 @@ from minips.core.exchange import ExchangeResult
 from minips.errors import RemoteProtocolError
 from minips.net import transport
 from minips.serve.group import GroupServer
-from minips.wire import frames, messages
+from minips.wire import control, frames, messages
 from minips.wire.fields import Payload
 
 TOKEN = "fuzz-secret"
@@ -70,14 +70,14 @@ def frame(msg: Any) -> bytes:
 
 
 VALID = [frame(m) for m in (
-    messages.Hello(role="worker", worker_id=0, nonce=b"n" * 32),
-    messages.Auth(mac=b"m" * 32),
+    control.Hello(role="worker", worker_id=0, nonce=b"n" * 32),
+    control.Auth(mac=b"m" * 32),
     messages.Pull(clock=0),
     push_msg(1, np.ones(SIZE, np.float32)),
     push_msg(1, np.ones(3, np.float32), np.array([1, 5, 9], np.uint32)),
-    messages.Heartbeat(seq=1),
-    messages.Leave(reason="bye"),
-    messages.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
+    control.Heartbeat(seq=1),
+    control.Leave(reason="bye"),
+    control.Stats(clock=1, step_time=0.1, loss=1.0, samples=1),
 )]
 
 
@@ -152,7 +152,7 @@ def invalid_after_auth(rng: random.Random) -> Any:
         lambda clock: raw_push(clock + 1, "dense-f32", samples=10**9),  # huge batch
         lambda clock: raw_push(clock + 1, "nope", samples=1),  # unknown encoding
         lambda clock: raw_push(clock + 1, "dense-f32", samples=1, step_time=-1.0),
-        lambda clock: messages.Stats(clock=clock, step_time=0.1, loss=1.0, samples=1),  # not here
+        lambda clock: control.Stats(clock=clock, step_time=0.1, loss=1.0, samples=1),  # not here
     ]
     return rng.choice(choices)
 
@@ -180,7 +180,7 @@ async def invalid_session(port: int, wid: int, make: Any, src: str) -> str:
         except Exception:  # our own side refused to encode it: nothing reached the server
             return "local"
         reply = await asyncio.wait_for(ch.recv(), 5)
-        return reply.code if isinstance(reply, messages.Error) else type(reply).__name__
+        return reply.code if isinstance(reply, control.Error) else type(reply).__name__
     except RemoteProtocolError as exc:
         return f"error:{exc}"
     except ConnectionError:

@@ -31,7 +31,7 @@ from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.serve.group import GroupServer
 from minips.server import InProcGroup
-from minips.wire import messages
+from minips.wire import control, messages
 
 N = 10
 
@@ -42,8 +42,8 @@ def core(weights: np.ndarray | None = None, **run: object) -> GlobalCore:
     return GlobalCore(cfg, weights, regroup=False, wall=lambda: 1e9 + t[0])
 
 
-def stats(step_time: float, clock: int = 0) -> messages.Stats:
-    return messages.Stats(clock=clock, step_time=step_time, loss=1.0)
+def stats(step_time: float, clock: int = 0) -> control.Stats:
+    return control.Stats(clock=clock, step_time=step_time, loss=1.0)
 
 
 def grouped(c: GlobalCore, groups: int = 1) -> None:
@@ -237,14 +237,14 @@ def test_a_workers_first_stats_says_where_its_data_came_from_and_is_logged() -> 
         c.roster.admit(w)
     said = {"dataset": "fashion-mnist", "split": "train", "synthetic": True, "source": "",
             "reason": "no files"}
-    got = c.on_stats(0, messages.Stats(clock=0, step_time=0.01, loss=1.0, data=said), 0.0)
+    got = c.on_stats(0, control.Stats(clock=0, step_time=0.01, loss=1.0, data=said), 0.0)
     assert got == [Log("data", {"worker": 0, **said})]
     assert c.on_stats(1, stats(0.02), 0.0) == [FormGroups()]  # no data: nothing logged
     # a bad ``data`` is the server's to refuse (conversation.check_stats: ERROR invalid, since
     # 5e0ee13), by this one rule
     for bad in ({"dataset": 3}, {"synthetic": "yes"}, {"owner": "x"}, {"source": "x" * 5000}):
         with pytest.raises(messages.Invalid):
-            messages.data_origin(bad)
+            control.data_origin(bad)
 
 
 def test_a_group_process_told_its_group_before_the_groups_form_gets_its_h_not_0() -> None:

@@ -15,7 +15,7 @@ from minips.core.config import RunConfig
 from minips.core.exchange import ExchangeResult
 from minips.net import transport
 from minips.serve.group import GroupServer
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 TOKEN = "group-test"
@@ -164,7 +164,7 @@ async def test_wire_session_ack_pull_push_and_bad_clock() -> None:
         assert isinstance(await ch.recv(), messages.Weights)
         await ch.send(push(5, vec(1, 1, 1)))  # skips clocks 3 and 4
         err = await ch.recv()
-        assert isinstance(err, messages.Error) and err.code == "clock"
+        assert isinstance(err, control.Error) and err.code == "clock"
     finally:
         await ch.close()
         await gs.close()

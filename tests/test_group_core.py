@@ -33,7 +33,7 @@ from minips.core.group_core import (
     Wake,
 )
 from minips.serve.group import GroupServer
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 N = 500
@@ -358,7 +358,7 @@ async def test_a_worker_gets_error_diverged_on_loopback_not_weights_holding_inf(
             await recv_as(ch, messages.Ack)
         await ch.send(messages.Pull(clock=2))
         err = await asyncio.wait_for(ch.recv(), 5)
-        assert isinstance(err, messages.Error) and err.code == "diverged"
+        assert isinstance(err, control.Error) and err.code == "diverged"
     finally:
         await ch.close()
         await gs.close()

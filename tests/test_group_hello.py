@@ -18,7 +18,7 @@ from minips.core.config import RunConfig
 from minips.errors import AuthError
 from minips.net import transport
 from minips.server import GlobalServer, ServerConfig
-from minips.wire import messages
+from minips.wire import control
 
 TOKEN = "group-hello-test-secret-0123"
 
@@ -63,9 +63,9 @@ async def test_a_wildcard_host_is_replaced_and_the_advertised_address_logged(
                                   token=TOKEN)
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, token=TOKEN)
     try:
-        await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
-        assert (await recv_as(ctl, messages.Assign)).address == "127.0.0.1:7123"
-        assert isinstance(await recv_as(grp, messages.Assign), messages.Assign)
+        await ctl.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
+        assert (await recv_as(ctl, control.Assign)).address == "127.0.0.1:7123"
+        assert isinstance(await recv_as(grp, control.Assign), control.Assign)
         assert any("[::]:7123" in r.getMessage() and "127.0.0.1:7123" in r.getMessage()
                    for r in caplog.records)
     finally:
@@ -89,9 +89,9 @@ async def test_a_group_process_gone_before_the_grouping_is_given_no_group(
                                   token=TOKEN)
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, token=TOKEN)
     try:
-        await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
-        assert (await recv_as(ctl, messages.Assign)).address == "127.0.0.1:7124"
-        assert isinstance(await recv_as(grp, messages.Assign), messages.Assign)
+        await ctl.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
+        assert (await recv_as(ctl, control.Assign)).address == "127.0.0.1:7124"
+        assert isinstance(await recv_as(grp, control.Assign), control.Assign)
     finally:
         await ctl.close()
         await grp.close()

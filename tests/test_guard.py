@@ -9,7 +9,7 @@ import pytest
 
 from minips.errors import LimitExceeded
 from minips.net import guard
-from minips.wire import frames, handshake, messages
+from minips.wire import checks, control, frames, handshake, messages
 from minips.wire.fields import Payload
 
 LIMITS = guard.Limits(max_pending=5, max_pending_per_source=2, free_failures=2,
@@ -65,17 +65,17 @@ def test_log_summary_gives_the_first_line_then_counts_once_a_period() -> None:
 
 def test_a_server_connection_takes_only_handshake_frames_until_welcome() -> None:
     server = handshake.Connection(handshake.Side.SERVER)
-    big = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH, 1, 0, 10,
+    big = checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH, 1, 0, 10,
                              500 << 20)
     with pytest.raises(LimitExceeded, match="buffer count"):
         server.receive(big)
-    hello = messages.Hello(role="worker", nonce=b"n" * 32,
+    hello = control.Hello(role="worker", nonce=b"n" * 32,
                            address="h" * 4096)  # the longest address
     server = handshake.Connection(handshake.Side.SERVER)
     assert server.receive(b"".join(frames.encode(hello))) == [hello]
-    server.send(messages.Challenge(nonce=b"c" * 32))
-    server.receive(b"".join(frames.encode(messages.Auth(mac=b"m" * 32))))
-    server.send(messages.Welcome(worker_id=0, mac=b"", info={}))
+    server.send(control.Challenge(nonce=b"c" * 32))
+    server.receive(b"".join(frames.encode(control.Auth(mac=b"m" * 32))))
+    server.send(control.Welcome(worker_id=0, mac=b"", info={}))
     push = messages.Push(clock=1, payload=Payload("dense-f32", {}, (np.ones(1 << 20, np.float32),)))
     got = server.receive(b"".join(bytes(memoryview(b).cast("B")) for b in frames.encode(push)))
     assert len(got) == 1 and isinstance(got[0], messages.Push)
@@ -84,8 +84,8 @@ def test_a_server_connection_takes_only_handshake_frames_until_welcome() -> None
 
 def test_a_client_connection_is_not_limited_before_welcome() -> None:
     client = handshake.Connection(handshake.Side.CLIENT)
-    client.send(messages.Hello(role="worker", nonce=b"n" * 32))
-    client.receive(b"".join(frames.encode(messages.Challenge(nonce=b"c" * 32))))
-    client.send(messages.Auth(mac=b""))
-    welcome = messages.Welcome(worker_id=0, mac=b"", info={"config": "x" * 60_000})
+    client.send(control.Hello(role="worker", nonce=b"n" * 32))
+    client.receive(b"".join(frames.encode(control.Challenge(nonce=b"c" * 32))))
+    client.send(control.Auth(mac=b""))
+    welcome = control.Welcome(worker_id=0, mac=b"", info={"config": "x" * 60_000})
     assert client.receive(b"".join(frames.encode(welcome))) == [welcome]

@@ -41,7 +41,7 @@ from raw_worker import MB, N, open_fds, rss_mb
 from minips import sparse
 from minips.errors import AuthError
 from minips.net import guard, transport
-from minips.wire import frames, handshake, messages
+from minips.wire import checks, control, frames, handshake, messages
 
 TOKEN = "hostile-test-secret-0123"
 
@@ -76,9 +76,9 @@ def big_push_head(claimed: int) -> bytes:
     """Prefix, table and map of a PUSH frame whose one raw buffer claims ``claimed`` bytes."""
     meta = msgpack.packb({"clock": 1, "step_time": 0.0, "loss": 0.0, "samples": 1,
                           "encoding": "dense-f32", "codec": {}})
-    prefix = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH,
+    prefix = checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH,
                                   1, 0, len(meta), claimed)
-    return prefix + frames.TABLE_ENTRY.pack(0, claimed, claimed) + meta
+    return prefix + checks.TABLE_ENTRY.pack(0, claimed, claimed) + meta
 
 
 def send_some(sock: socket.socket, data: bytes, total: int) -> int:
@@ -117,9 +117,9 @@ def test_a_claimed_500_mib_frame_costs_no_memory_before_the_handshake(tmp_path: 
 def big_init_head(claimed: int) -> bytes:
     """Prefix, table and map of an INIT_WEIGHTS frame whose raw buffer claims ``claimed`` bytes."""
     meta = msgpack.packb({"size": claimed // 4, "encoding": "dense-f32", "codec": {}})
-    prefix = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION,
+    prefix = checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION,
                                 messages.Kind.INIT_WEIGHTS, 1, 0, len(meta), claimed)
-    return prefix + frames.TABLE_ENTRY.pack(0, claimed, claimed) + meta
+    return prefix + checks.TABLE_ENTRY.pack(0, claimed, claimed) + meta
 
 
 @pytest.mark.timeout(120)
@@ -149,7 +149,7 @@ async def test_once_the_model_is_known_a_frame_wider_than_it_is_refused_at_once(
         ch = await transport.connect(host, port, role="worker", worker_id=0, token=TOKEN)
         ch._transport.write(big_push_head(500 * MB) + bytes(4 * MB))
         answer = await asyncio.wait_for(ch.recv(), 10)
-        assert isinstance(answer, messages.Error) and answer.code == "limit_exceeded", answer
+        assert isinstance(answer, control.Error) and answer.code == "limit_exceeded", answer
         assert "frame size" in answer.reason
         assert rss_mb(proc.pid) - before <= 3
         await ch.close()
@@ -243,7 +243,7 @@ async def violate(host: str, port: int, source: str) -> bool:
         return False
     try:
         await ch.send(messages.Pull(clock=0))
-        error = await recv_as(ch, messages.Error, 10)
+        error = await recv_as(ch, control.Error, 10)
         assert error.code == "invalid", error
         await asyncio.wait_for(ch.wait_closed(), 10)
     finally:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minips.errors import LimitExceeded, RemoteProtocolError
-from minips.wire import frames, messages, receive
+from minips.wire import checks, frames, messages, receive
 from minips.wire.fields import Payload
 
 MiB = 1 << 20
@@ -38,8 +38,8 @@ def never_alloc(kind: messages.Kind, index: int, nbytes: int) -> memoryview:
 
 
 def test_limits_sized_for_a_model_fit_its_largest_payloads_and_nothing_wider() -> None:
-    lim = frames.DEFAULT_LIMITS.sized_for(N)
-    assert lim.max_buffer_bytes == 5 * N + frames.MODEL_SLACK_BYTES
+    lim = checks.DEFAULT_LIMITS.sized_for(N)
+    assert lim.max_buffer_bytes == 5 * N + checks.MODEL_SLACK_BYTES
     assert lim.max_raw_bytes == 2 * lim.max_buffer_bytes
     assert lim.max_frame_bytes < 4 * MiB  # was 512 MiB
     # the widest payloads of that model still decode: dense f32, and sparse with every index
@@ -62,7 +62,7 @@ def test_a_buffer_that_inflates_past_the_models_size_is_refused_before_allocatin
         split: bool, decoder: type[frames.FrameDecoder]) -> None:
     data = frame(bomb(64 * MiB))
     assert len(data) < 512 << 10  # the attack: ~260 KB on the wire for 64 MiB
-    dec = decoder(limits=frames.DEFAULT_LIMITS.sized_for(N), alloc=never_alloc)
+    dec = decoder(limits=checks.DEFAULT_LIMITS.sized_for(N), alloc=never_alloc)
     with pytest.raises(LimitExceeded) as info:
         if split:
             for i in range(0, len(data), 4096):
@@ -73,7 +73,7 @@ def test_a_buffer_that_inflates_past_the_models_size_is_refused_before_allocatin
 
 
 def test_the_process_budget_refuses_what_does_not_fit_and_gets_it_back_when_freed() -> None:
-    budget = frames.InflateBudget(8 * MiB)
+    budget = checks.InflateBudget(8 * MiB)
     data = frame(bomb(5 * MiB))
     first = receive.FrameReceiver(budget=budget).feed(data)  # 5 of 8 MiB
     assert budget.used == 5 * MiB
@@ -89,7 +89,7 @@ def test_the_process_budget_refuses_what_does_not_fit_and_gets_it_back_when_free
 
 
 def test_the_plain_decoder_charges_a_frame_while_it_inflates_it() -> None:
-    budget = frames.InflateBudget(8 * MiB)
+    budget = checks.InflateBudget(8 * MiB)
     two = messages.Push(clock=1, samples=1, payload=Payload("dense-f32", {},
                         (bytes(5 * MiB), bytes(5 * MiB))))
     with pytest.raises(LimitExceeded, match="budget"):  # 10 MiB of one frame: over 8
@@ -102,7 +102,7 @@ def test_the_plain_decoder_charges_a_frame_while_it_inflates_it() -> None:
 @pytest.mark.parametrize("decoder", DECODERS)
 def test_a_corrupt_block_is_refused_and_its_charge_returned(
         decoder: type[frames.FrameDecoder]) -> None:
-    budget = frames.InflateBudget(8 * MiB)
+    budget = checks.InflateBudget(8 * MiB)
     data = bytearray(frame(bomb(1 * MiB)))
     data[-10:] = b"\xff" * 10  # the block's last bytes: its output no longer fits raw_len
     with pytest.raises(RemoteProtocolError) as info:

@@ -26,7 +26,7 @@ from minips.record.metrics import HOP_COUNTERS
 from minips.record.rundir import read_jsonl
 from minips.run import checks
 from minips.run.launch import LaunchConfig, run_local
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 TOKEN = "links-secret-0123456789abcdef"
@@ -140,7 +140,7 @@ async def _serve_weights(ch: channel.Channel) -> None:
             await ch.send(messages.Ack(clock=msg.clock, version=0))
         elif isinstance(msg, messages.Pull):
             await ch.send(messages.Weights(version=1, payload=Payload("dense-f32", {}, (weights,))))
-        elif isinstance(msg, messages.Leave):
+        elif isinstance(msg, control.Leave):
             return
 
 

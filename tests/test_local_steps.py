@@ -24,7 +24,7 @@ from minips.record.rundir import read_jsonl
 from minips.run.flags import build_parser, run_config_from_args
 from minips.sim.simulate import SimConfig, simulate
 from minips.sparse import encode_vector
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 WORKER = {"optimizer_at": "worker", "lr_warmup": 0.0}
@@ -149,7 +149,7 @@ def test_auto_local_steps_follow_the_groups_speeds() -> None:
     core = GlobalCore(run, np.zeros(5, np.float32), regroup=False, wall=lambda: 1e9)
     for w, t in enumerate((0.05, 0.05, 0.2, 0.2)):
         core.roster.admit(w)
-        core.on_stats(w, messages.Stats(clock=0, step_time=t, loss=1.0), 0.0)
+        core.on_stats(w, control.Stats(clock=0, step_time=t, loss=1.0), 0.0)
     assignment = core.first_assignment(0.0)
     handles = [GroupHandle(g, f"h:{g}", sorted(w for w, h in assignment.items() if h == g))
                for g in sorted(set(assignment.values()))]
@@ -158,7 +158,7 @@ def test_auto_local_steps_follow_the_groups_speeds() -> None:
     assert any(isinstance(a, SendSettings) for a in actions)
     assert core.assign_message(core.groups[1]).local_steps == 2
     for w in (2, 3):  # the slow group got faster: 0.1 s a step, H 4
-        actions = core.on_stats(w, messages.Stats(clock=5, step_time=0.1, loss=1.0), 1.0)
+        actions = core.on_stats(w, control.Stats(clock=5, step_time=0.1, loss=1.0), 1.0)
     assert core.groups[1].local_steps == 4
     assert [a.ratios for a in actions if isinstance(a, SendSettings)] == [{1: run.ratio}]
 

@@ -4,7 +4,7 @@ refuses it with ERROR ``limit_exceeded`` before inflating anything, and its peak
 so no peak between two samples is missed) stays within the budget of docs/operations.md:
 
 - to a group server, which knows the model: the buffer is wider than any payload of the model
-  (``frames.Limits.sized_for``), refused at the buffer table;
+  (``checks.Limits.sized_for``), refused at the buffer table;
 - to the global server before it knows the model (no ``--init``; INIT_WEIGHTS on a worker's
   control channel): the 256 MiB do not fit the process's lz4 budget (``InflateBudget``, 64 MiB).
 
@@ -26,7 +26,7 @@ from conftest import recv_as
 from raw_worker import MB, N, peak_rss_mb, rss_mb
 
 from minips.net import channel, transport
-from minips.wire import frames, messages
+from minips.wire import checks, control, frames, messages
 from minips.wire.fields import Payload
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,10 +46,10 @@ def bomb_frame(kind: type[messages.Message], encoding: str, **fields: object) ->
     packed = lz4.block.compress(bytes(BOMB), store_size=False)
     msg = kind(**fields, payload=Payload(encoding, {}, (bytes(1),)))  # type: ignore[call-arg]
     head = frames.encode(msg)[0]  # prefix + table + meta + the 1-byte buffer
-    meta = bytes(head[frames.PREFIX.size + frames.TABLE_ENTRY.size:-1])
-    prefix = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, msg.KIND, 1, 0,
+    meta = bytes(head[checks.PREFIX.size + checks.TABLE_ENTRY.size:-1])
+    prefix = checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION, msg.KIND, 1, 0,
                                 len(meta), len(packed))
-    table = frames.TABLE_ENTRY.pack(frames.CODEC_LZ4, len(packed), BOMB)
+    table = checks.TABLE_ENTRY.pack(checks.CODEC_LZ4, len(packed), BOMB)
     assert len(packed) < 2 * MB  # about 1 MB on the wire
     return prefix + table + meta + packed
 
@@ -82,7 +82,7 @@ async def test_an_lz4_bomb_to_a_group_server_is_refused_before_inflating(tmp_pat
         answer, grown = await bomb_answer(proc, grp, bomb_frame(
             messages.Push, "dense-f32", clock=clock + 1, samples=32),
             "group server")
-        assert isinstance(answer, messages.Error) and answer.code == "limit_exceeded", answer
+        assert isinstance(answer, control.Error) and answer.code == "limit_exceeded", answer
         assert "decompressed" in answer.reason
         assert grown <= BUDGET_MB
         # the other worker is served, and the model is the one before the attack
@@ -101,15 +101,15 @@ async def test_an_lz4_bomb_before_the_model_is_known_does_not_fit_the_budget(
         answer, grown = await bomb_answer(proc, ctl, bomb_frame(
             messages.InitWeights, "dense-f32", size=BOMB // 4),
             "global server")
-        assert isinstance(answer, messages.Error) and answer.code == "limit_exceeded", answer
+        assert isinstance(answer, control.Error) and answer.code == "limit_exceeded", answer
         assert "budget" in answer.reason
         assert grown <= BUDGET_MB
         # the model is still free to be set by an honest worker, which then trains
         ctl2 = await transport.connect(host, port, role="worker", worker_id=0, token=TOKEN)
         await ctl2.send(messages.InitWeights(size=N, payload=Payload("dense-f32", {},
                                              (np.zeros(N, np.float32),))))
-        await ctl2.send(messages.Stats(clock=0, step_time=0.03, loss=2.3, samples=32))
-        assign = await recv_as(ctl2, messages.Assign, 60)
+        await ctl2.send(control.Stats(clock=0, step_time=0.03, loss=2.3, samples=32))
+        assign = await recv_as(ctl2, control.Assign, 60)
         grp, clock = await raw_worker.join_group(host, int(assign.address.rsplit(":", 1)[1]), 0,
                                                  assign.group, token=TOKEN)
         await grp.send(messages.Pull(clock=clock))

@@ -25,7 +25,7 @@ from minips.core.config import RunConfig
 from minips.net import channel, lifeline, transport
 from minips.run.cli import main
 from minips.server import GlobalServer, ServerConfig
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 
@@ -152,12 +152,12 @@ def _group_process(tmp: Path, port: str) -> subprocess.Popen[str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-async def _calibrated(port: str, w: int, step_time: float) -> tuple[Any, messages.Assign]:
+async def _calibrated(port: str, w: int, step_time: float) -> tuple[Any, control.Assign]:
     """Worker ``w``'s control channel with its calibration STATS sent; (channel, ASSIGN)."""
     ctl = await transport.connect("127.0.0.1", int(port), role="worker", worker_id=w,
                                   token=TOKEN, options=channel.Options(heartbeat=1.0))
-    await ctl.send(messages.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
-    return ctl, await recv_as(ctl, messages.Assign, 20)
+    await ctl.send(control.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
+    return ctl, await recv_as(ctl, control.Assign, 20)
 
 
 @pytest.mark.timeout(120)
@@ -198,7 +198,7 @@ async def test_a_group_nobody_serves_ends_the_run_with_one_line_and_exit_3(
             chans = [await transport.connect("127.0.0.1", int(port), role="worker",
                                              worker_id=w, token=TOKEN) for w in (0, 1)]
             for ch, step in zip(chans, (0.02, 0.2), strict=True):
-                await ch.send(messages.Stats(clock=0, step_time=step, loss=2.3, samples=32))
+                await ch.send(control.Stats(clock=0, step_time=step, loss=2.3, samples=32))
             t = time.monotonic()
             code = await asyncio.to_thread(server.wait, 30)
             took = time.monotonic() - t
@@ -249,11 +249,11 @@ async def test_the_grouping_deadline_counts_from_the_first_join_and_a_late_worke
         await srv.close()
 
 
-async def _calibrated_plain(port: str, w: int, step_time: float) -> tuple[Any, messages.Assign]:
+async def _calibrated_plain(port: str, w: int, step_time: float) -> tuple[Any, control.Assign]:
     """As ``_calibrated``, against a server without a secret."""
     ctl = await transport.connect("127.0.0.1", int(port), role="worker", worker_id=w, token="")
-    await ctl.send(messages.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
-    return ctl, await recv_as(ctl, messages.Assign, 20)
+    await ctl.send(control.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
+    return ctl, await recv_as(ctl, control.Assign, 20)
 
 
 # -- a port in use: one line naming the flag, exit 2, nothing created ------------------------------

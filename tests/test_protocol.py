@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import AuthError, LimitExceeded, LocalProtocolError, RemoteProtocolError
-from minips.wire import fields, frames, handshake, messages, receive
+from minips.wire import checks, control, fields, frames, handshake, kinds, messages, receive
 from minips.wire.fields import Payload
 
 # ---------------------------------------------------------------------------------------------
@@ -24,8 +24,8 @@ uints = st.integers(0, 2**63 - 1)
 finite = st.floats(allow_nan=False, allow_infinity=False)
 names = st.text(max_size=fields.MAX_NAME)
 texts = st.text(max_size=200)
-nonces = st.binary(min_size=messages.NONCE_BYTES, max_size=messages.NONCE_BYTES)
-macs = st.one_of(st.just(b""), st.binary(min_size=messages.MAC_BYTES, max_size=messages.MAC_BYTES))
+nonces = st.binary(min_size=control.NONCE_BYTES, max_size=control.NONCE_BYTES)
+macs = st.one_of(st.just(b""), st.binary(min_size=control.MAC_BYTES, max_size=control.MAC_BYTES))
 prims = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), finite, texts,
                   st.binary(max_size=64))
 trees = st.recursive(prims, lambda c: st.one_of(st.lists(c, max_size=4),
@@ -43,17 +43,17 @@ seconds = st.floats(0, 1e9)
 
 payloads = st.builds(Payload, names, codecs, buffers)
 STRATEGIES = {
-    messages.Hello: st.builds(messages.Hello, version=st.integers(0, 255),
-                              role=st.sampled_from(messages.ROLES),
+    control.Hello: st.builds(control.Hello, version=st.integers(0, 255),
+                              role=st.sampled_from(control.ROLES),
                        worker_id=ids, nonce=nonces, capabilities=st.lists(names, max_size=5),
                        address=texts, group=ids),
-    messages.Challenge: st.builds(messages.Challenge, nonce=nonces),
-    messages.Auth: st.builds(messages.Auth, mac=macs),
-    messages.Welcome: st.builds(messages.Welcome, worker_id=ids, mac=macs, info=maps),
-    messages.Refuse: st.builds(messages.Refuse, code=names, reason=texts),
-    messages.Assign: st.builds(messages.Assign, group=uints, address=texts, ratio=st.floats(0, 1),
+    control.Challenge: st.builds(control.Challenge, nonce=nonces),
+    control.Auth: st.builds(control.Auth, mac=macs),
+    control.Welcome: st.builds(control.Welcome, worker_id=ids, mac=macs, info=maps),
+    control.Refuse: st.builds(control.Refuse, code=names, reason=texts),
+    control.Assign: st.builds(control.Assign, group=uints, address=texts, ratio=st.floats(0, 1),
                         staleness=ids),
-    messages.Stats: st.builds(messages.Stats, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
+    control.Stats: st.builds(control.Stats, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
                        samples=uints),
     messages.Push: st.builds(messages.Push, clock=uints, step_time=st.floats(0, 1e9), loss=finite,
                       samples=uints, payload=payloads),
@@ -83,9 +83,9 @@ STRATEGIES = {
                                payload=payloads),
     messages.InitWeights: st.builds(messages.InitWeights, size=st.integers(1, 2**31),
                                     payload=payloads),
-    messages.Heartbeat: st.builds(messages.Heartbeat, seq=uints),
-    messages.Leave: st.builds(messages.Leave, reason=texts),
-    messages.Error: st.builds(messages.Error, code=names, reason=texts),
+    control.Heartbeat: st.builds(control.Heartbeat, seq=uints),
+    control.Leave: st.builds(control.Leave, reason=texts),
+    control.Error: st.builds(control.Error, code=names, reason=texts),
 }
 any_message = st.one_of(*STRATEGIES.values())
 
@@ -95,7 +95,7 @@ def frame(msg: messages.Message, **kw: object) -> bytes:
 
 
 def test_every_kind_has_a_strategy() -> None:
-    assert set(STRATEGIES) == set(messages.MESSAGE_TYPES.values())
+    assert set(STRATEGIES) == set(kinds.MESSAGE_TYPES.values())
 
 
 @settings(max_examples=300, deadline=None)
@@ -191,14 +191,14 @@ def test_alloc_must_return_a_big_enough_writable_buffer(decoder: type[frames.Fra
     lambda: messages.Ack(clock=-1),
     lambda: messages.Ack(clock=True),
     lambda: messages.Ack(clock=2**63),
-    lambda: messages.Stats(clock=0, step_time=float("nan"), loss=0.0),
-    lambda: messages.Stats(clock=0, step_time=-1.0, loss=0.0),
-    lambda: messages.Assign(group=0, address="", ratio=1.5, staleness=0),
-    lambda: messages.Hello(role="boss", nonce=bytes(32)),
-    lambda: messages.Hello(nonce=bytes(31)),
-    lambda: messages.Leave(reason="x" * (fields.MAX_TEXT + 1)),
-    lambda: messages.Welcome(worker_id=0, mac=b"", info={1: 2}),  # type: ignore[dict-item]
-    lambda: messages.Welcome(worker_id=0, mac=b"", info={"a": object()}),
+    lambda: control.Stats(clock=0, step_time=float("nan"), loss=0.0),
+    lambda: control.Stats(clock=0, step_time=-1.0, loss=0.0),
+    lambda: control.Assign(group=0, address="", ratio=1.5, staleness=0),
+    lambda: control.Hello(role="boss", nonce=bytes(32)),
+    lambda: control.Hello(nonce=bytes(31)),
+    lambda: control.Leave(reason="x" * (fields.MAX_TEXT + 1)),
+    lambda: control.Welcome(worker_id=0, mac=b"", info={1: 2}),  # type: ignore[dict-item]
+    lambda: control.Welcome(worker_id=0, mac=b"", info={"a": object()}),
     lambda: messages.Push(clock=0, payload=Payload("d", {}, (np.zeros((4, 4))[:, 0],))),
     lambda: messages.Push(clock=0, payload=Payload("d", {}, (b"",) * (fields.MAX_BUFFERS + 1))),
     lambda: messages.Weights(version=0, payload=Payload("d", {}, ()), done=1),  # type: ignore[arg-type]
@@ -221,13 +221,13 @@ def test_buffers_are_flat_views_without_copy() -> None:
 
 
 def raw_frame(kind: int, meta: object, *, version: int = messages.PROTOCOL_VERSION,
-              magic: bytes = frames.MAGIC,
+              magic: bytes = checks.MAGIC,
               entries: tuple[tuple[int, int, int], ...] = (), body: bytes = b"", flags: int = 0,
               body_len: int | None = None) -> bytes:
     packed = msgpack.packb(meta, use_bin_type=True)
-    table = b"".join(frames.TABLE_ENTRY.pack(*e) for e in entries)
+    table = b"".join(checks.TABLE_ENTRY.pack(*e) for e in entries)
     blen = len(body) if body_len is None else body_len
-    return frames.PREFIX.pack(magic, version, kind, len(entries), flags, len(packed),
+    return checks.PREFIX.pack(magic, version, kind, len(entries), flags, len(packed),
                               blen) + table \
         + packed + body
 
@@ -269,16 +269,16 @@ def test_lz4_output_must_match_announced_size() -> None:
 
 
 def test_hello_refuse_error_decode_in_any_version() -> None:
-    hello = messages.Hello(version=7, nonce=bytes(32))
+    hello = control.Hello(version=7, nonce=bytes(32))
     assert frames.FrameDecoder().feed(frame(hello)) == [hello]
     refuse = raw_frame(messages.Kind.REFUSE, {"code": "version", "reason": "no"}, version=9)
-    assert frames.FrameDecoder().feed(refuse) == [messages.Refuse(code="version", reason="no")]
+    assert frames.FrameDecoder().feed(refuse) == [control.Refuse(code="version", reason="no")]
 
 
 def test_decoder_stays_failed_and_returns_messages_before_the_error() -> None:
     dec = frames.FrameDecoder()
-    good = frame(messages.Heartbeat(seq=1))
-    assert dec.feed(good + b"GARBAGE-GARBAGE-") == [messages.Heartbeat(seq=1)]
+    good = frame(control.Heartbeat(seq=1))
+    assert dec.feed(good + b"GARBAGE-GARBAGE-") == [control.Heartbeat(seq=1)]
     assert isinstance(dec.error, RemoteProtocolError)
     with pytest.raises(RemoteProtocolError):
         dec.feed(good)
@@ -292,26 +292,26 @@ BIG = messages.Push(clock=0, payload=Payload("d", {}, (bytes(5000), bytes(5000))
 
 
 @pytest.mark.parametrize("limits, data", [
-    (frames.Limits(max_frame_bytes=9000), frame(BIG)),
-    (frames.Limits(max_buffers=1), frame(BIG)),
-    (frames.Limits(max_meta_bytes=10), frame(BIG)),
-    (frames.Limits(max_raw_bytes=9000), frame(BIG, compress=True)),
-    (frames.Limits(max_str_len=10), frame(messages.Leave(reason="x" * 11))),
-    (frames.Limits(max_bin_len=16), frame(messages.Challenge(nonce=bytes(32)))),
-    (frames.Limits(max_array_len=2), frame(messages.Welcome(worker_id=0, mac=b"", info={"a": [1, 2,
+    (checks.Limits(max_frame_bytes=9000), frame(BIG)),
+    (checks.Limits(max_buffers=1), frame(BIG)),
+    (checks.Limits(max_meta_bytes=10), frame(BIG)),
+    (checks.Limits(max_raw_bytes=9000), frame(BIG, compress=True)),
+    (checks.Limits(max_str_len=10), frame(control.Leave(reason="x" * 11))),
+    (checks.Limits(max_bin_len=16), frame(control.Challenge(nonce=bytes(32)))),
+    (checks.Limits(max_array_len=2), frame(control.Welcome(worker_id=0, mac=b"", info={"a": [1, 2,
                                                                                               3]}))),
-    (frames.Limits(max_map_len=2), frame(messages.Welcome(worker_id=0, mac=b"", info={}))),
+    (checks.Limits(max_map_len=2), frame(control.Welcome(worker_id=0, mac=b"", info={}))),
 ])
-def test_every_limit_is_checked_before_allocation(limits: frames.Limits, data: bytes) -> None:
+def test_every_limit_is_checked_before_allocation(limits: checks.Limits, data: bytes) -> None:
     dec = frames.FrameDecoder(limits=limits, alloc=never_alloc)
     with pytest.raises(RemoteProtocolError):
         dec.feed(data)
 
 
 def test_limit_errors_carry_limit_and_value() -> None:
-    dec = frames.FrameDecoder(limits=frames.Limits(max_frame_bytes=9000))
+    dec = frames.FrameDecoder(limits=checks.Limits(max_frame_bytes=9000))
     with pytest.raises(LimitExceeded) as info:
-        dec.feed(frame(BIG)[:frames.PREFIX.size])  # the prefix alone is enough to refuse
+        dec.feed(frame(BIG)[:checks.PREFIX.size])  # the prefix alone is enough to refuse
     assert info.value.expected == 9000 and info.value.got > 9000
 
 
@@ -331,7 +331,7 @@ def test_msgpack_lengths_over_their_limits_are_limit_exceeded(value: object, wha
 
 def test_bad_msgpack_is_a_protocol_error_not_a_limit() -> None:
     packed = msgpack.packb({"reason": "x"})[:-1]  # the map cut short
-    data = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0,
+    data = checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0,
                               len(packed), 0) + packed
     with pytest.raises(RemoteProtocolError) as info:
         frames.FrameDecoder().feed(data)
@@ -339,7 +339,7 @@ def test_bad_msgpack_is_a_protocol_error_not_a_limit() -> None:
 
 
 def test_huge_lengths_in_prefix_are_refused_at_once() -> None:
-    prefix = struct.pack("<4sBBBBII", frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH,
+    prefix = struct.pack("<4sBBBBII", checks.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH,
                          1, 0, 10, 2**32 - 1)
     with pytest.raises(LimitExceeded):
         frames.FrameDecoder(alloc=never_alloc).feed(prefix)
@@ -347,7 +347,7 @@ def test_huge_lengths_in_prefix_are_refused_at_once() -> None:
 
 def test_encoder_refuses_frames_over_its_limits() -> None:
     with pytest.raises(LocalProtocolError):
-        frames.encode(BIG, limits=frames.Limits(max_frame_bytes=9000))
+        frames.encode(BIG, limits=checks.Limits(max_frame_bytes=9000))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,17 +392,17 @@ def test_nothing_but_hello_before_the_handshake() -> None:
 def test_no_hello_after_the_handshake_and_directions_are_enforced() -> None:
     client, server = handshake_pair()
     with pytest.raises(RemoteProtocolError):
-        server.receive(frame(messages.Hello(nonce=bytes(32))))
+        server.receive(frame(control.Hello(nonce=bytes(32))))
     with pytest.raises(LocalProtocolError):
         client.send(messages.Ack(clock=0))  # ACK goes server -> client only
 
 
 def test_error_closes_the_connection() -> None:
     client, server = handshake_pair()
-    server.receive(b"".join(bytes(b) for b in client.send(messages.Error(code="x", reason="bye"))))
+    server.receive(b"".join(bytes(b) for b in client.send(control.Error(code="x", reason="bye"))))
     assert client.state == server.state == handshake.State.CLOSED
     with pytest.raises(LocalProtocolError):
-        client.send(messages.Heartbeat())
+        client.send(control.Heartbeat())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -418,7 +418,7 @@ def test_wrong_and_missing_tokens_are_refused_with_reasons() -> None:
     for client_token, reason in (("guess", "wrong token"), (None, "missing token")):
         ch, sh = handshake.ClientHandshake(client_token), handshake.ServerHandshake("secret")
         ch.on_challenge(sh.on_hello(ch.hello))  # type: ignore[arg-type]
-        refuse = sh.on_auth(ch.on_challenge(messages.Challenge(nonce=sh.nonce)))
+        refuse = sh.on_auth(ch.on_challenge(control.Challenge(nonce=sh.nonce)))
         assert refuse is not None and reason in refuse.reason
         with pytest.raises(AuthError, match=reason):
             ch.on_reply(refuse)
@@ -429,14 +429,14 @@ def test_version_mismatch_is_refused_with_reason() -> None:
     sh = handshake.ServerHandshake("s")
     refuse = sh.on_hello(ch.hello)
     v = messages.PROTOCOL_VERSION
-    assert isinstance(refuse, messages.Refuse)
+    assert isinstance(refuse, control.Refuse)
     assert f"server speaks {v}, client sent {v + 1}" in refuse.reason
 
 
 def test_replayed_auth_fails_against_a_fresh_server_nonce() -> None:
     ch, first = handshake.ClientHandshake("secret"), handshake.ServerHandshake("secret")
     first.on_hello(ch.hello)
-    recorded = ch.on_challenge(messages.Challenge(nonce=first.nonce))
+    recorded = ch.on_challenge(control.Challenge(nonce=first.nonce))
     assert first.on_auth(recorded) is None
     second = handshake.ServerHandshake("secret")  # an eavesdropper replays HELLO then AUTH
     second.on_hello(ch.hello)
@@ -455,7 +455,7 @@ def test_mac_is_hmac_sha256_of_the_documented_transcript() -> None:
     import hashlib
     import hmac
 
-    hello = messages.Hello(role="worker", worker_id=5, nonce=bytes(range(32)))
+    hello = control.Hello(role="worker", worker_id=5, nonce=bytes(range(32)))
     server_nonce = bytes(range(32, 64))
     transcript = (b"minips-client-v1\x00" + bytes([messages.PROTOCOL_VERSION, 6]) + b"worker"
                   + struct.pack("<q", 5) + hello.nonce + server_nonce)

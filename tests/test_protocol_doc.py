@@ -34,13 +34,13 @@ from minips.net.endpoints import parse_address
 from minips.serve import sessions
 from minips.server import InProcGroup
 from minips.sparse import SparseVector, decode_vector, encode_vector
-from minips.wire import conversation, fields, frames, handshake, messages
+from minips.wire import checks, control, conversation, fields, frames, handshake, kinds, messages
 from minips.wire.fields import Payload
 
 
 async def group_session(ctl: channel.Channel) -> tuple[channel.Channel, int]:
     """Worker 0 on its group server, after ASSIGN: the channel and its starting clock."""
-    assign = await recv_as(ctl, messages.Assign, 5)
+    assign = await recv_as(ctl, control.Assign, 5)
     host, port = parse_address(assign.address)
     ch = await transport.connect(host, port, role="worker", worker_id=0, group=assign.group,
                                  token=TOKEN)
@@ -55,8 +55,8 @@ async def test_init_weights_gets_no_reply(tmp_path: Path) -> None:
         encoding, codec, buffers = encode_vector(np.ones(4, np.float32))
         await ctl.send(messages.InitWeights(size=4, payload=Payload(encoding, codec,
                                      tuple(buffers))))
-        await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
-        await recv_as(ctl, messages.Assign, 5)  # the next message is ASSIGN, no ACK before it
+        await ctl.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
+        await recv_as(ctl, control.Assign, 5)  # the next message is ASSIGN, no ACK before it
     finally:
         await ctl.close()
         await srv.close()
@@ -71,7 +71,7 @@ async def test_a_pull_at_another_clock_makes_the_push_after_it_fail(tmp_path: Pa
         await ch.send(messages.Pull(clock=clock + 5))  # not the worker's own clock
         await recv_as(ch, messages.Weights, 5)  # answered for the worker's real clock ...
         await ch.send(push(clock + 6, np.ones(3, np.float32)))
-        error = await recv_as(ch, messages.Error, 5)  # ... so its PUSH carries the wrong one
+        error = await recv_as(ch, control.Error, 5)  # ... so its PUSH carries the wrong one
         assert error.code == "clock" and f"expected {clock + 1}" in error.reason
     finally:
         await ch.close()
@@ -89,7 +89,7 @@ async def test_nan_or_inf_in_a_dense_gradient_is_refused(tmp_path: Path, bad: fl
         await ch.send(messages.Pull(clock=clock))
         await recv_as(ch, messages.Weights, 5)
         await ch.send(push(clock + 1, np.array([1.0, bad, 0.0], np.float32)))
-        error = await recv_as(ch, messages.Error, 5)
+        error = await recv_as(ch, control.Error, 5)
         assert error.code == "invalid" and "NaN or inf" in error.reason
         assert isinstance(peer := srv.core.groups[0].peer, InProcGroup)
         assert peer.server.core.weights.tolist() == [0.0] * 3  # nothing applied
@@ -116,9 +116,9 @@ def test_over_long_varints_are_accepted_up_to_five_bytes() -> None:
 def test_small_frame_table_is_checked_once_whole_large_one_before_its_body() -> None:
     def head(body_len: int, wire: int) -> bytes:  # one raw buffer whose table says ``wire``
         meta = b"\x80"  # an empty msgpack map: the table is what is wrong here
-        return (frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH,
+        return (checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.PUSH,
                                      1, 0, len(meta), body_len)
-                + frames.TABLE_ENTRY.pack(0, wire, wire) + meta)
+                + checks.TABLE_ENTRY.pack(0, wire, wire) + meta)
 
     small = frames.FrameDecoder()
     assert small.feed(head(100, 99)) == []  # the table does not add up: not looked at yet
@@ -170,7 +170,7 @@ async def test_heartbeat_seq_and_evaluator_address_are_not_checked(tmp_path: Pat
                                  token=TOKEN)
     try:
         for seq in (5, 5, 0):  # repeated and going back
-            await ev.send(messages.Heartbeat(seq=seq))
+            await ev.send(control.Heartbeat(seq=seq))
         await ev.send(messages.Pull(clock=0))
         assert (await recv_as(ev, messages.GlobalWeights, 5)).info["size"] == 3
         assert not srv.rejected and srv.server is not None
@@ -182,7 +182,7 @@ async def test_heartbeat_seq_and_evaluator_address_are_not_checked(tmp_path: Pat
 
 def test_section_3_lists_every_kind_with_every_key_of_its_map() -> None:
     """Each row of section 3's table names its kind's number and name and every key of its map
-    (``messages.meta_keys``), so a client written from the page sends and checks whole maps."""
+    (``kinds.meta_keys``), so a client written from the page sends and checks whole maps."""
     doc = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
     rows = {int(m[1]): (m[2], m[3]) for m in
             re.finditer(r"^\| *(\d+) *\| *([A-Z_]+) *\|[^|]*\|([^\n]*)$", doc, re.M)}
@@ -191,7 +191,7 @@ def test_section_3_lists_every_kind_with_every_key_of_its_map() -> None:
         name, text = rows[int(kind)]
         assert name == kind.name
         keys = set(re.findall(r"`([a-z_]+)`", text))
-        missing = set(messages.meta_keys(kind)) - keys
+        missing = set(kinds.meta_keys(kind)) - keys
         assert not missing, f"{kind.name}: {sorted(missing)} not in docs/protocol.md section 3"
 
 
@@ -199,16 +199,17 @@ def test_section_3_lists_every_kind_with_every_key_of_its_map() -> None:
 
 DOCS = Path(__file__).parent.parent / "docs"
 # modules whose named limits a peer runs into: the wire, the connection, the servers' checks
-LIMIT_MODULES = (messages, fields, frames, handshake, conversation, channel, sessions, global_core)
+LIMIT_MODULES = (messages, control, fields, frames, checks, handshake, conversation, channel,
+                 sessions, global_core)
 # ... and those whose range checks (calls and comparisons) are read from their source
-CHECK_SOURCES = (messages, fields, conversation, sessions, global_core)
+CHECK_SOURCES = (messages, control, fields, conversation, sessions, global_core)
 LIMIT_NAME = re.compile(r"(^|_)(MAX|MIN)(_|$)|_TIMEOUT_S$")  # MAX_SEQ, LZ4_MIN_BYTES, ...
 RANGE_CHECKS = {"_number", "integer", "number", "ints", "text", "blob"}  # their args are bounds
 
 
 def _add(bounds: dict[float, set[str]], value: object, where: str) -> None:
-    """Record ``value`` (a number, a tuple of them or a ``frames.Limits``) as a bound."""
-    if isinstance(value, frames.Limits):
+    """Record ``value`` (a number, a tuple of them or a ``checks.Limits``) as a bound."""
+    if isinstance(value, checks.Limits):
         for f in dataclasses.fields(value):
             _add(bounds, getattr(value, f.name), f"{where}.{f.name}")
     elif isinstance(value, tuple):
@@ -221,7 +222,7 @@ def _add(bounds: dict[float, set[str]], value: object, where: str) -> None:
 
 def _constant(node: ast.expr, namespace: dict[str, object]) -> object:
     """The value of ``node`` when it is a constant expression of numbers and the module's named
-    numbers (``1 << 62``, ``-1e30``, ``MAX_STEP_S``, ``messages.MAX_TEXT``), else None."""
+    numbers (``1 << 62``, ``-1e30``, ``MAX_STEP_S``, ``fields.MAX_TEXT``), else None."""
     for sub in ast.walk(node):
         if isinstance(sub, ast.Call) or (isinstance(sub, ast.Constant)
                                          and not isinstance(sub.value, (int, float))):
@@ -238,16 +239,16 @@ def _constant(node: ast.expr, namespace: dict[str, object]) -> object:
 
 def code_bounds() -> dict[float, set[str]]:
     """Every number a validator checks against, by its magnitude, with where it comes from: the
-    named limits (``MAX_*``, ``*_MIN_*``, ``*_TIMEOUT_S``, ``frames.Limits`` values) of
+    named limits (``MAX_*``, ``*_MIN_*``, ``*_TIMEOUT_S``, ``checks.Limits`` values) of
     ``LIMIT_MODULES``, the bounds every message field's check was built with (read from the
     check's closure), and the constant arguments of the range checks and comparisons in
     ``CHECK_SOURCES``."""
     bounds: dict[float, set[str]] = {}
     for mod in LIMIT_MODULES:
         for name, value in vars(mod).items():
-            if LIMIT_NAME.search(name) or isinstance(value, frames.Limits):
+            if LIMIT_NAME.search(name) or isinstance(value, checks.Limits):
                 _add(bounds, value, f"{mod.__name__}.{name}")
-    for cls in messages.MESSAGE_TYPES.values():
+    for cls in kinds.MESSAGE_TYPES.values():
         for f in dataclasses.fields(cls):
             check = f.metadata["check"]
             for var, cell in zip(check.__code__.co_freevars, check.__closure__ or (), strict=True):
@@ -327,7 +328,7 @@ def test_the_number_matcher_finds_a_bound_in_any_spelling_and_only_that_bound() 
 def test_the_bound_scan_finds_the_named_limits_the_field_checks_and_the_range_checks() -> None:
     bounds = code_bounds()
     assert {conversation.MAX_SAMPLES, conversation.MAX_STEP_S, messages.MAX_SEQ, messages.MAX_COUNT,
-            frames.MAX_FRAME_BYTES, frames.Limits().max_array_len,
+            checks.MAX_FRAME_BYTES, checks.Limits().max_array_len,
             handshake.HANDSHAKE_FRAME_BYTES, channel.READ_TIMEOUT_S} <= set(bounds)
     assert any("Exchange.loss" in w for w in bounds[1e30])  # a field check's closure
     assert any("conversation, line" in w for w in bounds[1e30])  # check_push's range of loss

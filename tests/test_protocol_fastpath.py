@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.wire import frames, messages, receive
+from minips.wire import checks, control, frames, messages, receive
 from minips.wire.fields import Payload
 
 
@@ -26,13 +26,13 @@ def frame(msg: messages.Message, **kw: object) -> bytes:
 def raw(kind: int, meta: object, version: int = messages.PROTOCOL_VERSION) -> bytes:
     """A frame without buffers around any msgpack value (for maps a peer could send)."""
     packed = msgpack.packb(meta, use_bin_type=True)
-    return frames.PREFIX.pack(frames.MAGIC, version, kind, 0, 0, len(packed), 0) + packed
+    return checks.PREFIX.pack(checks.MAGIC, version, kind, 0, 0, len(packed), 0) + packed
 
 
 SPARSE = messages.Push(clock=3, step_time=0.5, loss=1.25, samples=64, payload=Payload(
     "sparse-v1", {"k": 2, "index": "u32", "value": "f32"},
     (np.array([3, 17], np.uint32), np.array([0.5, -1.25], np.float32))))
-STREAM = [messages.Ack(clock=1, version=2), SPARSE, messages.Heartbeat(seq=9), SPARSE,
+STREAM = [messages.Ack(clock=1, version=2), SPARSE, control.Heartbeat(seq=9), SPARSE,
           messages.Pull(clock=4)]
 STREAM_BYTES = b"".join(frame(m) for m in STREAM)
 
@@ -131,7 +131,7 @@ def test_keys_in_another_order_decode_and_encode_canonically() -> None:
 
 
 def test_hello_version_comes_from_the_prefix() -> None:
-    hello = messages.Hello(version=5, nonce=bytes(32))
+    hello = control.Hello(version=5, nonce=bytes(32))
     data = frame(hello)
     assert struct.unpack_from("<B", data, 4) == (5,)
     assert frames.FrameDecoder().feed(data)[0].version == 5  # type: ignore[attr-defined]
@@ -140,10 +140,10 @@ def test_hello_version_comes_from_the_prefix() -> None:
 @pytest.mark.parametrize("make", [
     lambda: messages.Ack(clock=True),
     lambda: messages.Ack(clock=2**63),
-    lambda: messages.Stats(clock=0, step_time=math.inf, loss=0.0),
-    lambda: messages.Stats(clock=0, step_time=0.0, loss=math.nan),
-    lambda: messages.Stats(clock=0, step_time=0.0, loss=np.float64(1.0)),  # a float subclass
-    lambda: messages.Assign(group=0, address="", ratio=-0.1, staleness=0),
+    lambda: control.Stats(clock=0, step_time=math.inf, loss=0.0),
+    lambda: control.Stats(clock=0, step_time=0.0, loss=math.nan),
+    lambda: control.Stats(clock=0, step_time=0.0, loss=np.float64(1.0)),  # a float subclass
+    lambda: control.Assign(group=0, address="", ratio=-0.1, staleness=0),
 ])
 def test_constructor_number_checks_refuse_what_the_wire_would(make: object) -> None:
     with pytest.raises(LocalProtocolError):
@@ -151,5 +151,5 @@ def test_constructor_number_checks_refuse_what_the_wire_would(make: object) -> N
 
 
 def test_constructor_normalises_ints_to_floats() -> None:
-    stats = messages.Stats(clock=0, step_time=1, loss=2)
+    stats = control.Stats(clock=0, step_time=1, loss=2)
     assert type(stats.step_time) is float and type(stats.loss) is float

@@ -7,31 +7,32 @@ import random
 import numpy as np
 
 from minips.errors import RemoteProtocolError
-from minips.wire import messages
+from minips.wire import control, messages
+from minips.wire.checks import MAGIC, Limits
 from minips.wire.fields import Payload
-from minips.wire.frames import MAGIC, FrameDecoder, Limits, encode
+from minips.wire.frames import FrameDecoder, encode
 
 LIMITS = Limits(max_frame_bytes=1 << 20, max_raw_bytes=1 << 20)  # keep mutated sizes cheap
 
 
 def seed_frames() -> list[bytes]:
     msgs: list[messages.Message] = [
-        messages.Hello(nonce=bytes(32), capabilities=("lz4",), address="h:1"),
-        messages.Challenge(nonce=bytes(range(32))),
-        messages.Auth(mac=bytes(32)),
-        messages.Welcome(worker_id=1, mac=b"", info={"a": [1, 2.5, None], "b": {"c": "d"}}),
-        messages.Refuse(code="auth", reason="wrong"),
-        messages.Assign(group=0, address="x:1", ratio=0.01, staleness=3),
-        messages.Stats(clock=1, step_time=0.1, loss=2.3, samples=64),
+        control.Hello(nonce=bytes(32), capabilities=("lz4",), address="h:1"),
+        control.Challenge(nonce=bytes(range(32))),
+        control.Auth(mac=bytes(32)),
+        control.Welcome(worker_id=1, mac=b"", info={"a": [1, 2.5, None], "b": {"c": "d"}}),
+        control.Refuse(code="auth", reason="wrong"),
+        control.Assign(group=0, address="x:1", ratio=0.01, staleness=3),
+        control.Stats(clock=1, step_time=0.1, loss=2.3, samples=64),
         messages.Push(clock=2, payload=Payload("topk", {"k": 3}, (np.arange(3,
                                                                                    dtype=np.uint32),
                                                                    np.ones(3, np.float32)))),
         messages.Ack(clock=2, version=7),
         messages.Pull(clock=2, since=5),
         messages.Weights(version=1, payload=Payload("dense", {}, (bytes(600),)), done=True),
-        messages.Heartbeat(seq=9),
-        messages.Leave(reason="done"),
-        messages.Error(code="x", reason="y"),
+        control.Heartbeat(seq=9),
+        control.Leave(reason="done"),
+        control.Error(code="x", reason="y"),
     ]
     frames = [b"".join(bytes(b) for b in encode(m)) for m in msgs]
     frames.append(b"".join(bytes(b) for b in encode(msgs[10], compress=True)))

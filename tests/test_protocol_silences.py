@@ -33,7 +33,7 @@ from minips.errors import AuthError
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.net.endpoints import parse_address
-from minips.wire import frames, messages
+from minips.wire import checks, control, messages
 
 PAGE = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
 
@@ -57,7 +57,7 @@ def number(text: str) -> int:
 
 def raw_frame(kind: messages.Kind, meta: bytes) -> bytes:
     """A frame of ``kind`` with no buffers whose map is the bytes ``meta``, as a peer may write."""
-    return frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, kind, 0, 0, len(meta),
+    return checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION, kind, 0, 0, len(meta),
                               0) + meta
 
 
@@ -79,7 +79,7 @@ async def test_stats_data_with_another_key_or_type_is_answered_invalid(tmp_path:
     m = said(r"a map of at most `(\w+)`, `(\w+)`, `(\w+)`, `(\w+)` \(strings of <= (\d+) "
              r"chars\) and `(\w+)` \(bool\); any other key or type is answered ERROR `(\w+)`")
     strings, longest, flag, code = list(m.groups()[:4]), int(m[5]), m[6], m[7]
-    assert set(strings) | {flag} == set(messages.DATA_KEYS)
+    assert set(strings) | {flag} == set(control.DATA_KEYS)
     bad = [{"host": "lab-pc-3"}, {flag: "yes"}, {flag: 1}, {strings[0]: 3},
            {strings[1]: None}, {strings[2]: ["a"]}, {strings[3]: "x" * (longest + 1)}]
     srv = make_server(tmp_path, np.zeros(3, np.float32), workers=2, mode="asp")
@@ -90,16 +90,16 @@ async def test_stats_data_with_another_key_or_type_is_answered_invalid(tmp_path:
                                   "data": data})
             reply = await answer_to(port, f"127.0.0.{20 + i}", raw_frame(messages.Kind.STATS,
                                                                          meta))
-            assert isinstance(reply, messages.Error) and reply.code == code, (data, reply)
+            assert isinstance(reply, control.Error) and reply.code == code, (data, reply)
             assert "STATS data" in reply.reason
         assert srv.rejected[code] == len(bad)
         good = {s: "x" * longest for s in strings} | {flag: True}
         ch = await transport.connect("127.0.0.1", port, worker_id=0, token=TOKEN)
-        await ch.send(messages.Stats(clock=0, step_time=0.01, loss=1.0, data=good))
-        await ch.send(messages.Stats(clock=1, step_time=0.01, loss=1.0, data=good))
+        await ch.send(control.Stats(clock=0, step_time=0.01, loss=1.0, data=good))
+        await ch.send(control.Stats(clock=1, step_time=0.01, loss=1.0, data=good))
         ok = await transport.connect("127.0.0.1", port, worker_id=1, token=TOKEN)
-        await ok.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
-        await recv_as(ch, messages.Assign, 10)  # both taken: the grouping came
+        await ok.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
+        await recv_as(ch, control.Assign, 10)  # both taken: the grouping came
         assert srv.rejected[code] == len(bad)
         await ch.close()
         await ok.close()
@@ -119,15 +119,15 @@ async def test_the_narrowed_frame_limit_is_the_page_s_sum(tmp_path: Path) -> Non
     example = said(r"a frame of n = ([\d,]+) may claim ([\d,]+) bytes in all")
     n, claimed = number(example[1]), number(example[2])
     assert prefix + entry * nbuf + meta + 2 * (5 * n + slack) == claimed
-    assert frames.DEFAULT_LIMITS.sized_for(n).max_frame_bytes == claimed
+    assert checks.DEFAULT_LIMITS.sized_for(n).max_frame_bytes == claimed
     srv = make_server(tmp_path, np.zeros(n, np.float32), workers=1, mode="asp")
     port = await srv.start()
     try:
-        body = claimed + 1 - frames.PREFIX.size  # one byte over, in the body: no table needed
-        prefix_only = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION,
+        body = claimed + 1 - checks.PREFIX.size  # one byte over, in the body: no table needed
+        prefix_only = checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION,
                                          messages.Kind.STATS, 0, 0, 0, body)
         reply = await answer_to(port, "127.0.0.40", prefix_only)
-        assert isinstance(reply, messages.Error) and reply.code == "limit_exceeded", reply
+        assert isinstance(reply, control.Error) and reply.code == "limit_exceeded", reply
     finally:
         await srv.close()
 
@@ -137,7 +137,7 @@ async def test_a_length_over_its_limit_is_limit_exceeded_even_past_the_map(
     said(r"a str32 or bin32 header claiming 70,000 bytes in a map of 20 is `limit_exceeded`, "
          r"as an array32 or map32 header claiming too many items is; a length within its limit "
          r"that runs past `meta_len` is truncated msgpack, `protocol_error`")
-    limits = frames.Limits()
+    limits = checks.Limits()
 
     def claiming(tag: int, size: int, n: int) -> bytes:  # {"a": <header claiming n>} + 2 bytes
         return b"\x81\xa1a" + bytes([tag]) + n.to_bytes(size, "big") + b"xx"
@@ -155,7 +155,7 @@ async def test_a_length_over_its_limit_is_limit_exceeded_even_past_the_map(
         for i, (name, (meta, code)) in enumerate(cases.items()):
             reply = await answer_to(port, f"127.0.0.{50 + i}", raw_frame(messages.Kind.STATS,
                                                                          meta))
-            assert isinstance(reply, messages.Error) and reply.code == code, (name, reply)
+            assert isinstance(reply, control.Error) and reply.code == code, (name, reply)
     finally:
         await srv.close()
 
@@ -182,7 +182,7 @@ async def test_a_map_field_nests_as_deep_as_the_page_says_counting_its_own_map(
                                   "data": nested(levels)})
             reply = await answer_to(port, f"127.0.0.{60 + i}", raw_frame(messages.Kind.STATS,
                                                                          meta))
-            assert isinstance(reply, messages.Error)
+            assert isinstance(reply, control.Error)
             answers.append(reply.code)
         # 8 deep passes the decoder (the server then finds no data key it knows: invalid);
         # 9 deep does not
@@ -217,7 +217,7 @@ async def test_exchange_pull_lists_hold_the_latest_4096_any_int_each(tmp_path: P
     m = said(r"each value in 0..(2\^63-1) and each list at most (\d+) entries long")
     top, longest = number(m[1]), int(m[2])
     latest = int(said(r"since its last exchange, the latest (\d+) at most")[1])
-    assert longest == latest == exchange.MAX_PULLS == frames.Limits().max_array_len
+    assert longest == latest == exchange.MAX_PULLS == checks.Limits().max_array_len
     cluster = await Cluster(tmp_path, groups=1).start()
     try:
         ch = cluster.groups[0]
@@ -225,7 +225,7 @@ async def test_exchange_pull_lists_hold_the_latest_4096_any_int_each(tmp_path: P
         reply = await cluster.exchange(ch, session=1, seq=1, **pulls(longest, top))
         assert isinstance(reply, messages.ExchangeReply)
         reply = await cluster.exchange(ch, session=1, seq=2, **pulls(longest + 1))
-        assert isinstance(reply, messages.Error) and reply.code == "limit_exceeded", reply
+        assert isinstance(reply, control.Error) and reply.code == "limit_exceeded", reply
     finally:
         await cluster.close()
 
@@ -242,9 +242,9 @@ async def test_a_group_s_traffic_counters_never_fall_when_another_process_takes_
         await cluster.exchange(first, session=11, seq=1, bytes_in=1 << 40, bytes_out=1 << 41)
         await cluster.exchange(first, session=11, seq=2, bytes_in=(1 << 40) + 5,
                                bytes_out=1 << 41)
-        await first.send(messages.Leave(reason="restarting"))
+        await first.send(control.Leave(reason="restarting"))
         second = await cluster.connect_group(7301)  # adopts the group; counts from 0
-        await recv_as(second, messages.Assign, 10)
+        await recv_as(second, control.Assign, 10)
         await cluster.pull(second)
         await cluster.exchange(second, session=22, seq=1, bytes_in=1 << 20, bytes_out=3)
         counters = (await cluster.evaluate()).info
@@ -298,7 +298,7 @@ async def test_exchange_reply_done_says_the_run_is_over(tmp_path: Path) -> None:
         reply = await cluster.exchange(ch, session=1, seq=1)
         assert isinstance(reply, messages.ExchangeReply) and not reply.done
         cluster.srv.perform(cluster.srv.core.finish("wall time"))  # the budget is spent
-        leave = await recv_as(ch, messages.Leave, 10)
+        leave = await recv_as(ch, control.Leave, 10)
         assert leave.reason == "done"
         reply = await cluster.exchange(ch, session=1, seq=2, final=True)
         assert isinstance(reply, messages.ExchangeReply) and reply.done
@@ -318,8 +318,8 @@ async def test_progress_under_max_steps_counts_against_the_page_s_budget(tmp_pat
                       max_steps=steps, batch_size=batch, local_steps=1)
     port = await srv.start()
     ctl = await transport.connect("127.0.0.1", port, worker_id=0, token=TOKEN)
-    await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
-    assign = await recv_as(ctl, messages.Assign, 10)
+    await ctl.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
+    assign = await recv_as(ctl, control.Assign, 10)
     host, gport = parse_address(assign.address)
     ch = await transport.connect(host or "127.0.0.1", gport, worker_id=0, group=assign.group,
                                  token=TOKEN)

@@ -16,7 +16,7 @@ from conftest import recv_as
 from raw_group import Cluster
 
 from minips.net.channel import Channel
-from minips.wire import messages
+from minips.wire import control, messages
 
 REJOIN_WAIT_S = 2.0
 
@@ -26,15 +26,15 @@ async def final_and_leave(cluster: Cluster, ch: Channel, session: int, final: bo
     await cluster.pull(ch)
     reply = await cluster.exchange(ch, session=session, seq=1, final=final, samples=1, pushes=1)
     assert isinstance(reply, messages.ExchangeReply)
-    await ch.send(messages.Leave(reason="bye"))
+    await ch.send(control.Leave(reason="bye"))
 
 
 async def gone_at(ctl: Channel) -> float:
     """When ERROR ``workers_gone`` arrives on a worker's control channel (its ASSIGNs, again
     when its group is adopted, are skipped)."""
-    while isinstance(error := await asyncio.wait_for(ctl.recv(), 30), messages.Assign):
+    while isinstance(error := await asyncio.wait_for(ctl.recv(), 30), control.Assign):
         pass
-    assert isinstance(error, messages.Error) and error.code == "workers_gone", error
+    assert isinstance(error, control.Error) and error.code == "workers_gone", error
     return time.monotonic()
 
 
@@ -49,7 +49,7 @@ async def test_the_wait_for_workers_starts_over_when_a_group_is_adopted_and_left
         await final_and_leave(cluster, cluster.groups[0], session=1, final=True)  # wait starts
         await asyncio.sleep(0.6 * REJOIN_WAIT_S)  # part of the wait passes (the scenario's time)
         second = await cluster.connect_group(7301)  # adopts the group, takes the run up again
-        assign = await recv_as(second, messages.Assign, 10)
+        assign = await recv_as(second, control.Assign, 10)
         assert assign.group == 0
         await final_and_leave(cluster, second, session=2, final=False)
         left = time.monotonic()
@@ -72,7 +72,7 @@ async def test_an_adoption_alone_starts_the_wait_over(tmp_path: Path) -> None:
         await final_and_leave(cluster, cluster.groups[0], session=1, final=True)
         await asyncio.sleep(0.6 * REJOIN_WAIT_S)  # part of the wait passes (the scenario's time)
         second = await cluster.connect_group(7301)
-        await recv_as(second, messages.Assign, 10)
+        await recv_as(second, control.Assign, 10)
         adopted = time.monotonic()
         waited = await asyncio.wait_for(gone, 30) - adopted
         assert REJOIN_WAIT_S - 0.1 <= waited <= REJOIN_WAIT_S + 2.0, waited

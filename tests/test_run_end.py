@@ -17,7 +17,7 @@ from minips.core.config import RunConfig
 from minips.net import transport
 from minips.net.endpoints import parse_address
 from minips.server import GlobalServer, ServerConfig
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 TOKEN = "run-end-test"
@@ -34,8 +34,8 @@ def make_server(tmp_path: Path, rejoin_wait_s: float, **run: Any) -> GlobalServe
 async def train(port: int, grads: list[np.ndarray]) -> tuple[Any, Any]:
     """Worker 0 joins, pushes ``grads`` to its group; (control channel, group channel)."""
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, token=TOKEN)
-    await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=2.3))
-    host, gport = parse_address((await recv_as(ctl, messages.Assign)).address)
+    await ctl.send(control.Stats(clock=0, step_time=0.01, loss=2.3))
+    host, gport = parse_address((await recv_as(ctl, control.Assign)).address)
     ch = await transport.connect(host, gport, role="worker", worker_id=0, token=TOKEN)
     clock = (await recv_as(ch, messages.Ack)).clock
     for g in grads:
@@ -125,7 +125,7 @@ async def test_a_non_finite_update_stops_the_run_naming_the_cause(tmp_path: Path
     try:
         huge = np.full(2, 3e38, np.float32)  # finite; two steps overflow float32 to -inf
         ctl, ch = await train(port, [huge, huge])
-        err = await recv_as(ctl, messages.Error)
+        err = await recv_as(ctl, control.Error)
         assert err.code == "diverged" and "non-finite" in err.reason
         await asyncio.wait_for(srv.finished.wait(), 10)
         assert "diverged" in srv.failure and "lower --lr" in srv.failure

@@ -22,7 +22,7 @@ from minips.net import transport
 from minips.net.endpoints import parse_address
 from minips.record.rundir import read_jsonl
 from minips.server import GlobalServer, ServerConfig
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 TOKEN = "run-limits-test-secret-0123"
@@ -45,8 +45,8 @@ def push(clock: int, n: int) -> messages.Push:
 async def worker(port: int) -> tuple[Any, Any]:
     """Worker 0's control channel (after its STATS) and its group connection (after ACK)."""
     ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0, token=TOKEN)
-    await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
-    host, gport = parse_address((await recv_as(ctl, messages.Assign)).address)
+    await ctl.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
+    host, gport = parse_address((await recv_as(ctl, control.Assign)).address)
     ch = await transport.connect(host, gport, role="worker", worker_id=0, token=TOKEN)
     assert (await recv_as(ch, messages.Ack)).clock == 0
     return ctl, ch
@@ -71,7 +71,7 @@ async def test_leave_done_is_followed_by_the_server_closing_the_control_channel(
     try:
         for clock in range(3):  # 3 samples: the budget
             await step(ch, clock, 2)
-        leave = await recv_as(ctl, messages.Leave)
+        leave = await recv_as(ctl, control.Leave)
         assert leave.reason == "done"
         assert await closed(ctl, 2.0)  # was open until the worker left its group (~3 s)
         assert not ch.closed  # the group connection is the worker's to close
@@ -94,7 +94,7 @@ async def test_max_steps_answers_done_at_the_cap_and_refuses_a_push_past_it(
         assert [(await step(ch, c, 3)).done for c in range(2)] == [False, False]
         assert (await step(ch, 2, 3)).done is True  # clock 2 = the cap (pushes 3, 4 were ACKed)
         await ch.send(push(3, 3))  # after that PULL, a PUSH past the cap
-        err = await recv_as(ch, messages.Error)
+        err = await recv_as(ch, control.Error)
         assert err.code == "invalid" and "max-steps" in err.reason
         assert await closed(ch)
         gs = srv.core.groups[0].peer.server  # type: ignore[attr-defined]

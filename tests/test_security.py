@@ -24,7 +24,7 @@ from minips.errors import AuthError, ConfigError
 from minips.net import transport
 from minips.net.endpoints import check_bind, is_loopback
 from minips.server import GlobalServer, ServerConfig
-from minips.wire import frames, handshake, messages
+from minips.wire import control, frames, handshake
 
 SECRET = "s3cret-token-that-must-never-be-logged"
 PACKAGE = Path(__file__).resolve().parent.parent / "minips"
@@ -52,8 +52,8 @@ async def test_wrong_and_missing_secret_are_refused_with_a_reason(tmp_path: Path
         await srv.close()
 
 
-async def _raw_handshake(port: int, hello: messages.Hello, auth: messages.Auth | None,
-                         client: handshake.ClientHandshake) -> tuple[Any, messages.Auth]:
+async def _raw_handshake(port: int, hello: control.Hello, auth: control.Auth | None,
+                         client: handshake.ClientHandshake) -> tuple[Any, control.Auth]:
     """Speak the handshake frame by frame; send ``auth`` (a recorded one) or compute it.
     Returns the server's reply to AUTH and the AUTH that was sent."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -61,7 +61,7 @@ async def _raw_handshake(port: int, hello: messages.Hello, auth: messages.Auth |
     try:
         writer.writelines(frames.encode(hello))
         challenge = await _next(reader, dec)
-        assert isinstance(challenge, messages.Challenge)
+        assert isinstance(challenge, control.Challenge)
         sent = auth if auth is not None else client.on_challenge(challenge)
         writer.writelines(frames.encode(sent))
         return await _next(reader, dec), sent
@@ -82,10 +82,10 @@ async def test_a_replayed_handshake_is_refused(tmp_path: Path) -> None:
     try:
         client = handshake.ClientHandshake(SECRET, role="worker", worker_id=1)
         reply, recorded = await _raw_handshake(port, client.hello, None, client)
-        assert isinstance(reply, messages.Welcome)
+        assert isinstance(reply, control.Welcome)
         # An eavesdropper replays the same HELLO and AUTH: the server's nonce is new.
         replay, _ = await _raw_handshake(port, client.hello, recorded, client)
-        assert isinstance(replay, messages.Refuse) and "HMAC" in replay.reason
+        assert isinstance(replay, control.Refuse) and "HMAC" in replay.reason
     finally:
         await srv.close()
 

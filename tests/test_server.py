@@ -26,7 +26,7 @@ from minips.net.endpoints import parse_address, reachable
 from minips.record.rundir import read_jsonl
 from minips.serve.group import GroupServer
 from minips.server import GlobalServer, InProcGroup, InProcLink, ServerConfig
-from minips.wire import messages
+from minips.wire import control, kinds, messages
 from minips.wire.fields import Payload
 
 TOKEN = "server-test-secret-0123"
@@ -42,15 +42,15 @@ def make_server(tmp_path: Path, init: np.ndarray | None = None, host: str = "127
 
 async def join(port: int, wid: int, step_time: float) -> Any:
     ch = await transport.connect("127.0.0.1", port, role="worker", worker_id=wid, token=TOKEN)
-    await ch.send(messages.Stats(clock=0, step_time=step_time, loss=2.3))
+    await ch.send(control.Stats(clock=0, step_time=step_time, loss=2.3))
     return ch
 
 
-async def next_assign(ch: Any) -> messages.Assign:
+async def next_assign(ch: Any) -> control.Assign:
     """The next ASSIGN on a worker's or group's channel (HEARTBEAT, WEIGHTS and EXCHANGE_REPLY
     skipped)."""
-    while not isinstance(msg := await asyncio.wait_for(ch.recv(), 5), messages.Assign):
-        assert isinstance(msg, (messages.Heartbeat, messages.Weights, messages.ExchangeReply)), msg
+    while not isinstance(msg := await asyncio.wait_for(ch.recv(), 5), control.Assign):
+        assert isinstance(msg, (control.Heartbeat, messages.Weights, messages.ExchangeReply)), msg
     return msg
 
 
@@ -141,8 +141,8 @@ async def test_on_every_interface_a_worker_reaches_its_group_where_it_reached_th
     port = await srv.start()
     ctl = await transport.connect("127.0.0.2", port, role="worker", worker_id=0, token=TOKEN)
     try:
-        await ctl.send(messages.Stats(clock=0, step_time=0.01, loss=2.3))
-        assign = await recv_as(ctl, messages.Assign, 5)
+        await ctl.send(control.Stats(clock=0, step_time=0.01, loss=2.3))
+        assign = await recv_as(ctl, control.Assign, 5)
         assert assign.address.startswith(":")
         host, gport = parse_address(reachable(assign.address, "127.0.0.2"))
         assert host == "127.0.0.2"
@@ -170,8 +170,8 @@ async def test_a_group_process_on_every_interface_is_announced_at_its_connection
     try:
         to_group = await asyncio.wait_for(grp.recv(), 5)
         to_worker = await asyncio.wait_for(ctl.recv(), 5)
-        assert isinstance(to_worker, messages.Assign) and to_worker.address == "127.0.0.1:7123"
-        assert isinstance(to_group, messages.Assign) and to_group.group == to_worker.group
+        assert isinstance(to_worker, control.Assign) and to_worker.address == "127.0.0.1:7123"
+        assert isinstance(to_group, control.Assign) and to_group.group == to_worker.group
     finally:
         await ctl.close()
         await grp.close()
@@ -224,7 +224,7 @@ async def test_epoch_budget_ends_the_run_and_nothing_is_lost(tmp_path: Path) -> 
         await ch.send(push(clock, np.ones(2, np.float32)))
         await ch.recv()
     leave = await asyncio.wait_for(ctl.recv(), 5)  # budget: 3 samples = 1 epoch
-    assert isinstance(leave, messages.Leave) and leave.reason == "done"
+    assert isinstance(leave, control.Leave) and leave.reason == "done"
     await ch.send(messages.Pull(clock=3))
     assert (await recv_as(ch, messages.Weights)).done is True
     await ch.close(leave="bye")
@@ -274,10 +274,10 @@ async def test_two_workers_both_told_need_init_both_push_and_both_stay(tmp_path:
             await ctl.send(messages.InitWeights(size=5, payload=Payload(encoding, codec,
                                          tuple(buffers))))
         for i, ctl in enumerate(ctls):  # both control channels still carry STATS -> ASSIGN
-            await ctl.send(messages.Stats(clock=0, step_time=0.01 * (i + 1), loss=1.0,
+            await ctl.send(control.Stats(clock=0, step_time=0.01 * (i + 1), loss=1.0,
                                           samples=1))
         for ctl in ctls:
-            assert isinstance(await asyncio.wait_for(ctl.recv(), 10), messages.Assign)
+            assert isinstance(await asyncio.wait_for(ctl.recv(), 10), control.Assign)
         assert srv.core.weights is not None and srv.core.weights.tolist() == inits[0].tolist()
         assert not srv.rejected
     finally:
@@ -295,7 +295,7 @@ async def test_initial_weights_of_another_size_are_refused(tmp_path: Path) -> No
         await ctl.send(messages.InitWeights(size=6, payload=Payload(encoding, codec,
                                      tuple(buffers))))
         msg = await asyncio.wait_for(ctl.recv(), 10)
-        assert isinstance(msg, messages.Error) and msg.code == "invalid"
+        assert isinstance(msg, control.Error) and msg.code == "invalid"
         assert "another model size" in msg.reason
         assert srv.core.weights is not None and srv.core.weights.tolist() == [0.0] * 5
     finally:
@@ -314,9 +314,9 @@ async def test_drifting_speed_moves_a_worker_to_another_group(
         monkeypatch.setattr(roster, "REGROUP_EVERY_S", 0.0)
         for _ in range(12):  # worker 1 became as slow as 2 and 3; worker 0 stays fast
             for ch, t in zip(chans, [0.01, 0.08, 0.08, 0.08], strict=True):
-                await ch.send(messages.Stats(clock=1, step_time=t, loss=2.0))
+                await ch.send(control.Stats(clock=1, step_time=t, loss=2.0))
         moved = await asyncio.wait_for(chans[1].recv(), 5)
-        assert isinstance(moved, messages.Assign) and moved.group == 1
+        assert isinstance(moved, control.Assign) and moved.group == 1
         assert moved.address == first[2].address
     finally:
         for ch in chans:
@@ -334,9 +334,9 @@ async def test_stats_clock_may_go_back_when_a_worker_changes_group_server(
     chans = [await join(port, w, t) for w, t in enumerate([0.01, 0.08])]
     try:
         for ch in chans:
-            assert isinstance(await asyncio.wait_for(ch.recv(), 5), messages.Assign)
+            assert isinstance(await asyncio.wait_for(ch.recv(), 5), control.Assign)
         for clock in (9, 1, 2):  # 9 steps on the old group server, then 1, 2 on its successor
-            await chans[0].send(messages.Stats(clock=clock, step_time=0.01, loss=2.0))
+            await chans[0].send(control.Stats(clock=clock, step_time=0.01, loss=2.0))
             await until(lambda c=clock: srv.core.workers[0].clock == c, 5)  # type: ignore[misc]
         assert srv.core.workers[0].connected and not srv.controls[0].closed
         assert not chans[0].closed
@@ -387,8 +387,8 @@ async def test_workers_after_the_calibration_deadline_are_assigned_after_their_f
                 if w:
                     chans.append(await transport.connect(host, int(port), role="worker",
                                                          worker_id=w, token=TOKEN))
-                await chans[-1].send(messages.Stats(clock=0, step_time=0.01, loss=2.3))
-                assign = await recv_as(chans[-1], messages.Assign)
+                await chans[-1].send(control.Stats(clock=0, step_time=0.01, loss=2.3))
+                assign = await recv_as(chans[-1], control.Assign)
                 assert assign.group == 0 and assign.staleness == -1  # asp: one group, no bound
             ghost, gport = parse_address(reachable(assign.address, host))
             chans.append(await transport.connect(ghost, gport, role="worker", worker_id=1,
@@ -422,7 +422,7 @@ async def test_exchange_whose_reply_was_lost_is_merged_once(tmp_path: Path) -> N
     assert events.count("merge_repeat") == 1 and events.count("merge") == 2
     meta = messages.Exchange(session=1, seq=7, payload=Payload("dense-f32", {}, ())).meta()
     with pytest.raises(RemoteProtocolError, match="seq"):
-        messages.from_wire(messages.Kind.EXCHANGE, messages.PROTOCOL_VERSION,
+        kinds.from_wire(messages.Kind.EXCHANGE, messages.PROTOCOL_VERSION,
                            {**meta, "seq": "7"}, 0)
 
 
@@ -432,7 +432,7 @@ async def test_an_explicit_group_count_is_honoured_for_equal_workers(tmp_path: P
     port = await srv.start()
     chans = [await join(port, w, 0.04) for w in range(2)]
     try:
-        assigns = [await recv_as(ch, messages.Assign) for ch in chans]
+        assigns = [await recv_as(ch, control.Assign) for ch in chans]
         assert sorted(a.group for a in assigns) == [0, 1]
         assert assigns[0].address != assigns[1].address
     finally:

@@ -22,7 +22,7 @@ from minips.core.config import RunConfig
 from minips.errors import AuthError
 from minips.net import channel, transport
 from minips.net.endpoints import parse_address
-from minips.wire import messages
+from minips.wire import control, messages
 
 
 async def connect(port: int, wid: int, group: int = -1,
@@ -33,7 +33,7 @@ async def connect(port: int, wid: int, group: int = -1,
 
 async def told_replaced(ch: channel.Channel) -> None:
     """The old connection gets ERROR replaced, then the server closes it."""
-    error = await recv_as(ch, messages.Error, 5)
+    error = await recv_as(ch, control.Error, 5)
     assert error.code == "replaced" and "worker id 0" in error.reason
     with pytest.raises(ConnectionError):
         await asyncio.wait_for(ch.recv(), 5)
@@ -48,8 +48,8 @@ async def test_second_control_connection_with_an_id_replaces_the_first_and_says_
         await until(lambda: srv.core.workers[0].connected)
         second = await connect(port, 0)
         await told_replaced(first)
-        await second.send(messages.Stats(clock=0, step_time=0.01, loss=1.0))
-        assert (await recv_as(second, messages.Assign, 5)).group == 0  # the newcomer goes on
+        await second.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
+        assert (await recv_as(second, control.Assign, 5)).group == 0  # the newcomer goes on
         assert srv.rejected["replaced"] == 1
         await second.close()
     finally:
@@ -64,7 +64,7 @@ async def test_second_group_connection_with_an_id_replaces_the_first_and_says_so
     ctl = await join(port, 0, 0.01)
     chans: list[channel.Channel] = []
     try:
-        assign = await recv_as(ctl, messages.Assign, 5)
+        assign = await recv_as(ctl, control.Assign, 5)
         host, gport = parse_address(assign.address)
         chans.append(await connect(gport, 0, assign.group, host))
         await recv_as(chans[0], messages.Ack, 5)
@@ -118,9 +118,9 @@ async def test_concurrent_minus_one_hellos_get_different_ids(tmp_path: Path) -> 
 def test_a_worker_told_replaced_stops_instead_of_reconnecting() -> None:
     from minips.worker import Stopped
 
-    stop = Stopped(messages.Error(code="replaced", reason="another connection"))
+    stop = Stopped(control.Error(code="replaced", reason="another connection"))
     assert stop.final and "replaced" in stop.error
-    assert not Stopped(messages.Error(code="lease", reason="expired")).final
+    assert not Stopped(control.Error(code="lease", reason="expired")).final
 
 
 def test_an_id_is_held_for_its_handshake_and_freed_if_it_never_finishes() -> None:

@@ -20,7 +20,7 @@ from minips.errors import AuthError, RemoteProtocolError
 from minips.net import channel, transport
 from minips.net import transport as t
 from minips.net.channel import write_batches
-from minips.wire import frames, handshake, messages
+from minips.wire import checks, control, frames, handshake, messages
 from minips.wire.fields import Payload
 
 TOKEN = "test-token"
@@ -41,11 +41,11 @@ async def echo_handler(ch: channel.Channel) -> None:
         elif isinstance(msg, messages.Pull):
             await ch.send(messages.Weights(version=msg.clock,
                                            payload=Payload("dense", {}, (weights,))))
-        elif isinstance(msg, messages.Leave):
+        elif isinstance(msg, control.Leave):
             return
 
 
-def accept_all(hello: messages.Hello) -> dict[str, Any]:
+def accept_all(hello: control.Hello) -> dict[str, Any]:
     return {"worker_id": 7 if hello.worker_id < 0 else hello.worker_id, "mode": "ssp"}
 
 
@@ -84,7 +84,7 @@ def test_handshake_accepted_and_messages_flow(loop: str) -> None:
 
 @LOOPS
 def test_accept_sees_hello_and_can_refuse(loop: str) -> None:
-    def accept(hello: messages.Hello) -> dict[str, Any]:
+    def accept(hello: control.Hello) -> dict[str, Any]:
         if hello.role != "evaluator":
             raise AuthError(f"role {hello.role} not welcome")
         return {}
@@ -166,15 +166,15 @@ def test_replayed_handshake_is_refused(loop: str) -> None:
             challenge = await read_frame(reader)
             auth = hs.on_challenge(challenge)  # type: ignore[arg-type]
             writer.write(raw(auth))
-            assert isinstance(await read_frame(reader), messages.Welcome)
+            assert isinstance(await read_frame(reader), control.Welcome)
             writer.close()
             # An eavesdropper replays the recorded HELLO and AUTH on a new connection.
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
             writer.write(raw(hs.hello))
-            assert isinstance(await read_frame(reader), messages.Challenge)
+            assert isinstance(await read_frame(reader), control.Challenge)
             writer.write(raw(auth))
             refuse = await read_frame(reader)
-            assert isinstance(refuse, messages.Refuse) and "wrong token" in refuse.reason
+            assert isinstance(refuse, control.Refuse) and "wrong token" in refuse.reason
             writer.close()
             await until(lambda: srv.stats["refused"] == 1)
 
@@ -187,7 +187,7 @@ def test_replayed_handshake_is_refused(loop: str) -> None:
 
 @LOOPS
 def test_frame_over_limit_closes_that_connection_only(loop: str) -> None:
-    options = channel.Options(limits=frames.Limits(max_frame_bytes=1 << 20))
+    options = channel.Options(limits=checks.Limits(max_frame_bytes=1 << 20))
 
     async def scenario() -> None:
         async with await start(options=options) as srv:
@@ -195,7 +195,7 @@ def test_frame_over_limit_closes_that_connection_only(loop: str) -> None:
             good = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             await bad.send(messages.Push(clock=0, payload=Payload("dense", {}, (bytes(2 << 20),))))
             error = await bad.recv()
-            assert isinstance(error, messages.Error) and error.code == "limit_exceeded"
+            assert isinstance(error, control.Error) and error.code == "limit_exceeded"
             assert "frame size" in error.reason
             with pytest.raises(ConnectionError):
                 await bad.recv()
@@ -213,7 +213,7 @@ def test_msgpack_length_over_limit_is_answered_limit_exceeded(value: object) -> 
     docs/protocol.md section 6 and ``Limits`` say, counted as such; then the server closes.
     Sent after the handshake: before WELCOME a frame over 16 KiB is refused by its size alone."""
     packed = msgpack.packb({"reason": value})
-    data = frames.PREFIX.pack(frames.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0,
+    data = checks.PREFIX.pack(checks.MAGIC, messages.PROTOCOL_VERSION, messages.Kind.LEAVE, 0, 0,
                               len(packed), 0) + packed
 
     async def scenario() -> None:
@@ -222,10 +222,10 @@ def test_msgpack_length_over_limit_is_answered_limit_exceeded(value: object) -> 
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
             writer.write(raw(hs.hello))
             writer.write(raw(hs.on_challenge(await read_frame(reader))))  # type: ignore[arg-type]
-            assert isinstance(await read_frame(reader), messages.Welcome)
+            assert isinstance(await read_frame(reader), control.Welcome)
             writer.write(data)
             error = await read_frame(reader)
-            assert isinstance(error, messages.Error) and error.code == "limit_exceeded", error
+            assert isinstance(error, control.Error) and error.code == "limit_exceeded", error
             assert await reader.read() == b""
             await until(lambda: srv.stats["limit_exceeded"] == 1)
             assert srv.stats["protocol_errors"] == 0
@@ -242,9 +242,9 @@ def test_half_frame_then_silence_is_cut_off_by_read_timeout(loop: str) -> None:
         async with await start(options=options) as srv:
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
             # a prefix cut short, then nothing
-            writer.write(raw(messages.Hello(nonce=bytes(32)))[:10])
+            writer.write(raw(control.Hello(nonce=bytes(32)))[:10])
             error = await read_frame(reader)
-            assert isinstance(error, messages.Error) and "read timeout" in error.reason
+            assert isinstance(error, control.Error) and "read timeout" in error.reason
             assert await reader.read() == b""  # then the server closed
             assert srv.stats["read_timeouts"] == 1
             writer.close()
@@ -258,7 +258,7 @@ def test_garbage_gets_error_then_close_and_is_counted() -> None:
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
             writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             error = await read_frame(reader)
-            assert isinstance(error, messages.Error) and "magic" in error.reason
+            assert isinstance(error, control.Error) and "magic" in error.reason
             await until(lambda: srv.stats["protocol_errors"] == 1)
             writer.close()
 
@@ -267,7 +267,7 @@ def test_garbage_gets_error_then_close_and_is_counted() -> None:
 
 def test_out_of_order_message_from_peer_raises_remote_error_in_recv() -> None:
     async def handler(ch: channel.Channel) -> None:
-        ch._transport.write(raw(messages.Challenge(nonce=bytes(32))))  # bypass our own state checks
+        ch._transport.write(raw(control.Challenge(nonce=bytes(32))))  # bypass our own state checks
         await ch.recv()
 
     async def scenario() -> None:
@@ -561,7 +561,7 @@ def test_a_failing_handler_sends_error_and_the_server_keeps_serving() -> None:
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             await ch.send(messages.Pull(clock=0))
             error = await ch.recv()
-            assert isinstance(error, messages.Error) and error.code == "internal"
+            assert isinstance(error, control.Error) and error.code == "internal"
             assert "ValueError: boom" in error.reason
             other = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             await other.send(messages.Push(clock=1, payload=Payload("d", {}, ())))
@@ -593,7 +593,7 @@ def test_a_send_after_error_is_a_closed_connection_not_our_protocol_error() -> N
             ch = await t.connect("127.0.0.1", srv.port, token=TOKEN)
             await ch.send(messages.Pull(clock=0))
             got = await ch.recv()
-            assert isinstance(got, messages.Error) and got.code == "replaced"
+            assert isinstance(got, control.Error) and got.code == "replaced"
             await until(lambda: bool(seen))
             await until(lambda: not srv.channels)
             assert isinstance(seen[0], ConnectionResetError), seen

@@ -14,7 +14,7 @@ from conftest import run_on, until
 
 from minips.net import channel, transport
 from minips.net import transport as t
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 TOKEN = "queue-token"
@@ -92,7 +92,7 @@ def test_messages_already_queued_are_returned_in_order_without_waiting(loop: str
 def test_recv_timeout_counts_from_the_call_even_through_heartbeats(loop: str) -> None:
     async def beat_only(ch: channel.Channel) -> None:
         for seq in range(1000):  # heartbeats wake recv() but are not messages
-            await ch.send(messages.Heartbeat(seq=seq))
+            await ch.send(control.Heartbeat(seq=seq))
             await asyncio.sleep(0.02)
 
     async def scenario() -> None:

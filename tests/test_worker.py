@@ -22,7 +22,7 @@ from minips.ml import data, models
 from minips.net import channel, transport
 from minips.record.rundir import read_jsonl
 from minips.server import GlobalServer, ServerConfig
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 from minips.worker import EmulatedLink, Worker, WorkerStopped
 
@@ -208,8 +208,8 @@ async def test_a_server_error_stops_the_worker_and_says_why(tmp_path: Path) -> N
     run = RunConfig(workers=1, calib_steps=1)
 
     async def server(ch: channel.Channel) -> None:
-        assert isinstance(await ch.recv(), messages.Stats)  # the calibration
-        await ch.send(messages.Error(code="invalid", reason="test: this worker must stop"))
+        assert isinstance(await ch.recv(), control.Stats)  # the calibration
+        await ch.send(control.Error(code="invalid", reason="test: this worker must stop"))
 
     srv = await transport.serve("127.0.0.1", 0, token=TOKEN, handler=server,
                                 accept=lambda hello: {**run.to_info(), "worker_id": 0})
@@ -235,11 +235,11 @@ async def test_an_unreachable_group_server_is_reported_once_while_retrying(
         dead = closed.getsockname()[1]
 
         async def server(ch: channel.Channel) -> None:
-            assert isinstance(await ch.recv(), messages.Stats)  # the calibration
-            await ch.send(messages.Assign(group=0, address=f":{dead}", ratio=0.01, staleness=3))
+            assert isinstance(await ch.recv(), control.Stats)  # the calibration
+            await ch.send(control.Assign(group=0, address=f":{dead}", ratio=0.01, staleness=3))
             await until(lambda: bool(records(tmp_path / "worker-0.jsonl",
                                              event="group_unreachable")), 30)
-            await ch.send(messages.Leave(reason="done"))
+            await ch.send(control.Leave(reason="done"))
             await ch.recv()
 
         srv = await transport.serve("127.0.0.1", 0, token=TOKEN, handler=server,

@@ -20,7 +20,7 @@ from minips.core.config import RunConfig, WorkerConfig
 from minips.core.slowdown import Schedule, Slowdown
 from minips.core.worker_core import RECORD_KEYS, Done, Step, WorkerCore
 from minips.sim.simulate import SimConfig, Simulation, shard_size
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 from minips.wire.frames import wire_size
 from minips.worker import Worker
@@ -60,7 +60,7 @@ def dense(push: Any) -> np.ndarray:
 def script(h: int) -> list[messages.Message]:
     """What the group server (and once the global server) says to worker 0, in order; every
     WEIGHTS asks for ``h`` local steps."""
-    assign = messages.Assign(group=0, address="sim:0", ratio=0.1, staleness=2)
+    assign = control.Assign(group=0, address="sim:0", ratio=0.1, staleness=2)
     common = {"group": 0, "local_steps": h}
     return [
         whole(1, np.zeros(N, np.float32), lead=0, waited_for=[], **common),
@@ -102,7 +102,7 @@ class FakeLink:
         self.ch.bytes_sent += wire_size(msg)
 
     async def expect(self, kind: type[Any]) -> Any:
-        while isinstance(self.said[0], messages.Assign):
+        while isinstance(self.said[0], control.Assign):
             self.worker.control.on_assign(self.said.pop(0))  # type: ignore[arg-type]
         msg = self.said.pop(0)
         assert isinstance(msg, kind), (msg, kind)
@@ -147,7 +147,7 @@ async def through_the_worker(run: RunConfig, said: list[messages.Message]
     w.compressor = run.worker_compressor(N, 0)
     w.core = WorkerCore(run, w.compressor, 0, shard_size(run, 0))
     w.control.on_assign = w.core.on_assign
-    w.control.assign = messages.Assign(group=0, address="sim:0", ratio=0.05, staleness=2)
+    w.control.assign = control.Assign(group=0, address="sim:0", ratio=0.05, staleness=2)
     w.slowdown, w.factor = Slowdown(Schedule.flat(1.0)), 1.0
     records = Records()
     w.writer = records  # type: ignore[assignment]
@@ -176,7 +176,7 @@ def through_the_simulator(run: RunConfig, said: list[messages.Message], tmp: Pat
     sim = Simulation(SimConfig(run=run, dim=N, step_times=[0.01]), tmp / "sim")
     sim.objective = Scripted()  # type: ignore[assignment]
     group = sim.group_of[0]
-    sim.assign(messages.Assign(group=group, address="sim:0", ratio=0.05, staleness=2))
+    sim.assign(control.Assign(group=group, address="sim:0", ratio=0.05, staleness=2))
     sent: list[tuple[Any, tuple[Any, ...]]] = []
     sim.send = lambda w, nbytes, fn, *args, after=0.0: sent.append((fn, args))  # type: ignore
     sim._pull(0)
@@ -186,7 +186,7 @@ def through_the_simulator(run: RunConfig, said: list[messages.Message], tmp: Pat
         elif isinstance(msg, messages.Ack):
             push, slowdown = sent[-1][1]
             sim.ack_arrives(0, msg, wire_size(push), slowdown)
-        elif isinstance(msg, messages.Assign):
+        elif isinstance(msg, control.Assign):
             sim.assign(dataclasses.replace(msg, group=group))
     return sim.records[0], [args[0] for _, args in sent]
 
@@ -280,6 +280,6 @@ def test_one_push_carries_the_steps_mean_loss_and_their_samples() -> None:
 
 def test_the_ratio_comes_from_assign_not_from_weights() -> None:
     c = core()
-    c.on_assign(messages.Assign(group=0, address="a", ratio=0.2, staleness=0))
+    c.on_assign(control.Assign(group=0, address="a", ratio=0.2, staleness=0))
     c.on_weights(whole(1, np.zeros(N, np.float32), ratio=0.9), 0.0)
     assert c.compressor.ratio == 0.2

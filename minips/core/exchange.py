@@ -88,7 +88,7 @@ __all__ = [
 
 
 # answered PULLs one exchange reports, the latest: a received msgpack array holds at most 4096
-# items (frames.Limits.max_array_len; more is ERROR limit_exceeded), so a group process never
+# items (checks.Limits.max_array_len; more is ERROR limit_exceeded), so a group process never
 # sends more; exchanges come every few pushes, so only a group cut off from its global server
 # for long has more
 MAX_PULLS = 4096

@@ -90,7 +90,7 @@ from minips.core.replay import MAX_SESSIONS, Merged
 from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
 from minips.core.snapshot import restore_group, restore_workers, snapshot
 from minips.errors import RemoteProtocolError
-from minips.wire import frames, messages
+from minips.wire import control, frames, messages
 from minips.wire.messages import MAX_COUNT
 
 __all__ = [
@@ -271,7 +271,7 @@ class GlobalCore:
             else "connection lost"
         return [Log("left", {"worker": w, "reason": reason})]
 
-    def on_stats(self, w: int, msg: messages.Stats, now: float) -> list[Action]:
+    def on_stats(self, w: int, msg: control.Stats, now: float) -> list[Action]:
         """Worker ``w``'s measured speed: form the groups, place it, regroup or update ratios."""
         entry = self.workers[w]
         entry.step_time, entry.clock = float(msg.step_time), int(msg.clock)
@@ -683,11 +683,11 @@ class GlobalCore:
             bytes_down=traffic["bytes_down"], members=members or [],
             payload=sparse.encode_vector(w))
 
-    def assign_message(self, h: GroupHandle) -> messages.Assign:
+    def assign_message(self, h: GroupHandle) -> control.Assign:
         """ASSIGN for group ``h``: its address, ratio, the run's staleness bound and its
         local steps H (0: the run's)."""
         s = self.run.staleness_bound
-        return messages.Assign(group=h.id, address=h.address, ratio=h.ratio,
+        return control.Assign(group=h.id, address=h.address, ratio=h.ratio,
                                staleness=-1 if s is None else int(s),
                                local_steps=self.local_steps_of(h))
 

@@ -73,7 +73,7 @@ from minips.core.downlink import Downlink, ExactDownlink
 from minips.core.exchange import Delta, ExchangeResult, GroupSync, Outgoing, exchange_ratio
 from minips.core.local_steps import outer_sgd
 from minips.errors import RemoteProtocolError
-from minips.wire import messages
+from minips.wire import control, messages
 
 __all__ = [
     "Action",
@@ -183,7 +183,7 @@ class GroupCore:
         self.members.add(w)
         self.table.join(w, now, 0)
 
-    def refusal(self, hello: messages.Hello) -> str:
+    def refusal(self, hello: control.Hello) -> str:
         """Why a HELLO may not open a session with this group ("": it may)."""
         if hello.role != "worker":
             return f"group server {self.group} accepts workers only"

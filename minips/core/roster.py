@@ -40,7 +40,7 @@ from minips import grouping
 from minips.core.config import RunConfig
 from minips.core.local_steps import auto_local_steps
 from minips.errors import AuthError
-from minips.wire.messages import Assign
+from minips.wire.control import Assign
 
 __all__ = [
     "GroupPeer",

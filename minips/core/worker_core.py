@@ -37,7 +37,7 @@ from minips.core.downlink import apply_weights
 from minips.core.local_steps import LocalSteps
 from minips.core.worker_opt import Upload
 from minips.sparse import SparseVector
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 __all__ = ["Step", "Done", "WorkerCore", "step_record", "RECORD_KEYS"]
@@ -119,7 +119,7 @@ class WorkerCore:
         (another group, or a restarted one, knows nothing of the version held)."""
         self.clock, self.version = int(ack.clock), -1
 
-    def on_assign(self, msg: messages.Assign) -> None:
+    def on_assign(self, msg: control.Assign) -> None:
         """ASSIGN: the group's upload ratio (GDTopK) for the next compress."""
         self.compressor.set_ratio(msg.ratio)
 

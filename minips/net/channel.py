@@ -54,7 +54,7 @@ from typing import Any, cast
 from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from minips.net import guard
 from minips.net.links import Pacing, ReadPacer, TokenBucket
-from minips.wire import fields, frames, handshake, messages, receive
+from minips.wire import checks, control, fields, frames, handshake, kinds, messages, receive
 
 __all__ = [
     "READ_TIMEOUT_S",
@@ -98,7 +98,7 @@ class Options:
     handshake_timeout: float = HANDSHAKE_TIMEOUT_S  # s for the whole handshake
     heartbeat: float | None = None  # s between HEARTBEATs we send; None: no heartbeats
     socket_buffer: int = SOCKET_BUFFER_BYTES  # bytes of kernel send/receive buffer; 0: default
-    limits: frames.Limits = field(default_factory=frames.Limits)
+    limits: checks.Limits = field(default_factory=checks.Limits)
     alloc: frames.Alloc | None = None  # where received payload buffers go; None: fresh numpy arrays
     max_queued_bytes: int = MAX_QUEUED_BYTES  # bytes of received buffers before reading pauses
     max_queued: int = MAX_QUEUED  # received messages (not HEARTBEATs) before reading pauses
@@ -178,7 +178,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                     self.heartbeats += 1
                     continue
                 self.queue.append(msg)
-                if msg.KIND in messages.WITH_BUFFERS:
+                if msg.KIND in kinds.WITH_BUFFERS:
                     buffers = msg.payload.buffers  # type: ignore[attr-defined]
                     self.queued_bytes += sum(map(_nbytes, buffers))
             if self.decoder.error is not None:
@@ -197,7 +197,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def pop(self) -> messages.Message:
         """The oldest queued message; resumes reading once the queue is below half its bounds."""
         msg = self.queue.popleft()
-        if msg.KIND in messages.WITH_BUFFERS:
+        if msg.KIND in kinds.WITH_BUFFERS:
             self.queued_bytes -= sum(map(_nbytes, msg.payload.buffers))  # type: ignore[attr-defined]
         if (self.paused and len(self.queue) <= self.options.max_queued // 2
                 and self.queued_bytes <= self.options.max_queued_bytes // 2):
@@ -264,7 +264,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self.stats is not None:
                 self.stats[_STAT_OF_REASON[reason]] += 1
             if self.transport is not None and self.conn.state != handshake.State.CLOSED:
-                frame = self.conn.send(messages.Error(code=reason,
+                frame = self.conn.send(control.Error(code=reason,
                                                       reason=str(err)[: fields.MAX_TEXT]))
                 self.transport.writelines(frame)
         if self.transport is not None:
@@ -333,7 +333,7 @@ class Channel:
         self._proto = proto
         assert proto.transport is not None
         self._transport = proto.transport
-        self.peer_hello: messages.Hello | None = None  # server side: the client's HELLO
+        self.peer_hello: control.Hello | None = None  # server side: the client's HELLO
         self.welcome_info: dict[str, Any] = {}  # both sides: WELCOME's info map
         self.worker_id = -1  # the id in WELCOME
         self.bytes_sent = 0
@@ -347,7 +347,7 @@ class Channel:
     def bytes_received(self) -> int:
         return self._proto.bytes_received
 
-    def set_limits(self, limits: frames.Limits) -> None:
+    def set_limits(self, limits: checks.Limits) -> None:
         """Check the peer's next frames against ``limits`` (``Connection.set_limits``)."""
         self._proto.conn.set_limits(limits)
 
@@ -471,7 +471,7 @@ class Channel:
         while not self.closed:
             await asyncio.sleep(interval)
             try:
-                await self.send(messages.Heartbeat(seq=seq))
+                await self.send(control.Heartbeat(seq=seq))
             except (ConnectionError, LocalProtocolError):
                 return
             seq += 1
@@ -504,7 +504,7 @@ class Channel:
         if not self.closed and self._proto.conn.state != handshake.State.CLOSED:
             self.error_sent = code
             with contextlib.suppress(ConnectionError):
-                await self.send(messages.Error(code=code[: fields.MAX_NAME],
+                await self.send(control.Error(code=code[: fields.MAX_NAME],
                                                reason=reason[: fields.MAX_TEXT]))
 
     def abort(self, reason: str) -> None:
@@ -527,7 +527,7 @@ class Channel:
                 await asyncio.gather(task, return_exceptions=True)
         if leave is not None and not self.closed and self._proto.conn.state == handshake.State.OPEN:
             try:
-                await self.send(messages.Leave(reason=leave))
+                await self.send(control.Leave(reason=leave))
             except ConnectionError:
                 pass
         self._transport.close()

@@ -87,7 +87,7 @@ from minips.net import guard as g
 from minips.net.channel import Channel, FrameProtocol, Options
 from minips.net.endpoints import format_address, shared_secret
 from minips.net.guard import LogSummary
-from minips.wire import frames, handshake, messages
+from minips.wire import checks, control, fields, handshake, messages
 
 __all__ = [
     "CountingLog",
@@ -251,7 +251,7 @@ async def _wait(seconds: float, wake: asyncio.Event | None) -> None:
 
 log = logging.getLogger("minips.net.transport")
 
-Accept = Callable[[messages.Hello], "dict[str, Any] | Awaitable[dict[str, Any]]"]
+Accept = Callable[[control.Hello], "dict[str, Any] | Awaitable[dict[str, Any]]"]
 Handler = Callable[[Channel], Awaitable[None]]
 _TURNED_AWAY = {  # Guard.admit's reasons, as an operator reads them
     "backoff": "too many failed handshakes (wrong secret) or sessions cut for protocol "
@@ -307,12 +307,12 @@ class Server:
         self.stats["turned_away"] += 1
         self.counted.note(f"turned away ({why})", f"{source}: " + _TURNED_AWAY[why])
 
-    def set_limits(self, limits: frames.Limits) -> None:
+    def set_limits(self, limits: checks.Limits) -> None:
         """Check every authenticated peer's frames against ``limits`` from now on: a server
-        that learned its model's size narrows them to it (``frames.Limits.sized_for``), and
+        that learned its model's size narrows them to it (``checks.Limits.sized_for``), and
         makes room in the process's lz4 budget for two whole frames of it."""
         self.limits = limits
-        frames.INFLATE_BUDGET.at_least(2 * limits.max_raw_bytes)
+        checks.INFLATE_BUDGET.at_least(2 * limits.max_raw_bytes)
         for ch in list(self.channels):
             ch.set_limits(limits)
 
@@ -363,8 +363,8 @@ class Server:
         self.stats["accepted"] += 1
         return True
 
-    def _check_auth(self, hs: handshake.ServerHandshake, auth: messages.Auth,
-                    source: str) -> messages.Refuse | None:
+    def _check_auth(self, hs: handshake.ServerHandshake, auth: control.Auth,
+                    source: str) -> control.Refuse | None:
         """``hs.on_auth`` with the source's back-off applied: a source still in back-off is cut
         off before its MAC is even checked; a wrong MAC starts or lengthens its back-off."""
         now = asyncio.get_running_loop().time()
@@ -382,13 +382,13 @@ class Server:
     async def _handshake(self, ch: Channel, source: str) -> None:
         hs = handshake.ServerHandshake(shared_secret(self.token))
         hello = await ch.recv()
-        assert isinstance(hello, messages.Hello)  # the state machine allows nothing else first
+        assert isinstance(hello, control.Hello)  # the state machine allows nothing else first
         reply = hs.on_hello(hello)
         await ch.send(reply)
-        if isinstance(reply, messages.Refuse):
+        if isinstance(reply, control.Refuse):
             raise AuthError(reply.reason)
         auth = await ch.recv()
-        assert isinstance(auth, messages.Auth)
+        assert isinstance(auth, control.Auth)
         refuse = self._check_auth(hs, auth, source)
         info: dict[str, Any] = {}
         if refuse is None:
@@ -396,7 +396,7 @@ class Server:
                 got = self.accept(hello)
                 info = await got if inspect.isawaitable(got) else got
             except AuthError as e:
-                refuse = messages.Refuse(code="refused", reason=e.reason[: messages.MAX_TEXT])
+                refuse = control.Refuse(code="refused", reason=e.reason[: fields.MAX_TEXT])
         if refuse is not None:
             await ch.send(refuse)
             raise AuthError(refuse.reason)
@@ -502,7 +502,7 @@ async def _open(host: str, port: int, side: handshake.Side, options: Options,
 async def _client_handshake(ch: Channel, hs: handshake.ClientHandshake) -> None:
     await ch.send(hs.hello)
     reply = await ch.recv()
-    if isinstance(reply, messages.Challenge):
+    if isinstance(reply, control.Challenge):
         await ch.send(hs.on_challenge(reply))
         reply = await ch.recv()
     welcome = hs.on_reply(reply)

@@ -46,7 +46,7 @@ from minips.net import channel, transport
 from minips.net.channel import Channel
 from minips.record.rundir import JsonlWriter
 from minips.serve import validation
-from minips.wire import conversation, frames, messages
+from minips.wire import checks, control, conversation, messages
 from minips.wire.conversation import Conversation, Role
 
 __all__ = ["OncePerTurn", "GroupServer"]
@@ -114,11 +114,11 @@ class GroupServer:
         self.ready.set()
 
     def fit_limits(self) -> None:
-        """Narrow what workers may send to this model's frames (``frames.Limits.sized_for``),
+        """Narrow what workers may send to this model's frames (``checks.Limits.sized_for``),
         once the model is known."""
         weights = getattr(self.core, "weights", None)
         if self.server is not None and weights is not None:
-            self.server.set_limits(frames.DEFAULT_LIMITS.sized_for(weights.size))
+            self.server.set_limits(checks.DEFAULT_LIMITS.sized_for(weights.size))
 
     # -- the core's entry points at this clock, and its actions performed ----------------------
 
@@ -268,7 +268,7 @@ class GroupServer:
         self._spawn(self._expire_loop())
         return self.port
 
-    def _accept(self, hello: messages.Hello) -> dict[str, Any]:
+    def _accept(self, hello: control.Hello) -> dict[str, Any]:
         refused = self.core.refusal(hello)
         if refused:
             raise AuthError(refused)
@@ -353,7 +353,7 @@ class GroupServer:
                          msg: messages.Push) -> None:
         """Take a PUSH (the conversation checked its turn and clock) and answer its ACK."""
         if not self.core.has_lease(w):  # its lease expired while it was silent: rejoin, pull
-            await ch.send(messages.Error(code="lease", reason=f"worker {w}: lease expired, "
+            await ch.send(control.Error(code="lease", reason=f"worker {w}: lease expired, "
                                          "reconnect and pull the current weights"))
             raise ConnectionResetError("lease expired")
         conversation.check_push(msg)

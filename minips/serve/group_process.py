@@ -40,7 +40,7 @@ from minips.net.endpoints import (
 )
 from minips.record.rundir import RunDir
 from minips.serve.group import GroupServer
-from minips.wire import messages
+from minips.wire import control, messages
 
 __all__ = [
     "TcpLink",
@@ -100,9 +100,9 @@ class TcpLink:
                 if (isinstance(msg, (messages.ExchangeReply, messages.GlobalWeights))
                         and self._reply and not self._reply.done()):
                     self._reply.set_result(msg)
-                elif isinstance(msg, messages.Assign) and self.group is not None:
+                elif isinstance(msg, control.Assign) and self.group is not None:
                     self.group.set_send_settings(msg.ratio, msg.local_steps)
-                elif isinstance(msg, messages.Leave) and self.group is not None:
+                elif isinstance(msg, control.Leave) and self.group is not None:
                     self.group.finish()
         except (ConnectionError, RemoteProtocolError) as exc:
             if self._reply is not None and not self._reply.done():
@@ -126,10 +126,10 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease
     link = TcpLink(ch)
     assign = await ch.recv()
-    if isinstance(assign, messages.Error):  # e.g. every group has its server already
+    if isinstance(assign, control.Error):  # e.g. every group has its server already
         await ch.close()
         raise ConfigError(f"the global server refused this group server: {assign.reason}")
-    if not isinstance(assign, messages.Assign):
+    if not isinstance(assign, control.Assign):
         await ch.close()
         raise RemoteProtocolError("expected ASSIGN", got=type(assign).__name__)
     link.reader = asyncio.create_task(link.read())

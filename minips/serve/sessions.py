@@ -64,7 +64,7 @@ from minips.errors import ConfigError, RemoteProtocolError
 from minips.net.channel import Channel
 from minips.net.endpoints import reachable
 from minips.serve import validation
-from minips.wire import conversation, frames, messages
+from minips.wire import control, conversation, frames, messages
 from minips.wire.conversation import Conversation, Role
 
 __all__ = ["Shell", "send_quiet", "worker_session", "initial_weights", "evaluator_session",
@@ -139,12 +139,12 @@ async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
 
 def _on_control(srv: Shell, w: int, msg: messages.Message) -> None:
     """Handle one control message (one the conversation let pass: STATS, INIT_WEIGHTS, LEAVE)."""
-    if isinstance(msg, messages.Stats):
+    if isinstance(msg, control.Stats):
         conversation.check_stats(msg)
         srv.perform(srv.core.on_stats(w, msg, time.monotonic()))
     elif isinstance(msg, messages.InitWeights):
         srv.perform(srv.core.on_initial(initial_weights(msg)))
-    elif isinstance(msg, messages.Leave):
+    elif isinstance(msg, control.Leave):
         srv.perform(srv.core.worker_leaving(w, msg.reason))
 
 
@@ -187,11 +187,11 @@ class RemoteGroup(NoGroup):
     def connected(self) -> bool:
         return True
 
-    def send_settings(self, assign: messages.Assign) -> None:
+    def send_settings(self, assign: control.Assign) -> None:
         self.spawn(send_quiet(self.ch, assign))
 
     async def finish(self) -> None:
-        await send_quiet(self.ch, messages.Leave(reason="done"))
+        await send_quiet(self.ch, control.Leave(reason="done"))
 
 
 async def external_group(srv: Shell, g: int, members: list[int], wait_s: float) -> GroupHandle:
@@ -335,7 +335,7 @@ async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle,
         info = handle.across_sessions(msg.info)  # traffic counts of all its sessions
         await _answer(srv, ch, core.on_exchange(handle.id, delta, info, time.monotonic(),
                                                 frames.wire_size(msg)))
-    elif isinstance(msg, messages.Leave):
+    elif isinstance(msg, control.Leave):
         srv.perform(core.group_left(handle.id))
         return True
     return False

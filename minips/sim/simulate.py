@@ -73,7 +73,7 @@ from minips.core.worker_core import Done, WorkerCore
 from minips.record.metrics import summarize
 from minips.record.rundir import RunDir, dump_json
 from minips.sim.timing import Failure, Links, StepTimes, objective
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.frames import wire_size
 
 __all__ = ["SimConfig", "per_worker", "shard_size", "SimGlobal", "SimGroup", "SimPeer",
@@ -131,7 +131,7 @@ class Host(Protocol):
     groups: dict[int, SimGroup]
 
     def at(self, delay: float, fn: Callable[..., Any], *args: Any) -> None: ...
-    def assign(self, msg: messages.Assign) -> None: ...
+    def assign(self, msg: control.Assign) -> None: ...
     def exchange(self, g: int, final: bool = False) -> None: ...
     def release(self, core: SimGroup) -> None: ...
 
@@ -203,7 +203,7 @@ class SimPeer(NoGroup):
         super().__init__()
         self.group = group
 
-    def send_settings(self, assign: messages.Assign) -> None:
+    def send_settings(self, assign: control.Assign) -> None:
         self.group.core.set_ratio(assign.ratio)
         self.group.core.set_local_steps(assign.local_steps)
 
@@ -277,7 +277,7 @@ class Simulation:
         glob = self.glob.core
         for w in range(n_w):
             glob.admit(w, 0.0)
-            glob.on_stats(w, messages.Stats(clock=0, step_time=self.step_s[w], loss=0.0), 0.0)
+            glob.on_stats(w, control.Stats(clock=0, step_time=self.step_s[w], loss=0.0), 0.0)
         assignment = self.group_of = glob.first_assignment(0.0)
         handles = []
         for g in sorted(set(assignment.values())):
@@ -290,7 +290,7 @@ class Simulation:
         for w, g in assignment.items():
             self.workers[w].on_assign(glob.assign_message(glob.groups[g]))
 
-    def assign(self, msg: messages.Assign) -> None:
+    def assign(self, msg: control.Assign) -> None:
         """A new ASSIGN for group ``msg.group`` (GDTopK's ratio): to its core and its workers
         at once, as the global server sends it to both."""
         self.glob.core.groups[msg.group].peer.send_settings(msg)

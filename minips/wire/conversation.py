@@ -38,7 +38,7 @@ from enum import IntEnum
 from typing import Any
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.wire.fields import Invalid
 from minips.wire.handshake import Side
 from minips.wire.messages import Kind
@@ -229,16 +229,16 @@ def check_push(msg: messages.Push) -> None:
     _number("loss", msg.loss, -1e30, 1e30)
 
 
-def check_stats(msg: messages.Stats) -> None:
+def check_stats(msg: control.Stats) -> None:
     """A worker's STATS: a positive finite step time, a sample count and, in ``data``, at most
-    the keys of ``messages.DATA_KEYS`` with their types (on the wire ``data`` is any map: its
+    the keys of ``control.DATA_KEYS`` with their types (on the wire ``data`` is any map: its
     keys are the server's to check, answered ``invalid``). Its clock is not compared with the
     last one: it counts steps in the worker's current group, and starts again when the worker
     moves to another group or its group server restarts."""
     _number("step_time", msg.step_time, 1e-9, MAX_STEP_S)
     _number("samples", msg.samples, 0, 1 << 62)
     try:
-        messages.data_origin(msg.data)
+        control.data_origin(msg.data)
     except Invalid as e:
         raise RemoteProtocolError(f"STATS data: {e}", expected=str(e),
                                   got=repr(msg.data)[:200]) from None

@@ -2,8 +2,8 @@
 
 A field check takes a value and returns it (normalised) or raises ``Invalid`` saying what was
 expected; ``checked(check)`` declares a dataclass field with its check, and ``SCHEMAS`` holds,
-per message class, what its fields need (computed once). ``messages.py`` declares every message
-with these; nothing here knows a message kind.
+per message class, what its fields need (computed once). ``messages.py`` and ``control.py``
+declare every message with these; nothing here knows a message kind.
 
 Invariants:
 - A check accepts exactly what docs/protocol.md, section 2, allows: ints are exact ``int`` (not

@@ -26,19 +26,10 @@ from enum import IntEnum
 from typing import Any
 
 from minips.errors import AuthError, LocalProtocolError, RemoteProtocolError
-from minips.wire.frames import DEFAULT_LIMITS, SCRATCH_BYTES, Alloc, FrameDecoder, Limits, encode
-from minips.wire.messages import (
-    NONCE_BYTES,
-    PROTOCOL_VERSION,
-    Auth,
-    Challenge,
-    Error,
-    Hello,
-    Kind,
-    Message,
-    Refuse,
-    Welcome,
-)
+from minips.wire.checks import DEFAULT_LIMITS, Limits
+from minips.wire.control import NONCE_BYTES, Auth, Challenge, Error, Hello, Refuse, Welcome
+from minips.wire.frames import SCRATCH_BYTES, Alloc, FrameDecoder, encode
+from minips.wire.messages import PROTOCOL_VERSION, Kind, Message
 
 __all__ = [
     "HANDSHAKE_FRAME_BYTES", "HANDSHAKE_SCRATCH_BYTES", "HANDSHAKE_LIMITS",

@@ -1,24 +1,24 @@
-"""minips messages, sans-IO: every kind of message a peer may send, as a value that checks itself.
+"""minips messages, sans-IO: the messages of a training step, each a value that checks itself.
 
 No networking, no clocks, no framing here: a message is a frozen dataclass whose fields carry
 their checks (``fields.py``); ``frames.py`` turns messages into bytes and back, and
 docs/protocol.md, section 3, lists every field. The file opens with the kinds and the base
 class, then the worker <-> server conversation in the order a training step uses it (PULL,
-WEIGHTS, PUSH, ACK), the handshake and control messages, the global server's conversations
-(with a group process: EXCHANGE and EXCHANGE_REPLY, GLOBAL_WEIGHTS answering a group's first
-PULL or an evaluator's; a worker's INIT_WEIGHTS), and last the table of kinds and how a peer's
-map becomes a message (``from_wire``).
+WEIGHTS, PUSH, ACK), then the global server's conversations (with a group process: EXCHANGE and
+EXCHANGE_REPLY, GLOBAL_WEIGHTS answering a group's first PULL or an evaluator's; a worker's
+INIT_WEIGHTS). The handshake and control messages (HELLO ... ERROR) are ``control.py``; the
+table of every kind, and how a peer's map becomes a message (``from_wire``), is ``kinds.py``.
 
 Invariants:
 - A ``Message`` never exists with an invalid field: ``__post_init__`` runs every field's check
   (a bad value raises ``LocalProtocolError``).
-- ``from_wire`` runs the same checks as a constructor on a map a peer sent
+- ``kinds.from_wire`` runs the same checks as a constructor on a map a peer sent
   (``RemoteProtocolError``). Checks cost time in proportion to the fields and values present.
   The servers read a message's counters as they are, with no further checks; ``info`` is the
   map of a message's counters for the receiver's records and merges.
-- Each message's msgpack map holds exactly ``meta_keys(kind)``: every field in declaration
+- Each message's msgpack map holds exactly ``kinds.meta_keys(kind)``: every field in declaration
   order, but HELLO's ``version`` (it travels in the frame prefix), a ``payload`` as two keys.
-- Only the kinds in ``WITH_BUFFERS`` carry buffers: their one vector ``payload`` (a
+- Only the kinds in ``kinds.WITH_BUFFERS`` carry buffers: their one vector ``payload`` (a
   ``fields.Payload``; sparse.py has the encodings) goes as ``encoding`` and ``codec`` in the
   map and its buffers as the frame's body, held as flat ``memoryview``s, never copied.
 """
@@ -29,21 +29,17 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar
 
-from minips.errors import LocalProtocolError, RemoteProtocolError
+from minips.errors import LocalProtocolError
 from minips.wire.fields import (
     MAX_INT,
     MAX_NAME,
-    MAX_TEXT,
     SCHEMAS,
     Invalid,
     Payload,
-    blob,
     boolean,
     checked,
     integer,
     ints,
-    mapping,
-    names,
     number,
     pairs,
     payload,
@@ -52,9 +48,6 @@ from minips.wire.fields import (
 
 __all__ = [
     "PROTOCOL_VERSION",
-    "NONCE_BYTES",
-    "MAC_BYTES",
-    "ROLES",
     "MAX_SEQ",
     "MAX_PARAMS",
     "MAX_COUNT",
@@ -67,27 +60,10 @@ __all__ = [
     "Weights",
     "Push",
     "Ack",
-    "Hello",
-    "Challenge",
-    "Auth",
-    "Welcome",
-    "Refuse",
-    "Assign",
-    "Stats",
-    "DATA_KEYS",
-    "data_origin",
-    "Heartbeat",
-    "Leave",
-    "Error",
     "Exchange",
     "ExchangeReply",
     "GlobalWeights",
     "InitWeights",
-    "MESSAGE_TYPES",
-    "WITH_BUFFERS",
-    "with_buffers",
-    "meta_keys",
-    "from_wire",
 ]
 
 
@@ -95,9 +71,6 @@ __all__ = [
 # EXCHANGE_REPLY, GLOBAL_WEIGHTS, INIT_WEIGHTS; WEIGHTS' counters as fields; a checked codec)
 PROTOCOL_VERSION = 4  # 4: EXCHANGE pull_* (answered PULLs), WEIGHTS lr_factor, progress,
 # local_steps and batch, ASSIGN local_steps
-NONCE_BYTES = 32  # fresh random bytes per handshake side, so a recorded handshake cannot replay
-MAC_BYTES = 32  # HMAC-SHA256 digest
-ROLES = ("worker", "group", "evaluator")
 MAX_SEQ = (1 << 53) - 1  # exchange session / seq: ints a double holds exactly
 MAX_PARAMS = 1 << 31  # model size initial weights may claim (float32 elements)
 MAX_COUNT = 1 << 62  # counters of samples, pushes and bytes
@@ -237,106 +210,6 @@ class Ack(Message):
     version: int = checked(integer(), 0)  # weights version after the push
 
 
-# -- the handshake and the control messages ------------------------------------------------------
-
-@dataclass(frozen=True, kw_only=True)
-class Hello(Message):
-    """Client opens a session. ``version`` travels in the frame prefix, not in the map."""
-
-    KIND = Kind.HELLO
-    NOT_IN_META = ("version",)
-    version: int = checked(integer(0, 255), PROTOCOL_VERSION)
-    role: str = checked(text(MAX_NAME, ROLES), "worker")
-    worker_id: int = checked(integer(-1), -1)  # -1: let the server choose
-    nonce: bytes = checked(blob(NONCE_BYTES))
-    capabilities: tuple[str, ...] = checked(names, ())
-    address: str = checked(text(MAX_TEXT), "")  # "host:port" a group server accepts workers on
-    group: int = checked(integer(-1), -1)  # -1: none
-
-
-@dataclass(frozen=True, kw_only=True)
-class Challenge(Message):
-    KIND = Kind.CHALLENGE
-    nonce: bytes = checked(blob(NONCE_BYTES))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Auth(Message):
-    KIND = Kind.AUTH
-    mac: bytes = checked(blob(0, MAC_BYTES))  # empty: the client has no secret
-
-
-@dataclass(frozen=True, kw_only=True)
-class Welcome(Message):
-    KIND = Kind.WELCOME
-    worker_id: int = checked(integer(-1))
-    mac: bytes = checked(blob(0, MAC_BYTES))  # empty only from a server without a secret
-    info: dict[str, Any] = checked(mapping, factory=dict)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Refuse(Message):
-    KIND = Kind.REFUSE
-    code: str = checked(text(MAX_NAME))
-    reason: str = checked(text(MAX_TEXT))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Assign(Message):
-    KIND = Kind.ASSIGN
-    group: int = checked(integer())
-    address: str = checked(text(MAX_TEXT))
-    ratio: float = checked(number(0.0, 1.0))
-    staleness: int = checked(integer(-1))  # -1: no bound (ASP)
-    local_steps: int = checked(integer(0), 0)  # the group's H (local steps); 0: the run's
-
-
-@dataclass(frozen=True, kw_only=True)
-class Stats(Message):
-    KIND = Kind.STATS
-    MAY_OMIT = ("data",)  # only a worker's first STATS says where its data came from
-    clock: int = checked(integer())
-    step_time: float = checked(number(0.0))  # seconds per step
-    loss: float = checked(number())
-    samples: int = checked(integer(), 0)
-    # its training data (data_origin's keys; a server checks them: conversation.check_stats)
-    data: dict[str, Any] = checked(mapping, factory=dict)
-
-
-DATA_KEYS = {"dataset": str, "split": str, "synthetic": bool, "source": str, "reason": str}
-
-
-def data_origin(v: Any) -> dict[str, Any]:
-    """Where a worker's training data came from (STATS ``data``): a map of at most the keys
-    of ``DATA_KEYS``, each of its type (strings of <= MAX_TEXT chars); empty: not said. Not a
-    field check: on the wire ``data`` is a ``mapping``, and a server applies this one to it
-    (``conversation.check_stats``: ERROR ``invalid``, protocol.md section 9)."""
-    if not isinstance(v, dict) or any(
-            k not in DATA_KEYS or type(x) is not DATA_KEYS[k]
-            or (type(x) is str and len(x) > MAX_TEXT) for k, x in v.items()):
-        raise Invalid(f"expected a map of {', '.join(DATA_KEYS)} (str, synthetic: bool)")
-    return v
-
-
-@dataclass(frozen=True, kw_only=True)
-class Heartbeat(Message):
-    KIND = Kind.HEARTBEAT
-    seq: int = checked(integer(), 0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Leave(Message):
-    KIND = Kind.LEAVE
-    reason: str = checked(text(MAX_TEXT), "")  # "done" from a server: training is over
-
-
-@dataclass(frozen=True, kw_only=True)
-class Error(Message):
-    KIND = Kind.ERROR
-    code: str = checked(text(MAX_NAME))
-    reason: str = checked(text(MAX_TEXT))
-
-
 # -- the global server's conversations: group processes, evaluators, initial weights -------------
 
 @dataclass(frozen=True, kw_only=True)
@@ -363,7 +236,7 @@ class Exchange(Reported):
     min_clock: int = checked(integer(-1), -1)  # the group's lowest / highest live clock; -1: none
     max_clock: int = checked(integer(-1), -1)
     # the PULLs the group answered since its last exchange, one entry each in the three lists
-    # (at most 4096 on the wire, frames.Limits.max_array_len; a group sends the latest 4096,
+    # (at most 4096 on the wire, checks.Limits.max_array_len; a group sends the latest 4096,
     # exchange.MAX_PULLS): the worker, its lead (clocks ahead of the group's slowest worker when
     # answered: its staleness) and how long the SSP bound held it (microseconds)
     pull_workers: list[int] = checked(ints(lo=0), factory=list)
@@ -418,65 +291,3 @@ class InitWeights(Reported):
     INFO = ("size",)
     size: int = checked(integer(1, MAX_PARAMS))
     payload: Payload = checked(payload)
-
-
-# -- the table of kinds, and how a peer's map becomes a message ----------------------------------
-
-MESSAGE_TYPES: dict[int, type[Message]] = {  # Kind (an int) -> class
-    cls.KIND: cls
-    for cls in (Hello, Challenge, Auth, Welcome, Refuse, Assign, Stats, Push, Ack, Pull,
-                Weights, Heartbeat, Leave, Error, Exchange, ExchangeReply, GlobalWeights,
-                InitWeights)
-}
-WITH_BUFFERS = frozenset(  # frames that carry buffers: the kinds with a vector payload
-    kind for kind, cls in MESSAGE_TYPES.items() if "payload" in cls.__dataclass_fields__)
-
-
-def meta_keys(kind: Kind) -> tuple[str, ...]:
-    """The keys of ``kind``'s msgpack map, in the order they are sent."""
-    return SCHEMAS[MESSAGE_TYPES[kind]].meta
-
-
-def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Message:
-    """The message of a frame from its map (buffers still empty); a peer's mistake is remote.
-
-    Same checks as the constructor, without its keyword-argument parsing: the map must hold
-    exactly the kind's keys (a field of its ``MAY_OMIT`` may be left out: its default is put
-    in), so every field is present and checked once. HELLO's version (a
-    byte of the prefix) and the buffers (views the decoder made) need no check. ``kind`` is
-    the prefix's byte (a ``Kind`` or its int).
-    """
-    cls = MESSAGE_TYPES[kind]
-    schema = SCHEMAS[cls]
-    for name, default in schema.omissible:  # fields a peer may leave out (MAY_OMIT)
-        if name not in meta:
-            meta[name] = default()
-    if meta.keys() != schema.meta_set:
-        raise RemoteProtocolError(f"{cls.KIND.name} header map has the wrong keys",
-                                  expected=sorted(schema.meta), got=sorted(map(str, meta)))
-    if nbuf and kind not in WITH_BUFFERS:
-        raise RemoteProtocolError(f"{cls.KIND.name} carries no buffers", expected=0, got=nbuf)
-    for name, check, typ, lo, hi in schema.wire_checks:
-        value = meta[name]
-        if type(value) is typ and lo <= value <= hi:
-            continue
-        try:
-            meta[name] = check(value)
-        except Invalid as e:
-            raise RemoteProtocolError(f"invalid {cls.KIND.name}: {cls.__name__}.{name}: {e}",
-                                      expected=str(e), got=meta[name]) from None
-    if kind in WITH_BUFFERS:
-        meta["payload"] = Payload(meta.pop("encoding"), meta.pop("codec"), ())  # the decoder
-        # sets the received buffers when the body is in (``with_buffers``)
-    elif cls is Hello:
-        meta["version"] = version
-    msg = cls.__new__(cls)
-    object.__setattr__(msg, "__dict__", meta)  # the checked map becomes the fields, no copy
-    return msg
-
-
-def with_buffers(msg: Message, buffers: tuple[memoryview, ...]) -> None:
-    """Put a received frame's ``buffers`` (the decoder's views) into ``msg``'s payload."""
-    values = msg.__dict__
-    encoding, codec, _ = values["payload"]
-    values["payload"] = Payload(encoding, codec, buffers)

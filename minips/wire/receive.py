@@ -40,28 +40,31 @@ import lz4.block._block as _lz4_ext
 import numpy as np
 
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.wire.frames import (
+from minips.wire.checks import (
     CODEC_LZ4,
     DEFAULT_LIMITS,
-    HEAD_FIRST_BYTES,
     KINDS,
     MAGIC,
     PREFIX,
-    SCRATCH_BYTES,
     TABLE_ENTRY,
-    TABLES,
-    Alloc,
-    FrameDecoder,
     InflateBudget,
     Limits,
     check_prefix,
     check_table,
     decompress,
-    default_alloc,
     unpack_meta,
+)
+from minips.wire.frames import (
+    HEAD_FIRST_BYTES,
+    SCRATCH_BYTES,
+    TABLES,
+    Alloc,
+    FrameDecoder,
+    default_alloc,
     writable_view,
 )
-from minips.wire.messages import PROTOCOL_VERSION, Kind, Message, from_wire, with_buffers
+from minips.wire.kinds import from_wire, with_buffers
+from minips.wire.messages import PROTOCOL_VERSION, Kind, Message
 
 __all__ = [
     "DIRECT_MIN_BYTES",
