@@ -38,9 +38,10 @@ from unittest import mock
 
 import bench_rtt as b
 
-from minips.wire import control, handshake, kinds, messages
+from minips.wire import control, handshake, kinds, messages, receive
 from minips.wire import frames as frames_mod
 from minips.wire.checks import PREFIX, TABLE_ENTRY
+from minips.wire.fields import Payload
 from minips.wire.receive import FrameReceiver
 
 VARIANTS = ("minips", "free_codec", "no_checks")
@@ -77,15 +78,16 @@ def _unchecked() -> list[Any]:
 
     def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> messages.Message:
         cls = kinds.MESSAGE_TYPES[kind]
-        if kind in kinds.WITH_BUFFERS:
-            meta["buffers"] = ()
+        if kind in kinds.WITH_BUFFERS and not nbuf:  # with buffers: kinds.with_buffers
+            meta["payload"] = Payload(meta.pop("encoding"), meta.pop("codec"), ())
         elif cls is control.Hello:
             meta["version"] = version
         msg = cls.__new__(cls)
         object.__setattr__(msg, "__dict__", meta)
         return msg
 
-    return [mock.patch.object(frames_mod, "from_wire", from_wire)]
+    return [mock.patch.object(frames_mod, "from_wire", from_wire),
+            mock.patch.object(receive, "from_wire", from_wire)]
 
 
 PATCHES: dict[str, Callable[[], list[Any]]] = {

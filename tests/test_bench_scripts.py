@@ -40,6 +40,17 @@ def test_bench_rtt_measures_a_push_and_its_ack_against_a_bare_echo() -> None:
 
 
 @pytest.mark.timeout(300)
+def test_rtt_breakdown_times_the_round_trip_with_and_without_the_codec_and_checks() -> None:
+    """The three variants run (each patch reaches the decoder the channel uses: a round trip
+    without field checks must still decode the PUSH's payload) and the parts are reported."""
+    doc = run("rtt_breakdown.py", "--json", "--rtt-iters", "50")
+    for key in ("minips_us", "free_codec_us", "no_checks_us", "echo_us", "floor_us"):
+        assert doc[key] > 0, key
+    assert doc["rtt_iters"] == 50
+    assert doc["codec_us"] == pytest.approx(doc["minips_us"] - doc["free_codec_us"], abs=0.11)
+
+
+@pytest.mark.timeout(300)
 def test_bench_simulate_runs_a_small_cluster() -> None:
     doc = run("bench_simulate.py", "--json", "--workers", "16", "--pushes", "500",
               "--dim", "100")

@@ -91,9 +91,8 @@ def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Messa
         except Invalid as e:
             raise RemoteProtocolError(f"invalid {cls.KIND.name}: {cls.__name__}.{name}: {e}",
                                       expected=str(e), got=meta[name]) from None
-    if kind in WITH_BUFFERS:
-        meta["payload"] = Payload(meta.pop("encoding"), meta.pop("codec"), ())  # the decoder
-        # sets the received buffers when the body is in (``with_buffers``)
+    if kind in WITH_BUFFERS and not nbuf:  # with buffers, the decoder makes the payload
+        meta["payload"] = Payload(meta.pop("encoding"), meta.pop("codec"), ())  # (with_buffers)
     elif cls is Hello:
         meta["version"] = version
     msg = cls.__new__(cls)
@@ -102,7 +101,8 @@ def from_wire(kind: int, version: int, meta: dict[str, Any], nbuf: int) -> Messa
 
 
 def with_buffers(msg: Message, buffers: tuple[memoryview, ...]) -> None:
-    """Put a received frame's ``buffers`` (the decoder's views) into ``msg``'s payload."""
+    """Make ``msg``'s payload of the ``encoding`` and ``codec`` its map held and a received
+    frame's ``buffers`` (the decoder's views). Every decoder calls it exactly when the frame
+    has buffers (``nbuf`` > 0), once its body is in."""
     values = msg.__dict__
-    encoding, codec, _ = values["payload"]
-    values["payload"] = Payload(encoding, codec, buffers)
+    values["payload"] = Payload(values.pop("encoding"), values.pop("codec"), buffers)

@@ -126,10 +126,11 @@ class Message:
         """The msgpack map of this message: every field but HELLO's version, a payload as its
         ``encoding`` and ``codec``."""
         values = self.__dict__
-        if "payload" in values:
-            encoding, codec, _ = values["payload"]
-            values = {**values, "encoding": encoding, "codec": codec}
-        return {name: values[name] for name in SCHEMAS[type(self)].meta}
+        if "payload" not in values:
+            return {name: values[name] for name in SCHEMAS[type(self)].meta}
+        out = {name: values.get(name) for name in SCHEMAS[type(self)].meta}  # keys in order
+        out["encoding"], out["codec"], _ = values["payload"]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
