@@ -145,24 +145,30 @@ def paper_experiments(groups: int) -> list[Experiment]:
 
 def baseline_experiments() -> list[Experiment]:
     """The baselines a user would pick instead: torch DDP over gloo (dense, fp16 hook, PowerSGD
-    hook; scripts/bench_ddp.py) and LB-BSP (batch sizes proportional to speed)."""
+    hook; scripts/bench_ddp.py) and LB-BSP (batch sizes proportional to speed), dense and with
+    the compressor the GSSP rows use (Top-K at ``RATIO``, float16 values, ``SPARSE_DEFAULTS``):
+    the same compressor given to LB-BSP, so that a GSSP row's lead is the grouping's."""
     return [Experiment("ddp", {"mode": "bsp"}, ddp_hook="none"),
             Experiment("ddp-fp16", {"mode": "bsp"}, ddp_hook="fp16"),
             Experiment("ddp-powersgd", {"mode": "bsp"}, ddp_hook="powersgd"),
-            Experiment("lbbsp", {"mode": "lbbsp"})]
+            Experiment("lbbsp", {"mode": "lbbsp"}),
+            Experiment("lbbsp+topk", {"mode": "lbbsp", **SPARSE_DEFAULTS, "compressor": "topk",
+                                      "ratio": RATIO, "compressor_opts": {"value_dtype": "f16"}},
+                       part="compression")]
 
 
 def changing_experiments(groups: int) -> list[Experiment]:
     """The changing-speeds suite's rows: DDP (dense all-reduce), BSP, LB-BSP, SSP, GSSP with
-    regrouping on and off, and GSSP with the compressor that did best over links (GDTopK
-    slower-less, docs/results.md)."""
+    regrouping on and off, GSSP with the compressor that did best over links (GDTopK
+    slower-less, docs/results.md), and LB-BSP with Top-K (the same compression, no grouping)."""
     gssp = {"mode": "gssp", "groups": groups, "staleness": STALENESS}
     best = next(e for e in paper_experiments(groups) if e.label == "gssp+gdtopk-slower-less")
     return [Experiment("ddp", {"mode": "bsp"}, ddp_hook="none"),
             Experiment("bsp", {"mode": "bsp"}), Experiment("lbbsp", {"mode": "lbbsp"}),
             Experiment("ssp", {"mode": "ssp"}), Experiment("gssp", gssp),
             Experiment("gssp-fixed-groups", {**gssp, "regroup": False}),
-            Experiment(best.label, best.overrides)]
+            Experiment(best.label, best.overrides),
+            next(e for e in baseline_experiments() if e.label == "lbbsp+topk")]
 
 
 def _fmnist(name: str, profile: list[float], epochs: float, seeds: list[int]) -> Suite:

@@ -32,7 +32,8 @@ def test_experiments_change_only_mode_and_compression():
         labels = [e.label for e in suite.experiments]
         assert labels[:4] == ["bsp", "ssp", "asp", "gssp"]
         assert {"gssp+gdtopk-slower-more", "gssp+gdtopk-slower-less", "gssp+topk", "gssp+dgc",
-                "gssp+losscomp", "ddp", "ddp-fp16", "ddp-powersgd", "lbbsp"} <= set(labels)
+                "gssp+losscomp", "ddp", "ddp-fp16", "ddp-powersgd", "lbbsp",
+                "lbbsp+topk"} <= set(labels)
         hooks = {e.label: e.ddp_hook for e in suite.experiments if e.ddp_hook}
         assert hooks == {"ddp": "none", "ddp-fp16": "fp16", "ddp-powersgd": "powersgd"}
         assert suite.slowdowns == [1, 1, 1.5, 1.5, 2, 2, 4, 4]
@@ -270,7 +271,7 @@ def test_the_changing_suite_s_rows_resolve_to_valid_configs():
     (suite,) = reproduce.suites_for("changing")
     labels = [e.label for e in suite.experiments]
     assert labels == ["ddp", "bsp", "lbbsp", "ssp", "gssp", "gssp-fixed-groups",
-                      "gssp+gdtopk-slower-less"]
+                      "gssp+gdtopk-slower-less", "lbbsp+topk"]
     schedules = parse_schedules(suite.profile)
     assert len(schedules) == len(suite.slowdowns) == 8
     assert [s.first for s in schedules] == [1, 1, 1.5, 1.5, 2, 2, 4, 4]
