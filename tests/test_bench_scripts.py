@@ -51,6 +51,20 @@ def test_rtt_breakdown_times_the_round_trip_with_and_without_the_codec_and_check
 
 
 @pytest.mark.timeout(300)
+def test_gssp_causes_runs_its_rows_in_the_simulator() -> None:
+    """Two rows, one seed, a sliver of an epoch: each row ran with its own flags (the link
+    stretches simulated time, one group has no between-group misses) and the gaps are per seed."""
+    doc = run("gssp_causes.py", "--rows", "unlinked,link20,link20-1group", "--seeds", "0",
+              "--epochs", "0.05")
+    rows = doc["rows"]
+    assert rows["link20"]["sim_s"] > 2 * rows["unlinked"]["sim_s"]
+    assert rows["unlinked"]["groups"] == 4 and rows["link20-1group"]["groups"] == 1
+    assert rows["unlinked"]["gap_vs_unlinked"] == [0.0]
+    assert 0.0 <= rows["link20"]["final"][0] <= 1.0
+    assert set(rows["unlinked"]["missed_seed0"]) == {"0", "1", "2", "3"}
+
+
+@pytest.mark.timeout(300)
 def test_bench_simulate_runs_a_small_cluster() -> None:
     doc = run("bench_simulate.py", "--json", "--workers", "16", "--pushes", "500",
               "--dim", "100")
