@@ -610,11 +610,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
-    """--epochs / --lr / --lr-schedule / --momentum / --optimizer-at / --base-step / --seeds
-    (tuning and partial reruns), --link / --link-shaping (every run of the suite)."""
+    """--epochs / --lr / --lr-schedule / --momentum / --optimizer-at / --base-step /
+    --sync-every / --seeds (tuning and partial reruns), --link / --link-shaping (every run of
+    the suite)."""
     for flag, key in (("epochs", "epochs"), ("lr", "lr"), ("lr_schedule", "lr_schedule"),
                       ("momentum", "momentum"), ("optimizer_at", "optimizer_at"),
-                      ("base_step", "base_step_s")):
+                      ("base_step", "base_step_s"), ("sync_every", "sync_every")):
         if getattr(args, flag) is not None:
             suite.run[key] = getattr(args, flag)
     if args.seeds:
@@ -708,6 +709,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr-schedule", choices=SCHEDULES,
                    help="override the lr schedule (every experiment)")
     p.add_argument("--momentum", type=float, help="override the momentum (every experiment)")
+    p.add_argument("--sync-every", type=int, metavar="PUSHES",
+                   help="override how many pushes of a group between its exchanges with the "
+                        "global server (every experiment; default 4)")
     p.add_argument("--optimizer-at", choices=OPTIMIZER_PLACES,
                    help="where SGD runs in every experiment: server (default) or worker")
     p.add_argument("--down-mode", choices=("auto", "exact", "both"),

@@ -64,6 +64,16 @@ def test_a_row_may_put_the_optimizer_on_the_workers_with_dgc_as_published(tmp_pa
     assert plain.optimizer_at == "worker"
 
 
+def test_sync_every_overrides_the_exchange_cadence_of_every_row(tmp_path):
+    """--sync-every 16 reaches each row's launch config (the cadence row of gssp_causes.py,
+    run for real)."""
+    (suite,) = reproduce.suites_for("link")
+    args = reproduce._parser().parse_args(["--link-suite", "--sync-every", "16"])
+    reproduce._apply_overrides(suite, args)
+    for exp in suite.experiments[:3]:
+        assert reproduce._launch_config(suite, exp, 0, tmp_path).run.sync_every == 16
+
+
 def test_the_link_suites_hold_local_steps_rows_that_validate(tmp_path):
     """--link-suite and --link-suite-5mbit: dense vs compressed vs local steps (row specs);
     every row's launch config validates (the optimizer on the workers where H > 1)."""
