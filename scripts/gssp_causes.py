@@ -16,7 +16,9 @@ group, lr 0.05 cosine, momentum 0.9, 5 epochs) with one thing changed:
 - equal-pace / equal-pace-1group: no link, every worker at slowdown 2 (80 ms): the groups at
   one pace, as the link makes them (its cycle of step + 0.18 s flattens the 4x spread to 1.5x);
 - equal-pace-no-momentum / equal-pace-1group-no-momentum: the same without momentum (lr 0.5,
-  the same step in the long run): the groups' momentum against their merge.
+  the same step in the long run): the groups' momentum against their merge;
+- *-momentum-0.75: unlinked, link20 and equal-pace with less momentum on the groups'
+  optimizers (groups that run asynchronously at one pace add momentum of their own).
 
 Prints one JSON object: per row its final accuracy per seed (the evaluator's 5,000 images), the
 median, the gap to ``unlinked`` per seed, and the between-group staleness (mean merges of other
@@ -62,6 +64,10 @@ ROWS: dict[str, list[str]] = {
     "equal-pace-1group": [*EQUAL, "--groups", "1"],
     "equal-pace-no-momentum": [*EQUAL, *NO_MOMENTUM],
     "equal-pace-1group-no-momentum": [*EQUAL, "--groups", "1", *NO_MOMENTUM],
+    # asynchronous groups add momentum of their own: less of it on the groups' optimizers
+    "unlinked-momentum-0.75": ["--momentum", "0.75"],
+    "link20-momentum-0.75": [*LINK, "--momentum", "0.75"],
+    "equal-pace-momentum-0.75": [*EQUAL, "--momentum", "0.75"],
 }
 
 
