@@ -9,7 +9,9 @@ group, lr 0.05 cosine, momentum 0.9, 5 epochs) with one thing changed:
 - unlinked: no link (the accuracy the linked row is held to);
 - link20: 20 mbit each way on every worker (a dense push or pull about 0.1 s);
 - link20-1group: the same, the 8 workers in one group (SSP): is it the grouping?
-- link20-sync1 / link20-sync16: an exchange after every push / every 16 pushes: the cadence;
+- link20-sync1 / link20-sync16: an exchange after every push / every 16 pushes: the cadence
+  (unlinked-sync16: the same cadence without the link);
+- link20-2groups: two groups, as the grouping's rule would form them from iteration times;
 - link20-constant-lr / unlinked-constant-lr: no schedule: the lr schedule's count of samples;
 - unlinked-xchg-91ms: no worker link, 91 ms each way on the group <-> global exchange: the
   link's effect on the exchange alone;
@@ -57,6 +59,8 @@ ROWS: dict[str, list[str]] = {
     "link20-1group": [*LINK, "--groups", "1"],
     "link20-sync1": [*LINK, "--sync-every", "1"],
     "link20-sync16": [*LINK, "--sync-every", "16"],
+    "unlinked-sync16": ["--sync-every", "16"],
+    "link20-2groups": [*LINK, "--groups", "2"],
     "link20-constant-lr": [*LINK, "--lr-schedule", "constant"],
     "unlinked-constant-lr": ["--lr-schedule", "constant"],
     "unlinked-xchg-91ms": ["--xchg-latency-ms", "91"],
