@@ -86,8 +86,9 @@ __all__ = [
 # -- the frame's head as precompiled structs, and sizes -------------------------------------------
 
 # prefix + table of n buffers as one precompiled struct: one pack/unpack call per frame
-_HEADS = [struct.Struct("<4sBBBBII" + "B3xII" * n) for n in range(MAX_BUFFERS + 1)]
-TABLES = [struct.Struct("<" + "B3xII" * n) for n in range(MAX_BUFFERS + 1)]
+_ENTRY = TABLE_ENTRY.format.lstrip("<")  # checks.py holds the layout; these only repeat it
+_HEADS = [struct.Struct(PREFIX.format + _ENTRY * n) for n in range(MAX_BUFFERS + 1)]
+TABLES = [struct.Struct("<" + _ENTRY * n) for n in range(MAX_BUFFERS + 1)]
 LZ4_MIN_BYTES = 4096  # smaller buffers are not worth compressing
 COALESCE_BYTES = 16 << 10  # smaller buffers are copied into the header write: fewer iovecs
 # a decoder's receive buffer for prefixes, maps and small frames (``receive.FrameReceiver``'s
