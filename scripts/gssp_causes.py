@@ -49,10 +49,14 @@ BASE = ["--objective", "model", "--model", "lenet5", "--dataset", "fashion-mnist
         "--slowdown", "1,1,1.5,1.5,2,2,4,4", "--mode", "gssp", "--groups", "4",
         "--staleness", "3", "--sync-every", "4", "--base-step", "0.04", "--batch-size", "64",
         "--lr", "0.05", "--lr-schedule", "cosine", "--momentum", "0.9",
-        "--weight-decay", "5e-4", "--eval-every", "2", "--eval-limit", "5000"]
+        "--weight-decay", "5e-4", "--eval-every", "2", "--eval-limit", "5000",
+        "--group-momentum", "group"]  # the momentum as the rows below found it; CLUSTER: the fix
 LINK = ["--link-mbit", "20"]
 EQUAL = ["--slowdown", "2,2,2,2,2,2,2,2"]
 NO_MOMENTUM = ["--momentum", "0", "--lr", "0.5"]
+MOMENTUM_075 = ["--momentum", "0.75", "--lr", "0.125"]
+MOMENTUM_066 = ["--momentum", "0.6561", "--lr", "0.172"]
+CLUSTER = ["--group-momentum", "cluster"]
 ROWS: dict[str, list[str]] = {
     "unlinked": [],
     "link20": LINK,
@@ -72,6 +76,19 @@ ROWS: dict[str, list[str]] = {
     "unlinked-momentum-0.75": ["--momentum", "0.75"],
     "link20-momentum-0.75": [*LINK, "--momentum", "0.75"],
     "equal-pace-momentum-0.75": [*EQUAL, "--momentum", "0.75"],
+    # the same at the same long-run step (lr / (1 - momentum) = 0.5, as with 0.9 and lr 0.05)
+    "unlinked-momentum-0.75-lr": [*MOMENTUM_075],
+    "link20-momentum-0.75-lr": [*LINK, *MOMENTUM_075],
+    "equal-pace-momentum-0.75-lr": [*EQUAL, *MOMENTUM_075],
+    # momentum that decays per push of the whole cluster, not of the group: 0.9^4 for a group
+    # making 1/4 of the pushes, lr so that lr / (1 - momentum) stays 0.5
+    "link20-momentum-0.66-lr": [*LINK, *MOMENTUM_066],
+    "equal-pace-momentum-0.66-lr": [*EQUAL, *MOMENTUM_066],
+    # the fix: each group's momentum decays per push of the cluster, from its measured share
+    "unlinked-cluster": CLUSTER,
+    "link20-cluster": [*LINK, *CLUSTER],
+    "equal-pace-cluster": [*EQUAL, *CLUSTER],
+    "equal-pace-1group-cluster": [*EQUAL, "--groups", "1", *CLUSTER],
 }
 
 

@@ -612,7 +612,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
     """--epochs / --lr / --lr-schedule / --momentum / --optimizer-at / --base-step /
     --sync-every / --seeds (tuning and partial reruns), --link / --link-shaping (every run of
-    the suite)."""
+    the suite). A larger --epochs makes the wall cap as many times longer."""
+    if args.epochs is not None and args.epochs > suite.run["epochs"] and "wall_s" in suite.run:
+        # the wall cap stays as far above the run's time as it was: it grows with the budget
+        suite.run["wall_s"] *= args.epochs / suite.run["epochs"]
     for flag, key in (("epochs", "epochs"), ("lr", "lr"), ("lr_schedule", "lr_schedule"),
                       ("momentum", "momentum"), ("optimizer_at", "optimizer_at"),
                       ("base_step", "base_step_s"), ("sync_every", "sync_every")):

@@ -490,3 +490,21 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
     assert 0 < up < dense / 4 and 0 < down < dense / 4, (up, down, dense)
     assert sum(r["sent"] < n for r in xchg) >= 0.9 * len(xchg)  # dense: the flushes at the end
     assert all(r["got"] < n for r in xchg)  # the registering PULL reset the server's copy
+
+
+def test_a_groups_share_follows_the_samples_the_replies_count() -> None:
+    """``GroupSync.share``: of the samples the global server counted between two replies, the
+    group's own; the first reply only sets the start, a repeat (no new count) changes nothing,
+    and the running mean settles on the share (here 1/4) within a few exchanges."""
+    sync = GroupSync(np.zeros(4, np.float32))
+    sync.share_of(100, 1_000)
+    assert sync.share == 1.0  # one reply: nothing to compare with yet
+    sync.share_of(100, 1_000)
+    assert sync.share == 1.0  # a repeat's reply counts nothing new
+    sync.share_of(100, 1_500)
+    assert sync.share == 0.2  # the first measure, whole
+    for k in range(1, 31):
+        sync.share_of(100, 1_500 + 400 * k)
+    assert sync.share == pytest.approx(0.25, abs=1e-3)
+    sync.share_of(10**6, 1_500 + 400 * 31 + 10)  # more than the server counted: at most 1
+    assert 0.25 < sync.share <= 1.0

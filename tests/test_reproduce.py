@@ -74,6 +74,18 @@ def test_sync_every_overrides_the_exchange_cadence_of_every_row(tmp_path):
         assert reproduce._launch_config(suite, exp, 0, tmp_path).run.sync_every == 16
 
 
+def test_a_longer_budget_makes_the_wall_cap_as_many_times_longer(tmp_path):
+    """--epochs 20 on the link suite (5 epochs, a 240 s cap) gives a 960 s cap, so the
+    20-epoch runs are not cut at the 5-epoch run's cap; a shorter budget keeps the cap."""
+    for epochs, wall in (("20", 960.0), ("1", 240.0)):
+        (suite,) = reproduce.suites_for("link")
+        reproduce._apply_overrides(suite, reproduce._parser().parse_args(
+            ["--link-suite", "--epochs", epochs]))
+        assert (suite.run["epochs"], suite.run["wall_s"]) == (float(epochs), wall)
+        run = reproduce._launch_config(suite, suite.experiments[0], 0, tmp_path).run
+        assert run.epochs == float(epochs)
+
+
 def test_the_link_suites_hold_local_steps_rows_that_validate(tmp_path):
     """--link-suite and --link-suite-5mbit: dense vs compressed vs local steps (row specs);
     every row's launch config validates (the optimizer on the workers where H > 1)."""

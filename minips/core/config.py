@@ -248,6 +248,10 @@ class RunConfig:
     balance_every: int = 5  # LB-BSP: rounds between two re-balancings of the batch sizes
     sync_every: int = 4  # a group server exchanges with the global one every this many pushes
     merge: str = "mean"  # global adds each group delta / k ("mean", k = groups) or whole ("sum")
+    # a group server's momentum (optimizer on the servers): "cluster" decays it per push of
+    # the whole cluster (m^(1/share) and lr to match, group_core._follow_share); "group": per
+    # push of the group (k groups at one pace then carry k times the momentum of one group)
+    group_momentum: str = "cluster"
     compressor: str = "none"  # registry.make_compressor name
     ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
     xchg_ratio: float | None = None  # group <-> global exchange kept fraction; None = auto
@@ -300,6 +304,8 @@ class RunConfig:
         _check(self.sync_every >= 1, "sync_every", self.sync_every, ">= 1")
         _check(self.balance_every >= 1, "balance_every", self.balance_every, ">= 1")
         _check(self.merge in ("mean", "sum"), "merge", self.merge, "mean | sum")
+        _check(self.group_momentum in ("cluster", "group"), "group_momentum",
+               self.group_momentum, "cluster | group")
         _check(0 < self.ratio <= 1, "ratio", self.ratio, "in (0, 1]")
         _check(self.xchg_ratio is None or 0 < self.xchg_ratio <= 1, "xchg_ratio",
                self.xchg_ratio, "in (0, 1] (or unset: automatic)")

@@ -82,6 +82,8 @@ __all__ = [
     "GroupLink",
     "Outgoing",
     "GroupSync",
+    "SHARE_EMA",
+    "MIN_SHARE",
     "Delta",
     "exchange_message",
 ]
@@ -266,6 +268,10 @@ class Outgoing:
     delta: Delta  # s, sent again unchanged while the exchange is pending
 
 
+SHARE_EMA = 0.25  # GroupSync.share: the weight of the newest exchange in the running mean
+MIN_SHARE = 1 / 64  # GroupSync.share's floor (a group of one worker among 64 equal ones)
+
+
 class GroupSync:
     """A group's side of the exchange: its copy of the global weights (``w_sync``), the delta
     since, the seq and the counters (see the module docstring; the EXCHANGE message it sends is
@@ -287,6 +293,10 @@ class GroupSync:
         self.pulls: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=MAX_PULLS)
         self.global_samples = 0  # all groups' samples, as the last reply said
         self.samples_after = 0  # this group's samples counted since that reply
+        # this group's share of the cluster's samples (``share_of``): 1 until two replies
+        self.share = 1.0
+        self._replied: int | None = None  # the samples the last reply counted, None: none yet
+        self._measured = False  # share was measured once (the first measure is taken whole)
         self.unsaved: Unsaved | None = None  # once the server names its snapshots (resume)
         self.lost_track = 0  # resumes whose lost exchanges this record could not name
 
@@ -370,6 +380,20 @@ class GroupSync:
         self.pending = None
         # the reply counts the samples up to ``out``; those counted since it began come on top
         self.global_samples, self.samples_after = res.samples, self.since["samples"]
+        self.share_of(int(out.stats["samples"]), res.samples)
+
+    def share_of(self, own: int, replied: int) -> None:
+        """Follow this group's share of the cluster's samples: of the samples the global server
+        counted between its last two replies (``replied``: this one's count), ``own`` were this
+        group's (its exchange carried them). The first measure is taken whole, later ones are
+        smoothed over about 4 exchanges (``SHARE_EMA``); kept in [``MIN_SHARE``, 1]; one
+        group's share stays 1."""
+        last, self._replied = self._replied, replied
+        if last is None or replied <= last or own <= 0:
+            return  # the first reply (a group that starts late), a repeat, or nothing trained
+        now = min(1.0, max(MIN_SHARE, own / (replied - last)))
+        self.share = self.share + SHARE_EMA * (now - self.share) if self._measured else now
+        self._measured = True
 
     def synced(self, reply: Delta) -> np.ndarray:
         """(n,) float32 the group's copy of the global weights after ``reply``: the dense

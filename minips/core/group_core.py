@@ -287,13 +287,27 @@ class GroupCore:
         of a round of share)."""
         # an update a worker computed carries its lr already (``next_lr_factor``)
         lr = (self.run.outer_lr if self.run.optimizer_on_worker
-              else self.run.lr * self._lr_factor(samples))
+              else self.run.lr * self._lr_factor(samples) * self._follow_share())
         self.opt.lr = lr / max(1, share)
         plain = self.opt.momentum == 0 and self.opt.weight_decay == 0  # only g's entries move
         touched = grad.indices if plain and isinstance(grad, sparse.SparseVector) else None
         self._change(touched, lambda: self.opt.step(self.weights, grad))
         self.version += 1
         self.unapplied -= samples
+
+    def _follow_share(self) -> float:
+        """With ``group_momentum`` "cluster", make the group's momentum decay per push of the
+        whole cluster, as one group's does: a group that makes a share f of the cluster's
+        pushes (``GroupSync.share``) uses momentum m^(1/f), and its lr times (1 - m^(1/f)) /
+        (1 - m), the factor returned, so that lr / (1 - momentum), how far a push moves in the
+        long run, is the run's. One group (f = 1) is unchanged; "group" (or the optimizer on
+        the workers) returns 1 and keeps the run's momentum: it decays per push of the group,
+        k times slower than one group's when k groups run at one pace (docs/results.md)."""
+        m = self.run.momentum
+        if self.run.group_momentum != "cluster" or m == 0:
+            return 1.0
+        self.opt.momentum = m ** (1.0 / self.xchg.share)
+        return (1.0 - self.opt.momentum) / (1.0 - m)
 
     def _change(self, idx: np.ndarray | None, apply: Callable[[], None]) -> None:
         """Change the weights (``apply``) at ``idx`` (None: anywhere): the change log notes it
