@@ -20,7 +20,15 @@ group, lr 0.05 cosine, momentum 0.9, 5 epochs) with one thing changed:
 - equal-pace-no-momentum / equal-pace-1group-no-momentum: the same without momentum (lr 0.5,
   the same step in the long run): the groups' momentum against their merge;
 - *-momentum-0.75: unlinked, link20 and equal-pace with less momentum on the groups'
-  optimizers (groups that run asynchronously at one pace add momentum of their own).
+  optimizers (groups that run asynchronously at one pace add momentum of their own);
+  *-momentum-0.75-lr and *-momentum-0.66-lr: the same at the same long-run step
+  (lr / (1 - momentum) = 0.5); 0.66 = 0.9^4, the momentum per push of a group that makes a
+  quarter of the cluster's pushes, if it is to decay per push of the cluster.
+
+Every row above keeps each group's momentum per push of the group (``--group-momentum group``,
+how minips ran before the fix). The fix, each group's momentum per push of the cluster from its
+measured share (``--group-momentum cluster``, the default now):
+- unlinked-cluster, link20-cluster, equal-pace-cluster.
 
 Prints one JSON object: per row its final accuracy per seed (the evaluator's 5,000 images), the
 median, the gap to ``unlinked`` per seed, and the between-group staleness (mean merges of other
@@ -88,7 +96,6 @@ ROWS: dict[str, list[str]] = {
     "unlinked-cluster": CLUSTER,
     "link20-cluster": [*LINK, *CLUSTER],
     "equal-pace-cluster": [*EQUAL, *CLUSTER],
-    "equal-pace-1group-cluster": [*EQUAL, "--groups", "1", *CLUSTER],
 }
 
 

@@ -611,14 +611,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
     """--epochs / --lr / --lr-schedule / --momentum / --optimizer-at / --base-step /
-    --sync-every / --seeds (tuning and partial reruns), --link / --link-shaping (every run of
-    the suite). A larger --epochs makes the wall cap as many times longer."""
+    --sync-every / --group-momentum / --seeds (tuning and partial reruns), --link /
+    --link-shaping (every run of the suite). A larger --epochs makes the wall cap as many
+    times longer."""
     if args.epochs is not None and args.epochs > suite.run["epochs"] and "wall_s" in suite.run:
         # the wall cap stays as far above the run's time as it was: it grows with the budget
         suite.run["wall_s"] *= args.epochs / suite.run["epochs"]
     for flag, key in (("epochs", "epochs"), ("lr", "lr"), ("lr_schedule", "lr_schedule"),
                       ("momentum", "momentum"), ("optimizer_at", "optimizer_at"),
-                      ("base_step", "base_step_s"), ("sync_every", "sync_every")):
+                      ("base_step", "base_step_s"), ("sync_every", "sync_every"),
+                      ("group_momentum", "group_momentum")):
         if getattr(args, flag) is not None:
             suite.run[key] = getattr(args, flag)
     if args.seeds:
@@ -715,6 +717,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-every", type=int, metavar="PUSHES",
                    help="override how many pushes of a group between its exchanges with the "
                         "global server (every experiment; default 4)")
+    p.add_argument("--group-momentum", choices=("group", "cluster"),
+                   help="override how a GSSP group's momentum decays: per push of the group "
+                        "(default) or of the cluster (every experiment)")
     p.add_argument("--optimizer-at", choices=OPTIMIZER_PLACES,
                    help="where SGD runs in every experiment: server (default) or worker")
     p.add_argument("--down-mode", choices=("auto", "exact", "both"),

@@ -104,9 +104,9 @@ class Cluster:
     """The cores and an event queue in fake seconds; ``events`` records what happened, in
     order: ("pull", w, t) when a PULL is answered, ("push", w, t), ("flush", g, t)."""
 
-    def __init__(self, compressor: str) -> None:
+    def __init__(self, compressor: str, **fields: Any) -> None:
         self.t, self.seq = 0.0, itertools.count()
-        self.run = RunConfig(**run_config(compressor))
+        self.run = RunConfig(**{**run_config(compressor), **fields})
         self.glob = GlobalCore(self.run, init_weights(), regroup=False,
                                wall=lambda: 1e9 + self.t)
         self.cores: dict[int, GroupCore] = {}
@@ -181,7 +181,8 @@ class Cluster:
         self.perform(core, core.exchanged(out, res, 0.0))
 
 
-def run(compressor: str) -> Cluster:
-    cluster = Cluster(compressor)
+def run(compressor: str, **fields: Any) -> Cluster:
+    """The cluster trained to the end; ``fields`` override RunConfig fields of run_config."""
+    cluster = Cluster(compressor, **fields)
     cluster.run_all()
     return cluster

@@ -368,22 +368,25 @@ def test_k_groups_at_one_pace_keep_the_momentum_of_one_group_per_cluster_push() 
     """The cause of dense GSSP's lost points behind a link (docs/results.md): each group's
     momentum decayed per push of the group, so k groups at one pace carried it k times longer,
     counted in the cluster's pushes, than one group does. With ``group_momentum`` "cluster"
-    (the default) a group measures its share f of the cluster's samples from the replies and
-    uses momentum m^(1/f) at lr x (1 - m^(1/f)) / (1 - m): the same long-run step, decaying per
-    push of the cluster. 4 groups of near-equal speed: f near 1/4 for each."""
-    cluster = noio_cluster.run("none")
+    a group measures its share f of the cluster's samples from the replies and uses momentum
+    m^(1/f) at lr x (1 - m^(1/f)) / (1 - m): the same long-run step, decaying per push of the
+    cluster. 4 groups of near-equal speed: f near 1/4 for each. The default, "group", keeps
+    the run's momentum."""
+    cluster = noio_cluster.run("none", group_momentum="cluster")
     for core in cluster.cores.values():
         share = core.xchg.share
         assert 0.15 < share < 0.5, share
         factor = core._follow_share()  # as the next push applies it (the flush moved share)
         assert core.opt.momentum == pytest.approx(0.9 ** (1 / share), rel=1e-9)
         assert factor / (1 - core.opt.momentum) == pytest.approx(1 / (1 - 0.9), rel=1e-9)
-    one = RunConfig(**{**noio_cluster.run_config("none"), "groups": 1})
+    one = RunConfig(**{**noio_cluster.run_config("none"), "groups": 1,
+                       "group_momentum": "cluster"})
     core = GroupCore(0, one, noio_cluster.init_weights(), members=[0])
     for replied in (100, 200, 300):  # one group: every sample the server counts is its own
         core.xchg.share_of(100, replied)
     assert (core.xchg.share, core._follow_share(), core.opt.momentum) == (1.0, 1.0, 0.9)
-    old = RunConfig(**{**noio_cluster.run_config("none"), "group_momentum": "group"})
-    core = GroupCore(0, old, noio_cluster.init_weights(), members=[0])
+    default = RunConfig(**noio_cluster.run_config("none"))
+    assert default.group_momentum == "group"
+    core = GroupCore(0, default, noio_cluster.init_weights(), members=[0])
     core.xchg.share = 0.25
     assert (core._follow_share(), core.opt.momentum) == (1.0, 0.9)

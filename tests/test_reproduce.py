@@ -65,13 +65,17 @@ def test_a_row_may_put_the_optimizer_on_the_workers_with_dgc_as_published(tmp_pa
 
 
 def test_sync_every_overrides_the_exchange_cadence_of_every_row(tmp_path):
-    """--sync-every 16 reaches each row's launch config (the cadence row of gssp_causes.py,
-    run for real)."""
+    """--sync-every 16 and --group-momentum cluster reach each row's launch config (rows of
+    gssp_causes.py, run for real)."""
     (suite,) = reproduce.suites_for("link")
     args = reproduce._parser().parse_args(["--link-suite", "--sync-every", "16"])
     reproduce._apply_overrides(suite, args)
     for exp in suite.experiments[:3]:
         assert reproduce._launch_config(suite, exp, 0, tmp_path).run.sync_every == 16
+    args = reproduce._parser().parse_args(["--link-suite", "--group-momentum", "cluster"])
+    reproduce._apply_overrides(suite, args)
+    for exp in suite.experiments[:3]:
+        assert reproduce._launch_config(suite, exp, 0, tmp_path).run.group_momentum == "cluster"
 
 
 def test_a_longer_budget_makes_the_wall_cap_as_many_times_longer(tmp_path):

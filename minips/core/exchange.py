@@ -35,7 +35,9 @@ lost the exchange stays *pending* (``GroupSync.pending``) and goes again unchang
 
 Progress. ``cluster_samples()`` estimates how many samples all groups have trained on: the
 global server's count in the last reply plus this group's samples counted since the exchange it
-answered began (for lr schedules). With one group it is exact.
+answered began (for lr schedules). With one group it is exact. ``share`` is the group's share
+of the cluster's samples, from the samples each reply counts (its momentum follows it:
+``GroupCore._follow_share``); one group's is 1.
 
 Staleness between groups. Groups exchange asynchronously, so a group's delta was computed on
 global weights that other groups' merges have passed since. The global server marks, per group,

@@ -300,9 +300,10 @@ class GroupCore:
         whole cluster, as one group's does: a group that makes a share f of the cluster's
         pushes (``GroupSync.share``) uses momentum m^(1/f), and its lr times (1 - m^(1/f)) /
         (1 - m), the factor returned, so that lr / (1 - momentum), how far a push moves in the
-        long run, is the run's. One group (f = 1) is unchanged; "group" (or the optimizer on
-        the workers) returns 1 and keeps the run's momentum: it decays per push of the group,
-        k times slower than one group's when k groups run at one pace (docs/results.md)."""
+        long run, is the run's. One group (f = 1) is unchanged. "group", the default (and the
+        optimizer on the workers), returns 1 and keeps the run's momentum: it decays per push
+        of the group, k times slower than one group's when k groups run at one pace
+        (docs/results.md, "Where dense GSSP loses its points behind a link")."""
         m = self.run.momentum
         if self.run.group_momentum != "cluster" or m == 0:
             return 1.0
@@ -486,7 +487,8 @@ class GroupCore:
         actions: list[Action] = [Log("exchange", {
             "exchange_s": seconds, "global_version": res.version, "seq": out.stats["seq"],
             "min_clock": out.stats["min_clock"], "max_clock": out.stats["max_clock"],
-            "sent": _entries(out.delta), "got": _entries(res.weights), **self.xchg_bytes,
+            "sent": _entries(out.delta), "got": _entries(res.weights),
+            "share": round(self.xchg.share, 4), **self.xchg_bytes,
             **self._downlink_counts()})]
         if res.done and not self.done:
             actions.append(BudgetSpent())

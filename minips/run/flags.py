@@ -140,8 +140,8 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--sync-every", "sync_every", int, "pushes between group <-> global exchanges"),
     ("--merge", "merge", _name, "global merge of group deltas: mean | sum"),
     ("--group-momentum", "group_momentum", _name, "a GSSP group server's momentum decays per "
-     "push of the whole cluster (cluster: momentum^(1/share), lr to match) or per push of the "
-     "group (group)"),
+     "push of the group (group) or of the whole cluster (cluster: momentum^(1/share), lr to "
+     "match; for groups that the links keep at one pace)"),
     ("--batch-size", "batch_size", int, "samples per worker step"),
     ("--lr", "lr", finite, "learning rate"),
     ("--lr-warmup", "lr_warmup", finite, "epochs of linear lr warm-up (0 = none)"),
