@@ -26,8 +26,8 @@ group, lr 0.05 cosine, momentum 0.9, 5 epochs) with one thing changed:
   quarter of the cluster's pushes, if it is to decay per push of the cluster.
 
 Every row above keeps each group's momentum per push of the group (``--group-momentum group``,
-how minips ran before the fix). The fix, each group's momentum per push of the cluster from its
-measured share (``--group-momentum cluster``, the default now):
+the default). The partial fix, each group's momentum per push of the cluster from its measured
+share (``--group-momentum cluster``, a setting: docs/results.md says why it is not the default):
 - unlinked-cluster, link20-cluster, equal-pace-cluster.
 
 Prints one JSON object: per row its final accuracy per seed (the evaluator's 5,000 images), the
@@ -58,7 +58,7 @@ BASE = ["--objective", "model", "--model", "lenet5", "--dataset", "fashion-mnist
         "--staleness", "3", "--sync-every", "4", "--base-step", "0.04", "--batch-size", "64",
         "--lr", "0.05", "--lr-schedule", "cosine", "--momentum", "0.9",
         "--weight-decay", "5e-4", "--eval-every", "2", "--eval-limit", "5000",
-        "--group-momentum", "group"]  # the momentum as the rows below found it; CLUSTER: the fix
+        "--group-momentum", "group"]  # the default, explicit; CLUSTER: the partial fix
 LINK = ["--link-mbit", "20"]
 EQUAL = ["--slowdown", "2,2,2,2,2,2,2,2"]
 NO_MOMENTUM = ["--momentum", "0", "--lr", "0.5"]
@@ -92,7 +92,7 @@ ROWS: dict[str, list[str]] = {
     # making 1/4 of the pushes, lr so that lr / (1 - momentum) stays 0.5
     "link20-momentum-0.66-lr": [*LINK, *MOMENTUM_066],
     "equal-pace-momentum-0.66-lr": [*EQUAL, *MOMENTUM_066],
-    # the fix: each group's momentum decays per push of the cluster, from its measured share
+    # the partial fix: each group's momentum decays per push of the cluster, from its share
     "unlinked-cluster": CLUSTER,
     "link20-cluster": [*LINK, *CLUSTER],
     "equal-pace-cluster": [*EQUAL, *CLUSTER],

@@ -250,8 +250,9 @@ class RunConfig:
     merge: str = "mean"  # global adds each group delta / k ("mean", k = groups) or whole ("sum")
     # a group server's momentum (optimizer on the servers): "group" decays it per push of the
     # group (k groups at one pace then carry k times the momentum of one group); "cluster" per
-    # push of the whole cluster (m^(1/share) and lr to match, group_core._follow_share): about
-    # half of dense GSSP's loss behind links back, 0.6 point lost on unequal speeds
+    # push of the whole cluster (m^(1/share) and lr to match, GroupCore._follow_share in
+    # core/group_core.py): about half of dense GSSP's loss behind links back, 0.2-1.3 point
+    # lost per seed where the groups' speeds differ (docs/results.md)
     group_momentum: str = "group"
     compressor: str = "none"  # registry.make_compressor name
     ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
