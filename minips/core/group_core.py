@@ -286,8 +286,10 @@ class GroupCore:
         """One SGD step on ``samples`` samples; ``share`` > 1 applies 1/share of it (one push
         of a round of share)."""
         # an update a worker computed carries its lr already (``next_lr_factor``)
-        lr = (self.run.outer_lr if self.run.optimizer_on_worker
-              else self.run.lr * self._lr_factor(samples) * self._follow_share())
+        if self.run.optimizer_on_worker:
+            lr = self.run.outer_lr
+        else:  # sets the momentum too (--group-momentum cluster)
+            lr = self.run.lr * self._lr_factor(samples) * self._follow_share()
         self.opt.lr = lr / max(1, share)
         plain = self.opt.momentum == 0 and self.opt.weight_decay == 0  # only g's entries move
         touched = grad.indices if plain and isinstance(grad, sparse.SparseVector) else None
