@@ -267,6 +267,30 @@ def local_steps_experiments(gssp: dict[str, Any]) -> list[Experiment]:
     ]
 
 
+DENSE_END = {"dense_end_fraction": 0.25, "dense_end_factor": 4.0}  # 4x the ratio at the end
+DENSE_END_BYTES = 1.29  # its mean ratio multiplier: 0.75 + 0.25 x (4 - 1) / ln 4
+
+
+def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:
+    """The best per-step compressed row (``best``, GDTopK slower-less) tuned one piece at a
+    time: a denser final phase (``DENSE_END``: the kept fraction rising to 4x over the last
+    quarter of the run, as the cosine lr decays), its control at the same upload bytes (a
+    flat ratio ``DENSE_END_BYTES`` x ``RATIO``, the downlink kept at ``RATIO``), and DGC's
+    warm-up over 5% of the run with the optimizer on the workers (the ablation measured it
+    only with masking and clipping). The exact downlink is ``--down-mode both``'s twin."""
+    opts = best.overrides["compressor_opts"]
+    return [
+        Experiment(best.label + "+dense-end", {
+            **best.overrides, "compressor_opts": {**opts, **DENSE_END}}, part="compression"),
+        Experiment(best.label + "@1.3%", {
+            **best.overrides, "ratio": round(DENSE_END_BYTES * RATIO, 4), "down_ratio": RATIO},
+                   part="compression"),
+        Experiment(best.label + "+warmup", {
+            **best.overrides, "compressor_opts": {**opts, "warmup_fraction": 0.05}},
+                   part="compression"),
+    ]
+
+
 def _link_suite(profile: str = LINK_PROFILE) -> Suite:
     """`--link-suite`: GSSP dense vs the compressors and local steps when the links, not the
     CPUs, limit; `--link-suite-5mbit` the same behind 5 mbit links (a dense push 0.4 s)."""
@@ -277,6 +301,8 @@ def _link_suite(profile: str = LINK_PROFILE) -> Suite:
     gssp = next(e for e in suite.experiments if e.label == "gssp")
     suite.experiments.append(Experiment("gssp-unlinked", gssp.overrides, link=""))
     suite.experiments += local_steps_experiments(gssp.overrides)
+    best = next(e for e in suite.experiments if e.label == "gssp+gdtopk-slower-less")
+    suite.experiments += compressed_tuning_experiments(best)
     suite.experiments += baseline_experiments()  # DDP (each rank behind its link) and LB-BSP
     suite.link = profile
     # dense GSSP is link-bound here: the rows compared are the best per-step and local-steps ones

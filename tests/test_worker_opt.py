@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minips.compress.registry import make_compressor
-from minips.compress.topk import fraction_warmup_ratio
+from minips.compress.topk import dense_end_ratio, fraction_warmup_ratio
 from minips.core.config import FieldError, RunConfig
 from minips.core.group_core import GroupCore
 from minips.core.worker_opt import Upload, WorkerSGD, clip_scale
@@ -139,6 +139,34 @@ def test_warmup_over_a_fraction_of_the_run() -> None:
     assert kept == pytest.approx([0.25, 0.05, 0.01], rel=0.02)
     with pytest.raises(ConfigError, match="not both"):
         make_compressor("dgc", 10, ratio=0.1, warmup_fraction=0.1, warmup_epochs=2)
+
+
+def test_a_denser_final_phase_multiplies_the_ratio_at_the_end_of_the_run() -> None:
+    """dense_end_fraction 0.2, factor 4: the ratio as set until 80% of the run, then
+    geometric to 4x at its end (2x half-way); gdtopk's server-set ratio is multiplied too."""
+    assert dense_end_ratio(0.5, 0.2, 4.0) == 1.0
+    assert dense_end_ratio(0.8, 0.2, 4.0) == 1.0
+    assert dense_end_ratio(0.9, 0.2, 4.0) == pytest.approx(2.0)
+    assert dense_end_ratio(1.0, 0.2, 4.0) == pytest.approx(4.0)
+    assert dense_end_ratio(1.3, 0.2, 4.0) == pytest.approx(4.0)  # past the budget: no more
+    assert dense_end_ratio(0.99, 0.0, 4.0) == 1.0  # off
+    g = np.random.default_rng(2).standard_normal(10_000).astype(np.float32)
+    for name in ("dgc", "gdtopk"):
+        c = make_compressor(name, 10_000, ratio=0.01, warmup_epochs=0, tolerance=0.0,
+                            dense_end_fraction=0.2, dense_end_factor=4.0)
+        c.set_ratio(0.02)  # gdtopk: the ratio its group's policy sent
+        kept = []
+        for p in (0.5, 0.9, 1.0):
+            c.set_progress(p)
+            c.compress(g)
+            kept.append(c.kept_fraction)
+        assert kept == pytest.approx([0.02, 0.04, 0.08], rel=0.02)
+    with pytest.raises(ConfigError, match="dense_end"):
+        make_compressor("dgc", 10, ratio=0.1, dense_end_fraction=0.2, dense_end_factor=0.5)
+    with pytest.raises(FieldError, match="dense_end_fraction"):  # a fraction of no budget
+        RunConfig(compressor="gdtopk", compressor_opts={"dense_end_fraction": 0.2}).validate()
+    RunConfig(compressor="gdtopk", compressor_opts={"dense_end_fraction": 0.2},
+              epochs=1).validate()
 
 
 def test_the_group_server_adds_a_pushed_update_as_it_is() -> None:

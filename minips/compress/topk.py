@@ -18,6 +18,13 @@ geometrically from ``start`` at progress 0 to ``final`` at ``fraction`` of the r
 (``start * (final / start) ** (progress / fraction)``: the sparsity rises exponentially),
 then stays at ``final``.
 
+``dense_end_ratio(progress, fraction, factor)``: the multiplier of a denser final phase: 1
+until the last ``fraction`` of the run, then rising geometrically to ``factor`` at its end
+(``factor ** ((progress - (1 - fraction)) / fraction)``). ``dgc`` and ``gdtopk`` apply it
+on top of their ratio (and warm-up) when ``dense_end_fraction > 0``
+(``dense_end_factor=4``: four times the kept fraction at the end of the run), so that as the
+learning rate decays to zero less of each step waits in the residual.
+
 ``gdtopk``: DGC selection at the ratio the global server sets for this worker's group, with
 DGC's warm-up on by default. Its server-side part is ``ratio_policy``: the global server's
 ``ratios.RatioPolicy`` turns each group's measured iteration time into its ratio (the rule is
@@ -48,6 +55,7 @@ __all__ = [
     "DGCCompressor",
     "warmup_ratio",
     "fraction_warmup_ratio",
+    "dense_end_ratio",
     "GDTopKCompressor",
     "RandomKCompressor",
 ]
@@ -97,14 +105,26 @@ def fraction_warmup_ratio(progress: float, final: float, fraction: float, *,
     return max(final, start * (final / start) ** (max(progress, 0.0) / fraction))
 
 
+def dense_end_ratio(progress: float, fraction: float, factor: float) -> float:
+    """The multiplier of the kept fraction at ``progress`` (0..1 of the run): 1 before the last
+    ``fraction`` of the run, then geometric to ``factor`` at its end."""
+    start = 1.0 - fraction
+    if fraction <= 0 or progress <= start:
+        return 1.0
+    return float(factor) ** (min(progress - start, fraction) / fraction)
+
+
 class DGCCompressor(TopKCompressor):
     """``dgc``: DGC's sampled threshold, keeping k to k * (1 + tolerance); optional warm-up,
-    by epochs (``warmup_epochs``) or over a fraction of the run (``warmup_fraction``)."""
+    by epochs (``warmup_epochs``) or over a fraction of the run (``warmup_fraction``); optional
+    denser final phase (``dense_end_fraction``, ``dense_end_factor``)."""
 
     name = "dgc"
 
     def __init__(self, size: int, *, tolerance: float = 0.1, warmup_epochs: int = 0,
-                 warmup_fraction: float = 0.0, warmup_start: float = 0.25, **kw: Any) -> None:
+                 warmup_fraction: float = 0.0, warmup_start: float = 0.25,
+                 dense_end_fraction: float = 0.0, dense_end_factor: float = 4.0,
+                 **kw: Any) -> None:
         if not 0.0 <= tolerance < 1.0:
             raise ConfigError(f"tolerance must be in [0, 1), got {tolerance}")
         if not 0.0 <= warmup_fraction <= 1.0 or not 0.0 < warmup_start <= 1.0:
@@ -112,13 +132,22 @@ class DGCCompressor(TopKCompressor):
                               f"got {warmup_fraction}, {warmup_start}")
         if warmup_fraction > 0 and warmup_epochs > 0:
             raise ConfigError("give warmup_epochs or warmup_fraction, not both")
+        if not 0.0 <= dense_end_fraction <= 1.0 or not 1.0 <= dense_end_factor < math.inf:
+            raise ConfigError(f"dense_end_fraction must be in [0, 1] and dense_end_factor "
+                              f">= 1, got {dense_end_fraction}, {dense_end_factor}")
         self.tolerance = tolerance
         self.warmup_epochs = warmup_epochs  # 0: no warm-up by epochs
         self.warmup_fraction = float(warmup_fraction)  # of the run's samples; 0: none
         self.warmup_start = float(warmup_start)  # kept fraction at the start of either warm-up
+        self.dense_end_fraction = float(dense_end_fraction)  # last part of the run; 0: none
+        self.dense_end_factor = float(dense_end_factor)  # ratio multiplier at the run's end
         super().__init__(size, **kw)
 
     def current_ratio(self) -> float:
+        boost = dense_end_ratio(self.progress, self.dense_end_fraction, self.dense_end_factor)
+        return min(1.0, boost * self._warm_ratio())
+
+    def _warm_ratio(self) -> float:
         if self.warmup_fraction > 0:
             return fraction_warmup_ratio(self.progress, self.ratio, self.warmup_fraction,
                                          start=self.warmup_start)

@@ -347,9 +347,10 @@ class RunConfig:
                self.momentum_masking, "off unless the optimizer is on the worker "
                "(--optimizer-at worker)")
         self._check_local_steps()
-        warm = float(self.compressor_opts.get("warmup_fraction", 0) or 0)
-        _check(warm == 0 or self.epochs > 0 or self.max_steps > 0, "warmup_fraction", warm,
-               "0 unless the run has an --epochs or --max-steps budget (its fraction of it)")
+        for name in ("warmup_fraction", "dense_end_fraction"):  # fractions of the budget
+            part = float(self.compressor_opts.get(name, 0) or 0)
+            _check(part == 0 or self.epochs > 0 or self.max_steps > 0, name, part,
+                   "0 unless the run has an --epochs or --max-steps budget (its fraction of it)")
 
     def _check_local_steps(self) -> None:
         """Local steps and the outer optimizer need the optimizer on the worker: with it on
