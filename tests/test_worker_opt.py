@@ -139,6 +139,10 @@ def test_warmup_over_a_fraction_of_the_run() -> None:
     assert kept == pytest.approx([0.25, 0.05, 0.01], rel=0.02)
     with pytest.raises(ConfigError, match="not both"):
         make_compressor("dgc", 10, ratio=0.1, warmup_fraction=0.1, warmup_epochs=2)
+    # gdtopk's own warm-up by epochs gives way to one by fraction (--copt warmup_fraction=...)
+    by_fraction = make_compressor("gdtopk", 10, ratio=0.1, warmup_fraction=0.1)
+    assert (by_fraction.warmup_epochs, by_fraction.warmup_fraction) == (0, 0.1)
+    assert make_compressor("gdtopk", 10, ratio=0.1).warmup_epochs == 4
 
 
 def test_a_denser_final_phase_multiplies_the_ratio_at_the_end_of_the_run() -> None:

@@ -164,8 +164,10 @@ class GDTopKCompressor(DGCCompressor):
 
     name = "gdtopk"
 
-    def __init__(self, size: int, *, ratio: float = 0.004, warmup_epochs: int = 4,
+    def __init__(self, size: int, *, ratio: float = 0.004, warmup_epochs: int | None = None,
                  **kw: Any) -> None:
+        if warmup_epochs is None:  # DGC's 4 epochs, unless a warm-up by fraction is asked for
+            warmup_epochs = 0 if kw.get("warmup_fraction") else 4
         super().__init__(size, ratio=ratio, warmup_epochs=warmup_epochs, **kw)
 
     @classmethod
