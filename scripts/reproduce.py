@@ -114,12 +114,14 @@ FULL_PROFILE = [1.0] * 4 + [1.5] * 4 + [2.0] * 4 + [4.0] * 4
 
 
 # What the ablation found best at 1% (docs/results.md, "Where compression's accuracy goes"):
-# the optimizer on the workers (momentum correction), every hop compressed, no momentum-factor
-# masking, no clipping, no warm-up; the downlink publishes once a round of a group's members
-# (publish_every 0, the default) within a drift bound of 3% (at 1% the bound forced two
-# publishes of three). Every sparse row runs with `make demo`'s own (run/flags.py's preset).
+# the optimizer on the workers (momentum correction), the upload and the exchange compressed,
+# no momentum-factor masking, no clipping, no warm-up; and the exact downlink (the entries
+# changed since the worker's version: higher and sooner to 85% than the compressed one on the
+# quick suite and behind 20 and 5 mbit links, docs/results.md, "Compressed rows at DDP's
+# accuracy"). Every sparse row runs with `make demo`'s own (run/flags.py's preset);
+# --down-mode auto gives them the compressed downlink back (drift bound down_drift).
 SPARSE_DEFAULTS: dict[str, Any] = {k: PRESETS["demo"]["run"][k]
-                                   for k in ("optimizer_at", "down_drift")}
+                                   for k in ("optimizer_at", "down_mode", "down_drift")}
 
 
 def paper_experiments(groups: int) -> list[Experiment]:
@@ -660,21 +662,33 @@ def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
     with_downlink(suite, args.down_mode)
 
 
-EXACT = "+exact"  # the label suffix of a row run with the exact downlink (--down-mode both)
+EXACT = "+exact"  # the label suffix of a row's twin with the exact downlink (--down-mode both)
+COMPRESSED = "+compressed"  # ... and of an exact row's twin with the compressed one
 
 
 def with_downlink(suite: Suite, mode: str | None) -> None:
-    """``--down-mode``: ``exact`` answers every run's PULLs with the exact downlink (the
-    changes since the worker's version at their values now, docs/compression.md); ``both``
-    adds, after each minips row, its twin ``LABEL+exact``, so a table holds the two side by
-    side; ``auto`` or None leaves the suite as it is."""
-    if mode == "exact":
-        suite.run["down_mode"] = "exact"
+    """``--down-mode``: ``exact`` answers every minips run's PULLs with the exact downlink (the
+    changes since the worker's version at their values now, docs/compression.md), ``auto``
+    with RunConfig's (the compressed downlink where a row's kept fraction is below 1), so the
+    sparse rows, exact by default (``SPARSE_DEFAULTS``), get the compressed one back; ``both``
+    adds, after each minips row, its twin with the other downlink (``LABEL+exact``, or
+    ``LABEL+compressed`` for a row that is exact), so a table holds the two side by side; None
+    leaves the suite as it is."""
+    if mode in ("exact", "auto"):
+        suite.run["down_mode"] = mode
+        suite.experiments = [e if e.ddp_hook else replace(
+            e, overrides={**e.overrides, "down_mode": mode}) for e in suite.experiments]
     elif mode == "both":
-        twins = [[e, replace(e, label=e.label + EXACT,
-                             overrides={**e.overrides, "down_mode": "exact"})]
-                 if not e.ddp_hook else [e] for e in suite.experiments]
-        suite.experiments = [e for pair in twins for e in pair]
+        suite.experiments = [twin for e in suite.experiments
+                             for twin in ([e] if e.ddp_hook else [e, _other_downlink(suite, e)])]
+
+
+def _other_downlink(suite: Suite, exp: Experiment) -> Experiment:
+    """``exp`` with the other downlink: exact for a row that answers PULLs ``auto``, and the
+    other way round."""
+    exact = exp.overrides.get("down_mode", suite.run.get("down_mode", "auto")) == "exact"
+    return replace(exp, label=exp.label + (COMPRESSED if exact else EXACT),
+                   overrides={**exp.overrides, "down_mode": "auto" if exact else "exact"})
 
 
 def stretch_time(suite: Suite, k: float) -> None:
@@ -749,9 +763,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer-at", choices=OPTIMIZER_PLACES,
                    help="where SGD runs in every experiment: server (default) or worker")
     p.add_argument("--down-mode", choices=("auto", "exact", "both"),
-                   help="how PULLs are answered in every minips run: auto (default), exact "
-                   "(the changes since, docs/compression.md) or both (each row and its "
-                   "LABEL+exact twin)")
+                   help="how PULLs are answered in every minips run: auto (the compressed "
+                   "downlink of the sparse rows), exact (the changes since, "
+                   "docs/compression.md; the sparse rows' default) or both (each row and its "
+                   "twin with the other: LABEL+exact or LABEL+compressed); default: as each "
+                   "row says")
     p.add_argument("--base-step", type=float, help="override the emulated base step, s")
     p.add_argument("--seeds", help="override the seeds, e.g. 0,1,2")
     p.add_argument("--link", type=_link, help="workers' links for every run, e.g. 10mbit "

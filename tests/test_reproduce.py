@@ -431,24 +431,32 @@ def test_the_overrun_of_a_local_steps_push_is_per_step_not_per_push():
     assert repro_table._overrun(run, [1.0, 2.0], 0.04, 64) == pytest.approx(1.0)
 
 
-def test_down_mode_both_puts_each_minips_row_beside_its_exact_twin(tmp_path):
-    """--down-mode both: LABEL and LABEL+exact side by side (DDP rows have no downlink);
-    --down-mode exact: every minips run answers PULLs exactly; auto leaves the suite."""
+def test_down_mode_both_puts_each_minips_row_beside_its_twin(tmp_path):
+    """--down-mode both: LABEL and its twin with the other downlink side by side (LABEL+exact
+    for a compressed row, LABEL+compressed for the sparse rows, exact by default; DDP rows
+    have no downlink); --down-mode exact / auto: every minips run answers PULLs that way."""
     (suite,) = reproduce.suites_for("link")
     labels = [e.label for e in suite.experiments]
+    mode = {e.label: reproduce._launch_config(suite, e, 0, tmp_path).run.down_mode
+            for e in suite.experiments if not e.ddp_hook}
+    assert mode["gssp+gdtopk-slower-less"] == mode["lbbsp+topk"] == "exact"  # SPARSE_DEFAULTS
+    assert mode["gssp+local8+topk"] == mode["gssp"] == "auto"
     reproduce.with_downlink(suite, "both")
     rows = {e.label: e for e in suite.experiments}
-    twin = rows["gssp+local8+topk+exact"]
-    assert [e.label for e in suite.experiments].index(twin.label) == \
-        [e.label for e in suite.experiments].index("gssp+local8+topk") + 1
-    assert reproduce._launch_config(suite, twin, 0, tmp_path).run.down_mode == "exact"
-    assert reproduce._launch_config(suite, rows["gssp+local8+topk"], 0,
-                                    tmp_path).run.down_mode == "auto"
+    order = [e.label for e in suite.experiments]
+    for label, twin, other in (("gssp+local8+topk", "gssp+local8+topk+exact", "exact"),
+                               ("gssp+gdtopk-slower-less", "gssp+gdtopk-slower-less+compressed",
+                                "auto")):
+        assert order.index(twin) == order.index(label) + 1
+        assert reproduce._launch_config(suite, rows[twin], 0, tmp_path).run.down_mode == other
+        assert reproduce._launch_config(suite, rows[label], 0,
+                                        tmp_path).run.down_mode == mode[label]
     assert "ddp+exact" not in rows and len(rows) == 2 * len(labels) - sum(
         1 for e in suite.experiments if e.ddp_hook)
-    (quick,) = reproduce.suites_for("quick")
-    reproduce.with_downlink(quick, "exact")
-    assert reproduce._launch_config(quick, quick.experiments[0], 0,
-                                    tmp_path).run.down_mode == "exact"
+    for down in ("exact", "auto"):
+        (quick,) = reproduce.suites_for("quick")
+        reproduce.with_downlink(quick, down)
+        assert {reproduce._launch_config(quick, e, 0, tmp_path).run.down_mode
+                for e in quick.experiments if not e.ddp_hook} == {down}
     args = reproduce._parser().parse_args(["--down-mode", "both"])
     assert args.down_mode == "both"
