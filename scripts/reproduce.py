@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -270,7 +271,8 @@ def local_steps_experiments(gssp: dict[str, Any]) -> list[Experiment]:
 
 
 DENSE_END = {"dense_end_fraction": 0.25, "dense_end_factor": 4.0}  # 4x the ratio at the end
-DENSE_END_BYTES = 1.29  # its mean ratio multiplier: 0.75 + 0.25 x (4 - 1) / ln 4
+_F, _X = DENSE_END["dense_end_fraction"], DENSE_END["dense_end_factor"]
+DENSE_END_BYTES = 1 - _F + _F * (_X - 1) / math.log(_X)  # its mean ratio multiplier (1.29)
 
 
 def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:

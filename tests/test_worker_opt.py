@@ -122,6 +122,17 @@ def test_the_update_is_the_reference_sgd_step() -> None:
         WorkerSGD(50, lr=0.05, momentum=0.9, weight_decay=0).load_state_dict(state)
 
 
+def _kept_at(c, progresses: tuple[float, ...], *, seed: int) -> list[float]:
+    """The kept fraction of compressor ``c`` on one gradient at each run ``progress``."""
+    g = np.random.default_rng(seed).standard_normal(c.size).astype(np.float32)
+    kept = []
+    for p in progresses:
+        c.set_progress(p)
+        c.compress(g)
+        kept.append(c.kept_fraction)
+    return kept
+
+
 def test_warmup_over_a_fraction_of_the_run() -> None:
     """Kept fraction 25% at the start, geometric to the final one at 10% of the run."""
     assert fraction_warmup_ratio(0.0, 0.01, 0.1) == pytest.approx(0.25)
@@ -130,12 +141,7 @@ def test_warmup_over_a_fraction_of_the_run() -> None:
     assert fraction_warmup_ratio(0.7, 0.01, 0.1) == 0.01
     assert fraction_warmup_ratio(0.0, 0.01, 0.0) == 0.01  # no warm-up
     c = make_compressor("dgc", 10_000, ratio=0.01, warmup_fraction=0.1, tolerance=0.0)
-    g = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)
-    kept = []
-    for p in (0.0, 0.05, 0.2):
-        c.set_progress(p)
-        c.compress(g)
-        kept.append(c.kept_fraction)
+    kept = _kept_at(c, (0.0, 0.05, 0.2), seed=1)
     assert kept == pytest.approx([0.25, 0.05, 0.01], rel=0.02)
     with pytest.raises(ConfigError, match="not both"):
         make_compressor("dgc", 10, ratio=0.1, warmup_fraction=0.1, warmup_epochs=2)
@@ -154,16 +160,11 @@ def test_a_denser_final_phase_multiplies_the_ratio_at_the_end_of_the_run() -> No
     assert dense_end_ratio(1.0, 0.2, 4.0) == pytest.approx(4.0)
     assert dense_end_ratio(1.3, 0.2, 4.0) == pytest.approx(4.0)  # past the budget: no more
     assert dense_end_ratio(0.99, 0.0, 4.0) == 1.0  # off
-    g = np.random.default_rng(2).standard_normal(10_000).astype(np.float32)
     for name in ("dgc", "gdtopk"):
         c = make_compressor(name, 10_000, ratio=0.01, warmup_epochs=0, tolerance=0.0,
                             dense_end_fraction=0.2, dense_end_factor=4.0)
         c.set_ratio(0.02)  # gdtopk: the ratio its group's policy sent
-        kept = []
-        for p in (0.5, 0.9, 1.0):
-            c.set_progress(p)
-            c.compress(g)
-            kept.append(c.kept_fraction)
+        kept = _kept_at(c, (0.5, 0.9, 1.0), seed=2)
         assert kept == pytest.approx([0.02, 0.04, 0.08], rel=0.02)
     with pytest.raises(ConfigError, match="dense_end"):
         make_compressor("dgc", 10, ratio=0.1, dense_end_fraction=0.2, dense_end_factor=0.5)
