@@ -616,9 +616,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         suites = [s for s in suites if s.name in names]
     for suite in suites:
         _apply_overrides(suite, args)
+    only = set(args.only.split(",")) if args.only else None
+    unknown = (only or set()) - {e.label for s in suites for e in s.experiments}
+    if unknown:  # a row that is not there would be skipped without a word
+        print(f"reproduce: no row {sorted(unknown)} in --{size} (with --down-mode both an "
+              "exact row's twin is LABEL+compressed, a compressed row's LABEL+exact)",
+              file=sys.stderr)
+        return 2
+    for suite in suites:
         if not args.table_only:
-            run_suite(suite, runs_dir, resume=args.resume,
-                      only=set(args.only.split(",")) if args.only else None)
+            run_suite(suite, runs_dir, resume=args.resume, only=only)
     table = {"name": size, "created": time.strftime("%Y-%m-%d %H:%M:%S"),
              "suites": {s.name: build_table(s, runs_dir) for s in suites}}
     earlier = out / "table.json"

@@ -223,6 +223,17 @@ def test_unknown_suite_is_refused_naming_the_suites(tmp_path, capsys):
     assert not (tmp_path / "table.json").exists()  # nothing ran, nothing written
 
 
+def test_an_unknown_row_is_refused_in_one_line_before_anything_runs(tmp_path, capsys):
+    """--only with a label the suite does not have (e.g. LABEL+exact of a row that is exact
+    already) is one clear line, not a row skipped without a word."""
+    argv = ["--link-suite", "--down-mode", "both", "--out", str(tmp_path), "--only"]
+    assert reproduce.main([*argv, "gssp+gdtopk-slower-less+exact,ddp-fp16"]) == 2
+    err = capsys.readouterr().err
+    assert "gssp+gdtopk-slower-less+exact" in err and "+compressed" in err
+    assert err.count("\n") == 1 and "ddp-fp16'" not in err
+    assert not (tmp_path / "table.json").exists() and not any((tmp_path / "runs").iterdir())
+
+
 def test_quick_suite_decays_lr_over_its_budget():
     (suite,) = reproduce.suites_for("quick")
     assert suite.run["lr_schedule"] == "cosine" and suite.run["epochs"] > 0
