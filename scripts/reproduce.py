@@ -270,6 +270,7 @@ def local_steps_experiments(gssp: dict[str, Any]) -> list[Experiment]:
     ]
 
 
+F16_DOWN = "+f16down"  # the best row whose exact downlink sends float16 values
 DENSE_END = {"dense_end_fraction": 0.25, "dense_end_factor": 4.0}  # 4x the ratio at the end
 _F, _X = DENSE_END["dense_end_fraction"], DENSE_END["dense_end_factor"]
 DENSE_END_BYTES = 1 - _F + _F * (_X - 1) / math.log(_X)  # its mean ratio multiplier (1.29)
@@ -281,7 +282,9 @@ def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:
     quarter of the run, as the cosine lr decays), its control at the same upload bytes (a
     flat ratio ``DENSE_END_BYTES`` x ``RATIO``, the downlink kept at ``RATIO``), and DGC's
     warm-up over 5% of the run with the optimizer on the workers (the ablation measured it
-    only with masking and clipping). The exact downlink is ``--down-mode both``'s twin."""
+    only with masking and clipping), and the exact downlink's updates with float16 values
+    (``+f16down``: 2 bytes a value instead of 4; the workers then hold the weights to float16's
+    rounding). The compressed downlink is ``--down-mode both``'s twin."""
     opts = best.overrides["compressor_opts"]
     return [
         Experiment(best.label + "+dense-end", {
@@ -291,6 +294,8 @@ def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:
                    part="compression"),
         Experiment(best.label + "+warmup", {
             **best.overrides, "compressor_opts": {**opts, "warmup_fraction": 0.05}},
+                   part="compression"),
+        Experiment(best.label + F16_DOWN, {**best.overrides, "down_values": "f16"},
                    part="compression"),
     ]
 

@@ -16,8 +16,9 @@ from conftest import recv_as
 from test_group import TOKEN, Global, push
 
 from minips import sparse
+from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
-from minips.core.downlink import DRIFT, Downlink, apply_weights
+from minips.core.downlink import DRIFT, Downlink, ExactDownlink, apply_weights
 from minips.errors import RemoteProtocolError
 from minips.net import transport
 from minips.serve.group import GroupServer
@@ -414,6 +415,63 @@ def test_the_drift_bound_is_a_run_setting_a_group_server_uses() -> None:
     assert core.downlink.drift_bound == 0.05 and core.downlink.values == "f16"
     with pytest.raises(Exception, match="down_drift"):
         RunConfig(down_drift=-0.1).validate()
+
+
+def test_the_exact_downlink_with_f16_values_holds_the_weights_to_float16_in_fewer_bytes() -> None:
+    """``ExactDownlink(values="f16")``: an update's values go out rounded to float16; the
+    worker's copy is the weights rounded to float16 where an update set them and exact where
+    only the first (dense, float32) answer did, so it stays within float16's rounding of each
+    weight however many updates it follows (each sets values, none adds), and the answers are
+    well under 3/4 of the float32 ones' bytes. A value past float16's range goes out as f32,
+    exactly; the float32 default stays bit for bit."""
+    rng = np.random.default_rng(5)
+    w = weights()
+    log = ChangeLog(N)
+    half, full = ExactDownlink(w, log, values="f16"), ExactDownlink(w, log)
+    copy, exact = Copy(), Copy()
+    copy.take(half.answer(-1))  # dense: float32 whatever the values
+    exact.take(full.answer(-1))
+    set_by_update = np.zeros(N, dtype=np.bool_)
+    sizes = {"f16": 0, "f32": 0}
+    for step in range(60):
+        idx = np.unique(rng.integers(0, N, 30)).astype(np.uint32)
+        w[idx] += (0.05 * rng.standard_normal(idx.size)).astype(np.float32)
+        log.note(idx)
+        if step % 3:
+            ans = half.answer(copy.held)
+            assert ans.since == copy.held and half.wire_values(ans) == "f16"
+            copy.take(ans, "f16")
+            set_by_update[update(ans).indices] = True
+            sizes["f16"] += sum(memoryview(b).nbytes for b in
+                                sparse.encode_vector(ans.payload, value_dtype="f16")[2])
+            sizes["f32"] += sum(memoryview(b).nbytes for b in
+                                sparse.encode_vector(ans.payload)[2])
+            assert full.wire_values(full.answer(exact.held)) == "f32"
+            exact.take(full.answer(exact.held))
+            assert copy.held == exact.held == half.pub
+            assert np.array_equal(exact.w, w)  # f32: bit for bit
+            rounded = w.astype(np.float16).astype(np.float32)
+            assert np.array_equal(copy.w[set_by_update], rounded[set_by_update])
+            assert np.array_equal(copy.w[~set_by_update], w[~set_by_update])
+            assert np.all(np.abs(copy.w - w) <= 2.0 ** -11 * np.abs(w))
+    assert set_by_update.any() and sizes["f16"] < 0.75 * sizes["f32"]
+    w[7] = 1e6  # past float16's 65504: that answer goes out as f32, and exact
+    log.note(np.array([7], np.uint32))
+    ans = half.answer(copy.held)
+    assert half.wire_values(ans) == "f32"
+    copy.take(ans, "f32")
+    assert copy.w[7] == np.float32(1e6)
+    with pytest.raises(ValueError, match="values"):
+        ExactDownlink(w, log, values="f8")
+
+
+def test_a_group_with_the_exact_downlink_takes_the_runs_down_values() -> None:
+    from minips.core.group_core import GroupCore
+    for values in ("f32", "f16"):
+        run = RunConfig(compressor="topk", ratio=0.01, optimizer_at="worker", down_mode="exact",
+                        down_values=values).validate()
+        core = GroupCore(0, run, weights(), members=[0])
+        assert isinstance(core.downlink, ExactDownlink) and core.downlink.values == values
 
 
 @pytest.mark.parametrize("mode", ["gssp", "bsp"])

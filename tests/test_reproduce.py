@@ -10,6 +10,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -471,3 +472,17 @@ def test_down_mode_both_puts_each_minips_row_beside_its_twin(tmp_path):
                 for e in quick.experiments if not e.ddp_hook} == {down}
     args = reproduce._parser().parse_args(["--down-mode", "both"])
     assert args.down_mode == "both"
+
+
+def test_the_link_suites_f16down_row_runs_the_exact_downlink_with_float16_values(tmp_path):
+    """The best row's ``+f16down`` twin differs from it only in the downlink's values."""
+    for name in ("link", "link5"):
+        (suite,) = reproduce.suites_for(name)
+        rows = {e.label: e for e in suite.experiments}
+        best = rows["gssp+gdtopk-slower-less"]
+        twin = rows["gssp+gdtopk-slower-less" + reproduce.F16_DOWN]
+        plain = reproduce._launch_config(suite, best, 0, tmp_path).run
+        half = reproduce._launch_config(suite, twin, 0, tmp_path).run
+        assert (plain.down_mode, plain.down_values) == ("exact", "f32")
+        assert (half.down_mode, half.down_values) == ("exact", "f16")
+        assert replace(half, down_values="f32") == plain

@@ -260,7 +260,7 @@ class RunConfig:
     # kept fraction of each publish of a group's weights to its workers (downlink.py); None: the
     # run's ratio with a sparse compressor, dense (1.0) with none / fp16; 1.0: dense
     down_ratio: float | None = None
-    down_values: str = "f32"  # "f16": a publish rounds its values to float16, 2 bytes each
+    down_values: str = "f32"  # "f16": a downlink update's values go as float16, 2 bytes each
     down_drift: float = 0.01  # bound on ||weights - published|| / ||weights|| (downlink.py)
     # PULL answers (downlink.py): "auto" compressed when down_ratio (as resolved) < 1, else
     # dense; "exact": the entries changed since the worker's version, at their values

@@ -4,7 +4,9 @@ compressed downlink (``Downlink``) and the exact one (``ExactDownlink``).
 Without either every PULL is answered with the whole weights. The exact downlink answers a
 worker that holds version ``since`` with the entries the group's change log
 (``core/changelog.py``) names after it, at their values now: the worker then holds the weights
-bit for bit, for O(changes since) work (docs/compression.md, "The exact downlink").
+bit for bit, for O(changes since) work (docs/compression.md, "The exact downlink"); with
+``values="f16"`` the updates' values go out rounded to float16, and the copy is the weights to
+that rounding where an update set it.
 
 With the compressed one the group keeps a *published*
 copy ``w_pub`` with a publish version ``pub``, and every worker holds a copy of ``w_pub`` at
@@ -38,8 +40,9 @@ asynchronous group (docs/compression.md, "The downlink"):
 Public API: ``Downlink(weights, ratio, drift=DRIFT, log_size=LOG_SIZE,
 dense_fraction=DENSE_FRACTION, values="f32", changes=None)``, ``.publish(weights) -> int``,
 ``.answer(since) -> Answer``, ``.wire_values(answer) -> str``, ``.drift(weights) -> float``,
-``.drift_now() -> float``, ``.moving`` / ``.moved``; ``ExactDownlink(weights, changes)`` with the
-same ``answer`` / ``publish`` / ``moving`` / ``moved``; ``Answer(version, since, payload)``; and
+``.drift_now() -> float``, ``.moving`` / ``.moved``; ``ExactDownlink(weights, changes,
+values="f32")`` with the same ``answer`` / ``publish`` / ``moving`` / ``moved`` /
+``wire_values``; ``wire_values(values, answer)``; ``Answer(version, since, payload)``; and
 the worker's side, ``apply_weights(copy, held, weights_msg, n)``.
 """
 
@@ -59,7 +62,7 @@ from minips.errors import RemoteProtocolError
 from minips.sparse import SparseVector, decode_vector, union_of, unique_sorted
 
 __all__ = ["Answer", "Downlink", "ExactDownlink", "apply_weights", "trusted_since", "sq_norm",
-           "DRIFT", "LOG_SIZE", "DENSE_FRACTION", "VALUES"]
+           "wire_values", "DRIFT", "LOG_SIZE", "DENSE_FRACTION", "VALUES"]
 
 DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish (--down-drift)
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
@@ -277,13 +280,8 @@ class Downlink:
         return Answer(self.pub, since, SparseVector(idx, self.w_pub[idx], self.n))
 
     def wire_values(self, answer: Answer) -> str:
-        """The value type an answer goes out in: ``values``, unless the answer is dense or one
-        of its values is past float16's range (then ``"f32"``: the copy stays exact)."""
-        payload = answer.payload
-        if self.values == "f32" or not isinstance(payload, SparseVector):
-            return "f32"
-        fits = payload.values.size == 0 or float(np.abs(payload.values).max()) <= F16_MAX
-        return "f16" if fits else "f32"
+        """The value type an answer goes out in (``wire_values``)."""
+        return wire_values(self.values, answer)
 
     def _union(self, behind: int) -> np.ndarray:
         """(m,) uint32 sorted coordinates of the last ``behind`` publishes, each once
@@ -301,11 +299,16 @@ class ExactDownlink:
     drift, and O(changes since) work per answer (the whole weights when the log cannot say, or
     when the changes pass ``dense_fraction`` of n). Versions are the change log's."""
 
-    values = "f32"
-    last_drift = 0.0  # the answers are exact
+    last_drift = 0.0  # the answers are exact (with "f16" values, to float16's rounding)
 
     def __init__(self, weights: np.ndarray, changes: ChangeLog, *,
-                 dense_fraction: float = DENSE_FRACTION) -> None:
+                 dense_fraction: float = DENSE_FRACTION, values: str = "f32") -> None:
+        if values not in VALUES:
+            raise ValueError(f"bad downlink values {values}: {' | '.join(VALUES)}")
+        # "f16": an update's values go out rounded to float16, 2 bytes each; the worker's copy
+        # is then the weights to float16's rounding where an update set it (within 2^-11 of
+        # each value, not growing: every update sets values, it adds nothing), exact elsewhere
+        self.values = values
         self.weights = weights  # the group's (n,) float32 weights (``moved`` follows them)
         self.changes = changes
         self.dense_fraction = dense_fraction
@@ -356,7 +359,18 @@ class ExactDownlink:
         return Answer(self.pub, since, SparseVector(idx, self.weights[idx], n))
 
     def wire_values(self, answer: Answer) -> str:
+        """The value type an answer goes out in (``wire_values``)."""
+        return wire_values(self.values, answer)
+
+
+def wire_values(values: str, answer: Answer) -> str:
+    """The value type ``answer`` goes out in: ``values``, unless the answer is dense or one of
+    its values is past float16's range (then ``"f32"``: the copy stays within the rounding)."""
+    payload = answer.payload
+    if values == "f32" or not isinstance(payload, SparseVector):
         return "f32"
+    fits = payload.values.size == 0 or float(np.abs(payload.values).max()) <= F16_MAX
+    return "f16" if fits else "f32"
 
 
 def sq_norm(x: np.ndarray) -> float:

@@ -578,7 +578,7 @@ def _downlink(run: RunConfig, weights: np.ndarray,
     version held at their values now; ``auto``, the compressed downlink when its kept fraction
     (``downlink_ratio``) is below 1, else the weights whole (None)."""
     if run.down_mode == "exact":
-        return ExactDownlink(weights, changes)
+        return ExactDownlink(weights, changes, values=run.down_values)
     down = run.downlink_ratio()
     if down >= 1:
         return None

@@ -128,8 +128,9 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
      "both ways (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
     ("--down-ratio", "down_ratio", finite, "kept fraction of each publish of a group's weights "
      "to its workers (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
-    ("--down-values", "down_values", str, "f32 | f16: the values of a publish to the workers; "
-     "f16 rounds them (the rounding stays in the downlink's residual) and sends 2 bytes each"),
+    ("--down-values", "down_values", str, "f32 | f16: the values of a downlink update to the "
+     "workers; f16 rounds them and sends 2 bytes each (compressed downlink: the rounding stays "
+     "in its residual; exact downlink: the workers hold the weights to float16's rounding)"),
     ("--down-drift", "down_drift", finite, "bound on how far a group's published weights may "
      "lag its own (relative L2); a publish sends more coordinates when the bound needs them"),
     ("--down-mode", "down_mode", str, "how PULLs are answered: auto (compressed when "
