@@ -28,7 +28,9 @@ group, lr 0.05 cosine, momentum 0.9, 5 epochs) with one thing changed:
 Every row above keeps each group's momentum per push of the group (``--group-momentum group``,
 the default). The partial fix, each group's momentum per push of the cluster from its measured
 share (``--group-momentum cluster``, a setting: docs/results.md says why it is not the default):
-- unlinked-cluster, link20-cluster, equal-pace-cluster.
+- unlinked-cluster, link20-cluster, equal-pace-cluster;
+- unlinked-cluster-sync8 / -sync16, link20-cluster-sync8 / -sync16: with it, fewer asynchronous
+  merges (an exchange every 8 or 16 pushes of a group, the other lever the rows above found).
 
 Prints one JSON object: per row its final accuracy per seed (the evaluator's 5,000 images), the
 median, the gap to ``unlinked`` per seed, and the between-group staleness (mean merges of other
@@ -96,6 +98,11 @@ ROWS: dict[str, list[str]] = {
     "unlinked-cluster": CLUSTER,
     "link20-cluster": [*LINK, *CLUSTER],
     "equal-pace-cluster": [*EQUAL, *CLUSTER],
+    # with it, fewer asynchronous merges: an exchange every 8 or 16 pushes of a group
+    "unlinked-cluster-sync8": [*CLUSTER, "--sync-every", "8"],
+    "link20-cluster-sync8": [*LINK, *CLUSTER, "--sync-every", "8"],
+    "unlinked-cluster-sync16": [*CLUSTER, "--sync-every", "16"],
+    "link20-cluster-sync16": [*LINK, *CLUSTER, "--sync-every", "16"],
 }
 
 
