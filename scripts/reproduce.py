@@ -119,10 +119,13 @@ FULL_PROFILE = [1.0] * 4 + [1.5] * 4 + [2.0] * 4 + [4.0] * 4
 # no momentum-factor masking, no clipping, no warm-up; and the exact downlink (the entries
 # changed since the worker's version: higher and sooner to 85% than the compressed one on the
 # quick suite and behind 20 and 5 mbit links, docs/results.md, "Compressed rows at DDP's
-# accuracy"). Every sparse row runs with `make demo`'s own (run/flags.py's preset);
-# --down-mode auto gives them the compressed downlink back (drift bound down_drift).
-SPARSE_DEFAULTS: dict[str, Any] = {k: PRESETS["demo"]["run"][k]
-                                   for k in ("optimizer_at", "down_mode", "down_drift")}
+# accuracy"), its updates' values in float16 (a quarter fewer bytes, level in accuracy and
+# time: "The exact downlink's values in float16"). Every sparse row runs with `make demo`'s
+# own (run/flags.py's preset); --down-mode auto gives them the compressed downlink back
+# (drift bound down_drift).
+SPARSE_DEFAULTS: dict[str, Any] = {
+    k: PRESETS["demo"]["run"][k]
+    for k in ("optimizer_at", "down_mode", "down_drift", "down_values")}
 
 
 def paper_experiments(groups: int) -> list[Experiment]:
@@ -270,7 +273,7 @@ def local_steps_experiments(gssp: dict[str, Any]) -> list[Experiment]:
     ]
 
 
-F16_DOWN = "+f16down"  # the best row whose exact downlink sends float16 values
+F32_DOWN = "+f32down"  # the best row whose exact downlink sends float32 values (the control)
 DENSE_END = {"dense_end_fraction": 0.25, "dense_end_factor": 4.0}  # 4x the ratio at the end
 _F, _X = DENSE_END["dense_end_fraction"], DENSE_END["dense_end_factor"]
 DENSE_END_BYTES = 1 - _F + _F * (_X - 1) / math.log(_X)  # its mean ratio multiplier (1.29)
@@ -282,9 +285,10 @@ def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:
     quarter of the run, as the cosine lr decays), its control at the same upload bytes (a
     flat ratio ``DENSE_END_BYTES`` x ``RATIO``, the downlink kept at ``RATIO``), and DGC's
     warm-up over 5% of the run with the optimizer on the workers (the ablation measured it
-    only with masking and clipping), and the exact downlink's updates with float16 values
-    (``+f16down``: 2 bytes a value instead of 4; the workers then hold the weights to float16's
-    rounding). The compressed downlink is ``--down-mode both``'s twin."""
+    only with masking and clipping), and the exact downlink's updates with float32 values
+    (``+f32down``: 4 bytes a value instead of the default's 2; the workers then hold the
+    weights bit for bit, not to float16's rounding). The compressed downlink is
+    ``--down-mode both``'s twin."""
     opts = best.overrides["compressor_opts"]
     return [
         Experiment(best.label + "+dense-end", {
@@ -295,7 +299,7 @@ def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:
         Experiment(best.label + "+warmup", {
             **best.overrides, "compressor_opts": {**opts, "warmup_fraction": 0.05}},
                    part="compression"),
-        Experiment(best.label + F16_DOWN, {**best.overrides, "down_values": "f16"},
+        Experiment(best.label + F32_DOWN, {**best.overrides, "down_values": "f32"},
                    part="compression"),
     ]
 

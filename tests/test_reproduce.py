@@ -474,15 +474,19 @@ def test_down_mode_both_puts_each_minips_row_beside_its_twin(tmp_path):
     assert args.down_mode == "both"
 
 
-def test_the_link_suites_f16down_row_runs_the_exact_downlink_with_float16_values(tmp_path):
-    """The best row's ``+f16down`` twin differs from it only in the downlink's values."""
+def test_the_link_suites_sparse_rows_send_float16_downlink_values_and_f32down_is_the_control(
+        tmp_path):
+    """Sparse rows take ``make demo``'s exact downlink with float16 values; the best row's
+    ``+f32down`` twin differs from it only in those values."""
     for name in ("link", "link5"):
         (suite,) = reproduce.suites_for(name)
         rows = {e.label: e for e in suite.experiments}
         best = rows["gssp+gdtopk-slower-less"]
-        twin = rows["gssp+gdtopk-slower-less" + reproduce.F16_DOWN]
-        plain = reproduce._launch_config(suite, best, 0, tmp_path).run
-        half = reproduce._launch_config(suite, twin, 0, tmp_path).run
-        assert (plain.down_mode, plain.down_values) == ("exact", "f32")
+        twin = rows["gssp+gdtopk-slower-less" + reproduce.F32_DOWN]
+        half = reproduce._launch_config(suite, best, 0, tmp_path).run
+        full = reproduce._launch_config(suite, twin, 0, tmp_path).run
         assert (half.down_mode, half.down_values) == ("exact", "f16")
-        assert replace(half, down_values="f32") == plain
+        assert (full.down_mode, full.down_values) == ("exact", "f32")
+        assert replace(full, down_values="f16") == half
+        lbbsp = reproduce._launch_config(suite, rows["lbbsp+topk"], 0, tmp_path).run
+        assert (lbbsp.down_mode, lbbsp.down_values) == ("exact", "f16")

@@ -97,7 +97,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "down_values": "f16", "optimizer_at": "worker", "down_drift": 0.03,
                 # the exact downlink: higher and sooner to 85% than the compressed one, on
                 # the LAN and behind links (docs/results.md, "Compressed rows at DDP's
-                # accuracy"); --down-mode auto gives the compressed one (f16, within 3%)
+                # accuracy"), its values in float16 (down_values: a quarter fewer bytes,
+                # level, "The exact downlink's values in float16"); --down-mode auto gives
+                # the compressed one (f16, within 3%)
                 "down_mode": "exact"},
         "slowdowns": [1, 1, 1.5, 1.5, 2, 2, 4, 4],
     },
