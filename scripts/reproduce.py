@@ -658,7 +658,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
     """--epochs / --lr / --lr-schedule / --momentum / --optimizer-at / --base-step /
     --sync-every / --group-momentum / --seeds (tuning and partial reruns), --link /
-    --link-shaping (every run of the suite). A larger --epochs makes the wall cap as many
+    --link-shaping (every run of the suite), --down-values (every sparse row, its
+    ``+f32down`` control too). A larger --epochs makes the wall cap as many
     times longer."""
     if args.epochs is not None and args.epochs > suite.run["epochs"] and "wall_s" in suite.run:
         # the wall cap stays as far above the run's time as it was: it grows with the budget
@@ -677,6 +678,9 @@ def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
         suite.link_shaping = args.link_shaping
     if args.time_scale != 1.0:
         stretch_time(suite, args.time_scale)
+    if args.down_values is not None:  # the rows that name their downlink's values: sparse ones
+        suite.experiments = [replace(e, overrides={**e.overrides, "down_values": args.down_values})
+                             if "down_values" in e.overrides else e for e in suite.experiments]
     with_downlink(suite, args.down_mode)
 
 
@@ -780,6 +784,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(default) or of the cluster (every experiment)")
     p.add_argument("--optimizer-at", choices=OPTIMIZER_PLACES,
                    help="where SGD runs in every experiment: server (default) or worker")
+    p.add_argument("--down-values", choices=("f32", "f16"),
+                   help="the values of every sparse row's downlink updates: f16 (the presets' "
+                   "default since 2026-12-04 evening) or f32 (as the runs before it sent)")
     p.add_argument("--down-mode", choices=("auto", "exact", "both"),
                    help="how PULLs are answered in every minips run: auto (the compressed "
                    "downlink of the sparse rows), exact (the changes since, "

@@ -490,3 +490,20 @@ def test_the_link_suites_sparse_rows_send_float16_downlink_values_and_f32down_is
         assert replace(full, down_values="f16") == half
         lbbsp = reproduce._launch_config(suite, rows["lbbsp+topk"], 0, tmp_path).run
         assert (lbbsp.down_mode, lbbsp.down_values) == ("exact", "f16")
+
+
+def test_down_values_f32_gives_every_sparse_row_the_float32_downlink_of_the_earlier_runs(
+        tmp_path):
+    """--down-values f32 reruns a sparse row as the runs before the float16 default sent it;
+    dense rows and DDP are untouched."""
+    (suite,) = reproduce.suites_for("link")
+    before = {e.label: e for e in suite.experiments}
+    reproduce._apply_overrides(suite, reproduce._parser().parse_args(
+        ["--link-suite", "--down-values", "f32"]))
+    for exp in suite.experiments:
+        run = None if exp.ddp_hook else reproduce._launch_config(suite, exp, 0, tmp_path).run
+        if "down_values" in before[exp.label].overrides:
+            assert run.down_values == "f32", exp.label
+        else:
+            assert exp == before[exp.label], exp.label
+    assert "gssp+gdtopk-slower-less" in before and "lbbsp+topk" in before
