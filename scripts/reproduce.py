@@ -679,7 +679,7 @@ def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
     if args.time_scale != 1.0:
         stretch_time(suite, args.time_scale)
     if args.down_values is not None:  # the rows that name their downlink's values: sparse ones
-        suite.experiments = [replace(e, overrides={**e.overrides, "down_values": args.down_values})
+        suite.experiments = [_overriding(e, down_values=args.down_values)
                              if "down_values" in e.overrides else e for e in suite.experiments]
     with_downlink(suite, args.down_mode)
 
@@ -698,8 +698,8 @@ def with_downlink(suite: Suite, mode: str | None) -> None:
     leaves the suite as it is."""
     if mode in ("exact", "auto"):
         suite.run["down_mode"] = mode
-        suite.experiments = [e if e.ddp_hook else replace(
-            e, overrides={**e.overrides, "down_mode": mode}) for e in suite.experiments]
+        suite.experiments = [e if e.ddp_hook else _overriding(e, down_mode=mode)
+                             for e in suite.experiments]
     elif mode == "both":
         suite.experiments = [twin for e in suite.experiments
                              for twin in ([e] if e.ddp_hook else [e, _other_downlink(suite, e)])]
@@ -709,8 +709,14 @@ def _other_downlink(suite: Suite, exp: Experiment) -> Experiment:
     """``exp`` with the other downlink: exact for a row that answers PULLs ``auto``, and the
     other way round."""
     exact = exp.overrides.get("down_mode", suite.run.get("down_mode", "auto")) == "exact"
-    return replace(exp, label=exp.label + (COMPRESSED if exact else EXACT),
-                   overrides={**exp.overrides, "down_mode": "auto" if exact else "exact"})
+    return replace(_overriding(exp, down_mode="auto" if exact else "exact"),
+                   label=exp.label + (COMPRESSED if exact else EXACT))
+
+
+def _overriding(exp: Experiment, **changes: Any) -> Experiment:
+    """``exp`` with ``changes`` on top of its RunConfig overrides (a new Experiment: suites
+    share their rows' dicts, so none is written to)."""
+    return replace(exp, overrides={**exp.overrides, **changes})
 
 
 def stretch_time(suite: Suite, k: float) -> None:
