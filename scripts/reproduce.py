@@ -279,6 +279,10 @@ _F, _X = DENSE_END["dense_end_fraction"], DENSE_END["dense_end_factor"]
 DENSE_END_BYTES = 1 - _F + _F * (_X - 1) / math.log(_X)  # its mean ratio multiplier (1.29)
 
 
+XCHG_RATIOS = (0.02, 0.04)  # the group <-> global exchange denser than the upload's 1%
+GDTOPK_ALPHAS = (0.5, 2.0)  # GDTopK's spread of the groups' ratios (1: the default)
+
+
 def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:
     """The best per-step compressed row (``best``, GDTopK slower-less) tuned one piece at a
     time: a denser final phase (``DENSE_END``: the kept fraction rising to 4x over the last
@@ -287,8 +291,11 @@ def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:
     warm-up over 5% of the run with the optimizer on the workers (the ablation measured it
     only with masking and clipping), and the exact downlink's updates with float32 values
     (``+f32down``: 4 bytes a value instead of the default's 2; the workers then hold the
-    weights bit for bit, not to float16's rounding). The compressed downlink is
-    ``--down-mode both``'s twin."""
+    weights bit for bit, not to float16's rounding); the group <-> global exchange at 2% and
+    4% (``+xchg2%``, ``+xchg4%``: a group of two takes in up to 8% of the entries between two
+    exchanges and passes on 1% of them, the rest waiting in its residual); GDTopK's ratios
+    spread less and more between the groups (``+alpha0.5``, ``+alpha2``). The compressed
+    downlink is ``--down-mode both``'s twin."""
     opts = best.overrides["compressor_opts"]
     return [
         Experiment(best.label + "+dense-end", {
@@ -301,6 +308,10 @@ def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:
                    part="compression"),
         Experiment(best.label + F32_DOWN, {**best.overrides, "down_values": "f32"},
                    part="compression"),
+        *(Experiment(f"{best.label}+xchg{round(100 * r)}%", {**best.overrides, "xchg_ratio": r},
+                     part="compression") for r in XCHG_RATIOS),
+        *(Experiment(f"{best.label}+alpha{a:g}", {**best.overrides, "gdtopk_alpha": a},
+                     part="compression") for a in GDTOPK_ALPHAS),
     ]
 
 

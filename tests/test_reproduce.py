@@ -492,6 +492,22 @@ def test_the_link_suites_sparse_rows_send_float16_downlink_values_and_f32down_is
         assert (lbbsp.down_mode, lbbsp.down_values) == ("exact", "f16")
 
 
+def test_the_exchange_and_alpha_rows_differ_from_the_best_row_in_that_one_setting(tmp_path):
+    """``+xchg2%`` / ``+xchg4%`` change only the group <-> global exchange's kept fraction (the
+    best row's is its upload ratio, 1%), ``+alpha0.5`` / ``+alpha2`` only GDTopK's spread."""
+    (suite,) = reproduce.suites_for("link")
+    rows = {e.label: e for e in suite.experiments}
+    best = reproduce._launch_config(suite, rows["gssp+gdtopk-slower-less"], 0, tmp_path).run
+    assert best.xchg_ratio is None and best.gdtopk_alpha == 1.0
+    for suffix, field, value in (("+xchg2%", "xchg_ratio", 0.02), ("+xchg4%", "xchg_ratio", 0.04),
+                                 ("+alpha0.5", "gdtopk_alpha", 0.5),
+                                 ("+alpha2", "gdtopk_alpha", 2.0)):
+        run = reproduce._launch_config(
+            suite, rows["gssp+gdtopk-slower-less" + suffix], 0, tmp_path).run
+        assert getattr(run, field) == value
+        assert replace(run, **{field: getattr(best, field)}) == best
+
+
 def test_down_values_f32_gives_every_sparse_row_the_float32_downlink_of_the_earlier_runs(
         tmp_path):
     """--down-values f32 reruns a sparse row as the runs before the float16 default sent it;
