@@ -77,6 +77,8 @@ def test_summarize_hand_written_run(tmp_path):
     assert s["mean_staleness"] == pytest.approx(5 / 15)
     assert s["max_staleness"] == 1
     assert s["mean_wait_s"] == pytest.approx(0.2 * 5 / 15)
+    # 10 steps of 0.1 s and 5 of 0.2 s, over 2 workers x 6 s of training
+    assert s["compute_share"] == pytest.approx(2.0 / 12.0)
     assert s["mean_kept_fraction"] == pytest.approx(0.01)
     assert s["bytes_raw"] == 15 * 4000 and s["regroups"] == 1 and s["eval_points"] == 4
     assert s["samples_per_s"] == pytest.approx(1280 / 6.0)
@@ -86,6 +88,22 @@ def test_summarize_hand_written_run(tmp_path):
     assert s["per_worker"]["0"]["waited_for_by_others"] == 0
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk == s
+
+
+def test_the_compute_share_counts_each_local_step_and_is_none_without_worker_files(tmp_path):
+    """A push of H local steps reports the mean step: it counts H times. Without worker files
+    no share is claimed."""
+    (tmp_path / "local").mkdir()
+    (tmp_path / "servers").mkdir()
+    run = make_run(tmp_path / "local")
+    _lines(run / "worker-0.jsonl", [{**_push(0, 0, 0.5 * c, c, 0, 0.0), "local_steps": 4}
+                                    for c in range(1, 11)])  # 10 pushes of 4 steps of 0.1 s
+    s = summarize(run, write=False)
+    assert s["compute_share"] == pytest.approx((4.0 + 1.0) / 12.0)
+    run = make_run(tmp_path / "servers")
+    for f in run.glob("worker-*.jsonl"):
+        f.unlink()
+    assert summarize(run, write=False)["compute_share"] is None
 
 
 def test_a_server_without_worker_files_counts_samples_from_its_merges(tmp_path: Path) -> None:

@@ -505,6 +505,19 @@ def _between_groups(merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, dic
     return out
 
 
+def _compute_share(run: Run, train: float | None) -> float | None:
+    """The share of the workers' training time spent in their steps: the step times their
+    records report (``step_time`` x ``local_steps``: an emulated step, or the measured compute)
+    over workers x ``train_s``. The rest went to waits, pushes and pulls: a mode whose workers
+    never waited and whose messages took no time would reach its samples ``1 / share`` times
+    sooner. None without worker files."""
+    if not run.workers or not train:
+        return None
+    busy = sum(num(r.get("step_time")) * (num(r.get("local_steps")) or 1)
+               for recs in run.workers.values() for r in recs if num(r.get("step_time")))
+    return busy / (len(run.workers) * train)
+
+
 def _per_worker(run: Run, merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per worker: group, steps, mean wait and staleness, and how often others waited for it;
     without worker files, what the servers saw (``_seen_by_servers``)."""
@@ -539,6 +552,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     (seconds from the training start), mean_staleness, max_staleness (inside a group),
     between_groups ({group: mean_missed, max_missed, mean_base_age_s, max_base_age_s}: the
     staleness between groups of its merged exchanges, ``_between_groups``), mean_wait_s,
+    compute_share (the workers' step times over workers x train_s, ``_compute_share``),
     mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
     mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}; without worker files in
     the run directory, from the global server's merge lines: steps are the PULLs its group
@@ -572,6 +586,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "mean_staleness": _mean(staleness), "max_staleness": max(staleness, default=None),
         "between_groups": _between_groups(merges),
         "mean_wait_s": _mean(_values(pushes, "wait_s")),
+        "compute_share": _compute_share(run, train),
         "mean_kept_fraction": _mean(_values(pushes, "kept_fraction")),
         "steps": len(pushes) or sum(int(r.get("pushes") or 0)
                                     for recs in merges.values() for r in recs),
