@@ -297,21 +297,17 @@ def compressed_tuning_experiments(best: Experiment) -> list[Experiment]:
     spread less and more between the groups (``+alpha0.5``, ``+alpha2``). The compressed
     downlink is ``--down-mode both``'s twin."""
     opts = best.overrides["compressor_opts"]
+
+    def tuned(suffix: str, **changes: Any) -> Experiment:
+        return Experiment(best.label + suffix, {**best.overrides, **changes}, part="compression")
+
     return [
-        Experiment(best.label + "+dense-end", {
-            **best.overrides, "compressor_opts": {**opts, **DENSE_END}}, part="compression"),
-        Experiment(best.label + "@1.3%", {
-            **best.overrides, "ratio": round(DENSE_END_BYTES * RATIO, 4), "down_ratio": RATIO},
-                   part="compression"),
-        Experiment(best.label + "+warmup", {
-            **best.overrides, "compressor_opts": {**opts, "warmup_fraction": 0.05}},
-                   part="compression"),
-        Experiment(best.label + F32_DOWN, {**best.overrides, "down_values": "f32"},
-                   part="compression"),
-        *(Experiment(f"{best.label}+xchg{round(100 * r)}%", {**best.overrides, "xchg_ratio": r},
-                     part="compression") for r in XCHG_RATIOS),
-        *(Experiment(f"{best.label}+alpha{a:g}", {**best.overrides, "gdtopk_alpha": a},
-                     part="compression") for a in GDTOPK_ALPHAS),
+        tuned("+dense-end", compressor_opts={**opts, **DENSE_END}),
+        tuned("@1.3%", ratio=round(DENSE_END_BYTES * RATIO, 4), down_ratio=RATIO),
+        tuned("+warmup", compressor_opts={**opts, "warmup_fraction": 0.05}),
+        tuned(F32_DOWN, down_values="f32"),
+        *(tuned(f"+xchg{round(100 * r)}%", xchg_ratio=r) for r in XCHG_RATIOS),
+        *(tuned(f"+alpha{a:g}", gdtopk_alpha=a) for a in GDTOPK_ALPHAS),
     ]
 
 
