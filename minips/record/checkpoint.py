@@ -21,13 +21,19 @@ state at one instant, as consistent as a snapshot taken in one call on the loop,
 loop copying every array first (~8 ms per ResNet-18-sized vector, 13 of them with four
 in-process groups). The parent pays the fork (~2 ms for 600 MB of arrays: page tables) and,
 while the child lives, one page copy the first time it writes a page. The child closes the
-server's sockets and files and dies with the server (Linux), as a writing thread would. Where
-there is no fork (Windows) the state is taken on the loop and written in a thread, as before.
+server's sockets and files and ends with the server (Linux): its parent's death is a SIGTERM
+to it, on which it deletes its temporary file and exits, so a server killed mid-checkpoint
+leaves no temporary file behind. Where there is no fork (Windows) the state is taken on the loop
+and written in a thread, as before.
 
 Invariants: ``load(save(p, s)) == s`` for maps of str keys, JSON scalars, lists and arrays;
-``save`` never leaves a partial file under the final name. A writer killed mid-write leaves its
-temporary file (``.NAME.tmpPID``); ``remove_stale_temps`` deletes those of dead PIDs (the
-global server calls it when it starts).
+``save`` never leaves a partial file under the final name. A writer that can still run code
+(SIGTERM, SIGINT, its parent's death) deletes its temporary file (``.NAME.tmpPID``); one killed
+outright (SIGKILL, power loss) leaves it, and ``remove_stale_temps`` deletes those whose writer
+is gone: no process of that PID, a zombie (an orphan its new parent has not reaped yet), or a
+process started after the file was last written (the PID was reused). The global server calls
+it when it starts (fresh or resumed), and every ``save`` calls it before writing, so a temporary
+file whose writer was still dying at start-up goes at the next checkpoint.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ META = "__meta__"  # archive member that holds the JSON map
 REAP_POLL_S = 0.005  # after the child's pipe closed, how often to look whether it has exited
 MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 4096  # fds a child closes
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>: a signal for this process when its parent dies
+ZOMBIE_STATES = ("Z", "X")  # /proc/PID/stat states of a process that has ended
+START_SLACK_S = 2.0  # a process start time from /proc is known to ~1 s (boot time's rounding)
 
 
 def _split(obj: Any, path: str, arrays: dict[str, np.ndarray]) -> Any:
@@ -88,6 +96,7 @@ def save(path: str | Path, state: dict[str, Any]) -> int:
     path = Path(path)
     arrays: dict[str, np.ndarray] = {}
     meta = json.dumps(_split(state, "", arrays)).encode()
+    remove_stale_temps(path)  # of writers killed before us (cheap: one glob)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -121,6 +130,8 @@ async def save_in_child(path: str | Path, take_state: Callable[[], dict[str, Any
     finally:
         os.close(r)
         status = await _reap(pid)
+    if status != 0:  # killed before it could clean up (SIGKILL): its temporary file goes here
+        _temp_of(path, pid).unlink(missing_ok=True)
     if status != 0 or not said.isdigit():
         raise OSError(f"checkpoint {path}: the writing process failed ({said or status})")
     return int(said)
@@ -133,8 +144,8 @@ def _child(path: str | Path, take_state: Callable[[], dict[str, Any]], w: int,
     code = 1
     try:
         signal.set_wakeup_fd(-1)  # our signals must not wake the parent's event loop
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # end through save's cleanup: no temp left
+            signal.signal(sig, _exit_on_signal)
         _leave_parent_alone(w, parent)
         said, code = str(save(path, take_state())), 0
     except BaseException as exc:  # noqa: BLE001 - whatever it was, the parent hears of it
@@ -145,16 +156,22 @@ def _child(path: str | Path, take_state: Callable[[], dict[str, Any]], w: int,
         os._exit(code)
 
 
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    """SIGTERM / SIGINT in the writing child (its parent's death included): unwind, so that
+    ``save`` deletes its temporary file, then ``_child`` exits."""
+    raise SystemExit(128 + signum)
+
+
 def _leave_parent_alone(keep: int, parent: int) -> None:
     """Hold none of the server's sockets (a server restarted at once could not bind its port
-    while we held its listening one) and die with it: a checkpoint of a dead server must not
-    land after a new one read the file (Linux; it then stays a temporary file, removed at the
-    next start)."""
+    while we held its listening one) and end with it: a checkpoint of a dead server must not
+    land after a new one read the file. Its death is a SIGTERM to us (Linux; the handler is
+    already in place), which deletes our temporary file on the way out."""
     os.closerange(3, keep)
     os.closerange(keep + 1, MAX_FD)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # no libc symbol: as elsewhere
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0,
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0,
                                                     0, 0)
     if os.getppid() != parent:  # it died before we asked
         os._exit(1)
@@ -191,26 +208,49 @@ async def _reap(pid: int) -> int:
 
 def remove_stale_temps(path: str | Path) -> list[Path]:
     """Delete the temporary files of ``save`` calls that never finished (``.NAME.tmpPID`` next
-    to ``path`` whose PID no longer runs: killed mid-write); return them. A live PID's file is
-    kept: some process may still be writing it."""
+    to ``path`` whose writer is gone: killed mid-write); return them. A live writer's file is
+    kept: it may still be writing it."""
     path = Path(path)
     removed = []
     for tmp in path.parent.glob(f".{path.name}.tmp*"):
         pid = tmp.name.removeprefix(f".{path.name}.tmp")
-        if pid.isdigit() and not _running(int(pid)):
+        if pid.isdigit() and not _writing(int(pid), tmp):
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
 
 
-def _running(pid: int) -> bool:
+def _temp_of(path: str | Path, pid: int) -> Path:
+    """The temporary file process ``pid`` writes while it saves ``path``."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp{pid}")
+
+
+def _writing(pid: int, tmp: Path) -> bool:
+    """Whether process ``pid`` may still be writing ``tmp``: it runs, is no zombie, and (where
+    /proc tells) started before ``tmp`` was last written, so it is not a later process that
+    was given the same PID."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except PermissionError:  # another user's process: assume it is the writer
         return True
-    return True
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        started = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        written = tmp.stat().st_mtime
+    except (OSError, IndexError, ValueError):  # no /proc (not Linux), or it just ended
+        return True
+    return fields[0] not in ZOMBIE_STATES and started <= written + START_SLACK_S
+
+
+def _boot_time() -> float:
+    """Unix time this machine booted (/proc/stat's btime)."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    raise OSError("no btime in /proc/stat")
 
 
 def _fsync_dir(directory: Path) -> None:
