@@ -269,6 +269,31 @@ def test_architecture_md_reading_path_names_real_files():
         assert (ROOT / p).is_file(), f"architecture.md's reading path names {p}, not in the tree"
 
 
+def architecture_table() -> dict[str, set[str]]:
+    """docs/architecture.md's table of what each package imports: layer -> the layers it names
+    (`errors.py`, imported by all, is left out there)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("| package | imports |", 1)[1].split("\n\n", 1)[0]
+    out: dict[str, set[str]] = {}
+    for row in re.findall(r"^\| (.+?) \| (.+?) \|$", table, re.M):
+        named = {"minips." + n.strip("/").removesuffix(".py")
+                 for n in re.findall(r"`([\w./]+)`", row[1])}
+        for package in re.findall(r"`([\w./]+)`", row[0]):
+            out["minips." + package.strip("/").removesuffix(".py")] = named
+    return out
+
+
+def test_architecture_md_import_table_is_the_import_graph():
+    """The page says "exactly, each package imports these": computed here from the source, so
+    the page cannot go stale when a package gains or loses an arrow."""
+    table = architecture_table()
+    assert "minips.core" in table and "minips.wire" in table, sorted(table)
+    graph = {k: v - {"minips.errors"} for k, v in package_graph().items()
+             if k not in ("minips.errors", "minips.__main__")}
+    assert table == graph, {k: (sorted(table.get(k, ())), sorted(graph.get(k, ())))
+                            for k in set(table) | set(graph) if table.get(k) != graph.get(k)}
+
+
 def test_the_public_api_is_explicit_and_light():
     code = ("import sys, minips; names = minips.__all__; "
             "assert 'torch' not in sys.modules, 'import minips pulled torch'; "
