@@ -18,7 +18,7 @@ from minips.core.config import RunConfig
 from minips.errors import ConfigError
 from minips.record.metrics import HOPS
 from minips.record.rundir import read_jsonl
-from minips.sim.simulate import SimConfig, Simulation, simulate
+from minips.sim.simulate import SimConfig, Simulation, report, simulate
 from minips.sim.timing import Failure, Links, Quadratic, parse_failures
 
 SLOW = [1, 1, 1.5, 1.5, 2, 2, 4, 4]
@@ -316,6 +316,39 @@ def test_a_trace_of_numpy_scalars_is_simulated_as_plain_floats() -> None:
     from minips.sim.timing import StepTimes
 
     steps = StepTimes([np.float64(0.05)], 0.0, [[np.float64(0.04), np.float64(0.06)]])
-    rng = np.random.default_rng(0)
-    got = [steps.next(0, rng) for _ in range(3)]
+    got = [steps.next(0) for _ in range(3)]
     assert got == [0.04, 0.06, 0.05] and all(type(x) is float for x in got)
+
+
+def _equal_speeds(tmp_path: Path, mode: str, jitter: float, name: str) -> dict:
+    run = RunConfig(workers=4, mode=mode, staleness=3, lr=0.05, lr_warmup=0,
+                    dataset="synthetic", epochs=100, base_step_s=0.04)
+    return simulate(SimConfig(run=run, slowdowns=[1.0], jitter=jitter, dim=200,
+                              max_pushes=400, out_dir=str(tmp_path), name=name))
+
+
+def test_jitter_makes_staleness_visible_with_equal_speeds(tmp_path: Path) -> None:
+    """Four workers of one speed: without jitter they push in lock-step and SSP shows no
+    staleness (by construction, and the report says why); with 10% jitter they drift apart
+    within the bound, while BSP stays at 0 and waits instead."""
+    still = _equal_speeds(tmp_path, "ssp", 0.0, "still")
+    drift = _equal_speeds(tmp_path, "ssp", 0.1, "drift")
+    rounds = _equal_speeds(tmp_path, "bsp", 0.1, "rounds")
+    assert still["mean_staleness"] == 0 and still["mean_wait_s"] == 0
+    assert 0.5 < drift["mean_staleness"] <= 3 and drift["max_staleness"] <= 3
+    assert rounds["mean_staleness"] == 0 and rounds["mean_wait_s"] > 0
+    assert rounds["sim_s"] > 1.05 * drift["sim_s"]  # a round waits for its slowest draw
+    assert "0 by construction" in report(still, [])
+    assert "0 by construction" not in report(drift, []) + report(rounds, [])
+
+
+def test_jitter_moves_when_a_step_ends_not_what_it_computes(tmp_path: Path) -> None:
+    """The jitter draws from streams of its own: BSP with jitter ends with the weights of
+    BSP without it (synchronous SGD either way), only later."""
+    plain = _equal_speeds(tmp_path, "bsp", 0.0, "plain")
+    shaken = _equal_speeds(tmp_path, "bsp", 0.2, "shaken")
+    assert shaken["sim_s"] > plain["sim_s"]
+    # the same SGD steps; only the order of a round's sum may differ (float32 rounding)
+    np.testing.assert_allclose(np.load(tmp_path / "shaken" / "final_weights.npy"),
+                               np.load(tmp_path / "plain" / "final_weights.npy"),
+                               rtol=1e-5, atol=1e-6)

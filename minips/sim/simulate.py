@@ -55,7 +55,7 @@ import numpy as np
 
 from minips.core import global_core
 from minips.core.actions import Log
-from minips.core.config import RunConfig
+from minips.core.config import MODES, RunConfig, policy
 from minips.core.exchange import ExchangeResult, exchange_message
 from minips.core.global_core import GlobalCore
 from minips.core.group_core import (
@@ -77,7 +77,7 @@ from minips.wire import control, messages
 from minips.wire.frames import wire_size
 
 __all__ = ["SimConfig", "per_worker", "shard_size", "SimGlobal", "SimGroup", "SimPeer",
-           "Simulation", "simulate", "HEADLINE", "objective_note", "report"]
+           "Simulation", "simulate", "HEADLINE", "objective_note", "lockstep_note", "report"]
 
 
 @dataclass
@@ -92,7 +92,9 @@ class SimConfig:
     # F(t) / F(0) x samples / batch_size (LB-BSP's batch: WEIGHTS.batch); [] = flat
     schedules: list[Schedule] = field(default_factory=list)
     throttle: str = ""  # P,MIN-MAX,SECONDS random throttling of every worker; "" = none
-    jitter: float = 0.0  # relative spread of a step's compute time
+    # relative spread of a step's compute time; 0: workers of one speed stay in lock-step,
+    # so their staleness is 0 by construction (the labs of docs/course/ take 0.1)
+    jitter: float = 0.0
     rate: float = 0.0  # link bytes per second each way per worker (0: no limit)
     latency_s: float = 0.0  # one way, per message
     latency_jitter_s: float = 0.0  # plus this times |N(0, 1)|
@@ -250,7 +252,7 @@ class Simulation:
         n_w, size = self.run.workers, self.objective.size
         self.step_s = (per_worker(cfg.step_times, n_w) if cfg.step_times else
                        [self.run.base_step_s * f for f in per_worker(cfg.slowdowns, n_w)])
-        self.steps = StepTimes(self.step_s, cfg.jitter, cfg.step_traces)
+        self.steps = StepTimes(self.step_s, cfg.jitter, cfg.step_traces, self.run.seed)
         throttle = parse_throttle(cfg.throttle) if cfg.throttle else None
         self.speeds = [Slowdown(cfg.schedules[w] if w < len(cfg.schedules) else Schedule(),
                                 throttle, seed=self.run.seed, worker=w) for w in range(n_w)]
@@ -396,7 +398,7 @@ class Simulation:
         weights: np.ndarray | None = step.weights
         total = 0.0  # the step's H computations, before the slowdown and the batch's share
         while weights is not None:
-            total += self.steps.next(w, self.rngs[w])
+            total += self.steps.next(w)
             grad, loss = self.objective.gradient(w, weights, self.rngs[w])
             weights = core.on_gradient(grad, loss, samples)
         seconds = total * scale * (samples / self.run.batch_size)
@@ -493,7 +495,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     np.save(run_dir / "final_weights.npy", sim.glob.core.weights)
     summary = summarize(run_dir)
     # sim_s: simulated training, the groups (t = 0) to the budget spent, as train_s counts it
-    summary.update(run_dir=str(run_dir), pushes=sim.pushes,
+    summary.update(run_dir=str(run_dir), pushes=sim.pushes, jitter=cfg.jitter,
                    sim_s=summary["train_s"], real_s=time.perf_counter() - started)
     dump_json(run_dir / "summary.json", summary)  # with them
     return summary
@@ -517,6 +519,16 @@ def objective_note(run: RunConfig, real: bool, dim: int) -> str:
             f"a loss but no accuracy{named}")
 
 
+def lockstep_note(summary: dict[str, Any]) -> str:
+    """Why a bounded or unbounded mode shows no staleness: without jitter, workers of one
+    speed push in lock-step (an empty string when that is not the reason)."""
+    mode = summary.get("mode")
+    if (summary.get("jitter") != 0 or summary.get("mean_staleness") != 0
+            or mode not in MODES or policy(mode).bound == "zero"):
+        return ""
+    return " (0 by construction: no --jitter, so workers of one speed stay in step)"
+
+
 def report(summary: dict[str, Any], plots: list[str]) -> str:
     """The summary's figures, named, in a few lines (``minips local``'s last lines' shape)."""
     s = summary
@@ -529,12 +541,13 @@ def report(summary: dict[str, Any], plots: list[str]) -> str:
     end = (f"final accuracy {acc:.4f}" if acc is not None
            else f"final loss {fig('final_loss', '.4g')} (no accuracy: synthetic objective)")
     wait = None if s.get("mean_wait_s") is None else 1e3 * s["mean_wait_s"]
+    staleness = fig('mean_staleness', '.2f', ' steps') + lockstep_note(s)
     lines = [
         f"minips simulate: {s.get('mode')}/{s.get('compressor')}, {s.get('workers') or 0:,} "
         f"workers in {s.get('groups')} groups: {fig('sim_s', '.2f', ' s')} of simulated training "
         f"(computed in {fig('real_s', '.1f', ' s')})",
         f"  pushes {s.get('pushes') or 0:,}, samples {int(s.get('samples') or 0):,}, "
-        f"mean staleness {fig('mean_staleness', '.2f', ' steps')}, mean wait "
+        f"mean staleness {staleness}, mean wait "
         f"{'-' if wait is None else f'{wait:.1f} ms'}, bytes (every hop) "
         f"{(s.get('bytes_total') or 0) / 1e6:.2f} MB, {end}",
         f"  run directory: {s.get('run_dir')}",

@@ -12,7 +12,11 @@ The file holds, in order:
   base_step_s``, or a time measured on a real run), times ``1 + jitter·N(0, 1)``, never under a
   tenth of it; or, given a trace per worker (the step times a real run measured,
   ``scripts/compare_simulate.py``), its k-th step takes the trace's k-th time (past the trace's
-  end: ``step_s[w]``, jittered);
+  end: ``step_s[w]``, jittered). The jitter draws from random streams of its own (one a
+  worker, from the seed), never from the workers' gradient streams: it moves *when* a step
+  ends, not *what* it computes, so a BSP run gives the same weights with or without it.
+  Without jitter, workers of one speed stay in lock-step and their staleness is 0 by
+  construction;
 - **links** (``Links``): each worker has one link; a message waits until the link is free,
   takes ``bytes / rate`` on it (rate in bytes/s, 0 = no limit), then ``latency_s`` plus
   ``latency_jitter_s·|N(0, 1)|`` to arrive, never before the link's previous message
@@ -84,26 +88,32 @@ def parse_failures(text: str) -> list[Failure]:
     return out
 
 
+JITTER_STREAM = 0x6A17  # names the jitter's random streams apart from the gradients' (seed, w)
+
+
 class StepTimes:
     """Each worker's compute time per step: ``base`` jittered, or its trace while it lasts."""
 
     def __init__(self, base: list[float], jitter: float,
-                 traces: list[list[float]] | None = None) -> None:
+                 traces: list[list[float]] | None = None, seed: int = 0) -> None:
         self.base, self.jitter = [float(b) for b in base], jitter
         # plain floats: a trace of numpy scalars would reach the PUSH records (and the
         # messages' checks, which take Python numbers only) as numpy scalars
         self.traces = [[float(x) for x in t] for t in traces] if traces else [[] for _ in base]
         self.steps = [0] * len(base)  # steps drawn so far, per worker
+        # one stream a worker, its own: the jitter never shifts a worker's gradient draws
+        self.rngs = [np.random.default_rng((seed, JITTER_STREAM, w)) for w in range(len(base))]
 
-    def next(self, w: int, rng: np.random.Generator) -> float:
-        """Worker ``w``'s next step (a draw from ``rng`` only when jittered)."""
+    def next(self, w: int) -> float:
+        """Worker ``w``'s next step (a draw from its jitter stream only when jittered)."""
         k, trace = self.steps[w], self.traces[w]
         self.steps[w] += 1
         if k < len(trace):
             return trace[k]
         if not self.jitter:
             return self.base[w]
-        return max(0.1 * self.base[w], self.base[w] * (1 + self.jitter * rng.standard_normal()))
+        spread = 1 + self.jitter * float(self.rngs[w].standard_normal())
+        return max(0.1 * self.base[w], self.base[w] * spread)
 
 
 class Links:
