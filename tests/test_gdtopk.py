@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from minips.compress.ratios import EPS, SPREAD, IterTimer, RatioPolicy
+from minips.compress.ratios import EPS, SPREAD, RatioPolicy
 
 TARGET = 0.01
 
@@ -21,19 +21,6 @@ def mean(ratios: dict[int, float], workers: dict[int, int], times: dict[int, flo
 
 def policy(direction: str = "slower-more", **kw: float) -> RatioPolicy:
     return RatioPolicy(TARGET, direction=direction, **kw)
-
-
-def test_iter_timer_averages_each_worker_then_the_workers() -> None:
-    t = IterTimer()
-    assert t.take() == 0.0  # nothing measured
-    for now in (0.0, 1.0, 2.0, 3.0):  # worker 0: every second, three intervals
-        t.push(0, now)
-    t.push(1, 0.5)
-    t.push(1, 3.5)  # worker 1: one interval of 3 s
-    assert t.take() == pytest.approx((1.0 + 3.0) / 2)  # per worker, not per interval (1.5)
-    assert t.take() == 0.0  # reset by take
-    t.push(0, 5.0)  # the interval runs on from worker 0's last push
-    assert t.take() == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("direction", ["slower-more", "slower-less"])

@@ -6,8 +6,8 @@
 - plug-ins: ``dense`` (``none``, ``fp16``), ``topk`` (``topk``, ``dgc`` and its warm-up,
   ``gdtopk``, ``randomk``), ``losscomp``; ``registry`` names them (``make_compressor``); the top-k
   they share is ``selection`` (``TopKSelector``, with its tuning);
-- ``ratios``: GDTopK's server side (``IterTimer`` for a group, ``RatioPolicy`` for the global
-  server, ``gdtopk_ratios``);
+- ``ratios``: GDTopK's server side (``RatioPolicy`` for the global server, ``gdtopk_ratios``;
+  the groups' iteration times it reads are ``core/ssp.py``'s ``Iterations``);
 - ``device_compress``: the torch twins (``TorchTopK``, ``DeviceArrays``) that put selection and
   error feedback on the worker's device (the only module here that imports torch; nothing
   imports it from this package's ``__init__``).

@@ -1,20 +1,22 @@
 """GDTopK's server-side part: each group's upload ratio from its measured iteration time
-(sans-IO: no asyncio, no sockets, no clock; time comes in as ``now``). The group servers use
-``IterTimer``, the global server ``RatioPolicy`` (``GDTopKCompressor.ratio_policy`` builds it).
+(sans-IO: no asyncio, no sockets, no clock; time comes in as ``now``). The global server runs
+``RatioPolicy`` (``GDTopKCompressor.ratio_policy`` builds it).
 
-The quantity. A group server measures its *iteration time*: the wall time between consecutive
-pushes of the same worker (compute, communication and waiting for the SSP bound together),
-averaged per worker over the pushes since its last exchange, then over its workers
-(``IterTimer``). It reports it with every exchange (stats field ``iter_time``). Compute-only step
-times would miss what GDTopK is about: a group whose link is slow iterates slowly too.
+The quantity. A group server measures each worker's *iteration time*, the figure the grouping
+uses too: the wall time between consecutive pushes of the worker (its PULL, the weights over its
+link, compute, the push over its link) less the time the SSP bound held its PULL (waiting for the
+group's slowest is no part of its pace), averaged per worker over the pushes since its last
+exchange, then over its workers (``core/ssp.py``, ``Iterations``). It reports it with every
+exchange (stats field ``iter_time``). Compute-only step times would miss what GDTopK is about: a
+group whose link is slow iterates slowly too.
 
 The policy (``RatioPolicy``), run by the global server:
 
 1. Smoothing: an exponential moving average over time, ``ema_g += w * (iter_time - ema_g)``
    with ``w = 1 - exp(-dt / tau)`` for a report ``dt`` seconds after the group's previous one
    (``tau`` = 5 s): a fast group that exchanges ten times a second is smoothed over the same
-   seconds as a slow one. A group that has not reported yet uses the step time the grouping
-   saw (``seed``), replaced, not blended, by its first report.
+   seconds as a slow one. A group that has not reported yet uses the iteration time the
+   grouping saw (``seed``), replaced, not blended, by its first report.
 2. Shape: ``gdtopk_ratios`` with ``alpha``: ``slower-more`` gives a group
    ``floor * (t_g / t_fastest) ** alpha`` (slower groups, which push less often, send more per
    push), ``slower-less`` ``floor * (t_slowest / t_g) ** alpha`` (slower groups send less, to
@@ -37,7 +39,7 @@ from collections.abc import Mapping, Sequence
 
 from minips.errors import ConfigError
 
-__all__ = ["IterTimer", "RatioPolicy", "gdtopk_ratios", "SPREAD", "EPS", "EVERY_S", "TAU_S"]
+__all__ = ["RatioPolicy", "gdtopk_ratios", "SPREAD", "EPS", "EVERY_S", "TAU_S"]
 
 SPREAD = 10.0  # ratios stay within [target / SPREAD, target * SPREAD]
 EPS = 0.1  # relative change of some group's ratio that is worth sending new ratios
@@ -72,28 +74,6 @@ def gdtopk_ratios(
     return [min(hi, max(lo, floor * r**alpha)) for r in rel]
 
 
-class IterTimer:
-    """A group server's iteration times: ``push(w, now)`` at every push of worker ``w``;
-    ``take()`` the mean iteration time since the last ``take`` (0.0 when none was measured)."""
-
-    def __init__(self) -> None:
-        self.last: dict[int, float] = {}  # worker -> `now` of its last push
-        self.sums: dict[int, tuple[float, int]] = {}  # worker -> (seconds, intervals) since take
-
-    def push(self, w: int, now: float) -> None:
-        prev = self.last.get(w)
-        self.last[w] = now
-        if prev is not None and now > prev:
-            s, n = self.sums.get(w, (0.0, 0))
-            self.sums[w] = (s + now - prev, n + 1)
-
-    def take(self) -> float:
-        """Mean over the workers of each one's mean interval since the last call; resets."""
-        means = [s / n for s, n in self.sums.values()]
-        self.sums = {}
-        return sum(means) / len(means) if means else 0.0
-
-
 class RatioPolicy:
     """Per-group GDTopK ratios from smoothed iteration times (see the module docstring)."""
 
@@ -109,7 +89,8 @@ class RatioPolicy:
         self._at = -math.inf  # `now` of the last proposal
 
     def seed(self, g: int, step_time: float) -> None:
-        """A first guess for group ``g`` (its workers' step time) until it reports."""
+        """A first guess for group ``g`` (its workers' iteration time as the grouping saw it)
+        until it reports."""
         if g not in self.measured and _valid(step_time):
             self.times[g] = float(step_time)
 

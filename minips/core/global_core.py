@@ -67,7 +67,7 @@ it back: ``core/snapshot.py`` says what one holds and how it is restored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -357,10 +357,18 @@ class GlobalCore:
             self.workers[w].group = g
         steps = self.roster.update_local_steps()  # local steps auto: each group's first H
         return [Log("groups", {"assignment": {str(w): g for w, g in assignment.items()},
+                               **self.speeds(assignment),
                                "ratios": {str(g): h.ratio for g, h in self.groups.items()},
                                "addresses": {str(g): h.address
                                              for g, h in self.groups.items()}}),
                 *self._local_steps_actions(steps)]
+
+    def speeds(self, workers: Iterable[int]) -> dict[str, dict[str, float | None]]:
+        """What the grouping saw of ``workers``: ``iteration_s`` (``WorkerEntry.iteration``,
+        what it groups by) and ``compute_s`` (their step time), ``{worker: seconds}``."""
+        entries = [self.workers[w] for w in sorted(workers) if w in self.workers]
+        return {"iteration_s": {str(e.id): e.iteration() for e in entries},
+                "compute_s": {str(e.id): e.step_time for e in entries}}
 
     def _local_steps_actions(self, changed: list[int]) -> list[Action]:
         """Local steps auto: log the groups' H and send the changed ones (with ASSIGN, as
@@ -379,7 +387,8 @@ class GlobalCore:
             return []
         g = self.roster.place_late(entry)
         return [Log("placed", {"worker": w, "group": g, "moved": {str(w): g},
-                               "step_time": entry.step_time}), Placed(w, g)]
+                               "step_time": entry.step_time,
+                               "iteration_s": entry.iteration()}), Placed(w, g)]
 
     def group_opened(self, h: GroupHandle, now: float) -> list[Action]:
         """A new group (a regroup drew it) has its server, opened with the global weights."""
@@ -392,7 +401,8 @@ class GlobalCore:
         speeds and GDTopK's ratios anew."""
         for w, g in moves.items():
             self.roster.move(w, g)
-        return [Log("regroup", {"moved": {str(w): g for w, g in moves.items()}}),
+        return [Log("regroup", {"moved": {str(w): g for w, g in moves.items()},
+                                **self.speeds(self.workers)}),
                 *self.regrouped(now)]
 
     def regrouped(self, now: float) -> list[Action]:
@@ -600,6 +610,7 @@ class GlobalCore:
         h.merges += 1
         h.final = bool(stats.get("final"))  # a non-final merge after a final one: it is back
         h.peer.reported(stats)
+        self.roster.observe_iterations(stats)  # its workers' iterations: what grouping uses
         actions: list[Action] = []
         if self.roster.policy is not None:  # the exchange's iteration time feeds GDTopK
             self.roster.observe_iter_time(g, stats.get("iter_time"), now)

@@ -44,6 +44,13 @@ one BSP step. LB-BSP (``lbbsp``) is BSP whose round mean is weighted by each pus
 whose workers' batch sizes follow their speeds (``balance.Balancer``: a ``balance`` log when they
 change, each worker's next batch in its WEIGHTS).
 
+Iterations. The group measures each worker's iteration as it sees it (``ssp.Iterations``: the
+interval between its PUSHes less the time the SSP bound held its PULL, with the compute time
+its PUSHes report beside it); each exchange carries the means since the last one to the global
+server (``iter_workers``, ``iter_us``, ``compute_us``; ``iter_time``, their mean, for GDTopK),
+which groups by them, and the group's ``exchange`` record lines say them (``iteration_s``,
+``compute_s``). LB-BSP's batches follow the same iteration times.
+
 Every ``sync_every`` pushes the group's shell exchanges with the global server through an
 ``exchange.GroupLink`` (a direct call in-process, EXCHANGE/EXCHANGE_REPLY over TCP for a `minips
 group`); ``exchange.py`` keeps the delta bookkeeping (nothing lost, each delta merged once, also
@@ -63,7 +70,6 @@ from typing import Any
 import numpy as np
 
 from minips import sparse
-from minips.compress.ratios import IterTimer
 from minips.core import optim, ssp
 from minips.core.actions import Log
 from minips.core.balance import Balancer
@@ -85,6 +91,7 @@ __all__ = [
     "StartExchange",
     "Wake",
     "GroupCore",
+    "worker_times",
 ]
 
 
@@ -134,7 +141,9 @@ class GroupCore:
         self.finished = False  # final delta flushed
         self.members: set[int] = set()  # worker ids the global server assigned here
         self.open_membership = False  # any worker id may join (a `minips group` process)
-        self.iters = IterTimer()  # time between a worker's pushes, for GDTopK (compress/ratios.py)
+        # each worker's iteration as this group sees it (PUSH interval less the SSP hold) and
+        # its compute time: what the grouping, GDTopK and LB-BSP use (ssp.Iterations)
+        self.iters = ssp.Iterations()
         self.group, self.run = group, run
         if weights is not None:
             self.setup(group, run, weights, members or [], now=now)
@@ -199,6 +208,7 @@ class GroupCore:
     def join(self, w: int, now: float) -> list[Action]:
         """Worker ``w`` connected: its first message is an ACK with its starting clock."""
         self._joined.add(w)
+        self.iters.start(w)  # time away from the group is no iteration
         self.finished = False  # a (re)grouped worker arrived: a final flush is due again
         start = self.table.join(w, now)
         return [Reply(w, messages.Ack(clock=start, version=self.version))]
@@ -241,11 +251,12 @@ class GroupCore:
         grad = sparse.decode_vector(msg.payload, self.weights.size)
         floor = self.table.min_clock()
         self.table.push(w, msg.clock, now)
-        self.iters.push(w, now)
+        iteration = self.iters.push(w, now, msg.step_time)
         self._count(msg)
         self._since_publish += 1
-        if self.balancer is not None:
-            self.balancer.observe(w, msg.step_time, msg.samples)
+        if self.balancer is not None:  # a first PUSH closes no iteration: its compute stands in
+            self.balancer.observe(w, msg.step_time if iteration is None else iteration,
+                                  msg.samples)
         logs: list[Action] = []
         if self.run.in_rounds:
             self.rounds.add(msg.clock, (grad, msg.samples))
@@ -410,6 +421,7 @@ class GroupCore:
         lead = self.table.lead(w) if w is not None and w in self.table else 0
         if w is not None and w in self.table:
             self.xchg.pulled(w, lead, held_s)
+            self.iters.held(w, held_s)  # not part of its iteration: it waited on the others
         payload: sparse.SparseVector | np.ndarray = self.weights
         version, base, values = self.version, -1, "f32"
         if self.downlink is not None:
@@ -469,8 +481,7 @@ class GroupCore:
         """The next exchange: the delta since the last one and the group's counters, with
         ``traffic`` (bytes from / to its workers so far: ``bytes_in``, ``bytes_out``); dense
         for a flush, ``final`` or after ``done``."""
-        extra = {"version": self.version, "final": final, **traffic,
-                 "iter_time": self.iters.take(),
+        extra = {"version": self.version, "final": final, **traffic, **_iterations(self.iters),
                  "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
         if self.xchg.pending is not None:  # sent again as it was
             return self.xchg.begin(self.weights, extra)
@@ -490,7 +501,7 @@ class GroupCore:
             "exchange_s": seconds, "global_version": res.version, "seq": out.stats["seq"],
             "min_clock": out.stats["min_clock"], "max_clock": out.stats["max_clock"],
             "sent": _entries(out.delta), "got": _entries(res.weights),
-            "share": round(self.xchg.share, 4), **self.xchg_bytes,
+            "share": round(self.xchg.share, 4), **self.xchg_bytes, **worker_times(out.stats),
             **self._downlink_counts()})]
         if res.done and not self.done:
             actions.append(BudgetSpent())
@@ -593,6 +604,31 @@ def _server_sgd(run: RunConfig, size: int) -> optim.SGD:
     if run.optimizer_on_worker:
         return outer_sgd(run, size)
     return optim.SGD(size, lr=run.lr, momentum=run.momentum, weight_decay=run.weight_decay)
+
+
+def _iterations(iters: ssp.Iterations) -> dict[str, Any]:
+    """An exchange's iteration figures (``Iterations.take``): ``iter_time``, the mean over the
+    workers (GDTopK's group figure; 0.0: none measured), and per worker ``iter_workers``,
+    ``iter_us`` (its mean iteration) and ``compute_us`` (its mean compute time), in
+    microseconds (EXCHANGE's int lists)."""
+    taken = iters.take()
+    mean = sum(t.iteration_s for t in taken.values()) / len(taken) if taken else 0.0
+    return {"iter_time": mean, "iter_workers": list(taken),
+            "iter_us": [_us(t.iteration_s) for t in taken.values()],
+            "compute_us": [_us(t.compute_s) for t in taken.values()]}
+
+
+def _us(seconds: float) -> int:
+    return max(0, round(seconds * 1e6))
+
+
+def worker_times(stats: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """An exchange's per-worker figures as a record's fields: ``iteration_s`` and
+    ``compute_s``, ``{worker: seconds}`` (the group's record, ``exchange`` lines)."""
+    ws = stats.get("iter_workers") or []
+    pick = zip(ws, stats.get("iter_us") or [], stats.get("compute_us") or [], strict=False)
+    rows = [(str(w), i / 1e6, c / 1e6) for w, i, c in pick]
+    return {"iteration_s": {w: i for w, i, _ in rows}, "compute_s": {w: c for w, _, c in rows}}
 
 
 def _entries(d: Delta) -> int:

@@ -4,6 +4,15 @@ GDTopK ratio and server (no asyncio, no sockets, no torch; time comes in as ``no
 ``GlobalCore`` owns one ``Roster`` (its asyncio shell ``GlobalServer`` does the I/O around
 it): ``admit`` gives workers their ids, ``first_assignment`` forms the groups
 (``grouping.Regrouper``), ``maybe_regroup`` says whether speeds drifted, ``move`` moves workers.
+
+Speed is the iteration a group waits on, not compute alone (DESIGN.md, "Grouping"): each
+worker's entry keeps its compute time (``step_time``, its STATS) and its iteration
+(``iteration_s``, what its group server measured: PUSH to PUSH less the SSP hold, reported with
+every exchange, ``observe_iterations``). Before any group measured it, the grouping sees the
+calibration's compute time plus ``link_s``, one weights download and one push-sized upload over
+the worker's own link timed by the global server (``WorkerEntry.iteration``). The grouping, the
+regrouping test, a late joiner's or a lost group's workers' placement and GDTopK's first ratios
+all use ``iteration_times``.
 GDTopK: ``first_ratios`` sets the ratios the groups open with, every exchange's measured
 iteration time goes to ``observe_iter_time``, and when ``update_ratios`` returns new ratios
 (``RatioPolicy``) the core tells its shell to send them (``SendSettings``). Local steps auto:
@@ -159,11 +168,23 @@ class WorkerEntry:
 
     id: int
     connected: bool = False  # its control channel is open (the shell holds the channel)
-    step_time: float | None = None  # last reported seconds per step
+    step_time: float | None = None  # last reported seconds per step: compute to an encoded push
+    link_s: float | None = None  # calibration: weights down + a push up its link, server-timed
+    iteration_s: float | None = None  # its group server's last measured iteration (s)
     clock: int = 0  # last reported clock
     group: int = -1  # assigned group, -1 before grouping
     left: bool = False  # sent LEAVE
     left_because: str = ""  # the reason its LEAVE gave ("" or "bye": a plain goodbye)
+
+    def iteration(self) -> float | None:
+        """Seconds of the iteration its group waits on: measured by its group server once one
+        did, else its compute time plus the calibration's link time (compute alone from a
+        worker that timed no link); None before its first STATS."""
+        if self.iteration_s:
+            return self.iteration_s
+        if not self.step_time:
+            return None
+        return self.step_time + (self.link_s or 0.0)
 
 
 TRAFFIC = ("bytes_in", "bytes_out")  # a group's worker traffic counters (EXCHANGE's fields)
@@ -181,7 +202,8 @@ class GroupHandle:
         self.members: list[int] = list(members or [])
         self.peer: GroupPeer = peer if peer is not None else NoGroup()
         self.ratio = ratio  # GDTopK kept fraction for its workers (the one owner of it)
-        self.step_time = 0.0  # smoothed mean worker step time, seconds
+        self.step_time = 0.0  # mean of its workers' step (compute) times, seconds
+        self.iteration_s = 0.0  # mean of its workers' iteration times (WorkerEntry.iteration)
         self.local_steps = 0  # H of its workers with local_steps auto (0: the run's H)
         self.final = False  # flushed its last delta
         self.merges = 0
@@ -272,12 +294,26 @@ class Roster:
         return {w: e.step_time for w, e in self.workers.items()
                 if e.step_time and not (live_only and e.left)}
 
+    def iteration_times(self, live_only: bool = False) -> dict[int, float]:
+        """``{worker: seconds per iteration}`` (``WorkerEntry.iteration``) of the workers that
+        reported a step time: what the grouping uses."""
+        return {w: t for w, e in self.workers.items()
+                if (t := e.iteration()) and not (live_only and e.left)}
+
+    def observe_iterations(self, stats: dict[str, Any]) -> None:
+        """An exchange's per-worker iteration times (``iter_workers``, ``iter_us``: one entry
+        per worker its group timed since its last exchange) into the workers' entries."""
+        for w, us in zip(stats.get("iter_workers") or [], stats.get("iter_us") or [],
+                         strict=False):
+            if w in self.workers and us > 0:
+                self.workers[w].iteration_s = us / 1e6
+
     def all_reported(self) -> bool:
         return len(self.step_times()) >= self.run.workers
 
     def first_assignment(self) -> dict[int, int]:
         """``{worker: group}`` for the first grouping (group 0 = fastest)."""
-        return self.regrouper.update(self.step_times()) or {}
+        return self.regrouper.update(self.iteration_times()) or {}
 
     def maybe_regroup(self, now: float) -> dict[int, int] | None:
         """A new assignment when the Regrouper's hysteresis says the speeds drifted, else None."""
@@ -285,7 +321,7 @@ class Roster:
                 or now - self._regroup_at < REGROUP_EVERY_S:
             return None  # one look per period, so the Regrouper's patience counts periods
         self._regroup_at = now
-        new = self.regrouper.update(self.step_times(live_only=True))
+        new = self.regrouper.update(self.iteration_times(live_only=True))
         old = {w: e.group for w, e in self.workers.items()}
         return None if new is None else match_labels(new, old)
 
@@ -307,9 +343,11 @@ class Roster:
         self.workers[w].group = g
 
     def place_late(self, entry: WorkerEntry) -> int:
-        """The group for a worker that reported after the grouping (nearest in speed)."""
-        t = entry.step_time or 1.0
-        g = grouping.nearest_group(t, {g: h.step_time for g, h in self.groups.items()})
+        """The group for a worker that reported after the grouping (nearest in iteration)."""
+        self.refresh_step_times()
+        t = entry.iteration() or 1.0
+        g = grouping.nearest_group(t, {g: h.iteration_s for g, h in self.groups.items()
+                                       if h.iteration_s > 0} or {min(self.groups): t})
         self.regrouper.place(entry.id, t)
         self.add_member(g, entry.id)
         return g
@@ -325,12 +363,13 @@ class Roster:
         """Move every member of group ``lost`` (its server is gone, no replacement came) to the
         group with a connected server nearest in speed; return ``{worker: new group}`` (empty:
         nowhere to go). Once they moved, ``lost`` no longer holds the end of the run (final)."""
-        times = {g: h.step_time for g, h in self.groups.items() if h.peer.connected}
+        self.refresh_step_times()
+        times = {g: h.iteration_s or 1.0 for g, h in self.groups.items() if h.peer.connected}
         if not times:
             return {}
         moved = {}
         for w in list(self.groups[lost].members):
-            g = grouping.nearest_group(self.workers[w].step_time or 1.0, times)
+            g = grouping.nearest_group(self.workers[w].iteration() or 1.0, times)
             self.move(w, g)
             self.regrouper.assignment[w] = g
             moved[w] = g
@@ -339,11 +378,11 @@ class Roster:
         return moved
 
     def first_ratios(self, assignment: dict[int, int], now: float) -> None:
-        """GDTopK: the ratios of the first grouping, from the workers' step times (before the
-        groups open, so each group server starts with its own; ``ratio_of``)."""
+        """GDTopK: the ratios of the first grouping, from the workers' iteration times (before
+        the groups open, so each group server starts with its own; ``ratio_of``)."""
         if self.policy is None:
             return
-        times = self.step_times()
+        times = self.iteration_times()
         counts = collections.Counter(assignment.values())
         for g in counts:
             self.policy.seed(g, float(np.mean([times[w] for w, h in assignment.items()
@@ -360,14 +399,14 @@ class Roster:
             self.policy.observe(g, iter_time, now)
 
     def update_ratios(self, now: float) -> dict[int, float]:
-        """Refresh each group's mean step time from its members' STATS; with GDTopK, the new
+        """Refresh each group's mean step and iteration times; with GDTopK, the new
         ``{group: ratio}`` of every group with workers when the policy (rate limit, hysteresis)
         proposes new ones, now in the group handles; {} otherwise."""
         self.refresh_step_times()
         if self.policy is None or not self.groups:
             return {}
         for g, h in self.groups.items():
-            self.policy.seed(g, h.step_time)  # a group that has not reported its iteration time
+            self.policy.seed(g, h.iteration_s)  # a group that has not reported one yet
         new = self.policy.propose({g: len(h.members) for g, h in self.groups.items()}, now)
         for g, r in (new or {}).items():
             self.groups[g].ratio = r
@@ -389,15 +428,18 @@ class Roster:
         return changed
 
     def refresh_step_times(self) -> None:
-        """Each group's step time: the mean of its members' last reported ones."""
+        """Each group's step time and iteration time: the means of its members' latest."""
         for h in self.groups.values():
             times = [t for w in h.members if (t := self.workers[w].step_time)]
             if times:
                 h.step_time = float(np.mean(times))
+            iters = [t for w in h.members if (t := self.workers[w].iteration())]
+            if iters:
+                h.iteration_s = float(np.mean(iters))
 
     def restore_regrouper(self) -> None:
         """After a resume: the Regrouper starts from the saved assignment, not from scratch."""
-        times = self.step_times()
+        times = self.iteration_times()
         if times:
             self.regrouper.update(times)
             self.regrouper.assignment = {w: e.group for w, e in self.workers.items()

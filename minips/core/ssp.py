@@ -3,8 +3,8 @@
 A group server keeps one ``ClockTable``. It holds no sockets and reads no clock: every call that
 depends on time takes ``now`` (seconds, any monotonic origin), so tests and simulators drive it
 with made-up times. The file holds, in order: ``ClockCounts``, the multiset of live clocks the
-table keeps its ends in; ``ClockError``; ``ClockTable``; and ``Rounds``, the BSP rounds a group
-server applies once each.
+table keeps its ends in; ``ClockError``; ``ClockTable``; ``Rounds``, the BSP rounds a group
+server applies once each; and ``Iterations``, each worker's iteration time as its group sees it.
 
 Vocabulary. A worker's *clock* is the number of pushes it has made. A worker at clock ``c`` that
 wants to start step ``c + 1`` (PULL) may do so only while ``c - min_clock() <= s``, where the
@@ -39,7 +39,18 @@ multiset answers both in O(1) and updates them in O(1) for the moves a table mak
 Invariant: ``low == min(clocks)`` and ``high == max(clocks)`` of the multiset, both None when it
 is empty (tests/test_clock_counts.py checks it against a brute-force multiset).
 
-Public API: ``ClockCounts``, ``ClockError``, ``ClockTable``, ``Rounds``.
+Iterations. What a group waits on is a worker's whole *iteration*, not the compute time it
+reports: its PULL, the weights over its link, its compute, its PUSH over its link. The group
+server sees it as the interval between two PUSHes of the worker, less the time the SSP bound held
+the PULL between them (a fast worker waiting on a slow one must not look slow): ``Iterations``
+measures it per worker, with the compute time its PUSHes reported beside it (why it is slow),
+and hands the means since the last ``take`` to the group's exchange, whence the global server
+groups by it (``roster.py``, ``grouping.py``). Invariant: a worker's interval runs from its last
+PUSH in this group's current session with it; a (re)join starts a new one, so time away from the
+group never counts as an iteration.
+
+Public API: ``ClockCounts``, ``ClockError``, ``ClockTable``, ``Rounds``, ``Iterations``,
+``IterationTimes``.
 """
 
 from __future__ import annotations
@@ -47,11 +58,11 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from minips.errors import RemoteProtocolError
 
-__all__ = ["ClockCounts", "ClockError", "ClockTable", "Rounds"]
+__all__ = ["ClockCounts", "ClockError", "ClockTable", "Rounds", "Iterations", "IterationTimes"]
 
 
 # -- the live clocks as a multiset, its ends kept in O(1) ------------------------------------------
@@ -339,3 +350,59 @@ class Rounds(Generic[T]):
     def pending(self, clock: int) -> int:
         """How many pushes are queued for ``clock``."""
         return len(self._pending.get(clock, ()))
+
+
+# -- iteration times: the interval between a worker's pushes, less the SSP hold --------------------
+
+class IterationTimes(NamedTuple):
+    """One worker's means over the PUSHes since the last ``Iterations.take`` (seconds)."""
+
+    iteration_s: float  # interval between its PUSHes less the SSP hold of the PULL between
+    compute_s: float  # the step time its PUSHes reported (compute to an encoded push)
+
+
+class Iterations:
+    """Each worker's iteration time as its group server sees it (see the module docstring).
+
+    ``start(w)`` when ``w`` (re)joins; ``held(w, s)`` when the SSP bound held its PULL ``s``
+    seconds; ``push(w, now, compute_s)`` at each of its PUSHes; ``take()`` the per-worker means
+    since the last ``take`` (and resets them). A worker's first PUSH after ``start`` opens its
+    interval and counts none: join to first PUSH includes the join's own PULL of the weights
+    whole, once, which is no iteration of its pace.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[int, float] = {}  # worker -> `now` of its last PUSH
+        self._held: dict[int, float] = {}  # worker -> SSP hold since its last PUSH (s)
+        # worker -> (iteration seconds, compute seconds, intervals) since the last take
+        self._sums: dict[int, tuple[float, float, int]] = {}
+
+    def start(self, w: int) -> None:
+        """``w`` (re)joined: its next PUSH opens a new interval."""
+        self._last.pop(w, None)
+        self._held.pop(w, None)
+
+    def held(self, w: int, seconds: float) -> None:
+        """The SSP bound held ``w``'s PULL ``seconds`` before it was answered."""
+        if seconds > 0:
+            self._held[w] = self._held.get(w, 0.0) + seconds
+
+    def push(self, w: int, now: float, compute_s: float = 0.0) -> float | None:
+        """A PUSH of ``w`` at ``now`` whose step took ``compute_s``: the iteration it closes
+        (seconds, None for the first), never below ``compute_s`` nor 0 (holds are measured by
+        the same clock, so only rounding can take the difference under)."""
+        prev, hold = self._last.get(w), self._held.pop(w, 0.0)
+        self._last[w] = now
+        if prev is None or not now > prev:
+            return None
+        it = max(now - prev - hold, compute_s, 0.0)
+        s, c, n = self._sums.get(w, (0.0, 0.0, 0))
+        self._sums[w] = (s + it, c + max(compute_s, 0.0), n + 1)
+        return it
+
+    def take(self) -> dict[int, IterationTimes]:
+        """``{worker: its mean iteration and compute time}`` over the intervals since the last
+        call (workers with none are left out); resets."""
+        out = {w: IterationTimes(s / n, c / n) for w, (s, c, n) in sorted(self._sums.items())}
+        self._sums = {}
+        return out

@@ -247,7 +247,8 @@ def check_stats(msg: control.Stats) -> None:
 def check_exchange(msg: messages.Exchange) -> None:
     """A group process's EXCHANGE counters per message: ``samples`` and ``pushes`` at most
     ``MAX_EXCHANGE_COUNT`` (the run's sums are bounded by ``GlobalCore.merge``); its answered
-    PULLs, one entry per PULL in each of the three lists (equal lengths)."""
+    PULLs, one entry per PULL in each of the three lists (equal lengths), and likewise its
+    timed workers (``iter_*``, ``compute_us``)."""
     _number("samples", msg.samples, 0, MAX_EXCHANGE_COUNT)
     _number("pushes", msg.pushes, 0, MAX_EXCHANGE_COUNT)
     n = len(msg.pull_workers)
@@ -255,3 +256,8 @@ def check_exchange(msg: messages.Exchange) -> None:
         raise RemoteProtocolError("EXCHANGE's pull_* lists differ in length",
                                   expected=f"{n} entries each",
                                   got=[n, len(msg.pull_leads), len(msg.pull_waits_us)])
+    n = len(msg.iter_workers)  # and its timed workers, one entry per worker in each
+    if not len(msg.iter_us) == len(msg.compute_us) == n:
+        raise RemoteProtocolError("EXCHANGE's iter_workers, iter_us, compute_us differ in "
+                                  "length", expected=f"{n} entries each",
+                                  got=[n, len(msg.iter_us), len(msg.compute_us)])

@@ -222,7 +222,7 @@ class Exchange(Reported):
     KIND = Kind.EXCHANGE
     INFO = ("session", "seq", "version", "final", "pushes", "samples", "step_time", "loss",
             "iter_time", "bytes_in", "bytes_out", "min_clock", "max_clock", "pull_workers",
-            "pull_leads", "pull_waits_us")
+            "pull_leads", "pull_waits_us", "iter_workers", "iter_us", "compute_us")
     session: int = checked(integer(0, MAX_SEQ))  # random per group process run
     seq: int = checked(integer(0, MAX_SEQ))  # 1, 2, ... within the session
     version: int = checked(integer(), 0)  # the group's weights version
@@ -243,6 +243,12 @@ class Exchange(Reported):
     pull_workers: list[int] = checked(ints(lo=0), factory=list)
     pull_leads: list[int] = checked(ints(lo=0), factory=list)
     pull_waits_us: list[int] = checked(ints(lo=0), factory=list)
+    # the workers whose iteration the group timed since its last exchange, one entry each in the
+    # three lists: the worker, its mean iteration (PUSH to PUSH less the SSP hold between) and
+    # its mean compute time (the step time its PUSHes said), microseconds (ssp.Iterations)
+    iter_workers: list[int] = checked(ints(lo=0), factory=list)
+    iter_us: list[int] = checked(ints(lo=0), factory=list)
+    compute_us: list[int] = checked(ints(lo=0), factory=list)
     payload: Payload = checked(payload)
 
 
