@@ -85,7 +85,7 @@ from minips.net.endpoints import (
     server_ssl,
     tls_mismatch,
 )
-from minips.record import checkpoint
+from minips.record import checkpoint, trace
 from minips.record.checkpoint import remove_stale_temps
 from minips.record.rundir import RunDir
 from minips.serve import sessions, validation
@@ -570,10 +570,16 @@ class InProcLink:
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
         core = self.server.core
-        actions = core.merge(group, delta, stats, time.monotonic(),
-                             frames.wire_size(exchange_message(delta, stats)))
+        msg = exchange_message(delta, stats)
+        wire = frames.wire_size(msg)
+        actions = core.merge(group, delta, stats, time.monotonic(), wire)
         self.server.perform(actions)
-        return global_core.reply(actions, ExchangeResult)
+        result = global_core.reply(actions, ExchangeResult)
+        if trace.TRACER is not None:  # --trace: written as the frames a group process sends
+            trace.TRACER.inproc(f"group-{group}", "server", "send", msg, wire)
+            trace.TRACER.inproc(f"group-{group}", "server", "recv",
+                                core.exchange_reply(group, result.weights), result.bytes_down)
+        return result
 
 
 # -- what an operator reads on the server's console ------------------------------------------------

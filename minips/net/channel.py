@@ -54,6 +54,7 @@ from typing import Any, cast
 from minips.errors import LimitExceeded, LocalProtocolError, RemoteProtocolError
 from minips.net import guard
 from minips.net.links import Pacing, ReadPacer, TokenBucket
+from minips.record import trace
 from minips.wire import checks, control, fields, frames, handshake, kinds, messages, receive
 
 __all__ = [
@@ -174,6 +175,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         try:
             for msg in self.decoder.buffer_updated(nbytes):
                 self.conn.received_one(msg)  # one by one: messages before a bad one still count
+                if trace.TRACER is not None:  # --trace: all it costs when off is this check
+                    trace.TRACER.received(self, msg)
                 if msg.KIND == messages.Kind.HEARTBEAT:  # its bytes renewed last_recv; that is all
                     self.heartbeats += 1
                     continue
@@ -264,8 +267,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self.stats is not None:
                 self.stats[_STAT_OF_REASON[reason]] += 1
             if self.transport is not None and self.conn.state != handshake.State.CLOSED:
-                frame = self.conn.send(control.Error(code=reason,
-                                                      reason=str(err)[: fields.MAX_TEXT]))
+                error = control.Error(code=reason, reason=str(err)[: fields.MAX_TEXT])
+                frame = self.conn.send(error)
+                if trace.TRACER is not None:
+                    trace.TRACER.sent(self, error, frame)
                 self.transport.writelines(frame)
         if self.transport is not None:
             self.transport.close()
@@ -398,6 +403,8 @@ class Channel:
         if proto.error is not None or proto.conn.closed:
             raise ConnectionResetError(f"connection is closed ({proto.error or 'ERROR sent'})")
         frame = proto.conn.send(msg, compress=compress)
+        if trace.TRACER is not None:  # --trace: all it costs when off is this check
+            trace.TRACER.sent(proto, msg, frame)
         if len(frame) == 1:  # a small frame is one bytes object (frames.encode joins them)
             self._transport.write(frame[0])
             self.bytes_sent += len(frame[0])
@@ -414,6 +421,8 @@ class Channel:
         if proto.error is not None or proto.conn.closed:
             raise ConnectionResetError(f"connection is closed ({proto.error or 'ERROR sent'})")
         frame = proto.conn.send(msg, compress=compress)
+        if trace.TRACER is not None:  # --trace: all it costs when off is this check
+            trace.TRACER.sent(proto, msg, frame)
         for batch in write_batches(frame, bucket.chunk()):
             size = sum(map(len, batch))
             wait = bucket.take(size, proto.loop.time())

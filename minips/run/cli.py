@@ -63,7 +63,7 @@ from minips.net.endpoints import (
 from minips.record.checkpoint import load
 from minips.record.metrics import summarize
 from minips.record.rundir import claim, dump_json, holds_run
-from minips.run import flags
+from minips.run import flags, trace_cmd
 from minips.run.checks import (
     check_address,
     check_checkpoint,
@@ -265,7 +265,8 @@ def _cmd_local(args: argparse.Namespace) -> int:
                        dashboard=args.dashboard, tensorboard=args.tensorboard,
                        devices=[d.strip() for d in args.device.split(",") if d.strip()],
                        amp=args.amp, force=args.force, data=args.data,
-                       groups_in_process=args.groups_in_process)
+                       groups_in_process=args.groups_in_process,
+                       trace=args.trace, trace_cap_mb=args.trace_cap)
     _check_watch(args)
     flags.say_default_budget(args)
     summary = run_local(cfg)
@@ -426,7 +427,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 COMMANDS = {"local": _cmd_local, "server": _cmd_server, "group": _cmd_group,
             "worker": _cmd_worker, "evaluator": _cmd_evaluator, "plot": _cmd_plot,
-            "ray": _cmd_ray, "simulate": _cmd_simulate, "dashboard": _cmd_dashboard}
+            "ray": _cmd_ray, "simulate": _cmd_simulate, "dashboard": _cmd_dashboard,
+            "trace": trace_cmd.trace_command}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -438,6 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # the --config file: unreadable, or a key that is no flag
         print(f"minips: error: {exc}", file=sys.stderr)
         return 2
+        trace_cmd.open_role_tracer(args)  # --trace FILE: this process's frames
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -56,6 +56,7 @@ from minips.run.checks import (
     worker_slowdown,
 )
 from minips.run.launch import parse_slowdowns
+from minips.run.trace_cmd import add_trace_flags, add_trace_parser
 from minips.sim.timing import Failure, parse_failures
 
 __all__ = [
@@ -533,7 +534,7 @@ def simulate_command(args: argparse.Namespace, run: RunConfig) -> int:
 
 Subparsers = argparse._SubParsersAction  # what add_subparsers returns: one add_parser per command
 DESCRIPTION = ("`minips` command line: local, server, group, worker, evaluator, simulate, ray, "
-               "plot, dashboard.")
+               "plot, dashboard, trace.")
 
 
 def _add_tls(p: argparse.ArgumentParser, *, server: bool, client: bool) -> None:
@@ -592,6 +593,7 @@ def _add_local(sub: Subparsers) -> None:
                      help="a large model's (10M parameters or more) group servers stay in the "
                      "global server's process (default: a `minips group` process each)")
     _add_watch(loc)
+    add_trace_flags(loc, local=True)
 
 
 def _add_watch(p: argparse.ArgumentParser) -> None:
@@ -644,6 +646,7 @@ def _add_server(sub: Subparsers) -> None:
     _add_watch(srv)
     _add_insecure(srv)
     _add_tls(srv, server=True, client=False)
+    add_trace_flags(srv)
 
 
 def _add_group(sub: Subparsers) -> None:
@@ -657,6 +660,7 @@ def _add_group(sub: Subparsers) -> None:
                      help="keep trying this long when the global server is lost, s")
     _add_insecure(grp)
     _add_tls(grp, server=True, client=True)
+    add_trace_flags(grp)
 
 
 def _add_clients(sub: Subparsers) -> None:
@@ -694,6 +698,7 @@ def _add_clients(sub: Subparsers) -> None:
         w.add_argument("--reconnect", type=at_least(0), default=120.0,
                        help="keep trying this long when a server is lost mid-run, s")
         _add_tls(w, server=False, client=True)
+        add_trace_flags(w)
 
 
 def _add_dashboard(sub: Subparsers) -> None:
@@ -766,4 +771,5 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     add_ray_parser(sub, add_run_flags)
     add_simulate_parser(sub, add_run_flags)
+    add_trace_parser(sub)
     return p

@@ -73,6 +73,7 @@ from minips.record.metrics import (
 )
 from minips.record.plot import plot_run
 from minips.record.rundir import claim, read_config, read_jsonl, tail_jsonl
+from minips.run.trace_cmd import child_trace_args
 
 __all__ = [
     "ProgressLine",
@@ -183,7 +184,8 @@ class Cluster:
     def _spawn(self, name: str, args: list[str], netns: int = -1) -> subprocess.Popen[bytes]:
         """``minips ARGS`` as a child (in worker ``netns``'s namespace when >= 0)."""
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
-        argv = [sys.executable, "-m", "minips", *args]
+        argv = [sys.executable, "-m", "minips", *args,
+                *child_trace_args(self.cfg.trace, self.run_dir, name, self.cfg.trace_cap_mb)]
         if netns >= 0 and self.spaces is not None:
             argv = self.spaces.command(netns, argv)  # ip netns exec: execs, stays our child
         proc = subprocess.Popen(argv, env=self.env,
@@ -516,6 +518,8 @@ class LaunchConfig:
     force: bool = False  # a --name directory holding an earlier run: move it aside (else refused)
     data: str = "real"  # the workers' and evaluator's --data: real files, or synthetic (asked)
     groups_in_process: bool = False  # a large model's group servers stay in the server's process
+    trace: str | None = None  # --trace: each child's frames in DIR/<name>.trace.jsonl; "": run dir
+    trace_cap_mb: float = 20.0  # --trace-cap: MB of each trace file before it is sampled
 
     def group_processes(self) -> int:
         """How many `minips group` processes this run starts: for a model of

@@ -44,6 +44,7 @@ from minips.core.group_core import (
 from minips.errors import AuthError, RemoteProtocolError
 from minips.net import channel, transport
 from minips.net.channel import Channel
+from minips.record import trace
 from minips.record.rundir import JsonlWriter
 from minips.serve import validation
 from minips.wire import checks, control, conversation, messages
@@ -264,6 +265,8 @@ class GroupServer:
         self.server = await transport.serve(host, port, token=token, accept=self._accept,
                                             handler=self.handle, ssl=ssl, options=options)
         self.port = int(self.server.port)
+        if trace.TRACER is not None:  # --trace: this port's connections are group-G's frames
+            trace.TRACER.name_port(self.port, f"group-{self.core.group}")
         self.fit_limits()
         self._spawn(self._expire_loop())
         return self.port
