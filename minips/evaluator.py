@@ -29,7 +29,7 @@ from minips.net import transport
 from minips.net.channel import Channel
 from minips.record.metrics import record
 from minips.record.rundir import JsonlWriter, RunDir
-from minips.wire import messages
+from minips.wire import control, messages
 from minips.worker import EmulatedLink, Stopped, connect_role, leave
 
 __all__ = ["EVAL_NICE", "END_PULL_S", "budget_left_s", "evaluate_loop", "next_pull_s",
@@ -73,8 +73,10 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
             if w.done or (w.version != last and arrived - scored >= run.eval_every_s / 2
                           and not near_end):
                 last, scored = w.version, arrived
-                _evaluate_once(run, w, size, test, writer, time.time() - run.t0)
+                acc, loss = _evaluate_once(run, w, size, test, writer, time.time() - run.t0)
                 score_s = time.monotonic() - arrived
+                if ch.welcome_info.get("scores"):  # the server keeps them: tell it
+                    await _send_score(ch, w, acc, loss, len(test))
             if w.done:
                 return
             now = time.monotonic()
@@ -123,12 +125,24 @@ async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunC
 
 
 def _evaluate_once(run: RunConfig, w: messages.GlobalWeights, size: int,
-                   test: data.Dataset, writer: JsonlWriter, t: float) -> None:
-    """Score ``w`` on ``test``; the point's time ``t`` is when the weights arrived."""
+                   test: data.Dataset, writer: JsonlWriter, t: float) -> tuple[float, float]:
+    """Score ``w`` on ``test``; the point's time ``t`` is when the weights arrived. Returns
+    (accuracy, loss)."""
     flat = np.asarray(sparse.decode_vector(w.payload, size))
     acc, loss = models.evaluate(run.model, flat, test)
     writer.write({**dict(w.info), "t": t, "version": w.version,
                   "accuracy": acc, "loss": loss, "final": bool(w.done)})
+    return acc, loss
+
+
+async def _send_score(ch: Channel, w: messages.GlobalWeights, acc: float, loss: float,
+                      tested: int) -> None:
+    """SCORE to the global server (what it prints and keeps: summary.json, the dashboard);
+    a score it cannot take is lost, never the evaluation (eval.jsonl has it)."""
+    finite = loss if math.isfinite(loss) else 0.0
+    with contextlib.suppress(ConnectionError, OSError):
+        await ch.send(control.Score(version=w.version, accuracy=min(1.0, max(0.0, acc)),
+                                    loss=finite, tested=tested, final=bool(w.done)))
 
 
 def run_evaluator(cfg: WorkerConfig) -> None:

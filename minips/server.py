@@ -60,6 +60,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -87,7 +88,8 @@ from minips.net.endpoints import (
 )
 from minips.record import checkpoint, trace
 from minips.record.checkpoint import remove_stale_temps
-from minips.record.rundir import RunDir
+from minips.record.ledger import Ledger, progress_text
+from minips.record.rundir import RunDir, tail_jsonl
 from minips.serve import sessions, validation
 from minips.serve.group import GroupServer
 from minips.serve.sessions import send_quiet
@@ -142,6 +144,9 @@ class GlobalServer:
         self.rundir = RunDir(cfg.run_dir, t0=cfg.run.t0)
         self.rundir.write_config(cfg.run.to_info())
         self.writer = self.rundir.writer("global")
+        self.ledger = Ledger()  # the run's figures (record/ledger.py): every reader reads it
+        self.boot = secrets.token_hex(4)  # names the counters that start anew in this process
+        self.data_synthetic: set[bool] = set()  # what the workers' data events said
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -191,7 +196,7 @@ class GlobalServer:
         if self.saving is not None:
             await asyncio.gather(self.saving, return_exceptions=True)
         if core.grouped and self.cfg.checkpoint_every_s > 0:
-            checkpoint.save(self.checkpoint_path, core.checkpoint_state())
+            checkpoint.save(self.checkpoint_path, self.checkpoint_state())
         for g in core.groups.values():
             await g.peer.close()
         for t in list(self.tasks):
@@ -236,11 +241,55 @@ class GlobalServer:
         """One line of the run's record, with the run's counters (and, with ``cfg.console``,
         the events an operator follows as one console line each: ``console_line``)."""
         core = self.core
+        if event == "data":
+            self.data_synthetic.add(bool(fields.get("synthetic")))
+        elif event == "merge":
+            self.ledger.add("merges", 1)
+            self.ledger.add("pushes", int(fields.get("pushes") or 0))
+            self.ledger.add("samples_trained", int(fields.get("group_samples") or 0))
+        figures = self.figures()
         self.writer.write({"t": time.time() - core.run.t0, "event": event, **fields,
-                           "version": core.version, "samples": core.samples, **core.traffic()})
+                           "version": core.version, "samples": core.samples,
+                           "bytes_up": figures["bytes_worker_group"],
+                           "bytes_down": figures["bytes_group_worker"], **figures})
         line = console_line(core, event, fields) if self.cfg.console else None
         if line:
             print(f"minips server: {line}", flush=True)
+
+    def figures(self) -> dict[str, int]:
+        """The ledger's figures as of now, fed first with each group's counters: its workers'
+        traffic (its channels' bytes here, or what its group process last reported: both go
+        on across its sessions and a resume) and the bytes of its exchanges with this server
+        (counted anew in each process: ``boot``)."""
+        for g, h in self.core.groups.items():
+            t = h.peer.traffic()
+            self.ledger.count(f"workers-{g}", {"bytes_worker_group": t.get("bytes_in", 0),
+                                               "bytes_group_worker": t.get("bytes_out", 0)})
+            self.ledger.count(f"exchanges-{g}-{self.boot}",
+                              {"bytes_group_global": h.hop_bytes["bytes_to_global"],
+                               "bytes_global_group": h.hop_bytes["bytes_from_global"]})
+        return self.ledger.figures()
+
+    def progress_text(self) -> str:
+        """The console's progress line as of now, from memory: the ledger, the core's
+        version and samples, the last score (no file is read: ``launch.progress_text``)."""
+        core, kinds = self.core, self.data_synthetic
+        clock = f"training {core.trained_s():.1f} s" if core.grouped else "start-up"
+        kind = None if not kinds else "real" if kinds == {False} else \
+            "synthetic" if kinds == {True} else "mixed"
+        score = self.ledger.last_accuracy()
+        figures = {**self.figures(), "version": core.version, "samples": core.samples}
+        return progress_text(clock, core.run.mode, core.run.compressor, figures,
+                             score["accuracy"] if score else None, kind,
+                             _epoch_samples(core.run))
+
+    def scored(self, score: control.Score) -> None:
+        """An evaluator's SCORE (``sessions.evaluator_session``): the ledger, an ``eval``
+        line of the record and, for the final one, the console."""
+        t = time.time() - self.core.run.t0
+        self.ledger.scored(t, score.accuracy, score.loss, final=score.final)
+        self.log("eval", accuracy=score.accuracy, loss=score.loss, scored_version=score.version,
+                 tested=score.tested, final=score.final)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -252,6 +301,8 @@ class GlobalServer:
             info["worker_id"] = next(a.worker for a in actions
                                      if isinstance(a, global_core.Admitted))
             info["need_init"] = self.core.weights is None
+        elif hello.role == "evaluator":
+            info["scores"] = True  # send your scores (SCORE): this server keeps them
         elif hello.role == "group" and not self.cfg.external_groups:
             raise AuthError("this server runs its group servers in-process (no --external-groups)")
         elif hello.role == "group" and (why := tls_mismatch(self._ssl is not None,
@@ -461,10 +512,21 @@ class GlobalServer:
         """Where the server keeps its checkpoint (``--checkpoint`` or run_dir/checkpoint.npz)."""
         return Path(self.cfg.checkpoint_path or Path(self.cfg.run_dir) / "checkpoint.npz")
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint holds: the core's state and the ledger's."""
+        return {**self.core.checkpoint_state(), "ledger": self.ledger.state_dict()}
+
     def restore(self, state: dict[str, Any]) -> None:
         """Take a checkpoint's state (before ``start``, which opens its groups again);
-        ``ConfigError`` when it belongs to another model or config."""
+        ``ConfigError`` when it belongs to another model or config. The ledger goes on from
+        the checkpoint's and from the figures the record wrote last before the restart
+        (``Ledger.catch_up``): no counter falls."""
         self.perform(self.core.load_state_dict(state))
+        self.ledger.load_state_dict(state.get("ledger") or {})
+        written = [r for r in tail_jsonl(Path(self.cfg.run_dir) / "global.jsonl", 1 << 16)
+                   if "bytes_total" in r]
+        if written:
+            self.ledger.catch_up(written[-1])
         self._restored = state
 
     async def _reopen(self, state: dict[str, Any]) -> None:
@@ -501,7 +563,7 @@ class GlobalServer:
         snapshot is taken here: it marks what their replies name as saved (global_core.py), and
         holds the global weights only."""
         t = time.monotonic()
-        take = self.core.checkpoint_state
+        take = self.checkpoint_state
         if self.cfg.external_groups:
             state = take()
 
@@ -510,6 +572,13 @@ class GlobalServer:
         self.saving = asyncio.ensure_future(checkpoint.save_in_child(self.checkpoint_path, take))
         size = await asyncio.shield(self.saving)
         self.log("checkpoint", bytes=size, write_s=time.monotonic() - t)
+
+
+def _epoch_samples(run: RunConfig) -> int:
+    try:
+        return run.epoch_samples()
+    except MiniPSError:
+        return 1
 
 
 # -- a group server in this process ------------------------------------------------------------

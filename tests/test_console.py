@@ -18,7 +18,7 @@ from conftest import minips_server, records, wait_for
 from minips.core.config import RunConfig
 from minips.core.global_core import GlobalCore
 from minips.net import lifeline
-from minips.record.metrics import live_hop_bytes, summarize
+from minips.record.metrics import summarize
 from minips.run.launch import ProgressLine
 from minips.server import console_line
 
@@ -32,10 +32,14 @@ def write_lines(path: Path, recs: list[dict]) -> None:
 
 def merge(t: float, g: int, to_global: float, from_global: float) -> dict:
     """A merge line of the global server for group ``g`` (a `minips group` elsewhere): the
-    group's running counters of both hops, as its EXCHANGE carried them."""
+    group's running counters of both hops, as its EXCHANGE carried them, and the ledger's
+    figures every line of the global server carries (one group: the same numbers)."""
+    figures = {"bytes_worker_group": int(1e6 * t), "bytes_group_worker": int(3e6 * t),
+               "bytes_group_global": int(to_global), "bytes_global_group": int(from_global)}
     return {"t": t, "event": "merge", "group": g, "version": int(t), "samples": int(640 * t),
             "bytes_in": int(1e6 * t), "bytes_out": int(3e6 * t),
-            "bytes_to_global": int(to_global), "bytes_from_global": int(from_global)}
+            "bytes_to_global": int(to_global), "bytes_from_global": int(from_global),
+            **figures, "bytes_total": sum(figures.values())}
 
 
 def remote_run(root: Path) -> Path:
@@ -53,32 +57,19 @@ def progress(line: ProgressLine, capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().err
 
 
-def test_progress_line_counts_an_external_groups_bytes_from_the_merges(
+def test_progress_line_reads_the_figures_the_servers_last_line_carries(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The group writes its file on its own machine: the line said to-global 0.0 from-global
-    0.0 all run (the server's /metrics had 92.9 MB); now each hop as summary.json counts it."""
+    0.0 all run (the server's /metrics had 92.9 MB), then counted the merges' tail and fell
+    after a reconnect; now it shows the ledger's figures (record/ledger.py), as summary.json."""
     run_dir = remote_run(tmp_path)
     line = ProgressLine(run_dir, RunConfig(mode="gssp", compressor="none"), tty=False)
     write_lines(run_dir / "global.jsonl", [merge(2.0, 0, 40e6, 50e6), merge(4.0, 0, 80e6, 92.9e6)])
     text = progress(line, capsys)
     assert "to-global 80.0 from-global 92.9" in text, text
     assert "MB up 4.0 down 12.0" in text and "total 188.9" in text, text
-    live = live_hop_bytes(run_dir)
-    assert live is not None
-    assert live == {k: v for k, v in summarize(run_dir, write=False).items() if k in live}
-
-
-def test_a_group_file_here_and_a_group_elsewhere_each_counted_once(tmp_path: Path) -> None:
-    """Group 0 writes here (its exchange events), group 1 elsewhere (merge lines only): the
-    file counts group 0, the merges group 1 alone."""
-    run_dir = remote_run(tmp_path)
-    write_lines(run_dir / "group-0.jsonl", [{"t": 2.0, "event": "exchange", "group": 0,
-                                             "bytes_in": 10, "bytes_out": 20,
-                                             "bytes_to_global": 30, "bytes_from_global": 40}])
-    write_lines(run_dir / "global.jsonl", [merge(2.0, 0, 999, 999), merge(2.0, 1, 300, 400)])
-    live = live_hop_bytes(run_dir)
-    assert live is not None
-    assert (live["bytes_group_global"], live["bytes_global_group"]) == (330, 440)
+    s = summarize(run_dir, write=False)
+    assert (s["bytes_group_global"], s["bytes_total"]) == (80_000_000, 188_900_000)
 
 
 def test_the_data_column_says_what_remote_workers_reported(

@@ -12,7 +12,6 @@ import pytest
 from minips.record.metrics import (
     HOP_COUNTERS,
     HOPS,
-    live_hop_bytes,
     load_run,
     summarize,
     total_bytes_series,
@@ -243,20 +242,26 @@ def test_hops_before_the_exchange_events_have_them_and_without_group_files(tmp_p
         2000, 44000, 46000)
 
 
-def test_progress_line_shows_every_hop(tmp_path, capsys):
+def test_progress_line_and_summary_show_the_ledgers_figures(tmp_path, capsys):
+    """Both read the figures the global server's last line carries (its ledger), not counts of
+    their own from the group files (which say otherwise here: they are not read)."""
     from minips.run.launch import LaunchConfig, ProgressLine
 
     line = ProgressLine(make_hop_run(tmp_path), LaunchConfig().run)
-    live = live_hop_bytes(tmp_path)
-    assert live == {k: summarize(tmp_path, write=False)[k] for k in HOPS}
     line.draw(final=True)
     err = capsys.readouterr().err
     for label in ("up 0.0", "down 0.0", "to-global 0.0", "from-global 0.0", "total 0.0"):
         assert label in err, err
-    _lines(tmp_path / "group-0.jsonl", [_exchange(9.0, 0, 2e6, 3e6, 4e5, 5e5)])
-    _lines(tmp_path / "group-1.jsonl", [])
+    figures = {"bytes_worker_group": 2_000_000, "bytes_group_worker": 3_000_000,
+               "bytes_group_global": 400_000, "bytes_global_group": 500_000,
+               "bytes_total": 5_900_000}
+    _lines(tmp_path / "global.jsonl", [{"t": 9.0, "event": "merge", "group": 0, "version": 3,
+                                        "samples": 10, **figures}])
     line.draw(final=True)
     assert "MB up 2.0 down 3.0 to-global 0.4 from-global 0.5 total 5.9" in capsys.readouterr().err
+    s = summarize(tmp_path, write=False)
+    assert {k: s[k] for k in HOPS} == figures
+    assert (s["bytes_up"], s["bytes_down"]) == (2_000_000, 3_000_000)
 
 
 def test_a_server_whose_workers_write_elsewhere_summarizes_what_it_saw(tmp_path):

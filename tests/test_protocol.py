@@ -85,6 +85,8 @@ STRATEGIES = {
                                     payload=payloads),
     control.Heartbeat: st.builds(control.Heartbeat, seq=uints),
     control.Leave: st.builds(control.Leave, reason=texts),
+    control.Score: st.builds(control.Score, version=uints, accuracy=st.floats(0, 1),
+                             loss=finite, tested=uints, final=st.booleans()),
     control.Error: st.builds(control.Error, code=names, reason=texts),
 }
 any_message = st.one_of(*STRATEGIES.values())

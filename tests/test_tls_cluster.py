@@ -7,6 +7,7 @@ for the address dialled, one signed by another CA, a peer that speaks plain text
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import minips_server, steps
+from conftest import minips_server, records, steps, wait_ready_file
 
 from minips.core.config import RunConfig
 from minips.net import transport
@@ -155,3 +156,41 @@ async def test_tls_failures_name_their_cause(tmp_path: Path, certs: Path) -> Non
                                         retries=5, ssl=ssl)
         finally:
             await srv.close()
+
+
+@pytest.mark.timeout(240)
+def test_eval_under_tls_reaches_the_servers_console_and_summary(tmp_path: Path,
+                                                                certs: Path) -> None:
+    """`--eval` was refused with --tls-cert, and a separate evaluator's accuracy never reached
+    the operator (`final accuracy - (no evaluator: --eval)`). Now the child verifies the server
+    with the CA beside its certificate, its SCOREs reach the global server, whose console and
+    global.jsonl carry them."""
+    np.save(tmp_path / "init.npy", np.zeros(N, np.float32))
+    run = ("--workers", "1", "--epochs", "0.05", "--mode", "ssp", "--compressor", "none",
+           "--base-step", "0.02", "--calib-timeout", "120", "--eval-every", "1")
+    ready = tmp_path / "server.addr"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "minips", "server", "--port", "0", *run, "--eval",
+         "--init", str(tmp_path / "init.npy"), *tls(certs, "server"), "--run-dir",
+         str(tmp_path / "run"), "--ready-file", str(ready)],
+        env={**os.environ, "MINIPS_TOKEN": SECRET}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_ready_file(ready, server)
+        port = ready.read_text().split()[1]
+        worker = minips("worker", "--connect", f"127.0.0.1:{port}", "--id", "0", "--tls-ca",
+                        str(certs / "ca.pem"), "--run-dir", str(tmp_path / "w"), timeout=180)
+        assert worker.returncode == 0, worker.stderr[-2000:]
+        out, _ = server.communicate(timeout=120)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate(timeout=30)
+    assert server.returncode == 0, out[-3000:]
+    scores = [r for r in records(tmp_path / "run" / "global.jsonl") if r.get("event") == "eval"]
+    assert scores and scores[-1]["final"] is True, out[-3000:]
+    final = scores[-1]["accuracy"]
+    assert f"final accuracy {final:.4f}" in out, out[-3000:]
+    assert f"test acc {100 * final:5.1f}%" in out, out[-3000:]  # the last progress line
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_accuracy"] == pytest.approx(final, abs=1e-9)

@@ -113,6 +113,8 @@ BASE_AGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 CLOCK_POINT_S = 0.5  # at most one group-clock (bytes) point per group this often (s of run time)
 SLOW_FACTOR = 1.5  # a worker slower than this times the cluster's median step time is marked
 HOPS = ("worker_to_group", "group_to_worker", "group_to_global", "global_to_group")
+LEDGER_HOPS = ("bytes_worker_group", "bytes_group_worker", "bytes_group_global",
+               "bytes_global_group")  # the same hops as the ledger names them (ledger.HOPS)
 
 
 @dataclass
@@ -234,6 +236,8 @@ class RunState:
         self.checkpoint_t: float | None = None
         self.checkpoints: dict[str, Any] = {"n": 0, "t": None, "bytes": None}  # folded
         self.evaluator: bool | None = None  # an evaluator is connected (the server's view)
+        self.scores_from: str | None = None  # "eval" (eval.jsonl) or "global" (its SCOREs)
+        self.ledger: dict[str, float] = {}  # the last figures of the global server's ledger
         self.size: int | None = None  # the model's coordinates (``server`` records)
         self.push_bytes: dict[int, float] = {}  # group -> mean bytes per push, last exchange
         self._bytes_in: dict[int, float] = {}  # group -> its bytes_in at its last merge
@@ -262,7 +266,13 @@ class RunState:
         if r.get("event") == "link":
             self._event(r, "launcher")
 
-    def _eval(self, r: dict[str, Any]) -> None:
+    def _eval(self, r: dict[str, Any], source: str = "eval") -> None:
+        """A score: from eval.jsonl (an evaluator here) or the global server's ``eval`` lines
+        (its SCOREs, wherever the evaluator runs); the first source that brings one is kept,
+        so no point is shown twice."""
+        if self.scores_from not in (None, source):
+            return
+        self.scores_from = source
         self.final_eval = self.final_eval or bool(r.get("final"))
         if isinstance(r.get("accuracy"), (int, float)):
             wire = (r.get("bytes_up") or 0) + (r.get("bytes_down") or 0)  # since (re)start
@@ -277,6 +287,11 @@ class RunState:
         for k in ("bytes_up", "bytes_down", "samples"):
             if isinstance(r.get(k), (int, float)):
                 self._counters[k] = r[k]
+        if isinstance(r.get("bytes_total"), (int, float)):  # the ledger's figures (ledger.py)
+            self.ledger = {k: max(self.ledger.get(k, 0), r[k]) for k in LEDGER_HOPS
+                           if isinstance(r.get(k), (int, float))}
+        if ev == "eval":
+            self._eval(r, "global")
         if ev == "merge":
             self._merge(r)
         elif ev == "checkpoint":  # folded into one line on the page, not one event each
@@ -486,7 +501,10 @@ class RunState:
                 "bytes_global_group": hops["bytes_from_global"]}
 
     def hops(self) -> dict[str, float]:
-        """Bytes so far on each hop (``HOPS``), the worker hops as the groups' merges said."""
+        """Bytes so far on each hop (``HOPS``): the global server's ledger (the figures its
+        lines carry), else (a run recorded before it) as the groups' merges said."""
+        if self.ledger:
+            return {h: float(self.ledger.get(k, 0)) for h, k in zip(HOPS, LEDGER_HOPS, strict=True)}
         out = dict.fromkeys(HOPS, 0.0)
         for c in self.groups.values():
             out["worker_to_group"] += c.get("bytes_in", 0)

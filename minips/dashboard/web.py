@@ -20,6 +20,8 @@ docs/dashboard.md has the table):
 
 - ``minips_run_info`` (the run's mode, compressor, model, ...), ``minips_pushes_total{group}``,
   ``minips_merges_total{group}``, ``minips_samples_total``;
+- ``minips_run_bytes_total{hop}``: the run's ledger, per hop (what the console line and
+  summary.json show; it never falls).
 - ``minips_bytes_total{hop, group}``: ``worker_to_group``, ``group_to_worker``,
   ``group_to_global``, ``global_to_group`` (summed over the groups: the hop's run total);
 - ``minips_staleness_steps`` and ``minips_ssp_wait_seconds`` histograms (one observation per
@@ -96,6 +98,7 @@ class RunCollector(Collector):
             merges.add_metric([str(g)], n)
         yield merges
         yield self._bytes()
+        yield self._run_bytes()
         yield _histogram("minips_staleness_steps", "clocks a worker was ahead of its group's "
                          "slowest worker when its pull was answered", s.staleness_hist)
         yield _histogram("minips_ssp_wait_seconds", "time the SSP bound held a worker's pull "
@@ -136,6 +139,16 @@ class RunCollector(Collector):
                               ("bytes_from_global", "global_to_group")):
                 hop.add_metric([name, str(g)], h.get(key, 0))
         return hop
+
+    def _run_bytes(self) -> Metric:
+        """The run's bytes per hop, the ledger's figures (record/ledger.py): the numbers the
+        console line and summary.json show."""
+        run = CounterMetricFamily("minips_run_bytes", "bytes on the wire so far, by hop (the "
+                                  "run's ledger: as the console and summary.json)",
+                                  labels=["hop"])
+        for name, value in self.state.hops().items():
+            run.add_metric([name], value)
+        return run
 
     def _groups(self, now: float) -> Iterator[Metric]:
         alive = GaugeMetricFamily("minips_workers_alive", "live workers", labels=["group"])

@@ -17,8 +17,9 @@ The file holds, in order:
   machine writes its file there; its first STATS carries the same record (``origin``) to the
   global server, which logs it as a ``data`` event in global.jsonl, and ``read`` takes it from
   there.
-- Bytes per hop, from a run's group files. ``summarize`` (and ``live_hop_bytes``, for the
-  progress line) count every hop a run's bytes travel: worker -> group
+- Bytes per hop. The global server's ledger (record/ledger.py) counts them as the run goes and
+  every global.jsonl line carries its figures: ``summarize`` takes the last ones. For a run
+  recorded before the ledger, the group files give every hop a run's bytes travel: worker -> group
   (``bytes_worker_group``, the group servers' ``bytes_in``), group -> worker
   (``bytes_group_worker``, ``bytes_out``), group -> global (``bytes_group_global``,
   ``bytes_to_global``) and global -> group (``bytes_global_group``, ``bytes_from_global``), and
@@ -34,7 +35,7 @@ Invariant: a run counts as ``"real"`` only when every record says real; one synt
 makes it ``"mixed"`` (or ``"synthetic"`` when all are), so a stand-in never goes unnoticed.
 
 Public API: ``origin``, ``record``, ``read``, ``verdict``, ``HOP_COUNTERS``, ``HOPS``,
-``hop_bytes``, ``total_bytes_series``, ``live_hop_bytes``, ``DataWatch``, ``DEFAULT_TARGETS``,
+``hop_bytes``, ``total_bytes_series``, ``DataWatch``, ``DEFAULT_TARGETS``,
 ``Run``, ``time_to_accuracy``, ``load_run``, ``summarize``.
 """
 
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minips.record.rundir import dump_json, num, read_config, read_jsonl, tail_jsonl
+from minips.record.rundir import dump_json, num, read_config, read_jsonl
 
 __all__ = [
     "origin",
@@ -59,7 +60,6 @@ __all__ = [
     "HOPS",
     "hop_bytes",
     "total_bytes_series",
-    "live_hop_bytes",
     "DataWatch",
     "TrainingClock",
     "DEFAULT_TARGETS",
@@ -185,25 +185,6 @@ def total_bytes_series(groups: Mapping[Any, list[dict[str, Any]]]) -> list[tuple
     out: list[tuple[float, int]] = []
     _replay(groups, lambda t, running: out.append((t, running.total())))
     return out
-
-
-GLOBAL_TAIL_BYTES = 65536  # of global.jsonl read for a live figure: a few merges of every group
-
-
-def live_hop_bytes(run_dir: str | os.PathLike[str]) -> dict[str, int] | None:
-    """``hop_bytes`` of a running run (None before any group counted): each group from the
-    tail of its group file, and a group that writes on another machine (`minips group`: no
-    file here) from the global server's merge lines for it in the tail of global.jsonl, as
-    ``summarize`` counts it. A restart older than a tail is not seen (a progress display's
-    figure, not the summary's)."""
-    path = Path(run_dir)
-    groups = {f.stem: tail_jsonl(f) for f in sorted(path.glob("group-*.jsonl"))}
-    remote: dict[str, list[dict[str, Any]]] = {}
-    for r in tail_jsonl(path / "global.jsonl", GLOBAL_TAIL_BYTES):
-        if r.get("event") == "merge" and f"group-{r.get('group')}" not in groups:
-            remote.setdefault(f"group-{r.get('group')}", []).append(r)
-    groups.update(remote)
-    return hop_bytes(groups) if groups else None
 
 
 class DataWatch:
@@ -377,10 +358,13 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
     path = Path(run_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"no run directory at {path}")
+    events = _by_t(read_jsonl(path / "global.jsonl"))
+    # an evaluator on another machine writes its eval.jsonl there: its SCOREs are here
+    scores = [r for r in events if r.get("event") == "eval"]
     return Run(path=path, config=read_config(path),
-               eval=_by_t(read_jsonl(path / "eval.jsonl")),
+               eval=_by_t(read_jsonl(path / "eval.jsonl")) or scores,
                workers=_numbered(path, "worker"), groups=_numbered(path, "group"),
-               events=_by_t(read_jsonl(path / "global.jsonl")))
+               events=events)
 
 
 # -- summary -------------------------------------------------------------------------------------
@@ -430,16 +414,24 @@ def _groups(run: Run) -> int | None:
     return groups if isinstance(groups, int) and groups > 0 else None
 
 
+def _ledger(run: Run) -> dict[str, Any] | None:
+    """The global server's last figures (record/ledger.py: every line carries them), or None
+    for a run recorded before the ledger."""
+    return next((r for r in reversed(run.events) if "bytes_total" in r), None)
+
+
 def _traffic(run: Run, pushes: list[dict[str, Any]]) -> dict[str, Any]:
-    """Samples and bytes: the evaluator's run totals, else the sums of per-role files; the
-    samples, without either (a server whose workers write on their own machines), as of the
-    global server's last merge."""
+    """Samples and bytes: the ledger's worker <-> group bytes, else the evaluator's run totals,
+    else the sums of per-role files; the samples, without an evaluator (a server whose workers
+    write on their own machines), as of the global server's last merge."""
     group_out = [_last(recs, "bytes_out") for recs in run.groups.values()]
     fallback_down = sum(b for b in group_out if b is not None) if run.groups else None
     samples = _last(run.eval, "samples")
     if samples is None and not pushes:
         samples = _last([r for r in run.events if r.get("event") == "merge"], "samples")
     up, down = _last(run.eval, "bytes_up"), _last(run.eval, "bytes_down")
+    if (ledger := _ledger(run)) is not None:
+        up, down = ledger.get("bytes_worker_group"), ledger.get("bytes_group_worker")
     return {
         "samples": samples if samples is not None else sum(_values(pushes, "samples")),
         "bytes_up": up if up is not None else sum(_values(pushes, "bytes_wire")),
@@ -460,8 +452,11 @@ def _merges(run: Run) -> dict[Any, list[dict[str, Any]]]:
 
 def _hops(run: Run, traffic: Mapping[str, Any],
           merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, int]:
-    """``hop_bytes`` of the run: from the group files, else from the global server's merge
-    lines (groups that write on other machines), else worker <-> group from ``traffic``."""
+    """``hop_bytes`` of the run: the ledger's (the global server's last figures), else (a run
+    recorded before it) from the group files, else from the global server's merge lines
+    (groups that write on other machines), else worker <-> group from ``traffic``."""
+    if (ledger := _ledger(run)) is not None:
+        return {k: int(ledger.get(k) or 0) for k in HOPS}
     if any(run.groups.values()):
         return hop_bytes(run.groups)
     if merges:

@@ -76,7 +76,7 @@ from minips.run.checks import (
     speaks_tls,
 )
 from minips.run.flags import PRESETS, build_parser, run_config_from_args
-from minips.run.launch import LaunchConfig, ProgressLine
+from minips.run.launch import LaunchConfig
 from minips.serve.group_process import GroupConfig
 from minips.server import GlobalServer, ServerConfig
 
@@ -106,7 +106,7 @@ async def serve_run(cfg: ServerConfig, *, announce: bool = True,
     if announce:
         _announce(cfg, port)
     child = _spawn_evaluator(cfg, port) if spawn_evaluator else None
-    progress = asyncio.ensure_future(_progress(cfg, srv)) if cfg.console else None
+    progress = asyncio.ensure_future(_progress(srv)) if cfg.console and announce else None
     try:
         await srv.wait_finished()
     finally:
@@ -120,14 +120,13 @@ async def serve_run(cfg: ServerConfig, *, announce: bool = True,
     return srv
 
 
-async def _progress(cfg: ServerConfig, srv: GlobalServer) -> None:
-    """`minips local`'s progress line, from this server's run directory, every
-    PROGRESS_EVERY_S once training started."""
+async def _progress(srv: GlobalServer) -> None:
+    """The progress line every PROGRESS_EVERY_S once training started, from the server's
+    memory (``GlobalServer.progress_text``: its ledger, no file read, no thread)."""
     await srv.groups_opened.wait()
-    line = ProgressLine(Path(cfg.run_dir), cfg.run, tty=False)
     while True:
         await asyncio.sleep(PROGRESS_EVERY_S)
-        await asyncio.to_thread(line.draw)
+        print(srv.progress_text(), file=sys.stderr, flush=True)
 
 
 async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
@@ -203,18 +202,25 @@ def run_server(cfg: ServerConfig, *, spawn_evaluator: bool = False,
                announce: bool = True) -> GlobalServer:
     """`minips server`: serve one run (optionally with an evaluator child process); return
     the closed server (``failure`` says whether the run ended short)."""
-    if spawn_evaluator and cfg.tls_cert:
-        raise ConfigError("--eval cannot be used with --tls-cert: the evaluator child would have "
-                          "to verify the certificate by a name this machine resolves; start "
-                          "'minips evaluator --connect NAME:PORT --tls-ca CA' instead")
+    if spawn_evaluator and cfg.tls_cert and not issuing_ca(cfg.tls_cert, cfg.tls_key):
+        raise ConfigError(f"--eval with --tls-cert {cfg.tls_cert}: no CA that verifies it beside "
+                          "it (the evaluator child verifies this server as a worker does); put "
+                          "ca.pem next to the certificate, or start 'minips evaluator --connect "
+                          "NAME:PORT --tls-ca CA' instead")
     transport.install_uvloop()
     return asyncio.run(serve_run(cfg, announce=announce, spawn_evaluator=spawn_evaluator))
 
 
 def _spawn_evaluator(cfg: ServerConfig, port: int) -> subprocess.Popen[bytes]:
+    """`minips evaluator` as a child; under TLS it verifies this server with the run's CA by
+    the name workers use (``reachable_hosts``: the certificate names it), as a worker would."""
     host = "127.0.0.1" if cfg.host in WILDCARD_HOSTS else cfg.host
-    cmd = [sys.executable, "-m", "minips", "evaluator", "--connect", f"{host}:{port}",
-           "--run-dir", cfg.run_dir, "--timeout", "30"]
+    tls: list[str] = []
+    if cfg.tls_cert:
+        host = reachable_hosts(cfg)[0] if cfg.host in WILDCARD_HOSTS else cfg.host
+        tls = ["--tls-ca", str(issuing_ca(cfg.tls_cert, cfg.tls_key))]
+    cmd = [sys.executable, "-m", "minips", "evaluator", "--connect",
+           format_address(host, port), "--run-dir", cfg.run_dir, "--timeout", "30", *tls]
     return subprocess.Popen(cmd, env=lifeline.child_env())
 
 
@@ -289,8 +295,7 @@ def _cmd_server(args: argparse.Namespace) -> int:
     check_port("--port", args.host, args.port)  # taken: one line naming the flag, nothing made
     if args.dashboard:
         check_port("--dashboard", *parse_address(args.dashboard))
-    if not args.eval:  # --eval with --tls-cert is refused anyway (run_server says why)
-        check_tls_server(args.tls_cert, args.tls_key)
+    check_tls_server(args.tls_cert, args.tls_key)
     cfg = ServerConfig(run=run_config_from_args(args), host=args.host, port=args.port,
                        token=_token(), tls_cert=args.tls_cert, tls_key=args.tls_key,
                        run_dir=args.run_dir, init_path=args.init,
@@ -326,6 +331,8 @@ def _report(cfg: ServerConfig, srv: GlobalServer) -> None:
     """summary.json in the run directory, and its headline on the console (as `minips local`)."""
     summary = summarize(cfg.run_dir)
     acc = summary.get("final_accuracy")
+    if srv.core.grouped:  # the run's figures as they end: the ledger's, as summary.json's
+        print(srv.progress_text(), file=sys.stderr, flush=True)
     print(f"minips server: {'failed' if srv.failure else 'done'} "
           f"({srv.core.done_reason or 'ended'}) after {summary.get('train_s') or 0:.1f} s of "
           f"training, {srv.core.samples:,} samples, final accuracy "
@@ -440,8 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # the --config file: unreadable, or a key that is no flag
         print(f"minips: error: {exc}", file=sys.stderr)
         return 2
-        trace_cmd.open_role_tracer(args)  # --trace FILE: this process's frames
     try:
+        trace_cmd.open_role_tracer(args)  # --trace FILE: this process's frames
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("minips: interrupted", file=sys.stderr)

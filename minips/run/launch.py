@@ -64,13 +64,8 @@ from minips.net.endpoints import (
     parse_address,
     reachable_url,
 )
-from minips.record.metrics import (
-    HOP_COUNTERS,
-    DataWatch,
-    TrainingClock,
-    live_hop_bytes,
-    summarize,
-)
+from minips.record.ledger import progress_text
+from minips.record.metrics import DataWatch, TrainingClock, summarize
 from minips.record.plot import plot_run
 from minips.record.rundir import claim, read_config, read_jsonl, tail_jsonl
 from minips.run.trace_cmd import child_trace_args
@@ -107,26 +102,16 @@ class ProgressLine:
         self.clock = TrainingClock(run_dir)  # summary.json's train_s, as it goes
 
     def draw(self, final: bool = False) -> None:
+        """The line as of the global server's last record (its figures are the ledger's:
+        record/ledger.py) and the evaluator's last score; one read of each file's tail."""
         if not (final or self.tty or time.monotonic() - self.last >= 10.0):
             return  # in a log file: one line every 10 s
         self.last = time.monotonic()
         ev = _last_record(self.run_dir / "eval.jsonl")
         gl = _last_record(self.run_dir / "global.jsonl")
-        samples = int(gl.get("samples", 0) or 0)
-        epochs = samples / self.train_size
-        acc = ev.get("accuracy")
-        acc_s = f"{100 * acc:5.1f}%" if isinstance(acc, (int, float)) else "  -  "
-        hops = live_hop_bytes(self.run_dir) or {  # before any group file: the server's
-            "bytes_worker_group": gl.get("bytes_up", 0) or 0,
-            "bytes_group_worker": gl.get("bytes_down", 0) or 0}
-        mb = {k: hops.get(k, 0) / 1e6 for k in HOP_COUNTERS}
-        kind = self.data.verdict()  # None until a process loaded its data
-        data_s = "SYNTHETIC DATA" if kind in ("synthetic", "mixed") else f"data {kind or 'loading'}"
-        text = (f"[{self.clock.text(time.time())}] {self.run.mode}/"
-                f"{self.run.compressor}  {data_s}  epochs {epochs:5.2f}  merges "
-                f"{gl.get('version', 0):>5}  test acc {acc_s}  MB up {mb['bytes_worker_group']:.1f}"
-                f" down {mb['bytes_group_worker']:.1f} to-global {mb['bytes_group_global']:.1f} "
-                f"from-global {mb['bytes_global_group']:.1f} total {sum(mb.values()):.1f}")
+        acc = ev.get("accuracy") if isinstance(ev.get("accuracy"), (int, float)) else None
+        text = progress_text(self.clock.text(time.time()), self.run.mode,
+                             self.run.compressor, gl, acc, self.data.verdict(), self.train_size)
         print("\r" + text if self.tty else text, end="\n" if final or not self.tty else "",
               flush=True, file=sys.stderr)
 

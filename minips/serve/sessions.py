@@ -100,6 +100,9 @@ class Shell(Protocol):
     async def tell_group(self, w: int) -> None:
         """Send worker ``w`` its group (ASSIGN), if it is connected and the group is served."""
 
+    def scored(self, score: control.Score) -> None:
+        """An evaluator's SCORE: into the run's ledger, its record and the console."""
+
 
 async def send_quiet(ch: Channel, msg: messages.Message) -> None:
     """Send ``msg``; a connection gone meanwhile is no error here."""
@@ -127,7 +130,10 @@ async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
             await asyncio.sleep(0)
             msg = await ch.recv()
             conv.receive(msg)
-            _on_control(srv, w, msg)
+            if isinstance(msg, messages.Pull):  # calibration: the link probe (roster.py)
+                await _probe_answer(srv, ch, w)
+            else:
+                _on_control(srv, w, msg)
     except RemoteProtocolError:
         core.roster.cut(w)  # out of its group's clocks, as after a LEAVE (Roster.cut)
         raise
@@ -138,7 +144,8 @@ async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
 
 
 def _on_control(srv: Shell, w: int, msg: messages.Message) -> None:
-    """Handle one control message (one the conversation let pass: STATS, INIT_WEIGHTS, LEAVE)."""
+    """Handle one control message (one the conversation let pass: STATS, INIT_WEIGHTS, LEAVE,
+    the link probe's PUSH)."""
     if isinstance(msg, control.Stats):
         conversation.check_stats(msg)
         srv.perform(srv.core.on_stats(w, msg, time.monotonic()))
@@ -146,6 +153,16 @@ def _on_control(srv: Shell, w: int, msg: messages.Message) -> None:
         srv.perform(srv.core.on_initial(initial_weights(msg)))
     elif isinstance(msg, control.Leave):
         srv.perform(srv.core.worker_leaving(w, msg.reason))
+    elif isinstance(msg, messages.Push):  # the link probe's upload: timed, its payload dropped
+        srv.perform(srv.core.probe_pushed(w, time.monotonic()))
+
+
+async def _probe_answer(srv: Shell, ch: Channel, w: int) -> None:
+    """The link probe's PULL: the global weights whole, timed from when they go out (a wait for
+    the first initial weights is no part of the worker's link)."""
+    await srv.weights_ready.wait()
+    srv.perform(srv.core.probe_pulled(w, time.monotonic()))
+    await ch.send(srv.core.weights_message())
 
 
 def initial_weights(msg: messages.InitWeights) -> np.ndarray:
@@ -158,20 +175,26 @@ def initial_weights(msg: messages.InitWeights) -> np.ndarray:
 
 
 async def evaluator_session(srv: Shell, ch: Channel) -> None:
-    """PULL -> WEIGHTS until LEAVE; the answer with the final weights sets ``evaluated_final``."""
+    """PULL -> WEIGHTS until LEAVE. A SCORE (the evaluator's accuracy on weights it pulled)
+    goes to ``srv.scored``; the score of the final weights sets ``evaluated_final`` (an
+    evaluator that sends none LEAVEs once it has them: the server waits for either)."""
     conv = Conversation(Role.EVALUATOR)
     while True:
         await asyncio.sleep(0)  # one message per turn, as on every channel
-        conv.receive(await ch.recv())
+        msg = await ch.recv()
+        conv.receive(msg)
         if conv.left:
             return
+        if isinstance(msg, control.Score):
+            srv.scored(msg)
+            if msg.final:
+                srv.evaluated_final.set()
+            continue
         await srv.weights_ready.wait()
         if srv.core.done:  # budget spent: answer with the final weights (after the groups'
             await srv.finished.wait()  # final deltas, a bounded wait), marked done
         final = srv.core.done and srv.finished.is_set()
         await ch.send(srv.core.weights_message(final=final))
-        if final:
-            srv.evaluated_final.set()
 
 
 # -- group processes -------------------------------------------------------------------------

@@ -5,9 +5,9 @@ The handshake (``handshake.py`` runs it): HELLO (the peer's role and nonce), CHA
 server's nonce), AUTH (the HMAC of both), WELCOME (the peer's id, the server's HMAC and the run's
 configuration) or REFUSE (a code and a readable reason). After it: ASSIGN (which group a worker
 trains in, at what ratio and staleness), STATS (a worker's clock, step time and loss on its
-control channel), HEARTBEAT, LEAVE and ERROR. Each is a frozen dataclass of ``messages.py``'s
-``Message`` whose fields carry their checks (``fields.py``); docs/protocol.md, sections 3 and 4,
-lists every field, and ``kinds.py`` is the table of every kind.
+control channel), an evaluator's SCORE, HEARTBEAT, LEAVE and ERROR. Each is a frozen dataclass
+of ``messages.py``'s ``Message`` whose fields carry their checks (``fields.py``);
+docs/protocol.md, sections 3 and 4, lists every field, and ``kinds.py`` is the table of every kind.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from minips.wire.fields import (
     MAX_TEXT,
     Invalid,
     blob,
+    boolean,
     checked,
     integer,
     mapping,
@@ -36,6 +37,7 @@ __all__ = [
     "Hello",
     "Challenge",
     "Auth",
+    "Score",
     "Welcome",
     "Refuse",
     "Assign",
@@ -130,6 +132,18 @@ def data_origin(v: Any) -> dict[str, Any]:
             or (type(x) is str and len(x) > MAX_TEXT) for k, x in v.items()):
         raise Invalid(f"expected a map of {', '.join(DATA_KEYS)} (str, synthetic: bool)")
     return v
+
+
+@dataclass(frozen=True, kw_only=True)
+class Score(Message):
+    """An evaluator's score of the global weights at ``version``, to the global server (sent
+    only when its WELCOME's info says ``scores``: an older server does not know the kind)."""
+    KIND = Kind.SCORE
+    version: int = checked(integer())  # the GLOBAL_WEIGHTS version scored
+    accuracy: float = checked(number(0.0, 1.0))  # share of the test samples right
+    loss: float = checked(number())  # mean test loss
+    tested: int = checked(integer(), 0)  # test samples scored
+    final: bool = checked(boolean, False)  # the run's final weights
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -75,7 +75,7 @@ TRANSITIONS: dict[tuple[Side, State, Kind], State] = {
     (_S, State.AUTH, Kind.WELCOME): State.OPEN,
     (_S, State.AUTH, Kind.REFUSE): State.CLOSED,
     **{(_C, State.OPEN, k): State.OPEN for k in (Kind.STATS, Kind.PUSH, Kind.PULL,
-                                                  Kind.EXCHANGE, Kind.INIT_WEIGHTS)},
+                                                  Kind.EXCHANGE, Kind.INIT_WEIGHTS, Kind.SCORE)},
     **{(_S, State.OPEN, k): State.OPEN for k in (Kind.ASSIGN, Kind.ACK, Kind.WEIGHTS,
                                                   Kind.EXCHANGE_REPLY, Kind.GLOBAL_WEIGHTS)},
     **{(s, State.OPEN, k): State.OPEN for s in Side for k in (Kind.HEARTBEAT, Kind.LEAVE)},

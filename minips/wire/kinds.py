@@ -28,6 +28,7 @@ from minips.wire.control import (
     Hello,
     Leave,
     Refuse,
+    Score,
     Stats,
     Welcome,
 )
@@ -52,7 +53,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {  # Kind (an int) -> class
     cls.KIND: cls
     for cls in (Hello, Challenge, Auth, Welcome, Refuse, Assign, Stats, Push, Ack, Pull,
                 Weights, Heartbeat, Leave, Error, Exchange, ExchangeReply, GlobalWeights,
-                InitWeights)
+                InitWeights, Score)
 }
 WITH_BUFFERS = frozenset(  # frames that carry buffers: the kinds with a vector payload
     kind for kind, cls in MESSAGE_TYPES.items() if "payload" in cls.__dataclass_fields__)

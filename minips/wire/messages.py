@@ -99,6 +99,7 @@ class Kind(IntEnum):
     EXCHANGE_REPLY = 16
     GLOBAL_WEIGHTS = 17
     INIT_WEIGHTS = 18
+    SCORE = 19
 
 
 @dataclass(frozen=True, kw_only=True)
