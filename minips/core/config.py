@@ -257,6 +257,9 @@ class RunConfig:
     compressor: str = "none"  # registry.make_compressor name
     ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
     xchg_ratio: float | None = None  # group <-> global exchange kept fraction; None = auto
+    # the group <-> global exchange (exchange.py): "topk" the top xchg_ratio both ways, the
+    # rest left for later; "exact" every entry changed since the last one, both ways, O(changes)
+    xchg_mode: str = "topk"
     # kept fraction of each publish of a group's weights to its workers (downlink.py); None: the
     # run's ratio with a sparse compressor, dense (1.0) with none / fp16; 1.0: dense
     down_ratio: float | None = None
@@ -311,6 +314,7 @@ class RunConfig:
         _check(0 < self.ratio <= 1, "ratio", self.ratio, "in (0, 1]")
         _check(self.xchg_ratio is None or 0 < self.xchg_ratio <= 1, "xchg_ratio",
                self.xchg_ratio, "in (0, 1] (or unset: automatic)")
+        _check(self.xchg_mode in ("topk", "exact"), "xchg_mode", self.xchg_mode, "topk | exact")
         _check(self.down_ratio is None or 0 < self.down_ratio <= 1, "down_ratio",
                self.down_ratio, "in (0, 1]")
         _check(self.down_values in ("f32", "f16"), "down_values", self.down_values, "f32 | f16")

@@ -51,6 +51,17 @@ those the last exchange left unsent (``left``), and ``complete`` rebases only th
 and a sparse reply name: O(changes), the same ``s`` as over all n. The global server's
 ``GroupMirror`` does the same with its own log and its own ``left``.
 
+The exact exchange (``RunConfig.xchg_mode`` "exact": ``ExactSync``, ``ExactMirror``). The group
+sends every entry it changed since its last exchange began, at ``w - w_sync`` (no top-k, no
+``left``); the global server answers with every entry its change log names after the version
+that group holds (no ``known`` copy, no top-k): the first answer to a group whose version it
+does not know (a new one, a resumed server) is dense, as is one past ``DENSE_AT``. ``w_sync`` is
+kept as before-values (``BeforeValues``: copy on first write, as pushes land), so a group holds
+one copy of the model and the global server none per group. Every message path is then
+O(changes); the bytes on the hop are the changes, not k. Exactly once and resume are the rules
+above, unchanged: the same (session, seq), and a repeat is answered from the version the group
+held when it sent it.
+
 Invariants: ``w_sync`` is the group's exact copy of what the global server holds for it
 (``known``, or G after a dense reply); ``pending`` is either None or the one exchange whose fate
 is unknown. When ``known`` is not None, a group that got every reply holds ``known`` exactly, and
@@ -88,6 +99,12 @@ __all__ = [
     "MIN_SHARE",
     "Delta",
     "exchange_message",
+    "XCHG_MODES",
+    "BeforeValues",
+    "ExactSync",
+    "ExactMirror",
+    "group_sync",
+    "group_mirror",
 ]
 
 
@@ -268,6 +285,9 @@ class Outgoing:
     sent: np.ndarray | SparseVector
     stats: dict[str, Any]  # counters since the previous exchange, plus session and seq
     delta: Delta  # s, sent again unchanged while the exchange is pending
+    # the exact exchange (``ExactSync``): (p,) float32 w_sync at ``sent``'s entries, the
+    # before-values the exchange covers (what the group's copy holds there until the reply)
+    synced: np.ndarray | None = None
 
 
 SHARE_EMA = 0.25  # GroupSync.share: the weight of the newest exchange in the running mean
@@ -287,6 +307,10 @@ class GroupSync:
         # where the weights may differ from w_sync beyond the changes since the last exchange
         # began ((m,) uint32 sorted; None: anywhere): a sparse exchange looks only there
         self.left: np.ndarray | None = np.empty(0, np.uint32)
+        self._start(session)
+
+    def _start(self, session: int | None) -> None:
+        """The seq, the pending exchange and the counters of a group that has sent nothing."""
         self.session = secrets.randbits(52) if session is None else session  # fits a double
         self.seq = 0  # seq of the last exchange started
         self.pending: Outgoing | None = None  # an exchange whose reply was lost
@@ -315,6 +339,10 @@ class GroupSync:
         """Account one answered PULL of worker ``w`` (``lead`` clocks ahead of its group's
         slowest worker, held ``held_s`` by the SSP bound) for the next exchange's counters."""
         self.pulls.append((w, max(0, lead), max(0, round(held_s * 1e6))))
+
+    def moving(self, weights: np.ndarray, idx: np.ndarray | None) -> None:
+        """The weights are about to change at ``idx``: nothing to keep (``ExactSync`` keeps
+        ``w_sync`` there)."""
 
     def begin(self, weights: np.ndarray, extra: dict[str, Any], dense: bool = False,
               changed: np.ndarray | None = None) -> Outgoing:
@@ -358,6 +386,11 @@ class GroupSync:
         """The global server answered ``out``: rebase ``weights`` (in place) on its weights,
         ``weights += w_sync' - sent``: over all n when the exchange or its reply is dense, else
         at the entries either names only (``touches``; zero elsewhere)."""
+        self._rebase_on(weights, out, res)
+        self._settle(weights, out, res)
+
+    def _rebase_on(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
+        """``complete``'s arithmetic: the weights and ``w_sync`` after the reply."""
         if isinstance(out.sent, np.ndarray):
             new = self.synced(res.weights)
             weights += new - out.sent
@@ -374,11 +407,14 @@ class GroupSync:
             sent[np.searchsorted(touched, out.sent.indices)] = out.sent.values
             new[res.weights.indices] = res.weights.values
             weights[touched] += new[touched] - sent
+        self.w_sync = new
+
+    def _settle(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
+        """``complete``'s bookkeeping: the resume record, the pending exchange, the counters."""
         if res.saved is not None:  # a `minips group` process: keep what a resume would lack
             seq = out.stats["seq"]
             self.unsaved = self.unsaved or Unsaved(weights.size, start=seq - 1)
             self.unsaved.merged(seq, out.delta, out.stats["samples"], res.saved)
-        self.w_sync = new
         self.pending = None
         # the reply counts the samples up to ``out``; those counted since it began come on top
         self.global_samples, self.samples_after = res.samples, self.since["samples"]
@@ -474,3 +510,251 @@ def exchange_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
     counters: dict[str, Any] = {k: -1 if v is None else v for k, v in stats.items()
                 if k in messages.Exchange.INFO}
     return messages.Exchange(**counters, payload=sparse.encode_vector(delta))
+
+
+# -- the exact exchange: every change, both ways, O(changes) -----------------------------------
+
+XCHG_MODES = ("topk", "exact")  # RunConfig.xchg_mode
+
+
+class BeforeValues:
+    """The group's copy of the global weights (``w_sync``) kept where it differs from the
+    group's weights only: each entry's value before its first change since the record began
+    (copy on first write), O(k) a change. A dense change (the optimizer on the servers), a
+    new global server or a checkpoint's copy make it dense: every entry's value, a (n,) copy,
+    until the next exchange begins. Invariant: the weights equal ``w_sync`` at every entry the
+    record does not hold."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._held = np.zeros(size, dtype=np.bool_)  # (n,) the entry holds a before-value
+        self._idx: list[np.ndarray] = []  # chunks of (c,) uint32, in the order first written
+        self._val: list[np.ndarray] = []  # (c,) float32, their before-values
+        self.dense: np.ndarray | None = None  # (n,) float32 every before-value; None: sparse
+        self._tidy = True  # _idx is one chunk, increasing (or none)
+
+    def save(self, weights: np.ndarray, idx: np.ndarray | None) -> None:
+        """The weights are about to change at ``idx`` ((k,) distinct indices; None: anywhere):
+        keep the values of those not held yet."""
+        if self.dense is not None:
+            return
+        if idx is None:
+            self.set_dense(self.materialize(weights))
+            return
+        idx = np.asarray(idx)
+        new = idx[~self._held[idx]]  # (c,) not changed since the record began
+        if new.size:
+            self._held[new] = True
+            self._idx.append(new.astype(np.uint32, copy=False))
+            self._val.append(weights[new])
+            self._tidy = False
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """(m,) uint32 increasing indices held and (m,) float32 their before-values (sparse
+        record only); consolidated once, then kept so."""
+        assert self.dense is None
+        if not self._idx:
+            return np.empty(0, np.uint32), np.empty(0, np.float32)
+        if not self._tidy:
+            idx, val = np.concatenate(self._idx), np.concatenate(self._val)
+            if idx.size > 1 and not (idx[1:] > idx[:-1]).all():  # one sorted push: as it is
+                order = np.argsort(idx)
+                idx, val = idx[order], val[order]
+            self._idx, self._val, self._tidy = [idx], [val], True
+        return self._idx[0], self._val[0]
+
+    def at(self, weights: np.ndarray, where: np.ndarray) -> np.ndarray:
+        """(p,) float32 ``w_sync`` at ``where`` ((p,) uint32 increasing): the before-value
+        where one is held, the weights elsewhere."""
+        if self.dense is not None:
+            return self.dense[where]
+        out = weights[where]
+        pos, hit = self._find(where)
+        out[hit] = self.items()[1][pos[hit]]
+        return out
+
+    def update(self, where: np.ndarray, values: np.ndarray) -> None:
+        """``w_sync`` at ``where`` ((p,) uint32 increasing) became ``values``: the held
+        before-values there follow (an entry not held stays so: the weights are it)."""
+        if self.dense is not None:
+            self.dense[where] = values
+            return
+        pos, hit = self._find(where)
+        self.items()[1][pos[hit]] = values[hit]
+
+    def _find(self, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        idx = self.items()[0]
+        pos = np.searchsorted(idx, where)  # (p,) int64
+        np.minimum(pos, max(0, idx.size - 1), out=pos)
+        hit = idx[pos] == where if idx.size else np.zeros(where.size, dtype=np.bool_)
+        return pos, hit
+
+    def materialize(self, weights: np.ndarray) -> np.ndarray:
+        """(n,) float32 ``w_sync`` whole (a new array: O(n), for checkpoints and resumes)."""
+        if self.dense is not None:
+            return self.dense.copy()
+        out = np.array(weights, dtype=np.float32)
+        idx, val = self.items()
+        out[idx] = val
+        return out
+
+    def take(self, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every entry where the weights differ from ``w_sync`` ((m,) uint32 increasing) and
+        ``w_sync`` there; the record starts again, empty."""
+        if self.dense is not None:
+            idx = np.flatnonzero(weights != self.dense).astype(np.uint32)  # NaN differs too
+            val = self.dense[idx]
+        else:
+            idx, val = self.items()
+        self.set_dense(None)
+        return idx, val
+
+    def set_dense(self, values: np.ndarray | None) -> None:
+        """``w_sync`` is ``values`` whole ((n,) float32, kept as it is), or (None) the
+        weights themselves: the record empty."""
+        if self.dense is None and self._idx:
+            self._held[self.items()[0]] = False
+        self._idx, self._val, self.dense, self._tidy = [], [], values, True
+
+
+class ExactSync(GroupSync):
+    """A group's side of the exact exchange: every entry it changed since the last exchange
+    began goes up at its delta, ``w - w_sync`` (no top-k, nothing left behind); the reply sets
+    every entry the global weights changed at since the version this group holds. ``w_sync``
+    is kept as before-values (``BeforeValues``), so the group holds one copy of the model: the
+    weights. The shell calls ``moving`` before each change of the weights by a push (the rebase
+    of ``complete`` is not one: the record follows it by itself).
+
+    The arithmetic is ``GroupSync``'s dense rule restricted to the entries it can change:
+    ``sent`` = the weights at the begin, at the entries that differ from ``w_sync`` (``S``);
+    after the reply (the entries ``R`` at ``G``'s values, or ``G`` whole) ``w_sync' = G`` there
+    and ``w = w_sync' + (w - sent)`` at ``S | R``: exact (the reply's own values) where nothing
+    was pushed in between, one float32 sum where something was."""
+
+    def __init__(self, weights: np.ndarray, session: int | None = None) -> None:
+        self.ratio = 1.0  # everything that changed goes: no kept fraction
+        self.left = None
+        self.weights = weights  # the group's (n,) float32 weights (kept up to date by the calls)
+        self.before = BeforeValues(weights.size)
+        self._start(session)
+
+    @property  # type: ignore[override]
+    def w_sync(self) -> np.ndarray:
+        """(n,) float32 the group's copy of the global weights, made whole (O(n): checkpoints,
+        resumes, tests): the pending exchange's entries at what they were before it."""
+        out = self.before.materialize(self.weights)
+        if self.pending is not None and self.pending.synced is not None:
+            assert isinstance(self.pending.sent, SparseVector)
+            out[self.pending.sent.indices] = self.pending.synced
+        return out
+
+    @w_sync.setter
+    def w_sync(self, values: np.ndarray) -> None:
+        self.before.set_dense(np.array(values, dtype=np.float32))
+
+    def moving(self, weights: np.ndarray, idx: np.ndarray | None) -> None:
+        """The weights are about to change at ``idx`` (None: anywhere): keep ``w_sync`` there."""
+        self.weights = weights
+        self.before.save(weights, idx)
+
+    def _outgoing(self, weights: np.ndarray, stats: dict[str, Any], dense: bool,
+                  changed: np.ndarray | None) -> Outgoing:
+        """Every entry the record holds whose value moved: ``sent`` the weights there,
+        ``delta`` ``sent - w_sync`` (a flush is no different: nothing is left behind)."""
+        self.weights = weights
+        idx, synced = self.before.take(weights)  # (m,) uint32, (m,) float32
+        sent = weights[idx]
+        delta = sent - synced
+        moved = delta != 0  # an entry pushed back to its value has nothing to send
+        if not moved.all():
+            idx, sent, delta, synced = idx[moved], sent[moved], delta[moved], synced[moved]
+        n = weights.size
+        return Outgoing(SparseVector(idx, sent, n), stats, SparseVector(idx, delta, n), synced)
+
+    def _rebase_on(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
+        """``w = w_sync' + (w - sent)`` at the entries the exchange or the reply names (all
+        of them for a dense reply), ``w_sync'`` = the reply there; the record's before-values
+        of entries pushed meanwhile become ``w_sync'``."""
+        self.weights = weights
+        sent, reply = out.sent, res.weights
+        assert isinstance(sent, SparseVector) and out.synced is not None
+        if isinstance(reply, np.ndarray):
+            self._take_dense(weights, sent, reply)
+            return
+        touched = self.touches(out, res)  # (t,) uint32 increasing
+        assert touched is not None
+        at_sent = np.searchsorted(touched, sent.indices)
+        before = self.before.at(weights, touched)  # sent: the weights at the begin, there
+        before[at_sent] = sent.values
+        new = before.copy()  # w_sync': the reply where it sets, the old copy elsewhere
+        new[at_sent] = out.synced
+        new[np.searchsorted(touched, reply.indices)] = reply.values
+        weights[touched] = new + (weights[touched] - before)
+        self.before.update(touched, new)
+
+    def _take_dense(self, weights: np.ndarray, sent: SparseVector, reply: np.ndarray) -> None:
+        """A dense reply: ``w_sync' = G``; ``w = G + (w - sent)``, O(n)."""
+        base = self.before.materialize(weights)  # sent where nothing was pushed meanwhile
+        base[sent.indices] = sent.values
+        step = weights - base  # (n,) what was pushed since the begin
+        moved = np.flatnonzero(step).astype(np.uint32)
+        weights[:] = reply
+        weights[moved] += step[moved]
+        self.before.set_dense(None)
+        self.before.save(reply, moved)  # w_sync' = G where the weights differ from it
+
+    def rebase(self, weights: np.ndarray, g: np.ndarray,
+               server_seq: int | None = None) -> tuple[np.ndarray, Tally | None]:
+        """``GroupSync.rebase`` (O(n): a new global server); the pending exchange's copy is
+        ``g`` at its entries."""
+        new, replay = super().rebase(weights, g, server_seq)
+        self.weights = new
+        if self.pending is not None and self.pending.synced is not None:
+            assert isinstance(self.pending.sent, SparseVector)
+            self.pending.synced = g[self.pending.sent.indices]
+        return new, replay
+
+
+class ExactMirror:
+    """The global server's side of the exact exchange for one group: the version of the
+    global weights' change log the group holds (``base``: the last reply it took, known when
+    its next new seq arrives), and the one its last reply brought (``last``). The answer is
+    every entry the log names after ``base``, at the global weights' values: O(changes), no
+    copy of what the group holds. A repeat is answered from the same ``base`` (the lost reply
+    was not taken); the whole weights when the log does not reach back (a new or resumed
+    server, a group far behind) or the entries pass ``DENSE_AT`` of n."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.base: int | None = None  # the version the group holds; None: unknown
+        self.last: int | None = None  # the version the last reply brought it to
+
+    def reset(self, weights: np.ndarray | None = None, version: int = 0) -> None:
+        """The group took the weights whole at ``version`` (a PULL); None: unknown."""
+        self.base = self.last = None if weights is None else version
+
+    def answer(self, weights: np.ndarray, repeat: bool,
+               changes: ChangeLog | None = None) -> np.ndarray | SparseVector:
+        """The reply to an exchange merged (or repeated: ``repeat``) into ``weights``."""
+        if not repeat:
+            self.base = self.last  # a new seq: the group took the last reply
+        idx = None if changes is None or self.base is None else changes.since(self.base)
+        self.last = None if changes is None else changes.version
+        if idx is None or idx.size > DENSE_AT * weights.size:
+            return np.array(weights, dtype=np.float32)
+        return SparseVector(idx, weights[idx], weights.size)
+
+
+def group_sync(run: Any, weights: np.ndarray) -> GroupSync:
+    """A group's side of the exchange ``run.xchg_mode`` names (``weights``: the group's own
+    array, which the exact one follows)."""
+    if run.xchg_mode == "exact":
+        return ExactSync(weights)
+    return GroupSync(weights, ratio=exchange_ratio(run))
+
+
+def group_mirror(run: Any, size: int) -> GroupMirror | ExactMirror:
+    """The global server's side of one group's exchange, as ``run.xchg_mode`` names it."""
+    if run.xchg_mode == "exact":
+        return ExactMirror(size)
+    return GroupMirror(size, exchange_ratio(run))

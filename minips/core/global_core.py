@@ -80,10 +80,11 @@ from minips.core.config import RunConfig
 from minips.core.exchange import (
     BETWEEN_GROUPS,
     Delta,
+    ExactMirror,
     ExchangeResult,
     GroupMirror,
     SyncPoint,
-    exchange_ratio,
+    group_mirror,
 )
 from minips.core.local_steps import auto_local_steps
 from minips.core.replay import MAX_SESSIONS, Merged
@@ -227,7 +228,8 @@ class GlobalCore:
         self.roster = Roster(run, regroup=regroup)
         self.workers = self.roster.workers  # worker id -> WorkerEntry
         self.groups = self.roster.groups  # group id -> GroupHandle
-        self.mirrors: dict[int, GroupMirror] = {}  # group id -> what it holds of the weights
+        # group id -> what it holds of the weights (``RunConfig.xchg_mode``)
+        self.mirrors: dict[int, GroupMirror | ExactMirror] = {}
         # group id -> the global weights its copy was last brought up to (between-group
         # staleness, ``synced``); none for a group resumed from a checkpoint until it is answered
         self.synced: dict[int, SyncPoint] = {}
@@ -584,11 +586,11 @@ class GlobalCore:
             return dict.fromkeys(BETWEEN_GROUPS)
         return point.between_groups(self.version, self.groups[g].merges, now)
 
-    def mirror(self, g: int) -> GroupMirror:
+    def mirror(self, g: int) -> GroupMirror | ExactMirror:
         """The global server's copy of what group ``g`` holds of the global weights."""
         assert self.weights is not None
         if g not in self.mirrors:
-            self.mirrors[g] = GroupMirror(self.weights.size, exchange_ratio(self.run))
+            self.mirrors[g] = group_mirror(self.run, self.weights.size)
         return self.mirrors[g]
 
     def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any],

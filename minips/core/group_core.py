@@ -76,7 +76,7 @@ from minips.core.balance import Balancer
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.downlink import Downlink, ExactDownlink
-from minips.core.exchange import Delta, ExchangeResult, GroupSync, Outgoing, exchange_ratio
+from minips.core.exchange import Delta, ExchangeResult, Outgoing, group_sync
 from minips.core.local_steps import outer_sgd
 from minips.errors import RemoteProtocolError
 from minips.wire import control, messages
@@ -156,7 +156,7 @@ class GroupCore:
         self.group, self.run = group, run
         self.open_membership = open_membership
         self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
-        self.xchg = GroupSync(self.weights, ratio=exchange_ratio(run))  # delta, seq, counters
+        self.xchg = group_sync(run, self.weights)  # delta, seq, counters (xchg_mode)
         self.xchg_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}  # exchanges so far
         self.opt = _server_sgd(run, self.weights.size)
         self.budget = run.budget_samples()  # the run's samples, for WEIGHTS.progress; 0: none
@@ -304,6 +304,7 @@ class GroupCore:
         self.opt.lr = lr / max(1, share)
         plain = self.opt.momentum == 0 and self.opt.weight_decay == 0  # only g's entries move
         touched = grad.indices if plain and isinstance(grad, sparse.SparseVector) else None
+        self.xchg.moving(self.weights, touched)  # the exact exchange keeps w_sync there
         self._change(touched, lambda: self.opt.step(self.weights, grad))
         self.version += 1
         self.unapplied -= samples

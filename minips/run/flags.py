@@ -129,6 +129,9 @@ RUN_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--ratio", "ratio", finite, "kept fraction of gradient coordinates (0..1]"),
     ("--xchg-ratio", "xchg_ratio", finite, "kept fraction of the group <-> global exchange, "
      "both ways (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
+    ("--xchg-mode", "xchg_mode", _name, "the group <-> global exchange: topk (the largest "
+     "--xchg-ratio of what changed, both ways; the rest goes later) | exact (every entry "
+     "changed since the last exchange, both ways: no residual, O(changes))"),
     ("--down-ratio", "down_ratio", finite, "kept fraction of each publish of a group's weights "
      "to its workers (0..1]; 1 = dense; default: --ratio with a sparse compressor, else dense"),
     ("--down-values", "down_values", str, "f32 | f16: the values of a downlink update to the "
