@@ -12,8 +12,9 @@ from minips.net import guard
 from minips.wire import checks, control, frames, handshake, messages
 from minips.wire.fields import Payload
 
-LIMITS = guard.Limits(max_pending=5, max_pending_per_source=2, free_failures=2,
-                      backoff_first_s=1.0, backoff_max_s=4.0, forget_after_s=100.0)
+LIMITS = guard.Limits(max_pending=5, max_pending_per_source=2, max_waiting_per_source=2,
+                      max_waiting=3, free_failures=2, backoff_first_s=1.0, backoff_max_s=4.0,
+                      forget_after_s=100.0)
 
 
 def test_handshakes_at_once_are_capped_per_source_and_in_total() -> None:
@@ -21,14 +22,40 @@ def test_handshakes_at_once_are_capped_per_source_and_in_total() -> None:
     for src in ("a", "a", "b", "b", "c"):
         assert g.admit(src, 0.0) == ""
         g.opened(src)
-    assert g.admit("a", 0.0) == "per_source"
+    assert g.admit("a", 0.0) == "wait"  # over its address's cap: it may wait its turn
     assert g.admit("d", 0.0) == "total"
-    g.closed("a")
+    assert g.closed("a") is None
     assert g.admit("a", 0.0) == "" and g.admit("d", 0.0) == ""
     g.opened("d")
     assert g.admit("e", 0.0) == "total"
-    g.closed("b")
+    assert g.closed("b") is None
     assert g.admit("e", 0.0) == "" and g.total_pending == 4 and g.pending["b"] == 1
+
+
+def test_over_its_address_cap_a_connection_waits_in_line_and_takes_the_next_slot() -> None:
+    """A burst from one address is admitted slot after slot in arrival order, none turned
+    away; its line is bounded per address and in all, and one that gives up leaves it."""
+    g = guard.Guard(LIMITS)
+    for _ in range(2):
+        g.opened("a")
+    for ticket in ("a1", "a2"):
+        assert g.admit("a", 0.0) == "wait"
+        g.queue("a", ticket)
+    assert g.admit("a", 0.0) == "per_source"  # its line is full too
+    g.opened("b")
+    g.opened("b")
+    assert g.admit("b", 0.0) == "wait"
+    g.queue("b", "b1")
+    g.opened("c")  # under its own cap, yet the lines of all together are full
+    g.opened("c")
+    assert g.admit("c", 0.0) == "per_source" and g.total_waiting == 3
+    assert g.closed("a") == "a1" and g.closed("a") == "a2"  # the slot passes on, oldest first
+    assert g.pending["a"] == 2 and g.total_pending == 6 and "a" not in g.waiting
+    assert g.admit("a", 0.0) == "wait"
+    g.gave_up("b", "b1")
+    g.gave_up("b", "b1")  # twice: nothing more
+    assert g.closed("b") is None and g.pending["b"] == 1 and g.total_waiting == 0
+    assert [g.closed("a"), g.closed("a")] == [None, None] and "a" not in g.pending
 
 
 def test_failures_back_off_doubling_up_to_the_maximum_and_success_forgives() -> None:

@@ -1,11 +1,24 @@
 """What a server allows a source address before it has authenticated, sans-IO: how many
-handshakes it may have open at once, how long it must wait after failed ones or after sessions
-it lost to protocol violations, and log lines that count events instead of printing one line
-each. No sockets, tasks or clocks: callers pass ``now``.
+handshakes it may have open at once, which connections wait their turn for one, how long it
+must wait after failed ones or after sessions it lost to protocol violations, and log lines that
+count events instead of printing one line each. No sockets, tasks or clocks: callers pass
+``now``.
 
 Invariants:
+- The limits count *unauthenticated* peers only: a connection holds one of its source's
+  handshake slots from its first byte until its MAC was checked (``closed``), not a moment longer;
+  an authenticated session never counts against its address (a lab behind one NAT address, or a
+  bench's workers on 127.0.0.1, is as many peers as it has secrets proven).
 - At most ``max_pending`` connections are in the handshake at once, at most
-  ``max_pending_per_source`` of them from one address; ``admit`` says no to the rest.
+  ``max_pending_per_source`` of them from one address. A connection over the per-source cap
+  *waits its turn* (``admit`` says "wait"; ``queue``), unread, in a first-in first-out line of at
+  most ``max_waiting_per_source`` per address and ``max_waiting`` in all, for at most
+  ``max_wait_s`` (the shell keeps the time and calls ``gave_up``): each handshake of that
+  address that ends hands its slot to the oldest waiting connection (``closed`` returns it).
+  So a burst of good peers from one address is admitted one slot after another, none turned
+  away; a flood from one address is bounded by those lines and cut beyond them, and costs the
+  other addresses nothing but the total caps.
+- ``admit`` says no ("backoff", "per_source": its line is full, "total") to the rest.
 - After ``free_failures`` failed handshakes in a row, a source is refused for a back-off that
   doubles with every further failure (``backoff_first_s`` up to ``backoff_max_s``), so a guesser
   gets a bounded number of attempts per second. A successful handshake clears the record; so
@@ -19,8 +32,8 @@ Invariants:
   ``period_s`` with the count of what happened meanwhile: a flood costs a few lines, not one each.
 
 Public API: ``Limits``, ``VIOLATIONS``, ``Guard`` (``admit``, ``backoff_left``, ``failures``,
-``opened``, ``closed``, ``failed``, ``succeeded``, ``violated``, ``behaved``, ``pending``),
-``LogSummary`` (``event``, ``due``, ``flush``).
+``opened``, ``queue``, ``gave_up``, ``closed``, ``failed``, ``succeeded``, ``violated``,
+``behaved``, ``pending``, ``waiting``), ``LogSummary`` (``event``, ``due``, ``flush``).
 """
 
 from __future__ import annotations
@@ -42,7 +55,13 @@ class Limits:
     """What one server allows before authentication."""
 
     max_pending: int = 1024  # connections in the handshake at once, all sources together
-    max_pending_per_source: int = 64  # ... from one address (a lab's workers behind one NAT fit)
+    max_pending_per_source: int = 64  # ... from one address; more from it wait their turn:
+    max_waiting_per_source: int = 1024  # connections of one address waiting for a slot (a lab's
+    # or a bench's workers behind one address connecting together are all admitted in turn)
+    max_waiting: int = 4096  # ... all addresses together (a waiting socket costs ~12 KB)
+    # s a connection waits in line; then it is closed unread: its address's slots are held by
+    # peers that do not finish their handshakes (a good burst's slots turn over in ms)
+    max_wait_s: float = 3.0
     free_failures: int = 3  # failed handshakes in a row a source may have before it waits
     backoff_first_s: float = 0.5  # the first wait; each further failure doubles it ...
     backoff_max_s: float = 30.0  # ... up to this
@@ -60,21 +79,29 @@ class _Record:
 
 
 class Guard:
-    """Counts pending handshakes and failures per source address."""
+    """Counts pending and waiting handshakes and failures per source address."""
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
         self.pending: collections.Counter[str] = collections.Counter()  # source -> open now
         self.total_pending = 0
+        # source -> connections waiting for one of its slots, oldest first (the shell's tickets)
+        self.waiting: dict[str, collections.deque[object]] = {}
+        self.total_waiting = 0
         self._records: dict[str, _Record] = {}  # insertion order: oldest first
         self._violations: dict[str, _Record] = {}  # sessions cut for violations, the same way
 
     def admit(self, source: str, now: float) -> str:
-        """"" when a new connection from ``source`` may start its handshake, else why not:
-        "backoff", "per_source" or "total"."""
+        """"" when a new connection from ``source`` may start its handshake, "wait" when it may
+        wait for one of its source's slots (``queue`` it), else why not: "backoff",
+        "per_source" (its slots and its line are full) or "total"."""
         if self.backoff_left(source, now) > 0:
             return "backoff"
         if self.pending[source] >= self.limits.max_pending_per_source:
+            line = self.waiting.get(source, ())
+            if (len(line) < self.limits.max_waiting_per_source
+                    and self.total_waiting < self.limits.max_waiting):
+                return "wait"
             return "per_source"
         if self.total_pending >= self.limits.max_pending:
             return "total"
@@ -98,12 +125,36 @@ class Guard:
         self.pending[source] += 1
         self.total_pending += 1
 
-    def closed(self, source: str) -> None:
-        """That handshake ended (passed, failed or cut off)."""
+    def queue(self, source: str, ticket: object) -> None:
+        """A connection ``admit`` told to wait joins the end of its source's line."""
+        self.waiting.setdefault(source, collections.deque()).append(ticket)
+        self.total_waiting += 1
+
+    def gave_up(self, source: str, ticket: object) -> None:
+        """A waiting connection left its line before its turn (timed out, or the server stops)."""
+        line = self.waiting.get(source)
+        if line is not None and ticket in line:
+            line.remove(ticket)
+            self.total_waiting -= 1
+            if not line:
+                del self.waiting[source]
+
+    def closed(self, source: str) -> object | None:
+        """That handshake ended (its MAC checked, or it failed or was cut off before). Returns
+        the ticket of the connection of ``source`` that takes its slot now (counted as opened),
+        or None when none waits."""
+        line = self.waiting.get(source)
+        if line:  # the slot passes on: pending counts stay as they are
+            ticket = line.popleft()
+            self.total_waiting -= 1
+            if not line:
+                del self.waiting[source]
+            return ticket
         self.total_pending -= 1
         self.pending[source] -= 1
         if self.pending[source] <= 0:
             del self.pending[source]
+        return None
 
     def failed(self, source: str, now: float) -> float:
         """A handshake from ``source`` failed (wrong secret); return its back-off (0: none)."""

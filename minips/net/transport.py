@@ -31,7 +31,9 @@ Invariants:
   have passed within ``handshake_timeout``, and ``accept`` agreed.
 - Before that a connection costs a few KB (16 KiB frames at most, handshake.py), at most
   ``Options.guard.max_pending_per_source`` of them per address and ``max_pending`` in all are in
-  the handshake, and an address that failed the secret too often waits (guard.py), as does one
+  the handshake until their MAC is checked; more from one address wait their turn in a bounded
+  line (guard.py) for at most ``max_wait_s``, so many good peers behind one address are all
+  admitted, none turned away; an address that failed the secret too often waits, as does one
   whose authenticated sessions were cut for protocol violations too often in a row
   (``Server._judge``: a flooder in a reconnect loop is served a trickle, not a session a turn).
 - A peer's protocol error, a refused or timed-out handshake, or a failing ``accept`` /
@@ -54,7 +56,8 @@ Public API:
   ``await handler(channel)`` (``Handler``).
 - ``Server``: ``host``, ``port``, ``stats`` (connections, accepted, refused, protocol_errors,
   limit_exceeded, read_timeouts, handshake_timeouts, handler_errors, turned_away: closed
-  unread by ``guard``), ``guard``, ``channels``, ``close()``, ``wait_closed()``; also an async
+  unread by ``guard``; waited: connections that waited for a slot of their address),
+  ``guard``, ``channels``, ``close()``, ``wait_closed()``; also an async
   context manager.
 
 The ``Channel`` that ``connect`` and the handler get (``send(msg, compress=False)``,
@@ -256,7 +259,7 @@ Handler = Callable[[Channel], Awaitable[None]]
 _TURNED_AWAY = {  # Guard.admit's reasons, as an operator reads them
     "backoff": "too many failed handshakes (wrong secret) or sessions cut for protocol "
                 "violations in a row: it must wait",
-    "per_source": "too many handshakes open from this address at once",
+    "per_source": "too many handshakes open and waiting from this address at once",
     "total": "too many handshakes open at once",
 }
 
@@ -271,8 +274,10 @@ class Server:
     """A listening minips server: handshakes each connection, then runs ``handler`` on it.
 
     Before a peer has authenticated, ``guard`` (guard.py) caps how many handshakes run at once
-    (per source address and in total) and makes a source that keeps failing wait; connections
-    over a cap or in back-off are closed at once, unread. Refusals are logged as counts."""
+    (per source address and in total) and makes a source that keeps failing wait; a connection
+    over its address's cap waits for a slot (unread, in a bounded line, at most
+    ``guard.Limits.max_wait_s``, then it is turned away); connections over the other caps or in
+    back-off are closed at once, unread. Refusals are logged as counts."""
 
     def __init__(self, accept: Accept, handler: Handler, token: str | bytes | None,
                  options: Options) -> None:
@@ -282,8 +287,9 @@ class Server:
         self.channels: set[Channel] = set()
         self.stats = collections.Counter({k: 0 for k in (
             "connections", "accepted", "refused", "protocol_errors", "limit_exceeded",
-            "read_timeouts", "handshake_timeouts", "handler_errors", "turned_away")})
+            "read_timeouts", "handshake_timeouts", "handler_errors", "turned_away", "waited")})
         self.guard = g.Guard(options.guard)
+        self._turns: set[asyncio.Future[bool]] = set()  # connections waiting for a slot
         self.counted = CountingLog(log)  # refusals, as counts
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -293,14 +299,44 @@ class Server:
         ch = Channel(proto)
         source = _source(ch)
         why = self.guard.admit(source, proto.loop.time())
-        if why:  # closed unread: costs no handshake, no HMAC, no buffer
+        turn: asyncio.Future[bool] | None = None
+        if why == "wait":  # its address's slots are taken: it waits, unread, for one
+            turn = proto.loop.create_future()
+            self.guard.queue(source, turn)
+            self._turns.add(turn)
+            self.stats["waited"] += 1
+        elif why:  # closed unread: costs no handshake, no HMAC, no buffer
             self._turn_away(source, why)
             ch.close_nowait()
             return
-        self.guard.opened(source)
-        task = asyncio.create_task(self._serve_one(ch, source))
+        else:
+            self.guard.opened(source)
+        task = asyncio.create_task(self._serve_one(ch, source, turn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _release(self, source: str) -> None:
+        """A handshake of ``source`` no longer holds its slot: the oldest connection waiting
+        for one of that address's slots takes it."""
+        turn = self.guard.closed(source)
+        if turn is not None:
+            assert isinstance(turn, asyncio.Future)
+            self._turns.discard(turn)
+            turn.set_result(True)
+
+    async def _my_turn(self, turn: asyncio.Future[bool], source: str) -> bool:
+        """Wait for a slot of ``source`` (``turn``); False when none came within ``max_wait_s``
+        (it is turned away) or the server stops (the connection then holds no slot)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), self.guard.limits.max_wait_s)
+        except asyncio.TimeoutError:
+            if not turn.done():  # the address's slots are held by handshakes that do not end
+                self._turn_away(source, "per_source")
+        finally:  # no slot (timed out, stopped, cancelled): it leaves the line
+            if not (turn.done() and turn.result()):
+                self.guard.gave_up(source, turn)
+                self._turns.discard(turn)
+        return turn.done() and turn.result()
 
     def _turn_away(self, source: str, why: str) -> None:
         """Count and log a connection the guard said no to (``why``: a ``Guard.admit`` reason)."""
@@ -316,9 +352,12 @@ class Server:
         for ch in list(self.channels):
             ch.set_limits(limits)
 
-    async def _serve_one(self, ch: Channel, source: str) -> None:
+    async def _serve_one(self, ch: Channel, source: str,
+                         turn: asyncio.Future[bool] | None) -> None:
         session = False  # the handshake passed: how the session ends counts (``_judge``)
         try:
+            if turn is not None and not await self._my_turn(turn, source):
+                return
             if await self._admit(ch, source):
                 session = True
                 self.channels.add(ch)
@@ -348,9 +387,22 @@ class Server:
                               f"in a row cut for protocol violations: refused for {wait:.1f} s")
 
     async def _admit(self, ch: Channel, source: str) -> bool:
-        """Run the handshake; False (and counted) when it was refused or failed."""
+        """Run the handshake, holding one of ``source``'s slots until its MAC is checked (an
+        authenticated peer counts as itself, not as its address); False (and counted) when it
+        was refused or failed."""
+        slot = [True]  # still held: released once, by whichever comes first
+
+        def release() -> None:
+            if slot:
+                slot.clear()
+                self._release(source)
+
         try:
-            await asyncio.wait_for(self._handshake(ch, source), self.options.handshake_timeout)
+            if self.guard.backoff_left(source, asyncio.get_running_loop().time()) > 0:
+                self._turn_away(source, "backoff")  # it waited while its address went wrong
+                return False
+            await asyncio.wait_for(self._handshake(ch, source, release),
+                                   self.options.handshake_timeout)
         except AuthError as e:
             self.stats["refused"] += 1
             self.counted.note("refused", f"{source}: {e.reason}")
@@ -359,19 +411,21 @@ class Server:
             self.stats["handshake_timeouts"] += 1
             return False
         finally:
-            self.guard.closed(source)
+            release()
         self.stats["accepted"] += 1
         return True
 
     def _check_auth(self, hs: handshake.ServerHandshake, auth: control.Auth,
-                    source: str) -> control.Refuse | None:
+                    source: str, release: Callable[[], None]) -> control.Refuse | None:
         """``hs.on_auth`` with the source's back-off applied: a source still in back-off is cut
-        off before its MAC is even checked; a wrong MAC starts or lengthens its back-off."""
+        off before its MAC is even checked; a wrong MAC starts or lengthens its back-off. Once
+        the MAC is checked the connection's slot is ``release``d."""
         now = asyncio.get_running_loop().time()
         if self.guard.backoff_left(source, now) > 0:
             self._turn_away(source, "backoff")
             raise ConnectionAbortedError("source in back-off")
         refuse = hs.on_auth(auth)
+        release()
         if refuse is None:
             self.guard.succeeded(source)
         elif (wait := self.guard.failed(source, now)) > 0:
@@ -379,7 +433,7 @@ class Server:
                               f"handshakes in a row: refused for {wait:.1f} s")
         return refuse
 
-    async def _handshake(self, ch: Channel, source: str) -> None:
+    async def _handshake(self, ch: Channel, source: str, release: Callable[[], None]) -> None:
         hs = handshake.ServerHandshake(shared_secret(self.token))
         hello = await ch.recv()
         assert isinstance(hello, control.Hello)  # the state machine allows nothing else first
@@ -389,7 +443,7 @@ class Server:
             raise AuthError(reply.reason)
         auth = await ch.recv()
         assert isinstance(auth, control.Auth)
-        refuse = self._check_auth(hs, auth, source)
+        refuse = self._check_auth(hs, auth, source, release)
         info: dict[str, Any] = {}
         if refuse is None:
             try:
@@ -411,6 +465,10 @@ class Server:
         self.counted.flush()
         if self._server is not None:
             self._server.close()
+        for turn in list(self._turns):  # connections waiting for a slot: none will come
+            self._turns.discard(turn)
+            if not turn.done():
+                turn.set_result(False)
         for ch in list(self.channels):
             ch.close_nowait()
 
@@ -445,7 +503,11 @@ async def serve(host: str, port: int, *, accept: Accept, handler: Handler,
         return proto
 
     loop = asyncio.get_running_loop()
-    server._server = await loop.create_server(factory, host, port, ssl=ssl)
+    # the kernel's accept queue holds as many connections as may be in the handshake at once:
+    # asyncio's default (100) drops the SYNs of a lab's workers connecting together beyond it,
+    # and a dropped SYN is sent again only after 1, 3, 7, 15 s
+    server._server = await loop.create_server(factory, host, port, ssl=ssl,
+                                              backlog=options.guard.max_pending)
     sockname = server._server.sockets[0].getsockname()
     server.host, server.port = sockname[0], sockname[1]
     return server
