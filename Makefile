@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 install: $(BIN)/python
-	$(PIP) -e ".[torch,test,plot,dev,ray,dashboard]"
+	$(PIP) -e ".[torch,test,plot,dev,ray,dashboard,trace]"
 
 # Fashion-MNIST from Debian's package, when apt is there and the files are not.
 data:

@@ -361,12 +361,15 @@ def _name_endpoints(streams: dict[tuple[str, str], _Stream]) -> dict[str, str]:
     return names
 
 
-def read_pcap(path: Path) -> list[Frame]:
-    """The minips frames of a capture, in time order, with roles named from the HELLOs."""
+def read_pcap(path: Path, ports: frozenset[int] = frozenset()) -> list[Frame]:
+    """The minips frames of a capture, in time order, with roles named from the HELLOs; with
+    ``ports``, only the connections with an end on one of them."""
+    import dpkt
+
     streams: dict[tuple[str, str], _Stream] = {}
     for ts, src, dst, tcp in _segments(path):
-        import dpkt
-
+        if ports and tcp.sport not in ports and tcp.dport not in ports:
+            continue
         stream = streams.get((src, dst))
         if stream is None:
             stream = streams[(src, dst)] = _Stream(src, dst)
@@ -507,6 +510,8 @@ def add_trace_parser(sub: Any) -> None:
     p.add_argument("--pcap", metavar="FILE",
                    help="decode a packet capture (tcpdump/tshark) of a plain-TCP run instead "
                    "(needs minips[trace])")
+    p.add_argument("--port", type=int, action="append", default=[], metavar="N",
+                   help="with --pcap: only connections with an end on port N (repeatable)")
     p.add_argument("--from", dest="start", type=float, metavar="S",
                    help="chart (and text) from S seconds after the first frame")
     p.add_argument("--to", dest="end", type=float, metavar="S",
@@ -527,7 +532,7 @@ def _source(args: argparse.Namespace) -> tuple[list[Frame], list[str], Path | No
         path = Path(args.pcap)
         if not path.is_file():
             raise ConfigError(f"--pcap {path}: no such file")
-        return read_pcap(path), [], None
+        return read_pcap(path, frozenset(args.port)), [], None
     if not args.paths:
         raise ConfigError("name a run directory or trace files (or --pcap FILE)")
     files = [p for target in args.paths for p in trace_files(Path(target))]
