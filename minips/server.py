@@ -252,7 +252,7 @@ class GlobalServer:
                            "version": core.version, "samples": core.samples,
                            "bytes_up": figures["bytes_worker_group"],
                            "bytes_down": figures["bytes_group_worker"], **figures})
-        line = console_line(core, event, fields) if self.cfg.console else None
+        line = console_line(core, event, {**figures, **fields}) if self.cfg.console else None
         if line:
             print(f"minips server: {line}", flush=True)
 
@@ -301,6 +301,7 @@ class GlobalServer:
             info["worker_id"] = next(a.worker for a in actions
                                      if isinstance(a, global_core.Admitted))
             info["need_init"] = self.core.weights is None
+            info["link_probe"] = True  # time your link before the grouping (roster.py)
         elif hello.role == "evaluator":
             info["scores"] = True  # send your scores (SCORE): this server keeps them
         elif hello.role == "group" and not self.cfg.external_groups:
@@ -402,6 +403,7 @@ class GlobalServer:
         gs = GroupServer(g, core.run, core.weights, InProcLink(self), members=members,
                          writer=self.rundir.writer(f"group-{g}"))
         gs.set_send_settings(core.ratio_of(g))
+        gs.notify = lambda event, fields: self.log(event, **fields)  # the operator's events
         port = await gs.serve(self.cfg.host, self.cfg.group_port(g), self.cfg.token, self._ssl)
         # no host (":port"): "where you reached the global server"; the worker fills in the name
         # it dialled, so DNS names, NAT and TLS names work as they do for the global server
@@ -693,10 +695,10 @@ def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | 
     if event == "calib_timeout":
         return _deadline_line(fields)
     if event == "resumed":
-        mb = sum(core.traffic().values()) / 1e6
+        mb = (fields.get("bytes_total") or 0) / 1e6
         return f"resumed from checkpoint {fields.get('checkpoint')} (merge {core.version}, " \
             f"{core.samples:,} samples, {fields.get('train_s', 0):.1f} s of training, " \
-            f"{mb:.1f} MB of worker traffic; saved {fields.get('down_s', 0):.0f} s ago)"
+            f"{mb:.1f} MB on the wire so far; saved {fields.get('down_s', 0):.0f} s ago)"
     if event == "placed":
         return f"worker {w} reported after the grouping: placed in group {fields.get('group')} " \
             f"(the nearest in speed to its {_ms(fields.get('step_time'))}/step)"
@@ -709,6 +711,17 @@ def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | 
     if event == "data" and fields.get("synthetic"):
         return f"worker {w} trains on SYNTHETIC {fields.get('dataset')} data, not the real " \
             f"files ({fields.get('reason') or 'started with --data synthetic'})"
+    if event == "link_lost":
+        return f"worker {w}: no bytes from it at group {fields.get('group')} for " \
+            f"{fields.get('silent_s')} s (its link is down, or it is stopped); its lease " \
+            f"({core.run.lease_s:g} s) decides when its group stops waiting for it"
+    if event == "link_back":
+        return f"worker {w}: its link to group {fields.get('group')} is back after " \
+            f"{fields.get('after_s')} s"
+    if event == "expired":
+        ids = ", ".join(str(x) for x in fields.get("workers") or [])
+        return f"group {fields.get('group')}: lease expired for worker(s) {ids} (silent " \
+            f"{core.run.lease_s:g} s): the group no longer waits for them"
     if event in ("group_adopted", "group_lost"):
         return f"{event.replace('_', ' ')}: group {fields.get('group')} " \
             f"{fields.get('address', '')}".rstrip()

@@ -156,7 +156,8 @@ def test_worker_stalled_past_its_lease_is_expired_in_time_then_rejoins(procs: Pr
     expires it within lease_s + the 1 s check period, the other worker goes on without it;
     after SIGCONT its next PUSH is refused with ERROR lease, it rejoins and trains to the end.
     (The check used to renew a lease as of the check itself, so a stalled worker held its
-    group for up to 2 x lease_s - 1 s: 7 s here.)"""
+    group for up to 2 x lease_s - 1 s: 7 s here.) The global server's console says each step
+    as a sentence: the link silent (after 3 heartbeats), the lease expired, the link back."""
     d = procs.run_dir
     lease = 4.0
     server, address = procs.server(*RUN, "--workers", "2", "--wall-s", "20", "--lease",
@@ -183,6 +184,15 @@ def test_worker_stalled_past_its_lease_is_expired_in_time_then_rejoins(procs: Pr
         assert w.wait(timeout=30) == 0
     rejoined = records(d / "worker-1.jsonl", event="lease_expired")[0]["t"]
     assert [r for r in steps(d / "worker-1.jsonl") if r["t"] > rejoined]
+    lost, = records(d / "global.jsonl", event="link_lost")
+    gone, = records(d / "global.jsonl", event="expired")
+    back = records(d / "global.jsonl", event="link_back")
+    assert (lost["worker"], gone["workers"], back[0]["worker"]) == (1, [1], 1)
+    assert lost["t"] < gone["t"] < back[0]["t"] and back[0]["after_s"] >= lease
+    console = (d / "logs" / "server.log").read_text()
+    for said in ("worker 1: no bytes from it at group 0 for", "group 0: lease expired for "
+                 "worker(s) 1", "worker 1: its link to group 0 is back after"):
+        assert said in console, console[-3000:]
 
 
 @pytest.mark.timeout(240)

@@ -57,7 +57,7 @@ FREE_WEIGHT = 10  # workers A and C: their CPU weight against a plain process's
 PERIOD_US = 100_000  # the kernel's default quota period
 HOPS = {"worker_to_group": "bytes_worker_group", "group_to_worker": "bytes_group_worker",
         "group_to_global": "bytes_group_global", "global_to_group": "bytes_global_group"}
-BYTES_METRIC = "minips_bytes_total"  # {hop, group}
+BYTES_METRIC = "minips_run_bytes_total"  # {hop}: the run's ledger, as summary.json
 # samples trained after the resume before /metrics is read again: counters that restarted at 0
 # would show (a read at once would only see the lines written before the kill)
 RESUMED_SAMPLES = 10_000

@@ -96,8 +96,10 @@ class WorkerCore:
         self.upload = Upload(run, compressor)  # with the optimizer, if it is here
         # the inner loop of local steps, with the optimizer here
         self.local = LocalSteps(self.upload) if self.upload.opt is not None else None
-        self.clock = 0  # pushes acknowledged (the SSP clock)
-        self.samples = 0  # samples of the pushes acknowledged
+        self.clock = 0  # the group's SSP clock for us: pushes of this worker's slot acknowledged
+        self.pushes = 0  # this worker's own pushes acknowledged, in this process
+        self.own_steps = 0  # its own optimizer steps in them (H per push with local steps)
+        self.samples = 0  # samples of its pushes acknowledged
         self.replica: np.ndarray | None = None  # (n,) float32 the group's published weights
         self.version = -1  # their version on this connection; -1: none
         self.pulled_at = 0.0  # ``now`` of the last PULL
@@ -194,6 +196,8 @@ class WorkerCore:
         assert push is not None, "an ACK answers a PUSH"
         self.clock = int(ack.clock)
         self.samples += push.samples
+        self.pushes += 1
+        self.own_steps += self.steps
         return step_record(self.worker, self.info, push, self.clock, self.wait_s, bytes_wire,
                            self.compressor, self.upload.record(),
                            self.steps if self.local is not None else None)

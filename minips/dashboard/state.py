@@ -101,6 +101,7 @@ EVENT_KINDS = frozenset({
     "group_adopted",  # global.jsonl and group-<g>.jsonl
     "stopped", "lease_expired", "control_lost", "control_back", "control_gave_up",
     "group_unreachable",
+    "link_lost", "link_back",  # a group server saw a worker's connection go silent, then back
     "slowdown",  # a worker's own file (slowdown: its emulated factor changed, core/slowdown.py)
     "link",  # links.jsonl: `minips local --link-change` changed a worker's shaped link
 })
@@ -610,6 +611,9 @@ SENTENCES = {  # global.jsonl events whose fields read best in a sentence of the
     "resumed": "resumed from the checkpoint",
     "waiting_for_workers": "every worker is gone; waiting up to {wait_s} s for them ({left} left)",
     "workers_back": "workers are back",
+    "link_lost": "{who}: no bytes from it at group {group} for {silent_s} s (its link is "
+                 "down, or it is stopped)",
+    "link_back": "{who}: its link to group {group} is back after {after_s} s",
 }
 
 

@@ -78,6 +78,10 @@ class OncePerTurn:
 
 
 EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible lease_s
+# a worker's connection that carried no bytes (not even the heartbeat it sends every
+# heartbeat_s) for this many heartbeats has lost its link, or the worker is stopped: said once
+# (``link_lost``), and again when bytes come back (``link_back``); the lease decides the rest
+SILENT_HEARTBEATS = 3
 
 
 class GroupServer:
@@ -104,6 +108,11 @@ class GroupServer:
         self.server: transport.Server | None = None
         self.port = 0
         self.rejected: collections.Counter[str] = collections.Counter()  # ERRORs sent, by code
+        # events the operator reads on the global server's console (link lost / back, lease
+        # expired): an in-process group calls the global server; a group process keeps them
+        # for its log (``event``)
+        self.notify: Callable[[str, dict[str, Any]], None] | None = None
+        self.silent: dict[int, float] = {}  # worker -> loop time of its last bytes, while silent
 
     def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
               members: list[int]) -> None:
@@ -172,9 +181,17 @@ class GroupServer:
                 self._spawn(self.flush(final=True))
             elif isinstance(a, BudgetSpent):
                 self.finish()
+            elif a.event == "expired":
+                self.event("expired", **a.fields)
             else:
                 self.log(a.event, **a.fields)
         return reply
+
+    def event(self, event: str, **fields: Any) -> None:
+        """One of the events an operator should read (the record, and ``notify``)."""
+        self.log(event, **fields)
+        if self.notify is not None:
+            self.notify(event, {"group": self.core.group, **fields})
 
     # -- membership -----------------------------------------------------------------------
 
@@ -188,7 +205,22 @@ class GroupServer:
             now = self.clock()
             heard = {w: now - (loop.time() - ch.last_recv)
                      for w, ch in self.channels.items() if not ch.closed}
+            self._watch_links(loop.time())
             self._perform(self.core.tick(now, heard))
+
+    def _watch_links(self, now: float) -> None:
+        """``link_lost`` for a worker whose connection went silent for SILENT_HEARTBEATS
+        heartbeats, ``link_back`` (with how long) once bytes come again, on it or on a new
+        connection of the same worker."""
+        silent_after = SILENT_HEARTBEATS * max(self.core.run.heartbeat_s, 0.5)
+        for w, ch in list(self.channels.items()):
+            quiet = now - ch.last_recv
+            if quiet >= silent_after and w not in self.silent:
+                self.silent[w] = ch.last_recv
+                self.event("link_lost", worker=w, silent_s=round(quiet, 1))
+            elif quiet < silent_after and w in self.silent:
+                since = self.silent.pop(w)
+                self.event("link_back", worker=w, after_s=round(now - quiet - since, 1))
 
     # -- weights ----------------------------------------------------------------------------
 
