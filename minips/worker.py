@@ -242,6 +242,8 @@ class Control:
         self.changed = asyncio.Event()  # set by every ASSIGN; cleared by its waiter
         self.done = False  # the run is over
         self.stopped_by = ""  # the ERROR that ended the run, if one did
+        # the answer to the calibration's link probe (``Worker._probe_link``), while it waits
+        self.probe: asyncio.Future[messages.GlobalWeights] | None = None
 
     async def open(self) -> dict[str, Any]:
         """Connect to the global server; returns WELCOME's info (the run config)."""
@@ -297,6 +299,9 @@ class Control:
                     return
                 elif isinstance(msg, control.Leave):
                     return
+                elif isinstance(msg, messages.GlobalWeights) and self.probe is not None \
+                        and not self.probe.done():
+                    self.probe.set_result(msg)
 
     def end(self, error: str = "") -> None:
         """The run is over: normally (LEAVE "done"), or cut short by a server's ``error``."""
@@ -313,6 +318,9 @@ log = logging.getLogger("minips.worker")
 STATS_EVERY_S = 1.0  # how often the worker reports its step time to the global server
 STATUS_EVERY_S = 10.0  # how often it says where it is on its console (one line)
 ASSIGN_TIMEOUT_S = 300.0  # give up when no group is assigned after this long
+# the link probe's answer, the weights whole, may take this long (a 25 MB model over 2 mbit:
+# 100 s); a worker that waits longer reports its compute time alone
+PROBE_TIMEOUT_S = 120.0
 LEAVE_REASON_CHARS = 2000  # a LEAVE's reason is cut to this (the wire allows 4096)
 # A gradient that took less than this share of heartbeat_s runs on the event loop's thread
 # (``Worker._gradient``): 0.25 s at the default 2 s, far inside the lease (2 x heartbeat_s)
@@ -350,6 +358,19 @@ def calibrated_step_time(times: list[float], window_s: float = CALIB_WINDOW_S) -
 def calibration_done(times: list[float], steps: int) -> bool:
     """Enough steps timed: at least ``steps`` of them and ``CALIB_WINDOWS`` windows."""
     return len(times) >= max(1, steps) and sum(times) >= CALIB_WINDOWS * CALIB_WINDOW_S
+
+
+def probe_payload(grad: Any, wire: Any, ratio: float) -> Any:
+    """What a PUSH of the (n,) gradient ``grad`` (torch or numpy) carries on the wire, for the
+    link probe: dense as ``wire`` (a compressor's ``WireSpec``) says, or its ``ratio`` largest
+    entries (sparse); the compressor and its residual are not touched."""
+    g = grad.detach().float().cpu().numpy() if hasattr(grad, "detach") else np.asarray(grad)
+    g = g.astype(np.float32, copy=False).reshape(-1)  # (n,) float32
+    if not wire.sparse:
+        return sparse.encode_vector(g, value_dtype=wire.dtype)
+    k = max(1, min(g.size, round(ratio * g.size)))
+    idx = np.sort(np.argpartition(np.abs(g), g.size - k)[g.size - k:]).astype(np.uint32)  # (k,)
+    return sparse.encode_vector(sparse.SparseVector(idx, g[idx], g.size), value_dtype=wire.dtype)
 
 
 class WorkerStopped(MiniPSError):
@@ -435,19 +456,40 @@ class Worker:
         """Time steps on the first batch (model, stream and compressor untouched) until
         ``calibration_done``; report ``calibrated_step_time`` of them. The first step is not
         timed: it pays for one-off allocations and lazy initialisation."""
-        loss, _ = await self._gradient(*self.parts.first_batch)
+        loss, grad = await self._gradient(*self.parts.first_batch)
         times: list[float] = []
         while not calibration_done(times, self.run_cfg.calib_steps):
             t = time.perf_counter()
-            loss, _ = await self._gradient(*self.parts.first_batch)
+            loss, grad = await self._gradient(*self.parts.first_batch)
             times.append(await self._stretch(time.perf_counter() - t))
         step_time = calibrated_step_time(times)
+        if self.control.ch.welcome_info.get("link_probe"):  # a server that groups by it
+            await self._probe_link(grad, loss, step_time)
         await self.control.ch.send(control.Stats(clock=0, step_time=step_time, loss=loss,
                                                   samples=0, data=self.parts.data))
         self._stats_at = self._status_at = time.monotonic()
         self._recent: list[float] = []  # step times since the last STATS
         print(f"minips worker {self.id}: {1e3 * step_time:.0f} ms/step measured "
               f"({len(times)} steps); waiting for its group", file=sys.stderr, flush=True)
+
+    async def _probe_link(self, grad: Any, loss: float, step_time: float) -> None:
+        """The calibration's link probe (``roster.Roster.probe_pulled`` says why): a PULL on
+        the control channel, answered with the global weights whole, then a PUSH the size of a
+        real one, which the global server times and drops. The control channel goes over the
+        worker's emulated link from here on, as all of a real link's traffic would."""
+        link = EmulatedLink(self.control.ch, self.cfg.bandwidth_bps, self.cfg.latency_s,
+                            self.cfg.bandwidth_down_bps)
+        self.control.probe = asyncio.get_running_loop().create_future()
+        try:
+            await link.send(messages.Pull(clock=0))
+            await asyncio.wait_for(self.control.probe, PROBE_TIMEOUT_S)
+            payload = probe_payload(grad, self.compressor.wire, self.compressor.ratio)
+            await link.send(messages.Push(clock=1, step_time=step_time, loss=loss,
+                                          payload=payload))
+        except (TimeoutError, ConnectionError) as exc:  # grouped by its compute time alone
+            self._event("link_probe_failed", reason=str(exc) or type(exc).__name__)
+        finally:
+            self.control.probe = None
 
     def _event(self, event: str, **fields: Any) -> None:
         if self.writer is not None:

@@ -66,7 +66,7 @@ def role_of(turn: Turn) -> Role:
     return {Turn.JOINED: Role.WORKER, Turn.READY: Role.WORKER, Turn.PULLING: Role.WORKER,
             Turn.PULLED: Role.WORKER, Turn.PUSHING: Role.WORKER, Turn.CONTROL: Role.CONTROL,
             Turn.INITIALIZED: Role.CONTROL, Turn.ASSIGNED: Role.GROUP, Turn.SYNCED: Role.GROUP,
-            Turn.EVALUATING: Role.EVALUATOR}[turn]
+            Turn.EVALUATING: Role.EVALUATOR, Turn.PROBING: Role.CONTROL}[turn]
 
 
 # the shortest way from a role's first turn to each turn: (sender, kind) steps
@@ -82,6 +82,7 @@ PATHS: dict[Turn, list[tuple[Side, Kind]]] = {
     Turn.ASSIGNED: [],
     Turn.SYNCED: [(Side.CLIENT, Kind.PULL)],
     Turn.EVALUATING: [],
+    Turn.PROBING: [(Side.CLIENT, Kind.PULL)],
 }
 
 

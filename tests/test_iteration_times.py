@@ -9,10 +9,16 @@ fast group."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
+from conftest import records
 
 from minips import grouping, sparse
+from minips.compress.base import WireSpec
 from minips.core.actions import Log
 from minips.core.balance import Balancer
 from minips.core.config import RunConfig
@@ -23,6 +29,7 @@ from minips.core.roster import GroupHandle
 from minips.core.ssp import Iterations, IterationTimes
 from minips.errors import RemoteProtocolError
 from minips.wire import control, conversation, frames, messages
+from minips.worker import probe_payload
 
 N = 16
 
@@ -222,3 +229,100 @@ def test_gdtopk_first_ratios_see_the_link() -> None:
     assert policy.times[first[3]] == pytest.approx(0.4)
     assert policy.times[first[0]] == pytest.approx(0.02)
     assert c.ratio_of(first[3]) > c.ratio_of(first[0])  # slower-more: the slow group sends more
+
+
+def test_a_resumed_server_groups_by_the_iterations_it_saved() -> None:
+    c = global_core(2)
+    for w in (0, 1):
+        c.on_stats(w, control.Stats(clock=0, step_time=0.02, loss=1.0), 0.0)
+    c.workers[1].link_s = 0.5
+    form(c)
+    c.merge(1, np.zeros(N, np.float32), exchange_stats({1: 0.6}), 1.0)
+    back = GlobalCore(c.run, None, regroup=True, wall=lambda: 1e9)
+    back.load_state_dict(c.checkpoint_state())
+    assert back.roster.iteration_times() == {0: pytest.approx(0.02), 1: pytest.approx(0.6)}
+    assert back.workers[1].link_s == pytest.approx(0.5)
+
+
+# -- the first grouping sees the link: the calibration's probe ------------------------------
+
+def test_the_link_probe_is_timed_from_the_weights_going_out_to_its_push() -> None:
+    c = global_core(2)
+    assert c.probe_pushed(1, 5.0) == []  # no probe's PULL before it: nothing timed
+    assert c.probe_pulled(1, 10.0) == []
+    (line,) = c.probe_pushed(1, 10.8)
+    assert isinstance(line, Log) and line.event == "link_probe"
+    assert line.fields == {"worker": 1, "link_s": pytest.approx(0.8)}
+    c.on_stats(1, control.Stats(clock=0, step_time=0.02, loss=1.0), 11.0)
+    assert c.roster.iteration_times() == {1: pytest.approx(0.82)}  # compute + link
+    c.workers[1].iteration_s = 0.5  # once its group timed it, that is what counts
+    assert c.roster.iteration_times() == {1: pytest.approx(0.5)}
+
+
+def test_the_control_channel_allows_one_probe_then_no_initial_weights() -> None:
+    conv = conversation.Conversation(conversation.Role.CONTROL)
+    grad = sparse.encode_vector(np.ones(N, np.float32))
+    with pytest.raises(RemoteProtocolError):  # a PUSH needs the probe's PULL before it
+        conv.receive(messages.Push(clock=1, payload=grad))
+    conv.receive(messages.Pull(clock=0))
+    assert conv.turn == conversation.Turn.PROBING
+    conv.receive(control.Stats(clock=0, step_time=0.1, loss=1.0))  # it gave up waiting
+    with pytest.raises(RemoteProtocolError):  # the clock after the PULL's
+        conv.receive(messages.Push(clock=2, payload=grad))
+    conv.receive(messages.Push(clock=1, payload=grad))
+    assert conv.turn == conversation.Turn.INITIALIZED
+    with pytest.raises(RemoteProtocolError, match="twice"):
+        conv.receive(messages.InitWeights(size=N, payload=grad))
+
+
+def test_the_probes_push_is_the_size_of_a_real_one() -> None:
+    g = np.linspace(-1.0, 1.0, 1000, dtype=np.float32)
+    dense = probe_payload(g, WireSpec(sparse=False), 0.01)
+    assert dense.encoding == "dense-f32"
+    assert sum(memoryview(b).nbytes for b in dense.buffers) == 4000  # (1000,) float32
+    top = sparse.decode_vector(probe_payload(g, WireSpec(sparse=True), 0.01), 1000)
+    assert isinstance(top, sparse.SparseVector) and top.nnz == 10
+    assert np.all(np.abs(top.values) >= 0.98)  # the largest entries, as top-k sends
+
+
+# -- a real run: one worker behind a slow link, its compute as fast as the others' -----------
+
+def _assignments(run_dir: Path) -> list[dict[str, int]]:
+    """The grouping as it was after the first grouping and after each regroup."""
+    first = records(run_dir / "global.jsonl", event="groups")
+    assert first, "no grouping was logged"
+    now = {w: int(g) for w, g in first[0]["assignment"].items()}
+    out = [dict(now)]
+    for r in records(run_dir / "global.jsonl", event="regroup"):
+        now.update({w: int(g) for w, g in r["moved"].items()})
+        out.append(dict(now))
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_real_run_groups_the_slow_link_worker_apart_and_never_moves_it_back(
+        tmp_path: Path) -> None:
+    # three workers at one emulated pace (100 ms a step), the number of groups left to the
+    # grouping; worker 2's link is 4 mbit: a dense LeNet-5 pull or push (~250 KB) takes it
+    # ~0.5 s, the others' a millisecond (20 s on an idle 2-core machine, start-up included)
+    cmd = [sys.executable, "-m", "minips", "local", "--no-progress", "--no-eval", "--no-plot",
+           "--out", str(tmp_path), "--name", "link", "--device", "cpu", "--mode", "gssp",
+           "--workers", "3", "--base-step", "0.1", "--wall-s", "4",
+           "--link", "1000,1000,4mbit", "--link-shaping", "pacer"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "link"
+    probes = {r["worker"]: r["link_s"] for r in records(run_dir / "global.jsonl",
+                                                        event="link_probe")}
+    assert probes[2] > 0.3 and probes[2] > 10 * max(probes[0], probes[1]), probes
+    grouped = records(run_dir / "global.jsonl", event="groups")[0]
+    compute, iteration = grouped["compute_s"], grouped["iteration_s"]
+    assert compute["2"] < 2 * min(compute["0"], compute["1"])  # its compute is as fast
+    assert iteration["2"] > 5 * max(iteration["0"], iteration["1"])  # its iteration is not
+    for a in _assignments(run_dir):  # apart on the first grouping, and never moved back
+        assert a["2"] != a["0"] and a["2"] != a["1"], a
+    g = grouped["assignment"]["2"]
+    timed = [r for r in records(run_dir / f"group-{g}.jsonl", event="exchange")
+             if "2" in r.get("iteration_s", {})]
+    assert timed, "its group server timed none of its iterations"
+    assert all(r["iteration_s"]["2"] > 3 * r["compute_s"]["2"] for r in timed), timed

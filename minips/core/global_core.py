@@ -8,7 +8,8 @@ times come from the injected clocks or as ``now``. The roster (``roster.py``) ho
 the groups, their servers and their ratios.
 
 Entry points: a worker's HELLO ``admit``, its session ``worker_joined`` / ``worker_leaving`` /
-``worker_gone``, its STATS ``on_stats``, its initial weights ``on_initial``, the grouping deadline
+``worker_gone``, its calibration's link probe ``probe_pulled`` / ``probe_pushed``, its STATS
+``on_stats``, its initial weights ``on_initial``, the grouping deadline
 ``calib_timeout``, the groups the shell opened ``groups_formed`` / ``group_opened`` / ``moved`` /
 ``place_late`` / ``group_served`` / ``group_lost`` / ``rehome`` / ``resume``, a group's exchange
 ``merge`` (in-process) or ``on_exchange`` / ``group_pull`` / ``group_left`` (a group process:
@@ -279,6 +280,18 @@ class GlobalCore:
         entry.step_time, entry.clock = float(msg.step_time), int(msg.clock)
         said = [Log("data", {"worker": w, **msg.data})] if msg.data else []  # its first STATS
         return said + self._placed(w, entry, now)
+
+    def probe_pulled(self, w: int, now: float) -> list[Action]:
+        """Worker ``w``'s calibration link probe: the global weights go out to it at ``now``
+        (``Roster.probe_pulled``; the shell sends ``weights_message()``)."""
+        self.roster.probe_pulled(w, now)
+        return []
+
+    def probe_pushed(self, w: int, now: float) -> list[Action]:
+        """The probe's PUSH of ``w`` arrived at ``now``: its link time is what its first
+        grouping adds to its compute (``WorkerEntry.iteration``); logged."""
+        link = self.roster.probe_pushed(w, now)
+        return [] if link is None else [Log("link_probe", {"worker": w, "link_s": link})]
 
     def _placed(self, w: int, entry: WorkerEntry, now: float) -> list[Action]:
         """What worker ``w``'s new speed decides: the groups, its place, a regroup, ratios."""

@@ -249,6 +249,7 @@ class Roster:
         self.regroup = regroup  # regroup when speeds drift (GSSP with in-process groups)
         self._regroup_at = -REGROUP_EVERY_S  # `now` of the last Regrouper update
         self._claimed: dict[int, float] = {}  # id -> `now` it was given to a handshake
+        self._probes: dict[int, float] = {}  # worker -> `now` its link probe's weights went out
         from minips.compress.registry import ratio_policy  # plug-ins load with a run
 
         self.policy = ratio_policy(run.compressor, run.ratio, direction=run.gdtopk_direction,
@@ -307,6 +308,28 @@ class Roster:
                          strict=False):
             if w in self.workers and us > 0:
                 self.workers[w].iteration_s = us / 1e6
+
+    # The first grouping must see the link too, and no group has timed anyone yet. A worker's
+    # calibration therefore ends with one iteration's transfers over its own link, on its
+    # control channel: a PULL answered with the global weights whole (what its group's first
+    # answer costs it), then a PUSH the size of its real ones (its calibration gradient, as its
+    # compressor would send it), which the server drops. The server times the weights going
+    # out to the PUSH arriving: the link's share of an iteration, measured where a group would
+    # see it, for one weights transfer and one push, without training on anything or holding
+    # the other workers (a warm-up iteration in a provisional group would). Its compute time is
+    # the calibration's own (STATS), so ``WorkerEntry.iteration`` is the two summed.
+    def probe_pulled(self, w: int, now: float) -> None:
+        """Worker ``w``'s link probe: the weights go out to it at ``now``."""
+        self._probes[w] = now
+
+    def probe_pushed(self, w: int, now: float) -> float | None:
+        """The link probe's PUSH of ``w`` arrived at ``now``: its link time (weights down, a
+        push up, seconds), now its entry's ``link_s``; None without a probe's PULL before."""
+        t = self._probes.pop(w, None)
+        if t is None or w not in self.workers:
+            return None
+        self.workers[w].link_s = max(0.0, now - t)
+        return self.workers[w].link_s
 
     def all_reported(self) -> bool:
         return len(self.step_times()) >= self.run.workers

@@ -50,7 +50,8 @@ def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: in
                   "traffic": h.peer.traffic(), "hop_bytes": dict(h.hop_bytes),
                   "state": h.peer.state_dict()}
               for g, h in roster.groups.items()}
-    workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock}
+    workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock,
+                   "iteration_s": e.iteration_s, "link_s": e.link_s}  # what grouping uses
                for w, e in roster.workers.items()}
     return {"format": FORMAT, "saved_at": saved_at, "t0": run.t0,
             "fingerprint": fingerprint(run.to_info(), weights.size),
@@ -65,7 +66,9 @@ def restore_workers(run: RunConfig, roster: Roster, state: dict[str, Any]) -> np
     check_compatible(state, run.to_info(), weights.size)
     for key, e in state["workers"].items():
         roster.workers[int(key)] = WorkerEntry(int(key), step_time=e["step_time"],
-                                               clock=e["clock"], group=e["group"])
+                                               clock=e["clock"], group=e["group"],
+                                               iteration_s=e.get("iteration_s"),  # absent in
+                                               link_s=e.get("link_s"))  # older checkpoints
     return weights
 
 

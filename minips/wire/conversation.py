@@ -7,8 +7,10 @@ What follows has an order of its own, one per role of the peer:
 
 - a **worker on its group server**: the join's ACK, then PULL -> WEIGHTS -> PUSH -> ACK, again
   and again: a PUSH follows its PULL and carries the clock after the PULL's;
-- a **worker's control channel** to the global server: STATS and LEAVE, and INIT_WEIGHTS at
-  most once, dense float32;
+- a **worker's control channel** to the global server: STATS and LEAVE, INIT_WEIGHTS at
+  most once, dense float32, and the calibration's link probe: a PULL, answered with
+  GLOBAL_WEIGHTS, then a PUSH of clock 1 that the server times and drops (no INIT_WEIGHTS
+  after it);
 - a **group process** on the global server: PULL before EXCHANGE (the server's record of what the
   group holds starts with the connection's first PULL);
 - an **evaluator**: PULL, as often as it likes.
@@ -93,6 +95,8 @@ class Turn(IntEnum):
     # an evaluator
     EVALUATING = 9  # PULL as often as it likes
     LEFT = 10  # LEAVE came: the session is over, nothing more passes
+    # a worker's control channel again: the calibration's link probe
+    PROBING = 11  # its PULL came (answered with GLOBAL_WEIGHTS): it owes the probe's PUSH
 
 
 # where each role's conversation starts
@@ -116,6 +120,11 @@ TRANSITIONS: dict[tuple[Side, Turn, Kind], Turn] = {
     (_P, _T.CONTROL, Kind.LEAVE): _T.LEFT,
     (_P, _T.INITIALIZED, Kind.STATS): _T.INITIALIZED,
     (_P, _T.INITIALIZED, Kind.LEAVE): _T.LEFT,
+    (_P, _T.CONTROL, Kind.PULL): _T.PROBING,  # the link probe (roster.Roster.probe_*)
+    (_P, _T.INITIALIZED, Kind.PULL): _T.PROBING,
+    (_P, _T.PROBING, Kind.PUSH): _T.INITIALIZED,  # clock 1, after the probe's PULL at 0
+    (_P, _T.PROBING, Kind.STATS): _T.PROBING,  # a worker that gave up waiting for the answer
+    (_P, _T.PROBING, Kind.LEAVE): _T.LEFT,
     (_P, _T.ASSIGNED, Kind.PULL): _T.SYNCED,
     (_P, _T.ASSIGNED, Kind.LEAVE): _T.LEFT,
     (_P, _T.SYNCED, Kind.PULL): _T.SYNCED,
