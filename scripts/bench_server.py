@@ -31,17 +31,34 @@ took, so a point where server_cpu is well under 1 while clients_cpu fills the re
 the clients, not the server (the server is one asyncio loop: it can use one core).
 
 Every point runs in its own run directory, removed after it (a server refuses a directory that
-holds an earlier run). Usage:
+holds an earlier run). ``--runs N`` measures each point N times.
+
+Side by side with a git ref (``--baseline-ref REF``): the guard against regressions. REF's tree
+is checked out with ``git worktree add`` in a temporary directory (removed after) and each point
+is measured alternately with this tree and with REF's (this, ref, this, ref, ...: a machine
+getting busier weighs on both), REF's side by REF's own scripts/bench_server.py and clients
+with PYTHONPATH set to REF's tree, so its server runs its own code. Flags REF's script does not
+know are left out for it and named in the output (``baseline.dropped_flags``; a script without
+``--optimizer-at`` measures its one place, ``ref_optimizer_at`` says so). The output's
+``side_by_side`` gives, per point, each run's figures of both trees and the ratio of their
+medians (``this_over_ref``) for ``COMPARED``: pushes/s, p99 push -> ACK, server CPU, RSS,
+set-up time.
+
+Usage:
   flock /tmp/minips-bench.lock python scripts/bench_server.py --json [--chart docs/img/x.png]
+  python scripts/bench_server.py --json --models lenet5 --ratios 0.01 --workers 256 \
+      --baseline-ref 0162ffa --runs 3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
 import os
+import re
 import secrets
 import select
 import shutil
@@ -51,7 +68,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +78,9 @@ MODELS = {"lenet5": 61_706, "resnet18": 11_173_962, "vgg19": 20_040_522}  # flat
 CLIENTS = Path(__file__).with_name("bench_server_clients.py")
 READY_TIMEOUT_S = 240.0  # every worker connected, assigned and stepping
 PROBE_TIMEOUT_S = 20.0  # a server process writes its counters once sent SIGUSR1
+REPO = Path(__file__).resolve().parents[1]  # this tree
+# what --baseline-ref compares per point: the figures of both trees and the ratio of medians
+COMPARED = ("pushes_s", "push_ack_p99_ms", "server_cpu", "server_rss_mb", "setup_s")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 # What serves each message kind in the servers' cores: (module, class or None, function). The
@@ -404,6 +424,138 @@ def _load(files: str | None) -> list[dict[str, Any]]:
             for p in json.loads(Path(f).read_text())["points"]]
 
 
+# -- side by side with a git ref ----------------------------------------------------------------
+
+@contextlib.contextmanager
+def ref_tree(ref: str, parent: Path) -> Iterator[tuple[Path, str]]:
+    """REF's tree checked out (``git worktree add --detach``) under ``parent``, and its commit;
+    the worktree is removed after. SystemExit with one line when REF is not a commit here."""
+    got = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "-q",
+                          f"{ref}^{{commit}}"], capture_output=True, text=True)
+    if got.returncode:
+        raise SystemExit(f"--baseline-ref {ref}: not a commit in {REPO}")
+    commit, tree = got.stdout.strip(), parent / "ref"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(tree),
+                    commit], check=True, stdout=subprocess.DEVNULL)
+    try:
+        yield tree, commit
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(["git", "-C", str(REPO), "worktree", "prune"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def ref_env(tree: Path) -> dict[str, str]:
+    """The environment of REF's bench: its own tree first on the path (before this venv's
+    editable install of this tree), so its server and clients run its code."""
+    return {**os.environ, "PYTHONPATH": str(tree)}
+
+
+def ref_flags(tree: Path) -> set[str]:
+    """The flags REF's bench script knows (from its --help); SystemExit if it has none."""
+    script = tree / "scripts" / "bench_server.py"
+    if not script.exists():
+        raise SystemExit(f"--baseline-ref: {script.relative_to(tree)} does not exist there")
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                         text=True, env=ref_env(tree), timeout=60)
+    return set(re.findall(r"(--[a-z][a-z0-9-]*)", out.stdout))
+
+
+def ref_argv(spec: dict[str, Any], args: argparse.Namespace,
+             known: set[str]) -> tuple[list[str], list[str]]:
+    """The argv of REF's bench for one point of ``spec`` and the flags it left out (REF's
+    script does not know them; their defaults are not passed either)."""
+    wanted: list[tuple[str, str | None]] = [
+        ("--json", None), ("--models", spec["model"]), ("--ratios", str(spec["ratio"])),
+        ("--workers", str(spec["workers"])), ("--optimizer-at", spec["optimizer_at"]),
+        ("--max-active", args.max_active_text), ("--step-s", str(args.step_s)),
+        ("--window-s", str(args.window_s)), ("--clients", str(args.clients)),
+        ("--groups", str(args.groups))]
+    wanted += [(f, None) for f, on in (("--group-processes", args.group_processes),
+                                       ("--dense-down", args.dense_down),
+                                       ("--exact-down", args.exact_down)) if on]
+    if args.checkpoint_every:
+        wanted.append(("--checkpoint-every", str(args.checkpoint_every)))
+    argv, dropped = [], []
+    for flag, value in wanted:
+        if flag not in known:
+            dropped.append(flag)
+        else:
+            argv += [flag] if value is None else [flag, value]
+    return argv, dropped
+
+
+def ref_point(tree: Path, spec: dict[str, Any], args: argparse.Namespace,
+              known: set[str]) -> dict[str, Any]:
+    """One point measured by REF's own bench script (its server, its clients, its code)."""
+    argv, _ = ref_argv(spec, args, known)
+    limit = READY_TIMEOUT_S + args.window_s + 120
+    failed = {**spec, "push_ack_p99_ms": None}
+    try:
+        out = subprocess.run([sys.executable, str(tree / "scripts" / "bench_server.py"), *argv],
+                             stdout=subprocess.PIPE, text=True, env=ref_env(tree),
+                             timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {**failed, "error": f"REF's bench took over {limit:.0f} s"}
+    try:
+        points = json.loads(out.stdout)["points"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        points = []
+    if out.returncode or len(points) != 1:
+        return {**failed, "error": f"REF's bench exited with {out.returncode}, "
+                f"{len(points)} points"}
+    return points[0]
+
+
+def _median(values: list[Any]) -> float | None:
+    got = [v for v in values if v is not None]
+    return float(np.median(got)) if got else None
+
+
+def side_by_side(spec: dict[str, Any], this: list[dict[str, Any]], ref: list[dict[str, Any]],
+                 ref_place: str) -> dict[str, Any]:
+    """One point's runs of both trees: each figure of ``COMPARED`` per run, and the ratio of
+    the medians, this tree / REF (None where either has no figure)."""
+    row: dict[str, Any] = {**spec, "ref_optimizer_at": ref_place,
+                           "this": {k: [p.get(k) for p in this] for k in COMPARED},
+                           "ref": {k: [p.get(k) for p in ref] for k in COMPARED},
+                           "this_over_ref": {}}
+    for k in COMPARED:
+        a, b = _median(row["this"][k]), _median(row["ref"][k])
+        row["this_over_ref"][k] = round(a / b, 3) if a is not None and b else None
+    errors = [p["error"] for p in this + ref if "error" in p]
+    if errors:
+        row["errors"] = errors
+    return row
+
+
+def measure_side_by_side(root: Path, args: argparse.Namespace,
+                         env: dict[str, str]) -> dict[str, Any]:
+    """Every point, ``args.runs`` times with each tree, alternating: the output's
+    ``points``, ``baseline`` and ``side_by_side``."""
+    with ref_tree(args.baseline_ref, root) as (tree, commit):
+        known = ref_flags(tree)
+        rows, ours, theirs, dropped = [], [], [], set()
+        for spec in grid(args):
+            this, ref = [], []
+            for _ in range(args.runs):
+                this.append(point(root, spec, args, env))
+                ref.append(ref_point(tree, spec, args, known))
+                if not args.json:
+                    print(json.dumps({"this": this[-1], "ref": ref[-1]}), flush=True)
+            dropped |= set(ref_argv(spec, args, known)[1])
+            place = spec["optimizer_at"] if "--optimizer-at" in known else \
+                "its bench's one place (it has no --optimizer-at)"
+            rows.append(side_by_side(spec, this, ref, place))
+            ours += this
+            theirs += ref
+    return {"points": ours, "side_by_side": rows, "baseline": {
+        "ref": args.baseline_ref, "commit": commit, "points": theirs,
+        "driver": "REF's own scripts/bench_server.py and clients, PYTHONPATH = REF's tree",
+        "dropped_flags": sorted(dropped)}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON document (else lines)")
@@ -434,22 +586,36 @@ def main() -> int:
     ap.add_argument("--baseline", help="earlier --json outputs, FILE,...: drawn dashed, knee shown")
     ap.add_argument("--replot", help="draw and summarise these --json outputs, FILE,... "
                     "instead of measuring")
+    ap.add_argument("--runs", type=int, default=1, help="measure each point this many times")
+    ap.add_argument("--baseline-ref", metavar="REF",
+                    help="measure each point with this git ref's tree too, alternating runs, "
+                    "and give the ratio per point (side_by_side)")
     args = ap.parse_args()
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
+    args.max_active_text = args.max_active
     args.max_active = {k: int(v) for k, v in (x.split("=") for x in args.max_active.split(","))}
-    env = {**os.environ, "MINIPS_TOKEN": secrets.token_hex(16),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "MINIPS_TOKEN": secrets.token_hex(16), "PYTHONPATH": str(REPO)}
     points, load0 = _load(args.replot), os.getloadavg()
+    extra: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-server-") as d:
-        for spec in grid(args) if not args.replot else ():
-            points.append(point(Path(d), spec, args, env))
-            if not args.json:
-                print(json.dumps(points[-1]), flush=True)
+        if args.baseline_ref and not args.replot:
+            extra = measure_side_by_side(Path(d), args, env)
+            points = extra.pop("points")
+        for spec in grid(args) if not (args.replot or args.baseline_ref) else ():
+            for _ in range(args.runs):
+                points.append(point(Path(d), spec, args, env))
+                if not args.json:
+                    print(json.dumps(points[-1]), flush=True)
     out = {"load_avg_start": load0, "load_avg_end": os.getloadavg(), "step_s": args.step_s,
            "group_processes": args.group_processes, "dense_down": args.dense_down,
            "exact_down": args.exact_down,
-           "window_s": args.window_s, "clients": args.clients, "points": points,
+           "window_s": args.window_s, "clients": args.clients, "runs": args.runs,
+           "points": points, **extra,
            "knee_lenet5_1pct_p99_under_50ms": knee(points, "lenet5", 0.01, 50.0)}
     baseline = _load(args.baseline) if args.baseline else None
+    if baseline is None and "baseline" in extra:  # the chart draws REF's points dashed
+        baseline = extra["baseline"]["points"]
     if baseline is not None:
         out["baseline_knee_lenet5_1pct_p99_under_50ms"] = knee(baseline, "lenet5", 0.01, 50.0)
     if args.chart:
