@@ -1,15 +1,20 @@
-"""`minips ray` on a local multi-node Ray cluster (ray.cluster_utils.Cluster): two simulated nodes,
-a head with the custom resource ``minips_server`` and a node with ``jetson``. A short run
-finishes, the global server lands on the head and the workers on the jetson node, and a worker
-actor that is killed is restarted by Ray and rejoins the run. Runs only where the ``ray`` extra
-is installed (`make test` installs it). Every Ray process and every role's process ends with the
-test, also when it fails.
+"""`minips ray` on a local multi-node Ray cluster (ray.cluster_utils.Cluster), one for the whole
+module: a head with no CPU and the custom resource ``minips_server``, and a node of 2 CPUs with
+``jetson``. A short run finishes, the global server lands on the head and the workers on the jetson
+node, and a worker actor that is killed is restarted by Ray and rejoins the run. On the same
+cluster: workers given no resources share the 2 CPUs, so 3 of them and the other roles are all
+placed; 3 workers that ask a CPU each are refused in one line before any actor exists; and on a
+cluster joined by address, workers asking for a resource no node has are named with what they wait
+for within 10 s, until ``--timeout`` stops every actor with one line. Runs only where the ``ray``
+extra is installed (`make test` installs it). Every Ray process and every role's process ends with
+the test module, also when it fails.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -22,14 +27,19 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed: pip install 'minips[ray]'")
 
+from conftest import processes_mentioning  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from minips.core.config import RunConfig  # noqa: E402
+from minips.errors import ConfigError  # noqa: E402
 from minips.run.ray_cluster import (  # noqa: E402
     RayConfig,
+    cluster_nodes,
     collect,
     free_port,
     parse_placement,
+    run_ray,
+    settle_local,
     start_roles,
     stop_roles,
     wait_server,
@@ -39,17 +49,19 @@ WALL_S = 30.0  # training seconds: long enough for a killed worker to come back
 DEADLINE_S = 120.0  # for each wait below
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[dict[str, str]]:
-    """Two nodes; yields resource name -> node id. Ray is shut down whatever happens."""
+    """Two nodes (2 CPUs in all, both on the jetson node), one start for the module; yields
+    resource name -> node id, and "address". Ray is shut down whatever happens."""
     c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"minips_server": 1}, "include_dashboard": False})
+        "num_cpus": 0, "resources": {"minips_server": 1}, "include_dashboard": False})
     try:
         c.add_node(num_cpus=2, resources={"jetson": 2})
         ray.init(address=c.address, log_to_driver=False)
         c.wait_for_nodes()
-        yield {r: n["NodeID"] for n in ray.nodes() if n["Alive"]
-               for r in ("minips_server", "jetson") if r in n["Resources"]}
+        yield {"address": c.address, **{r: n["NodeID"] for n in ray.nodes() if n["Alive"]
+                                        for r in ("minips_server", "jetson")
+                                        if r in n["Resources"]}}
     finally:
         ray.shutdown()
         c.shutdown()
@@ -123,3 +135,74 @@ def _restarted(actor: Any) -> dict[str, Any] | None:
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
         return None
     return info if info["restarted"] else None
+
+
+def test_workers_given_no_resources_share_the_local_cpus_and_all_roles_are_placed(
+        cluster: dict[str, str], tmp_path: Path) -> None:
+    """`minips ray --workers 3` on 2 CPUs: each worker asks CPU=0.66 and Ray places the server,
+    the 3 workers and the evaluator (with CPU=1 each the third worker waited for ever)."""
+    run = RunConfig(model="lenet5", dataset="fashion-mnist", mode="gssp", workers=3,
+                    max_steps=100)
+    cfg = RayConfig(run=run, server_port=free_port(), share_cpus=True, max_restarts=0,
+                    server=parse_placement("minips_server=1"), out_dir=str(tmp_path))
+    settle_local(cfg, cluster_nodes())
+    assert cfg.workers.resources == {"CPU": 0.66}
+    roles: dict[str, Any] = {}
+    run_id = "test-" + secrets.token_hex(3)
+    t0 = time.monotonic()
+    try:
+        start_roles(cfg, run_id, secrets.token_hex(16), roles, time.monotonic() + 20)
+        placed = time.monotonic() - t0
+        where = {n: ray.get(a.where.remote()) for n, a in roles.items()}
+    finally:
+        stop_roles(roles)
+        shutil.rmtree(Path(tempfile.gettempdir()) / "minips-ray" / run_id, ignore_errors=True)
+    assert sorted(where) == ["evaluator", "server", "worker-0", "worker-1", "worker-2"]
+    assert {where[f"worker-{i}"]["node_id"] for i in range(3)} == {cluster["jetson"]}
+    print(f"5 roles placed on 2 CPUs in {placed:.1f} s")
+    _wait_for("every role's process ended", lambda: all(_gone(w["pid"]) for w in where.values()))
+
+
+def test_three_workers_asking_a_cpu_each_on_two_cpus_are_refused_before_any_actor(
+        cluster: dict[str, str], tmp_path: Path) -> None:
+    run = RunConfig(workers=3, max_steps=100)
+    cfg = RayConfig(run=run, workers=parse_placement("CPU=1"), out_dir=str(tmp_path))
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as info:
+        run_ray(cfg)
+    assert str(info.value) == ("3 workers ask CPU=1 each; the cluster has 2 CPUs: give "
+                               "--worker-resources CPU=0.66 or add nodes")
+    assert time.monotonic() - t0 < 5 and list(tmp_path.iterdir()) == []
+    assert ray.is_initialized()  # the caller's Ray stays up
+
+
+def test_an_actor_waiting_for_a_resource_nobody_has_is_named_and_the_timeout_ends_it(
+        cluster: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a cluster joined by address nodes may still come: 2 workers asking ``board=1`` wait,
+    a line names them and what they wait for within 10 s, and ``--timeout`` ends the run: one
+    line, every actor stopped (the placed server's process too)."""
+    run = RunConfig(workers=2, max_steps=100)
+    name = "waits-" + secrets.token_hex(3)
+    cfg = RayConfig(run=run, address=cluster["address"], server_port=free_port(),
+                    server=parse_placement("minips_server=1"),
+                    workers=parse_placement("board=1"), evaluate=False, max_restarts=0,
+                    timeout_s=8.0, out_dir=str(tmp_path), name=name)
+    t0 = time.monotonic()
+    try:
+        summary = run_ray(cfg)
+    finally:  # the placed server's directory on its node (a timeout collects nothing)
+        for d in (Path(tempfile.gettempdir()) / "minips-ray").glob(f"{name}-*"):
+            shutil.rmtree(d, ignore_errors=True)
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert summary["status"] == "timeout" and took < 8.0 + 10.0, took
+    named = [re.fullmatch(r"minips ray: waiting (\d+) s of --timeout 8 s for worker-0, "
+                          r"worker-1 \(each asks board=1; the cluster has no board\)", line)
+             for line in err]
+    first = next((m for m in named if m), None)
+    assert first and int(first[1]) <= 10, err  # named within 10 s of the first actor
+    assert err[-1].startswith("minips ray: timeout after --timeout 8 s: never placed: worker-0, "
+                              "worker-1 (each asks board=1; the cluster has no board); every "
+                              "actor stopped; run directory ")
+    _wait_for("no role's process left", lambda: not processes_mentioning(name))
+    assert ray.is_initialized()  # not ours to stop

@@ -380,6 +380,9 @@ def with_config(argv: list[str]) -> list[str]:
 
 ROLES = ("server", "group", "worker", "evaluator")
 DEFAULT_RESOURCES = {"server": "", "group": "", "worker": "CPU=1", "evaluator": ""}
+WORKER_SHARE = (" (default CPU=1; on the Ray instance minips starts here, an equal share of its "
+                "CPUs when that is less: 3 workers on 2 CPUs ask CPU=0.66 each; what cannot be "
+                "placed there is refused at once)")
 
 
 def add_ray_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -395,11 +398,12 @@ def add_ray_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], 
     p.add_argument("--port", type=int, default=7070,
                    help="global server port on its node (fixed, so a restarted server is "
                    "found at the same address)")
-    for role in ROLES:
-        p.add_argument(f"--{role}-resources", default=DEFAULT_RESOURCES[role],
+    for role in ROLES:  # a worker's default is decided by run_ray (WORKER_SHARE)
+        p.add_argument(f"--{role}-resources",
+                       default=None if role == "worker" else DEFAULT_RESOURCES[role],
                        help=f"Ray resources each {role} actor asks for, NAME=AMOUNT,... "
                        "(CPU and GPU are Ray's; others are custom node resources such as "
-                       "jetson=1)" + ("" if DEFAULT_RESOURCES[role] else " (default: none)"))
+                       "jetson=1)" + (WORKER_SHARE if role == "worker" else " (default: none)"))
         p.add_argument(f"--{role}-labels", default="",
                        help=f"node labels a {role} actor's node must carry, KEY=VALUE,... "
                        "(default: any node)")
@@ -416,7 +420,8 @@ def add_ray_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentParser], 
     p.add_argument("--out", default="runs", help="parent of the run directory on this machine")
     p.add_argument("--name", help="run directory name (default: time-mode-compressor)")
     p.add_argument("--timeout", type=float, default=0.0,
-                   help="hard stop, s (0 = the wall budget, or 30 min, + 2 min)")
+                   help="hard stop, s, waiting for the actors to be placed included (0 = the "
+                   "wall budget, or 30 min, + 2 min)")
 
 
 def ray_command(args: argparse.Namespace, run: RunConfig) -> int:
@@ -425,8 +430,9 @@ def ray_command(args: argparse.Namespace, run: RunConfig) -> int:
         from minips.run.ray_cluster import RayConfig, parse_placement, run_ray
     except ImportError as exc:  # ray missing: say how to get it
         raise ConfigError(f"minips ray needs Ray: pip install 'minips[ray]' ({exc})") from None
-    places = {r: parse_placement(getattr(args, f"{r}_resources"), getattr(args, f"{r}_labels"))
-              for r in ROLES}
+    given = {r: getattr(args, f"{r}_resources") for r in ROLES}  # None: not given
+    places = {r: parse_placement(DEFAULT_RESOURCES[r] if given[r] is None else given[r],
+                                 getattr(args, f"{r}_labels")) for r in ROLES}
     slowdowns = args.slowdown or []
     if args.workers is None and slowdowns:
         run.workers = len(slowdowns)
@@ -434,6 +440,7 @@ def ray_command(args: argparse.Namespace, run: RunConfig) -> int:
     cfg = RayConfig(run=run, address=args.address, server_port=args.port,
                     server=places["server"], groups=places["group"],
                     workers=places["worker"], evaluator=places["evaluator"],
+                    share_cpus=given["worker"] is None,
                     external_groups=args.external_groups, evaluate=not args.no_eval,
                     slowdowns=slowdowns, max_restarts=args.max_restarts,
                     checkpoint_every_s=args.checkpoint_every, out_dir=args.out,

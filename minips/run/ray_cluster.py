@@ -16,6 +16,15 @@ the rest of minips runs without ray installed. The file holds, in order:
   checkpoint (``--resume``), a worker rejoins under its id. The training traffic is minips' own
   TCP protocol, authenticated with MINIPS_TOKEN as always.
 
+Before it places an actor, the driver compares what the actors ask for (each role's resources
+and node labels) with the nodes' resources (``unplaceable``). On a Ray instance on this machine
+(no ``address``) nothing else will join, so a shortfall is refused in one line (``ConfigError``:
+`3 workers ask CPU=1 each; the cluster has 2 CPUs: give --worker-resources CPU=0.66 or add
+nodes`), and workers given no resources share its CPUs (``share_cpus``: CPU=min(1, CPUs /
+workers), so 3 workers fit on 2 CPUs). On a cluster it joins, nodes may still come: an actor that
+is not placed is named with what it waits for every ``REPORT_S`` (``wait_placed``) until the run's
+``timeout_s``, which then stops every actor and ends the run with one line.
+
 The driver waits for the global server to finish the run (its budget), gives the other roles
 ``EXIT_TIMEOUT_S`` to end, collects every role's files into one run directory on the driver's
 machine (metrics, logs under logs/; files over ``MAX_COLLECT_BYTES`` stay on their node), writes
@@ -32,13 +41,15 @@ Invariants:
   directory, which only the actor knows.
 
 Public API: ``RoleActor``, ``MAX_COLLECT_BYTES``, ``RayConfig``, ``Placement``, ``run_ray``,
-``parse_placement``, ``start_roles``.
+``parse_placement``, ``start_roles``, ``unplaceable``, ``share_cpus``,
+``settle_local``, ``wait_placed``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -65,6 +76,10 @@ __all__ = [
     "run_ray",
     "parse_placement",
     "start_roles",
+    "unplaceable",
+    "share_cpus",
+    "settle_local",
+    "wait_placed",
 ]
 
 
@@ -172,10 +187,16 @@ RemoteRole: Any = ray.remote(RoleActor)  # the actor class; options (resources, 
 
 # -- the driver: place the roles, wait for the run, collect its files ------------------------------
 
-READY_TIMEOUT_S = 120.0  # the global server must listen within this long (actor start included)
+READY_TIMEOUT_S = 120.0  # the global server must listen within this long, once placed
 EXIT_TIMEOUT_S = 60.0  # after the server exits, the other roles get this long to end
 POLL_S = 1.0  # how often the driver looks at the global server's process
 CHECKPOINT_FILE = "checkpoint.npz"  # the server actor resumes when this exists in its directory
+REPORT_S = 5.0  # while an actor waits to be placed, the driver names it this often
+CPU_STEP = 0.01  # a worker's share of a local instance's CPUs is rounded down to this
+ROLE_NAMES = {"server": "server", "groups": "group server", "workers": "worker",
+              "evaluator": "evaluator"}  # RayConfig's placements -> what a line calls the role
+ROLE_FLAGS = {"server": "server", "groups": "group", "workers": "worker",
+              "evaluator": "evaluator"}  # RayConfig's placements -> --ROLE-resources
 
 
 @dataclass
@@ -195,6 +216,12 @@ class Placement:
             opts["label_selector"] = dict(self.labels)
         return opts
 
+    def text(self) -> str:
+        """'jetson=1,CPU=0.5 on a node labelled zone=a', as the flags spell it."""
+        asks = ",".join(f"{k}={v:g}" for k, v in self.resources.items() if v > 0) or "nothing"
+        where = ",".join(f"{k}={v}" for k, v in self.labels.items())
+        return asks + (f" on a node labelled {where}" if where else "")
+
 
 @dataclass
 class RayConfig:
@@ -207,6 +234,8 @@ class RayConfig:
     groups: Placement = field(default_factory=Placement)  # where external group servers run
     workers: Placement = field(default_factory=lambda: Placement({"CPU": 1}))
     evaluator: Placement = field(default_factory=Placement)
+    share_cpus: bool = False  # local instance: the workers share its CPUs (no --worker-resources)
+    local_cpus: int | None = None  # CPUs of a local instance run_ray starts; None = all
     external_groups: int = 0  # `minips group` actors; 0 = group servers in the server process
     evaluate: bool = True  # start the evaluator
     slowdowns: list[float] = field(default_factory=list)  # emulated factor per worker
@@ -214,7 +243,7 @@ class RayConfig:
     checkpoint_every_s: float = 10.0  # global server checkpoints (what a restart resumes from)
     out_dir: str = "runs"  # parent of the run directory on the driver's machine
     name: str | None = None  # run directory name; None = time-mode-compressor
-    timeout_s: float = 0.0  # hard stop; 0 = the wall budget (or 30 min) + 2 min
+    timeout_s: float = 0.0  # hard stop, placement included; 0 = the wall budget (or 30 min) + 2 min
 
 
 def parse_placement(resources: str, labels: str = "") -> Placement:
@@ -237,57 +266,220 @@ def parse_placement(resources: str, labels: str = "") -> Placement:
     return Placement(res, lab)
 
 
+# -- what the actors ask for against what the nodes have ---------------------------------------
+
+Node = dict[str, Any]  # {"resources": {name: amount}, "labels": {key: value}}
+
+
+def cluster_nodes() -> list[Node]:
+    """The live nodes of the Ray cluster this process is connected to."""
+    return [{"resources": dict(n.get("Resources", {})), "labels": dict(n.get("Labels", {}))}
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def asks(cfg: RayConfig) -> list[tuple[str, int, Placement]]:
+    """(role key, actors, what each asks for) for every role with actors in this run."""
+    counts = {"server": 1, "groups": cfg.external_groups, "workers": cfg.run.workers,
+              "evaluator": int(cfg.evaluate)}
+    return [(role, n, getattr(cfg, role)) for role, n in counts.items() if n > 0]
+
+
+def _fits_labels(node: Node, labels: dict[str, str]) -> bool:
+    # exact KEY=VALUE only; Ray's richer selectors ('!v', 'in(a,b)') are left to Ray to judge
+    return all(node["labels"].get(k) == v for k, v in labels.items()
+               if not v.startswith("!") and "(" not in v)
+
+
+def _have(nodes: list[Node], key: str) -> float:
+    return float(sum(n["resources"].get(key, 0.0) for n in nodes))
+
+
+def _amount(key: str, value: float) -> str:
+    """'2 CPUs', '1 GPU', 'no jetson', '3 jetson'."""
+    if value <= 0:
+        return f"no {key}"
+    plural = "s" if key in ("CPU", "GPU") and value != 1 else ""
+    return f"{value:g} {key}{plural}"
+
+
+def _who(role: str, n: int) -> str:
+    name = ROLE_NAMES[role]
+    return f"{n} {name}s ask" if n > 1 else f"the {name} asks"
+
+
+def _hint(role: str, key: str, n: int, have: float) -> str:
+    flag = f"--{ROLE_FLAGS[role]}-resources"
+    if have <= 0:
+        return f"add a node with {key} or change {flag}"
+    share = math.floor(have / n / CPU_STEP) * CPU_STEP
+    return f"give {flag} {key}={share:g} or add nodes" if share > 0 else "add nodes"
+
+
+def unplaceable(cfg: RayConfig, nodes: list[Node]) -> list[str]:
+    """What no placement on ``nodes`` can hold, one sentence each ([] when it may all fit):
+    a role whose actors ask more of a resource than the nodes it may use have in all, one
+    actor no single node can hold, or the roles together asking more than the cluster has."""
+    problems: list[str] = []
+    for role, n, place in asks(cfg):
+        mine = [node for node in nodes if _fits_labels(node, place.labels)]
+        if not mine:
+            problems.append(f"{_who(role, n)} for a node labelled "
+                            f"{','.join(f'{k}={v}' for k, v in place.labels.items())}; "
+                            f"no node has those labels")
+            continue
+        short = [(k, v) for k, v in place.resources.items() if v > 0 and n * v > _have(mine, k)]
+        for key, v in short:
+            have = _have(mine, key)
+            each = " each" if n > 1 else ""
+            problems.append(f"{_who(role, n)} {key}={v:g}{each}; the cluster has "
+                            f"{_amount(key, have)}: {_hint(role, key, n, have)}")
+        if not short and not any(all(node["resources"].get(k, 0.0) >= v
+                                     for k, v in place.resources.items()) for node in mine):
+            problems.append(f"a {ROLE_NAMES[role]} asks {place.text()}; no node has that much "
+                            f"of all of it at once: change --{ROLE_FLAGS[role]}-resources")
+    return problems or _together(cfg, nodes)
+
+
+def _together(cfg: RayConfig, nodes: list[Node]) -> list[str]:
+    """The roles together asking more of a resource than the cluster has."""
+    problems = []
+    for key in sorted({k for _, _, p in asks(cfg) for k in p.resources}):
+        parts = [(role, n, p.resources.get(key, 0.0)) for role, n, p in asks(cfg)]
+        total = sum(n * v for _, n, v in parts)
+        if total > _have(nodes, key) + 1e-9:
+            detail = ", ".join(f"{ROLE_NAMES[r]} {v:g}" if n == 1 else
+                               f"{n} {ROLE_NAMES[r]}s {v:g} each" for r, n, v in parts if v > 0)
+            problems.append(f"the roles ask {key}={total:g} in all ({detail}); the cluster "
+                            f"has {_amount(key, _have(nodes, key))}: lower their --*-resources "
+                            f"or add nodes")
+    return problems
+
+
+def share_cpus(cfg: RayConfig, nodes: list[Node]) -> None:
+    """Workers given no resources on a local instance: each asks an equal share of the CPUs
+    the other roles leave, at most 1, so every worker is placed (3 workers on 2 CPUs: 0.66)."""
+    if not cfg.share_cpus or cfg.run.workers <= 0:
+        return
+    others = sum(n * p.resources.get("CPU", 0.0) for role, n, p in asks(cfg) if role != "workers")
+    free = _have(nodes, "CPU") - others
+    share = math.floor(free / cfg.run.workers / CPU_STEP) * CPU_STEP
+    cfg.workers.resources["CPU"] = round(min(1.0, max(share, CPU_STEP)), 2)
+
+
+def _planned_local(cfg: RayConfig) -> list[Node]:
+    """The one node of the local instance run_ray is about to start (GPUs: known once it runs)."""
+    return [{"resources": {"CPU": float(cfg.local_cpus or os.cpu_count() or 1)}, "labels": {}}]
+
+
+def settle_local(cfg: RayConfig, nodes: list[Node]) -> None:
+    """On a local instance: the workers' CPU share, then refuse what cannot be placed."""
+    share_cpus(cfg, nodes)
+    problems = unplaceable(cfg, nodes)
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def wait_placed(roles: dict[str, Any], asked: dict[str, Placement], deadline: float | None,
+                timeout_s: float = 0.0, since: float | None = None) -> dict[str, dict[str, Any]]:
+    """Until Ray has placed every actor of ``roles`` (its ``where`` answered); name -> where.
+    Every ``REPORT_S`` from ``since`` (the placement's start; default now) one line names the
+    actors not placed yet, what they ask and what the cluster has of it and has free (a process
+    Ray is still starting is named too: the numbers tell which); ``TimeoutError`` naming them
+    at ``deadline``."""
+    pending = {roles[name].where.remote(): name for name in roles}
+    placed: dict[str, dict[str, Any]] = {}
+    since = time.monotonic() if since is None else since
+    end = math.inf if deadline is None else deadline
+    while pending:
+        now = time.monotonic()
+        if now >= end:
+            raise TimeoutError(f"never placed: {_waiting(sorted(pending.values()), asked)}")
+        report = since + REPORT_S * (math.floor((now - since) / REPORT_S) + 1)
+        done, _ = ray.wait(list(pending), num_returns=len(pending),
+                           timeout=max(0.0, min(report, end) - now))
+        for ref in done:
+            info = ray.get(ref)
+            placed[info["name"]] = info
+            del pending[ref]
+        if pending and time.monotonic() >= report:
+            bound = f" of --timeout {timeout_s:.0f} s" if timeout_s else ""
+            print(f"minips ray: waiting {time.monotonic() - since:.0f} s{bound} for "
+                  f"{_waiting(sorted(pending.values()), asked)}", file=sys.stderr, flush=True)
+    return placed
+
+
+def _waiting(names: list[str], asked: dict[str, Placement]) -> str:
+    """'worker-0, worker-1 (each asks jetson=1; the cluster has no jetson)': the actors not placed
+    yet, what they ask and what the cluster has of it, and has free."""
+    total, free = ray.cluster_resources(), ray.available_resources()
+    by_ask: dict[str, list[str]] = {}
+    for name in names:
+        by_ask.setdefault(asked[name].text(), []).append(name)
+    parts = []
+    for text, who in by_ask.items():
+        has = "".join(f"; the cluster has {_amount(k, total.get(k, 0.0))}"
+                      + (f", {free.get(k, 0.0):g} free" if total.get(k, 0.0) > 0 else "")
+                      for k, v in asked[who[0]].resources.items() if v > 0)
+        parts.append(f"{', '.join(who)} ({'each asks' if len(who) > 1 else 'asks'} {text}{has})")
+    return "; ".join(parts)
+
+
 def _argv(role: str, address: str, extra: list[str]) -> list[str]:
     return [role, "--connect", address, "--run-dir", "{dir}", *extra]
 
 
-def start_roles(cfg: RayConfig, run_id: str, token: str) -> dict[str, Any]:
-    """Create every actor (the server first, the others once it listens); name -> handle."""
-
+def start_roles(cfg: RayConfig, run_id: str, token: str, into: dict[str, Any] | None = None,
+                deadline: float | None = None) -> dict[str, Any]:
+    """Create every actor (the server first, the others once it listens) and wait until Ray
+    placed them all (``wait_placed``, naming those that wait); name -> handle, also in ``into``
+    as they are created, so that a caller can stop them when this fails or times out."""
+    roles = {} if into is None else into
+    since = time.monotonic()  # the waiting lines count from here
     env = {"MINIPS_TOKEN": token}
     common = {"max_restarts": cfg.max_restarts, "max_task_retries": -1}
+    asked = {"server": cfg.server}
     server_argv = ["server", "--host", "{node_ip}", "--port", str(cfg.server_port), "--quiet",
                    "--run-dir", "{dir}", "--ready-file", "{dir}/ready", "--run-config",
                    "{dir}/run.json", "--external-groups", str(cfg.external_groups),
                    "--checkpoint-every", str(cfg.checkpoint_every_s)]
     files = {"run.json": json.dumps(cfg.run.to_info()).encode()}
-    roles = {"server": RemoteRole.options(name=f"minips-{run_id}-server", **common,
-                                          **cfg.server.options()).remote(
-        "server", run_id, server_argv, env, files, resume_if=CHECKPOINT_FILE)}
-    import ray
-
+    roles["server"] = RemoteRole.options(name=f"minips-{run_id}-server", **common,
+                                         **cfg.server.options()).remote(
+        "server", run_id, server_argv, env, files, resume_if=CHECKPOINT_FILE)
+    wait_placed(roles, asked, deadline, cfg.timeout_s, since)
     address = str(ray.get(roles["server"].address.remote(READY_TIMEOUT_S)))
     for g in range(cfg.external_groups):
         argv = _argv("group", address, ["--listen", "{node_ip}:0"])
+        asked[f"group-{g}"] = cfg.groups
         roles[f"group-{g}"] = RemoteRole.options(**common, **cfg.groups.options()).remote(
             f"group-{g}", run_id, argv, env, {})
     factors = cfg.slowdowns + [1.0] * (cfg.run.workers - len(cfg.slowdowns))
     for i in range(cfg.run.workers):
         argv = _argv("worker", address, ["--id", str(i), "--slowdown", str(factors[i])])
+        asked[f"worker-{i}"] = cfg.workers
         roles[f"worker-{i}"] = RemoteRole.options(**common, **cfg.workers.options()).remote(
             f"worker-{i}", run_id, argv, env, {})
     if cfg.evaluate:
+        asked["evaluator"] = cfg.evaluator
         roles["evaluator"] = RemoteRole.options(**common, **cfg.evaluator.options()).remote(
             "evaluator", run_id, _argv("evaluator", address, []), env, {})
+    wait_placed({n: a for n, a in roles.items() if n != "server"}, asked, deadline, cfg.timeout_s,
+                since)
     return roles
 
 
 def wait_server(roles: dict[str, Any], timeout_s: float) -> int:
     """Until the global server's process exits (across restarts); its exit status."""
-    import ray
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status = ray.get(roles["server"].wait.remote(POLL_S))
         if status is not None:
             return int(status)
-    raise TimeoutError(f"the run did not end within {timeout_s:.0f} s")
+    raise TimeoutError(f"the run had not ended after {timeout_s:.0f} s")
 
 
 def collect(roles: dict[str, Any], run_dir: Path) -> list[str]:
     """Wait for the other roles to end, copy every role's files here; the roles that failed."""
-    import ray
-
     failed = []
     for name, actor in roles.items():
         if name != "server" and ray.get(actor.wait.remote(EXIT_TIMEOUT_S)) not in (0,):
@@ -302,9 +494,8 @@ def collect(roles: dict[str, Any], run_dir: Path) -> list[str]:
 
 
 def stop_roles(roles: dict[str, Any]) -> None:
-    """Kill every actor (its child dies with it), never restarting it."""
-    import ray
-
+    """Kill every actor (its child dies with it; one still waiting to be placed is never
+    created), never restarting it."""
     for actor in roles.values():
         try:
             ray.kill(actor, no_restart=True)
@@ -313,24 +504,41 @@ def stop_roles(roles: dict[str, Any]) -> None:
 
 
 def run_ray(cfg: RayConfig) -> dict[str, Any]:
-    """Run one training run on Ray; return its summary (``status`` added)."""
-    import ray
-
+    """Run one training run on Ray; return its summary (``status`` added). ``ConfigError``
+    (nothing started, nothing written) when a local instance cannot hold the roles."""
     cfg.run.validate()
     if cfg.external_groups < 0 or cfg.max_restarts < 0:
         raise ConfigError("--external-groups and --max-restarts must be >= 0")
-    run_dir = _make_run_dir(cfg)
+    timeout_s = cfg.timeout_s or (cfg.run.wall_s or 1800.0) + 120.0
+    deadline = time.monotonic() + timeout_s
+    started = not ray.is_initialized()
+    if started and cfg.address is None and not any("GPU" in p.resources for _, _, p in asks(cfg)):
+        settle_local(cfg, _planned_local(cfg))  # refused in a second, before Ray starts
+    if started:
+        ray.init(address=cfg.address, num_cpus=cfg.local_cpus if cfg.address is None else None,
+                 log_to_driver=False)
+    try:
+        if cfg.address is None:
+            settle_local(cfg, cluster_nodes())
+        run_dir = _make_run_dir(cfg)
+    except BaseException:
+        if started:
+            ray.shutdown()
+        raise
+    return _run(cfg, run_dir, started, deadline, timeout_s)
+
+
+def _run(cfg: RayConfig, run_dir: Path, started: bool, deadline: float,
+         timeout_s: float) -> dict[str, Any]:
+    """run_ray once Ray runs and the roles may fit: place, wait, collect, stop, summarize."""
     token = os.environ.get("MINIPS_TOKEN") or secrets.token_hex(16)
     (run_dir / "ray.json").write_text(json.dumps(asdict(cfg), indent=2))
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address=cfg.address, log_to_driver=False)
     roles: dict[str, Any] = {}
-    status = "done"
+    status, why = "done", ""
     try:
-        roles = start_roles(cfg, run_dir.name + "-" + secrets.token_hex(3), token)
+        start_roles(cfg, run_dir.name + "-" + secrets.token_hex(3), token, roles, deadline)
         _report(roles)
-        if wait_server(roles, cfg.timeout_s or (cfg.run.wall_s or 1800.0) + 120.0) != 0:
+        if wait_server(roles, max(0.0, deadline - time.monotonic())) != 0:
             status = "failed"
         failed = collect(roles, run_dir)
         if failed:
@@ -338,8 +546,8 @@ def run_ray(cfg: RayConfig) -> dict[str, Any]:
                   file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         status = "interrupted"
-    except TimeoutError:
-        status = "timeout"
+    except TimeoutError as exc:
+        status, why = "timeout", f" after --timeout {timeout_s:.0f} s: {exc}; every actor stopped"
     finally:
         stop_roles(roles)
         if started:
@@ -347,13 +555,11 @@ def run_ray(cfg: RayConfig) -> dict[str, Any]:
     summary = summarize(run_dir, write=False) if (run_dir / "config.json").exists() else {}
     summary.update(status=status, run_dir=str(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    print(f"minips ray: {status}; run directory {run_dir}", file=sys.stderr, flush=True)
+    print(f"minips ray: {status}{why}; run directory {run_dir}", file=sys.stderr, flush=True)
     return summary
 
 
 def _report(roles: dict[str, Any]) -> None:
-    import ray
-
     for info in ray.get([a.where.remote() for a in roles.values()]):
         print(f"minips ray: {info['name']} on node {info['node_id'][:12]} ({info['ip']})",
               file=sys.stderr, flush=True)
