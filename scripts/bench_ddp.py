@@ -4,10 +4,14 @@ run instead of minips.
 The same profile (an emulated slowdown factor per rank), samples (each rank's shard and batch
 order: ``data.shard_indices`` and ``batch_stream``, as minips workers), model and initial
 weights (``models.build_model(name, seed)``), optimizer (SGD with momentum and weight decay,
-torch's semantics, as ``reference.train``) and lr schedule (``optim.lr_factor`` per step of
-ranks x batch samples) as a minips BSP run: with the hook ``none`` this is synchronous SGD, the
-same updates as ``reference.train`` and as minips BSP, so the rows differ in their
-communication only. Hooks: ``none`` (fp32 all-reduce), ``fp16``
+torch's semantics, as ``reference.train``), lr schedule (``optim.lr_factor`` per step of
+ranks x batch samples, with minips' linear warm-up over ``--lr-warmup`` epochs of the training
+set, RunConfig's ``lr_warmup``, and its decay over the budget) and samples budget as a minips
+BSP run: ``--epochs`` is the cluster's budget, epochs x the training set, all ranks together
+(``budget_steps``: the rounds of ranks x batch that reach it, as minips BSP's server stops at
+the first round that does), not epochs of each rank's shard. With the hook ``none`` this is
+synchronous SGD, the same updates as ``reference.train`` and as minips BSP, so the rows differ
+in their communication only. Hooks: ``none`` (fp32 all-reduce), ``fp16``
 (``default_hooks.fp16_compress_hook``) and ``powersgd`` (``powerSGD_hook``, rank
 ``--powersgd-rank``, error feedback on, starting after ``--powersgd-start`` steps).
 
@@ -29,7 +33,9 @@ forwarding is switched on for the run and restored after). Needs root.
 
 Rank 0 keeps a copy of the weights every ``--eval-every-s`` seconds (a copy only: the timed
 path holds no evaluation); the copies are evaluated after the run, on the first
-``--eval-limit`` test samples as minips' evaluator does, and the last on the whole test set.
+``--eval-limit`` test samples as minips' evaluator does, and the last (the weights once the
+budget is spent, as the table takes every row's) on the whole test set:
+``final_full_test``, on ``final_full_test_samples`` samples.
 
 Printed as one JSON object: the hook, ranks, seed, steps, training seconds, time to each target
 accuracy, final accuracy (eval-limit and whole test set), per-rank overrun (median achieved /
@@ -44,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import socket
 import subprocess
@@ -58,6 +65,14 @@ import numpy as np
 
 QUICK_PROFILE = [1.0, 1.0, 1.5, 1.5, 2.0, 2.0, 4.0, 4.0]  # reproduce.py's QUICK_PROFILE
 TARGETS = (0.70, 0.75, 0.80, 0.85)
+LR_WARMUP = 0.3  # epochs: RunConfig.lr_warmup's default, the warm-up every minips row has
+
+
+def budget_steps(epochs: float, train_size: int, ranks: int, batch_size: int) -> int:
+    """Steps of ``ranks`` x ``batch_size`` samples that spend a budget of ``epochs`` x
+    ``train_size`` samples, all ranks together: the first round that reaches it, as a minips
+    BSP run ends (its global server stops once its samples reach the budget)."""
+    return math.ceil(epochs * train_size / (ranks * batch_size))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--powersgd-start", type=int, default=10,
                     help="steps of plain all-reduce before PowerSGD starts (10)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--epochs", type=float, default=4.0, help="epochs of each rank's shard (4)")
+    ap.add_argument("--epochs", type=float, default=4.0,
+                    help="the samples budget: epochs of the training set, all ranks together (4)")
     ap.add_argument("--steps", type=int, default=0, help="steps instead of --epochs (0: epochs)")
     ap.add_argument("--save-final", default="", help="write the final weights here (.npy)")
     ap.add_argument("--profile", default=",".join(map(str, QUICK_PROFILE)),
@@ -81,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--lr-schedule", default="cosine")
+    ap.add_argument("--lr-warmup", type=float, default=LR_WARMUP,
+                    help=f"epochs of the training set over which lr ramps up ({LR_WARMUP:g}, "
+                    "minips' default; 0 = none)")
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--weight-decay", type=float, default=5e-4)
     ap.add_argument("--link", default="", help="every rank's link, e.g. 20mbit (kernel-shaped)")
@@ -132,10 +151,12 @@ def rank_main(args: argparse.Namespace) -> None:
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     shard = data.shard_indices(len(ds), rank, world, args.seed)
     stream = data.batch_stream(ds, shard, args.batch_size, args.seed)
-    per_epoch = min(data.num_batches(len(data.shard_indices(len(ds), k, world, args.seed)),
-                                     args.batch_size) for k in range(world))
-    total = args.steps or int(args.epochs * per_epoch)
+    total = args.steps or budget_steps(args.epochs, len(ds), world, args.batch_size)
     per_step = world * args.batch_size
+    # the schedule's samples, as minips': the budget (epochs x the training set; with --steps,
+    # those steps, as reference.train) and the warm-up (lr_warmup epochs of the training set)
+    budget = total * per_step if args.steps else args.epochs * len(ds)
+    ramp = args.lr_warmup * len(ds)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                           weight_decay=args.weight_decay)
     emulated = schedules[rank].first * args.base_step  # at the start (reported)
@@ -150,7 +171,7 @@ def rank_main(args: argparse.Namespace) -> None:
     for step in range(1, total + 1):
         _, xb, yb = next(stream)
         factor = optim.lr_factor(args.lr_schedule, seen=(step - 1) * per_step, step=per_step,
-                                 ramp=0.0, budget=total * per_step)
+                                 ramp=ramp, budget=budget)
         for group in opt.param_groups:
             group["lr"] = args.lr * factor
         t_step = time.perf_counter()
@@ -357,6 +378,7 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]], snaps: Any,
             "link": args.link, "steps": ranks[0]["steps"], "total_steps": ranks[0]["total_steps"],
             "train_s": round(ranks[0]["train_s"], 2), "time_to_accuracy_s": reach,
             "final_accuracy": curve[-1]["accuracy"], "final_full_test": round(full_acc, 4),
+            "final_full_test_samples": len(test), "lr_warmup": args.lr_warmup,
             "overrun_per_rank": overrun,
             "overrun_max": max((o for o in overrun if o is not None), default=None),
             **link, "curve": curve, "load_avg_1min": os.getloadavg()[0]}

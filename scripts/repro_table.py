@@ -5,10 +5,23 @@ reproduce.py. Reads only what a finished run left on disk (summary via
 ``minips.record.metrics``, launch.json, reproduce.json, eval.jsonl); never starts a run and
 never imports torch.
 
-Invariants: a run directory is ``<runs>/<suite>-<experiment>-s<seed>`` (``run_name``) and counts
-only when its summary.json says ``"status": "done"`` (``run_done``); unfinished runs are left
-out of the table and listed under ``missing``; a time to accuracy that a seed never reached
-counts as infinitely slow in the median; speedups compare the highest target both rows reached.
+Invariants: a run directory is ``<runs>/<suite>-<experiment>-s<seed>`` (``run_name``; the
+repeats of a seed beyond its first, ``--repeat K``, add ``-r<k>``) and counts only when its
+summary.json says ``"status": "done"`` (``run_done``); unfinished runs are left out of the
+table and listed under ``missing``; a seed's figure is the median of its finished repeats
+(``seed_figures``: identical runs of one seed differ, so one run is not the seed's figure),
+with how many there were (``runs``) and their spread (``runs_spread``); a time to accuracy
+that a run or a seed never reached counts as infinitely slow in the median; speedups compare
+the highest target both rows reached.
+
+The final accuracy of every row, minips, DDP and LB-BSP alike, is taken at the same point:
+the weights once the samples budget (``epochs`` of the training set, all workers together)
+is spent and every update of it applied (minips: the global weights the server saves at the
+end, after every group's last exchange; DDP: rank 0's after its last step, bench_ddp.py
+training the same budget), scored on the whole test set (``final_samples`` says on how many
+samples; ``final_note`` says it under each table). The curve figures (times to the targets,
+tail, best) are the periodic evaluations on the first ``eval_limit`` test samples, every row
+alike.
 Bytes: ``bytes_up`` / ``bytes_down`` are the worker <-> group hop; the ``HOPS`` figures
 add the group <-> global hop and ``bytes_total`` (tables made before them show –).
 
@@ -44,7 +57,7 @@ __all__ = ["Experiment", "Suite", "TAIL_POINTS", "run_name", "run_done", "run_fi
            "aggregate", "add_speedups",
            "profile_ceiling", "suite_slowdowns", "add_ceiling_shares", "build_table",
            "OVERRUN_LIMIT", "overrun_cell", "overrun_flags", "against", "carry_rows",
-           "table_markdown", "plot_suite"]
+           "table_markdown", "plot_suite", "seed_figures", "runs_spread_cell", "final_note"]
 
 TAIL_POINTS = 5  # evaluations averaged into tail_accuracy (10 s at the quick eval period)
 # the table's columns beyond MB up / down (worker <-> group): tables made before them show –
@@ -82,14 +95,16 @@ class Suite:
     final_test: bool = True
     # the rows whose time to the highest target is set against every other row, seed by seed
     leads: tuple[str, ...] = ("gssp",)
+    repeats: int = 1  # runs of each seed (--repeat); a seed's figure is their median
 
 
 # -- run directories ---------------------------------------------------------------------------
 
 
-def run_name(suite: Suite, exp: Experiment, seed: int) -> str:
-    """Directory name of one run: ``<suite>-<experiment>-s<seed>``."""
-    return f"{suite.name}-{exp.label}-s{seed}"
+def run_name(suite: Suite, exp: Experiment, seed: int, repeat: int = 0) -> str:
+    """Directory name of one run: ``<suite>-<experiment>-s<seed>``, and ``-r<repeat>`` after
+    it for a seed's repeats beyond the first (the first keeps the name runs had before)."""
+    return f"{suite.name}-{exp.label}-s{seed}" + (f"-r{repeat}" if repeat else "")
 
 
 def run_done(run_dir: Path) -> bool:
@@ -135,7 +150,10 @@ def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
     final = extra.get("final_full_test") or {}
     return {
         "time_to_accuracy": s["time_to_accuracy"],
+        # the final weights on the whole test set; without them (an older run, a tuning suite
+        # scored on its validation split) the evaluator's last point, on eval_limit samples
         "final_accuracy": final.get("accuracy", s["final_accuracy"]),
+        "final_samples": final.get("samples") or launch["run"].get("eval_limit") or None,
         "best_accuracy": s["best_accuracy"], "curve_final_accuracy": s["final_accuracy"],
         "tail_accuracy": _tail_mean(run.eval, TAIL_POINTS),
         "samples": s["samples"], "bytes_up": s["bytes_up"], "bytes_down": s["bytes_down"],
@@ -150,10 +168,10 @@ def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
     }
 
 
-FIGURES = ("time_to_accuracy", "final_accuracy", "best_accuracy", "curve_final_accuracy",
-           "tail_accuracy", "samples", "bytes_up", "bytes_down", *HOPS, "mean_staleness",
-           "max_staleness", "mean_wait_s", "mean_kept_fraction", "train_s", "samples_per_s",
-           "groups", "done_reason", "status", "step_overrun")  # run_figures' keys
+FIGURES = ("time_to_accuracy", "final_accuracy", "final_samples", "best_accuracy",
+           "curve_final_accuracy", "tail_accuracy", "samples", "bytes_up", "bytes_down", *HOPS,
+           "mean_staleness", "max_staleness", "mean_wait_s", "mean_kept_fraction", "train_s",
+           "samples_per_s", "groups", "done_reason", "status", "step_overrun")  # run_figures' keys
 
 
 def _ddp_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
@@ -166,6 +184,7 @@ def _ddp_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
     last = curve[-1]["samples"] if curve else None
     out: dict[str, Any] = dict.fromkeys(FIGURES)
     out.update(time_to_accuracy=reach, final_accuracy=d.get("final_full_test"),
+               final_samples=d.get("final_full_test_samples"),
                best_accuracy=max(accs, default=None), curve_final_accuracy=d.get("final_accuracy"),
                tail_accuracy=float(np.mean(accs[-TAIL_POINTS:])) if accs else None,
                samples=last, train_s=d.get("train_s"), mean_staleness=0, max_staleness=0,
@@ -271,19 +290,42 @@ def add_ceiling_shares(rows: dict[str, dict[str, Any]], ceiling: float) -> None:
         row["ceiling_share"] = up / ceiling if up is not None and ceiling > 0 else None
 
 
+RUN_KEYS = ("runs", "runs_spread")  # a seed's figures about its repeats, not a run's
+
+
+def seed_figures(figures: list[dict[str, Any]]) -> dict[str, Any]:
+    """One seed's figures from its finished runs (``--repeat``): the median of each figure
+    (a time never reached counts as infinitely slow), ``runs`` (how many) and ``runs_spread``
+    ([min, max] of each figure over them; empty for one run)."""
+    row = aggregate(figures)
+    spread = row.pop("spread")
+    del row["seeds"]
+    return {**row, "runs": len(figures), "runs_spread": spread}
+
+
+def _seed_runs(suite: Suite, exp: Experiment, seed: int, runs_dir: Path) -> list[Path]:
+    return [runs_dir / run_name(suite, exp, seed, k)
+            for k in range(max(1, getattr(suite, "repeats", 1)))]
+
+
 def build_table(suite: Suite, runs_dir: Path) -> dict[str, Any]:
-    """The suite's rows from its run directories (missing runs are left out)."""
+    """The suite's rows from its run directories (missing runs are left out); each seed's
+    figures are the median of its repeats (``seed_figures``), a row's the median of its
+    seeds'."""
     rows: dict[str, dict[str, Any]] = {}
     missing = []  # runs that are absent or did not finish (a crash, a timeout): left out
     for exp in suite.experiments:
-        dirs = [runs_dir / run_name(suite, exp, s) for s in suite.seeds]
-        missing += [d.name for d in dirs if not run_done(d)]
-        done = {seed: run_figures(d, suite.targets) for seed, d in zip(suite.seeds, dirs,
-                                                                      strict=True)
-                if run_done(d)}
+        done = {}
+        for seed in suite.seeds:
+            dirs = _seed_runs(suite, exp, seed, runs_dir)
+            missing += [d.name for d in dirs if not run_done(d)]
+            figs = [run_figures(d, suite.targets) for d in dirs if run_done(d)]
+            if figs:
+                done[seed] = seed_figures(figs)
         if done:
+            plain = [{k: v for k, v in f.items() if k not in RUN_KEYS} for f in done.values()]
             rows[exp.label] = {"part": exp.part, "overrides": exp.overrides,
-                               **aggregate(list(done.values())),
+                               **aggregate(plain),
                                "per_seed": {str(seed): f for seed, f in done.items()}}
     add_speedups(rows, suite.targets)
     horizon = rows.get("bsp", {}).get("train_s") or 0.0  # a changing profile: over BSP's time
@@ -296,7 +338,8 @@ def build_table(suite: Suite, runs_dir: Path) -> dict[str, Any]:
                        "throttle": getattr(suite, "throttle", "") or None,
                        "targets": list(suite.targets), "link": suite.link or None,
                        "description": suite.description or None,
-                       "leads": list(getattr(suite, "leads", ("gssp",)))},
+                       "leads": list(getattr(suite, "leads", ("gssp",))),
+                       "repeats": max(1, getattr(suite, "repeats", 1))},
             "rows": rows, "missing": missing}
 
 
@@ -335,18 +378,61 @@ def overrun_flags(table: dict[str, Any]) -> list[str]:
     return out
 
 
+def runs_spread_cell(f: dict[str, Any], target: str) -> str:
+    """A seed's spread over its repeats: final accuracy (points) and time to ``target``
+    (seconds; "never" for a run that did not reach it), each min–max; – for a single run."""
+    spread = f.get("runs_spread") or {}
+    acc, t = spread.get("final_accuracy"), spread.get(f"time_to_{target}")
+    if not acc and not t:
+        return "–"
+    cells = []
+    if acc:
+        cells.append(f"{100 * acc[0]:.2f}–{100 * acc[1]:.2f} %")
+    if t:  # a run that never reached the target: "never" (the slowest)
+        cells.append("–".join("never" if x is None else f"{_fmt(x)} s" for x in t))
+    return " / ".join(cells)
+
+
 def _per_seed_markdown(suite: dict[str, Any], targets: list[str]) -> list[str]:
-    """Every seed of every row: times to the targets, final accuracy, bytes, overrun."""
+    """Every seed of every row: times to the targets, final accuracy, bytes, overrun, and the
+    runs its figures are the median of with their spread (final accuracy, time to the highest
+    target)."""
+    top = max(targets)
     head = (["experiment", "seed"] + [f"t→{float(t):.0%} (s)" for t in targets]
-            + ["final acc %", "MB total", "overrun"])
-    out = ["Every seed:\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["final acc %", "MB total", "overrun", "runs",
+               f"spread (final acc / t→{float(top):.0%})"])
+    out = ["Every seed (each figure the median of the seed's runs):\n",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, r in suite["rows"].items():
         for seed, f in (r.get("per_seed") or {}).items():
             out.append("| " + " | ".join(
                 [label, seed] + [_fmt(f["time_to_accuracy"].get(t)) for t in targets]
                 + [_fmt(f["final_accuracy"], "pct"), _fmt(f.get("bytes_total"), "mb"),
-                   overrun_cell(f.get("step_overrun"))]) + " |")
+                   overrun_cell(f.get("step_overrun")), str(f.get("runs", 1)),
+                   runs_spread_cell(f, top)]) + " |")
     return out
+
+
+def final_note(suite: dict[str, Any]) -> str:
+    """What ``final acc %`` is, for every row alike: which weights, which test samples
+    (``final_samples``); rows scored on fewer samples than the others are named."""
+    cfg = suite["config"]
+    counts = {label: r.get("final_samples") for label, r in suite["rows"].items()}
+    most = max((n for n in counts.values() if isinstance(n, (int, float))), default=None)
+    fewer = sorted(label for label, n in counts.items()
+                   if isinstance(n, (int, float)) and most and n < most)
+    split = "validation" if cfg.get("val_size") else "test"  # a tuning suite never sees test
+    where = f"all {int(most):,} {split} samples" if most else f"the whole {split} set"
+    note = (f"`final acc %`: every row's weights once its samples budget ({cfg['epochs']} "
+            "epochs of the training set, all workers together) is spent and all of it applied "
+            "(minips and LB-BSP: the global weights saved at the end, every group's last "
+            f"exchange merged; DDP: rank 0's after its last step), scored on {where}. The times, "
+            f"`tail` and `best`: the periodic evaluations on the first {cfg.get('eval_limit')} "
+            f"{split} samples, every row alike.")
+    if fewer:
+        note += (f" Scored on fewer samples (no final weights kept: the evaluator's last "
+                 f"point): {', '.join(fewer)}.")
+    return note
 
 
 def against(suite: dict[str, Any], ref: str, target: str) -> dict[str, dict[str, float | None]]:
@@ -402,9 +488,11 @@ def table_markdown(where: str, table: dict[str, Any]) -> str:
     for sname, suite in table["suites"].items():
         cfg = suite["config"]
         targets = [f"{t:.2f}" for t in cfg["targets"]]
+        runs = cfg.get("repeats") or 1
         out.append(f"## {sname}: {cfg['model']} on {cfg['dataset']}, slowdowns "
                    f"{cfg['slowdowns']}, {cfg['epochs']} epochs, lr {cfg['lr']} "
-                   f"({cfg.get('lr_schedule', 'constant')}), seeds {cfg['seeds']}"
+                   f"({cfg.get('lr_schedule', 'constant')}), seeds {cfg['seeds']}, "
+                   f"{runs} run{'s' if runs > 1 else ''} a seed (its figures the median)"
                    f"{', links ' + cfg['link'] if cfg.get('link') else ''}\n")
         if cfg.get("description"):
             out.append(f"{cfg['description']}\n")
@@ -430,6 +518,7 @@ def table_markdown(where: str, table: dict[str, Any]) -> str:
                         _fmt(r["speedup_vs_bsp"], "x"), _fmt(r["speedup_vs_ssp"], "x"),
                         _fmt(r.get("ceiling_share"), "pct"), overrun_cell(r["step_overrun"])])
             out.append("| " + " | ".join(cells) + " |")
+        out.append("\n" + final_note(suite))
         carried = sorted({r["carried_from"] for r in suite["rows"].values()
                           if r.get("carried_from")})
         if carried:
@@ -461,8 +550,9 @@ def _curve(run_dir: Path, x: str) -> tuple[list[float], list[float]]:
 
 def _median_curve(suite: Suite, runs_dir: Path, exp: Experiment,
                   x: str) -> tuple[list[float], list[float]] | None:
-    """The curve of ``exp``'s median run: of its seeds' runs, the one whose last evaluation is
-    the median (the lower one of the middle two for an even count); None without runs."""
+    """The curve of ``exp``'s median run: of its seeds' runs (each seed's first, with
+    ``--repeat``), the one whose last evaluation is the median (the lower one of the middle
+    two for an even count); None without runs."""
     curves = []
     for seed in suite.seeds:
         run_dir = runs_dir / run_name(suite, exp, seed)

@@ -6,6 +6,8 @@
     python scripts/reproduce.py --link-suite   # fmnist8 over 20 mbit links: dense, 1%, local steps
     python scripts/reproduce.py --link-suite-5mbit   # the same over 5 mbit links
     python scripts/reproduce.py --link-suite-mixed   # links that follow speeds: 100 to 5 mbit
+    python scripts/reproduce.py --link-suite-links   # equal compute, links 6x100 and 2x5 mbit
+    python scripts/reproduce.py --link-suite --repeat 3   # each seed 3 times, the median
     python scripts/reproduce.py --ablation-suite     # where compression's accuracy goes
     python scripts/reproduce.py --losscomp-sweep     # LossComp's votes tuned on a validation split
     python scripts/reproduce.py --changing-suite   # speeds that change: DDP, BSP, LB-BSP, GSSP
@@ -26,9 +28,12 @@ runs and which of DGC's pieces are on (``optimizer_at``, ``momentum_masking``, `
 
     runs/<suite>-<experiment>-s<seed>/   the run directory (config.json, launch.json = the full
                                          config with the seed, metrics, summary.json) plus
-                                         reproduce.json (suite, experiment, CPU load, re-evaluation)
+                                         reproduce.json (suite, experiment, CPU load,
+                                         re-evaluation); a seed's repeats beyond its first
+                                         (--repeat K) end -r<k>
     table.json, table.md                 per experiment: medians over seeds (spread = [min, max])
-                                         and every seed (per_seed); rows of the earlier table
+                                         and every seed (per_seed: the median of its K runs, with
+                                         runs and runs_spread); rows of the earlier table
                                          with no run here are kept, marked † (--fresh-table
                                          drops them); runs that overran their emulated step by
                                          more than 1.05 are flagged (⚠ CPU)
@@ -37,7 +42,9 @@ runs and which of DGC's pieces are on (``optimizer_at``, ``momentum_masking``, `
 
 Invariants: an experiment differs from its suite only in the fields listed in its overrides;
 time to accuracy counts from the training start (the ``groups`` event), as ``metrics`` does;
-``final_accuracy`` is the final global weights evaluated on the whole test set.
+``final_accuracy`` is, for every row (minips, LB-BSP, DDP), the weights once the same samples
+budget is spent and applied, evaluated on the whole test set (repro_table.py's docstring);
+one run is not a seed's figure: ``--repeat K`` makes it the median of K.
 
 This module holds the suites, the runs and the command line; the table, Markdown and charts
 are in ``repro_table.py`` next to it (its public names are re-exported here).
@@ -450,6 +457,35 @@ def _mixed_suite() -> Suite:
     return suite
 
 
+# The link-only profile: every worker computes at the same speed, two of them sit behind slow
+# links (boards on a crowded Wi-Fi beside wired PCs), so only a link makes a worker slow
+LINKS_PROFILE = "100,100,100,100,100,100,5,5mbit"
+# its base step: the cluster asks the CPUs for as many steps a second as the link suite's
+# 40 ms x 1,1,1.5,1.5,2,2,4,4 (8 equal workers would otherwise ask 1.66x as much of 2 cores)
+LINKS_BASE_STEP = round(0.04 * len(QUICK_PROFILE) / sum(1 / f for f in QUICK_PROFILE), 3)
+LINKS_WHY = (
+    "the link suite's fmnist8 with equal compute (slowdown 1 for all 8 workers, a "
+    f"{LINKS_BASE_STEP * 1000:g} ms base step: as many steps a second of the CPUs as the "
+    "link suite's profile asks) and links that alone make two workers slow "
+    f"({LINKS_PROFILE} each way: a dense LeNet-5 push or pull 20 ms at 100 mbit, about 0.4 s "
+    "at 5 mbit). BSP, LB-BSP and DDP wait for the two slow links every round; LB-BSP's "
+    "smaller batches do not shorten a push; GSSP's groups, formed on the iteration a group "
+    "waits on, keep them apart. Rows: dense BSP, LB-BSP, dense GSSP, GSSP + GDTopK "
+    "slower-less, DDP with its fp16 hook, dense GSSP without links; wall cap 900 s")
+
+
+def _links_suite() -> Suite:
+    """`--link-suite-links`: ``LINKS_PROFILE`` with equal compute (``LINKS_WHY``)."""
+    suite = _link_suite(LINK5_PROFILE)
+    keep = ("bsp", "lbbsp", "gssp", "gssp+gdtopk-slower-less", "ddp-fp16", "gssp-unlinked")
+    suite.name, suite.link, suite.description = "linkonly", LINKS_PROFILE, LINKS_WHY
+    suite.slowdowns = [1.0] * len(QUICK_PROFILE)
+    suite.run.update(base_step_s=LINKS_BASE_STEP, wall_s=900.0)
+    suite.experiments = [e for e in suite.experiments if e.label in keep]
+    suite.leads = ("gssp", "gssp+gdtopk-slower-less")
+    return suite
+
+
 # fmnist8's profile, three of whose workers change speed: worker 0 throttles (a hot board) from
 # 60 s on, worker 3 doubles its factor from 30 s to 90 s, worker 7 recovers at 60 s; every worker
 # is also throttled in one 10 s interval out of ten, by 2-5x
@@ -477,6 +513,7 @@ def _changing_suite() -> Suite:
 def suites_for(size: str) -> list[Suite]:
     """The suites of ``--quick``, ``--full``, ``--smoke``, ``--link-suite`` ("link") or
     ``--link-suite-5mbit`` ("link5"), ``--link-suite-mixed`` ("linkmixed"),
+    ``--link-suite-links`` ("linkonly"),
     ``--ablation-suite`` ("ablation"), ``--losscomp-sweep`` ("losscomp-sweep"),
     ``--changing-suite`` ("changing")."""
     if size == "changing":
@@ -493,6 +530,8 @@ def suites_for(size: str) -> list[Suite]:
         return [_link_suite(LINK5_PROFILE)]
     if size == "linkmixed":
         return [_mixed_suite()]
+    if size == "linkonly":
+        return [_links_suite()]
     if size == "ablation":
         return [_ablation_suite()]
     if size == "losscomp-sweep":
@@ -503,12 +542,13 @@ def suites_for(size: str) -> list[Suite]:
 # -- running -----------------------------------------------------------------------------------
 
 
-def _launch_config(suite: Suite, exp: Experiment, seed: int, runs_dir: Path) -> LaunchConfig:
+def _launch_config(suite: Suite, exp: Experiment, seed: int, runs_dir: Path,
+                   repeat: int = 0) -> LaunchConfig:
     fields = {**suite.run, **exp.overrides, "seed": seed, "workers": len(suite.slowdowns)}
     return LaunchConfig(run=RunConfig(**fields).validate(), slowdowns=list(suite.slowdowns),
                         schedules=parse_schedules(suite.profile) if suite.profile else [],
                         throttle=suite.throttle,
-                        out_dir=str(runs_dir), name=run_name(suite, exp, seed),
+                        out_dir=str(runs_dir), name=run_name(suite, exp, seed, repeat),
                         progress=False, plot=False,
                         link=suite.link if exp.link is None else exp.link,
                         link_shaping=suite.link_shaping)
@@ -517,20 +557,22 @@ def _launch_config(suite: Suite, exp: Experiment, seed: int, runs_dir: Path) -> 
 STOPPED = ("terminated", "interrupted")  # a run's status when its launcher was told to stop
 
 
-def run_one(suite: Suite, exp: Experiment, seed: int, runs_dir: Path, resume: bool) -> Path:
-    """One cluster run to the end of its budget; returns its run directory."""
-    run_dir = runs_dir / run_name(suite, exp, seed)
+def run_one(suite: Suite, exp: Experiment, seed: int, runs_dir: Path, resume: bool,
+            repeat: int = 0) -> Path:
+    """One cluster run (``repeat``: which of the seed's runs) to the end of its budget;
+    returns its run directory."""
+    run_dir = runs_dir / run_name(suite, exp, seed, repeat)
     if resume and run_done(run_dir):
         return run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
     if exp.ddp_hook:
         return run_ddp(suite, exp, seed, run_dir)
-    cfg = _launch_config(suite, exp, seed, runs_dir)
+    cfg = _launch_config(suite, exp, seed, runs_dir, repeat)
     load_before, started = os.getloadavg(), time.time()
     from minips.run.launch import run_local  # imports torch lazily, only when a run starts
 
     summary = run_local(cfg)
-    extra = {"suite": suite.name, "experiment": asdict(exp), "seed": seed,
+    extra = {"suite": suite.name, "experiment": asdict(exp), "seed": seed, "repeat": repeat,
              "targets": suite.targets, "argv": sys.argv, "elapsed_s": time.time() - started,
              "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
              "status": summary.get("status"),
@@ -545,8 +587,10 @@ def run_one(suite: Suite, exp: Experiment, seed: int, runs_dir: Path, resume: bo
 
 def ddp_argv(suite: Suite, exp: Experiment, seed: int) -> list[str]:
     """scripts/bench_ddp.py's command line for a DDP row: the suite's profile (schedules and
-    throttling), model, data, optimizer, epochs, evaluation and links."""
+    throttling), model, data, optimizer, lr schedule and its warm-up (RunConfig's
+    ``lr_warmup``, as every minips row has it), samples budget, evaluation and links."""
     r = {**suite.run, **exp.overrides}
+    warmup = r.get("lr_warmup", RunConfig().lr_warmup)
     profile = suite.profile or ",".join(f"{f:g}" for f in suite.slowdowns)
     link = suite.link if exp.link is None else exp.link
     return [sys.executable, str(ROOT / "scripts" / "bench_ddp.py"), "--hook", exp.ddp_hook,
@@ -554,7 +598,8 @@ def ddp_argv(suite: Suite, exp: Experiment, seed: int) -> list[str]:
             "--throttle", suite.throttle, "--base-step", str(r["base_step_s"]),
             "--model", r["model"], "--dataset", r["dataset"],
             "--batch-size", str(r["batch_size"]), "--lr", str(r["lr"]),
-            "--lr-schedule", r.get("lr_schedule", "constant"), "--momentum", str(r["momentum"]),
+            "--lr-schedule", r.get("lr_schedule", "constant"), "--lr-warmup", str(warmup),
+            "--momentum", str(r["momentum"]),
             "--weight-decay", str(r["weight_decay"]), "--eval-every-s", str(r["eval_every_s"]),
             "--eval-limit", str(r["eval_limit"]), "--wall-s", str(r["wall_s"]),
             *(["--link", link] if link else [])]
@@ -599,13 +644,17 @@ def _evaluate_final(run_dir: Path, run: RunConfig) -> dict[str, float] | None:
 
 def run_suite(suite: Suite, runs_dir: Path, *, resume: bool = False,
               only: set[str] | None = None) -> list[Path]:
-    """Every experiment x seed of ``suite``, one after another."""
+    """Every experiment x seed x repeat of ``suite``, one after another; a seed's repeats
+    are interleaved with the other rows' (round k of every row, then round k + 1), so that a
+    drift of the machine's speed over the suite falls on every row alike."""
     paths = []
     for seed in suite.seeds:
-        for exp in suite.experiments:
-            if only is None or exp.label in only:
-                print(f"reproduce: {run_name(suite, exp, seed)}", file=sys.stderr, flush=True)
-                paths.append(run_one(suite, exp, seed, runs_dir, resume))
+        for repeat in range(max(1, suite.repeats)):
+            for exp in suite.experiments:
+                if only is None or exp.label in only:
+                    print(f"reproduce: {run_name(suite, exp, seed, repeat)}", file=sys.stderr,
+                          flush=True)
+                    paths.append(run_one(suite, exp, seed, runs_dir, resume, repeat))
     return paths
 
 
@@ -614,6 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = ("full" if args.full else "smoke" if args.smoke else
             "link" if args.link_suite else "link5" if args.link_suite_5mbit
             else "linkmixed" if args.link_suite_mixed
+            else "linkonly" if args.link_suite_links
             else "ablation" if args.ablation_suite
             else "losscomp-sweep" if args.losscomp_sweep
             else "changing" if args.changing_suite else "quick")
@@ -679,6 +729,7 @@ def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
             suite.run[key] = getattr(args, flag)
     if args.seeds:
         suite.seeds = [int(s) for s in args.seeds.split(",")]
+    suite.repeats = args.repeat
     if args.link is not None:
         suite.link = args.link
     if args.link_shaping is not None:
@@ -752,6 +803,17 @@ def stretch_time(suite: Suite, k: float) -> None:
 _link = argtype(checked_text(parse_profile))  # a --link profile, checked, kept as text
 
 
+def _runs(text: str) -> int:
+    """--repeat K: a whole number of runs, at least 1."""
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of runs, 1 or more")
+    return k
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     size = p.add_mutually_exclusive_group()
@@ -766,6 +828,9 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--link-suite-mixed", action="store_true",
                       help=f"the link suite's main rows behind {MIXED_PROFILE} links "
                       "(each worker's link follows its speed)")
+    size.add_argument("--link-suite-links", action="store_true",
+                      help=f"equal compute behind {LINKS_PROFILE} links (only a link makes "
+                      "a worker slow): BSP, LB-BSP, GSSP, GSSP + GDTopK, DDP + fp16")
     size.add_argument("--ablation-suite", action="store_true",
                       help="the quick set-up: each hop's compression and each of DGC's pieces, "
                       "with the optimizer on the servers and on the workers")
@@ -808,6 +873,9 @@ def _parser() -> argparse.ArgumentParser:
                    "row says")
     p.add_argument("--base-step", type=float, help="override the emulated base step, s")
     p.add_argument("--seeds", help="override the seeds, e.g. 0,1,2")
+    p.add_argument("--repeat", type=_runs, default=1, metavar="K",
+                   help="run each seed K times; the table's figure of a seed is the median of "
+                   "its K runs, with K and their spread beside it (default 1)")
     p.add_argument("--link", type=_link, help="workers' links for every run, e.g. 10mbit "
                    "(a `minips local --link` profile; docs/links.md)")
     p.add_argument("--link-shaping", choices=SHAPINGS, help="auto (default), kernel or pacer")

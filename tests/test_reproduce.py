@@ -361,7 +361,7 @@ def test_the_table_shows_every_seed_flags_an_overrun_and_compares_gssp_seed_by_s
     assert repro_table.overrun_cell(1.08).endswith("⚠ CPU")
     assert "⚠" not in repro_table.overrun_cell(1.05)
     lines = repro_table._per_seed_markdown(suite, ["0.85"])
-    assert "| ddp | 1 | – | 86.00 | 5.0 | 1.08 ⚠ CPU |" in lines
+    assert "| ddp | 1 | – | 86.00 | 5.0 | 1.08 ⚠ CPU | 1 | – |" in lines
     lines = repro_table._against_markdown(suite, "gssp", "0.85")
     assert "| ddp | 3.00× | – |" in lines
 
@@ -523,3 +523,135 @@ def test_down_values_f32_gives_every_sparse_row_the_float32_downlink_of_the_earl
         else:
             assert exp == before[exp.label], exp.label
     assert "gssp+gdtopk-slower-less" in before and "lbbsp+topk" in before
+
+
+def test_the_link_only_profile_has_equal_compute_and_only_two_slow_links(tmp_path):
+    """--link-suite-links: every worker computes alike, six sit behind 100 mbit and two behind
+    5 mbit; its rows are BSP, LB-BSP, dense GSSP, GSSP + GDTopK, DDP + fp16 and GSSP without
+    links, every minips row's launch config validates, and DDP's ranks get the same links."""
+    from minips.net.links import parse_profile
+
+    (suite,) = reproduce.suites_for("linkonly")
+    assert suite.name == "linkonly" and suite.link == "100,100,100,100,100,100,5,5mbit"
+    assert suite.slowdowns == [1.0] * 8  # equal compute: only a link makes a worker slow
+    rates = [parse_profile(suite.link).rate(i).up_bps for i in range(8)]
+    assert rates[:6] == [rates[0]] * 6 and rates[6:] == [rates[0] / 20] * 2
+    assert [e.label for e in suite.experiments] == [
+        "bsp", "gssp", "gssp+gdtopk-slower-less", "gssp-unlinked", "ddp-fp16", "lbbsp"]
+    assert set(suite.leads) == {"gssp", "gssp+gdtopk-slower-less"}
+    for exp in suite.experiments:
+        if not exp.ddp_hook:
+            cfg = reproduce._launch_config(suite, exp, 0, tmp_path)  # validates
+            assert cfg.slowdowns == [1.0] * 8 and cfg.run.workers == 8
+            assert cfg.link == ("" if exp.label == "gssp-unlinked" else suite.link)
+    argv = reproduce.ddp_argv(suite, next(e for e in suite.experiments if e.ddp_hook), 0)
+    assert argv[argv.index("--link") + 1] == suite.link
+    assert argv[argv.index("--profile") + 1] == ",".join(["1"] * 8)
+    # the cluster asks the CPUs for as many steps a second as the link suite's profile
+    (link,) = reproduce.suites_for("link")
+    asked = sum(1 / f for f in link.slowdowns) / link.run["base_step_s"]
+    assert 8 / suite.run["base_step_s"] == pytest.approx(asked, rel=0.01)
+    assert reproduce._parser().parse_args(["--link-suite-links"]).link_suite_links
+
+
+def _ddp_run(run_dir: Path, final: float, t50: float | None) -> None:
+    """A finished DDP-format run directory (ddp.json + summary.json): the table reads it."""
+    run_dir.mkdir(parents=True)
+    curve = [{"t": 10.0, "samples": 1000, "accuracy": 0.40},  # the smoke suite's 30% and 50%
+             {"t": t50 or 50.0, "samples": 2000, "accuracy": 0.60 if t50 else 0.45}]
+    (run_dir / "ddp.json").write_text(json.dumps({
+        "curve": curve, "final_accuracy": final, "final_full_test": final,
+        "final_full_test_samples": 10000, "train_s": 60.0, "steps": 5, "total_steps": 5}))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "done"}))
+
+
+def test_repeat_makes_each_seeds_figure_the_median_of_its_runs_and_shows_k_and_spread(
+        tmp_path, capsys):
+    """--repeat 3: three runs of each seed (``-s0``, ``-s0-r1``, ``-s0-r2``); the seed's
+    figures are their medians (a time never reached counts as infinitely slow), with the
+    number of runs and their spread in table.json and table.md; the row's figure is the median
+    over seeds of those medians."""
+    (suite,) = reproduce.suites_for("smoke")
+    exp = suite.experiments[0]
+    assert reproduce.run_name(suite, exp, 0) == "smoke-bsp-s0"  # the first run's name is kept
+    assert reproduce.run_name(suite, exp, 0, 2) == "smoke-bsp-s0-r2"
+    runs = tmp_path / "runs"
+    for k, (final, t50) in enumerate([(0.861, 30.0), (0.866, None), (0.858, 34.0)]):
+        _ddp_run(runs / reproduce.run_name(suite, exp, 0, k), final, t50)
+    _ddp_run(runs / reproduce.run_name(suite, suite.experiments[1], 0, 0), 0.85, 20.0)
+    argv = ["--smoke", "--table-only", "--no-plot", "--fresh-table", "--out", str(tmp_path)]
+    assert reproduce.main([*argv, "--repeat", "3"]) == 0
+    table = json.loads((tmp_path / "table.json").read_text())["suites"]["smoke"]
+    bsp = table["rows"]["bsp"]
+    seed = bsp["per_seed"]["0"]
+    assert seed["runs"] == 3 and table["config"]["repeats"] == 3
+    assert seed["final_accuracy"] == pytest.approx(0.861)  # the median, not the first run
+    assert seed["time_to_accuracy"]["0.50"] == 34.0  # 30, 34 and never: never is slowest
+    assert seed["runs_spread"]["final_accuracy"] == pytest.approx([0.858, 0.866])
+    assert bsp["final_accuracy"] == pytest.approx(0.861)
+    # the other row ran once of three: its seed is the one run, the two absent are missing
+    assert table["rows"]["gssp+topk"]["per_seed"]["0"]["runs"] == 1
+    assert set(table["missing"]) == {"smoke-gssp+topk-s0-r1", "smoke-gssp+topk-s0-r2"}
+    md = (tmp_path / "table.md").read_text()
+    assert "3 runs a seed (its figures the median)" in md
+    assert "| bsp | 0 | 10 | 34 | 86.10 | – | – | 3 | 85.80–86.60 % / 30 s–never |" in md
+    assert "| gssp+topk | 0 | 10 | 20 | 85.00 | – | – | 1 | – |" in md
+    assert "all 10,000 test samples" in md  # which samples the final accuracy is taken on
+    # with one run a seed (the default), only -s0 counts and the header says so
+    assert reproduce.main([*argv]) == 0
+    table = json.loads((tmp_path / "table.json").read_text())["suites"]["smoke"]
+    assert table["rows"]["bsp"]["per_seed"]["0"]["final_accuracy"] == pytest.approx(0.861)
+    assert table["rows"]["bsp"]["per_seed"]["0"]["runs"] == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        reproduce.main([*argv, "--repeat", "0"])
+    err = capsys.readouterr().err
+    assert "--repeat" in err and "1 or more" in err
+
+
+def test_a_seed_of_three_runs_takes_the_median_time_and_a_missed_target_as_infinite():
+    import repro_table
+
+    figs = [{"time_to_accuracy": {"0.85": t}, "final_accuracy": a}
+            for t, a in ((60.0, 0.86), (None, 0.85), (64.0, 0.87))]
+    seed = repro_table.seed_figures(figs)
+    assert seed["time_to_accuracy"]["0.85"] == 64.0 and seed["runs"] == 3
+    assert seed["runs_spread"]["time_to_0.85"] == [60.0, None]  # one run never got there
+    assert repro_table.runs_spread_cell(seed, "0.85") == "85.00–87.00 % / 60 s–never"
+    both = repro_table.seed_figures([figs[0], figs[2]])
+    assert repro_table.runs_spread_cell(both, "0.85") == "86.00–87.00 % / 60 s–64 s"
+    one = repro_table.seed_figures(figs[:1])
+    assert one["runs_spread"] == {} and repro_table.runs_spread_cell(one, "0.85") == "–"
+
+
+def test_the_final_accuracy_note_names_a_row_scored_on_fewer_test_samples():
+    """Every row's final accuracy is on the same test samples; a row that was not (no final
+    weights kept: the evaluator's last point on eval_limit samples) is named under the table."""
+    import repro_table
+
+    suite = {"config": {"epochs": 5.0, "eval_limit": 5000},
+             "rows": {"gssp": {"final_samples": 10000}, "ddp-fp16": {"final_samples": 10000},
+                      "old": {"final_samples": 5000}}}
+    note = repro_table.final_note(suite)
+    assert "all 10,000 test samples" in note and "first 5000" in note
+    assert note.endswith("the evaluator's last point): old.")
+    del suite["rows"]["old"]
+    assert "fewer" not in repro_table.final_note(suite)
+
+
+def test_a_ddp_row_trains_the_clusters_samples_budget_with_minips_warm_up(tmp_path):
+    """bench_ddp.py's budget is minips': epochs x the training set, all ranks together, to the
+    first round that reaches it (586 rounds of 8 x 64 for 5 epochs of 60,000, as minips BSP;
+    not 5 x 117 batches of each rank's shard, 585), and its lr warms up as minips' rows do."""
+    spec = importlib.util.spec_from_file_location("bench_ddp", ROOT / "scripts" / "bench_ddp.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.budget_steps(5.0, 60000, 8, 64) == 586
+    assert bench.budget_steps(1.0, 1024, 2, 64) == 8  # a budget of whole rounds: no extra one
+    (suite,) = reproduce.suites_for("link")
+    argv = reproduce.ddp_argv(suite, next(e for e in suite.experiments if e.ddp_hook), 0)
+    from minips.core.config import RunConfig
+
+    assert float(argv[argv.index("--lr-warmup") + 1]) == RunConfig().lr_warmup > 0
+    assert bench._parser().parse_args(["--lr-warmup", "0"]).lr_warmup == 0
