@@ -30,7 +30,7 @@ browser:
 	  echo "note: chromium not installed; the dashboard's browser test will be skipped"
 
 demo: install data
-	$(BIN)/minips local --preset demo
+	$(BIN)/minips local --preset demo --trace
 
 test: install data browser
 	$(BIN)/python -m pytest -q
