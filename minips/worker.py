@@ -321,6 +321,7 @@ ASSIGN_TIMEOUT_S = 300.0  # give up when no group is assigned after this long
 # the link probe's answer, the weights whole, may take this long (a 25 MB model over 2 mbit:
 # 100 s); a worker that waits longer reports its compute time alone
 PROBE_TIMEOUT_S = 120.0
+PROBES = 2  # link probes a worker sends; the fastest counts (roster.Roster.probe_pushed)
 LEAVE_REASON_CHARS = 2000  # a LEAVE's reason is cut to this (the wire allows 4096)
 # A gradient that took less than this share of heartbeat_s runs on the event loop's thread
 # (``Worker._gradient``): 0.25 s at the default 2 s, far inside the lease (2 x heartbeat_s)
@@ -479,13 +480,14 @@ class Worker:
         worker's emulated link from here on, as all of a real link's traffic would."""
         link = EmulatedLink(self.control.ch, self.cfg.bandwidth_bps, self.cfg.latency_s,
                             self.cfg.bandwidth_down_bps)
-        self.control.probe = asyncio.get_running_loop().create_future()
+        payload = probe_payload(grad, self.compressor.wire, self.compressor.ratio)
         try:
-            await link.send(messages.Pull(clock=0))
-            await asyncio.wait_for(self.control.probe, PROBE_TIMEOUT_S)
-            payload = probe_payload(grad, self.compressor.wire, self.compressor.ratio)
-            await link.send(messages.Push(clock=1, step_time=step_time, loss=loss,
-                                          payload=payload))
+            for _ in range(PROBES):
+                self.control.probe = asyncio.get_running_loop().create_future()
+                await link.send(messages.Pull(clock=0))
+                await asyncio.wait_for(self.control.probe, PROBE_TIMEOUT_S)
+                await link.send(messages.Push(clock=1, step_time=step_time, loss=loss,
+                                              payload=payload))
         except (TimeoutError, ConnectionError) as exc:  # grouped by its compute time alone
             self._event("link_probe_failed", reason=str(exc) or type(exc).__name__)
         finally:

@@ -253,8 +253,15 @@ def test_the_link_probe_is_timed_from_the_weights_going_out_to_its_push() -> Non
     (line,) = c.probe_pushed(1, 10.8)
     assert isinstance(line, Log) and line.event == "link_probe"
     assert line.fields == {"worker": 1, "link_s": pytest.approx(0.8)}
-    c.on_stats(1, control.Stats(clock=0, step_time=0.02, loss=1.0), 11.0)
+    c.probe_pulled(1, 11.0)
+    assert c.probe_pushed(1, 12.5)[0].fields["link_s"] == pytest.approx(1.5)  # a CPU hiccup
+    assert c.workers[1].link_s == pytest.approx(0.8)  # the fastest of the session's probes
+    c.on_stats(1, control.Stats(clock=0, step_time=0.02, loss=1.0), 13.0)
     assert c.roster.iteration_times() == {1: pytest.approx(0.82)}  # compute + link
+    c.worker_joined(1)  # a new session (a restarted worker): its probes count anew
+    c.probe_pulled(1, 20.0)
+    c.probe_pushed(1, 21.0)
+    assert c.workers[1].link_s == pytest.approx(1.0)
     c.workers[1].iteration_s = 0.5  # once its group timed it, that is what counts
     assert c.roster.iteration_times() == {1: pytest.approx(0.5)}
 

@@ -250,6 +250,7 @@ class Roster:
         self._regroup_at = -REGROUP_EVERY_S  # `now` of the last Regrouper update
         self._claimed: dict[int, float] = {}  # id -> `now` it was given to a handshake
         self._probes: dict[int, float] = {}  # worker -> `now` its link probe's weights went out
+        self._fastest: dict[int, float] = {}  # worker -> its fastest probe this session (s)
         from minips.compress.registry import ratio_policy  # plug-ins load with a run
 
         self.policy = ratio_policy(run.compressor, run.ratio, direction=run.gdtopk_direction,
@@ -287,8 +288,10 @@ class Roster:
             self.groups[g].peer.forget(w)
 
     def seated(self, w: int) -> None:
-        """Worker ``w``'s session started (its control connection is in its entry)."""
+        """Worker ``w``'s session started (its control connection is in its entry); its link
+        probes count anew."""
         self._claimed.pop(w, None)
+        self._fastest.pop(w, None)
 
     def step_times(self, live_only: bool = False) -> dict[int, float]:
         """``{worker: seconds per step}`` of the workers that reported one."""
@@ -317,19 +320,24 @@ class Roster:
     # out to the PUSH arriving: the link's share of an iteration, measured where a group would
     # see it, for one weights transfer and one push, without training on anything or holding
     # the other workers (a warm-up iteration in a provisional group would). Its compute time is
-    # the calibration's own (STATS), so ``WorkerEntry.iteration`` is the two summed.
+    # the calibration's own (STATS), so ``WorkerEntry.iteration`` is the two summed. A worker
+    # probes more than once and the fastest counts: a process the CPU scheduler left waiting
+    # (8 workers on 2 cores) would otherwise read as a slow link.
     def probe_pulled(self, w: int, now: float) -> None:
         """Worker ``w``'s link probe: the weights go out to it at ``now``."""
         self._probes[w] = now
 
     def probe_pushed(self, w: int, now: float) -> float | None:
         """The link probe's PUSH of ``w`` arrived at ``now``: its link time (weights down, a
-        push up, seconds), now its entry's ``link_s``; None without a probe's PULL before."""
+        push up, seconds); the fastest of its session's probes is its entry's ``link_s``. None
+        without a probe's PULL before."""
         t = self._probes.pop(w, None)
         if t is None or w not in self.workers:
             return None
-        self.workers[w].link_s = max(0.0, now - t)
-        return self.workers[w].link_s
+        took = max(0.0, now - t)
+        self._fastest[w] = min(self._fastest.get(w, took), took)
+        self.workers[w].link_s = self._fastest[w]
+        return took
 
     def all_reported(self) -> bool:
         return len(self.step_times()) >= self.run.workers
