@@ -655,3 +655,33 @@ def test_a_ddp_row_trains_the_clusters_samples_budget_with_minips_warm_up(tmp_pa
 
     assert float(argv[argv.index("--lr-warmup") + 1]) == RunConfig().lr_warmup > 0
     assert bench._parser().parse_args(["--lr-warmup", "0"]).lr_warmup == 0
+
+
+@pytest.mark.timeout(120)
+def test_the_reference_script_trains_a_suites_schedule_and_scores_the_first_samples_too():
+    """scripts/train_reference.py with a suite's workers, cosine schedule and warm-up is the
+    reference loop with them (synchronous SGD as minips BSP and DDP train it); it scores the
+    final weights on the whole test set and, with --eval-limit, on its first N samples."""
+    from minips.ml import reference
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_reference.py"), "--synthetic",
+         "--steps", "4", "--batch-size", "16", "--workers", "2", "--lr", "0.05",
+         "--lr-schedule", "cosine", "--lr-warmup", "0.01", "--eval-limit", "100", "--json"],
+        capture_output=True, text=True, timeout=100, check=True)
+    result = json.loads(out.stdout)
+    assert (result["lr_schedule"], result["lr_warmup"], result["eval_limit"]) == (
+        "cosine", 0.01, 100)
+    train = data.load_dataset("fashion-mnist", "train", synthetic=True)
+    test = data.load_dataset("fashion-mnist", "test", synthetic=True)
+    flat, _ = reference.train("lenet5", train, lr=0.05, seed=0, steps=4, batch_size=16,
+                              workers=2, lr_schedule="cosine", lr_warmup=0.01)
+    assert result["test_samples"] == len(test)
+    assert result["test_accuracy"] == pytest.approx(models.evaluate("lenet5", flat, test)[0],
+                                                    abs=1e-12)
+    head = test.subset(np.arange(100))
+    assert result["test_accuracy_first"] == pytest.approx(
+        models.evaluate("lenet5", flat, head)[0], abs=1e-12)
+    flat0, _ = reference.train("lenet5", train, lr=0.05, seed=0, steps=4, batch_size=16,
+                               workers=2, lr_schedule="cosine")
+    assert not np.allclose(flat0, flat)  # the warm-up did change the updates
