@@ -1,6 +1,11 @@
 """Grouping workers by speed: exact 1-D k-means on log step time, choice of k, regrouping.
 
-Plain numpy, no I/O and no clock: the global server passes in the step times it measured.
+Plain numpy, no I/O and no clock: the global server passes in the times it measured. The time
+of a step here is the *iteration* a group waits on (``roster.WorkerEntry.iteration``: the interval
+between a worker's PUSHes at its group server less the SSP hold, or before any, its calibrated
+compute plus its link probe), not the compute time a worker reports: a worker with a fast CPU
+behind a slow link is a slow worker (DESIGN.md, "Grouping"). The functions below call it the
+step time; they work on any positive seconds.
 
 - ``cluster_1d(values, k)``: the optimal split of the sorted log step times into ``k`` contiguous
   clusters (least within-cluster squared error, found exactly by dynamic programming). Equal

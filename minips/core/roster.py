@@ -151,13 +151,15 @@ class NoGroup:
 
 REGROUP_EVERY_S = 2.0  # the Regrouper sees the step times once per this period
 # A lasting change of a worker's speed by 2x or more moves it within this many seconds: its
-# STATS (the median step time of the last second) reach the Regrouper once per REGROUP_EVERY_S;
+# iteration time (its group's exchanges bring it, every sync_every pushes of the group; the
+# STATS that trigger the looks come every second) reaches the Regrouper once per REGROUP_EVERY_S;
 # the smoothed log time (weight 0.3) needs 3 to 5 looks to cross to the other group's side, then
 # the groups must stay out of shape for ``patience`` = 5 looks: (5 + 5) x 2 s + 2 s of STATS and
 # margin (docs/operations.md, tests/test_changing_speeds.py)
 REGROUP_DELAY_S = 30.0
 # A lasting change by 3x or more skips the patience (the Regrouper's change-point test fires on
-# its 2nd look): a second of STATS, up to REGROUP_EVERY_S to the next look, 2 looks, the regroup
+# its 2nd look): an exchange of its group, up to REGROUP_EVERY_S to the next look, 2 looks, the
+# regroup
 REGROUP_FAST_S = 10.0
 CLAIM_S = 10.0  # s an id given to a handshake is held for it (the handshake's own time limit)
 

@@ -144,6 +144,7 @@ class SimGroup:
     def __init__(self, sim: Host, g: int, members: list[int]) -> None:
         self.sim, self.in_flight = sim, False
         self.pending: list[tuple[int, list[int]]] = []  # PULLs held: (worker, waited for)
+        self.held_at: dict[int, float] = {}  # worker -> when SSP began to hold its PULL
         self.ready: list[tuple[int, list[int]]] = []  # PULLs to answer at this instant
         self.flush_due = False  # an answer of ``ready`` is queued at this instant
         self.bytes = {"bytes_in": 0, "bytes_out": 0}
@@ -350,10 +351,12 @@ class Simulation:
         self.since[w] = pull.since
         grp = self.groups[self.group_of[w]]
         grp.bytes["bytes_in"] += SMALL
+        grp.held_at.pop(w, None)  # one of an earlier session's, never answered
         if grp.core.may_answer(w):
             self._ready(grp, w, [])
         else:
             grp.pending.append((w, [int(v) for v in grp.core.table.waiting_for(w)]))  # type: ignore[call-overload]
+            grp.held_at[w] = self.t
 
     def _ready(self, grp: SimGroup, w: int, waited: list[int]) -> None:
         """Answer ``w`` at the end of this instant, with the others answered at it."""
@@ -368,7 +371,8 @@ class Simulation:
         ready, grp.ready = grp.ready, []
         grp.core.publish()
         for w, waited in ready:
-            msg = grp.core.weights_message(w, waited, self.since[w])
+            held = self.t - grp.held_at.pop(w, self.t)  # the SSP hold: no part of its iteration
+            msg = grp.core.weights_message(w, waited, self.since[w], held_s=held)
             if msg.since < 0:  # the whole weights: a copy, as the socket's bytes would be
                 msg = dataclasses.replace(msg, payload=msg.payload._replace(
                     buffers=tuple(np.array(b) for b in msg.payload.buffers)))
