@@ -16,6 +16,10 @@ measures --window-s seconds:
   server_cpu, clients_cpu                  CPU seconds per second (1.0 = one core busy;
                                            server: with its group processes, if any)
   server_rss_mb                            at the end of the window
+  setup_s, setup_stages_s                  from the server's start to every worker stepping;
+                                           when the slowest worker had its control session,
+                                           ASSIGN, its group session, its start clock (s after
+                                           its client process began)
   cpu_per_message                          per kind (push, pull, exchange, checkpoint): the
                                            messages served in the window and the CPU time
                                            the servers' cores spent on them, us per message
@@ -322,7 +326,9 @@ def summarize(results: list[dict[str, Any]], span: float, server_cpu: float,
             "push_ack_p50_ms": pct(push, 50), "push_ack_p99_ms": pct(push, 99),
             "pull_p50_ms": pct(pull, 50), "pull_p99_ms": pct(pull, 99),
             "server_cpu": round(server_cpu, 2), "clients_cpu": round(clients_cpu, 2),
-            "server_rss_mb": round(rss, 1)}
+            "server_rss_mb": round(rss, 1),
+            "setup_stages_s": {k: max(r["setup"][k] for r in results)
+                               for k in results[0].get("setup", {})} if results else {}}
 
 
 def stop(procs: list[Any]) -> None:

@@ -14,7 +14,9 @@ HEARTBEATs only, as a worker does while it computes.
 Protocol with the driver: one line ``ready`` on stdout once every worker of this process is in
 its loop; then it reads one line ``T_START T_END`` (time.monotonic, the same clock in every
 process on Linux) from stdin and prints one JSON line: the push -> ACK and PULL -> WEIGHTS
-latencies (ms) and the bytes of the operations that ended inside the window, then exits.
+latencies (ms) and the bytes of the operations that ended inside the window, and when the
+slowest of its workers passed each stage of its set-up (``setup``: s since the process began,
+``SETUP_STAGES``), then exits.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from minips.wire import control, messages
 from minips.wire.fields import Payload
 
 CONNECT_TIMEOUT_S = 120.0  # 1,024 handshakes on two busy cores take a while
+# a worker's set-up, in order: its control session authenticated, ASSIGN received, its group
+# session authenticated, the ACK that gives its start clock received
+SETUP_STAGES = ("control", "assign", "group", "start")
+BEGAN = time.monotonic()
 
 
 class Recorder:
@@ -45,13 +51,19 @@ class Recorder:
     def __init__(self) -> None:
         self.push: list[tuple[float, float, int]] = []  # (end, seconds, bytes sent)
         self.pull: list[tuple[float, float, int]] = []  # (end, seconds, bytes received)
+        self.setup = dict.fromkeys(SETUP_STAGES, 0.0)  # stage -> s its slowest worker took
+
+    def passed(self, stage: str) -> None:
+        """A worker passed ``stage`` of its set-up now."""
+        self.setup[stage] = max(self.setup[stage], time.monotonic() - BEGAN)
 
     def window(self, t0: float, t1: float) -> dict[str, Any]:
         push = [(s, b) for end, s, b in self.push if t0 <= end <= t1]
         pull = [(s, b) for end, s, b in self.pull if t0 <= end <= t1]
         return {"push_ms": [round(s * 1e3, 3) for s, _ in push],
                 "pull_ms": [round(s * 1e3, 3) for s, _ in pull],
-                "push_bytes": sum(b for _, b in push), "pull_bytes": sum(b for _, b in pull)}
+                "push_bytes": sum(b for _, b in push), "pull_bytes": sum(b for _, b in pull),
+                "setup": {k: round(v, 2) for k, v in self.setup.items()}}
 
 
 def made_up_gradient(size: int, ratio: float, seed: int) -> tuple[str, dict[str, Any], tuple]:
@@ -66,14 +78,17 @@ def made_up_gradient(size: int, ratio: float, seed: int) -> tuple[str, dict[str,
     return enc, codec, tuple(bufs)
 
 
-async def open_control(host: str, port: int, step_time: float, token: str) -> tuple[Any, Any]:
+async def open_control(host: str, port: int, step_time: float, token: str,
+                       rec: Recorder) -> tuple[Any, Any]:
     """The control session up to ASSIGN; returns (channel, ASSIGN)."""
     ch = await transport.connect(host, port, role="worker", token=token,
                                  timeout=CONNECT_TIMEOUT_S, retries=20)
+    rec.passed("control")
     ch.start_heartbeat(2.0)
     await ch.send(control.Stats(clock=0, step_time=step_time, loss=2.3, samples=32))
     while not isinstance(msg := await ch.recv(), control.Assign):
         pass
+    rec.passed("assign")
     return ch, msg
 
 
@@ -96,10 +111,12 @@ async def group_channel(args: argparse.Namespace, host: str, w: int, assign: Any
 async def worker(args: argparse.Namespace, w: int, active: bool, rec: Recorder,
                  ready: asyncio.Queue[int], stop: asyncio.Event) -> None:
     host, port = parse_address(args.connect)
-    ctl, assign = await open_control(host, port, 0.05 * (1 + w % 4), args.token)
+    ctl, assign = await open_control(host, port, 0.05 * (1 + w % 4), args.token, rec)
     grp = await group_channel(args, host, int(ctl.worker_id), assign)
+    rec.passed("group")
     grp.start_heartbeat(2.0)
     clock = (await grp.recv()).clock  # the ACK that says where this worker starts
+    rec.passed("start")
     if not active:
         await ready.put(w)
         await stop.wait()

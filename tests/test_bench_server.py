@@ -40,6 +40,10 @@ def test_two_points_in_one_run_each_with_its_figures(extra: list[str]) -> None:
         for key in ("pushes_s", "push_bytes_s", "pull_bytes_s", "push_ack_p50_ms",
                     "push_ack_p99_ms", "pull_p50_ms", "pull_p99_ms", "server_rss_mb"):
             assert p[key] > 0, (key, p)
+        stages = p["setup_stages_s"]  # the slowest worker's set-up, stage by stage
+        assert list(stages) == ["control", "assign", "group", "start"], stages
+        assert 0 < stages["control"] <= stages["assign"] <= stages["group"] <= stages["start"]
+        assert stages["start"] <= p["setup_s"] + 0.1, (stages, p["setup_s"])
         cpu = p["cpu_per_message"]
         for kind in ("push", "pull", "exchange"):
             assert cpu[kind]["count"] > 0 and cpu[kind]["cpu_us"] > 0, (kind, cpu)
