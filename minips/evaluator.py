@@ -50,6 +50,11 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
     test = data.evaluation_set(run.dataset, cfg.data_dir or run.data_dir, val_size=run.val_size,
                                limit=run.eval_limit, synthetic=cfg.data == "synthetic",
                                fallback=False)
+    # the final weights are scored on every test sample, as the tables score every row (DDP
+    # and LB-BSP included); the periodic points on the first eval_limit (cheaper, for curves)
+    full = test if not run.eval_limit else data.evaluation_set(
+        run.dataset, cfg.data_dir or run.data_dir, val_size=run.val_size, limit=0,
+        synthetic=cfg.data == "synthetic", fallback=False)
     record(cfg.run_dir, "evaluator", test.meta)
     writer = RunDir(cfg.run_dir, t0=run.t0).writer("eval")
     size = models.param_count(run.model)
@@ -73,10 +78,12 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
             if w.done or (w.version != last and arrived - scored >= run.eval_every_s / 2
                           and not near_end):
                 last, scored = w.version, arrived
-                acc, loss = _evaluate_once(run, w, size, test, writer, time.time() - run.t0)
+                scored_on = full if w.done else test
+                acc, loss = _evaluate_once(run, w, size, scored_on, writer,
+                                           time.time() - run.t0)
                 score_s = time.monotonic() - arrived
                 if ch.welcome_info.get("scores"):  # the server keeps them: tell it
-                    await _send_score(ch, w, acc, loss, len(test))
+                    await _send_score(ch, w, acc, loss, len(scored_on))
             if w.done:
                 return
             now = time.monotonic()
@@ -130,8 +137,8 @@ def _evaluate_once(run: RunConfig, w: messages.GlobalWeights, size: int,
     (accuracy, loss)."""
     flat = np.asarray(sparse.decode_vector(w.payload, size))
     acc, loss = models.evaluate(run.model, flat, test)
-    writer.write({**dict(w.info), "t": t, "version": w.version,
-                  "accuracy": acc, "loss": loss, "final": bool(w.done)})
+    writer.write({**dict(w.info), "t": t, "version": w.version, "accuracy": acc,
+                  "loss": loss, "final": bool(w.done), "test_samples": len(test)})
     return acc, loss
 
 

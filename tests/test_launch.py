@@ -32,12 +32,14 @@ def test_local_bsp_run_writes_a_complete_run_directory(tmp_path: Path) -> None:
     for name in ("config.json", "summary.json", "global.jsonl", "group-0.jsonl", "eval.jsonl",
                  "worker-0.jsonl", "worker-1.jsonl", "init.npy", "final_weights.npy"):
         assert (run_dir / name).exists(), name
-    # the summary's final accuracy is that of the final weights on the evaluator's test set
+    # the summary's final accuracy is that of the final weights on every test sample (the
+    # periodic points use the first eval_limit), as the tables score every row
     written = json.loads((run_dir / "summary.json").read_text())
     test = data.load_dataset("fashion-mnist", "test")
-    acc, _ = models.evaluate("lenet5", np.load(run_dir / "final_weights.npy"),
-                             test.subset(np.arange(1000)))
+    acc, _ = models.evaluate("lenet5", np.load(run_dir / "final_weights.npy"), test)
     assert written["final_accuracy"] == pytest.approx(acc, abs=1e-12)
+    assert written["final_test_samples"] == len(test)
+    assert all(r["test_samples"] == 1000 for r in read_jsonl(run_dir / "eval.jsonl")[:-1])
     assert read_jsonl(run_dir / "eval.jsonl")[-1]["final"] is True
     # ... and it says which data that was: each process's record, and one word for the run
     kind = "synthetic" if test.meta["synthetic"] else "real"

@@ -538,7 +538,8 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
               write: bool = True) -> dict[str, Any]:
     """Headline figures of a run; also written to ``<run_dir>/summary.json`` when ``write``.
 
-    Keys: mode, compressor, model, dataset, workers, groups, final_accuracy, best_accuracy,
+    Keys: mode, compressor, model, dataset, workers, groups, final_accuracy (the evaluator's
+    final point: the final weights on every test sample), final_test_samples, best_accuracy,
     final_loss, wall_s (t0 to the end), train_start_s (t0 to the ``groups`` event), train_s
     (the server's training clock at ``done``: a resume's downtime is not training), samples,
     samples_per_s (over train_s), bytes_up, bytes_down (worker <-> group only, as the
@@ -573,6 +574,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
         "model": cfg.get("model"), "dataset": cfg.get("dataset"),
         "workers": len(run.workers) or cfg.get("workers"), "groups": _groups(run),
         "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs, default=None),
+        "final_test_samples": _last(run.eval, "test_samples") or _last(run.eval, "tested"),
         "final_loss": _last(run.eval, "loss"), "wall_s": wall, "train_start_s": start,
         "train_s": train, **traffic, **_hops(run, traffic, merges),
         "samples_per_s": traffic["samples"] / train if train else None,
