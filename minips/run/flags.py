@@ -639,10 +639,12 @@ def _add_server(sub: Subparsers) -> None:
     srv.add_argument("--calib-timeout", type=at_least(0, strict=True), default=60.0,
                      help="grouping deadline, s")
     srv.add_argument("--eval", action="store_true",
-                     help="also start an evaluator process (not with --tls-cert)")
+                     help="also start an evaluator process (under TLS it verifies this "
+                     "server with the CA beside --tls-cert)")
     srv.add_argument("--run-config", help="JSON file of run settings (flags override it)")
     srv.add_argument("--quiet", action="store_true",
-                     help="print neither how to join nor the note on a default budget")
+                     help="print neither how to join, the progress line every 10 s, nor "
+                     "the note on a default budget")
     srv.add_argument("--checkpoint", help="checkpoint file (default RUN_DIR/checkpoint.npz)")
     srv.add_argument("--checkpoint-every", type=at_least(0), default=30.0,
                      help="seconds between atomic checkpoints (0 = none)")
