@@ -15,9 +15,13 @@ its gradient to a view of one flat (n,) float32 tensor in ``models.layout`` orde
 Invariants: the flat vectors equal ``models.get_flat`` / ``models.get_flat_grad`` of the same
 model bit for bit (tests check it against a plain model). Batch-norm buffers stay outside the
 vectors and move to the device with the model, as on the CPU. ``amp=True`` runs the forward
-pass under autocast: bfloat16 where the device has it (CPU, CUDA from Ampere on, so Jetson
-Orin), else float16 with dynamic loss scaling (a step whose scaled gradient overflows is sent as
-zeros and halves the scale). Weights, gradients and the optimizer's view stay float32.
+pass under autocast: bfloat16 where the device has it (a CPU with bfloat16 instructions, CUDA
+from Ampere on, so Jetson Orin's GPU), else float16 with dynamic loss scaling (a step whose
+scaled gradient overflows is sent as zeros and halves the scale). A CPU without bfloat16
+(ARMv8.2 cores such as the Cortex-A76 and A78AE, x86 without AVX-512) keeps the forward pass
+in float32 and says so in one line: oneDNN would only emulate bfloat16 there, slower than
+float32, with a warning and C++ trace on the console. Weights, gradients and the optimizer's
+view stay float32.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import math
 import os
 import resource
+import sys
 from typing import Any
 
 import numpy as np
@@ -35,8 +40,8 @@ from torch import nn
 from minips.errors import ConfigError
 from minips.ml import models
 
-__all__ = ["DEVICE_CHOICES", "pick_device", "describe", "amp_dtype", "bind_flat", "Trainer",
-           "rss_mb"]
+__all__ = ["DEVICE_CHOICES", "pick_device", "describe", "amp_dtype", "cpu_has_bf16", "bind_flat",
+           "Trainer", "rss_mb"]
 
 DEVICE_CHOICES = "auto | cpu | cuda | cuda:N | mps"
 SCALE_START = 2.0**16  # float16 loss scale to start from (torch.amp.GradScaler's default)
@@ -77,9 +82,10 @@ def _mps_available() -> bool:
 
 def describe(device: torch.device, amp: bool = False) -> dict[str, Any]:
     """What a worker prints and records about where it computes."""
+    dtype = amp_dtype(device) if amp else None
     info: dict[str, Any] = {"device": str(device), "amp": bool(amp),
-                            "amp_dtype": str(amp_dtype(device)).replace("torch.", "") if amp
-                            else None, "torch": torch.__version__}
+                            "amp_dtype": str(dtype or torch.float32).replace("torch.", "")
+                            if amp else None, "torch": torch.__version__}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(name=props.name, memory_gb=round(props.total_memory / 2**30, 1),
@@ -102,11 +108,41 @@ def rss_mb() -> dict[str, float]:
     return {"rss_mb": round(kib["VmRSS:"] / 1024, 1), "max_rss_mb": round(kib["VmHWM:"] / 1024, 1)}
 
 
-def amp_dtype(device: torch.device) -> torch.dtype:
-    """The autocast dtype ``--amp`` uses on ``device``: bfloat16 where supported, else float16."""
+def amp_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype ``--amp`` uses on ``device``: bfloat16 where supported, else float16 on
+    a GPU; None on a CPU without bfloat16 instructions (the forward pass stays float32)."""
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return torch.float16
+    if device.type == "cpu" and not cpu_has_bf16():
+        return None
     return torch.float16 if device.type == "mps" else torch.bfloat16
+
+
+AT_HWCAP2, HWCAP2_BF16 = 26, 1 << 14  # getauxval(3) key; aarch64's bfloat16 bit (asm/hwcap.h)
+X86_BF16 = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"}, {"amx_bf16"})
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU runs bfloat16 in hardware, as oneDNN decides it (torch's own check where
+    the build has it; else the kernel's aarch64 HWCAP2 bit or x86's /proc/cpuinfo flags).
+    Under qemu-user the emulated CPU's features count (QEMU_CPU=cortex-a76: none)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    with contextlib.suppress(Exception):  # an op a build may lack: the fallbacks below
+        if check is not None:
+            return bool(check())
+    machine = os.uname().machine
+    if machine in ("aarch64", "arm64"):
+        with contextlib.suppress(Exception):  # not glibc: the cpuinfo flags below
+            import ctypes
+            return bool(ctypes.CDLL(None).getauxval(AT_HWCAP2) & HWCAP2_BF16)
+    flags: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.lower().startswith(("flags", "features")):
+                flags.update(line.split(":", 1)[1].split())
+    if machine in ("aarch64", "arm64"):
+        return "bf16" in flags
+    return any(need <= flags for need in X86_BF16)
 
 
 def bind_flat(model: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +178,9 @@ class Trainer:
             self.staging = torch.empty(self.weights.numel(), dtype=torch.float32,
                                        pin_memory=True)
         self.dtype = amp_dtype(device) if amp else None
+        if amp and self.dtype is None:  # one line, instead of oneDNN's warning and C++ trace
+            print(f"minips: --amp: this CPU ({os.uname().machine}) has no bfloat16 instructions;"
+                  " the forward pass stays float32", file=sys.stderr, flush=True)
         self.scale = SCALE_START if self.dtype == torch.float16 else 1.0
         self._good_steps = 0
 
