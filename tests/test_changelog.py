@@ -65,6 +65,27 @@ def test_the_log_is_bounded_in_versions_and_entries() -> None:
     assert log.oldest == log.version == 7 and log.since(6) is None
 
 
+def test_answers_brought_forward_and_merged_are_the_unions_themselves() -> None:
+    rng = np.random.default_rng(3)
+    log = ChangeLog(500, max_versions=12, max_entries=400)
+    noted: list[np.ndarray | None] = []
+    for _ in range(300):
+        if rng.random() < 0.6:
+            k = int(rng.integers(0, 60))
+            idx = rng.choice(500, k, replace=False).astype(np.uint32)  # any order
+            idx = np.sort(idx) if rng.random() < 0.8 else idx
+            noted.append(None if rng.random() < 0.02 else idx)
+            log.note(noted[-1])
+        v = int(rng.integers(max(0, log.version - 14), log.version + 1))
+        got = log.since(v)
+        later = noted[v:]
+        if any(x is None for x in later) or v < log.oldest:
+            assert got is None
+            continue
+        want = sorted(set(np.concatenate([np.empty(0, np.uint32), *later]).tolist()))
+        assert got is not None and got.dtype == np.uint32 and got.tolist() == want
+
+
 # -- the paths follow the changes: what the log does not name is not looked at ------------------
 
 def test_a_sparse_exchange_looks_only_where_the_weights_changed_or_were_left_behind() -> None:

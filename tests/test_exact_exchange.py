@@ -142,6 +142,11 @@ def test_any_sequence_keeps_the_copies_exact_and_every_push_counted_once(seed: i
     for _ in range(150):
         seen.add(t.event(rng))
         t.check()
+        w = int(rng.integers(WORKERS))  # the exact downlink: every change the log noted
+        t.c.pull(w)
+        copy, _ = t.c.copies[w]
+        assert copy is not None
+        assert np.array_equal(bits(copy), bits(t.c.groups[t.c.where[w]].weights))
     t.settle()
     t.check()
     for group in t.c.groups:  # every group on G, bit for bit, nothing left unsent
@@ -251,6 +256,9 @@ def test_before_values_are_kept_on_first_write_only() -> None:
     idx, val = b.take(w)
     assert idx.tolist() == [1, 2, 4] and val.tolist() == [100, 2, 4]
     assert b.take(w)[0].size == 0  # taken: the record starts again
+    b.save(w, ints(2))
+    assert b.covers(ints(1, 2, 5), ints(2, 5)) and not b.covers(ints(1, 2, 5), ints(2, 3))
+    assert b.take(w)[0].tolist() == [2]  # the marks leave the record as it was
 
 
 # -- resume: test_unsaved's scenarios with the exact exchange --------------------------------

@@ -79,7 +79,7 @@ import numpy as np
 
 from minips import sparse
 from minips.compress.selection import TopKSelector, kept_count, top_among
-from minips.core.changelog import ChangeLog, kept_record
+from minips.core.changelog import ChangeLog, kept_record, union_sorted
 from minips.core.replay import Tally, Unsaved
 from minips.sparse import SparseVector
 from minips.wire import messages
@@ -265,6 +265,9 @@ class ExchangeResult:
     saved: list[int] | None = None  # this session's seqs in the server's last two snapshots
     bytes_up: int = 0  # bytes this exchange carried to the global server (as on the wire)
     bytes_down: int = 0  # bytes its reply carried back
+    # the EXCHANGE_REPLY made to count those bytes, sent as it is to a group process (its
+    # payload encoded once)
+    reply: messages.ExchangeReply | None = None
 
 
 class GroupLink(Protocol):
@@ -517,6 +520,9 @@ def exchange_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
 XCHG_MODES = ("topk", "exact")  # RunConfig.xchg_mode
 
 
+HELD, MARK = np.uint8(1), np.uint8(2)  # BeforeValues' mask: a before-value; covers' mark
+
+
 class BeforeValues:
     """The group's copy of the global weights (``w_sync``) kept where it differs from the
     group's weights only: each entry's value before its first change since the record began
@@ -527,7 +533,8 @@ class BeforeValues:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._held = np.zeros(size, dtype=np.bool_)  # (n,) the entry holds a before-value
+        # (n,) uint8 per entry: HELD, it holds a before-value; MARK, ``covers`` marks it
+        self._held = np.zeros(size, dtype=np.uint8)
         self._idx: list[np.ndarray] = []  # chunks of (c,) uint32, in the order first written
         self._val: list[np.ndarray] = []  # (c,) float32, their before-values
         self.dense: np.ndarray | None = None  # (n,) float32 every before-value; None: sparse
@@ -541,11 +548,13 @@ class BeforeValues:
         if idx is None:
             self.set_dense(self.materialize(weights))
             return
-        idx = np.asarray(idx)
-        new = idx[~self._held[idx]]  # (c,) not changed since the record began
+        new = np.asarray(idx).astype(np.intp)  # converted once, not at every fancy index
+        fresh = self._held[new] == 0  # (k,) not changed since the record began
+        if not fresh.all():
+            new = new[fresh]
         if new.size:
-            self._held[new] = True
-            self._idx.append(new.astype(np.uint32, copy=False))
+            self._held[new] = HELD
+            self._idx.append(new.astype(np.uint32))
             self._val.append(weights[new])
             self._tidy = False
 
@@ -558,7 +567,7 @@ class BeforeValues:
         if not self._tidy:
             idx, val = np.concatenate(self._idx), np.concatenate(self._val)
             if idx.size > 1 and not (idx[1:] > idx[:-1]).all():  # one sorted push: as it is
-                order = np.argsort(idx)
+                order = np.argsort(idx, kind="stable")  # sorted chunks: a merge of runs
                 idx, val = idx[order], val[order]
             self._idx, self._val, self._tidy = [idx], [val], True
         return self._idx[0], self._val[0]
@@ -589,6 +598,15 @@ class BeforeValues:
         hit = idx[pos] == where if idx.size else np.zeros(where.size, dtype=np.bool_)
         return pos, hit
 
+    def covers(self, big: np.ndarray, small: np.ndarray) -> bool:
+        """Every index of ``small`` is in ``big`` (both distinct): marked in the record's
+        mask and counted, O(big + small) with no sort (the mask is left as it was)."""
+        held = self._held
+        held[small] |= MARK
+        found = int(np.count_nonzero(held[big] & MARK))
+        held[small] &= HELD
+        return found == small.size
+
     def materialize(self, weights: np.ndarray) -> np.ndarray:
         """(n,) float32 ``w_sync`` whole (a new array: O(n), for checkpoints and resumes)."""
         if self.dense is not None:
@@ -613,7 +631,7 @@ class BeforeValues:
         """``w_sync`` is ``values`` whole ((n,) float32, kept as it is), or (None) the
         weights themselves: the record empty."""
         if self.dense is None and self._idx:
-            self._held[self.items()[0]] = False
+            self._held[self.items()[0]] = 0
         self._idx, self._val, self.dense, self._tidy = [], [], values, True
 
 
@@ -671,6 +689,16 @@ class ExactSync(GroupSync):
         n = weights.size
         return Outgoing(SparseVector(idx, sent, n), stats, SparseVector(idx, delta, n), synced)
 
+    def touches(self, out: Outgoing, res: ExchangeResult) -> np.ndarray | None:
+        """``GroupSync.touches``: the entries sent and those the reply sets (a merge of two
+        increasing runs), or None for a dense reply."""
+        sent, reply = out.sent, res.weights
+        if isinstance(reply, np.ndarray) or not isinstance(sent, SparseVector):
+            return None
+        if self.before.covers(reply.indices, sent.indices):  # the merge's reply: it does
+            return reply.indices
+        return union_sorted([sent.indices, reply.indices])
+
     def _rebase_on(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
         """``w = w_sync' + (w - sent)`` at the entries the exchange or the reply names (all
         of them for a dense reply), ``w_sync'`` = the reply there; the record's before-values
@@ -680,7 +708,33 @@ class ExactSync(GroupSync):
         assert isinstance(sent, SparseVector) and out.synced is not None
         if isinstance(reply, np.ndarray):
             self._take_dense(weights, sent, reply)
-            return
+        elif self.before.dense is None:
+            self._take_entries(weights, sent, out.synced, reply)
+        else:
+            self._take_over(weights, out, res)
+
+    def _take_entries(self, weights: np.ndarray, sent: SparseVector, synced: np.ndarray,
+                      reply: SparseVector) -> None:
+        """A sparse reply, the record sparse: scatters only, O(sent + reply + pushed since).
+        The weights are set back to the copy (``w_sync`` before the reply: the record's
+        before-values, ``synced`` at the entries sent), the reply is written over it, and
+        what was pushed since the begin goes back on top where the exchange or the reply
+        changed the copy; elsewhere the weights are as they were, bit for bit."""
+        held, kept = self.before.items()  # (h,) pushed since the begin, the weights then
+        was = weights[held]  # (h,) float32
+        pushed = was - kept
+        weights[held] = kept  # the weights at the begin (``sent`` at the entries sent)
+        weights[sent.indices] = synced  # the copy before the reply
+        weights[reply.indices] = reply.values  # the copy after it: w_sync'
+        kept[:] = weights[held]  # the record's before-values become w_sync'
+        moved = _within(held, sent.indices) | _within(held, reply.indices)
+        weights[held] = np.where(moved, kept + pushed, was)
+
+    def _take_over(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
+        """A sparse reply, the record dense (a dense change since the begin): the general
+        rule at the entries the exchange or the reply names."""
+        sent, reply = out.sent, res.weights
+        assert isinstance(sent, SparseVector) and isinstance(reply, SparseVector)
         touched = self.touches(out, res)  # (t,) uint32 increasing
         assert touched is not None
         at_sent = np.searchsorted(touched, sent.indices)
@@ -713,6 +767,14 @@ class ExactSync(GroupSync):
             assert isinstance(self.pending.sent, SparseVector)
             self.pending.synced = g[self.pending.sent.indices]
         return new, replay
+
+
+def _within(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(len(a),) bool: which entries of ``a`` are in ``b`` (both increasing), O(a log b)."""
+    if b.size == 0:
+        return np.zeros(a.size, dtype=np.bool_)
+    pos = np.minimum(np.searchsorted(b, a), b.size - 1)
+    return b[pos] == a
 
 
 class ExactMirror:

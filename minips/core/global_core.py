@@ -516,8 +516,9 @@ class GlobalCore:
         sent = self.mirror(g).answer(self.weights, repeat, self.change_log())
         self.synced_now(g, now)  # what the answer brings the group's copy up to
         res = ExchangeResult(sent, self.version, self.done, self.samples)
-        if wire_in is not None:
-            res.bytes_up, res.bytes_down = wire_in, frames.wire_size(self.exchange_reply(g, sent))
+        if wire_in is not None:  # made once: counted here, sent as it is (``on_exchange``)
+            res.reply = self.exchange_reply(g, sent)
+            res.bytes_up, res.bytes_down = wire_in, frames.wire_size(res.reply)
             h.hop_bytes["bytes_to_global"] += res.bytes_up
             h.hop_bytes["bytes_from_global"] += res.bytes_down
         if added:
@@ -534,7 +535,8 @@ class GlobalCore:
         server's snapshots hold (``exchange_reply``)."""
         actions = self.merge(g, delta, stats, now, wire_in)
         res = reply(actions, ExchangeResult)
-        return [*actions[:-1], Reply(g, self.exchange_reply(g, res.weights))]
+        answer = res.reply if res.reply is not None else self.exchange_reply(g, res.weights)
+        return [*actions[:-1], Reply(g, answer)]
 
     def group_pull(self, g: int, now: float) -> list[Action]:
         """A group process (registering, adopting, reconnecting) takes the global weights whole

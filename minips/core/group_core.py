@@ -486,7 +486,8 @@ class GroupCore:
                  "min_clock": self.table.min_clock(), "max_clock": self.table.max_clock()}
         if self.xchg.pending is not None:  # sent again as it was
             return self.xchg.begin(self.weights, extra)
-        changed = self.changes.since(self._xchg_mark)  # what the exchange may have to send
+        # what a top-k exchange may have to send (a dense or exact one looks at no log)
+        changed = self.changes.since(self._xchg_mark) if self.xchg.ratio < 1.0 else None
         self._xchg_mark = self.changes.version
         return self.xchg.begin(self.weights, extra, dense=final or self.done, changed=changed)
 
