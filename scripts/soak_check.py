@@ -1,0 +1,478 @@
+"""The soak's checker: reads a run afterwards and states each invariant with its evidence.
+
+It reads only what the run left: the records (global.jsonl, group-*.jsonl, worker-*.jsonl,
+eval.jsonl, summary.json, config.json), the final weights, the checkpoint directory's listing as
+the soak recorded it, the clients' logs (logs/*.log) and the soak's history
+(soak/history.jsonl: faults injected and healed, processes started and ended, the orphan scan)
+and resource samples (soak/resources.jsonl). One line per invariant, PASS or FAIL with figures:
+
+- exactly_once: no (session, seq) merged twice by one server life, and a repeat across lives
+  only of a merge after that life's last checkpoint (the documented window); the global sample
+  count never above what the workers saw ACKed, and below it by at most the documented losses
+  (a killed global server: the merges after its last checkpoint; a group process killed,
+  stopped or cut off: what its group ACKed since its last exchange);
+- loss_window: each kill of the global server came at most checkpoint_every_s + WRITE_SLACK_S
+  after its last checkpoint (docs/operations.md: at most one period plus the write);
+- counters_never_fall: every ledger figure across every global.jsonl line, and summary.json at
+  least the last line's;
+- finite_model and accuracy: final_weights.npy finite; its test accuracy within ACC_POINTS of
+  the unfaulted twin's (both on the whole test set);
+- exits: every role's last process exit 0 (a process the nemesis killed aside), none killed at
+  the end, no orphan, no checkpoint temp file;
+- resources: the global server's descriptors and RSS at the end of each of its lives within a
+  bound of their level early in that life;
+- events: each fault long enough to be seen has its event line within its detection bound
+  (lease + 2 s; a resumed line within 60 s of the restart).
+
+A failed invariant prints the shortest window of the history around its evidence and the seed
+that replays it.
+
+Usage: python scripts/soak_check.py RUN_DIR --baseline TWIN_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Check", "Run", "Verdict", "check", "last_figures", "table"]
+
+LEDGER = ("bytes_worker_group", "bytes_group_worker", "bytes_group_global", "bytes_global_group",
+          "bytes_total", "pushes", "merges", "samples_trained")
+ACC_POINTS = 2.0  # final accuracy within this many points of the unfaulted twin
+DETECT_SLACK_S = 2.0  # an event line within lease + this of the fault
+RESUME_BOUND_S = 60.0  # a restarted global server says `resumed` within this of its start
+WRITE_SLACK_S = 1.5  # a checkpoint's write time beyond checkpoint_every_s
+FD_GROWTH = 64  # open descriptors the global server may gain over a life
+RSS_GROWTH = 1.5  # RSS at the end of a life at most this times its early level, plus RSS_SLACK
+RSS_SLACK_KB = 96 << 10
+WORKER_EVENTS = {"link_lost", "expired", "left", "lease_expired"}
+
+
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    """A JSON-lines file's objects ([] when missing; a truncated last line skipped)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def last_figures(run: Path) -> dict[str, Any]:
+    """The last global.jsonl line's figures (the ledger's)."""
+    lines = jsonl(run / "global.jsonl")
+    return lines[-1] if lines else {}
+
+
+@dataclass
+class Run:
+    """What a run left, its times in seconds since the run's t0 (config.json)."""
+
+    path: Path
+    t0: float
+    glob: list[dict[str, Any]]
+    groups: dict[str, list[dict[str, Any]]]
+    workers: dict[int, list[dict[str, Any]]]
+    history: list[dict[str, Any]]
+    begin: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: Path) -> Run:
+        t0 = float(json.loads((path / "config.json").read_text())["t0"])
+        history = jsonl(path / "soak" / "history.jsonl")
+        for h in history:
+            h["rel"] = h["t"] - t0
+        workers = {int(p.stem.split("-")[1]): jsonl(p) for p in path.glob("worker-*.jsonl")}
+        return cls(path, t0, jsonl(path / "global.jsonl"),
+                   {p.stem: jsonl(p) for p in path.glob("group-*.jsonl")}, workers, history,
+                   next((h for h in history if h["op"] == "begin"), {}))
+
+    def events(self, *names: str) -> list[dict[str, Any]]:
+        """Event lines of the global server and every group server named ``names``."""
+        lines = [*self.glob, *(r for g in self.groups.values() for r in g)]
+        return sorted((r for r in lines if r.get("event") in names), key=lambda r: r["t"])
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [r for rs in self.workers.values() for r in rs if "event" not in r]
+
+    def faults(self) -> list[dict[str, Any]]:
+        """Each injected fault with ``healed`` (its heal line's rel time, or None)."""
+        healed = {h["id"]: h["rel"] for h in self.history if h["op"] in ("heal", "not_restarted")}
+        return [{**h, "healed": healed.get(h["id"])} for h in self.history if h["op"] == "inject"]
+
+    def window(self, t0: float, t1: float) -> list[str]:
+        """The history lines between run times ``t0`` and ``t1`` (1 s either side)."""
+        return [f"  {h['rel']:8.2f} s  " + json.dumps({k: v for k, v in h.items()
+                                                       if k not in ("t", "rel")})
+                for h in self.history if t0 - 1 <= h["rel"] <= t1 + 1]
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    evidence: str
+    window: tuple[float, float] | None = None  # run times of the history that shows it
+
+
+@dataclass
+class Verdict:
+    seed: int
+    run: Path
+    checks: list[Check] = field(default_factory=list)
+    faults: Counter[str] = field(default_factory=Counter)
+    recovery: dict[str, float] = field(default_factory=dict)  # kind -> slowest, s
+    accuracy: tuple[float, float] | None = None  # (soak, twin)
+    windows: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def text(self) -> str:
+        lines = [f"seed {self.seed}: {self.run}"]
+        for c in self.checks:
+            lines.append(f"  {'PASS' if c.ok else 'FAIL'} {c.name}: {c.evidence}")
+            if not c.ok:
+                lines += self.windows.get(c.name, [])
+                lines.append(f"  replay: python scripts/soak.py --seed {self.seed} --seeds 1")
+        return "\n".join(lines)
+
+
+# -- the invariants ----------------------------------------------------------------------------
+
+def lives(run: Run) -> list[list[dict[str, Any]]]:
+    """global.jsonl split at each `resumed` line: one list per server life."""
+    out: list[list[dict[str, Any]]] = [[]]
+    for r in run.glob:
+        if r.get("event") == "resumed":
+            out.append([])
+        out[-1].append(r)
+    return out
+
+
+def global_kills(run: Run) -> list[dict[str, Any]]:
+    return [f for f in run.faults() if f["kind"] == "kill_global"]
+
+
+def lost_windows(run: Run) -> list[tuple[float, float, int]]:
+    """For each life that a kill ended: (its last checkpoint's time, the kill's time, samples
+    merged after that checkpoint and lost)."""
+    out = []
+    parts = lives(run)
+    kills = global_kills(run)
+    for life, nxt, kill in zip(parts, parts[1:], kills, strict=False):
+        ckpts = [r["t"] for r in life if r.get("event") == "checkpoint"]
+        merges = [r for r in life if r.get("event") == "merge"]
+        resumed = nxt[0]
+        lost = (merges[-1]["samples"] if merges else 0) - int(resumed.get("samples", 0))
+        out.append((ckpts[-1] if ckpts else 0.0, kill["rel"], max(0, lost)))
+    return out
+
+
+def group_losses(run: Run) -> int:
+    """Samples a group ACKed since its last exchange when a fault on its group process made the
+    global server drop it (`group_lost` naming it within the fault's bound): what the docs say
+    such a group loses. Counted up to the group_lost line (the process was stopped or dead) or,
+    for a partition, up to its heal (the group went on serving its workers)."""
+    lease = float(run.begin.get("lease_s", 10))
+    steps = run.steps()
+    total = 0
+    for f in run.faults():
+        if f["kind"] not in ("kill_group", "stop_group", "partition") or f.get("ok") is False:
+            continue
+        lost = [r for r in run.events("group_lost")
+                if f["rel"] - 0.5 <= r["t"] <= f["rel"] + lease + DETECT_SLACK_S]
+        if not lost:
+            continue
+        g = int(lost[0]["group"])
+        exchanges = [r["t"] for r in run.groups.get(f"group-{g}", [])
+                     if r.get("event") == "exchange" and r["t"] <= f["rel"]]
+        since = max(exchanges, default=0.0)
+        until = f["healed"] if f["kind"] == "partition" and f["healed"] else lost[0]["t"]
+        total += sum(int(s.get("samples", 0)) for s in steps
+                     if s.get("group") == g and since < s["t"] <= until + 0.5)
+    return total
+
+
+def check_exactly_once(run: Run) -> list[Check]:
+    checks = []
+    seen: dict[tuple[int, int], tuple[int, float]] = {}
+    twice, outside = [], []
+    parts = lives(run)
+    last_ckpt = [max((r["t"] for r in life if r.get("event") == "checkpoint"), default=0.0)
+                 for life in parts]
+    for n, life in enumerate(parts):
+        for r in life:
+            if r.get("event") != "merge":
+                continue
+            key = (int(r["session"]), int(r["seq"]))
+            if key in seen:
+                was_life, was_t = seen[key]
+                if was_life == n:
+                    twice.append((key, was_t, r["t"]))
+                elif was_t <= last_ckpt[was_life]:
+                    outside.append((key, was_t, r["t"]))
+            seen[key] = (n, r["t"])
+    bad = twice + outside
+    checks.append(Check(
+        "merged_once", not bad,
+        f"{len(seen)} (session, seq) merged over {len(parts)} server lives; {len(twice)} merged "
+        f"twice by one life, {len(outside)} again after a resume though the checkpoint held "
+        f"them; {sum(1 for r in run.glob if r.get('event') == 'merge_repeat')} merge_repeat "
+        f"answered", (bad[0][1], bad[0][2]) if bad else None))
+    acked = sum(int(s.get("samples", 0)) for s in run.steps())
+    merges = [r for r in run.glob if r.get("event") == "merge"]
+    merged = int(merges[-1]["samples"]) if merges else 0
+    windows = lost_windows(run)
+    allowed = sum(w[2] for w in windows) + group_losses(run)
+    gap = acked - merged
+    checks.append(Check(
+        "samples_once", 0 <= gap <= allowed,
+        f"workers ACKed {acked:,} samples, the global count is {merged:,}: {gap:,} missing, "
+        f"documented losses allow {allowed:,} ({len(windows)} global-server windows "
+        f"{sum(w[2] for w in windows):,}, group faults {allowed - sum(w[2] for w in windows):,})"
+        + ("; counted twice" if gap < 0 else ""), (0.0, 1e9) if gap < 0 or gap > allowed
+        else None))
+    bound = float(run.begin.get("checkpoint_every_s", 0)) + WRITE_SLACK_S
+    late = [w for w in windows if w[1] - w[0] > bound]
+    checks.append(Check(
+        "loss_window", not late,
+        f"{len(windows)} kills of the global server, each at most "
+        f"{max((w[1] - w[0] for w in windows), default=0):.1f} s after its last checkpoint "
+        f"(bound {bound:.1f} s), {sum(w[2] for w in windows):,} samples lost in all",
+        (late[0][0], late[0][1]) if late else None))
+    return checks
+
+
+def check_counters(run: Run) -> Check:
+    falls = []
+    last: dict[str, float] = {}
+    for r in run.glob:
+        for k in LEDGER:
+            if k in r:
+                if r[k] < last.get(k, 0):
+                    falls.append((k, last[k], r[k], r["t"]))
+                last[k] = r[k]
+    summary_path = run.path / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    figures = summary.get("figures", summary)
+    below = [k for k in LEDGER if k in figures and k in last and figures[k] < last[k]]
+    ok = not falls and not below and bool(summary)
+    first = falls[0] if falls else None
+    return Check("counters_never_fall", ok,
+                 f"{len(run.glob)} global lines, {len(falls)} falls"
+                 + (f" (first: {first[0]} {first[1]} -> {first[2]} at {first[3]:.1f} s)"
+                    if first else "")
+                 + (f"; summary.json below the last line in {below}" if below else "")
+                 + ("" if summary else "; no summary.json")
+                 + f"; last: samples_trained {last.get('samples_trained', 0):,.0f}, "
+                   f"bytes_total {last.get('bytes_total', 0):,.0f}",
+                 (first[3] - 5, first[3]) if first else None)
+
+
+def accuracy(run: Path) -> float:
+    from minips.ml import data, models
+
+    test = data.load_dataset("fashion-mnist", "test", fallback=False)
+    return float(models.evaluate("lenet5", np.load(run / "final_weights.npy"), test)[0])
+
+
+def check_model(run: Run, baseline: Path, verdict: Verdict) -> list[Check]:
+    path = run.path / "final_weights.npy"
+    if not path.exists():
+        return [Check("finite_model", False, "no final_weights.npy")]
+    w = np.load(path)
+    finite = bool(np.isfinite(w).all())
+    checks = [Check("finite_model", finite, f"{w.size:,} weights, "
+                    f"{int((~np.isfinite(w)).sum())} not finite, |w|max {np.abs(w).max():.3g}")]
+    if finite and (baseline / "final_weights.npy").exists():
+        soak, twin = accuracy(run.path), accuracy(baseline)
+        verdict.accuracy = (soak, twin)
+        checks.append(Check("accuracy", abs(soak - twin) * 100 <= ACC_POINTS,
+                            f"{100 * soak:.2f}% faulted vs {100 * twin:.2f}% unfaulted twin "
+                            f"({100 * (soak - twin):+.2f} points, bound {ACC_POINTS})"))
+    else:
+        checks.append(Check("accuracy", False, f"no twin weights in {baseline}"))
+    return checks
+
+
+def check_exits(run: Run) -> Check:
+    last: dict[str, dict[str, Any]] = {}
+    for h in run.history:
+        if h["op"] == "exit":
+            last[h["role"]] = h
+    started = {h["role"] for h in run.history if h["op"] == "start"}
+    bad = [f"{r} exit {h['rc']}" for r, h in last.items() if h["rc"] != 0 and not h["by_nemesis"]]
+    bad += [f"{r} never ended" for r in started - set(last)]
+    bad += [f"{h['role']} killed at the end" for h in run.history if h["op"] == "killed_at_end"]
+    end = next((h for h in run.history if h["op"] == "end"), {})
+    orphans, temps = end.get("orphans"), end.get("checkpoint_temps")
+    ok = not bad and orphans == [] and temps == []
+    t = next((h["rel"] for h in run.history if h["op"] == "exit" and h["rc"] != 0
+              and not h["by_nemesis"]), None)
+    return Check("exits", ok,
+                 f"{len(last)} roles ended, {len(bad)} not as documented {bad[:4]}; orphans "
+                 f"{orphans}; checkpoint temp files {temps}",
+                 (t - 10, t) if t is not None else None)
+
+
+def check_resources(run: Run) -> Check:
+    by_pid: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in jsonl(run.path / "soak" / "resources.jsonl"):
+        by_pid[r["pid"]].append(r)
+    worst = []
+    bad = []
+    for pid, rs in by_pid.items():
+        if len(rs) < 6:
+            continue
+        third = len(rs) // 3
+        fd0 = float(np.median([r["fds"] for r in rs[:third]]))
+        rss0 = float(np.median([r["rss_kb"] for r in rs[:third]]))
+        fd1 = max(r["fds"] for r in rs[-third:])
+        rss1 = max(r["rss_kb"] for r in rs[-third:])
+        worst.append(f"pid {pid}: fds {fd0:.0f} -> {fd1}, RSS {rss0 / 1024:.0f} -> "
+                     f"{rss1 / 1024:.0f} MB")
+        if fd1 > fd0 + FD_GROWTH or rss1 > RSS_GROWTH * rss0 + RSS_SLACK_KB:
+            bad.append(pid)
+    return Check("resources", bool(worst) and not bad,
+                 f"{len(by_pid)} server lives sampled; " + "; ".join(worst[:4])
+                 + f" (bounds: +{FD_GROWTH} fds, x{RSS_GROWTH} + {RSS_SLACK_KB >> 10} MB)")
+
+
+def expected_event(run: Run, f: dict[str, Any]) -> tuple[set[str], float, Any] | None:
+    """(the events that show fault ``f``, its bound in s, the worker it names or None), or None
+    when no event is promised (too short to be detected, or a fault no line names)."""
+    lease = float(run.begin.get("lease_s", 10))
+    lasted = (f["healed"] or f["rel"]) - f["rel"]
+    kind, target = f["kind"], f["target"]
+    worker = int(target[1:]) if target.startswith("w") else None
+    if kind == "kill_worker":
+        return WORKER_EVENTS, lease + DETECT_SLACK_S, worker
+    if kind in ("stop_worker", "link_cut") and lasted >= lease + DETECT_SLACK_S:
+        return WORKER_EVENTS, lease + DETECT_SLACK_S, worker
+    if kind == "kill_group":
+        return {"group_lost"}, lease + DETECT_SLACK_S, None
+    if kind in ("stop_group", "partition") and lasted >= lease + DETECT_SLACK_S:
+        return {"group_lost"}, lease + DETECT_SLACK_S, None
+    if kind == "kill_global":
+        return {"resumed"}, lasted + RESUME_BOUND_S, None
+    return None
+
+
+def names_worker(r: dict[str, Any], worker: int | None) -> bool:
+    return worker is None or r.get("worker") == worker or worker in r.get("workers", ())
+
+
+def check_events(run: Run, verdict: Verdict) -> list[Check]:
+    seen, missed, late, failed = 0, [], [], []
+    for f in run.faults():
+        verdict.faults[f["kind"]] += 1
+        if f.get("ok") is False:
+            failed.append(f)
+            continue
+        recovered = recovery(run, f)
+        if recovered is not None:
+            verdict.recovery[f["kind"]] = max(verdict.recovery.get(f["kind"], 0.0), recovered)
+        want = expected_event(run, f)
+        if want is None:
+            continue
+        names, bound, worker = want
+        hits = [r for r in run.events(*names) if r["t"] >= f["rel"] - 0.5
+                and names_worker(r, worker)]
+        if hits and hits[0]["t"] - f["rel"] <= bound:
+            seen += 1
+        elif hits:
+            late.append((f, hits[0]["t"] - f["rel"], bound))
+        else:
+            missed.append((f, bound))
+    bad = [(f, b) for f, b in missed] + [(f, b) for f, _, b in late]
+    text = (f"{seen} faults seen within their bound; {len(missed)} never seen "
+            f"{[(f['kind'], f['target'], round(f['rel'], 1)) for f, _ in missed][:4]}; "
+            f"{len(late)} late {[(f['kind'], round(d, 1), b) for f, d, b in late][:4]}")
+    return [Check("faults_injected", not failed, f"{len(run.faults())} injected, "
+                  f"{len(failed)} could not be {[(f['kind'], f['target']) for f in failed][:4]}",
+                  (failed[0]["rel"], failed[0]["rel"]) if failed else None),
+            Check("events", not bad, text,
+                  (bad[0][0]["rel"], bad[0][0]["rel"] + bad[0][1]) if bad else None)]
+
+
+def recovery(run: Run, f: dict[str, Any]) -> float | None:
+    """Seconds from the fault to training again where it hit: the worker's next step, the
+    evaluator's next score, else the next merge after the fault healed; None when no such line
+    came, or for faults that hit nothing in particular (a rate change, a hostile client)."""
+    if f["kind"] in ("link_rate", "garbage", "flood"):
+        return None
+    after = f["healed"] if f["healed"] is not None else f["rel"]
+    if f["target"].startswith("w"):
+        steps = run.workers.get(int(f["target"][1:]), [])
+        nxt = [s["t"] for s in steps if "event" not in s and s["t"] > after]
+    elif f["target"] == "eval":
+        nxt = [r["t"] for r in jsonl(run.path / "eval.jsonl") if "accuracy" in r
+               and r["t"] > after]
+    else:
+        nxt = [r["t"] for r in run.glob if r.get("event") == "merge" and r["t"] > after]
+    return (min(nxt) - f["rel"]) if nxt else None
+
+
+def check(run_dir: Path, baseline: Path) -> Verdict:
+    """Every invariant of ``run_dir`` (a soak), the twin ``baseline`` for the accuracy."""
+    run = Run.read(run_dir)
+    verdict = Verdict(int(run.begin.get("seed", -1)), run_dir)
+    verdict.checks += check_exactly_once(run)
+    verdict.checks.append(check_counters(run))
+    verdict.checks += check_model(run, baseline, verdict)
+    verdict.checks.append(check_exits(run))
+    verdict.checks.append(check_resources(run))
+    verdict.checks += check_events(run, verdict)
+    for c in verdict.checks:
+        if not c.ok and c.window is not None:
+            verdict.windows[c.name] = run.window(*c.window)
+    return verdict
+
+
+def table(verdicts: list[Verdict]) -> str:
+    """The report's table: faults per kind, invariants held, slowest recovery, accuracy."""
+    kinds = sorted({k for v in verdicts for k in v.faults})
+    lines = ["| fault | " + " | ".join(f"seed {v.seed}" for v in verdicts)
+             + " | slowest recovery, s |", "|---|" + "---|" * len(verdicts) + "---|"]
+    for k in kinds:
+        slow = max((v.recovery.get(k, math.nan) for v in verdicts), default=math.nan)
+        lines.append(f"| {k} | " + " | ".join(str(v.faults.get(k, 0)) for v in verdicts)
+                     + f" | {'-' if math.isnan(slow) else f'{slow:.1f}'} |")
+    held = [f"{sum(c.ok for c in v.checks)}/{len(v.checks)}" for v in verdicts]
+    lines.append("| invariants held | " + " | ".join(held) + " | |")
+    accs = [f"{100 * v.accuracy[0]:.2f} vs {100 * v.accuracy[1]:.2f}" if v.accuracy else "-"
+            for v in verdicts]
+    lines.append("| accuracy % (faulted vs unfaulted) | " + " | ".join(accs) + " | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="check a soak run's invariants")
+    p.add_argument("run", type=Path)
+    p.add_argument("--baseline", type=Path, required=True, help="the unfaulted twin's run dir")
+    args = p.parse_args(argv)
+    if not (args.run / "config.json").exists():
+        p.error(f"{args.run} holds no run (no config.json)")
+    verdict = check(args.run, args.baseline)
+    print(verdict.text())
+    print(table([verdict]))
+    return 0 if verdict.ok else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())
