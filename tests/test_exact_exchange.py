@@ -261,6 +261,28 @@ def test_before_values_are_kept_on_first_write_only() -> None:
     assert b.take(w)[0].tolist() == [2]  # the marks leave the record as it was
 
 
+def test_a_groups_checkpoint_holds_its_copy_and_the_next_exchange_sends_the_same() -> None:
+    rng = np.random.default_rng(9)
+    run = dataclasses.replace(run_config(rng), mode="asp")
+    c = Cluster(run, rng.standard_normal(N).astype(np.float32), forget=False)
+    c.exchange(0, lose=False, final=False)
+    c.push(0, a_push(rng))
+    c.exchange(0, lose=True, final=False)  # pending: its entries' copy is what it was before
+    c.push(1, a_push(rng))
+    group = c.groups[0]
+    state = group.state_dict()
+    again = type(group)(0, run, np.zeros(N, np.float32), members=[0, 1, 2])
+    again.load_state_dict(state, 0.0)
+    assert np.array_equal(bits(again.xchg.w_sync), bits(group.xchg.w_sync))
+    assert np.array_equal(bits(again.weights), bits(group.weights))
+    # resumed, it sends everything its copy lacks (the pending exchange's part too: replay)
+    lacks = group.weights - group.xchg.w_sync
+    theirs = again.begin_exchange(False, {"bytes_in": 0, "bytes_out": 0}).delta
+    assert isinstance(theirs, sparse.SparseVector)
+    assert np.array_equal(theirs.indices, np.flatnonzero(lacks))
+    assert np.array_equal(bits(theirs.values), bits(lacks[lacks != 0]))
+
+
 # -- resume: test_unsaved's scenarios with the exact exchange --------------------------------
 
 class ExactSim(test_unsaved.Sim):
