@@ -678,7 +678,8 @@ class ExactSync(GroupSync):
     def _outgoing(self, weights: np.ndarray, stats: dict[str, Any], dense: bool,
                   changed: np.ndarray | None) -> Outgoing:
         """Every entry the record holds whose value moved: ``sent`` the weights there,
-        ``delta`` ``sent - w_sync`` (a flush is no different: nothing is left behind)."""
+        ``delta`` ``sent - w_sync`` (a flush is no different: nothing is left behind), dense
+        past ``DENSE_AT`` of n."""
         self.weights = weights
         idx, synced = self.before.take(weights)  # (m,) uint32, (m,) float32
         sent = weights[idx]
@@ -687,7 +688,9 @@ class ExactSync(GroupSync):
         if not moved.all():
             idx, sent, delta, synced = idx[moved], sent[moved], delta[moved], synced[moved]
         n = weights.size
-        return Outgoing(SparseVector(idx, sent, n), stats, SparseVector(idx, delta, n), synced)
+        out = SparseVector(idx, delta, n)  # nearly every entry (dense pushes): dense, smaller
+        return Outgoing(SparseVector(idx, sent, n), stats,
+                        out.to_dense() if idx.size > DENSE_AT * n else out, synced)
 
     def touches(self, out: Outgoing, res: ExchangeResult) -> np.ndarray | None:
         """``GroupSync.touches``: the entries sent and those the reply sets (a merge of two
