@@ -9,13 +9,16 @@ fast group."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import records
+from conftest import records, recv_as
+from test_server import TOKEN, make_server
 
 from minips import grouping, sparse
 from minips.compress.base import WireSpec
@@ -28,6 +31,8 @@ from minips.core.group_core import GroupCore, worker_times
 from minips.core.roster import GroupHandle
 from minips.core.ssp import Iterations, IterationTimes
 from minips.errors import RemoteProtocolError
+from minips.net import transport
+from minips.net.channel import Channel
 from minips.wire import control, conversation, frames, messages
 from minips.worker import probe_payload
 
@@ -280,6 +285,42 @@ def test_the_control_channel_allows_one_probe_then_no_initial_weights() -> None:
     assert conv.turn == conversation.Turn.INITIALIZED
     with pytest.raises(RemoteProtocolError, match="twice"):
         conv.receive(messages.InitWeights(size=N, payload=grad))
+
+
+async def test_a_server_answers_the_probe_on_the_control_channel_and_times_it(
+        tmp_path: Path) -> None:
+    srv = make_server(tmp_path, np.zeros(N, np.float32), workers=2, mode="gssp")
+    port = await srv.start()
+    chans: list[Channel] = []
+    try:
+        ctl = await transport.connect("127.0.0.1", port, worker_id=0, token=TOKEN)
+        chans.append(ctl)
+        assert ctl.welcome_info["link_probe"] is True
+        await ctl.send(messages.Pull(clock=0))
+        assert (await recv_as(ctl, messages.GlobalWeights, 10)).size == N
+        grad = sparse.encode_vector(np.ones(N, np.float32))
+        await ctl.send(messages.Push(clock=1, payload=grad))
+        await ctl.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
+        entry = srv.core.workers[0]
+        await wait_until(lambda: entry.link_s is not None and entry.step_time, 10)
+        assert 0.0 <= (entry.link_s or 0.0) < 5.0
+        other = await transport.connect("127.0.0.1", port, worker_id=1, token=TOKEN)
+        chans.append(other)  # a PUSH with no probe's PULL before it: refused, the session cut
+        await other.send(messages.Push(clock=1, payload=grad))
+        err = await recv_as(other, control.Error, 10)
+        assert err.code == "invalid" and "PUSH" in err.reason
+    finally:
+        for ch in chans:
+            await ch.close()
+        await srv.close()
+
+
+async def wait_until(cond: Callable[[], object], timeout: float) -> None:
+    """Poll ``cond`` on the event loop until it is truthy; fail after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
 
 
 def test_the_probes_push_is_the_size_of_a_real_one() -> None:

@@ -343,8 +343,9 @@ async def test_progress_under_max_steps_counts_against_the_page_s_budget(tmp_pat
 # -- ids in WELCOME ------------------------------------------------------------------------
 
 async def test_welcome_ids_of_a_worker_and_of_an_evaluator_that_sends_one(tmp_path: Path) -> None:
-    said(r"`need_init` \(bool\) and `worker_id`, the same id as WELCOME's own field \(a "
-         r"worker's `info` holds both keys; an evaluator's and a group process's hold neither\)")
+    said(r"`need_init` \(bool\), `worker_id`, the same id as WELCOME's own field, and "
+         r"`link_probe` \(bool, step 3\) \(a worker's `info` holds these keys; an evaluator's "
+         r"and a group process's hold none\)")
     m = said(r"an evaluator that sends `worker_id` (\d+) gets (\d+) back")
     sent, back = int(m[1]), int(m[2])
     srv = make_server(tmp_path, np.zeros(3, np.float32), workers=2, mode="asp")
@@ -355,11 +356,12 @@ async def test_welcome_ids_of_a_worker_and_of_an_evaluator_that_sends_one(tmp_pa
         chans.append(worker)
         assert worker.welcome_info["worker_id"] == worker.worker_id == 0
         assert worker.welcome_info["need_init"] is False
+        assert worker.welcome_info["link_probe"] is True
         ev = await transport.connect("127.0.0.1", port, role="evaluator", worker_id=sent,
                                      token=TOKEN)
         chans.append(ev)
         assert ev.worker_id == back
-        assert "worker_id" not in ev.welcome_info and "need_init" not in ev.welcome_info
+        assert not {"worker_id", "need_init", "link_probe"} & set(ev.welcome_info)
         await ev.send(messages.Pull(clock=0))  # served as an evaluator all the same
         assert (await recv_as(ev, messages.GlobalWeights, 10)).size == 3
     finally:
