@@ -198,7 +198,9 @@ class ClientHandshake:
     def on_reply(self, msg: Message) -> Welcome:
         """WELCOME -> itself (after checking the server's MAC); REFUSE or ERROR -> AuthError."""
         if isinstance(msg, (Refuse, Error)):
-            raise AuthError(f"refused by server ({msg.code}): {msg.reason}")
+            # the generic code "refused" would only repeat the word: the reason says why
+            code = "" if msg.code == "refused" else f" ({msg.code})"
+            raise AuthError(f"refused by server{code}: {msg.reason}")
         if not isinstance(msg, Welcome):
             raise RemoteProtocolError("expected WELCOME or REFUSE", expected="WELCOME",
                                       got=msg.KIND.name)
