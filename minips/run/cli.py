@@ -55,6 +55,7 @@ from minips.net.endpoints import (
     check_port,
     dashboard_secret,
     format_address,
+    is_loopback,
     issuing_ca,
     local_addresses,
     parse_address,
@@ -76,7 +77,7 @@ from minips.run.checks import (
     speaks_tls,
 )
 from minips.run.flags import PRESETS, build_parser, run_config_from_args
-from minips.run.launch import LaunchConfig
+from minips.run.launch import LaunchConfig, prometheus_note
 from minips.serve.group_process import GroupConfig
 from minips.server import GlobalServer, ServerConfig
 
@@ -139,10 +140,11 @@ async def _start_monitor(cfg: ServerConfig, srv: GlobalServer) -> Any:
                                     tensorboard=cfg.tensorboard, token=dashboard_secret(),
                                     insecure=cfg.insecure), srv)
     url = await monitor.start()
-    url = reachable_url(url, reachable_hosts(cfg)[0]) if url else url
-    if url:
-        print(f"minips server: dashboard at {url}  (Prometheus: {url.split('?')[0].rstrip('/')}"
-              f"/metrics)", flush=True)
+    if url:  # a token not in the URL is $MINIPS_DASHBOARD_TOKEN's (Monitor._token)
+        guarded = "?token=" in url or bool(dashboard_secret()) and not is_loopback(
+            parse_address(url.split("//", 1)[-1].split("/")[0], 0)[0])
+        url = reachable_url(url, reachable_hosts(cfg)[0])
+        print(f"minips server: dashboard at {url}  {prometheus_note(url, guarded)}", flush=True)
     return monitor
 
 
@@ -191,7 +193,7 @@ def _announce(cfg: ServerConfig, port: int) -> None:
               else "no secret (loopback only)")
     print(f"minips server listening on {format_address(cfg.host, port)} ({run.mode}, "
           f"{run.compressor}, {run.model} on {run.dataset}, budget {budget or 'none'}, "
-          f"waiting for {run.workers} workers; {secret}; "
+          f"waiting for {run.workers} worker{'' if run.workers == 1 else 's'}; {secret}; "
           f"{f'emulated base step {run.base_step_s:g} s' if run.base_step_s else 'real speeds'})",
           flush=True)
     for line in join_commands(cfg, port):
@@ -365,21 +367,25 @@ def _cmd_group(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker_config(args: argparse.Namespace) -> WorkerConfig:
+def _client_config(args: argparse.Namespace) -> WorkerConfig:
+    """The flags `minips worker` and `minips evaluator` share (the evaluator's whole config)."""
     host, port = check_address("--connect", args.connect, 7070)
     check_tls_client(args.tls_ca)
     check_dir("--data-dir", args.data_dir)
     return WorkerConfig(server_host=host, server_port=port, token=_token(), tls_ca=args.tls_ca,
-                        worker_id=args.id, slowdown=args.slowdown.first,
-                        slowdown_schedule=args.slowdown.text() if args.slowdown.changes else "",
-                        throttle=args.throttle, bandwidth_bps=args.bandwidth,
-                        bandwidth_down_bps=getattr(args, "bandwidth_down", 0.0),
-                        latency_s=args.latency, run_dir=args.run_dir, data_dir=args.data_dir,
-                        data=args.data,
+                        run_dir=args.run_dir, data_dir=args.data_dir, data=args.data,
                         torch_threads=args.threads,
                         connect_timeout_s=args.timeout or math.inf,  # 0: until it answers
-                        reconnect_s=args.reconnect, device=getattr(args, "device", "auto"),
-                        amp=getattr(args, "amp", False))
+                        reconnect_s=args.reconnect)
+
+
+def _worker_config(args: argparse.Namespace) -> WorkerConfig:
+    return dataclasses.replace(
+        _client_config(args), worker_id=args.id, slowdown=args.slowdown.first,
+        slowdown_schedule=args.slowdown.text() if args.slowdown.changes else "",
+        throttle=args.throttle, bandwidth_bps=args.bandwidth,
+        bandwidth_down_bps=args.bandwidth_down, latency_s=args.latency, device=args.device,
+        amp=args.amp)
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
@@ -391,7 +397,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluator(args: argparse.Namespace) -> int:
-    cfg = _worker_config(args)  # a bad flag is refused before torch is imported (about 2 s)
+    cfg = _client_config(args)  # a bad flag is refused before torch is imported (about 2 s)
     from minips.evaluator import run_evaluator
 
     run_evaluator(cfg)

@@ -681,19 +681,8 @@ def _add_clients(sub: Subparsers) -> None:
                         ("evaluator", "pulls the global weights and measures test accuracy")):
         w = sub.add_parser(name, help=help_)
         w.add_argument("--connect", required=True, help="global server HOST:PORT")
-        w.add_argument("--id", type=int_at_least(-1), default=-1,
-                       help="worker id (-1 = assigned)")
-        w.add_argument("--slowdown", type=worker_slowdown, default=Schedule.flat(1.0),
-                       help="emulated factor F, or a schedule F@T,F@T (T: s of training); "
-                       "default 1 (not slowed)")
-        w.add_argument("--throttle", type=throttle_spec, default="",
-                       metavar="P,MIN-MAX,SECONDS", help="random throttling (see minips local)")
-        w.add_argument("--bandwidth", type=at_least(0), default=0.0,
-                       help="paced uplink, bytes/s (0 = none)")
-        w.add_argument("--bandwidth-down", type=at_least(0), default=0.0,
-                       help="paced downlink, bytes/s (0 = none)")
-        w.add_argument("--latency", type=at_least(0), default=0.0,
-                       help="added latency per send, s")
+        if name == "worker":  # the evaluator trains nothing: no id, slowdown or paced link
+            _add_worker_only(w)
         w.add_argument("--run-dir", default=f"runs/{name}", help="metrics directory")
         w.add_argument("--data-dir", help="data set directory on this machine")
         w.add_argument("--data", choices=("real", "synthetic"), default="real",
@@ -711,6 +700,21 @@ def _add_clients(sub: Subparsers) -> None:
                        help="keep trying this long when a server is lost mid-run, s")
         _add_tls(w, server=False, client=True)
         add_trace_flags(w)
+
+
+def _add_worker_only(w: argparse.ArgumentParser) -> None:
+    """`minips worker`'s flags that `minips evaluator` has no use for."""
+    w.add_argument("--id", type=int_at_least(-1), default=-1, help="worker id (-1 = assigned)")
+    w.add_argument("--slowdown", type=worker_slowdown, default=Schedule.flat(1.0),
+                   help="emulated factor F, or a schedule F@T,F@T (T: s of training); "
+                   "default 1 (not slowed)")
+    w.add_argument("--throttle", type=throttle_spec, default="",
+                   metavar="P,MIN-MAX,SECONDS", help="random throttling (see minips local)")
+    w.add_argument("--bandwidth", type=at_least(0), default=0.0,
+                   help="paced uplink, bytes/s (0 = none)")
+    w.add_argument("--bandwidth-down", type=at_least(0), default=0.0,
+                   help="paced downlink, bytes/s (0 = none)")
+    w.add_argument("--latency", type=at_least(0), default=0.0, help="added latency per send, s")
 
 
 def _add_dashboard(sub: Subparsers) -> None:

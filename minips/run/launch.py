@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,7 @@ from minips.run.trace_cmd import child_trace_args
 __all__ = [
     "ProgressLine",
     "Cluster",
+    "prometheus_note",
     "WorkersFailed",
     "READY_TIMEOUT_S",
     "EXIT_TIMEOUT_S",
@@ -137,6 +139,20 @@ PROGRESS_PERIOD_S = 0.5  # progress line refresh
 
 class WorkersFailed(MiniPSError):
     """Every worker of a local run exited, some with an error, while the server waits."""
+
+
+def prometheus_note(page: str, guarded: bool) -> str:
+    """The words printed after a dashboard's ``page`` URL: where Prometheus scrapes and how it
+    passes the token that /metrics asks for as the page does (web.py: a ``?token=`` query or an
+    ``Authorization: Bearer`` header). ``guarded``: the dashboard has a token even if ``page``
+    does not show it (it is $MINIPS_DASHBOARD_TOKEN then)."""
+    base, _, query = page.partition("?")
+    metrics = base.rstrip("/") + "/metrics"
+    token = urllib.parse.parse_qs(query).get("token", [""])[0]
+    if not token and not guarded:
+        return f"(Prometheus: {metrics}, no token asked)"
+    shown = token or f"${DASHBOARD_TOKEN_ENV}"
+    return f"(Prometheus: {metrics}?token={shown}, or header 'Authorization: Bearer <token>')"
 
 
 class Cluster:
@@ -273,9 +289,11 @@ class Cluster:
         url = url_file.read_text().strip()  # the address only: no token in the run directory
         url = reachable_url(url, local_addresses()[0])  # not 0.0.0.0: one a browser opens
         host = parse_address(url.split("//", 1)[-1].rstrip("/"), 0)[0]
-        if self.dashboard_token and not is_loopback(host):
+        guarded = not is_loopback(host)  # the server's dashboard asks for a token there
+        if self.dashboard_token and guarded:
             url += f"?token={self.dashboard_token}"
-        print(f"minips local: dashboard at {url}", file=sys.stderr, flush=True)
+        print(f"minips local: dashboard at {url}  {prometheus_note(url, guarded)}",
+              file=sys.stderr, flush=True)
 
     def start_workers(self) -> None:
         """All workers at once (they calibrate while the others import torch)."""
