@@ -533,6 +533,13 @@ def lockstep_note(summary: dict[str, Any]) -> str:
     return " (0 by construction: no --jitter, so workers of one speed stay in step)"
 
 
+def _count(n: Any, noun: str) -> str:
+    """``n`` ``noun``s, the noun singular for one ("1 group", "4 workers"; "-" unknown)."""
+    if n is None:
+        return f"- {noun}s"
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def report(summary: dict[str, Any], plots: list[str]) -> str:
     """The summary's figures, named, in a few lines (``minips local``'s last lines' shape)."""
     s = summary
@@ -547,8 +554,9 @@ def report(summary: dict[str, Any], plots: list[str]) -> str:
     wait = None if s.get("mean_wait_s") is None else 1e3 * s["mean_wait_s"]
     staleness = fig('mean_staleness', '.2f', ' steps') + lockstep_note(s)
     lines = [
-        f"minips simulate: {s.get('mode')}/{s.get('compressor')}, {s.get('workers') or 0:,} "
-        f"workers in {s.get('groups')} groups: {fig('sim_s', '.2f', ' s')} of simulated training "
+        f"minips simulate: {s.get('mode')}/{s.get('compressor')}, "
+        f"{_count(s.get('workers') or 0, 'worker')} in {_count(s.get('groups'), 'group')}: "
+        f"{fig('sim_s', '.2f', ' s')} of simulated training "
         f"(computed in {fig('real_s', '.1f', ' s')})",
         f"  pushes {s.get('pushes') or 0:,}, samples {int(s.get('samples') or 0):,}, "
         f"mean staleness {staleness}, mean wait "
