@@ -99,6 +99,7 @@ __all__ = [
     "delay",
     "backoff",
     "Unreachable",
+    "NoAnswer",
     "failure_kind",
     "Accept",
     "Handler",
@@ -203,11 +204,18 @@ def _timed_out(exc: BaseException) -> bool:
     return isinstance(exc, (asyncio.TimeoutError, TimeoutError))
 
 
+class NoAnswer(asyncio.TimeoutError):
+    """The port took the connection but answered nothing to the HELLO within the time left."""
+
+
 def failure_kind(exc: BaseException) -> str:
     """What a failed attempt to reach a peer says, in words: refused, unreachable, timed out,
     a name that does not resolve, reset; else the exception itself."""
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused (nothing listens on that port, or a firewall rejects it)"
+    if isinstance(exc, NoAnswer):
+        return ("timed out (the port took the connection, then answered nothing to the "
+                "handshake: a hung server, or not a minips server)")
     if _timed_out(exc):
         return ("timed out (no answer: the host is down, or a firewall drops the packets)")
     if isinstance(exc, socket.gaierror):
@@ -571,13 +579,32 @@ async def _client_handshake(ch: Channel, hs: handshake.ClientHandshake) -> None:
     ch.welcome_info, ch.worker_id = welcome.info, welcome.worker_id
 
 
+def _not_minips(host: str, port: int, err: RemoteProtocolError) -> RemoteProtocolError:
+    """A bad magic in the handshake's answer, said as what answered: the first line of what it
+    sent (``err.got``, receive.py keeps its first bytes), printable, cut to 40 characters."""
+    first = bytes(err.got or b"").split(b"\n", 1)[0].rstrip(b"\r")
+    text = "".join(c if c.isprintable() else "?" for c in first.decode("latin-1"))
+    text = text if len(text) <= 40 else text[:39] + "…"
+    return RemoteProtocolError(f"{format_address(host, port)} is not a minips server (it "
+                               f"answered '{text}')", expected=err.expected, got=err.got)
+
+
 async def _attempt(host: str, port: int, hs: handshake.ClientHandshake, options: Options,
-                   ssl: ssl_module.SSLContext | None, server_hostname: str | None) -> Channel:
+                   ssl: ssl_module.SSLContext | None, server_hostname: str | None,
+                   opened: list[Channel]) -> Channel:
+    """Connect and handshake (``opened`` gets the channel once the port took the connection:
+    a caller whose deadline cuts the handshake short can tell ``NoAnswer``); a peer that
+    speaks another protocol is named by what it sent (``_not_minips``)."""
     ch = await _open(host, port, handshake.Side.CLIENT, options, ssl, server_hostname)
+    opened.append(ch)
     try:
         await _client_handshake(ch, hs)
-    except BaseException:
+    except BaseException as exc:
+        # the decoder's error, also when it came before the recv that saw the channel closed
+        err = exc if isinstance(exc, RemoteProtocolError) else ch.error
         ch.abort("handshake failed")
+        if isinstance(err, RemoteProtocolError) and err.expected == checks.MAGIC:
+            raise _not_minips(host, port, err) from None
         raise
     if options.heartbeat:
         ch.start_heartbeat(options.heartbeat)
@@ -603,7 +630,14 @@ async def connect(
         hs = handshake.ClientHandshake(shared_secret(token), version=version, role=role,
                                worker_id=worker_id, capabilities=capabilities, address=address,
                                group=group)
-        return await asyncio.wait_for(_attempt(host, port, hs, opts, ssl, server_hostname), left)
+        opened: list[Channel] = []
+        try:
+            return await asyncio.wait_for(_attempt(host, port, hs, opts, ssl, server_hostname,
+                                                   opened), left)
+        except asyncio.TimeoutError:
+            if opened:  # the port took the connection, then said nothing in time
+                raise NoAnswer() from None
+            raise
 
     # refused, reset, unreachable, too slow: tried again; REFUSE and TLS failures pass through
     return await backoff(attempt, timeout=timeout,

@@ -81,6 +81,7 @@ DIRECT_MIN_BYTES = 64 << 10  # a payload this large is received straight into it
 # ... in reads of at most this much: small reads follow the sender closely, so the bytes are still
 # in the cache when copied out of the kernel (1.3-1.5x the throughput of one huge read on loopback)
 DIRECT_READ_BYTES = 64 << 10
+FOREIGN_BYTES = 64  # of a peer that is not minips, kept in the bad-magic error: its first line
 
 
 # -- lz4 output inflated in place ------------------------------------------------------------------
@@ -329,7 +330,12 @@ class FrameReceiver(FrameDecoder):
 
     def _next_checked(self, prefix: tuple[Any, ...], out: list[Message]) -> bool:
         """``_next`` for a frame not yet whole, or a prefix that fails its one test."""
-        head_len = check_prefix(prefix, self.limits)  # raises what is wrong, if anything
+        try:
+            head_len = check_prefix(prefix, self.limits)  # raises what is wrong, if anything
+        except RemoteProtocolError as e:
+            if e.expected == MAGIC:  # not minips at all: what it sent names it (HTTP, SSH, ...)
+                e.got = bytes(self._buf[self._lo:min(self._hi, self._lo + FOREIGN_BYTES)])
+            raise
         _, version, kind, nbuf, _, _, body_len = prefix
         at = self._lo + PREFIX.size
         end = at + head_len + body_len
