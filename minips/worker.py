@@ -225,6 +225,12 @@ def _no_assign(msg: control.Assign) -> None:
     """``Control.on_assign`` until the worker has its core: no ratio to set yet."""
 
 
+def _why_lost(ch: Channel) -> str:
+    """Why a channel ended, in words (``transport.failure_kind``; "it closed the connection"
+    when nothing failed: a LEAVE, or a clean close)."""
+    return "it closed the connection" if ch.error is None else transport.failure_kind(ch.error)
+
+
 class Control:
     """The control session of one worker. ``event(name, **fields)`` records what happened to
     it (lost, back, gave up, stopped) in the worker's metrics file."""
@@ -271,15 +277,23 @@ class Control:
             if self.done:
                 return
             self.event("control_lost")
+            lost = time.monotonic()
+            where = f"{self.cfg.server_host}:{self.cfg.server_port}"
+            log.warning("worker %d: the global server at %s is gone (%s); retrying for up to "
+                        "%.0f s", self.worker_id, where, _why_lost(self.ch), self.cfg.reconnect_s)
             try:
                 self.ch = await connect_role(self.cfg, self.cfg.server_host,
                                              self.cfg.server_port, "worker", self.worker_id,
                                              timeout=self.cfg.reconnect_s, retries=None)
             except (ConnectionError, AuthError) as exc:
                 self.event("control_gave_up", reason=str(exc))
+                log.warning("worker %d: the global server at %s did not come back: %s",
+                            self.worker_id, where, exc)
                 return
             self.ch.start_heartbeat(self.heartbeat_s)
             self.event("control_back")
+            log.warning("worker %d: the global server is back after %.1f s", self.worker_id,
+                        time.monotonic() - lost)
 
     async def _read(self) -> None:
         """ASSIGN (group, ratio), LEAVE "done", ERROR; returns when the channel closes."""
