@@ -210,7 +210,9 @@ class Regrouper:
     against its level when the sums last stood at 0: ``up = max(0, up + d - jump / 2)`` and
     ``down = max(0, down - d - jump / 2)``, ``d = log t - level`` (at most 2 x jump a look).
     When one passes ``alarm * jump`` the worker's level jumps to its latest time and the
-    groups are formed anew at once if that moves anyone. With ``jump`` = log 2 and ``alarm`` =
+    groups are formed anew at once if that leaves them out of shape (above) and moves anyone:
+    a change that every worker makes alike (a machine whose load rose slows every iteration)
+    leaves each worker nearest its own group and moves nobody. With ``jump`` = log 2 and ``alarm`` =
     2: a change of 3x or more fires on its 2nd look, a 2x one on its 5th, one spike never
     does; on a steady profile with log-normal noise of sigma 0.1 a look it never regrouped in
     50,000 looks, with sigma 0.2 twice (docs/operations.md, "Regrouping"; tests/test_grouping.py).
@@ -243,8 +245,9 @@ class Regrouper:
             return dict(self.assignment)
         for w in self._log.keys() - self.assignment.keys():
             self.assignment[w] = nearest_group(self.smoothed()[w], self.group_times())
-        self._streak = self._streak + 1 if self._out_of_shape() else 0
-        if self._streak < self.patience and not self._jumped:
+        shape = self._out_of_shape()
+        self._streak = self._streak + 1 if shape else 0
+        if not shape or (self._streak < self.patience and not self._jumped):
             return None
         self._streak = 0
         candidate = assign_groups(self.smoothed(), self.k, self.max_k, max_ratio=self.max_ratio)
