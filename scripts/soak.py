@@ -10,10 +10,12 @@ group process and the server sit in network namespaces of their own on one bridg
 link a tbf whose rate the nemesis changes; otherwise everything is on loopback without shaping
 (said on stdout and in the history).
 
-Each seed runs twice: first the unfaulted twin (``--wall-s`` of the soak's length), then the
-faulted run with the twin's samples as its ``--epochs`` budget, so both train on as many samples
-and their accuracies compare. The **nemesis**, seeded, injects a fault every ``--every`` seconds
-(jittered) until 85% of the budget is spent, then heals everything and lets the run end:
+Each seed runs twice on one ``--epochs`` budget with a cosine learning rate (to 0 at the end,
+so two runs' final weights compare without the last steps' noise): first the unfaulted twin,
+then the faulted run. ``--minutes`` sets the budget from this machine's rate unfaulted
+(RATE_SAMPLES_S: 8 workers on 2 cores); the faulted run takes longer. The **nemesis**, seeded,
+injects a fault every ``--every`` seconds (jittered) until 85% of the budget is spent, then
+heals everything and lets the run end:
 
     kill_worker / stop_worker, kill_group / stop_group, kill_global / stop_global,
     kill_eval / stop_eval      kill -9 then a restart (the global server with --resume on its
@@ -67,12 +69,15 @@ __all__ = ["Cluster", "Nemesis", "Plan", "main", "run_seed"]
 
 TOKEN = "soak-secret-0123456789abcdef"
 TRAIN_SIZE = 60_000  # fashion-mnist's training set (no --val-size): samples per epoch
+RATE_SAMPLES_S = 3300  # the unfaulted cluster's rate on a 2-core machine (measured: 150 k / 45 s)
 SLOWDOWNS = (1, 1, 1, 1, 2, 2, 4, 4)  # 8 workers of mixed speeds
 RATES_MBIT = (2, 5, 10, 50, 100)  # tbf rates the nemesis picks from (netns)
 SUBNET = "10.55.0"
 LEASE_S, HEARTBEAT_S = 4.0, 1.0  # short, so a soak of minutes sees each detection many times
 CHECKPOINT_EVERY_S = 2.0
 TMPFS_BYTES = 16 << 20  # the checkpoint tmpfs: room for a few LeNet-5 checkpoints
+WEIGHTS = {"kill_global": 1, "stop_global": 1}  # relative odds of a kind (others 2): each
+# resume costs the whole cluster seconds, so the global server is hit half as often
 PROGRESS_STOP = 0.85  # no new fault past this share of the budget: the run ends healed
 END_WAIT_S = 180.0  # after the global server ended: the others must end by then
 
@@ -210,7 +215,7 @@ class Plan:
     run_dir: Path
     certs: Path
     external: bool  # `minips group` processes (even seeds) or in-process groups
-    budget: list[str]  # --wall-s W (the twin) or --epochs E (the soak)
+    epochs: float  # the budget, twin and soak alike
     faults: bool
     every_s: float = 4.0
     skip: tuple[str, ...] = ()  # fault kinds the nemesis leaves out
@@ -230,7 +235,7 @@ class Plan:
                 "--lease", str(LEASE_S), "--heartbeat", str(HEARTBEAT_S),
                 "--eval-every", "3", "--eval-limit", "1000", "--calib-timeout", "90",
                 "--rejoin-wait", "120", "--checkpoint-every", str(CHECKPOINT_EVERY_S),
-                *ext, *self.budget]
+                "--epochs", f"{self.epochs:.6f}", "--lr-schedule", "cosine", *ext]
 
 
 def free_port() -> int:
@@ -392,6 +397,8 @@ class Cluster:
                 role.proc.wait()
                 self.history.write("killed_at_end", role=role.name, pid=role.proc.pid)
         self.reap()
+
+    def unmount(self) -> None:
         if self.mounted is not None:
             subprocess.run(["umount", "-l", str(self.mounted)], capture_output=True, timeout=10)
             self.mounted = None
@@ -425,8 +432,8 @@ def progress(run_dir: Path, budget: float) -> float:
     for line in reversed(tail):
         with contextlib.suppress(ValueError):
             rec = json.loads(line)
-            if "samples_trained" in rec or "samples" in rec:
-                got = rec.get("samples_trained", rec.get("samples")) or 0
+            if "samples" in rec:  # what the budget counts (a resume sets it back)
+                got = rec["samples"] or 0
                 return float(got) / budget if budget else 0.0
     return 0.0
 
@@ -550,7 +557,8 @@ class Nemesis:
             await self.heal(f)
         if now() >= self.next_at:
             self.next_at = now() + self.c.plan.every_s * self.rng.uniform(0.5, 1.5)
-            kind = self.rng.choice(self.kinds())
+            kinds = self.kinds()
+            kind = self.rng.choices(kinds, [WEIGHTS.get(k, 2) for k in kinds])[0]
             target = self.pick_target(kind)
             if target is not None:
                 await self.inject(kind, target)
@@ -708,7 +716,7 @@ def orphans(tag: str) -> list[int]:
     return found
 
 
-def run_once(plan: Plan, net: Net, why_net: str, budget_samples: float) -> None:
+def run_once(plan: Plan, net: Net, why_net: str) -> None:
     """One run of ``plan`` to its end; the history says everything that happened."""
     from minips.run.launch import write_init
 
@@ -721,29 +729,36 @@ def run_once(plan: Plan, net: Net, why_net: str, budget_samples: float) -> None:
     history.write("begin", seed=plan.seed, faults=plan.faults, external=plan.external,
                   net=net.mode, net_why=why_net, disk=why_disk, lease_s=LEASE_S,
                   heartbeat_s=HEARTBEAT_S, checkpoint_every_s=CHECKPOINT_EVERY_S,
-                  budget=plan.budget, compressor=plan.compressor, workers=plan.workers,
+                  epochs=plan.epochs, compressor=plan.compressor, workers=plan.workers,
                   checkpoint=str(cluster.checkpoint))
     try:
         if net.mode == "netns":
             for i in range(plan.workers):
                 shape(net, f"w{i}", RATES_MBIT[-1])
         cluster.launch()
-        asyncio.run(drive(cluster, budget_samples))
+        asyncio.run(drive(cluster, plan.epochs * TRAIN_SIZE))
     finally:
-        temps = sorted(p.name for p in cluster.checkpoint.parent.glob(".checkpoint.npz.tmp*"))
         cluster.close()
+        temps = sorted(p.name for p in cluster.checkpoint.parent.glob(".checkpoint.npz.tmp*"))
+        if cluster.checkpoint.exists():  # kept for the checker: the tmpfs goes with the run
+            shutil.copy(cluster.checkpoint, plan.run_dir / "soak" / "checkpoint-last.npz")
+        cluster.unmount()
         history.write("end", orphans=orphans(cluster.env["SOAK_TAG"]), checkpoint_temps=temps)
         history.close()
 
 
-def budget_of(baseline: Path) -> float:
-    """The samples the twin's global server counted (its last record line)."""
-    return float(soak_check.last_figures(baseline).get("samples", 0) or 0)
+def epochs_of(baseline: Path) -> float:
+    """The epochs budget of an unfaulted run (its config.json)."""
+    got = float(json.loads((baseline / "config.json").read_text()).get("epochs") or 0)
+    if got <= 0:
+        raise RuntimeError(f"the baseline {baseline} has no --epochs budget to repeat")
+    return got
 
 
-def run_seed(seed: int, minutes: float, every_s: float, out: Path, net_mode: str,
+def run_seed(seed: int, epochs: float, every_s: float, out: Path, net_mode: str,
              baseline: Path | None, skip: tuple[str, ...] = ()) -> soak_check.Verdict:
-    """The twin (unless ``baseline``), the soak, the checker's verdict."""
+    """The twin (unless ``baseline``, whose budget is then the soak's), the soak, the
+    checker's verdict."""
     out.mkdir(parents=True, exist_ok=True)
     external = seed % 2 == 0
     net, why = make_net(net_mode, 2 if external else 0, len(SLOWDOWNS))
@@ -752,19 +767,13 @@ def run_seed(seed: int, minutes: float, every_s: float, out: Path, net_mode: str
         make_certs(out / "certs", net)
         if baseline is None:
             baseline = out / f"seed-{seed}" / "twin"
-            if not (baseline / "summary.json").exists():
-                shutil.rmtree(baseline, ignore_errors=True)
-                run_once(Plan(seed, baseline, out / "certs", external,
-                              ["--wall-s", str(60 * minutes)], faults=False), net, why, 0)
-        samples = budget_of(baseline)
-        if samples <= 0:
-            raise RuntimeError(f"the baseline {baseline} trained no samples")
+            shutil.rmtree(baseline, ignore_errors=True)
+            run_once(Plan(seed, baseline, out / "certs", external, epochs, faults=False),
+                     net, why)
         soak = out / f"seed-{seed}" / "soak"
         shutil.rmtree(soak, ignore_errors=True)
-        run_once(Plan(seed, soak, out / "certs", external,
-                      ["--epochs", f"{samples / TRAIN_SIZE:.6f}"], faults=True, every_s=every_s,
-                      skip=skip),
-                 net, why, samples)
+        run_once(Plan(seed, soak, out / "certs", external, epochs_of(baseline), faults=True,
+                      every_s=every_s, skip=skip), net, why)
     finally:
         remove_net(net)
     return soak_check.check(soak, baseline)
@@ -772,8 +781,10 @@ def run_seed(seed: int, minutes: float, every_s: float, out: Path, net_mode: str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=3.0, help="the twin's wall-s (the soak "
-                   "trains as many samples, faults make it longer)")
+    p.add_argument("--minutes", type=float, default=3.0, help="about how long the unfaulted "
+                   "twin trains on this machine (the budget: minutes x RATE_SAMPLES_S samples; "
+                   "the soak trains as many, faults make it longer)")
+    p.add_argument("--epochs", type=float, default=0.0, help="the budget in epochs instead")
     p.add_argument("--seeds", type=int, default=1, help="seeds seed .. seed+N-1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--every", type=float, default=4.0, help="mean seconds between faults")
@@ -794,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--baseline is one seed's unfaulted run: give --seeds 1")
     verdicts = []
     for seed in range(args.seed, args.seed + args.seeds):
-        verdicts.append(run_seed(seed, args.minutes, args.every, args.out, args.net,
+        epochs = args.epochs or args.minutes * 60 * RATE_SAMPLES_S / TRAIN_SIZE
+        verdicts.append(run_seed(seed, epochs, args.every, args.out, args.net,
                                  args.baseline, tuple(filter(None, args.skip.split(",")))))
         print(verdicts[-1].text(), flush=True)
     print(soak_check.table(verdicts), flush=True)

@@ -1,0 +1,104 @@
+"""The soak (scripts/soak.py): a real TLS cluster under a seeded nemesis, then its checker.
+
+The short soak runs one seed (seed 0: `minips group` processes, topk, network namespaces with
+tbf links when root, loopback otherwise) for a twin of SOAK_EPOCHS unfaulted and the faulted run
+on as many samples, a fault every FAULT_EVERY_S, and asserts every invariant of
+scripts/soak_check.py. Faults with an open finding (tests/test_soak_findings.py) are left out
+here and named in KNOWN_FINDINGS. The checker is shown to fail, with the history window and the
+replaying seed, on a run dir that breaks each invariant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import soak  # noqa: E402
+import soak_check  # noqa: E402
+
+SOAK_EPOCHS = 1.8  # 108 k samples: ~35 s of training unfaulted on 2 cores; at 1.4 epochs the
+# accuracy still climbs steeply and the faulted run was 3 points above its twin (twice)
+FAULT_EVERY_S = 4.0
+# fault kinds with an open finding, left out of the default run (the finding's own test
+# replays it): a full checkpoint disk ends the run (test_soak_findings.py)
+KNOWN_FINDINGS = ("disk_full",)
+
+
+@pytest.mark.timeout(420)
+def test_a_short_soak_keeps_every_invariant(tmp_path: Path) -> None:
+    verdict = soak.run_seed(0, SOAK_EPOCHS, FAULT_EVERY_S, tmp_path, "auto", None,
+                            skip=KNOWN_FINDINGS)
+    print(verdict.text())
+    print(soak_check.table([verdict]))
+    names = {c.name for c in verdict.checks}
+    assert names >= {"merged_once", "samples_once", "loss_window", "counters_never_fall",
+                     "finite_model", "accuracy", "checkpoint", "exits", "resources",
+                     "faults_injected", "events"}
+    failed = [c for c in verdict.checks if not c.ok]
+    assert not failed, "\n".join(f"{c.name}: {c.evidence}\n" + "\n".join(
+        verdict.windows.get(c.name, [])) for c in failed)
+    assert sum(verdict.faults.values()) >= 6, verdict.faults  # the nemesis did act
+    assert verdict.faults.keys() & {"kill_worker", "stop_worker", "kill_global", "kill_group",
+                                    "stop_group", "kill_eval", "stop_eval", "stop_global"}
+
+
+def line(t: float, event: str, **fields: object) -> dict[str, object]:
+    return {"t": t, "event": event, **fields}
+
+
+def broken_run(d: Path) -> None:
+    """A run dir that breaks every invariant: a merge twice in one life, a counter that falls,
+    more samples than ACKed, NaN weights, no checkpoint, a role that failed, an orphan, a temp file, a server
+    whose descriptors grow, a SIGSTOPped worker no line names, a global server killed 2.5 s
+    after its last checkpoint (bound 0.5 + 1.5 s)."""
+    t0 = 1000.0
+    (d / "soak").mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"t0": t0}))
+    merge = {"group": 0, "session": 7, "seq": 1, "group_samples": 64}
+    glob = [line(1, "merge", **merge, samples=64, samples_trained=64, pushes=1),
+            line(2, "checkpoint"),
+            line(3, "merge", **merge, samples=128, samples_trained=128, pushes=2),
+            line(4, "merge", **{**merge, "seq": 2}, samples=192, samples_trained=100, pushes=3),
+            line(6, "resumed", samples=64, samples_trained=128, pushes=3)]
+    (d / "global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in glob))
+    (d / "worker-0.jsonl").write_text(json.dumps({"t": 1, "group": 0, "samples": 64}) + "\n")
+    (d / "summary.json").write_text(json.dumps({"samples_trained": 50}))
+    np.save(d / "final_weights.npy", np.array([1.0, np.nan], np.float32))
+    history = [{"op": "begin", "seed": 7, "lease_s": 2.0, "checkpoint_every_s": 0.5},
+               {"op": "start", "role": "w0", "pid": 1},
+               {"op": "inject", "id": 2, "kind": "kill_global", "target": "server"},
+               {"op": "heal", "id": 2, "kind": "kill_global", "target": "server"},
+               {"op": "inject", "id": 1, "kind": "stop_worker", "target": "w0"},
+               {"op": "heal", "id": 1, "kind": "stop_worker", "target": "w0"},
+               {"op": "exit", "role": "w0", "pid": 1, "rc": 1, "by_nemesis": False},
+               {"op": "end", "orphans": [4242], "checkpoint_temps": [".checkpoint.npz.tmp9"]}]
+    for t, h in zip((0, 0.5, 4.5, 5, 5, 15, 20, 21), history, strict=True):
+        h["t"] = t0 + t
+    (d / "soak" / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    res = [{"t": t0 + i, "pid": 9, "rss_kb": 50_000, "fds": 10 + 20 * i} for i in range(9)]
+    (d / "soak" / "resources.jsonl").write_text("".join(json.dumps(r) + "\n" for r in res))
+
+
+def test_the_checker_fails_each_invariant_a_run_breaks_and_names_its_seed(
+        tmp_path: Path) -> None:
+    broken_run(tmp_path / "run")
+    verdict = soak_check.check(tmp_path / "run", tmp_path / "no-twin")
+    failed = {c.name for c in verdict.checks if not c.ok}
+    assert failed == {"merged_once", "samples_once", "loss_window", "counters_never_fall",
+                      "finite_model", "accuracy", "checkpoint", "exits", "resources",
+                      "events"}, verdict.text()
+    assert "FAIL checkpoint: no checkpoint at" in verdict.text()
+    assert not verdict.ok
+    text = verdict.text()
+    assert "python scripts/soak.py --seed 7 --seeds 1" in text
+    # the shortest window of the history that shows the unseen stop: its inject and heal
+    assert '"kind": "stop_worker"' in "\n".join(verdict.windows["events"])
+    assert "FAIL merged_once: 2 (session, seq) merged over 2 server lives; 1 merged twice" in text
+    assert "FAIL samples_once: workers ACKed 64 samples, the global count is 192" in text
