@@ -467,7 +467,7 @@ async def test_a_resume_keeps_the_worker_traffic_says_so_and_leaves_the_downtime
         after = second.core.traffic()
         assert all(after[k] >= before[k] for k in before), (before, after)
         out = capsys.readouterr().out
-        assert "resumed from checkpoint" in out and "MB of worker traffic" in out, out
+        assert "resumed from checkpoint" in out and "MB on the wire so far" in out, out
         second.perform(second.core.finish("wall time"))
     finally:
         await second.close()
