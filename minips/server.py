@@ -660,14 +660,18 @@ def _ms(seconds: float | None) -> str:
 
 
 def _groups_line(core: GlobalCore, assignment: dict[str, int]) -> str:
-    """'2 group(s): 0 = workers 0,1 (41 ms/step), 1 = worker 2 (160 ms/step)'."""
+    """'2 group(s) by speed: 0 = workers 0,1 (45 ms/iteration, 41 ms compute), 1 = worker 2
+    (830 ms/iteration, 42 ms compute)': the iteration the grouping used (roster.py), and the
+    compute time beside it (a link-bound worker computes fast and iterates slowly)."""
     parts = []
     for g in sorted(set(assignment.values())):
         members = sorted(int(w) for w, gg in assignment.items() if gg == g)
-        times = [t for w in members if (t := core.workers[w].step_time)]
-        step = sum(times) / len(times) if times else None
+        its = [t for w in members if (t := core.workers[w].iteration())]
+        steps = [t for w in members if (t := core.workers[w].step_time)]
+        it = sum(its) / len(its) if its else None
+        step = sum(steps) / len(steps) if steps else None
         parts.append(f"{g} = worker{'s' if len(members) > 1 else ''} "
-                     f"{','.join(map(str, members))} ({_ms(step)}/step)")
+                     f"{','.join(map(str, members))} ({_ms(it)}/iteration, {_ms(step)} compute)")
     return f"{len(parts)} group(s) by speed: " + ", ".join(parts)
 
 
@@ -701,7 +705,8 @@ def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | 
             f"{mb:.1f} MB on the wire so far; saved {fields.get('down_s', 0):.0f} s ago)"
     if event == "placed":
         return f"worker {w} reported after the grouping: placed in group {fields.get('group')} " \
-            f"(the nearest in speed to its {_ms(fields.get('step_time'))}/step)"
+            f"(the nearest in speed to its {_ms(fields.get('iteration_s'))}/iteration, " \
+            f"{_ms(fields.get('step_time'))} compute)"
     if event in ("regroup", "rehomed"):
         moves = [f"worker {w} moves to group {g}" for w, g in (fields.get("moved") or {}).items()]
         why = "regrouped by speed" if event == "regroup" else f"group {fields.get('group')} lost"

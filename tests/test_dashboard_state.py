@@ -145,6 +145,9 @@ def test_prometheus_collector_exposes_the_state_in_the_text_format() -> None:
                           pull_waits_us=[20000]))
     s.add("global", {"t": 3.0, "event": "checkpoint", "bytes_up": 500, "bytes_down": 900})
     s.add("eval", {"t": 4.0, "accuracy": 0.75, "loss": 0.6})
+    # the global server's view: worker 1's iteration (its link makes it 0.8 s) beside its compute
+    s.add("probe", {"t": 4.5, "worker": 1, "group": 1, "clock": 1, "step_time": 0.1,
+                    "iteration_s": 0.8, "alive": True})
     registry = CollectorRegistry()
     registry.register(RunCollector(s, lambda: 10.0))
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
@@ -170,6 +173,9 @@ def test_prometheus_collector_exposes_the_state_in_the_text_format() -> None:
     assert value[("minips_worker_pulls_total", worker1)] == 1
     assert value[("minips_worker_ssp_wait_seconds_total", worker1)] == pytest.approx(0.02)
     assert value[("minips_worker_step_seconds", worker1)] == 0.1
+    assert value[("minips_worker_iteration_seconds", worker1)] == 0.8
+    row = next(r for r in s.update(10.0)["workers"] if r["id"] == 1)
+    assert (row["step_time"], row["iteration_s"]) == (0.1, 0.8)
     info = [k for k in value if k[0] == "minips_run_info"]
     assert len(info) == 1 and dict(info[0][1])["compressor"] == "topk" and value[info[0]] == 1
 

@@ -94,7 +94,8 @@ def probe(srv: GlobalServer, now: float) -> list[dict[str, Any]]:
     out = []
     for w, e in list(core.workers.items()):
         rec: dict[str, Any] = {"t": now, "worker": w, "group": e.group, "clock": e.clock,
-                               "step_time": e.step_time, "alive": e.connected and not e.left}
+                               "step_time": e.step_time, "iteration_s": e.iteration(),
+                               "alive": e.connected and not e.left}
         if w in clocks.get(e.group, {}):  # its group server is in this process
             rec["clock"] = clocks[e.group][w]
             rec["waiting"] = not tables[e.group].may_start(w)

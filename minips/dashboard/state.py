@@ -158,6 +158,9 @@ class WorkerView:
     group: int = -1
     clock: int = 0
     step_time: float | None = None  # s, last push (or the last STATS when only probed)
+    # s, the iteration its group waits on (PUSH to PUSH less the SSP hold, as the servers
+    # measure it; the grouping's figure), from the global server's probe
+    iteration_s: float | None = None
     wait_s: float | None = None  # s its last pull took (SSP wait and transfer)
     staleness: int | None = None  # clocks ahead of its group's slowest worker, last pull
     bytes_wire: int | None = None  # bytes of its last push on the wire
@@ -193,7 +196,7 @@ class WorkerView:
             ("step_time", step if self.step_time is None else None),
             ("bytes_per_push", wire), ("upload_ratio", up)) if v is not None]
         return {"id": self.id, "group": self.group, "clock": self.clock, "state": state,
-                "step_time": step,
+                "step_time": step, "iteration_s": self.iteration_s,
                 "wait_s": self.wait_s if own else self.pull_wait_s,
                 "staleness": self.staleness if own else self.lead,
                 "bytes_per_push": wire, "upload_ratio": up, "ratio": self.ratio,
@@ -476,6 +479,8 @@ class RunState:
         if r.get("step_time") and (v.step_time is None or v.stats_step):
             # its last STATS, until pushes of its own (its file in this run directory) say more
             v.step_time, v.stats_step = float(r["step_time"]), v.pushes == 0
+        if isinstance(r.get("iteration_s"), (int, float)) and r["iteration_s"] > 0:
+            v.iteration_s = float(r["iteration_s"])
         v.waiting = r.get("waiting")
         if not r.get("alive", True):
             v.gone = v.gone or "lost"

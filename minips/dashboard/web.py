@@ -193,8 +193,11 @@ class RunCollector(Collector):
         up = GaugeMetricFamily("minips_worker_up", "1 while the worker is alive", labels=labels)
         clock = GaugeMetricFamily("minips_worker_clock", "the worker's clock (steps in its "
                                   "group)", labels=labels)
-        step = GaugeMetricFamily("minips_worker_step_seconds", "the worker's last step time",
-                                 labels=labels)
+        step = GaugeMetricFamily("minips_worker_step_seconds", "the worker's last step time "
+                                 "(its compute)", labels=labels)
+        iteration = GaugeMetricFamily("minips_worker_iteration_seconds", "the iteration its "
+                                      "group waits on (PUSH to PUSH less the SSP hold: what "
+                                      "the grouping uses)", labels=labels)
         pulls = CounterMetricFamily("minips_worker_pulls", "the worker's pulls its group "
                                     "server answered", labels=labels)
         held = CounterMetricFamily("minips_worker_ssp_wait_seconds", "time the SSP bound "
@@ -205,9 +208,11 @@ class RunCollector(Collector):
             clock.add_metric(key, v.clock)
             if v.step_time is not None:
                 step.add_metric(key, v.step_time)
+            if v.iteration_s is not None:
+                iteration.add_metric(key, v.iteration_s)
             pulls.add_metric(key, v.pulls)
             held.add_metric(key, v.held_s)
-        yield from (up, clock, step, pulls, held)
+        yield from (up, clock, step, iteration, pulls, held)
 
 
 RUN_INFO = ("mode", "compressor", "model", "dataset", "workers", "staleness", "sync_every")
