@@ -235,14 +235,15 @@ async def read_message(loop: Any, sock: socket.socket, conn: handshake.Connectio
 
 
 async def violate(host: str, port: int, source: str) -> bool:
-    """One session from ``source`` cut for a violation (a PULL on a worker's control channel:
-    ERROR ``invalid``); False when the server closed the connection before the handshake."""
+    """One session from ``source`` cut for a violation (an evaluator's SCORE on a worker's
+    control channel: ERROR ``invalid``; a PULL there is the calibration's link probe now);
+    False when the server closed the connection before the handshake."""
     try:
         ch = await connect_from(source, host, port, token=TOKEN, worker_id=0, timeout=5)
     except (ConnectionError, asyncio.TimeoutError):
         return False
     try:
-        await ch.send(messages.Pull(clock=0))
+        await ch.send(control.Score(version=0, accuracy=0.5, loss=1.0))
         error = await recv_as(ch, control.Error, 10)
         assert error.code == "invalid", error
         await asyncio.wait_for(ch.wait_closed(), 10)
