@@ -452,8 +452,10 @@ class Worker:
                 self.writer.close()
         if self.control.stopped_by:
             raise WorkerStopped(self.control.stopped_by)
-        print(f"minips worker {self.id}: done after {self.clock} steps, {self.samples:,} "
-              "samples", file=sys.stderr, flush=True)
+        core = self.core
+        print(f"minips worker {self.id}: done after {core.own_steps} steps of its own in "
+              f"{core.pushes} pushes, {self.samples:,} samples (its group's clock {self.clock})",
+              file=sys.stderr, flush=True)
 
     def _setup(self) -> None:
         """Model, data, compressor and files, once WELCOME told the run config."""

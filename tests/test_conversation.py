@@ -57,6 +57,7 @@ def make(kind: Kind, clock: int = 0) -> messages.Message:
         Kind.EXCHANGE_REPLY: lambda: messages.ExchangeReply(version=1, **vec),
         Kind.GLOBAL_WEIGHTS: lambda: messages.GlobalWeights(version=1, size=4, **vec),
         Kind.INIT_WEIGHTS: lambda: messages.InitWeights(size=4, **vec),
+        Kind.SCORE: lambda: control.Score(version=1, accuracy=0.5, loss=1.0),
     }
     return build[kind]()
 

@@ -131,6 +131,7 @@ TRANSITIONS: dict[tuple[Side, Turn, Kind], Turn] = {
     (_P, _T.SYNCED, Kind.EXCHANGE): _T.SYNCED,
     (_P, _T.SYNCED, Kind.LEAVE): _T.LEFT,
     (_P, _T.EVALUATING, Kind.PULL): _T.EVALUATING,
+    (_P, _T.EVALUATING, Kind.SCORE): _T.EVALUATING,
     (_P, _T.EVALUATING, Kind.LEAVE): _T.LEFT,
 }
 
