@@ -466,7 +466,8 @@ def add_simulate_parser(sub: Any, add_run_flags: Callable[[argparse.ArgumentPars
                    "or schedules 4@0,1@60s (simulated seconds; a "
                    "step takes F x --base-step; the last repeats; default 1)")
     p.add_argument("--jitter", type=at_least(0), default=0.0,
-                   help="relative spread of a step's compute time (default 0)")
+                   help="relative spread of a step's compute time (default 0: workers of "
+                   "one speed stay in step, staleness 0; the course's labs use 0.1)")
     p.add_argument("--link-mbit", type=at_least(0), default=0.0,
                    help="each worker's link, mbit/s each way (default 0: no limit)")
     p.add_argument("--latency-ms", type=at_least(0), default=0.0,
