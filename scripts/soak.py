@@ -268,8 +268,12 @@ class Cluster:
         self.ended: list[subprocess.Popen[bytes]] = []
         self.mounted: Path | None = None
         self.port = free_port()
-        self.env = {**os.environ, "MINIPS_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1",
-                    "SOAK_TAG": f"soak-{os.getpid()}-{plan.seed}"}
+        from minips.net import lifeline
+
+        # each role dies with this process even when it is killed (PR_SET_PDEATHSIG)
+        self.env = lifeline.child_env({**os.environ, "MINIPS_TOKEN": TOKEN,
+                                       "PYTHONUNBUFFERED": "1",
+                                       "SOAK_TAG": f"soak-{os.getpid()}-{plan.seed}"})
         (plan.run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     @property

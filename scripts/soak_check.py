@@ -165,6 +165,11 @@ def lives(run: Run) -> list[list[dict[str, Any]]]:
     return out
 
 
+def snapshots(life: list[dict[str, Any]]) -> list[float]:
+    """When each checkpoint of a life took its state: its line comes once written."""
+    return [r["t"] - float(r.get("write_s", 0)) for r in life if r.get("event") == "checkpoint"]
+
+
 def global_kills(run: Run) -> list[dict[str, Any]]:
     return [f for f in run.faults() if f["kind"] == "kill_global"]
 
@@ -178,7 +183,7 @@ def lost_windows(run: Run) -> list[tuple[float, float, int]]:
     for n, (life, nxt, kill) in enumerate(zip(parts, parts[1:], kills, strict=False)):
         # a life killed before its first checkpoint loses what it merged since its resume
         start = [life[0]["t"]] if n > 0 and life else []
-        ckpts = start + [r["t"] for r in life if r.get("event") == "checkpoint"]
+        ckpts = start + snapshots(life)
         merges = [r for r in life if r.get("event") == "merge"]
         resumed = nxt[0]
         lost = (merges[-1]["samples"] if merges else 0) - int(resumed.get("samples", 0))
@@ -216,7 +221,7 @@ def check_exactly_once(run: Run) -> list[Check]:
     seen: dict[tuple[int, int], tuple[int, float]] = {}
     twice, outside = [], []
     parts = lives(run)
-    last_ckpt = [max((r["t"] for r in life if r.get("event") == "checkpoint"), default=0.0)
+    last_ckpt = [max(snapshots(life), default=0.0)
                  for life in parts]
     for n, life in enumerate(parts):
         for r in life:
@@ -389,6 +394,10 @@ def expected_event(run: Run, f: dict[str, Any]) -> tuple[set[str], float, Any] |
     lasted = (f["healed"] or f["rel"]) - f["rel"]
     kind, target = f["kind"], f["target"]
     worker = int(target[1:]) if target.startswith("w") else None
+    if worker is not None:
+        steps = [s["t"] for s in run.workers.get(worker, []) if "event" not in s]
+        if not steps or f["rel"] < steps[0]:
+            return None  # not in a group yet: the leases and these lines are the groups'
     if kind == "kill_worker":
         return WORKER_EVENTS, lease + DETECT_SLACK_S, worker
     if kind in ("stop_worker", "link_cut") and lasted >= lease + DETECT_SLACK_S:
