@@ -244,6 +244,7 @@ class GlobalServer:
         if event == "data":
             self.data_synthetic.add(bool(fields.get("synthetic")))
         elif event == "merge":
+            self._group_events(fields)
             self.ledger.add("merges", 1)
             self.ledger.add("pushes", int(fields.get("pushes") or 0))
             self.ledger.add("samples_trained", int(fields.get("group_samples") or 0))
@@ -255,6 +256,17 @@ class GlobalServer:
         line = console_line(core, event, {**figures, **fields}) if self.cfg.console else None
         if line:
             print(f"minips server: {line}", flush=True)
+
+    def _group_events(self, fields: dict[str, Any]) -> None:
+        """What a group process reported with the exchange merged (EXCHANGE ``events``): one
+        line each, as an in-process group's (``GroupServer.event``)."""
+        g = fields.get("group")
+        for event, w, ms in zip(fields.pop("events", None) or [],
+                                fields.pop("event_workers", None) or [],
+                                fields.pop("event_ms", None) or [], strict=False):
+            said = {"link_lost": {"silent_s": ms / 1000}, "link_back": {"after_s": ms / 1000},
+                    "expired": {"workers": [w]}}.get(event, {})
+            self.log(event, group=g, **({"worker": w} if event != "expired" else {}), **said)
 
     def figures(self) -> dict[str, int]:
         """The ledger's figures as of now, fed first with each group's counters: its workers'

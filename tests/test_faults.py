@@ -579,3 +579,37 @@ def test_workers_of_a_vanished_group_with_no_replacement_move_to_a_live_group(
     for p in workers:
         assert p.wait(timeout=30) == 0
     assert samples_now(d) >= 0.5 * 60000
+
+
+@pytest.mark.timeout(180)
+def test_a_group_process_reports_a_workers_link_lost_and_back_to_the_global_console(
+        procs: Procs) -> None:
+    """The board's 20 s link outage appeared on neither the global server's console nor the
+    dashboard when its group server ran on a machine of its own. The group process now sends
+    what it saw with its next EXCHANGE; the global server prints each as a sentence and keeps
+    it in global.jsonl (worker 1 SIGSTOPped past three heartbeats, then continued)."""
+    d = procs.run_dir
+    server, address = procs.server(*RUN, "--workers", "2", "--wall-s", "30", "--groups", "1",
+                                   "--external-groups", "1", "--lease", "20", "--heartbeat",
+                                   "0.5", "--sync-every", "2")
+    group = procs.start("group", "group", "--connect", address, "--listen", "127.0.0.1:0",
+                        "--run-dir", str(d / "g"))
+    workers = [procs.worker(address, i) for i in range(2)]
+    wait_for("worker 1 trains", lambda: len(steps(d / "worker-1.jsonl")) >= 10, 60,
+             (server, group))
+    workers[1].send_signal(signal.SIGSTOP)
+    try:
+        lost = wait_for("the group's report of the silent link", lambda: records(
+            d / "global.jsonl", event="link_lost"), 30, (server, group))
+    finally:
+        workers[1].send_signal(signal.SIGCONT)
+    back = wait_for("the link back", lambda: records(d / "global.jsonl", event="link_back"), 30,
+                    (server, group))
+    assert (lost[0]["worker"], lost[0]["group"], back[0]["worker"]) == (1, 0, 1)
+    assert lost[0]["silent_s"] >= 1.5 and back[0]["after_s"] >= lost[0]["silent_s"]
+    assert server.wait(timeout=60) == 0
+    console = (d / "logs" / "server.log").read_text()
+    assert "worker 1: no bytes from it at group 0 for" in console, console[-2000:]
+    assert "worker 1: its link to group 0 is back after" in console, console[-2000:]
+    for p in (group, *workers):
+        assert p.wait(timeout=30) == 0

@@ -82,6 +82,7 @@ EXPIRE_PERIOD_S = 1.0  # how often leases are checked; well under any sensible l
 # heartbeat_s) for this many heartbeats has lost its link, or the worker is stopped: said once
 # (``link_lost``), and again when bytes come back (``link_back``); the lease decides the rest
 SILENT_HEARTBEATS = 3
+MAX_REPORTED_EVENTS = 64  # events one EXCHANGE carries at most (names on the wire: <= 64)
 
 
 class GroupServer:
@@ -113,6 +114,8 @@ class GroupServer:
         # for its log (``event``)
         self.notify: Callable[[str, dict[str, Any]], None] | None = None
         self.silent: dict[int, float] = {}  # worker -> loop time of its last bytes, while silent
+        self.report_events = False  # a group process: events go with the next EXCHANGE
+        self.outbox: list[tuple[str, int, int]] = []  # (event, worker, ms) not yet sent
 
     def setup(self, group: int, run: RunConfig, weights: np.ndarray, link: GroupLink,
               members: list[int]) -> None:
@@ -192,6 +195,11 @@ class GroupServer:
         self.log(event, **fields)
         if self.notify is not None:
             self.notify(event, {"group": self.core.group, **fields})
+        if self.report_events:
+            seconds = fields.get("silent_s", fields.get("after_s", 0.0))
+            for w in fields.get("workers", [fields.get("worker")]):
+                self.outbox.append((event, int(w), int(1000 * float(seconds or 0.0))))
+            del self.outbox[:-MAX_REPORTED_EVENTS]  # the latest; the record keeps every one
 
     # -- membership -----------------------------------------------------------------------
 
@@ -255,10 +263,17 @@ class GroupServer:
         """Send a lost exchange again first (same seq), then the delta since the last one."""
         pending = self.core.xchg.pending
         if pending is None or await self._send(pending):
-            out = self.core.begin_exchange(final, self.traffic())
+            out = self.core.begin_exchange(final, {**self.traffic(), **self._events()})
             if await self._send(out):
                 return
         self.core.flush_failed(final)  # the global server is away: retry later
+
+    def _events(self) -> dict[str, Any]:
+        """The events not yet reported, as EXCHANGE's three lists (taken: an exchange sent
+        again carries them again, and the global server logs the one it merges)."""
+        taken, self.outbox = self.outbox, []
+        return {"events": [e for e, _, _ in taken], "event_workers": [w for _, w, _ in taken],
+                "event_ms": [ms for _, _, ms in taken]} if taken else {}
 
     async def _send(self, out: Outgoing) -> bool:
         """One exchange; False (``out`` stays pending) when the global server is away."""

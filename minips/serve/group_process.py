@@ -153,6 +153,7 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
     reconnecting to the global server when it is lost."""
     check_bind(cfg.host, cfg.token, cfg.insecure)
     gs = GroupServer(-1, RunConfig(), None, None)
+    gs.report_events = True  # its workers' links and leases, to the global server's console
     port = await gs.serve(cfg.host, cfg.port, cfg.token, server_ssl(cfg.tls_cert, cfg.tls_key))
     # a wildcard host is replaced by the global server (sessions.group_address)
     address = format_address(cfg.advertise_host or cfg.host, port)

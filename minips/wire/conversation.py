@@ -47,7 +47,7 @@ from minips.wire.messages import Kind
 
 __all__ = ["MAX_SAMPLES", "MAX_STEP_S", "MAX_EXCHANGE_COUNT", "INIT_ENCODING", "OrderError",
            "Role", "Turn", "FIRST", "TRANSITIONS", "REFUSALS", "Conversation", "check_push",
-           "check_stats", "check_exchange"]
+           "check_stats", "check_exchange", "GROUP_EVENTS"]
 
 MAX_SAMPLES = 1 << 20  # samples one push may claim (a batch); more is a broken or hostile peer
 MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it is garbage
@@ -56,6 +56,9 @@ MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it i
 # run's counters (messages.MAX_COUNT, 2^62), which GlobalCore bounds cumulatively
 MAX_EXCHANGE_COUNT = 1 << 40
 INIT_ENCODING = "dense-f32"  # the one encoding of INIT_WEIGHTS: the weights exactly as trained
+# what a group process reports of its workers in EXCHANGE's ``events``: a connection silent for
+# three heartbeats, bytes on it again, a lease run out
+GROUP_EVENTS = ("link_lost", "link_back", "expired")
 
 
 class OrderError(RemoteProtocolError):
@@ -271,3 +274,12 @@ def check_exchange(msg: messages.Exchange) -> None:
         raise RemoteProtocolError("EXCHANGE's iter_workers, iter_us, compute_us differ in "
                                   "length", expected=f"{n} entries each",
                                   got=[n, len(msg.iter_us), len(msg.compute_us)])
+    n = len(msg.events)  # and what it saw happen, one entry per event in each
+    if not len(msg.event_workers) == len(msg.event_ms) == n:
+        raise RemoteProtocolError("EXCHANGE's events, event_workers, event_ms differ in length",
+                                  expected=f"{n} entries each",
+                                  got=[n, len(msg.event_workers), len(msg.event_ms)])
+    unknown = sorted(set(msg.events) - set(GROUP_EVENTS))
+    if unknown:
+        raise RemoteProtocolError("EXCHANGE names an event this server does not know",
+                                  expected=sorted(GROUP_EVENTS), got=unknown)

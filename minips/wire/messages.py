@@ -40,6 +40,7 @@ from minips.wire.fields import (
     checked,
     integer,
     ints,
+    names,
     number,
     pairs,
     payload,
@@ -223,7 +224,8 @@ class Exchange(Reported):
     KIND = Kind.EXCHANGE
     INFO = ("session", "seq", "version", "final", "pushes", "samples", "step_time", "loss",
             "iter_time", "bytes_in", "bytes_out", "min_clock", "max_clock", "pull_workers",
-            "pull_leads", "pull_waits_us", "iter_workers", "iter_us", "compute_us")
+            "pull_leads", "pull_waits_us", "iter_workers", "iter_us", "compute_us", "events",
+            "event_workers", "event_ms")
     session: int = checked(integer(0, MAX_SEQ))  # random per group process run
     seq: int = checked(integer(0, MAX_SEQ))  # 1, 2, ... within the session
     version: int = checked(integer(), 0)  # the group's weights version
@@ -250,6 +252,12 @@ class Exchange(Reported):
     iter_workers: list[int] = checked(ints(lo=0), factory=list)
     iter_us: list[int] = checked(ints(lo=0), factory=list)
     compute_us: list[int] = checked(ints(lo=0), factory=list)
+    # what the group saw happen to its workers since its last exchange, for the operator (the
+    # global server's console), one entry each in the three lists: the event (``EVENTS``),
+    # the worker, and milliseconds (silent for, back after; 0 for an expired lease)
+    events: tuple[str, ...] = checked(names, factory=tuple)
+    event_workers: list[int] = checked(ints(lo=0), factory=list)
+    event_ms: list[int] = checked(ints(lo=0), factory=list)
     payload: Payload = checked(payload)
 
 
