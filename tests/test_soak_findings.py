@@ -78,6 +78,21 @@ def test_a_checkpoint_that_cannot_be_written_does_not_end_the_run(tmp_path: Path
             p.wait()
 
 
+def connected(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds an established TCP connection to local ``port``
+    (/proc/net/tcp: remote address ip:port in hex, state 01)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        cols = line.split()
+        if cols[3] == "01" and int(cols[2].split(":")[1], 16) == port and cols[9] in inodes:
+            return True
+    return False
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.xfail(strict=True, reason="finding of the soak: a minips group process dropped "
                    "while it waits for the grouping exits 2 instead of registering again "
@@ -98,8 +113,8 @@ def test_a_group_process_dropped_before_the_grouping_registers_again(tmp_path: P
                       "127.0.0.1:0", "--run-dir", str(tmp_path), "--reconnect", "60")
         procs.append(group)
         log = tmp_path / "group.log"
-        wait_for("the group registered", lambda: "waiting for the grouping" in
-                 log.read_text(), 60, (group,))
+        wait_for("the group connected to the global server",
+                 lambda: connected(group.pid, int(port)), 60, (group,))
         group.send_signal(signal.SIGSTOP)
         # past the lease (2 s): the global server drops the silent group; polled, not slept
         with pytest.raises(subprocess.TimeoutExpired):
