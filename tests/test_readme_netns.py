@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -453,3 +454,139 @@ def test_the_readme_group_server_with_tls_from_the_operations_recipe(
     assert seen == {"0": True, "1": True}, seen
     assert summary["bytes_group_global"] > 0 and summary["bytes_worker_group"] > 0
     assert {k: summary[k] for k in HOPS.values()} == replayed(run_dir, roles)
+
+
+# -- the edge board: fast compute behind a slow link ---------------------------------------------
+
+BOARD_MBIT = 5  # the board's link, each way (tbf on its side and on the switch's port)
+CUT_S = 20.0  # the board's link outage
+STATE_HOPS = {"worker_to_group": "bytes_worker_group", "group_to_worker": "bytes_group_worker",
+              "group_to_global": "bytes_group_global", "global_to_group": "bytes_global_group"}
+
+
+def shape(machine: Machine, switch: str, port: str, mbit: int) -> None:
+    """``mbit`` each way between ``machine`` and the switch: tbf on its eth0 (what it sends)
+    and on the switch's port to it (what it receives)."""
+    rate = f"{mbit}mbit"
+    for ns, dev in ((machine.name, "eth0"), (switch, port)):
+        ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+           "burst", "32kbit", "latency", "400ms")
+
+
+def fetch(machine: Machine, url: str) -> str:
+    """``url`` fetched on ``machine`` ("" when nothing answers)."""
+    code = ("import sys, urllib.request; "
+            "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())")
+    got = subprocess.run(machine.run(sys.executable, "-c", code, url), capture_output=True,
+                         text=True, timeout=30)
+    return got.stdout if got.returncode == 0 else ""
+
+
+def readings(machine: Machine, metrics_url: str, run_dir: Path) -> dict[str, dict[str, float]]:
+    """The byte counters of one moment as four places show them: the dashboard's JSON state,
+    /metrics, and the global server's record (what summary.json reads) just before and after
+    the two fetches."""
+    before = records(run_dir / "global.jsonl")[-1]
+    state = json.loads(fetch(machine, metrics_url.replace("/metrics", "/state")) or "{}")
+    metrics = hop_bytes(fetch(machine, metrics_url))
+    after = records(run_dir / "global.jsonl")[-1]
+    hops = state.get("hops") or {}
+    return {"state": {v: float(hops.get(k, 0)) for k, v in STATE_HOPS.items()},
+            "metrics": metrics, "before": {k: float(before.get(k, 0)) for k in HOPS.values()},
+            "after": {k: float(after.get(k, 0)) for k in HOPS.values()}}
+
+
+def one_exchange(run_dir: Path) -> float:
+    """The most bytes one exchange period added to the run's total: the gap between two
+    consecutive merge lines' bytes_total (the tolerance of 'the same figure')."""
+    totals = [r["bytes_total"] for r in records(run_dir / "global.jsonl", event="merge")]
+    return max((b - a for a, b in zip(totals, totals[1:], strict=False)), default=0.0)
+
+
+def console_mb(log: str) -> list[float]:
+    """The total MB of every progress line the server printed, in order."""
+    return [float(m[1]) for m in re.finditer(r"^\[(?:training|start-up)[^\]]*\].* total "
+                                             r"([\d.]+)$", log, re.M)]
+
+
+@pytest.mark.timeout(300)
+def test_the_edge_board_behind_5_mbit_is_grouped_apart_and_every_figure_agrees(
+        machines: dict[str, Machine], cores: Cores, roles: Roles) -> None:
+    """Issue 58's acceptance: a board whose compute is as fast as the others' (its CPU not
+    held) behind a 5 mbit link is grouped apart from the fast workers at the first grouping
+    and never moved into their group; the console, the dashboard's state, /metrics and the
+    record summary.json reads agree on every byte counter (within one exchange's bytes) at
+    three points and at the end, and none falls across a 20 s cut of the board's link (an
+    event line on the global console) and a kill -9 + --resume of the server."""
+    recipe = Recipe.read()
+    roles.env["MINIPS_TOKEN"] = recipe.token()
+    srv, board = machines["server"], machines["worker-b"]
+    shape(board, f"{PREFIX}{os.getpid()}x", "pb", BOARD_MBIT)
+    run_dir = srv.home / "runs" / "server"
+    cmd = ["minips", "server", "--host", "0.0.0.0", "--workers", "3", "--wall-s", "45",
+           "--calib-timeout", "40", "--checkpoint-every", "3", "--dashboard", "0.0.0.0:8080",
+           "--heartbeat", "1", "--lease", "60"]
+    server = roles.start("server", srv, cmd)
+    (join,) = roles.printed("server", "join: ", server)
+    url = dashboard_url(roles, "server", server)
+    argv = shlex.split(join.removeprefix("join: "))
+    named = {"worker-a": machines["worker-a"], "worker-b": board, "worker-c": machines["worker-c"]}
+    workers = {n: roles.start(n, m, argv, cgroup=cores.own) for n, m in named.items()}
+    everyone = (server, *workers.values())
+    formed = wait_for("the groups", lambda: records(run_dir / "global.jsonl", event="groups"),
+                      120, everyone)[0]
+    ids = {n: int(re.search(r"minips worker (\d+):", roles.log(n))[1])  # type: ignore[index]
+           for n in named}
+    group = {n: formed["assignment"][str(i)] for n, i in ids.items()}
+    assert group["worker-b"] not in (group["worker-a"], group["worker-c"]), formed
+    it = formed["iteration_s"]
+    assert it[str(ids["worker-b"])] > 2 * max(it[str(ids["worker-a"])], it[str(ids["worker-c"])])
+
+    def agree(at: str) -> None:
+        r = readings(srv, url, run_dir)
+        tol = 2 * one_exchange(run_dir)
+        for hop in HOPS.values():
+            low, high = r["before"][hop] - tol, r["after"][hop] + tol
+            for where in ("state", "metrics"):
+                assert low <= r[where][hop] <= high, (at, where, hop, r, tol)
+
+    for k in range(3):  # three points during the run
+        wait_for(f"merges ({k})", lambda n=k: len(records(run_dir / "global.jsonl",
+                                                          event="merge")) > 20 * (n + 1),
+                 60, everyone)
+        agree(f"point {k}")
+    # the board's link cut for 20 s: said on the global console, counters go on
+    ip("netns", "exec", board.name, "ip", "link", "set", "eth0", "down")
+    try:
+        wait_for("the cut on the console", lambda: "no bytes from it at group" in
+                 roles.log("server"), 30, everyone)
+        cut_at = time.monotonic()
+        while time.monotonic() - cut_at < CUT_S - 5:  # the outage lasts: the fault, not a wait
+            assert server.poll() is None, roles.log("server")[-2000:]
+            time.sleep(0.5)
+    finally:
+        ip("netns", "exec", board.name, "ip", "link", "set", "eth0", "up")
+    wait_for("the board's link back", lambda: "its link to group" in roles.log("server"), 60,
+             everyone)
+    # kill -9 and --resume: nothing falls
+    ckpt = run_dir / "checkpoint.npz"
+    wait_for("a checkpoint", ckpt.exists, 30, everyone)
+    server.send_signal(signal.SIGKILL)
+    server.wait(timeout=30)
+    server = roles.start("server-resumed", srv, [*cmd, "--resume"])
+    url = dashboard_url(roles, "server-resumed", server)
+    exits_0(roles, {**workers, "server-resumed": server})
+    totals = [r["bytes_total"] for r in records(run_dir / "global.jsonl") if "bytes_total" in r]
+    assert all(b >= a for a, b in zip(totals, totals[1:], strict=False)), "a counter fell"
+    printed = console_mb(roles.log("server")) + console_mb(roles.log("server-resumed"))
+    assert printed and all(b >= a - 0.05 for a, b in zip(printed, printed[1:], strict=False))
+    # the end: summary.json, the last record, the console's last line agree
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last = records(run_dir / "global.jsonl")[-1]
+    assert {k: summary[k] for k in HOPS.values()} == {k: last[k] for k in HOPS.values()}
+    assert abs(printed[-1] - summary["bytes_total"] / 1e6) <= 0.05 + one_exchange(run_dir) / 1e6
+    assert {k: summary[k] for k in HOPS.values()} == replayed(run_dir, roles)
+    # never regrouped into the fast group
+    for r in records(run_dir / "global.jsonl", event="regroup"):
+        moved = (r.get("moved") or {}).get(str(ids["worker-b"]))
+        assert moved is None or moved not in (group["worker-a"], group["worker-c"]), r
