@@ -740,6 +740,7 @@ def _apply_overrides(suite: Suite, args: argparse.Namespace) -> None:
         suite.experiments = [_overriding(e, down_values=args.down_values)
                              if "down_values" in e.overrides else e for e in suite.experiments]
     with_downlink(suite, args.down_mode)
+    with_exchange(suite, args.xchg_mode)
 
 
 EXACT = "+exact"  # the label suffix of a row's twin with the exact downlink (--down-mode both)
@@ -769,6 +770,23 @@ def _other_downlink(suite: Suite, exp: Experiment) -> Experiment:
     exact = exp.overrides.get("down_mode", suite.run.get("down_mode", "auto")) == "exact"
     return replace(_overriding(exp, down_mode="auto" if exact else "exact"),
                    label=exp.label + (COMPRESSED if exact else EXACT))
+
+
+XEXACT = "+xexact"  # the label suffix of a row's twin with the exact exchange (--xchg-mode both)
+
+
+def with_exchange(suite: Suite, mode: str | None) -> None:
+    """``--xchg-mode``: ``topk`` or ``exact`` for every minips run's group <-> global exchange
+    (``RunConfig.xchg_mode``, core/exchange.py); ``both`` adds, after each minips row, its twin
+    with the exact exchange (``LABEL+xexact``); None leaves the suite as it is."""
+    if mode in ("topk", "exact"):
+        suite.run["xchg_mode"] = mode
+        suite.experiments = [e if e.ddp_hook else _overriding(e, xchg_mode=mode)
+                             for e in suite.experiments]
+    elif mode == "both":
+        suite.experiments = [
+            twin for e in suite.experiments for twin in ([e] if e.ddp_hook else [
+                e, replace(_overriding(e, xchg_mode="exact"), label=e.label + XEXACT)])]
 
 
 def _overriding(exp: Experiment, **changes: Any) -> Experiment:
@@ -865,6 +883,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--down-values", choices=("f32", "f16"),
                    help="the values of every sparse row's downlink updates: f16 (the presets' "
                    "default since 2026-12-04 evening) or f32 (as the runs before it sent)")
+    p.add_argument("--xchg-mode", choices=("topk", "exact", "both"),
+                   help="the group <-> global exchange of every minips run: topk (today's "
+                   "default), exact (every change, both ways) or both (each row and its twin "
+                   "with the exact exchange: LABEL+xexact); default: as each row says")
     p.add_argument("--down-mode", choices=("auto", "exact", "both"),
                    help="how PULLs are answered in every minips run: auto (the compressed "
                    "downlink of the sparse rows), exact (the changes since, "

@@ -685,3 +685,25 @@ def test_the_reference_script_trains_a_suites_schedule_and_scores_the_first_samp
     flat0, _ = reference.train("lenet5", train, lr=0.05, seed=0, steps=4, batch_size=16,
                                workers=2, lr_schedule="cosine")
     assert not np.allclose(flat0, flat)  # the warm-up did change the updates
+
+
+def test_xchg_mode_both_puts_each_minips_row_beside_its_exact_exchange_twin(tmp_path):
+    """--xchg-mode both: each minips row, then LABEL+xexact with the exact group <-> global
+    exchange (core/exchange.py), the rest unchanged; exact / topk set it for every row."""
+    (suite,) = reproduce.suites_for("link")
+    plain = {e.label: reproduce._launch_config(suite, e, 0, tmp_path).run
+             for e in suite.experiments if not e.ddp_hook}
+    reproduce.with_exchange(suite, "both")
+    order = [e.label for e in suite.experiments]
+    rows = {e.label: e for e in suite.experiments}
+    for label, run in plain.items():
+        twin = label + reproduce.XEXACT
+        assert order.index(twin) == order.index(label) + 1
+        got = reproduce._launch_config(suite, rows[twin], 0, tmp_path).run
+        assert got.xchg_mode == "exact" and replace(got, xchg_mode=run.xchg_mode) == run
+    for mode in ("exact", "topk"):
+        (quick,) = reproduce.suites_for("quick")
+        reproduce.with_exchange(quick, mode)
+        assert {reproduce._launch_config(quick, e, 0, tmp_path).run.xchg_mode
+                for e in quick.experiments if not e.ddp_hook} == {mode}
+    assert reproduce._parser().parse_args(["--xchg-mode", "both"]).xchg_mode == "both"
