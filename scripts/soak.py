@@ -78,6 +78,9 @@ CHECKPOINT_EVERY_S = 2.0
 TMPFS_BYTES = 16 << 20  # the checkpoint tmpfs: room for a few LeNet-5 checkpoints
 WEIGHTS = {"kill_global": 1, "stop_global": 1}  # relative odds of a kind (others 2): each
 # resume costs the whole cluster seconds, so the global server is hit half as often
+# a --skip name: no SIGSTOP or partition of a group process before the grouping (one dropped
+# then exits 2: tests/test_soak_findings.py)
+EARLY_GROUP = "early_group_stop"
 PROGRESS_STOP = 0.85  # no new fault past this share of the budget: the run ends healed
 END_WAIT_S = 180.0  # after the global server ended: the others must end by then
 
@@ -514,6 +517,7 @@ class Nemesis:
         self.next_at = now() + self.rng.uniform(3, 6)
         self.filler: Path | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self._grouped = False
 
     def kinds(self) -> list[str]:
         c = self.c
@@ -528,6 +532,14 @@ class Nemesis:
         if c.mounted is not None:
             kinds.append("disk_full")
         return [k for k in kinds if k not in c.plan.skip]
+
+    def grouped(self) -> bool:
+        """Whether the global server has formed the groups (a `groups` line)."""
+        if not self._grouped:
+            with contextlib.suppress(OSError):
+                self._grouped = '"event":"groups"' in (self.c.plan.run_dir /
+                                                       "global.jsonl").read_text()
+        return self._grouped
 
     def busy(self, target: str) -> bool:
         return any(f.target == target for f in self.active)
@@ -546,6 +558,8 @@ class Nemesis:
         if kind.endswith("_group") or kind == "partition":
             if any(f.target.startswith("group") for f in self.active):
                 return None  # one group process at a time
+            if kind != "kill_group" and EARLY_GROUP in c.plan.skip and not self.grouped():
+                return None
             free = [g for g in c.roles if g.startswith("group") and c.alive(g)]
             return rng.choice(free) if free else None
         if kind.endswith("_global") or kind in ("garbage", "flood", "disk_full"):
@@ -796,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", type=Path, help="an unfaulted run of the same seed (one seed)")
     p.add_argument("--net", choices=("auto", "netns", "loopback"), default="auto")
     p.add_argument("--skip", default="", help="fault kinds the nemesis leaves out, "
-                   "comma-separated (e.g. disk_full)")
+                   f"comma-separated (e.g. disk_full; {EARLY_GROUP}: no stop or partition of "
+                   "a group process before the grouping)")
     p.add_argument("--hostile", choices=("garbage", "flood"), help=argparse.SUPPRESS)
     p.add_argument("--target", help=argparse.SUPPRESS)
     p.add_argument("--ca", help=argparse.SUPPRESS)

@@ -176,8 +176,12 @@ def global_kills(run: Run) -> list[dict[str, Any]]:
 
 def lost_windows(run: Run) -> list[tuple[float, float, int]]:
     """For each life that a kill ended: (its last checkpoint's time, or its resume's when it
-    wrote none, the kill's time, samples merged after that and lost)."""
+    wrote none, the kill's time, samples lost). Lost: those merged after the checkpoint (the
+    resumed count is the checkpoint's), and with in-process groups also those their workers saw
+    ACKed after it and not merged yet (the groups' state since the checkpoint dies with the
+    server; `minips group` processes keep theirs and send it again)."""
     out = []
+    steps = [] if run.begin.get("external") else run.steps()
     parts = lives(run)
     kills = global_kills(run)
     for n, (life, nxt, kill) in enumerate(zip(parts, parts[1:], kills, strict=False)):
@@ -187,7 +191,9 @@ def lost_windows(run: Run) -> list[tuple[float, float, int]]:
         merges = [r for r in life if r.get("event") == "merge"]
         resumed = nxt[0]
         lost = (merges[-1]["samples"] if merges else 0) - int(resumed.get("samples", 0))
-        out.append((ckpts[-1] if ckpts else 0.0, kill["rel"], max(0, lost)))
+        since = ckpts[-1] if ckpts else 0.0
+        acked = sum(int(s.get("samples", 0)) for s in steps if since < s["t"] <= kill["rel"] + 0.5)
+        out.append((since, kill["rel"], max(0, lost, acked)))
     return out
 
 
