@@ -576,10 +576,12 @@ class Nemesis:
         if now() >= self.next_at:
             self.next_at = now() + self.c.plan.every_s * self.rng.uniform(0.5, 1.5)
             kinds = self.kinds()
-            kind = self.rng.choices(kinds, [WEIGHTS.get(k, 2) for k in kinds])[0]
-            target = self.pick_target(kind)
-            if target is not None:
-                await self.inject(kind, target)
+            for _ in range(5):  # a kind with no target now (all busy, no checkpoint yet): another
+                kind = self.rng.choices(kinds, [WEIGHTS.get(k, 2) for k in kinds])[0]
+                target = self.pick_target(kind)
+                if target is not None:
+                    await self.inject(kind, target)
+                    break
 
     async def inject(self, kind: str, target: str) -> None:
         self.fid += 1
