@@ -660,8 +660,8 @@ class InProcLink:
         result = global_core.reply(actions, ExchangeResult)
         if trace.TRACER is not None:  # --trace: written as the frames a group process sends
             trace.TRACER.inproc(f"group-{group}", "server", "send", msg, wire)
-            trace.TRACER.inproc(f"group-{group}", "server", "recv",
-                                core.exchange_reply(group, result.weights), result.bytes_down)
+            reply = core.merger.exchange_reply(group, result.weights, core.done)
+            trace.TRACER.inproc(f"group-{group}", "server", "recv", reply, result.bytes_down)
         return result
 
 

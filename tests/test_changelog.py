@@ -165,7 +165,7 @@ class Cluster:
         self.glob.groups_formed(handles, dict(self.where), 0.0)
         self.groups = [GroupCore(g, run, w0, members=self.members(g)) for g in range(count)]
         if forget:
-            self.glob.changes = ChangeLog(N, max_entries=0)
+            self.glob.merger.changes = ChangeLog(N, max_entries=0)
             for group in self.groups:
                 group.changes = ChangeLog(N, max_entries=0)
                 if group.downlink is not None:

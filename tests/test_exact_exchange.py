@@ -317,7 +317,7 @@ async def test_a_resumed_global_server_gets_every_exchange_once(
         tmp_path: Path, scenario: Any) -> None:
     sim = ExactSim(tmp_path)
     try:
-        assert isinstance(sim.srv.core.mirror(0), ExactMirror)
+        assert isinstance(sim.srv.core.merger.mirror(0), ExactMirror)
         await scenario(sim)
     finally:
         await sim.close()

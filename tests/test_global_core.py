@@ -148,7 +148,7 @@ def test_group_answers_name_the_exchanges_held_and_a_repeat_is_not_merged_twice(
     w = sparse.decode_vector(again.payload, N)
     assert np.asarray(w).tolist() == [0.5] * N
     c.checkpoint_state()  # a snapshot records the exchange it holds
-    assert c.exchange_reply(0, delta).saved_exchanges == [[-1, -1], [7, 1]]
+    assert c.merger.exchange_reply(0, delta, c.done).saved_exchanges == [[-1, -1], [7, 1]]
 
 
 def test_a_replay_is_not_merged_twice_however_many_sessions_came_between() -> None:
@@ -177,7 +177,7 @@ def test_past_the_sessions_kept_a_new_session_is_refused_not_an_old_one_forgotte
     c.roster.admit(0)
     grouped(c)
     one = np.ones(N, np.float32)
-    c.merged[0] = Merged([[s, 1] for s in range(MAX_SESSIONS)])  # the run's sessions so far
+    c.merger.merged[0] = Merged([[s, 1] for s in range(MAX_SESSIONS)])  # the run's sessions so far
     with pytest.raises(RemoteProtocolError, match="sessions already"):  # ERROR invalid
         c.on_exchange(0, one, {"samples": 1, "session": MAX_SESSIONS, "seq": 1}, 0.0)
     assert c.version == 0 and c.samples == 0  # nothing of it merged

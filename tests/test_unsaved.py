@@ -64,7 +64,7 @@ class Sim:
     def _send(self, out: Any, lose_reply: bool) -> bool:
         merged = self.srv.core.merge(0, out.delta, out.stats, 0.0)
         res = global_core.reply(merged, ExchangeResult)
-        reply = self.srv.core.exchange_reply(0, res.weights)
+        reply = self.srv.core.merger.exchange_reply(0, res.weights, self.srv.core.done)
         if lose_reply:
             return False
         saved = seqs_in(reply.info, "saved_exchanges", self.xchg.session)

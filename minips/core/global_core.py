@@ -1,68 +1,20 @@
-"""The global server's rules without IO: the weights and their merges, grouping decisions,
-GDTopK's ratios, the budget, and what a checkpoint holds.
+"""The global server's rules without IO: the roster and the grouping, GDTopK's ratios, the
+budget and what a checkpoint holds; the global weights and the groups' exchanges with them are
+``merge.Merger``'s, which ``GlobalCore`` holds (the round trip reads in core/merge.py).
 
 ``GlobalCore`` is what the global server *decides*; ``server.GlobalServer`` (asyncio) holds one
 and carries out what it decides over real connections, and ``simulate.py`` drives the same class
-in simulated time. No asyncio, sockets, clocks or torch inside (tests/test_group_core.py checks):
-times come from the injected clocks or as ``now``. The roster (``roster.py``) holds the workers,
-the groups, their servers and their ratios.
+in simulated time. No asyncio, sockets, clocks or torch inside: time comes in as ``now`` (``wall``
+only dates records and the wall budget).
 
-Entry points: a worker's HELLO ``admit``, its session ``worker_joined`` / ``worker_leaving`` /
-``worker_gone``, its calibration's link probe ``probe_pulled`` / ``probe_pushed``, its STATS
-``on_stats``, its initial weights ``on_initial``, the grouping deadline
-``calib_timeout``, the groups the shell opened ``groups_formed`` / ``group_opened`` / ``moved`` /
-``place_late`` / ``group_served`` / ``group_lost`` / ``rehome`` / ``resume``, a group's exchange
-``merge`` (in-process) or ``on_exchange`` / ``group_pull`` / ``group_left`` (a group process:
-EXCHANGE -> EXCHANGE_REPLY), the budget ``finish(reason)`` and ``fail``, checkpoints
-``load_state_dict``. Each answers in one shape: a list of the actions below, in the order the
-shell is to perform them; what goes back to the one who asked is an action too (``Admitted``,
-``Reply``). Time comes in as ``now`` (the rules read no clock; ``wall`` only dates records and
-the wall budget). The rest are queries (``first_assignment``, ``ratio_of``, ``checkpoint_state``,
-the message builders). The actions are frozen dataclasses, so a test compares them:
-
-- ``FormGroups``: every expected worker reported (or the calibration time passed): open the
-  groups of ``Roster.first_assignment`` and send each worker its ASSIGN.
-- ``PlaceLate(worker)``: a worker reported after the grouping: once the groups are open, put it
-  in the group nearest its speed (``place_late``).
-- ``Placed(worker, group)``: ``place_late`` put it there: tell it (ASSIGN).
-- ``Admitted(worker)``: the id ``admit`` gave a HELLO (its WELCOME says it).
-- ``Reply(group, answer)``: what goes back to the group that asked: GLOBAL_WEIGHTS for its PULL,
-  EXCHANGE_REPLY for its EXCHANGE, an ``ExchangeResult`` for an in-process ``merge``
-  (``reply(actions, kind)`` picks it out).
-- ``Regroup(assignment)``: the speeds drifted (``grouping.Regrouper``): move these workers.
-- ``SendSettings(ratios)``: how these groups' workers send changed (already in the groups):
-  GDTopK chose new ratios ``{group: ratio}``, or local steps auto a new H; tell the group
-  servers and every worker of those groups (an ASSIGN carries both).
-- ``WeightsReady``: the first initial weights arrived; the grouping may go on.
-- ``Done(reason)``: the budget is spent: tell the groups and the workers, wait for the final
-  deltas (bounded).
-- ``AllFinal``: every group flushed its final delta: end the run, or wait for the workers to
-  rejoin when budget is left (``server.GlobalServer``).
-- ``Fail(code, reason)``: the run fails now (``diverged``: a group sent NaN or inf): tell the
-  workers (ERROR); a ``Done`` follows.
-- ``Rehomed(group, moved)``: a lost group's workers moved to live groups: tell them (ASSIGN).
-- ``Log(event, fields)`` (``actions.py``, shared with the group core): one line of the run's
-  record (the shell adds the time and the counters).
-
-Invariants (server.py's docstring has the run's whole course): ``weights`` changes only in
-``merge`` (weights += delta of one group scaled by the sync policy's merge rule, version += 1),
-so the global weights are the initial weights plus every delta any group sent; once ``done``,
-merges still land: nothing sent is lost. Each (session, seq) of a group is merged at most once
-(``replay.Merged``: a seq not above its session's last merged one is answered without
-merging). The run's counters (samples, version, the groups' worker traffic summed) never pass
-``messages.MAX_COUNT`` (2^62), what GLOBAL_WEIGHTS can carry: an exchange that would take one
-past it is refused (``RemoteProtocolError``) before anything of it is merged.
-
-Staleness between groups. ``synced`` holds, per group, the global weights its copy was last
-brought up to (``exchange.SyncPoint``: version, the group's own merges then, ``now``): set when
-the group opens (``groups_formed``, ``group_opened``), at each PULL (``group_pull``) and at each
-answer to its exchanges (``merge``). Each ``merge`` line says how stale the exchange was:
-``missed``, the merges of *other* groups since then (its own never count), and
-``base_age_s``, the seconds since then; both None for a group resumed from a checkpoint until
-its first answer (the point is not saved).
-
-Checkpoints. ``checkpoint_state`` takes a snapshot and ``load_state_dict`` / ``resume`` bring
-it back: ``core/snapshot.py`` says what one holds and how it is restored.
+Every entry point (a worker's ``admit`` / ``worker_joined`` / ``on_stats`` ..., the groups'
+``groups_formed`` / ``group_lost`` / ``rehome`` ..., a group's exchange ``merge`` / ``on_exchange``
+/ ``group_pull``, the budget's ``finish`` / ``fail``, ``load_state_dict``) answers in one shape:
+a list of the actions below, in the order the shell is to perform them; what goes back to the
+one who asked is an action too (``Admitted``, ``Reply``; ``reply(actions, kind)`` picks it out).
+The actions are frozen dataclasses, so a test compares them. Once ``done``, merges still land:
+nothing sent is lost. Checkpoints: ``checkpoint_state`` takes a snapshot, ``load_state_dict`` /
+``resume`` bring it back (``core/snapshot.py`` says what one holds).
 """
 
 from __future__ import annotations
@@ -76,24 +28,15 @@ import numpy as np
 
 from minips import sparse
 from minips.core.actions import Log
-from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
-from minips.core.exchange import (
-    BETWEEN_GROUPS,
-    Delta,
-    ExactMirror,
-    ExchangeResult,
-    GroupMirror,
-    SyncPoint,
-    group_mirror,
-)
+from minips.core.exchange import Delta, ExchangeResult
 from minips.core.local_steps import auto_local_steps
-from minips.core.replay import MAX_SESSIONS, Merged
+from minips.core.merge import Merger
+from minips.core.replay import Merged
 from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
 from minips.core.snapshot import restore_group, restore_workers, snapshot
 from minips.errors import RemoteProtocolError
-from minips.wire import control, frames, messages
-from minips.wire.messages import MAX_COUNT
+from minips.wire import control, messages
 
 __all__ = [
     "Action",
@@ -216,27 +159,35 @@ def reply(actions: list[Action], kind: type[T]) -> T:
 
 # -- the rules -------------------------------------------------------------------------------
 
+class _OfMerger:
+    """An attribute of the core's ``Merger`` (the weights, their version, the samples), read
+    and set through the core as before."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, core: GlobalCore, owner: type | None = None) -> Any:
+        return getattr(core.merger, self.name)
+
+    def __set__(self, core: GlobalCore, value: Any) -> None:
+        setattr(core.merger, self.name, value)
+
+
 class GlobalCore:
-    """The global weights, their version, the run's samples and budget, the roster."""
+    """The roster, the grouping, the run's budget and checkpoints; the weights in ``merger``."""
+
+    run = _OfMerger()  # RunConfig: the run's rules (the merger reads them too)
+    weights = _OfMerger()  # np.ndarray | None: the global weights (none before the first)
+    version = _OfMerger()  # int: merges applied to the weights
+    samples = _OfMerger()  # int: training samples all groups reported
 
     def __init__(self, run: RunConfig, weights: np.ndarray | None, *, regroup: bool,
                  wall: Callable[[], float]) -> None:
-        self.run = run
-        self.wall = wall  # the run's wall clock (records, the wall budget); rules take ``now``
-        self.weights = None if weights is None else np.array(weights, dtype=np.float32)
-        self.version = 0  # merges applied to self.weights
-        self.samples = 0  # training samples all groups reported
         self.roster = Roster(run, regroup=regroup)
+        self.merger = Merger(run, self.roster, weights)  # the weights and the groups' copies
+        self.wall = wall  # the run's wall clock (records, the wall budget); rules take ``now``
         self.workers = self.roster.workers  # worker id -> WorkerEntry
         self.groups = self.roster.groups  # group id -> GroupHandle
-        # group id -> what it holds of the weights (``RunConfig.xchg_mode``)
-        self.mirrors: dict[int, GroupMirror | ExactMirror] = {}
-        # group id -> the global weights its copy was last brought up to (between-group
-        # staleness, ``synced``); none for a group resumed from a checkpoint until it is answered
-        self.synced: dict[int, SyncPoint] = {}
-        # for each merge the indices it touched: an answer to a group costs O(changes since)
-        self.changes: ChangeLog | None = None  # made with the weights (``change_log``)
-        self.merged: dict[int, Merged] = {}  # group id -> last merged seq of its sessions
         self.grouped = False  # the first groups are drawn up (FormGroups went out)
         self.calib_expired = False  # calib_timeout_s passed: the next STATS forms the groups
         self.done = False
@@ -365,7 +316,7 @@ class GlobalCore:
         is in its group."""
         for h in handles:
             self.groups[h.id] = h
-            self.synced_now(h.id, now)
+            self.merger.synced_now(h.id, now)
         self.roster.refresh_step_times()
         self.started_training = self.wall()
         for w, g in assignment.items():
@@ -408,7 +359,7 @@ class GlobalCore:
     def group_opened(self, h: GroupHandle, now: float) -> list[Action]:
         """A new group (a regroup drew it) has its server, opened with the global weights."""
         self.groups[h.id] = h
-        self.synced_now(h.id, now)
+        self.merger.synced_now(h.id, now)
         return []
 
     def moved(self, moves: dict[int, int], now: float) -> list[Action]:
@@ -456,7 +407,7 @@ class GlobalCore:
         for key, saved in state["groups"].items():
             h = handles[int(key)]
             restore_group(h, saved)
-            self.merged[h.id] = Merged(saved.get("merged") or [list(h.last_exchange)])
+            self.merger.merged[h.id] = Merged(saved.get("merged") or [list(h.last_exchange)])
         self.groups.update(sorted(handles.items()))
         self.roster.restore_regrouper()
         self.started_training = self.wall() - float(state["train_s"])
@@ -477,162 +428,43 @@ class GlobalCore:
         return [Log("ratios", {"ratios": {str(g): r for g, r in new.items()},
                                "iter_time": times}), SendSettings(new), *steps]
 
-    # -- the groups' exchanges ---------------------------------------------------------------
+    # -- the groups' exchanges (the round trip is core/merge.py's) ---------------------------
 
     def merge(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
               wire_in: int | None = None) -> list[Action]:
-        """Add group ``g``'s delta (dense or sparse) to the global weights; ``Reply`` (last) with
-        an ``ExchangeResult``: what the group's copy of them lacks (``exchange.py``: dense
-        weights, or entries to set). An
-        exchange whose seq is not above the last merged one of its session (a repeat whose
-        reply was lost, or an older one replayed) is answered without merging again (with what
-        the lost reply set, again). One that would take a counter of the run past 2^62 raises
-        ``RemoteProtocolError`` (``check_counters``), nothing merged. ``wire_in``: the bytes
-        the exchange took on the wire (the shell measured them); then the group's hop is
-        counted, those and the reply's (``ExchangeResult.bytes_up`` / ``bytes_down``, and the
-        running totals in the merge's line). The merge's line also says how stale between
-        groups the exchange was (``between_groups``: ``missed``, ``base_age_s``); every answer,
-        a repeat's too, brings the group's copy up to date (``synced_now``)."""
-        assert self.weights is not None
-        h = self.groups[g]
-        key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
-        merged = self.merged.setdefault(g, Merged())
-        repeat = key[1] >= 0 and merged.holds(*key)
-        added, stale = False, self.between_groups(g, now)
-        if repeat:
-            actions: list[Action] = [Log("merge_repeat", {"group": g, "seq": key[1],
-                                                          "merged_seq": merged.last[key[0]]})]
-        else:
-            self.check_counters(g, stats)
-            if key[1] >= 0 and merged.full(key[0]):
-                raise RemoteProtocolError(
-                    f"group {g} had {MAX_SESSIONS} sessions already (one per group process "
-                    "run): a new one is refused so that none is forgotten and merged twice",
-                    expected="a session this group had", got=key[0])
-            if key[1] >= 0:
-                merged.note(*key)
-            h.last_exchange = key
-            added, actions = self._add_delta(g, delta, stats, now)
-        sent = self.mirror(g).answer(self.weights, repeat, self.change_log())
-        self.synced_now(g, now)  # what the answer brings the group's copy up to
-        res = ExchangeResult(sent, self.version, self.done, self.samples)
-        if wire_in is not None:  # made once: counted here, sent as it is (``on_exchange``)
-            res.reply = self.exchange_reply(g, sent)
-            res.bytes_up, res.bytes_down = wire_in, frames.wire_size(res.reply)
-            h.hop_bytes["bytes_to_global"] += res.bytes_up
-            h.hop_bytes["bytes_from_global"] += res.bytes_down
-        if added:
-            fields = {k: v for k, v in stats.items() if k not in ("version", "samples")}
-            actions.append(Log("merge", {"group": g, "group_samples": stats.get("samples", 0),
-                                         **fields, **h.hop_bytes, **stale}))
+        """Group ``g``'s exchange merged (``Merger.merge``: the weights, its answer) and what
+        it decides beyond them: a failure (a delta not finite), GDTopK's ratios, the budget;
+        ``Reply`` (last) with the ``ExchangeResult``."""
+        out = self.merger.merge(g, delta, stats, now, done=self.done, wire_in=wire_in)
+        actions: list[Action] = self.fail("diverged", out.diverged) if out.diverged else []
+        if out.added and self.roster.policy is not None:  # its iteration time feeds GDTopK
+            self.roster.observe_iter_time(g, stats.get("iter_time"), now)
+            actions += self._update_ratios(now)
+        actions += out.logs
+        if out.added:
             actions += self._check_budget()
-        return [*actions, Reply(g, res)]
+        return [*actions, Reply(g, out.result)]
 
     def on_exchange(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
                     wire_in: int | None = None) -> list[Action]:
         """A group process's EXCHANGE (its delta and counters, ``wire_in`` bytes on the wire):
-        merge it; ``Reply`` (last) with the EXCHANGE_REPLY, which names the exchanges this
-        server's snapshots hold (``exchange_reply``)."""
+        ``merge``; ``Reply`` (last) with the EXCHANGE_REPLY (``Merger.exchange_reply``)."""
         actions = self.merge(g, delta, stats, now, wire_in)
         res = reply(actions, ExchangeResult)
-        answer = res.reply if res.reply is not None else self.exchange_reply(g, res.weights)
+        answer = res.reply or self.merger.exchange_reply(g, res.weights, self.done)
         return [*actions[:-1], Reply(g, answer)]
 
     def group_pull(self, g: int, now: float) -> list[Action]:
-        """A group process (registering, adopting, reconnecting) takes the global weights whole
-        (``Reply`` with GLOBAL_WEIGHTS) at ``now``, so the server's mirror of its copy starts
-        from them (exchange.py) and so does its staleness (``synced``); the answer names the
-        exchange the server merged last (exchange.py)."""
-        assert self.weights is not None
-        weights = self.weights.copy()  # what goes out: merges may land before it is written
-        self.mirror(g).reset(weights, self.change_log().version)
-        self.synced_now(g, now)
-        msg = self.weights_message(weights, members=self.groups[g].members)
-        return [Reply(g, dataclasses.replace(msg,
-                                             last_exchange=list(self.groups[g].last_exchange)))]
-
-    def exchange_reply(self, g: int, weights: Delta) -> messages.ExchangeReply:
-        """EXCHANGE_REPLY: the merged weights (or the entries to set) and the last exchange in
-        each of the server's last two checkpoint snapshots (exchange.py)."""
-        msg = self.weights_message(weights)
-        return messages.ExchangeReply(
-            version=msg.version, done=msg.done, samples=msg.samples,
-            saved_exchanges=[list(key) for key in self.groups[g].snapshots],
-            payload=msg.payload)
-
-    def check_counters(self, g: int, stats: dict[str, Any]) -> None:
-        """Merging group ``g``'s exchange (its ``stats``) keeps every counter of the run within
-        ``MAX_COUNT`` (2^62, what GLOBAL_WEIGHTS carries): the samples, the version, and the
-        worker traffic of all groups (each reports its own so far, ``bytes_in`` / ``bytes_out``).
-        ``RemoteProtocolError`` naming the counter otherwise."""
-        total, own = self.traffic(), self.groups[g].peer.traffic()
-        after = {"samples": self.samples + int(stats.get("samples", 0)),
-                 "version": self.version + 1}
-        for field, key in (("bytes_in", "bytes_up"), ("bytes_out", "bytes_down")):
-            after[field] = total[key] - own.get(field, 0) + int(stats.get(field, 0))
-        for name, value in after.items():
-            if value > MAX_COUNT:
-                raise RemoteProtocolError(f"the run's {name} would pass 2^62 with this exchange",
-                                          expected=f"<= {MAX_COUNT}", got=value)
+        """A group process takes the global weights whole at ``now`` (``Merger.pulled``):
+        ``Reply`` with GLOBAL_WEIGHTS, naming the exchange the server merged last."""
+        msg = self.weights_message(self.merger.pulled(g, now), members=self.groups[g].members)
+        last = list(self.groups[g].last_exchange)
+        return [Reply(g, dataclasses.replace(msg, last_exchange=last))]
 
     def group_left(self, g: int) -> list[Action]:
         """Group ``g``'s server said LEAVE: it is final."""
         self.groups[g].final = True
         return self._check_budget()
-
-    def change_log(self) -> ChangeLog:
-        """The global weights' change log (a new one for new weights: resumed, or the first)."""
-        assert self.weights is not None
-        if self.changes is None or self.changes.size != self.weights.size:
-            self.changes = ChangeLog(self.weights.size)
-        return self.changes
-
-    def synced_now(self, g: int, now: float) -> None:
-        """Group ``g``'s copy is brought up to the global weights as they are at ``now``."""
-        self.synced[g] = SyncPoint(self.version, self.groups[g].merges, now)
-
-    def between_groups(self, g: int, now: float) -> dict[str, Any]:
-        """The between-group staleness of group ``g``'s exchange merged at ``now`` (before it
-        is merged): ``missed`` and ``base_age_s`` (``exchange.SyncPoint``), None when the
-        server does not know what the group's copy rebased on (a group resumed from a
-        checkpoint, before its first answer)."""
-        point = self.synced.get(g)
-        if point is None:
-            return dict.fromkeys(BETWEEN_GROUPS)
-        return point.between_groups(self.version, self.groups[g].merges, now)
-
-    def mirror(self, g: int) -> GroupMirror | ExactMirror:
-        """The global server's copy of what group ``g`` holds of the global weights."""
-        assert self.weights is not None
-        if g not in self.mirrors:
-            self.mirrors[g] = group_mirror(self.run, self.weights.size)
-        return self.mirrors[g]
-
-    def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any],
-                   now: float) -> tuple[bool, list[Action]]:
-        """Merge one new exchange of group ``g``: weights, counters, GDTopK's ratios (False
-        and the failure's actions: a delta that is not finite, nothing merged)."""
-        assert self.weights is not None
-        h = self.groups[g]
-        values = delta.values if isinstance(delta, sparse.SparseVector) else delta
-        if not np.isfinite(np.sum(values, dtype=np.float64)):  # any NaN / inf makes the sum one
-            return False, self.fail("diverged", f"group {g} sent a non-finite update (NaN or "
-                                    f"inf) at merge {self.version}: the model diverged; try a "
-                                    "lower --lr")
-        scale = self.run.sync.merge_scale(self.run.merge, len(self.groups))
-        sparse.add_into(self.weights, delta, scale)
-        self.change_log().note(delta.indices if isinstance(delta, sparse.SparseVector) else None)
-        self.version += 1
-        self.samples += int(stats.get("samples", 0))
-        h.merges += 1
-        h.final = bool(stats.get("final"))  # a non-final merge after a final one: it is back
-        h.peer.reported(stats)
-        self.roster.observe_iterations(stats)  # its workers' iterations: what grouping uses
-        actions: list[Action] = []
-        if self.roster.policy is not None:  # the exchange's iteration time feeds GDTopK
-            self.roster.observe_iter_time(g, stats.get("iter_time"), now)
-            actions += self._update_ratios(now)
-        return True, actions
 
     # -- the budget --------------------------------------------------------------------------
 
@@ -685,13 +517,13 @@ class GlobalCore:
         assert self.weights is not None
         return snapshot(self.run, self.roster, self.weights, version=self.version,
                         samples=self.samples, saved_at=self.wall(),
-                        train_s=self.wall() - self.started_training, merged=self.merged)
+                        train_s=self.wall() - self.started_training, merged=self.merger.merged)
 
     def load_state_dict(self, state: dict[str, Any]) -> list[Action]:
         """A checkpoint's weights, counters and workers (``ConfigError`` when it belongs to
         another model or config); its groups come back with ``resume``."""
         self.weights = restore_workers(self.run, self.roster, state)
-        self.changes = None  # nothing before the checkpoint's weights is known
+        self.merger.changes = None  # nothing before the checkpoint's weights is known
         self.version, self.samples = state["version"], state["samples"]
         return [WeightsReady()]
 
@@ -729,8 +561,4 @@ class GlobalCore:
 
     def traffic(self) -> dict[str, int]:
         """Worker <-> group bytes so far (group processes: as of their last exchange)."""
-        up = down = 0
-        for h in self.groups.values():
-            b = h.peer.traffic()
-            up, down = up + b.get("bytes_in", 0), down + b.get("bytes_out", 0)
-        return {"bytes_up": up, "bytes_down": down}
+        return self.roster.traffic()

@@ -470,6 +470,14 @@ class Roster:
             if iters:
                 h.iteration_s = float(np.mean(iters))
 
+    def traffic(self) -> dict[str, int]:
+        """Worker <-> group bytes so far (group processes: as of their last exchange)."""
+        up = down = 0
+        for h in self.groups.values():
+            b = h.peer.traffic()
+            up, down = up + b.get("bytes_in", 0), down + b.get("bytes_out", 0)
+        return {"bytes_up": up, "bytes_down": down}
+
     def restore_regrouper(self) -> None:
         """After a resume: the Regrouper starts from the saved assignment, not from scratch."""
         times = self.iteration_times()

@@ -15,7 +15,7 @@ EXCHANGE(delta, counters) -> EXCHANGE_REPLY (the merged global weights, or with 
 the entries of the group's copy to set: exchange.py) until LEAVE. An EXCHANGE before the
 connection's first PULL is refused (ERROR ``order``): the server's record of what the group
 holds of the weights starts with that PULL. Its counters are bounded per message
-(``conversation.check_exchange``) and for the run (``GlobalCore.check_counters``). A group process
+(``conversation.check_exchange``) and for the run (``merge.Merger.check_counters``). A group process
 that connects after the grouping — restarted, or reconnecting to a restarted global server —
 adopts a group no server serves, its own first (``adopt``); one whose connection closes
 before the grouping leaves ``pending_groups``.

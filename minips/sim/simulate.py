@@ -463,7 +463,7 @@ class Simulation:
         actions = glob.merge(g, out.delta, out.stats, self.t)
         res = global_core.reply(actions, ExchangeResult)
         res.bytes_up = wire_size(exchange_message(out.delta, out.stats))
-        res.bytes_down = wire_size(glob.exchange_reply(g, res.weights))
+        res.bytes_down = wire_size(glob.merger.exchange_reply(g, res.weights, glob.done))
         self.glob.perform(actions)
         grp.perform(grp.core.exchanged(out, res, self.cfg.xchg_latency_s))
 
