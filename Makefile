@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP := $(BIN)/python -m pip install -q $(FIND_LINKS) -c constraints.txt
 
-.PHONY: install demo test data browser lint
+.PHONY: install demo test data browser lint check-arm64
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,3 +38,8 @@ test: install data browser
 lint: install
 	$(BIN)/ruff check minips tests scripts examples
 	$(BIN)/mypy minips tests
+
+# The edge path on arm64: a Debian arm64 root under qemu-user-static (root; Debian's archive and
+# PyPI; minutes, the root is kept in ~/.cache/minips-arm64). Not part of `make test`.
+check-arm64: install
+	$(BIN)/python scripts/check_arm64.py

@@ -86,3 +86,17 @@ def test_the_bf16_check_answers_for_this_cpu() -> None:
     if sys.platform == "linux" and not has:  # the kernel's flags agree with torch's answer
         flags = Path("/proc/cpuinfo").read_text()
         assert "avx512_bf16" not in flags and "amx_bf16" not in flags
+
+
+def test_the_worker_run_is_judged_by_the_grouping_the_server_recorded(tmp_path: Path) -> None:
+    check = load_script()
+    (tmp_path / "global.jsonl").write_text(
+        '{"t": 1, "event": "joined"}\n'
+        '{"t": 9, "event": "groups", "assignment": {"0": 1, "1": 0, "2": 0}, '
+        '"iteration_s": {"0": 0.9, "1": 0.05, "2": 0.05}, "compute_s": {}, "addresses": {}}\n')
+    seen = check.grouping(tmp_path)
+    assert seen["assignment"] == {"0": 1, "1": 0, "2": 0} and "addresses" not in seen
+    assert check.apart_from_the_rest({**seen, "worker_id": 0}) is None
+    assert check.apart_from_the_rest({**seen, "worker_id": 2}) == (
+        "the arm64 worker 2 shares its group with ['1']")
+    assert "no grouping" in check.apart_from_the_rest({**seen, "worker_id": None})
