@@ -69,8 +69,22 @@ from typing import Any
 
 import numpy as np
 
-from minips.core import global_core
-from minips.core.actions import Log
+from minips.core.actions import (
+    Admitted,
+    AllFinal,
+    Fail,
+    FormGroups,
+    GlobalAction,
+    Log,
+    Placed,
+    PlaceLate,
+    Regroup,
+    Rehomed,
+    RunDone,
+    SendSettings,
+    WeightsReady,
+    reply,
+)
 from minips.core.config import RunConfig
 from minips.core.exchange import Delta, ExchangeResult, exchange_message
 from minips.core.global_core import GlobalCore
@@ -311,7 +325,7 @@ class GlobalServer:
             actions = self.core.admit(int(hello.worker_id), time.monotonic())
             self.perform(actions)
             info["worker_id"] = next(a.worker for a in actions
-                                     if isinstance(a, global_core.Admitted))
+                                     if isinstance(a, Admitted))
             info["need_init"] = self.core.weights is None
             info["link_probe"] = True  # time your link before the grouping (roster.py)
         elif hello.role == "evaluator":
@@ -350,30 +364,30 @@ class GlobalServer:
 
     # -- the core's actions ------------------------------------------------------------------
 
-    def perform(self, actions: list[global_core.Action]) -> None:
+    def perform(self, actions: list[GlobalAction]) -> None:
         """Do what the core decided (``global_core.py``), in order. ``Admitted``, ``Placed``
         and ``Reply`` answer the one who asked: its caller carries them out."""
         for a in actions:
             if isinstance(a, Log):
                 self.log(a.event, **a.fields)
-            elif isinstance(a, global_core.FormGroups):
+            elif isinstance(a, FormGroups):
                 self.spawn(self._form_groups())
-            elif isinstance(a, global_core.PlaceLate):
+            elif isinstance(a, PlaceLate):
                 self.spawn(self._place_late(a.worker))
-            elif isinstance(a, global_core.Regroup):
+            elif isinstance(a, Regroup):
                 self.spawn(self._regroup(a.assignment))
-            elif isinstance(a, global_core.SendSettings):
+            elif isinstance(a, SendSettings):
                 self._send_settings(a.ratios)
-            elif isinstance(a, global_core.WeightsReady):
+            elif isinstance(a, WeightsReady):
                 self.weights_ready.set()
                 self.fit_limits()
-            elif isinstance(a, global_core.Done):
+            elif isinstance(a, RunDone):
                 self._on_done()
-            elif isinstance(a, global_core.AllFinal):
+            elif isinstance(a, AllFinal):
                 self._every_group_final()
-            elif isinstance(a, global_core.Fail):
+            elif isinstance(a, Fail):
                 self._tell_failure(a.code, a.reason)
-            elif isinstance(a, global_core.Rehomed):
+            elif isinstance(a, Rehomed):
                 for w in a.moved:
                     self.spawn(self.tell_group(w))
 
@@ -429,7 +443,7 @@ class GlobalServer:
         actions = self.core.place_late(w)
         self.perform(actions)
         for a in actions:
-            if isinstance(a, global_core.Placed):
+            if isinstance(a, Placed):
                 await self.tell_group(a.worker)
 
     async def _regroup(self, assignment: dict[int, int]) -> None:
@@ -657,11 +671,11 @@ class InProcLink:
         wire = frames.wire_size(msg)
         actions = core.merge(group, delta, stats, time.monotonic(), wire)
         self.server.perform(actions)
-        result = global_core.reply(actions, ExchangeResult)
+        result = reply(actions, ExchangeResult)
         if trace.TRACER is not None:  # --trace: written as the frames a group process sends
             trace.TRACER.inproc(f"group-{group}", "server", "send", msg, wire)
-            reply = core.merger.exchange_reply(group, result.weights, core.done)
-            trace.TRACER.inproc(f"group-{group}", "server", "recv", reply, result.bytes_down)
+            answer = core.merger.exchange_reply(group, result.weights, core.done)
+            trace.TRACER.inproc(f"group-{group}", "server", "recv", answer, result.bytes_down)
         return result
 
 

@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from minips.compress import registry
-from minips.core import global_core
-from minips.core.actions import Log
+from minips.core.actions import Log, reply
 from minips.core.config import RunConfig
 from minips.core.downlink import apply_weights
 from minips.core.exchange import ExchangeResult
@@ -177,7 +176,7 @@ class Cluster:
     def exchange(self, core: GroupCore, final: bool = False) -> None:
         out = core.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
         actions = self.glob.merge(core.group, out.delta, out.stats, self.t)  # no shell: its
-        res = global_core.reply(actions, ExchangeResult)  # Log lines are not kept
+        res = reply(actions, ExchangeResult)  # Log lines are not kept
         self.perform(core, core.exchanged(out, res, 0.0))
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from minips import sparse
-from minips.core import global_core
+from minips.core import actions
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.downlink import Downlink, ExactDownlink, apply_weights
@@ -202,7 +202,7 @@ class Cluster:
     def exchange(self, g: int, lose: bool, final: bool) -> tuple[Any, Any]:
         group = self.groups[g]
         out = group.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
-        res = global_core.reply(self.glob.merge(g, out.delta, out.stats, 0.0), ExchangeResult)
+        res = actions.reply(self.glob.merge(g, out.delta, out.stats, 0.0), ExchangeResult)
         if not lose:
             group.exchanged(out, res, 0.0)
         return out, res
@@ -217,7 +217,7 @@ class Cluster:
 
     def rebase(self, g: int) -> None:
         """A new global server: group ``g`` takes its weights whole (a PULL)."""
-        msg = global_core.reply(self.glob.group_pull(g, 0.0), messages.GlobalWeights)
+        msg = actions.reply(self.glob.group_pull(g, 0.0), messages.GlobalWeights)
         weights = sparse.decode_vector(msg.payload, N)
         assert isinstance(weights, np.ndarray)
         self.groups[g].rebase(weights, None)

@@ -8,24 +8,24 @@ import numpy as np
 import pytest
 
 from minips import sparse
-from minips.core.actions import Log
-from minips.core.config import RunConfig
-from minips.core.exchange import BETWEEN_GROUPS, SyncPoint
-from minips.core.global_core import (
-    Action,
+from minips.core.actions import (
     Admitted,
     AllFinal,
-    Done,
     Fail,
     FormGroups,
-    GlobalCore,
+    GlobalAction,
+    GroupReply,
+    Log,
     Placed,
     PlaceLate,
-    Reply,
+    RunDone,
     SendSettings,
     WeightsReady,
     reply,
 )
+from minips.core.config import RunConfig
+from minips.core.exchange import BETWEEN_GROUPS, SyncPoint
+from minips.core.global_core import GlobalCore
 from minips.core.replay import MAX_SESSIONS, Merged
 from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
@@ -53,9 +53,9 @@ def grouped(c: GlobalCore, groups: int = 1) -> None:
     c.groups_formed(handles, {w: w % groups for w in c.workers}, 0.0)
 
 
-def decided(actions: list[Action]) -> list[Action]:
+def decided(actions: list[GlobalAction]) -> list[GlobalAction]:
     """The actions other than the record's lines and the answer to the group that asked."""
-    return [a for a in actions if not isinstance(a, (Log, Reply))]
+    return [a for a in actions if not isinstance(a, (Log, GroupReply))]
 
 
 def test_the_groups_form_once_when_every_worker_reported() -> None:
@@ -109,7 +109,7 @@ def test_a_non_finite_delta_is_not_merged_and_fails_the_run() -> None:
     bad[3] = np.nan
     actions = c.merge(0, bad, {"samples": 4}, 0.0)
     fail, done = decided(actions)
-    assert isinstance(fail, Fail) and done == Done("diverged")
+    assert isinstance(fail, Fail) and done == RunDone("diverged")
     assert fail.code == "diverged" and "NaN or inf" in fail.reason == c.failure
     assert c.version == 0 and c.samples == 0 and c.weights is not None
     assert np.isfinite(c.weights).all()
@@ -126,7 +126,7 @@ def test_the_epochs_budget_says_done_once_and_every_final_group_says_all_final()
     assert decided(actions) == []
     actions = c.merge(1, np.ones(N, np.float32), {"samples": 6, "session": 2, "seq": 1,
                                                      "final": True}, 0.0)
-    assert decided(actions) == [Done("epochs")]
+    assert decided(actions) == [RunDone("epochs")]
     assert c.done and c.done_reason == "epochs" and c.finish("wall time") == []
     assert c.group_left(0) == [AllFinal()]  # group 1's last merge was final
     assert c.budget_left() == ""
@@ -268,7 +268,7 @@ def test_a_group_process_told_its_group_before_the_groups_form_gets_its_h_not_0(
     assert fixed.assign_message(GroupHandle(0, "h:0", [0])).local_steps == 0  # 0: the run's H
 
 
-def merge_line(actions: list[Action]) -> dict[str, object]:
+def merge_line(actions: list[GlobalAction]) -> dict[str, object]:
     """The fields of the ``merge`` line an exchange's merge wrote."""
     return next(a.fields for a in actions if isinstance(a, Log) and a.event == "merge")
 

@@ -22,11 +22,11 @@ from test_server import TOKEN, make_server
 
 from minips import grouping, sparse
 from minips.compress.base import WireSpec
-from minips.core.actions import Log
+from minips.core.actions import Log, PlaceLate, Regroup
 from minips.core.balance import Balancer
 from minips.core.config import RunConfig
 from minips.core.exchange import exchange_message
-from minips.core.global_core import GlobalCore, PlaceLate, Regroup
+from minips.core.global_core import GlobalCore
 from minips.core.group_core import GroupCore, worker_times
 from minips.core.roster import GroupHandle
 from minips.core.ssp import Iterations, IterationTimes

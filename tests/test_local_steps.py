@@ -13,8 +13,9 @@ import pytest
 from test_worker import run_cluster
 
 from minips.compress.registry import make_compressor
+from minips.core.actions import SendSettings
 from minips.core.config import FieldError, RunConfig
-from minips.core.global_core import GlobalCore, SendSettings
+from minips.core.global_core import GlobalCore
 from minips.core.group_core import GroupCore
 from minips.core.local_steps import LocalSteps, auto_local_steps
 from minips.core.roster import GroupHandle

@@ -255,7 +255,7 @@ def test_no_merge_banner_is_left():
 # names that said two things once, and what they are called now (issue 40): a reader meeting
 # the old one in code or docs would look for something that is not there
 RENAMED = {
-    r"\bSendRatios\b": "global_core.SendSettings (ratios and H)",
+    r"\bSendRatios\b": "actions.SendSettings (ratios and H)",
     r"\bsend_ratio\b": "GroupPeer.send_settings",
     r"\bheld_version\b": "downlink.trusted_since",
     r"\bReplica\b": "exchange.GroupMirror (the global server's mirror of a group's copy)",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from minips.core import global_core
+from minips.core import actions
 from minips.core.config import RunConfig
 from minips.core.exchange import ExchangeResult, GroupSync
 from minips.core.replay import Unsaved, seqs_in
@@ -63,7 +63,7 @@ class Sim:
 
     def _send(self, out: Any, lose_reply: bool) -> bool:
         merged = self.srv.core.merge(0, out.delta, out.stats, 0.0)
-        res = global_core.reply(merged, ExchangeResult)
+        res = actions.reply(merged, ExchangeResult)
         reply = self.srv.core.merger.exchange_reply(0, res.weights, self.srv.core.done)
         if lose_reply:
             return False
@@ -90,7 +90,7 @@ class Sim:
 
     async def reconnect(self) -> None:
         h = self.srv.core.groups[0]
-        info = global_core.reply(self.srv.core.group_pull(h.id, 0.0), messages.GlobalWeights).info
+        info = actions.reply(self.srv.core.group_pull(h.id, 0.0), messages.GlobalWeights).info
         held = seqs_in(info, "last_exchange", self.xchg.session)
         assert held is not None and self.srv.core.weights is not None
         self.weights, _ = self.xchg.rebase(self.weights, self.srv.core.weights.copy(), held[0])

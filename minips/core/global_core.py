@@ -10,9 +10,8 @@ only dates records and the wall budget).
 Every entry point (a worker's ``admit`` / ``worker_joined`` / ``on_stats`` ..., the groups'
 ``groups_formed`` / ``group_lost`` / ``rehome`` ..., a group's exchange ``merge`` / ``on_exchange``
 / ``group_pull``, the budget's ``finish`` / ``fail``, ``load_state_dict``) answers in one shape:
-a list of the actions below, in the order the shell is to perform them; what goes back to the
-one who asked is an action too (``Admitted``, ``Reply``; ``reply(actions, kind)`` picks it out).
-The actions are frozen dataclasses, so a test compares them. Once ``done``, merges still land:
+a list of actions (``actions.py``), in the order the shell is to perform them; what goes back to
+the one who asked is an action too (``Admitted``, ``GroupReply``). Once ``done``, merges still land:
 nothing sent is lost. Checkpoints: ``checkpoint_state`` takes a snapshot, ``load_state_dict`` /
 ``resume`` bring it back (``core/snapshot.py`` says what one holds).
 """
@@ -21,13 +20,28 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from minips import sparse
-from minips.core.actions import Log
+from minips.core.actions import (
+    Admitted,
+    AllFinal,
+    Fail,
+    FormGroups,
+    GlobalAction,
+    GroupReply,
+    Log,
+    Placed,
+    PlaceLate,
+    Regroup,
+    Rehomed,
+    RunDone,
+    SendSettings,
+    WeightsReady,
+    reply,
+)
 from minips.core.config import RunConfig
 from minips.core.exchange import Delta, ExchangeResult
 from minips.core.local_steps import auto_local_steps
@@ -38,126 +52,8 @@ from minips.core.snapshot import restore_group, restore_workers, snapshot
 from minips.errors import RemoteProtocolError
 from minips.wire import control, messages
 
-__all__ = [
-    "Action",
-    "Admitted",
-    "AllFinal",
-    "Done",
-    "Fail",
-    "FormGroups",
-    "Rehomed",
-    "PlaceLate",
-    "Placed",
-    "Regroup",
-    "Reply",
-    "SendSettings",
-    "WeightsReady",
-    "reply",
-    "GlobalCore",
-]
+__all__ = ["GlobalCore"]
 
-
-# -- the actions: what the core asks its shell to do ------------------------------------------
-
-@dataclass(frozen=True)
-class FormGroups:
-    """Open the first groups and assign every worker."""
-
-
-@dataclass(frozen=True)
-class PlaceLate:
-    """Put ``worker`` (reported after the grouping) in the group nearest its speed."""
-
-    worker: int
-
-
-@dataclass(frozen=True)
-class Placed:
-    """Worker ``worker`` (reported after the grouping) is in group ``group`` now: tell it."""
-
-    worker: int
-    group: int
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """A HELLO is admitted as worker ``worker`` (its WELCOME says so)."""
-
-    worker: int
-
-
-@dataclass(frozen=True)
-class Reply:
-    """Send ``answer`` back to group ``group``, whose exchange or PULL it answers: the
-    EXCHANGE_REPLY or GLOBAL_WEIGHTS of a group process, an ``ExchangeResult`` in-process."""
-
-    group: int
-    answer: ExchangeResult | messages.ExchangeReply | messages.GlobalWeights
-
-
-@dataclass(frozen=True)
-class Regroup:
-    """Move workers: ``{worker: new group}`` (group ids matched to the old ones)."""
-
-    assignment: dict[int, int]
-
-
-@dataclass(frozen=True)
-class SendSettings:
-    """New send settings of the groups ``ratios`` names (``{group: ratio}``, with the H in the
-    groups' handles), to deliver to the groups and their workers (ASSIGN)."""
-
-    ratios: dict[int, float]
-
-
-@dataclass(frozen=True)
-class WeightsReady:
-    """The global weights exist now (a worker pushed the initial weights)."""
-
-
-@dataclass(frozen=True)
-class Done:
-    """The budget is spent (``reason``: epochs, wall time, workers left, ...)."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class AllFinal:
-    """Every group flushed its final delta."""
-
-
-@dataclass(frozen=True)
-class Fail:
-    """The run fails now: ``code`` (one word, the ERROR sent to the workers) and why."""
-
-    code: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Rehomed:
-    """Lost group ``group``'s workers moved: ``{worker: new group}``; tell them."""
-
-    group: int
-    moved: dict[int, int]
-
-
-Action = (FormGroups | PlaceLate | Placed | Admitted | Reply | Regroup | SendSettings
-          | WeightsReady | Done | AllFinal | Fail | Rehomed | Log)
-
-T = TypeVar("T", ExchangeResult, messages.ExchangeReply, messages.GlobalWeights)
-
-
-def reply(actions: list[Action], kind: type[T]) -> T:
-    """The answer of kind ``kind`` that ``actions`` send back to the group that asked."""
-    for a in actions:
-        if isinstance(a, Reply) and isinstance(a.answer, kind):
-            return a.answer
-    raise LookupError(f"no {kind.__name__} among the actions")
-
-
-# -- the rules -------------------------------------------------------------------------------
 
 class _OfMerger:
     """An attribute of the core's ``Merger`` (the weights, their version, the samples), read
@@ -199,25 +95,25 @@ class GlobalCore:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def admit(self, wanted: int, now: float) -> list[Action]:
+    def admit(self, wanted: int, now: float) -> list[GlobalAction]:
         """A worker id for a HELLO that asked for ``wanted`` (``Roster.admit``): ``Admitted``."""
         return [Admitted(self.roster.admit(wanted, now))]
 
-    def worker_joined(self, w: int) -> list[Action]:
+    def worker_joined(self, w: int) -> list[GlobalAction]:
         """Worker ``w``'s control channel opened (a newer one replaces an older)."""
         entry = self.workers[w]
         entry.connected, entry.left = True, False
         self.roster.seated(w)
         return [Log("joined", {"worker": w})]
 
-    def worker_leaving(self, w: int, reason: str = "") -> list[Action]:
+    def worker_leaving(self, w: int, reason: str = "") -> list[GlobalAction]:
         """Worker ``w`` said LEAVE (``reason``: why, e.g. it refused to start without its
         data): its session ends, its id may be given out again (nothing to do yet)."""
         self.workers[w].left = True
         self.workers[w].left_because = "" if reason == "bye" else reason
         return []
 
-    def worker_gone(self, w: int) -> list[Action]:
+    def worker_gone(self, w: int) -> list[GlobalAction]:
         """Worker ``w``'s control channel closed (after LEAVE, or lost)."""
         entry = self.workers[w]
         entry.connected = False
@@ -225,26 +121,26 @@ class GlobalCore:
             else "connection lost"
         return [Log("left", {"worker": w, "reason": reason})]
 
-    def on_stats(self, w: int, msg: control.Stats, now: float) -> list[Action]:
+    def on_stats(self, w: int, msg: control.Stats, now: float) -> list[GlobalAction]:
         """Worker ``w``'s measured speed: form the groups, place it, regroup or update ratios."""
         entry = self.workers[w]
         entry.step_time, entry.clock = float(msg.step_time), int(msg.clock)
         said = [Log("data", {"worker": w, **msg.data})] if msg.data else []  # its first STATS
         return said + self._placed(w, entry, now)
 
-    def probe_pulled(self, w: int, now: float) -> list[Action]:
+    def probe_pulled(self, w: int, now: float) -> list[GlobalAction]:
         """Worker ``w``'s calibration link probe: the global weights go out to it at ``now``
         (``Roster.probe_pulled``; the shell sends ``weights_message()``)."""
         self.roster.probe_pulled(w, now)
         return []
 
-    def probe_pushed(self, w: int, now: float) -> list[Action]:
+    def probe_pushed(self, w: int, now: float) -> list[GlobalAction]:
         """The probe's PUSH of ``w`` arrived at ``now``: its link time is what its first
         grouping adds to its compute (``WorkerEntry.iteration``); logged."""
         link = self.roster.probe_pushed(w, now)
         return [] if link is None else [Log("link_probe", {"worker": w, "link_s": link})]
 
-    def _placed(self, w: int, entry: WorkerEntry, now: float) -> list[Action]:
+    def _placed(self, w: int, entry: WorkerEntry, now: float) -> list[GlobalAction]:
         """What worker ``w``'s new speed decides: the groups, its place, a regroup, ratios."""
         if not self.grouped:
             if self.calib_expired or self.roster.all_reported():
@@ -257,7 +153,7 @@ class GlobalCore:
             return [Regroup(new)]
         return self._update_ratios(now)
 
-    def on_initial(self, weights: np.ndarray) -> list[Action]:
+    def on_initial(self, weights: np.ndarray) -> list[GlobalAction]:
         """A worker's initial weights (WELCOME said ``need_init``): the first are taken; the
         ones that follow are dropped if their size is the run's, else refused."""
         if self.weights is None:
@@ -270,14 +166,14 @@ class GlobalCore:
 
     # -- grouping --------------------------------------------------------------------------
 
-    def calib_timeout(self, now: float) -> list[Action]:
+    def calib_timeout(self, now: float) -> list[GlobalAction]:
         """``calib_timeout_s`` passed: group whoever reported; with nobody yet, the first STATS
         will, so a server started before its workers does not wait for all of them."""
         if self.grouped:
             return []
         self.calib_expired = True
         reported = sorted(self.roster.step_times())
-        actions: list[Action] = [Log("calib_timeout", {"reported": reported,
+        actions: list[GlobalAction] = [Log("calib_timeout", {"reported": reported,
                                                        "expected": self.run.workers})]
         if reported:
             self.grouped = True
@@ -310,7 +206,7 @@ class GlobalCore:
         return self.roster.ratio_of(g)
 
     def groups_formed(self, handles: list[GroupHandle], assignment: dict[int, int],
-                      now: float) -> list[Action]:
+                      now: float) -> list[GlobalAction]:
         """The first groups are open (``handles``, after ``first_assignment``), each with the
         global weights as they are at ``now``: training starts, every worker of ``assignment``
         is in its group."""
@@ -336,7 +232,7 @@ class GlobalCore:
         return {"iteration_s": {str(e.id): e.iteration() for e in entries},
                 "compute_s": {str(e.id): e.step_time for e in entries}}
 
-    def _local_steps_actions(self, changed: list[int]) -> list[Action]:
+    def _local_steps_actions(self, changed: list[int]) -> list[GlobalAction]:
         """Local steps auto: log the groups' H and send the changed ones (with ASSIGN, as
         GDTopK's ratios: ``SendSettings``)."""
         if not changed:
@@ -345,7 +241,7 @@ class GlobalCore:
                                                     for g, h in self.groups.items()}}),
                 SendSettings({g: self.groups[g].ratio for g in changed})]
 
-    def place_late(self, w: int) -> list[Action]:
+    def place_late(self, w: int) -> list[GlobalAction]:
         """Worker ``w`` reported after the grouping: ``Placed`` in the group nearest in speed
         (logged); nothing when it has one already."""
         entry = self.workers[w]
@@ -356,13 +252,13 @@ class GlobalCore:
                                "step_time": entry.step_time,
                                "iteration_s": entry.iteration()}), Placed(w, g)]
 
-    def group_opened(self, h: GroupHandle, now: float) -> list[Action]:
+    def group_opened(self, h: GroupHandle, now: float) -> list[GlobalAction]:
         """A new group (a regroup drew it) has its server, opened with the global weights."""
         self.groups[h.id] = h
         self.merger.synced_now(h.id, now)
         return []
 
-    def moved(self, moves: dict[int, int], now: float) -> list[Action]:
+    def moved(self, moves: dict[int, int], now: float) -> list[GlobalAction]:
         """A ``Regroup`` carried out: ``{worker: group}`` (open groups) moved; the groups'
         speeds and GDTopK's ratios anew."""
         for w, g in moves.items():
@@ -371,17 +267,17 @@ class GlobalCore:
                                 **self.speeds(self.workers)}),
                 *self.regrouped(now)]
 
-    def regrouped(self, now: float) -> list[Action]:
+    def regrouped(self, now: float) -> list[GlobalAction]:
         """Workers moved: the groups' speeds and GDTopK's ratios anew."""
         return self._update_ratios(now)
 
-    def group_served(self, g: int, peer: GroupPeer, address: str) -> list[Action]:
+    def group_served(self, g: int, peer: GroupPeer, address: str) -> list[GlobalAction]:
         """A group process took group ``g`` over (it had none: ``Roster.orphan``)."""
         h = self.groups[g]
         h.peer, h.address = peer, address
         return [Log("group_adopted", {"group": g, "address": address})]
 
-    def group_lost(self, g: int, final: bool = False) -> list[Action]:
+    def group_lost(self, g: int, final: bool = False) -> list[GlobalAction]:
         """Group ``g``'s group process is gone; its last traffic known is kept. At the end of
         the run (``final``: it sent its final delta, or the budget is spent) that is how a group
         ends (``group_ended``), not a loss."""
@@ -389,7 +285,7 @@ class GlobalCore:
         h.peer = NoGroup(h.peer.traffic())
         return [Log("group_ended" if final or self.done else "group_lost", {"group": g})]
 
-    def rehome(self, g: int) -> list[Action]:
+    def rehome(self, g: int) -> list[GlobalAction]:
         """Nobody took lost group ``g`` over: its workers move to the live groups nearest in
         speed (``Roster.rehome``; nothing when there is none or the run is over)."""
         if self.groups[g].peer.connected or self.done:
@@ -400,7 +296,7 @@ class GlobalCore:
         return [Log("rehomed", {"group": g, "moved": {str(w): v for w, v in moved.items()}}),
                 Rehomed(g, moved)]
 
-    def resume(self, handles: dict[int, GroupHandle], state: dict[str, Any]) -> list[Action]:
+    def resume(self, handles: dict[int, GroupHandle], state: dict[str, Any]) -> list[GlobalAction]:
         """The checkpoint's groups (``state``, after ``load_state_dict``) opened again:
         in-process ones take their saved state, a group process adopts its group later."""
         self.grouped = True
@@ -415,7 +311,7 @@ class GlobalCore:
 
     # -- GDTopK ratios -----------------------------------------------------------------------
 
-    def _update_ratios(self, now: float) -> list[Action]:
+    def _update_ratios(self, now: float) -> list[GlobalAction]:
         """GDTopK: when the ratio policy (``Roster.update_ratios``, ratios.py) gives new
         ratios, log them and send them (``SendSettings``); local steps auto: the groups' H
         likewise."""
@@ -431,45 +327,45 @@ class GlobalCore:
     # -- the groups' exchanges (the round trip is core/merge.py's) ---------------------------
 
     def merge(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
-              wire_in: int | None = None) -> list[Action]:
+              wire_in: int | None = None) -> list[GlobalAction]:
         """Group ``g``'s exchange merged (``Merger.merge``: the weights, its answer) and what
         it decides beyond them: a failure (a delta not finite), GDTopK's ratios, the budget;
-        ``Reply`` (last) with the ``ExchangeResult``."""
+        ``GroupReply`` (last) with the ``ExchangeResult``."""
         out = self.merger.merge(g, delta, stats, now, done=self.done, wire_in=wire_in)
-        actions: list[Action] = self.fail("diverged", out.diverged) if out.diverged else []
+        actions: list[GlobalAction] = self.fail("diverged", out.diverged) if out.diverged else []
         if out.added and self.roster.policy is not None:  # its iteration time feeds GDTopK
             self.roster.observe_iter_time(g, stats.get("iter_time"), now)
             actions += self._update_ratios(now)
         actions += out.logs
         if out.added:
             actions += self._check_budget()
-        return [*actions, Reply(g, out.result)]
+        return [*actions, GroupReply(g, out.result)]
 
     def on_exchange(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
-                    wire_in: int | None = None) -> list[Action]:
+                    wire_in: int | None = None) -> list[GlobalAction]:
         """A group process's EXCHANGE (its delta and counters, ``wire_in`` bytes on the wire):
-        ``merge``; ``Reply`` (last) with the EXCHANGE_REPLY (``Merger.exchange_reply``)."""
+        ``merge``; ``GroupReply`` (last) with the EXCHANGE_REPLY (``Merger.exchange_reply``)."""
         actions = self.merge(g, delta, stats, now, wire_in)
         res = reply(actions, ExchangeResult)
         answer = res.reply or self.merger.exchange_reply(g, res.weights, self.done)
-        return [*actions[:-1], Reply(g, answer)]
+        return [*actions[:-1], GroupReply(g, answer)]
 
-    def group_pull(self, g: int, now: float) -> list[Action]:
+    def group_pull(self, g: int, now: float) -> list[GlobalAction]:
         """A group process takes the global weights whole at ``now`` (``Merger.pulled``):
-        ``Reply`` with GLOBAL_WEIGHTS, naming the exchange the server merged last."""
+        ``GroupReply`` with GLOBAL_WEIGHTS, naming the exchange the server merged last."""
         msg = self.weights_message(self.merger.pulled(g, now), members=self.groups[g].members)
         last = list(self.groups[g].last_exchange)
-        return [Reply(g, dataclasses.replace(msg, last_exchange=last))]
+        return [GroupReply(g, dataclasses.replace(msg, last_exchange=last))]
 
-    def group_left(self, g: int) -> list[Action]:
+    def group_left(self, g: int) -> list[GlobalAction]:
         """Group ``g``'s server said LEAVE: it is final."""
         self.groups[g].final = True
         return self._check_budget()
 
     # -- the budget --------------------------------------------------------------------------
 
-    def _check_budget(self) -> list[Action]:
-        actions: list[Action] = []
+    def _check_budget(self) -> list[GlobalAction]:
+        actions: list[GlobalAction] = []
         if self.run.epochs > 0 and self.samples >= self.run.epochs * self.train_size:
             actions += self.finish("epochs")
         if self.groups and all(h.final for h in self.groups.values()):
@@ -494,14 +390,14 @@ class GlobalCore:
         """Seconds since the groups were formed (the wall budget's clock)."""
         return self.wall() - self.started_training if self.started_training else 0.0
 
-    def finish(self, reason: str) -> list[Action]:
-        """Budget spent (or the run failed): ``done``, logged; ``Done`` tells the rest."""
+    def finish(self, reason: str) -> list[GlobalAction]:
+        """Budget spent (or the run failed): ``done``, logged; ``RunDone`` tells the rest."""
         if self.done:
             return []
         self.done, self.done_reason = True, reason
-        return [Log("done", {"reason": reason, "train_s": self.trained_s()}), Done(reason)]
+        return [Log("done", {"reason": reason, "train_s": self.trained_s()}), RunDone(reason)]
 
-    def fail(self, code: str, reason: str) -> list[Action]:
+    def fail(self, code: str, reason: str) -> list[GlobalAction]:
         """End the run now because of ``reason`` (kept in ``failure``; the first one counts):
         ``Fail`` tells the workers, then the run is ``done``."""
         if self.failure:
@@ -519,7 +415,7 @@ class GlobalCore:
                         samples=self.samples, saved_at=self.wall(),
                         train_s=self.wall() - self.started_training, merged=self.merger.merged)
 
-    def load_state_dict(self, state: dict[str, Any]) -> list[Action]:
+    def load_state_dict(self, state: dict[str, Any]) -> list[GlobalAction]:
         """A checkpoint's weights, counters and workers (``ConfigError`` when it belongs to
         another model or config); its groups come back with ``resume``."""
         self.weights = restore_workers(self.run, self.roster, state)

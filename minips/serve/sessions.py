@@ -24,7 +24,7 @@ Which message may come when is the conversation's table (``wire/conversation.py`
 session holds one ``Conversation`` and feeds it every message it reads); what a message does is
 the core's rule (``GlobalCore.on_stats`` / ``on_initial`` / ``on_exchange`` / ``group_pull`` /
 ``group_left``). These sessions read the channel, feed the conversation, hand the actions the
-core returns to the server and send its ``Reply`` back to the group that asked (``Shell``: what
+core returns to the server and send its ``GroupReply`` back to the group that asked (``Shell``: what
 they use of ``server.GlobalServer``, which imports this module, not the other way round).
 
 Invariants: a worker's and an evaluator's session take one message per turn of the event loop
@@ -58,7 +58,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
-from minips.core.global_core import Action, AllFinal, GlobalCore, Rehomed, Reply
+from minips.core.actions import AllFinal, GlobalAction, GroupReply, Rehomed
+from minips.core.global_core import GlobalCore
 from minips.core.roster import GroupHandle, NoGroup
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.net.channel import Channel
@@ -94,7 +95,7 @@ class Shell(Protocol):
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run ``coro`` in the background (the server cancels what is left on close)."""
 
-    def perform(self, actions: list[Action]) -> None:
+    def perform(self, actions: list[GlobalAction]) -> None:
         """Do what the core decided, in order."""
 
     async def tell_group(self, w: int) -> None:
@@ -332,11 +333,12 @@ async def adopt(srv: Shell, ch: Channel) -> GroupHandle | None:
     return handle
 
 
-async def _answer(srv: Shell, ch: Channel, actions: list[Action]) -> None:
-    """Carry out the core's ``actions``, then send its ``Reply`` to the group process on ``ch``."""
+async def _answer(srv: Shell, ch: Channel, actions: list[GlobalAction]) -> None:
+    """Carry out the core's ``actions``, then send its ``GroupReply`` to the group process on
+    ``ch``."""
     srv.perform(actions)
     for a in actions:
-        if isinstance(a, Reply) and isinstance(a.answer, (messages.ExchangeReply,
+        if isinstance(a, GroupReply) and isinstance(a.answer, (messages.ExchangeReply,
                                                           messages.GlobalWeights)):
             await ch.send(a.answer)
 

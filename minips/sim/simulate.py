@@ -53,8 +53,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from minips.core import global_core
-from minips.core.actions import Log
+from minips.core.actions import (
+    GlobalAction,
+    Log,
+    RunDone,
+    SendSettings,
+    reply,
+)
 from minips.core.config import MODES, RunConfig, policy
 from minips.core.exchange import ExchangeResult, exchange_message
 from minips.core.global_core import GlobalCore
@@ -220,17 +225,17 @@ class SimGlobal:
         self.writer = sim.rundir.writer("global")
         self.core = GlobalCore(sim.run, weights, regroup=False, wall=lambda: sim.run.t0 + sim.t)
 
-    def perform(self, actions: list[global_core.Action]) -> None:
+    def perform(self, actions: list[GlobalAction]) -> None:
         """What the core decided (global_core.py): GDTopK's ratios, the end of the run."""
         core = self.core
         for a in actions:
             if isinstance(a, Log):
                 self.writer.write({"t": self.sim.t, "event": a.event, **a.fields,
                                    "version": core.version, "samples": core.samples})
-            elif isinstance(a, global_core.SendSettings):
+            elif isinstance(a, SendSettings):
                 for g in a.ratios:
                     self.sim.assign(core.assign_message(core.groups[g]))
-            elif isinstance(a, global_core.Done):
+            elif isinstance(a, RunDone):
                 for grp in self.sim.groups.values():
                     grp.budget_spent()
 
@@ -461,7 +466,7 @@ class Simulation:
         grp.in_flight = False
         out = grp.core.begin_exchange(final, grp.traffic())
         actions = glob.merge(g, out.delta, out.stats, self.t)
-        res = global_core.reply(actions, ExchangeResult)
+        res = reply(actions, ExchangeResult)
         res.bytes_up = wire_size(exchange_message(out.delta, out.stats))
         res.bytes_down = wire_size(glob.merger.exchange_reply(g, res.weights, glob.done))
         self.glob.perform(actions)
