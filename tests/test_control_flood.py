@@ -276,7 +276,7 @@ async def test_an_init_weights_flood_on_the_control_channel_does_not_slow_the_ot
     calm, flooded, flooder = await flooded_run(tmp_path, "--mode", "asp", "--workers", "3",
                                                join_late=False)
     # Each session cut costs the server a handshake, two 247 KB frames read and the flooder's
-    # kernel copies on the same cores; after guard.Limits.free_violations cuts in a row its
+    # kernel copies on the same cores; after guard.GuardLimits.free_violations cuts in a row its
     # address waits before its next handshake (0.5 s, doubling), so the flood becomes a trickle.
     assert sum(flooded) >= 0.9 * sum(calm)
     assert flooder.cuts >= ROUNDS, "a second INIT_WEIGHTS on one session closes it"

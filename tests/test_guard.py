@@ -12,7 +12,7 @@ from minips.net import guard
 from minips.wire import checks, control, frames, handshake, messages
 from minips.wire.fields import Payload
 
-LIMITS = guard.Limits(max_pending=5, max_pending_per_source=2, max_waiting_per_source=2,
+LIMITS = guard.GuardLimits(max_pending=5, max_pending_per_source=2, max_waiting_per_source=2,
                       max_waiting=3, free_failures=2, backoff_first_s=1.0, backoff_max_s=4.0,
                       forget_after_s=100.0)
 

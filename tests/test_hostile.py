@@ -255,7 +255,7 @@ async def violate(host: str, port: int, source: str) -> bool:
 def test_the_guard_counts_violations_apart_from_failed_secrets() -> None:
     """A handshake that passes (every flooder's does) does not clear a source's violations; a
     session that ends without one does. The two records wait the longer of their back-offs."""
-    limits, g = guard.Limits(), guard.Guard()
+    limits, g = guard.GuardLimits(), guard.Guard()
     waits = [g.violated("10.0.0.1", now=0.0) for _ in range(limits.free_violations + 2)]
     assert waits == [0.0] * limits.free_violations + [limits.backoff_first_s,
                                                       2 * limits.backoff_first_s]
@@ -274,7 +274,8 @@ async def test_sessions_cut_for_violations_back_their_address_off(tmp_path: Path
                   r"wait ([\d.]+) s before its next handshake", page)
     assert m, "docs/protocol.md names the violations a source may have before it waits"
     free, first = int(m[1]), float(m[2])
-    assert (free, first) == (guard.Limits().free_violations, guard.Limits().backoff_first_s)
+    limits = guard.GuardLimits()
+    assert (free, first) == (limits.free_violations, limits.backoff_first_s)
     with server(tmp_path) as (proc, host, port):
         log = log_lines(proc)
         cut = 0

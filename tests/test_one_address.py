@@ -32,7 +32,7 @@ async def idle(ch: channel.Channel) -> None:
 
 @contextlib.asynccontextmanager
 async def server(**limits: Any) -> AsyncIterator[transport.Server]:
-    opts = channel.Options(guard=guard.Limits(max_pending_per_source=SLOTS, **limits))
+    opts = channel.Options(guard=guard.GuardLimits(max_pending_per_source=SLOTS, **limits))
     srv = await transport.serve("127.0.0.1", 0, accept=lambda hello: {}, handler=idle,
                                 token=TOKEN, options=opts)
     try:
@@ -92,9 +92,9 @@ async def test_a_flood_of_wrong_secrets_from_one_address_is_still_cut() -> None:
         try:
             assert "admitted" not in outcomes
             # the free failures, then whatever had passed the back-off check before it began
-            assert outcomes.count("refused") <= guard.Limits().free_failures + SLOTS, outcomes
+            assert outcomes.count("refused") <= guard.GuardLimits().free_failures + SLOTS, outcomes
             assert srv.stats["refused"] == outcomes.count("refused")
-            assert srv.stats["turned_away"] >= 200 - guard.Limits().free_failures - SLOTS
+            assert srv.stats["turned_away"] >= 200 - guard.GuardLimits().free_failures - SLOTS
             assert srv.guard.backoff_left("127.0.0.2", asyncio.get_running_loop().time()) > 0
             assert len(chans) == 64 and srv.guard.backoff_left("127.0.0.1", 0.0) == 0
         finally:

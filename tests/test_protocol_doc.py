@@ -365,7 +365,7 @@ def test_the_model_table_on_the_page_is_the_code_s() -> None:
 def test_the_handshake_back_off_starts_after_the_failure_the_documents_name() -> None:
     """A source may fail ``free_failures`` (3) handshakes at no cost; the next failure (the 4th)
     starts its back-off of ``backoff_first_s``, as both documents say."""
-    limits, g = guard.Limits(), guard.Guard()
+    limits, g = guard.GuardLimits(), guard.Guard()
     waits = [g.failed("10.0.0.1", now=0.0) for _ in range(limits.free_failures + 2)]
     assert waits == [0.0] * limits.free_failures + [limits.backoff_first_s,
                                                     2 * limits.backoff_first_s]

@@ -22,8 +22,6 @@ With equal speeds every batch stays ``batch_size``: LB-BSP is then BSP exactly.
 
 Invariants: ``sum(allocate(total, speeds)) == total``; each share >= ``MIN_BATCH`` (when the total
 allows); shares are in the order of the speeds.
-
-Public API: ``SMOOTHING``, ``MIN_BATCH``, ``allocate``, ``Balancer``.
 """
 
 from __future__ import annotations

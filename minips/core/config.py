@@ -55,12 +55,6 @@ Invariants:
 - ``validate()`` raises ``ConfigError`` (a ``FieldError``) naming the field;
   ``from_info(to_info(c)) == c``.
 - Units are in each field's comment; times are seconds, sizes bytes, rates bytes per second.
-
-Public API: ``SyncPolicy``, ``POLICIES``, ``MODES``, ``policy(mode)``, ``MODEL_NAMES``,
-``PARAM_COUNTS``, ``DEFAULT_DATASET``, ``TRAIN_SIZES``, ``dataset_train_size``,
-``OPTIMIZER_PLACES``, ``LARGE_MODEL_PARAMS``, ``place_optimizer``,
-``OUTER_OPTIMIZERS``, ``RunConfig``,
-``FieldError``, ``WorkerConfig``.
 """
 
 from __future__ import annotations

@@ -36,14 +36,6 @@ asynchronous group (docs/compression.md, "The downlink"):
   changed since the last one and those it left unpublished then (``behind``), and the drift
   sums ``||weights||^2`` and ``||weights - w_pub||^2`` (float64) follow each change as it lands
   (``moving`` before it, ``moved`` after): O(changes) a turn, the same choices as over all n.
-
-Public API: ``Downlink(weights, ratio, drift=DRIFT, log_size=LOG_SIZE,
-dense_fraction=DENSE_FRACTION, values="f32", changes=None)``, ``.publish(weights) -> int``,
-``.answer(since) -> Answer``, ``.wire_values(answer) -> str``, ``.drift(weights) -> float``,
-``.drift_now() -> float``, ``.moving`` / ``.moved``; ``ExactDownlink(weights, changes,
-values="f32")`` with the same ``answer`` / ``publish`` / ``moving`` / ``moved`` /
-``wire_values``; ``wire_values(values, answer)``; ``Answer(version, since, payload)``; and
-the worker's side, ``apply_weights(copy, held, weights_msg, n)``.
 """
 
 from __future__ import annotations

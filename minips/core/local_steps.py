@@ -63,8 +63,7 @@ core/worker_opt.py says. Per-group H comes back with the next STATS after a resu
 
 ``LocalSteps`` names the worker's optimizer (core/worker_opt.py) only for type checking and
 gets it from the ``Upload`` it is given, so the servers' cores, which import this module for
-``outer_sgd`` and ``auto_local_steps``, load nothing of the worker's. Public API:
-``LocalSteps``, ``outer_sgd``, ``auto_local_steps``, ``HYSTERESIS``.
+``outer_sgd`` and ``auto_local_steps``, load nothing of the worker's.
 """
 
 from __future__ import annotations

@@ -20,9 +20,6 @@ the third one 4x until 60 s. ``FxN`` repeats a flat factor N times (``1,1,2x2,4`
 
 Invariants: every factor is > 0; ``Schedule.factor`` is a step function, right-continuous;
 ``Throttle.factor`` is 1 or in [MIN, MAX]; ``Schedule.text()`` parses back to the same schedule.
-
-Public API: ``Schedule``, ``parse_schedule``, ``parse_schedules``, ``Throttle``,
-``parse_throttle``, ``Slowdown``.
 """
 
 from __future__ import annotations

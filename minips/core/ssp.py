@@ -48,9 +48,6 @@ and hands the means since the last ``take`` to the group's exchange, whence the 
 groups by it (``roster.py``, ``grouping.py``). Invariant: a worker's interval runs from its last
 PUSH in this group's current session with it; a (re)join starts a new one, so time away from the
 group never counts as an iteration.
-
-Public API: ``ClockCounts``, ``ClockError``, ``ClockTable``, ``Rounds``, ``Iterations``,
-``IterationTimes``.
 """
 
 from __future__ import annotations

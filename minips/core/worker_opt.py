@@ -32,8 +32,7 @@ never sent and is lost), one that only reconnects (its group server or the globa
 restarted) keeps them.
 
 Sans-IO numpy; ``Upload.packet`` and ``WorkerSGD.update`` take a numpy array or a torch
-tensor (copied to the host, a view on the CPU). Public API: ``WorkerSGD``, ``clip_scale``,
-``Upload``.
+tensor (copied to the host, a view on the CPU).
 """
 
 from __future__ import annotations

@@ -53,10 +53,6 @@ from what was added, never from a clock read here:
 
 Each line is handed over exactly once and only whole; a file that shrinks (a new run in the same
 directory) is read again from its start.
-
-Public API: ``EVENT_KINDS``, ``HOPS``, ``SLOW_FACTOR``, ``STALENESS_BUCKETS``, ``WAIT_BUCKETS``,
-``MISSED_BUCKETS``, ``BASE_AGE_BUCKETS``, ``Histogram``, ``RunState``, ``WorkerView``,
-``Replay``, ``RunFollower``, ``Tail``, ``source_of``, ``describe``.
 """
 
 from __future__ import annotations

@@ -40,8 +40,6 @@ docs/dashboard.md has the table):
 - ``minips_accuracy_ratio`` / ``minips_loss`` (the last evaluation);
 - ``process_*``: prometheus_client's process collector (the serving process's CPU, memory,
   open files).
-
-Public API: ``RunCollector``, ``Ticker``, ``make_app``, ``start_site``.
 """
 
 from __future__ import annotations

@@ -34,12 +34,6 @@ Invariants:
   uses its own epoch-local stream: epoch 0's batches, then epoch 1's, ... (``batch_stream``).
   The reference loop (reference.py) and the worker (worker.py) both call these, which is what
   makes a 1-worker BSP run through minips equal to the single-process loop.
-
-Public API: ``make_synthetic_images``, ``make_translation`` and its vocabulary (``PAD``, ``BOS``,
-``EOS``, ``WORDS``, ``VOCAB``, ``SRC_LEN``, ``TGT_LEN``), ``validation_split``, ``VAL_SEED``,
-``evaluation_set``,
-``shard_indices``, ``num_batches``,
-``iterate_batches``, ``batch_stream``, ``Dataset``, ``load_dataset``.
 """
 
 from __future__ import annotations

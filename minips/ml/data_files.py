@@ -13,11 +13,6 @@ Invariants:
   are renamed once the digest matches; a mismatch, a network error or a file over
   ``MAX_DOWNLOAD_BYTES`` leaves nothing behind and raises (``DataError`` for what we refuse).
 - Archives are never extracted by their own member paths: only members we name are written.
-
-Public API: ``fetch_file(url, dest, sha256, timeout=...)``, ``extract_members(archive, dest,
-wanted)``, ``DOWNLOAD_TIMEOUT_S``, ``MAX_DOWNLOAD_BYTES``, ``CHUNK_BYTES``, ``Spec``, ``SPECS``,
-``CIFAR_SUBDIR``, ``DATASET_NAMES``, ``read_idx``, ``read_cifar_batch``, ``cache_dir``,
-``download``, ``spec_of``, ``find_or_download``, ``decode``.
 """
 
 from __future__ import annotations

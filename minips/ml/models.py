@@ -27,10 +27,6 @@ since training-mode BN uses batch statistics and never reads them. ``evaluate`` 
 re-estimates them for the weights it tests: from a few batches of ``train_for_bn`` when given,
 otherwise each test batch is normalised with its own statistics (batch 1000, close to the
 population's).
-
-Public API: ``LeNet5``, ``ResNet18``, ``VGG19``, ``ResNet9``, ``Seq2Seq``, ``NETS``,
-``net_name``, ``build_model``, ``param_count``, ``layout``, ``layout_digest``, ``get_flat``,
-``set_flat``, ``get_flat_grad``, ``batch_loss``, ``evaluate``, ``recalibrate_bn``.
 """
 
 from __future__ import annotations

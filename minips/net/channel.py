@@ -32,11 +32,6 @@ Invariants:
   frame in chunks, each after its tokens are in the uplink bucket, one frame at a time (a lock:
   a HEARTBEAT waits for the frame in progress); it reads as ``links.ReadPacer`` allows (reading
   pauses while the downlink bucket is in debt; past the receive buffer the peer's TCP waits).
-
-Public API: ``Options``, ``FrameProtocol``, ``tune_socket(sock, buffer_bytes)``, ``Channel``,
-``write_batches``, and the constants ``READ_TIMEOUT_S``, ``SEND_TIMEOUT_S``,
-``HANDSHAKE_TIMEOUT_S``, ``SOCKET_BUFFER_BYTES``, ``WRITE_BYTES``, ``MAX_QUEUED``,
-``MAX_QUEUED_BYTES``.
 """
 
 from __future__ import annotations
@@ -103,7 +98,8 @@ class Options:
     alloc: frames.Alloc | None = None  # where received payload buffers go; None: fresh numpy arrays
     max_queued_bytes: int = MAX_QUEUED_BYTES  # bytes of received buffers before reading pauses
     max_queued: int = MAX_QUEUED  # received messages (not HEARTBEATs) before reading pauses
-    guard: guard.Limits = field(default_factory=guard.Limits)  # a server's pre-auth limits
+    # a server's pre-auth limits
+    guard: guard.GuardLimits = field(default_factory=guard.GuardLimits)
 
 
 _STAT_OF_REASON = {"protocol_error": "protocol_errors", "limit_exceeded": "limit_exceeded",

@@ -30,10 +30,6 @@ Invariants:
   violation clears that record (a handshake does not: a flooder passes every one).
 - ``LogSummary`` lets the first event of each kind through at once and then one line per
   ``period_s`` with the count of what happened meanwhile: a flood costs a few lines, not one each.
-
-Public API: ``Limits``, ``VIOLATIONS``, ``Guard`` (``admit``, ``backoff_left``, ``failures``,
-``opened``, ``queue``, ``gave_up``, ``closed``, ``failed``, ``succeeded``, ``violated``,
-``behaved``, ``pending``, ``waiting``), ``LogSummary`` (``event``, ``due``, ``flush``).
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-__all__ = ["Limits", "Guard", "LogSummary", "MAX_SOURCES", "VIOLATIONS"]
+__all__ = ["GuardLimits", "Guard", "LogSummary", "MAX_SOURCES", "VIOLATIONS"]
 
 MAX_SOURCES = 4096  # failure records kept; the oldest goes first (bounds the guard's memory)
 # ERROR codes that end a session for a protocol violation (protocol.md, section 6): the frame
@@ -51,7 +47,7 @@ VIOLATIONS = frozenset({"protocol_error", "limit_exceeded", "read_timeout", "inv
 
 
 @dataclass(frozen=True)
-class Limits:
+class GuardLimits:
     """What one server allows before authentication."""
 
     max_pending: int = 1024  # connections in the handshake at once, all sources together
@@ -81,8 +77,8 @@ class _Record:
 class Guard:
     """Counts pending and waiting handshakes and failures per source address."""
 
-    def __init__(self, limits: Limits | None = None) -> None:
-        self.limits = limits or Limits()
+    def __init__(self, limits: GuardLimits | None = None) -> None:
+        self.limits = limits or GuardLimits()
         self.pending: collections.Counter[str] = collections.Counter()  # source -> open now
         self.total_pending = 0
         # source -> connections waiting for one of its slots, oldest first (the shell's tickets)

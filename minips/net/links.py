@@ -34,10 +34,6 @@ Links that change (``--link-change``, kernel shaping only: the tbf's rate is cha
 
 T counts from the start of training (the global server's ``groups`` event), as a
 ``--slowdown`` schedule does (core/slowdown.py).
-
-Public API: ``Rate``, ``LinkProfile``, ``parse_profile``, ``LinkChange``,
-``parse_link_changes``, ``format_rate``, ``SHAPINGS`` (the ``--link-shaping`` choices),
-``TokenBucket``, ``Pacing``, ``ReadPacer``.
 """
 
 from __future__ import annotations

@@ -42,23 +42,17 @@ Invariants:
 - A flood of refused or rejected peers costs a few log lines per period, not one line per peer,
   and no count is lost: pending counts are logged within 1.5 periods, or at ``flush``.
 
-Public API:
-- ``CountingLog(logger)`` with ``note(kind, detail)`` and ``flush()``.
-- ``backoff``, ``delay`` and its defaults ``FIRST_S`` / ``MOST_S``.
-- ``install_uvloop() -> bool``: use uvloop's event loop policy where it imports.
-- ``async connect(host, port, *, role, worker_id, token, timeout, retries, ssl, ...) -> Channel``
-  raises ``AuthError`` on REFUSE, ``Unreachable`` when unreachable within ``timeout``, and
-  at once ``TLSError`` (a ``ConnectionError``) naming why TLS failed: the certificate (not
-  signed by the CA, not for the name or address dialled) or a peer that speaks plain text.
-- ``async serve(host, port, *, accept, handler, token, ssl, options) -> Server``:
-  ``accept(hello) -> dict`` (may be async; ``Accept``) returns WELCOME's info (key
+What a caller can count on:
+- ``connect`` raises ``AuthError`` on REFUSE, ``Unreachable`` when unreachable within
+  ``timeout``, and at once ``TLSError`` (a ``ConnectionError``) naming why TLS failed: the
+  certificate (not signed by the CA, not for the name or address dialled) or a peer that speaks
+  plain text.
+- ``serve``'s ``accept(hello) -> dict`` (may be async; ``Accept``) returns WELCOME's info (key
   ``worker_id`` sets the id sent back) or raises ``AuthError(reason)`` to refuse; then
   ``await handler(channel)`` (``Handler``).
-- ``Server``: ``host``, ``port``, ``stats`` (connections, accepted, refused, protocol_errors,
-  limit_exceeded, read_timeouts, handshake_timeouts, handler_errors, turned_away: closed
-  unread by ``guard``; waited: connections that waited for a slot of their address),
-  ``guard``, ``channels``, ``close()``, ``wait_closed()``; also an async
-  context manager.
+- ``Server.stats`` counts connections, accepted, refused, protocol_errors, limit_exceeded,
+  read_timeouts, handshake_timeouts, handler_errors, turned_away (closed unread by ``guard``)
+  and waited (connections that waited for a slot of their address).
 
 The ``Channel`` that ``connect`` and the handler get (``send(msg, compress=False)``,
 ``recv(timeout=None)`` (HEARTBEATs are absorbed; one reader at a time),
@@ -284,7 +278,7 @@ class Server:
     Before a peer has authenticated, ``guard`` (guard.py) caps how many handshakes run at once
     (per source address and in total) and makes a source that keeps failing wait; a connection
     over its address's cap waits for a slot (unread, in a bounded line, at most
-    ``guard.Limits.max_wait_s``, then it is turned away); connections over the other caps or in
+    ``guard.GuardLimits.max_wait_s``, then it is turned away); connections over the other caps or in
     back-off are closed at once, unread. Refusals are logged as counts."""
 
     def __init__(self, accept: Accept, handler: Handler, token: str | bytes | None,

@@ -33,10 +33,6 @@ The file holds, in order:
 
 Invariant: a run counts as ``"real"`` only when every record says real; one synthetic record
 makes it ``"mixed"`` (or ``"synthetic"`` when all are), so a stand-in never goes unnoticed.
-
-Public API: ``origin``, ``record``, ``read``, ``verdict``, ``HOP_COUNTERS``, ``HOPS``,
-``hop_bytes``, ``total_bytes_series``, ``DataWatch``, ``DEFAULT_TARGETS``,
-``Run``, ``time_to_accuracy``, ``load_run``, ``summarize``.
 """
 
 from __future__ import annotations

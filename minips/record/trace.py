@@ -29,9 +29,6 @@ Bounded: after ``cap_bytes`` (20 MB by default) only every ``every``-th frame is
 nothing once the file holds twice the cap; a ``sampling`` / ``stopped`` event line says so.
 The file is created at the first frame (after a server claimed its run directory); lines are
 buffered and flushed at least every ``FLUSH_S`` seconds and at close (atexit).
-
-Public API: ``TRACER``, ``Tracer``, ``open_tracer``, ``close_tracer``, ``role_of_path``,
-``summarise_payload``, ``frame_bytes``, ``DEFAULT_CAP_BYTES``, ``SAMPLE_EVERY``, ``SUFFIX``.
 """
 
 from __future__ import annotations

@@ -25,8 +25,6 @@ wrong secret, a run directory that holds another run) print one line and exit 2.
 / ``group:`` lines with its reachable address, ``join_commands``), joins and the groups
 (``server.console_line``), a progress line, and at the end the headline of the summary.json it
 writes in its run directory.
-
-Public API: ``serve_run``, ``run_server``, ``main``.
 """
 
 from __future__ import annotations

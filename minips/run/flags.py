@@ -19,10 +19,6 @@ The file holds, in order:
 - The `minips` argument parser: one sub-command per role, errors in one line, help that shows
   the defaults. ``build_parser`` is all cli.py needs to parse; it calls ``ray_command`` and
   ``simulate_command`` for those two sub-commands.
-
-Public API: ``PRESETS``, ``RUN_FLAGS``, ``FLAG_OF``, ``add_run_flags``, ``run_config_from_args``,
-``add_ray_parser``, ``ray_command``, ``add_simulate_parser``, ``simulate_command``,
-``build_parser``, ``DESCRIPTION``, ``say_default_budget``, ``DEFAULT_EPOCHS``.
 """
 
 from __future__ import annotations

@@ -30,10 +30,6 @@ launcher then stops the children (``Cluster.stop``: SIGTERM to each child's sess
 after ``grace_s``) and still writes the summary; SIGTERM does the same (status "terminated").
 No child outlives ``run_local``, nor the launcher's death by any signal, SIGKILL included
 (``lifeline.py``: each child watches it).
-
-Public API: ``ProgressLine``, ``Cluster``, ``WorkersFailed``, ``READY_TIMEOUT_S``,
-``EXIT_TIMEOUT_S``, ``Terminated``, ``run_local``, ``make_run_dir``, ``write_init``,
-``LaunchConfig``, ``parse_slowdowns``.
 """
 
 from __future__ import annotations

@@ -39,10 +39,6 @@ Invariants:
   reconnects with its id and rejoins.
 - ``{node_ip}`` and ``{dir}`` in the role's arguments become this node's address and the role's
   directory, which only the actor knows.
-
-Public API: ``RoleActor``, ``MAX_COLLECT_BYTES``, ``RayConfig``, ``Placement``, ``run_ray``,
-``parse_placement``, ``start_roles``, ``unplaceable``, ``share_cpus``,
-``settle_local``, ``wait_placed``.
 """
 
 from __future__ import annotations

@@ -16,10 +16,6 @@ role, an arrow per frame labelled with its kind and bytes, PNG and SVG.
 This module also holds the ``--trace`` flags of the roles (``add_trace_flags``), how a role's
 process opens its tracer (``open_role_tracer``) and the flags `minips local` passes its
 children (``child_trace_args``).
-
-Public API: ``add_trace_flags``, ``add_trace_parser``, ``open_role_tracer``,
-``child_trace_args``, ``Frame``, ``trace_files``, ``load_frames``, ``read_pcap``,
-``render_text``, ``chart_window``, ``draw_chart``, ``trace_command``.
 """
 
 from __future__ import annotations

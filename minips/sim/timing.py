@@ -31,9 +31,6 @@ The file holds, in order:
   - ``sim_model.ModelObjective``: the run's model and data set through the code a real worker
     runs (``models``, ``data``, ``device.Trainer``); it imports torch, so ``objective`` imports
     it only when asked for it.
-
-Public API: ``Failure``, ``parse_failures``, ``Links``, ``StepTimes``, ``Objective``,
-``Quadratic``, ``objective``.
 """
 
 from __future__ import annotations

@@ -27,10 +27,6 @@ The checks of meaning that only a server knows (ranges of counters and times, a 
 map, the lengths of an EXCHANGE's PULL lists) are plain functions here too (``check_push``,
 ``check_stats``, ``check_exchange``): a violation raises ``RemoteProtocolError`` before the
 message touches the model. Clocks that go backwards are the SSP table's (``ssp.ClockError``).
-
-Public API: ``Role``, ``Turn``, ``TRANSITIONS``, ``REFUSALS``, ``Conversation``, ``OrderError``,
-the limits ``MAX_SAMPLES``, ``MAX_STEP_S``, ``MAX_EXCHANGE_COUNT``, ``INIT_ENCODING`` and the
-checks ``check_push``, ``check_stats``, ``check_exchange``.
 """
 
 from __future__ import annotations
@@ -123,7 +119,7 @@ TRANSITIONS: dict[tuple[Side, Turn, Kind], Turn] = {
     (_P, _T.CONTROL, Kind.LEAVE): _T.LEFT,
     (_P, _T.INITIALIZED, Kind.STATS): _T.INITIALIZED,
     (_P, _T.INITIALIZED, Kind.LEAVE): _T.LEFT,
-    (_P, _T.CONTROL, Kind.PULL): _T.PROBING,  # the link probe (roster.Roster.probe_*)
+    (_P, _T.CONTROL, Kind.PULL): _T.PROBING,  # the link probe (roster.Roster.probe_pulled)
     (_P, _T.INITIALIZED, Kind.PULL): _T.PROBING,
     (_P, _T.PROBING, Kind.PUSH): _T.INITIALIZED,  # clock 1, after the probe's PULL at 0
     (_P, _T.PROBING, Kind.STATS): _T.PROBING,  # a worker that gave up waiting for the answer

@@ -10,10 +10,6 @@ Invariants:
 - The shared secret never crosses the wire: each side proves it with HMAC-SHA256 over a
   transcript that includes both sides' fresh nonces, so a recorded handshake cannot be replayed
   (docs/protocol.md, section 5). MACs are compared in constant time.
-
-Public API: ``Side``, ``State``, ``TRANSITIONS``, ``Connection`` (``send``, ``receive``,
-``received``, ``decoder``), ``CLIENT_LABEL`` / ``SERVER_LABEL``, ``new_nonce``, ``make_mac``,
-``ClientHandshake``, ``ServerHandshake``.
 """
 
 from __future__ import annotations
