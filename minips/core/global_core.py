@@ -19,7 +19,7 @@ nothing sent is lost. Checkpoints: ``checkpoint_state`` takes a snapshot, ``load
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,6 @@ from minips.core.actions import (
 )
 from minips.core.config import RunConfig
 from minips.core.exchange import Delta, ExchangeResult
-from minips.core.local_steps import auto_local_steps
 from minips.core.merge import Merger
 from minips.core.replay import Merged
 from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
@@ -185,21 +184,8 @@ class GlobalCore:
         set (``ratio_of``), before the groups open."""
         assignment = self.roster.first_assignment()
         self.roster.first_ratios(assignment, now)
-        self._first_steps = self._steps_for(assignment)
+        self._first_steps = self.roster.steps_for(assignment)
         return assignment
-
-    def _steps_for(self, assignment: dict[int, int]) -> dict[int, int]:
-        """Local steps auto: each group's H for ``assignment`` as ``groups_formed`` will set it
-        (its members' mean step time, ``auto_local_steps``), so that an ASSIGN sent before
-        (a group process's: ``assign_message``) carries it too; {} with the run's H."""
-        if not self.run.local_steps_auto:
-            return {}
-        times: dict[int, list[float]] = {}
-        for w, g in assignment.items():
-            if t := self.workers[w].step_time:
-                times.setdefault(g, []).append(t)
-        return auto_local_steps({g: float(np.mean(t)) for g, t in times.items()},
-                                self.run.local_steps_max)
 
     def ratio_of(self, g: int) -> float:
         """The GDTopK ratio group ``g`` opens with (``Roster.ratio_of``)."""
@@ -219,18 +205,11 @@ class GlobalCore:
             self.workers[w].group = g
         steps = self.roster.update_local_steps()  # local steps auto: each group's first H
         return [Log("groups", {"assignment": {str(w): g for w, g in assignment.items()},
-                               **self.speeds(assignment),
+                               **self.roster.speeds(assignment),
                                "ratios": {str(g): h.ratio for g, h in self.groups.items()},
                                "addresses": {str(g): h.address
                                              for g, h in self.groups.items()}}),
                 *self._local_steps_actions(steps)]
-
-    def speeds(self, workers: Iterable[int]) -> dict[str, dict[str, float | None]]:
-        """What the grouping saw of ``workers``: ``iteration_s`` (``WorkerEntry.iteration``,
-        what it groups by) and ``compute_s`` (their step time), ``{worker: seconds}``."""
-        entries = [self.workers[w] for w in sorted(workers) if w in self.workers]
-        return {"iteration_s": {str(e.id): e.iteration() for e in entries},
-                "compute_s": {str(e.id): e.step_time for e in entries}}
 
     def _local_steps_actions(self, changed: list[int]) -> list[GlobalAction]:
         """Local steps auto: log the groups' H and send the changed ones (with ASSIGN, as
@@ -264,12 +243,8 @@ class GlobalCore:
         for w, g in moves.items():
             self.roster.move(w, g)
         return [Log("regroup", {"moved": {str(w): g for w, g in moves.items()},
-                                **self.speeds(self.workers)}),
-                *self.regrouped(now)]
-
-    def regrouped(self, now: float) -> list[GlobalAction]:
-        """Workers moved: the groups' speeds and GDTopK's ratios anew."""
-        return self._update_ratios(now)
+                                **self.roster.speeds(self.workers)}),
+                *self._update_ratios(now)]
 
     def group_served(self, g: int, peer: GroupPeer, address: str) -> list[GlobalAction]:
         """A group process took group ``g`` over (it had none: ``Roster.orphan``)."""
@@ -450,7 +425,8 @@ class GlobalCore:
     def local_steps_of(self, h: GroupHandle) -> int:
         """Group ``h``'s H for its ASSIGN: the one ``Roster.update_local_steps`` set, or with
         local steps auto before it did (a group process is given its group before the groups
-        form) the first grouping's (``_steps_for``), else the fastest group's; 0: the run's."""
+        form) the first grouping's (``Roster.steps_for``), else the fastest group's; 0: the
+        run's."""
         if h.local_steps or not self.run.local_steps_auto:
             return h.local_steps
         return self._first_steps.get(h.id) or self.run.local_steps_max

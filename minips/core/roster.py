@@ -40,6 +40,7 @@ members come from), so only workers whose group really changed are moved.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -459,6 +460,27 @@ class Roster:
                 self.groups[g].local_steps = steps
                 changed.append(g)
         return changed
+
+    def steps_for(self, assignment: dict[int, int]) -> dict[int, int]:
+        """Local steps auto: each group's H for ``assignment`` as ``GlobalCore.groups_formed``
+        will set it (its members' mean step time, ``auto_local_steps``), so that an ASSIGN sent
+        before (a group process's: ``GlobalCore.assign_message``) carries it too; {} with the
+        run's H."""
+        if not self.run.local_steps_auto:
+            return {}
+        times: dict[int, list[float]] = {}
+        for w, g in assignment.items():
+            if t := self.workers[w].step_time:
+                times.setdefault(g, []).append(t)
+        return auto_local_steps({g: float(np.mean(t)) for g, t in times.items()},
+                                self.run.local_steps_max)
+
+    def speeds(self, workers: Iterable[int]) -> dict[str, dict[str, float | None]]:
+        """What the grouping saw of ``workers``: ``iteration_s`` (``WorkerEntry.iteration``,
+        what it groups by) and ``compute_s`` (their step time), ``{worker: seconds}``."""
+        entries = [self.workers[w] for w in sorted(workers) if w in self.workers]
+        return {"iteration_s": {str(e.id): e.iteration() for e in entries},
+                "compute_s": {str(e.id): e.step_time for e in entries}}
 
     def refresh_step_times(self) -> None:
         """Each group's step time and iteration time: the means of its members' latest."""
