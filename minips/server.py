@@ -150,6 +150,7 @@ class GlobalServer:
         self.rejoin: asyncio.Task[None] | None = None  # waiting for every worker to come back
         self.deadline: asyncio.Task[None] | None = None  # the grouping deadline, once one joined
         self.saving: asyncio.Future[int] | None = None  # checkpoint write in flight
+        self.save_failing = False  # the last checkpoint write failed (said once a streak)
         self.tasks: set[asyncio.Task[Any]] = set()
         self._restored: dict[str, Any] | None = None  # checkpoint state to resume from
         self.server: transport.Server | None = None
@@ -210,7 +211,10 @@ class GlobalServer:
         if self.saving is not None:
             await asyncio.gather(self.saving, return_exceptions=True)
         if core.grouped and self.cfg.checkpoint_every_s > 0:
-            checkpoint.save(self.checkpoint_path, self.checkpoint_state())
+            try:
+                checkpoint.save(self.checkpoint_path, self.checkpoint_state())
+            except OSError as exc:  # a full disk: the run's end is no worse for it
+                self.log("checkpoint_failed", reason=str(exc), final=True)
         for g in core.groups.values():
             await g.peer.close()
         for t in list(self.tasks):
@@ -592,13 +596,26 @@ class GlobalServer:
         holds the global weights only."""
         t = time.monotonic()
         take = self.checkpoint_state
+        marks = {g: list(h.snapshots) for g, h in self.core.groups.items()}
         if self.cfg.external_groups:
             state = take()
 
             def take() -> dict[str, Any]:
                 return state
         self.saving = asyncio.ensure_future(checkpoint.save_in_child(self.checkpoint_path, take))
-        size = await asyncio.shield(self.saving)
+        try:
+            size = await asyncio.shield(self.saving)
+        except OSError as exc:  # a full disk, a directory gone: the previous file stays
+            # what the replies name as saved goes back to the file that is there (taken here
+            # only with group processes; an in-process group's snapshot was the child's)
+            for g, kept in marks.items():
+                self.core.groups[g].snapshots = kept
+            self.log("checkpoint_failed", reason=str(exc), first=not self.save_failing)
+            self.save_failing = True
+            return
+        if self.save_failing:
+            self.save_failing = False
+            self.log("checkpoint_back", bytes=size)
         self.log("checkpoint", bytes=size, write_s=time.monotonic() - t)
 
 
@@ -742,6 +759,11 @@ def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | 
     if event == "data" and fields.get("synthetic"):
         return f"worker {w} trains on SYNTHETIC {fields.get('dataset')} data, not the real " \
             f"files ({fields.get('reason') or 'started with --data synthetic'})"
+    if event == "checkpoint_failed" and fields.get("first", True):
+        return f"checkpoint not written ({fields.get('reason')}): the last one written stays; " \
+            "training goes on and every later checkpoint is tried as usual"
+    if event == "checkpoint_back":
+        return "checkpoints are written again"
     if event == "link_lost":
         return f"worker {w}: no bytes from it at group {fields.get('group')} for " \
             f"{fields.get('silent_s')} s (its link is down, or it is stopped); its lease " \

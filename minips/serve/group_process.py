@@ -148,6 +148,25 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     return link
 
 
+async def _register_again(cfg: GroupConfig, gs: GroupServer, address: str, timeout: float,
+                          announce: bool) -> TcpLink:
+    """``_register``, again when the global server drops this group server while it waits for
+    the grouping (stopped, or cut off past the lease: ASSIGN never comes on that connection),
+    for up to ``timeout`` and then ``reconnect_s``; a refusal is final."""
+    deadline = asyncio.get_running_loop().time() + max(timeout, cfg.reconnect_s)
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            return await _register(cfg, gs, address, max(left, 1.0))
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise
+            if announce:
+                print(f"minips group: the global server dropped this group server while it "
+                      f"waited for the grouping ({exc}); registering again for up to "
+                      f"{left:.0f} s", flush=True)
+
+
 async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer:
     """Listen, register with the global server, take the group it assigns; serve until done,
     reconnecting to the global server when it is lost."""
@@ -160,7 +179,7 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
     if announce:
         print(f"minips group listening on {address}, registering with "
               f"{cfg.server_host}:{cfg.server_port}; waiting for the grouping", flush=True)
-    link = await _register(cfg, gs, address, cfg.connect_timeout_s)
+    link = await _register_again(cfg, gs, address, cfg.connect_timeout_s, announce)
     said = asyncio.get_running_loop().time()
     try:
         # all workers gone is not the end: they may rejoin
