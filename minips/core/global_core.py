@@ -173,7 +173,7 @@ class GlobalCore:
         self.calib_expired = True
         reported = sorted(self.roster.step_times())
         actions: list[GlobalAction] = [Log("calib_timeout", {"reported": reported,
-                                                       "expected": self.run.workers})]
+                                                             "expected": self.run.workers})]
         if reported:
             self.grouped = True
             actions.append(FormGroups())
