@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-CORE = ("numpy", "msgpack", "lz4", "uvloop")  # pyproject.toml [project] dependencies
+# pyproject.toml's [project] dependencies with their bounds (numpy<2.3: 2.2.6, not the newest)
+_DEPS = re.findall(r'^\s+"((?:numpy|msgpack|lz4|uvloop)[^";]*)', (
+    Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(), re.M)
+CORE = tuple(_DEPS) or ("numpy", "msgpack", "lz4", "uvloop")
 
 
 def platforms(glibc_minor: int) -> list[str]:
@@ -68,7 +72,7 @@ def main() -> int:
     args = ap.parse_args()
     tags = platforms(int(args.glibc.split(".")[1]))
     packages = CORE + (("torch",) if args.with_torch else ())
-    results = {f"{pkg} py{py}": resolve(pkg, py, tags)
+    results = {f"{pkg.split('>')[0]} py{py}": resolve(pkg, py, tags)
                for pkg in packages for py in args.python.split(",")}
     if args.json:
         print(json.dumps(results, indent=1))

@@ -449,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--data", default="synthetic", choices=("synthetic", "real"),
                     help="the workers' data (default %(default)s)")
     ap.add_argument("--fresh", action="store_true",
-                    help="rebuild the two venvs (the root is kept): installs timed from scratch")
+                    help="rebuild the two venvs, pip's cache emptied (the root is kept): "
+                    "installs timed from scratch")
     ap.add_argument("--json", type=Path, help="write every step's figures here")
     ap.add_argument("--strict", action="store_true", help="exit 3 when the check is skipped")
     return ap
@@ -473,7 +474,7 @@ def run_steps(args: argparse.Namespace, steps: list[str], mounted: list[Path]) -
         out["root"] = timed("root", lambda: step_root(root))
     with mounts(root, mounted):
         stage_source(root)
-        for venv in (VENVS if args.fresh else ()):
+        for venv in (VENVS + ("/root/.cache/pip",) if args.fresh else ()):
             shutil.rmtree(root / venv.lstrip("/"), ignore_errors=True)
         table = {"core": lambda: step_core(root),
                  "tests": lambda: step_tests(root, args.tests.split(",")),

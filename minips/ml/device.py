@@ -19,9 +19,9 @@ pass under autocast: bfloat16 where the device has it (a CPU with bfloat16 instr
 from Ampere on, so Jetson Orin's GPU), else float16 with dynamic loss scaling (a step whose
 scaled gradient overflows is sent as zeros and halves the scale). A CPU without bfloat16
 (ARMv8.2 cores such as the Cortex-A76 and A78AE, x86 without AVX-512) keeps the forward pass
-in float32 and says so in one line: oneDNN would only emulate bfloat16 there, slower than
-float32, with a warning and C++ trace on the console. Weights, gradients and the optimizer's
-view stay float32.
+in float32 and says so in one line: bfloat16 would gain nothing there (generic kernels with
+conversions around them; some torch builds print oneDNN's fallback warning with a C++ trace).
+Weights, gradients and the optimizer's view stay float32.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class Trainer:
             self.staging = torch.empty(self.weights.numel(), dtype=torch.float32,
                                        pin_memory=True)
         self.dtype = amp_dtype(device) if amp else None
-        if amp and self.dtype is None:  # one line, instead of oneDNN's warning and C++ trace
+        if amp and self.dtype is None:  # one line of ours, not a C++ warning of oneDNN's
             print(f"minips: --amp: this CPU ({os.uname().machine}) has no bfloat16 instructions;"
                   " the forward pass stays float32", file=sys.stderr, flush=True)
         self.scale = SCALE_START if self.dtype == torch.float16 else 1.0
