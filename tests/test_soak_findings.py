@@ -140,10 +140,8 @@ def test_a_group_process_dropped_before_the_grouping_registers_again(tmp_path: P
             p.wait()
 
 
-@pytest.mark.xfail(strict=True, reason="finding of the soak: GroupSync.state_dict keeps no "
-                   "'since' counters: an in-process group's pushes before a checkpoint are "
-                   "merged after a resume with samples 0 (core/exchange.py)")
 def test_pushes_counted_before_a_checkpoint_are_counted_after_the_resume() -> None:
+    """Fixed: GroupSync's state keeps the counters since the last exchange."""
     w = np.zeros(16, np.float32)
     saved = GroupSync(w, session=5)
     for _ in range(3):  # three worker pushes of 64 samples since the last exchange

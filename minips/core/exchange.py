@@ -487,10 +487,15 @@ class GroupSync:
         return replay
 
     def state_dict(self) -> dict[str, Any]:
-        return {"session": self.session, "seq": self.seq}
+        """The seq, and the counters of the pushes since the last exchange: the group's
+        weights a checkpoint keeps hold those pushes, so the next exchange after a resume
+        must count their samples (the soak found them merged with 0)."""
+        return {"session": self.session, "seq": self.seq, "since": dict(self.since)}
 
     def load_state_dict(self, state: dict[str, Any], w_sync: np.ndarray) -> None:
         self.session, self.seq = int(state["session"]), int(state["seq"])
+        since = state.get("since") or {}  # absent in older checkpoints: from 0, as before
+        self.since = {k: type(v)(since.get(k, v)) for k, v in _zero().items()}
         self.w_sync = np.array(w_sync, dtype=np.float32)
         self.left = None  # the weights come from the checkpoint too: anywhere may differ
 
