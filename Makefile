@@ -32,7 +32,8 @@ browser:
 demo: install data
 	$(BIN)/minips local --preset demo --trace
 
-test: install data browser
+# Lint first (ruff + mypy, seconds): CI runs `make test`, so it runs the lint too.
+test: install data browser lint
 	$(BIN)/python -m pytest -q
 
 lint: install

@@ -78,7 +78,9 @@ def varint_encode(indices: np.ndarray) -> np.ndarray:
     out = np.empty(int(ends[-1]), np.uint8)
     # Byte j of every gap, then only the gaps that have a byte j + 1 (a shrinking subset:
     # uint32 throughout, since mixing uint64 with Python ints goes through float64 and is slow).
-    group, nb, pos = gaps, nbytes, ends - nbytes
+    group: np.ndarray = gaps  # (plain ndarray: the subsets below narrow the shape types)
+    nb: np.ndarray = nbytes
+    pos = ends - nbytes
     for j in range(MAX_VARINT_BYTES):
         more = nb > j + 1  # (subset,) bool: another byte follows
         out[pos + j] = (group & np.uint32(0x7F)).astype(np.uint8) | (more.view(np.uint8) << 7)

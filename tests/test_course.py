@@ -120,7 +120,8 @@ class Runs:
     """Each command run once per check style, its run directory kept for every figure."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.done = out, {}  # type: dict[tuple[str, str], Path]
+        self.out = out
+        self.done: dict[tuple[str, str], Path] = {}
 
     def get(self, lab: str, name: str, check: str) -> Path:
         style = "capped" if check == "capped" else "page"

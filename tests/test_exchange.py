@@ -142,7 +142,7 @@ class Cluster:
             w, reply.version, reply.done, reply.info["samples"],
             seqs_in(reply.info, "saved_exchanges", grp.xchg.session)))
         sparse.add_into(grp.merged, _f64(out.delta))
-        known = self.srv.core.merger.mirrors[grp.g].known
+        known = _mirror(self.srv, grp.g).known
         np.testing.assert_array_equal(grp.xchg.w_sync, self.srv.core.weights if known is None
                                       else known)  # the group's copy is exact
         return True
@@ -189,6 +189,13 @@ class Cluster:
     async def close(self) -> None:
         for srv in self.servers:
             await srv.close()
+
+
+def _mirror(srv: GlobalServer, g: int) -> GroupMirror:
+    """Group ``g``'s mirror on ``srv``: a ``GroupMirror`` here (these runs are not exact)."""
+    mirror = srv.core.merger.mirrors[g]
+    assert isinstance(mirror, GroupMirror)
+    return mirror
 
 
 def _f64(d: Any) -> Any:
@@ -240,7 +247,7 @@ async def test_a_lost_reply_is_sent_again_unchanged_and_merged_once(cluster: Clu
     assert pending is not None
     sent = pending.delta
     assert isinstance(sent, sparse.SparseVector) and sent.nnz == round(RATIO * N)
-    lost = cluster.srv.core.merger.mirrors[0].unacked.copy()  # what the lost reply set
+    lost = _mirror(cluster.srv, 0).unacked.copy()  # what the lost reply set
     version = cluster.srv.core.version
     cluster.push(1)
     await cluster.exchange(1)  # the global weights move meanwhile
@@ -339,7 +346,7 @@ async def test_a_resumed_global_server_resyncs_and_gets_the_lost_exchanges_once(
             await c.exchange(0)  # merged, not in the checkpoint: sent again once
         c.push(0)
         await c.resume()
-        assert c.srv.core.merger.mirrors[0].known is not None  # the PULL reset it: sparse at once
+        assert _mirror(c.srv, 0).known is not None  # the PULL reset it: sparse at once
         c.push(0)
         await c.exchange(0)
         await c.flush_all()
@@ -394,7 +401,7 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
             applied += step
             await gs.flush()
             if gs.core.xchg.pending is None:  # else its copy lacks what the lost reply set
-                np.testing.assert_array_equal(gs.core.xchg.w_sync, srv.core.merger.mirrors[0].known)
+                np.testing.assert_array_equal(gs.core.xchg.w_sync, _mirror(srv, 0).known)
         await gs.flush(final=True)
     finally:
         await gs.close()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -57,7 +58,8 @@ def test_an_iteration_is_the_push_interval_less_the_ssp_hold() -> None:
     taken = it.take()
     assert taken[0].iteration_s == pytest.approx((0.7 + 0.5) / 2)
     assert taken[0].compute_s == pytest.approx(0.2)
-    assert taken[1] == IterationTimes(pytest.approx(2.0), pytest.approx(0.1))
+    assert taken[1] == IterationTimes(cast(float, pytest.approx(2.0)),
+                                     cast(float, pytest.approx(0.1)))
     assert it.take() == {}  # reset by take
     it.start(0)  # it rejoined (after 100 s away): time away is no iteration
     assert it.push(0, 111.5, 0.2) is None
@@ -259,7 +261,8 @@ def test_the_link_probe_is_timed_from_the_weights_going_out_to_its_push() -> Non
     assert isinstance(line, Log) and line.event == "link_probe"
     assert line.fields == {"worker": 1, "link_s": pytest.approx(0.8)}
     c.probe_pulled(1, 11.0)
-    assert c.probe_pushed(1, 12.5)[0].fields["link_s"] == pytest.approx(1.5)  # a CPU hiccup
+    late = c.probe_pushed(1, 12.5)[0]
+    assert isinstance(late, Log) and late.fields["link_s"] == pytest.approx(1.5)  # a CPU hiccup
     assert c.workers[1].link_s == pytest.approx(0.8)  # the fastest of the session's probes
     c.on_stats(1, control.Stats(clock=0, step_time=0.02, loss=1.0), 13.0)
     assert c.roster.iteration_times() == {1: pytest.approx(0.82)}  # compute + link

@@ -45,6 +45,7 @@ def test_the_pseudo_gradient_is_the_change_of_h_sgd_steps_by_hand() -> None:
     moved = local.start(w0, 3, lr_factor=0.5)
     while not local.finished:
         moved = local.step(moved - t)
+    u: np.ndarray
     w, u = w0.astype(np.float64), np.zeros(3)
     for _ in range(3):
         u = 0.5 * u + (w - t) + 0.1 * w

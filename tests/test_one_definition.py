@@ -20,7 +20,9 @@ STILL_TWICE = {
 def public_names(tree: ast.Module) -> set[str]:
     """A module's public defs and classes at module level, and the names of its ``__all__``
     that it assigns itself (a name only imported is the defining module's)."""
-    defined, assigned, listed = set(), set(), set()
+    defined: set[str] = set()
+    assigned: set[str] = set()
+    listed: set[object] = set()  # __all__'s constants (str, unless the module is malformed)
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             if not node.name.startswith("_"):
@@ -34,7 +36,7 @@ def public_names(tree: ast.Module) -> set[str]:
                     listed |= {e.value for e in node.value.elts if isinstance(e, ast.Constant)}
                 else:
                     assigned.add(t.id)
-    return defined | (listed & assigned)
+    return defined | (assigned & listed)
 
 
 def definitions() -> dict[str, list[str]]:

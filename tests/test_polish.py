@@ -7,6 +7,7 @@ processes where the line is a process's, hard timeouts."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -18,7 +19,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -85,7 +86,8 @@ WORKER_ONLY = ("--id", "--slowdown", "--throttle", "--bandwidth", "--bandwidth-d
 
 def _help(command: str) -> str:
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    return str(sub.choices[command].format_help())  # type: ignore[attr-defined]
+    parsers = cast("dict[str, argparse.ArgumentParser]", sub.choices)  # a subparsers action's
+    return parsers[command].format_help()
 
 
 def test_evaluator_help_lists_no_worker_only_flags() -> None:
@@ -162,7 +164,7 @@ def _upload_cells(rows: list[dict[str, Any]], compressor: str) -> list[str]:
 @pytest.mark.skipif(shutil.which("node") is None, reason="node runs the page's functions")
 def test_dense_upload_reads_100_percent_not_its_frame_header() -> None:
     # 0.0009 over: a PUSH frame's header over lenet5's dense float32 gradient (the issue's 100.09%)
-    rows = [{"upload_ratio": 1.0009, "approx": ["upload_ratio"]},
+    rows: list[dict[str, Any]] = [{"upload_ratio": 1.0009, "approx": ["upload_ratio"]},
             {"upload_ratio": 1.0009, "approx": []}, {"upload_ratio": None, "approx": []}]
     assert _upload_cells(rows, "none") == ["100% (dense)", "100% (dense)", "–"]
     sparse = _upload_cells([{"upload_ratio": 0.0213, "approx": ["upload_ratio"]}], "topk")

@@ -551,9 +551,9 @@ def test_the_edge_board_behind_5_mbit_is_grouped_apart_and_every_figure_agrees(
                 assert low <= r[where][hop] <= high, (at, where, hop, r, tol)
 
     for k in range(3):  # three points during the run
-        wait_for(f"merges ({k})", lambda n=k: len(records(run_dir / "global.jsonl",
-                                                          event="merge")) > 20 * (n + 1),
-                 60, everyone)
+        def merged(n: int = k) -> bool:  # n bound now: the loop moves k on
+            return len(records(run_dir / "global.jsonl", event="merge")) > 20 * (n + 1)
+        wait_for(f"merges ({k})", merged, 60, everyone)
         agree(f"point {k}")
     # the board's link cut for 20 s: said on the global console, counters go on
     ip("netns", "exec", board.name, "ip", "link", "set", "eth0", "down")

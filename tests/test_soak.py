@@ -75,6 +75,7 @@ def broken_run(d: Path) -> None:
     (d / "worker-0.jsonl").write_text(json.dumps({"t": 1, "group": 0, "samples": 64}) + "\n")
     (d / "summary.json").write_text(json.dumps({"samples_trained": 50}))
     np.save(d / "final_weights.npy", np.array([1.0, np.nan], np.float32))
+    history: list[dict[str, object]]
     history = [{"op": "begin", "seed": 7, "lease_s": 2.0, "checkpoint_every_s": 0.5},
                {"op": "start", "role": "w0", "pid": 1},
                {"op": "inject", "id": 2, "kind": "kill_global", "target": "server"},

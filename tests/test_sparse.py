@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -79,7 +79,7 @@ def sparse_grads(draw: st.DrawFn) -> SparseVector:
     mode = draw(st.sampled_from(["empty", "full", "random"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     if mode == "empty" or size == 0:
-        idx = np.empty(0, np.int64)
+        idx: np.ndarray = np.empty(0, np.int64)
     elif mode == "full":
         idx = np.arange(size)
     else:
@@ -97,7 +97,7 @@ def sparse_grads(draw: st.DrawFn) -> SparseVector:
 def test_sparse_round_trip(g: SparseVector, value_dtype: str, index: str) -> None:
     enc, codec, bufs = encode_vector(g, value_dtype=value_dtype, index=index)
     assert enc == "sparse-v1"
-    back = decode_vector(Payload(enc, codec, [bytes(memoryview(b)) for b in bufs]), g.size)
+    back = decode_vector(Payload(enc, codec, tuple(bytes(memoryview(b)) for b in bufs)), g.size)
     assert isinstance(back, SparseVector) and back.size == g.size
     assert np.array_equal(back.indices, g.indices)
     want = g.values.astype(np.float16).astype(np.float32) if value_dtype == "f16" else g.values
@@ -175,7 +175,7 @@ def u32_packet(indices: list[int], k: int | None = None) -> tuple[str, dict, lis
 
 
 # (encoding, codec, buffers) of a bad packet; the codec may even be of a wrong type
-BAD_PACKETS: dict[str, Callable[[], tuple[str, Any, list[Any]]]] = {
+BAD_PACKETS: dict[str, Callable[[], tuple[str, Any, Sequence[Any]]]] = {
     "index out of range (varint)": lambda: encode_vector(sg([3, 100], [1.0, 2.0], 101)),
     "index out of range (u32)": lambda: u32_packet([1, 100]),
     "unsorted (u32)": lambda: u32_packet([5, 3]),
@@ -208,7 +208,7 @@ BAD_PACKETS: dict[str, Callable[[], tuple[str, Any, list[Any]]]] = {
 def test_malformed_packets_raise_remote_error(case: str) -> None:
     enc, codec, bufs = BAD_PACKETS[case]()
     with pytest.raises(RemoteProtocolError):
-        decode_vector(Payload(enc, codec, bufs), 100)
+        decode_vector(Payload(enc, codec, tuple(bufs)), 100)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
@@ -238,7 +238,7 @@ def test_any_bytes_give_a_gradient_or_a_remote_error(
 ) -> None:
     codec = {"k": k, "index": index, "value": value}
     try:
-        out = decode_vector(Payload(encoding, codec, data), 50, allow_nonfinite=True)
+        out = decode_vector(Payload(encoding, codec, tuple(data)), 50, allow_nonfinite=True)
     except RemoteProtocolError:
         return
     if isinstance(out, SparseVector):

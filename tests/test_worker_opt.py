@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from minips.compress.registry import make_compressor
-from minips.compress.topk import dense_end_ratio, fraction_warmup_ratio
+from minips.compress.topk import GDTopKCompressor, dense_end_ratio, fraction_warmup_ratio
 from minips.core.config import FieldError, RunConfig
 from minips.core.group_core import GroupCore
 from minips.core.worker_opt import Upload, WorkerSGD, clip_scale
@@ -107,7 +107,7 @@ def test_the_update_is_the_reference_sgd_step() -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal(100).astype(np.float32)
     opt = WorkerSGD(100, lr=0.05, momentum=0.9, weight_decay=5e-4)
-    v = np.zeros(100, np.float32)
+    v: np.ndarray = np.zeros(100, np.float32)
     for _ in range(3):
         g = rng.standard_normal(100).astype(np.float32)
         v = np.float32(0.9) * v + (g + np.float32(5e-4) * w)
@@ -147,8 +147,10 @@ def test_warmup_over_a_fraction_of_the_run() -> None:
         make_compressor("dgc", 10, ratio=0.1, warmup_fraction=0.1, warmup_epochs=2)
     # gdtopk's own warm-up by epochs gives way to one by fraction (--copt warmup_fraction=...)
     by_fraction = make_compressor("gdtopk", 10, ratio=0.1, warmup_fraction=0.1)
+    assert isinstance(by_fraction, GDTopKCompressor)
     assert (by_fraction.warmup_epochs, by_fraction.warmup_fraction) == (0, 0.1)
-    assert make_compressor("gdtopk", 10, ratio=0.1).warmup_epochs == 4
+    by_epochs = make_compressor("gdtopk", 10, ratio=0.1)
+    assert isinstance(by_epochs, GDTopKCompressor) and by_epochs.warmup_epochs == 4
 
 
 def test_a_denser_final_phase_multiplies_the_ratio_at_the_end_of_the_run() -> None:

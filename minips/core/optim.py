@@ -65,7 +65,7 @@ class SGD:
         self.momentum = float(momentum)
         self.weight_decay = float(weight_decay)
         self.nesterov = bool(nesterov)
-        self.velocity = np.zeros(self.size, dtype=np.float32)  # (n,) momentum buffer v
+        self.velocity: np.ndarray = np.zeros(self.size, dtype=np.float32)  # (n,) momentum buffer v
         self.steps = 0  # updates applied so far
         self._d = np.empty(self.size, dtype=np.float32)  # (n,) scratch: g + wd * w
 

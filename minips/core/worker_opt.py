@@ -72,7 +72,7 @@ class WorkerSGD:
         self.size = int(size)
         self.lr, self.momentum, self.weight_decay = float(lr), float(momentum), float(weight_decay)
         self.clip = float(clip)  # max L2 norm of one gradient; 0: no clipping
-        self.velocity = np.zeros(self.size, np.float32)  # (n,) u
+        self.velocity: np.ndarray = np.zeros(self.size, np.float32)  # (n,) u
         self.steps = 0  # updates computed so far
         self.last_scale = 1.0  # the clipping factor of the last update (1: not clipped)
         self._d = np.empty(self.size, np.float32)  # (n,) scratch: clipped g + decay

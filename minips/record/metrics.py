@@ -504,7 +504,7 @@ def _compute_share(run: Run, train: float | None) -> float | None:
     sooner. None without worker files."""
     if not run.workers or not train:
         return None
-    busy = sum(num(r.get("step_time")) * (num(r.get("local_steps")) or 1)
+    busy = sum((num(r.get("step_time")) or 0.0) * (num(r.get("local_steps")) or 1)
                for recs in run.workers.values() for r in recs if num(r.get("step_time")))
     return busy / (len(run.workers) * train)
 
