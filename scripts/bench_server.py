@@ -94,8 +94,8 @@ PROBED: dict[str, list[tuple[str, str | None, str]]] = {
     "push": [("minips.core.group_core", "GroupCore", "push")],
     "pull": [("minips.core.group_core", "GroupCore", "weights_message"),
              ("minips.core.group_core", "GroupCore", "publish")],
-    "exchange": [("minips.core.global_core", "GlobalCore", "merge"),
-                 ("minips.core.global_core", "GlobalCore", "exchange_reply"),
+    "exchange": [("minips.core.merge", "Merger", "merge"),
+                 ("minips.core.merge", "Merger", "exchange_reply"),
                  ("minips.core.group_core", "GroupCore", "begin_exchange"),
                  ("minips.core.group_core", "GroupCore", "exchanged")],
     # a checkpoint's count is its fork (checkpoint.save_in_child); where the snapshot and the
