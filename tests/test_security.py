@@ -132,16 +132,6 @@ def test_a_tls_cluster_trains_with_a_certificate_for_a_host_name(tmp_path: Path)
     assert len(steps(tmp_path / "worker-0.jsonl")) >= 0.1 * 60_000 / 64
 
 
-def test_eval_with_tls_is_refused_with_the_way_around(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "minips", "server", "--port", "0", "--eval",
-                          "--tls-cert", "c.pem", "--tls-key", "k.pem", "--run-dir",
-                          str(tmp_path), "--quiet"],
-                         env={**os.environ, "MINIPS_TOKEN": SECRET}, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 2 and "--eval cannot be used with --tls-cert" in out.stderr
-    assert "minips evaluator --connect" in out.stderr
-
-
 def test_non_loopback_bind_needs_a_secret_or_insecure() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")

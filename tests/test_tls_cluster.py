@@ -194,3 +194,23 @@ def test_eval_under_tls_reaches_the_servers_console_and_summary(tmp_path: Path,
     assert f"test acc {100 * final:5.1f}%" in out, out[-3000:]  # the last progress line
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_accuracy"] == pytest.approx(final, abs=1e-9)
+
+
+def test_eval_under_tls_without_a_ca_beside_the_certificate_is_refused_with_the_way_around(
+        tmp_path: Path, certs: Path) -> None:
+    """--eval under TLS needs the CA that verifies the certificate beside it (the child
+    verifies the server as a worker does); without one it is refused in one line saying so
+    and naming the separate evaluator's command."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for name in ("server.pem", "server.key"):  # signed by ca.pem, which is not copied
+        shutil.copy(certs / name, alone / name)
+    out = subprocess.run([sys.executable, "-m", "minips", "server", "--port", "0", "--eval",
+                          "--tls-cert", str(alone / "server.pem"), "--tls-key",
+                          str(alone / "server.key"), "--run-dir", str(tmp_path / "run"),
+                          "--quiet"], env={**os.environ, "MINIPS_TOKEN": SECRET},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CA that verifies it beside it" in lines[0], out.stderr
+    assert "minips evaluator --connect" in lines[0]

@@ -44,6 +44,7 @@ from minips.wire import control, messages
 
 __all__ = [
     "TcpLink",
+    "DroppedWaiting",
     "serve_group",
     "run_group_process",
     "GroupConfig",
@@ -125,7 +126,10 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     run = RunConfig.from_info(ch.welcome_info)
     ch.start_heartbeat(run.heartbeat_s)  # the global server drops a group silent for the lease
     link = TcpLink(ch)
-    assign = await ch.recv()
+    try:
+        assign = await ch.recv()
+    except (ConnectionError, asyncio.IncompleteReadError) as exc:  # dropped while it waited
+        raise DroppedWaiting(str(exc) or type(exc).__name__) from exc
     if isinstance(assign, control.Error):  # e.g. every group has its server already
         await ch.close()
         raise ConfigError(f"the global server refused this group server: {assign.reason}")
@@ -133,7 +137,10 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
         await ch.close()
         raise RemoteProtocolError("expected ASSIGN", got=type(assign).__name__)
     link.reader = asyncio.create_task(link.read())
-    init = await link.request(messages.Pull(clock=0))
+    try:
+        init = await link.request(messages.Pull(clock=0))
+    except ConnectionError as exc:
+        raise DroppedWaiting(str(exc)) from exc
     if not isinstance(init, messages.GlobalWeights):
         raise RemoteProtocolError("expected GLOBAL_WEIGHTS", got=type(init).__name__)
     weights = np.asarray(sparse.decode_vector(init.payload, init.size))
@@ -148,6 +155,11 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
     return link
 
 
+class DroppedWaiting(ConnectionError):
+    """The global server dropped this group server after its handshake, before ASSIGN and the
+    global weights came (it was stopped or cut off past the lease while the grouping waited)."""
+
+
 async def _register_again(cfg: GroupConfig, gs: GroupServer, address: str, timeout: float,
                           announce: bool) -> TcpLink:
     """``_register``, again when the global server drops this group server while it waits for
@@ -158,7 +170,7 @@ async def _register_again(cfg: GroupConfig, gs: GroupServer, address: str, timeo
         left = deadline - asyncio.get_running_loop().time()
         try:
             return await _register(cfg, gs, address, max(left, 1.0))
-        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+        except DroppedWaiting as exc:  # a refusal, a TLS or secret error stays final
             if asyncio.get_running_loop().time() >= deadline:
                 raise
             if announce:
