@@ -184,7 +184,7 @@ def test_a_replay_of_a_servers_run_directory_fills_remote_rows_and_says_no_evalu
             "return [...document.querySelectorAll('tr.worker')].map((r) => [r.dataset.clock, "
             "...[...r.querySelectorAll('td[data-key]')].map((c) => c.textContent)])")
         assert len(cells) == 5
-        for clock, _step, wait, stale, kb, _up in cells:
+        for clock, _step, _iteration, wait, stale, kb, _up in cells:
             assert int(clock) > 0 and wait == "0" and stale == "1", cells
             assert kb.startswith("≈"), cells  # the group's mean bytes per push
         hint = browser.execute_script("return document.getElementById('no-eval').hidden")
