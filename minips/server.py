@@ -263,8 +263,8 @@ class GlobalServer:
             self.data_synthetic.add(bool(fields.get("synthetic")))
         elif event == "merge":
             self._group_events(fields)
-            self.ledger.add("merges", 1)
-            self.ledger.add("pushes", int(fields.get("pushes") or 0))
+            self.ledger.add("merges_done", 1)
+            self.ledger.add("pushes_merged", int(fields.get("pushes") or 0))
             self.ledger.add("samples_trained", int(fields.get("group_samples") or 0))
         figures = self.figures()
         self.writer.write({"t": time.time() - core.run.t0, "event": event, **fields,

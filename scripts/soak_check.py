@@ -48,7 +48,7 @@ import numpy as np
 __all__ = ["Check", "Run", "Verdict", "check", "last_figures", "table"]
 
 LEDGER = ("bytes_worker_group", "bytes_group_worker", "bytes_group_global", "bytes_global_group",
-          "bytes_total", "pushes", "merges", "samples_trained")
+          "bytes_total", "pushes_merged", "merges_done", "samples_trained")
 ACC_POINTS = 2.0  # final accuracy within this many points of the unfaulted twin
 DETECT_SLACK_S = 2.0  # an event line within lease + this of the fault
 RESUME_BOUND_S = 60.0  # a restarted global server says `resumed` within this of its start

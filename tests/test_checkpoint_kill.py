@@ -36,7 +36,7 @@ from minips.record.checkpoint import load, remove_stale_temps, save, save_in_chi
 TOKEN = "kill-secret"
 ROUNDS = 10  # kill -9 during a write, then --resume (the count)
 CATCH_S = 10.0  # a temporary file must show up within this long (a checkpoint every 10 ms)
-GONE_S = 10.0  # the killed writer's file must be gone within this long (a loaded CI: 3 s missed once)
+GONE_S = 10.0  # the killed writer's file must be gone within this long (3 s missed once, loaded)
 TEMP = ".checkpoint.npz.tmp"
 
 

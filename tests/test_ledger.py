@@ -32,8 +32,8 @@ def test_every_figure_only_grows_over_any_sequence_of_reports() -> None:
     values = [5, 9, 9, 3, 0, 12, 2, 2, 40, 1]
     for i, v in enumerate(values):
         led.count(f"s{i % 3}", {h: v * (j + 1) for j, h in enumerate(HOPS)})
-        led.add("pushes", v % 4)
-        led.add("pushes", -5)  # never below
+        led.add("pushes_merged", v % 4)
+        led.add("pushes_merged", -5)  # never below
         now = led.figures()
         for h in HOPS:
             assert now[h] >= seen[h]
@@ -90,3 +90,14 @@ def test_an_evaluator_elsewhere_is_scored_from_the_servers_lines(tmp_path: Path)
                             "group_to_global": 3.0, "global_to_group": 4.0}
     state.add("eval", {"t": 2.5, "accuracy": 0.6})  # the same points from eval.jsonl: not twice
     assert len(state.eval) == 2
+
+
+def test_the_figures_a_line_carries_leave_its_own_fields_alone() -> None:
+    """Every global.jsonl line carries the ledger's figures beside its own fields: a figure
+    named "pushes" overwrote a merge line's pushes since the last exchange (the dashboard then
+    summed running totals and its bytes per push read a quarter)."""
+    from minips.record.ledger import FIGURES
+
+    own = {"pushes", "samples", "version", "group", "group_samples", "t", "event", "bytes_up",
+           "bytes_down", "bytes_in", "bytes_out"}
+    assert not own & set(FIGURES)

@@ -27,7 +27,9 @@ __all__ = ["HOPS", "FIGURES", "Ledger", "progress_text"]
 # bytes of each hop and direction, as summary.json, /metrics and the dashboard name them
 HOPS = ("bytes_worker_group", "bytes_group_worker", "bytes_group_global", "bytes_global_group")
 # every figure a global.jsonl line carries (``Ledger.figures``)
-FIGURES = (*HOPS, "bytes_total", "pushes", "merges", "samples_trained")
+# (pushes_merged and merges_done, not "pushes": a merge line keeps its own "pushes" since the
+# last exchange beside the ledger's figures)
+FIGURES = (*HOPS, "bytes_total", "pushes_merged", "merges_done", "samples_trained")
 MAX_SOURCES = 4096  # sources whose last report a ledger keeps (each group process session one)
 
 
