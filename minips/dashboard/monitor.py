@@ -212,7 +212,10 @@ class Monitor:
                 self.state.add("probe", rec)
             weights = self.server.core.weights
             self.state.add("server", {"t": self.now(), "evaluator": self.server.has_evaluator(),
-                                      "size": None if weights is None else int(weights.size)})
+                                      "size": None if weights is None else int(weights.size),
+                                      # the ledger itself: the page never lags the console
+                                      # however far behind the record's tail is followed
+                                      "ledger": self.server.figures()})
         if self.tb is not None:
             for src, rec in new:
                 self.tb.add(src, rec)

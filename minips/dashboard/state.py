@@ -288,8 +288,7 @@ class RunState:
             if isinstance(r.get(k), (int, float)):
                 self._counters[k] = r[k]
         if isinstance(r.get("bytes_total"), (int, float)):  # the ledger's figures (ledger.py)
-            self.ledger = {k: max(self.ledger.get(k, 0), r[k]) for k in LEDGER_HOPS
-                           if isinstance(r.get(k), (int, float))}
+            self._take_ledger(r)
         if ev == "eval":
             self._eval(r, "global")
         if ev == "merge":
@@ -435,6 +434,14 @@ class RunState:
             self.evaluator = r["evaluator"]
         if isinstance(r.get("size"), int) and r["size"] > 0:
             self.size = r["size"]
+        if isinstance(r.get("ledger"), dict):  # the live ledger's figures (record/ledger.py)
+            self._take_ledger(r["ledger"])
+
+    def _take_ledger(self, figures: dict[str, Any]) -> None:
+        """The ledger's byte figures, from a record line or the live server: never lower."""
+        for k in LEDGER_HOPS:
+            if isinstance(figures.get(k), (int, float)):
+                self.ledger[k] = max(self.ledger.get(k, 0), figures[k])
 
     def _group(self, r: dict[str, Any]) -> None:
         g = r.get("group")
