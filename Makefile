@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PIP := $(BIN)/python -m pip install -q $(FIND_LINKS) -c constraints.txt
 
-.PHONY: install demo test data browser lint check-arm64
+.PHONY: install demo test data browser capture lint check-arm64
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,11 +29,18 @@ browser:
 	   (apt-get update && apt-get install -y chromium chromium-driver))) || \
 	  echo "note: chromium not installed; the dashboard's browser test will be skipped"
 
+# tshark and tcpdump for the dissector's capture test, when apt is there and they are not.
+capture:
+	@command -v tshark >/dev/null && command -v tcpdump >/dev/null || \
+	  (command -v apt-get >/dev/null && (DEBIAN_FRONTEND=noninteractive apt-get install -y \
+	   tshark tcpdump || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y \
+	   tshark tcpdump))) || echo "note: tshark not installed; the dissector's test will be skipped"
+
 demo: install data
 	$(BIN)/minips local --preset demo --trace
 
 # Lint first (ruff + mypy, seconds): CI runs `make test`, so it runs the lint too.
-test: install data browser lint
+test: install data browser capture lint
 	$(BIN)/python -m pytest -q
 
 lint: install
