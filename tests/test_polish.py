@@ -229,28 +229,27 @@ async def _foreign_server(answer: bytes) -> asyncio.Server:
     return await asyncio.start_server(serve, "127.0.0.1", 0)
 
 
-async def test_an_http_server_is_named_not_a_minips_server() -> None:
-    srv = await _foreign_server(b"HTTP/1.0 200 OK\r\nServer: SimpleHTTP/0.6\r\n\r\n<html>")
+async def _refusal_of(answer: bytes) -> tuple[int, str]:
+    """(port, the error) of a minips client connecting to a server that answers ``answer``."""
+    srv = await _foreign_server(answer)
     port = srv.sockets[0].getsockname()[1]
     try:
         with pytest.raises(RemoteProtocolError) as err:
             await transport.connect("127.0.0.1", port, timeout=5)
     finally:
         srv.close()
-    assert str(err.value) == (f"127.0.0.1:{port} is not a minips server "
-                              "(it answered 'HTTP/1.0 200 OK')")
+    return port, str(err.value)
+
+
+async def test_an_http_server_is_named_not_a_minips_server() -> None:
+    port, said = await _refusal_of(b"HTTP/1.0 200 OK\r\nServer: SimpleHTTP/0.6\r\n\r\n<html>")
+    assert said == f"127.0.0.1:{port} is not a minips server (it answered 'HTTP/1.0 200 OK')"
 
 
 async def test_a_long_or_binary_first_line_is_cut_and_printable() -> None:
-    srv = await _foreign_server(b"SSH-2.0-OpenSSH_9.6p1 Debian-4 \x01\x02" + b"x" * 40 + b"\r\n")
-    port = srv.sockets[0].getsockname()[1]
-    try:
-        with pytest.raises(RemoteProtocolError) as err:
-            await transport.connect("127.0.0.1", port, timeout=5)
-    finally:
-        srv.close()
-    said = re.search(r"it answered '(.*)'\)$", str(err.value))
-    assert said and said[1].startswith("SSH-2.0-OpenSSH_9.6p1 Debian-4 ??x"), str(err.value)
+    _, error = await _refusal_of(b"SSH-2.0-OpenSSH_9.6p1 Debian-4 \x01\x02" + b"x" * 40 + b"\r\n")
+    said = re.search(r"it answered '(.*)'\)$", error)
+    assert said and said[1].startswith("SSH-2.0-OpenSSH_9.6p1 Debian-4 ??x"), error
     assert len(said[1]) == 40 and said[1].endswith("…")
 
 
