@@ -20,7 +20,7 @@ from minips.wire import control, conversation, messages
 from minips.wire.conversation import (
     FIRST,
     REFUSALS,
-    TRANSITIONS,
+    TURN_TRANSITIONS,
     Conversation,
     OrderError,
     Role,
@@ -108,21 +108,21 @@ def test_every_role_starts_where_the_table_says_and_every_turn_is_reachable() ->
         at(turn)
 
 
-@pytest.mark.parametrize("row", sorted(TRANSITIONS), ids=lambda r: f"{r[0].name}-{r[1].name}-"
-                         f"{r[2].name}")
+@pytest.mark.parametrize("row", sorted(TURN_TRANSITIONS),
+                         ids=lambda r: f"{r[0].name}-{r[1].name}-{r[2].name}")
 def test_every_row_of_the_table_passes_and_leads_where_it_says(
         row: tuple[Side, Turn, Kind]) -> None:
     sender, turn, kind = row
     conv = at(turn)
     feed(conv, sender, kind)
-    assert conv.turn == TRANSITIONS[row]
+    assert conv.turn == TURN_TRANSITIONS[row]
     assert conv.left == (conv.turn == Turn.LEFT)
 
 
 @pytest.mark.parametrize("turn", sorted(PATHS), ids=lambda t: t.name)
 def test_every_message_without_a_row_is_refused_and_the_turn_stays(turn: Turn) -> None:
     for kind in Kind:
-        if (Side.CLIENT, turn, kind) in TRANSITIONS:
+        if (Side.CLIENT, turn, kind) in TURN_TRANSITIONS:
             continue
         conv = at(turn)
         with pytest.raises(RemoteProtocolError) as refused:
@@ -247,7 +247,7 @@ def test_any_sequence_gives_the_tables_turns_or_a_remote_error(role: Role) -> No
             except RemoteProtocolError:
                 assert conv.turn == before
                 break
-            assert conv.turn == TRANSITIONS[(Side.CLIENT, before, kind)]
+            assert conv.turn == TURN_TRANSITIONS[(Side.CLIENT, before, kind)]
             answer = {Turn.PULLING: Kind.WEIGHTS, Turn.PUSHING: Kind.ACK}.get(conv.turn)
             if answer is not None:
                 conv.send(make(answer, clock=clock))

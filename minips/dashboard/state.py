@@ -27,7 +27,7 @@ machine gets, in its row, what the servers saw (``WorkerView.row``): the lead an
 its last answered PULL, a clock from its PULLs (one precedes each step) or its last STATS,
 and its group's means over the last exchange for the bytes per push and the upload (the
 model's size from a ``server`` record). Events carry a sentence
-(``describe``); checkpoints are folded into one count. A group no worker is in any more (a
+(``event_text``); checkpoints are folded into one count. A group no worker is in any more (a
 regroup emptied it) is no longer shown (``shown_groups``); a worker slower than ``SLOW_FACTOR``
 times the median of all live workers is marked ``slow``.
 
@@ -65,12 +65,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minips.record.ledger import HOPS
 from minips.record.metrics import TrainingClock
 from minips.record.rundir import read_config, read_jsonl
 
 __all__ = [
     "EVENT_KINDS",
-    "HOPS",
+    "HOP_LABELS",
     "SLOW_FACTOR",
     "STALENESS_BUCKETS",
     "WAIT_BUCKETS",
@@ -83,7 +84,7 @@ __all__ = [
     "RunFollower",
     "Tail",
     "source_of",
-    "describe",
+    "event_text",
 ]
 
 
@@ -109,9 +110,8 @@ MISSED_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)  # merges
 BASE_AGE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # s
 CLOCK_POINT_S = 0.5  # at most one group-clock (bytes) point per group this often (s of run time)
 SLOW_FACTOR = 1.5  # a worker slower than this times the cluster's median step time is marked
-HOPS = ("worker_to_group", "group_to_worker", "group_to_global", "global_to_group")
-LEDGER_HOPS = ("bytes_worker_group", "bytes_group_worker", "bytes_group_global",
-               "bytes_global_group")  # the same hops as the ledger names them (ledger.HOPS)
+# the page's names of the ledger's hops (ledger.HOPS), in its order
+HOP_LABELS = ("worker_to_group", "group_to_worker", "group_to_global", "global_to_group")
 
 
 @dataclass
@@ -320,7 +320,7 @@ class RunState:
         started = self.clock.started and r["t"] >= self.clock.bases[0][0]
         self.events.append({"t": r["t"], "event": r["event"], "source": source, **brief,
                             "tt": self.clock.at(r["t"]) if started else None,  # None: start-up
-                            "text": describe(r["event"], source, brief)})
+                            "text": event_text(r["event"], source, brief)})
 
     def _merge(self, r: dict[str, Any]) -> None:
         """A merge line: what the global server saw of one exchange, wherever the group and its
@@ -439,7 +439,7 @@ class RunState:
 
     def _take_ledger(self, figures: dict[str, Any]) -> None:
         """The ledger's byte figures, from a record line or the live server: never lower."""
-        for k in LEDGER_HOPS:
+        for k in HOPS:
             if isinstance(figures.get(k), (int, float)):
                 self.ledger[k] = max(self.ledger.get(k, 0), figures[k])
 
@@ -510,11 +510,11 @@ class RunState:
                 "bytes_global_group": hops["bytes_from_global"]}
 
     def hops(self) -> dict[str, float]:
-        """Bytes so far on each hop (``HOPS``): the global server's ledger (the figures its
+        """Bytes so far on each hop (``HOP_LABELS``): the global server's ledger (the figures its
         lines carry), else (a run recorded before it) as the groups' merges said."""
         if self.ledger:
-            return {h: float(self.ledger.get(k, 0)) for h, k in zip(HOPS, LEDGER_HOPS, strict=True)}
-        out = dict.fromkeys(HOPS, 0.0)
+            return {h: float(self.ledger.get(k, 0)) for h, k in zip(HOP_LABELS, HOPS, strict=True)}
+        out = dict.fromkeys(HOP_LABELS, 0.0)
         for c in self.groups.values():
             out["worker_to_group"] += c.get("bytes_in", 0)
             out["group_to_worker"] += c.get("bytes_out", 0)
@@ -625,7 +625,7 @@ SENTENCES = {  # global.jsonl events whose fields read best in a sentence of the
 }
 
 
-def describe(event: str, source: str, f: dict[str, Any]) -> str:
+def event_text(event: str, source: str, f: dict[str, Any]) -> str:
     """One event as a sentence for the page's list (``_brief``'s fields ``f``)."""
     who = f"worker {f['worker']}" if f.get("worker") is not None else source
     if event == "groups":

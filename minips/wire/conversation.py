@@ -16,12 +16,13 @@ What follows has an order of its own, one per role of the peer:
 - an **evaluator**: PULL, as often as it likes.
 
 A server reads a peer's next message only once it answered the last, so a peer's message can
-never overtake the server's answer. ``TRANSITIONS`` lists every allowed (sender, state, kind);
-``REFUSALS`` words the refusals a peer is told about in their own terms; any other message is
-"not allowed from a ... here". A peer's message out of turn raises ``RemoteProtocolError``
-(ERROR ``invalid``; an EXCHANGE before the first PULL ``OrderError``, ERROR ``order``), our own
-``LocalProtocolError``. The server's messages that move no state (ASSIGN at any time, the
-global server's answers) have no rows: only a worker's group server answers in turns.
+never overtake the server's answer. ``TURN_TRANSITIONS`` lists every allowed (sender, turn,
+kind); ``REFUSALS`` words the refusals a peer is told about in their own terms; any other
+message is "not allowed from a ... here". A peer's message out of turn raises
+``RemoteProtocolError`` (ERROR ``invalid``; an EXCHANGE before the first PULL ``OrderError``,
+ERROR ``order``), our own ``LocalProtocolError``. The server's messages that move no state
+(ASSIGN at any time, the global server's answers) have no rows: only a worker's group server
+answers in turns.
 
 The checks of meaning that only a server knows (ranges of counters and times, a STATS ``data``
 map, the lengths of an EXCHANGE's PULL lists) are plain functions here too (``check_push``,
@@ -42,7 +43,7 @@ from minips.wire.handshake import Side
 from minips.wire.messages import Kind
 
 __all__ = ["MAX_SAMPLES", "MAX_STEP_S", "MAX_EXCHANGE_COUNT", "INIT_ENCODING", "OrderError",
-           "Role", "Turn", "FIRST", "TRANSITIONS", "REFUSALS", "Conversation", "check_push",
+           "Role", "Turn", "FIRST", "TURN_TRANSITIONS", "REFUSALS", "Conversation", "check_push",
            "check_stats", "check_exchange", "GROUP_EVENTS"]
 
 MAX_SAMPLES = 1 << 20  # samples one push may claim (a batch); more is a broken or hostile peer
@@ -77,7 +78,7 @@ class Role(IntEnum):
     EVALUATOR = 3  # an evaluator on the global server
 
 
-# IntEnum, as handshake.State: TRANSITIONS is looked up per message.
+# IntEnum, as handshake.State: TURN_TRANSITIONS is looked up per message.
 class Turn(IntEnum):
     # a worker on its group server
     JOINED = 0  # the worker connected; the server owes the join's ACK (its starting clock)
@@ -105,7 +106,7 @@ _P, _S = Side.CLIENT, Side.SERVER  # the peer, the server
 _T = Turn
 
 # (sender, turn, kind) -> next turn. HEARTBEAT never reaches the table (the channel absorbs it).
-TRANSITIONS: dict[tuple[Side, Turn, Kind], Turn] = {
+TURN_TRANSITIONS: dict[tuple[Side, Turn, Kind], Turn] = {
     (_S, _T.JOINED, Kind.ACK): _T.READY,
     (_P, _T.READY, Kind.PULL): _T.PULLING,
     (_P, _T.READY, Kind.LEAVE): _T.LEFT,
@@ -154,8 +155,8 @@ _NAMES = {Role.WORKER: "worker", Role.CONTROL: "worker on the control channel",
 class Conversation:
     """One connection's conversation after OPEN, seen from the server: checks every message
     the peer sends (``receive``) and every answer that moves the turn (``send``) against
-    ``TRANSITIONS``. For a worker on its group server it also keeps what the turns carry: the
-    clock of its last PULL (``pull_clock``) and the version the last WEIGHTS brought it to
+    ``TURN_TRANSITIONS``. For a worker on its group server it also keeps what the turns carry:
+    the clock of its last PULL (``pull_clock``) and the version the last WEIGHTS brought it to
     (``sent_version``, -1 before any)."""
 
     def __init__(self, role: Role) -> None:
@@ -171,7 +172,7 @@ class Conversation:
 
     def receive(self, msg: messages.Message) -> None:
         """The peer sent ``msg``: advance, or raise ``RemoteProtocolError`` saying why not."""
-        nxt = TRANSITIONS.get((_P, self.turn, msg.KIND))
+        nxt = TURN_TRANSITIONS.get((_P, self.turn, msg.KIND))
         if nxt is None:
             raise self._refusal(msg)
         if isinstance(msg, messages.Push):
@@ -184,7 +185,7 @@ class Conversation:
 
     def send(self, msg: messages.Message) -> None:
         """We answer with ``msg``: advance, or raise ``LocalProtocolError`` (our bug)."""
-        nxt = TRANSITIONS.get((_S, self.turn, msg.KIND))
+        nxt = TURN_TRANSITIONS.get((_S, self.turn, msg.KIND))
         if nxt is None:
             raise LocalProtocolError(f"the server may not send {msg.KIND.name} in turn "
                                      f"{self.turn.name}", expected=self._allowed(_S),
@@ -204,7 +205,7 @@ class Conversation:
                                    f"{_NAMES[self.role]} here", got=type(msg).__name__)
 
     def _allowed(self, sender: Side) -> list[str]:
-        return sorted(k.name for (s, t, k) in TRANSITIONS if s == sender and t == self.turn)
+        return sorted(k.name for (s, t, k) in TURN_TRANSITIONS if s == sender and t == self.turn)
 
 
 def _check_push_clock(pulled: int, clock: int) -> None:

@@ -2,11 +2,11 @@
 challenge-response that opens a session. No networking code, no clocks.
 
 Invariants:
-- Both sides of a connection track the same ``State``; ``TRANSITIONS`` lists every allowed
-  (sender, state, kind). Sending a message out of turn raises ``LocalProtocolError``, receiving
-  one raises ``RemoteProtocolError``; after REFUSE or ERROR nothing more passes. OPEN lets
-  every data message pass in its direction; the order they come in after it, per role (a PUSH
-  follows its PULL, ...), is the conversation's table (conversation.py).
+- Both sides of a connection track the same ``State``; ``STATE_TRANSITIONS`` lists every
+  allowed (sender, state, kind). Sending a message out of turn raises ``LocalProtocolError``,
+  receiving one raises ``RemoteProtocolError``; after REFUSE or ERROR nothing more passes. OPEN
+  lets every data message pass in its direction; the order they come in after it, per role (a
+  PUSH follows its PULL, ...), is the conversation's table (conversation.py).
 - The shared secret never crosses the wire: each side proves it with HMAC-SHA256 over a
   transcript that includes both sides' fresh nonces, so a recorded handshake cannot be replayed
   (docs/protocol.md, section 5). MACs are compared in constant time.
@@ -29,8 +29,8 @@ from minips.wire.messages import PROTOCOL_VERSION, Kind, Message
 
 __all__ = [
     "HANDSHAKE_FRAME_BYTES", "HANDSHAKE_SCRATCH_BYTES", "HANDSHAKE_LIMITS",
-    "Side", "State", "TRANSITIONS", "Connection", "CLIENT_LABEL", "SERVER_LABEL", "new_nonce",
-    "make_mac", "ClientHandshake", "ServerHandshake",
+    "Side", "State", "STATE_TRANSITIONS", "Connection", "CLIENT_LABEL", "SERVER_LABEL",
+    "new_nonce", "make_mac", "ClientHandshake", "ServerHandshake",
 ]
 
 
@@ -46,7 +46,8 @@ HANDSHAKE_LIMITS = Limits(max_frame_bytes=HANDSHAKE_FRAME_BYTES,
                           max_meta_bytes=HANDSHAKE_FRAME_BYTES, max_buffers=0, max_raw_bytes=0)
 
 
-# IntEnum rather than Enum: Enum hashes in Python, and TRANSITIONS is looked up per message.
+# IntEnum rather than Enum: Enum hashes in Python, and STATE_TRANSITIONS is looked up per
+# message.
 class Side(IntEnum):
     CLIENT = 0  # opened the TCP connection
     SERVER = 1  # accepted it
@@ -63,7 +64,7 @@ class State(IntEnum):
 
 _C, _S = Side.CLIENT, Side.SERVER
 # (sender, state, kind) -> next state. ERROR is allowed from either side in any state but CLOSED.
-TRANSITIONS: dict[tuple[Side, State, Kind], State] = {
+STATE_TRANSITIONS: dict[tuple[Side, State, Kind], State] = {
     (_C, State.START, Kind.HELLO): State.HELLO,
     (_S, State.HELLO, Kind.CHALLENGE): State.CHALLENGE,
     (_S, State.HELLO, Kind.REFUSE): State.CLOSED,
@@ -80,7 +81,8 @@ TRANSITIONS: dict[tuple[Side, State, Kind], State] = {
 
 
 class Connection:
-    """One side of a connection: checks every message sent or received against ``TRANSITIONS``.
+    """One side of a connection: checks every message sent or received against
+    ``STATE_TRANSITIONS``.
 
     Our own out-of-order message raises ``LocalProtocolError``; the peer's raises
     ``RemoteProtocolError``. ``decoder`` is exposed for the zero-copy receive path. On the
@@ -133,10 +135,10 @@ class Connection:
         self._advance(self.peer, msg.KIND)
 
     def _advance(self, sender: Side, kind: Kind) -> None:
-        """Move to the state ``TRANSITIONS`` gives, or raise saying what was allowed."""
-        nxt = TRANSITIONS.get((sender, self.state, kind))
+        """Move to the state ``STATE_TRANSITIONS`` gives, or raise saying what was allowed."""
+        nxt = STATE_TRANSITIONS.get((sender, self.state, kind))
         if nxt is None:
-            allowed = sorted(k.name for (s, st, k) in TRANSITIONS
+            allowed = sorted(k.name for (s, st, k) in STATE_TRANSITIONS
                              if s == sender and st == self.state)
             err = LocalProtocolError if sender == self.side else RemoteProtocolError
             raise err(f"{sender.name.lower()} may not send {kind.name} in state "
