@@ -24,7 +24,13 @@ and resource samples (soak/resources.jsonl). One line per invariant, PASS or FAI
 - resources: the global server's descriptors and RSS at the end of each of its lives within a
   bound of their level early in that life;
 - events: each fault long enough to be seen has its event line within its detection bound
-  (lease + 2 s; a resumed line within 60 s of the restart).
+  (lease + 2 s; a resumed line within 60 s of the restart). The bound runs on the detector's
+  clock: a process that is SIGSTOPped prints nothing, and on SIGCONT finds the lease run out and
+  says so at once, so each second the detecting role (the global server for a group process;
+  the groups' servers for a worker) was stopped inside the window lengthens it; a detector
+  killed inside it promises nothing (its successor never held the link). A group process whose
+  group was rehomed (empty, docs/operations.md) ends as `group_ended` when it goes, not
+  `group_lost`: either line shows it.
 
 A failed invariant prints the shortest window of the history around its evidence and the seed
 that replays it.
@@ -41,7 +47,7 @@ import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -199,7 +205,7 @@ def lost_windows(run: Run) -> list[tuple[float, float, int]]:
 
 def group_losses(run: Run) -> int:
     """Samples a group ACKed since its last exchange when a fault on its group process made the
-    global server drop it (`group_lost` naming it within the fault's bound): what the docs say
+    global server drop it (`group_lost` naming it by its line's due time): what the docs say
     such a group loses. Counted up to the group_lost line (the process was stopped or dead) or,
     for a partition, up to its heal (the group went on serving its workers)."""
     lease = float(run.begin.get("lease_s", 10))
@@ -208,8 +214,9 @@ def group_losses(run: Run) -> int:
     for f in run.faults():
         if f["kind"] not in ("kill_group", "stop_group", "partition") or f.get("ok") is False:
             continue
-        lost = [r for r in run.events("group_lost")
-                if f["rel"] - 0.5 <= r["t"] <= f["rel"] + lease + DETECT_SLACK_S]
+        want = expected_event(run, f)
+        due = want.due if want else f["rel"] + lease + DETECT_SLACK_S
+        lost = [r for r in run.events("group_lost") if f["rel"] - 0.5 <= r["t"] <= due]
         if not lost:
             continue
         g = int(lost[0]["group"])
@@ -393,30 +400,82 @@ def check_resources(run: Run) -> Check:
                  + f" (bounds: +{FD_GROWTH} fds, x{RSS_GROWTH} + {RSS_SLACK_KB >> 10} MB)")
 
 
-def expected_event(run: Run, f: dict[str, Any]) -> tuple[set[str], float, Any] | None:
-    """(the events that show fault ``f``, its bound in s, the worker it names or None), or None
-    when no event is promised (too short to be detected, or a fault no line names)."""
+class Expect(NamedTuple):
+    """The event lines that show a fault and by when."""
+
+    names: set[str]
+    due: float  # run time by which the first of them is due
+    worker: int | None  # the worker a line must name (None: any)
+
+
+def detectors(run: Run, f: dict[str, Any]) -> frozenset[str]:
+    """Who sees fault ``f`` go silent: the global server sees a group process; a worker is
+    seen by its group's server (the global server's process, or any `minips group`) and by the
+    global server (its own connection)."""
+    if not f["target"].startswith("w") or not run.begin.get("external"):
+        return frozenset({"server"})
+    return frozenset({"server", *(h["role"] for h in run.history
+                                  if h["op"] == "start" and h["role"].startswith("group"))})
+
+
+def down(run: Run, roles: frozenset[str], kinds: tuple[str, ...]) -> list[tuple[float, float]]:
+    """The run times when a fault of ``kinds`` held one of ``roles`` (overlaps merged)."""
+    spans = sorted((f["rel"], math.inf if f["healed"] is None else f["healed"])
+                   for f in run.faults() if f["target"] in roles and f["kind"] in kinds)
+    merged: list[tuple[float, float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def inside(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """Seconds of ``spans`` between run times ``t0`` and ``t1``."""
+    return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans)
+
+
+def expected_event(run: Run, f: dict[str, Any]) -> Expect | None:
+    """The lines that show fault ``f`` (``Expect``), or None when none is promised: a fault no
+    line names, or one too short to be seen, or a detector killed before the line was due.
+
+    Leases run on the wall clock, but a SIGSTOPped detector prints nothing until SIGCONT (then
+    at once, its lease run out): a silence is promised a line when its detector ran for
+    DETECT_SLACK_S of it past the lease, and the line is due lease + DETECT_SLACK_S after the
+    fault plus every second the detector was stopped meanwhile."""
     lease = float(run.begin.get("lease_s", 10))
-    lasted = (f["healed"] or f["rel"]) - f["rel"]
-    kind, target = f["kind"], f["target"]
+    kind, target, rel = f["kind"], f["target"], f["rel"]
+    seen_by = detectors(run, f)
+    stops = down(run, seen_by, ("stop_global", "stop_group"))
+    healed = f["healed"] or rel
+    bound = lease + DETECT_SLACK_S
+    due = rel + bound
+    for _ in range(len(stops) + 1):  # each stop the longer window reaches lengthens it
+        due = rel + bound + inside(stops, rel, due)
+    if kind != "kill_global" and inside(down(run, seen_by, ("kill_global", "kill_group")),
+                                        rel, due):
+        return None  # the detector's successor never held the link that went silent
+    silent = (healed - rel - lease) - inside(stops, rel + lease, healed) >= DETECT_SLACK_S
     worker = int(target[1:]) if target.startswith("w") else None
     if worker is not None:
         steps = [s["t"] for s in run.workers.get(worker, []) if "event" not in s]
-        if not steps or f["rel"] < steps[0]:
+        if not steps or rel < steps[0]:
             return None  # not in a group yet: the leases and these lines are the groups'
-    if kind == "kill_worker":
-        return WORKER_EVENTS, lease + DETECT_SLACK_S, worker
-    if kind in ("stop_worker", "link_cut") and lasted >= lease + DETECT_SLACK_S:
-        return WORKER_EVENTS, lease + DETECT_SLACK_S, worker
+        if kind == "kill_worker" or (kind in ("stop_worker", "link_cut") and silent):
+            return Expect(WORKER_EVENTS, due, worker)
+        return None
     grouped = min((r["t"] for r in run.glob if r.get("event") == "groups"), default=math.inf)
-    if (kind.endswith("_group") or kind == "partition") and f["rel"] < grouped:
+    if (kind.endswith("_group") or kind == "partition") and rel < grouped:
         return None  # a group process holds no group before the grouping: none to lose
-    if kind == "kill_group":
-        return {"group_lost"}, lease + DETECT_SLACK_S, None
-    if kind in ("stop_group", "partition") and lasted >= lease + DETECT_SLACK_S:
-        return {"group_lost"}, lease + DETECT_SLACK_S, None
+    # a group whose workers were rehomed no longer holds the end of the run: its process
+    # going is `group_ended` (GlobalCore.group_lost), a line that shows it as well
+    rehomed = any(r.get("event") == "rehomed" and r["t"] < rel for r in run.glob)
+    lost = {"group_lost", "group_ended"} if rehomed else {"group_lost"}
+    if kind == "kill_group" or (kind in ("stop_group", "partition") and silent):
+        return Expect(lost, due, None)
     if kind == "kill_global":
-        return {"resumed"}, lasted + RESUME_BOUND_S, None
+        return Expect({"resumed"}, healed + RESUME_BOUND_S, None)
     return None
 
 
@@ -437,15 +496,15 @@ def check_events(run: Run, verdict: Verdict) -> list[Check]:
         want = expected_event(run, f)
         if want is None:
             continue
-        names, bound, worker = want
-        hits = [r for r in run.events(*names) if r["t"] >= f["rel"] - 0.5
-                and names_worker(r, worker)]
-        if hits and hits[0]["t"] - f["rel"] <= bound:
+        due = want.due
+        hits = [r for r in run.events(*want.names) if r["t"] >= f["rel"] - 0.5
+                and names_worker(r, want.worker)]
+        if hits and hits[0]["t"] <= due:
             seen += 1
         elif hits:
-            late.append((f, hits[0]["t"] - f["rel"], bound))
+            late.append((f, hits[0]["t"] - f["rel"], round(due - f["rel"], 1)))
         else:
-            missed.append((f, bound))
+            missed.append((f, round(due - f["rel"], 1)))
     bad = [(f, b) for f, b in missed] + [(f, b) for f, _, b in late]
     text = (f"{seen} faults seen within their bound; {len(missed)} never seen "
             f"{[(f['kind'], f['target'], round(f['rel'], 1)) for f, _ in missed][:4]}; "

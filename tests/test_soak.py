@@ -107,3 +107,44 @@ def test_the_checker_fails_each_invariant_a_run_breaks_and_names_its_seed(
     assert '"kind": "stop_worker"' in "\n".join(verdict.windows["events"])
     assert "FAIL merged_once: 2 (session, seq) merged over 2 server lives; 1 merged twice" in text
     assert "FAIL samples_once: workers ACKed 64 samples, the global count is 192" in text
+
+
+def overlapping_run(d: Path, lost_at: float) -> None:
+    """A partition of group process group0 at 10 s for 10 s; the global server SIGSTOPped from
+    12 to 17 s (lease 4 s: its `group_lost` is due by 10 + 6 + the 5 s it was stopped); group
+    0's `group_lost` at ``lost_at``; later group 1 rehomed and group1's process killed at 40 s,
+    the empty group's end a `group_ended` line at 40.2 s."""
+    t0 = 1000.0
+    (d / "soak").mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"t0": t0}))
+    glob = [line(1, "groups"), line(lost_at, "group_lost", group=0),
+            line(30, "rehomed", group=1, moved={"4": 0}), line(40.2, "group_ended", group=1)]
+    (d / "global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in glob))
+    history = [(0, {"op": "begin", "seed": 7, "lease_s": 4.0, "external": True}),
+               (10, {"op": "inject", "id": 1, "kind": "partition", "target": "group0"}),
+               (12, {"op": "inject", "id": 2, "kind": "stop_global", "target": "server"}),
+               (17, {"op": "heal", "id": 2, "kind": "stop_global", "target": "server"}),
+               (20, {"op": "heal", "id": 1, "kind": "partition", "target": "group0"}),
+               (40, {"op": "inject", "id": 3, "kind": "kill_group", "target": "group1"}),
+               (41, {"op": "heal", "id": 3, "kind": "kill_group", "target": "group1"})]
+    (d / "soak" / "history.jsonl").write_text(
+        "".join(json.dumps({**h, "t": t0 + t}) + "\n" for t, h in history))
+
+
+def events_of(d: Path) -> soak_check.Check:
+    run = soak_check.Run.read(d)
+    return next(c for c in soak_check.check_events(run, soak_check.Verdict(7, d))
+                if c.name == "events")
+
+
+def test_a_line_is_due_later_by_the_time_its_detector_was_stopped(tmp_path: Path) -> None:
+    # seed 0's 3-minute soak: a partition's group_lost 7.3 s after it, the global server
+    # SIGSTOPped for 4.6 s of that (it prints nothing until SIGCONT, then at once)
+    overlapping_run(tmp_path / "on-time", lost_at=17.05)
+    check = events_of(tmp_path / "on-time")
+    assert check.ok, check.evidence
+    assert check.evidence.startswith("2 faults seen within their bound")  # group_ended too
+    overlapping_run(tmp_path / "late", lost_at=21.5)
+    check = events_of(tmp_path / "late")
+    assert not check.ok
+    assert "1 late [('partition', 11.5, 11.0)]" in check.evidence
