@@ -90,7 +90,7 @@ def test_answers_brought_forward_and_merged_are_the_unions_themselves() -> None:
 
 def test_a_sparse_exchange_looks_only_where_the_weights_changed_or_were_left_behind() -> None:
     w = np.zeros(N, np.float32)
-    xchg = GroupSync(w, ratio=0.001)  # k = 2
+    xchg = GroupSync(w, kept=0.001)  # k = 2
     w[[5, 7, 11]] = [3.0, 2.0, 1.0]
     out = xchg.begin(w, {}, changed=ints(5, 11))  # 7 is not named: not looked at
     assert isinstance(out.delta, sparse.SparseVector) and out.delta.indices.tolist() == [5, 11]
@@ -100,7 +100,7 @@ def test_a_sparse_exchange_looks_only_where_the_weights_changed_or_were_left_beh
     assert isinstance(again.delta, sparse.SparseVector)
     assert again.delta.indices.tolist() == [3]  # nothing was left behind the first time
     # (5 and 11 were sent: the rebase on the reply took them back to w_sync's 0)
-    whole = GroupSync(np.zeros(N, np.float32), ratio=0.001).begin(w, {})  # no log: all n
+    whole = GroupSync(np.zeros(N, np.float32), kept=0.001).begin(w, {})  # no log: all n
     assert isinstance(whole.delta, sparse.SparseVector)
     assert whole.delta.indices.tolist() == [3, 7]
 

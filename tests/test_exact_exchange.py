@@ -1,6 +1,7 @@
-"""The exact group <-> global exchange (exchange.py: ``ExactSync``, ``ExactMirror``,
-``BeforeValues``): a group sends every entry it changed since its last exchange at its delta,
-the global server answers every entry its weights changed at since the version the group holds.
+"""The exact group <-> global exchange (exact_exchange.py: ``ExactSync``, ``BeforeValues``;
+exchange.py: ``ExactMirror``): a group sends every entry it changed since its last exchange at
+its delta, the global server answers every entry its weights changed at since the version the
+group holds.
 
 A seeded random sequence of pushes (sparse, dense, empty), PULLs, exchanges (replies lost,
 flushes), regroups and rebases drives a GlobalCore and its GroupCores without IO
@@ -30,14 +31,8 @@ from test_exchange import TOKEN, _join_group, _start_group
 from minips import sparse
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
-from minips.core.exchange import (
-    BeforeValues,
-    ExactMirror,
-    ExactSync,
-    GroupSync,
-    group_mirror,
-    group_sync,
-)
+from minips.core.exact_exchange import BeforeValues, ExactSync, group_sync
+from minips.core.exchange import ExactMirror, GroupSync, group_mirror
 from minips.net import transport
 from minips.net.endpoints import parse_address
 from minips.server import GlobalServer, ServerConfig

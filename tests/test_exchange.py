@@ -70,7 +70,7 @@ class Group:
     def __init__(self, g: int, weights: np.ndarray) -> None:
         self.g = g
         self.weights = weights.copy()
-        self.xchg = GroupSync(self.weights, ratio=RATIO)
+        self.xchg = GroupSync(self.weights, kept=RATIO)
         self.applied = np.zeros(N, np.float64)  # every push it applied
         self.merged = np.zeros(N, np.float64)  # every s whose exchange completed
         self.pushes = 0
@@ -322,7 +322,7 @@ def test_exchange_ratio_follows_the_compressor_unless_set() -> None:
 
 def test_a_flush_sends_everything_and_a_dense_exchange_is_the_old_rule() -> None:
     w0 = np.zeros(N, np.float32)
-    x = GroupSync(w0, ratio=RATIO)
+    x = GroupSync(w0, kept=RATIO)
     w = np.linspace(-1, 1, N).astype(np.float32)
     out = x.begin(w, {}, dense=True)
     np.testing.assert_array_equal(out.delta, w)  # all of it

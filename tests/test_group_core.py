@@ -22,11 +22,10 @@ from minips import sparse
 from minips.core import optim
 from minips.core.actions import Log
 from minips.core.config import RunConfig
-from minips.core.downlink import Downlink
+from minips.core.downlink import Diverged, Downlink
 from minips.core.exchange import exchange_message
 from minips.core.group_core import (
     AllLeft,
-    Diverged,
     GroupCore,
     Reply,
     StartExchange,
@@ -147,7 +146,8 @@ async def run_with_asyncio(compressor: str, events: list[Any],
         members = [w for w, h in noio_cluster.GROUP_OF.items() if h == g]
         servers[g] = GroupServer(g, srv.core.run, srv.core.weights, InProcLink(srv),
                                  members=members, clock=lambda: t[0])
-        handles.append(GroupHandle(g, "", members, peer=InProcGroup(servers[g])))
+        handles.append(GroupHandle(g, "", members, served=True))
+        srv.peers[g] = InProcGroup(servers[g])
     for w in noio_cluster.GROUP_OF:
         srv.core.admit(w, 0.0)
     srv.perform(srv.core.groups_formed(handles, dict(noio_cluster.GROUP_OF), 0.0))
@@ -376,17 +376,18 @@ def test_k_groups_at_one_pace_keep_the_momentum_of_one_group_per_cluster_push() 
     for core in cluster.cores.values():
         share = core.xchg.share
         assert 0.15 < share < 0.5, share
-        factor = core._follow_share()  # as the next push applies it (the flush moved share)
-        assert core.opt.momentum == pytest.approx(0.9 ** (1 / share), rel=1e-9)
-        assert factor / (1 - core.opt.momentum) == pytest.approx(1 / (1 - 0.9), rel=1e-9)
+        momentum, factor = core._cluster_momentum()  # as the next push applies them
+        assert momentum == pytest.approx(0.9 ** (1 / share), rel=1e-9)
+        assert factor / (1 - momentum) == pytest.approx(1 / (1 - 0.9), rel=1e-9)
     one = RunConfig(**{**noio_cluster.run_config("none"), "groups": 1,
                        "group_momentum": "cluster"})
     core = GroupCore(0, one, noio_cluster.init_weights(), members=[0])
     for replied in (100, 200, 300):  # one group: every sample the server counts is its own
         core.xchg.share_of(100, replied)
-    assert (core.xchg.share, core._follow_share(), core.opt.momentum) == (1.0, 1.0, 0.9)
+    assert (core.xchg.share, core._cluster_momentum()) == (1.0, (0.9, 1.0))
     default = RunConfig(**noio_cluster.run_config("none"))
     assert default.group_momentum == "group"
     core = GroupCore(0, default, noio_cluster.init_weights(), members=[0])
     core.xchg.share = 0.25
-    assert (core._follow_share(), core.opt.momentum) == (1.0, 0.9)
+    core._apply(np.zeros(core.weights.size, np.float32), 1)  # one push, at the run's lr
+    assert (core.opt.momentum, core.opt.lr) == (0.9, default.lr * core._lr_factor(1))

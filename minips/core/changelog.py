@@ -12,6 +12,8 @@ the model (docs/performance.md):
   (``sparse.union_of``), or None when the log cannot say: ``v`` older than the oldest version
   it keeps, or a dense change came after ``v``. Then the caller falls back to the whole vector,
   as it did before the log (a dense answer, or one pass over n).
+- ``TopDiff``: the top-k of a difference between two vectors looked for among the indices a
+  log names (the exchange's ``s``, the global server's sparse answer to a group).
 
 Bounded: at most ``max_versions`` versions and ``max_entries`` indices in all (a quarter of the
 vector by default: uint32 indices then take the memory of 1/4 of a float32 copy of it); the
@@ -34,7 +36,9 @@ import collections
 
 import numpy as np
 
-__all__ = ["ChangeLog", "MAX_VERSIONS", "kept_record", "union_sorted"]
+from minips.compress.selection import TopKSelector, top_among
+
+__all__ = ["ChangeLog", "MAX_VERSIONS", "TopDiff", "kept_record", "union_sorted"]
 
 MAX_VERSIONS = 1024  # versions kept; a worker further behind gets the weights whole
 RECORD_SHARE = 8  # a record of indices over size / this is dropped (then: one pass over n)
@@ -138,3 +142,42 @@ class ChangeLog:
             if self._cached <= self.max_entries and u >= self.oldest:
                 break
             self._cached -= self._unions.pop(u)[1].size
+
+
+class TopDiff:
+    """The k entries where a vector differs most from a copy of it (an exchange's ``s``, a
+    sparse answer's entries): looked for among the candidates a change log gives
+    (O(candidates)), or over all n (``TopKSelector``, as before the log) when there are none or
+    more than n / ``WIDE`` (then one contiguous pass is the cheaper one). Both give the exact
+    top-k, ties to the lowest index, zeros left out."""
+
+    WIDE = 8
+
+    def __init__(self, size: int, k: int) -> None:
+        self.size, self.k = size, k
+        self._selector: TopKSelector | None = None  # made on the first pass over n
+
+    def top(self, now: np.ndarray, copy: np.ndarray, where: np.ndarray | None
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(p,) uint32 sorted indices of the k largest ``|now - copy|``, ``now - copy`` there
+        ((p,) float32), and where the two may still differ elsewhere ((m,) uint32 sorted; None:
+        anywhere). ``where``: the candidates, a superset of where they differ (None: unknown)."""
+        if where is None or where.size > self.size // self.WIDE:
+            diff = now - copy  # (n,) float32
+            if self._selector is None:
+                self._selector = TopKSelector(self.size)
+            idx = self._selector.select(diff, self.k)  # (k,) int64 sorted
+            idx = idx[diff[idx] != 0]
+            return idx.astype(np.uint32), diff[idx], None
+        diff = now[where] - copy[where]  # (w,) float32
+        nz = diff != 0
+        cand, diff = where[nz], diff[nz]
+        pos = top_among(np.arange(cand.size), diff, self.k)  # (p,) positions in cand
+        return cand[pos], diff[pos], kept_record(_rest(cand, pos), self.size)
+
+
+def _rest(cand: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """``cand`` without the entries at positions ``pos``: what a top-k left behind."""
+    keep = np.ones(cand.size, dtype=np.bool_)
+    keep[pos] = False
+    return cand[keep]

@@ -84,6 +84,7 @@ __all__ = [
     "LARGE_MODEL_PARAMS",
     "place_optimizer",
     "OUTER_OPTIMIZERS",
+    "XCHG_MODES",
     "RunConfig",
     "FieldError",
     "WorkerConfig",
@@ -205,6 +206,10 @@ def place_optimizer(values: dict[str, Any]) -> str:
 # outer_lr, 1: as pushed) or nesterov (DiLoCo's outer Nesterov momentum); core/local_steps.py.
 OUTER_OPTIMIZERS = ("avg", "nesterov")
 
+# How a group and the global server exchange; RunConfig.xchg_mode: the top-k both ways
+# (exchange.py), or every change both ways (exact_exchange.py).
+XCHG_MODES = ("topk", "exact")
+
 
 # -- the configuration of a run and of one worker --------------------------------------------------
 
@@ -244,18 +249,20 @@ class RunConfig:
     merge: str = "mean"  # global adds each group delta / k ("mean", k = groups) or whole ("sum")
     # a group server's momentum (optimizer on the servers): "group" decays it per push of the
     # group (k groups at one pace then carry k times the momentum of one group); "cluster" per
-    # push of the whole cluster (m^(1/share) and lr to match, GroupCore._follow_share in
+    # push of the whole cluster (m^(1/share) and lr to match, GroupCore._cluster_momentum in
     # core/group_core.py): about half of dense GSSP's loss behind links back, 0.2-1.3 point
     # lost per seed where the groups' speeds differ (docs/results.md)
     group_momentum: str = "group"
     compressor: str = "none"  # registry.make_compressor name
     ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
-    xchg_ratio: float | None = None  # group <-> global exchange kept fraction; None = auto
-    # the group <-> global exchange (exchange.py): "topk" the top xchg_ratio both ways, the
-    # rest left for later; "exact" every entry changed since the last one, both ways, O(changes)
+    # group <-> global exchange kept fraction; None: as down_ratio's (``kept_fraction``)
+    xchg_ratio: float | None = None
+    # the group <-> global exchange (XCHG_MODES): "topk" the top xchg_ratio both ways, the rest
+    # left for later (exchange.py); "exact" every entry changed since the last one, both ways,
+    # O(changes) (exact_exchange.py)
     xchg_mode: str = "topk"
     # kept fraction of each publish of a group's weights to its workers (downlink.py); None: the
-    # run's ratio with a sparse compressor, dense (1.0) with none / fp16; 1.0: dense
+    # run's ratio with a sparse compressor, dense (1.0) with none / fp16 (``kept_fraction``)
     down_ratio: float | None = None
     down_values: str = "f32"  # "f16": a downlink update's values go as float16, 2 bytes each
     down_drift: float = 0.01  # bound on ||weights - published|| / ||weights|| (downlink.py)
@@ -308,7 +315,7 @@ class RunConfig:
         _check(0 < self.ratio <= 1, "ratio", self.ratio, "in (0, 1]")
         _check(self.xchg_ratio is None or 0 < self.xchg_ratio <= 1, "xchg_ratio",
                self.xchg_ratio, "in (0, 1] (or unset: automatic)")
-        _check(self.xchg_mode in ("topk", "exact"), "xchg_mode", self.xchg_mode, "topk | exact")
+        _check(self.xchg_mode in XCHG_MODES, "xchg_mode", self.xchg_mode, " | ".join(XCHG_MODES))
         _check(self.down_ratio is None or 0 < self.down_ratio <= 1, "down_ratio",
                self.down_ratio, "in (0, 1]")
         _check(self.down_values in ("f32", "f16"), "down_values", self.down_values, "f32 | f16")
@@ -406,17 +413,22 @@ class RunConfig:
         """Pushes are applied per complete round (a bound of 0: BSP, or SSP with s = 0)."""
         return self.sync.in_rounds(self.staleness)
 
-    def downlink_ratio(self) -> float:
-        """The downlink's kept fraction: ``down_ratio``, or when None the run's ``ratio`` for
-        a sparse compressor and 1.0 (dense) for a dense one (``none``, ``fp16``; its
-        declared wire encoding, ``registry.is_sparse``)."""
-        if self.down_ratio is not None:
-            return self.down_ratio
+    def kept_fraction(self, setting: float | None) -> float:
+        """The kept fraction of a hop between the servers and their copies (the exchange's
+        ``xchg_ratio``, the downlink's ``down_ratio``): ``setting``, or when None the workers'
+        ``ratio`` with a sparse compressor and 1.0 (dense) with a dense one (``none``,
+        ``fp16``; its declared wire encoding, ``registry.is_sparse``)."""
+        if setting is not None:
+            return setting
         from minips.compress.registry import (
             is_sparse,  # the plug-ins load with a run, not the rules
         )
 
         return self.ratio if is_sparse(self.compressor) else 1.0
+
+    def downlink_ratio(self) -> float:
+        """The downlink's kept fraction (``kept_fraction`` of ``down_ratio``)."""
+        return self.kept_fraction(self.down_ratio)
 
     def worker_compressor(self, size: int, worker: int) -> Compressor:
         """The compressor worker ``worker`` builds for ``size`` coordinates (its seed:

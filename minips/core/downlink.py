@@ -15,7 +15,7 @@ asynchronous group (docs/compression.md, "The downlink"):
 
 - **publish** (``publish(weights)``; the group server publishes once per turn of its event loop
   that answers PULLs, however many it answers):
-  ``e = weights - w_pub`` is the residual; its ``k = ratio * n`` largest ``|e|`` coordinates are
+  ``e = weights - w_pub`` is the residual; its ``k = kept * n`` largest ``|e|`` coordinates are
   published: ``w_pub[idx] = weights[idx]``, ``pub += 1``, and ``idx`` goes into a bounded log.
   What is not published stays in ``e`` (error feedback is implicit: nothing is lost, only
   delayed), and a coordinate once published is exact (``w_pub`` takes the weights' own float32),
@@ -50,11 +50,13 @@ import numpy as np
 
 from minips.compress.selection import TopKSelector, kept_count, top_among
 from minips.core.changelog import ChangeLog, kept_record
+from minips.core.config import RunConfig
 from minips.errors import RemoteProtocolError
-from minips.sparse import SparseVector, decode_vector, union_of, unique_sorted
+from minips.sparse import SparseVector, decode_vector, set_into, union_of, unique_sorted
 
-__all__ = ["Answer", "Downlink", "ExactDownlink", "apply_weights", "trusted_since", "sq_norm",
-           "wire_values", "DRIFT", "LOG_SIZE", "DENSE_FRACTION", "VALUES"]
+__all__ = ["Answer", "Downlink", "ExactDownlink", "group_downlink", "Diverged", "check_finite",
+           "apply_weights", "trusted_since", "sq_norm", "wire_values", "DRIFT", "LOG_SIZE",
+           "DENSE_FRACTION", "VALUES"]
 
 DRIFT = 0.01  # bound on ||weights - w_pub|| / ||weights|| after every publish (--down-drift)
 LOG_SIZE = 64  # publishes kept in the log; a worker further behind gets the weights dense
@@ -85,18 +87,18 @@ class Answer:
 class Downlink:
     """The published copy of one group's weights, its version, and the log of publishes."""
 
-    def __init__(self, weights: np.ndarray, ratio: float, *, drift: float = DRIFT,
+    def __init__(self, weights: np.ndarray, kept: float, *, drift: float = DRIFT,
                  log_size: int = LOG_SIZE, dense_fraction: float = DENSE_FRACTION,
                  values: str = "f32", changes: ChangeLog | None = None) -> None:
-        if (not 0 < ratio <= 1 or drift < 0 or log_size < 1 or not 0 < dense_fraction <= 1
+        if (not 0 < kept <= 1 or drift < 0 or log_size < 1 or not 0 < dense_fraction <= 1
                 or values not in VALUES):
-            raise ValueError(f"bad downlink settings: ratio {ratio}, drift {drift}, "
+            raise ValueError(f"bad downlink settings: kept {kept}, drift {drift}, "
                              f"log_size {log_size}, dense_fraction {dense_fraction}, "
                              f"values {values}")
         self.values = values  # "f16": published values rounded to float16, sent as such
         self.w_pub = np.array(weights, dtype=np.float32)  # (n,) what the workers can hold
         self.n = int(self.w_pub.size)
-        self.k = kept_count(ratio, self.n)  # coordinates per publish, before the drift bound
+        self.k = kept_count(kept, self.n)  # coordinates per publish, before the drift bound
         self.drift_bound = drift
         self.dense_fraction = dense_fraction
         self.pub = 0  # publish version of w_pub
@@ -118,11 +120,11 @@ class Downlink:
     def drift(self, weights: np.ndarray) -> float:
         """``||weights - w_pub|| / ||weights||`` now, computed anew (O(n); 0 when both are
         zero)."""
-        return _ratio(sq_norm(weights - self.w_pub), sq_norm(weights))
+        return _relative(sq_norm(weights - self.w_pub), sq_norm(weights))
 
     def drift_now(self) -> float:
         """``drift(weights)`` from the sums kept as changes land: O(1)."""
-        return _ratio(self.gap2, self.wsq)
+        return _relative(self.gap2, self.wsq)
 
     def finite(self) -> bool:
         """The weights are finite, as far as the sums say (a NaN or inf weight makes them not:
@@ -317,7 +319,7 @@ class ExactDownlink:
         return 0.0
 
     def finite(self) -> bool:
-        """Every answer is checked as it is made (``group_core.check_finite``)."""
+        """Every answer is checked as it is made (``check_finite``)."""
         return True
 
     def publish(self, weights: np.ndarray) -> int:
@@ -375,11 +377,47 @@ def sq_norm(x: np.ndarray) -> float:
     return total
 
 
-def _ratio(gap2: float, wsq: float) -> float:
+def _relative(gap2: float, wsq: float) -> float:
     """sqrt(gap2 / wsq): 0 when both are zero, inf when only the weights are."""
     if wsq:
         return math.sqrt(gap2 / wsq)
     return 0.0 if gap2 == 0 else math.inf
+
+
+class Diverged(RemoteProtocolError):
+    """The group's weights hold NaN or inf (finite pushes can overflow float32): the PULL
+    being answered gets ERROR ``diverged`` instead of WEIGHTS. A RemoteProtocolError so that
+    the shell's rejection path (ERROR ``code``, then close) carries it; no weight that is not
+    finite ever goes out."""
+
+    code = "diverged"
+
+
+def check_finite(payload: SparseVector | np.ndarray, group: int,
+                 weights_finite: bool = True) -> None:
+    """Raise ``Diverged`` unless every value a WEIGHTS would carry is finite (one float64 sum:
+    NaN and inf propagate, float32 values cannot overflow it; O(what is sent)) and so are the
+    weights themselves as far as the caller knows (``weights_finite``: the compressed
+    downlink's float64 sums of their squares, finite until a weight is not, even one that the
+    published copy still lags)."""
+    values = payload.values if isinstance(payload, SparseVector) else payload
+    if not weights_finite or not np.isfinite(np.sum(values, dtype=np.float64)):
+        raise Diverged(f"group {group}'s weights hold NaN or inf: the model diverged; try a "
+                       "lower --lr", got=int(np.count_nonzero(~np.isfinite(values))))
+
+
+def group_downlink(run: RunConfig, weights: np.ndarray,
+                   changes: ChangeLog) -> Downlink | ExactDownlink | None:
+    """How a group answers PULLs (``RunConfig.down_mode``): ``exact``, the changes since the
+    version held at their values now; ``auto``, the compressed downlink when its kept fraction
+    (``downlink_ratio``) is below 1, else the weights whole (None)."""
+    if run.down_mode == "exact":
+        return ExactDownlink(weights, changes, values=run.down_values)
+    down = run.downlink_ratio()
+    if down >= 1:
+        return None
+    return Downlink(weights, down, drift=run.down_drift, values=run.down_values,
+                    changes=changes)
 
 
 def trusted_since(named: int, last_sent: int) -> int:
@@ -401,5 +439,5 @@ def apply_weights(replica: np.ndarray | None, held: int, w: Any, size: int) -> n
     if replica is None or w.since != held or not isinstance(got, SparseVector):
         raise RemoteProtocolError("WEIGHTS update does not fit the copy held",
                                   expected=held, got=w.since)
-    replica[got.indices] = got.values
+    set_into(replica, got)
     return replica

@@ -1,64 +1,16 @@
-"""A group server's rules without IO: weights, SGD, clocks, rounds, the downlink's answers.
+"""A group server's rules without IO: weights, SGD, clocks, rounds, the exchange's counters.
 
-``GroupCore`` is what a group *decides*; ``group.GroupServer`` (asyncio) holds one and is how it
-talks, and the simulator (``simulate.py``) drives the same class in simulated time. It holds no
-link and imports no asyncio, sockets, clocks or torch (tests/test_group_core.py checks, and drives
-a whole cluster of these cores in one thread with a fake clock).
+``GroupCore`` is what a group *decides*; ``serve/group.py``'s ``GroupServer`` (asyncio) holds one
+and carries out its actions, and the simulator drives the same class in simulated time. Each entry
+point takes an event and the time ``now`` and returns the actions its shell is to perform, in the
+order they are due: a worker joins, leaves or falls silent (``join``, ``leave``, ``tick``); it
+pushes (``push``); its PULL is answered when SSP allows (``may_answer``, ``weights_message``);
+the group exchanges with the global server (``begin_exchange``, ``exchanged``) or meets a new
+one (``rebase``).
 
-Entry points. Each takes an incoming event and the time ``now``, changes the state and returns
-the actions its shell is to perform, in the order they are due:
-
-- ``join(w, now)`` / ``leave(w)``: a worker's connection opens (``Reply``: its first ACK) or
-  closes; ``tick(now, heard)``: leases renewed as of each worker's last bytes, silent ones expire;
-- ``push(w, msg, now)``: a worker's PUSH (``Reply``: its ACK; ``Wake``; ``StartExchange``);
-- ``may_answer(w, clock)``, ``publish()``, ``weights_message(w, waited, since, clock)``: a
-  PULL's answer (``done`` at the run's ``max_steps``: ``at_cap``);
-- ``begin_exchange(final, traffic)`` / ``exchanged(out, res, seconds)``: one exchange with the
-  global server (``Log``; ``BudgetSpent``); ``rebase(weights, server_seq)``: a new global server;
-  ``start_flush`` / ``flush_failed`` / ``stop``: the final flush's bookkeeping;
-- ``set_ratio(ratio)``: GDTopK's ratio for the group's workers (the global server's choice);
-  ``spend_budget()``: the run is over, every PULL is answered with ``done``.
-
-The actions are frozen dataclasses defined here (``Reply``, ``Wake``, ``StartExchange``,
-``AllLeft``, ``BudgetSpent``), and ``Log``, a line of the group's record, which every core
-shares (``actions.py``).
-
-The rules. Every change of the weights (a push, a round, an exchange's rebase, a new global
-server) goes through one place (``_change``), which notes the indices it touched in the
-group's change log (``core/changelog.py``) and keeps the downlink's sums up to date: the
-exchange and the PULL answers then cost O(what changed), not O(n). PULLs are answered with
-the weights whole, by the compressed downlink, or by the exact one (``RunConfig.down_mode``,
-``downlink.py``); a group never sends a weight that is not finite: ``Diverged`` (ERROR
-``diverged``) instead.
-
-A group applies its workers' gradients to its weights with ``optim.SGD`` (with the
-optimizer on the workers, ``RunConfig.optimizer_at``, the updates they push, with the outer
-optimizer: ``local_steps.outer_sgd``, lr 1 and no momentum or decay by default; each WEIGHTS
-tells the worker the lr factor of its next update, the run's progress and the group's local
-steps H). SSP inside the group: a PULL is answered only when ``ssp.ClockTable.may_start``
-allows; BSP (staleness 0) averages the pushes of one clock (``ssp.Rounds``) and applies them
-once, at the lr of the round's place in the run (so W workers in BSP are synchronous SGD,
-schedule included: ``reference.train``); other modes apply each push as it arrives with the lr
-divided by the number m of live workers of the group, so one round of m pushes moves as far as
-one BSP step. LB-BSP (``lbbsp``) is BSP whose round mean is weighted by each push's samples and
-whose workers' batch sizes follow their speeds (``balance.Balancer``: a ``balance`` log when they
-change, each worker's next batch in its WEIGHTS).
-
-Iterations. The group measures each worker's iteration as it sees it (``ssp.Iterations``: the
-interval between its PUSHes less the time the SSP bound held its PULL, with the compute time
-its PUSHes report beside it); each exchange carries the means since the last one to the global
-server (``iter_workers``, ``iter_us``, ``compute_us``; ``iter_time``, their mean, for GDTopK),
-which groups by them, and the group's ``exchange`` record lines say them (``iteration_s``,
-``compute_s``). LB-BSP's batches follow the same iteration times.
-
-Every ``sync_every`` pushes the group's shell exchanges with the global server through an
-``exchange.GroupLink`` (a direct call in-process, EXCHANGE/EXCHANGE_REPLY over TCP for a `minips
-group`); ``exchange.py`` keeps the delta bookkeeping (nothing lost, each delta merged once, also
-when a reply is lost; top-k both ways at ``xchg_ratio``, dense for a flush); at most one exchange
-is in flight. When the budget is spent (``done``) every PULL is answered with ``done`` and the
-group flushes a last delta; when its last worker leaves it flushes a ``final`` one. With
-``max_steps`` N a worker's PULL at clock >= N is answered at once with ``done`` (its run is
-over; it leaves), and a PUSH with clock > N is refused.
+Invariants: every change of the weights goes through ``_change``, which notes it in the group's
+change log and keeps the downlink's sums up to date; no weight that is not finite goes out
+(``downlink.Diverged``); at most one exchange is in flight.
 """
 
 from __future__ import annotations
@@ -75,16 +27,15 @@ from minips.core.actions import Log
 from minips.core.balance import Balancer
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
-from minips.core.downlink import Downlink, ExactDownlink
-from minips.core.exchange import Delta, ExchangeResult, Outgoing, group_sync
+from minips.core.downlink import Downlink, check_finite, group_downlink
+from minips.core.exact_exchange import group_sync
+from minips.core.exchange import Delta, ExchangeResult, Outgoing
 from minips.core.local_steps import outer_sgd
 from minips.errors import RemoteProtocolError
 from minips.wire import control, messages
 
 __all__ = [
     "Action",
-    "Diverged",
-    "check_finite",
     "AllLeft",
     "BudgetSpent",
     "Reply",
@@ -179,7 +130,7 @@ class GroupCore:
         # for each weights version the indices it touched: PULLs, exchanges follow the changes
         self.changes = ChangeLog(self.weights.size)
         self._xchg_mark = 0  # the change log's version when the last exchange began
-        self.downlink = _downlink(run, self.weights, self.changes)  # None: answers are dense
+        self.downlink = group_downlink(run, self.weights, self.changes)  # None: answers are dense
         self._joined: set[int] = set()
         self._since_publish = 0  # pushes since the downlink's last publish (``publish``)
         for w in members:
@@ -257,6 +208,10 @@ class GroupCore:
         if self.balancer is not None:  # a first PUSH closes no iteration: its compute stands in
             self.balancer.observe(w, msg.step_time if iteration is None else iteration,
                                   msg.samples)
+        # BSP (staleness 0) averages the pushes of one clock and applies them once, at the lr of
+        # the round's place in the run: W workers in BSP are synchronous SGD, schedule included
+        # (``reference.train``). Other modes apply each push as it arrives, with the lr divided
+        # by the m live workers of the group: one round of m pushes moves as far as a BSP step.
         logs: list[Action] = []
         if self.run.in_rounds:
             self.rounds.add(msg.clock, (grad, msg.samples))
@@ -299,8 +254,11 @@ class GroupCore:
         # an update a worker computed carries its lr already (``next_lr_factor``)
         if self.run.optimizer_on_worker:
             lr = self.run.outer_lr
-        else:  # sets the momentum too (--group-momentum cluster)
-            lr = self.run.lr * self._lr_factor(samples) * self._follow_share()
+        else:
+            lr = self.run.lr * self._lr_factor(samples)
+            if self.run.group_momentum == "cluster" and self.run.momentum != 0:
+                self.opt.momentum, scale = self._cluster_momentum()
+                lr *= scale
         self.opt.lr = lr / max(1, share)
         plain = self.opt.momentum == 0 and self.opt.weight_decay == 0  # only g's entries move
         touched = grad.indices if plain and isinstance(grad, sparse.SparseVector) else None
@@ -309,20 +267,18 @@ class GroupCore:
         self.version += 1
         self.unapplied -= samples
 
-    def _follow_share(self) -> float:
-        """With ``group_momentum`` "cluster", make the group's momentum decay per push of the
-        whole cluster, as one group's does: a group that makes a share f of the cluster's
-        pushes (``GroupSync.share``) uses momentum m^(1/f), and its lr times (1 - m^(1/f)) /
-        (1 - m), the factor returned, so that lr / (1 - momentum), how far a push moves in the
-        long run, is the run's. One group (f = 1) is unchanged. "group", the default (and the
-        optimizer on the workers), returns 1 and keeps the run's momentum: it decays per push
-        of the group, k times slower than one group's when k groups run at one pace
-        (docs/results.md, "Where dense GSSP loses its points behind a link")."""
+    def _cluster_momentum(self) -> tuple[float, float]:
+        """``group_momentum`` "cluster": the momentum that decays per push of the whole
+        cluster, as one group's does, and the lr factor that goes with it. A group that makes
+        a share f of the cluster's pushes (``GroupSync.share``) uses momentum m^(1/f) and its
+        lr times (1 - m^(1/f)) / (1 - m), so that lr / (1 - momentum), how far a push moves in
+        the long run, is the run's; one group (f = 1) is unchanged. With "group", the default,
+        the run's momentum decays per push of the group, k times slower than one group's when
+        k groups run at one pace (docs/results.md, "Where dense GSSP loses its points behind a
+        link")."""
         m = self.run.momentum
-        if self.run.group_momentum != "cluster" or m == 0:
-            return 1.0
-        self.opt.momentum = m ** (1.0 / self.xchg.share)
-        return (1.0 - self.opt.momentum) / (1.0 - m)
+        per_push = m ** (1.0 / self.xchg.share)
+        return per_push, (1.0 - per_push) / (1.0 - m)
 
     def _change(self, idx: np.ndarray | None, apply: Callable[[], None]) -> None:
         """Change the weights (``apply``) at ``idx`` (None: anywhere): the change log notes it
@@ -478,6 +434,11 @@ class GroupCore:
         """The group server closes: no flush is due any more."""
         self.finished = True
 
+    # Every ``sync_every`` pushes the shell exchanges with the global server through an
+    # ``exchange.GroupLink`` (a direct call in-process, EXCHANGE / EXCHANGE_REPLY over TCP for a
+    # `minips group`). When the budget is spent (``done``) the group flushes a last delta, and
+    # a ``final`` one when its last worker leaves; a flush sends everything left, dense.
+
     def begin_exchange(self, final: bool, traffic: dict[str, int]) -> Outgoing:
         """The next exchange: the delta since the last one and the group's counters, with
         ``traffic`` (bytes from / to its workers so far: ``bytes_in``, ``bytes_out``); dense
@@ -487,7 +448,7 @@ class GroupCore:
         if self.xchg.pending is not None:  # sent again as it was
             return self.xchg.begin(self.weights, extra)
         # what a top-k exchange may have to send (a dense or exact one looks at no log)
-        changed = self.changes.since(self._xchg_mark) if self.xchg.ratio < 1.0 else None
+        changed = self.changes.since(self._xchg_mark) if self.xchg.kept < 1.0 else None
         self._xchg_mark = self.changes.version
         return self.xchg.begin(self.weights, extra, dense=final or self.done, changed=changed)
 
@@ -561,42 +522,6 @@ class GroupCore:
         self.set_local_steps(int(state.get("local_steps", 0)))  # 0 in older files: the run's
         self.xchg_bytes = {k: int(state.get("xchg_bytes", {}).get(k, 0))  # 0 in older files
                            for k in ("bytes_to_global", "bytes_from_global")}
-
-
-class Diverged(RemoteProtocolError):
-    """The group's weights hold NaN or inf (finite pushes can overflow float32): the PULL
-    being answered gets ERROR ``diverged`` instead of WEIGHTS. A RemoteProtocolError so that
-    the shell's rejection path (ERROR ``code``, then close) carries it; no weight that is not
-    finite ever goes out."""
-
-    code = "diverged"
-
-
-def check_finite(payload: sparse.SparseVector | np.ndarray, group: int,
-                 weights_finite: bool = True) -> None:
-    """Raise ``Diverged`` unless every value a WEIGHTS would carry is finite (one float64 sum:
-    NaN and inf propagate, float32 values cannot overflow it; O(what is sent)) and so are the
-    weights themselves as far as the caller knows (``weights_finite``: the compressed
-    downlink's float64 sums of their squares, finite until a weight is not, even one that the
-    published copy still lags)."""
-    values = payload.values if isinstance(payload, sparse.SparseVector) else payload
-    if not weights_finite or not np.isfinite(np.sum(values, dtype=np.float64)):
-        raise Diverged(f"group {group}'s weights hold NaN or inf: the model diverged; try a "
-                       "lower --lr", got=int(np.count_nonzero(~np.isfinite(values))))
-
-
-def _downlink(run: RunConfig, weights: np.ndarray,
-              changes: ChangeLog) -> Downlink | ExactDownlink | None:
-    """How a group answers PULLs (``RunConfig.down_mode``): ``exact``, the changes since the
-    version held at their values now; ``auto``, the compressed downlink when its kept fraction
-    (``downlink_ratio``) is below 1, else the weights whole (None)."""
-    if run.down_mode == "exact":
-        return ExactDownlink(weights, changes, values=run.down_values)
-    down = run.downlink_ratio()
-    if down >= 1:
-        return None
-    return Downlink(weights, down, drift=run.down_drift, values=run.down_values,
-                    changes=changes)
 
 
 def _server_sgd(run: RunConfig, size: int) -> optim.SGD:
