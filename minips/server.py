@@ -6,9 +6,10 @@ in which group; ``GlobalServer`` is their asyncio shell: it *holds* a ``GlobalCo
 feeds it messages and ticks and performs the actions it returns (``global_core.py``): it opens
 the groups, tells workers their group, ends the run, writes the record and the checkpoint
 files. It never writes the core's fields. The sessions are ``serve/sessions.py`` (workers'
-control channels, evaluators, `minips group` processes). A group's server is a
-``roster.GroupPeer``: ``InProcGroup`` here, ``sessions.RemoteGroup`` for a group process; the
-server never asks which.
+control channels, evaluators, `minips group` processes). It holds each group's server, a
+``peers.GroupPeer`` (``peers``): ``InProcGroup`` here, ``sessions.RemoteGroup`` for a group
+process; the server never asks which. It owns the run's figures (``record/ledger.py``) and hands
+the core the worker traffic with the events that need it (``traffic``).
 
 One asyncio process. Clients connect with role ``worker`` (control channel: STATS, HEARTBEAT,
 LEAVE; learns its group from ASSIGN), ``group`` (a separate `minips group` process: EXCHANGE its
@@ -106,6 +107,7 @@ from minips.record.ledger import Ledger, progress_text
 from minips.record.rundir import RunDir, tail_jsonl
 from minips.serve import sessions, validation
 from minips.serve.group import GroupServer
+from minips.serve.peers import GroupPeer, NoGroup
 from minips.serve.sessions import send_quiet
 from minips.wire import checks, control, frames
 from minips.wire.control import Hello
@@ -139,6 +141,7 @@ class GlobalServer:
         self.core = GlobalCore(cfg.run, weights, regroup=not cfg.external_groups,
                                wall=time.time)
         self.controls: dict[int, Channel] = {}  # worker id -> its control channel
+        self.peers: dict[int, GroupPeer] = {}  # group id -> its server (serve/peers.py)
         self.finished = asyncio.Event()  # the run is over
         self.evaluated_final = asyncio.Event()  # the evaluator got the final weights
         self.weights_ready = asyncio.Event()  # the global weights exist
@@ -215,8 +218,8 @@ class GlobalServer:
                 checkpoint.save(self.checkpoint_path, self.checkpoint_state())
             except OSError as exc:  # a full disk: the run's end is no worse for it
                 self.log("checkpoint_failed", reason=str(exc), final=True)
-        for g in core.groups.values():
-            await g.peer.close()
+        for peer in self.peers.values():
+            await peer.close()
         for t in list(self.tasks):
             t.cancel()
         if self.server is not None:
@@ -261,7 +264,8 @@ class GlobalServer:
         core = self.core
         if event == "data":
             self.data_synthetic.add(bool(fields.get("synthetic")))
-        elif event == "merge":
+        elif event == "merge":  # a group process's merged counters: its traffic as of now
+            self.peer(fields["group"]).reported(fields)
             self._group_events(fields)
             self.ledger.add("merges_done", 1)
             self.ledger.add("pushes_merged", int(fields.get("pushes") or 0))
@@ -292,13 +296,27 @@ class GlobalServer:
         on across its sessions and a resume) and the bytes of its exchanges with this server
         (counted anew in each process: ``boot``)."""
         for g, h in self.core.groups.items():
-            t = h.peer.traffic()
+            t = self.peer(g).traffic()
             self.ledger.count(f"workers-{g}", {"bytes_worker_group": t.get("bytes_in", 0),
                                                "bytes_group_worker": t.get("bytes_out", 0)})
             self.ledger.count(f"exchanges-{g}-{self.boot}",
                               {"bytes_group_global": h.hop_bytes["bytes_to_global"],
                                "bytes_global_group": h.hop_bytes["bytes_from_global"]})
         return self.ledger.figures()
+
+    def peer(self, g: int) -> GroupPeer:
+        """Group ``g``'s server (``NoGroup`` when none was opened here for a group the core
+        holds)."""
+        return self.peers.setdefault(g, NoGroup())
+
+    def traffic(self, g: int | None = None) -> dict[str, int]:
+        """Worker <-> group bytes for the core's events: the run's as the ledger counts them
+        (``bytes_up``, ``bytes_down``: what GLOBAL_WEIGHTS carries) and, for group ``g``, its
+        own so far (``bytes_in``, ``bytes_out``: its peer's)."""
+        figures = self.figures()
+        run = {"bytes_up": figures["bytes_worker_group"],
+               "bytes_down": figures["bytes_group_worker"]}
+        return run if g is None else {**run, **self.peer(g).traffic()}
 
     def progress_text(self) -> str:
         """The console's progress line as of now, from memory: the ledger, the core's
@@ -369,8 +387,8 @@ class GlobalServer:
     # -- the core's actions ------------------------------------------------------------------
 
     def perform(self, actions: list[GlobalAction]) -> None:
-        """Do what the core decided (``global_core.py``), in order. ``Admitted``, ``Placed``
-        and ``Reply`` answer the one who asked: its caller carries them out."""
+        """Do what the core decided (``global_core.py``), in order. ``Admitted`` and
+        ``GroupReply`` answer the one who asked: its caller carries them out."""
         for a in actions:
             if isinstance(a, Log):
                 self.log(a.event, **a.fields)
@@ -391,8 +409,11 @@ class GlobalServer:
                 self._every_group_final()
             elif isinstance(a, Fail):
                 self._tell_failure(a.code, a.reason)
+            elif isinstance(a, Placed):  # its caller tells the worker (``_place_late``)
+                self.peer(a.group).expect(a.worker)
             elif isinstance(a, Rehomed):
-                for w in a.moved:
+                for w, g in a.moved.items():
+                    self.peer(g).expect(w)
                     self.spawn(self.tell_group(w))
 
     async def tell_group(self, w: int) -> None:
@@ -424,8 +445,8 @@ class GlobalServer:
         self._start_budgets()
 
     async def open_group(self, g: int, members: list[int]) -> GroupHandle:
-        """Group ``g``'s server: in this process on a port of its own, or the next waiting
-        `minips group` process (``--external-groups``)."""
+        """Group ``g``'s server (in ``peers``, its handle returned): in this process on a port
+        of its own, or the next waiting `minips group` process (``--external-groups``)."""
         core = self.core
         assert core.weights is not None
         if self.cfg.external_groups:
@@ -438,7 +459,8 @@ class GlobalServer:
         # no host (":port"): "where you reached the global server"; the worker fills in the name
         # it dialled, so DNS names, NAT and TLS names work as they do for the global server
         address = format_address(self.cfg.advertise_host or "", port)
-        return GroupHandle(g, address, members, ratio=core.ratio_of(g), peer=InProcGroup(gs))
+        self.peers[g] = InProcGroup(gs)
+        return GroupHandle(g, address, members, ratio=core.ratio_of(g), served=True)
 
     async def _place_late(self, w: int) -> None:
         """A worker whose first STATS came after the groups were drawn up: once they are open,
@@ -456,7 +478,10 @@ class GlobalServer:
         moves = core.roster.moved(assignment)
         for g in sorted(set(moves.values()) - set(core.groups)):
             self.perform(core.group_opened(await self.open_group(g, []), time.monotonic()))
-        self.perform(core.moved(moves, time.monotonic()))
+        actions = core.moved(moves, time.monotonic())
+        for w, g in moves.items():
+            self.peer(g).expect(w)
+        self.perform(actions)
         for w in moves:
             await self.tell_group(w)
 
@@ -465,7 +490,7 @@ class GlobalServer:
         handles): to the group servers and to every worker of those groups (a new ASSIGN)."""
         core = self.core
         for g in new:
-            core.groups[g].peer.send_settings(core.assign_message(core.groups[g]))
+            self.peer(g).send_settings(core.assign_message(core.groups[g]))
         for w, entry in core.workers.items():
             if entry.group in new:
                 self.spawn(self.tell_group(w))
@@ -486,8 +511,8 @@ class GlobalServer:
     def _on_done(self) -> None:
         """Budget spent: tell groups and workers, then wait (bounded) for the final deltas. A
         worker's control channel is closed after its LEAVE(done): its session is over."""
-        for h in self.core.groups.values():
-            self.spawn(h.peer.finish())
+        for peer in self.peers.values():
+            self.spawn(peer.finish())
         for ch in self.controls.values():
             self.spawn(_close_done(ch))
         self.spawn(self._final_flush())
@@ -545,8 +570,10 @@ class GlobalServer:
         return Path(self.cfg.checkpoint_path or Path(self.cfg.run_dir) / "checkpoint.npz")
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint holds: the core's state and the ledger's."""
-        return {**self.core.checkpoint_state(), "ledger": self.ledger.state_dict()}
+        """What a checkpoint holds: the core's state (with each group's traffic and, in-process,
+        its training state) and the ledger's."""
+        held = {g: {"traffic": p.traffic(), "state": p.state_dict()} for g, p in self.peers.items()}
+        return {**self.core.checkpoint_state(held), "ledger": self.ledger.state_dict()}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take a checkpoint's state (before ``start``, which opens its groups again);
@@ -567,11 +594,16 @@ class GlobalServer:
         handles = {}
         for key, saved in sorted(state["groups"].items(), key=lambda kv: int(kv[0])):
             g, members = int(key), list(saved["members"])
-            handles[g] = (GroupHandle(g, "", members) if self.cfg.external_groups
-                          else await self.open_group(g, members))
+            if self.cfg.external_groups:  # a group process adopts it with the traffic so far
+                handles[g] = GroupHandle(g, "", members)
+                self.peers[g] = NoGroup(saved.get("traffic"))
+            else:
+                handles[g] = await self.open_group(g, members)
+            if saved["state"] is not None:
+                self.peers[g].load_state_dict(saved["state"])
         self.perform(self.core.resume(handles, state))
         for h in handles.values():  # the saved ratios, to the group servers here
-            h.peer.send_settings(self.core.assign_message(h))
+            self.peer(h.id).send_settings(self.core.assign_message(h))
         self.groups_opened.set()
         self.log("resumed", checkpoint=str(self.checkpoint_path), saved_at=state["saved_at"],
                  train_s=float(state["train_s"]), down_s=time.time() - float(state["saved_at"]))
@@ -629,7 +661,7 @@ def _epoch_samples(run: RunConfig) -> int:
 # -- a group server in this process ------------------------------------------------------------
 
 class InProcGroup:
-    """``GroupPeer`` (``roster.py``) of a group server the global server started itself: direct
+    """``GroupPeer`` (``serve/peers.py``) of a group server the global server started itself: direct
     calls. Its uplink (the group's ``exchange.GroupLink``) is ``InProcLink``."""
 
     def __init__(self, server: GroupServer) -> None:
@@ -686,7 +718,8 @@ class InProcLink:
         core = self.server.core
         msg = exchange_message(delta, stats)
         wire = frames.wire_size(msg)
-        actions = core.merge(group, delta, stats, time.monotonic(), wire)
+        actions = core.merge(group, delta, stats, time.monotonic(), wire,
+                             self.server.traffic(group))
         self.server.perform(actions)
         result = reply(actions, ExchangeResult)
         if trace.TRACER is not None:  # --trace: written as the frames a group process sends

@@ -14,12 +14,6 @@ CORE = Path(__file__).resolve().parents[1] / "minips" / "core"
 # what a shell holds: a connection, a stream, a socket, or a peer behind one
 SHELL_TYPE = re.compile(r"\b(Channel|Transport|Server|StreamReader|StreamWriter|socket|"
                         r"\w*Peer|NoGroup|\w*Link)\b|\b(transport|channel|asyncio|net)\.")
-# the core methods that still take one, and what it is; each must still do so (fix the method,
-# then drop its line): GroupPeer / NoGroup live in core/roster.py until they move to serve/
-STILL_SHELL_SHAPED = {
-    "global_core.py GlobalCore.group_served": "peer: GroupPeer",
-    "roster.py GroupHandle.__init__": "peer: GroupPeer | None",
-}
 
 
 def shell_shaped() -> dict[str, str]:
@@ -46,7 +40,7 @@ def shell_shaped() -> dict[str, str]:
 def test_no_core_method_takes_or_returns_a_transport_channel_or_peer() -> None:
     found = shell_shaped()
     assert len(list(CORE.glob("*.py"))) > 10  # the cores were read
-    assert found == STILL_SHELL_SHAPED
+    assert found == {}
 
 
 def test_the_check_sees_a_channel_in_a_hint() -> None:

@@ -27,9 +27,10 @@ from minips.core.config import RunConfig
 from minips.core.exchange import BETWEEN_GROUPS, SyncPoint
 from minips.core.global_core import GlobalCore
 from minips.core.replay import MAX_SESSIONS, Merged
-from minips.core.roster import GroupHandle, NoGroup
+from minips.core.roster import GroupHandle
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.serve.group import GroupServer
+from minips.serve.peers import GroupPeer, NoGroup
 from minips.server import InProcGroup
 from minips.wire import control, messages
 
@@ -217,8 +218,9 @@ def test_a_groups_ratio_has_one_owner_the_shell_hands_it_to_the_group() -> None:
         c.roster.admit(w)
         c.on_stats(w, stats(0.01 * (w + 1)), 0.0)
     gs = GroupServer(0, c.run, np.zeros(N, np.float32), None, members=[0])
-    c.groups_formed([GroupHandle(0, "h:0", [0], peer=InProcGroup(gs)),
-                     GroupHandle(1, "h:1", [1], peer=NoGroup())], {0: 0, 1: 1}, 0.0)
+    peers: dict[int, GroupPeer] = {0: InProcGroup(gs), 1: NoGroup()}  # the shell's
+    c.groups_formed([GroupHandle(0, "h:0", [0], served=True),
+                     GroupHandle(1, "h:1", [1])], {0: 0, 1: 1}, 0.0)
     c.roster.policy.every_s = 0.0  # type: ignore[union-attr]
     c.roster.observe_iter_time(0, 0.5, 0.0)
     actions = c.merge(1, np.zeros(N, np.float32), {"samples": 1, "iter_time": 0.1}, 0.0)
@@ -227,7 +229,7 @@ def test_a_groups_ratio_has_one_owner_the_shell_hands_it_to_the_group() -> None:
     assert c.groups[0].ratio == ratios[0]  # the one copy, the roster's
     assert c.assign_message(c.groups[1]).ratio == ratios[1]
     for g in ratios:  # what GlobalServer does with SendSettings
-        c.groups[g].peer.send_settings(c.assign_message(c.groups[g]))
+        peers[g].send_settings(c.assign_message(c.groups[g]))
     assert gs.core.weights_message(0, []).info["ratio"] == ratios[0]
 
 

@@ -146,7 +146,8 @@ async def run_with_asyncio(compressor: str, events: list[Any],
         members = [w for w, h in noio_cluster.GROUP_OF.items() if h == g]
         servers[g] = GroupServer(g, srv.core.run, srv.core.weights, InProcLink(srv),
                                  members=members, clock=lambda: t[0])
-        handles.append(GroupHandle(g, "", members, peer=InProcGroup(servers[g])))
+        handles.append(GroupHandle(g, "", members, served=True))
+        srv.peers[g] = InProcGroup(servers[g])
     for w in noio_cluster.GROUP_OF:
         srv.core.admit(w, 0.0)
     srv.perform(srv.core.groups_formed(handles, dict(noio_cluster.GROUP_OF), 0.0))

@@ -181,7 +181,7 @@ async def test_group_ports_pin_the_in_process_group_servers(tmp_path: Path) -> N
         assert [h.address for h in handles[:2]] == [f":{p}" for p in pinned]
         assert handles[2].address.startswith(":")  # beyond the list: a free port
         for h in handles:
-            await h.peer.close()
+            await srv.peers[h.id].close()
     finally:
         await srv.close()
 

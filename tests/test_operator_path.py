@@ -449,9 +449,9 @@ async def test_a_resume_keeps_the_worker_traffic_says_so_and_leaves_the_downtime
     grp = await transport.connect("127.0.0.1", int(assign.address.rsplit(":", 1)[1]),
                                   role="worker", worker_id=0, group=assign.group, token="")
     await recv_as(grp, messages.Ack, 10)
-    before = first.core.traffic()
+    before = first.traffic()
     assert before["bytes_up"] > 0
-    checkpoint.save(tmp_path / "checkpoint.npz", first.core.checkpoint_state())
+    checkpoint.save(tmp_path / "checkpoint.npz", first.checkpoint_state())
     for ch in (grp, ctl):
         ch.close_nowait()
     await first.close()  # the server is gone: kill -9 (its last checkpoint is the file)
@@ -464,7 +464,7 @@ async def test_a_resume_keeps_the_worker_traffic_says_so_and_leaves_the_downtime
     second.restore(state)
     await second.start()
     try:
-        after = second.core.traffic()
+        after = second.traffic()
         assert all(after[k] >= before[k] for k in before), (before, after)
         out = capsys.readouterr().out
         assert "resumed from checkpoint" in out and "MB on the wire so far" in out, out
@@ -480,19 +480,20 @@ async def test_a_resume_keeps_the_worker_traffic_says_so_and_leaves_the_downtime
 
 def test_a_group_process_groups_hop_counters_survive_a_checkpoint() -> None:
     from minips.core.global_core import GlobalCore
-    from minips.core.roster import GroupHandle, NoGroup
+    from minips.core.roster import GroupHandle
 
     run = RunConfig(workers=1, epochs=1.0)
     core = GlobalCore(run, np.zeros(4, np.float32), regroup=False, wall=time.time)
-    h = GroupHandle(0, "10.0.0.2:7071", [0], peer=NoGroup({"bytes_in": 500, "bytes_out": 700}))
+    h = GroupHandle(0, "10.0.0.2:7071", [0], served=True)
     h.hop_bytes.update(bytes_to_global=40, bytes_from_global=60)
     core.groups[0] = h
     core.started_training = time.time() - 5.0
-    state = core.checkpoint_state()
+    state = core.checkpoint_state({0: {"traffic": {"bytes_in": 500, "bytes_out": 700},
+                                       "state": None}})  # what the shell's peer held
     again = GlobalCore(run, None, regroup=False, wall=time.time)
     again.load_state_dict(state)
     again.resume({0: GroupHandle(0, "", [0])}, state)
-    assert again.traffic() == {"bytes_up": 500, "bytes_down": 700}
+    assert state["groups"][0]["traffic"] == {"bytes_in": 500, "bytes_out": 700}
     assert again.groups[0].hop_bytes == {"bytes_to_global": 40, "bytes_from_global": 60}
 
 

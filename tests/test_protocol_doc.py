@@ -91,7 +91,7 @@ async def test_nan_or_inf_in_a_dense_gradient_is_refused(tmp_path: Path, bad: fl
         await ch.send(push(clock + 1, np.array([1.0, bad, 0.0], np.float32)))
         error = await recv_as(ch, control.Error, 5)
         assert error.code == "invalid" and "NaN or inf" in error.reason
-        assert isinstance(peer := srv.core.groups[0].peer, InProcGroup)
+        assert isinstance(peer := srv.peers[0], InProcGroup)
         assert peer.server.core.weights.tolist() == [0.0] * 3  # nothing applied
     finally:
         await ch.close()

@@ -28,11 +28,12 @@ from raw_group import Cluster
 from test_server import TOKEN, make_server, push
 
 from minips.core import config, exchange
-from minips.core.roster import GroupHandle, NoGroup
+from minips.core.roster import GroupHandle
 from minips.errors import AuthError
 from minips.net import transport
 from minips.net.channel import Channel
 from minips.net.endpoints import parse_address
+from minips.serve.peers import NoGroup
 from minips.wire import checks, control, messages
 
 PAGE = (Path(__file__).parent.parent / "docs" / "protocol.md").read_text()
@@ -258,19 +259,19 @@ def test_traffic_across_sessions_never_falls_nor_counts_a_session_twice() -> Non
     """``GroupHandle.across_sessions``: a new session counts on top of the earlier ones; the
     session a resumed server's restored counts came from (its ``last_exchange``) is not added
     to them a second time."""
-    h = GroupHandle(0, "127.0.0.1:7300")
+    h, peer = GroupHandle(0, "127.0.0.1:7300"), NoGroup()  # the shell keeps the traffic
 
     def report(session: int, up: int) -> int:
-        info = h.across_sessions({"session": session, "bytes_in": up, "bytes_out": 0})
-        h.peer.reported(info)
+        info = h.across_sessions({"session": session, "bytes_in": up, "bytes_out": 0},
+                                 peer.traffic())
+        peer.reported(info)
         h.last_exchange = (session, 1)
         return int(info["bytes_in"])
 
     assert [report(1, 100), report(1, 150)] == [100, 150]
     assert [report(2, 10), report(2, 30)] == [160, 180]  # another process: on top of 150
-    resumed = GroupHandle(0, "127.0.0.1:7300", peer=NoGroup({"bytes_in": 170, "bytes_out": 0}))
-    resumed.last_exchange = (2, 1)  # the checkpoint held 150 + 20 of session 2
-    h = resumed
+    h, peer = GroupHandle(0, "127.0.0.1:7300"), NoGroup({"bytes_in": 170, "bytes_out": 0})
+    h.last_exchange = (2, 1)  # the resumed checkpoint held 150 + 20 of session 2
     assert report(2, 40) == 170 and report(2, 50) == 180  # never below 170, never 170 + 40
     assert report(3, 5) == 185
 

@@ -97,7 +97,7 @@ async def test_max_steps_answers_done_at_the_cap_and_refuses_a_push_past_it(
         err = await recv_as(ch, control.Error)
         assert err.code == "invalid" and "max-steps" in err.reason
         assert await closed(ch)
-        gs = srv.core.groups[0].peer.server  # type: ignore[attr-defined]
+        gs = srv.peers[0].server  # type: ignore[attr-defined]
         assert gs.core.version == 2 and gs.core.counters["pushes"] == 2
     finally:
         await ch.close()

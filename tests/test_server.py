@@ -77,7 +77,7 @@ async def test_refuses_wrong_secret_and_unknown_worker_id(tmp_path: Path) -> Non
 
 def in_proc(srv: GlobalServer, g: int) -> GroupServer:
     """Group ``g``'s server, which runs in ``srv``'s process."""
-    peer = srv.core.groups[g].peer
+    peer = srv.peers[g]
     assert isinstance(peer, InProcGroup)
     return peer.server
 

@@ -19,7 +19,7 @@ nothing sent is lost. Checkpoints: ``checkpoint_state`` takes a snapshot, ``load
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,7 @@ from minips.core.config import RunConfig
 from minips.core.exchange import Delta, ExchangeResult
 from minips.core.merge import Merger
 from minips.core.replay import Merged
-from minips.core.roster import GroupHandle, GroupPeer, NoGroup, Roster, WorkerEntry
+from minips.core.roster import GroupHandle, Roster, WorkerEntry
 from minips.core.snapshot import restore_group, restore_workers, snapshot
 from minips.errors import RemoteProtocolError
 from minips.wire import control, messages
@@ -246,24 +246,23 @@ class GlobalCore:
                                 **self.roster.speeds(self.workers)}),
                 *self._update_ratios(now)]
 
-    def group_served(self, g: int, peer: GroupPeer, address: str) -> list[GlobalAction]:
-        """A group process took group ``g`` over (it had none: ``Roster.orphan``)."""
+    def group_served(self, g: int, address: str) -> list[GlobalAction]:
+        """A group process at ``address`` took group ``g`` over (it had none: ``Roster.orphan``)."""
         h = self.groups[g]
-        h.peer, h.address = peer, address
+        h.served, h.address = True, address
         return [Log("group_adopted", {"group": g, "address": address})]
 
     def group_lost(self, g: int, final: bool = False) -> list[GlobalAction]:
-        """Group ``g``'s group process is gone; its last traffic known is kept. At the end of
-        the run (``final``: it sent its final delta, or the budget is spent) that is how a group
-        ends (``group_ended``), not a loss."""
-        h = self.groups[g]
-        h.peer = NoGroup(h.peer.traffic())
+        """Group ``g``'s group process is gone. At the end of the run (``final``: it sent its
+        final delta, or the budget is spent) that is how a group ends (``group_ended``), not a
+        loss."""
+        self.groups[g].served = False
         return [Log("group_ended" if final or self.done else "group_lost", {"group": g})]
 
     def rehome(self, g: int) -> list[GlobalAction]:
         """Nobody took lost group ``g`` over: its workers move to the live groups nearest in
         speed (``Roster.rehome``; nothing when there is none or the run is over)."""
-        if self.groups[g].peer.connected or self.done:
+        if self.groups[g].served or self.done:
             return []
         moved = self.roster.rehome(g)
         if not moved:
@@ -302,11 +301,14 @@ class GlobalCore:
     # -- the groups' exchanges (the round trip is core/merge.py's) ---------------------------
 
     def merge(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
-              wire_in: int | None = None) -> list[GlobalAction]:
-        """Group ``g``'s exchange merged (``Merger.merge``: the weights, its answer) and what
-        it decides beyond them: a failure (a delta not finite), GDTopK's ratios, the budget;
-        ``GroupReply`` (last) with the ``ExchangeResult``."""
-        out = self.merger.merge(g, delta, stats, now, done=self.done, wire_in=wire_in)
+              wire_in: int | None = None,
+              traffic: Mapping[str, int] | None = None) -> list[GlobalAction]:
+        """Group ``g``'s exchange merged (``Merger.merge``: the weights, its answer; ``traffic``,
+        the worker bytes the shell counted, bounds the run's) and what it decides beyond them: a
+        failure (a delta not finite), GDTopK's ratios, the budget; ``GroupReply`` (last) with
+        the ``ExchangeResult``."""
+        out = self.merger.merge(g, delta, stats, now, done=self.done, traffic=traffic,
+                                wire_in=wire_in)
         actions: list[GlobalAction] = self.fail("diverged", out.diverged) if out.diverged else []
         if out.added and self.roster.policy is not None:  # its iteration time feeds GDTopK
             self.roster.observe_iter_time(g, stats.get("iter_time"), now)
@@ -317,18 +319,21 @@ class GlobalCore:
         return [*actions, GroupReply(g, out.result)]
 
     def on_exchange(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
-                    wire_in: int | None = None) -> list[GlobalAction]:
+                    wire_in: int | None = None,
+                    traffic: Mapping[str, int] | None = None) -> list[GlobalAction]:
         """A group process's EXCHANGE (its delta and counters, ``wire_in`` bytes on the wire):
         ``merge``; ``GroupReply`` (last) with the EXCHANGE_REPLY (``Merger.exchange_reply``)."""
-        actions = self.merge(g, delta, stats, now, wire_in)
+        actions = self.merge(g, delta, stats, now, wire_in, traffic)
         res = reply(actions, ExchangeResult)
         answer = res.reply or self.merger.exchange_reply(g, res.weights, self.done)
         return [*actions[:-1], GroupReply(g, answer)]
 
-    def group_pull(self, g: int, now: float) -> list[GlobalAction]:
+    def group_pull(self, g: int, now: float,
+                   traffic: Mapping[str, int] | None = None) -> list[GlobalAction]:
         """A group process takes the global weights whole at ``now`` (``Merger.pulled``):
         ``GroupReply`` with GLOBAL_WEIGHTS, naming the exchange the server merged last."""
-        msg = self.weights_message(self.merger.pulled(g, now), members=self.groups[g].members)
+        msg = self.weights_message(self.merger.pulled(g, now), members=self.groups[g].members,
+                                   traffic=traffic)
         last = list(self.groups[g].last_exchange)
         return [GroupReply(g, dataclasses.replace(msg, last_exchange=last))]
 
@@ -383,12 +388,14 @@ class GlobalCore:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """A consistent snapshot of the run (``snapshot``)."""
+    def checkpoint_state(self, held: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """A consistent snapshot of the run (``snapshot``; ``held``: what the shell holds of
+        each group, its traffic and an in-process group's training state)."""
         assert self.weights is not None
         return snapshot(self.run, self.roster, self.weights, version=self.version,
                         samples=self.samples, saved_at=self.wall(),
-                        train_s=self.wall() - self.started_training, merged=self.merger.merged)
+                        train_s=self.wall() - self.started_training, merged=self.merger.merged,
+                        held=held or {})
 
     def load_state_dict(self, state: dict[str, Any]) -> list[GlobalAction]:
         """A checkpoint's weights, counters and workers (``ConfigError`` when it belongs to
@@ -401,17 +408,19 @@ class GlobalCore:
     # -- weights and traffic for the other roles-----------------------------------------------
 
     def weights_message(self, weights: Delta | None = None, final: bool = False,
-                        members: list[int] | None = None) -> messages.GlobalWeights:
+                        members: list[int] | None = None,
+                        traffic: Mapping[str, int] | None = None) -> messages.GlobalWeights:
         """GLOBAL_WEIGHTS with the global weights (or an exchange's sparse answer: entries to
-        set) and the run's counters."""
+        set) and the run's counters (``traffic``: its worker bytes, ``bytes_up`` and
+        ``bytes_down``, as the shell's ledger counts them)."""
         w = self.weights if weights is None else weights
         w = w if w is not None else np.zeros(0, np.float32)
-        traffic = self.traffic()
+        traffic = traffic or {}
         return messages.GlobalWeights(
             version=self.version, done=final or self.done, size=int(w.size),
             samples=self.samples, t=self.wall() - self.run.t0, train_s=self.trained_s(),
-            done_reason=self.done_reason, bytes_up=traffic["bytes_up"],
-            bytes_down=traffic["bytes_down"], members=members or [],
+            done_reason=self.done_reason, bytes_up=int(traffic.get("bytes_up", 0)),
+            bytes_down=int(traffic.get("bytes_down", 0)), members=members or [],
             payload=sparse.encode_vector(w))
 
     def assign_message(self, h: GroupHandle) -> control.Assign:
@@ -430,7 +439,3 @@ class GlobalCore:
         if h.local_steps or not self.run.local_steps_auto:
             return h.local_steps
         return self._first_steps.get(h.id) or self.run.local_steps_max
-
-    def traffic(self) -> dict[str, int]:
-        """Worker <-> group bytes so far (group processes: as of their last exchange)."""
-        return self.roster.traffic()

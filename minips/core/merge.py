@@ -17,6 +17,7 @@ is merged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,13 +78,15 @@ class Merger:
         self.merged: dict[int, Merged] = {}  # group id -> last merged seq of its sessions
 
     def merge(self, g: int, delta: Delta, stats: dict[str, Any], now: float, *, done: bool,
+              traffic: Mapping[str, int] | None = None,
               wire_in: int | None = None) -> MergeOutcome:
         """Add group ``g``'s delta (dense or sparse) to the global weights and answer with what
         the group's copy lacks (``exchange.py``: dense weights, or entries to set). A repeat (a
         seq not above its session's last merged one) is answered without merging, with what the
-        lost reply set. ``wire_in``: the bytes the exchange took on the wire; then the reply is
-        made here (``ExchangeResult.reply``) and the group's hop is counted. ``done``: the run's
-        budget is spent (the answer says so)."""
+        lost reply set. ``traffic``: worker bytes as the shell counts them (``check_counters``).
+        ``wire_in``: the bytes the exchange took on the wire; then the reply is made here
+        (``ExchangeResult.reply``) and the group's hop is counted. ``done``: the run's budget is
+        spent (the answer says so)."""
         assert self.weights is not None
         h = self.groups[g]
         key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
@@ -96,7 +99,7 @@ class Merger:
             logs.append(Log("merge_repeat", {"group": g, "seq": key[1],
                                                  "merged_seq": merged.last[key[0]]}))
         else:
-            self.check_counters(g, stats)
+            self.check_counters(stats, traffic or {})
             if key[1] >= 0 and merged.full(key[0]):
                 raise RemoteProtocolError(
                     f"group {g} had {MAX_SESSIONS} sessions already (one per group process "
@@ -137,7 +140,6 @@ class Merger:
         self.samples += int(stats.get("samples", 0))
         h.merges += 1
         h.final = bool(stats.get("final"))  # a non-final merge after a final one: it is back
-        h.peer.reported(stats)
         self.roster.observe_iterations(stats)  # its workers' iterations: what grouping uses
         return ""
 
@@ -159,16 +161,17 @@ class Merger:
             saved_exchanges=[list(key) for key in self.groups[g].snapshots],
             payload=sparse.encode_vector(weights))
 
-    def check_counters(self, g: int, stats: dict[str, Any]) -> None:
-        """Merging group ``g``'s exchange (its ``stats``) keeps every counter of the run within
+    def check_counters(self, stats: dict[str, Any], traffic: Mapping[str, int]) -> None:
+        """Merging a group's exchange (its ``stats``) keeps every counter of the run within
         ``MAX_COUNT`` (2^62, what GLOBAL_WEIGHTS carries): the samples, the version, and the
-        worker traffic of all groups (each reports its own so far, ``bytes_in`` / ``bytes_out``).
-        ``RemoteProtocolError`` naming the counter otherwise."""
-        total, own = self.roster.traffic(), self.groups[g].peer.traffic()
+        worker traffic of all groups (each reports its own so far, ``bytes_in`` / ``bytes_out``;
+        ``traffic``: the run's ``bytes_up`` / ``bytes_down`` and the group's own ``bytes_in`` /
+        ``bytes_out`` before this exchange, as the shell counts them). ``RemoteProtocolError``
+        naming the counter otherwise."""
         after = {"samples": self.samples + int(stats.get("samples", 0)),
                  "version": self.version + 1}
         for name, key in (("bytes_in", "bytes_up"), ("bytes_out", "bytes_down")):
-            after[name] = total[key] - own.get(name, 0) + int(stats.get(name, 0))
+            after[name] = traffic.get(key, 0) - traffic.get(name, 0) + int(stats.get(name, 0))
         for name, value in after.items():
             if value > MAX_COUNT:
                 raise RemoteProtocolError(f"the run's {name} would pass 2^62 with this exchange",

@@ -1,5 +1,6 @@
 """The global server's roster: which workers exist, which group each is in, each group's speed,
-GDTopK ratio and server (no asyncio, no sockets, no torch; time comes in as ``now``).
+GDTopK ratio and whether a server serves it (no asyncio, no sockets, no torch; time comes in as
+``now``).
 
 ``GlobalCore`` owns one ``Roster`` (its asyncio shell ``GlobalServer`` does the I/O around
 it): ``admit`` gives workers their ids, ``first_assignment`` forms the groups
@@ -23,14 +24,10 @@ Worker ids: a HELLO asks for one or sends -1; -1 gets an id never given out, els
 is gone (``free_id``), so a worker restarted without its old id still finds a place.
 
 Groups. Each group has one record, its ``GroupHandle``: members, address, speed, ratio, H, its
-exchanges' counters, and ``peer``, the global server's one view of the group's server wherever it
-runs (a ``GroupPeer``). That server runs in the global server's process (``server.InProcGroup``)
-or as a separate `minips group` process behind a TCP channel (``sessions.RemoteGroup``); while
-none serves the group (a resumed run waiting for its group processes, a lost one) it is
-``NoGroup``. The global side calls the same methods on each and never asks which it is. The
-group's GDTopK ratio has one owner, ``GroupHandle.ratio``, which the roster sets; the shell hands
-a new one (with the group's H) to the group's server with ``send_settings`` (in-process:
-``GroupServer.set_send_settings``; a group process: an ASSIGN over the wire).
+exchanges' counters, and whether a group server serves it now (``served``). The server itself is
+the shell's (``serve/peers.py``): the roster only says who is where. The group's GDTopK ratio
+has one owner, ``GroupHandle.ratio``, which the roster sets; the shell hands a new one (with the
+group's H) to the group's server (``GroupPeer.send_settings``).
 
 Invariants: a worker with ``group >= 0`` is listed in exactly that group's ``members``; group ids
 stay stable across a regroup (``match_labels`` names new groups after the old group most of their
@@ -42,7 +39,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -50,11 +47,8 @@ from minips import grouping
 from minips.core.config import RunConfig
 from minips.core.local_steps import auto_local_steps
 from minips.errors import AuthError
-from minips.wire.control import Assign
 
 __all__ = [
-    "GroupPeer",
-    "NoGroup",
     "WorkerEntry",
     "GroupHandle",
     "Roster",
@@ -66,86 +60,6 @@ __all__ = [
     "REGROUP_FAST_S",
     "CLAIM_S",
 ]
-
-
-# -- a group's server, as the global server sees it -----------------------------------------
-
-class GroupPeer(Protocol):
-    """What the global server does with one group's server."""
-
-    @property
-    def connected(self) -> bool:
-        """A group server serves the group now (a lost group process: False)."""
-
-    def expect(self, w: int) -> None:
-        """Worker ``w`` joins the group (placed late, moved by a regroup)."""
-
-    def forget(self, w: int) -> None:
-        """Worker ``w``'s control session was cut for a protocol violation: unless it is
-        connected to the group's server, it no longer counts in the group's clocks (as after a
-        LEAVE), so a worker that comes back only to be cut again never holds the group's SSP
-        minimum."""
-
-    def traffic(self) -> dict[str, int]:
-        """Worker <-> group bytes (``bytes_in``, ``bytes_out``) as far as known here."""
-
-    def reported(self, stats: dict[str, Any]) -> None:
-        """The counters of the group's last merged exchange (a group process's traffic)."""
-
-    def state_dict(self) -> dict[str, Any] | None:
-        """The group's training state for a checkpoint (None: it is not in this process)."""
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a checkpoint's training state back (in-process only)."""
-
-    def send_settings(self, assign: Assign) -> None:
-        """Tell the group server its new ratio and H (an ASSIGN): at once in-process, else
-        queued."""
-
-    async def finish(self) -> None:
-        """The budget is spent: the group flushes its final delta."""
-
-    async def close(self) -> None:
-        """The global server closes: stop the group's server if it runs here."""
-
-
-class NoGroup:
-    """No group server serves the group now: it keeps the last traffic known."""
-
-    def __init__(self, traffic: dict[str, int] | None = None) -> None:
-        self._traffic = dict(traffic or {})
-
-    @property
-    def connected(self) -> bool:
-        return False
-
-    def expect(self, w: int) -> None:
-        """A group process learns its members from the global server's replies."""
-
-    def forget(self, w: int) -> None:
-        """No message tells a group process: a member it expected and that never connects
-        stops holding its clocks when its lease (``lease_s``) runs out."""
-
-    def traffic(self) -> dict[str, int]:
-        return self._traffic
-
-    def reported(self, stats: dict[str, Any]) -> None:
-        self._traffic = {k: int(stats.get(k, 0)) for k in ("bytes_in", "bytes_out")}
-
-    def state_dict(self) -> dict[str, Any] | None:
-        return None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Nothing to load: the group's state lives in its own process."""
-
-    def send_settings(self, assign: Assign) -> None:
-        """Nobody to tell: the group process that adopts the group gets it in its ASSIGN."""
-
-    async def finish(self) -> None:
-        """Nobody to tell."""
-
-    async def close(self) -> None:
-        """Nothing runs here."""
 
 
 # -- the roster ------------------------------------------------------------------------------
@@ -195,15 +109,14 @@ MAX_TRAFFIC_BASES = 4096  # group-process sessions whose traffic base a group ke
 
 
 class GroupHandle:
-    """One group as the global server sees it; ``peer`` is its server, wherever it runs
-    (a ``GroupPeer``)."""
+    """One group as the global server sees it (its server is the shell's: serve/peers.py)."""
 
     def __init__(self, id: int, address: str, members: list[int] | None = None,
-                 ratio: float = 0.01, peer: GroupPeer | None = None) -> None:
+                 ratio: float = 0.01, served: bool = False) -> None:
         self.id = id
         self.address = address  # "host:port" where its workers connect ("": none serves it)
         self.members: list[int] = list(members or [])
-        self.peer: GroupPeer = peer if peer is not None else NoGroup()
+        self.served = served  # a group server serves it now (a lost group process: False)
         self.ratio = ratio  # GDTopK kept fraction for its workers (the one owner of it)
         self.step_time = 0.0  # mean of its workers' step (compute) times, seconds
         self.iteration_s = 0.0  # mean of its workers' iteration times (WorkerEntry.iteration)
@@ -219,16 +132,16 @@ class GroupHandle:
         # {bytes_in, bytes_out}): each session counts from 0, on top of it (across_sessions)
         self.traffic_bases: dict[int, dict[str, int]] = {}
 
-    def across_sessions(self, info: dict[str, Any]) -> dict[str, Any]:
+    def across_sessions(self, info: dict[str, Any], known: dict[str, int]) -> dict[str, Any]:
         """A group process's EXCHANGE counters (``info``) with its ``bytes_in`` / ``bytes_out``,
         which count from 0 in each group-process session, put on top of what the group's
-        earlier sessions counted: the group's worker traffic so far, which does not fall when
-        another process takes the group over, and is not counted twice when the same process
-        comes back to a resumed server (a replay of an older session keeps its base)."""
+        earlier sessions counted (``known``: its counts as of its last merged exchange, the
+        shell's): the group's worker traffic so far, which does not fall when another process
+        takes the group over, and is not counted twice when the same process comes back to a
+        resumed server (a replay of an older session keeps its base)."""
         session = info["session"]
         base = self.traffic_bases.get(session)
         if base is None:
-            known = self.peer.traffic()  # the group's counts as of its last merged exchange
             # the session those counts came from, on a server resumed from its checkpoint (which
             # keeps the counts, not their split): they hold part of this session's own, so its
             # base is at most what the others counted; else a new session, from 0 on top of them
@@ -282,13 +195,6 @@ class Roster:
         if not free:
             raise AuthError(f"no free worker id: all {self.run.workers} are connected")
         return free[0]
-
-    def cut(self, w: int) -> None:
-        """Worker ``w``'s control session was cut for a protocol violation: its group's server
-        stops counting it (``GroupPeer.forget``)."""
-        g = self.workers[w].group
-        if g >= 0:
-            self.groups[g].peer.forget(w)
 
     def seated(self, w: int) -> None:
         """Worker ``w``'s session started (its control connection is in its entry); its link
@@ -373,7 +279,6 @@ class Roster:
         handle = self.groups[g]
         handle.members.append(w)
         handle.final = False
-        handle.peer.expect(w)
         self.workers[w].group = g
 
     def place_late(self, entry: WorkerEntry) -> int:
@@ -390,7 +295,7 @@ class Roster:
         """A group no server serves, for a group process that connects after the grouping:
         group ``prefer`` (its own) first, else the first in the roster; None when every group
         has its server."""
-        orphans = [h for h in self.groups.values() if not h.peer.connected]
+        orphans = [h for h in self.groups.values() if not h.served]
         return min(orphans, key=lambda h: h.id != prefer, default=None)
 
     def rehome(self, lost: int) -> dict[int, int]:
@@ -398,7 +303,7 @@ class Roster:
         group with a connected server nearest in speed; return ``{worker: new group}`` (empty:
         nowhere to go). Once they moved, ``lost`` no longer holds the end of the run (final)."""
         self.refresh_step_times()
-        times = {g: h.iteration_s or 1.0 for g, h in self.groups.items() if h.peer.connected}
+        times = {g: h.iteration_s or 1.0 for g, h in self.groups.items() if h.served}
         if not times:
             return {}
         moved = {}
@@ -491,14 +396,6 @@ class Roster:
             iters = [t for w in h.members if (t := self.workers[w].iteration())]
             if iters:
                 h.iteration_s = float(np.mean(iters))
-
-    def traffic(self) -> dict[str, int]:
-        """Worker <-> group bytes so far (group processes: as of their last exchange)."""
-        up = down = 0
-        for h in self.groups.values():
-            b = h.peer.traffic()
-            up, down = up + b.get("bytes_in", 0), down + b.get("bytes_out", 0)
-        return {"bytes_up": up, "bytes_down": down}
 
     def restore_regrouper(self) -> None:
         """After a resume: the Regrouper starts from the saved assignment, not from scratch."""

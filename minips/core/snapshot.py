@@ -3,15 +3,13 @@ it comes back in parts (``restore_workers``, then each group with ``restore_grou
 ``global_core.GlobalCore`` takes and restores it, ``server.GlobalServer`` writes and reads the
 file (``record/checkpoint.py``: atomic, no pickle).
 
-``checkpoint_state`` takes a snapshot (``snapshot``) and ``load_state_dict`` /
-``resume`` bring it back (``restore_workers``, ``restore_group``); ``server.GlobalServer``
-writes and reads the file (``checkpoint.py``: atomic, no pickle; ``check_compatible`` refuses
-one of another model or config). A snapshot is taken in one call (no ``await`` inside), so the
-global weights, the counters and each in-process group's weights, optimizer state and clocks are
-consistent with each other; arrays are copies. The last merged exchange of each group (session,
-seq) is saved too, with the last merged seq of each of its sessions (``replay.Merged``), so a
-group process that resends an exchange the restored server already holds does not get it merged
-twice, and so that it can send again those the checkpoint lacks: each snapshot records it in
+A snapshot is taken in one call (no ``await`` inside), so the global weights, the counters and
+each in-process group's weights, optimizer state and clocks (the shell hands those in, with each
+group's worker traffic: ``held``) are consistent with each other; arrays are copies. The last
+merged exchange of each group (session, seq) is saved too, with the last merged seq of each of
+its sessions (``replay.Merged``), so a group process that resends an exchange the restored
+server already holds does not get it merged twice, and so that it can send again those the
+checkpoint lacks: each snapshot records it in
 ``GroupHandle.snapshots``, which the replies to group processes name (``replay.Unsaved``). The
 global server's mirrors of what each group holds of the weights (``exchange.GroupMirror``) are
 not saved: after a resume each group's first answer is dense (a group process's PULL resets it).
@@ -29,7 +27,7 @@ import numpy as np
 
 from minips.core.config import RunConfig
 from minips.core.replay import Merged
-from minips.core.roster import GroupHandle, NoGroup, Roster, WorkerEntry
+from minips.core.roster import GroupHandle, Roster, WorkerEntry
 from minips.errors import ConfigError
 
 __all__ = ["snapshot", "restore_workers", "restore_group", "FORMAT", "FINGERPRINT_FIELDS",
@@ -37,9 +35,11 @@ __all__ = ["snapshot", "restore_workers", "restore_group", "FORMAT", "FINGERPRIN
 
 
 def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: int,
-             samples: int, saved_at: float, train_s: float,
-             merged: dict[int, Merged]) -> dict[str, Any]:
-    """The checkpoint state now (see the module docstring); marks each group's snapshots."""
+             samples: int, saved_at: float, train_s: float, merged: dict[int, Merged],
+             held: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint state now (see the module docstring); marks each group's snapshots.
+    ``held``: what the shell holds of each group, saved with it: its worker ``traffic`` and,
+    for a group server in the shell's process, its training ``state``."""
     for h in roster.groups.values():  # replies to group processes name these (exchange.py)
         h.snapshots = [h.snapshots[-1], h.last_exchange]
     groups = {g: {"members": list(h.members), "ratio": h.ratio, "step_time": h.step_time,
@@ -47,8 +47,8 @@ def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: in
                   "last_exchange": list(h.last_exchange),
                   "merged": merged[g].pairs() if g in merged else [],
                   # the hops' byte counters go on after a resume (summary, charts)
-                  "traffic": h.peer.traffic(), "hop_bytes": dict(h.hop_bytes),
-                  "state": h.peer.state_dict()}
+                  "traffic": dict(held.get(g, {}).get("traffic") or {}),
+                  "hop_bytes": dict(h.hop_bytes), "state": held.get(g, {}).get("state")}
               for g, h in roster.groups.items()}
     workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock,
                    "iteration_s": e.iteration_s, "link_s": e.link_s}  # what grouping uses
@@ -73,17 +73,14 @@ def restore_workers(run: RunConfig, roster: Roster, state: dict[str, Any]) -> np
 
 
 def restore_group(h: GroupHandle, saved: dict[str, Any]) -> None:
-    """Group ``h`` (opened again, in-process or waiting for its group process) as saved."""
-    if saved["state"] is not None:
-        h.peer.load_state_dict(saved["state"])
+    """Group ``h`` (opened again, in-process or waiting for its group process) as saved; its
+    training state and traffic are the shell's to restore (``GroupPeer``)."""
     h.ratio, h.step_time, h.merges = saved["ratio"], saved["step_time"], saved["merges"]
     h.local_steps = int(saved.get("local_steps", 0))  # absent in older checkpoints: the run's
     session, seq = saved.get("last_exchange", (-1, -1))  # absent in older checkpoints
     h.last_exchange = (int(session), int(seq))
     h.snapshots = [h.last_exchange] * 2  # the checkpoint file is the one snapshot there is
     h.hop_bytes.update({k: int(v) for k, v in (saved.get("hop_bytes") or {}).items()})
-    if not h.peer.connected:  # a group process adopts it with the traffic counted so far
-        h.peer = NoGroup({k: int(v) for k, v in (saved.get("traffic") or {}).items()})
 
 
 FORMAT = 1  # bump when the meaning of the stored map changes

@@ -9,7 +9,7 @@ and LEAVE; the server answers with ASSIGN when the worker's group or ratio is se
 An evaluator PULLs the global weights (GLOBAL_WEIGHTS) every few seconds until the run is over.
 
 A group process connects as role ``group`` before the grouping and waits in ``pending_groups``;
-``external_group`` hands it a group (ASSIGN) behind a ``RemoteGroup`` peer (``roster.py``).
+``external_group`` hands it a group (ASSIGN) behind a ``RemoteGroup`` peer (``peers.py``).
 The session is then: PULL -> GLOBAL_WEIGHTS (the initial weights, ``members``), and
 EXCHANGE(delta, counters) -> EXCHANGE_REPLY (the merged global weights, or with a sparse exchange
 the entries of the group's copy to set: exchange.py) until LEAVE. An EXCHANGE before the
@@ -32,7 +32,7 @@ and read the next only once the last is handled, so a peer that floods waits on 
 (channel.py) while the others are served.
 A worker has at most one control channel (a new connection with its id replaces
 the old one, which gets ERROR ``replaced``); one cut for a protocol violation leaves its group's
-SSP clocks as after a LEAVE unless it is connected to its group server (``Roster.cut``), so a
+SSP clocks as after a LEAVE unless it is connected to its group server (``GroupPeer.forget``), so a
 client in a reconnect loop never holds its group back; STATS clocks are not compared (they
 count steps in the worker's current group and start again after a move); the initial weights
 are taken once, dense, with a bounded size. A group has at most one connected group process (its
@@ -60,11 +60,12 @@ import numpy as np
 from minips import sparse
 from minips.core.actions import AllFinal, GlobalAction, GroupReply, Rehomed
 from minips.core.global_core import GlobalCore
-from minips.core.roster import GroupHandle, NoGroup
+from minips.core.roster import GroupHandle
 from minips.errors import ConfigError, RemoteProtocolError
 from minips.net.channel import Channel
 from minips.net.endpoints import reachable
 from minips.serve import validation
+from minips.serve.peers import GroupPeer, NoGroup
 from minips.wire import control, conversation, frames, messages
 from minips.wire.conversation import Conversation, Role
 
@@ -85,6 +86,7 @@ class Shell(Protocol):
 
     core: GlobalCore  # the rules
     controls: dict[int, Channel]  # worker id -> its control channel
+    peers: dict[int, GroupPeer]  # group id -> its server
     pending_groups: list[Channel]  # group processes not given a group yet
     rejected: collections.Counter[str]  # ERRORs sent, by code
     weights_ready: asyncio.Event  # the global weights exist
@@ -97,6 +99,13 @@ class Shell(Protocol):
 
     def perform(self, actions: list[GlobalAction]) -> None:
         """Do what the core decided, in order."""
+
+    def peer(self, g: int) -> GroupPeer:
+        """Group ``g``'s server (``NoGroup`` when none is known)."""
+
+    def traffic(self, g: int | None = None) -> dict[str, int]:
+        """Worker <-> group bytes: the run's (``bytes_up``, ``bytes_down``), and group ``g``'s
+        own (``bytes_in``, ``bytes_out``)."""
 
     async def tell_group(self, w: int) -> None:
         """Send worker ``w`` its group (ASSIGN), if it is connected and the group is served."""
@@ -136,7 +145,8 @@ async def worker_session(srv: Shell, ch: Channel, w: int) -> None:
             else:
                 _on_control(srv, w, msg)
     except RemoteProtocolError:
-        core.roster.cut(w)  # out of its group's clocks, as after a LEAVE (Roster.cut)
+        if (g := core.workers[w].group) >= 0:  # out of its group's clocks, as after a LEAVE
+            srv.peer(g).forget(w)
         raise
     finally:
         if srv.controls.get(w) is ch:
@@ -163,7 +173,7 @@ async def _probe_answer(srv: Shell, ch: Channel, w: int) -> None:
     the first initial weights is no part of the worker's link)."""
     await srv.weights_ready.wait()
     srv.perform(srv.core.probe_pulled(w, time.monotonic()))
-    await ch.send(srv.core.weights_message())
+    await ch.send(srv.core.weights_message(traffic=srv.traffic()))
 
 
 def initial_weights(msg: messages.InitWeights) -> np.ndarray:
@@ -195,7 +205,7 @@ async def evaluator_session(srv: Shell, ch: Channel) -> None:
         if srv.core.done:  # budget spent: answer with the final weights (after the groups'
             await srv.finished.wait()  # final deltas, a bounded wait), marked done
         final = srv.core.done and srv.finished.is_set()
-        await ch.send(srv.core.weights_message(final=final))
+        await ch.send(srv.core.weights_message(final=final, traffic=srv.traffic()))
 
 
 # -- group processes -------------------------------------------------------------------------
@@ -227,8 +237,8 @@ async def external_group(srv: Shell, g: int, members: list[int], wait_s: float) 
             raise ConfigError(f"no external group server connected for group {g}")
         await asyncio.sleep(PENDING_POLL_S)
     ch = srv.pending_groups.pop(0)
-    handle = GroupHandle(g, group_address(ch), members, ratio=srv.core.ratio_of(g),
-                         peer=RemoteGroup(ch, srv.spawn))
+    handle = GroupHandle(g, group_address(ch), members, ratio=srv.core.ratio_of(g), served=True)
+    srv.peers[g] = RemoteGroup(ch, srv.spawn)
     await ch.send(srv.core.assign_message(handle))
     return handle
 
@@ -246,8 +256,9 @@ def group_address(ch: Channel) -> str:
     return address
 
 
-def _served_by(handle: GroupHandle, ch: Channel) -> bool:
-    return isinstance(handle.peer, RemoteGroup) and handle.peer.ch is ch
+def _served_by(srv: Shell, handle: GroupHandle, ch: Channel) -> bool:
+    peer = srv.peers.get(handle.id)
+    return isinstance(peer, RemoteGroup) and peer.ch is ch
 
 
 async def group_session(srv: Shell, ch: Channel) -> None:
@@ -256,7 +267,7 @@ async def group_session(srv: Shell, ch: Channel) -> None:
     ch.start_silence_limit(core.run.lease_s)  # group processes send HEARTBEAT
     if not srv.groups_opened.is_set() and not await _wait_for_grouping(srv, ch):
         return
-    handle = next((h for h in core.groups.values() if _served_by(h, ch)), None)
+    handle = next((h for h in core.groups.values() if _served_by(srv, h, ch)), None)
     if handle is None:
         handle = await adopt(srv, ch)
     conv = Conversation(Role.GROUP)  # PULL before EXCHANGE
@@ -264,7 +275,7 @@ async def group_session(srv: Shell, ch: Channel) -> None:
         while handle is not None and not await _on_group_message(srv, ch, handle, conv):
             pass
     finally:
-        if handle is not None and _served_by(handle, ch):
+        if handle is not None and _served_by(srv, handle, ch):
             _lost(srv, ch, handle)
 
 
@@ -287,7 +298,9 @@ async def _wait_for_grouping(srv: Shell, ch: Channel) -> bool:
 
 
 def _lost(srv: Shell, ch: Channel, handle: GroupHandle) -> None:
-    """Group ``handle``'s process is gone: wait for a replacement, then move its workers."""
+    """Group ``handle``'s process is gone (its last traffic known is kept): wait for a
+    replacement, then move its workers."""
+    srv.peers[handle.id] = NoGroup(srv.peer(handle.id).traffic())
     srv.perform(srv.core.group_lost(handle.id, final=handle.final))
     if handle.final or srv.core.done:  # the end of the run
         return
@@ -323,8 +336,8 @@ async def adopt(srv: Shell, ch: Channel) -> GroupHandle | None:
         await ch.send_error("refused", f"every one of the run's {len(core.groups)} groups "
                             "already has a group server")
         return None
-    peer = RemoteGroup(ch, srv.spawn, handle.peer.traffic())
-    srv.perform(core.group_served(handle.id, peer, group_address(ch)))
+    srv.peers[handle.id] = RemoteGroup(ch, srv.spawn, srv.peer(handle.id).traffic())
+    srv.perform(core.group_served(handle.id, group_address(ch)))
     if not core.done and all(h.final for h in core.groups.values()):  # the run waits for its
         srv.perform([AllFinal()])  # workers: from now on (GlobalServer._every_group_final)
     await ch.send(core.assign_message(handle))
@@ -352,14 +365,15 @@ async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle,
     core, msg = srv.core, await ch.recv()
     conv.receive(msg)
     if isinstance(msg, messages.Pull):  # the group takes these weights whole (exchange.py)
-        await _answer(srv, ch, core.group_pull(handle.id, time.monotonic()))
+        await _answer(srv, ch, core.group_pull(handle.id, time.monotonic(), srv.traffic()))
     elif isinstance(msg, messages.Exchange):
         conversation.check_exchange(msg)
         assert core.weights is not None
         delta = sparse.decode_vector(msg.payload, core.weights.size)
-        info = handle.across_sessions(msg.info)  # traffic counts of all its sessions
+        # traffic counts of all its sessions, on top of what its earlier ones reported
+        info = handle.across_sessions(msg.info, srv.peer(handle.id).traffic())
         await _answer(srv, ch, core.on_exchange(handle.id, delta, info, time.monotonic(),
-                                                frames.wire_size(msg)))
+                                                frames.wire_size(msg), srv.traffic(handle.id)))
     elif isinstance(msg, control.Leave):
         srv.perform(core.group_left(handle.id))
         return True

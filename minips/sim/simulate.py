@@ -72,7 +72,7 @@ from minips.core.group_core import (
     StartExchange,
     Wake,
 )
-from minips.core.roster import GroupHandle, NoGroup
+from minips.core.roster import GroupHandle
 from minips.core.slowdown import Schedule, Slowdown, parse_throttle
 from minips.core.worker_core import Done, WorkerCore
 from minips.record.metrics import summarize
@@ -81,7 +81,7 @@ from minips.sim.timing import Failure, Links, StepTimes, objective
 from minips.wire import control, messages
 from minips.wire.frames import wire_size
 
-__all__ = ["SimConfig", "per_worker", "shard_size", "SimGlobal", "SimGroup", "SimPeer",
+__all__ = ["SimConfig", "per_worker", "shard_size", "SimGlobal", "SimGroup",
            "Simulation", "simulate", "HEADLINE", "objective_note", "lockstep_note", "report"]
 
 
@@ -202,20 +202,6 @@ class SimGroup:
                            "version": core.version, **core.counters, **self.traffic()})
 
 
-class SimPeer(NoGroup):
-    """A simulated group as the global core sees it (``roster.GroupPeer``): a new ratio goes
-    to its core at once, as to an in-process group server's (``server.InProcGroup``); its
-    traffic is what its exchanges reported, as a group process's."""
-
-    def __init__(self, group: SimGroup) -> None:
-        super().__init__()
-        self.group = group
-
-    def send_settings(self, assign: control.Assign) -> None:
-        self.group.core.set_ratio(assign.ratio)
-        self.group.core.set_local_steps(assign.local_steps)
-
-
 class SimGlobal:
     """The global core (``core``): its ratios go to the simulated groups and their workers
     (``Host.assign``), ``done`` releases them, its ``Log`` lines go to the global record."""
@@ -293,15 +279,16 @@ class Simulation:
             self.groups[g] = SimGroup(self, g, members)
             self.groups[g].core.set_ratio(glob.ratio_of(g))
             handles.append(GroupHandle(g, f"sim:{g}", members=members, ratio=glob.ratio_of(g),
-                                       peer=SimPeer(self.groups[g])))
+                                       served=True))
         self.glob.perform(glob.groups_formed(handles, assignment, self.t))
         for w, g in assignment.items():
             self.workers[w].on_assign(glob.assign_message(glob.groups[g]))
 
     def assign(self, msg: control.Assign) -> None:
-        """A new ASSIGN for group ``msg.group`` (GDTopK's ratio): to its core and its workers
-        at once, as the global server sends it to both."""
-        self.glob.core.groups[msg.group].peer.send_settings(msg)
+        """A new ASSIGN for group ``msg.group`` (GDTopK's ratio and H): to its core and its
+        workers at once, as the global server sends it to both."""
+        self.groups[msg.group].core.set_ratio(msg.ratio)
+        self.groups[msg.group].core.set_local_steps(msg.local_steps)
         for w, g in self.group_of.items():
             if g == msg.group:
                 self.workers[w].on_assign(msg)
@@ -465,24 +452,31 @@ class Simulation:
         grp, glob = self.groups[g], self.glob.core
         grp.in_flight = False
         out = grp.core.begin_exchange(final, grp.traffic())
-        actions = glob.merge(g, out.delta, out.stats, self.t)
+        actions = glob.merge(g, out.delta, out.stats, self.t, traffic=self.traffic(g))
         res = reply(actions, ExchangeResult)
         res.bytes_up = wire_size(exchange_message(out.delta, out.stats))
         res.bytes_down = wire_size(glob.merger.exchange_reply(g, res.weights, glob.done))
         self.glob.perform(actions)
         grp.perform(grp.core.exchanged(out, res, self.cfg.xchg_latency_s))
 
+    def traffic(self, g: int | None = None) -> dict[str, int]:
+        """Worker <-> group bytes so far: the run's (``bytes_up``, ``bytes_down``) and, for
+        group ``g``, its own (``bytes_in``, ``bytes_out``), as the global core's events take
+        them."""
+        counts = [c.traffic() for c in self.groups.values()]
+        run = {"bytes_up": sum(b["bytes_in"] for b in counts),
+               "bytes_down": sum(b["bytes_out"] for b in counts)}
+        return run if g is None else {**run, **self.groups[g].traffic()}
+
     def evaluate(self, final: bool = False) -> None:
         """A line of eval.jsonl for the global weights, when they changed (as the evaluator)."""
         assert self.glob.core.weights is not None
         if self.glob.core.version != self.evaluated or final:
             self.evaluated = self.glob.core.version
-            traffic = [c.traffic() for c in self.groups.values()]
             self.eval_w.write({"t": self.t, "samples": self.glob.core.samples,
                                **self.objective.evaluate(self.glob.core.weights),
                                "version": self.glob.core.version, "final": final,
-                               "bytes_up": sum(b["bytes_in"] for b in traffic),
-                               "bytes_down": sum(b["bytes_out"] for b in traffic)})
+                               **self.traffic()})
         if not final and not self.glob.core.done and self.queue:  # while anything is to happen
             self.at(self.cfg.eval_every_s or self.run.eval_every_s, self.evaluate)
 
