@@ -15,7 +15,6 @@ The resume scenarios of test_unsaved run again with the exact exchange.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -24,20 +23,16 @@ from typing import Any
 import numpy as np
 import pytest
 import test_unsaved
-from conftest import records, recv_as, until
+from conftest import records
 from test_changelog import WORKERS, Cluster, a_push, bits
-from test_exchange import TOKEN, _join_group, _start_group
+from test_exchange import through_a_group_process
 
 from minips import sparse
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
 from minips.core.exact_exchange import BeforeValues, ExactSync, group_sync
 from minips.core.exchange import ExactMirror, GroupSync, group_mirror
-from minips.net import transport
-from minips.net.endpoints import parse_address
-from minips.server import GlobalServer, ServerConfig
-from minips.wire import control, messages
-from minips.wire.fields import Payload
+from minips.wire import messages
 
 N = 2000  # test_changelog's model size
 
@@ -341,43 +336,15 @@ async def test_a_group_process_exchanges_every_change_and_nothing_else(tmp_path:
     run = RunConfig(lr_warmup=0.0, workers=1, mode="asp", sync_every=2, optimizer_at="worker",
                     compressor="topk", ratio=k / n, epochs=1.0, train_size=pushes,
                     xchg_mode="exact", down_mode="exact")
-    srv = GlobalServer(ServerConfig(run=run, host="127.0.0.1", port=0, token=TOKEN,
-                                    run_dir=str(tmp_path), calib_timeout_s=30.0, linger_s=1.0,
-                                    external_groups=1), np.zeros(n, np.float32))
-    port = await srv.start()
-    proc = _start_group(tmp_path, port)
     applied = np.zeros(n, np.float64)
-    try:
-        await until(lambda: bool(srv.pending_groups), 30)
-        ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0,
-                                      token=TOKEN)
-        await ctl.send(control.Stats(clock=0, step_time=0.01, loss=1.0))
-        assign = await recv_as(ctl, control.Assign, 30)
-        host, gport = parse_address(assign.address)
-        ch = await _join_group(host or "127.0.0.1", gport, assign.group)
-        await ch.recv()  # ACK with the starting clock
-        clock = 0
-        while True:
-            await ch.send(messages.Pull(clock=clock))
-            if (await recv_as(ch, messages.Weights)).done:
-                break
-            idx = np.sort(rng.choice(n, k, replace=False)).astype(np.uint32)
-            update = sparse.SparseVector(idx, rng.standard_normal(k).astype(np.float32), n)
-            applied[idx] -= update.values  # the group applies it at the outer lr, 1
-            clock += 1
-            enc, codec, bufs = sparse.encode_vector(update)
-            await ch.send(messages.Push(clock=clock, samples=1, payload=Payload(enc, codec,
-                                        tuple(bufs))))
-            await recv_as(ch, messages.Ack)
-        await ch.close(leave="bye")
-        await asyncio.wait_for(srv.wait_finished(), 30)
-        await ctl.close(leave="bye")
-        assert await asyncio.to_thread(proc.wait, 30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        await srv.close()
+
+    def an_update(weights: messages.Weights) -> sparse.SparseVector:
+        idx = np.sort(rng.choice(n, k, replace=False)).astype(np.uint32)
+        update = sparse.SparseVector(idx, rng.standard_normal(k).astype(np.float32), n)
+        applied[idx] -= update.values  # the group applies it at the outer lr, 1
+        return update
+
+    srv, clock = await through_a_group_process(tmp_path, run, n, an_update)
     assert srv.core.weights is not None and srv.core.samples == clock
     np.testing.assert_allclose(srv.core.weights, applied, rtol=0, atol=1e-5)  # all, once
     xchg = records(tmp_path / "group-0.jsonl", event="exchange")

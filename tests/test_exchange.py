@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -438,23 +439,18 @@ def _start_group(tmp: Path, port: int) -> subprocess.Popen[bytes]:
     return proc
 
 
-@pytest.mark.timeout(90)
-async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
-        tmp_path: Path) -> None:
-    """A real `minips group` over loopback, one hand-driven worker on a quadratic: the exchange
-    bytes both ways are a fraction of the dense exchange's, the global weights converge, and
-    they hold every update the group applied (its last exchange sends all it has left)."""
-    n, pushes, lr = 2000, 150, 0.2
-    target = np.random.default_rng(5).normal(size=n).astype(np.float32)
-    run = RunConfig(lr_warmup=0.0, workers=1, mode="asp", sync_every=1, lr=lr, momentum=0.0,
-                    weight_decay=0.0, compressor="topk", ratio=0.05, epochs=1.0,
-                    train_size=pushes)
+async def through_a_group_process(tmp: Path, run: RunConfig, n: int,
+                                  update: Callable[[messages.Weights], Any]
+                                  ) -> tuple[GlobalServer, int]:
+    """A global server (n zero weights) and a real `minips group` process over loopback, and
+    one hand-driven worker 0: it PULLs and pushes ``update(weights)`` (a dense array or a
+    ``SparseVector``) until a WEIGHTS says done, then leaves; the run ends and the group
+    process exits 0. Returns the closed server and the pushes made."""
     srv = GlobalServer(ServerConfig(run=run, host="127.0.0.1", port=0, token=TOKEN,
-                                    run_dir=str(tmp_path), calib_timeout_s=30.0, linger_s=1.0,
+                                    run_dir=str(tmp), calib_timeout_s=30.0, linger_s=1.0,
                                     external_groups=1), np.zeros(n, np.float32))
     port = await srv.start()
-    proc = _start_group(tmp_path, port)
-    grads = np.zeros(n, np.float64)
+    proc = _start_group(tmp, port)
     try:
         await until(lambda: bool(srv.pending_groups), 30)
         ctl = await transport.connect("127.0.0.1", port, role="worker", worker_id=0,
@@ -470,11 +466,8 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
             weights = await recv_as(ch, messages.Weights)
             if weights.done:
                 break
-            w = np.asarray(sparse.decode_vector(weights.payload, n))
-            grad = w - target  # (n,) float32: the gradient of |w - target|^2 / 2
-            grads += grad
             clock += 1
-            enc, codec, bufs = sparse.encode_vector(grad)
+            enc, codec, bufs = sparse.encode_vector(update(weights))
             await ch.send(messages.Push(clock=clock, samples=1, payload=Payload(enc, codec,
                                         tuple(bufs))))
             await recv_as(ch, messages.Ack)
@@ -487,6 +480,28 @@ async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
             proc.kill()
             proc.wait()
         await srv.close()
+    return srv, clock
+
+
+@pytest.mark.timeout(90)
+async def test_a_group_process_exchanges_sparse_both_ways_and_loses_nothing(
+        tmp_path: Path) -> None:
+    """A real `minips group` over loopback, one hand-driven worker on a quadratic: the exchange
+    bytes both ways are a fraction of the dense exchange's, the global weights converge, and
+    they hold every update the group applied (its last exchange sends all it has left)."""
+    n, pushes, lr = 2000, 150, 0.2
+    target = np.random.default_rng(5).normal(size=n).astype(np.float32)
+    run = RunConfig(lr_warmup=0.0, workers=1, mode="asp", sync_every=1, lr=lr, momentum=0.0,
+                    weight_decay=0.0, compressor="topk", ratio=0.05, epochs=1.0,
+                    train_size=pushes)
+    grads = np.zeros(n, np.float64)
+
+    def gradient(weights: messages.Weights) -> np.ndarray:
+        grad = np.asarray(sparse.decode_vector(weights.payload, n)) - target  # of |w - t|^2 / 2
+        grads[:] += grad
+        return grad
+
+    srv, clock = await through_a_group_process(tmp_path, run, n, gradient)
     assert srv.core.weights is not None and srv.core.samples == clock
     # nothing lost: one group, no momentum: the global weights are -lr times every gradient
     np.testing.assert_allclose(srv.core.weights, -lr * grads, atol=1e-3)

@@ -126,6 +126,11 @@ class Downlink:
         """``drift(weights)`` from the sums kept as changes land: O(1)."""
         return _relative(self.gap2, self.wsq)
 
+    def counts(self) -> dict[str, int]:
+        """The counts so far, for a group's ``exchange`` record lines: publishes, coordinates
+        published, and of them those beyond k that the drift bound forced."""
+        return {"publishes": self.pub, "published": self.published, "forced": self.forced}
+
     def finite(self) -> bool:
         """The weights are finite, as far as the sums say (a NaN or inf weight makes them not:
         float32 squares cannot overflow a float64 sum), and so is the last publish's drift."""
@@ -317,6 +322,10 @@ class ExactDownlink:
 
     def drift_now(self) -> float:
         return 0.0
+
+    def counts(self) -> dict[str, int]:
+        """No publishes to count."""
+        return {}
 
     def finite(self) -> bool:
         """Every answer is checked as it is made (``check_finite``)."""

@@ -28,7 +28,7 @@ import numpy as np
 from minips import sparse
 from minips.compress.selection import kept_count
 from minips.core.changelog import ChangeLog, TopDiff
-from minips.core.replay import Tally, Unsaved
+from minips.core.replay import Tally, Unsaved, lost
 from minips.sparse import SparseVector
 from minips.wire import messages
 
@@ -295,16 +295,13 @@ class GroupSync:
         return g + local, replay
 
     def replay(self, server_seq: int | None) -> Tally | None:
-        """What the server lost of this session's exchanges, when ``server_seq`` says it."""
+        """What the server lost of this session's exchanges, when ``server_seq`` says it
+        (``replay.lost``)."""
         if server_seq is None:
             return None
         pending = None if self.pending is None else self.pending.stats["seq"]
-        if self.unsaved is not None:
-            replay = self.unsaved.restore(server_seq, pending)
-        elif self.seq - (pending is not None) == 0:  # no reply yet: nothing it could lack
-            replay = Tally.zero(self.w_sync.size)
-        else:  # the replies so far named no snapshot (an older global server)
-            replay = None
+        replied = self.seq - (pending is not None) > 0  # an exchange of this session got its reply
+        replay = lost(self.unsaved, server_seq, pending, replied, self.w_sync.size)
         if replay is None:
             self.lost_track += 1
         return replay

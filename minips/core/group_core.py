@@ -27,7 +27,7 @@ from minips.core.actions import Log
 from minips.core.balance import Balancer
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
-from minips.core.downlink import Downlink, check_finite, group_downlink
+from minips.core.downlink import check_finite, group_downlink
 from minips.core.exact_exchange import group_sync
 from minips.core.exchange import Delta, ExchangeResult, Outgoing
 from minips.core.local_steps import outer_sgd
@@ -465,18 +465,10 @@ class GroupCore:
             "min_clock": out.stats["min_clock"], "max_clock": out.stats["max_clock"],
             "sent": _entries(out.delta), "got": _entries(res.weights),
             "share": round(self.xchg.share, 4), **self.xchg_bytes, **worker_times(out.stats),
-            **self._downlink_counts()})]
+            **({} if self.downlink is None else self.downlink.counts())})]
         if res.done and not self.done:
             actions.append(BudgetSpent())
         return actions
-
-    def _downlink_counts(self) -> dict[str, int]:
-        """The compressed downlink's counts so far: publishes, coordinates published, and of
-        them those beyond k that the drift bound forced (none without one)."""
-        d = self.downlink
-        if not isinstance(d, Downlink):
-            return {}
-        return {"publishes": d.pub, "published": d.published, "forced": d.forced}
 
     def rebase(self, weights: np.ndarray, server_seq: int | None) -> list[Action]:
         """Reconnected to a (restarted) global server that holds this group's exchanges up to

@@ -45,7 +45,7 @@ import numpy as np
 
 from minips.sparse import SparseVector, add_into
 
-__all__ = ["MAX_SESSIONS", "Merged", "Tally", "Unsaved", "seqs_in"]
+__all__ = ["MAX_SESSIONS", "Merged", "Tally", "Unsaved", "lost", "seqs_in"]
 
 
 # -- exactly once, the global server's half: the last seq merged of each session -------------
@@ -133,6 +133,18 @@ class Unsaved:
                       for s, t in self.after.items() if s < c}
         self.after[c] = Tally.zero(self.n)
         return replay
+
+
+def lost(unsaved: Unsaved | None, held: int, pending: int | None, replied: bool,
+         n: int) -> Tally | None:
+    """What a global server that holds a group session's exchanges up to seq ``held`` lacks of
+    them (the group sends it again with its next exchange): what ``unsaved`` recorded
+    (``pending``: the seq whose reply was lost, if any); nothing when no exchange of the session
+    got its reply yet (``replied``); None when no record can say (the replies so far named no
+    snapshot: an older global server), and that work stays lost."""
+    if unsaved is not None:
+        return unsaved.restore(held, pending)
+    return None if replied else Tally.zero(n)
 
 
 def seqs_in(info: dict[str, Any], key: str, session: int) -> list[int] | None:
