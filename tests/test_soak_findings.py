@@ -1,25 +1,26 @@
-"""What the soak (scripts/soak.py) found, each replayed alone with real processes.
+"""What the soak (scripts/soak.py) found, each replayed alone (real processes, or sans-IO);
+each is fixed, and its test keeps it so. What each was:
 
 A checkpoint the global server cannot write (a full disk: the soak fills the checkpoint
-directory's tmpfs) ends the run: server.py's ``_save_loop`` lets the ``OSError`` of
-``checkpoint.save_in_child`` out of its task, ``_task_done`` fails the run (`failed`, code
-`internal`, in global.jsonl; ERROR to every worker) and ``minips server`` exits 2, although the
-previous checkpoint is intact and training could go on. The replay takes the checkpoint's
+directory's tmpfs) ended the run: server.py's ``_save_loop`` let the ``OSError`` of
+``checkpoint.save_in_child`` out of its task, ``_task_done`` failed the run (`failed`, code
+`internal`, in global.jsonl; ERROR to every worker) and ``minips server`` exited 2, although the
+previous checkpoint was intact and training could go on. The replay takes the checkpoint's
 directory away after the first checkpoint (the same ``OSError`` path as ENOSPC, without root).
 
 A `minips group` process whose connection to the global server is lost while it waits for the
-grouping (SIGSTOPped or cut off past the lease: the global server drops it) exits 2 at once
+grouping (SIGSTOPped or cut off past the lease: the global server drops it) exited 2 at once
 ("global server gone") instead of registering again for ``--reconnect`` seconds:
-group_process.py's ``serve_group`` retries only inside the serve loop, and ``_register``'s
-``transport.connect`` retries only up to the handshake, not the wait for ASSIGN and the first
-GLOBAL_WEIGHTS. With every group process gone so, the run never groups and ends failed (exit 3,
-"no external group server connected"). Replayed: SIGSTOP past the lease before any worker came.
+group_process.py's ``serve_group`` retried only inside the serve loop, and ``_register``'s
+``transport.connect`` only up to the handshake, not the wait for ASSIGN and the first
+GLOBAL_WEIGHTS. With every group process gone so, the run never grouped and ended failed (exit
+3, "no external group server connected"). Replayed: SIGSTOP past the lease before any worker came.
 
-An in-process group's pushes between its last exchange and a checkpoint are merged after a
-resume but never counted: ``GroupSync.state_dict`` (core/exchange.py) keeps the session and seq,
+An in-process group's pushes between its last exchange and a checkpoint were merged after a
+resume but never counted: ``GroupSync.state_dict`` (core/exchange.py) kept the session and seq,
 not ``since`` (the pushes and samples since the last exchange), while the group's weights it
-restores hold those pushes. The next exchange sends their delta with samples 0, so the global
-sample count ends below what the workers saw ACKed (soak seed 1: 7,424 missing where the two
+restored held those pushes. The next exchange sent their delta with samples 0, so the global
+sample count ended below what the workers saw ACKed (soak seed 1: 7,424 missing where the two
 global-server kills' windows account for 7,104). Replayed sans-IO.
 """
 
