@@ -27,10 +27,10 @@ and resource samples (soak/resources.jsonl). One line per invariant, PASS or FAI
   (lease + 2 s; a resumed line within 60 s of the restart). The bound runs on the detector's
   clock: a process that is SIGSTOPped prints nothing, and on SIGCONT finds the lease run out and
   says so at once, so each second the detecting role (the global server for a group process;
-  the groups' servers for a worker) was stopped inside the window lengthens it; a detector
-  killed inside it promises nothing (its successor never held the link). A group process whose
-  group was rehomed (empty, docs/operations.md) ends as `group_ended` when it goes, not
-  `group_lost`: either line shows it.
+  the groups' servers for a worker) was stopped inside the window lengthens it; a line not
+  written before its detector was killed is not asked for (its successor never held the link).
+  A group process whose group was rehomed (empty, docs/operations.md) ends as `group_ended`
+  when it goes, not `group_lost`: either line shows it.
 
 A failed invariant prints the shortest window of the history around its evidence and the seed
 that replays it.
@@ -406,6 +406,7 @@ class Expect(NamedTuple):
     names: set[str]
     due: float  # run time by which the first of them is due
     worker: int | None  # the worker a line must name (None: any)
+    cut: float = math.inf  # run time a detector was killed before ``due``: none due after it
 
 
 def detectors(run: Run, f: dict[str, Any]) -> frozenset[str]:
@@ -438,7 +439,8 @@ def inside(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
 
 def expected_event(run: Run, f: dict[str, Any]) -> Expect | None:
     """The lines that show fault ``f`` (``Expect``), or None when none is promised: a fault no
-    line names, or one too short to be seen, or a detector killed before the line was due.
+    line names, or one too short to be seen. A detector killed before the line was due cuts the
+    promise there (its successor never held the link that went silent).
 
     Leases run on the wall clock, but a SIGSTOPped detector prints nothing until SIGCONT (then
     at once, its lease run out): a silence is promised a line when its detector ran for
@@ -453,9 +455,8 @@ def expected_event(run: Run, f: dict[str, Any]) -> Expect | None:
     due = rel + bound
     for _ in range(len(stops) + 1):  # each stop the longer window reaches lengthens it
         due = rel + bound + inside(stops, rel, due)
-    if kind != "kill_global" and inside(down(run, seen_by, ("kill_global", "kill_group")),
-                                        rel, due):
-        return None  # the detector's successor never held the link that went silent
+    kills = down(run, seen_by, ("kill_global", "kill_group")) if kind != "kill_global" else []
+    cut = min((a for a, b in kills if b > rel and a <= due), default=math.inf)
     silent = (healed - rel - lease) - inside(stops, rel + lease, healed) >= DETECT_SLACK_S
     worker = int(target[1:]) if target.startswith("w") else None
     if worker is not None:
@@ -463,7 +464,7 @@ def expected_event(run: Run, f: dict[str, Any]) -> Expect | None:
         if not steps or rel < steps[0]:
             return None  # not in a group yet: the leases and these lines are the groups'
         if kind == "kill_worker" or (kind in ("stop_worker", "link_cut") and silent):
-            return Expect(WORKER_EVENTS, due, worker)
+            return Expect(WORKER_EVENTS, due, worker, max(cut, rel))
         return None
     grouped = min((r["t"] for r in run.glob if r.get("event") == "groups"), default=math.inf)
     if (kind.endswith("_group") or kind == "partition") and rel < grouped:
@@ -473,7 +474,7 @@ def expected_event(run: Run, f: dict[str, Any]) -> Expect | None:
     rehomed = any(r.get("event") == "rehomed" and r["t"] < rel for r in run.glob)
     lost = {"group_lost", "group_ended"} if rehomed else {"group_lost"}
     if kind == "kill_group" or (kind in ("stop_group", "partition") and silent):
-        return Expect(lost, due, None)
+        return Expect(lost, due, None, max(cut, rel))
     if kind == "kill_global":
         return Expect({"resumed"}, healed + RESUME_BOUND_S, None)
     return None
@@ -501,6 +502,8 @@ def check_events(run: Run, verdict: Verdict) -> list[Check]:
                 and names_worker(r, want.worker)]
         if hits and hits[0]["t"] <= due:
             seen += 1
+        elif want.cut <= due:
+            continue  # its detector was killed first: the line died with it
         elif hits:
             late.append((f, hits[0]["t"] - f["rel"], round(due - f["rel"], 1)))
         else:
