@@ -16,6 +16,11 @@ the rest of minips runs without ray installed. The file holds, in order:
   checkpoint (``--resume``), a worker rejoins under its id. The training traffic is minips' own
   TCP protocol, authenticated with MINIPS_TOKEN as always.
 
+Start-up is most of a short run, so nothing waits that need not: a local Ray instance starts
+without Ray's dashboard, every actor is created at once, and a role's process imports its modules
+(torch, for a worker) while the global server starts; it gets its arguments (``RoleActor.start``:
+the server's address) once the server listens. The actors' own processes import no numpy.
+
 Before it places an actor, the driver compares what the actors ask for (each role's resources
 and node labels) with the nodes' resources (``unplaceable``). On a Ray instance on this machine
 (no ``address``) nothing else will join, so a shortfall is refused in one line (``ConfigError``:
@@ -26,9 +31,10 @@ is not placed is named with what it waits for every ``REPORT_S`` (``wait_placed`
 ``timeout_s``, which then stops every actor and ends the run with one line.
 
 The driver waits for the global server to finish the run (its budget), gives the other roles
-``EXIT_TIMEOUT_S`` to end, collects every role's files into one run directory on the driver's
-machine (metrics, logs under logs/; files over ``MAX_COLLECT_BYTES`` stay on their node), writes
-summary.json and kills every actor, also when interrupted or when something fails.
+``EXIT_TIMEOUT_S`` to end (then stops them), collects every role's files into one run directory
+on the driver's machine (metrics, logs under logs/; files over ``MAX_COLLECT_BYTES`` stay on
+their node), writes summary.json and kills every actor, also when interrupted or when something
+fails.
 
 Invariants:
 - No role outlives ``run_ray``.
@@ -38,7 +44,8 @@ Invariants:
   actor then adds ``--resume`` when its checkpoint (``resume_if``) is there; a worker's
   reconnects with its id and rejoins.
 - ``{node_ip}`` and ``{dir}`` in the role's arguments become this node's address and the role's
-  directory, which only the actor knows.
+  directory, which only the actor knows; ``{server}`` the global server's address, given by the
+  driver once it listens (``start``), or asked of the server's actor by a restarted actor.
 """
 
 from __future__ import annotations
@@ -56,13 +63,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from minips.core.config import RunConfig
 from minips.errors import ConfigError
-from minips.record.metrics import summarize
+
+if TYPE_CHECKING:  # every actor's process imports this module: numpy only where the driver runs
+    from minips.core.config import RunConfig
 
 __all__ = [
     "RoleActor",
@@ -84,22 +92,30 @@ __all__ = [
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 MAX_COLLECT_BYTES = 256 << 20  # files larger than this stay on the node (e.g. big checkpoints)
 READY_POLL_S = 0.1
+READY_TIMEOUT_S = 120.0  # the global server must listen within this long, once placed
 
 
-# The child's first lines: ask for SIGKILL when the actor's process ends (kept across exec), make
-# sure the actor did not end before that, then become `python -m minips ARGS`. (Done in the child,
+# The child's first lines: ask for SIGKILL when the actor's process ends (so a killed actor leaves
+# no role behind), make sure the actor did not end before that, import the role's modules (torch:
+# seconds, spent while the global server starts), then read the role's arguments, one JSON line on
+# stdin (given once the server listens), and run `minips ARGS` in this process. Its command line:
+# LAUNCHER ACTOR_PID ROLE_DIR MODULE..., so `ps` names the run and the role. (Done in the child,
 # not with preexec_fn, which is unsafe in a process with threads such as a Ray worker.)
-LAUNCHER = ("import ctypes, os, signal, sys; "
+LAUNCHER = ("import ctypes, importlib, json, os, signal, sys; "
             f"ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
             "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
-            "os.execv(sys.executable, [sys.executable, '-m', 'minips', *sys.argv[2:]])")
+            "[importlib.import_module(m) for m in sys.argv[3:]]; "
+            "args = json.loads(sys.stdin.readline() or 'null') or sys.exit(1); "
+            "sys.argv = ['minips', *args]; "
+            "from minips.run.cli import main; sys.exit(main(args))")
+PRELOAD = {"worker": ["minips.worker"], "evaluator": ["minips.evaluator"]}  # + the CLI, all roles
 
 
 class RoleActor:
     """One role's child process (see the module docstring)."""
 
     def __init__(self, name: str, run_id: str, argv: list[str], env: dict[str, str],
-                 files: dict[str, bytes], resume_if: str = "") -> None:
+                 files: dict[str, bytes], resume_if: str = "", server: str = "") -> None:
         ctx = ray.get_runtime_context()
         self.name = name
         self.restarted = bool(ctx.was_current_actor_reconstructed)
@@ -113,12 +129,30 @@ class RoleActor:
         if self.restarted and resume_if and (self.dir / resume_if).exists():
             args.append("--resume")  # the global server: continue from its checkpoint
         self.argv = args
+        self.started = False  # the child has its arguments (``start``)
         (self.dir / "ready").unlink(missing_ok=True)  # a restart's server writes a new one
         with open(self.dir / f"{name}.log", "ab") as log:  # the child keeps its own copy
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", LAUNCHER, str(os.getpid()), *args], cwd=self.dir,
+                [sys.executable, "-c", LAUNCHER, str(os.getpid()), str(self.dir),
+                 "minips.run.cli", *PRELOAD.get(args[0], [])], cwd=self.dir, stdin=subprocess.PIPE,
                 env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=log,
                 stderr=subprocess.STDOUT)
+        if not server:  # the global server: nothing to wait for
+            self.start("")
+        elif self.restarted:  # the driver gave the first one the address; ask the server
+            self.start(str(ray.get(ray.get_actor(server).address.remote(READY_TIMEOUT_S))))
+
+    def start(self, address: str) -> None:
+        """Give the child its arguments, ``{server}`` (the global server's HOST:PORT) replaced
+        by ``address``: the role starts (once; a restarted actor's child has them already)."""
+        if self.started:
+            return
+        self.argv = [a.replace("{server}", address) for a in self.argv]
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # the child died: ``wait`` tells
+            self.proc.stdin.write(json.dumps(self.argv).encode() + b"\n")
+            self.proc.stdin.close()
+        self.started = True
 
     def where(self) -> dict[str, Any]:
         """Where this role runs: node id and address, child pid, restarted or not, argv."""
@@ -183,8 +217,10 @@ RemoteRole: Any = ray.remote(RoleActor)  # the actor class; options (resources, 
 
 # -- the driver: place the roles, wait for the run, collect its files ------------------------------
 
-READY_TIMEOUT_S = 120.0  # the global server must listen within this long, once placed
-EXIT_TIMEOUT_S = 60.0  # after the server exits, the other roles get this long to end
+# After the global server exits the others have nothing left to do (the workers left before it
+# ended): they get this long to end, then are stopped. An evaluator busy with an older version
+# when the server ended, say, would retry the server for its --reconnect seconds.
+EXIT_TIMEOUT_S = 10.0
 POLL_S = 1.0  # how often the driver looks at the global server's process
 CHECKPOINT_FILE = "checkpoint.npz"  # the server actor resumes when this exists in its directory
 REPORT_S = 5.0  # while an actor waits to be placed, the driver names it this often
@@ -219,11 +255,17 @@ class Placement:
         return asks + (f" on a node labelled {where}" if where else "")
 
 
+def _run_config() -> RunConfig:
+    from minips.core.config import RunConfig  # not at the top: see there
+
+    return RunConfig()
+
+
 @dataclass
 class RayConfig:
     """`minips ray`: one run on a Ray cluster."""
 
-    run: RunConfig = field(default_factory=RunConfig)  # the run's settings
+    run: RunConfig = field(default_factory=_run_config)  # the run's settings
     address: str | None = None  # Ray cluster to join ("auto", HOST:PORT); None = a local Ray
     server_port: int = 7070  # the global server's port (fixed: it must survive a restart)
     server: Placement = field(default_factory=Placement)  # where the global server runs
@@ -420,47 +462,45 @@ def _waiting(names: list[str], asked: dict[str, Placement]) -> str:
     return "; ".join(parts)
 
 
-def _argv(role: str, address: str, extra: list[str]) -> list[str]:
-    return [role, "--connect", address, "--run-dir", "{dir}", *extra]
+def _argv(role: str, extra: list[str]) -> list[str]:
+    return [role, "--connect", "{server}", "--run-dir", "{dir}", *extra]
 
 
 def start_roles(cfg: RayConfig, run_id: str, token: str, into: dict[str, Any] | None = None,
                 deadline: float | None = None) -> dict[str, Any]:
-    """Create every actor (the server first, the others once it listens) and wait until Ray
-    placed them all (``wait_placed``, naming those that wait); name -> handle, also in ``into``
-    as they are created, so that a caller can stop them when this fails or times out."""
+    """Create every actor at once, wait until Ray placed them all (``wait_placed``, naming
+    those that wait), then give the others the global server's address once it listens (their
+    children import torch meanwhile); name -> handle, also in ``into`` as they are created, so
+    that a caller can stop them when this fails or times out."""
     roles = {} if into is None else into
     since = time.monotonic()  # the waiting lines count from here
     env = {"MINIPS_TOKEN": token}
     common = {"max_restarts": cfg.max_restarts, "max_task_retries": -1}
+    server = f"minips-{run_id}-server"  # what a restarted actor asks the address of
     asked = {"server": cfg.server}
     server_argv = ["server", "--host", "{node_ip}", "--port", str(cfg.server_port), "--quiet",
                    "--run-dir", "{dir}", "--ready-file", "{dir}/ready", "--run-config",
                    "{dir}/run.json", "--external-groups", str(cfg.external_groups),
                    "--checkpoint-every", str(cfg.checkpoint_every_s)]
     files = {"run.json": json.dumps(cfg.run.to_info()).encode()}
-    roles["server"] = RemoteRole.options(name=f"minips-{run_id}-server", **common,
-                                         **cfg.server.options()).remote(
+    roles["server"] = RemoteRole.options(name=server, **common, **cfg.server.options()).remote(
         "server", run_id, server_argv, env, files, resume_if=CHECKPOINT_FILE)
+    others: list[tuple[str, Placement, list[str]]] = [
+        (f"group-{g}", cfg.groups, _argv("group", ["--listen", "{node_ip}:0"]))
+        for g in range(cfg.external_groups)]
+    factors = cfg.slowdowns + [1.0] * (cfg.run.workers - len(cfg.slowdowns))
+    others += [(f"worker-{i}", cfg.workers,
+                _argv("worker", ["--id", str(i), "--slowdown", str(factors[i])]))
+               for i in range(cfg.run.workers)]
+    if cfg.evaluate:
+        others.append(("evaluator", cfg.evaluator, _argv("evaluator", [])))
+    for name, place, argv in others:
+        asked[name] = place
+        roles[name] = RemoteRole.options(**common, **place.options()).remote(
+            name, run_id, argv, env, {}, server=server)
     wait_placed(roles, asked, deadline, cfg.timeout_s, since)
     address = str(ray.get(roles["server"].address.remote(READY_TIMEOUT_S)))
-    for g in range(cfg.external_groups):
-        argv = _argv("group", address, ["--listen", "{node_ip}:0"])
-        asked[f"group-{g}"] = cfg.groups
-        roles[f"group-{g}"] = RemoteRole.options(**common, **cfg.groups.options()).remote(
-            f"group-{g}", run_id, argv, env, {})
-    factors = cfg.slowdowns + [1.0] * (cfg.run.workers - len(cfg.slowdowns))
-    for i in range(cfg.run.workers):
-        argv = _argv("worker", address, ["--id", str(i), "--slowdown", str(factors[i])])
-        asked[f"worker-{i}"] = cfg.workers
-        roles[f"worker-{i}"] = RemoteRole.options(**common, **cfg.workers.options()).remote(
-            f"worker-{i}", run_id, argv, env, {})
-    if cfg.evaluate:
-        asked["evaluator"] = cfg.evaluator
-        roles["evaluator"] = RemoteRole.options(**common, **cfg.evaluator.options()).remote(
-            "evaluator", run_id, _argv("evaluator", address, []), env, {})
-    wait_placed({n: a for n, a in roles.items() if n != "server"}, asked, deadline, cfg.timeout_s,
-                since)
+    ray.get([actor.start.remote(address) for name, actor in roles.items() if name != "server"])
     return roles
 
 
@@ -475,17 +515,20 @@ def wait_server(roles: dict[str, Any], timeout_s: float) -> int:
 
 
 def collect(roles: dict[str, Any], run_dir: Path) -> list[str]:
-    """Wait for the other roles to end, copy every role's files here; the roles that failed."""
-    failed = []
-    for name, actor in roles.items():
-        if name != "server" and ray.get(actor.wait.remote(EXIT_TIMEOUT_S)) not in (0,):
-            failed.append(name)
-    for name in [n for n in roles if n != "server"] + ["server"]:  # the server's files win
-        for rel, data in ray.get(roles[name].collect.remote()).items():
+    """Wait for the other roles to end (``EXIT_TIMEOUT_S``, then stop them), copy every role's
+    files here; the roles that failed or were stopped. Each step asks every actor at once."""
+    others = [n for n in roles if n != "server"]
+    ended = ray.get([roles[n].wait.remote(EXIT_TIMEOUT_S) for n in others])
+    ray.get([roles[n].stop.remote() for n, status in zip(others, ended, strict=True)
+             if status is None])  # still running: its files are whole once it stopped
+    failed = [name for name, status in zip(others, ended, strict=True) if status != 0]
+    order = others + ["server"]  # the server's files win
+    for files in ray.get([roles[n].collect.remote() for n in order]):
+        for rel, data in files.items():
             dest = run_dir / ("logs" if rel.endswith(".log") else "") / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(data)
-        ray.get(roles[name].remove.remote())  # collected: the node's copy may go
+    ray.get([roles[n].remove.remote() for n in order])  # collected: the nodes' copies may go
     return failed
 
 
@@ -510,9 +553,10 @@ def run_ray(cfg: RayConfig) -> dict[str, Any]:
     started = not ray.is_initialized()
     if started and cfg.address is None and not any("GPU" in p.resources for _, _, p in asks(cfg)):
         settle_local(cfg, _planned_local(cfg))  # refused in a second, before Ray starts
-    if started:
-        ray.init(address=cfg.address, num_cpus=cfg.local_cpus if cfg.address is None else None,
-                 log_to_driver=False)
+    if started and cfg.address is None:  # without Ray's dashboard: nothing reads it (seconds)
+        ray.init(num_cpus=cfg.local_cpus, include_dashboard=False, log_to_driver=False)
+    elif started:
+        ray.init(address=cfg.address, log_to_driver=False)
     try:
         if cfg.address is None:
             settle_local(cfg, cluster_nodes())
@@ -527,6 +571,8 @@ def run_ray(cfg: RayConfig) -> dict[str, Any]:
 def _run(cfg: RayConfig, run_dir: Path, started: bool, deadline: float,
          timeout_s: float) -> dict[str, Any]:
     """run_ray once Ray runs and the roles may fit: place, wait, collect, stop, summarize."""
+    from minips.record.metrics import summarize  # not at the top: numpy (see there)
+
     token = os.environ.get("MINIPS_TOKEN") or secrets.token_hex(16)
     (run_dir / "ray.json").write_text(json.dumps(asdict(cfg), indent=2))
     roles: dict[str, Any] = {}
@@ -538,7 +584,8 @@ def _run(cfg: RayConfig, run_dir: Path, started: bool, deadline: float,
             status = "failed"
         failed = collect(roles, run_dir)
         if failed:
-            print(f"minips ray: {', '.join(failed)} did not end cleanly; see {run_dir}/logs",
+            print(f"minips ray: {', '.join(failed)} did not end cleanly (or within "
+                  f"{EXIT_TIMEOUT_S:.0f} s of the server, then stopped); see {run_dir}/logs",
                   file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         status = "interrupted"
