@@ -22,7 +22,7 @@ training the same budget), scored on the whole test set (``final_samples`` says 
 samples; ``final_note`` says it under each table). The curve figures (times to the targets,
 tail, best) are the periodic evaluations on the first ``eval_limit`` test samples, every row
 alike.
-Bytes: ``bytes_up`` / ``bytes_down`` are the worker <-> group hop; the ``HOPS`` figures
+Bytes: ``bytes_up`` / ``bytes_down`` are the worker <-> group hop; the ``BYTE_FIGURES``
 add the group <-> global hop and ``bytes_total`` (tables made before them show –).
 
 The ceiling: a fully asynchronous cluster does sum 1/F_i worker-steps per base step, BSP
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from minips.core.slowdown import Schedule, Slowdown, parse_schedules, parse_throttle
-from minips.record.metrics import HOPS, Run, load_run, summarize
+from minips.record.metrics import BYTE_FIGURES, Run, load_run, summarize
 
 __all__ = ["Experiment", "Suite", "TAIL_POINTS", "run_name", "run_done", "run_figures",
            "aggregate", "add_speedups",
@@ -157,7 +157,7 @@ def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
         "best_accuracy": s["best_accuracy"], "curve_final_accuracy": s["final_accuracy"],
         "tail_accuracy": _tail_mean(run.eval, TAIL_POINTS),
         "samples": s["samples"], "bytes_up": s["bytes_up"], "bytes_down": s["bytes_down"],
-        **{hop: s[hop] for hop in HOPS},  # every hop (bytes_up/down: worker <-> group)
+        **{hop: s[hop] for hop in BYTE_FIGURES},  # every hop (bytes_up/down: worker <-> group)
         "mean_staleness": s["mean_staleness"], "max_staleness": s["max_staleness"],
         "mean_wait_s": s["mean_wait_s"], "mean_kept_fraction": s["mean_kept_fraction"],
         "train_s": s["train_s"], "samples_per_s": s["samples_per_s"], "groups": s["groups"],
@@ -169,7 +169,8 @@ def run_figures(run_dir: Path, targets: Sequence[float]) -> dict[str, Any]:
 
 
 FIGURES = ("time_to_accuracy", "final_accuracy", "final_samples", "best_accuracy",
-           "curve_final_accuracy", "tail_accuracy", "samples", "bytes_up", "bytes_down", *HOPS,
+           "curve_final_accuracy", "tail_accuracy", "samples", "bytes_up", "bytes_down",
+           *BYTE_FIGURES,
            "mean_staleness", "max_staleness", "mean_wait_s", "mean_kept_fraction", "train_s",
            "samples_per_s", "groups", "done_reason", "status", "step_overrun")  # run_figures' keys
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from minips.record.metrics import (
+    BYTE_FIGURES,
     HOP_COUNTERS,
-    HOPS,
     load_run,
     summarize,
     total_bytes_series,
@@ -260,7 +260,7 @@ def test_progress_line_and_summary_show_the_ledgers_figures(tmp_path, capsys):
     line.draw(final=True)
     assert "MB up 2.0 down 3.0 to-global 0.4 from-global 0.5 total 5.9" in capsys.readouterr().err
     s = summarize(tmp_path, write=False)
-    assert {k: s[k] for k in HOPS} == figures
+    assert {k: s[k] for k in BYTE_FIGURES} == figures
     assert (s["bytes_up"], s["bytes_down"]) == (2_000_000, 3_000_000)
 
 

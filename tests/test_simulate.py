@@ -16,7 +16,7 @@ import pytest
 from minips.core import optim
 from minips.core.config import RunConfig
 from minips.errors import ConfigError
-from minips.record.metrics import HOPS
+from minips.record.metrics import BYTE_FIGURES
 from minips.record.rundir import read_jsonl
 from minips.sim.simulate import SimConfig, Simulation, report, simulate
 from minips.sim.timing import Failure, Links, Quadratic, parse_failures
@@ -32,7 +32,7 @@ def test_a_gssp_simulation_writes_a_run_directory_that_the_summary_reads(tmp_pat
                            name="sim"))
     assert s["pushes"] == s["steps"] >= 2000 and s["groups"] == 4
     assert s["samples"] == 64 * s["steps"]  # every push counted once, by the global server too
-    assert all(s[h] > 0 for h in HOPS)
+    assert all(s[h] > 0 for h in BYTE_FIGURES)
     assert s["bytes_worker_group"] < 0.1 * s["bytes_raw"]  # 2% uploads, as on the wire
     evals = read_jsonl(tmp_path / "sim" / "eval.jsonl")
     assert evals[-1]["loss"] < evals[0]["loss"] / 5  # it trains

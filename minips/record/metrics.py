@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minips.record.ledger import HOPS
 from minips.record.rundir import dump_json, num, read_config, read_jsonl
 
 __all__ = [
@@ -53,7 +54,7 @@ __all__ = [
     "read",
     "verdict",
     "HOP_COUNTERS",
-    "HOPS",
+    "BYTE_FIGURES",
     "hop_bytes",
     "total_bytes_series",
     "DataWatch",
@@ -121,14 +122,15 @@ def verdict(records: Mapping[str, Mapping[str, Any]]) -> str | None:
 
 # -- bytes per hop, from the group files -----------------------------------------------------------
 
-# bytes of each hop: the summary key and the running counter in group-<g>.jsonl that holds it
+# bytes of each hop (ledger.HOPS, in its order) and the running counter in group-<g>.jsonl that
+# holds it
 HOP_COUNTERS = {
     "bytes_worker_group": "bytes_in",  # workers -> their group server (every record)
     "bytes_group_worker": "bytes_out",  # group server -> its workers (every record)
     "bytes_group_global": "bytes_to_global",  # group -> global server ("exchange" events)
     "bytes_global_group": "bytes_from_global",  # global server -> group ("exchange" events)
 }
-HOPS = (*HOP_COUNTERS, "bytes_total")
+BYTE_FIGURES = (*HOPS, "bytes_total")  # the byte figures of a summary: every hop, then their sum
 
 
 class _Running:
@@ -166,7 +168,7 @@ def _replay(groups: Mapping[Any, list[dict[str, Any]]],
 
 
 def hop_bytes(groups: Mapping[Any, list[dict[str, Any]]]) -> dict[str, int]:
-    """Bytes of every hop (``HOPS``) from the group records (``{group: records}``): the
+    """Bytes of every hop (``ledger.HOPS``) from the group records (``{group: records}``): the
     worker <-> group hop from the group servers' ``bytes_in`` / ``bytes_out``, the group <->
     global hop from the ``bytes_to_global`` / ``bytes_from_global`` of their exchange events
     (0 where the records lack them), summed over the groups; ``bytes_total`` is their sum."""
@@ -452,7 +454,7 @@ def _hops(run: Run, traffic: Mapping[str, Any],
     recorded before it) from the group files, else from the global server's merge lines
     (groups that write on other machines), else worker <-> group from ``traffic``."""
     if (ledger := _ledger(run)) is not None:
-        return {k: int(ledger.get(k) or 0) for k in HOPS}
+        return {k: int(ledger.get(k) or 0) for k in BYTE_FIGURES}
     if any(run.groups.values()):
         return hop_bytes(run.groups)
     if merges:
