@@ -121,7 +121,9 @@ class GroupCore:
         self.global_version = 0  # global version seen at the last exchange
         self.counters = {"pushes": 0, "samples": 0}
         self.done = False  # budget spent; answer every PULL with done
-        self.ratio = run.ratio  # GDTopK ratio the global server chose for this group
+        # the workers' kept fraction (GDTopK's, which the global server chooses per group), sent
+        # with every WEIGHTS
+        self.ratio = run.ratio
         # local steps H of this group's workers (the run's, or the global server's choice
         # with local_steps 0: auto; core/local_steps.py); sent with every WEIGHTS
         self.local_steps = run.local_steps or run.local_steps_max
