@@ -460,9 +460,11 @@ def expected_event(run: Run, f: dict[str, Any]) -> Expect | None:
     silent = (healed - rel - lease) - inside(stops, rel + lease, healed) >= DETECT_SLACK_S
     worker = int(target[1:]) if target.startswith("w") else None
     if worker is not None:
-        steps = [s["t"] for s in run.workers.get(worker, []) if "event" not in s]
-        if not steps or rel < steps[0]:
-            return None  # not in a group yet: the leases and these lines are the groups'
+        began = max((h["rel"] for h in run.history if h["op"] == "start"
+                     and h["role"] == target and h["rel"] <= rel), default=-math.inf)
+        if not any(began < s["t"] <= rel for s in run.workers.get(worker, [])
+                   if "event" not in s):
+            return None  # this process trained no step yet: no group holds its lease
         if kind == "kill_worker" or (kind in ("stop_worker", "link_cut") and silent):
             return Expect(WORKER_EVENTS, due, worker, max(cut, rel))
         return None

@@ -3,8 +3,8 @@
 The short soak runs one seed (seed 0: `minips group` processes, topk, network namespaces with
 tbf links when root, loopback otherwise) for a twin of SOAK_EPOCHS unfaulted and the faulted run
 on as many samples, a fault every FAULT_EVERY_S, and asserts every invariant of
-scripts/soak_check.py. Faults with an open finding (tests/test_soak_findings.py) are left out
-here and named in KNOWN_FINDINGS. The checker is shown to fail, with the history window and the
+scripts/soak_check.py, every kind of fault allowed (the findings tests/test_soak_findings.py
+replays are fixed). The checker is shown to fail, with the history window and the
 replaying seed, on a run dir that breaks each invariant.
 """
 
@@ -27,18 +27,13 @@ import soak_check  # noqa: E402
 SOAK_EPOCHS = 1.8  # 108 k samples: ~35 s of training unfaulted on 2 cores; at 1.4 epochs the
 # accuracy still climbs steeply and the faulted run was 3 points above its twin (twice)
 FAULT_EVERY_S = 4.0
-# faults with an open finding, left out of the default run (each finding's own test in
-# test_soak_findings.py replays it): a full checkpoint disk ends the run; a group process
-# stopped or cut off past the lease before the grouping exits 2
-KNOWN_FINDINGS = ("disk_full", soak.EARLY_GROUP)
 
 
 @pytest.mark.timeout(420)
 def test_a_short_soak_keeps_every_invariant(tmp_path: Path) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("openssl command not available (the soak's TLS certificates)")
-    verdict = soak.run_seed(0, SOAK_EPOCHS, FAULT_EVERY_S, tmp_path, "auto", None,
-                            skip=KNOWN_FINDINGS)
+    verdict = soak.run_seed(0, SOAK_EPOCHS, FAULT_EVERY_S, tmp_path, "auto", None)
     print(verdict.text())
     print(soak_check.table([verdict]))
     names = {c.name for c in verdict.checks}
@@ -113,20 +108,32 @@ def overlapping_run(d: Path, lost_at: float) -> None:
     """A partition of group process group0 at 10 s for 10 s; the global server SIGSTOPped from
     12 to 17 s (lease 4 s: its `group_lost` is due by 10 + 6 + the 5 s it was stopped); group
     0's `group_lost` at ``lost_at``; later group 1 rehomed and group1's process killed at 40 s,
-    the empty group's end a `group_ended` line at 40.2 s."""
+    the empty group's end a `group_ended` line at 40.2 s; worker 0 killed at 50 s (`left` at
+    50.1 s), restarted at 51 s and killed again at 53 s before its new process trained a step
+    (no connection of its own to lose: no line)."""
     t0 = 1000.0
     (d / "soak").mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({"t0": t0}))
     glob = [line(1, "groups"), line(lost_at, "group_lost", group=0),
-            line(30, "rehomed", group=1, moved={"4": 0}), line(40.2, "group_ended", group=1)]
+            line(30, "rehomed", group=1, moved={"4": 0}), line(40.2, "group_ended", group=1),
+            line(50.1, "left", worker=0)]
     (d / "global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in glob))
-    history = [(0, {"op": "begin", "seed": 7, "lease_s": 4.0, "external": True}),
-               (10, {"op": "inject", "id": 1, "kind": "partition", "target": "group0"}),
-               (12, {"op": "inject", "id": 2, "kind": "stop_global", "target": "server"}),
-               (17, {"op": "heal", "id": 2, "kind": "stop_global", "target": "server"}),
-               (20, {"op": "heal", "id": 1, "kind": "partition", "target": "group0"}),
-               (40, {"op": "inject", "id": 3, "kind": "kill_group", "target": "group1"}),
-               (41, {"op": "heal", "id": 3, "kind": "kill_group", "target": "group1"})]
+    history: list[tuple[float, dict[str, object]]] = [
+        (0, {"op": "begin", "seed": 7, "lease_s": 4.0, "external": True}),
+        (1, {"op": "start", "role": "w0"}),
+        (10, {"op": "inject", "id": 1, "kind": "partition", "target": "group0"}),
+        (12, {"op": "inject", "id": 2, "kind": "stop_global", "target": "server"}),
+        (17, {"op": "heal", "id": 2, "kind": "stop_global", "target": "server"}),
+        (20, {"op": "heal", "id": 1, "kind": "partition", "target": "group0"}),
+        (40, {"op": "inject", "id": 3, "kind": "kill_group", "target": "group1"}),
+        (41, {"op": "heal", "id": 3, "kind": "kill_group", "target": "group1"}),
+        (50, {"op": "inject", "id": 4, "kind": "kill_worker", "target": "w0"}),
+        (51, {"op": "heal", "id": 4, "kind": "kill_worker", "target": "w0"}),
+        (51, {"op": "start", "role": "w0"}),
+        (53, {"op": "inject", "id": 5, "kind": "kill_worker", "target": "w0"}),
+        (54, {"op": "heal", "id": 5, "kind": "kill_worker", "target": "w0"})]
+    steps = [{"t": t, "group": 0, "samples": 64} for t in (2, 49, 60)]
+    (d / "worker-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     (d / "soak" / "history.jsonl").write_text(
         "".join(json.dumps({**h, "t": t0 + t}) + "\n" for t, h in history))
 
@@ -143,7 +150,9 @@ def test_a_line_is_due_later_by_the_time_its_detector_was_stopped(tmp_path: Path
     overlapping_run(tmp_path / "on-time", lost_at=17.05)
     check = events_of(tmp_path / "on-time")
     assert check.ok, check.evidence
-    assert check.evidence.startswith("2 faults seen within their bound")  # group_ended too
+    # group_ended too, and the first kill of w0 (not the second: its process never trained)
+    assert check.evidence.startswith("3 faults seen within their bound; 0 never seen"), \
+        check.evidence
     overlapping_run(tmp_path / "late", lost_at=21.5)
     check = events_of(tmp_path / "late")
     assert not check.ok
