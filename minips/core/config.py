@@ -255,14 +255,14 @@ class RunConfig:
     group_momentum: str = "group"
     compressor: str = "none"  # registry.make_compressor name
     ratio: float = 0.01  # kept fraction of coordinates for sparse compressors (0..1]
-    # group <-> global exchange kept fraction; None: as down_ratio's (``kept_fraction``)
+    # group <-> global exchange kept fraction; None: as down_ratio's (``kept_or_default``)
     xchg_ratio: float | None = None
     # the group <-> global exchange (XCHG_MODES): "topk" the top xchg_ratio both ways, the rest
     # left for later (exchange.py); "exact" every entry changed since the last one, both ways,
     # O(changes) (exact_exchange.py)
     xchg_mode: str = "topk"
     # kept fraction of each publish of a group's weights to its workers (downlink.py); None: the
-    # run's ratio with a sparse compressor, dense (1.0) with none / fp16 (``kept_fraction``)
+    # run's ratio with a sparse compressor, dense (1.0) with none / fp16 (``kept_or_default``)
     down_ratio: float | None = None
     down_values: str = "f32"  # "f16": a downlink update's values go as float16, 2 bytes each
     down_drift: float = 0.01  # bound on ||weights - published|| / ||weights|| (downlink.py)
@@ -413,7 +413,7 @@ class RunConfig:
         """Pushes are applied per complete round (a bound of 0: BSP, or SSP with s = 0)."""
         return self.sync.in_rounds(self.staleness)
 
-    def kept_fraction(self, setting: float | None) -> float:
+    def kept_or_default(self, setting: float | None) -> float:
         """The kept fraction of a hop between the servers and their copies (the exchange's
         ``xchg_ratio``, the downlink's ``down_ratio``): ``setting``, or when None the workers'
         ``ratio`` with a sparse compressor and 1.0 (dense) with a dense one (``none``,
@@ -427,8 +427,8 @@ class RunConfig:
         return self.ratio if is_sparse(self.compressor) else 1.0
 
     def downlink_ratio(self) -> float:
-        """The downlink's kept fraction (``kept_fraction`` of ``down_ratio``)."""
-        return self.kept_fraction(self.down_ratio)
+        """The downlink's kept fraction (``kept_or_default`` of ``down_ratio``)."""
+        return self.kept_or_default(self.down_ratio)
 
     def worker_compressor(self, size: int, worker: int) -> Compressor:
         """The compressor worker ``worker`` builds for ``size`` coordinates (its seed:

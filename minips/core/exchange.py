@@ -62,8 +62,8 @@ MAX_PULLS = 4096
 
 def exchange_ratio(run: Any) -> float:
     """The exchange's kept fraction, both ways (1.0: dense): ``run.xchg_ratio``, or the
-    default every hop of the servers takes (``RunConfig.kept_fraction``)."""
-    return float(run.kept_fraction(run.xchg_ratio))
+    default every hop of the servers takes (``RunConfig.kept_or_default``)."""
+    return float(run.kept_or_default(run.xchg_ratio))
 
 
 # -- the group's half: the delta, its counters, the rebase ------------------------------------
