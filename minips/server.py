@@ -526,34 +526,30 @@ class GlobalServer:
         self.finished.set()
 
     def _every_group_final(self) -> None:
-        """Every group flushed its final delta: end the run, or wait for the workers to rejoin
-        (a wait already running starts over: it counts from the latest group's end, or from a
-        group process adopting a group meanwhile, ``sessions.adopt``)."""
-        left = self.core.budget_left()
-        if not left:
-            self.perform(self.core.finish("workers left"))
+        """Every group flushed its final delta: the core ends the run or waits for the workers
+        to rejoin (``GlobalCore.all_final``; a wait running starts over: it counts from the
+        latest group's end, or from a group process adopting a group, ``sessions.adopt``)."""
+        self.perform(self.core.all_final(time.monotonic(), self.cfg.rejoin_wait_s))
+        if self.core.done:
             self.finished.set()
-        else:
-            if self.rejoin is not None:
-                self.rejoin.cancel()
-            self.rejoin = self.spawn(self._wait_for_workers(left))
+        elif self.core.waiting():
+            log.warning("every worker is gone with budget left (%s); waiting up to %.0f s for "
+                        "them to rejoin (--rejoin-wait)", self.core.budget_left(),
+                        self.cfg.rejoin_wait_s)
+            if self.rejoin is None or self.rejoin.done():
+                self.rejoin = self.spawn(self._tick_rejoin())
 
-    async def _wait_for_workers(self, left: str) -> None:
-        core, wait = self.core, self.cfg.rejoin_wait_s
-        self.log("waiting_for_workers", wait_s=wait, left=left)
-        log.warning("every worker is gone with budget left (%s); waiting up to %.0f s for them to "
-                    "rejoin (--rejoin-wait)", left, wait)
-        deadline = asyncio.get_running_loop().time() + wait
-        while not core.done and all(h.final for h in core.groups.values()):
-            if asyncio.get_running_loop().time() >= deadline:
-                self.perform(core.fail("workers_gone", f"the run ended short of its budget: "
-                                       f"every worker was gone for {wait:.0f} s with {left} left "
-                                       "(--rejoin-wait)"))
+    async def _tick_rejoin(self) -> None:
+        """The core's rejoin wait, ticked every REJOIN_POLL_S until it ends: the workers are
+        back, the run is over, or it failed (``GlobalCore.tick``)."""
+        while True:
+            actions = self.core.tick(time.monotonic())
+            self.perform(actions)
+            if Log("workers_back") in actions:
+                log.warning("workers are back; training goes on")
+            if not self.core.waiting():
                 return
             await asyncio.sleep(REJOIN_POLL_S)
-        if not core.done:
-            self.log("workers_back")
-            log.warning("workers are back; training goes on")
 
     def _tell_failure(self, code: str, reason: str) -> None:
         """The run fails (``core.failure``): say why, tell the workers; the run is over."""

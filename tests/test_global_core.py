@@ -133,6 +133,37 @@ def test_the_epochs_budget_says_done_once_and_every_final_group_says_all_final()
     assert c.budget_left() == ""
 
 
+def test_every_group_final_with_budget_left_waits_for_the_workers_until_a_tick_past_it() -> None:
+    """The rejoin deadline is the core's: ``all_final`` starts the wait, ``tick(now)`` ends it
+    when a group trains again and fails the run once ``now`` passes it."""
+    c = core(np.zeros(N, np.float32), workers=1, epochs=1.0, train_size=10)
+    c.roster.admit(0)
+    grouped(c)
+    final = {"samples": 2, "session": 1, "seq": 1, "final": True}
+    assert AllFinal() in c.merge(0, np.ones(N, np.float32), final, 0.0)
+    assert c.all_final(100.0, 30.0) == [Log("waiting_for_workers",
+                                             {"wait_s": 30.0, "left": "2 of 10 samples"})]
+    assert c.waiting() and c.tick(129.9) == []
+    back = {"samples": 2, "session": 1, "seq": 2}  # a group's non-final merge: they are back
+    c.merge(0, np.ones(N, np.float32), back, 110.0)
+    assert c.tick(130.0) == [Log("workers_back")] and not c.waiting() and not c.done
+    c.merge(0, np.ones(N, np.float32), {**final, "seq": 3}, 140.0)
+    c.all_final(140.0, 30.0)
+    assert c.tick(169.0) == []
+    fail, done = decided(c.tick(170.0))
+    assert isinstance(fail, Fail) and fail.code == "workers_gone" and done == RunDone(
+        "workers_gone")
+    assert "gone for 30 s with 6 of 10 samples left" in c.failure and not c.waiting()
+
+
+def test_every_group_final_with_nothing_left_to_train_ends_the_run() -> None:
+    c = core(np.zeros(N, np.float32), workers=1)  # no budget: the workers end the run
+    c.roster.admit(0)
+    grouped(c)
+    assert decided(c.all_final(0.0, 30.0)) == [RunDone("workers left")]
+    assert c.done and not c.waiting() and c.tick(1e6) == []
+
+
 def test_group_answers_name_the_exchanges_held_and_a_repeat_is_not_merged_twice() -> None:
     c = core(np.zeros(N, np.float32), workers=1)
     c.roster.admit(0)

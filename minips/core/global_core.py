@@ -91,6 +91,9 @@ class GlobalCore:
         self.train_size = run.epoch_samples()
         self.started_training = 0.0  # wall time when the groups were formed
         self._first_steps: dict[int, int] = {}  # local steps auto: H per group, first grouping
+        # every worker gone with budget left: (``now`` by which one must be back, the wait in
+        # seconds, what is left of the budget)
+        self._rejoin: tuple[float, float, str] | None = None
 
     # -- workers ---------------------------------------------------------------------------
 
@@ -351,6 +354,39 @@ class GlobalCore:
         if self.groups and all(h.final for h in self.groups.values()):
             actions.append(AllFinal())  # the end, or a wait for the workers to rejoin
         return actions
+
+    # Every group flushed its final delta. With nothing left to train for that is the end; with
+    # budget left, every worker is gone at once only for a while (stopped, partitioned past the
+    # lease, restarted): they get ``wait_s`` to come back, counted from the latest group's end
+    # (or a group process adopting a group meanwhile), and a group's first non-final merge
+    # means they are back. The shell ticks the wait (``tick``).
+    def all_final(self, now: float, wait_s: float) -> list[GlobalAction]:
+        """Every group is final at ``now``: the run ends (``RunDone``) or waits ``wait_s`` for
+        its workers (logged; ``tick``)."""
+        left = self.budget_left()
+        if not left:
+            return self.finish("workers left")
+        self._rejoin = (now + wait_s, wait_s, left)
+        return [Log("waiting_for_workers", {"wait_s": wait_s, "left": left})]
+
+    def tick(self, now: float) -> list[GlobalAction]:
+        """The time is ``now``: a rejoin wait ends when a group trains again (logged) and fails
+        the run when it runs out (``Fail``, ``workers_gone``)."""
+        if self._rejoin is None:
+            return []
+        by, wait_s, left = self._rejoin
+        if self.done or not all(h.final for h in self.groups.values()):
+            self._rejoin = None
+            return [] if self.done else [Log("workers_back")]
+        if now < by:
+            return []
+        self._rejoin = None
+        return self.fail("workers_gone", "the run ended short of its budget: every worker was "
+                         f"gone for {wait_s:.0f} s with {left} left (--rejoin-wait)")
+
+    def waiting(self) -> bool:
+        """A rejoin wait runs (``all_final``): the shell keeps ticking."""
+        return self._rejoin is not None
 
     def budget_left(self) -> str:
         """What is left of the budget ("" when it is spent, when the run is over (``done``: one
