@@ -33,8 +33,10 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from minips.core.config import RunConfig  # noqa: E402
 from minips.errors import ConfigError  # noqa: E402
+from minips.run import ray_cluster  # noqa: E402
 from minips.run.ray_cluster import (  # noqa: E402
     RayConfig,
+    RemoteRole,
     cluster_nodes,
     collect,
     free_port,
@@ -210,6 +212,34 @@ def _workers(run_id: str) -> list[str]:
         with contextlib.suppress(OSError):  # ended meanwhile
             lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
     return [line for line in lines if "minips.worker" in line]
+
+
+def test_a_role_still_running_after_the_server_exited_is_stopped_named_and_collected(
+        cluster: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the global server exited, the others get ``EXIT_TIMEOUT_S`` to end; one still running
+    (here an evaluator that retries a server that never answers) is stopped, not waited for,
+    named among the roles that did not end cleanly, and its files are collected."""
+    monkeypatch.setattr(ray_cluster, "EXIT_TIMEOUT_S", 2.0)
+    run_id = "late-" + secrets.token_hex(3)
+    env = {"MINIPS_TOKEN": secrets.token_hex(16)}
+    nowhere = f"127.0.0.1:{free_port()}"
+    roles: dict[str, Any] = {}
+    try:
+        roles["server"] = RemoteRole.remote("server", run_id, ["server", "--no-such-flag"], env, {})
+        roles["evaluator"] = RemoteRole.remote(
+            "evaluator", run_id, ["evaluator", "--connect", nowhere, "--timeout", "0",
+                                  "--run-dir", "{dir}"], env, {})
+        pid = ray.get(roles["evaluator"].where.remote())["pid"]
+        assert wait_server(roles, DEADLINE_S) == 2  # a flag it does not know
+        t0 = time.monotonic()
+        assert collect(roles, tmp_path) == ["evaluator"]
+        took = time.monotonic() - t0
+    finally:
+        stop_roles(roles)
+        shutil.rmtree(Path(tempfile.gettempdir()) / "minips-ray" / run_id, ignore_errors=True)
+    assert took < 2.0 + 5.0 and _gone(pid), took
+    assert (tmp_path / "logs" / "evaluator.log").exists()  # collected (it retries in silence)
+    assert "--no-such-flag" in (tmp_path / "logs" / "server.log").read_text()
 
 
 def test_an_actor_waiting_for_a_resource_nobody_has_is_named_and_the_timeout_ends_it(
