@@ -142,6 +142,9 @@ class GlobalServer:
                                wall=time.time)
         self.controls: dict[int, Channel] = {}  # worker id -> its control channel
         self.peers: dict[int, GroupPeer] = {}  # group id -> its server (serve/peers.py)
+        # group id -> its exchanges' bytes on the wire (bytes_to_global, bytes_from_global):
+        # counted here as the frames go, kept across a resume
+        self.hops: dict[int, dict[str, int]] = {}
         self.finished = asyncio.Event()  # the run is over
         self.evaluated_final = asyncio.Event()  # the evaluator got the final weights
         self.weights_ready = asyncio.Event()  # the global weights exist
@@ -266,6 +269,7 @@ class GlobalServer:
             self.data_synthetic.add(bool(fields.get("synthetic")))
         elif event == "merge":  # a group process's merged counters: its traffic as of now
             self.peer(fields["group"]).reported(fields)
+            fields.update(self.hop(fields["group"]))  # the exchange's frames included
             self._group_events(fields)
             self.ledger.add("merges_done", 1)
             self.ledger.add("pushes_merged", int(fields.get("pushes") or 0))
@@ -295,19 +299,30 @@ class GlobalServer:
         traffic (its channels' bytes here, or what its group process last reported: both go
         on across its sessions and a resume) and the bytes of its exchanges with this server
         (counted anew in each process: ``boot``)."""
-        for g, h in self.core.groups.items():
+        for g in self.core.groups:
             t = self.peer(g).traffic()
             self.ledger.count(f"workers-{g}", {"bytes_worker_group": t.get("bytes_in", 0),
                                                "bytes_group_worker": t.get("bytes_out", 0)})
+            hop = self.hop(g)
             self.ledger.count(f"exchanges-{g}-{self.boot}",
-                              {"bytes_group_global": h.hop_bytes["bytes_to_global"],
-                               "bytes_global_group": h.hop_bytes["bytes_from_global"]})
+                              {"bytes_group_global": hop["bytes_to_global"],
+                               "bytes_global_group": hop["bytes_from_global"]})
         return self.ledger.figures()
 
     def peer(self, g: int) -> GroupPeer:
         """Group ``g``'s server (``NoGroup`` when none was opened here for a group the core
         holds)."""
         return self.peers.setdefault(g, NoGroup())
+
+    def hop(self, g: int) -> dict[str, int]:
+        """Group ``g``'s exchanges' bytes so far (``bytes_to_global``, ``bytes_from_global``)."""
+        return self.hops.setdefault(g, {"bytes_to_global": 0, "bytes_from_global": 0})
+
+    def count_exchange(self, g: int, up: int, down: int) -> None:
+        """Group ``g``'s exchange took ``up`` bytes on the wire and its reply ``down``."""
+        hop = self.hop(g)
+        hop["bytes_to_global"] += up
+        hop["bytes_from_global"] += down
 
     def traffic(self, g: int | None = None) -> dict[str, int]:
         """Worker <-> group bytes for the core's events: the run's as the ledger counts them
@@ -532,7 +547,7 @@ class GlobalServer:
         self.perform(self.core.all_final(time.monotonic(), self.cfg.rejoin_wait_s))
         if self.core.done:
             self.finished.set()
-        elif self.core.waiting():
+        else:
             log.warning("every worker is gone with budget left (%s); waiting up to %.0f s for "
                         "them to rejoin (--rejoin-wait)", self.core.budget_left(),
                         self.cfg.rejoin_wait_s)
@@ -541,13 +556,12 @@ class GlobalServer:
 
     async def _tick_rejoin(self) -> None:
         """The core's rejoin wait, ticked every REJOIN_POLL_S until it ends: the workers are
-        back, the run is over, or it failed (``GlobalCore.tick``)."""
-        while True:
+        back, or the run is over (it failed: ``GlobalCore.tick``)."""
+        while not self.core.done:
             actions = self.core.tick(time.monotonic())
             self.perform(actions)
             if Log("workers_back") in actions:
                 log.warning("workers are back; training goes on")
-            if not self.core.waiting():
                 return
             await asyncio.sleep(REJOIN_POLL_S)
 
@@ -566,9 +580,10 @@ class GlobalServer:
         return Path(self.cfg.checkpoint_path or Path(self.cfg.run_dir) / "checkpoint.npz")
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What a checkpoint holds: the core's state (with each group's traffic and, in-process,
-        its training state) and the ledger's."""
-        held = {g: {"traffic": p.traffic(), "state": p.state_dict()} for g, p in self.peers.items()}
+        """What a checkpoint holds: the core's state (with each group's traffic, exchange bytes
+        and, in-process, training state) and the ledger's."""
+        held = {g: {"traffic": self.peer(g).traffic(), "state": self.peer(g).state_dict(),
+                    "hop_bytes": dict(self.hop(g))} for g in self.core.groups}
         return {**self.core.checkpoint_state(held), "ledger": self.ledger.state_dict()}
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -597,6 +612,7 @@ class GlobalServer:
                 handles[g] = await self.open_group(g, members)
             if saved["state"] is not None:
                 self.peers[g].load_state_dict(saved["state"])
+            self.hop(g).update({k: int(v) for k, v in (saved.get("hop_bytes") or {}).items()})
         self.perform(self.core.resume(handles, state))
         for h in handles.values():  # the saved ratios, to the group servers here
             self.peer(h.id).send_settings(self.core.assign_message(h))
@@ -704,23 +720,23 @@ class InProcGroup:
 class InProcLink:
     """The uplink (``exchange.GroupLink``) of a group server in this process: a direct call.
     Its bytes are those of the EXCHANGE and EXCHANGE_REPLY a `minips group` process would
-    exchange instead (``frames.wire_size`` of each)."""
+    exchange instead (``frames.wire_size`` of each), counted here, where they would be sent."""
 
     def __init__(self, server: GlobalServer) -> None:
         self.server = server
 
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
-        core = self.server.core
+        core, srv = self.server.core, self.server
         msg = exchange_message(delta, stats)
-        wire = frames.wire_size(msg)
-        actions = core.merge(group, delta, stats, time.monotonic(), wire,
-                             self.server.traffic(group))
-        self.server.perform(actions)
+        actions = core.merge(group, delta, stats, time.monotonic(), srv.traffic(group))
         result = reply(actions, ExchangeResult)
+        answer = core.merger.exchange_reply(group, result.weights, result.done)
+        result.bytes_up, result.bytes_down = frames.wire_size(msg), frames.wire_size(answer)
+        srv.count_exchange(group, result.bytes_up, result.bytes_down)
+        srv.perform(actions)
         if trace.TRACER is not None:  # --trace: written as the frames a group process sends
-            trace.TRACER.inproc(f"group-{group}", "server", "send", msg, wire)
-            answer = core.merger.exchange_reply(group, result.weights, core.done)
+            trace.TRACER.inproc(f"group-{group}", "server", "send", msg, result.bytes_up)
             trace.TRACER.inproc(f"group-{group}", "server", "recv", answer, result.bytes_down)
         return result
 

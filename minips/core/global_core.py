@@ -1,19 +1,11 @@
 """The global server's rules without IO: the roster and the grouping, GDTopK's ratios, the
-budget and what a checkpoint holds; the global weights and the groups' exchanges with them are
+run's budget and its checkpoints. The global weights and the groups' exchanges with them are
 ``merge.Merger``'s, which ``GlobalCore`` holds (the round trip reads in core/merge.py).
 
-``GlobalCore`` is what the global server *decides*; ``server.GlobalServer`` (asyncio) holds one
-and carries out what it decides over real connections, and ``simulate.py`` drives the same class
-in simulated time. No asyncio, sockets, clocks or torch inside: time comes in as ``now`` (``wall``
-only dates records and the wall budget).
-
-Every entry point (a worker's ``admit`` / ``worker_joined`` / ``on_stats`` ..., the groups'
-``groups_formed`` / ``group_lost`` / ``rehome`` ..., a group's exchange ``merge`` / ``on_exchange``
-/ ``group_pull``, the budget's ``finish`` / ``fail``, ``load_state_dict``) answers in one shape:
-a list of actions (``actions.py``), in the order the shell is to perform them; what goes back to
-the one who asked is an action too (``Admitted``, ``GroupReply``). Once ``done``, merges still land:
-nothing sent is lost. Checkpoints: ``checkpoint_state`` takes a snapshot, ``load_state_dict`` /
-``resume`` bring it back (``core/snapshot.py`` says what one holds).
+``server.GlobalServer`` (asyncio) and ``simulate.py`` (simulated time) drive it. Time comes in as
+``now`` (``wall`` only dates records and the wall budget), the worker traffic as event data from
+the shell's ledger. Every entry point answers with a list of actions (``actions.py``) in the
+order the shell is to perform them; what goes back to the one who asked is one of them.
 """
 
 from __future__ import annotations
@@ -45,9 +37,8 @@ from minips.core.actions import (
 from minips.core.config import RunConfig
 from minips.core.exchange import Delta, ExchangeResult
 from minips.core.merge import Merger
-from minips.core.replay import Merged
 from minips.core.roster import GroupHandle, Roster, WorkerEntry
-from minips.core.snapshot import restore_group, restore_workers, snapshot
+from minips.core.snapshot import restore_groups, restore_workers, snapshot
 from minips.errors import RemoteProtocolError
 from minips.wire import control, messages
 
@@ -55,8 +46,7 @@ __all__ = ["GlobalCore"]
 
 
 class _OfMerger:
-    """An attribute of the core's ``Merger`` (the weights, their version, the samples), read
-    and set through the core as before."""
+    """An attribute of the core's ``Merger``, read and set through the core."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -85,18 +75,13 @@ class GlobalCore:
         self.groups = self.roster.groups  # group id -> GroupHandle
         self.grouped = False  # the first groups are drawn up (FormGroups went out)
         self.calib_expired = False  # calib_timeout_s passed: the next STATS forms the groups
-        self.done = False
-        self.done_reason = ""
+        self.done, self.done_reason = False, ""  # the run is over, and why (``finish``)
         self.failure = ""  # why the run ended short or broken ("" = it did not; ``fail``)
         self.train_size = run.epoch_samples()
         self.started_training = 0.0  # wall time when the groups were formed
-        self._first_steps: dict[int, int] = {}  # local steps auto: H per group, first grouping
-        # every worker gone with budget left: (``now`` by which one must be back, the wait in
-        # seconds, what is left of the budget)
-        self._rejoin: tuple[float, float, str] | None = None
+        self._rejoin: tuple[float, float, str] | None = None  # (deadline, wait s, left): all_final
 
     # -- workers ---------------------------------------------------------------------------
-
     def admit(self, wanted: int, now: float) -> list[GlobalAction]:
         """A worker id for a HELLO that asked for ``wanted`` (``Roster.admit``): ``Admitted``."""
         return [Admitted(self.roster.admit(wanted, now))]
@@ -109,8 +94,7 @@ class GlobalCore:
         return [Log("joined", {"worker": w})]
 
     def worker_leaving(self, w: int, reason: str = "") -> list[GlobalAction]:
-        """Worker ``w`` said LEAVE (``reason``: why, e.g. it refused to start without its
-        data): its session ends, its id may be given out again (nothing to do yet)."""
+        """Worker ``w`` said LEAVE (``reason``: why, e.g. it has no data): its id may go again."""
         self.workers[w].left = True
         self.workers[w].left_because = "" if reason == "bye" else reason
         return []
@@ -131,14 +115,12 @@ class GlobalCore:
         return said + self._placed(w, entry, now)
 
     def probe_pulled(self, w: int, now: float) -> list[GlobalAction]:
-        """Worker ``w``'s calibration link probe: the global weights go out to it at ``now``
-        (``Roster.probe_pulled``; the shell sends ``weights_message()``)."""
+        """Worker ``w``'s link probe: the weights go out to it at ``now`` (``Roster``'s)."""
         self.roster.probe_pulled(w, now)
         return []
 
     def probe_pushed(self, w: int, now: float) -> list[GlobalAction]:
-        """The probe's PUSH of ``w`` arrived at ``now``: its link time is what its first
-        grouping adds to its compute (``WorkerEntry.iteration``); logged."""
+        """The probe's PUSH of ``w`` arrived at ``now``: its link time, logged."""
         link = self.roster.probe_pushed(w, now)
         return [] if link is None else [Log("link_probe", {"worker": w, "link_s": link})]
 
@@ -156,8 +138,7 @@ class GlobalCore:
         return self._update_ratios(now)
 
     def on_initial(self, weights: np.ndarray) -> list[GlobalAction]:
-        """A worker's initial weights (WELCOME said ``need_init``): the first are taken; the
-        ones that follow are dropped if their size is the run's, else refused."""
+        """A worker's initial weights: the first are taken, later ones of another size refused."""
         if self.weights is None:
             self.weights = weights
             return [WeightsReady()]
@@ -167,10 +148,8 @@ class GlobalCore:
         return []
 
     # -- grouping --------------------------------------------------------------------------
-
     def calib_timeout(self, now: float) -> list[GlobalAction]:
-        """``calib_timeout_s`` passed: group whoever reported; with nobody yet, the first STATS
-        will, so a server started before its workers does not wait for all of them."""
+        """``calib_timeout_s`` passed: group whoever reported (nobody yet: the first STATS)."""
         if self.grouped:
             return []
         self.calib_expired = True
@@ -183,11 +162,10 @@ class GlobalCore:
         return actions
 
     def first_assignment(self, now: float) -> dict[int, int]:
-        """``{worker: group}`` of the first grouping (group 0 = fastest), GDTopK's first ratios
-        set (``ratio_of``), before the groups open."""
+        """``{worker: group}`` (0 = fastest), its ratios and H set before the groups open."""
         assignment = self.roster.first_assignment()
         self.roster.first_ratios(assignment, now)
-        self._first_steps = self.roster.steps_for(assignment)
+        self.roster.first_steps = self.roster.steps_for(assignment)
         return assignment
 
     def ratio_of(self, g: int) -> float:
@@ -196,12 +174,10 @@ class GlobalCore:
 
     def groups_formed(self, handles: list[GroupHandle], assignment: dict[int, int],
                       now: float) -> list[GlobalAction]:
-        """The first groups are open (``handles``, after ``first_assignment``), each with the
-        global weights as they are at ``now``: training starts, every worker of ``assignment``
-        is in its group."""
+        """The first groups are open (``handles``) with the global weights as of ``now``:
+        training starts, every worker of ``assignment`` is in its group."""
         for h in handles:
-            self.groups[h.id] = h
-            self.merger.synced_now(h.id, now)
+            self.group_opened(h, now)
         self.roster.refresh_step_times()
         self.started_training = self.wall()
         for w, g in assignment.items():
@@ -215,8 +191,7 @@ class GlobalCore:
                 *self._local_steps_actions(steps)]
 
     def _local_steps_actions(self, changed: list[int]) -> list[GlobalAction]:
-        """Local steps auto: log the groups' H and send the changed ones (with ASSIGN, as
-        GDTopK's ratios: ``SendSettings``)."""
+        """Local steps auto: log the groups' H, send the changed ones (``SendSettings``)."""
         if not changed:
             return []
         return [Log("local_steps", {"local_steps": {str(g): h.local_steps
@@ -224,8 +199,7 @@ class GlobalCore:
                 SendSettings({g: self.groups[g].ratio for g in changed})]
 
     def place_late(self, w: int) -> list[GlobalAction]:
-        """Worker ``w`` reported after the grouping: ``Placed`` in the group nearest in speed
-        (logged); nothing when it has one already."""
+        """Worker ``w`` reported after the grouping: ``Placed`` in the group nearest in speed."""
         entry = self.workers[w]
         if entry.group >= 0:
             return []
@@ -235,14 +209,13 @@ class GlobalCore:
                                "iteration_s": entry.iteration()}), Placed(w, g)]
 
     def group_opened(self, h: GroupHandle, now: float) -> list[GlobalAction]:
-        """A new group (a regroup drew it) has its server, opened with the global weights."""
+        """Group ``h`` has its server, opened with the global weights as of ``now``."""
         self.groups[h.id] = h
         self.merger.synced_now(h.id, now)
         return []
 
     def moved(self, moves: dict[int, int], now: float) -> list[GlobalAction]:
-        """A ``Regroup`` carried out: ``{worker: group}`` (open groups) moved; the groups'
-        speeds and GDTopK's ratios anew."""
+        """A ``Regroup`` carried out (``{worker: group}``, open groups); the ratios anew."""
         for w, g in moves.items():
             self.roster.move(w, g)
         return [Log("regroup", {"moved": {str(w): g for w, g in moves.items()},
@@ -250,48 +223,33 @@ class GlobalCore:
                 *self._update_ratios(now)]
 
     def group_served(self, g: int, address: str) -> list[GlobalAction]:
-        """A group process at ``address`` took group ``g`` over (it had none: ``Roster.orphan``)."""
+        """A group process at ``address`` took group ``g`` over (``Roster.orphan``)."""
         h = self.groups[g]
         h.served, h.address = True, address
         return [Log("group_adopted", {"group": g, "address": address})]
 
     def group_lost(self, g: int, final: bool = False) -> list[GlobalAction]:
-        """Group ``g``'s group process is gone. At the end of the run (``final``: it sent its
-        final delta, or the budget is spent) that is how a group ends (``group_ended``), not a
-        loss."""
+        """Group ``g``'s group process is gone: lost, or ended (``final``, or the run is)."""
         self.groups[g].served = False
         return [Log("group_ended" if final or self.done else "group_lost", {"group": g})]
 
     def rehome(self, g: int) -> list[GlobalAction]:
-        """Nobody took lost group ``g`` over: its workers move to the live groups nearest in
-        speed (``Roster.rehome``; nothing when there is none or the run is over)."""
-        if self.groups[g].served or self.done:
-            return []
-        moved = self.roster.rehome(g)
-        if not moved:
+        """Nobody took lost group ``g`` over: its workers move (``Roster.rehome``)."""
+        if self.groups[g].served or self.done or not (moved := self.roster.rehome(g)):
             return []
         return [Log("rehomed", {"group": g, "moved": {str(w): v for w, v in moved.items()}}),
                 Rehomed(g, moved)]
 
     def resume(self, handles: dict[int, GroupHandle], state: dict[str, Any]) -> list[GlobalAction]:
-        """The checkpoint's groups (``state``, after ``load_state_dict``) opened again:
-        in-process ones take their saved state, a group process adopts its group later."""
+        """The checkpoint's groups (``state``, after ``load_state_dict``) opened again."""
         self.grouped = True
-        for key, saved in state["groups"].items():
-            h = handles[int(key)]
-            restore_group(h, saved)
-            self.merger.merged[h.id] = Merged(saved.get("merged") or [list(h.last_exchange)])
-        self.groups.update(sorted(handles.items()))
-        self.roster.restore_regrouper()
+        restore_groups(self.roster, self.merger.merged, handles, state)
         self.started_training = self.wall() - float(state["train_s"])
         return []
 
     # -- GDTopK ratios -----------------------------------------------------------------------
-
     def _update_ratios(self, now: float) -> list[GlobalAction]:
-        """GDTopK: when the ratio policy (``Roster.update_ratios``, ratios.py) gives new
-        ratios, log them and send them (``SendSettings``); local steps auto: the groups' H
-        likewise."""
+        """GDTopK's new ratios (``Roster.update_ratios``) and local steps auto's new H, sent."""
         new = self.roster.update_ratios(now)
         steps = self._local_steps_actions(self.roster.update_local_steps())
         if not new:
@@ -302,16 +260,11 @@ class GlobalCore:
                                "iter_time": times}), SendSettings(new), *steps]
 
     # -- the groups' exchanges (the round trip is core/merge.py's) ---------------------------
-
     def merge(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
-              wire_in: int | None = None,
               traffic: Mapping[str, int] | None = None) -> list[GlobalAction]:
-        """Group ``g``'s exchange merged (``Merger.merge``: the weights, its answer; ``traffic``,
-        the worker bytes the shell counted, bounds the run's) and what it decides beyond them: a
-        failure (a delta not finite), GDTopK's ratios, the budget; ``GroupReply`` (last) with
-        the ``ExchangeResult``."""
-        out = self.merger.merge(g, delta, stats, now, done=self.done, traffic=traffic,
-                                wire_in=wire_in)
+        """Group ``g``'s exchange merged (``Merger.merge``) and what it decides beyond the
+        weights: a failure, ratios, the budget; ``GroupReply`` (last) with the result."""
+        out = self.merger.merge(g, delta, stats, now, done=self.done, traffic=traffic)
         actions: list[GlobalAction] = self.fail("diverged", out.diverged) if out.diverged else []
         if out.added and self.roster.policy is not None:  # its iteration time feeds GDTopK
             self.roster.observe_iter_time(g, stats.get("iter_time"), now)
@@ -322,19 +275,15 @@ class GlobalCore:
         return [*actions, GroupReply(g, out.result)]
 
     def on_exchange(self, g: int, delta: Delta, stats: dict[str, Any], now: float,
-                    wire_in: int | None = None,
                     traffic: Mapping[str, int] | None = None) -> list[GlobalAction]:
-        """A group process's EXCHANGE (its delta and counters, ``wire_in`` bytes on the wire):
-        ``merge``; ``GroupReply`` (last) with the EXCHANGE_REPLY (``Merger.exchange_reply``)."""
-        actions = self.merge(g, delta, stats, now, wire_in, traffic)
+        """A group process's EXCHANGE: ``merge``; ``GroupReply`` (last) with EXCHANGE_REPLY."""
+        actions = self.merge(g, delta, stats, now, traffic)
         res = reply(actions, ExchangeResult)
-        answer = res.reply or self.merger.exchange_reply(g, res.weights, self.done)
-        return [*actions[:-1], GroupReply(g, answer)]
+        return [*actions[:-1], GroupReply(g, self.merger.exchange_reply(g, res.weights, res.done))]
 
     def group_pull(self, g: int, now: float,
                    traffic: Mapping[str, int] | None = None) -> list[GlobalAction]:
-        """A group process takes the global weights whole at ``now`` (``Merger.pulled``):
-        ``GroupReply`` with GLOBAL_WEIGHTS, naming the exchange the server merged last."""
+        """A group process's PULL: GLOBAL_WEIGHTS, naming the exchange merged last."""
         msg = self.weights_message(self.merger.pulled(g, now), members=self.groups[g].members,
                                    traffic=traffic)
         last = list(self.groups[g].last_exchange)
@@ -346,7 +295,6 @@ class GlobalCore:
         return self._check_budget()
 
     # -- the budget --------------------------------------------------------------------------
-
     def _check_budget(self) -> list[GlobalAction]:
         actions: list[GlobalAction] = []
         if self.run.epochs > 0 and self.samples >= self.run.epochs * self.train_size:
@@ -355,14 +303,11 @@ class GlobalCore:
             actions.append(AllFinal())  # the end, or a wait for the workers to rejoin
         return actions
 
-    # Every group flushed its final delta. With nothing left to train for that is the end; with
-    # budget left, every worker is gone at once only for a while (stopped, partitioned past the
-    # lease, restarted): they get ``wait_s`` to come back, counted from the latest group's end
-    # (or a group process adopting a group meanwhile), and a group's first non-final merge
-    # means they are back. The shell ticks the wait (``tick``).
+    # Every group final with budget left: every worker is gone at once, only for a while
+    # (stopped, partitioned, restarted). They get ``wait_s``, counted from the latest group's
+    # end; a group's first non-final merge means they are back. The shell ticks the wait.
     def all_final(self, now: float, wait_s: float) -> list[GlobalAction]:
-        """Every group is final at ``now``: the run ends (``RunDone``) or waits ``wait_s`` for
-        its workers (logged; ``tick``)."""
+        """Every group is final at ``now``: the run ends, or waits ``wait_s`` for its workers."""
         left = self.budget_left()
         if not left:
             return self.finish("workers left")
@@ -370,8 +315,7 @@ class GlobalCore:
         return [Log("waiting_for_workers", {"wait_s": wait_s, "left": left})]
 
     def tick(self, now: float) -> list[GlobalAction]:
-        """The time is ``now``: a rejoin wait ends when a group trains again (logged) and fails
-        the run when it runs out (``Fail``, ``workers_gone``)."""
+        """A rejoin wait at ``now``: over when a group trains again, a failure once past."""
         if self._rejoin is None:
             return []
         by, wait_s, left = self._rejoin
@@ -384,14 +328,8 @@ class GlobalCore:
         return self.fail("workers_gone", "the run ended short of its budget: every worker was "
                          f"gone for {wait_s:.0f} s with {left} left (--rejoin-wait)")
 
-    def waiting(self) -> bool:
-        """A rejoin wait runs (``all_final``): the shell keeps ticking."""
-        return self._rejoin is not None
-
     def budget_left(self) -> str:
-        """What is left of the budget ("" when it is spent, when the run is over (``done``: one
-        budget spent leaves nothing of another), or when the workers end the run: a
-        ``max_steps`` cap or no budget at all)."""
+        """What is left of the budget ("": spent, the run is over, or the workers end it)."""
         run = self.run
         if run.max_steps > 0 or self.done:
             return ""
@@ -414,8 +352,7 @@ class GlobalCore:
         return [Log("done", {"reason": reason, "train_s": self.trained_s()}), RunDone(reason)]
 
     def fail(self, code: str, reason: str) -> list[GlobalAction]:
-        """End the run now because of ``reason`` (kept in ``failure``; the first one counts):
-        ``Fail`` tells the workers, then the run is ``done``."""
+        """End the run now because of ``reason`` (the first one is ``failure``): ``Fail``."""
         if self.failure:
             return []
         self.failure = reason
@@ -423,10 +360,8 @@ class GlobalCore:
                 *self.finish(code)]
 
     # -- checkpoints -------------------------------------------------------------------------
-
     def checkpoint_state(self, held: dict[int, dict[str, Any]] | None = None) -> dict[str, Any]:
-        """A consistent snapshot of the run (``snapshot``; ``held``: what the shell holds of
-        each group, its traffic and an in-process group's training state)."""
+        """A snapshot of the run (``held``: the shell's traffic and states of each group)."""
         assert self.weights is not None
         return snapshot(self.run, self.roster, self.weights, version=self.version,
                         samples=self.samples, saved_at=self.wall(),
@@ -434,21 +369,18 @@ class GlobalCore:
                         held=held or {})
 
     def load_state_dict(self, state: dict[str, Any]) -> list[GlobalAction]:
-        """A checkpoint's weights, counters and workers (``ConfigError`` when it belongs to
-        another model or config); its groups come back with ``resume``."""
+        """A checkpoint's weights, counters and workers (its groups: ``resume``)."""
         self.weights = restore_workers(self.run, self.roster, state)
         self.merger.changes = None  # nothing before the checkpoint's weights is known
         self.version, self.samples = state["version"], state["samples"]
         return [WeightsReady()]
 
-    # -- weights and traffic for the other roles-----------------------------------------------
-
+    # -- messages for the other roles --------------------------------------------------------
     def weights_message(self, weights: Delta | None = None, final: bool = False,
                         members: list[int] | None = None,
                         traffic: Mapping[str, int] | None = None) -> messages.GlobalWeights:
-        """GLOBAL_WEIGHTS with the global weights (or an exchange's sparse answer: entries to
-        set) and the run's counters (``traffic``: its worker bytes, ``bytes_up`` and
-        ``bytes_down``, as the shell's ledger counts them)."""
+        """GLOBAL_WEIGHTS with the global weights (or ``weights``) and the run's counters
+        (``traffic``: the worker bytes of the shell's ledger, ``bytes_up`` / ``bytes_down``)."""
         w = self.weights if weights is None else weights
         w = w if w is not None else np.zeros(0, np.float32)
         traffic = traffic or {}
@@ -460,18 +392,8 @@ class GlobalCore:
             payload=sparse.encode_vector(w))
 
     def assign_message(self, h: GroupHandle) -> control.Assign:
-        """ASSIGN for group ``h``: its address, ratio, the run's staleness bound and its
-        local steps H (0: the run's)."""
+        """ASSIGN for group ``h``: address, ratio, the run's staleness bound, H (0: the run's)."""
         s = self.run.staleness_bound
         return control.Assign(group=h.id, address=h.address, ratio=h.ratio,
                                staleness=-1 if s is None else int(s),
-                               local_steps=self.local_steps_of(h))
-
-    def local_steps_of(self, h: GroupHandle) -> int:
-        """Group ``h``'s H for its ASSIGN: the one ``Roster.update_local_steps`` set, or with
-        local steps auto before it did (a group process is given its group before the groups
-        form) the first grouping's (``Roster.steps_for``), else the fastest group's; 0: the
-        run's."""
-        if h.local_steps or not self.run.local_steps_auto:
-            return h.local_steps
-        return self._first_steps.get(h.id) or self.run.local_steps_max
+                               local_steps=self.roster.local_steps_of(h))

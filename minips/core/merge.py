@@ -39,7 +39,7 @@ from minips.core.exchange import (
 from minips.core.replay import MAX_SESSIONS, Merged
 from minips.core.roster import Roster
 from minips.errors import RemoteProtocolError
-from minips.wire import frames, messages
+from minips.wire import messages
 from minips.wire.messages import MAX_COUNT
 
 __all__ = ["MergeOutcome", "Merger"]
@@ -78,15 +78,12 @@ class Merger:
         self.merged: dict[int, Merged] = {}  # group id -> last merged seq of its sessions
 
     def merge(self, g: int, delta: Delta, stats: dict[str, Any], now: float, *, done: bool,
-              traffic: Mapping[str, int] | None = None,
-              wire_in: int | None = None) -> MergeOutcome:
+              traffic: Mapping[str, int] | None = None) -> MergeOutcome:
         """Add group ``g``'s delta (dense or sparse) to the global weights and answer with what
         the group's copy lacks (``exchange.py``: dense weights, or entries to set). A repeat (a
         seq not above its session's last merged one) is answered without merging, with what the
         lost reply set. ``traffic``: worker bytes as the shell counts them (``check_counters``).
-        ``wire_in``: the bytes the exchange took on the wire; then the reply is made here
-        (``ExchangeResult.reply``) and the group's hop is counted. ``done``: the run's budget is
-        spent (the answer says so)."""
+        ``done``: the run's budget is spent (the answer says so)."""
         assert self.weights is not None
         h = self.groups[g]
         key = (int(stats.get("session", -1)), int(stats.get("seq", -1)))
@@ -113,15 +110,10 @@ class Merger:
         sent = self.mirror(g).answer(self.weights, repeat, self.change_log())
         self.synced_now(g, now)  # what the answer brings the group's copy up to
         res = ExchangeResult(sent, self.version, done, self.samples)
-        if wire_in is not None:  # made once: counted here, sent as it is (``on_exchange``)
-            res.reply = self.exchange_reply(g, sent, done)
-            res.bytes_up, res.bytes_down = wire_in, frames.wire_size(res.reply)
-            h.hop_bytes["bytes_to_global"] += res.bytes_up
-            h.hop_bytes["bytes_from_global"] += res.bytes_down
-        if added:
+        if added:  # the shell adds the bytes of the exchange's frames (it counts them)
             fields = {k: v for k, v in stats.items() if k not in ("version", "samples")}
             logs.append(Log("merge", {"group": g, "group_samples": stats.get("samples", 0),
-                                      **fields, **h.hop_bytes, **stale}))
+                                      **fields, **stale}))
         return MergeOutcome(res, added, diverged, logs)
 
     def _add_delta(self, g: int, delta: Delta, stats: dict[str, Any]) -> str:

@@ -123,8 +123,6 @@ class GroupHandle:
         self.local_steps = 0  # H of its workers with local_steps auto (0: the run's H)
         self.final = False  # flushed its last delta
         self.merges = 0
-        # its exchanges' bytes on the wire as this server counted them (since it started)
-        self.hop_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}
         self.last_exchange = (-1, -1)  # (session, seq) of the last merged exchange
         # last_exchange as of the last two checkpoint snapshots, older first (exchange.py)
         self.snapshots: list[tuple[int, int]] = [(-1, -1)] * 2
@@ -167,6 +165,7 @@ class Roster:
         self._claimed: dict[int, float] = {}  # id -> `now` it was given to a handshake
         self._probes: dict[int, float] = {}  # worker -> `now` its link probe's weights went out
         self._fastest: dict[int, float] = {}  # worker -> its fastest probe this session (s)
+        self.first_steps: dict[int, int] = {}  # local steps auto: H per group, first grouping
         from minips.compress.registry import ratio_policy  # plug-ins load with a run
 
         self.policy = ratio_policy(run.compressor, run.ratio, direction=run.gdtopk_direction,
@@ -379,6 +378,14 @@ class Roster:
                 times.setdefault(g, []).append(t)
         return auto_local_steps({g: float(np.mean(t)) for g, t in times.items()},
                                 self.run.local_steps_max)
+
+    def local_steps_of(self, h: GroupHandle) -> int:
+        """Group ``h``'s H for its ASSIGN: the one ``update_local_steps`` set, or with local
+        steps auto before it did (a group process is given its group before the groups form)
+        the first grouping's (``steps_for``), else the fastest group's; 0: the run's."""
+        if h.local_steps or not self.run.local_steps_auto:
+            return h.local_steps
+        return self.first_steps.get(h.id) or self.run.local_steps_max
 
     def speeds(self, workers: Iterable[int]) -> dict[str, dict[str, float | None]]:
         """What the grouping saw of ``workers``: ``iteration_s`` (``WorkerEntry.iteration``,

@@ -1,5 +1,5 @@
 """A global server's checkpoint state, sans-IO: what a snapshot holds, taken in one call, and how
-it comes back in parts (``restore_workers``, then each group with ``restore_group``);
+it comes back in parts (``restore_workers``, then the groups with ``restore_groups``);
 ``global_core.GlobalCore`` takes and restores it, ``server.GlobalServer`` writes and reads the
 file (``record/checkpoint.py``: atomic, no pickle).
 
@@ -30,16 +30,17 @@ from minips.core.replay import Merged
 from minips.core.roster import GroupHandle, Roster, WorkerEntry
 from minips.errors import ConfigError
 
-__all__ = ["snapshot", "restore_workers", "restore_group", "FORMAT", "FINGERPRINT_FIELDS",
-           "fingerprint", "check_compatible"]
+__all__ = ["snapshot", "restore_workers", "restore_groups", "restore_group", "FORMAT",
+           "FINGERPRINT_FIELDS", "fingerprint", "check_compatible"]
 
 
 def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: int,
              samples: int, saved_at: float, train_s: float, merged: dict[int, Merged],
              held: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The checkpoint state now (see the module docstring); marks each group's snapshots.
-    ``held``: what the shell holds of each group, saved with it: its worker ``traffic`` and,
-    for a group server in the shell's process, its training ``state``."""
+    ``held``: what the shell holds of each group, saved with it: its worker ``traffic``, the
+    bytes of its exchanges (``hop_bytes``) and, for a group server in the shell's process, its
+    training ``state``."""
     for h in roster.groups.values():  # replies to group processes name these (exchange.py)
         h.snapshots = [h.snapshots[-1], h.last_exchange]
     groups = {g: {"members": list(h.members), "ratio": h.ratio, "step_time": h.step_time,
@@ -48,7 +49,8 @@ def snapshot(run: RunConfig, roster: Roster, weights: np.ndarray, *, version: in
                   "merged": merged[g].pairs() if g in merged else [],
                   # the hops' byte counters go on after a resume (summary, charts)
                   "traffic": dict(held.get(g, {}).get("traffic") or {}),
-                  "hop_bytes": dict(h.hop_bytes), "state": held.get(g, {}).get("state")}
+                  "hop_bytes": dict(held.get(g, {}).get("hop_bytes") or {}),
+                  "state": held.get(g, {}).get("state")}
               for g, h in roster.groups.items()}
     workers = {w: {"group": e.group, "step_time": e.step_time, "clock": e.clock,
                    "iteration_s": e.iteration_s, "link_s": e.link_s}  # what grouping uses
@@ -72,15 +74,27 @@ def restore_workers(run: RunConfig, roster: Roster, state: dict[str, Any]) -> np
     return weights
 
 
+def restore_groups(roster: Roster, merged: dict[int, Merged],
+                   handles: dict[int, GroupHandle], state: dict[str, Any]) -> None:
+    """The checkpoint's groups (``state``) into their new ``handles`` and the ``roster``, with
+    the last merged seq of each of their sessions (``merged``); the Regrouper goes on from the
+    saved assignment."""
+    for key, saved in state["groups"].items():
+        h = handles[int(key)]
+        restore_group(h, saved)
+        merged[h.id] = Merged(saved.get("merged") or [list(h.last_exchange)])
+    roster.groups.update(sorted(handles.items()))
+    roster.restore_regrouper()
+
+
 def restore_group(h: GroupHandle, saved: dict[str, Any]) -> None:
     """Group ``h`` (opened again, in-process or waiting for its group process) as saved; its
-    training state and traffic are the shell's to restore (``GroupPeer``)."""
+    training state, traffic and exchange bytes are the shell's to restore."""
     h.ratio, h.step_time, h.merges = saved["ratio"], saved["step_time"], saved["merges"]
     h.local_steps = int(saved.get("local_steps", 0))  # absent in older checkpoints: the run's
     session, seq = saved.get("last_exchange", (-1, -1))  # absent in older checkpoints
     h.last_exchange = (int(session), int(seq))
     h.snapshots = [h.last_exchange] * 2  # the checkpoint file is the one snapshot there is
-    h.hop_bytes.update({k: int(v) for k, v in (saved.get("hop_bytes") or {}).items()})
 
 
 FORMAT = 1  # bump when the meaning of the stored map changes

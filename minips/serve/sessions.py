@@ -58,7 +58,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from minips import sparse
-from minips.core.actions import AllFinal, GlobalAction, GroupReply, Rehomed
+from minips.core.actions import AllFinal, GlobalAction, GroupReply, Rehomed, reply
 from minips.core.global_core import GlobalCore
 from minips.core.roster import GroupHandle
 from minips.errors import ConfigError, RemoteProtocolError
@@ -102,6 +102,9 @@ class Shell(Protocol):
 
     def peer(self, g: int) -> GroupPeer:
         """Group ``g``'s server (``NoGroup`` when none is known)."""
+
+    def count_exchange(self, g: int, up: int, down: int) -> None:
+        """Group ``g``'s exchange took ``up`` bytes on the wire and its reply ``down``."""
 
     def traffic(self, g: int | None = None) -> dict[str, int]:
         """Worker <-> group bytes: the run's (``bytes_up``, ``bytes_down``), and group ``g``'s
@@ -372,8 +375,11 @@ async def _on_group_message(srv: Shell, ch: Channel, handle: GroupHandle,
         delta = sparse.decode_vector(msg.payload, core.weights.size)
         # traffic counts of all its sessions, on top of what its earlier ones reported
         info = handle.across_sessions(msg.info, srv.peer(handle.id).traffic())
-        await _answer(srv, ch, core.on_exchange(handle.id, delta, info, time.monotonic(),
-                                                frames.wire_size(msg), srv.traffic(handle.id)))
+        actions = core.on_exchange(handle.id, delta, info, time.monotonic(),
+                                   srv.traffic(handle.id))
+        answer = reply(actions, messages.ExchangeReply)  # counted before the merge is logged
+        srv.count_exchange(handle.id, frames.wire_size(msg), frames.wire_size(answer))
+        await _answer(srv, ch, actions)
     elif isinstance(msg, control.Leave):
         srv.perform(core.group_left(handle.id))
         return True
