@@ -66,7 +66,8 @@ class PlaceLate:
 
 @dataclass(frozen=True)
 class Placed:
-    """Worker ``worker`` (reported after the grouping) is in group ``group`` now: tell it."""
+    """Worker ``worker`` (reported after the grouping) is in group ``group`` now: tell it and
+    the group's server."""
 
     worker: int
     group: int
@@ -130,7 +131,8 @@ class Fail:
 
 @dataclass(frozen=True)
 class Rehomed:
-    """Lost group ``group``'s workers moved: ``{worker: new group}``; tell them."""
+    """Lost group ``group``'s workers moved: ``{worker: new group}``; tell them and their new
+    groups' servers."""
 
     group: int
     moved: dict[int, int]
