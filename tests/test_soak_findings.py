@@ -1,5 +1,6 @@
-"""What the soak (scripts/soak.py) found, each replayed alone (real processes, or sans-IO);
-each is fixed, and its test keeps it so. What each was:
+"""What the soak (scripts/soak.py) found, each replayed alone (real processes, or sans-IO).
+The first three are fixed, and their tests keep them so; the last is open (xfail, strict: its
+test fails once minips/worker.py is fixed, and loses the mark). What each was:
 
 A checkpoint the global server cannot write (a full disk: the soak fills the checkpoint
 directory's tmpfs) ended the run: server.py's ``_save_loop`` let the ``OSError`` of
@@ -22,6 +23,11 @@ not ``since`` (the pushes and samples since the last exchange), while the group'
 restored held those pushes. The next exchange sent their delta with samples 0, so the global
 sample count ended below what the workers saw ACKed (soak seed 1: 7,424 missing where the two
 global-server kills' windows account for 7,104). Replayed sans-IO.
+
+Open: a worker still timing its calibration steps when the budget is spent (the soak's nemesis
+killed it shortly before the end and restarted it) exits 2 instead of 0: it goes on
+calibrating after LEAVE(done) and sends its STATS on the closed channel. Replayed with a slow
+worker beside a fast one that spends a small budget.
 """
 
 from __future__ import annotations
@@ -153,3 +159,40 @@ def test_pushes_counted_before_a_checkpoint_are_counted_after_the_resume() -> No
     moved = w + 1.0  # the restored group weights hold the three pushes
     out = resumed.begin(moved, {})
     assert out.stats["samples"] == 192 and out.stats["pushes"] == 3, out.stats
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.xfail(strict=True, reason="open finding: a worker still calibrating when the "
+                   "budget is spent exits 2 (minips/worker.py)")
+def test_a_worker_calibrating_when_the_run_ends_exits_0(tmp_path: Path) -> None:
+    """The soak's w1 and w7 (two short soaks of seed 0): killed, restarted, and still timing its
+    calibration steps when the budget was spent. The global server sends it LEAVE(done) and
+    closes its control channel; the worker goes on calibrating, then sends its STATS on the
+    closed channel and exits 2 ("connection is closed (connection closed by peer)") where a
+    worker the run's end reaches exits 0. Replayed: a second worker whose calibration steps
+    take 3 s each (--slowdown 60) beside one that spends the budget in a few seconds."""
+    write_init(tmp_path, "lenet5", 0)
+    ready = tmp_path / "server.addr"
+    server = start(tmp_path, "server", "server", "--port", "0", "--run-dir", str(tmp_path),
+                   "--ready-file", str(ready), "--quiet", "--init", str(tmp_path / "init.npy"),
+                   "--mode", "ssp", "--compressor", "none", "--workers", "2", "--epochs", "0.1",
+                   "--base-step", "0.05", "--calib-timeout", "5")  # then groups without it
+    procs = [server]
+    try:
+        wait_for("server ready", ready.exists, 60, (server,))
+        host, port = ready.read_text().split()
+        for i, slowdown in enumerate(("1", "60")):
+            procs.append(start(tmp_path, f"worker{i}", "worker", "--connect", f"{host}:{port}",
+                               "--id", str(i), "--slowdown", slowdown, "--run-dir",
+                               str(tmp_path)))
+        assert server.wait(timeout=90) == 0
+        assert procs[1].wait(timeout=30) == 0
+        slow = procs[2].wait(timeout=60)
+        assert "ms/step measured" not in (tmp_path / "worker1.log").read_text()  # it was
+        # still calibrating when the run ended: the case replayed
+        assert slow == 0, (tmp_path / "worker1.log").read_text()[-500:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
