@@ -16,11 +16,6 @@ the rest of minips runs without ray installed. The file holds, in order:
   checkpoint (``--resume``), a worker rejoins under its id. The training traffic is minips' own
   TCP protocol, authenticated with MINIPS_TOKEN as always.
 
-Start-up is most of a short run, so nothing waits that need not: a local Ray instance starts
-without Ray's dashboard, every actor is created at once, and a role's process imports its modules
-(torch, for a worker) while the global server starts; it gets its arguments (``RoleActor.start``:
-the server's address) once the server listens. The actors' own processes import no numpy.
-
 Before it places an actor, the driver compares what the actors ask for (each role's resources
 and node labels) with the nodes' resources (``unplaceable``). On a Ray instance on this machine
 (no ``address``) nothing else will join, so a shortfall is refused in one line (``ConfigError``:
@@ -44,8 +39,7 @@ Invariants:
   actor then adds ``--resume`` when its checkpoint (``resume_if``) is there; a worker's
   reconnects with its id and rejoins.
 - ``{node_ip}`` and ``{dir}`` in the role's arguments become this node's address and the role's
-  directory, which only the actor knows; ``{server}`` the global server's address, given by the
-  driver once it listens (``start``), or asked of the server's actor by a restarted actor.
+  directory, which only the actor knows.
 """
 
 from __future__ import annotations
@@ -92,30 +86,22 @@ __all__ = [
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 MAX_COLLECT_BYTES = 256 << 20  # files larger than this stay on the node (e.g. big checkpoints)
 READY_POLL_S = 0.1
-READY_TIMEOUT_S = 120.0  # the global server must listen within this long, once placed
 
 
-# The child's first lines: ask for SIGKILL when the actor's process ends (so a killed actor leaves
-# no role behind), make sure the actor did not end before that, import the role's modules (torch:
-# seconds, spent while the global server starts), then read the role's arguments, one JSON line on
-# stdin (given once the server listens), and run `minips ARGS` in this process. Its command line:
-# LAUNCHER ACTOR_PID ROLE_DIR MODULE..., so `ps` names the run and the role. (Done in the child,
+# The child's first lines: ask for SIGKILL when the actor's process ends (kept across exec), make
+# sure the actor did not end before that, then become `python -m minips ARGS`. (Done in the child,
 # not with preexec_fn, which is unsafe in a process with threads such as a Ray worker.)
-LAUNCHER = ("import ctypes, importlib, json, os, signal, sys; "
+LAUNCHER = ("import ctypes, os, signal, sys; "
             f"ctypes.CDLL(None).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL); "
             "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
-            "[importlib.import_module(m) for m in sys.argv[3:]]; "
-            "args = json.loads(sys.stdin.readline() or 'null') or sys.exit(1); "
-            "sys.argv = ['minips', *args]; "
-            "from minips.run.cli import main; sys.exit(main(args))")
-PRELOAD = {"worker": ["minips.worker"], "evaluator": ["minips.evaluator"]}  # + the CLI, all roles
+            "os.execv(sys.executable, [sys.executable, '-m', 'minips', *sys.argv[2:]])")
 
 
 class RoleActor:
     """One role's child process (see the module docstring)."""
 
     def __init__(self, name: str, run_id: str, argv: list[str], env: dict[str, str],
-                 files: dict[str, bytes], resume_if: str = "", server: str = "") -> None:
+                 files: dict[str, bytes], resume_if: str = "") -> None:
         ctx = ray.get_runtime_context()
         self.name = name
         self.restarted = bool(ctx.was_current_actor_reconstructed)
@@ -129,30 +115,12 @@ class RoleActor:
         if self.restarted and resume_if and (self.dir / resume_if).exists():
             args.append("--resume")  # the global server: continue from its checkpoint
         self.argv = args
-        self.started = False  # the child has its arguments (``start``)
         (self.dir / "ready").unlink(missing_ok=True)  # a restart's server writes a new one
         with open(self.dir / f"{name}.log", "ab") as log:  # the child keeps its own copy
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", LAUNCHER, str(os.getpid()), str(self.dir),
-                 "minips.run.cli", *PRELOAD.get(args[0], [])], cwd=self.dir, stdin=subprocess.PIPE,
+                [sys.executable, "-c", LAUNCHER, str(os.getpid()), *args], cwd=self.dir,
                 env={**os.environ, **env, "PYTHONUNBUFFERED": "1"}, stdout=log,
                 stderr=subprocess.STDOUT)
-        if not server:  # the global server: nothing to wait for
-            self.start("")
-        elif self.restarted:  # the driver gave the first one the address; ask the server
-            self.start(str(ray.get(ray.get_actor(server).address.remote(READY_TIMEOUT_S))))
-
-    def start(self, address: str) -> None:
-        """Give the child its arguments, ``{server}`` (the global server's HOST:PORT) replaced
-        by ``address``: the role starts (once; a restarted actor's child has them already)."""
-        if self.started:
-            return
-        self.argv = [a.replace("{server}", address) for a in self.argv]
-        assert self.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):  # the child died: ``wait`` tells
-            self.proc.stdin.write(json.dumps(self.argv).encode() + b"\n")
-            self.proc.stdin.close()
-        self.started = True
 
     def where(self) -> dict[str, Any]:
         """Where this role runs: node id and address, child pid, restarted or not, argv."""
@@ -217,6 +185,7 @@ RemoteRole: Any = ray.remote(RoleActor)  # the actor class; options (resources, 
 
 # -- the driver: place the roles, wait for the run, collect its files ------------------------------
 
+READY_TIMEOUT_S = 120.0  # the global server must listen within this long, once placed
 # After the global server exits the others have nothing left to do (the workers left before it
 # ended): they get this long to end, then are stopped. An evaluator busy with an older version
 # when the server ended, say, would retry the server for its --reconnect seconds.
@@ -462,45 +431,47 @@ def _waiting(names: list[str], asked: dict[str, Placement]) -> str:
     return "; ".join(parts)
 
 
-def _argv(role: str, extra: list[str]) -> list[str]:
-    return [role, "--connect", "{server}", "--run-dir", "{dir}", *extra]
+def _argv(role: str, address: str, extra: list[str]) -> list[str]:
+    return [role, "--connect", address, "--run-dir", "{dir}", *extra]
 
 
 def start_roles(cfg: RayConfig, run_id: str, token: str, into: dict[str, Any] | None = None,
                 deadline: float | None = None) -> dict[str, Any]:
-    """Create every actor at once, wait until Ray placed them all (``wait_placed``, naming
-    those that wait), then give the others the global server's address once it listens (their
-    children import torch meanwhile); name -> handle, also in ``into`` as they are created, so
-    that a caller can stop them when this fails or times out."""
+    """Create every actor (the server first, the others once it listens) and wait until Ray
+    placed them all (``wait_placed``, naming those that wait); name -> handle, also in ``into``
+    as they are created, so that a caller can stop them when this fails or times out."""
     roles = {} if into is None else into
     since = time.monotonic()  # the waiting lines count from here
     env = {"MINIPS_TOKEN": token}
     common = {"max_restarts": cfg.max_restarts, "max_task_retries": -1}
-    server = f"minips-{run_id}-server"  # what a restarted actor asks the address of
     asked = {"server": cfg.server}
     server_argv = ["server", "--host", "{node_ip}", "--port", str(cfg.server_port), "--quiet",
                    "--run-dir", "{dir}", "--ready-file", "{dir}/ready", "--run-config",
                    "{dir}/run.json", "--external-groups", str(cfg.external_groups),
                    "--checkpoint-every", str(cfg.checkpoint_every_s)]
     files = {"run.json": json.dumps(cfg.run.to_info()).encode()}
-    roles["server"] = RemoteRole.options(name=server, **common, **cfg.server.options()).remote(
+    roles["server"] = RemoteRole.options(name=f"minips-{run_id}-server", **common,
+                                         **cfg.server.options()).remote(
         "server", run_id, server_argv, env, files, resume_if=CHECKPOINT_FILE)
-    others: list[tuple[str, Placement, list[str]]] = [
-        (f"group-{g}", cfg.groups, _argv("group", ["--listen", "{node_ip}:0"]))
-        for g in range(cfg.external_groups)]
-    factors = cfg.slowdowns + [1.0] * (cfg.run.workers - len(cfg.slowdowns))
-    others += [(f"worker-{i}", cfg.workers,
-                _argv("worker", ["--id", str(i), "--slowdown", str(factors[i])]))
-               for i in range(cfg.run.workers)]
-    if cfg.evaluate:
-        others.append(("evaluator", cfg.evaluator, _argv("evaluator", [])))
-    for name, place, argv in others:
-        asked[name] = place
-        roles[name] = RemoteRole.options(**common, **place.options()).remote(
-            name, run_id, argv, env, {}, server=server)
     wait_placed(roles, asked, deadline, cfg.timeout_s, since)
     address = str(ray.get(roles["server"].address.remote(READY_TIMEOUT_S)))
-    ray.get([actor.start.remote(address) for name, actor in roles.items() if name != "server"])
+    for g in range(cfg.external_groups):
+        argv = _argv("group", address, ["--listen", "{node_ip}:0"])
+        asked[f"group-{g}"] = cfg.groups
+        roles[f"group-{g}"] = RemoteRole.options(**common, **cfg.groups.options()).remote(
+            f"group-{g}", run_id, argv, env, {})
+    factors = cfg.slowdowns + [1.0] * (cfg.run.workers - len(cfg.slowdowns))
+    for i in range(cfg.run.workers):
+        argv = _argv("worker", address, ["--id", str(i), "--slowdown", str(factors[i])])
+        asked[f"worker-{i}"] = cfg.workers
+        roles[f"worker-{i}"] = RemoteRole.options(**common, **cfg.workers.options()).remote(
+            f"worker-{i}", run_id, argv, env, {})
+    if cfg.evaluate:
+        asked["evaluator"] = cfg.evaluator
+        roles["evaluator"] = RemoteRole.options(**common, **cfg.evaluator.options()).remote(
+            "evaluator", run_id, _argv("evaluator", address, []), env, {})
+    wait_placed({n: a for n, a in roles.items() if n != "server"}, asked, deadline, cfg.timeout_s,
+                since)
     return roles
 
 
@@ -553,7 +524,7 @@ def run_ray(cfg: RayConfig) -> dict[str, Any]:
     started = not ray.is_initialized()
     if started and cfg.address is None and not any("GPU" in p.resources for _, _, p in asks(cfg)):
         settle_local(cfg, _planned_local(cfg))  # refused in a second, before Ray starts
-    if started and cfg.address is None:  # without Ray's dashboard: nothing reads it (seconds)
+    if started and cfg.address is None:  # without Ray's dashboard: nothing here reads it
         ray.init(num_cpus=cfg.local_cpus, include_dashboard=False, log_to_driver=False)
     elif started:
         ray.init(address=cfg.address, log_to_driver=False)
