@@ -440,10 +440,15 @@ class Worker:
         try:
             if info.get("need_init"):
                 await self._send_initial()
-            await self._calibrate()
-            await asyncio.wait_for(self.control.assigned.wait(), ASSIGN_TIMEOUT_S)
-            self.trained_at = time.monotonic()  # a slowdown schedule counts from here
-            await self._train()
+            try:
+                await self._calibrate()
+            except ConnectionError:
+                if not self.control.done:  # not the run's end (LEAVE "done") meanwhile
+                    raise
+            if not self.control.done:  # a worker that joined as the run ended trains nothing
+                await asyncio.wait_for(self.control.assigned.wait(), ASSIGN_TIMEOUT_S)
+                self.trained_at = time.monotonic()  # a slowdown schedule counts from here
+                await self._train()
         finally:
             reader.cancel()
             await leave(self.control.ch)
@@ -475,10 +480,12 @@ class Worker:
         timed: it pays for one-off allocations and lazy initialisation."""
         loss, grad = await self._gradient(*self.parts.first_batch)
         times: list[float] = []
-        while not calibration_done(times, self.run_cfg.calib_steps):
+        while not calibration_done(times, self.run_cfg.calib_steps) and not self.control.done:
             t = time.perf_counter()
             loss, grad = await self._gradient(*self.parts.first_batch)
             times.append(await self._stretch(time.perf_counter() - t))
+        if self.control.done:  # the run ended meanwhile: nothing to report
+            return
         step_time = calibrated_step_time(times)
         if self.control.ch.welcome_info.get("link_probe"):  # a server that groups by it
             await self._probe_link(grad, loss, step_time)

@@ -1,6 +1,5 @@
 """What the soak (scripts/soak.py) found, each replayed alone (real processes, or sans-IO).
-The first three are fixed, and their tests keep them so; the last is open (xfail, strict: its
-test fails once minips/worker.py is fixed, and loses the mark). What each was:
+Each is fixed, and its test keeps it so. What each was:
 
 A checkpoint the global server cannot write (a full disk: the soak fills the checkpoint
 directory's tmpfs) ended the run: server.py's ``_save_loop`` let the ``OSError`` of
@@ -162,8 +161,6 @@ def test_pushes_counted_before_a_checkpoint_are_counted_after_the_resume() -> No
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(strict=True, reason="open finding: a worker still calibrating when the "
-                   "budget is spent exits 2 (minips/worker.py)")
 def test_a_worker_calibrating_when_the_run_ends_exits_0(tmp_path: Path) -> None:
     """The soak's w1 and w7 (two short soaks of seed 0): killed, restarted, and still timing its
     calibration steps when the budget was spent. The global server sends it LEAVE(done) and
