@@ -23,9 +23,9 @@ restored held those pushes. The next exchange sent their delta with samples 0, s
 sample count ended below what the workers saw ACKed (soak seed 1: 7,424 missing where the two
 global-server kills' windows account for 7,104). Replayed sans-IO.
 
-Open: a worker still timing its calibration steps when the budget is spent (the soak's nemesis
-killed it shortly before the end and restarted it) exits 2 instead of 0: it goes on
-calibrating after LEAVE(done) and sends its STATS on the closed channel. Replayed with a slow
+A worker still timing its calibration steps when the budget is spent (the soak's nemesis
+killed it shortly before the end and restarted it) exited 2 instead of 0: it went on
+calibrating after LEAVE(done) and sent its STATS on the closed channel. Replayed with a slow
 worker beside a fast one that spends a small budget.
 """
 
