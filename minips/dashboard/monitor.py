@@ -88,8 +88,8 @@ def check_extra() -> None:
 def probe(srv: GlobalServer, now: float) -> list[dict[str, Any]]:
     """The global server's view of each worker, as ``probe`` records for ``RunState.add``."""
     core = srv.core
-    tables = {g: h.peer.server.core.table for g, h in core.groups.items()
-              if isinstance(h.peer, InProcGroup)}
+    tables = {g: p.server.core.table for g, p in srv.peers.items()
+              if isinstance(p, InProcGroup)}
     clocks = {g: t.clocks for g, t in tables.items()}  # one copy per group, not per worker
     out = []
     for w, e in list(core.workers.items()):

@@ -141,7 +141,7 @@ class GroupServer:
 
     def forget(self, w: int) -> None:
         """Worker ``w`` was cut for a protocol violation on its control channel: unless it is
-        connected here, it leaves the clock table as after a LEAVE (``roster.GroupPeer``)."""
+        connected here, it leaves the clock table as after a LEAVE (``peers.GroupPeer``)."""
         if w not in self.channels:
             self._perform(self.core.leave(w))
 
