@@ -353,6 +353,16 @@ def test_regroup_labels_follow_the_old_groups() -> None:
     assert match_labels(new, old) == {0: 1, 1: 1, 2: 0, 3: 2}
 
 
+def test_a_regroup_never_sends_a_worker_to_a_group_that_ended() -> None:
+    """`minips ray --mode gssp` (seen once): group 1's only member left, its server flushed its
+    last delta; a regroup then split the live workers in two and named the new group 1 (the
+    first free label), so worker 2 was sent to a server that had gone."""
+    old = {0: 0, 2: 0, 3: 0}  # worker 1, group 1's only member, left: not in the old map
+    new = {0: 0, 2: 1, 3: 0}
+    assert match_labels(new, old) == {0: 0, 2: 1, 3: 0}  # the old way: group 1 again
+    assert match_labels(new, old, {1}) == {0: 0, 2: 2, 3: 0}
+
+
 class ReplyLost:
     """The in-process link, except that the first reply is lost after the global server merged
     the delta (the network dropped it while the global server stayed up)."""

@@ -261,8 +261,9 @@ class Roster:
             return None  # one look per period, so the Regrouper's patience counts periods
         self._regroup_at = now
         new = self.regrouper.update(self.iteration_times(live_only=True))
-        old = {w: e.group for w, e in self.workers.items()}
-        return None if new is None else match_labels(new, old)
+        old = {w: e.group for w, e in self.workers.items() if not e.left}
+        ended = {g for g, h in self.groups.items() if h.final}  # flushed its last delta: gone
+        return None if new is None else match_labels(new, old, ended)
 
     def moved(self, assignment: dict[int, int]) -> dict[int, int]:
         """The workers whose group ``assignment`` changes, with their new group."""
@@ -413,9 +414,12 @@ class Roster:
                                          if e.step_time and e.group >= 0}
 
 
-def match_labels(new: dict[int, int], old: dict[int, int]) -> dict[int, int]:
+def match_labels(new: dict[int, int], old: dict[int, int],
+                 ended: set[int] | frozenset[int] = frozenset()) -> dict[int, int]:
     """Rename the new groups after the old group most of their members come from (greedy, by
-    overlap), so a regroup moves only the workers whose group really changed."""
+    overlap), so a regroup moves only the workers whose group really changed. A group that
+    needs a fresh label never gets one of ``ended`` (groups whose server flushed its last delta
+    and left: a worker sent there would wait for a server that is gone)."""
     overlap: dict[tuple[int, int], int] = {}
     for w, g in new.items():
         overlap[g, old.get(w, -1)] = overlap.get((g, old.get(w, -1)), 0) + 1
@@ -423,7 +427,8 @@ def match_labels(new: dict[int, int], old: dict[int, int]) -> dict[int, int]:
     for (g, h), _ in sorted(overlap.items(), key=lambda kv: -kv[1]):
         if g not in rename and h >= 0 and h not in rename.values():
             rename[g] = h
-    spare = (i for i in range(len(new) + len(old) + 1) if i not in rename.values())
+    spare = (i for i in range(len(new) + len(old) + len(ended) + 1)
+             if i not in rename.values() and i not in ended)
     for g in sorted(set(new.values()) - set(rename)):
         rename[g] = next(spare)
     return {w: rename[g] for w, g in new.items()}
