@@ -41,7 +41,7 @@ demo: install data
 
 # Lint first (ruff + mypy, seconds): CI runs `make test`, so it runs the lint too.
 test: install data browser capture lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 lint: install
 	$(BIN)/ruff check minips tests scripts examples

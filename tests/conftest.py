@@ -250,3 +250,20 @@ def browser() -> Iterator[Any]:
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): most of its
+# wall time is real runs waiting on leases, links and timeouts, not CPU. A module's tests stay
+# together on one worker (its module-scoped servers are set up once), and the modules that
+# build network namespaces, bridges and tbf links (or run the soak, which does) share one
+# worker, so no two of them shape links or pick subnets at the same time.
+SHAPES_LINKS = {"test_dissector", "test_links", "test_netns", "test_operator_path",
+                "test_readme_netns", "test_separate_machines", "test_soak", "test_soak_findings"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group("netns" if module in SHAPES_LINKS else module))
