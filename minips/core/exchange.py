@@ -13,7 +13,8 @@ Invariants: ``w_sync`` is the group's exact copy of what the global server holds
 (``GroupMirror.known``, or the global weights after a dense reply); ``pending`` is None or the
 one exchange whose fate is unknown, and it goes again unchanged; each (session, seq) is merged
 once (the rules are ``core/replay.py``'s). The exact exchange (``--xchg-mode exact``), every
-change both ways with no top-k, is ``core/exact_exchange.py``.
+change both ways with no top-k: its group half (``ExactSync``) is ``core/exact_exchange.py``,
+its global half (``ExactMirror``, chosen by ``group_mirror``) is here beside ``GroupMirror``.
 """
 
 from __future__ import annotations
@@ -83,9 +84,6 @@ class ExchangeResult:
     saved: list[int] | None = None  # this session's seqs in the server's last two snapshots
     bytes_up: int = 0  # bytes this exchange carried to the global server (as on the wire)
     bytes_down: int = 0  # bytes its reply carried back
-    # the EXCHANGE_REPLY made to count those bytes, sent as it is to a group process (its
-    # payload encoded once)
-    reply: messages.ExchangeReply | None = None
 
 
 class GroupLink(Protocol):
@@ -338,8 +336,6 @@ def exchange_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
     counters: dict[str, Any] = {k: -1 if v is None else v for k, v in stats.items()
                 if k in messages.Exchange.INFO}
     return messages.Exchange(**counters, payload=sparse.encode_vector(delta))
-
-
 
 
 # -- the global server's half: its mirror of each group's copy, the answer ---------------------

@@ -276,8 +276,8 @@ class GroupCore:
         lr times (1 - m^(1/f)) / (1 - m), so that lr / (1 - momentum), how far a push moves in
         the long run, is the run's; one group (f = 1) is unchanged. With "group", the default,
         the run's momentum decays per push of the group, k times slower than one group's when
-        k groups run at one pace (docs/results.md, "Where dense GSSP loses its points behind a
-        link")."""
+        k groups run at one pace (docs/results.md, "Why does dense GSSP lose points behind a
+        link?")."""
         m = self.run.momentum
         per_push = m ** (1.0 / self.xchg.share)
         return per_push, (1.0 - per_push) / (1.0 - m)

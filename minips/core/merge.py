@@ -182,8 +182,8 @@ class Merger:
 
     def between_groups(self, g: int, now: float) -> dict[str, Any]:
         """The between-group staleness of group ``g``'s exchange merged at ``now`` (before it
-        is merged): ``missed`` and ``base_age_s`` (``exchange.SyncPoint``), None when the
-        server does not know what the group's copy rebased on (a group resumed from a
+        is merged): ``missed`` and ``base_age_s`` (``exchange.SyncPoint``), both None when
+        the server does not know what the group's copy rebased on (a group resumed from a
         checkpoint, before its first answer)."""
         point = self.synced.get(g)
         if point is None:

@@ -68,10 +68,7 @@ __all__ = [
 ]
 
 
-# 2: WEIGHTS.since (a sparse update of a held copy); 3: typed conversations (EXCHANGE,
-# EXCHANGE_REPLY, GLOBAL_WEIGHTS, INIT_WEIGHTS; WEIGHTS' counters as fields; a checked codec)
-PROTOCOL_VERSION = 4  # 4: EXCHANGE pull_* (answered PULLs), WEIGHTS lr_factor, progress,
-# local_steps and batch, ASSIGN local_steps
+PROTOCOL_VERSION = 4  # what each version changed: docs/protocol.md, section 10
 MAX_SEQ = (1 << 53) - 1  # exchange session / seq: ints a double holds exactly
 MAX_PARAMS = 1 << 31  # model size initial weights may claim (float32 elements)
 MAX_COUNT = 1 << 62  # counters of samples, pushes and bytes
@@ -253,8 +250,9 @@ class Exchange(Reported):
     iter_us: list[int] = checked(ints(lo=0), factory=list)
     compute_us: list[int] = checked(ints(lo=0), factory=list)
     # what the group saw happen to its workers since its last exchange, for the operator (the
-    # global server's console), one entry each in the three lists: the event (``EVENTS``),
-    # the worker, and milliseconds (silent for, back after; 0 for an expired lease)
+    # global server's console), one entry each in the three lists: the event
+    # (``conversation.GROUP_EVENTS``), the worker, and milliseconds (silent for, back after; 0
+    # for an expired lease)
     events: tuple[str, ...] = checked(names, factory=tuple)
     event_workers: list[int] = checked(ints(lo=0), factory=list)
     event_ms: list[int] = checked(ints(lo=0), factory=list)
