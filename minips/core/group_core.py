@@ -107,7 +107,9 @@ class GroupCore:
         self.group, self.run = group, run
         self.open_membership = open_membership
         self.weights = np.array(weights, dtype=np.float32)  # (n,) this group's model
-        self.xchg = group_sync(run, self.weights)  # delta, seq, counters (xchg_mode)
+        # the exchange's delta, seq and counters: group_sync picks GroupSync (top-k) or, with
+        # --xchg-mode exact, ExactSync (core/exact_exchange.py)
+        self.xchg = group_sync(run, self.weights)
         self.xchg_bytes = {"bytes_to_global": 0, "bytes_from_global": 0}  # exchanges so far
         self.opt = _server_sgd(run, self.weights.size)
         self.budget = run.budget_samples()  # the run's samples, for WEIGHTS.progress; 0: none
@@ -264,7 +266,9 @@ class GroupCore:
         self.opt.lr = lr / max(1, share)
         plain = self.opt.momentum == 0 and self.opt.weight_decay == 0  # only g's entries move
         touched = grad.indices if plain and isinstance(grad, sparse.SparseVector) else None
-        self.xchg.moving(self.weights, touched)  # the exact exchange keeps w_sync there
+        # ExactSync (--xchg-mode exact, chosen by group_sync) keeps w_sync where the weights
+        # move; GroupSync does nothing here
+        self.xchg.moving(self.weights, touched)
         self._change(touched, lambda: self.opt.step(self.weights, grad))
         self.version += 1
         self.unapplied -= samples
