@@ -72,6 +72,21 @@ def test_progress_line_reads_the_figures_the_servers_last_line_carries(
     assert (s["bytes_group_global"], s["bytes_total"]) == (80_000_000, 188_900_000)
 
 
+def test_the_runs_last_line_is_not_drawn_twice(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`make demo` ended with two identical `[training 45.2 s] ...` lines: the line of the
+    last period, then the final one. The final one is drawn only when it says something new."""
+    run_dir = remote_run(tmp_path)
+    line = ProgressLine(run_dir, RunConfig(mode="gssp", compressor="none"), tty=False)
+    write_lines(run_dir / "global.jsonl", [merge(2.0, 0, 40e6, 50e6)])
+    line.draw()
+    first = capsys.readouterr().err
+    assert "to-global 40.0" in first, first
+    assert progress(line, capsys) == ""
+    write_lines(run_dir / "global.jsonl", [merge(4.0, 0, 80e6, 92.9e6)])
+    assert "to-global 80.0" in progress(line, capsys)
+
+
 def test_the_data_column_says_what_remote_workers_reported(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """It read `data ?` all run for workers on other machines (their data-*.json is there,

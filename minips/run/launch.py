@@ -93,6 +93,7 @@ class ProgressLine:
         self.run_dir = run_dir
         self.run = run
         self.last = 0.0  # when the line was last drawn
+        self.text = ""  # what it said then
         self.train_size = max(1, _train_size(run))  # samples per epoch, for the epochs figure
         # a terminal: redraw in place; a log (or a console with other lines): one every 10 s
         self.tty = sys.stderr.isatty() if tty is None else tty
@@ -110,6 +111,9 @@ class ProgressLine:
         acc = ev.get("accuracy") if isinstance(ev.get("accuracy"), (int, float)) else None
         text = progress_text(self.clock.text(time.time()), self.run.mode,
                              self.run.compressor, gl, acc, self.data.verdict(), self.train_size)
+        if final and not self.tty and text == self.text:
+            return  # the last line drawn already says it: not twice
+        self.text = text
         print("\r" + text if self.tty else text, end="\n" if final or not self.tty else "",
               flush=True, file=sys.stderr)
 
