@@ -1,5 +1,5 @@
-"""The exact group <-> global exchange (exact_exchange.py: ``ExactSync``, ``BeforeValues``;
-exchange.py: ``ExactMirror``): a group sends every entry it changed since its last exchange at
+"""The exact group <-> global exchange (exact_exchange.py: ``ExactSync``, ``BeforeValues``,
+``ExactMirror``): a group sends every entry it changed since its last exchange at
 its delta, the global server answers every entry its weights changed at since the version the
 group holds.
 
@@ -30,8 +30,14 @@ from test_exchange import through_a_group_process
 from minips import sparse
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
-from minips.core.exact_exchange import BeforeValues, ExactSync, group_sync
-from minips.core.exchange import ExactMirror, GroupSync, group_mirror
+from minips.core.exact_exchange import (
+    BeforeValues,
+    ExactMirror,
+    ExactSync,
+    group_mirror,
+    group_sync,
+)
+from minips.core.exchange import GroupSync
 from minips.wire import messages
 
 N = 2000  # test_changelog's model size

@@ -1,7 +1,7 @@
 """The exact exchange between a group and the global server (``--xchg-mode exact``): every
 entry a group changed since its last exchange began goes up at its delta, ``w - w_sync`` (no
 top-k, nothing left behind), and the global server answers every entry its change log names
-after the version that group holds (``exchange.ExactMirror``: no copy of the group's weights, no
+after the version that group holds (``ExactMirror``: no copy of the group's weights, no
 top-k). The first answer to a group whose version the server does not know (a new one, a resumed
 server) is dense, as is one past ``DENSE_AT`` of n. Every message path is then O(changes): the
 bytes on the hop are the changes, not k. Exactly once and resume are ``exchange.py``'s rules,
@@ -19,12 +19,19 @@ from typing import Any
 import numpy as np
 
 from minips import sparse
-from minips.core.changelog import union_sorted
-from minips.core.exchange import DENSE_AT, ExchangeResult, GroupSync, Outgoing, exchange_ratio
+from minips.core.changelog import ChangeLog, union_sorted
+from minips.core.exchange import (
+    DENSE_AT,
+    ExchangeResult,
+    GroupMirror,
+    GroupSync,
+    Outgoing,
+    exchange_ratio,
+)
 from minips.core.replay import Tally
 from minips.sparse import SparseVector
 
-__all__ = ["BeforeValues", "ExactSync", "group_sync"]
+__all__ = ["BeforeValues", "ExactSync", "group_sync", "ExactMirror", "group_mirror"]
 
 
 HELD, MARK = np.uint8(1), np.uint8(2)  # BeforeValues' mask: a before-value; covers' mark
@@ -293,3 +300,43 @@ def group_sync(run: Any, weights: np.ndarray) -> GroupSync:
     if run.xchg_mode == "exact":
         return ExactSync(weights)
     return GroupSync(weights, kept=exchange_ratio(run))
+
+
+# -- the global server's half ----------------------------------------------------------------
+
+
+class ExactMirror:
+    """The global server's side of the exact exchange for one group: the version of the global
+    weights' change log the group holds (``base``: the last reply it took, known when its next
+    new seq arrives), and the one its last reply brought (``last``). The answer is every entry
+    the log names after ``base``, at the global weights' values: O(changes), no copy of what the
+    group holds. A repeat is answered from the same ``base`` (the lost reply was not taken); the
+    whole weights when the log does not reach back (a new or resumed server, a group far behind)
+    or the entries pass ``DENSE_AT`` of n."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.base: int | None = None  # the version the group holds; None: unknown
+        self.last: int | None = None  # the version the last reply brought it to
+
+    def reset(self, weights: np.ndarray | None = None, version: int = 0) -> None:
+        """The group took the weights whole at ``version`` (a PULL); None: unknown."""
+        self.base = self.last = None if weights is None else version
+
+    def answer(self, weights: np.ndarray, repeat: bool,
+               changes: ChangeLog | None = None) -> np.ndarray | SparseVector:
+        """The reply to an exchange merged (or repeated: ``repeat``) into ``weights``."""
+        if not repeat:
+            self.base = self.last  # a new seq: the group took the last reply
+        idx = None if changes is None or self.base is None else changes.since(self.base)
+        self.last = None if changes is None else changes.version
+        if idx is None or idx.size > DENSE_AT * weights.size:
+            return np.array(weights, dtype=np.float32)
+        return SparseVector(idx, weights[idx], weights.size)
+
+
+def group_mirror(run: Any, size: int) -> GroupMirror | ExactMirror:
+    """The global server's side of one group's exchange, as ``run.xchg_mode`` names it."""
+    if run.xchg_mode == "exact":
+        return ExactMirror(size)
+    return GroupMirror(size, exchange_ratio(run))

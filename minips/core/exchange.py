@@ -13,8 +13,8 @@ Invariants: ``w_sync`` is the group's exact copy of what the global server holds
 (``GroupMirror.known``, or the global weights after a dense reply); ``pending`` is None or the
 one exchange whose fate is unknown, and it goes again unchanged; each (session, seq) is merged
 once (the rules are ``core/replay.py``'s). The exact exchange (``--xchg-mode exact``), every
-change both ways with no top-k: its group half (``ExactSync``) is ``core/exact_exchange.py``,
-its global half (``ExactMirror``, chosen by ``group_mirror``) is here beside ``GroupMirror``.
+change both ways with no top-k: both its halves (``ExactSync``, ``ExactMirror``, and
+``group_mirror``, which picks a group's mirror) are ``core/exact_exchange.py``.
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ __all__ = [
     "exchange_message",
     "exchange_ratio",
     "GroupMirror",
-    "ExactMirror",
-    "group_mirror",
     "BETWEEN_GROUPS",
     "SyncPoint",
 ]
@@ -393,43 +391,6 @@ class GroupMirror:
         self.reset(out, 0 if changes is None else changes.version)
         self.dense_unacked = True  # if it is lost, the group's copy is anything: dense again
         return out
-
-
-class ExactMirror:
-    """The global server's side of the exact exchange (``core/exact_exchange.py``) for one
-    group: the version of the global weights' change log the group holds (``base``: the last
-    reply it took, known when its next new seq arrives), and the one its last reply brought
-    (``last``). The answer is every entry the log names after ``base``, at the global weights'
-    values: O(changes), no copy of what the group holds. A repeat is answered from the same
-    ``base`` (the lost reply was not taken); the whole weights when the log does not reach back
-    (a new or resumed server, a group far behind) or the entries pass ``DENSE_AT`` of n."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.base: int | None = None  # the version the group holds; None: unknown
-        self.last: int | None = None  # the version the last reply brought it to
-
-    def reset(self, weights: np.ndarray | None = None, version: int = 0) -> None:
-        """The group took the weights whole at ``version`` (a PULL); None: unknown."""
-        self.base = self.last = None if weights is None else version
-
-    def answer(self, weights: np.ndarray, repeat: bool,
-               changes: ChangeLog | None = None) -> np.ndarray | SparseVector:
-        """The reply to an exchange merged (or repeated: ``repeat``) into ``weights``."""
-        if not repeat:
-            self.base = self.last  # a new seq: the group took the last reply
-        idx = None if changes is None or self.base is None else changes.since(self.base)
-        self.last = None if changes is None else changes.version
-        if idx is None or idx.size > DENSE_AT * weights.size:
-            return np.array(weights, dtype=np.float32)
-        return SparseVector(idx, weights[idx], weights.size)
-
-
-def group_mirror(run: Any, size: int) -> GroupMirror | ExactMirror:
-    """The global server's side of one group's exchange, as ``run.xchg_mode`` names it."""
-    if run.xchg_mode == "exact":
-        return ExactMirror(size)
-    return GroupMirror(size, exchange_ratio(run))
 
 
 # -- the staleness between groups: what a group's exchange was computed without ---------------

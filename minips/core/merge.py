@@ -27,14 +27,13 @@ from minips import sparse
 from minips.core.actions import Log
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
+from minips.core.exact_exchange import ExactMirror, group_mirror
 from minips.core.exchange import (
     BETWEEN_GROUPS,
     Delta,
-    ExactMirror,
     ExchangeResult,
     GroupMirror,
     SyncPoint,
-    group_mirror,
 )
 from minips.core.replay import MAX_SESSIONS, Merged
 from minips.core.roster import Roster
