@@ -98,10 +98,11 @@ END_PULL_S = 0.5  # near the end of the budget, PULL this often (the final weigh
 
 def budget_left_s(run: RunConfig, w: messages.GlobalWeights) -> float:
     """Seconds of training the run likely has left as of ``w`` (inf: no telling): the wall
-    time left, or the samples left at the rate so far."""
+    time left, or the samples left (``RunConfig.budget_samples``: epochs, or every worker's
+    ``max_steps`` pushes) at the rate so far."""
     left = run.wall_s - w.train_s if run.wall_s > 0 else math.inf
-    if run.epochs > 0 and w.samples > 0 and w.train_s > 0:
-        budget = run.epochs * run.epoch_samples()
+    budget = run.budget_samples()
+    if budget > 0 and w.samples > 0 and w.train_s > 0:
         left = min(left, (budget - w.samples) * w.train_s / w.samples)
     return left
 
