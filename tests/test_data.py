@@ -130,6 +130,61 @@ def test_idx_files_in_data_dir(tmp_path: Path, gz: bool) -> None:
     assert ds.meta["source"] == str(tmp_path)
 
 
+# ---------------------------------------------------------------- the decoded cache
+
+
+def decoded_files(tmp_path: Path, name: str = "mnist") -> list[str]:
+    folder = tmp_path / "cache" / name / "decoded"  # MINIPS_CACHE_DIR (_private_cache)
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def test_a_second_load_maps_the_decoded_split_the_first_kept(tmp_path: Path) -> None:
+    write_mnist(tmp_path / "files")
+    first = load_local("mnist", "train", tmp_path / "files")
+    kept = decoded_files(tmp_path)
+    assert len(kept) == 2 and kept[0].startswith("train-pad32-") and kept[0].endswith(".x.npy")
+    again = load_local("mnist", "train", tmp_path / "files")
+    np.testing.assert_array_equal(again.x, first.x)  # bit for bit
+    np.testing.assert_array_equal(again.y, first.y)
+    assert again.x.dtype == np.float32 and again.y.dtype == np.int64
+    assert type(again.x) is np.ndarray and again.meta == first.meta
+    again.x[0] = 7.0  # copy-on-write: the file keeps what was decoded
+    np.testing.assert_array_equal(load_local("mnist", "train", tmp_path / "files").x, first.x)
+    assert decoded_files(tmp_path) == kept
+
+
+def test_changed_files_are_decoded_again_and_replace_the_entry(tmp_path: Path) -> None:
+    write_mnist(tmp_path / "files", n_train=12)
+    load_local("mnist", "train", tmp_path / "files")
+    old = decoded_files(tmp_path)
+    arrays = write_mnist(tmp_path / "files", n_train=20)
+    ds = load_local("mnist", "train", tmp_path / "files")
+    assert len(ds) == 20
+    np.testing.assert_array_equal(ds.y, arrays["train"][1].astype(np.int64))
+    new = decoded_files(tmp_path)
+    assert len(new) == 2 and not set(new) & set(old)  # one entry per split and padding
+    load_local("mnist", "test", tmp_path / "files")
+    load_local("mnist", "train", tmp_path / "files")  # unpadded: an entry of its own
+    data.load_dataset("mnist", "train", tmp_path / "files", download=False, fallback=False,
+                      pad_to=None)
+    assert len(decoded_files(tmp_path)) == 6 and set(new) <= set(decoded_files(tmp_path))
+
+
+def test_a_broken_entry_is_decoded_again_and_the_cache_can_be_turned_off(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    arrays = write_mnist(tmp_path / "files")
+    load_local("mnist", "train", tmp_path / "files")
+    x_file = next((tmp_path / "cache" / "mnist" / "decoded").glob("*.x.npy"))
+    truncate(x_file, 100)
+    ds = load_local("mnist", "train", tmp_path / "files")
+    np.testing.assert_array_equal(ds.y, arrays["train"][1].astype(np.int64))
+    assert x_file.stat().st_size > 12 * 32 * 32 * 4  # written again, whole
+    np.testing.assert_array_equal(load_local("mnist", "train", tmp_path / "files").x, ds.x)
+    monkeypatch.setenv(data.DECODED_OFF, "0")
+    load_local("mnist", "test", tmp_path / "files")
+    assert not any(n.startswith("test-") for n in decoded_files(tmp_path))
+
+
 def test_truncated_gzip_idx_names_the_file(tmp_path: Path) -> None:
     write_mnist(tmp_path)
     truncate(tmp_path / "train-images-idx3-ubyte.gz", 100)
