@@ -41,7 +41,8 @@ every connected worker gets ERROR "diverged".
 
 Checkpoints: what one holds is the core's (``GlobalCore.checkpoint_state`` / ``load_state_dict``);
 the server writes the file (``checkpoint.py``: atomic, no pickle) from a forked child while the
-loop keeps serving, every ``checkpoint_every_s`` until the budget is spent. Failure handling:
+loop keeps serving, every ``checkpoint_every_s`` until the budget is spent; after a write that
+found no room (a full disk), as soon as there is room again (``ROOM_POLL_S``). Failure handling:
 docs/operations.md.
 
 Invariants: ``weights`` changes only in ``merge`` (weights += delta of one group, version += 1;
@@ -121,6 +122,7 @@ __all__ = [
     "FINAL_FLUSH_S",
     "REJOIN_POLL_S",
     "EVALUATOR_POLL_S",
+    "ROOM_POLL_S",
 ]
 
 log = logging.getLogger("minips.server")
@@ -128,6 +130,9 @@ log = logging.getLogger("minips.server")
 FINAL_FLUSH_S = 10.0  # after `done`, wait this long for the groups' final deltas
 REJOIN_POLL_S = 0.5  # how often the wait for workers looks whether a group is training again
 EVALUATOR_POLL_S = 0.1  # after the run, how often the wait for the final PULL looks who is left
+ROOM_POLL_S = 0.25  # after a checkpoint write found no room (a full disk, its directory gone):
+# how often the server looks for room again (statvfs, no write), so that the next checkpoint is
+# written this soon after room is back, not a whole period later (docs/operations.md)
 
 
 class GlobalServer:
@@ -157,6 +162,8 @@ class GlobalServer:
         self.deadline: asyncio.Task[None] | None = None  # the grouping deadline, once one joined
         self.saving: asyncio.Future[int] | None = None  # checkpoint write in flight
         self.save_failing = False  # the last checkpoint write failed (said once a streak)
+        self.no_room = False  # ... and the checkpoint's directory had no room for another
+        self.saved_bytes = 0  # the last checkpoint written: the room the next one needs
         self.tasks: set[asyncio.Task[Any]] = set()
         self._restored: dict[str, Any] | None = None  # checkpoint state to resume from
         self.server: transport.Server | None = None
@@ -628,10 +635,28 @@ class GlobalServer:
             self.log("checkpoint_temps_removed", files=[str(p) for p in removed])
 
     async def _save_loop(self) -> None:
-        """Checkpoint every ``checkpoint_every_s`` until the budget is spent."""
+        """Checkpoint every ``checkpoint_every_s`` until the budget is spent; after a write that
+        found no room, again as soon as there is room (``_room_back``), not a period later: what
+        a crash loses stops growing once the disk has room again."""
         while not self.core.done:
-            await asyncio.sleep(self.cfg.checkpoint_every_s)
+            if self.no_room:
+                await self._room_back()
+            else:
+                await asyncio.sleep(self.cfg.checkpoint_every_s)
             await self._save()
+
+    async def _room_back(self) -> None:
+        """Until the checkpoint's directory has room again (every ``ROOM_POLL_S``), or the
+        budget is spent."""
+        while not self.core.done and not self._has_room():
+            await asyncio.sleep(ROOM_POLL_S)
+
+    def _has_room(self) -> bool:
+        """Whether the checkpoint's directory has room for the last checkpoint written (for
+        the weights' bytes at least) beside it (``checkpoint.has_room``)."""
+        weights = self.core.weights
+        need = max(self.saved_bytes, 0 if weights is None else weights.nbytes)
+        return checkpoint.has_room(self.checkpoint_path, need)
 
     async def _save(self) -> None:
         """Checkpoint as of now while the loop keeps serving (``checkpoint.save_in_child``: a
@@ -654,9 +679,12 @@ class GlobalServer:
             # only with group processes; an in-process group's snapshot was the child's)
             for g, kept in marks.items():
                 self.core.groups[g].snapshots = kept
-            self.log("checkpoint_failed", reason=str(exc), first=not self.save_failing)
+            self.no_room = not self._has_room()
+            self.log("checkpoint_failed", reason=str(exc), first=not self.save_failing,
+                     no_room=self.no_room)
             self.save_failing = True
             return
+        self.saved_bytes, self.no_room = size, False
         if self.save_failing:
             self.save_failing = False
             self.log("checkpoint_back", bytes=size)
@@ -806,7 +834,8 @@ def console_line(core: GlobalCore, event: str, fields: dict[str, Any]) -> str | 
             f"files ({fields.get('reason') or 'started with --data synthetic'})"
     if event == "checkpoint_failed" and fields.get("first", True):
         return f"checkpoint not written ({fields.get('reason')}): the last one written stays; " \
-            "training goes on and every later checkpoint is tried as usual"
+            "training goes on, and the next checkpoint is written as soon as " + \
+            ("the disk has room again" if fields.get("no_room") else "its period comes")
     if event == "checkpoint_back":
         return "checkpoints are written again"
     if event == "link_lost":

@@ -12,7 +12,10 @@ and resource samples (soak/resources.jsonl). One line per invariant, PASS or FAI
   (a killed global server: the merges after its last checkpoint; a group process killed,
   stopped or cut off: what its group ACKed since its last exchange);
 - loss_window: each kill of the global server came at most checkpoint_every_s + WRITE_SLACK_S
-  after its last checkpoint (docs/operations.md: at most one period plus the write);
+  after its last checkpoint (docs/operations.md: at most one period plus the write), or, when
+  the checkpoint's disk was full in between (a disk_full fault healed after that checkpoint),
+  at most the server's ROOM_POLL_S + WRITE_SLACK_S after the disk had room again if that is
+  later; a kill while the disk is still full may come any time after it (nothing can be written);
 - counters_never_fall: every ledger figure across every global.jsonl line, and summary.json at
   least the last line's;
 - checkpoint: the last checkpoint (copied out of its tmpfs by the soak) loads, finite, at
@@ -274,15 +277,49 @@ def check_exactly_once(run: Run) -> list[Check]:
         f"{sum(w[2] for w in windows):,}, group faults {allowed - sum(w[2] for w in windows):,}),"
         f" pushes applied but not ACKed {unacked:,} ({cut} worker kills or cuts, one push each)"
         + ("; counted twice" if gap < -unacked else ""), None if ok else (0.0, 1e9)))
+    from minips.server import ROOM_POLL_S
+
     bound = float(run.begin.get("checkpoint_every_s", 0)) + WRITE_SLACK_S
-    late = [w for w in windows if w[1] - w[0] > bound]
+    room_bound = ROOM_POLL_S + WRITE_SLACK_S
+    plain, room, full, late = [], [], 0, []
+    for w in windows:
+        due = loss_due(run, w[0], w[1])
+        if w[1] > due:
+            late.append(w)
+        if due == math.inf:
+            full += 1
+        elif due > w[0] + bound:  # the disk's room back set it: the time since then
+            room.append(w[1] - (due - room_bound))
+        else:
+            plain.append(w[1] - w[0])
     checks.append(Check(
         "loss_window", not late,
-        f"{len(windows)} kills of the global server, each at most "
-        f"{max((w[1] - w[0] for w in windows), default=0):.1f} s after its last checkpoint "
-        f"(bound {bound:.1f} s), {sum(w[2] for w in windows):,} samples lost in all",
+        f"{len(windows)} kills of the global server: {len(plain)} at most "
+        f"{max(plain, default=0):.1f} s after its last checkpoint (bound {bound:.1f} s), "
+        f"{len(room)} at most {max(room, default=0):.1f} s after a full disk had room again "
+        f"(bound {room_bound:.2f} s), {full} while it was full; {len(late)} late; "
+        f"{sum(w[2] for w in windows):,} samples lost in all",
         (late[0][0], late[0][1]) if late else None))
     return checks
+
+
+def loss_due(run: Run, since: float, kill: float) -> float:
+    """The run time by which the checkpoint after the one at ``since`` was written at the
+    latest (docs/operations.md): ``since`` + checkpoint_every_s, or when the checkpoint's disk
+    was full after ``since`` (a disk_full fault), the server's ROOM_POLL_S after it had room
+    again if that is later; plus WRITE_SLACK_S. Infinite when the disk was still full at the
+    kill: no checkpoint could be written."""
+    from minips.server import ROOM_POLL_S
+
+    due = since + float(run.begin.get("checkpoint_every_s", 0))
+    for f in run.faults():
+        if f["kind"] != "disk_full" or f["rel"] > kill:
+            continue
+        if f["healed"] is None or f["healed"] >= kill:
+            return math.inf
+        if f["healed"] > since:
+            due = max(due, f["healed"] + ROOM_POLL_S)
+    return due + WRITE_SLACK_S
 
 
 def check_counters(run: Run) -> Check:

@@ -157,3 +157,41 @@ def test_a_line_is_due_later_by_the_time_its_detector_was_stopped(tmp_path: Path
     check = events_of(tmp_path / "late")
     assert not check.ok
     assert "1 late [('partition', 11.5, 11.0)]" in check.evidence
+
+
+def full_disk_run(d: Path, kill_at: float) -> None:
+    """A checkpoint at 2 s (period 0.5 s), the checkpoint's disk full from 3 to 8 s, the
+    global server killed at ``kill_at`` and resumed at ``kill_at`` + 1."""
+    t0 = 1000.0
+    (d / "soak").mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"t0": t0}))
+    glob = [line(2, "checkpoint", write_s=0.0), line(kill_at + 1, "resumed", samples=0)]
+    (d / "global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in glob))
+    history: list[tuple[float, dict[str, object]]] = [
+        (0, {"op": "begin", "seed": 7, "lease_s": 4.0, "checkpoint_every_s": 0.5}),
+        (3, {"op": "inject", "id": 1, "kind": "disk_full", "target": "server"}),
+        (8, {"op": "heal", "id": 1, "kind": "disk_full", "target": "server"}),
+        (kill_at, {"op": "inject", "id": 2, "kind": "kill_global", "target": "server"}),
+        (kill_at + 1, {"op": "heal", "id": 2, "kind": "kill_global", "target": "server"})]
+    (d / "soak" / "history.jsonl").write_text(
+        "".join(json.dumps({**h, "t": t0 + t}) + "\n" for t, h in history))
+
+
+def loss_window_of(d: Path) -> soak_check.Check:
+    run = soak_check.Run.read(d)
+    return next(c for c in soak_check.check_exactly_once(run) if c.name == "loss_window")
+
+
+@pytest.mark.parametrize(("kill_at", "ok", "said"), [
+    (6.0, True, "1 while it was full"),  # nothing could be written: any time
+    (9.0, True, "1 at most 1.0 s after a full disk had room again"),  # bound 0.25 + 1.5 s
+    (10.0, False, "1 late"),  # 2 s after the room came back: the server waited a period
+])
+def test_a_full_disk_widens_the_loss_window_by_the_time_it_had_no_room(
+        tmp_path: Path, kill_at: float, ok: bool, said: str) -> None:
+    """The soak's finding (seed 3, 15 min): a kill 0.6 s after a full disk was freed, 4.8 s
+    after the last checkpoint (period 2 s); docs/operations.md's bound with a full disk."""
+    full_disk_run(tmp_path, kill_at)
+    check = loss_window_of(tmp_path)
+    assert check.ok is ok, check.evidence
+    assert said in check.evidence, check.evidence

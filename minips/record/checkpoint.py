@@ -55,7 +55,7 @@ import numpy as np
 
 from minips.errors import DataError
 
-__all__ = ["save", "save_in_child", "load", "remove_stale_temps"]
+__all__ = ["save", "save_in_child", "load", "remove_stale_temps", "has_room"]
 
 
 META = "__meta__"  # archive member that holds the JSON map
@@ -218,6 +218,19 @@ def remove_stale_temps(path: str | Path) -> list[Path]:
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
+
+
+def has_room(path: str | Path, need: int) -> bool:
+    """Whether ``path``'s directory exists and has ``need`` bytes free (``os.statvfs``: what an
+    unprivileged writer may use), so that a new checkpoint of ``need`` bytes fits beside the
+    old one until the rename; True where the platform cannot tell (no ``statvfs``)."""
+    if not hasattr(os, "statvfs"):
+        return True
+    try:
+        st = os.statvfs(Path(path).parent)
+    except OSError:  # the directory is gone: no room until it is back
+        return False
+    return st.f_bavail * st.f_frsize >= need
 
 
 def _temp_of(path: str | Path, pid: int) -> Path:
