@@ -3,7 +3,9 @@ the network path).
 
 A worker knows only the global server's address. It connects (role ``worker``), learns the run
 config from WELCOME.info, builds the model and its data shard, times ``calib_steps`` steps and
-reports them (STATS, clock 0), then waits for ASSIGN (its group server, upload ratio, staleness).
+reports them (the link probe, then STATS, clock 0), then waits for ASSIGN (its group server,
+upload ratio, staleness). A global server lost at any point of this is reconnected to as mid-run
+(``Control``), and the report goes again on the new channel.
 Then, on the group server's connection, it drives its core (core/worker_core.py: what WEIGHTS
 does to the copy held, what is pushed, what is recorded) around what needs torch and a clock:
 
@@ -48,9 +50,10 @@ the session, ``leave`` says goodbye); what a worker builds from the run config b
 (``Parts``, ``build``: the model on its device, its data shard and endless batch stream, its
 compressor, its files); its control session with the global server (``Control``: WELCOME, ASSIGN
 again on regrouping or a new GDTopK ratio, the end of the run; when the global server is lost
-mid-run it reconnects for up to ``reconnect_s``); and the training loop (``Worker``), which
-reads ``Control.assign`` and ``done``, waits on ``assigned`` / ``changed`` and sends STATS on
-the control channel.
+it reconnects for up to ``reconnect_s``, and every new channel starts with the worker's latest
+STATS, so a server resumed from an older checkpoint places it); and the training loop
+(``Worker``), which reads ``Control.assign`` and ``done``, waits on ``assigned`` / ``changed`` /
+``channel()`` and sends STATS on the control channel.
 """
 
 from __future__ import annotations
@@ -250,6 +253,8 @@ class Control:
         self.stopped_by = ""  # the ERROR that ended the run, if one did
         # the answer to the calibration's link probe (``Worker._probe_link``), while it waits
         self.probe: asyncio.Future[messages.GlobalWeights] | None = None
+        self.stats: control.Stats | None = None  # the latest STATS (``report``)
+        self.back = asyncio.Event()  # set when a reconnect opened a channel (or the run ended)
 
     async def open(self) -> dict[str, Any]:
         """Connect to the global server; returns WELCOME's info (the run config)."""
@@ -269,11 +274,31 @@ class Control:
         assert self.assign is not None
         return int(self.assign.group)
 
+    async def channel(self, lost: Channel | None = None) -> Channel | None:
+        """The control channel once it is open and not ``lost`` (one a send just failed on):
+        after the global server was lost, the one ``loop``'s reconnect opens; None once the
+        run is over."""
+        while (self.ch is lost or self.ch.closed) and not self.done:
+            self.back.clear()
+            await self.back.wait()
+        return None if self.done else self.ch
+
+    async def report(self, stats: control.Stats) -> None:
+        """Send STATS (a channel lost meanwhile is no error here). The latest goes again first
+        on every channel a reconnect opens: a global server resumed from a checkpoint older
+        than this worker's place learns its speed, and places it if it had no group there."""
+        self.stats = stats
+        with contextlib.suppress(ConnectionError, MiniPSError):
+            await self.ch.send(stats)
+
     async def loop(self) -> None:
-        """Read the control channel; when the global server is lost mid-run, reconnect with
-        backoff until ``reconnect_s`` has passed."""
+        """Read the control channel; when the global server is lost (mid-run or during the
+        worker's start-up), reconnect with backoff until ``reconnect_s`` has passed. A worker
+        without a group when it gives up has nothing to train: its run ends with that error."""
         while not self.done:
             await self._read()
+            if self.probe is not None and not self.probe.done():  # no answer will come
+                self.probe.set_exception(ConnectionResetError("the control channel closed"))
             if self.done:
                 return
             self.event("control_lost")
@@ -289,11 +314,16 @@ class Control:
                 self.event("control_gave_up", reason=str(exc))
                 log.warning("worker %d: the global server at %s did not come back: %s",
                             self.worker_id, where, exc)
+                if not self.assigned.is_set():
+                    self.end(f"the global server at {where} did not come back: {exc}")
                 return
             self.ch.start_heartbeat(self.heartbeat_s)
+            if self.stats is not None:
+                await self.report(self.stats)
             self.event("control_back")
             log.warning("worker %d: the global server is back after %.1f s", self.worker_id,
                         time.monotonic() - lost)
+            self.back.set()
 
     async def _read(self) -> None:
         """ASSIGN (group, ratio), LEAVE "done", ERROR; returns when the channel closes."""
@@ -325,6 +355,7 @@ class Control:
         self.done = True
         self.assigned.set()
         self.changed.set()
+        self.back.set()
 
 
 log = logging.getLogger("minips.worker")
@@ -408,6 +439,9 @@ class Worker:
         self.factor = self.slowdown.factor(0.0)  # F of the last step
         self.trained_at: float | None = None  # monotonic time of the first ASSIGN
         self.compute_s = math.inf  # the last gradient's time (``_gradient``); none yet
+        self._init_sent: Channel | None = None  # the channel INIT_WEIGHTS went on (if any)
+        self._stats_at = self._status_at = time.monotonic()  # last STATS, console line
+        self._recent: list[float] = []  # step times since the last STATS
 
     @property
     def clock(self) -> int:
@@ -438,13 +472,12 @@ class Worker:
         self.factor = self.slowdown.factor(0.0)
         reader = asyncio.create_task(self.control.loop())
         try:
-            if info.get("need_init"):
-                await self._send_initial()
-            try:
-                await self._calibrate()
-            except ConnectionError:
-                if not self.control.done:  # not the run's end (LEAVE "done") meanwhile
-                    raise
+            # lost meanwhile: ``_join`` sends them on the next channel if its WELCOME asks
+            with contextlib.suppress(ConnectionError):
+                await self._send_initial(self.control.ch)
+            calibrated = await self._calibrate()
+            if calibrated is not None:
+                await self._join(*calibrated)
             if not self.control.done:  # a worker that joined as the run ended trains nothing
                 await asyncio.wait_for(self.control.assigned.wait(), ASSIGN_TIMEOUT_S)
                 self.trained_at = time.monotonic()  # a slowdown schedule counts from here
@@ -469,39 +502,61 @@ class Worker:
         self.stream, self.writer = parts.stream, parts.writer
         self.core = WorkerCore(self.run_cfg, self.compressor, self.id, parts.shard_size)
 
-    async def _send_initial(self) -> None:
+    async def _send_initial(self, ch: Channel) -> None:
+        """INIT_WEIGHTS on ``ch`` when its WELCOME asks for them (a server started without
+        --init), once a channel."""
+        if not ch.welcome_info.get("need_init") or ch is self._init_sent:
+            return
+        self._init_sent = ch
         flat = self.trainer.host_weights()  # (n,) float32
-        await self.control.ch.send(messages.InitWeights(size=int(flat.size),
-                                                        payload=sparse.encode_vector(flat)))
+        await ch.send(messages.InitWeights(size=int(flat.size),
+                                           payload=sparse.encode_vector(flat)))
 
-    async def _calibrate(self) -> None:
+    async def _calibrate(self) -> tuple[Any, float, float] | None:
         """Time steps on the first batch (model, stream and compressor untouched) until
-        ``calibration_done``; report ``calibrated_step_time`` of them. The first step is not
-        timed: it pays for one-off allocations and lazy initialisation."""
+        ``calibration_done``; return the last (gradient, loss) and ``calibrated_step_time`` of
+        them (None when the run ended meanwhile: nothing to report). The first step is not
+        timed: it pays for one-off allocations and lazy initialisation. Nothing here talks to
+        the global server: a server lost meanwhile costs the calibration nothing."""
         loss, grad = await self._gradient(*self.parts.first_batch)
         times: list[float] = []
         while not calibration_done(times, self.run_cfg.calib_steps) and not self.control.done:
             t = time.perf_counter()
             loss, grad = await self._gradient(*self.parts.first_batch)
             times.append(await self._stretch(time.perf_counter() - t))
-        if self.control.done:  # the run ended meanwhile: nothing to report
-            return
+        if self.control.done:
+            return None
         step_time = calibrated_step_time(times)
-        if self.control.ch.welcome_info.get("link_probe"):  # a server that groups by it
-            await self._probe_link(grad, loss, step_time)
-        await self.control.ch.send(control.Stats(clock=0, step_time=step_time, loss=loss,
-                                                  samples=0, data=self.parts.data))
-        self._stats_at = self._status_at = time.monotonic()
-        self._recent: list[float] = []  # step times since the last STATS
         print(f"minips worker {self.id}: {1e3 * step_time:.0f} ms/step measured "
               f"({len(times)} steps); waiting for its group", file=sys.stderr, flush=True)
+        return grad, loss, step_time
 
-    async def _probe_link(self, grad: Any, loss: float, step_time: float) -> None:
+    async def _join(self, grad: Any, loss: float, step_time: float) -> None:
+        """Report the calibration on the control channel: the initial weights and the link
+        probe when its WELCOME asks for them, then STATS (``Control.report``: sent again first
+        on every channel a reconnect opens). A global server lost before the probe is through
+        is not an error: all of it again on the channel ``Control.loop`` opens, as mid-run."""
+        lost: Channel | None = None
+        while (ch := await self.control.channel(lost)) is not None:
+            try:
+                await self._send_initial(ch)
+                if ch.welcome_info.get("link_probe"):  # a server that groups by it
+                    await self._probe_link(ch, grad, loss, step_time)
+            except ConnectionError:
+                lost = ch
+                continue
+            await self.control.report(control.Stats(clock=0, step_time=step_time, loss=loss,
+                                                    samples=0, data=self.parts.data))
+            self._stats_at = self._status_at = time.monotonic()
+            return
+
+    async def _probe_link(self, ch: Channel, grad: Any, loss: float, step_time: float) -> None:
         """The calibration's link probe (``roster.Roster.probe_pulled`` says why): a PULL on
-        the control channel, answered with the global weights whole, then a PUSH the size of a
-        real one, which the global server times and drops. The control channel goes over the
-        worker's emulated link from here on, as all of a real link's traffic would."""
-        link = EmulatedLink(self.control.ch, self.cfg.bandwidth_bps, self.cfg.latency_s,
+        the control channel ``ch``, answered with the global weights whole, then a PUSH the
+        size of a real one, which the global server times and drops. The control channel goes
+        over the worker's emulated link from here on, as all of a real link's traffic would.
+        ``ConnectionError`` when ``ch`` is lost meanwhile."""
+        link = EmulatedLink(ch, self.cfg.bandwidth_bps, self.cfg.latency_s,
                             self.cfg.bandwidth_down_bps)
         payload = probe_payload(grad, self.compressor.wire, self.compressor.ratio)
         try:
@@ -511,7 +566,7 @@ class Worker:
                 await asyncio.wait_for(self.control.probe, PROBE_TIMEOUT_S)
                 await link.send(messages.Push(clock=1, step_time=step_time, loss=loss,
                                               payload=payload))
-        except (TimeoutError, ConnectionError) as exc:  # grouped by its compute time alone
+        except TimeoutError as exc:  # grouped by its compute time alone
             self._event("link_probe_failed", reason=str(exc) or type(exc).__name__)
         finally:
             self.control.probe = None
@@ -690,9 +745,8 @@ class Worker:
         if time.monotonic() - self._stats_at >= STATS_EVERY_S:
             self._stats_at = time.monotonic()
             median, self._recent = float(np.median(self._recent)), []
-            with contextlib.suppress(ConnectionError, MiniPSError):
-                await self.control.ch.send(control.Stats(clock=self.clock, step_time=median,
-                                                          loss=loss, samples=self.samples))
+            await self.control.report(control.Stats(clock=self.clock, step_time=median,
+                                                    loss=loss, samples=self.samples))
 
     def _record(self, record: dict[str, Any], epoch: int, link: EmulatedLink,
                 **measured: Any) -> None:
