@@ -18,6 +18,8 @@ import os
 import re
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -50,6 +52,51 @@ from minips.run.ray_cluster import (  # noqa: E402
 
 WALL_S = 30.0  # training seconds: long enough for a killed worker to come back
 DEADLINE_S = 120.0  # for each wait below
+LOCAL_RUN_S = 20.0  # issue 58: `minips ray --workers 3` on 2 idle CPUs ends within this, s
+
+
+# The command of issue 58, as `minips ray --workers 3 --mode gssp --max-steps 100` builds it
+# (flags.ray_command), on a local instance of 2 CPUs whatever this machine has: argv[1] is the
+# parent of the run directory, argv[2] its name, argv[3] the server's port.
+LOCAL_RUN = """
+import sys
+from minips.core.config import RunConfig
+from minips.run.ray_cluster import RayConfig, run_ray
+run = RunConfig(workers=3, mode="gssp", max_steps=100)
+cfg = RayConfig(run=run, share_cpus=True, local_cpus=2, out_dir=sys.argv[1], name=sys.argv[2],
+                server_port=int(sys.argv[3]))
+sys.exit(0 if run_ray(cfg).get("status") == "done" else 1)
+"""
+
+
+def test_three_workers_on_a_local_instance_of_two_cpus_finish_within_20_s(tmp_path: Path) -> None:
+    """Ray's start, placing 5 roles on 2 CPUs, 100 steps of every worker, the final score on
+    every test sample, collecting the files and Ray's end: one process, timed from its start,
+    within 20 s on a machine otherwise idle (load average under 1). On a busy machine the run's
+    processes get about 1/load of the CPUs they would have alone: the bound is 20 s x load.
+    (First in the module: the module's cluster is not started yet, so this Ray instance has
+    the machine to itself.)"""
+    name = "local-" + secrets.token_hex(3)
+    load = os.getloadavg()[0]  # other work on the machine, in busy CPUs (1-minute mean)
+    bound = LOCAL_RUN_S * max(1.0, load)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-c", LOCAL_RUN, str(tmp_path), name,
+                             str(free_port())], stderr=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    try:
+        _, err = proc.communicate(timeout=bound + DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    assert summary["status"] == "done" and summary["final_accuracy"] is not None, summary
+    assert "did not end cleanly" not in err, err
+    assert took < bound, f"{took:.1f} s at load {load:.1f} (bound {bound:.0f} s): {err[-1000:]}"
+    _wait_for("no role's process left", lambda: not processes_mentioning(name))
+    print(f"minips ray --workers 3 on 2 CPUs: {took:.1f} s at load {load:.1f}")
 
 
 @pytest.fixture(scope="module")
