@@ -70,6 +70,20 @@ def test_varint_bytes_per_index_at_one_percent() -> None:
     assert varint_encode(idx).size / idx.size == pytest.approx(1 + 0.99**128, abs=0.02)
 
 
+def test_varint_same_bytes_for_short_and_long_index_sets() -> None:
+    # a first index of 5 bytes, then gaps of 1, 2 and 3 bytes, past VARINT_TABLE_MAX indices:
+    # short sets are laid out as a table, long ones by subsets; a prefix codes the same either way
+    gaps = np.tile(np.array([0, 200, 20000], np.int64), sparse.VARINT_TABLE_MAX // 3 + 10)
+    idx = (2**28 + 5 + np.cumsum(gaps + 1) - 1).astype(np.uint32)
+    assert idx.size > sparse.VARINT_TABLE_MAX and int(idx[-1]) < 2**32
+    whole = varint_encode(idx)
+    assert whole.size == 5 + idx.size // 3 * (1 + 2 + 3) - 1  # the first gap is the 5-byte one
+    for m in (1, 2, 7, 300):
+        short = varint_encode(idx[:m])
+        assert short.tolist() == whole[:short.size].tolist()
+    assert varint_decode(whole, idx.size, 2**32).tolist() == idx.tolist()
+
+
 # ---------------------------------------------------------------------------- round trips
 
 
