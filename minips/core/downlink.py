@@ -141,7 +141,8 @@ class Downlink:
         to bring the sums up to date (their parts at ``idx`` now), O(k)."""
         if idx is None:
             return None
-        return self._parts(weights, idx)
+        pub = self.w_pub.take(idx)  # (k,) float32; w_pub does not change before ``moved``
+        return (*self._parts(weights, idx, pub), pub)
 
     def moved(self, weights: np.ndarray, idx: np.ndarray | None, before: Any) -> None:
         """The weights changed at ``idx`` (``moving`` gave ``before``): the sums follow, O(k);
@@ -149,13 +150,16 @@ class Downlink:
         if idx is None or before is None:
             self.wsq, self.gap2 = sq_norm(weights), sq_norm(weights - self.w_pub)
             return
-        wsq, gap2 = self._parts(weights, idx)
+        wsq, gap2 = self._parts(weights, idx, before[2])
         self.wsq = max(0.0, self.wsq + wsq - before[0])
         self.gap2 = max(0.0, self.gap2 + gap2 - before[1])
 
-    def _parts(self, weights: np.ndarray, idx: np.ndarray) -> tuple[float, float]:
-        w = weights[idx].astype(np.float64)  # (k,)
-        e = w - self.w_pub[idx]
+    @staticmethod
+    def _parts(weights: np.ndarray, idx: np.ndarray, pub: np.ndarray) -> tuple[float, float]:
+        """The parts at ``idx`` of ``||weights||^2`` and ``||weights - w_pub||^2`` (float64),
+        ``pub`` being ``w_pub`` there."""
+        w = weights.take(idx).astype(np.float64)  # (k,); take: 1.1 us where [idx] takes 1.7
+        e = w - pub
         return float(np.dot(w, w)), float(np.dot(e, e))
 
     def publish(self, weights: np.ndarray) -> int:
