@@ -327,6 +327,26 @@ def test_a_group_whose_weights_overflowed_answers_diverged_never_inf(compressor:
     assert caught.value.code == "diverged"
 
 
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
+def test_an_answer_given_before_the_weights_overflowed_is_not_given_again() -> None:
+    """Two PULLs that hold the same version get one answer of the published copy (made and
+    encoded once); when the weights overflow between them, with no publish since, the second
+    gets ``Diverged``, not the answer the first got."""
+    big = RunConfig(workers=2, mode="asp", compressor="topk", ratio=0.5, lr_warmup=0,
+                    sync_every=10_000, optimizer_at="worker")
+    core = GroupCore(0, big, np.zeros(N, np.float32), members=[0, 1])
+    core.push(0, push(1, np.full(N, -1.0, np.float32)), 0.0)
+    core.publish()
+    first, again = core.weights_message(0, [], 0), core.weights_message(1, [], 0)
+    assert (first.since, first.version) == (again.since, again.version) == (-1, 1)  # all moved
+    assert [bytes(b) for b in first.payload.buffers] == [bytes(b) for b in again.payload.buffers]
+    for clock in (2, 3, 4, 5):
+        core.push(0, push(clock, np.full(N, -3.4e38, np.float32)), 0.0)
+    assert not np.isfinite(core.weights).all()
+    with pytest.raises(Diverged):
+        core.weights_message(1, [], 0)
+
+
 class Zeros:
     """A global server whose weights stay 0 (the final flush after the worker left)."""
 

@@ -27,12 +27,13 @@ from minips.core.actions import Log
 from minips.core.balance import Balancer
 from minips.core.changelog import ChangeLog
 from minips.core.config import RunConfig
-from minips.core.downlink import check_finite, group_downlink
+from minips.core.downlink import Answer, check_finite, group_downlink
 from minips.core.exact_exchange import group_sync
 from minips.core.exchange import Delta, ExchangeResult, Outgoing
 from minips.core.local_steps import outer_sgd
 from minips.errors import RemoteProtocolError
 from minips.wire import control, messages
+from minips.wire.fields import Payload
 
 __all__ = [
     "Action",
@@ -137,6 +138,10 @@ class GroupCore:
         self.downlink = group_downlink(run, self.weights, self.changes)  # None: answers are dense
         self._joined: set[int] = set()
         self._since_publish = 0  # pushes since the downlink's last publish (``publish``)
+        # the downlink's answers as they go out, checked and encoded once (``_wire_answer``):
+        # since -> (answer, its payload), all of the downlink's version ``_wired_at``
+        self._wired: dict[int, tuple[Answer, Payload]] = {}
+        self._wired_at = -1
         for w in members:
             self.expect(w, now)
 
@@ -385,21 +390,40 @@ class GroupCore:
         if w is not None and w in self.table:
             self.xchg.pulled(w, lead, held_s)
             self.iters.held(w, held_s)  # not part of its iteration: it waited on the others
-        payload: sparse.SparseVector | np.ndarray = self.weights
-        version, base, values = self.version, -1, "f32"
-        if self.downlink is not None:
-            answer = self.downlink.answer(since)
-            version, base, payload = answer.version, answer.since, answer.payload
-            values = self.downlink.wire_values(answer)
-        check_finite(payload, self.group, self.downlink is None or self.downlink.finite())
+        if self.downlink is None:
+            check_finite(self.weights, self.group)
+            version, base, wire = self.version, -1, sparse.encode_vector(self.weights)
+        else:
+            version, base, wire = self._wire_answer(since)
         low = self.table.min_clock()
         return messages.Weights(  # drift: how far the weights sent are from the group's
-            version=version, since=base, payload=sparse.encode_vector(payload, value_dtype=values),
+            version=version, since=base, payload=wire,
             done=self.done or self.at_cap(clock), group=self.group, waited_for=waited_for,
             ratio=self.ratio, lr_factor=self.next_lr_factor(), progress=self.progress(),
             local_steps=self.local_steps, batch=self._batch_of(w),
             lead=lead, min_clock=-1 if low is None else low,
             drift=-1.0 if self.downlink is None else round(self.downlink.last_drift, 6))
+
+    def _wire_answer(self, since: int) -> tuple[int, int, Payload]:
+        """The downlink's answer to a copy at ``since`` as it goes out: its version, its since
+        and its payload, the values checked finite (``check_finite``) and encoded once per
+        answer, then shared by the PULLs that get the same one (workers that pulled together
+        hold the same version: most PULLs between two publishes). Whether the weights are
+        finite is asked of every PULL."""
+        assert self.downlink is not None
+        answer = self.downlink.answer(since)
+        if self._wired_at != self.downlink.pub:  # a publish: the answers are new ones
+            self._wired.clear()
+            self._wired_at = self.downlink.pub
+        made = self._wired.get(since)
+        if made is None or made[0] is not answer:
+            check_finite(answer.payload, self.group, self.downlink.finite())
+            wire = sparse.encode_vector(answer.payload,
+                                        value_dtype=self.downlink.wire_values(answer))
+            made = self._wired[since] = (answer, wire)
+        elif not self.downlink.finite():
+            check_finite(answer.payload, self.group, False)  # raises Diverged
+        return answer.version, answer.since, made[1]
 
     def _batch_of(self, w: int | None) -> int:
         """LB-BSP: the samples of ``w``'s next step; 0 (the run's batch) in the other modes."""
