@@ -29,7 +29,7 @@ The file holds, in order:
   ``bytes_down`` keep their old meaning: the worker <-> group hop only, as the evaluator saw
   it.
 - The run read back (``Run``, ``load_run``), then the summary (``time_to_accuracy``,
-  ``summarize``).
+  ``summarize``), which reads each record once and keeps running figures, never the records.
 
 Invariant: a run counts as ``"real"`` only when every record says real; one synthetic record
 makes it ``"mixed"`` (or ``"synthetic"`` when all are), so a stand-in never goes unnoticed.
@@ -38,9 +38,11 @@ makes it ``"mixed"`` (or ``"synthetic"`` when all are), so a stand-in never goes
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,7 +174,11 @@ def hop_bytes(groups: Mapping[Any, list[dict[str, Any]]]) -> dict[str, int]:
     worker <-> group hop from the group servers' ``bytes_in`` / ``bytes_out``, the group <->
     global hop from the ``bytes_to_global`` / ``bytes_from_global`` of their exchange events
     (0 where the records lack them), summed over the groups; ``bytes_total`` is their sum."""
-    running = _replay(groups)
+    return _hop_totals(_replay(groups))
+
+
+def _hop_totals(running: _Running) -> dict[str, int]:
+    """``hop_bytes`` of the running counters, keyed (group, counter)."""
     out = {hop: running.total(lambda k, c=counter: k[1] == c)  # type: ignore[misc]
            for hop, counter in HOP_COUNTERS.items()}
     return {**out, "bytes_total": sum(out.values())}
@@ -338,17 +344,26 @@ class Run:
         return f"{mode}/{comp}" if comp else str(mode)
 
 
+def _t_key(rec: Mapping[str, Any]) -> float:
+    return num(rec.get("t")) or 0.0  # records sort by t, stably; a record without one first
+
+
 def _by_t(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted(records, key=lambda r: num(r.get("t")) or 0.0)
+    return sorted(records, key=_t_key)
+
+
+def _numbered_files(path: Path, prefix: str) -> dict[Any, Path]:
+    """``{id: file}`` for the files ``<prefix>-<id>.jsonl`` (int ids when they are ints)."""
+    out: dict[Any, Path] = {}
+    for f in sorted(path.glob(f"{prefix}-*.jsonl")):
+        key = f.stem[len(prefix) + 1:]
+        out[int(key) if re.fullmatch(r"\d+", key) else key] = f
+    return out
 
 
 def _numbered(path: Path, prefix: str) -> dict[Any, list[dict[str, Any]]]:
     """``{id: records}`` for the files ``<prefix>-<id>.jsonl`` (int ids when they are ints)."""
-    out: dict[Any, list[dict[str, Any]]] = {}
-    for f in sorted(path.glob(f"{prefix}-*.jsonl")):
-        key = f.stem[len(prefix) + 1:]
-        out[int(key) if re.fullmatch(r"\d+", key) else key] = _by_t(read_jsonl(f))
-    return out
+    return {k: _by_t(read_jsonl(f)) for k, f in _numbered_files(path, prefix).items()}
 
 
 def load_run(run_dir: str | os.PathLike[str]) -> Run:
@@ -365,176 +380,389 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
                events=events)
 
 
-# -- summary -------------------------------------------------------------------------------------
+# -- summary: the records read once, one at a time -------------------------------------------------
+#
+# summarize keeps running figures, never the records: its memory is the summary's size, not the
+# run's (a 15-minute soak writes 42 MB of records). Each file is read in the order load_run sorts
+# it (by t, stably): as it lies when it is in that order, as every writer appends it; sorted in
+# memory, the old way, the rare file that is not (a test's hand-set t, a resume's first lines).
+
+# the start of a line JsonlWriter writes: its t (a JSON number) comes first
+_T_FIRST = re.compile(r'\{"t":\s*(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*[,}]')
+_COMPENSATED = sys.version_info >= (3, 12)  # sum() of floats compensates from Python 3.12 on
 
 
-def _values(records: Iterable[Mapping[str, Any]], key: str) -> list[float]:
-    return [v for v in (num(r.get(key)) for r in records) if v is not None]
+def _pieces(path: Path) -> Iterator[str]:
+    """The lines of a file as read_jsonl splits them (str.splitlines), one at a time."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                yield from line.splitlines()
+    except OSError:
+        return
 
 
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
+def _stream(path: Path) -> Iterator[dict[str, Any]]:
+    """read_jsonl's records, one at a time."""
+    for piece in _pieces(path):
+        try:
+            rec = json.loads(piece)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            yield rec
 
 
-def _last(records: list[dict[str, Any]], key: str) -> float | None:
-    vals = _values(records, key)
-    return vals[-1] if vals else None
+def _in_time_order(path: Path) -> bool:
+    """Whether the file's lines come by ``t`` (a line that turns out unreadable counts too: it
+    can only say no). Cheap: the t at the start of a JsonlWriter line is read without json."""
+    last = float("-inf")
+    for piece in _pieces(path):
+        if m := _T_FIRST.match(piece):
+            t = float(m.group(1))
+            key = t if math.isfinite(t) else 0.0
+        else:
+            try:
+                rec = json.loads(piece)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            key = _t_key(rec)
+        if key < last:
+            return False
+        last = key
+    return True
+
+
+def _ordered(path: Path) -> Iterable[dict[str, Any]]:
+    """A file's records in load_run's order, one at a time when the file is in it."""
+    return _stream(path) if _in_time_order(path) else _by_t(read_jsonl(path))
+
+
+class _Tally:
+    """Values given one at a time: how many, their ``sum`` bit for bit as the builtin adds them
+    (left to right; with Neumaier's compensation from Python 3.12 on, as it does), and the
+    most (``max``: the first of equal ones)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.most: float | None = None
+        self._sum, self._c = 0.0, 0.0  # the running sum and its compensation
+
+    def add(self, x: float | None) -> None:
+        if x is None:
+            return
+        if self.n == 0:
+            self._sum = 0 + x
+        elif _COMPENSATED:
+            t = self._sum + x
+            self._c += (self._sum - t) + x if abs(self._sum) >= abs(x) else (x - t) + self._sum
+            self._sum = t
+        else:
+            self._sum += x
+        self.n += 1
+        if self.most is None or x > self.most:
+            self.most = x
+
+    @property
+    def total(self) -> float:
+        if self.n == 0:
+            return 0  # as sum([])
+        return self._sum + self._c if self._c and math.isfinite(self._c) else self._sum
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
+
+
+class _Evals:
+    """The evaluator's points in time order: how many, the accuracies (last, best), the last
+    value of each figure, the first time each target was reached."""
+
+    FIGURES = ("samples", "bytes_up", "bytes_down", "test_samples", "tested", "loss")
+
+    def __init__(self, targets: Iterable[float]) -> None:
+        self.targets = list(targets)
+        self.hit: list[float | None] = [None] * len(self.targets)  # t, per target
+        self.acc = _Tally()
+        self.final_acc: float | None = None
+        self.last: dict[str, float] = {}
+        self.n = 0  # points
+
+    def add(self, r: Mapping[str, Any]) -> None:
+        acc, t = num(r.get("accuracy")), num(r.get("t"))
+        self.n += 1
+        self.acc.add(acc)
+        self.final_acc = acc if acc is not None else self.final_acc
+        for i, target in enumerate(self.targets):
+            if self.hit[i] is None and (acc or 0.0) >= target:
+                self.hit[i] = t
+        for k in self.FIGURES:
+            if (v := num(r.get(k))) is not None:
+                self.last[k] = v
+
+    def time_to_accuracy(self, start: float) -> dict[str, Any]:
+        return {f"{target:.2f}": None if t is None else max(t - start, 0.0)
+                for target, t in zip(self.targets, self.hit, strict=True)}
 
 
 def time_to_accuracy(evals: list[dict[str, Any]], targets: Iterable[float],
                      start: float = 0.0) -> dict[str, Any]:
     """``{"0.80": seconds from start to the first accuracy >= 0.80, or None}`` per target."""
-    out: dict[str, Any] = {}
-    for target in targets:
-        hit = [num(r.get("t")) for r in evals if (num(r.get("accuracy")) or 0.0) >= target]
-        t = next((t for t in hit if t is not None), None)
-        out[f"{target:.2f}"] = None if t is None else max(t - start, 0.0)
-    return out
+    points = _Evals(targets)
+    for r in evals:
+        points.add(r)
+    return points.time_to_accuracy(start)
 
 
-def _wall_s(run: Run, pushes: list[dict[str, Any]]) -> float | None:
-    done = [r for r in run.events if r.get("event") == "done"]
-    if done and num(done[-1].get("t")) is not None:
-        return num(done[-1].get("t"))
-    ts = _values(run.eval + pushes + run.events, "t")
-    ts += _values([r for g in run.groups.values() for r in g], "t")
-    return max(ts) if ts else None
+class _Worker:
+    """One worker's pushes: how many, its last group, its step times, waits and staleness."""
+
+    def __init__(self) -> None:
+        self.steps, self.group = 0, None
+        self.step, self.wait, self.stale = _Tally(), _Tally(), _Tally()
+
+    def add(self, r: Mapping[str, Any]) -> None:
+        self.steps += 1
+        self.group = r["group"] if r.get("group") is not None else self.group
+        self.step.add(num(r.get("step_time")))
+        self.wait.add(num(r.get("wait_s")))
+        self.stale.add(num(r.get("staleness")))
 
 
-def _groups(run: Run) -> int | None:
-    """Number of groups: the group files, else the workers' group fields, else the config."""
-    if run.groups:
-        return len(run.groups)
-    seen = {r.get("group") for recs in run.workers.values() for r in recs} - {None}
-    if seen:
-        return len(seen)
-    groups = run.config.get("groups")
-    return groups if isinstance(groups, int) and groups > 0 else None
+class _Pushes:
+    """Every worker file's pushes, file after file (load_run's order): sums over all pushes,
+    the groups they name, who waited for whom, and each worker's ``_Worker``."""
+
+    def __init__(self) -> None:
+        self.workers: dict[Any, _Worker] = {}
+        self.n = 0
+        self.sums = {k: _Tally() for k in ("samples", "bytes_wire", "bytes_raw", "staleness",
+                                           "wait_s", "kept_fraction")}
+        self.busy = _Tally()  # step_time x local_steps (``_compute_share``)
+        self.groups: set[Any] = set()
+        self.blamed: dict[str, int] = {}  # worker -> how often another waited for it
+
+    def add(self, worker: Any, r: Mapping[str, Any]) -> None:
+        self.n += 1
+        self.workers[worker].add(r)
+        for k, tally in self.sums.items():
+            tally.add(num(r.get(k)))
+        if step := num(r.get("step_time")):
+            self.busy.add(step * (num(r.get("local_steps")) or 1))
+        self.groups.add(r.get("group"))
+        for v in r.get("waited_for") or []:
+            self.blamed[str(v)] = self.blamed.get(str(v), 0) + 1
+
+    def per_worker(self) -> dict[str, dict[str, Any]]:
+        return {str(w): {"group": v.group, "steps": v.steps, "mean_step_s": v.step.mean,
+                         "mean_wait_s": v.wait.mean, "mean_staleness": v.stale.mean,
+                         "waited_for_by_others": self.blamed.get(str(w), 0)}
+                for w, v in self.workers.items()}
 
 
-def _ledger(run: Run) -> dict[str, Any] | None:
-    """The global server's last figures (record/ledger.py: every line carries them), or None
-    for a run recorded before the ledger."""
-    return next((r for r in reversed(run.events) if "bytes_total" in r), None)
+class _Events:
+    """global.jsonl in time order: the training start, the last ``done``, the ledger's last
+    figures, the merge lines' figures per group, regroups, the data events, the SCOREs."""
+
+    def __init__(self, targets: Iterable[float]) -> None:
+        self.start: float | None = None  # t of the first groups event
+        self.done: Mapping[str, Any] | None = None
+        self.ledger: Mapping[str, Any] | None = None  # the last line with the ledger's figures
+        self.merge_samples: float | None = None  # samples, as of the last merge line
+        self.merge_pushes = 0
+        self.missed: dict[Any, _Tally] = {}  # per group, in the order they first merged
+        self.base_age: dict[Any, _Tally] = {}
+        self.merged = _Running()  # the merge lines' byte counters, per (group, counter)
+        self.regroups = 0
+        self.data: list[dict[str, Any]] = []
+        self.scores = _Evals(targets)
+
+    def add(self, r: dict[str, Any]) -> None:
+        ev = r.get("event")
+        if "bytes_total" in r:
+            self.ledger = r
+        if ev == "groups" and self.start is None:
+            self.start = num(r.get("t"))
+        elif ev == "done":
+            self.done = r
+        elif ev == "merge":
+            self._merge(r)
+        elif ev == "regroup":
+            self.regroups += 1
+        elif ev == "data":
+            self.data.append(r)
+        elif ev == "eval":
+            self.scores.add(r)
+
+    def _merge(self, r: Mapping[str, Any]) -> None:
+        g = r.get("group")
+        self.missed.setdefault(g, _Tally()).add(num(r.get("missed")))
+        self.base_age.setdefault(g, _Tally()).add(num(r.get("base_age_s")))
+        if (samples := num(r.get("samples"))) is not None:
+            self.merge_samples = samples
+        self.merge_pushes += int(r.get("pushes") or 0)
+        for counter in HOP_COUNTERS.values():
+            if (v := num(r.get(counter))) is not None:
+                self.merged.add((g, counter), v)
+
+    def between_groups(self) -> dict[str, dict[str, Any]]:
+        """Per group, its staleness between groups over the run, from the merge lines
+        (rundir.py): the mean and the most of ``missed`` (other groups' merges an exchange was
+        computed without) and of ``base_age_s`` (the age of the global weights it rebased on);
+        None where no line has them (records older than the figures, a group resumed before
+        its first answer)."""
+        return {str(g): {"mean_missed": self.missed[g].mean, "max_missed": self.missed[g].most,
+                         "mean_base_age_s": self.base_age[g].mean,
+                         "max_base_age_s": self.base_age[g].most}
+                for g in sorted(self.missed, key=str)}
 
 
-def _traffic(run: Run, pushes: list[dict[str, Any]]) -> dict[str, Any]:
+def _seen_by_servers(path: Path, groups: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """Per worker, from the merge lines' answered PULLs (a run whose workers write on their own
+    machines): its last group, steps (one PULL a step), mean SSP wait and staleness (its lead).
+    Group after group (``groups``: in the order they first merged), one reading of global.jsonl
+    each, as the figures have always been added up."""
+    seen: dict[str, dict[str, Any]] = {}
+    for g in groups:
+        for r in _ordered(path):
+            if r.get("event") != "merge" or r.get("group") != g:
+                continue
+            cols = [r.get(k) for k in ("pull_workers", "pull_leads", "pull_waits_us")]
+            if not all(isinstance(c, list) for c in cols):
+                continue
+            for w, lead, wait_us in zip(*cols, strict=False):
+                v = seen.setdefault(str(w), {"group": g, "steps": 0, "leads": _Tally(),
+                                             "waits": _Tally()})
+                v["group"] = g
+                v["steps"] += 1
+                v["leads"].add(float(lead))
+                v["waits"].add(float(wait_us) / 1e6)
+    return {w: {"group": v["group"], "steps": v["steps"], "mean_step_s": None,
+                "mean_wait_s": v["waits"].mean, "mean_staleness": v["leads"].mean,
+                "waited_for_by_others": None, "from": "servers"}
+            for w, v in sorted(seen.items(), key=lambda kv: int(kv[0]))}
+
+
+class _Reading:
+    """A run directory read once for its summary: each file in load_run's order (eval.jsonl,
+    the worker files, global.jsonl, the group files), into running figures."""
+
+    def __init__(self, path: Path, targets: Iterable[float]) -> None:
+        targets = list(targets)
+        self.latest: float | None = None  # the latest t of any record
+        self.evals = _Evals(targets)
+        for r in _ordered(path / "eval.jsonl"):
+            self.evals.add(r)
+            self._saw(r)
+        self.pushes = _Pushes()
+        for w, f in _numbered_files(path, "worker").items():
+            self.pushes.workers[w] = _Worker()
+            for r in _ordered(f):
+                self.pushes.add(w, r)
+                self._saw(r)
+        self.events = _Events(targets)
+        for r in _ordered(path / "global.jsonl"):
+            self.events.add(r)
+            self._saw(r)
+        self.groups = _numbered_files(path, "group")
+        self.group_out = _Tally()  # each group file's last bytes_out, summed
+        self.group_lines = 0
+        self.grouped = _Running()  # the group files' byte counters, per (group, counter)
+        for g, f in self.groups.items():
+            self._group(g, f)
+
+    def _saw(self, r: Mapping[str, Any]) -> None:
+        if (t := num(r.get("t"))) is not None and (self.latest is None or t > self.latest):
+            self.latest = t
+
+    def _group(self, g: Any, f: Path) -> None:
+        out = None
+        for r in _ordered(f):
+            self.group_lines += 1
+            self._saw(r)
+            out = v if (v := num(r.get("bytes_out"))) is not None else out
+            for counter in HOP_COUNTERS.values():
+                if (v := num(r.get(counter))) is not None:
+                    self.grouped.add((g, counter), v)
+        self.group_out.add(out)
+
+
+def _traffic(run: _Reading) -> dict[str, Any]:
     """Samples and bytes: the ledger's worker <-> group bytes, else the evaluator's run totals,
     else the sums of per-role files; the samples, without an evaluator (a server whose workers
     write on their own machines), as of the global server's last merge."""
-    group_out = [_last(recs, "bytes_out") for recs in run.groups.values()]
-    fallback_down = sum(b for b in group_out if b is not None) if run.groups else None
-    samples = _last(run.eval, "samples")
-    if samples is None and not pushes:
-        samples = _last([r for r in run.events if r.get("event") == "merge"], "samples")
-    up, down = _last(run.eval, "bytes_up"), _last(run.eval, "bytes_down")
-    if (ledger := _ledger(run)) is not None:
+    evals = (run.evals if run.evals.n else run.events.scores).last
+    pushes, ledger = run.pushes, run.events.ledger
+    samples = evals.get("samples")
+    if samples is None and not pushes.n:
+        samples = run.events.merge_samples
+    up, down = evals.get("bytes_up"), evals.get("bytes_down")
+    if ledger is not None:
         up, down = ledger.get("bytes_worker_group"), ledger.get("bytes_group_worker")
+    fallback_down = run.group_out.total if run.groups else None
     return {
-        "samples": samples if samples is not None else sum(_values(pushes, "samples")),
-        "bytes_up": up if up is not None else sum(_values(pushes, "bytes_wire")),
+        "samples": samples if samples is not None else pushes.sums["samples"].total,
+        "bytes_up": up if up is not None else pushes.sums["bytes_wire"].total,
         "bytes_down": down if down is not None else fallback_down,
-        "bytes_raw": sum(_values(pushes, "bytes_raw")),
+        "bytes_raw": pushes.sums["bytes_raw"].total,
     }
 
 
-def _merges(run: Run) -> dict[Any, list[dict[str, Any]]]:
-    """The global server's merge lines, per group: what it saw of every exchange (pushes, the
-    PULLs answered, the group's running byte counters), wherever the group and workers ran."""
-    out: dict[Any, list[dict[str, Any]]] = {}
-    for r in run.events:
-        if r.get("event") == "merge":
-            out.setdefault(r.get("group"), []).append(r)
-    return out
-
-
-def _hops(run: Run, traffic: Mapping[str, Any],
-          merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, int]:
+def _hops(run: _Reading, traffic: Mapping[str, Any]) -> dict[str, int]:
     """``hop_bytes`` of the run: the ledger's (the global server's last figures), else (a run
     recorded before it) from the group files, else from the global server's merge lines
     (groups that write on other machines), else worker <-> group from ``traffic``."""
-    if (ledger := _ledger(run)) is not None:
+    if (ledger := run.events.ledger) is not None:
         return {k: int(ledger.get(k) or 0) for k in BYTE_FIGURES}
-    if any(run.groups.values()):
-        return hop_bytes(run.groups)
-    if merges:
-        return hop_bytes(merges)
+    if run.group_lines:
+        return _hop_totals(run.grouped)
+    if run.events.missed:
+        return _hop_totals(run.events.merged)
     up, down = int(traffic["bytes_up"] or 0), int(traffic["bytes_down"] or 0)
     return {"bytes_worker_group": up, "bytes_group_worker": down, "bytes_group_global": 0,
             "bytes_global_group": 0, "bytes_total": up + down}
 
 
-def _seen_by_servers(merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Per worker, from the merge lines' answered PULLs (a run whose workers write on their own
-    machines): its last group, steps (one PULL a step), mean SSP wait and staleness (its lead)."""
-    seen: dict[str, dict[str, Any]] = {}
-    for g, recs in merges.items():
-        for r in recs:
-            cols = [r.get(k) for k in ("pull_workers", "pull_leads", "pull_waits_us")]
-            if not all(isinstance(c, list) for c in cols):
-                continue
-            for w, lead, wait_us in zip(*cols, strict=False):
-                v = seen.setdefault(str(w), {"group": g, "steps": 0, "leads": [], "waits": []})
-                v["group"] = g
-                v["steps"] += 1
-                v["leads"].append(float(lead))
-                v["waits"].append(float(wait_us) / 1e6)
-    return {w: {"group": v["group"], "steps": v["steps"], "mean_step_s": None,
-                "mean_wait_s": _mean(v["waits"]), "mean_staleness": _mean(v["leads"]),
-                "waited_for_by_others": None, "from": "servers"}
-            for w, v in sorted(seen.items(), key=lambda kv: int(kv[0]))}
+def _groups(run: _Reading, cfg: Mapping[str, Any]) -> int | None:
+    """Number of groups: the group files, else the workers' group fields, else the config."""
+    if run.groups:
+        return len(run.groups)
+    if seen := run.pushes.groups - {None}:
+        return len(seen)
+    groups = cfg.get("groups")
+    return groups if isinstance(groups, int) and groups > 0 else None
 
 
-def _between_groups(merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Per group, its staleness between groups over the run, from the merge lines (rundir.py):
-    the mean and the most of ``missed`` (other groups' merges an exchange was computed without)
-    and of ``base_age_s`` (the age of the global weights it rebased on); None where no line has
-    them (records older than the figures, a group resumed before its first answer)."""
-    out: dict[str, dict[str, Any]] = {}
-    for g, recs in sorted(merges.items(), key=lambda kv: str(kv[0])):
-        missed, age = _values(recs, "missed"), _values(recs, "base_age_s")
-        out[str(g)] = {"mean_missed": _mean(missed), "max_missed": max(missed, default=None),
-                       "mean_base_age_s": _mean(age), "max_base_age_s": max(age, default=None)}
-    return out
+def _clock(run: _Reading) -> tuple[float | None, float, float | None]:
+    """(wall_s, train_start_s, train_s): t0 to the last ``done`` (else to the latest record),
+    t0 to the ``groups`` event, and the server's own training clock at ``done`` (a resumed
+    run's downtime is not training), else the time from the start to the end."""
+    done, start = run.events.done, run.events.start or 0.0
+    wall = num(done.get("t")) if done is not None else None
+    wall = run.latest if wall is None else wall
+    train = max(wall - start, 0.0) if wall is not None else None
+    clocked = num(done.get("train_s")) if done is not None else None
+    return wall, start, clocked if clocked is not None else train
 
 
-def _compute_share(run: Run, train: float | None) -> float | None:
+def _compute_share(run: _Reading, train: float | None) -> float | None:
     """The share of the workers' training time spent in their steps: the step times their
     records report (``step_time`` x ``local_steps``: an emulated step, or the measured compute)
     over workers x ``train_s``. The rest went to waits, pushes and pulls: a mode whose workers
     never waited and whose messages took no time would reach its samples ``1 / share`` times
     sooner. None without worker files."""
-    if not run.workers or not train:
+    if not run.pushes.workers or not train:
         return None
-    busy = sum((num(r.get("step_time")) or 0.0) * (num(r.get("local_steps")) or 1)
-               for recs in run.workers.values() for r in recs if num(r.get("step_time")))
-    return busy / (len(run.workers) * train)
-
-
-def _per_worker(run: Run, merges: Mapping[Any, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Per worker: group, steps, mean wait and staleness, and how often others waited for it;
-    without worker files, what the servers saw (``_seen_by_servers``)."""
-    if not run.workers:
-        return _seen_by_servers(merges)
-    blamed: dict[str, int] = {}
-    for recs in run.workers.values():
-        for r in recs:
-            for v in r.get("waited_for") or []:
-                blamed[str(v)] = blamed.get(str(v), 0) + 1
-    out = {}
-    for w, recs in run.workers.items():
-        groups = [r.get("group") for r in recs if r.get("group") is not None]
-        out[str(w)] = {"group": groups[-1] if groups else None, "steps": len(recs),
-                       "mean_step_s": _mean(_values(recs, "step_time")),
-                       "mean_wait_s": _mean(_values(recs, "wait_s")),
-                       "mean_staleness": _mean(_values(recs, "staleness")),
-                       "waited_for_by_others": blamed.get(str(w), 0)}
-    return out
+    return run.pushes.busy.total / (len(run.pushes.workers) * train)
 
 
 def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | None = None,
               write: bool = True) -> dict[str, Any]:
     """Headline figures of a run; also written to ``<run_dir>/summary.json`` when ``write``.
+    The records are read once, one at a time (``_Reading``): what it holds is the size of the
+    summary, not of the run.
 
     Keys: mode, compressor, model, dataset, workers, groups, final_accuracy (the evaluator's
     final point: the final weights on every test sample), final_test_samples, best_accuracy,
@@ -545,7 +773,7 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     bytes_global_group, bytes_total (every hop; see the module docstring), time_to_accuracy
     (seconds from the training start), mean_staleness, max_staleness (inside a group),
     between_groups ({group: mean_missed, max_missed, mean_base_age_s, max_base_age_s}: the
-    staleness between groups of its merged exchanges, ``_between_groups``), mean_wait_s,
+    staleness between groups of its merged exchanges, ``_Events.between_groups``), mean_wait_s,
     compute_share (the workers' step times over workers x train_s, ``_compute_share``),
     mean_kept_fraction, steps, eval_points, regroups, per_worker ({id: group, steps,
     mean_step_s, mean_wait_s, mean_staleness, waited_for_by_others}; without worker files in
@@ -554,42 +782,39 @@ def summarize(run_dir: str | os.PathLike[str], *, targets: Iterable[float] | Non
     "synthetic", "mixed": ``verdict``) and data_sources ({role: its data-<role>.json}). A
     figure the files cannot give is None.
     """
-    run = load_run(run_dir)
-    pushes = [r for recs in run.workers.values() for r in recs]
-    cfg = run.config
-    accs = _values(run.eval, "accuracy")
-    wall, start = _wall_s(run, pushes), run.start_t
-    train = max(wall - start, 0.0) if wall is not None else None
-    # the server's own training clock at `done`: a resumed run's downtime is not training
-    clocked = [num(r.get("train_s")) for r in run.events if r.get("event") == "done"]
-    train = clocked[-1] if clocked and clocked[-1] is not None else train
-    traffic = _traffic(run, pushes)
-    merges = _merges(run)  # what the global server saw of each exchange
-    staleness = _values(pushes, "staleness")
-    sources = read(run.path, run.events)  # real files or the synthetic stand-in, per process
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no run directory at {path}")
+    cfg = read_config(path)
+    run = _Reading(path, targets or cfg.get("targets") or DEFAULT_TARGETS)
+    evals = run.evals if run.evals.n else run.events.scores
+    pushes = run.pushes
+    wall, start, train = _clock(run)
+    traffic = _traffic(run)
+    sources = read(path, run.events.data)  # real files or the synthetic stand-in, per process
     summary: dict[str, Any] = {
         "mode": cfg.get("mode"), "compressor": cfg.get("compressor"),
         "model": cfg.get("model"), "dataset": cfg.get("dataset"),
-        "workers": len(run.workers) or cfg.get("workers"), "groups": _groups(run),
-        "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs, default=None),
-        "final_test_samples": _last(run.eval, "test_samples") or _last(run.eval, "tested"),
-        "final_loss": _last(run.eval, "loss"), "wall_s": wall, "train_start_s": start,
-        "train_s": train, **traffic, **_hops(run, traffic, merges),
+        "workers": len(pushes.workers) or cfg.get("workers"), "groups": _groups(run, cfg),
+        "final_accuracy": evals.final_acc, "best_accuracy": evals.acc.most,
+        "final_test_samples": evals.last.get("test_samples") or evals.last.get("tested"),
+        "final_loss": evals.last.get("loss"), "wall_s": wall, "train_start_s": start,
+        "train_s": train, **traffic, **_hops(run, traffic),
         "samples_per_s": traffic["samples"] / train if train else None,
-        "time_to_accuracy": time_to_accuracy(run.eval, targets or cfg.get("targets")
-                                             or DEFAULT_TARGETS, start),
-        "mean_staleness": _mean(staleness), "max_staleness": max(staleness, default=None),
-        "between_groups": _between_groups(merges),
-        "mean_wait_s": _mean(_values(pushes, "wait_s")),
+        "time_to_accuracy": evals.time_to_accuracy(start),
+        "mean_staleness": pushes.sums["staleness"].mean,
+        "max_staleness": pushes.sums["staleness"].most,
+        "between_groups": run.events.between_groups(),
+        "mean_wait_s": pushes.sums["wait_s"].mean,
         "compute_share": _compute_share(run, train),
-        "mean_kept_fraction": _mean(_values(pushes, "kept_fraction")),
-        "steps": len(pushes) or sum(int(r.get("pushes") or 0)
-                                    for recs in merges.values() for r in recs),
-        "eval_points": len(run.eval),
-        "regroups": sum(1 for r in run.events if r.get("event") == "regroup"),
-        "per_worker": _per_worker(run, merges),
+        "mean_kept_fraction": pushes.sums["kept_fraction"].mean,
+        "steps": pushes.n or run.events.merge_pushes,
+        "eval_points": evals.n,
+        "regroups": run.events.regroups,
+        "per_worker": (pushes.per_worker() if pushes.workers
+                       else _seen_by_servers(path / "global.jsonl", run.events.missed)),
         "data": verdict(sources), "data_sources": sources,
     }
     if write:
-        dump_json(run.path / "summary.json", summary)
+        dump_json(path / "summary.json", summary)
     return summary
