@@ -551,7 +551,8 @@ class _Pushes:
             tally.add(num(r.get(k)))
         if step := num(r.get("step_time")):
             self.busy.add(step * (num(r.get("local_steps")) or 1))
-        self.groups.add(r.get("group"))
+        if not isinstance(g := r.get("group"), (list, dict)):  # a broken record's: not a group
+            self.groups.add(g)
         for v in r.get("waited_for") or []:
             self.blamed[str(v)] = self.blamed.get(str(v), 0) + 1
 
