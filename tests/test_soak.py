@@ -197,28 +197,32 @@ def test_a_full_disk_widens_the_loss_window_by_the_time_it_had_no_room(
     assert said in check.evidence, check.evidence
 
 
-def resources_run(d: Path, rss_mb: list[int]) -> None:
-    """Two global-server lives: pid 1 steady at 70 MB then 240 MB in a sample after the run's
-    last record line (the summary.json the server writes at the end reads the record back:
-    the soak's 15-minute seed 3), pid 2 (earlier, killed) at ``rss_mb`` every second."""
+def resources_run(d: Path, rss_mb: list[int], last_mb: int = 70) -> None:
+    """Two global-server lives: pid 1 steady at 70 MB, then ``last_mb`` in a sample after the
+    run's last record line (where the summary.json the server writes at the end took 240 MB
+    when it read the record back whole: the soak's 15-minute seed 3), pid 2 (earlier, killed)
+    at ``rss_mb`` every second."""
     t0 = 1000.0
     (d / "soak").mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({"t0": t0}))
     (d / "global.jsonl").write_text(json.dumps(line(40, "eval", accuracy=0.9)) + "\n")
     res = [{"t": t0 + i, "pid": 2, "rss_kb": mb << 10, "fds": 30} for i, mb in enumerate(rss_mb)]
     res += [{"t": t0 + 20 + i, "pid": 1, "rss_kb": 70 << 10, "fds": 30} for i in range(21)]
-    res.append({"t": t0 + 42, "pid": 1, "rss_kb": 240 << 10, "fds": 7})
+    res.append({"t": t0 + 42, "pid": 1, "rss_kb": last_mb << 10, "fds": 7})
     (d / "soak" / "resources.jsonl").write_text("".join(json.dumps(r) + "\n" for r in res))
 
 
-def test_the_resource_bound_holds_while_the_server_serves_not_its_summary(
-        tmp_path: Path) -> None:
+def test_the_resource_bound_holds_to_each_lifes_last_sample(tmp_path: Path) -> None:
     resources_run(tmp_path / "ok", [70] * 6 + [90] * 6)
     check = soak_check.check_resources(soak_check.Run.read(tmp_path / "ok"))
     assert check.ok, check.evidence
-    assert "1 samples after the run's last record line" in check.evidence, check.evidence
     resources_run(tmp_path / "grows", [70] * 6 + [260] * 6)  # 1.5 x 70 + 96 = 201 MB
     check = soak_check.check_resources(soak_check.Run.read(tmp_path / "grows"))
     assert not check.ok
     assert "1 beyond the bounds; pid 2: fds 30 -> 30, RSS 70 -> 260 MB" in check.evidence, \
         check.evidence
+    # the summary at the end counts too: a server that reads its record back whole fails
+    resources_run(tmp_path / "summary", [70] * 12, last_mb=240)
+    check = soak_check.check_resources(soak_check.Run.read(tmp_path / "summary"))
+    assert not check.ok
+    assert "pid 1: fds 30 -> 30, RSS 70 -> 240 MB" in check.evidence, check.evidence
