@@ -1,14 +1,16 @@
-"""`minips ray` on a local multi-node Ray cluster (ray.cluster_utils.Cluster), one for the whole
-module: a head with no CPU and the custom resource ``minips_server``, and a node of 2 CPUs with
-``jetson``. A short run finishes, the global server lands on the head and the workers on the jetson
-node, and a worker actor that is killed is restarted by Ray and rejoins the run. On the same
-cluster: workers given no resources share the 2 CPUs, so 3 of them and the other roles are all
-placed; 3 workers that ask a CPU each are refused in one line before any actor exists; a role
-still running after the server exited is stopped, not waited for; and on a cluster joined by
-address, workers asking for a resource no node has are named with what they wait for within 10 s,
-until ``--timeout`` stops every actor with one line. Runs only where the ``ray``
-extra is installed (`make test` installs it). Every Ray process and every role's process ends with
-the test module, also when it fails.
+"""`minips ray --workers 3 --mode gssp --max-steps 100` on a local Ray instance of 2 CPUs, timed
+from its process's start to its end (issue 58: 20 s on an idle machine). Then `minips ray` on a
+local multi-node Ray cluster (ray.cluster_utils.Cluster), one for the rest of the module: a head
+with no CPU and the custom resource ``minips_server``, and a node of 2 CPUs with ``jetson``. A
+short run finishes, the global server lands on the head and the workers on the jetson node, and a
+worker actor that is killed is restarted by Ray and rejoins the run. On the same cluster: workers
+given no resources share the 2 CPUs, so 3 of them and the other roles are all placed; 3 workers
+that ask a CPU each are refused in one line before any actor exists; a role still running after
+the server exited is stopped, not waited for; and on a cluster joined by address, workers asking
+for a resource no node has are named with what they wait for within 10 s, until ``--timeout``
+stops every actor with one line. Runs only where the ``ray`` extra is installed (`make test`
+installs it). Every Ray process and every role's process ends with the test module, also when it
+fails.
 """
 
 from __future__ import annotations
