@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from minips.core.config import RunConfig
-from minips.record import metrics
+from minips.record import rundir
 from minips.record.metrics import summarize
 from minips.sim.simulate import SimConfig, simulate
 
@@ -22,7 +22,7 @@ from minips.sim.simulate import SimConfig, simulate
 def _whole(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """The summary of the run read whole: every file sorted in memory (load_run's lists)."""
     with monkeypatch.context() as m:
-        m.setattr(metrics, "_in_time_order", lambda path: False)
+        m.setattr(rundir, "in_time_order", lambda path: False)
         return summarize(run_dir, write=False)
 
 
@@ -46,7 +46,7 @@ def test_the_streamed_summary_is_the_whole_readings(sim_run: Path,
     s = summarize(sim_run, write=False)
     assert s["steps"] >= 600 and s["eval_points"] > 3 and len(s["per_worker"]) == 8
     assert s["mean_wait_s"] is not None and s["between_groups"]
-    assert all(metrics._in_time_order(f) for f in sim_run.glob("*.jsonl"))  # streamed, all
+    assert all(rundir.in_time_order(f) for f in sim_run.glob("*.jsonl"))  # streamed, all
     _same(s, _whole(sim_run, monkeypatch))
 
 
@@ -55,7 +55,7 @@ def test_a_file_out_of_time_order_is_read_in_time_order(sim_run: Path, tmp_path:
     for name in ("eval.jsonl", "worker-3.jsonl", "global.jsonl"):
         lines = (copy / name).read_text().splitlines(keepends=True)
         (copy / name).write_text("".join(reversed(lines)))  # every t differs in these files
-    assert not metrics._in_time_order(copy / "eval.jsonl")
+    assert not rundir.in_time_order(copy / "eval.jsonl")
     _same(summarize(copy, write=False), summarize(sim_run, write=False))
 
 

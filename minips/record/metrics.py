@@ -42,13 +42,13 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from minips.record.ledger import HOPS
-from minips.record.rundir import dump_json, num, read_config, read_jsonl
+from minips.record.rundir import by_t, dump_json, num, ordered_jsonl, read_config, read_jsonl
 
 __all__ = [
     "origin",
@@ -344,14 +344,6 @@ class Run:
         return f"{mode}/{comp}" if comp else str(mode)
 
 
-def _t_key(rec: Mapping[str, Any]) -> float:
-    return num(rec.get("t")) or 0.0  # records sort by t, stably; a record without one first
-
-
-def _by_t(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted(records, key=_t_key)
-
-
 def _numbered_files(path: Path, prefix: str) -> dict[Any, Path]:
     """``{id: file}`` for the files ``<prefix>-<id>.jsonl`` (int ids when they are ints)."""
     out: dict[Any, Path] = {}
@@ -363,7 +355,7 @@ def _numbered_files(path: Path, prefix: str) -> dict[Any, Path]:
 
 def _numbered(path: Path, prefix: str) -> dict[Any, list[dict[str, Any]]]:
     """``{id: records}`` for the files ``<prefix>-<id>.jsonl`` (int ids when they are ints)."""
-    return {k: _by_t(read_jsonl(f)) for k, f in _numbered_files(path, prefix).items()}
+    return {k: by_t(read_jsonl(f)) for k, f in _numbered_files(path, prefix).items()}
 
 
 def load_run(run_dir: str | os.PathLike[str]) -> Run:
@@ -371,11 +363,11 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
     path = Path(run_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"no run directory at {path}")
-    events = _by_t(read_jsonl(path / "global.jsonl"))
+    events = by_t(read_jsonl(path / "global.jsonl"))
     # an evaluator on another machine writes its eval.jsonl there: its SCOREs are here
     scores = [r for r in events if r.get("event") == "eval"]
     return Run(path=path, config=read_config(path),
-               eval=_by_t(read_jsonl(path / "eval.jsonl")) or scores,
+               eval=by_t(read_jsonl(path / "eval.jsonl")) or scores,
                workers=_numbered(path, "worker"), groups=_numbered(path, "group"),
                events=events)
 
@@ -385,59 +377,10 @@ def load_run(run_dir: str | os.PathLike[str]) -> Run:
 # summarize keeps running figures, never the records: its memory is the summary's size, not the
 # run's (a 15-minute soak writes 42 MB of records). Each file is read in the order load_run sorts
 # it (by t, stably): as it lies when it is in that order, as every writer appends it; sorted in
-# memory, the old way, the rare file that is not (a test's hand-set t, a resume's first lines).
+# memory, the old way, the rare file that is not (a test's hand-set t, a resume's first lines):
+# rundir.ordered_jsonl.
 
-# the start of a line JsonlWriter writes: its t (a JSON number) comes first
-_T_FIRST = re.compile(r'\{"t":\s*(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*[,}]')
 _COMPENSATED = sys.version_info >= (3, 12)  # sum() of floats compensates from Python 3.12 on
-
-
-def _pieces(path: Path) -> Iterator[str]:
-    """The lines of a file as read_jsonl splits them (str.splitlines), one at a time."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                yield from line.splitlines()
-    except OSError:
-        return
-
-
-def _stream(path: Path) -> Iterator[dict[str, Any]]:
-    """read_jsonl's records, one at a time."""
-    for piece in _pieces(path):
-        try:
-            rec = json.loads(piece)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            yield rec
-
-
-def _in_time_order(path: Path) -> bool:
-    """Whether the file's lines come by ``t`` (a line that turns out unreadable counts too: it
-    can only say no). Cheap: the t at the start of a JsonlWriter line is read without json."""
-    last = float("-inf")
-    for piece in _pieces(path):
-        if m := _T_FIRST.match(piece):
-            t = float(m.group(1))
-            key = t if math.isfinite(t) else 0.0
-        else:
-            try:
-                rec = json.loads(piece)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict):
-                continue
-            key = _t_key(rec)
-        if key < last:
-            return False
-        last = key
-    return True
-
-
-def _ordered(path: Path) -> Iterable[dict[str, Any]]:
-    """A file's records in load_run's order, one at a time when the file is in it."""
-    return _stream(path) if _in_time_order(path) else _by_t(read_jsonl(path))
 
 
 class _Tally:
@@ -627,7 +570,7 @@ def _seen_by_servers(path: Path, groups: Iterable[Any]) -> dict[str, dict[str, A
     each, as the figures have always been added up."""
     seen: dict[str, dict[str, Any]] = {}
     for g in groups:
-        for r in _ordered(path):
+        for r in ordered_jsonl(path):
             if r.get("event") != "merge" or r.get("group") != g:
                 continue
             cols = [r.get(k) for k in ("pull_workers", "pull_leads", "pull_waits_us")]
@@ -654,17 +597,17 @@ class _Reading:
         targets = list(targets)
         self.latest: float | None = None  # the latest t of any record
         self.evals = _Evals(targets)
-        for r in _ordered(path / "eval.jsonl"):
+        for r in ordered_jsonl(path / "eval.jsonl"):
             self.evals.add(r)
             self._saw(r)
         self.pushes = _Pushes()
         for w, f in _numbered_files(path, "worker").items():
             self.pushes.workers[w] = _Worker()
-            for r in _ordered(f):
+            for r in ordered_jsonl(f):
                 self.pushes.add(w, r)
                 self._saw(r)
         self.events = _Events(targets)
-        for r in _ordered(path / "global.jsonl"):
+        for r in ordered_jsonl(path / "global.jsonl"):
             self.events.add(r)
             self._saw(r)
         self.groups = _numbered_files(path, "group")
@@ -680,7 +623,7 @@ class _Reading:
 
     def _group(self, g: Any, f: Path) -> None:
         out = None
-        for r in _ordered(f):
+        for r in ordered_jsonl(f):
             self.group_lines += 1
             self._saw(r)
             out = v if (v := num(r.get("bytes_out"))) is not None else out

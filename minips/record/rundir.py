@@ -36,8 +36,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -227,6 +228,66 @@ def tail_jsonl(path: str | os.PathLike[str], nbytes: int = 16384) -> list[dict[s
         if isinstance(rec, dict):
             records.append(rec)
     return records
+
+
+def t_key(rec: Mapping[str, Any]) -> float:
+    return num(rec.get("t")) or 0.0  # records sort by t, stably; a record without one first
+
+
+def by_t(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(records, key=t_key)
+
+
+# the start of a line JsonlWriter writes: its t (a JSON number) comes first
+_T_FIRST = re.compile(r'\{"t":\s*(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)\s*[,}]')
+
+
+def _jsonl_lines(path: Path) -> Iterator[str]:
+    """The lines of a file as read_jsonl splits them (str.splitlines), one at a time."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                yield from line.splitlines()
+    except OSError:
+        return
+
+
+def stream_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """read_jsonl's records, one at a time."""
+    for piece in _jsonl_lines(path):
+        try:
+            rec = json.loads(piece)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            yield rec
+
+
+def in_time_order(path: Path) -> bool:
+    """Whether the file's lines come by ``t`` (a line that turns out unreadable counts too: it
+    can only say no). Cheap: the t at the start of a JsonlWriter line is read without json."""
+    last = float("-inf")
+    for piece in _jsonl_lines(path):
+        if m := _T_FIRST.match(piece):
+            t = float(m.group(1))
+            key = t if math.isfinite(t) else 0.0
+        else:
+            try:
+                rec = json.loads(piece)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            key = t_key(rec)
+        if key < last:
+            return False
+        last = key
+    return True
+
+
+def ordered_jsonl(path: Path) -> Iterable[dict[str, Any]]:
+    """A file's records in load_run's order, one at a time when the file is in it."""
+    return stream_jsonl(path) if in_time_order(path) else by_t(read_jsonl(path))
 
 
 def num(x: Any) -> float | None:
