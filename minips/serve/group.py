@@ -367,9 +367,13 @@ class GroupServer:
                 await self._send_push(ch, w, conv, msg)
 
     def traffic(self) -> dict[str, int]:
-        """Bytes received from / sent to this group's workers so far."""
-        up = self._closed_bytes["bytes_in"] + sum(c.bytes_received for c in self.channels.values())
-        down = self._closed_bytes["bytes_out"] + sum(c.bytes_sent for c in self.channels.values())
+        """Bytes received from / sent to this group's workers so far (one pass over the
+        connections: asked twice an exchange here, and of every group by each of the global
+        server's record lines, ``GlobalServer.figures``)."""
+        up, down = self._closed_bytes["bytes_in"], self._closed_bytes["bytes_out"]
+        for c in self.channels.values():
+            up += c.bytes_received
+            down += c.bytes_sent
         return {"bytes_in": up, "bytes_out": down}
 
     async def _send_pull(self, ch: Channel, w: int, conv: Conversation,
