@@ -1,7 +1,10 @@
 """The evaluator (role ``evaluator``): it pulls the global weights every ``eval_every_s`` (more
 often once the budget is nearly spent: ``next_pull_s``) and writes accuracy, loss and the
 global counters to eval.jsonl until the run is done; when the global server is lost it
-reconnects for up to ``reconnect_s``, as a worker does.
+reconnects for up to ``reconnect_s``, as a worker does. The run is done when it scored the
+final weights, or when the server said LEAVE "done" (it stops: it waited for the final score
+as long as it could): the evaluator then exits at once, without a retry. A LEAVE never cuts
+a score short: one in progress, the final weights' above all, is written first.
 
 It measures the run, so it keeps out of its way: an evaluation point's time is when its weights
 arrived (not when scoring them ended), and the process lowers its own CPU priority by
@@ -67,6 +70,10 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
                 w = await EmulatedLink(ch, 0, 0).expect(messages.GlobalWeights)
             except (ConnectionError, RemoteProtocolError, asyncio.IncompleteReadError,
                     Stopped) as exc:
+                # LEAVE "done" read, or waiting unread behind a connection that then closed
+                if _said_done(exc) or await _listen(ch, 0.0):
+                    _say_over(last)
+                    return
                 if isinstance(exc, Stopped) and exc.final:
                     raise
                 ch = await _reconnect_evaluator(cfg, writer, run, exc)
@@ -87,7 +94,9 @@ async def evaluate_loop(cfg: WorkerConfig) -> None:
             if w.done:
                 return
             now = time.monotonic()
-            await asyncio.sleep(next_pull_s(run, left - (now - arrived), now - t))
+            if await _listen(ch, next_pull_s(run, left - (now - arrived), now - t)):
+                _say_over(last)
+                return
     finally:
         writer.close()
         await leave(ch)
@@ -117,6 +126,36 @@ def next_pull_s(run: RunConfig, left: float, since_pull: float) -> float:
     if -run.eval_every_s < left < period:
         return max(END_PULL_S, left)
     return period
+
+
+def _said_done(exc: BaseException) -> bool:
+    """``exc`` is the server's LEAVE "done" (``Stopped``: final, and no ERROR)."""
+    return isinstance(exc, Stopped) and exc.final and not exc.error
+
+
+async def _listen(ch: Channel, seconds: float) -> bool:
+    """Wait ``seconds`` (until the next PULL) reading the connection: True as soon as the
+    server says LEAVE "done", also when it came before the connection closed (0 s: only
+    what is already read); an ERROR raises ``Stopped``, as on a PULL. False when the time
+    is up, or at once when the connection ended otherwise: the next PULL finds out."""
+    end = time.monotonic() + seconds
+    with contextlib.suppress(asyncio.TimeoutError, ConnectionError, RemoteProtocolError,
+                             asyncio.IncompleteReadError):
+        while True:  # nothing else comes unasked: anything else is passed over
+            msg = await ch.recv(timeout=max(0.0, end - time.monotonic()))
+            if isinstance(msg, control.Error):
+                raise Stopped(msg)
+            if isinstance(msg, control.Leave):
+                return _said_done(Stopped(msg))
+    return False
+
+
+def _say_over(version: int) -> None:
+    """The server said the run is over before this evaluator had the final weights (it
+    stopped waiting for them; its run directory has them, final_weights.npy)."""
+    scored = f"the last score is of version {version}" if version >= 0 else "none scored"
+    log.warning("evaluator: the run is over (the global server said done) before the final "
+                "weights came; %s", scored)
 
 
 async def _reconnect_evaluator(cfg: WorkerConfig, writer: JsonlWriter, run: RunConfig,

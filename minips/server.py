@@ -217,7 +217,9 @@ class GlobalServer:
                 await asyncio.wait_for(self.evaluated_final.wait(), EVALUATOR_POLL_S)
 
     async def close(self) -> None:
-        """Save the final weights and a last checkpoint, close every connection and group."""
+        """Save the final weights and a last checkpoint, close every connection and group; once
+        the run is over, an evaluator still connected gets LEAVE(done) first (it stops instead
+        of retrying an ended server: it missed the final weights, ``wait_finished``)."""
         core = self.core
         if core.weights is not None:
             np.save(Path(self.cfg.run_dir) / "final_weights.npy", core.weights)
@@ -232,6 +234,8 @@ class GlobalServer:
             await peer.close()
         for t in list(self.tasks):
             t.cancel()
+        if self.finished.is_set():  # the run is over: an evaluator still here stops, no retry
+            await asyncio.gather(*(_close_done(ch) for ch in self._evaluators()))
         if self.server is not None:
             self.server.close()
             with contextlib.suppress(Exception):
@@ -402,9 +406,13 @@ class GlobalServer:
 
     def has_evaluator(self) -> bool:
         """An evaluator is connected (it PULLs the global weights: accuracy and loss)."""
-        return self.server is not None and any(
-            ch.peer_hello is not None and ch.peer_hello.role == "evaluator"
-            for ch in self.server.channels)
+        return bool(self._evaluators())
+
+    def _evaluators(self) -> list[Channel]:
+        """The evaluators' connections open now."""
+        return [] if self.server is None else [
+            ch for ch in self.server.channels
+            if ch.peer_hello is not None and ch.peer_hello.role == "evaluator"]
 
     # -- the core's actions ------------------------------------------------------------------
 
@@ -862,7 +870,8 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 async def _close_done(ch: Channel) -> None:
-    """LEAVE(done) on a worker's control channel, then close it (protocol.md, section 6)."""
+    """LEAVE(done) on a worker's control channel or an evaluator's, then close it
+    (protocol.md, section 6)."""
     with contextlib.suppress(ConnectionError, OSError):
         await ch.close(leave="done")
 
