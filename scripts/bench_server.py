@@ -234,6 +234,7 @@ def start_server(tmp: Path, init: Path, spec: dict[str, Any], args: argparse.Nam
         "--calib-timeout", "600", "--lease", "60", "--heartbeat", "2",
         "--down-ratio", str(1.0 if args.dense_down else ratio), "--xchg-ratio", str(ratio),
         "--down-mode", "exact" if args.exact_down else "auto",
+        "--xchg-mode", "exact" if args.exact_xchg else "topk",
         "--external-groups", str(groups if args.group_processes else 0)])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -480,7 +481,8 @@ def ref_argv(spec: dict[str, Any], args: argparse.Namespace,
         ("--groups", str(args.groups))]
     wanted += [(f, None) for f, on in (("--group-processes", args.group_processes),
                                        ("--dense-down", args.dense_down),
-                                       ("--exact-down", args.exact_down)) if on]
+                                       ("--exact-down", args.exact_down),
+                                       ("--exact-xchg", args.exact_xchg)) if on]
     if args.checkpoint_every:
         wanted.append(("--checkpoint-every", str(args.checkpoint_every)))
     argv, dropped = [], []
@@ -587,6 +589,9 @@ def main() -> int:
     ap.add_argument("--exact-down", action="store_true",
                     help="answer PULLs with the exact downlink (--down-mode exact: the changes "
                     "since the worker's version, at their values now)")
+    ap.add_argument("--exact-xchg", action="store_true",
+                    help="groups exchange with the global server exactly (--xchg-mode exact: "
+                    "every entry changed since the last exchange, both ways)")
     ap.add_argument("--profile", help="py-spy the server: collapsed stacks to PREFIX-...txt")
     ap.add_argument("--chart", help="write a PNG of pushes/s and p99 push->ACK here")
     ap.add_argument("--baseline", help="earlier --json outputs, FILE,...: drawn dashed, knee shown")
@@ -615,7 +620,7 @@ def main() -> int:
                     print(json.dumps(points[-1]), flush=True)
     out = {"load_avg_start": load0, "load_avg_end": os.getloadavg(), "step_s": args.step_s,
            "group_processes": args.group_processes, "dense_down": args.dense_down,
-           "exact_down": args.exact_down,
+           "exact_down": args.exact_down, "exact_xchg": args.exact_xchg,
            "window_s": args.window_s, "clients": args.clients, "runs": args.runs,
            "points": points, **extra,
            "knee_lenet5_1pct_p99_under_50ms": knee(points, "lenet5", 0.01, 50.0)}

@@ -66,6 +66,15 @@ def test_the_exact_downlink_is_measured_when_asked() -> None:
     assert "error" not in p and p["pushes_s"] > 0 and p["pull_bytes_s"] > 0, p
 
 
+def test_the_exact_exchange_is_measured_when_asked() -> None:
+    doc = run_bench("--workers", "2", "--optimizer-at", "worker", "--window-s", "1",
+                    "--exact-down", "--exact-xchg")
+    assert doc["exact_xchg"] is True
+    (p,) = doc["points"]
+    assert "error" not in p and p["pushes_s"] > 0, p
+    assert p["cpu_per_message"]["exchange"]["count"] > 0, p
+
+
 def bench_module() -> Any:
     spec = importlib.util.spec_from_file_location("bench_server", BENCH)
     assert spec is not None and spec.loader is not None
@@ -102,12 +111,12 @@ def test_a_ref_whose_bench_lacks_a_flag_runs_without_it_and_says_so() -> None:
     mod = bench_module()
     args = argparse.Namespace(max_active_text="lenet5=8", step_s=0.1, window_s=1.0, clients=1,
                               groups=2, group_processes=False, dense_down=False,
-                              exact_down=True, checkpoint_every=0.0)
+                              exact_down=True, exact_xchg=True, checkpoint_every=0.0)
     spec = {"model": "lenet5", "optimizer_at": "worker", "ratio": 0.01, "workers": 4}
     known = {"--json", "--models", "--ratios", "--workers", "--max-active", "--step-s",
              "--window-s", "--clients", "--groups"}
     argv, dropped = mod.ref_argv(spec, args, known)
-    assert dropped == ["--optimizer-at", "--exact-down"]
+    assert dropped == ["--optimizer-at", "--exact-down", "--exact-xchg"]
     assert "--optimizer-at" not in argv and argv[argv.index("--workers") + 1] == "4"
 
 
