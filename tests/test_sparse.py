@@ -16,15 +16,8 @@ from minips import sparse
 from minips.compress import registry
 from minips.compress.selection import TopKSelector, kept_count, top_among
 from minips.errors import LocalProtocolError, RemoteProtocolError
-from minips.sparse import (
-    SparseVector,
-    add_into,
-    decode_vector,
-    encode_vector,
-    varint_decode,
-    varint_encode,
-)
-from minips.wire import frames, messages
+from minips.sparse import SparseVector, add_into, decode_vector, encode_vector
+from minips.wire import frames, messages, varint
 from minips.wire.fields import Payload
 
 
@@ -52,36 +45,36 @@ def test_sparsegrad_checks_dtypes_and_shapes() -> None:
 
 def test_varint_hand_computed_bytes() -> None:
     # gaps: 0, 1-0-1=0, 130-1-1=128, 20000-130-1=19869 = 29 + 27*128 + 1*128^2
-    data = varint_encode(np.array([0, 1, 130, 20000], np.uint32))
+    data = varint.varint_encode(np.array([0, 1, 130, 20000], np.uint32))
     assert data.tolist() == [0x00, 0x00, 0x80, 0x01, 0x80 | 29, 0x80 | 27, 0x01]
-    assert varint_decode(data, 4, 20001).tolist() == [0, 1, 130, 20000]
+    assert varint.varint_decode(data, 4, 20001).tolist() == [0, 1, 130, 20000]
 
 
 def test_varint_largest_uint32_uses_five_bytes() -> None:
-    data = varint_encode(np.array([2**32 - 1], np.uint32))
+    data = varint.varint_encode(np.array([2**32 - 1], np.uint32))
     assert data.tolist() == [0xFF, 0xFF, 0xFF, 0xFF, 0x0F]
-    assert varint_decode(data, 1, 2**32).tolist() == [2**32 - 1]
+    assert varint.varint_decode(data, 1, 2**32).tolist() == [2**32 - 1]
 
 
 def test_varint_bytes_per_index_at_one_percent() -> None:
     rng = np.random.default_rng(0)
     idx = np.flatnonzero(rng.random(1_000_000) < 0.01).astype(np.uint32)
     # Geometric gaps with mean 100: P(gap >= 128) = 0.99^128 = 0.276 -> ~1.28 bytes per index.
-    assert varint_encode(idx).size / idx.size == pytest.approx(1 + 0.99**128, abs=0.02)
+    assert varint.varint_encode(idx).size / idx.size == pytest.approx(1 + 0.99**128, abs=0.02)
 
 
 def test_varint_same_bytes_for_short_and_long_index_sets() -> None:
     # a first index of 5 bytes, then gaps of 1, 2 and 3 bytes, past VARINT_TABLE_MAX indices:
     # short sets are laid out as a table, long ones by subsets; a prefix codes the same either way
-    gaps = np.tile(np.array([0, 200, 20000], np.int64), sparse.VARINT_TABLE_MAX // 3 + 10)
+    gaps = np.tile(np.array([0, 200, 20000], np.int64), varint.VARINT_TABLE_MAX // 3 + 10)
     idx = (2**28 + 5 + np.cumsum(gaps + 1) - 1).astype(np.uint32)
-    assert idx.size > sparse.VARINT_TABLE_MAX and int(idx[-1]) < 2**32
-    whole = varint_encode(idx)
+    assert idx.size > varint.VARINT_TABLE_MAX and int(idx[-1]) < 2**32
+    whole = varint.varint_encode(idx)
     assert whole.size == 5 + idx.size // 3 * (1 + 2 + 3) - 1  # the first gap is the 5-byte one
     for m in (1, 2, 7, 300):
-        short = varint_encode(idx[:m])
+        short = varint.varint_encode(idx[:m])
         assert short.tolist() == whole[:short.size].tolist()
-    assert varint_decode(whole, idx.size, 2**32).tolist() == idx.tolist()
+    assert varint.varint_decode(whole, idx.size, 2**32).tolist() == idx.tolist()
 
 
 # ---------------------------------------------------------------------------- round trips

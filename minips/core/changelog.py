@@ -20,10 +20,10 @@ vector by default: uint32 indices then take the memory of 1/4 of a float32 copy 
 oldest go first. A dense change empties the log (nothing before it can be answered sparsely).
 
 The unions are merges, not sorts: each version's indices are (nearly always) increasing, so
-``union_sorted`` merges them (a stable sort finds the runs: O(m log runs), 3-10x a quicksort of
-the same entries), and an answer once made is kept (``max_entries`` indices of them at most) and
-brought forward by merging the versions noted since: workers that PULL one after another ask
-for versions a few apart, and each answer is then one merge of two runs.
+``sparse.union_sorted`` merges them (a stable sort finds the runs: O(m log runs), 3-10x a
+quicksort of the same entries), and an answer once made is kept (``max_entries`` indices of
+them at most) and brought forward by merging the versions noted since: workers that PULL one
+after another ask for versions a few apart, and each answer is then one merge of two runs.
 
 Invariant: for every ``v`` with ``oldest <= v <= version``, ``since(v)`` holds every index whose
 value may differ between the weights at version ``v`` and now (a superset: an index changed
@@ -37,32 +37,12 @@ import collections
 import numpy as np
 
 from minips.compress.selection import TopKSelector, top_among
+from minips.sparse import union_sorted
 
-__all__ = ["ChangeLog", "MAX_VERSIONS", "TopDiff", "kept_record", "union_sorted"]
+__all__ = ["ChangeLog", "MAX_VERSIONS", "TopDiff", "kept_record"]
 
 MAX_VERSIONS = 1024  # versions kept; a worker further behind gets the weights whole
 RECORD_SHARE = 8  # a record of indices over size / this is dropped (then: one pass over n)
-
-
-def union_sorted(parts: list[np.ndarray]) -> np.ndarray:
-    """(m,) uint32 increasing: every index of ``parts`` once. Each part is best increasing
-    (then the stable sort merges the runs, O(m log parts)); any order is correct."""
-    if not parts:
-        return np.empty(0, np.uint32)
-    if len(parts) == 1 and _increasing(parts[0]):
-        return parts[0].astype(np.uint32, copy=False)
-    s = np.concatenate(parts).astype(np.uint32, copy=False)
-    s.sort(kind="stable")  # timsort: linear in each run it finds
-    if s.size < 2:
-        return s
-    keep = np.empty(s.size, dtype=np.bool_)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s if keep.all() else s[keep]
-
-
-def _increasing(a: np.ndarray) -> bool:
-    return a.size < 2 or bool((a[1:] > a[:-1]).all())
 
 
 def kept_record(idx: np.ndarray, size: int) -> np.ndarray | None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from minips import sparse
-from minips.core.changelog import ChangeLog, union_sorted
+from minips.core.changelog import ChangeLog
 from minips.core.exchange import (
     DENSE_AT,
     ExchangeResult,
@@ -214,7 +214,7 @@ class ExactSync(GroupSync):
             return None
         if self.before.covers(reply.indices, sent.indices):  # the merge's reply: it does
             return reply.indices
-        return union_sorted([sent.indices, reply.indices])
+        return sparse.union_sorted([sent.indices, reply.indices])
 
     def _rebase_on(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
         """``w = w_sync' + (w - sent)`` at the entries the exchange or the reply names (all
