@@ -139,3 +139,34 @@ async def test_an_evaluator_connected_at_the_end_writes_the_final_score_and_exit
         assert last["test_samples"] == 2_000  # the whole synthetic test split
     finally:
         await stop(proc)
+
+
+async def test_a_leave_done_while_it_scores_an_older_version_ends_it_after_that_score(
+        tmp_path: Path) -> None:
+    """A stand-in global server answers the first PULL, then says LEAVE "done" and closes
+    while the evaluator scores (the `minips ray` case: busy with an older version when the
+    server stops): the score is written, then the loop ends, with no retry."""
+    from minips.core.config import WorkerConfig
+    from minips.evaluator import evaluate_loop
+
+    run = RunConfig(eval_every_s=60.0, eval_limit=200)
+    payload = Payload(*sparse.encode_vector(np.zeros(N, np.float32)))
+    pulls: list[messages.Message] = []
+
+    async def serve_one(ch: Any) -> None:
+        pulls.append(await ch.recv())  # the first PULL
+        await ch.send(messages.GlobalWeights(version=3, size=N, payload=payload))
+        await ch.close(leave="done")  # at once: it is scoring version 3 meanwhile
+
+    server = await transport.serve("127.0.0.1", 0, token=TOKEN, accept=lambda _: run.to_info(),
+                                   handler=serve_one)
+    try:
+        cfg = WorkerConfig(server_host="127.0.0.1", server_port=server.port, token=TOKEN,
+                           run_dir=str(tmp_path), data="synthetic", reconnect_s=30.0)
+        await asyncio.wait_for(evaluate_loop(cfg), 30)  # no retry: it ends by itself
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert len(pulls) == 1 and isinstance(pulls[0], messages.Pull)
+    lines = records(tmp_path / "eval.jsonl")
+    assert [(r.get("version"), r.get("final")) for r in lines] == [(3, False)], lines
