@@ -188,7 +188,8 @@ RemoteRole: Any = ray.remote(RoleActor)  # the actor class; options (resources, 
 READY_TIMEOUT_S = 120.0  # the global server must listen within this long, once placed
 # After the global server exits the others have nothing left to do (the workers left before it
 # ended): they get this long to end, then are stopped. An evaluator busy with an older version
-# when the server ended, say, would retry the server for its --reconnect seconds.
+# when the server ended ends once that score is written (the server's LEAVE "done"): the bound
+# is on that score.
 EXIT_TIMEOUT_S = 10.0
 POLL_S = 1.0  # how often the driver looks at the global server's process
 CHECKPOINT_FILE = "checkpoint.npz"  # the server actor resumes when this exists in its directory
