@@ -448,9 +448,12 @@ class GlobalServer:
 
     async def tell_group(self, w: int) -> None:
         """Tell worker ``w`` its group (ASSIGN) if it is connected and the group has a server
-        ("" address: it is away)."""
+        ("" address: it is away). A resumed server listens before it has opened the
+        checkpoint's groups again (``start``): a worker back that soon is told once they are."""
+        if self._restored is not None:
+            await self.groups_opened.wait()
         ch, g = self.controls.get(w), self.core.workers[w].group
-        if ch is not None and g >= 0 and self.core.groups[g].address:
+        if ch is not None and g in self.core.groups and self.core.groups[g].address:
             with contextlib.suppress(ConnectionError):
                 await ch.send(self.core.assign_message(self.core.groups[g]))
 
