@@ -146,6 +146,17 @@ def run_t0(run_dir: Path) -> float:
     return float(json.loads((run_dir / "config.json").read_text())["t0"])
 
 
+def logged_minips(run_dir: Path, name: str, token: str,
+                  *args: str) -> subprocess.Popen[bytes]:
+    """`python -m minips *args` with ``token`` as MINIPS_TOKEN, its output in run_dir/NAME.log."""
+    log = open(run_dir / f"{name}.log", "wb")  # noqa: SIM115 - the child holds it
+    proc = subprocess.Popen([sys.executable, "-m", "minips", *args],
+                            env=lifeline.child_env({**os.environ, "MINIPS_TOKEN": token}),
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    return proc
+
+
 @contextlib.contextmanager
 def minips_server(run_dir: Path, token: str,
                   *flags: str) -> Iterator[tuple[subprocess.Popen[str], str, str]]:

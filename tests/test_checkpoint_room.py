@@ -17,15 +17,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import records, run_t0, wait_for
+from conftest import logged_minips, records, run_t0, wait_for
 
-from minips.net import lifeline
 from minips.record import checkpoint
 from minips.run.launch import write_init
 from minips.server import ROOM_POLL_S
@@ -76,12 +74,7 @@ def disk(tmp_path: Path) -> Iterator[Disk]:
 
 
 def start(run_dir: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
-    log = open(run_dir / f"{name}.log", "wb")  # noqa: SIM115 - the child holds it
-    proc = subprocess.Popen([sys.executable, "-m", "minips", *args],
-                            env=lifeline.child_env({**os.environ, "MINIPS_TOKEN": TOKEN}),
-                            stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    return proc
+    return logged_minips(run_dir, name, TOKEN, *args)
 
 
 @pytest.mark.timeout(180)

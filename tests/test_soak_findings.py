@@ -36,27 +36,20 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import records, wait_for
+from conftest import logged_minips, records, wait_for
 
 from minips.core.exchange import GroupSync
-from minips.net import lifeline
 from minips.run.launch import write_init
 
 TOKEN = "soak-findings-secret"
 
 
 def start(run_dir: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
-    log = open(run_dir / f"{name}.log", "wb")  # noqa: SIM115 - the child holds it
-    proc = subprocess.Popen([sys.executable, "-m", "minips", *args],
-                            env=lifeline.child_env({**os.environ, "MINIPS_TOKEN": TOKEN}),
-                            stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    return proc
+    return logged_minips(run_dir, name, TOKEN, *args)
 
 
 @pytest.mark.timeout(120)
