@@ -195,7 +195,14 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
     said = asyncio.get_running_loop().time()
     try:
         # all workers gone is not the end: they may rejoin
-        while not (gs.core.finished and gs.core.done):
+        while True:
+            if gs.core.finished and gs.core.done:
+                # the final flush went out: its reply is in (or it failed and is due again)
+                # before this process closes, else the global server merged samples this
+                # group's record never shows, or a cancelled send lost them
+                await gs.settle()
+                if gs.core.finished:
+                    break
             if link.closed.is_set():
                 gs.log("global_lost")
                 link = await _register(cfg, gs, address, cfg.reconnect_s)
