@@ -46,6 +46,11 @@ def test_a_short_soak_keeps_every_invariant(tmp_path: Path) -> None:
     assert sum(verdict.faults.values()) >= 6, verdict.faults  # the nemesis did act
     assert verdict.faults.keys() & {"kill_worker", "stop_worker", "kill_global", "kill_group",
                                     "stop_group", "kill_eval", "stop_eval", "stop_global"}
+    history = [json.loads(h) for h in (tmp_path / "seed-0" / "soak" / "soak" /
+                                       "history.jsonl").read_text().splitlines()]
+    spells = {h["id"] for h in history if h["op"] == "inject" and h["kind"] == "link_rate"}
+    # every rate change was a spell that ended, its link back at the run's rate (netns only)
+    assert spells <= {h["id"] for h in history if h["op"] == "heal"}
 
 
 def line(t: float, event: str, **fields: object) -> dict[str, object]:
