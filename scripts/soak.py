@@ -776,7 +776,7 @@ def run_once(plan: Plan, net: Net, why_net: str) -> None:
                   net=net.mode, net_why=why_net, disk=why_disk, lease_s=LEASE_S,
                   heartbeat_s=HEARTBEAT_S, checkpoint_every_s=CHECKPOINT_EVERY_S,
                   epochs=plan.epochs, compressor=plan.compressor, workers=plan.workers,
-                  checkpoint=str(cluster.checkpoint))
+                  checkpoint=str(cluster.checkpoint), addresses=dict(net.addr))
     try:
         if net.mode == "netns":
             for i in range(plan.workers):

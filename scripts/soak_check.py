@@ -519,11 +519,34 @@ def expected_event(run: Run, f: dict[str, Any]) -> Expect | None:
     # going is `group_ended` (GlobalCore.group_lost), a line that shows it as well
     rehomed = any(r.get("event") == "rehomed" and r["t"] < rel for r in run.glob)
     lost = {"group_lost", "group_ended"} if rehomed else {"group_lost"}
+    if not peer_of_this_life(run, target, rel):
+        return None  # the resumed global server never held this process's link: no line
     if kind == "kill_group" or (kind in ("stop_group", "partition") and silent):
         return Expect(lost, due, None, max(cut, rel))
     if kind == "kill_global":
         return Expect({"resumed"}, healed + RESUME_BOUND_S, None)
     return None
+
+
+def peer_of_this_life(run: Run, role: str, rel: float) -> bool:
+    """Whether group process ``role`` had registered with the global server's life at run time
+    ``rel``: a resumed server knows a group process only once it registered again
+    (``group_adopted`` from its address since the last ``resumed``). One killed or cut off
+    before that was never its peer, and no line can name it (the 30-minute soak of seed 0:
+    three kills of a group process 0.6-1.5 s after a resume, each "late" by 12-26 s, when the
+    replacement's own kill was the line). The history's ``addresses`` map roles to hosts (netns);
+    on loopback every group process shares one: then each must have registered."""
+    resumed = [r["t"] for r in run.glob if r.get("event") == "resumed" and r["t"] <= rel]
+    if not resumed:
+        return True
+    adopted = {str(r.get("address")) for r in run.glob if r.get("event") == "group_adopted"
+               and resumed[-1] <= r["t"] <= rel}
+    host = run.begin.get("addresses", {}).get(role)
+    if host is not None:
+        return any(a.rsplit(":", 1)[0] == host for a in adopted)
+    groups = {h["role"] for h in run.history if h["op"] == "start" and
+              h["role"].startswith("group")}
+    return len(adopted) >= len(groups)
 
 
 def names_worker(r: dict[str, Any], worker: int | None) -> bool:

@@ -164,6 +164,62 @@ def test_a_line_is_due_later_by_the_time_its_detector_was_stopped(tmp_path: Path
     assert "1 late [('partition', 11.5, 11.0)]" in check.evidence
 
 
+def resumed_run(d: Path, adopted_by: str, addresses: bool) -> None:
+    """The 30-minute soak of seed 0 at 712-744 s: the global server killed at 12 s and resumed
+    at 17 s; group process group1 (10.55.0.3) registers again at 17.6 s; group0 (10.55.0.2) is
+    killed at 18 s, ``adopted_by`` having registered at 17.8 s (or nobody); its replacement
+    adopts group 1 at 22.4 s and is killed at 44 s, `group_lost` at 44.1 s."""
+    t0 = 1000.0
+    (d / "soak").mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"t0": t0}))
+    glob = [line(1, "groups"), line(17.2, "resumed"),
+            line(17.6, "group_adopted", group=0, address="10.55.0.3:40779"),
+            line(22.4, "group_adopted", group=1, address="10.55.0.2:43333"),
+            line(44.1, "group_lost", group=1)]
+    if adopted_by:
+        glob.insert(2, line(17.8, "group_adopted", group=1, address=adopted_by))
+    (d / "global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(
+        glob, key=lambda r: float(str(r["t"])))))
+    begin: dict[str, object] = {"op": "begin", "seed": 0, "lease_s": 4.0, "external": True}
+    if addresses:
+        begin["addresses"] = {"server": "10.55.0.1", "group0": "10.55.0.2",
+                              "group1": "10.55.0.3"}
+    history: list[tuple[float, dict[str, object]]] = [
+        (0, begin), (0, {"op": "start", "role": "group0"}),
+        (0, {"op": "start", "role": "group1"}),
+        (12, {"op": "inject", "id": 1, "kind": "kill_global", "target": "server"}),
+        (17, {"op": "heal", "id": 1, "kind": "kill_global", "target": "server"}),
+        (18, {"op": "inject", "id": 2, "kind": "kill_group", "target": "group0"}),
+        (22, {"op": "heal", "id": 2, "kind": "kill_group", "target": "group0"}),
+        (22, {"op": "start", "role": "group0"}),
+        (44, {"op": "inject", "id": 3, "kind": "kill_group", "target": "group0"}),
+        (46, {"op": "heal", "id": 3, "kind": "kill_group", "target": "group0"})]
+    (d / "soak" / "history.jsonl").write_text(
+        "".join(json.dumps({**h, "t": t0 + t}) + "\n" for t, h in history))
+
+
+@pytest.mark.parametrize(("adopted_by", "addresses", "ok"), [
+    ("", True, True),  # group0 never registered with the resumed server: no line is promised
+    ("", False, True),  # loopback: one of the two processes had not registered
+    ("10.55.0.2:43000", True, False),  # it had: its kill's line is 26 s late
+    ("10.55.0.2:43000", False, False),
+])
+def test_a_group_process_killed_before_it_registered_with_a_resumed_server_is_not_asked_a_line(
+        tmp_path: Path, adopted_by: str, addresses: bool, ok: bool) -> None:
+    """The 30-minute soak of seed 0 (events 10/11: two kill_group lines "late" by 19-26 s): a
+    group process killed 0.6-1.5 s after the global server's resume, before it had registered
+    again. The resumed server never held its link, so no line could name it; the `group_lost`
+    26 s later was its replacement's kill (the line for that one, at once)."""
+    resumed_run(tmp_path, adopted_by, addresses)
+    check = events_of(tmp_path)
+    assert check.ok == ok, check.evidence
+    if ok:
+        assert check.evidence.startswith("2 faults seen within their bound; 0 never seen"), \
+            check.evidence  # the resume and the replacement's kill
+    else:
+        assert "1 late [('kill_group', 26.1, 6.0)]" in check.evidence, check.evidence
+
+
 def full_disk_run(d: Path, kill_at: float) -> None:
     """A checkpoint at 2 s (period 0.5 s), the checkpoint's disk full from 3 to 8 s, the
     global server killed at ``kill_at`` and resumed at ``kill_at`` + 1."""
