@@ -109,6 +109,25 @@ def test_the_checker_fails_each_invariant_a_run_breaks_and_names_its_seed(
     assert "FAIL samples_once: workers ACKed 64 samples, the global count is 192" in text
 
 
+def soak_dir(d: Path, glob: list[dict[str, object]],
+             history: list[tuple[float, dict[str, object]]]) -> None:
+    """A run dir as the soak leaves it: config.json (t0 = 1000), global.jsonl with ``glob``,
+    the soak's history with each line at t0 + its time."""
+    t0 = 1000.0
+    (d / "soak").mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"t0": t0}))
+    (d / "global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in glob))
+    (d / "soak" / "history.jsonl").write_text(
+        "".join(json.dumps({**h, "t": t0 + t}) + "\n" for t, h in history))
+
+
+def fault(fid: int, kind: str, target: str, at: float,
+          healed: float) -> list[tuple[float, dict[str, object]]]:
+    """A fault's two history lines: injected at ``at``, healed at ``healed``."""
+    return [(at, {"op": "inject", "id": fid, "kind": kind, "target": target}),
+            (healed, {"op": "heal", "id": fid, "kind": kind, "target": target})]
+
+
 def overlapping_run(d: Path, lost_at: float) -> None:
     """A partition of group process group0 at 10 s for 10 s; the global server SIGSTOPped from
     12 to 17 s (lease 4 s: its `group_lost` is due by 10 + 6 + the 5 s it was stopped); group
@@ -116,31 +135,19 @@ def overlapping_run(d: Path, lost_at: float) -> None:
     the empty group's end a `group_ended` line at 40.2 s; worker 0 killed at 50 s (`left` at
     50.1 s), restarted at 51 s and killed again at 53 s before its new process trained a step
     (no connection of its own to lose: no line)."""
-    t0 = 1000.0
-    (d / "soak").mkdir(parents=True)
-    (d / "config.json").write_text(json.dumps({"t0": t0}))
     glob = [line(1, "groups"), line(lost_at, "group_lost", group=0),
             line(30, "rehomed", group=1, moved={"4": 0}), line(40.2, "group_ended", group=1),
             line(50.1, "left", worker=0)]
-    (d / "global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in glob))
-    history: list[tuple[float, dict[str, object]]] = [
+    soak_dir(d, glob, [
         (0, {"op": "begin", "seed": 7, "lease_s": 4.0, "external": True}),
         (1, {"op": "start", "role": "w0"}),
         (10, {"op": "inject", "id": 1, "kind": "partition", "target": "group0"}),
-        (12, {"op": "inject", "id": 2, "kind": "stop_global", "target": "server"}),
-        (17, {"op": "heal", "id": 2, "kind": "stop_global", "target": "server"}),
+        *fault(2, "stop_global", "server", 12, 17),
         (20, {"op": "heal", "id": 1, "kind": "partition", "target": "group0"}),
-        (40, {"op": "inject", "id": 3, "kind": "kill_group", "target": "group1"}),
-        (41, {"op": "heal", "id": 3, "kind": "kill_group", "target": "group1"}),
-        (50, {"op": "inject", "id": 4, "kind": "kill_worker", "target": "w0"}),
-        (51, {"op": "heal", "id": 4, "kind": "kill_worker", "target": "w0"}),
-        (51, {"op": "start", "role": "w0"}),
-        (53, {"op": "inject", "id": 5, "kind": "kill_worker", "target": "w0"}),
-        (54, {"op": "heal", "id": 5, "kind": "kill_worker", "target": "w0"})]
+        *fault(3, "kill_group", "group1", 40, 41), *fault(4, "kill_worker", "w0", 50, 51),
+        (51, {"op": "start", "role": "w0"}), *fault(5, "kill_worker", "w0", 53, 54)])
     steps = [{"t": t, "group": 0, "samples": 64} for t in (2, 49, 60)]
     (d / "worker-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
-    (d / "soak" / "history.jsonl").write_text(
-        "".join(json.dumps({**h, "t": t0 + t}) + "\n" for t, h in history))
 
 
 def events_of(d: Path) -> soak_check.Check:
@@ -169,33 +176,20 @@ def resumed_run(d: Path, adopted_by: str, addresses: bool) -> None:
     at 17 s; group process group1 (10.55.0.3) registers again at 17.6 s; group0 (10.55.0.2) is
     killed at 18 s, ``adopted_by`` having registered at 17.8 s (or nobody); its replacement
     adopts group 1 at 22.4 s and is killed at 44 s, `group_lost` at 44.1 s."""
-    t0 = 1000.0
-    (d / "soak").mkdir(parents=True)
-    (d / "config.json").write_text(json.dumps({"t0": t0}))
     glob = [line(1, "groups"), line(17.2, "resumed"),
             line(17.6, "group_adopted", group=0, address="10.55.0.3:40779"),
+            *([line(17.8, "group_adopted", group=1, address=adopted_by)] if adopted_by else []),
             line(22.4, "group_adopted", group=1, address="10.55.0.2:43333"),
             line(44.1, "group_lost", group=1)]
-    if adopted_by:
-        glob.insert(2, line(17.8, "group_adopted", group=1, address=adopted_by))
-    (d / "global.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(
-        glob, key=lambda r: float(str(r["t"])))))
     begin: dict[str, object] = {"op": "begin", "seed": 0, "lease_s": 4.0, "external": True}
     if addresses:
         begin["addresses"] = {"server": "10.55.0.1", "group0": "10.55.0.2",
                               "group1": "10.55.0.3"}
-    history: list[tuple[float, dict[str, object]]] = [
+    soak_dir(d, glob, [
         (0, begin), (0, {"op": "start", "role": "group0"}),
         (0, {"op": "start", "role": "group1"}),
-        (12, {"op": "inject", "id": 1, "kind": "kill_global", "target": "server"}),
-        (17, {"op": "heal", "id": 1, "kind": "kill_global", "target": "server"}),
-        (18, {"op": "inject", "id": 2, "kind": "kill_group", "target": "group0"}),
-        (22, {"op": "heal", "id": 2, "kind": "kill_group", "target": "group0"}),
-        (22, {"op": "start", "role": "group0"}),
-        (44, {"op": "inject", "id": 3, "kind": "kill_group", "target": "group0"}),
-        (46, {"op": "heal", "id": 3, "kind": "kill_group", "target": "group0"})]
-    (d / "soak" / "history.jsonl").write_text(
-        "".join(json.dumps({**h, "t": t0 + t}) + "\n" for t, h in history))
+        *fault(1, "kill_global", "server", 12, 17), *fault(2, "kill_group", "group0", 18, 22),
+        (22, {"op": "start", "role": "group0"}), *fault(3, "kill_group", "group0", 44, 46)])
 
 
 @pytest.mark.parametrize(("adopted_by", "addresses", "ok"), [
