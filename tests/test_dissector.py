@@ -83,6 +83,31 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen[bytes], seconds: flo
         time.sleep(0.05)
 
 
+END_MARK = b"minips-test: the run has ended"
+
+# One connection on the namespace's loopback that carries END_MARK, sent after the run: tcpdump
+# writes packets in the order the kernel gave them, so once the mark is in the file, every frame
+# of the run before it is too. (Stopped at once, tcpdump loses what it has not read yet: once on
+# a busy CI machine, the run's last three frames.)
+_SEND_MARK = f"""
+import socket
+with socket.create_server(("127.0.0.1", 0)) as srv:
+    with socket.create_connection(srv.getsockname(), timeout=10) as c:
+        peer, _ = srv.accept()
+        c.sendall({END_MARK!r})
+        peer.recv(100)
+        peer.close()
+"""
+
+
+def _wait_for_mark(pcap: Path, dump: subprocess.Popen[bytes], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while END_MARK not in pcap.read_bytes():
+        if dump.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"tcpdump never wrote the end mark to {pcap}")
+        time.sleep(0.05)
+
+
 def _local(run_root: Path, prefix: list[str]) -> subprocess.CompletedProcess[str]:
     cmd = [*prefix, sys.executable, "-m", "minips", "local", "--workers", "2", "--max-steps",
            "6", "--sync-every", "2", "--no-plot", "--no-progress", "--out", str(run_root),
@@ -116,9 +141,12 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         _wait_for(err, "listening on", dump, 30)
         proc = _local(root, ["ip", "netns", "exec", ns])
         assert proc.returncode == 0, proc.stderr[-3000:]
+        subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _SEND_MARK],
+                       check=True, timeout=30)
+        _wait_for_mark(root / "cap.pcap", dump, 30)
     finally:
         if dump is not None:
-            dump.send_signal(signal.SIGTERM)  # tcpdump writes out what it holds, then exits
+            dump.send_signal(signal.SIGTERM)  # all of the run is in the file by now
             dump.wait(timeout=30)
         subprocess.run(["ip", "netns", "del", ns], timeout=30)
     return {"run": root / "run", "pcap": root / "cap.pcap", "why": ""}

@@ -240,3 +240,39 @@ def test_a_capture_becomes_the_same_conversation_segments_out_of_order_and_repea
     assert push.payload is not None and push.payload["n"] == 5000
     assert push.t_recv is not None and push.t_recv > push.t  # its body came in later segments
     assert Kind[got[4].kind] == Kind.ACK and got[4].meta["version"] == 1
+
+
+def test_bytes_the_capture_never_saw_are_passed_over_and_what_came_after_still_shows(
+        tmp_path: Path):
+    """A capture drops packets under load: a segment lost inside a body keeps the frames in
+    step, one lost in a head loses that frame only; a retransmission that covers a held
+    segment's start releases it (each once lost every frame after it in that direction)."""
+    worker, group = ("127.0.0.1", 50001), ("127.0.0.1", 7071)
+    msgs = [messages.Pull(clock=0),
+            messages.Push(clock=1, payload=encode_vector(np.ones(5000, np.float32))),
+            messages.Pull(clock=1),
+            messages.Pull(clock=2),
+            messages.Push(clock=3, payload=encode_vector(np.ones(3000, np.float32))),
+            messages.Pull(clock=4)]
+    wires = [b"".join(bytes(memoryview(p)) for p in frames.encode(m)) for m in msgs]
+    at = [0]
+    for w in wires:
+        at.append(at[-1] + len(w))
+    wire = b"".join(wires)
+
+    def seg(ts: float, lo: int, hi: int) -> tuple[Any, ...]:
+        return (ts, worker, group, 1000 + lo, 0x18, wire[lo:hi])
+
+    push1, pull3 = at[1], at[3]
+    segs = [(1.0, worker, group, 999, 0x02, b""),
+            seg(1.1, 0, push1 + 200),  # PULL, the head of the PUSH and some of its body
+            # push1+200 .. push1+4000: body bytes the capture dropped
+            seg(1.3, push1 + 4000, pull3 + 5),  # the rest of the body, a PULL, a head's start
+            # pull3+5 .. at[4]: the rest of that PULL's head, dropped: the frame is lost
+            seg(1.5, at[4] + 100, at[6]),  # held: the bytes before it come below
+            seg(1.6, at[4], at[4] + 300)]  # a retransmission covering the held one's start
+    _capture(tmp_path / "cap.pcap", segs)
+    got = [(f.kind, f.meta["clock"]) for f in trace_cmd.read_pcap(tmp_path / "cap.pcap")]
+    # (in time order the last PULL comes first: its bytes were seen before the PUSH's)
+    assert sorted(got, key=lambda k: k[1]) == [("PULL", 0), ("PUSH", 1), ("PULL", 1),
+                                               ("PUSH", 3), ("PULL", 4)]

@@ -182,7 +182,8 @@ def load_frames(paths: list[Path]) -> tuple[list[Frame], list[str]]:
 
 class _Stream:
     """One direction of a TCP connection: its bytes in order (retransmissions dropped,
-    segments that arrive early held back), cut into minips frames as they complete."""
+    segments that arrive early held back, bytes the capture never saw passed over at its
+    end), cut into minips frames as they complete."""
 
     def __init__(self, src: str, dst: str) -> None:
         self.src, self.dst = src, dst
@@ -206,13 +207,42 @@ class _Stream:
         if ahead and ahead < 1 << 31:  # a gap: hold it until the bytes before it come
             self.early[seq] = (ts, data)
             return
+        self._take(ts, seq, data)
+        self._drain()
+
+    def _take(self, ts: float, seq: int, data: bytes) -> None:
+        assert self.next is not None
         behind = (self.next - seq) & 0xFFFFFFFF
-        if behind >= len(data):
-            return  # all seen already (a retransmission)
-        self._bytes(ts, data[behind:])
-        while self.next in self.early:
-            t, more = self.early.pop(self.next)
-            self._bytes(t, more)
+        if behind < len(data):  # else all seen already (a retransmission)
+            self._bytes(ts, data[behind:])
+
+    def _drain(self) -> None:
+        """Take the held segments that are now due, or overlap what came (a retransmission
+        may cover a held segment's start)."""
+        while True:
+            at = self.next
+            assert at is not None
+            due = [s for s in self.early if not 0 < (s - at) & 0xFFFFFFFF < 1 << 31]
+            if not due:
+                return
+            ts, data = self.early.pop(due[0])
+            self._take(ts, due[0], data)
+
+    def finish(self) -> None:
+        """The capture ended: bytes it never saw (dropped by the capture) are passed over, so
+        what came after a gap still shows. A gap inside a frame's body keeps the frames in
+        step; one in a head loses that frame, and the stream finds the next MAGIC."""
+        while self.early:
+            at = self.next
+            assert at is not None
+            seq = min(self.early, key=lambda s: (s - at) & 0xFFFFFFFF)
+            gap = (seq - at) & 0xFFFFFFFF
+            self.next = seq
+            if self.skip > gap:
+                self.skip -= gap
+            else:
+                self.skip, self.pending, self.buf = 0, None, bytearray()
+            self._drain()
 
     def _bytes(self, ts: float, data: bytes) -> None:
         assert self.next is not None
@@ -370,6 +400,8 @@ def read_pcap(path: Path, ports: frozenset[int] = frozenset()) -> list[Frame]:
         if stream is None:
             stream = streams[(src, dst)] = _Stream(src, dst)
         stream.segment(ts, tcp.seq, bool(tcp.flags & dpkt.tcp.TH_SYN), bytes(tcp.data))
+    for stream in streams.values():
+        stream.finish()
     names = _name_endpoints(streams)
     frames = [f for s in streams.values() for f in s.frames]
     for f in frames:
