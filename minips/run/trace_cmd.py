@@ -231,18 +231,21 @@ class _Stream:
     def finish(self) -> None:
         """The capture ended: bytes it never saw (dropped by the capture) are passed over, so
         what came after a gap still shows. A gap inside a frame's body keeps the frames in
-        step; one in a head loses that frame, and the stream finds the next MAGIC."""
-        while self.early:
-            at = self.next
-            assert at is not None
-            seq = min(self.early, key=lambda s: (s - at) & 0xFFFFFFFF)
-            gap = (seq - at) & 0xFFFFFFFF
-            self.next = seq
-            if self.skip > gap:
-                self.skip -= gap
-            else:
-                self.skip, self.pending, self.buf = 0, None, bytearray()
-            self._drain()
+        step; one in a head loses that frame, and the stream finds the next MAGIC. One pass
+        over the held segments in sequence order."""
+        at = self.next
+        if at is None or not self.early:
+            return
+        for seq in sorted(self.early, key=lambda s: (s - at) & 0xFFFFFFFF):
+            ts, data = self.early.pop(seq)
+            gap = (seq - (self.next or 0)) & 0xFFFFFFFF
+            if 0 < gap < 1 << 31:  # else it overlaps what came: _take trims it
+                self.next = seq
+                if self.skip > gap:
+                    self.skip -= gap
+                else:
+                    self.skip, self.pending, self.buf = 0, None, bytearray()
+            self._take(ts, seq, data)
 
     def _bytes(self, ts: float, data: bytes) -> None:
         assert self.next is not None
