@@ -75,11 +75,14 @@ def _capture_missing() -> str:
     return f"{', '.join(missing)} not installed" if missing else ""
 
 
-def _wait_for(path: Path, text: str, proc: subprocess.Popen[bytes], seconds: float) -> None:
+def _wait_for(path: Path, mark: bytes, proc: subprocess.Popen[bytes], seconds: float,
+              failed: str) -> None:
+    """Poll ``path`` until it holds ``mark``; ``failed`` (with the file's tail) if ``proc``
+    ends or ``seconds`` pass first."""
     deadline = time.monotonic() + seconds
-    while text not in path.read_text(errors="replace"):
+    while mark not in path.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"tcpdump did not start: {path.read_text()}")
+            raise AssertionError(f"{failed}: {path.read_bytes()[-500:].decode(errors='replace')}")
         time.sleep(0.05)
 
 
@@ -98,14 +101,6 @@ with socket.create_server(("127.0.0.1", 0)) as srv:
         peer.recv(100)
         peer.close()
 """
-
-
-def _wait_for_mark(pcap: Path, dump: subprocess.Popen[bytes], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while END_MARK not in pcap.read_bytes():
-        if dump.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"tcpdump never wrote the end mark to {pcap}")
-        time.sleep(0.05)
 
 
 def _local(run_root: Path, prefix: list[str]) -> subprocess.CompletedProcess[str]:
@@ -138,12 +133,12 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             dump = subprocess.Popen(["ip", "netns", "exec", ns, "tcpdump", "-i", "lo", "-U",
                                      "-B", "65536", "-w", str(root / "cap.pcap"), "tcp"],
                                     stderr=f)
-        _wait_for(err, "listening on", dump, 30)
+        _wait_for(err, b"listening on", dump, 30, "tcpdump did not start")
         proc = _local(root, ["ip", "netns", "exec", ns])
         assert proc.returncode == 0, proc.stderr[-3000:]
         subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _SEND_MARK],
                        check=True, timeout=30)
-        _wait_for_mark(root / "cap.pcap", dump, 30)
+        _wait_for(root / "cap.pcap", END_MARK, dump, 30, "tcpdump never wrote the end mark")
     finally:
         if dump is not None:
             dump.send_signal(signal.SIGTERM)  # all of the run is in the file by now

@@ -180,6 +180,12 @@ def load_frames(paths: list[Path]) -> tuple[list[Frame], list[str]]:
 
 # -- a packet capture: TCP streams reassembled, cut into frames ------------------------------------
 
+def _ahead(seq: int, at: int) -> int:
+    """How far TCP sequence number ``seq`` lies past ``at`` (modulo 2**32); 0 is ``at`` itself,
+    and 2**31 or more means ``seq`` lies before it."""
+    return (seq - at) & 0xFFFFFFFF
+
+
 class _Stream:
     """One direction of a TCP connection: its bytes in order (retransmissions dropped,
     segments that arrive early held back, bytes the capture never saw passed over at its
@@ -203,8 +209,7 @@ class _Stream:
             return
         if self.next is None:
             self.next = seq  # the capture began mid-connection: resynchronised on MAGIC
-        ahead = (seq - self.next) & 0xFFFFFFFF
-        if ahead and ahead < 1 << 31:  # a gap: hold it until the bytes before it come
+        if 0 < _ahead(seq, self.next) < 1 << 31:  # a gap: held until the bytes before it come
             self.early[seq] = (ts, data)
             return
         self._take(ts, seq, data)
@@ -212,7 +217,7 @@ class _Stream:
 
     def _take(self, ts: float, seq: int, data: bytes) -> None:
         assert self.next is not None
-        behind = (self.next - seq) & 0xFFFFFFFF
+        behind = _ahead(self.next, seq)
         if behind < len(data):  # else all seen already (a retransmission)
             self._bytes(ts, data[behind:])
 
@@ -222,11 +227,10 @@ class _Stream:
         while True:
             at = self.next
             assert at is not None
-            due = [s for s in self.early if not 0 < (s - at) & 0xFFFFFFFF < 1 << 31]
-            if not due:
+            seq = next((s for s in self.early if not 0 < _ahead(s, at) < 1 << 31), None)
+            if seq is None:
                 return
-            ts, data = self.early.pop(due[0])
-            self._take(ts, due[0], data)
+            self._take(*self._held(seq))
 
     def finish(self) -> None:
         """The capture ended: bytes it never saw (dropped by the capture) are passed over, so
@@ -236,16 +240,25 @@ class _Stream:
         at = self.next
         if at is None or not self.early:
             return
-        for seq in sorted(self.early, key=lambda s: (s - at) & 0xFFFFFFFF):
-            ts, data = self.early.pop(seq)
-            gap = (seq - (self.next or 0)) & 0xFFFFFFFF
+        for seq in sorted(self.early, key=lambda s: _ahead(s, at)):
+            gap = _ahead(seq, self.next or 0)
             if 0 < gap < 1 << 31:  # else it overlaps what came: _take trims it
-                self.next = seq
-                if self.skip > gap:
-                    self.skip -= gap
-                else:
-                    self.skip, self.pending, self.buf = 0, None, bytearray()
-            self._take(ts, seq, data)
+                self._unseen(gap)
+            self._take(*self._held(seq))
+
+    def _held(self, seq: int) -> tuple[float, int, bytes]:
+        ts, data = self.early.pop(seq)
+        return ts, seq, data
+
+    def _unseen(self, n: int) -> None:
+        """Pass over ``n`` bytes the capture never saw: body bytes keep the frames in step; a
+        head cut short is dropped, and ``_cut`` finds the next MAGIC."""
+        assert self.next is not None
+        self.next = (self.next + n) & 0xFFFFFFFF
+        if self.skip > n:
+            self.skip -= n
+        else:
+            self.skip, self.pending, self.buf = 0, None, bytearray()
 
     def _bytes(self, ts: float, data: bytes) -> None:
         assert self.next is not None
