@@ -8,7 +8,9 @@ and resource samples (soak/resources.jsonl). One line per invariant, PASS or FAI
 
 - exactly_once: no (session, seq) merged twice by one server life, and a repeat across lives
   only of a merge after that life's last checkpoint (the documented window); the global sample
-  count never above what the workers saw ACKed, and below it by at most the documented losses
+  count above what the workers saw ACKed by at most one push per worker kill and per connection
+  a worker gave up with a push in flight (applied, its ACK never read: a `group_lost` or
+  `lease_expired` line of its own), and below it by at most the documented losses
   (a killed global server: the merges after its last checkpoint; a group process killed,
   stopped or cut off: what its group ACKed since its last exchange);
 - loss_window: each kill of the global server came at most checkpoint_every_s + WRITE_SLACK_S
@@ -67,6 +69,7 @@ FD_GROWTH = 64  # open descriptors the global server may gain over a life
 RSS_GROWTH = 1.5  # RSS at the end of a life at most this times its early level, plus RSS_SLACK
 RSS_SLACK_KB = 96 << 10
 WORKER_EVENTS = {"link_lost", "expired", "left", "lease_expired"}
+CONNECTION_ENDS = {"group_lost", "lease_expired"}  # a worker's own lines: it left its group
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
@@ -265,9 +268,12 @@ def check_exactly_once(run: Run) -> list[Check]:
     merged = int(merges[-1]["samples"]) if merges else 0
     windows = lost_windows(run)
     allowed = sum(w[2] for w in windows) + group_losses(run)
-    # a push its group applied whose ACK its worker never recorded: the worker was killed (or
-    # cut off past its lease) between the two; at most one push of each such fault
-    cut = sum(1 for f in run.faults() if f["kind"] in ("kill_worker", "stop_worker", "link_cut"))
+    # a push its group applied whose ACK its worker never read: the worker was killed, or gave
+    # up the connection (its group silent past the lease: a stopped or cut group process, a cut
+    # link; or its own lease run out), with the push in flight; a worker has one push in flight
+    # at a time, so at most one push of each kill and each such line of the worker's own record
+    cut = sum(1 for f in run.faults() if f["kind"] == "kill_worker") + sum(
+        1 for rs in run.workers.values() for r in rs if r.get("event") in CONNECTION_ENDS)
     unacked = cut * max((int(s.get("samples", 0)) for s in steps), default=0)
     gap = acked - merged
     ok = -unacked <= gap <= allowed
@@ -276,7 +282,8 @@ def check_exactly_once(run: Run) -> list[Check]:
         f"workers ACKed {acked:,} samples, the global count is {merged:,}: {gap:,} missing; "
         f"documented losses allow {allowed:,} ({len(windows)} global-server windows "
         f"{sum(w[2] for w in windows):,}, group faults {allowed - sum(w[2] for w in windows):,}),"
-        f" pushes applied but not ACKed {unacked:,} ({cut} worker kills or cuts, one push each)"
+        f" pushes applied but not ACKed {unacked:,} ({cut} worker kills or lost connections,"
+        f" one push each)"
         + ("; counted twice" if gap < -unacked else ""), None if ok else (0.0, 1e9)))
     from minips.server import ROOM_POLL_S
 
