@@ -23,6 +23,13 @@ restored held those pushes. The next exchange sent their delta with samples 0, s
 sample count ended below what the workers saw ACKed (soak seed 1: 7,424 missing where the two
 global-server kills' windows account for 7,104). Replayed sans-IO.
 
+A worker killed right after a kill -9 and `--resume` of the global server, before it had
+rejoined the resumed server over its control channel, was named by no line (the 30-minute soak,
+seed 2, twice): the resumed server never held it, and its group process, which did, dropped the
+broken connection without a word (``GroupServer.handle``). The group process now logs `left` and
+reports it with its next EXCHANGE; the global server prints it when no control channel of that
+worker's spoke for it. Replayed: the worker killed while the global server is down.
+
 A worker still timing its calibration steps when the budget is spent (the soak's nemesis
 killed it shortly before the end and restarted it) exited 2 instead of 0: it went on
 calibrating after LEAVE(done) and sent its STATS on the closed channel. Replayed with a slow
@@ -181,6 +188,56 @@ def test_a_worker_calibrating_when_the_run_ends_exits_0(tmp_path: Path) -> None:
         assert "ms/step measured" not in (tmp_path / "worker1.log").read_text()  # it was
         # still calibrating when the run ended: the case replayed
         assert slow == 0, (tmp_path / "worker1.log").read_text()[-500:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_killed_before_it_rejoined_a_resumed_server_is_said_left(
+        tmp_path: Path) -> None:
+    """Fixed: the group process's `left` reaches the resumed global server, which says it."""
+    write_init(tmp_path, "lenet5", 0)
+    ready = tmp_path / "server.addr"
+    run = ("server", "--run-dir", str(tmp_path), "--ready-file", str(ready), "--quiet",
+           "--mode", "ssp", "--compressor", "none", "--workers", "2", "--epochs", "2",
+           "--base-step", "0.02", "--external-groups", "1", "--groups", "1", "--lease", "2",
+           "--heartbeat", "0.5", "--calib-timeout", "60", "--checkpoint-every", "1")
+    server = start(tmp_path, "server", *run, "--port", "0", "--init",
+                   str(tmp_path / "init.npy"))
+    procs = [server]
+    try:
+        wait_for("server ready", ready.exists, 60, (server,))
+        host, port = ready.read_text().split()
+        group = start(tmp_path, "group", "group", "--connect", f"{host}:{port}", "--listen",
+                      "127.0.0.1:0", "--run-dir", str(tmp_path), "--reconnect", "60")
+        workers = [start(tmp_path, f"worker-{i}", "worker", "--connect", f"{host}:{port}",
+                         "--id", str(i), "--run-dir", str(tmp_path), "--reconnect", "60")
+                   for i in range(2)]
+        procs += [group, *workers]
+        wait_for("a checkpoint of some training", lambda: (tmp_path / "checkpoint.npz").exists()
+                 and records(tmp_path / "global.jsonl", event="merge"), 90, (server, group))
+        server.kill()
+        server.wait()
+        ready.unlink()
+        workers[1].kill()  # its group process held its only connection: the server is gone
+        workers[1].wait()
+        wait_for("the group process's own line", lambda: records(
+            tmp_path / "group-0.jsonl", event="left", worker=1), 30, (group,))
+        server = start(tmp_path, "server-2", *run, "--port", port, "--resume")
+        procs.append(server)
+        resumed = wait_for("the resumed server", lambda: records(
+            tmp_path / "global.jsonl", event="resumed"), 60, (server,))
+        said = wait_for("the resumed server's line", lambda: [r for r in records(
+            tmp_path / "global.jsonl", event="left", worker=1)
+            if r["t"] > resumed[0]["t"]], 60, (server, group))
+        assert said[0]["reason"] == "its connection to group 0 was lost", said
+        assert said[0]["t"] - resumed[0]["t"] < 10, (said, resumed)
+        # the worker still training rejoined and is not said to have left
+        assert not [r for r in records(tmp_path / "global.jsonl", event="left", worker=0)
+                    if r["t"] > resumed[0]["t"]]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -195,9 +195,14 @@ class GroupServer:
         self.log(event, **fields)
         if self.notify is not None:
             self.notify(event, {"group": self.core.group, **fields})
+        self._report(event, fields.get("workers", [fields.get("worker")]),
+                     fields.get("silent_s", fields.get("after_s", 0.0)))
+
+    def _report(self, event: str, workers: list[Any], seconds: float | None) -> None:
+        """A group process: ``event`` of ``workers`` goes with the next EXCHANGE (the global
+        server prints it; a `left` only of a worker whose control channel it does not hold)."""
         if self.report_events:
-            seconds = fields.get("silent_s", fields.get("after_s", 0.0))
-            for w in fields.get("workers", [fields.get("worker")]):
+            for w in workers:
                 self.outbox.append((event, int(w), int(1000 * float(seconds or 0.0))))
             del self.outbox[:-MAX_REPORTED_EVENTS]  # the latest; the record keeps every one
 
@@ -335,16 +340,22 @@ class GroupServer:
         self.channels[w] = ch
         ch.start_heartbeat(self.core.run.heartbeat_s)  # so the worker can tell we are still here
         first = _ack(self._perform(self.core.join(w, self.clock())))  # its starting clock
+        lost = False  # the connection broke (no LEAVE: the worker was killed, or cut off)
         try:
             await self._session(ch, w, first)
         except RemoteProtocolError as exc:
             await validation.reject(ch, exc, self.rejected, where)
         except (ConnectionError, asyncio.IncompleteReadError):
-            pass
+            lost = True
         finally:
             if self.channels.get(w) is ch:
                 del self.channels[w]
+                # said once: not after its lease expired (`expired` said it), nor at the end
+                said = lost and self.core.has_lease(w) and not self.core.done
                 self._perform(self.core.leave(w))
+                if said:
+                    self.log("left", worker=w, reason="connection lost")
+                    self._report("left", [w], 0.0)
             self._closed_bytes["bytes_in"] += ch.bytes_received
             self._closed_bytes["bytes_out"] += ch.bytes_sent
             await ch.close()

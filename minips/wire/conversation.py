@@ -54,8 +54,8 @@ MAX_STEP_S = 1e5  # seconds one step may claim to take (a day); beyond that it i
 MAX_EXCHANGE_COUNT = 1 << 40
 INIT_ENCODING = "dense-f32"  # the one encoding of INIT_WEIGHTS: the weights exactly as trained
 # what a group process reports of its workers in EXCHANGE's ``events``: a connection silent for
-# three heartbeats, bytes on it again, a lease run out
-GROUP_EVENTS = ("link_lost", "link_back", "expired")
+# three heartbeats, bytes on it again, a lease run out, a connection broken without LEAVE
+GROUP_EVENTS = ("link_lost", "link_back", "expired", "left")
 
 
 class OrderError(RemoteProtocolError):
