@@ -645,6 +645,8 @@ class GlobalServer:
         self.perform(self.core.resume(handles, state))
         for h in handles.values():  # the saved ratios, to the group servers here
             self.peer(h.id).send_settings(self.core.assign_message(h))
+            if self.cfg.external_groups:  # said lost when no group process comes back
+                self.spawn(sessions.awaited(self, h.id))
         self.groups_opened.set()
         self.log("resumed", checkpoint=str(self.checkpoint_path), saved_at=state["saved_at"],
                  train_s=float(state["train_s"]), down_s=time.time() - float(state["saved_at"]))

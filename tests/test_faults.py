@@ -307,6 +307,45 @@ def test_external_group_trains_on_while_the_global_server_is_down_and_resumes_wi
 
 
 @pytest.mark.timeout(180)
+def test_a_resumed_server_says_a_group_no_process_came_back_for(procs: Procs) -> None:
+    """kill -9 the global server and the one group process: the server resumed from its
+    checkpoint holds the group for a process to adopt; when none has in REHOME_LEASES leases it
+    says the group is lost (as of a live one: `group_lost`, a console line), and a group
+    process started later still adopts it and the run ends."""
+    d = procs.run_dir
+    lease = 2.0
+    run = (*RUN, "--workers", "1", "--epochs", "0.3", "--external-groups", "1", "--groups",
+           "1", "--lease", str(lease), "--heartbeat", "0.5")
+    server, address = procs.server(*run)
+    port = int(address.rsplit(":", 1)[1])
+    group = procs.start("group", "group", "--connect", address, "--listen", "127.0.0.1:0",
+                        "--run-dir", str(d), "--reconnect", "60")
+    worker = procs.worker(address, 0)
+    wait_for("a checkpoint of some training", lambda: (d / "checkpoint.npz").exists() and
+             samples_now(d) > 0, 90, (server, group, worker))
+    for p in (server, group):
+        p.kill()
+        p.wait()
+    server, _ = procs.server(*run, port=port, resume=True)
+    resumed = records(d / "global.jsonl", event="resumed")
+    assert resumed
+    lost = wait_for("the resumed server says group 0 lost", lambda: [
+        r for r in records(d / "global.jsonl", event="group_lost") if r["t"] > resumed[0]["t"]],
+        30, (server,))
+    waited = lost[0]["t"] - resumed[0]["t"]
+    assert 3 * lease - 0.5 <= waited <= 3 * lease + 5, waited
+    said = (d / "logs" / "server.log").read_text()
+    assert "group 0: no group process came back to the resumed server in 6 s" in said, said
+    group = procs.start("group-2", "group", "--connect", address, "--listen", "127.0.0.1:0",
+                        "--run-dir", str(d), "--reconnect", "60")
+    assert server.wait(timeout=120) == 0
+    assert [r for r in records(d / "global.jsonl", event="group_adopted")
+            if r["t"] > lost[0]["t"]]
+    for p in (group, worker):
+        assert p.wait(timeout=30) == 0
+
+
+@pytest.mark.timeout(180)
 def test_group_process_gone_silent_is_dropped_and_a_replacement_adopts_its_group(
         procs: Procs) -> None:
     """SIGSTOP a `minips group` process (its connections stay open, nothing comes from it): the

@@ -70,7 +70,7 @@ from minips.wire import control, conversation, frames, messages
 from minips.wire.conversation import Conversation, Role
 
 __all__ = ["Shell", "send_quiet", "worker_session", "initial_weights", "evaluator_session",
-           "RemoteGroup", "external_group", "group_session", "adopt", "group_address",
+           "RemoteGroup", "external_group", "group_session", "adopt", "awaited", "group_address",
            "PENDING_POLL_S", "REHOME_LEASES"]
 
 log = logging.getLogger("minips.server")
@@ -315,6 +315,23 @@ def _lost(srv: Shell, ch: Channel, handle: GroupHandle) -> None:
                 "this server takes the group over, %s", handle.id, handle.address,
                 ch.error or "connection closed", then)
     srv.spawn(_rehome_later(srv, handle.id, wait))
+
+
+async def awaited(srv: Shell, g: int) -> None:
+    """Group ``g`` of a resumed server's checkpoint: its group process adopts it again as it
+    reconnects (within its backoff's 2 s); if none has within ``REHOME_LEASES`` leases, the
+    group is lost as a live one is (said, then its workers move after as long again)."""
+    wait = REHOME_LEASES * srv.core.run.lease_s
+    await asyncio.sleep(wait)
+    if srv.core.groups[g].served or srv.core.done:
+        return
+    srv.perform(srv.core.group_lost(g))
+    others = any(h != g and srv.core.groups[h].served for h in srv.core.groups)
+    log.warning("group %d: no group process came back to the resumed server in %.0f s; a new "
+                "`minips group --connect` to this server takes the group over, %s", g, wait,
+                f"else its workers move to another group in {wait:.0f} s" if others else
+                "no other group can take its workers meanwhile")
+    await _rehome_later(srv, g, wait)
 
 
 async def _rehome_later(srv: Shell, g: int, wait: float) -> None:
