@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from minips.core.config import RunConfig
 from minips.errors import AuthError
 from minips.net import channel, transport
 from minips.net.endpoints import parse_address
+from minips.serve import sessions
 from minips.wire import control, messages
 
 
@@ -134,3 +136,49 @@ def test_an_id_is_held_for_its_handshake_and_freed_if_it_never_finishes() -> Non
     with pytest.raises(AuthError, match="no free worker id"):
         r.admit(-1, now=1.0 + roster.CLAIM_S - 0.1)
     assert r.admit(-1, now=1.0 + roster.CLAIM_S) == 1  # 1's handshake never finished
+
+
+class ResumedShell:
+    """What ``sessions.awaited`` uses of a resumed global server: two checkpointed groups that
+    no process serves yet, a lease of 0.5 s (1.5 s before a group is said lost, as long again
+    before its workers move), the actions it performs."""
+
+    def __init__(self) -> None:
+        self.core = SimpleNamespace(
+            groups={0: roster.GroupHandle(0, "", [0]), 1: roster.GroupHandle(1, "", [1])},
+            done=False, run=SimpleNamespace(lease_s=0.5),
+            group_lost=lambda g: [("group_lost", g)], rehome=lambda g: [("rehome", g)])
+        self.performed: list[object] = []
+
+    def perform(self, actions: list[object]) -> None:
+        self.performed += actions
+
+
+SERVED_S = 2.5 * sessions.ADOPTION_POLL_S  # an adoption the watcher's polls cannot miss
+
+
+async def test_a_resumed_server_says_lost_only_a_group_never_adopted_since() -> None:
+    """A group adopted after the resume and lost again while live is said lost by that loss
+    (``_lost``), not a second time by the resume's watcher (the 30-minute soak, seed 0: two
+    `group_lost` lines 0.1 s apart, 12 s after a resume); one never adopted is said lost once
+    and its workers move a wait later; a group adopted within that wait and lost again does not
+    move then (its loss waits anew: the soak's seed 0 rehomed a group 0.9 s after such a loss)."""
+    srv = ResumedShell()
+    adopted = asyncio.ensure_future(sessions.awaited(srv, 0))  # type: ignore[arg-type]
+    srv.core.groups[0].served = True  # its group process came back
+    await asyncio.sleep(SERVED_S)
+    srv.core.groups[0].served = False  # and was lost while serving: `_lost` said it
+    await asyncio.wait_for(adopted, 5)
+    assert srv.performed == []
+    await asyncio.wait_for(sessions.awaited(srv, 1), 5)  # type: ignore[arg-type]
+    assert srv.performed == [("group_lost", 1), ("rehome", 1)]
+
+    srv = ResumedShell()
+    lone = asyncio.ensure_future(sessions.awaited(srv, 1))  # type: ignore[arg-type]
+    await until(lambda: bool(srv.performed), 5)
+    assert srv.performed == [("group_lost", 1)]
+    srv.core.groups[1].served = True  # adopted while its workers wait to move
+    await asyncio.sleep(SERVED_S)
+    srv.core.groups[1].served = False
+    await asyncio.wait_for(lone, 5)
+    assert srv.performed == [("group_lost", 1)]

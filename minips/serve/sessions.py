@@ -77,6 +77,7 @@ log = logging.getLogger("minips.server")
 
 PENDING_POLL_S = 0.1  # how often the grouping looks for a group process that has not come yet
 REHOME_LEASES = 3  # a lost group with no replacement after this many leases: move its workers
+ADOPTION_POLL_S = 0.25  # how often a resumed server looks whether a group process adopted a group
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 
@@ -320,10 +321,10 @@ def _lost(srv: Shell, ch: Channel, handle: GroupHandle) -> None:
 async def awaited(srv: Shell, g: int) -> None:
     """Group ``g`` of a resumed server's checkpoint: its group process adopts it again as it
     reconnects (within its backoff's 2 s); if none has within ``REHOME_LEASES`` leases, the
-    group is lost as a live one is (said, then its workers move after as long again)."""
+    group is lost as a live one is (said, then its workers move after as long again). Once
+    adopted, the group is watched as any served group is (``_lost``), not here."""
     wait = REHOME_LEASES * srv.core.run.lease_s
-    await asyncio.sleep(wait)
-    if srv.core.groups[g].served or srv.core.done:
+    if await _adopted_within(srv, g, wait) or srv.core.done:
         return
     srv.perform(srv.core.group_lost(g))
     others = any(h != g and srv.core.groups[h].served for h in srv.core.groups)
@@ -334,11 +335,23 @@ async def awaited(srv: Shell, g: int) -> None:
     await _rehome_later(srv, g, wait)
 
 
+async def _adopted_within(srv: Shell, g: int, wait: float) -> bool:
+    """Whether a group process served group ``g`` at some point of the next ``wait`` s
+    (looked at every ``ADOPTION_POLL_S``; False at once when the run is done)."""
+    deadline = time.monotonic() + wait
+    while not srv.core.groups[g].served:
+        if srv.core.done or time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(ADOPTION_POLL_S)
+    return True
+
+
 async def _rehome_later(srv: Shell, g: int, wait: float) -> None:
     """No group process took group ``g`` over within ``wait`` s: send its workers to the live
     groups nearest in speed (``GlobalCore.rehome``); the empty group no longer holds the end of
-    the run."""
-    await asyncio.sleep(wait)
+    the run. A group adopted meanwhile and lost again waits anew, from that loss (``_lost``)."""
+    if await _adopted_within(srv, g, wait):
+        return
     actions = srv.core.rehome(g)
     srv.perform(actions)
     for a in actions:
