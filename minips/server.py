@@ -150,7 +150,6 @@ class GlobalServer:
         # group id -> its exchanges' bytes on the wire (bytes_to_global, bytes_from_global):
         # counted here as the frames go, kept across a resume
         self.hops: dict[int, dict[str, int]] = {}
-        self.said_left: set[int] = set()  # workers a `left` line named since they joined
         self.finished = asyncio.Event()  # the run is over
         self.evaluated_final = asyncio.Event()  # the evaluator got the final weights
         self.weights_ready = asyncio.Event()  # the global weights exist
@@ -277,10 +276,6 @@ class GlobalServer:
         """One line of the run's record, with the run's counters (and, with ``cfg.console``,
         the events an operator follows as one console line each: ``console_line``)."""
         core = self.core
-        if event == "left":
-            self.said_left.add(fields["worker"])
-        elif event == "joined":
-            self.said_left.discard(fields["worker"])
         if event == "data":
             self.data_synthetic.add(bool(fields.get("synthetic")))
         elif event == "merge":  # a group process's merged counters: its traffic as of now
@@ -306,11 +301,8 @@ class GlobalServer:
         for event, w, ms in zip(fields.pop("events", None) or [],
                                 fields.pop("event_workers", None) or [],
                                 fields.pop("event_ms", None) or [], strict=False):
-            if event == "left":  # said here only of a worker no control channel speaks for
-                entry = self.core.workers.get(w)
-                if w not in self.said_left and not (entry is not None and entry.connected):
-                    self.log("left", group=g, worker=w,
-                             reason=f"its connection to group {g} was lost")
+            if event == "left":
+                self.perform(self.core.group_saw_gone(int(fields["group"]), w))
                 continue
             said = {"link_lost": {"silent_s": ms / 1000}, "link_back": {"after_s": ms / 1000},
                     "expired": {"workers": [w]}}.get(event, {})

@@ -59,6 +59,12 @@ def start(run_dir: Path, name: str, *args: str) -> subprocess.Popen[bytes]:
     return logged_minips(run_dir, name, TOKEN, *args)
 
 
+def start_group(run_dir: Path, host: str, port: str) -> subprocess.Popen[bytes]:
+    """A `minips group` process for the global server at host:port, reconnecting for 60 s."""
+    return start(run_dir, "group", "group", "--connect", f"{host}:{port}", "--listen",
+                 "127.0.0.1:0", "--run-dir", str(run_dir), "--reconnect", "60")
+
+
 @pytest.mark.timeout(120)
 def test_a_checkpoint_that_cannot_be_written_does_not_end_the_run(tmp_path: Path) -> None:
     """Fixed: the failed write is a record line and one console sentence; training goes on."""
@@ -122,8 +128,7 @@ def test_a_group_process_dropped_before_the_grouping_registers_again(tmp_path: P
     try:
         wait_for("server ready", ready.exists, 60, (server,))
         host, port = ready.read_text().split()
-        group = start(tmp_path, "group", "group", "--connect", f"{host}:{port}", "--listen",
-                      "127.0.0.1:0", "--run-dir", str(tmp_path), "--reconnect", "60")
+        group = start_group(tmp_path, host, port)
         procs.append(group)
         log = tmp_path / "group.log"
         wait_for("the group connected to the global server",
@@ -211,8 +216,7 @@ def test_a_worker_killed_before_it_rejoined_a_resumed_server_is_said_left(
     try:
         wait_for("server ready", ready.exists, 60, (server,))
         host, port = ready.read_text().split()
-        group = start(tmp_path, "group", "group", "--connect", f"{host}:{port}", "--listen",
-                      "127.0.0.1:0", "--run-dir", str(tmp_path), "--reconnect", "60")
+        group = start_group(tmp_path, host, port)
         workers = [start(tmp_path, f"worker-{i}", "worker", "--connect", f"{host}:{port}",
                          "--id", str(i), "--run-dir", str(tmp_path), "--reconnect", "60")
                    for i in range(2)]

@@ -89,7 +89,7 @@ class GlobalCore:
     def worker_joined(self, w: int) -> list[GlobalAction]:
         """Worker ``w``'s control channel opened (a newer one replaces an older)."""
         entry = self.workers[w]
-        entry.connected, entry.left = True, False
+        entry.connected, entry.left, entry.said_gone = True, False, False
         self.roster.seated(w)
         return [Log("joined", {"worker": w})]
 
@@ -102,10 +102,22 @@ class GlobalCore:
     def worker_gone(self, w: int) -> list[GlobalAction]:
         """Worker ``w``'s control channel closed (after LEAVE, or lost)."""
         entry = self.workers[w]
-        entry.connected = False
+        entry.connected, entry.said_gone = False, True
         reason = (entry.left_because or "leave") if entry.left else "done" if self.done \
             else "connection lost"
         return [Log("left", {"worker": w, "reason": reason})]
+
+    def group_saw_gone(self, g: int, w: int) -> list[GlobalAction]:
+        """Group ``g``'s process saw worker ``w``'s connection break (EXCHANGE event `left`):
+        said here only when no control channel of ``w``'s did since it opened (a worker killed
+        before it rejoined a resumed server)."""
+        entry = self.workers.get(w)
+        if entry is not None:
+            if entry.connected or entry.said_gone:
+                return []
+            entry.said_gone = True
+        return [Log("left", {"group": g, "worker": w,
+                             "reason": f"its connection to group {g} was lost"})]
 
     def on_stats(self, w: int, msg: control.Stats, now: float) -> list[GlobalAction]:
         """Worker ``w``'s measured speed: form the groups, place it, regroup or update ratios."""

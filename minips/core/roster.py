@@ -92,6 +92,7 @@ class WorkerEntry:
     group: int = -1  # assigned group, -1 before grouping
     left: bool = False  # sent LEAVE
     left_because: str = ""  # the reason its LEAVE gave ("" or "bye": a plain goodbye)
+    said_gone: bool = False  # a `left` line named it since its control channel last opened
 
     def iteration(self) -> float | None:
         """Seconds of the iteration its group waits on: measured by its group server once one
