@@ -8,6 +8,7 @@ deadlines. Accuracy is measured on the final weights the server writes.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -22,9 +23,10 @@ import numpy as np
 import pytest
 from conftest import records, recv_as, run_t0, steps, wait_for
 
+from minips.core.config import RunConfig
 from minips.core.snapshot import FORMAT, fingerprint
 from minips.ml import data, models
-from minips.net import lifeline
+from minips.net import lifeline, transport
 from minips.record.checkpoint import load, save
 from minips.record.metrics import read, verdict
 from minips.run.launch import write_init
@@ -341,6 +343,70 @@ def test_a_resumed_server_says_a_group_no_process_came_back_for(procs: Procs) ->
     assert server.wait(timeout=120) == 0
     assert [r for r in records(d / "global.jsonl", event="group_adopted")
             if r["t"] > lost[0]["t"]]
+    for p in (group, worker):
+        assert p.wait(timeout=30) == 0
+
+
+def drop_registrations(port: int, count: int, timeout: float) -> int:
+    """Listen on ``port`` as a global server that is killed as soon as a peer's handshake is
+    done: each connection is cut (no frame, no LEAVE) right after the handshake, ``count``
+    times or until ``timeout``; returns how many were cut."""
+    async def main() -> int:
+        cut, enough = 0, asyncio.Event()
+
+        async def handler(ch: Any) -> None:
+            nonlocal cut
+            cut += 1
+            ch.abort("killed")
+            if cut >= count:
+                enough.set()
+
+        server = await transport.serve("127.0.0.1", port, token=TOKEN, handler=handler,
+                                       accept=lambda hello: RunConfig().to_info())
+        try:
+            await asyncio.wait_for(enough.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            server.close()
+            await server.wait_closed()
+        return cut
+
+    return asyncio.run(main())
+
+
+@pytest.mark.timeout(180)
+def test_a_group_process_cut_off_while_it_registers_with_a_resumed_server_registers_again(
+        procs: Procs) -> None:
+    """The 30-minute soak, seed 0: the global server killed again 1.4 s after a resume, while a
+    group process was registering with it (after the handshake, before ASSIGN and the global
+    weights): the group process exited 2 ("connection closed by peer") where it retries for
+    ``--reconnect`` seconds. Replayed: the server killed, then twice a server on its port that
+    cuts each registration after the handshake; the group process registers again each time,
+    adopts its group on the real resumed server, and the run ends 0."""
+    d = procs.run_dir
+    run = (*RUN, "--workers", "1", "--epochs", "0.3", "--external-groups", "1", "--groups",
+           "1", "--lease", "2", "--heartbeat", "0.5")
+    server, address = procs.server(*run)
+    port = int(address.rsplit(":", 1)[1])
+    group = procs.start("group", "group", "--connect", address, "--listen", "127.0.0.1:0",
+                        "--run-dir", str(d), "--reconnect", "60")
+    worker = procs.worker(address, 0)
+    wait_for("a checkpoint of some training", lambda: (d / "checkpoint.npz").exists() and
+             samples_now(d) > 0, 90, (server, group, worker))
+    for p in (worker, server):  # no worker: the only peer of the cutting server is the group
+        p.kill()
+        p.wait()
+    cut = drop_registrations(port, 2, 30)
+    log = (d / "logs" / "group.log").read_text()
+    assert cut == 2 and group.poll() is None, log[-600:]
+    assert log.count("while it registered again (") == 2, log[-600:]
+    server, _ = procs.server(*run, port=port, resume=True)
+    worker = procs.worker(address, 0)
+    assert server.wait(timeout=120) == 0
+    resumed = records(d / "global.jsonl", event="resumed")
+    assert [r for r in records(d / "global.jsonl", event="group_adopted")
+            if r["t"] > resumed[-1]["t"]]
     for p in (group, worker):
         assert p.wait(timeout=30) == 0
 

@@ -161,11 +161,15 @@ class DroppedWaiting(ConnectionError):
 
 
 async def _register_again(cfg: GroupConfig, gs: GroupServer, address: str, timeout: float,
-                          announce: bool) -> TcpLink:
-    """``_register``, again when the global server drops this group server while it waits for
-    the grouping (stopped, or cut off past the lease: ASSIGN never comes on that connection),
-    for up to ``timeout`` and then ``reconnect_s``; a refusal is final."""
+                          announce: bool, waiting: str = "waited for the grouping") -> TcpLink:
+    """``_register``, again when the global server drops this group server after the handshake,
+    before ASSIGN and the global weights came: while it waits for the grouping (stopped, or cut
+    off past the lease: ASSIGN never comes on that connection), or while it registers again
+    with a resumed server that is killed before it answered (the 30-minute soak, seed 0: a
+    second kill 1.4 s after a resume ended the group process with exit 2). For up to
+    ``timeout`` and then ``reconnect_s``; a refusal is final."""
     deadline = asyncio.get_running_loop().time() + max(timeout, cfg.reconnect_s)
+    drops = 0
     while True:
         left = deadline - asyncio.get_running_loop().time()
         try:
@@ -175,8 +179,10 @@ async def _register_again(cfg: GroupConfig, gs: GroupServer, address: str, timeo
                 raise
             if announce:
                 print(f"minips group: the global server dropped this group server while it "
-                      f"waited for the grouping ({exc}); registering again for up to "
-                      f"{left:.0f} s", flush=True)
+                      f"{waiting} ({exc}); registering again for up to {left:.0f} s",
+                      flush=True)
+            drops += 1  # a server that drops each registration is not hammered
+            await asyncio.sleep(transport.delay(drops))
 
 
 async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer:
@@ -205,7 +211,8 @@ async def serve_group(cfg: GroupConfig, *, announce: bool = True) -> GroupServer
                     break
             if link.closed.is_set():
                 gs.log("global_lost")
-                link = await _register(cfg, gs, address, cfg.reconnect_s)
+                link = await _register_again(cfg, gs, address, cfg.reconnect_s, announce,
+                                             "registered again")
                 gs.log("global_back")
             await asyncio.sleep(POLL_S)
             if announce and asyncio.get_running_loop().time() - said >= STATUS_EVERY_S:
