@@ -495,8 +495,9 @@ def expected_event(run: Run, f: dict[str, Any]) -> Expect | None:
 
     Leases run on the wall clock, but a SIGSTOPped detector prints nothing until SIGCONT (then
     at once, its lease run out): a silence is promised a line when its detector ran for
-    DETECT_SLACK_S of it past the lease, and the line is due lease + DETECT_SLACK_S after the
-    fault plus every second the detector was stopped meanwhile."""
+    DETECT_SLACK_S of it past the lease (counted from the detector's SIGCONT when it was
+    stopped as the fault began), and the line is due lease + DETECT_SLACK_S after the fault
+    plus every second the detector was stopped meanwhile."""
     lease = float(run.begin.get("lease_s", 10))
     kind, target, rel = f["kind"], f["target"], f["rel"]
     seen_by = detectors(run, f)
@@ -508,7 +509,11 @@ def expected_event(run: Run, f: dict[str, Any]) -> Expect | None:
         due = rel + bound + inside(stops, rel, due)
     kills = down(run, seen_by, ("kill_global", "kill_group")) if kind != "kill_global" else []
     cut = min((a for a, b in kills if b > rel and a <= due), default=math.inf)
-    silent = (healed - rel - lease) - inside(stops, rel + lease, healed) >= DETECT_SLACK_S
+    # a detector stopped when the fault began reads, as it continues, what its peer sent
+    # before the cut: its silence starts then (the 30-minute soak of seed 0: a partition 3.4 s
+    # into a 7.6 s stop of the global server, healed 2.8 s after it went on, was asked a line)
+    began = max((b for a, b in stops if a <= rel < b), default=rel)
+    silent = (healed - began - lease) - inside(stops, began + lease, healed) >= DETECT_SLACK_S
     worker = int(target[1:]) if target.startswith("w") else None
     if worker is not None:
         began = max((h["rel"] for h in run.history if h["op"] == "start"
@@ -542,12 +547,18 @@ def peer_of_this_life(run: Run, role: str, rel: float) -> bool:
     before that was never its peer, and no line can name it (the 30-minute soak of seed 0:
     three kills of a group process 0.6-1.5 s after a resume, each "late" by 12-26 s, when the
     replacement's own kill was the line). The history's ``addresses`` map roles to hosts (netns);
-    on loopback every group process shares one: then each must have registered."""
+    on loopback every group process shares one: then each must have registered.
+    A life begins when its process starts, before it prints `resumed` (the 30-minute soak of
+    seed 2: a partition 0.4 s after the restart, 0.1 s before `resumed`, was asked a line for
+    a link the new life never held)."""
     resumed = [r["t"] for r in run.glob if r.get("event") == "resumed" and r["t"] <= rel]
-    if not resumed:
+    restarted = [h["rel"] for h in run.history if h["op"] == "start" and h["role"] == "server"
+                 and h.get("n", 1) > 1 and h["rel"] <= rel]
+    if not resumed and not restarted:
         return True
+    began = max(resumed + restarted)
     adopted = {str(r.get("address")) for r in run.glob if r.get("event") == "group_adopted"
-               and resumed[-1] <= r["t"] <= rel}
+               and began <= r["t"] <= rel}
     host = run.begin.get("addresses", {}).get(role)
     if host is not None:
         return any(a.rsplit(":", 1)[0] == host for a in adopted)

@@ -172,6 +172,28 @@ def test_a_line_is_due_later_by_the_time_its_detector_was_stopped(tmp_path: Path
     assert "1 late [('partition', 11.5, 11.0)]" in check.evidence
 
 
+@pytest.mark.parametrize(("cut_at", "ok"), [
+    (13.4, True),  # cut while the server was stopped: 2.9 s of silence after its SIGCONT
+    (9.0, False),  # cut before the stop: 11.5 s of silence, 3.9 s of it while the server ran
+])
+def test_a_detector_stopped_when_a_link_was_cut_counts_the_silence_from_its_sigcont(
+        tmp_path: Path, cut_at: float, ok: bool) -> None:
+    """The 30-minute soak of seed 0 (events 10/11: a partition "late" by 26 s, bound 10.2 s):
+    the global server SIGSTOPped from 2720.9 to 2728.5 s, group1's machine cut off from it at
+    2724.3 s and back at 2731.3 s (lease 4 s). The stopped server's kernel had taken what the
+    group sent before the cut; the server read it at SIGCONT, so it heard the group 2.8 s
+    before the link came back: less than a lease, no loss to name. Here at 10-17.6 s."""
+    glob = [line(1, "groups")]
+    soak_dir(tmp_path, glob, [
+        (0, {"op": "begin", "seed": 0, "lease_s": 4.0, "external": True}),
+        (0, {"op": "start", "role": "group1"}), *fault(1, "stop_global", "server", 10, 17.6),
+        *fault(2, "partition", "group1", cut_at, 20.5)])
+    check = events_of(tmp_path)
+    assert check.ok == ok, check.evidence
+    if not ok:
+        assert "1 never seen [('partition', 'group1', 9.0)]" in check.evidence, check.evidence
+
+
 def resumed_run(d: Path, adopted_by: str, addresses: bool) -> None:
     """The 30-minute soak of seed 0 at 712-744 s: the global server killed at 12 s and resumed
     at 17 s; group process group1 (10.55.0.3) registers again at 17.6 s; group0 (10.55.0.2) is
@@ -213,6 +235,34 @@ def test_a_group_process_killed_before_it_registered_with_a_resumed_server_is_no
             check.evidence  # the resume and the replacement's kill
     else:
         assert "1 late [('kill_group', 26.1, 6.0)]" in check.evidence, check.evidence
+
+
+def test_a_partition_between_a_restart_and_its_resumed_line_is_not_asked_a_line(
+        tmp_path: Path) -> None:
+    """The 30-minute soak of seed 2 (events 10/11: a partition "late" by 53.4 s): the global
+    server restarted at 276.9 s, group0's machine cut off from it at 277.35 s, the new life's
+    `resumed` at 277.44 s, group0's process registered again at 285.6 s after the heal. The
+    new life never held that link; the line counted "late" was a kill of group1 53 s later.
+    Here the same at 17 s: the server's process starts at 17.0, the partition 17.4-24.3,
+    `resumed` 17.5, group1 and group0 registered at 18.3 and 25.6, group1 killed at 70.5."""
+    glob = [line(1, "groups"), line(17.5, "resumed"),
+            line(18.3, "group_adopted", group=1, address="10.55.0.3:46123"),
+            line(25.6, "group_adopted", group=0, address="10.55.0.2:42437"),
+            line(70.8, "group_lost", group=1)]
+    begin = {"op": "begin", "seed": 2, "lease_s": 2.0, "external": True,
+             "addresses": {"server": "10.55.0.1", "group0": "10.55.0.2", "group1": "10.55.0.3"}}
+    soak_dir(tmp_path, glob, [
+        (0, begin), (0, {"op": "start", "role": "server", "n": 1}),
+        (0, {"op": "start", "role": "group0"}), (0, {"op": "start", "role": "group1"}),
+        (12, {"op": "inject", "id": 1, "kind": "kill_global", "target": "server"}),
+        (17, {"op": "start", "role": "server", "n": 2}),
+        (17, {"op": "heal", "id": 1, "kind": "kill_global", "target": "server"}),
+        *fault(2, "partition", "group0", 17.4, 24.3), *fault(3, "kill_group", "group1", 70.5, 72)])
+    check = events_of(tmp_path)
+    assert check.ok, check.evidence
+    # the resume and group1's kill; the partition of a link the new life never held: no line
+    assert check.evidence.startswith("2 faults seen within their bound; 0 never seen []; 0 late"), \
+        check.evidence
 
 
 def full_disk_run(d: Path, kill_at: float) -> None:
