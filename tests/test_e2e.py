@@ -39,7 +39,9 @@ def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) 
     assert (summary["mode"], summary["compressor"]) == ("gssp", "gdtopk")
     assert summary["workers"] == 4 and summary["groups"] == 2
     assert summary["data"] == "real", summary["data_sources"]  # not the synthetic stand-in
-    assert summary["final_accuracy"] >= 0.80, summary  # the final weights, not the best seen
+    said = {k: summary.get(k) for k in ("final_accuracy", "best_accuracy", "samples", "train_s",
+                                         "wall_s", "status", "regroups", "mean_staleness")}
+    assert summary["final_accuracy"] >= 0.80, said  # the final weights, not the best seen
     assert summary["time_to_accuracy"]["0.80"] is not None
     assert summary["samples"] >= 2 * 60000
     assert summary["bytes_up"] > 0
