@@ -470,10 +470,8 @@ LINKS_WHY = (
     f"({LINKS_PROFILE} each way: a dense LeNet-5 push or pull 20 ms at 100 mbit, about 0.4 s "
     "at 5 mbit). BSP, LB-BSP and DDP wait for the two slow links every round; LB-BSP's "
     "smaller batches do not shorten a push; GSSP's groups, formed on the iteration a group "
-    "waits on, keep them apart, as many groups as the iterations show (``--groups 0``: two "
-    "paces, two groups; the other suites' 4 would split six equal workers by noise). Rows: "
-    "dense BSP, LB-BSP, dense GSSP, GSSP + GDTopK slower-less, DDP with its fp16 hook, dense "
-    "GSSP without links; wall cap 900 s")
+    "waits on, keep them apart. Rows: dense BSP, LB-BSP, dense GSSP, GSSP + GDTopK "
+    "slower-less, DDP with its fp16 hook, dense GSSP without links; wall cap 900 s")
 
 
 def _links_suite() -> Suite:
@@ -483,9 +481,7 @@ def _links_suite() -> Suite:
     suite.name, suite.link, suite.description = "linkonly", LINKS_PROFILE, LINKS_WHY
     suite.slowdowns = [1.0] * len(QUICK_PROFILE)
     suite.run.update(base_step_s=LINKS_BASE_STEP, wall_s=900.0)
-    suite.experiments = [  # GSSP's k chosen from the measured iterations
-        _overriding(e, groups=0) if e.overrides.get("mode") == "gssp" else e
-        for e in suite.experiments if e.label in keep]
+    suite.experiments = [e for e in suite.experiments if e.label in keep]
     suite.leads = ("gssp", "gssp+gdtopk-slower-less")
     return suite
 
