@@ -308,6 +308,23 @@ def test_external_group_trains_on_while_the_global_server_is_down_and_resumes_wi
     assert final_accuracy(d) >= 0.75
 
 
+def one_group_process_trained(procs: Procs, lease: float) -> tuple[
+        tuple[str, ...], Any, str, subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+    """A global server (one worker, one external group, ``lease``), a `minips group` process
+    and the worker, once a checkpoint holds some training: (run flags, server, address, group,
+    worker)."""
+    d = procs.run_dir
+    run = (*RUN, "--workers", "1", "--epochs", "0.3", "--external-groups", "1", "--groups",
+           "1", "--lease", str(lease), "--heartbeat", "0.5")
+    server, address = procs.server(*run)
+    group = procs.start("group", "group", "--connect", address, "--listen", "127.0.0.1:0",
+                        "--run-dir", str(d), "--reconnect", "60")
+    worker = procs.worker(address, 0)
+    wait_for("a checkpoint of some training", lambda: (d / "checkpoint.npz").exists() and
+             samples_now(d) > 0, 90, (server, group, worker))
+    return run, server, address, group, worker
+
+
 @pytest.mark.timeout(180)
 def test_a_resumed_server_says_a_group_no_process_came_back_for(procs: Procs) -> None:
     """kill -9 the global server and the one group process: the server resumed from its
@@ -316,15 +333,8 @@ def test_a_resumed_server_says_a_group_no_process_came_back_for(procs: Procs) ->
     process started later still adopts it and the run ends."""
     d = procs.run_dir
     lease = 2.0
-    run = (*RUN, "--workers", "1", "--epochs", "0.3", "--external-groups", "1", "--groups",
-           "1", "--lease", str(lease), "--heartbeat", "0.5")
-    server, address = procs.server(*run)
+    run, server, address, group, worker = one_group_process_trained(procs, lease)
     port = int(address.rsplit(":", 1)[1])
-    group = procs.start("group", "group", "--connect", address, "--listen", "127.0.0.1:0",
-                        "--run-dir", str(d), "--reconnect", "60")
-    worker = procs.worker(address, 0)
-    wait_for("a checkpoint of some training", lambda: (d / "checkpoint.npz").exists() and
-             samples_now(d) > 0, 90, (server, group, worker))
     for p in (server, group):
         p.kill()
         p.wait()
@@ -385,15 +395,8 @@ def test_a_group_process_cut_off_while_it_registers_with_a_resumed_server_regist
     cuts each registration after the handshake; the group process registers again each time,
     adopts its group on the real resumed server, and the run ends 0."""
     d = procs.run_dir
-    run = (*RUN, "--workers", "1", "--epochs", "0.3", "--external-groups", "1", "--groups",
-           "1", "--lease", "2", "--heartbeat", "0.5")
-    server, address = procs.server(*run)
+    run, server, address, group, worker = one_group_process_trained(procs, 2.0)
     port = int(address.rsplit(":", 1)[1])
-    group = procs.start("group", "group", "--connect", address, "--listen", "127.0.0.1:0",
-                        "--run-dir", str(d), "--reconnect", "60")
-    worker = procs.worker(address, 0)
-    wait_for("a checkpoint of some training", lambda: (d / "checkpoint.npz").exists() and
-             samples_now(d) > 0, 90, (server, group, worker))
     for p in (worker, server):  # no worker: the only peer of the cutting server is the group
         p.kill()
         p.wait()
