@@ -427,7 +427,7 @@ class GroupServer:
         await ch.send(ack)
 
     async def close(self) -> None:
-        """Stop listening and cancel the background tasks."""
+        """Stop listening, cancel the background tasks and close the group's record."""
         self.core.stop()
         for t in list(self._tasks):
             t.cancel()
@@ -437,6 +437,8 @@ class GroupServer:
             self.server.close()
             with contextlib.suppress(Exception):
                 await self.server.wait_closed()
+        if self.writer is not None:
+            self.writer.close()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)

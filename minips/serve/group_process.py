@@ -149,6 +149,8 @@ async def _register(cfg: GroupConfig, gs: GroupServer, address: str,
         gs.reload(weights, link, None if server_seqs is None else server_seqs[0])
     else:  # late joiners are placed by the global server, not told here: open membership
         gs.setup(int(assign.group), run, weights, link, list(init.members))
+        if gs.writer is not None:  # it served another group before: that record is done
+            gs.writer.close()
         gs.writer = RunDir(cfg.run_dir, t0=run.t0).writer(f"group-{gs.core.group}")
     gs.set_send_settings(float(assign.ratio), int(assign.local_steps))
     link.group = gs
