@@ -103,7 +103,8 @@ def test_metrics_count_the_pushes_pulls_and_exchange_bytes_of_remote_groups_and_
             m = scrape(url)
         except OSError:  # the run is over and its page gone: wait_for names the exit
             return None
-        enough = (_sum(m, "minips_pushes_total") >= 8
+        # 40: the page's bytes per push of a remote worker spans 32 pushes or more
+        enough = (_sum(m, "minips_pushes_total") >= 40
                   and _sum(m, "minips_staleness_steps_count") >= 8
                   and _sum(m, "minips_ssp_wait_seconds_count") >= 8
                   and _sum(m, "minips_bytes_total", hop="group_to_global") > 0

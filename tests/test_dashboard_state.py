@@ -57,6 +57,24 @@ def test_worker_states_follow_the_ssp_rule_pull_time_lease_and_events() -> None:
     assert s.state_of(s.workers[0], 3.0) == "done"
 
 
+def test_a_remote_groups_bytes_per_push_spans_32_pushes_and_a_half_read_push_moves_it_little(
+        ) -> None:
+    """Exchanges of 4 dense 1,000-byte pushes whose ``bytes_in`` was read with a push half
+    received at every other cut: over one exchange that reads 1.125 or 0.875 a push, over 32
+    pushes within 1/64; a new group process counting from 0 starts the window again."""
+    from minips.dashboard.state import PUSH_BYTES_OVER
+    s = RunState(CONFIG)
+    for i in range(1, 13):
+        s.add("global", merge(0, float(i), pushes=4, bytes_in=4000 * i + 500 * (i % 2)))
+        if i == 2:
+            assert s.push_bytes[0] == 3500 / 4  # one exchange: the half push read at the cut
+    assert PUSH_BYTES_OVER == 32 and abs(s.push_bytes[0] / 1000 - 1) <= 1 / 64
+    s.add("global", merge(0, 13.0, pushes=4, bytes_in=4000))  # a new process: from 0 again
+    assert abs(s.push_bytes[0] / 1000 - 1) <= 1 / 64  # nothing to measure it against yet
+    s.add("global", merge(0, 14.0, pushes=4, bytes_in=8000))
+    assert s.push_bytes[0] == 1000
+
+
 def test_a_slowdown_or_link_change_is_an_event_on_the_page() -> None:
     s = RunState(CONFIG)
     s.add("worker", push(3, 1.0, 5))

@@ -146,6 +146,9 @@ class Histogram:
         return out
 
 
+PUSH_BYTES_OVER = 32  # pushes a group's mean bytes per push spans (at least, once it has them)
+
+
 @dataclass
 class WorkerView:
     """One worker as the page shows it; per-push fields are those of its last push."""
@@ -239,8 +242,9 @@ class RunState:
         self.scores_from: str | None = None  # "eval" (eval.jsonl) or "global" (its SCOREs)
         self.ledger: dict[str, float] = {}  # the last figures of the global server's ledger
         self.size: int | None = None  # the model's coordinates (``server`` records)
-        self.push_bytes: dict[int, float] = {}  # group -> mean bytes per push, last exchange
-        self._bytes_in: dict[int, float] = {}  # group -> its bytes_in at its last merge
+        self.push_bytes: dict[int, float] = {}  # group -> mean bytes per push, recent pushes
+        # group -> (bytes_in, pushes so far) at its recent merges, PUSH_BYTES_OVER pushes back
+        self._bytes_in: dict[int, collections.deque[tuple[float, int]]] = {}
         self._last: dict[tuple[Any, str], float] = {}  # (group, counter) -> its last value
         self._banked: dict[tuple[Any, str], float] = {}  # ... and what it held before drops
         self.done = False
@@ -396,15 +400,23 @@ class RunState:
         return self._banked.get(key, 0.0) + value
 
     def _push_bytes(self, g: int, r: dict[str, Any]) -> None:
-        """Group ``g``'s mean bytes per push since its previous merge: what its workers sent
-        (``bytes_in``, PULLs included: ~40 bytes each) over the pushes it merged."""
+        """Group ``g``'s mean bytes per push over its last ``PUSH_BYTES_OVER`` pushes or more:
+        what its workers sent (``bytes_in``, PULLs included: ~40 bytes each) over the pushes it
+        merged. The group reads ``bytes_in`` as it sends the exchange, with a push of each
+        worker perhaps half received and merged in the next one: over one exchange of 4 dense
+        pushes that read 1.25 of a push each (a full test run), over 32 at most 1 + workers/32."""
         now_in, pushes = r.get("bytes_in"), r.get("pushes")
-        if not isinstance(now_in, (int, float)):
+        if not isinstance(now_in, (int, float)) or not isinstance(pushes, int):
             return
-        before = self._bytes_in.get(g)
-        self._bytes_in[g] = now_in
-        if before is not None and isinstance(pushes, int) and pushes > 0 and now_in > before:
-            self.push_bytes[g] = (now_in - before) / pushes
+        seen = self._bytes_in.setdefault(g, collections.deque())
+        if seen and now_in < seen[-1][0]:  # a new group process counts from 0
+            seen.clear()
+        total = (seen[-1][1] if seen else 0) + pushes
+        if seen and total > seen[0][1] and now_in > seen[0][0]:
+            self.push_bytes[g] = (now_in - seen[0][0]) / (total - seen[0][1])
+        seen.append((now_in, total))
+        while len(seen) > 1 and total - seen[1][1] >= PUSH_BYTES_OVER:
+            seen.popleft()
 
     def _pulls(self, r: dict[str, Any]) -> None:
         """The PULLs a merge's group answered since its last exchange: staleness and the SSP
