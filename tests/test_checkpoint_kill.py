@@ -83,6 +83,21 @@ class Server:
             self.proc.wait()
 
 
+def _writer_of(d: Path, name: str) -> str:
+    """What is known of the process a left temporary file names (a full suite once left one
+    for over 10 s: whether its writer lived on, and where it waited, tells why)."""
+    pid, tmp = name.removeprefix(TEMP), d / name
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:200]
+        alive = f"alive, state {stat[0]}, waits in {wchan or '-'}, ppid {stat[1]}: {cmd}"
+    except OSError:
+        alive = "its writer is gone"
+    age = time.time() - tmp.stat().st_mtime if tmp.exists() else float("nan")
+    return f"{name} (written {age:.1f} s ago; {alive})"
+
+
 def _wait_gone(d: Path, names: list[str]) -> list[str]:
     """The files of ``names`` still there after ``GONE_S`` ([] as soon as all are gone)."""
     deadline = time.monotonic() + GONE_S
@@ -118,7 +133,8 @@ def test_kill_9_during_checkpoint_writes_then_resume_leaves_no_temp_file(tmp_pat
         server.stop()
     remove_stale_temps(tmp_path / "checkpoint.npz")  # what the next --resume's start-up does
     left_behind += _wait_gone(tmp_path, last)
-    assert left_behind == [], f"{len(left_behind)} of {ROUNDS + 1} killed writes left a file"
+    assert left_behind == [], (f"{len(left_behind)} of {ROUNDS + 1} killed writes left a file: "
+                               f"{[_writer_of(tmp_path, n) for n in left_behind]}")
     assert _temps(tmp_path) == []
     assert load(tmp_path / "checkpoint.npz")["saved_at"] > first  # the resumed servers saved
 
