@@ -210,3 +210,36 @@ def test_an_explicit_group_count_is_honoured_for_equal_speeds() -> None:
     assert sorted(assign_groups({0: 0.04, 1: 0.04, 2: 0.04}, k=2).values()) == [0, 0, 1]
     assert assign_groups(equal, k=None) == {w: 0 for w in range(4)}  # automatic: one group
     assert set(assign_groups({0: 0.04, 1: 0.04}, k=3).values()) == {0, 1}  # one per worker
+
+
+def test_a_given_group_count_splits_equal_workers_evenly_not_at_their_noise() -> None:
+    """Six equal PCs and two equal boards, --groups 4 (the link-only suite's calibration): the
+    boards share one group and the PCs fill three groups of two. The least-squares split cut
+    at the noise: the boards apart, one PC group of four (1, 1, 4, 2), which with --merge mean
+    weighs a lone board 4x a PC of the four."""
+    times = {0: 0.0777, 1: 0.0776, 2: 0.0773, 3: 0.0776, 4: 0.0774, 5: 0.0777,
+             6: 0.4318, 7: 0.4278}
+    assert sorted(np.bincount(cluster_1d(list(times.values()), 4)).tolist()) == [1, 1, 2, 4]
+    groups = assign_groups(times, k=4)
+    assert groups[6] == groups[7] == 3  # the boards: the slowest group, together
+    assert sorted(np.bincount(list(groups.values())).tolist()) == [2, 2, 2, 2]
+    # extra groups go where most workers share a group: 3 groups = PCs in 3 + 3, boards 2
+    assert np.bincount(list(assign_groups(times, k=3).values())).tolist() == [3, 3, 2]
+    assert assign_groups(times, k=2) == {**{w: 0 for w in range(6)}, 6: 1, 7: 1}
+    assert sorted(assign_groups(times, k=8).values()) == list(range(8))
+    # distinct speeds as many as the groups: the least-squares split, as before
+    profile = {w: s for w, s in enumerate([1, 1, 1.5, 1.5, 2, 2, 4, 4])}
+    assert assign_groups(profile, k=4) == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3}
+
+
+def test_evenly_split_equal_workers_are_not_regrouped_by_their_noise() -> None:
+    """A fixed k over six equal PCs and two boards, grouped on their calibrated (averaged)
+    times, then 5% noise a look for 500 looks: the even groups stay (their centres lie within
+    the margin of each other)."""
+    rng = np.random.default_rng(3)
+    base = {w: 0.0776 for w in range(6)} | {6: 0.43, 7: 0.43}
+    r = Regrouper(k=4)
+    first = r.update(base)
+    assert first is not None and sorted(np.bincount(list(first.values())).tolist()) == [2] * 4
+    assert all(r.update({w: t * rng.lognormal(0, 0.05) for w, t in base.items()}) is None
+               for _ in range(500))
