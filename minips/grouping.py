@@ -152,16 +152,17 @@ def assign_groups(
         k = choose_k(times, max_k, max_ratio=max_ratio)
         labels = cluster_1d(times, k)
     else:
-        tight = choose_k(times, k, max_ratio=max_ratio)
-        labels = (cluster_1d(times, k) if tight >= k
-                  else _split_tight(times, cluster_1d(times, tight), k))
+        tight = choose_k(times, k, max_ratio=max_ratio)  # at most k
+        labels = (_split_tight(times, cluster_1d(times, tight), k) if tight < k
+                  else cluster_1d(times, k))
     return {w: int(g) for w, g in zip(workers, labels, strict=True)}
 
 
 def _split_tight(times: Sequence[float], clusters: np.ndarray, k: int) -> np.ndarray:
-    """Labels ``(n,) int64``: min(k, n) groups from the tight ``clusters`` (0 = fastest), each
-    cluster given groups in turn to the one with the most workers per group (ties: the faster),
-    and cut by rank into near-equal groups; 0 = fastest group."""
+    """Labels ``(n,) int64`` of min(k, n) groups made from the tight ``clusters`` (0 = fastest):
+    each cluster starts with one group; each extra group goes to the cluster with the most
+    workers per group (ties: the faster); each cluster is then cut by rank into its groups of
+    near-equal size (``_split_by_rank``). Group 0 is the fastest."""
     sizes = np.bincount(clusters)
     share = np.ones(sizes.size, dtype=np.int64)
     for _ in range(min(k, len(times)) - sizes.size):
