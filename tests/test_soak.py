@@ -266,6 +266,41 @@ def test_a_partition_between_a_restart_and_its_resumed_line_is_not_asked_a_line(
         check.evidence
 
 
+@pytest.mark.parametrize("back_at", [None, 16.6])
+def test_a_fault_of_a_group_process_whose_link_was_already_lost_is_not_asked_a_line(
+        tmp_path: Path, back_at: float | None) -> None:
+    """The 30-minute soak of seed 0 (events 10/11: a partition "late" by 152 s, bound 6 s):
+    group1's machine cut off from the global server at 1342.9 s (`group_lost` at 1346.7 s),
+    healed at 1350.0 s and cut off again at 1351.0 s for 8.8 s; its process registered again
+    only at 1361.2 s. The second cut found no link to lose; the line counted for it was a
+    later fault's. Here: group1 (10.55.0.3) registered as group 1 at 5 s, cut off 10-16.5 s
+    (`group_lost` at 14.2 s), cut off again 17-26 s; it registers again at 27.3 s and is
+    killed at 40 s (`group_lost` at 40.1 s). Registered again at ``back_at`` before the
+    second cut, that cut does lose the link, and the line is asked and late."""
+    glob = [line(1, "groups"), line(5, "group_adopted", group=1, address="10.55.0.3:44293"),
+            line(14.2, "group_lost", group=1),
+            *([line(back_at, "group_adopted", group=1, address="10.55.0.3:44293")]
+              if back_at else []),
+            line(25, "rehomed", group=1, moved={"4": 0}),
+            line(27.3, "group_adopted", group=1, address="10.55.0.3:44293"),
+            line(40.1, "group_lost", group=1)]
+    begin = {"op": "begin", "seed": 0, "lease_s": 4.0, "external": True,
+             "addresses": {"server": "10.55.0.1", "group0": "10.55.0.2", "group1": "10.55.0.3"}}
+    soak_dir(tmp_path, glob, [
+        (0, begin), (0, {"op": "start", "role": "group0"}), (0, {"op": "start", "role": "group1"}),
+        *fault(1, "partition", "group1", 10, 16.5), *fault(2, "partition", "group1", 17, 26),
+        *fault(3, "kill_group", "group1", 40, 42)])
+    check = events_of(tmp_path)
+    if back_at is None:
+        assert check.ok, check.evidence
+        # the first cut and the kill; the second cut held no link
+        assert check.evidence.startswith("2 faults seen within their bound; 0 never seen []; "
+                                         "0 late"), check.evidence
+    else:
+        assert not check.ok
+        assert "1 late [('partition', 23.1, 6.0)]" in check.evidence, check.evidence
+
+
 def full_disk_run(d: Path, kill_at: float) -> None:
     """A checkpoint at 2 s (period 0.5 s), the checkpoint's disk full from 3 to 8 s, the
     global server killed at ``kill_at`` and resumed at ``kill_at`` + 1."""
