@@ -203,6 +203,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
+def py_spy() -> str:
+    """The py-spy to run for --profile: on PATH, else beside this Python (a venv's bin, run
+    without activating it); a clear error when neither has it."""
+    beside = Path(sys.executable).parent / "py-spy"
+    found = shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+    if found is None:
+        raise SystemExit("bench_server.py: --profile needs py-spy (pip install py-spy)")
+    return found
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -289,7 +299,7 @@ def measure(tmp: Path, servers: list[subprocess.Popen[bytes]],
                                            for g in range(len(servers) - 1)]
     spy = None
     if profile:  # py-spy samples the server through the window (collapsed stacks)
-        spy = subprocess.Popen(["py-spy", "record", "--pid", str(servers[0].pid),
+        spy = subprocess.Popen([py_spy(), "record", "--pid", str(servers[0].pid),
                                 "--nonblocking", "--duration", str(int(window)), "--format",
                                 "raw", "-o", profile],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -604,6 +614,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.runs < 1:
         ap.error("--runs must be at least 1")
+    if args.profile:
+        py_spy()  # before any server starts: a missing py-spy is one line, not a traceback
     args.max_active_text = args.max_active
     args.max_active = {k: int(v) for k, v in (x.split("=") for x in args.max_active.split(","))}
     env = {**os.environ, "MINIPS_TOKEN": secrets.token_hex(16), "PYTHONPATH": str(REPO)}

@@ -125,3 +125,19 @@ def worktrees() -> set[str]:
     out = subprocess.run(["git", "-C", str(BENCH.parents[1]), "worktree", "list", "--porcelain"],
                          capture_output=True, text=True, check=True).stdout
     return {line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("worktree ")}
+
+
+def test_py_spy_is_found_beside_the_python_or_named_missing_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--profile ran "py-spy" from PATH only: from an unactivated venv it failed with a
+    FileNotFoundError traceback after the servers had started."""
+    bench = bench_module()
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    spy = tmp_path / "bin" / "py-spy"
+    spy.parent.mkdir()
+    spy.write_text("#!/bin/sh\n")
+    monkeypatch.setattr(bench.sys, "executable", str(tmp_path / "bin" / "python"))
+    assert bench.py_spy() == str(spy)
+    spy.unlink()
+    with pytest.raises(SystemExit, match=r"--profile needs py-spy \(pip install py-spy\)"):
+        bench.py_spy()
