@@ -559,14 +559,21 @@ def peer_of_this_life(run: Run, role: str, rel: float) -> bool:
     if not resumed and not restarted:
         return True
     began = max(resumed + restarted)
-    adopted = {str(r.get("address")) for r in run.glob if r.get("event") == "group_adopted"
-               and began <= r["t"] <= rel}
     host = run.begin.get("addresses", {}).get(role)
     if host is not None:
-        return any(a.rsplit(":", 1)[0] == host for a in adopted)
+        return bool(adoptions(run, began, rel, host))
     groups = {h["role"] for h in run.history if h["op"] == "start" and
               h["role"].startswith("group")}
-    return len(adopted) >= len(groups)
+    return len({str(r.get("address")) for r in adoptions(run, began, rel)}) >= len(groups)
+
+
+def adoptions(run: Run, t0: float, t1: float, host: str | None = None) -> list[dict[str, Any]]:
+    """The global server's `group_adopted` lines between run times ``t0`` and ``t1``, in
+    time order; with ``host``, only those of a group process on that host (its address)."""
+    return sorted((r for r in run.glob if r.get("event") == "group_adopted"
+                   and t0 <= r["t"] <= t1
+                   and (host is None or str(r.get("address")).rsplit(":", 1)[0] == host)),
+                  key=lambda r: r["t"])
 
 
 def lost_already(run: Run, role: str, rel: float) -> bool:
@@ -582,11 +589,10 @@ def lost_already(run: Run, role: str, rel: float) -> bool:
     host = run.begin.get("addresses", {}).get(role)
     if host is None:
         return False
-    adopted = [r for r in run.glob if r.get("event") == "group_adopted" and r["t"] <= rel
-               and str(r.get("address")).rsplit(":", 1)[0] == host]
+    adopted = adoptions(run, -math.inf, rel, host)
     if not adopted:
         return False  # registered before the grouping, in the first life: held
-    last = max(adopted, key=lambda r: r["t"])
+    last = adopted[-1]
     return any(r.get("event") in ("group_lost", "group_ended") and r.get("group") == last["group"]
                and last["t"] < r["t"] <= rel for r in run.glob)
 
