@@ -77,6 +77,26 @@ def test_varint_same_bytes_for_short_and_long_index_sets() -> None:
     assert varint.varint_decode(whole, idx.size, 2**32).tolist() == idx.tolist()
 
 
+def test_varint_few_long_gaps_code_as_the_table_does() -> None:
+    # past VARINT_TABLE_MAX with one gap in 50 over a byte (2, 3 and 4 bytes in turn, and a
+    # first index of 5): the few-long layout; every prefix of it codes as the table does
+    rng = np.random.default_rng(3)
+    gaps = rng.integers(0, 128, size=3 * varint.VARINT_TABLE_MAX).astype(np.int64)
+    gaps[::50] = np.resize([200, 20_000, 3_000_000], gaps[::50].size)
+    gaps[0] = 2**28 + 5
+    idx = np.cumsum(gaps + 1) - 1
+    assert int(idx[-1]) < 2**32 and np.count_nonzero(gaps >= 128) * varint.FEW_LONG < idx.size
+    idx = idx.astype(np.uint32)
+    whole = varint.varint_encode(idx)
+    long = gaps[::50][1:]
+    assert whole.size == idx.size + 4 + int(np.sum(np.select([long < 2**14, long < 2**21],
+                                                             [1, 2], 3)))
+    for m in (1, 2, 51, 101, 151, varint.VARINT_TABLE_MAX):
+        short = varint.varint_encode(idx[:m])
+        assert short.tolist() == whole[:short.size].tolist()
+    assert varint.varint_decode(whole, idx.size, 2**32).tolist() == idx.tolist()
+
+
 # ---------------------------------------------------------------------------- round trips
 
 
