@@ -772,6 +772,9 @@ class InProcLink:
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
         core, srv = self.server.core, self.server
+        peer = srv.peers.get(group)
+        if isinstance(peer, InProcGroup):  # its copy of the global weights is the mirror's
+            core.merger.share(group, peer.server.core.xchg)
         msg = exchange_message(delta, stats)
         actions = core.merge(group, delta, stats, time.monotonic(), srv.traffic(group))
         result = reply(actions, ExchangeResult)

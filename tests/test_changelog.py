@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from minips import sparse
-from minips.core import actions
-from minips.core.changelog import ChangeLog
+from minips.core import actions, changelog
+from minips.core.changelog import ChangeLog, TopDiff
 from minips.core.config import RunConfig
 from minips.core.downlink import Downlink, ExactDownlink, apply_weights
 from minips.core.exchange import ExchangeResult, GroupMirror, GroupSync
@@ -103,6 +103,34 @@ def test_a_sparse_exchange_looks_only_where_the_weights_changed_or_were_left_beh
     whole = GroupSync(np.zeros(N, np.float32), kept=0.001).begin(w, {})  # no log: all n
     assert isinstance(whole.delta, sparse.SparseVector)
     assert whole.delta.indices.tolist() == [3, 7]
+
+
+def test_top_diffs_of_one_size_share_one_selector_and_each_answers_exactly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's exchange and the mirror of it pass over n with one selector per size (one
+    (n,) scratch for all the groups of a process), and each still gets its own exact top-k:
+    the k largest |now - copy|, ties to the lowest index."""
+    n, k = 50_000, 500  # past the selector's small-vector partition: the sampled path
+    made: list[int] = []
+
+    class Counted(changelog.TopKSelector):
+        def __init__(self, size: int) -> None:
+            made.append(size)
+            super().__init__(size)
+
+    monkeypatch.setattr(changelog, "TopKSelector", Counted)
+    monkeypatch.setattr(TopDiff, "_selectors", {})
+    rng = np.random.default_rng(5)
+    diffs = [TopDiff(n, k), TopDiff(n, k)]
+    for _ in range(3):
+        for top in diffs:
+            now, copy = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+            idx, diff, left = top.top(now, copy, None)
+            mag = np.abs(now - copy)
+            want = np.sort(np.argsort(-mag, kind="stable")[:k])
+            assert idx.tolist() == want.tolist() and left is None
+            np.testing.assert_array_equal(diff, (now - copy)[want])
+    assert made == [n] and TopDiff._selectors[n].path == "sample"
 
 
 def test_a_group_mirror_answers_from_what_the_global_weights_changed_at() -> None:

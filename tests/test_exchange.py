@@ -41,7 +41,7 @@ from minips.net.endpoints import parse_address
 from minips.record.checkpoint import load, save
 from minips.serve import sessions
 from minips.serve.group import GroupServer
-from minips.server import GlobalServer, InProcLink, ServerConfig
+from minips.server import GlobalServer, InProcGroup, InProcLink, ServerConfig
 from minips.wire import control, messages
 from minips.wire.conversation import Conversation, Role
 from minips.wire.fields import Payload
@@ -374,11 +374,14 @@ class LossyLink:
         return res
 
 
+@pytest.mark.parametrize("shared", [False, True])
 async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_logs_bytes(
-        tmp_path: Path) -> None:
+        tmp_path: Path, shared: bool) -> None:
     """A GroupServer in the global server's process (InProcLink), its first (dense) reply lost,
     later two in a row: sparse both ways but for the first answer and the final flush, nothing
-    lost, bytes logged."""
+    lost, bytes logged. ``shared``: the global server knows it as its own group's (peers), so
+    its mirror is the group's ``w_sync`` itself, which only the group writes (a lost reply is
+    one it did not take, and the repeat's answer sets it); else the mirror keeps a copy."""
     n, k = 1000, 50
     run = RunConfig(lr_warmup=0.0, workers=1, mode="ssp", compressor="topk", ratio=k / n,
                     optimizer_at="worker")  # a push of one member moves the weights by itself
@@ -388,6 +391,8 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
     assert srv.core.weights is not None
     gs = GroupServer(0, run, srv.core.weights, LossyLink(srv, {1, 5, 6}), members=[0],
                      writer=srv.rundir.writer("group-0"))
+    if shared:
+        srv.peers[0] = InProcGroup(gs)
     rng = np.random.default_rng(7)
     applied = np.zeros(n, np.float64)
     try:
@@ -403,6 +408,7 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
             await gs.flush()
             if gs.core.xchg.pending is None:  # else its copy lacks what the lost reply set
                 np.testing.assert_array_equal(gs.core.xchg.w_sync, _mirror(srv, 0).known)
+                assert (_mirror(srv, 0).known is gs.core.xchg.w_sync) == shared
         await gs.flush(final=True)
     finally:
         await gs.close()
@@ -414,6 +420,59 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
     assert xchg[0]["got"] == n and all(0 < r["got"] <= 3 * k for r in xchg[1:-1])
     up, down = xchg[-1]["bytes_to_global"], xchg[-1]["bytes_from_global"]
     assert 0 < up < 4 * n * (len(xchg) / 3) and 4 * n < down < 4 * n * (len(xchg) / 3)
+
+
+async def _two_groups(tmp: Path, shared: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Two in-process groups, each pushing sparse updates and exchanging after every push:
+    the global weights and each group's after 24 pushes; ``shared``: the global server knows
+    them as its own (peers), so each mirror is its group's ``w_sync``."""
+    n, k = 1000, 50
+    run = RunConfig(lr_warmup=0.0, workers=2, mode="gssp", groups=2, compressor="topk",
+                    ratio=k / n, optimizer_at="worker")
+    srv = GlobalServer(ServerConfig(run=run, port=0, token=TOKEN, run_dir=str(tmp)),
+                       np.zeros(n, np.float32))
+    servers = []
+    for g in (0, 1):
+        srv.core.group_opened(GroupHandle(g, "", [g]), 0.0)
+        assert srv.core.weights is not None
+        servers.append(GroupServer(g, run, srv.core.weights, InProcLink(srv), members=[g],
+                                   writer=srv.rundir.writer(f"group-{g}")))
+        if shared:
+            srv.peers[g] = InProcGroup(servers[-1])
+    rng = np.random.default_rng(11)
+    try:
+        for clock in range(1, 13):
+            for g, gs in enumerate(servers):  # each moves 30% of the entries, its own ones
+                step = (rng.normal(size=n) * 0.01).astype(np.float32)
+                step[rng.random(n) < 0.7] = 0.0
+                at = np.flatnonzero(step).astype(np.uint32)
+                gs.on_push(g, push(clock, sparse.SparseVector(at, -step[at], n)))
+                await gs.flush()
+                known = _mirror(srv, g).known
+                assert known is not None
+                np.testing.assert_array_equal(gs.core.xchg.w_sync, known)
+                assert (known is gs.core.xchg.w_sync) == shared
+        assert srv.core.weights is not None
+        return srv.core.weights.copy(), [gs.core.weights.copy() for gs in servers]
+    finally:
+        for gs in servers:
+            await gs.close()
+        await srv.close()
+
+
+async def test_in_process_mirrors_share_their_groups_copy_and_answer_the_same(
+        tmp_path: Path) -> None:
+    """Two groups in the global server's process: each mirror is its group's own ``w_sync``
+    (no copy; only the group writes it, as it takes each answer), and every weight, global and
+    in each group, is bit for bit what mirrors keeping copies give. A mirror that set the
+    shared array itself would take from the group the before-values its rebase needs there:
+    the other group's merges would not reach it."""
+    glob, groups = await _two_groups(tmp_path / "copies", shared=False)
+    glob_s, groups_s = await _two_groups(tmp_path / "shared", shared=True)
+    assert np.count_nonzero(glob) > 500
+    np.testing.assert_array_equal(glob_s, glob)
+    for a, b in zip(groups_s, groups, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 async def _join_group(host: str, port: int, group: int, timeout: float = 30.0) -> Any:

@@ -214,7 +214,9 @@ class GroupSync:
     def _rebase_on(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
         """``complete``'s arithmetic: the weights and ``w_sync`` after the reply."""
         if isinstance(out.sent, np.ndarray):
-            new = self.synced(res.weights)
+            new = res.weights if isinstance(res.weights, np.ndarray) else self.w_sync
+            if isinstance(res.weights, SparseVector):  # set in place: the array stays the one
+                sparse.set_into(new, res.weights)  # an in-process mirror reads (``share``)
             weights += new - out.sent
         elif isinstance(res.weights, np.ndarray):
             new = res.weights
@@ -254,15 +256,6 @@ class GroupSync:
         now = min(1.0, max(MIN_SHARE, own / (replied - last)))
         self.share = self.share + SHARE_EMA * (now - self.share) if self._measured else now
         self._measured = True
-
-    def synced(self, reply: Delta) -> np.ndarray:
-        """(n,) float32 the group's copy of the global weights after ``reply``: the dense
-        weights themselves, or ``w_sync`` with the reply's entries set."""
-        if isinstance(reply, np.ndarray):
-            return reply
-        new = self.w_sync.copy()
-        sparse.set_into(new, reply)
-        return new
 
     def cluster_samples(self) -> int:
         """All groups' samples as of the last reply, plus this group's since then."""
@@ -340,12 +333,16 @@ def exchange_message(delta: Delta, stats: dict[str, Any]) -> messages.Exchange:
 
 class GroupMirror:
     """The global server's mirror of what one group holds of the global weights (``known``: the
-    group's ``w_sync``) and the indices of the replies it may have lost."""
+    group's ``w_sync``) and the indices of the replies it may have lost. A group in this
+    process (``share``) is mirrored by its own ``w_sync``, read where it lies: no copy."""
 
     def __init__(self, size: int, kept: float) -> None:
         self.kept = kept  # the exchange's kept fraction (1.0: dense, no mirror is kept)
         self._top = TopDiff(size, kept_count(kept, size))  # the entries a sparse answer sets
         self.known: np.ndarray | None = None  # (n,) float32; None: unknown, answer dense
+        # the side of a group in this process: its w_sync is ``known``, which it sets itself as
+        # it takes each answer (``GroupSync.complete``); None: a copy kept here (a group process)
+        self.shared: GroupSync | None = None
         self.unacked = np.empty(0, np.uint32)  # indices sent since the group's last new seq
         self.dense_unacked = False  # a dense answer went out since the group's last new seq
         # where known may differ from G beyond the changes G's log holds after version ``mark``
@@ -353,12 +350,35 @@ class GroupMirror:
         self.left: np.ndarray | None = None
         self.mark = 0
 
-    def reset(self, weights: np.ndarray | None = None, version: int = 0) -> None:
+    def share(self, sync: GroupSync) -> None:
+        """The group is served in this process and ``sync`` is its side (``server.InProcLink``
+        says so before each exchange): from its next dense answer, which becomes its
+        ``w_sync``, this mirror is that array itself, not a copy of it (one (n,) copy per group
+        fewer). The group then sets it as it takes each answer; the mirror never writes it. A
+        top-k exchange only (the exact one keeps no copy here, ``ExactMirror``)."""
+        if self.shared is sync or type(sync) is not GroupSync or self.kept >= 1.0:
+            return
+        self.shared = sync
+        self.reset()  # unknown: the next answer is dense, and the group takes it as its copy
+
+    def _copy(self) -> np.ndarray | None:
+        """``known``: the copy kept here, or the shared group's ``w_sync`` as it is now (it may
+        be a new array: a rebase); None: unknown."""
+        if self.shared is not None and self.known is not None:
+            self.known = self.shared.w_sync
+        return self.known
+
+    def reset(self, weights: np.ndarray | None = None, version: int = 0, *,
+              copy: bool = True) -> None:
         """The group took ``weights`` whole (a dense answer or a PULL; ``version``: the global
         change log's then); None: unknown (a new group, a resumed server: ``known`` is not
-        saved)."""
+        saved). ``copy`` False: ``weights`` is the mirror's own from now on."""
         keep = weights is not None and self.kept < 1.0
-        self.known = np.array(weights, dtype=np.float32) if keep else None
+        if not keep:
+            self.known = None
+        else:
+            self.known = np.array(weights, dtype=np.float32) if copy else np.asarray(
+                weights, dtype=np.float32)
         self.unacked = np.empty(0, np.uint32)
         self.dense_unacked = False
         self.left, self.mark = np.empty(0, np.uint32), version
@@ -370,25 +390,32 @@ class GroupMirror:
         (to *set*, not to add). ``repeat``: the exchange repeats the last one (its reply may
         have been lost). ``changes``: G's change log; with it the answer costs O(changes
         since the last one), else O(n)."""
-        if self.known is None or self.kept >= 1.0 or (repeat and self.dense_unacked):
+        known = self._copy()
+        if known is None or self.kept >= 1.0 or (repeat and self.dense_unacked):
             return self._dense(weights, changes)
         changed = None if changes is None or self.left is None else changes.since(self.mark)
         where = None if changed is None or self.left is None else sparse.union_of(
             [self.left, changed], weights.size)
         # idx = topk(G - known); what it leaves behind stays in G - known for a later answer
-        idx, _, self.left = self._top.top(weights, self.known, where)  # (p,) uint32 sorted
+        idx, _, self.left = self._top.top(weights, known, where)  # (p,) uint32 sorted
         self.mark = 0 if changes is None else changes.version
-        self.known[idx] = weights[idx]
+        if self.shared is None:  # a shared copy is set by its group as it takes the answer
+            known[idx] = weights[idx]
         if repeat:  # the group may lack what the lost reply set: set it again, at G's values
             idx = sparse.unique_sorted(np.concatenate([self.unacked, idx]))
         if idx.size > DENSE_AT * weights.size:
             return self._dense(weights, changes)
         self.unacked, self.dense_unacked = idx, False
-        return SparseVector(idx, self.known[idx], weights.size)
+        values = weights[idx] if self.shared is not None else known[idx]
+        return SparseVector(idx, values, weights.size)
 
     def _dense(self, weights: np.ndarray, changes: ChangeLog | None) -> np.ndarray:
+        """G whole (a private (n,) copy), which is ``known`` from now on: shared, the very array
+        the group takes as its copy; else a copy of it kept here (the answer may reach a
+        group in this process that the mirror does not know as shared, which writes it)."""
         out = np.array(weights, dtype=np.float32)
-        self.reset(out, 0 if changes is None else changes.version)
+        self.reset(out, 0 if changes is None else changes.version,
+                   copy=self.shared is None)
         self.dense_unacked = True  # if it is lost, the group's copy is anything: dense again
         return out
 

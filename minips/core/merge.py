@@ -33,6 +33,7 @@ from minips.core.exchange import (
     Delta,
     ExchangeResult,
     GroupMirror,
+    GroupSync,
     SyncPoint,
 )
 from minips.core.replay import MAX_SESSIONS, Merged
@@ -188,6 +189,13 @@ class Merger:
         if point is None:
             return dict.fromkeys(BETWEEN_GROUPS)
         return point.between_groups(self.version, self.groups[g].merges, now)
+
+    def share(self, g: int, sync: GroupSync) -> None:
+        """Group ``g`` is served in this process and ``sync`` is its side of the exchange: a
+        top-k mirror reads its ``w_sync`` instead of keeping a copy (``GroupMirror.share``)."""
+        mirror = self.mirror(g)
+        if isinstance(mirror, GroupMirror):
+            mirror.share(sync)
 
     def mirror(self, g: int) -> GroupMirror | ExactMirror:
         """The global server's copy of what group ``g`` holds of the global weights."""
