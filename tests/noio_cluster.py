@@ -175,6 +175,7 @@ class Cluster:
 
     def exchange(self, core: GroupCore, final: bool = False) -> None:
         out = core.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
+        self.glob.merger.share(core.group, core.xchg)  # groups in one process: as InProcLink
         actions = self.glob.merge(core.group, out.delta, out.stats, self.t)  # no shell: its
         res = reply(actions, ExchangeResult)  # Log lines are not kept
         self.perform(core, core.exchanged(out, res, 0.0))

@@ -95,23 +95,32 @@ class ChangeLog:
         when the log does not reach back to ``v`` (or ``v`` is not a version it had)."""
         if v < self.oldest or v > self.version:
             return None
-        at, union = self._unions.get(v) or self._nearest(v)
-        if at != self.version:
-            parts = [self._changes[-j] for j in range(self.version - at, 0, -1)]
-            union = union_sorted([union, *parts] if union.size else parts)
-            self._keep(v, union)
+        kept = self._unions.get(v)
+        if kept is not None and kept[0] == self.version:
+            return kept[1]
+        union = union_sorted(self._runs(v, kept))  # one merge of every run
+        self._keep(v, union)
         return union
 
-    def _nearest(self, v: int) -> tuple[int, np.ndarray]:
-        """A start for ``since(v)``: the versions after ``v`` up to the nearest newer one
-        answered already (its union, as of when it was made), else none of them."""
-        newer = [u for u in self._unions if u > v]
-        if not newer:
-            return v, np.empty(0, np.uint32)
-        u = min(newer)
-        at, union = self._unions[u]
-        parts = [self._changes[-j] for j in range(self.version - v, self.version - u, -1)]
-        return at, union_sorted([*parts, union])
+    def _runs(self, v: int, kept: tuple[int, np.ndarray] | None) -> list[np.ndarray]:
+        """The increasing runs whose union is ``since(v)``: its answer as made at version
+        ``at`` (``kept``) and the versions after ``at``; else, without one, the versions after
+        ``v`` up to the nearest newer version answered already, its union as of when it was
+        made, and the versions after that; else the versions after ``v``."""
+        if kept is None:
+            newer = [u for u in self._unions if u > v]
+            if newer:
+                u = min(newer)
+                at, union = self._unions[u]
+                return [*self._after(v, u), union, *self._after(at, self.version)]
+            return self._after(v, self.version)
+        at, union = kept
+        return [union, *self._after(at, self.version)] if union.size else \
+            self._after(at, self.version)
+
+    def _after(self, v: int, u: int) -> list[np.ndarray]:
+        """The indices of versions ``v`` + 1 to ``u``, one array each, oldest first."""
+        return [self._changes[-j] for j in range(self.version - v, self.version - u, -1)]
 
     def _keep(self, v: int, union: np.ndarray) -> None:
         """Keep ``since(v)`` as of now; the oldest go first past ``max_entries`` in all."""

@@ -352,14 +352,17 @@ class GroupMirror:
 
     def share(self, sync: GroupSync) -> None:
         """The group is served in this process and ``sync`` is its side (``server.InProcLink``
-        says so before each exchange): from its next dense answer, which becomes its
-        ``w_sync``, this mirror is that array itself, not a copy of it (one (n,) copy per group
-        fewer). The group then sets it as it takes each answer; the mirror never writes it. A
-        top-k exchange only (the exact one keeps no copy here, ``ExactMirror``)."""
+        says so before each exchange): this mirror is its ``w_sync`` itself, not a copy of it
+        (one (n,) copy per group fewer). The group sets it as it takes each answer; the
+        mirror never writes it. Its copy is known from the start, so the first answer is a
+        top-k over all n, not the weights whole (nor the dense change every PULL of its
+        workers would then get). A top-k exchange only (the exact one keeps no copy here,
+        ``ExactMirror``)."""
         if self.shared is sync or type(sync) is not GroupSync or self.kept >= 1.0:
             return
         self.shared = sync
-        self.reset()  # unknown: the next answer is dense, and the group takes it as its copy
+        self.reset()
+        self.known, self.left = sync.w_sync, None  # where it differs from G: anywhere
 
     def _copy(self) -> np.ndarray | None:
         """``known``: the copy kept here, or the shared group's ``w_sync`` as it is now (it may
