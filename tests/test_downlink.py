@@ -177,6 +177,49 @@ def test_drift_bound_publishes_as_much_as_it_needs_after_a_jump() -> None:
     assert d.publish(small) == d.k and d.drift(small) <= 0.05
 
 
+def test_the_drift_sums_after_changes_anywhere_are_made_when_asked_and_match_anew(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pushes that change every weight (the optimizer on the servers) leave the drift sums to
+    be made when next asked, once, not at each push; sparse changes after them fold into that
+    one; then they are kept up to date again, O(k) a change, and every figure equals the one
+    made anew from the weights."""
+    from minips.core import downlink
+
+    passes: list[int] = []
+    real = downlink.sq_norm
+
+    def counted(x: np.ndarray) -> float:
+        passes.append(x.size)
+        return real(x)
+
+    monkeypatch.setattr(downlink, "sq_norm", counted)
+    w = weights()
+    d = Downlink(w, 0.01)
+    passes.clear()
+    rng = np.random.default_rng(4)
+    for _ in range(5):  # dense pushes: nothing computed
+        before = d.moving(w, None)
+        w -= np.float32(0.01) * rng.standard_normal(N).astype(np.float32)
+        d.moved(w, None, before)
+    at = np.array([3, 9], np.uint32)  # a sparse push after them: no parts to keep either
+    before = d.moving(w, at)
+    assert before is None
+    w[at] += np.float32(0.5)
+    d.moved(w, at, before)
+    assert passes == []
+    assert d.drift_now() == pytest.approx(d.drift(w), rel=1e-6)
+    assert passes[:2] == [N, N]  # the two sums, once (``drift`` then made its own)
+    passes.clear()
+    assert d.finite() and passes == []  # up to date: asked again, nothing computed
+    before = d.moving(w, at)  # a sparse push now: its parts, O(k)
+    assert before is not None
+    w[at] -= np.float32(0.25)
+    d.moved(w, at, before)
+    assert passes == [] and d.drift_now() == pytest.approx(d.drift(w), rel=1e-5)
+    assert d.publish(w) >= d.k  # what it leaves behind is the drift made anew
+    assert 0 < d.last_drift == pytest.approx(d.drift(w), rel=1e-5)
+
+
 def test_no_update_is_lost_repeated_pulls_converge_to_the_weights_exactly() -> None:
     rng = np.random.default_rng(2)
     w, d, copy = started(0.01)

@@ -116,6 +116,10 @@ class Downlink:
         self._selector: TopKSelector | None = None  # made on the first publish over all n
         self.wsq = sq_norm(self.w_pub)  # ||weights||^2 and ||weights - w_pub||^2, float64,
         self.gap2 = 0.0  # kept up to date as changes land (``moving`` / ``moved``)
+        # the weights after a change anywhere (the optimizer on the servers: every push): the
+        # sums are computed from them when next asked (``_sums``: once a turn of PULLs, which
+        # publishes once), not at every push; None: the sums are up to date
+        self._stale: np.ndarray | None = None
 
     def drift(self, weights: np.ndarray) -> float:
         """``||weights - w_pub|| / ||weights||`` now, computed anew (O(n); 0 when both are
@@ -123,8 +127,16 @@ class Downlink:
         return _relative(sq_norm(weights - self.w_pub), sq_norm(weights))
 
     def drift_now(self) -> float:
-        """``drift(weights)`` from the sums kept as changes land: O(1)."""
+        """``drift(weights)`` from the sums kept as changes land: O(1) (O(n) once after
+        changes anywhere)."""
+        self._sums()
         return _relative(self.gap2, self.wsq)
+
+    def _sums(self) -> None:
+        """Bring ``wsq`` and ``gap2`` up to date after changes anywhere: two passes over n."""
+        if self._stale is not None:
+            weights, self._stale = self._stale, None
+            self.wsq, self.gap2 = sq_norm(weights), sq_norm(weights - self.w_pub)
 
     def counts(self) -> dict[str, int]:
         """The counts so far, for a group's ``exchange`` record lines: publishes, coordinates
@@ -134,21 +146,23 @@ class Downlink:
     def finite(self) -> bool:
         """The weights are finite, as far as the sums say (a NaN or inf weight makes them not:
         float32 squares cannot overflow a float64 sum), and so is the last publish's drift."""
+        self._sums()
         return all(math.isfinite(x) for x in (self.wsq, self.gap2, self.last_drift))
 
     def moving(self, weights: np.ndarray, idx: np.ndarray | None) -> Any:
         """The weights are about to change at ``idx`` (None: anywhere): what ``moved`` needs
-        to bring the sums up to date (their parts at ``idx`` now), O(k)."""
-        if idx is None:
+        to bring the sums up to date (their parts at ``idx`` now), O(k); None when they are
+        computed anew anyway (a change anywhere, now or since they were last asked)."""
+        if idx is None or self._stale is not None:
             return None
         pub = self.w_pub.take(idx)  # (k,) float32; w_pub does not change before ``moved``
         return (*self._parts(weights, idx, pub), pub)
 
     def moved(self, weights: np.ndarray, idx: np.ndarray | None, before: Any) -> None:
         """The weights changed at ``idx`` (``moving`` gave ``before``): the sums follow, O(k);
-        a change anywhere computes them anew, O(n)."""
+        after a change anywhere they are computed anew, O(n), when next asked."""
         if idx is None or before is None:
-            self.wsq, self.gap2 = sq_norm(weights), sq_norm(weights - self.w_pub)
+            self._stale = weights
             return
         wsq, gap2 = self._parts(weights, idx, before[2])
         self.wsq = max(0.0, self.wsq + wsq - before[0])
@@ -166,6 +180,7 @@ class Downlink:
         """Publish the largest residuals (at least k, more if the drift bound needs them);
         return how many coordinates changed (0: nothing to publish, the version stays). With a
         change log, only the coordinates that changed or lag already are looked at."""
+        self._sums()
         wsq = self.wsq if self.changes is not None else sq_norm(weights)
         picked = self._pick(weights, wsq)
         if picked is None:  # w_pub is the weights
