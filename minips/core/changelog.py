@@ -115,8 +115,8 @@ class ChangeLog:
                 return [*self._after(v, u), union, *self._after(at, self.version)]
             return self._after(v, self.version)
         at, union = kept
-        return [union, *self._after(at, self.version)] if union.size else \
-            self._after(at, self.version)
+        after = self._after(at, self.version)
+        return [union, *after] if union.size else after
 
     def _after(self, v: int, u: int) -> list[np.ndarray]:
         """The indices of versions ``v`` + 1 to ``u``, one array each, oldest first."""
