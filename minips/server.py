@@ -496,6 +496,7 @@ class GlobalServer:
         # it dialled, so DNS names, NAT and TLS names work as they do for the global server
         address = format_address(self.cfg.advertise_host or "", port)
         self.peers[g] = InProcGroup(gs)
+        core.merger.share(g, gs.core.xchg)  # its copy of the global weights is the mirror's
         return GroupHandle(g, address, members, ratio=core.ratio_of(g), served=True)
 
     async def _place_late(self, w: int) -> None:
@@ -772,9 +773,6 @@ class InProcLink:
     async def exchange(self, group: int, delta: Delta,
                        stats: dict[str, Any]) -> ExchangeResult:
         core, srv = self.server.core, self.server
-        peer = srv.peers.get(group)
-        if isinstance(peer, InProcGroup):  # its copy of the global weights is the mirror's
-            core.merger.share(group, peer.server.core.xchg)
         msg = exchange_message(delta, stats)
         actions = core.merge(group, delta, stats, time.monotonic(), srv.traffic(group))
         result = reply(actions, ExchangeResult)

@@ -114,6 +114,7 @@ class Cluster:
             members = [w for w, h in GROUP_OF.items() if h == g]
             handles.append(GroupHandle(g, "", members))
             self.cores[g] = GroupCore(g, self.run, self.glob.weights, members=members)
+            self.glob.merger.share(g, self.cores[g].xchg)  # groups in one process, as opened
         for w in GROUP_OF:
             self.glob.admit(w, 0.0)
         self.glob.groups_formed(handles, dict(GROUP_OF), 0.0)  # its record line: none kept here
@@ -175,7 +176,6 @@ class Cluster:
 
     def exchange(self, core: GroupCore, final: bool = False) -> None:
         out = core.begin_exchange(final, {"bytes_in": 0, "bytes_out": 0})
-        self.glob.merger.share(core.group, core.xchg)  # groups in one process: as InProcLink
         actions = self.glob.merge(core.group, out.delta, out.stats, self.t)  # no shell: its
         res = reply(actions, ExchangeResult)  # Log lines are not kept
         self.perform(core, core.exchanged(out, res, 0.0))

@@ -379,10 +379,10 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
         tmp_path: Path, shared: bool) -> None:
     """A GroupServer in the global server's process (InProcLink), its first (dense) reply lost,
     later two in a row: sparse both ways but for the first answer and the final flush, nothing
-    lost, bytes logged. ``shared``: the global server knows it as its own group's (peers), so
-    its mirror is the group's ``w_sync`` itself, which only the group writes (a lost reply is
-    one it did not take, and the repeat's answer sets it), and even the first answer is top-k;
-    else the mirror keeps a copy."""
+    lost, bytes logged. ``shared``: the global server opened it in its own process
+    (``share``), so its mirror is the group's ``w_sync`` itself, which only the group writes (a
+    lost reply is one it did not take, and the repeat's answer sets it), and even the first
+    answer is top-k; else the mirror keeps a copy."""
     n, k = 1000, 50
     run = RunConfig(lr_warmup=0.0, workers=1, mode="ssp", compressor="topk", ratio=k / n,
                     optimizer_at="worker")  # a push of one member moves the weights by itself
@@ -392,8 +392,9 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
     assert srv.core.weights is not None
     gs = GroupServer(0, run, srv.core.weights, LossyLink(srv, {1, 5, 6}), members=[0],
                      writer=srv.rundir.writer("group-0"))
-    if shared:
+    if shared:  # as GlobalServer.open_group does for a group it opens in its process
         srv.peers[0] = InProcGroup(gs)
+        srv.core.merger.share(0, gs.core.xchg)
     rng = np.random.default_rng(7)
     applied = np.zeros(n, np.float64)
     try:
@@ -428,8 +429,8 @@ async def test_an_in_process_group_exchanges_sparse_through_lost_replies_and_log
 async def _two_groups(tmp: Path, shared: bool) -> tuple[np.ndarray, np.ndarray, int]:
     """Two in-process groups, each pushing sparse updates and exchanging after every push,
     then flushing: the global weights, every push applied (float64), and the entries the
-    first answer to group 0 set; ``shared``: the global server knows them as its own
-    (peers), so each mirror is its group's ``w_sync``."""
+    first answer to group 0 set; ``shared``: the global server opened them in its own
+    process (``share``), so each mirror is its group's ``w_sync``."""
     n, k = 1000, 50
     run = RunConfig(lr_warmup=0.0, workers=2, mode="gssp", groups=2, compressor="topk",
                     ratio=k / n, optimizer_at="worker", merge="sum")
@@ -441,8 +442,9 @@ async def _two_groups(tmp: Path, shared: bool) -> tuple[np.ndarray, np.ndarray, 
         assert srv.core.weights is not None
         servers.append(GroupServer(g, run, srv.core.weights, InProcLink(srv), members=[g],
                                    writer=srv.rundir.writer(f"group-{g}")))
-        if shared:
+        if shared:  # as GlobalServer.open_group does
             srv.peers[g] = InProcGroup(servers[-1])
+            srv.core.merger.share(g, servers[-1].core.xchg)
     rng = np.random.default_rng(11)
     applied = np.zeros(n, np.float64)
     try:
@@ -598,3 +600,30 @@ def test_a_groups_share_follows_the_samples_the_replies_count() -> None:
     assert sync.share == pytest.approx(0.25, abs=1e-3)
     sync.share_of(10**6, 1_500 + 400 * 31 + 10)  # more than the server counted: at most 1
     assert 0.25 < sync.share <= 1.0
+
+
+@pytest.mark.parametrize("xchg_mode", ["topk", "exact"])
+async def test_a_group_the_global_server_opens_in_its_process_is_mirrored_by_its_own_copy(
+        tmp_path: Path, xchg_mode: str) -> None:
+    """``GlobalServer.open_group`` (no `minips group` processes) tells the merger that the group
+    is its own: a top-k mirror is the group's ``w_sync`` itself from the start; the exact
+    exchange keeps no copy of a group, so it has nothing to share."""
+    run = RunConfig(lr_warmup=0.0, workers=1, mode="gssp", compressor="topk", ratio=RATIO,
+                    optimizer_at="worker", xchg_mode=xchg_mode)
+    srv = GlobalServer(ServerConfig(run=run, port=0, token=TOKEN, run_dir=str(tmp_path),
+                                    checkpoint_every_s=0.0), None)
+    await srv.start()
+    try:
+        srv.perform(srv.core.on_initial(np.zeros(N, np.float32)))
+        srv.perform(srv.core.admit(0, 0.0))
+        await srv.open_group(0, [0])
+        peer = srv.peers[0]
+        assert isinstance(peer, InProcGroup)
+        mirror = srv.core.merger.mirrors[0]
+        if xchg_mode == "topk":
+            assert isinstance(mirror, GroupMirror) and mirror.shared is peer.server.core.xchg
+            assert mirror.known is peer.server.core.xchg.w_sync
+        else:
+            assert not isinstance(mirror, GroupMirror)
+    finally:
+        await srv.close()

@@ -148,6 +148,7 @@ async def run_with_asyncio(compressor: str, events: list[Any],
                                  members=members, clock=lambda: t[0])
         handles.append(GroupHandle(g, "", members, served=True))
         srv.peers[g] = InProcGroup(servers[g])
+        srv.core.merger.share(g, servers[g].core.xchg)  # as GlobalServer.open_group does
     for w in noio_cluster.GROUP_OF:
         srv.core.admit(w, 0.0)
     srv.perform(srv.core.groups_formed(handles, dict(noio_cluster.GROUP_OF), 0.0))

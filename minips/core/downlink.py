@@ -180,7 +180,8 @@ class Downlink:
         """Publish the largest residuals (at least k, more if the drift bound needs them);
         return how many coordinates changed (0: nothing to publish, the version stays). With a
         change log, only the coordinates that changed or lag already are looked at."""
-        self._sums()
+        if self.changes is not None:
+            self._sums()
         wsq = self.wsq if self.changes is not None else sq_norm(weights)
         picked = self._pick(weights, wsq)
         if picked is None:  # w_pub is the weights

@@ -214,9 +214,11 @@ class GroupSync:
     def _rebase_on(self, weights: np.ndarray, out: Outgoing, res: ExchangeResult) -> None:
         """``complete``'s arithmetic: the weights and ``w_sync`` after the reply."""
         if isinstance(out.sent, np.ndarray):
-            new = res.weights if isinstance(res.weights, np.ndarray) else self.w_sync
-            if isinstance(res.weights, SparseVector):  # set in place: the array stays the one
-                sparse.set_into(new, res.weights)  # an in-process mirror reads (``share``)
+            if isinstance(res.weights, np.ndarray):
+                new = res.weights
+            else:  # set in place: the array stays the one an in-process mirror reads (share)
+                new = self.w_sync
+                sparse.set_into(new, res.weights)
             weights += new - out.sent
         elif isinstance(res.weights, np.ndarray):
             new = res.weights
@@ -351,13 +353,13 @@ class GroupMirror:
         self.mark = 0
 
     def share(self, sync: GroupSync) -> None:
-        """The group is served in this process and ``sync`` is its side (``server.InProcLink``
-        says so before each exchange): this mirror is its ``w_sync`` itself, not a copy of it
-        (one (n,) copy per group fewer). The group sets it as it takes each answer; the
-        mirror never writes it. Its copy is known from the start, so the first answer is a
-        top-k over all n, not the weights whole (nor the dense change every PULL of its
-        workers would then get). A top-k exchange only (the exact one keeps no copy here,
-        ``ExactMirror``)."""
+        """The group is served in this process and ``sync`` is its side (the global server
+        says so as it opens the group, ``GlobalServer.open_group``): this mirror is its
+        ``w_sync`` itself, not a copy of it (one (n,) copy per group fewer). The group sets it
+        as it takes each answer; the mirror never writes it. Its copy is known from the start,
+        so the first answer is a top-k over all n, not the weights whole (nor the dense change
+        every PULL of its workers would then get). A top-k exchange only (the exact one keeps
+        no copy here, ``ExactMirror``)."""
         if self.shared is sync or type(sync) is not GroupSync or self.kept >= 1.0:
             return
         self.shared = sync
