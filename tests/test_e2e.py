@@ -4,6 +4,11 @@ Four workers with slowdowns 1,1,3,3 form two groups of two; each group runs SSP 
 exchanges with the global server asynchronously. On real Fashion-MNIST (the run directory must
 say so: no synthetic stand-in), the final weights must have 80% test accuracy after the 2-epoch
 budget, the run directory must be complete, and `minips plot` must draw its PNGs.
+
+The lr is the default, 0.05, on the demo's cosine schedule: 83.5-84.8% final in 8 runs (80% at
+19-23 s). At a constant 0.1 two runs in eight collapsed to chance (loss ln 10 within the first
+15k samples, before and after the in-process mirror change alike) and the rest ended 79.4-84.6%,
+a final under its best by up to 4 points.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ SUMMARY_KEYS = ("mode", "compressor", "workers", "groups", "final_accuracy", "be
 def test_gssp_gdtopk_four_workers_two_groups_reaches_80_percent(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "minips", "local", "--mode", "gssp", "--compressor", "gdtopk",
            "--workers", "4", "--groups", "2", "--slowdown", "1,1,3,3", "--epochs", "2",
-           "--wall-s", "150", "--lr", "0.1", "--copt", "warmup_epochs=1", "--eval-every", "4",
+           "--wall-s", "150", "--lr", "0.05", "--lr-schedule", "cosine",
+           "--copt", "warmup_epochs=1", "--eval-every", "4",
            "--no-progress", "--out", str(tmp_path), "--name", "gssp"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     run_dir = tmp_path / "gssp"
