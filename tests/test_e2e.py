@@ -6,9 +6,9 @@ say so: no synthetic stand-in), the final weights must have 80% test accuracy af
 budget, the run directory must be complete, and `minips plot` must draw its PNGs.
 
 The lr is the default, 0.05, on the demo's cosine schedule: 83.5-84.8% final in 8 runs (80% at
-19-23 s). At a constant 0.1 two runs in eight collapsed to chance (loss ln 10 within the first
+18.8-23.1 s). At a constant 0.1 two runs in eight collapsed to chance (loss ln 10 within the first
 15k samples, before and after the in-process mirror change alike) and the rest ended 79.4-84.6%,
-a final under its best by up to 4 points.
+a final up to 4.6 points under its best.
 """
 
 from __future__ import annotations
