@@ -182,7 +182,9 @@ class Downlink:
         change log, only the coordinates that changed or lag already are looked at."""
         if self.changes is not None:
             self._sums()
-        wsq = self.wsq if self.changes is not None else sq_norm(weights)
+            wsq = self.wsq
+        else:
+            wsq = sq_norm(weights)
         picked = self._pick(weights, wsq)
         if picked is None:  # w_pub is the weights
             self.behind, self.gap2, self.last_drift = np.empty(0, np.uint32), 0.0, 0.0

@@ -360,7 +360,7 @@ class GroupMirror:
         so the first answer is a top-k over all n, not the weights whole (nor the dense change
         every PULL of its workers would then get). A top-k exchange only (the exact one keeps
         no copy here, ``ExactMirror``)."""
-        if self.shared is sync or type(sync) is not GroupSync or self.kept >= 1.0:
+        if type(sync) is not GroupSync or self.kept >= 1.0:
             return
         self.shared = sync
         self.reset()
